@@ -1,0 +1,16 @@
+#pragma once
+// weave: tensors, autograd, and differentiable communication.
+#include "autograd/engine.h"
+#include "autograd/function.h"
+#include "autograd/grad_mode.h"
+#include "autograd/gradcheck.h"
+#include "data/dataloader.h"
+#include "data/fashion_mnist.h"
+#include "nn/init.h"
+#include "nn/layers.h"
+#include "nn/module.h"
+#include "ops/ops.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+#include "tensor/cuda_runtime.h"
+#include "tensor/tensor.h"
