@@ -58,13 +58,15 @@ void check_gradient(const Node& node, size_t index, const Tensor& grad, const Te
               "{} returned a gradient of shape {} for input {}, expected shape {}", node.name(),
               grad.shape(), index, meta.shape);
   WEAVE_CHECK(grad.device() == meta.device, "autograd",
-              "{} returned a gradient on {} for input {}, expected {}", node.name(),
-              grad.device(), index, meta.device);
+              "{} returned a gradient on {} for input {}, expected {}", node.name(), grad.device(),
+              index, meta.device);
 }
 
 }  // namespace
 
-const std::string& current_node_name() { return running_node_name; }
+const std::string& current_node_name() {
+  return running_node_name;
+}
 
 void queue_callback(std::function<void()> fn) {
   WEAVE_CHECK(backward_depth > 0, "queue_callback",

@@ -107,9 +107,8 @@ struct Function {
       std::string name = "CustomFunctionBackward";
       if constexpr (requires { Derived::name; }) name = Derived::name;
       auto node = std::make_shared<CustomNode>(
-          name, ctx, [](FunctionContext& c, const std::vector<Tensor>& g) {
-            return Derived::backward(c, g);
-          });
+          name, ctx,
+          [](FunctionContext& c, const std::vector<Tensor>& g) { return Derived::backward(c, g); });
       attach(node, inputs, outputs);
     }
     if constexpr (std::is_same_v<Result, Tensor>) {

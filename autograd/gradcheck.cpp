@@ -40,10 +40,15 @@ GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
     if (!x.defined() || !x.requires_grad()) continue;
     Tensor analytic = x.grad().defined() ? x.grad().contiguous() : zeros_like(x);
     std::vector<double> a = analytic.to_vector<double>();
-    Tensor flat = x.detach();  // shares storage: perturb in place
+    Tensor alias = x.detach();  // shares storage: perturb in place, whatever the strides
     for (int64_t e = 0; e < x.numel(); ++e) {
       NoGradGuard no_grad;
-      Tensor element = flat.reshape({-1}).narrow(0, e, 1);
+      int64_t offset = x.offset(), rest = e;
+      for (int d = x.dim() - 1; d >= 0; --d) {
+        offset += (rest % x.shape()[d]) * x.strides()[d];
+        rest /= x.shape()[d];
+      }
+      Tensor element = make_view(alias, {}, {}, offset);
       const double original = element.item<double>();
       element.fill_(original + options.eps);
       double plus = loss(inputs).item<double>();

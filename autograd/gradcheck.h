@@ -12,7 +12,7 @@ struct GradcheckOptions {
   double eps = 1e-6;   // central-difference step
   double atol = 1e-5;  // pass if |analytic - numeric| <= atol + rtol * |numeric|
   double rtol = 1e-3;
-  uint64_t seed = 0;   // seeds the random projection of the output
+  uint64_t seed = 0;  // seeds the random projection of the output
 };
 
 struct GradcheckResult {

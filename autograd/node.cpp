@@ -11,11 +11,19 @@ thread_local uint64_t sequence_counter = 0;
 std::atomic<uint64_t> hook_counter{1};
 }  // namespace
 
-bool GradMode::is_enabled() { return grad_mode_enabled; }
-void GradMode::set_enabled(bool enabled) { grad_mode_enabled = enabled; }
+bool GradMode::is_enabled() {
+  return grad_mode_enabled;
+}
+void GradMode::set_enabled(bool enabled) {
+  grad_mode_enabled = enabled;
+}
 
-uint64_t next_sequence_nr() { return sequence_counter++; }
-uint64_t next_hook_id() { return hook_counter++; }
+uint64_t next_sequence_nr() {
+  return sequence_counter++;
+}
+uint64_t next_hook_id() {
+  return hook_counter++;
+}
 
 Node::Node(uint64_t sequence_nr) : sequence_nr_(sequence_nr) {}
 Node::Node() : sequence_nr_(next_sequence_nr()) {}
@@ -32,7 +40,9 @@ AccumulateGrad::AccumulateGrad(const Tensor& leaf)
   add_output(leaf);
 }
 
-Tensor AccumulateGrad::variable() const { return Tensor(variable_.lock()); }
+Tensor AccumulateGrad::variable() const {
+  return Tensor(variable_.lock());
+}
 
 std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
   Tensor leaf = variable();
@@ -45,8 +55,8 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
   }
   if (!meta.grad.defined()) {
     // Keep the incoming buffer when nobody else can see it; otherwise own a copy.
-    bool exclusive = grad.impl_ptr().use_count() == 1 && grad.is_contiguous() &&
-                     grad.storage().use_count() == 1;
+    bool exclusive =
+        grad.impl_ptr().use_count() == 1 && grad.is_contiguous() && grad.storage().use_count() == 1;
     meta.grad = exclusive ? grad : grad.clone();
   } else {
     kernels::binary(kernels::BinaryOp::Add, meta.grad, grad, meta.grad);

@@ -50,7 +50,9 @@ class Node : public std::enable_shared_from_this<Node> {
   uint64_t sequence_nr() const { return sequence_nr_; }
   const std::vector<Edge>& next_edges() const { return next_edges_; }
   std::vector<Edge>& mutable_next_edges() { return next_edges_; }
-  bool needs_input_grad(size_t i) const { return i < next_edges_.size() && next_edges_[i].is_valid(); }
+  bool needs_input_grad(size_t i) const {
+    return i < next_edges_.size() && next_edges_[i].is_valid();
+  }
 
   const std::vector<TensorMeta>& output_meta() const { return output_meta_; }
   /// Registers a forward output; returns its output number.

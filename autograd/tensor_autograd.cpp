@@ -33,8 +33,8 @@ Tensor Tensor::grad() const {
 
 void Tensor::set_grad(const Tensor& grad) const {
   if (grad.defined())
-    WEAVE_CHECK(grad.shape() == shape(), "set_grad", "gradient shape {} differs from tensor shape {}",
-                grad.shape(), shape());
+    WEAVE_CHECK(grad.shape() == shape(), "set_grad",
+                "gradient shape {} differs from tensor shape {}", grad.shape(), shape());
   impl()->meta().grad = grad;
 }
 
@@ -61,14 +61,16 @@ HookHandle Tensor::register_hook(GradHook hook) const {
     impl()->meta().leaf_hooks.emplace_back(id, std::move(hook));
     std::weak_ptr<TensorImpl> weak = impl_ptr();
     return HookHandle([weak, id] {
-      if (auto impl = weak.lock()) std::erase_if(impl->meta().leaf_hooks, [id](auto& h) { return h.first == id; });
+      if (auto impl = weak.lock())
+        std::erase_if(impl->meta().leaf_hooks, [id](auto& h) { return h.first == id; });
     });
   }
   std::shared_ptr<autograd::Node> node = grad_fn();
   node->pre_hooks().push_back({id, output_nr(), std::move(hook)});
   std::weak_ptr<autograd::Node> weak = node;
   return HookHandle([weak, id] {
-    if (auto node = weak.lock()) std::erase_if(node->pre_hooks(), [id](auto& h) { return h.id == id; });
+    if (auto node = weak.lock())
+      std::erase_if(node->pre_hooks(), [id](auto& h) { return h.id == id; });
   });
 }
 
@@ -86,7 +88,8 @@ HookHandle Tensor::register_post_accumulate_grad_hook(PostAccumulateGradHook hoo
 }
 
 void Tensor::retain_grad() const {
-  WEAVE_CHECK(requires_grad(), "retain_grad", "the tensor (shape {}) does not require grad", shape());
+  WEAVE_CHECK(requires_grad(), "retain_grad", "the tensor (shape {}) does not require grad",
+              shape());
   if (is_leaf()) return;  // leaves keep their gradient anyway
   AutogradMeta& meta = impl()->meta();
   if (meta.retains_grad) return;

@@ -20,7 +20,8 @@ TensorDataset::TensorDataset(Tensor inputs, Tensor targets)
   WEAVE_CHECK(inputs_.defined() && targets_.defined() && inputs_.dim() > 0 && targets_.dim() > 0 &&
                   inputs_.size(0) == targets_.size(0),
               "TensorDataset", "inputs and targets need the same first dimension, found {} and {}",
-              inputs_.defined() ? inputs_.shape() : Shape{}, targets_.defined() ? targets_.shape() : Shape{});
+              inputs_.defined() ? inputs_.shape() : Shape{},
+              targets_.defined() ? targets_.shape() : Shape{});
 }
 
 Example TensorDataset::get(int64_t index) const {
@@ -31,7 +32,6 @@ Example TensorDataset::get(int64_t index) const {
 
 Example TensorDataset::get_batch(const std::vector<int64_t>& indices) const {
   Tensor idx = from_vector(indices, {}, inputs_.device());
-  if (indices.size() == 1) idx = idx.reshape({1});
   return {index_select(inputs_, 0, idx), index_select(targets_, 0, idx.to(targets_.device()))};
 }
 

@@ -50,7 +50,8 @@ Tensor read_idx(const std::string& path) {
   for (int d = 0; d < magic[3]; ++d) {
     unsigned char be[4];
     read_exact(file.get(), be, 4, path, "the dimensions");
-    shape.push_back((int64_t{be[0]} << 24) | (int64_t{be[1]} << 16) | (int64_t{be[2]} << 8) | be[3]);
+    shape.push_back((int64_t{be[0]} << 24) | (int64_t{be[1]} << 16) | (int64_t{be[2]} << 8) |
+                    be[3]);
   }
   WEAVE_CHECK(shape.numel() <= (int64_t{1} << 32), "fashion_mnist",
               "{} declares an implausible shape {}", path, shape);

@@ -29,13 +29,23 @@ Flags parse(int argc, char** argv) {
       WEAVE_CHECK(i + 1 < argc, "fashion_mnist_mlp", "{} needs a value", arg);
       return argv[++i];
     };
-    if (arg == "--epochs") f.epochs = std::stoi(value());
-    else if (arg == "--batch-size") f.batch_size = std::stoll(value());
-    else if (arg == "--lr") f.lr = std::stod(value());
-    else if (arg == "--seed") f.seed = std::stoull(value());
-    else if (arg == "--data") f.data = value();
-    else if (arg == "--threads") f.threads = std::stoi(value());
-    else WEAVE_FAIL("fashion_mnist_mlp", "unknown flag '{}'; expected --epochs, --batch-size, --lr, --seed, --data, --threads", arg);
+    if (arg == "--epochs")
+      f.epochs = std::stoi(value());
+    else if (arg == "--batch-size")
+      f.batch_size = std::stoll(value());
+    else if (arg == "--lr")
+      f.lr = std::stod(value());
+    else if (arg == "--seed")
+      f.seed = std::stoull(value());
+    else if (arg == "--data")
+      f.data = value();
+    else if (arg == "--threads")
+      f.threads = std::stoi(value());
+    else
+      WEAVE_FAIL(
+          "fashion_mnist_mlp",
+          "unknown flag '{}'; expected --epochs, --batch-size, --lr, --seed, --data, --threads",
+          arg);
   }
   return f;
 }
@@ -69,15 +79,17 @@ int main(int argc, char** argv) try {
   data::MnistSplit test = data::load_fashion_mnist(flags.data, false);
   Tensor train_x = normalize(train.images).flatten(1), test_x = normalize(test.images).flatten(1);
   auto dataset = std::make_shared<data::TensorDataset>(train_x, train.labels);
-  data::DataLoader loader(dataset, {.batch_size = flags.batch_size, .shuffle = true, .seed = flags.seed});
+  data::DataLoader loader(dataset,
+                          {.batch_size = flags.batch_size, .shuffle = true, .seed = flags.seed});
 
-  nn::Sequential model{std::make_shared<nn::Linear>(784, 512), nn::ReLU(),
-                       std::make_shared<nn::Dropout>(0.2),     std::make_shared<nn::Linear>(512, 256),
-                       nn::ReLU(),                             std::make_shared<nn::Dropout>(0.2),
-                       std::make_shared<nn::Linear>(256, 10)};
+  nn::Sequential model{
+      std::make_shared<nn::Linear>(784, 512), nn::ReLU(), std::make_shared<nn::Dropout>(0.2),
+      std::make_shared<nn::Linear>(512, 256), nn::ReLU(), std::make_shared<nn::Dropout>(0.2),
+      std::make_shared<nn::Linear>(256, 10)};
   optim::AdamW optimizer(model.parameters(), {.lr = flags.lr, .weight_decay = 1e-4});
   const int64_t total_steps = flags.epochs * loader.size();
-  optim::LRScheduler scheduler(optimizer, optim::linear_warmup(optim::cosine_schedule(flags.lr, total_steps), 200));
+  optim::LRScheduler scheduler(
+      optimizer, optim::linear_warmup(optim::cosine_schedule(flags.lr, total_steps), 200));
 
   double test_accuracy = 0;
   for (int epoch = 1; epoch <= flags.epochs; ++epoch) {
@@ -96,11 +108,12 @@ int main(int argc, char** argv) try {
       correct += sum(eq(argmax(logits.detach(), 1), batch.target)).item<int64_t>();
       seen += n;
     }
-    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     test_accuracy = accuracy(model, test_x, test.labels);
-    std::printf("epoch %d/%d loss=%.4f train_acc=%.4f test_acc=%.4f time=%.1fs\n", epoch, flags.epochs,
-                loss_sum / static_cast<double>(seen), static_cast<double>(correct) / static_cast<double>(seen),
-                test_accuracy, seconds);
+    std::printf("epoch %d/%d loss=%.4f train_acc=%.4f test_acc=%.4f time=%.1fs\n", epoch,
+                flags.epochs, loss_sum / static_cast<double>(seen),
+                static_cast<double>(correct) / static_cast<double>(seen), test_accuracy, seconds);
     std::fflush(stdout);
   }
   std::printf("test_accuracy=%.4f\n", test_accuracy);

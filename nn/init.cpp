@@ -19,7 +19,8 @@ double gain(const std::string& nonlinearity, double slope) {
   if (nonlinearity == "tanh") return 5.0 / 3.0;
   if (nonlinearity == "relu") return std::sqrt(2.0);
   if (nonlinearity == "leaky_relu") return std::sqrt(2.0 / (1 + slope * slope));
-  WEAVE_FAIL("init", "unknown nonlinearity '{}'; expected linear, sigmoid, tanh, relu or leaky_relu",
+  WEAVE_FAIL("init",
+             "unknown nonlinearity '{}'; expected linear, sigmoid, tanh, relu or leaky_relu",
              nonlinearity);
 }
 

@@ -18,10 +18,12 @@ void zeros_(Tensor& t);
 void ones_(Tensor& t);
 /// He et al.: U(-b, b), b = gain * sqrt(3 / fan).
 void kaiming_uniform_(Tensor& t, double slope = 0, FanMode mode = FanMode::FanIn,
-                      const std::string& nonlinearity = "leaky_relu", Generator* generator = nullptr);
+                      const std::string& nonlinearity = "leaky_relu",
+                      Generator* generator = nullptr);
 /// He et al.: N(0, gain / sqrt(fan)).
 void kaiming_normal_(Tensor& t, double slope = 0, FanMode mode = FanMode::FanIn,
-                     const std::string& nonlinearity = "leaky_relu", Generator* generator = nullptr);
+                     const std::string& nonlinearity = "leaky_relu",
+                     Generator* generator = nullptr);
 /// Glorot & Bengio: U(-b, b), b = gain * sqrt(6 / (fan_in + fan_out)).
 void xavier_uniform_(Tensor& t, double gain = 1.0, Generator* generator = nullptr);
 /// Glorot & Bengio: N(0, gain * sqrt(2 / (fan_in + fan_out))).

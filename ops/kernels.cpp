@@ -7,14 +7,18 @@
 namespace weave::kernels {
 
 namespace {
-bool on_cuda(const Tensor& t) { return t.device().is_cuda(); }
+bool on_cuda(const Tensor& t) {
+  return t.device().is_cuda();
+}
 }  // namespace
 
-#define WEAVE_DISPATCH(call) \
+#define WEAVE_DISPATCH(call)           \
   if (on_cuda(out)) return cuda::call; \
   return cpu::call
 
-void unary(UnaryOp op, const Tensor& x, const Tensor& out) { WEAVE_DISPATCH(unary(op, x, out)); }
+void unary(UnaryOp op, const Tensor& x, const Tensor& out) {
+  WEAVE_DISPATCH(unary(op, x, out));
+}
 
 void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
                     const Tensor& out) {
@@ -29,7 +33,9 @@ void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& o
   WEAVE_DISPATCH(where(cond, a, b, out));
 }
 
-void fill(const Tensor& out, double value) { WEAVE_DISPATCH(fill(out, value)); }
+void fill(const Tensor& out, double value) {
+  WEAVE_DISPATCH(fill(out, value));
+}
 
 void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,
             const Tensor& out) {
@@ -40,8 +46,8 @@ void matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
   WEAVE_DISPATCH(matmul(a, b, out));
 }
 
-void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner,
-                  const Tensor& index, const Tensor& out) {
+void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
+                  const Tensor& out) {
   WEAVE_DISPATCH(index_select(src, outer, n, inner, index, out));
 }
 
@@ -64,7 +70,9 @@ void copy(const Tensor& src, const Tensor& dst) {
     packed = empty(dst.shape(), {.dtype = dst.dtype(), .device = src.device()});
     copy(src, packed);
   }
-  Tensor landing = dst.is_contiguous() ? dst : empty(dst.shape(), {.dtype = dst.dtype(), .device = dst.device()});
+  Tensor landing = dst.is_contiguous()
+                       ? dst
+                       : empty(dst.shape(), {.dtype = dst.dtype(), .device = dst.device()});
   weave::cuda::copy_bytes(landing.data_ptr(), dst.device(), packed.data_ptr(), src.device(),
                           packed.numel() * packed.itemsize());
   if (!landing.is_same(dst)) copy(landing, dst);

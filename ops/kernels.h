@@ -21,7 +21,9 @@ enum class BinaryOp : uint8_t {
 #undef WEAVE_ENUM
 };
 
-inline bool is_comparison(BinaryOp op) { return op >= BinaryOp::Eq; }
+inline bool is_comparison(BinaryOp op) {
+  return op >= BinaryOp::Eq;
+}
 
 enum class ReduceOp : uint8_t { Sum, Max, Min, ArgMax, ArgMin };
 
@@ -45,8 +47,8 @@ void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_
 /// layout, batch stride may be 0) into contiguous out [B, M, N].
 void matmul(const Tensor& a, const Tensor& b, const Tensor& out);
 /// src contiguous viewed as [outer, n, inner]; out[o, i, :] = src[o, index[i], :].
-void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner,
-                  const Tensor& index, const Tensor& out);
+void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
+                  const Tensor& out);
 /// dst contiguous viewed as [outer, n, inner]; dst[o, index[i], :] += src[o, i, :].
 void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
                const Tensor& src);

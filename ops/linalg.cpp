@@ -82,8 +82,13 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   check_same_device(a, b, "matmul");
   WEAVE_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul",
               "both operands need at least 1 dimension, found {} and {}", a.shape(), b.shape());
-  if (a.dim() == 1) return matmul(a.unsqueeze(0), b).squeeze(-2);
-  if (b.dim() == 1) return matmul(a, b.unsqueeze(-1)).squeeze(-1);
+  const bool a_vector = a.dim() == 1, b_vector = b.dim() == 1;
+  if (a_vector || b_vector) {
+    Tensor out = matmul(a_vector ? a.unsqueeze(0) : a, b_vector ? b.unsqueeze(-1) : b);
+    if (b_vector) out = out.squeeze(-1);
+    if (a_vector) out = out.squeeze(b_vector ? -1 : -2);
+    return out;
+  }
   const DType dtype = matmul_dtype(a, b);
   Tensor ac = convert(a, dtype), bc = convert(b, dtype);
   Tensor out = matmul_compute(ac, bc);
@@ -94,8 +99,9 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
        bi = InputInfo(b)](const BackwardArgs& args) -> Grads {
         const Tensor& g = args.grad();
         Tensor av = as.unpack(), bv = bs.unpack();
-        return {args.needs(0) ? reduce_grad(matmul_compute(g, bv.transpose(-1, -2)), ai) : Tensor(),
-                args.needs(1) ? reduce_grad(matmul_compute(av.transpose(-1, -2), g), bi) : Tensor()};
+        return {
+            args.needs(0) ? reduce_grad(matmul_compute(g, bv.transpose(-1, -2)), ai) : Tensor(),
+            args.needs(1) ? reduce_grad(matmul_compute(av.transpose(-1, -2), g), bi) : Tensor()};
       });
 }
 

@@ -8,13 +8,18 @@ using namespace detail;
 
 namespace {
 
-Tensor floating(const Tensor& x) { return convert(x, to_floating(x.dtype())); }
+Tensor floating(const Tensor& x) {
+  return convert(x, to_floating(x.dtype()));
+}
 
 Tensor apply_reduction(const Tensor& loss, Reduction reduction) {
   switch (reduction) {
-    case Reduction::Mean: return mean(loss);
-    case Reduction::Sum: return sum(loss);
-    case Reduction::None: return loss;
+    case Reduction::Mean:
+      return mean(loss);
+    case Reduction::Sum:
+      return sum(loss);
+    case Reduction::None:
+      return loss;
   }
   return loss;
 }
@@ -31,12 +36,13 @@ Tensor softmax(const Tensor& x, int64_t dim) {
     y = e / sum(e, {d}, true);
   }
   // dx = y (g - sum(g y))
-  return autograd::record("SoftmaxBackward", {x}, y,
-                          [ys = SavedTensor(y), d, in = InputInfo(x)](const BackwardArgs& args) -> Grads {
-                            Tensor yv = ys.unpack();
-                            const Tensor& g = args.grad();
-                            return {convert(yv * (g - sum(g * yv, {d}, true)), in.dtype)};
-                          });
+  return autograd::record(
+      "SoftmaxBackward", {x}, y,
+      [ys = SavedTensor(y), d, in = InputInfo(x)](const BackwardArgs& args) -> Grads {
+        Tensor yv = ys.unpack();
+        const Tensor& g = args.grad();
+        return {convert(yv * (g - sum(g * yv, {d}, true)), in.dtype)};
+      });
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
@@ -49,11 +55,12 @@ Tensor log_softmax(const Tensor& x, int64_t dim) {
     y = shifted - log(sum(exp(shifted), {d}, true));
   }
   // dx = g - exp(y) sum(g)
-  return autograd::record("LogSoftmaxBackward", {x}, y,
-                          [ys = SavedTensor(y), d, in = InputInfo(x)](const BackwardArgs& args) -> Grads {
-                            const Tensor& g = args.grad();
-                            return {convert(g - exp(ys.unpack()) * sum(g, {d}, true), in.dtype)};
-                          });
+  return autograd::record(
+      "LogSoftmaxBackward", {x}, y,
+      [ys = SavedTensor(y), d, in = InputInfo(x)](const BackwardArgs& args) -> Grads {
+        const Tensor& g = args.grad();
+        return {convert(g - exp(ys.unpack()) * sum(g, {d}, true), in.dtype)};
+      });
 }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction) {
@@ -65,7 +72,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
   const bool batched = logits.dim() == 2;
   WEAVE_CHECK((batched && target.dim() == 1 && target.size(0) == logits.size(0)) ||
                   (logits.dim() == 1 && target.dim() == 0),
-              "cross_entropy", "expected logits [N, C] with target [N] (or [C] with []), found {} and {}",
+              "cross_entropy",
+              "expected logits [N, C] with target [N] (or [C] with []), found {} and {}",
               logits.shape(), target.shape());
   const int64_t classes = logits.size(-1), n = batched ? logits.size(0) : 1;
   Tensor t = convert(target, kInt64).reshape({n});

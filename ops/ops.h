@@ -33,8 +33,8 @@ Tensor randn(const Shape& shape, TensorOptions options = {}, Generator* generato
 /// Uniform integers in [low, high); dtype defaults to int64.
 Tensor randint(int64_t low, int64_t high, const Shape& shape,
                TensorOptions options = {.dtype = kInt64}, Generator* generator = nullptr);
-/// Copies values (row-major) into a new tensor of the given shape (1-D when shape is empty
-/// and values has more than one element).
+/// Copies values (row-major) into a new tensor of the given shape (1-D when shape is empty;
+/// use scalar_tensor for a 0-d tensor).
 template <class T>
 Tensor from_vector(const std::vector<T>& values, const Shape& shape = {}, Device device = kCPU);
 /// Wraps host or device memory without copying; deleter (may be empty) runs when the

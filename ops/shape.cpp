@@ -30,8 +30,8 @@ Shape infer_shape(const Shape& requested, int64_t numel, const char* op) {
     }
   }
   if (infer >= 0) {
-    WEAVE_CHECK(known != 0 && numel % known == 0, op,
-                "shape {} is invalid for input of size {}", requested, numel);
+    WEAVE_CHECK(known != 0 && numel % known == 0, op, "shape {} is invalid for input of size {}",
+                requested, numel);
     shape[infer] = numel / known;
   }
   WEAVE_CHECK(shape.numel() == numel, op, "shape {} is invalid for input of size {}", requested,
@@ -81,16 +81,19 @@ Tensor reshape_impl(const Tensor& x, const Shape& requested, bool allow_copy, co
     return reshape_impl(x.contiguous(), shape, false, op);
   }
   // d reshape = g reshaped back
-  return view_of(x, shape, *strides, x.offset(), "ReshapeBackward",
-                 [in = x.shape()](const BackwardArgs& args) -> Grads {
-                   return {args.grad().reshape(in)};
-                 });
+  return view_of(
+      x, shape, *strides, x.offset(), "ReshapeBackward",
+      [in = x.shape()](const BackwardArgs& args) -> Grads { return {args.grad().reshape(in)}; });
 }
 
 }  // namespace
 
-Tensor reshape(const Tensor& x, const Shape& shape) { return reshape_impl(x, shape, true, "reshape"); }
-Tensor view(const Tensor& x, const Shape& shape) { return reshape_impl(x, shape, false, "view"); }
+Tensor reshape(const Tensor& x, const Shape& shape) {
+  return reshape_impl(x, shape, true, "reshape");
+}
+Tensor view(const Tensor& x, const Shape& shape) {
+  return reshape_impl(x, shape, false, "view");
+}
 
 Tensor flatten(const Tensor& x, int64_t start_dim, int64_t end_dim) {
   check_defined(x, "flatten");
@@ -122,10 +125,9 @@ Tensor permute(const Tensor& x, const Dims& order) {
     strides.push_back(x.strides()[d]);
   }
   // d permute = g permuted by the inverse order
-  return view_of(x, shape, strides, x.offset(), "PermuteBackward",
-                 [inverse](const BackwardArgs& args) -> Grads {
-                   return {args.grad().permute(inverse)};
-                 });
+  return view_of(
+      x, shape, strides, x.offset(), "PermuteBackward",
+      [inverse](const BackwardArgs& args) -> Grads { return {args.grad().permute(inverse)}; });
 }
 
 Tensor transpose(const Tensor& x, int64_t dim0, int64_t dim1) {
@@ -155,8 +157,8 @@ Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t s
   // d slice = g placed into zeros at the sliced positions
   return view_of(x, shape, strides, x.offset() + start * x.strides()[d], "SliceBackward",
                  [in = InputInfo(x), d, start, end, step](const BackwardArgs& args) -> Grads {
-                   Tensor gx = zeros(in.shape, {.dtype = args.grad().dtype(),
-                                                .device = args.grad().device()});
+                   Tensor gx = zeros(
+                       in.shape, {.dtype = args.grad().dtype(), .device = args.grad().device()});
                    gx.slice(d, start, end, step).copy_(args.grad());
                    return {gx};
                  });
@@ -204,10 +206,9 @@ Tensor expand(const Tensor& x, const Shape& requested) {
     strides[i] = have == shape[i] ? x.strides()[i - lead] : 0;
   }
   // d expand = g summed over the broadcast dims
-  return view_of(x, shape, strides, x.offset(), "ExpandBackward",
-                 [in = x.shape()](const BackwardArgs& args) -> Grads {
-                   return {sum_to(args.grad(), in)};
-                 });
+  return view_of(
+      x, shape, strides, x.offset(), "ExpandBackward",
+      [in = x.shape()](const BackwardArgs& args) -> Grads { return {sum_to(args.grad(), in)}; });
 }
 
 Tensor squeeze(const Tensor& x, std::optional<int64_t> dim) {
@@ -257,26 +258,27 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   Tensor out = empty_on(shape, dtype, first.device());
   int64_t offset = 0;
   for (const Tensor& t : tensors) {
-    Tensor part = make_view(out, t.shape(), out.strides(), out.offset() + offset * out.strides()[d]);
+    Tensor part =
+        make_view(out, t.shape(), out.strides(), out.offset() + offset * out.strides()[d]);
     kernels::copy(t, part);
     offset += t.shape()[d];
   }
   std::vector<InputInfo> infos;
   for (const Tensor& t : tensors) infos.emplace_back(t);
   // d cat = g split back into the pieces
-  return autograd::record("CatBackward", tensors, out,
-                          [sizes, d, infos](const BackwardArgs& args) -> Grads {
-                            Grads grads;
-                            int64_t start = 0;
-                            for (size_t i = 0; i < sizes.size(); ++i) {
-                              if (args.needs(i))
-                                grads.push_back(convert(args.grad().narrow(d, start, sizes[i]), infos[i].dtype));
-                              else
-                                grads.emplace_back();
-                              start += sizes[i];
-                            }
-                            return grads;
-                          });
+  return autograd::record(
+      "CatBackward", tensors, out, [sizes, d, infos](const BackwardArgs& args) -> Grads {
+        Grads grads;
+        int64_t start = 0;
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          if (args.needs(i))
+            grads.push_back(convert(args.grad().narrow(d, start, sizes[i]), infos[i].dtype));
+          else
+            grads.emplace_back();
+          start += sizes[i];
+        }
+        return grads;
+      });
 }
 
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
@@ -298,8 +300,8 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
   WEAVE_CHECK(x.dim() > 0, "split", "cannot split a 0-d tensor");
   int d = normalize_dim(dim, x.dim(), "split");
   int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
-  WEAVE_CHECK(total == x.shape()[d], "split",
-              "sizes add up to {}, but dimension {} has size {}", total, d, x.shape()[d]);
+  WEAVE_CHECK(total == x.shape()[d], "split", "sizes add up to {}, but dimension {} has size {}",
+              total, d, x.shape()[d]);
   std::vector<Tensor> pieces;
   int64_t start = 0;
   for (int64_t size : sizes) {
@@ -311,9 +313,8 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
     start += size;
   }
   // d split = the pieces' gradients concatenated (absent ones are zeros)
-  return autograd::record("SplitBackward", {x}, pieces, [d](const BackwardArgs& args) -> Grads {
-    return {cat(args.grads, d)};
-  });
+  return autograd::record("SplitBackward", {x}, pieces,
+                          [d](const BackwardArgs& args) -> Grads { return {cat(args.grads, d)}; });
 }
 
 std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim) {
@@ -321,7 +322,8 @@ std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim) {
   WEAVE_CHECK(size > 0, "split", "split size must be positive, found {}", size);
   const int64_t total = x.size(dim);
   std::vector<int64_t> sizes;
-  for (int64_t start = 0; start < total; start += size) sizes.push_back(std::min(size, total - start));
+  for (int64_t start = 0; start < total; start += size)
+    sizes.push_back(std::min(size, total - start));
   if (sizes.empty()) sizes.push_back(0);
   return split(x, sizes, dim);
 }
@@ -359,12 +361,13 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   Tensor out = empty_on(shape, x.dtype(), x.device());
   kernels::index_select(src, outer, n, inner, idx, out);
   // d index_select = g added into zeros at the selected rows
-  return autograd::record("IndexSelectBackward", {x}, out,
-                          [in = InputInfo(x), idx, outer, n, inner](const BackwardArgs& args) -> Grads {
-                            Tensor gx = zeros(in.shape, {.dtype = in.dtype, .device = args.grad().device()});
-                            kernels::index_add(gx, outer, n, inner, idx, convert(args.grad(), in.dtype).contiguous());
-                            return {gx};
-                          });
+  return autograd::record(
+      "IndexSelectBackward", {x}, out,
+      [in = InputInfo(x), idx, outer, n, inner](const BackwardArgs& args) -> Grads {
+        Tensor gx = zeros(in.shape, {.dtype = in.dtype, .device = args.grad().device()});
+        kernels::index_add(gx, outer, n, inner, idx, convert(args.grad(), in.dtype).contiguous());
+        return {gx};
+      });
 }
 
 }  // namespace weave

@@ -1,8 +1,8 @@
 // Creation, conversion, printing, in-place ops and the Tensor method shortcuts.
+#include <omp.h>
 #include <Eigen/Core>
 #include <cmath>
 #include <ostream>
-#include <omp.h>
 
 #include "autograd/grad_mode.h"
 #include "ops/internal.h"
@@ -19,14 +19,24 @@ Tensor full(const Shape& shape, double value, TensorOptions options) {
   if (options.requires_grad) t.requires_grad_(true);
   return t;
 }
-Tensor zeros(const Shape& shape, TensorOptions options) { return full(shape, 0.0, options); }
-Tensor ones(const Shape& shape, TensorOptions options) { return full(shape, 1.0, options); }
+Tensor zeros(const Shape& shape, TensorOptions options) {
+  return full(shape, 0.0, options);
+}
+Tensor ones(const Shape& shape, TensorOptions options) {
+  return full(shape, 1.0, options);
+}
 Tensor full_like(const Tensor& t, double value) {
   return full(t.shape(), value, {.dtype = t.dtype(), .device = t.device()});
 }
-Tensor zeros_like(const Tensor& t) { return full_like(t, 0.0); }
-Tensor ones_like(const Tensor& t) { return full_like(t, 1.0); }
-Tensor scalar_tensor(double value, TensorOptions options) { return full({}, value, options); }
+Tensor zeros_like(const Tensor& t) {
+  return full_like(t, 0.0);
+}
+Tensor ones_like(const Tensor& t) {
+  return full_like(t, 1.0);
+}
+Tensor scalar_tensor(double value, TensorOptions options) {
+  return full({}, value, options);
+}
 
 namespace {
 // Fills a host tensor element by element from `next`, then moves it to the target device.
@@ -50,7 +60,9 @@ Tensor arange(double start, double end, double step, TensorOptions options) {
   const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((end - start) / step)));
   return generate({n}, options, [&](int64_t i) { return start + static_cast<double>(i) * step; });
 }
-Tensor arange(double end, TensorOptions options) { return arange(0, end, 1, options); }
+Tensor arange(double end, TensorOptions options) {
+  return arange(0, end, 1, options);
+}
 
 Tensor eye(int64_t n, int64_t m, TensorOptions options) {
   if (m < 0) m = n;
@@ -59,13 +71,15 @@ Tensor eye(int64_t n, int64_t m, TensorOptions options) {
 }
 
 Tensor rand(const Shape& shape, TensorOptions options, Generator* generator) {
-  WEAVE_CHECK(is_floating(options.dtype), "rand", "expected a floating dtype, found {}", options.dtype);
+  WEAVE_CHECK(is_floating(options.dtype), "rand", "expected a floating dtype, found {}",
+              options.dtype);
   Generator& g = generator ? *generator : default_generator();
   return generate(shape, options, [&](int64_t) { return g.uniform(); });
 }
 
 Tensor randn(const Shape& shape, TensorOptions options, Generator* generator) {
-  WEAVE_CHECK(is_floating(options.dtype), "randn", "expected a floating dtype, found {}", options.dtype);
+  WEAVE_CHECK(is_floating(options.dtype), "randn", "expected a floating dtype, found {}",
+              options.dtype);
   Generator& g = generator ? *generator : default_generator();
   return generate(shape, options, [&](int64_t) { return g.normal(); });
 }
@@ -74,13 +88,14 @@ Tensor randint(int64_t low, int64_t high, const Shape& shape, TensorOptions opti
                Generator* generator) {
   WEAVE_CHECK(low < high, "randint", "expected low < high, found [{}, {})", low, high);
   Generator& g = generator ? *generator : default_generator();
-  return generate(shape, options, [&](int64_t) { return static_cast<double>(g.integer(low, high)); });
+  return generate(shape, options,
+                  [&](int64_t) { return static_cast<double>(g.integer(low, high)); });
 }
 
 template <class T>
 Tensor from_vector(const std::vector<T>& values, const Shape& shape, Device device) {
   const int64_t count = static_cast<int64_t>(values.size());
-  Shape s = shape.empty() && count != 1 ? Shape{count} : shape;
+  Shape s = shape.empty() ? Shape{count} : shape;
   WEAVE_CHECK(s.numel() == count, "from_vector", "{} values do not fill shape {}", count, s);
   Tensor host = empty(s, {.dtype = dtype_of<T>::value});
   std::copy(values.begin(), values.end(), static_cast<T*>(host.data_ptr()));
@@ -95,7 +110,7 @@ template Tensor from_vector(const std::vector<uint8_t>&, const Shape&, Device);
 template <>
 Tensor from_vector(const std::vector<bool>& values, const Shape& shape, Device device) {
   std::vector<uint8_t> bytes(values.begin(), values.end());
-  Tensor t = from_vector(bytes, shape.empty() && values.size() != 1 ? Shape{int64_t(values.size())} : shape, kCPU);
+  Tensor t = from_vector(bytes, shape, kCPU);
   Tensor b = empty(t.shape(), {.dtype = kBool});
   kernels::copy(t, b);
   return device.is_cpu() ? b : b.to(device);
@@ -104,8 +119,8 @@ Tensor from_vector(const std::vector<bool>& values, const Shape& shape, Device d
 Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device,
                  std::function<void(void*)> deleter) {
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = std::make_shared<Storage>(data, shape.numel() * itemsize(dtype), device,
-                                            std::move(deleter));
+  impl->storage =
+      std::make_shared<Storage>(data, shape.numel() * itemsize(dtype), device, std::move(deleter));
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = dtype;
@@ -144,7 +159,9 @@ Tensor Tensor::clone() const {
                           [](const BackwardArgs& args) -> Grads { return {args.grad()}; });
 }
 
-Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
+Tensor Tensor::contiguous() const {
+  return is_contiguous() ? *this : clone();
+}
 
 Tensor Tensor::detach() const {
   auto impl = std::make_shared<TensorImpl>();
@@ -164,7 +181,8 @@ std::vector<T> Tensor::to_vector() const {
   visit_dtype(dtype(), [&](auto tag) {
     using S = typename decltype(tag)::type;
     const S* p = static_cast<const S*>(host.data_ptr());
-    for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<T>(static_cast<compute_t<S>>(p[i]));
+    for (size_t i = 0; i < values.size(); ++i)
+      values[i] = static_cast<T>(static_cast<compute_t<S>>(p[i]));
   });
   return values;
 }
@@ -175,7 +193,7 @@ T Tensor::item() const {
   return to_vector<T>()[0];
 }
 
-#define WEAVE_INSTANTIATE(T)                              \
+#define WEAVE_INSTANTIATE(T)                            \
   template std::vector<T> Tensor::to_vector<T>() const; \
   template T Tensor::item<T>() const;
 WEAVE_INSTANTIATE(float)
@@ -193,9 +211,9 @@ namespace {
 constexpr int64_t kSummarizeAbove = 1000;
 constexpr int64_t kEdgeItems = 3;
 
-void print_values(std::string& out, const std::vector<double>& values, const Shape& shape,
-                  int dim, int64_t offset, bool summarize, const std::string& (*format)(double, std::string&),
-                  std::string& scratch) {
+void print_values(std::string& out, const std::vector<double>& values, const Shape& shape, int dim,
+                  int64_t offset, bool summarize,
+                  const std::string& (*format)(double, std::string&), std::string& scratch) {
   if (shape.size() == 0) {
     out += format(values[0], scratch);
     return;
@@ -247,13 +265,18 @@ std::string Tensor::str() const {
     std::string scratch;
     print_values(body, values, shape(), 0, 0, numel() > kSummarizeAbove, format, scratch);
   }
-  std::string text = fmt::format("tensor({}, shape={}, dtype={}, device={}", body, shape(), dtype(), device());
-  if (grad_fn()) text += fmt::format(", grad_fn={}", grad_fn()->name());
-  else if (requires_grad()) text += ", requires_grad=true";
+  std::string text =
+      fmt::format("tensor({}, shape={}, dtype={}, device={}", body, shape(), dtype(), device());
+  if (grad_fn())
+    text += fmt::format(", grad_fn={}", grad_fn()->name());
+  else if (requires_grad())
+    text += ", requires_grad=true";
   return text + ")";
 }
 
-std::ostream& operator<<(std::ostream& os, const Tensor& t) { return os << t.str(); }
+std::ostream& operator<<(std::ostream& os, const Tensor& t) {
+  return os << t.str();
+}
 
 // ---- whole-tensor comparison ------------------------------------------------------------
 
@@ -334,14 +357,18 @@ Tensor& binary_inplace(Tensor& self, const Tensor& other, kernels::BinaryOp op, 
 }  // namespace
 
 Tensor& Tensor::add_(const Tensor& other, double alpha) {
-  return binary_inplace(*this, alpha == 1.0 ? other : other * alpha, kernels::BinaryOp::Add,
-                        "add_", weave::add);
+  return binary_inplace(*this, alpha == 1.0 ? other : other * alpha, kernels::BinaryOp::Add, "add_",
+                        weave::add);
 }
-Tensor& Tensor::add_(double value) { return add_(wrap_scalar(value, *this)); }
+Tensor& Tensor::add_(double value) {
+  return add_(wrap_scalar(value, *this));
+}
 Tensor& Tensor::mul_(const Tensor& other) {
   return binary_inplace(*this, other, kernels::BinaryOp::Mul, "mul_", weave::mul);
 }
-Tensor& Tensor::mul_(double value) { return mul_(wrap_scalar(value, *this)); }
+Tensor& Tensor::mul_(double value) {
+  return mul_(wrap_scalar(value, *this));
+}
 
 Tensor& Tensor::copy_(const Tensor& src) {
   check_defined(src, "copy_", "src");
@@ -361,8 +388,9 @@ Tensor& Tensor::fill_(double value) {
   if (inplace_needs_autograd(*this, {}, "fill_")) {
     // The old values no longer matter: the node passes no gradient back.
     Tensor filled = full_like(*this, value);
-    commit_inplace(*this, autograd::record("FillBackward", {*this}, filled,
-                                           [](const BackwardArgs&) -> Grads { return {Tensor()}; }));
+    commit_inplace(*this,
+                   autograd::record("FillBackward", {*this}, filled,
+                                    [](const BackwardArgs&) -> Grads { return {Tensor()}; }));
     return *this;
   }
   kernels::fill(*this, value);
@@ -372,11 +400,21 @@ Tensor& Tensor::fill_(double value) {
 
 // ---- method shortcuts -------------------------------------------------------------------
 
-Tensor Tensor::reshape(const Shape& s) const { return weave::reshape(*this, s); }
-Tensor Tensor::view(const Shape& s) const { return weave::view(*this, s); }
-Tensor Tensor::flatten(int64_t a, int64_t b) const { return weave::flatten(*this, a, b); }
-Tensor Tensor::permute(const Dims& order) const { return weave::permute(*this, order); }
-Tensor Tensor::transpose(int64_t a, int64_t b) const { return weave::transpose(*this, a, b); }
+Tensor Tensor::reshape(const Shape& s) const {
+  return weave::reshape(*this, s);
+}
+Tensor Tensor::view(const Shape& s) const {
+  return weave::view(*this, s);
+}
+Tensor Tensor::flatten(int64_t a, int64_t b) const {
+  return weave::flatten(*this, a, b);
+}
+Tensor Tensor::permute(const Dims& order) const {
+  return weave::permute(*this, order);
+}
+Tensor Tensor::transpose(int64_t a, int64_t b) const {
+  return weave::transpose(*this, a, b);
+}
 Tensor Tensor::t() const {
   WEAVE_CHECK(dim() <= 2, "t", "expected a tensor with at most 2 dims, found {}", shape());
   return dim() < 2 ? *this : weave::transpose(*this, 0, 1);
@@ -387,22 +425,48 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
   return weave::slice(*this, d, start, end, step);
 }
-Tensor Tensor::select(int64_t d, int64_t index) const { return weave::select(*this, d, index); }
-Tensor Tensor::expand(const Shape& s) const { return weave::expand(*this, s); }
-Tensor Tensor::squeeze(std::optional<int64_t> d) const { return weave::squeeze(*this, d); }
-Tensor Tensor::unsqueeze(int64_t d) const { return weave::unsqueeze(*this, d); }
-Tensor Tensor::sum(const Dims& dims, bool keepdim) const { return weave::sum(*this, dims, keepdim); }
-Tensor Tensor::mean(const Dims& dims, bool keepdim) const { return weave::mean(*this, dims, keepdim); }
-Tensor Tensor::max(const Dims& dims, bool keepdim) const { return weave::max(*this, dims, keepdim); }
-Tensor Tensor::min(const Dims& dims, bool keepdim) const { return weave::min(*this, dims, keepdim); }
+Tensor Tensor::select(int64_t d, int64_t index) const {
+  return weave::select(*this, d, index);
+}
+Tensor Tensor::expand(const Shape& s) const {
+  return weave::expand(*this, s);
+}
+Tensor Tensor::squeeze(std::optional<int64_t> d) const {
+  return weave::squeeze(*this, d);
+}
+Tensor Tensor::unsqueeze(int64_t d) const {
+  return weave::unsqueeze(*this, d);
+}
+Tensor Tensor::sum(const Dims& dims, bool keepdim) const {
+  return weave::sum(*this, dims, keepdim);
+}
+Tensor Tensor::mean(const Dims& dims, bool keepdim) const {
+  return weave::mean(*this, dims, keepdim);
+}
+Tensor Tensor::max(const Dims& dims, bool keepdim) const {
+  return weave::max(*this, dims, keepdim);
+}
+Tensor Tensor::min(const Dims& dims, bool keepdim) const {
+  return weave::min(*this, dims, keepdim);
+}
 Tensor Tensor::argmax(std::optional<int64_t> d, bool keepdim) const {
   return weave::argmax(*this, d, keepdim);
 }
-Tensor Tensor::matmul(const Tensor& other) const { return weave::matmul(*this, other); }
-Tensor Tensor::pow(double exponent) const { return weave::pow(*this, exponent); }
-Tensor Tensor::exp() const { return weave::exp(*this); }
-Tensor Tensor::log() const { return weave::log(*this); }
-Tensor Tensor::relu() const { return weave::relu(*this); }
+Tensor Tensor::matmul(const Tensor& other) const {
+  return weave::matmul(*this, other);
+}
+Tensor Tensor::pow(double exponent) const {
+  return weave::pow(*this, exponent);
+}
+Tensor Tensor::exp() const {
+  return weave::exp(*this);
+}
+Tensor Tensor::log() const {
+  return weave::log(*this);
+}
+Tensor Tensor::relu() const {
+  return weave::relu(*this);
+}
 
 // ---- threads ----------------------------------------------------------------------------
 
@@ -411,6 +475,8 @@ void set_num_threads(int threads) {
   omp_set_num_threads(threads);
   Eigen::setNbThreads(threads);
 }
-int num_threads() { return omp_get_max_threads(); }
+int num_threads() {
+  return omp_get_max_threads();
+}
 
 }  // namespace weave

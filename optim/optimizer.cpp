@@ -17,16 +17,19 @@ void Optimizer::zero_grad(bool set_to_none) {
   NoGradGuard no_grad;
   for (Tensor& p : params_) {
     if (!p.grad().defined()) continue;
-    if (set_to_none) p.set_grad({});
-    else p.grad().zero_();
+    if (set_to_none)
+      p.set_grad({});
+    else
+      p.grad().zero_();
   }
 }
 
 SGD::SGD(std::vector<Tensor> params, SGDOptions options)
     : Optimizer(std::move(params), options.lr), options_(options), momentum_(params_.size()) {
-  WEAVE_CHECK(!options.nesterov || (options.momentum > 0 && options.dampening == 0), "SGD",
-              "Nesterov momentum needs momentum > 0 and dampening 0, found momentum={} dampening={}",
-              options.momentum, options.dampening);
+  WEAVE_CHECK(
+      !options.nesterov || (options.momentum > 0 && options.dampening == 0), "SGD",
+      "Nesterov momentum needs momentum > 0 and dampening 0, found momentum={} dampening={}",
+      options.momentum, options.dampening);
 }
 
 void SGD::step() {
@@ -49,7 +52,8 @@ void SGD::step() {
   }
 }
 
-Adam::Adam(std::vector<Tensor> params, AdamOptions options) : Adam(std::move(params), options, false) {}
+Adam::Adam(std::vector<Tensor> params, AdamOptions options)
+    : Adam(std::move(params), options, false) {}
 
 Adam::Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled)
     : Optimizer(std::move(params), options.lr),
@@ -72,8 +76,10 @@ void Adam::step() {
     if (!p.grad().defined()) continue;
     Tensor g = p.grad();
     if (options_.weight_decay != 0) {
-      if (decoupled_) p.mul_(1 - lr_ * options_.weight_decay);
-      else g = g + p * options_.weight_decay;
+      if (decoupled_)
+        p.mul_(1 - lr_ * options_.weight_decay);
+      else
+        g = g + p * options_.weight_decay;
     }
     if (!exp_avg_[i].defined()) {
       exp_avg_[i] = zeros_like(p);
@@ -87,7 +93,8 @@ void Adam::step() {
   }
 }
 
-AdamW::AdamW(std::vector<Tensor> params, AdamOptions options) : Adam(std::move(params), options, true) {}
+AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)
+    : Adam(std::move(params), options, true) {}
 
 double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type) {
   NoGradGuard no_grad;

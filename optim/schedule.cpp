@@ -7,7 +7,9 @@ namespace weave::optim {
 
 Schedule step_schedule(double base_lr, int64_t step_size, double gamma) {
   WEAVE_CHECK(step_size > 0, "step_schedule", "step_size must be positive, found {}", step_size);
-  return [=](int64_t step) { return base_lr * std::pow(gamma, static_cast<double>(step / step_size)); };
+  return [=](int64_t step) {
+    return base_lr * std::pow(gamma, static_cast<double>(step / step_size));
+  };
 }
 
 Schedule cosine_schedule(double base_lr, int64_t total_steps, double min_lr) {
@@ -35,6 +37,8 @@ LRScheduler::LRScheduler(Optimizer& optimizer, Schedule schedule)
   optimizer_.set_lr(schedule_(0));
 }
 
-void LRScheduler::step() { optimizer_.set_lr(schedule_(++step_)); }
+void LRScheduler::step() {
+  optimizer_.set_lr(schedule_(++step_));
+}
 
 }  // namespace weave::optim

@@ -65,7 +65,8 @@ struct Half {
     memcpy(&x, &f, sizeof x);
     uint32_t sign = (x >> 16) & 0x8000u;
     uint32_t abs = x & 0x7fffffffu;
-    if (abs >= 0x7f800000u) return static_cast<uint16_t>(sign | (abs > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    if (abs >= 0x7f800000u)
+      return static_cast<uint16_t>(sign | (abs > 0x7f800000u ? 0x7e00u : 0x7c00u));
     if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
     if (abs < 0x38800000u) {  // result is subnormal or zero
       if (abs < 0x33000000u) return static_cast<uint16_t>(sign);
@@ -97,8 +98,9 @@ struct BFloat16 {
   WEAVE_HD static uint16_t from_float(float f) {
     uint32_t x;
     memcpy(&x, &f, sizeof x);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
-    x += 0x7fffu + ((x >> 16) & 1u);  // round to nearest even
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+      return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+    x += 0x7fffu + ((x >> 16) & 1u);                    // round to nearest even
     return static_cast<uint16_t>(x >> 16);
   }
 };
@@ -106,18 +108,43 @@ struct BFloat16 {
 /// C++ type <-> DType.
 template <class T>
 struct dtype_of;
-template <> struct dtype_of<float> { static constexpr DType value = kFloat32; };
-template <> struct dtype_of<double> { static constexpr DType value = kFloat64; };
-template <> struct dtype_of<BFloat16> { static constexpr DType value = kBFloat16; };
-template <> struct dtype_of<Half> { static constexpr DType value = kFloat16; };
-template <> struct dtype_of<int32_t> { static constexpr DType value = kInt32; };
-template <> struct dtype_of<int64_t> { static constexpr DType value = kInt64; };
-template <> struct dtype_of<uint8_t> { static constexpr DType value = kUInt8; };
-template <> struct dtype_of<bool> { static constexpr DType value = kBool; };
+template <>
+struct dtype_of<float> {
+  static constexpr DType value = kFloat32;
+};
+template <>
+struct dtype_of<double> {
+  static constexpr DType value = kFloat64;
+};
+template <>
+struct dtype_of<BFloat16> {
+  static constexpr DType value = kBFloat16;
+};
+template <>
+struct dtype_of<Half> {
+  static constexpr DType value = kFloat16;
+};
+template <>
+struct dtype_of<int32_t> {
+  static constexpr DType value = kInt32;
+};
+template <>
+struct dtype_of<int64_t> {
+  static constexpr DType value = kInt64;
+};
+template <>
+struct dtype_of<uint8_t> {
+  static constexpr DType value = kUInt8;
+};
+template <>
+struct dtype_of<bool> {
+  static constexpr DType value = kBool;
+};
 
 /// The type arithmetic on T happens in: float for the 16-bit formats, T otherwise.
 template <class T>
-using compute_t = std::conditional_t<std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>, float, T>;
+using compute_t =
+    std::conditional_t<std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>, float, T>;
 
 /// Bytes per element.
 size_t itemsize(DType dtype);
@@ -130,7 +157,9 @@ bool is_integral(DType dtype);
 /// bool < integers < floating; within a category the wider type; float16 with bfloat16 -> float32).
 DType promote_types(DType a, DType b);
 /// Float dtype used for integer inputs of floating ops (exp of int32 -> float32).
-inline DType to_floating(DType dtype) { return is_floating(dtype) ? dtype : kFloat32; }
+inline DType to_floating(DType dtype) {
+  return is_floating(dtype) ? dtype : kFloat32;
+}
 
 template <class T>
 struct type_tag {
@@ -141,14 +170,22 @@ struct type_tag {
 template <class Fn>
 decltype(auto) visit_dtype(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case kFloat32: return fn(type_tag<float>{});
-    case kFloat64: return fn(type_tag<double>{});
-    case kBFloat16: return fn(type_tag<BFloat16>{});
-    case kFloat16: return fn(type_tag<Half>{});
-    case kInt32: return fn(type_tag<int32_t>{});
-    case kInt64: return fn(type_tag<int64_t>{});
-    case kUInt8: return fn(type_tag<uint8_t>{});
-    case kBool: return fn(type_tag<bool>{});
+    case kFloat32:
+      return fn(type_tag<float>{});
+    case kFloat64:
+      return fn(type_tag<double>{});
+    case kBFloat16:
+      return fn(type_tag<BFloat16>{});
+    case kFloat16:
+      return fn(type_tag<Half>{});
+    case kInt32:
+      return fn(type_tag<int32_t>{});
+    case kInt64:
+      return fn(type_tag<int64_t>{});
+    case kUInt8:
+      return fn(type_tag<uint8_t>{});
+    case kBool:
+      return fn(type_tag<bool>{});
   }
   WEAVE_FAIL("dtype", "unknown dtype code {}", static_cast<int>(dtype));
 }
@@ -157,11 +194,16 @@ decltype(auto) visit_dtype(DType dtype, Fn&& fn) {
 template <class Fn>
 decltype(auto) visit_floating(DType dtype, const char* op, Fn&& fn) {
   switch (dtype) {
-    case kFloat32: return fn(type_tag<float>{});
-    case kFloat64: return fn(type_tag<double>{});
-    case kBFloat16: return fn(type_tag<BFloat16>{});
-    case kFloat16: return fn(type_tag<Half>{});
-    default: break;
+    case kFloat32:
+      return fn(type_tag<float>{});
+    case kFloat64:
+      return fn(type_tag<double>{});
+    case kBFloat16:
+      return fn(type_tag<BFloat16>{});
+    case kFloat16:
+      return fn(type_tag<Half>{});
+    default:
+      break;
   }
   WEAVE_FAIL(op, "expected a floating dtype, found {}", dtype_name(dtype));
 }

@@ -55,7 +55,7 @@ class Dims {
   }
   void resize(int n, int64_t value = 0) {
     check_capacity(n);
-    for (int i = size_; i < n; ++i) data_[i] = value;
+    for (int i = size_; i < n && i < kMaxDims; ++i) data_[i] = value;
     size_ = static_cast<uint8_t>(n);
   }
   std::vector<int64_t> vec() const { return {begin(), end()}; }

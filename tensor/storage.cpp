@@ -35,7 +35,9 @@ HostCache& host_cache() {
   return *cache;
 }
 
-size_t round_up(size_t n) { return (std::max<size_t>(n, 1) + kAlignment - 1) / kAlignment * kAlignment; }
+size_t round_up(size_t n) {
+  return (std::max<size_t>(n, 1) + kAlignment - 1) / kAlignment * kAlignment;
+}
 
 }  // namespace
 

@@ -7,7 +7,9 @@
 namespace weave {
 
 namespace detail {
-void throw_error(std::string message) { throw Error(std::move(message)); }
+void throw_error(std::string message) {
+  throw Error(std::move(message));
+}
 }  // namespace detail
 
 // ---- dtype ------------------------------------------------------------------------------
@@ -18,20 +20,32 @@ size_t itemsize(DType dtype) {
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case kFloat32: return "float32";
-    case kFloat64: return "float64";
-    case kBFloat16: return "bfloat16";
-    case kFloat16: return "float16";
-    case kInt32: return "int32";
-    case kInt64: return "int64";
-    case kUInt8: return "uint8";
-    case kBool: return "bool";
+    case kFloat32:
+      return "float32";
+    case kFloat64:
+      return "float64";
+    case kBFloat16:
+      return "bfloat16";
+    case kFloat16:
+      return "float16";
+    case kInt32:
+      return "int32";
+    case kInt64:
+      return "int64";
+    case kUInt8:
+      return "uint8";
+    case kBool:
+      return "bool";
   }
   return "unknown";
 }
 
-bool is_floating(DType d) { return d == kFloat32 || d == kFloat64 || d == kBFloat16 || d == kFloat16; }
-bool is_integral(DType d) { return d == kInt32 || d == kInt64 || d == kUInt8; }
+bool is_floating(DType d) {
+  return d == kFloat32 || d == kFloat64 || d == kBFloat16 || d == kFloat16;
+}
+bool is_integral(DType d) {
+  return d == kInt32 || d == kInt64 || d == kUInt8;
+}
 
 DType promote_types(DType a, DType b) {
   if (a == b) return a;
@@ -60,7 +74,9 @@ Device::Device(std::string_view spec) {
   WEAVE_FAIL("device", "cannot parse device '{}'; expected 'cpu', 'cuda' or 'cuda:N'", spec);
 }
 
-std::string Device::str() const { return is_cpu() ? "cpu" : fmt::format("cuda:{}", index); }
+std::string Device::str() const {
+  return is_cpu() ? "cpu" : fmt::format("cuda:{}", index);
+}
 
 // ---- shapes -----------------------------------------------------------------------------
 
@@ -98,7 +114,9 @@ Generator& default_generator() {
   static Generator generator;
   return generator;
 }
-void manual_seed(uint64_t seed) { default_generator().seed(seed); }
+void manual_seed(uint64_t seed) {
+  default_generator().seed(seed);
+}
 
 // ---- tensor metadata --------------------------------------------------------------------
 
@@ -109,16 +127,36 @@ const TensorImpl& checked(const std::shared_ptr<TensorImpl>& impl) {
 }
 }  // namespace
 
-const Shape& Tensor::shape() const { return checked(impl_).shape; }
-const Strides& Tensor::strides() const { return checked(impl_).strides; }
-int64_t Tensor::size(int64_t dim) const { return shape()[normalize_dim(dim, this->dim(), "size")]; }
-int Tensor::dim() const { return shape().size(); }
-int64_t Tensor::numel() const { return shape().numel(); }
-int64_t Tensor::offset() const { return checked(impl_).offset; }
-DType Tensor::dtype() const { return checked(impl_).dtype; }
-Device Tensor::device() const { return checked(impl_).storage->device(); }
-const std::shared_ptr<Storage>& Tensor::storage() const { return checked(impl_).storage; }
-uint64_t Tensor::version() const { return storage()->version(); }
+const Shape& Tensor::shape() const {
+  return checked(impl_).shape;
+}
+const Strides& Tensor::strides() const {
+  return checked(impl_).strides;
+}
+int64_t Tensor::size(int64_t dim) const {
+  return shape()[normalize_dim(dim, this->dim(), "size")];
+}
+int Tensor::dim() const {
+  return shape().size();
+}
+int64_t Tensor::numel() const {
+  return shape().numel();
+}
+int64_t Tensor::offset() const {
+  return checked(impl_).offset;
+}
+DType Tensor::dtype() const {
+  return checked(impl_).dtype;
+}
+Device Tensor::device() const {
+  return checked(impl_).storage->device();
+}
+const std::shared_ptr<Storage>& Tensor::storage() const {
+  return checked(impl_).storage;
+}
+uint64_t Tensor::version() const {
+  return storage()->version();
+}
 
 void* Tensor::data_ptr() const {
   const TensorImpl& t = checked(impl_);

@@ -80,8 +80,8 @@ class Tensor {
   /// Typed address of the first element; raises if T does not match dtype().
   template <class T>
   T* data() const {
-    WEAVE_CHECK(dtype_of<T>::value == dtype(), "data", "tensor has dtype {}, requested {}",
-                dtype(), dtype_of<T>::value);
+    WEAVE_CHECK(dtype_of<T>::value == dtype(), "data", "tensor has dtype {}, requested {}", dtype(),
+                dtype_of<T>::value);
     return static_cast<T*>(data_ptr());
   }
   /// Number of in-place modifications of this tensor's storage so far.

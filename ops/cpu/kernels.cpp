@@ -29,12 +29,12 @@ void visit_arithmetic(DType dtype, const char* op, Fn&& fn) {
 
 void unary(UnaryOp op, const Tensor& x, const Tensor& out) {
   switch (op) {
-#define WEAVE_CASE(Name, Functor, function)                                   \
-  case UnaryOp::Name:                                                         \
-    visit_arithmetic(x.dtype(), #function, [&](auto tag) {                    \
-      using T = typename decltype(tag)::type;                                 \
-      map<T, T>([](auto v) { return Functor{}(v); }, out, x);                 \
-    });                                                                       \
+#define WEAVE_CASE(Name, Functor, function)                   \
+  case UnaryOp::Name:                                         \
+    visit_arithmetic(x.dtype(), #function, [&](auto tag) {    \
+      using T = typename decltype(tag)::type;                 \
+      map<T, T>([](auto v) { return Functor{}(v); }, out, x); \
+    });                                                       \
     return;
     WEAVE_UNARY_OPS(WEAVE_CASE)
 #undef WEAVE_CASE
@@ -44,13 +44,13 @@ void unary(UnaryOp op, const Tensor& x, const Tensor& out) {
 void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
                     const Tensor& out) {
   switch (op) {
-#define WEAVE_CASE(Name, Functor, function)                                                   \
-  case UnaryOp::Name:                                                                         \
-    visit_arithmetic(x.dtype(), #function, [&](auto tag) {                                    \
-      using T = typename decltype(tag)::type;                                                 \
-      map<T, T, T, T>([](auto g, auto a, auto b) { return g * Functor{}.grad(a, b); }, out, \
-                      grad, x, y);                                                            \
-    });                                                                                       \
+#define WEAVE_CASE(Name, Functor, function)                                                       \
+  case UnaryOp::Name:                                                                             \
+    visit_arithmetic(x.dtype(), #function, [&](auto tag) {                                        \
+      using T = typename decltype(tag)::type;                                                     \
+      map<T, T, T, T>([](auto g, auto a, auto b) { return g * Functor{}.grad(a, b); }, out, grad, \
+                      x, y);                                                                      \
+    });                                                                                           \
     return;
     WEAVE_UNARY_OPS(WEAVE_CASE)
 #undef WEAVE_CASE
@@ -59,12 +59,12 @@ void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tenso
 
 void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
   switch (op) {
-#define WEAVE_CASE(Name, Functor)                                            \
-  case BinaryOp::Name:                                                       \
-    visit_arithmetic(a.dtype(), #Name, [&](auto tag) {                       \
-      using T = typename decltype(tag)::type;                                \
+#define WEAVE_CASE(Name, Functor)                                              \
+  case BinaryOp::Name:                                                         \
+    visit_arithmetic(a.dtype(), #Name, [&](auto tag) {                         \
+      using T = typename decltype(tag)::type;                                  \
       map<T, T, T>([](auto u, auto v) { return Functor{}(u, v); }, out, a, b); \
-    });                                                                      \
+    });                                                                        \
     return;
     WEAVE_ARITHMETIC_OPS(WEAVE_CASE)
 #undef WEAVE_CASE
@@ -127,7 +127,8 @@ void sum_eigen(const T* x, int64_t outer, int64_t reduced, int64_t inner, T* o) 
   }
 #pragma omp parallel for if (outer * reduced * inner >= kParallelGrain && outer > 1)
   for (int64_t b = 0; b < outer; ++b)
-    Out(o + b * inner, inner) = Map(x + b * reduced * inner, reduced, inner).colwise().sum().transpose();
+    Out(o + b * inner, inner) =
+        Map(x + b * reduced * inner, reduced, inner).colwise().sum().transpose();
 }
 
 template <class T>
@@ -202,8 +203,8 @@ void matmul_typed(const Tensor& a, const Tensor& b, const Tensor& out) {
     const T* ai = pa + i * a.strides()[0];
     const T* bi = pb + i * b.strides()[0];
     const bool a_col = a.strides()[2] != 1, b_col = b.strides()[2] != 1;
-    using ColMap = Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>, 0,
-                              Eigen::OuterStride<>>;
+    using ColMap =
+        Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>;
     using RowMap = Eigen::Map<const RowMajor<T>, 0, Eigen::OuterStride<>>;
     if (!a_col && !b_col)
       result.noalias() = RowMap(ai, m, k, Eigen::OuterStride<>(a.strides()[1])) *
@@ -253,7 +254,8 @@ void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const
       for (int64_t i = 0; i < count; ++i) {
         T* row = d + (b * n + idx[i]) * inner;
         const T* from = s + (b * count + i) * inner;
-        for (int64_t j = 0; j < inner; ++j) row[j] = T(compute_t<T>(row[j]) + compute_t<T>(from[j]));
+        for (int64_t j = 0; j < inner; ++j)
+          row[j] = T(compute_t<T>(row[j]) + compute_t<T>(from[j]));
       }
   });
 }

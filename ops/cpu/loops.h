@@ -109,7 +109,8 @@ void map(const F& f, const Tensor& out, const typename TensorFor<TI>::type&... i
           *reinterpret_cast<TO*>(p[0] + i * s[0]) =
               TO(f(compute_t<TI>(*reinterpret_cast<const TI*>(p[I + 1] + i * s[I + 1]))...));
       }
-    }(std::index_sequence_for<TI...>{});
+    }
+    (std::index_sequence_for<TI...>{});
   });
 }
 

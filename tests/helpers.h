@@ -1,0 +1,29 @@
+#pragma once
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "weave.h"
+
+namespace weave::test {
+
+/// Checks that `expr` throws weave::Error whose message starts with "[op]" and contains `part`.
+#define CHECK_WEAVE_ERROR(expr, op, part)                                             \
+  do {                                                                                \
+    bool threw_ = false;                                                              \
+    try {                                                                             \
+      (void)(expr);                                                                   \
+    } catch (const ::weave::Error& e_) {                                              \
+      threw_ = true;                                                                  \
+      std::string message_ = e_.what();                                               \
+      CHECK_MESSAGE(message_.rfind(std::string("[") + (op) + "]", 0) == 0, message_); \
+      CHECK_MESSAGE(message_.find(part) != std::string::npos, message_);              \
+    }                                                                                 \
+    CHECK_MESSAGE(threw_, "expected weave::Error from " #expr);                       \
+  } while (0)
+
+inline bool close(const Tensor& a, const Tensor& b, double rtol = 1e-5, double atol = 1e-6) {
+  return a.shape() == b.shape() && allclose(a, b, rtol, atol);
+}
+
+}  // namespace weave::test

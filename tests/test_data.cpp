@@ -1,0 +1,108 @@
+#include <zlib.h>
+
+#include <filesystem>
+#include <set>
+
+#include "helpers.h"
+
+using namespace weave;
+
+namespace {
+
+std::filesystem::path temp_dir() {
+  auto dir = std::filesystem::temp_directory_path() / ("weave_test_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+void write_gz(const std::filesystem::path& path, const std::vector<unsigned char>& bytes) {
+  gzFile f = gzopen(path.c_str(), "wb");
+  REQUIRE(f != nullptr);
+  gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size()));
+  gzclose(f);
+}
+
+std::vector<unsigned char> idx(unsigned char rank, std::vector<int> dims, int payload,
+                               unsigned char fill = 0) {
+  std::vector<unsigned char> b{0, 0, 8, rank};
+  for (int d : dims) {
+    b.push_back(static_cast<unsigned char>(d >> 24));
+    b.push_back(static_cast<unsigned char>(d >> 16));
+    b.push_back(static_cast<unsigned char>(d >> 8));
+    b.push_back(static_cast<unsigned char>(d));
+  }
+  for (int i = 0; i < payload; ++i) b.push_back(static_cast<unsigned char>(fill + i));
+  return b;
+}
+
+}  // namespace
+
+TEST_SUITE("data") {
+  TEST_CASE("DataLoader batches, shuffles reproducibly and drops the last batch on request") {
+    auto dataset = std::make_shared<data::TensorDataset>(arange(10).reshape({10, 1}),
+                                                         arange(10, {.dtype = kInt64}));
+    data::DataLoader plain(dataset, {.batch_size = 4});
+    CHECK(plain.size() == 3);
+    std::vector<int64_t> sizes;
+    for (const auto& batch : plain) {
+      sizes.push_back(batch.input.size(0));
+      CHECK(equal(batch.input.squeeze(1).to(kInt64), batch.target));
+    }
+    CHECK(sizes == std::vector<int64_t>{4, 4, 2});
+    data::DataLoader dropping(dataset, {.batch_size = 4, .drop_last = true});
+    CHECK(dropping.size() == 2);
+
+    auto epoch_order = [&](data::DataLoader& loader) {
+      std::vector<int64_t> order;
+      for (const auto& batch : loader)
+        for (int64_t v : batch.target.to_vector<int64_t>()) order.push_back(v);
+      return order;
+    };
+    data::DataLoader s1(dataset, {.batch_size = 3, .shuffle = true, .seed = 7});
+    data::DataLoader s2(dataset, {.batch_size = 3, .shuffle = true, .seed = 7});
+    auto e1 = epoch_order(s1), e2 = epoch_order(s2);
+    CHECK(e1 == e2);
+    CHECK(std::set<int64_t>(e1.begin(), e1.end()).size() == 10);
+    auto next = epoch_order(s1);
+    CHECK(next != e1);  // a new permutation each epoch
+    CHECK(epoch_order(s2) == next);
+  }
+
+  TEST_CASE("IDX reader: round trip and clear errors") {
+    auto dir = temp_dir();
+    write_gz(dir / "train-images-idx3-ubyte.gz", idx(3, {2, 3, 4}, 24));
+    write_gz(dir / "train-labels-idx1-ubyte.gz", idx(1, {2}, 2, 3));
+    auto split = data::load_fashion_mnist(dir.string(), true);
+    CHECK(split.images.shape() == Shape{2, 3, 4});
+    CHECK(split.images.dtype() == kUInt8);
+    CHECK(split.images.to_vector<int64_t>()[23] == 23);
+    CHECK(split.labels.to_vector<int64_t>() == std::vector<int64_t>{3, 4});
+
+    CHECK_WEAVE_ERROR(data::load_fashion_mnist(dir.string(), false), "fashion_mnist",
+                      "cannot open");
+    write_gz(dir / "t10k-images-idx3-ubyte.gz", idx(3, {2, 3, 4}, 10));  // truncated
+    write_gz(dir / "t10k-labels-idx1-ubyte.gz", idx(1, {2}, 2));
+    CHECK_WEAVE_ERROR(data::load_fashion_mnist(dir.string(), false), "fashion_mnist", "truncated");
+    auto bad = idx(1, {2}, 2);
+    bad[2] = 0x0d;  // float IDX, not unsigned bytes
+    write_gz(dir / "bad.gz", bad);
+    CHECK_WEAVE_ERROR(data::read_idx((dir / "bad.gz").string()), "fashion_mnist", "magic");
+    std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("the installed Fashion-MNIST, when present") {
+    if (!std::filesystem::exists(std::string(data::kFashionMnistDir) +
+                                 "/t10k-labels-idx1-ubyte.gz")) {
+      MESSAGE("Fashion-MNIST not installed; skipping");
+      return;
+    }
+    auto test = data::load_fashion_mnist(data::kFashionMnistDir, false);
+    CHECK(test.images.shape() == Shape{10000, 28, 28});
+    CHECK(test.labels.shape() == Shape{10000});
+    // The test split is balanced: 1000 examples per class.
+    Tensor counts = zeros({10}, {.dtype = kInt64});
+    for (int64_t c = 0; c < 10; ++c)
+      CHECK(sum(eq(test.labels, scalar_tensor(static_cast<double>(c), {.dtype = kInt64})))
+                .item<int64_t>() == 1000);
+  }
+}

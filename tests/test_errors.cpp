@@ -1,0 +1,74 @@
+// Bad input raises weave::Error whose message starts with "[op]" and says what was wrong.
+#include "helpers.h"
+
+using namespace weave;
+
+TEST_SUITE("errors") {
+  TEST_CASE("shape errors") {
+    CHECK_WEAVE_ERROR(ones({2, 3}) * ones({3, 2}), "mul", "cannot be broadcast");
+    CHECK_WEAVE_ERROR(matmul(ones({2, 3}), ones({2, 3})), "matmul", "inner dimensions differ");
+    CHECK_WEAVE_ERROR(matmul(ones({}), ones({3})), "matmul", "at least 1 dimension");
+    CHECK_WEAVE_ERROR(ones({6}).reshape({4, -1}), "reshape", "invalid for input of size 6");
+    CHECK_WEAVE_ERROR(ones({6}).reshape({-1, -1}), "reshape", "only one dimension can be -1");
+    CHECK_WEAVE_ERROR(ones({2, 3}).sum({2}), "sum", "out of range");
+    CHECK_WEAVE_ERROR(ones({2, 3}).sum({1, -1}), "sum", "more than once");
+    CHECK_WEAVE_ERROR(ones({2, 3}).permute({0, 0}), "permute", "repeats");
+    CHECK_WEAVE_ERROR(ones({2, 3}).narrow(1, 2, 2), "narrow", "outside dimension");
+    CHECK_WEAVE_ERROR(ones({2, 3}).expand({4, 3, 4}), "expand", "cannot expand");
+    CHECK_WEAVE_ERROR(cat({ones({2, 3}), ones({2, 4})}, 0), "cat", "outside dimension 0");
+    CHECK_WEAVE_ERROR(cat({}, 0), "cat", "at least one");
+    CHECK_WEAVE_ERROR(stack({ones({2}), ones({3})}), "stack", "expected [2]");
+    CHECK_WEAVE_ERROR(split(ones({5}), std::vector<int64_t>{2, 2}), "split", "add up to 4");
+    CHECK_WEAVE_ERROR(ones({2, 3}).select(0, 2), "select", "out of range");
+    CHECK_WEAVE_ERROR(ones(Shape::filled(9, 1)), "shape", "at most 8 dimensions");
+    CHECK_WEAVE_ERROR(empty({-1}), "empty", "non-negative");
+  }
+
+  TEST_CASE("dtype and value errors") {
+    CHECK_WEAVE_ERROR(where(ones({2}), ones({2}), ones({2})), "where", "bool condition");
+    CHECK_WEAVE_ERROR(index_select(ones({3}), 0, ones({1})), "index_select", "int32 or int64");
+    CHECK_WEAVE_ERROR(index_select(ones({3}), 0, from_vector<int64_t>({3})), "index_select",
+                      "out of range");
+    CHECK_WEAVE_ERROR(cross_entropy(ones({2, 3}), from_vector<int64_t>({0, 3})), "cross_entropy",
+                      "[0, 3)");
+    CHECK_WEAVE_ERROR(cross_entropy(ones({2, 3}), ones({2})), "cross_entropy",
+                      "integer class targets");
+    CHECK_WEAVE_ERROR(cross_entropy(ones({2, 3}), from_vector<int64_t>({0})), "cross_entropy",
+                      "expected logits");
+    CHECK_WEAVE_ERROR(mse_loss(ones({2}), ones({3})), "mse_loss", "same shape");
+    CHECK_WEAVE_ERROR(layer_norm(ones({2, 3}), {2}), "layer_norm", "does not end with");
+    CHECK_WEAVE_ERROR(linear(ones({2, 3}), ones({4, 5})), "linear", "input features differ");
+    CHECK_WEAVE_ERROR(ones({2}, {.dtype = kBool}) + ones({2}, {.dtype = kBool}), "add", "bool");
+    CHECK_WEAVE_ERROR(ones({3}).item(), "item", "one-element");
+    CHECK_WEAVE_ERROR(ones({2}).data<double>(), "data", "float32");
+    CHECK_WEAVE_ERROR(dropout(ones({2}), 1.5), "dropout", "[0, 1]");
+    CHECK_WEAVE_ERROR(rand({2}, {.dtype = kInt32}), "rand", "floating");
+    CHECK_WEAVE_ERROR(randint(3, 3, {2}), "randint", "low < high");
+    CHECK_WEAVE_ERROR(argmax(zeros({0})), "argmax", "empty");
+    CHECK_WEAVE_ERROR(max(zeros({0})), "max", "empty");
+    CHECK_WEAVE_ERROR(var(ones({1})), "var", "degrees of freedom");
+    CHECK_WEAVE_ERROR(ones({2}) + Tensor(), "add", "undefined");
+  }
+
+  TEST_CASE("device errors without a GPU") {
+    if (cuda::is_available()) return;
+    CHECK_WEAVE_ERROR(ones({2}, {.device = Device::cuda(0)}), "cuda", "without CUDA");
+    CHECK_WEAVE_ERROR(ones({2}).to(Device::cuda(0)), "cuda", "without CUDA");
+  }
+
+  TEST_CASE("module and optimizer errors") {
+    nn::Linear layer(2, 2);
+    CHECK_WEAVE_ERROR(nn::Linear(0, 2), "Linear", "positive");
+    CHECK_WEAVE_ERROR(optim::SGD({ones({2})}, {.lr = 0.1}), "optimizer", "leaf that requires grad");
+    CHECK_WEAVE_ERROR(optim::SGD(layer.parameters(), {.lr = -1}), "optimizer", "non-negative");
+    CHECK_WEAVE_ERROR(optim::SGD(layer.parameters(), {.lr = 0.1, .nesterov = true}), "SGD",
+                      "Nesterov");
+    CHECK_WEAVE_ERROR(optim::Adam(layer.parameters(), {.beta1 = 1.0}), "Adam", "betas");
+    CHECK_WEAVE_ERROR(layer(ones({3})), "linear", "input features differ");
+    CHECK_WEAVE_ERROR(nn::init::gain("swish"), "init", "unknown nonlinearity");
+    auto data = std::make_shared<data::TensorDataset>(ones({3, 1}), ones({3}));
+    CHECK_WEAVE_ERROR(data::DataLoader(data, {.batch_size = 0}), "DataLoader", "positive");
+    CHECK_WEAVE_ERROR(data::TensorDataset(ones({3}), ones({2})), "TensorDataset",
+                      "same first dimension");
+  }
+}

@@ -1,0 +1,167 @@
+#include <cmath>
+
+#include "helpers.h"
+
+using namespace weave;
+
+namespace {
+std::shared_ptr<nn::Sequential> small_mlp() {
+  return std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+      std::make_shared<nn::Linear>(4, 3), nn::ReLU(), std::make_shared<nn::Linear>(3, 2, false)});
+}
+}  // namespace
+
+TEST_SUITE("nn") {
+  TEST_CASE("named parameters are deterministic") {
+    auto model = small_mlp();
+    auto named = model->named_parameters();
+    REQUIRE(named.size() == 3);
+    CHECK(named[0].first == "0.weight");
+    CHECK(named[1].first == "0.bias");
+    CHECK(named[2].first == "2.weight");
+    CHECK(named[0].second.shape() == Shape{3, 4});
+    for (auto& [name, p] : named) CHECK(p.requires_grad());
+  }
+
+  TEST_CASE("seeded initialization is reproducible and in range") {
+    manual_seed(5);
+    nn::Linear a(100, 50);
+    manual_seed(5);
+    nn::Linear b(100, 50);
+    CHECK(equal(a.weight, b.weight));
+    CHECK(max(abs(a.weight)).item() <= 0.1 + 1e-7);
+    Tensor w = empty({200, 100});
+    Generator g(1);
+    nn::init::kaiming_uniform_(w, 0, nn::init::FanMode::FanIn, "relu", &g);
+    CHECK(max(abs(w)).item() <= std::sqrt(6.0 / 100) + 1e-6);
+    nn::init::xavier_normal_(w, 1.0, &g);
+    CHECK(std::sqrt(var(w).item()) == doctest::Approx(std::sqrt(2.0 / 300)).epsilon(0.05));
+  }
+
+  TEST_CASE("state dict round trip") {
+    auto a = small_mlp(), b = small_mlp();
+    b->load_state_dict(a->state_dict());
+    Tensor x = randn({5, 4});
+    CHECK(equal((*a)(x), (*b)(x)));
+    auto state = a->state_dict();
+    state.pop_back();
+    CHECK_WEAVE_ERROR(b->load_state_dict(state), "load_state_dict", "missing key '2.weight'");
+    state = a->state_dict();
+    state.emplace_back("extra", ones({1}));
+    CHECK_WEAVE_ERROR(b->load_state_dict(state), "load_state_dict", "unexpected key 'extra'");
+    b->load_state_dict(state, false);
+    state = a->state_dict();
+    state[0].second = ones({2, 2});
+    CHECK_WEAVE_ERROR(b->load_state_dict(state), "load_state_dict", "shape");
+  }
+
+  TEST_CASE("train and eval modes") {
+    nn::Sequential model{std::make_shared<nn::Dropout>(0.5)};
+    Tensor x = ones({1000});
+    model.eval();
+    CHECK(equal(model(x), x));
+    model.train();
+    Tensor y = model(x);
+    double kept = sum(gt(y, scalar_tensor(0))).item();
+    CHECK(kept == doctest::Approx(500).epsilon(0.15));
+    CHECK(max(y).item() == doctest::Approx(2.0));
+  }
+
+  TEST_CASE("SGD matches hand-computed updates") {
+    Tensor p = from_vector<double>({1.0, -2.0}).requires_grad_();
+    optim::SGD sgd({p}, {.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01});
+    // step 1: d = g + 0.01 p; buf = d; p -= 0.1 buf
+    p.set_grad(from_vector<double>({0.5, 0.5}));
+    sgd.step();
+    double d0 = 0.5 + 0.01 * 1.0, d1 = 0.5 + 0.01 * -2.0;
+    double p0 = 1.0 - 0.1 * d0, p1 = -2.0 - 0.1 * d1;
+    CHECK(p.to_vector<double>()[0] == doctest::Approx(p0));
+    CHECK(p.to_vector<double>()[1] == doctest::Approx(p1));
+    // step 2: buf = 0.9 buf + d'
+    p.set_grad(from_vector<double>({1.0, -1.0}));
+    sgd.step();
+    double b0 = 0.9 * d0 + (1.0 + 0.01 * p0), b1 = 0.9 * d1 + (-1.0 + 0.01 * p1);
+    CHECK(p.to_vector<double>()[0] == doctest::Approx(p0 - 0.1 * b0));
+    CHECK(p.to_vector<double>()[1] == doctest::Approx(p1 - 0.1 * b1));
+
+    Tensor q = from_vector<double>({1.0}).requires_grad_();
+    optim::SGD nesterov({q}, {.lr = 0.5, .momentum = 0.5, .nesterov = true});
+    q.set_grad(from_vector<double>({2.0}));
+    nesterov.step();  // buf = 2; d = 2 + 0.5 * 2 = 3; q = 1 - 1.5
+    CHECK(q.item() == doctest::Approx(-0.5));
+  }
+
+  TEST_CASE("Adam and AdamW match hand-computed updates") {
+    Tensor p = from_vector<double>({1.0, 2.0}).requires_grad_();
+    optim::Adam adam({p}, {.lr = 0.1});
+    p.set_grad(from_vector<double>({0.3, -4.0}));
+    adam.step();  // first step: m_hat = g, v_hat = g^2, so p -= lr * g / (|g| + eps)
+    CHECK(p.to_vector<double>()[0] == doctest::Approx(0.9));
+    CHECK(p.to_vector<double>()[1] == doctest::Approx(2.1));
+    p.set_grad(from_vector<double>({0.1, -4.0}));
+    adam.step();
+    double m = 0.9 * 0.1 * 0.3 + 0.1 * 0.1, v = 0.999 * 0.001 * 0.09 + 0.001 * 0.01;
+    double m_hat = m / (1 - 0.81), v_hat = v / (1 - 0.999 * 0.999);
+    CHECK(p.to_vector<double>()[0] ==
+          doctest::Approx(0.9 - 0.1 * m_hat / (std::sqrt(v_hat) + 1e-8)));
+
+    Tensor w = from_vector<double>({1.0}).requires_grad_();
+    optim::AdamW adamw({w}, {.lr = 0.1, .weight_decay = 0.5});
+    w.set_grad(from_vector<double>({2.0}));
+    adamw.step();  // w = 1 * (1 - 0.05) - 0.1 * 1
+    CHECK(w.item() == doctest::Approx(0.85));
+  }
+
+  TEST_CASE("learning-rate schedules") {
+    auto step = optim::step_schedule(1.0, 10, 0.5);
+    CHECK(step(9) == 1.0);
+    CHECK(step(10) == 0.5);
+    CHECK(step(25) == 0.25);
+    auto cosine = optim::cosine_schedule(1.0, 100, 0.1);
+    CHECK(cosine(0) == doctest::Approx(1.0));
+    CHECK(cosine(50) == doctest::Approx(0.55));
+    CHECK(cosine(100) == doctest::Approx(0.1));
+    auto warm = optim::linear_warmup(cosine, 4);
+    CHECK(warm(0) == doctest::Approx(0.25));
+    CHECK(warm(3) == doctest::Approx(1.0));
+    CHECK(warm(54) == doctest::Approx(0.55));
+    Tensor p = zeros({1}).requires_grad_();
+    optim::SGD sgd({p}, {.lr = 7});
+    optim::LRScheduler scheduler(sgd, step);
+    CHECK(sgd.lr() == 1.0);
+    for (int i = 0; i < 10; ++i) scheduler.step();
+    CHECK(sgd.lr() == 0.5);
+  }
+
+  TEST_CASE("clip_grad_norm_") {
+    Tensor a = zeros({2}).requires_grad_(), b = zeros({1}).requires_grad_();
+    a.set_grad(from_vector<float>({3, 0}));
+    b.set_grad(from_vector<float>({4}));
+    double norm = optim::clip_grad_norm_({a, b}, 1.0);
+    CHECK(norm == doctest::Approx(5.0));
+    CHECK(a.grad().to_vector<float>()[0] == doctest::Approx(0.6).epsilon(1e-4));
+    CHECK(b.grad().item() == doctest::Approx(0.8).epsilon(1e-4));
+    CHECK(optim::clip_grad_norm_({a, b}, 10.0, INFINITY) == doctest::Approx(0.8).epsilon(1e-4));
+  }
+
+  TEST_CASE("a model trains: loss falls on a separable problem") {
+    manual_seed(3);
+    Tensor x = randn({256, 2});
+    Tensor y = gt(x.select(1, 0) + x.select(1, 1), scalar_tensor(0)).to(kInt64);
+    nn::Sequential model{std::make_shared<nn::Linear>(2, 16), nn::Tanh(),
+                         std::make_shared<nn::Linear>(16, 2)};
+    optim::Adam opt(model.parameters(), {.lr = 0.05});
+    double first = 0, last = 0;
+    for (int step = 0; step < 100; ++step) {
+      Tensor loss = cross_entropy(model(x), y);
+      if (step == 0) first = loss.item();
+      last = loss.item();
+      opt.zero_grad();
+      loss.backward();
+      opt.step();
+    }
+    CHECK(last < first * 0.2);
+    double accuracy = mean(eq(argmax(model(x), 1), y).to(kFloat32)).item();
+    CHECK(accuracy > 0.95);
+  }
+}

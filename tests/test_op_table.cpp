@@ -1,0 +1,341 @@
+// One table of every differentiable op. On CPU each case is gradient-checked against central
+// finite differences in float64; on a CUDA machine each case's values and gradients are also
+// compared with the CPU's.
+#include <functional>
+#include <set>
+
+#include "helpers.h"
+
+using namespace weave;
+using Inputs = std::vector<Tensor>;
+
+namespace {
+
+enum class Domain { Any, Positive, Unit };
+
+struct Input {
+  Shape shape;
+  Domain domain = Domain::Any;
+  bool transposed = false;  // a non-contiguous leaf (transposed storage) of this shape
+};
+
+struct OpCase {
+  std::string op;
+  std::vector<Input> inputs;
+  std::function<Tensor(const Inputs&)> fn;
+  double eps = 1e-6;  // finite-difference step (larger where the op rounds to float32)
+};
+
+Input any(Shape s) {
+  return {s};
+}
+Input pos(Shape s) {
+  return {s, Domain::Positive};
+}
+Input tr(Shape s) {
+  return {s, Domain::Any, true};
+}
+
+std::vector<OpCase> cases() {
+  auto unary = [](std::string name, Tensor (*f)(const Tensor&), Domain d = Domain::Any) {
+    std::vector<OpCase> out;
+    out.push_back({name, {{{}, d}}, [f](const Inputs& x) { return f(x[0]); }});
+    out.push_back({name, {{{3, 4}, d}}, [f](const Inputs& x) { return f(x[0]); }});
+    out.push_back({name, {{{4, 3}, d, true}}, [f](const Inputs& x) { return f(x[0]); }});
+    return out;
+  };
+  auto binary = [](std::string name, Tensor (*f)(const Tensor&, const Tensor&),
+                   Domain d = Domain::Any) {
+    std::vector<OpCase> out;
+    auto call = [f](const Inputs& x) { return f(x[0], x[1]); };
+    out.push_back({name, {{{}, d}, {{}, d}}, call});
+    out.push_back({name, {{{3, 4}, d}, {{3, 4}, d}}, call});
+    out.push_back({name, {{{3, 1}, d}, {{1, 4}, d}}, call});    // broadcast both ways
+    out.push_back({name, {{{2, 3, 4}, d}, {{4}, d}}, call});    // broadcast over leading dims
+    out.push_back({name, {{{4, 3}, d, true}, {{}, d}}, call});  // non-contiguous with a scalar
+    return out;
+  };
+  std::vector<OpCase> all;
+  auto add_all = [&](std::vector<OpCase> more) { all.insert(all.end(), more.begin(), more.end()); };
+
+  add_all(unary("neg", neg));
+  add_all(unary("abs", abs));
+  add_all(unary("exp", exp));
+  add_all(unary("log", log, Domain::Positive));
+  add_all(unary("sqrt", sqrt, Domain::Positive));
+  add_all(unary("rsqrt", rsqrt, Domain::Positive));
+  add_all(unary("sin", sin));
+  all.push_back({"tanh", {{{3, 4}, Domain::Unit}}, [](const Inputs& x) { return tanh(x[0]); }});
+  add_all(unary("cos", cos));
+  add_all(unary("tanh", tanh));
+  add_all(unary("sigmoid", sigmoid));
+  add_all(unary("relu", relu));
+  add_all(unary("gelu", gelu));
+  add_all(unary("silu", silu));
+  add_all(binary("add", add));
+  add_all(binary("sub", sub));
+  add_all(binary("mul", mul));
+  add_all(binary("div", div, Domain::Positive));
+  add_all(binary(
+      "pow", [](const Tensor& a, const Tensor& b) { return pow(a, b); }, Domain::Positive));
+  add_all(binary("maximum", maximum));
+  add_all(binary("minimum", minimum));
+  all.push_back({"pow_scalar", {pos({3, 4})}, [](const Inputs& x) { return pow(x[0], 2.5); }});
+  all.push_back({"scalar_ops", {any({3, 4})}, [](const Inputs& x) {
+                   return (2.0 - x[0]) * 3.0 / (x[0] * x[0] + 1.0) + 0.5;
+                 }});
+  all.push_back({"where", {any({3, 4}), any({3, 4}), any({4})}, [](const Inputs& x) {
+                   return where(gt(x[0], x[1]), x[1], x[2]);
+                 }});
+
+  for (Dims dims : {Dims{}, Dims{0}, Dims{1}, Dims{-1, 0}}) {
+    for (bool keep : {false, true}) {
+      all.push_back({"sum", {tr({3, 4})}, [=](const Inputs& x) { return sum(x[0], dims, keep); }});
+      all.push_back(
+          {"mean", {any({3, 4})}, [=](const Inputs& x) { return mean(x[0], dims, keep); }});
+      all.push_back({"max", {any({3, 4})}, [=](const Inputs& x) { return max(x[0], dims, keep); }});
+      all.push_back({"min", {tr({3, 4})}, [=](const Inputs& x) { return min(x[0], dims, keep); }});
+    }
+  }
+  all.push_back({"sum", {any({2, 3, 4})}, [](const Inputs& x) { return sum(x[0], {0, 2}); }});
+  all.push_back({"sum", {any({})}, [](const Inputs& x) { return sum(x[0]); }});
+  all.push_back({"var", {any({3, 4})}, [](const Inputs& x) { return var(x[0], {1}); }});
+  all.push_back({"var", {tr({3, 4})}, [](const Inputs& x) { return var(x[0], {}, 0, true); }});
+
+  all.push_back(
+      {"matmul", {any({3, 4}), any({4, 5})}, [](const Inputs& x) { return matmul(x[0], x[1]); }});
+  all.push_back(
+      {"matmul", {tr({3, 4}), tr({4, 5})}, [](const Inputs& x) { return matmul(x[0], x[1]); }});
+  all.push_back({"matmul", {any({2, 3, 4}), any({4, 2})}, [](const Inputs& x) {
+                   return matmul(x[0], x[1]);
+                 }});
+  all.push_back({"matmul", {any({2, 1, 3, 4}), any({3, 4, 2})}, [](const Inputs& x) {
+                   return matmul(x[0], x[1]);
+                 }});
+  all.push_back(
+      {"matmul", {any({4}), any({4, 3})}, [](const Inputs& x) { return matmul(x[0], x[1]); }});
+  all.push_back(
+      {"matmul", {any({3, 4}), any({4})}, [](const Inputs& x) { return matmul(x[0], x[1]); }});
+  all.push_back(
+      {"matmul", {any({4}), any({4})}, [](const Inputs& x) { return matmul(x[0], x[1]); }});
+  all.push_back({"linear", {any({5, 4}), any({3, 4}), any({3})}, [](const Inputs& x) {
+                   return linear(x[0], x[1], x[2]);
+                 }});
+  all.push_back(
+      {"linear", {any({2, 5, 4}), tr({3, 4})}, [](const Inputs& x) { return linear(x[0], x[1]); }});
+
+  all.push_back({"reshape", {tr({3, 4})}, [](const Inputs& x) {
+                   return x[0].reshape({2, -1}) * 1.0;
+                 }});
+  all.push_back({"view", {any({3, 4})}, [](const Inputs& x) { return x[0].view({4, 3}).exp(); }});
+  all.push_back(
+      {"flatten", {any({2, 3, 2})}, [](const Inputs& x) { return x[0].flatten(1).exp(); }});
+  all.push_back({"permute", {any({2, 3, 4})}, [](const Inputs& x) {
+                   return x[0].permute({2, 0, 1}).exp();
+                 }});
+  all.push_back(
+      {"transpose", {any({3, 4})}, [](const Inputs& x) { return x[0].transpose(0, 1).exp(); }});
+  all.push_back(
+      {"narrow", {any({5, 4})}, [](const Inputs& x) { return x[0].narrow(0, 1, 3).exp(); }});
+  all.push_back(
+      {"slice", {tr({6, 4})}, [](const Inputs& x) { return x[0].slice(0, 1, -1, 2).exp(); }});
+  all.push_back(
+      {"select", {any({3, 4})}, [](const Inputs& x) { return x[0].select(1, -1).exp(); }});
+  all.push_back({"expand", {any({3, 1})}, [](const Inputs& x) {
+                   return x[0].expand({2, 3, 4}).exp();
+                 }});
+  all.push_back(
+      {"squeeze", {any({3, 1, 4})}, [](const Inputs& x) { return x[0].squeeze().exp(); }});
+  all.push_back(
+      {"unsqueeze", {any({3, 4})}, [](const Inputs& x) { return x[0].unsqueeze(1).exp(); }});
+  all.push_back({"cat", {any({2, 3}), tr({4, 3}), any({1, 3})}, [](const Inputs& x) {
+                   return cat({x[0], x[1], x[2]}, 0).exp();
+                 }});
+  all.push_back({"cat", {any({3, 2}), any({3, 1})}, [](const Inputs& x) {
+                   return cat({x[0], x[1]}, -1).exp();
+                 }});
+  all.push_back({"stack", {any({3, 2}), any({3, 2})}, [](const Inputs& x) {
+                   return stack({x[0], x[1]}, 1).exp();
+                 }});
+  all.push_back({"split", {any({5, 3})}, [](const Inputs& x) {
+                   auto parts = split(x[0], 2, 0);
+                   return parts[0].sum() *
+                          parts[2].exp().sum();  // the middle piece gets no gradient
+                 }});
+  all.push_back({"chunk", {any({3, 6})}, [](const Inputs& x) {
+                   auto parts = chunk(x[0], 3, 1);
+                   return parts[0] * parts[1] + parts[2];
+                 }});
+  all.push_back(
+      {"index_select", {any({5, 3})}, [](const Inputs& x) {
+         return index_select(x[0], 0, from_vector<int64_t>({4, 0, 4, 2}, {}, x[0].device()));
+       }});
+  all.push_back({"index_select", {tr({3, 5})}, [](const Inputs& x) {
+                   return index_select(x[0], 1, from_vector<int32_t>({1, -1}, {}, x[0].device()));
+                 }});
+
+  all.push_back({"softmax", {any({3, 5})}, [](const Inputs& x) { return softmax(x[0], -1); }});
+  all.push_back({"softmax", {tr({3, 5})}, [](const Inputs& x) { return softmax(x[0], 0); }});
+  all.push_back(
+      {"log_softmax", {any({3, 5})}, [](const Inputs& x) { return log_softmax(x[0], 1); }});
+  all.push_back({"log_softmax", {any({5})}, [](const Inputs& x) { return log_softmax(x[0]); }});
+  all.push_back(
+      {"cross_entropy", {any({4, 5})}, [](const Inputs& x) {
+         return cross_entropy(x[0], from_vector<int64_t>({0, 4, 2, 2}, {}, x[0].device()));
+       }});
+  all.push_back({"cross_entropy", {any({4, 5})}, [](const Inputs& x) {
+                   return cross_entropy(x[0], from_vector<int64_t>({1, 3, 0, 4}, {}, x[0].device()),
+                                        Reduction::None);
+                 }});
+  all.push_back({"cross_entropy", {any({5})}, [](const Inputs& x) {
+                   return cross_entropy(
+                       x[0], scalar_tensor(3, {.dtype = kInt64, .device = x[0].device()}),
+                       Reduction::Sum);
+                 }});
+  all.push_back({"mse_loss", {any({3, 4}), any({3, 4})}, [](const Inputs& x) {
+                   return mse_loss(x[0], x[1]);
+                 }});
+  all.push_back({"mse_loss", {any({3, 4}), tr({3, 4})}, [](const Inputs& x) {
+                   return mse_loss(x[0], x[1], Reduction::None);
+                 }});
+  all.push_back({"layer_norm", {any({3, 5}), any({5}), any({5})}, [](const Inputs& x) {
+                   return layer_norm(x[0], {5}, x[1], x[2]);
+                 }});
+  all.push_back({"layer_norm", {any({2, 3, 4})}, [](const Inputs& x) {
+                   return layer_norm(x[0], {3, 4});
+                 }});
+  all.push_back(
+      {"embedding", {any({6, 3})}, [](const Inputs& x) {
+         return embedding(x[0], from_vector<int64_t>({5, 0, 5, 1, 2, 3}, {2, 3}, x[0].device()));
+       }});
+  all.push_back({"dropout", {any({4, 5})}, [](const Inputs& x) {
+                   Generator g(
+                       7);  // a fresh generator per call: the same mask at every perturbation
+                   return dropout(x[0], 0.4, true, &g);
+                 }});
+  all.push_back({"clone", {tr({3, 4})}, [](const Inputs& x) { return x[0].clone() * x[0]; }});
+  all.push_back(
+      {"contiguous", {tr({3, 4})}, [](const Inputs& x) { return x[0].contiguous().exp(); }});
+  all.push_back({"to_dtype",
+                 {any({3, 4})},
+                 [](const Inputs& x) { return x[0].to(kFloat32).to(kFloat64) * x[0]; },
+                 1e-2});
+  all.push_back({"add_", {any({3, 4}), any({4})}, [](const Inputs& x) {
+                   Tensor y = x[0] * 2.0;
+                   y.add_(x[1], 0.5);
+                   return y * y;
+                 }});
+  all.push_back({"mul_", {any({3, 4}), any({3, 4})}, [](const Inputs& x) {
+                   Tensor y = x[0] * 2.0;  // (exp would save its output, which mul_ overwrites)
+                   y.mul_(x[1]);
+                   return y;
+                 }});
+  all.push_back({"copy_", {any({3, 4}), any({4})}, [](const Inputs& x) {
+                   Tensor z = zeros({3, 4}, {.dtype = kFloat64, .device = x[0].device()});
+                   z.copy_(x[1]);  // z takes x[1]'s history, broadcast over rows
+                   return x[0] * z;
+                 }});
+  all.push_back({"custom_function", {any({3, 4})}, [](const Inputs& x) {
+                   struct Cube : autograd::Function<Cube> {
+                     static Tensor forward(autograd::FunctionContext& ctx, const Tensor& v) {
+                       ctx.save_for_backward({v});
+                       return v * v * v;
+                     }
+                     static std::vector<Tensor> backward(autograd::FunctionContext& ctx,
+                                                         const std::vector<Tensor>& g) {
+                       Tensor v = ctx.saved()[0];
+                       return {g[0] * 3.0 * v * v};
+                     }
+                   };
+                   return Cube::apply(x[0]);
+                 }});
+  return all;
+}
+
+std::vector<Tensor> make_inputs(const std::vector<Input>& specs, Generator& generator) {
+  std::vector<Tensor> inputs;
+  for (const Input& spec : specs) {
+    Shape storage_shape = spec.shape;
+    if (spec.transposed) std::swap(storage_shape[0], storage_shape[1]);
+    Tensor t = randn(storage_shape, {.dtype = kFloat64}, &generator);
+    if (spec.domain == Domain::Positive) t = abs(t) + 0.5;
+    if (spec.domain == Domain::Unit) t = tanh(t) * 0.9;
+    if (spec.transposed) t = t.transpose(0, 1);
+    inputs.push_back(t.detach().requires_grad_());
+  }
+  return inputs;
+}
+
+}  // namespace
+
+TEST_SUITE("op_table") {
+  TEST_CASE("every differentiable op matches finite differences") {
+    std::set<std::string> ops;
+    int index = 0;
+    for (const OpCase& c : cases()) {
+      Generator generator(1000 + index++);
+      std::vector<Tensor> inputs = make_inputs(c.inputs, generator);
+      bool any_transposed = false;
+      for (const Input& in : c.inputs) any_transposed = any_transposed || in.transposed;
+      if (any_transposed) {
+        bool noncontiguous = false;
+        for (const Tensor& t : inputs) noncontiguous = noncontiguous || !t.is_contiguous();
+        CHECK_MESSAGE(noncontiguous, c.op, ": transposed input should be non-contiguous");
+      }
+      autograd::GradcheckResult result = autograd::gradcheck(c.fn, inputs, {.eps = c.eps});
+      CHECK_MESSAGE(result.ok, c.op, " case ", index, ": ", result.report);
+      CHECK(result.checked > 0);
+      ops.insert(c.op);
+    }
+    MESSAGE("gradcheck table: " << ops.size() << " ops in " << index << " cases");
+    fmt::print("gradcheck table covered {} ops in {} cases\n", ops.size(), index);
+    CHECK(ops.size() >= 60);
+  }
+
+  TEST_CASE("gradcheck catches a wrong derivative") {
+    struct WrongSquare : autograd::Function<WrongSquare> {
+      static Tensor forward(autograd::FunctionContext& ctx, const Tensor& v) {
+        ctx.save_for_backward({v});
+        return v * v;
+      }
+      static std::vector<Tensor> backward(autograd::FunctionContext& ctx,
+                                          const std::vector<Tensor>& g) {
+        return {g[0] * ctx.saved()[0]};  // missing the factor 2
+      }
+    };
+    Tensor x = randn({3}, {.dtype = kFloat64}).requires_grad_();
+    auto result =
+        autograd::gradcheck([](const Inputs& in) { return WrongSquare::apply(in[0]); }, {x});
+    CHECK_FALSE(result.ok);
+    CHECK(result.report.find("analytic") != std::string::npos);
+  }
+}
+
+TEST_SUITE("cuda") {
+  TEST_CASE("every op on CUDA matches CPU, values and gradients") {
+    const Device gpu = Device::cuda(0);
+    int index = 0, compared = 0;
+    for (const OpCase& c : cases()) {
+      Generator generator(1000 + index++);
+      std::vector<Tensor> cpu_inputs = make_inputs(c.inputs, generator);
+      std::vector<Tensor> gpu_inputs;
+      for (const Tensor& t : cpu_inputs) gpu_inputs.push_back(t.detach().to(gpu).requires_grad_());
+      Tensor cpu_out = c.fn(cpu_inputs), gpu_out = c.fn(gpu_inputs);
+      REQUIRE_MESSAGE(gpu_out.device() == gpu, c.op);
+      CHECK_MESSAGE(test::close(cpu_out, gpu_out.cpu(), 1e-9, 1e-9), c.op, " values differ");
+      Generator seed(5);
+      Tensor probe = randn(cpu_out.shape(), {.dtype = kFloat64}, &seed);
+      sum(cpu_out * probe).backward();
+      sum(gpu_out * probe.to(gpu)).backward();
+      for (size_t i = 0; i < cpu_inputs.size(); ++i) {
+        Tensor a = cpu_inputs[i].grad(), b = gpu_inputs[i].grad();
+        REQUIRE_MESSAGE(a.defined() == b.defined(), c.op);
+        if (a.defined())
+          CHECK_MESSAGE(test::close(a, b.cpu(), 1e-9, 1e-9), c.op, " gradient ", i, " differs");
+      }
+      ++compared;
+    }
+    fmt::print("cuda table compared {} cases with CPU\n", compared);
+    CHECK(compared > 0);
+  }
+}
