@@ -6,6 +6,7 @@
 // Adding a unary op: a functor here + a line in WEAVE_UNARY_OPS + a declaration in ops.h.
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "tensor/dtype.h"
 
@@ -48,7 +49,8 @@ WEAVE_HD inline T erf_(T x) {
 template <class T>
 WEAVE_HD inline T pow_(T x, T y) {
   if constexpr (std::is_integral_v<T>) {
-    if (y < 0) return x == 1 ? 1 : 0;
+    if constexpr (std::is_signed_v<T>)
+      if (y < 0) return x == 1 ? 1 : 0;
     T result = 1;
     for (; y > 0; y >>= 1, x *= x)
       if (y & 1) result *= x;
@@ -76,11 +78,17 @@ struct Abs {  // d/dx |x| = sign(x)
   static constexpr bool integral = true;
   template <class T>
   WEAVE_HD T operator()(T x) const {
-    return x < T(0) ? -x : x;
+    if constexpr (std::is_unsigned_v<T>)
+      return x;
+    else
+      return x < T(0) ? -x : x;
   }
   template <class T>
   WEAVE_HD T grad(T x, T) const {
-    return T((x > T(0)) - (x < T(0)));
+    if constexpr (std::is_unsigned_v<T>)
+      return T(x != T(0));
+    else
+      return T((x > T(0)) - (x < T(0)));
   }
 };
 struct Exp {  // d/dx e^x = e^x
@@ -304,13 +312,15 @@ struct Ge {
   }
 };
 
-#define WEAVE_ARITHMETIC_OPS(X)                                              \
-  X(Add, ::weave::fn::Add)                                                   \
-  X(Sub, ::weave::fn::Sub) X(Mul, ::weave::fn::Mul) X(Div, ::weave::fn::Div) \
-      X(Pow, ::weave::fn::Pow) X(Maximum, ::weave::fn::Maximum) X(Minimum, ::weave::fn::Minimum)
-#define WEAVE_COMPARISON_OPS(X)                                                               \
-  X(Eq, ::weave::fn::Eq)                                                                      \
-  X(Ne, ::weave::fn::Ne) X(Lt, ::weave::fn::Lt) X(Le, ::weave::fn::Le) X(Gt, ::weave::fn::Gt) \
-      X(Ge, ::weave::fn::Ge)
+#define WEAVE_ARITHMETIC_OPS(X)                                                      \
+  X(Add, ::weave::fn::Add)                                                           \
+  X(Sub, ::weave::fn::Sub)                                                           \
+  X(Mul, ::weave::fn::Mul)                                                           \
+  X(Div, ::weave::fn::Div) X(Pow, ::weave::fn::Pow) X(Maximum, ::weave::fn::Maximum) \
+      X(Minimum, ::weave::fn::Minimum)
+#define WEAVE_COMPARISON_OPS(X) \
+  X(Eq, ::weave::fn::Eq)        \
+  X(Ne, ::weave::fn::Ne)        \
+  X(Lt, ::weave::fn::Lt) X(Le, ::weave::fn::Le) X(Gt, ::weave::fn::Gt) X(Ge, ::weave::fn::Ge)
 
 }  // namespace weave::fn

@@ -25,6 +25,29 @@ inline bool is_comparison(BinaryOp op) {
   return op >= BinaryOp::Eq;
 }
 
+/// visit_dtype over the dtypes arithmetic is defined on (all but bool).
+template <class Fn>
+void visit_arithmetic(DType dtype, const char* op, Fn&& fn) {
+  WEAVE_CHECK(dtype != kBool, op, "expected a numeric dtype, found bool; hint: .to(kInt64)");
+  visit_dtype(dtype, [&](auto tag) {
+    if constexpr (!std::is_same_v<typename decltype(tag)::type, bool>) fn(tag);
+  });
+}
+
+/// visit_arithmetic restricted to the dtypes unary op Functor is instantiated for: floating
+/// only, unless the op is defined on integers.
+template <class Functor, class Fn>
+void visit_unary(DType dtype, const char* op, Fn&& fn) {
+  visit_arithmetic(dtype, op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (Functor::integral || std::is_floating_point_v<compute_t<T>>) {
+      fn(tag);
+    } else {
+      WEAVE_FAIL(op, "expected a floating dtype, found {}", dtype);
+    }
+  });
+}
+
 enum class ReduceOp : uint8_t { Sum, Max, Min, ArgMax, ArgMin };
 
 /// out = op(x); x and out have one dtype.

@@ -25,7 +25,10 @@ struct Device {
   bool is_cpu() const { return type == DeviceType::CPU; }
   bool is_cuda() const { return type == DeviceType::CUDA; }
   std::string str() const;
-  friend bool operator==(const Device&, const Device&) = default;
+  friend bool operator==(const Device& a, const Device& b) {
+    return a.type == b.type && a.index == b.index;
+  }
+  friend bool operator!=(const Device& a, const Device& b) { return !(a == b); }
 };
 
 inline constexpr Device kCPU = Device::cpu();

@@ -23,13 +23,12 @@ namespace detail {
 
 }  // namespace weave
 
-/// Throws weave::Error("[op] " + formatted message).
-#define WEAVE_FAIL(op, ...) \
-  ::weave::detail::throw_error(fmt::format("[{}] {}", op, fmt::format(__VA_ARGS__)))
+/// Throws weave::Error("[op] " + formatted message); the message must be a string literal.
+#define WEAVE_FAIL(op, message, ...) \
+  ::weave::detail::throw_error(fmt::format("[{}] " message, op, ##__VA_ARGS__))
 
 /// Throws weave::Error("[op] ...") unless cond holds.
-#define WEAVE_CHECK(cond, op, ...) \
-  do {                             \
-    if (!(cond)) [[unlikely]]      \
-      WEAVE_FAIL(op, __VA_ARGS__); \
+#define WEAVE_CHECK(cond, op, ...)                                 \
+  do {                                                             \
+    if (__builtin_expect(!(cond), 0)) WEAVE_FAIL(op, __VA_ARGS__); \
   } while (0)

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -19,7 +18,7 @@ class Dims {
  public:
   Dims() = default;
   Dims(std::initializer_list<int64_t> values) { assign(values.begin(), values.end()); }
-  explicit Dims(std::span<const int64_t> values) { assign(values.begin(), values.end()); }
+  Dims(const int64_t* values, int n) { assign(values, values + n); }
   Dims(const std::vector<int64_t>& values) { assign(values.begin(), values.end()); }
   /// n copies of value.
   static Dims filled(int n, int64_t value) {
@@ -69,7 +68,7 @@ class Dims {
     return std::equal(a.begin(), a.end(), b.begin(), b.end());
   }
   /// "[2, 3]".
-  std::string str() const { return fmt::format("[{}]", fmt::join(begin(), end(), ", ")); }
+  std::string str() const;
 
  private:
   template <class It>

@@ -80,6 +80,8 @@ std::string Device::str() const {
 
 // ---- shapes -----------------------------------------------------------------------------
 
+std::string Dims::str() const { return fmt::format("[{}]", fmt::join(begin(), end(), ", ")); }
+
 Strides contiguous_strides(const Shape& shape) {
   Strides strides = Dims::filled(shape.size(), 1);
   for (int i = shape.size() - 2; i >= 0; --i)

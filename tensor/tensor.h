@@ -42,7 +42,11 @@ class HookHandle {
   HookHandle() = default;
   explicit HookHandle(std::function<void()> remover) : remover_(std::move(remover)) {}
   void remove() {
-    if (remover_) std::exchange(remover_, nullptr)();
+    if (remover_) {
+      auto remover = std::move(remover_);
+      remover_ = nullptr;
+      remover();
+    }
   }
 
  private:

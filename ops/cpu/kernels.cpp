@@ -16,25 +16,16 @@ constexpr bool kEigenScalar = std::is_same_v<T, float> || std::is_same_v<T, doub
 template <class T>
 using RowMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-// Visits every dtype that arithmetic is defined on (all but bool).
-template <class Fn>
-void visit_arithmetic(DType dtype, const char* op, Fn&& fn) {
-  WEAVE_CHECK(dtype != kBool, op, "expected a numeric dtype, found bool; hint: .to(kInt64)");
-  visit_dtype(dtype, [&](auto tag) {
-    if constexpr (!std::is_same_v<typename decltype(tag)::type, bool>) fn(tag);
-  });
-}
-
 }  // namespace
 
 void unary(UnaryOp op, const Tensor& x, const Tensor& out) {
   switch (op) {
-#define WEAVE_CASE(Name, Functor, function)                   \
-  case UnaryOp::Name:                                         \
-    visit_arithmetic(x.dtype(), #function, [&](auto tag) {    \
-      using T = typename decltype(tag)::type;                 \
-      map<T, T>([](auto v) { return Functor{}(v); }, out, x); \
-    });                                                       \
+#define WEAVE_CASE(Name, Functor, function)                    \
+  case UnaryOp::Name:                                          \
+    visit_unary<Functor>(x.dtype(), #function, [&](auto tag) { \
+      using T = typename decltype(tag)::type;                  \
+      map<T, T>([](auto v) { return Functor{}(v); }, out, x);  \
+    });                                                        \
     return;
     WEAVE_UNARY_OPS(WEAVE_CASE)
 #undef WEAVE_CASE
@@ -46,7 +37,7 @@ void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tenso
   switch (op) {
 #define WEAVE_CASE(Name, Functor, function)                                                       \
   case UnaryOp::Name:                                                                             \
-    visit_arithmetic(x.dtype(), #function, [&](auto tag) {                                        \
+    visit_unary<Functor>(x.dtype(), #function, [&](auto tag) {                                    \
       using T = typename decltype(tag)::type;                                                     \
       map<T, T, T, T>([](auto g, auto a, auto b) { return g * Functor{}.grad(a, b); }, out, grad, \
                       x, y);                                                                      \

@@ -1,0 +1,206 @@
+// CUDA elementwise kernels: one strided N-ary launcher serves unary, binary, where, copy, fill.
+#include <array>
+
+#include "ops/cuda/common.cuh"
+#include "ops/kernel_backends.h"
+
+namespace weave::kernels::cuda {
+
+using weave::cuda::blocks_for;
+using weave::cuda::check_launch;
+using weave::cuda::DeviceGuard;
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// Element strides of N operands over one shape (dims of size 1 dropped).
+template <int N>
+struct Indexer {
+  int rank = 0;
+  bool contiguous = true;
+  int64_t sizes[kMaxDims];
+  int64_t strides[N][kMaxDims];
+
+  __device__ void offsets(int64_t linear, int64_t (&off)[N]) const {
+    for (int k = 0; k < N; ++k) off[k] = contiguous ? linear : 0;
+    if (contiguous) return;
+    for (int d = rank - 1; d >= 0; --d) {
+      int64_t i = linear % sizes[d];
+      linear /= sizes[d];
+      for (int k = 0; k < N; ++k) off[k] += i * strides[k][d];
+    }
+  }
+};
+
+template <int N>
+Indexer<N> make_indexer(const std::array<const Tensor*, N>& tensors) {
+  Indexer<N> ix;
+  const Shape& shape = tensors[0]->shape();
+  for (int k = 0; k < N; ++k) ix.contiguous = ix.contiguous && tensors[k]->is_contiguous();
+  for (int d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 1) continue;
+    ix.sizes[ix.rank] = shape[d];
+    for (int k = 0; k < N; ++k) ix.strides[k][ix.rank] = tensors[k]->strides()[d];
+    ++ix.rank;
+  }
+  return ix;
+}
+
+template <class F, class TO, class... TI>
+__global__ void map_kernel(F f, int64_t n, Indexer<1 + sizeof...(TI)> ix, TO* out,
+                           const TI*... in) {
+  constexpr int N = 1 + sizeof...(TI);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t off[N];
+    ix.offsets(i, off);
+    int k = 1;
+    out[off[0]] = TO(f(compute_t<TI>(in[off[k++]])...));
+  }
+}
+
+template <class>
+struct TensorFor {
+  using type = Tensor;
+};
+
+/// out = f(ins...) elementwise on the output's device.
+template <class TO, class... TI, class F>
+void map(F f, const Tensor& out, const typename TensorFor<TI>::type&... ins) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  DeviceGuard guard(out.device().index);
+  auto ix = make_indexer<1 + sizeof...(TI)>({&out, &ins...});
+  const unsigned blocks = std::min<unsigned>(blocks_for(n, kThreads), 65535u * 8);
+  map_kernel<F, TO, TI...><<<blocks, kThreads, 0, weave::cuda::stream(out.device().index)>>>(
+      f, n, ix, static_cast<TO*>(out.data_ptr()), static_cast<const TI*>(ins.data_ptr())...);
+  check_launch("cuda elementwise");
+}
+
+template <class Functor>
+struct Apply {
+  template <class T>
+  __device__ T operator()(T x) const {
+    return Functor{}(x);
+  }
+};
+template <class Functor>
+struct ApplyGrad {
+  template <class T>
+  __device__ T operator()(T g, T x, T y) const {
+    return g * Functor{}.grad(x, y);
+  }
+};
+template <class Functor>
+struct ApplyBinary {
+  template <class T>
+  __device__ auto operator()(T a, T b) const {
+    return Functor{}(a, b);
+  }
+};
+struct Select {
+  template <class T>
+  __device__ T operator()(bool c, T a, T b) const {
+    return c ? a : b;
+  }
+};
+struct Identity {
+  template <class T>
+  __device__ T operator()(T x) const {
+    return x;
+  }
+};
+template <class T>
+struct Constant {
+  T value;
+  __device__ compute_t<T> operator()() const { return compute_t<T>(value); }
+};
+
+}  // namespace
+
+void unary(UnaryOp op, const Tensor& x, const Tensor& out) {
+  switch (op) {
+#define WEAVE_CASE(Name, Functor, function)                    \
+  case UnaryOp::Name:                                          \
+    visit_unary<Functor>(x.dtype(), #function, [&](auto tag) { \
+      using T = typename decltype(tag)::type;                  \
+      map<T, T>(Apply<Functor>{}, out, x);                     \
+    });                                                        \
+    return;
+    WEAVE_UNARY_OPS(WEAVE_CASE)
+#undef WEAVE_CASE
+  }
+}
+
+void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
+                    const Tensor& out) {
+  switch (op) {
+#define WEAVE_CASE(Name, Functor, function)                    \
+  case UnaryOp::Name:                                          \
+    visit_unary<Functor>(x.dtype(), #function, [&](auto tag) { \
+      using T = typename decltype(tag)::type;                  \
+      map<T, T, T, T>(ApplyGrad<Functor>{}, out, grad, x, y);  \
+    });                                                        \
+    return;
+    WEAVE_UNARY_OPS(WEAVE_CASE)
+#undef WEAVE_CASE
+  }
+}
+
+void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  switch (op) {
+#define WEAVE_CASE(Name, Functor)                      \
+  case BinaryOp::Name:                                 \
+    visit_arithmetic(a.dtype(), #Name, [&](auto tag) { \
+      using T = typename decltype(tag)::type;          \
+      map<T, T, T>(ApplyBinary<Functor>{}, out, a, b); \
+    });                                                \
+    return;
+    WEAVE_ARITHMETIC_OPS(WEAVE_CASE)
+#undef WEAVE_CASE
+#define WEAVE_CASE(Name, Functor)                         \
+  case BinaryOp::Name:                                    \
+    visit_dtype(a.dtype(), [&](auto tag) {                \
+      using T = typename decltype(tag)::type;             \
+      map<bool, T, T>(ApplyBinary<Functor>{}, out, a, b); \
+    });                                                   \
+    return;
+    WEAVE_COMPARISON_OPS(WEAVE_CASE)
+#undef WEAVE_CASE
+  }
+}
+
+void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
+  visit_dtype(a.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    map<T, bool, T, T>(Select{}, out, cond, a, b);
+  });
+}
+
+void copy(const Tensor& src, const Tensor& dst) {
+  if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous()) {
+    DeviceGuard guard(dst.device().index);
+    WEAVE_CUDA_CHECK(
+        cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel() * src.itemsize(),
+                        cudaMemcpyDeviceToDevice, weave::cuda::stream(dst.device().index)),
+        "copy");
+    return;
+  }
+  visit_dtype(dst.dtype(), [&](auto out_tag) {
+    using TO = typename decltype(out_tag)::type;
+    visit_dtype(src.dtype(), [&](auto in_tag) {
+      using TI = typename decltype(in_tag)::type;
+      map<TO, TI>(Identity{}, dst, src);
+    });
+  });
+}
+
+void fill(const Tensor& dst, double value) {
+  visit_dtype(dst.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    map<T>(Constant<T>{T(static_cast<compute_t<T>>(value))}, dst);
+  });
+}
+
+}  // namespace weave::kernels::cuda
