@@ -20,14 +20,14 @@ int main() {
   const int all_threads = num_threads();
   for (int threads : {1, all_threads}) {
     set_num_threads(threads);
-    auto [add_s, copy_s] = bench::alternate(
-        [&] { out = add(a, b); }, [&] { std::memcpy(dst.data(), src.data(), n * sizeof(float)); },
-        21);
+    auto [add_s, copy_s] =
+        bench::alternate([&] { out = add(a, b); },
+                         [&] { std::memcpy(dst.data(), src.data(), n * sizeof(float)); }, 21);
     const double add_gbps = 3 * bytes / add_s * 1e-9, copy_gbps = 2 * bytes / copy_s * 1e-9;
-    std::printf("name=add_f32 elements=%ld threads=%d add_ms=%.3f memcpy_ms=%.3f add_GBps=%.2f "
-                "memcpy_GBps=%.2f ratio=%.3f\n",
-                long(n), threads, add_s * 1e3, copy_s * 1e3, add_gbps, copy_gbps,
-                add_gbps / copy_gbps);
+    std::printf(
+        "name=add_f32 elements=%ld threads=%d add_ms=%.3f memcpy_ms=%.3f add_GBps=%.2f "
+        "memcpy_GBps=%.2f ratio=%.3f\n",
+        long(n), threads, add_s * 1e3, copy_s * 1e3, add_gbps, copy_gbps, add_gbps / copy_gbps);
     if (all_threads == 1) break;
   }
 }

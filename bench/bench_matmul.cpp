@@ -15,12 +15,13 @@ int main() {
     Eigen::MatrixXf ea = Eigen::MatrixXf::Random(n, n), eb = Eigen::MatrixXf::Random(n, n);
     Eigen::MatrixXf ec(n, n);
     Tensor out;
-    auto [weave_s, eigen_s] = bench::alternate([&] { out = matmul(a, b); },
-                                               [&] { ec.noalias() = ea * eb; }, trials);
+    auto [weave_s, eigen_s] =
+        bench::alternate([&] { out = matmul(a, b); }, [&] { ec.noalias() = ea * eb; }, trials);
     const double flops = 2.0 * double(n) * double(n) * double(n);
-    std::printf("name=matmul_f32 n=%ld threads=%d weave_ms=%.3f eigen_ms=%.3f weave_gflops=%.1f "
-                "eigen_gflops=%.1f ratio=%.3f\n",
-                long(n), num_threads(), weave_s * 1e3, eigen_s * 1e3, flops / weave_s * 1e-9,
-                flops / eigen_s * 1e-9, eigen_s / weave_s);
+    std::printf(
+        "name=matmul_f32 n=%ld threads=%d weave_ms=%.3f eigen_ms=%.3f weave_gflops=%.1f "
+        "eigen_gflops=%.1f ratio=%.3f\n",
+        long(n), num_threads(), weave_s * 1e3, eigen_s * 1e3, flops / weave_s * 1e-9,
+        flops / eigen_s * 1e-9, eigen_s / weave_s);
   }
 }

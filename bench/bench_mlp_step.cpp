@@ -80,9 +80,9 @@ int main() {
     eigen_total.push_back(e);
   }
   const double w = bench::median(weave_total), e = bench::median(eigen_total);
-  std::printf("name=mlp_step batch=%ld threads=%d forward_us=%.1f backward_us=%.1f "
-              "optimizer_us=%.1f weave_step_us=%.1f eigen_step_us=%.1f ratio=%.3f\n",
-              long(batch), num_threads(), bench::median(forward) * 1e6,
-              bench::median(backward) * 1e6, bench::median(optimizer) * 1e6, w * 1e6, e * 1e6,
-              e / w);
+  std::printf(
+      "name=mlp_step batch=%ld threads=%d forward_us=%.1f backward_us=%.1f "
+      "optimizer_us=%.1f weave_step_us=%.1f eigen_step_us=%.1f ratio=%.3f\n",
+      long(batch), num_threads(), bench::median(forward) * 1e6, bench::median(backward) * 1e6,
+      bench::median(optimizer) * 1e6, w * 1e6, e * 1e6, e / w);
 }

@@ -312,12 +312,12 @@ struct Ge {
   }
 };
 
-#define WEAVE_ARITHMETIC_OPS(X)                                                      \
-  X(Add, ::weave::fn::Add)                                                           \
-  X(Sub, ::weave::fn::Sub)                                                           \
-  X(Mul, ::weave::fn::Mul)                                                           \
-  X(Div, ::weave::fn::Div) X(Pow, ::weave::fn::Pow) X(Maximum, ::weave::fn::Maximum) \
-      X(Minimum, ::weave::fn::Minimum)
+#define WEAVE_ARITHMETIC_OPS(X) \
+  X(Add, ::weave::fn::Add)      \
+  X(Sub, ::weave::fn::Sub)      \
+  X(Mul, ::weave::fn::Mul)      \
+  X(Div, ::weave::fn::Div)      \
+  X(Pow, ::weave::fn::Pow) X(Maximum, ::weave::fn::Maximum) X(Minimum, ::weave::fn::Minimum)
 #define WEAVE_COMPARISON_OPS(X) \
   X(Eq, ::weave::fn::Eq)        \
   X(Ne, ::weave::fn::Ne)        \

@@ -80,7 +80,9 @@ std::string Device::str() const {
 
 // ---- shapes -----------------------------------------------------------------------------
 
-std::string Dims::str() const { return fmt::format("[{}]", fmt::join(begin(), end(), ", ")); }
+std::string Dims::str() const {
+  return fmt::format("[{}]", fmt::join(begin(), end(), ", "));
+}
 
 Strides contiguous_strides(const Shape& shape) {
   Strides strides = Dims::filled(shape.size(), 1);
