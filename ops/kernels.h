@@ -48,6 +48,34 @@ void visit_unary(DType dtype, const char* op, Fn&& fn) {
   });
 }
 
+/// Calls fn(type_tag<Functor>{}, name) with the functor that implements a unary op.
+template <class Fn>
+void visit_unary_op(UnaryOp op, Fn&& fn) {
+  switch (op) {
+#define WEAVE_CASE(Name, Functor, function) \
+  case UnaryOp::Name:                       \
+    return fn(type_tag<Functor>{}, #function);
+    WEAVE_UNARY_OPS(WEAVE_CASE)
+#undef WEAVE_CASE
+  }
+}
+
+/// Calls fn(type_tag<Functor>{}, name) with the functor that implements a binary op.
+template <class Fn>
+void visit_binary_op(BinaryOp op, Fn&& fn) {
+  switch (op) {
+#define WEAVE_CASE(Name, Functor) \
+  case BinaryOp::Name:            \
+    return fn(type_tag<Functor>{}, #Name);
+    WEAVE_ARITHMETIC_OPS(WEAVE_CASE) WEAVE_COMPARISON_OPS(WEAVE_CASE)
+#undef WEAVE_CASE
+  }
+}
+
+/// True for the binary functors that return bool.
+template <class Functor>
+inline constexpr bool kComparison = std::is_same_v<decltype(Functor{}(1, 1)), bool>;
+
 enum class ReduceOp : uint8_t { Sum, Max, Min, ArgMax, ArgMin };
 
 /// out = op(x); x and out have one dtype.

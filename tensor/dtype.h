@@ -190,24 +190,6 @@ decltype(auto) visit_dtype(DType dtype, Fn&& fn) {
   WEAVE_FAIL("dtype", "unknown dtype code {}", static_cast<int>(dtype));
 }
 
-/// visit_dtype restricted to floating dtypes; others raise an error naming op.
-template <class Fn>
-decltype(auto) visit_floating(DType dtype, const char* op, Fn&& fn) {
-  switch (dtype) {
-    case kFloat32:
-      return fn(type_tag<float>{});
-    case kFloat64:
-      return fn(type_tag<double>{});
-    case kBFloat16:
-      return fn(type_tag<BFloat16>{});
-    case kFloat16:
-      return fn(type_tag<Half>{});
-    default:
-      break;
-  }
-  WEAVE_FAIL(op, "expected a floating dtype, found {}", dtype_name(dtype));
-}
-
 }  // namespace weave
 
 template <>

@@ -120,55 +120,39 @@ struct Constant {
 }  // namespace
 
 void unary(UnaryOp op, const Tensor& x, const Tensor& out) {
-  switch (op) {
-#define WEAVE_CASE(Name, Functor, function)                    \
-  case UnaryOp::Name:                                          \
-    visit_unary<Functor>(x.dtype(), #function, [&](auto tag) { \
-      using T = typename decltype(tag)::type;                  \
-      map<T, T>(Apply<Functor>{}, out, x);                     \
-    });                                                        \
-    return;
-    WEAVE_UNARY_OPS(WEAVE_CASE)
-#undef WEAVE_CASE
-  }
+  visit_unary_op(op, [&](auto functor, const char* name) {
+    using F = typename decltype(functor)::type;
+    visit_unary<F>(x.dtype(), name, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      map<T, T>(Apply<F>{}, out, x);
+    });
+  });
 }
 
 void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
                     const Tensor& out) {
-  switch (op) {
-#define WEAVE_CASE(Name, Functor, function)                    \
-  case UnaryOp::Name:                                          \
-    visit_unary<Functor>(x.dtype(), #function, [&](auto tag) { \
-      using T = typename decltype(tag)::type;                  \
-      map<T, T, T, T>(ApplyGrad<Functor>{}, out, grad, x, y);  \
-    });                                                        \
-    return;
-    WEAVE_UNARY_OPS(WEAVE_CASE)
-#undef WEAVE_CASE
-  }
+  visit_unary_op(op, [&](auto functor, const char* name) {
+    using F = typename decltype(functor)::type;
+    visit_unary<F>(x.dtype(), name, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      map<T, T, T, T>(ApplyGrad<F>{}, out, grad, x, y);
+    });
+  });
 }
 
 void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
-  switch (op) {
-#define WEAVE_CASE(Name, Functor)                      \
-  case BinaryOp::Name:                                 \
-    visit_arithmetic(a.dtype(), #Name, [&](auto tag) { \
-      using T = typename decltype(tag)::type;          \
-      map<T, T, T>(ApplyBinary<Functor>{}, out, a, b); \
-    });                                                \
-    return;
-    WEAVE_ARITHMETIC_OPS(WEAVE_CASE)
-#undef WEAVE_CASE
-#define WEAVE_CASE(Name, Functor)                         \
-  case BinaryOp::Name:                                    \
-    visit_dtype(a.dtype(), [&](auto tag) {                \
-      using T = typename decltype(tag)::type;             \
-      map<bool, T, T>(ApplyBinary<Functor>{}, out, a, b); \
-    });                                                   \
-    return;
-    WEAVE_COMPARISON_OPS(WEAVE_CASE)
-#undef WEAVE_CASE
-  }
+  visit_binary_op(op, [&](auto functor, const char* name) {
+    using F = typename decltype(functor)::type;
+    auto body = [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      using Out = std::conditional_t<kComparison<F>, bool, T>;
+      map<Out, T, T>(ApplyBinary<F>{}, out, a, b);
+    };
+    if constexpr (kComparison<F>)
+      visit_dtype(a.dtype(), body);
+    else
+      visit_arithmetic(a.dtype(), name, body);
+  });
 }
 
 void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
