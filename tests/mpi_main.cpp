@@ -1,0 +1,62 @@
+// doctest runner for MPI tests: every rank runs every test; rank 0 prints each failing rank's
+// report and a summary naming the failing ranks; the exit code is non-zero if any rank failed.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <sstream>
+#include <string>
+
+#include "distributed/distributed.h"
+#include "ops/ops.h"
+
+using namespace weave;
+
+int main(int argc, char** argv) {
+  set_num_threads(1);  // ranks share the machine's cores
+  dist::InitGuard guard(dist::Backend::MPI);
+  const int rank = dist::rank(), size = dist::world_size();
+
+  std::ostringstream report;
+  doctest::Context context(argc, argv);
+  context.setOption("no-version", true);
+  context.setOption("no-colors", true);
+  context.setCout(&report);
+  const int failed = context.run() != 0 ? 1 : 0;
+
+  // Collect every rank's verdict and report on rank 0.
+  Tensor verdicts = empty({size}, {.dtype = kInt32});
+  dist::all_gather(verdicts, full({1}, failed, {.dtype = kInt32}));
+  std::string text = report.str();
+  std::vector<uint8_t> bytes(text.begin(), text.end());
+  Tensor mine = bytes.empty() ? empty({0}, {.dtype = kUInt8}) : from_vector(bytes);
+  Tensor all = dist::all_gather_uneven(mine);
+  Tensor lengths = empty({size}, {.dtype = kInt64});
+  dist::all_gather(lengths, full({1}, static_cast<double>(bytes.size()), {.dtype = kInt64}));
+  if (rank == 0) {
+    auto verdict = verdicts.to_vector<int32_t>();
+    auto length = lengths.to_vector<int64_t>();
+    auto chars = all.to_vector<uint8_t>();
+    std::vector<int> failing;
+    int64_t offset = 0;
+    for (int r = 0; r < size; ++r) {
+      if (verdict[r] || r == 0)
+        std::printf("---- rank %d of %d%s ----\n%.*s", r, size, verdict[r] ? " (FAILED)" : "",
+                    static_cast<int>(length[r]),
+                    reinterpret_cast<const char*>(chars.data() + offset));
+      if (verdict[r]) failing.push_back(r);
+      offset += length[r];
+    }
+    if (failing.empty()) {
+      std::printf("mpi tests passed on all %d ranks\n", size);
+    } else {
+      std::string list;
+      for (int r : failing) list += (list.empty() ? "" : ", ") + std::to_string(r);
+      std::printf("mpi tests FAILED on rank(s) %s of %d\n", list.c_str(), size);
+    }
+    std::fflush(stdout);
+  }
+  int any_failed = 0;
+  for (int32_t v : verdicts.to_vector<int32_t>()) any_failed |= v;
+  return any_failed;
+}
