@@ -6,6 +6,7 @@
 #include "autograd/gradcheck.h"
 #include "data/dataloader.h"
 #include "data/fashion_mnist.h"
+#include "distributed/distributed.h"
 #include "nn/init.h"
 #include "nn/layers.h"
 #include "nn/module.h"

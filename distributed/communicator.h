@@ -33,6 +33,8 @@ class Communicator {
                               ReduceOp op) = 0;
   virtual void gather(const void* in, void* out, int64_t count, DType dtype, int root) = 0;
   virtual void scatter(const void* in, void* out, int64_t count, DType dtype, int root) = 0;
+  /// count elements to and from every rank.
+  virtual void all_to_all(const void* in, void* out, int64_t count, DType dtype) = 0;
   virtual void all_to_all_v(const void* in, const std::vector<int64_t>& send_counts, void* out,
                             const std::vector<int64_t>& recv_counts, DType dtype) = 0;
   virtual void send(const void* buffer, int64_t count, DType dtype, int dst, int tag) = 0;

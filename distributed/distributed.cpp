@@ -49,6 +49,7 @@ class LocalCommunicator final : public Communicator {
   }
   void gather(const void* in, void* out, int64_t n, DType t, int) override { move(in, out, n, t); }
   void scatter(const void* in, void* out, int64_t n, DType t, int) override { move(in, out, n, t); }
+  void all_to_all(const void* in, void* out, int64_t n, DType t) override { move(in, out, n, t); }
   void all_to_all_v(const void* in, const std::vector<int64_t>& counts, void* out,
                     const std::vector<int64_t>&, DType t) override {
     move(in, out, counts[0], t);
@@ -134,6 +135,7 @@ bool same_call(const Fingerprint& a, const Fingerprint& b) {
 struct Task {
   std::function<void()> run;
   std::shared_ptr<Work::State> state;
+  Fingerprint print;
 };
 
 struct Runtime {
@@ -217,8 +219,14 @@ bool Work::is_completed() const {
 struct Group::Impl {
   std::vector<int> ranks;
   int my_rank = -1;
-  std::unique_ptr<Communicator> comm;  // null on non-members
-  uint64_t next_sequence = 0;          // collectives issued (caller side, program order)
+  std::unique_ptr<Communicator> comm;         // host (MPI or local); null on non-members
+  std::unique_ptr<Communicator> device_comm;  // NCCL, for CUDA tensors; null otherwise
+
+  /// Where a tensor's bytes travel: NCCL for CUDA tensors when there is one, else the host.
+  Communicator* route(const Tensor& t) const {
+    return t.device().is_cuda() && device_comm ? device_comm.get() : comm.get();
+  }
+  uint64_t next_sequence = 0;  // collectives issued (caller side, program order)
 
   std::mutex mutex;
   std::condition_variable cv;
@@ -227,9 +235,9 @@ struct Group::Impl {
   bool stopping = false;
   std::thread worker;
 
-  // Read by the watchdog.
+  // Read by the watchdog: when the running op started (0: none) and what it is.
   std::atomic<int64_t> running_since{0};
-  std::string running;  // guarded by mutex
+  Fingerprint running;  // guarded by mutex
 
   ~Impl() { stop(); }
 
@@ -242,18 +250,20 @@ struct Group::Impl {
     if (worker.joinable()) worker.join();
   }
 
-  // Runs one op with the watchdog looking.
-  void execute(const std::string& description, const std::function<void()>& body) {
+  // Marks the op started (caller holds the lock); the watchdog formats its description only
+  // if it ever has to report it, so the latency path formats nothing.
+  void start_running(const Fingerprint& print) {
+    busy = true;
+    running = print;
+    running_since.store(now_ns(), std::memory_order_release);
+  }
+  void finish_running() {
+    running_since.store(0, std::memory_order_release);
     {
       std::lock_guard lock(mutex);
-      running = description;
+      busy = false;
     }
-    running_since.store(now_ns(), std::memory_order_release);
-    struct Clear {
-      Impl* self;
-      ~Clear() { self->running_since.store(0, std::memory_order_release); }
-    } clear{this};
-    body();
+    cv.notify_all();
   }
 
   void worker_loop() {
@@ -265,7 +275,7 @@ struct Group::Impl {
         if (tasks.empty()) return;  // stopping, queue drained
         task = std::move(tasks.front());
         tasks.pop_front();
-        busy = true;
+        start_running(task.print);
       }
       std::exception_ptr error;
       try {
@@ -273,45 +283,32 @@ struct Group::Impl {
       } catch (...) {
         error = std::current_exception();
       }
-      {
-        std::lock_guard lock(mutex);
-        busy = false;
-      }
-      cv.notify_all();
+      finish_running();
       task.state->finish(error);
     }
   }
 
   // Issues one op in program order: inline when blocking and nothing is queued (no thread
-  // hand-off on the latency path), else on the worker thread.
-  Work submit(std::string description, std::function<void()> body, bool async_op) {
-    auto state = std::make_shared<Work::State>();
-    auto run = [this, description = std::move(description), body = std::move(body)] {
-      execute(description, body);
-    };
+  // hand-off, no allocation on the latency path), else on the worker thread.
+  template <class Body>
+  Work submit(const Fingerprint& print, Body&& body, bool async_op) {
     if (!async_op) {
       std::unique_lock lock(mutex);
       if (tasks.empty() && !busy) {
-        busy = true;
+        start_running(print);
         lock.unlock();
-        std::exception_ptr error;
-        try {
-          run();
-        } catch (...) {
-          error = std::current_exception();
-        }
-        lock.lock();
-        busy = false;
-        lock.unlock();
-        cv.notify_all();
-        if (error) std::rethrow_exception(error);
-        state->done = true;
-        return Work(state);
+        struct Finish {
+          Impl* self;
+          ~Finish() { self->finish_running(); }
+        } finish{this};
+        body();
+        return Work();
       }
     }
+    auto state = std::make_shared<Work::State>();
     {
       std::lock_guard lock(mutex);
-      tasks.push_back({std::move(run), state});
+      tasks.push_back({std::function<void()>(std::forward<Body>(body)), state, print});
       if (!worker.joinable()) worker = std::thread([this] { worker_loop(); });
     }
     cv.notify_all();
@@ -382,7 +379,8 @@ void watchdog_loop() {
       std::string what;
       {
         std::lock_guard group_lock(group->mutex);
-        what = group->running;
+        what = fmt::format("{} on group [{}]", describe(group->running),
+                           fmt::join(group->ranks, ", "));
       }
       std::fprintf(stderr,
                    "[weave] rank %d: %s did not complete within %g s (WEAVE_TIMEOUT_S); a rank "
@@ -534,15 +532,18 @@ void check_same(const Call& c, const Tensor& a, const Tensor& b) {
 
 // Host-side contiguous stand-in for a tensor (itself when already contiguous on the host):
 // the MPI backend moves host memory, so CUDA tensors are staged through it.
+Device wire_device(const Tensor& t) {  // NCCL moves CUDA memory itself; MPI moves host memory
+  return t.device().is_cuda() && runtime().backend == Backend::NCCL ? t.device() : kCPU;
+}
 Tensor staged(const Tensor& t) {
-  if (t.device().is_cpu() && t.is_contiguous()) return t;
-  Tensor host = empty(t.shape(), {.dtype = t.dtype()});
-  kernels::copy(t, host);
-  return host;
+  if (t.device() == wire_device(t) && t.is_contiguous()) return t;
+  Tensor stage = empty(t.shape(), {.dtype = t.dtype(), .device = wire_device(t)});
+  kernels::copy(t, stage);
+  return stage;
 }
 Tensor staging_for(const Tensor& t) {  // output-only staging: no copy in
-  if (t.device().is_cpu() && t.is_contiguous()) return t;
-  return empty(t.shape(), {.dtype = t.dtype()});
+  if (t.device() == wire_device(t) && t.is_contiguous()) return t;
+  return empty(t.shape(), {.dtype = t.dtype(), .device = wire_device(t)});
 }
 void land(const Tensor& stage, const Tensor& target) {
   if (!stage.is_same(target)) kernels::copy(stage, target);
@@ -567,7 +568,7 @@ Fingerprint fingerprint(const Call& c, uint64_t sequence, const Tensor* shape_of
 }
 
 // Compares this rank's fingerprint with the group's; raises on every rank if any differs.
-void verify(Group::Impl& g, const Fingerprint& mine, const std::string& group_text) {
+void verify(Group::Impl& g, const Fingerprint& mine) {
   std::vector<Fingerprint> all(g.ranks.size());
   g.comm->all_gather(&mine, all.data(), sizeof(Fingerprint), kUInt8);
   bool agree = true;
@@ -577,30 +578,30 @@ void verify(Group::Impl& g, const Fingerprint& mine, const std::string& group_te
   for (const Fingerprint& f : all)
     calls.push_back(fmt::format("rank {} called {}", f.rank, describe(f)));
   WEAVE_FAIL(op_name(static_cast<Op>(mine.op)),
-             "collective mismatch in group {}: {}; hint: every rank of a group must issue the "
+             "collective mismatch in group [{}]: {}; hint: every rank of a group must issue the "
              "same collectives, with the same dtypes and shapes, in the same order",
-             group_text, fmt::join(calls, ", "));
+             fmt::join(g.ranks, ", "), fmt::join(calls, ", "));
 }
 
-// Queues `body` on the group after the fingerprint check (when on).
-Work issue(const Call& c, Fingerprint print, bool collective, std::function<void()> body,
-           bool async_op) {
+// Runs `body` on the group in program order, after the fingerprint check when it is on.
+// Point-to-point calls (collective = false) take no sequence number and no check.
+template <class Body>
+Work issue(const Call& c, Fingerprint print, bool collective, Body&& body, bool async_op) {
   Group::Impl& g = member(c);
   if (collective) print.sequence = g.next_sequence++;
-  const std::string group_text = c.group.str();
-  std::string description = fmt::format("{} on group {}", describe(print), group_text);
-  const bool check = runtime().check && collective;
-  return g.submit(
-      std::move(description),
-      [&g, print, check, group_text, body = std::move(body)] {
-        if (check) verify(g, print, group_text);
-        body();
-      },
-      async_op);
+  if (runtime().check && collective)
+    return g.submit(
+        print,
+        [&g, print, body = std::forward<Body>(body)] {
+          verify(g, print);
+          body();
+        },
+        async_op);
+  return g.submit(print, std::forward<Body>(body), async_op);
 }
 
 void divide(const Tensor& t, int size) {
-  Tensor scalar = empty({}, {.dtype = t.dtype()});
+  Tensor scalar = empty({}, {.dtype = t.dtype(), .device = t.device()});
   kernels::fill(scalar, size);
   kernels::binary(kernels::BinaryOp::Div, t,
                   make_view(scalar, t.shape(), Dims::filled(t.dim(), 0), 0), t);
@@ -651,9 +652,9 @@ Work all_reduce(const Tensor& input, const Tensor& output, ReduceOp op, const Gr
   Group::Impl* g = group.impl().get();
   return issue(
       c, fingerprint(c, 0, &input, -1, op, false), true,
-      [g, in, out, output, op] {
-        g->comm->all_reduce(in.data_ptr(), out.data_ptr(), in.numel(), in.dtype(), wire_op(op));
-        if (op == ReduceOp::Avg) divide(out, g->comm->size());
+      [comm = g->route(in), g, in, out, output, op] {
+        comm->all_reduce(in.data_ptr(), out.data_ptr(), in.numel(), in.dtype(), wire_op(op));
+        if (op == ReduceOp::Avg) divide(out, comm->size());
         land(out, output);
       },
       async_op);
@@ -667,8 +668,8 @@ Work broadcast(const Tensor& tensor, int root, const Group& group, bool async_op
   Tensor buffer = g.my_rank == root ? staged(tensor) : staging_for(tensor);
   return issue(
       c, fingerprint(c, 0, &tensor, root, std::nullopt, false), true,
-      [g = &g, buffer, tensor, root] {
-        g->comm->broadcast(buffer.data_ptr(), buffer.numel(), buffer.dtype(), root);
+      [comm = g.route(buffer), g = &g, buffer, tensor, root] {
+        comm->broadcast(buffer.data_ptr(), buffer.numel(), buffer.dtype(), root);
         if (g->my_rank != root) land(buffer, tensor);
       },
       async_op);
@@ -683,11 +684,11 @@ Work reduce(const Tensor& tensor, ReduceOp op, int root, const Group& group, boo
   Tensor buffer = staged(tensor);
   return issue(
       c, fingerprint(c, 0, &tensor, root, op, false), true,
-      [g = &g, buffer, tensor, root, op] {
-        g->comm->reduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(), buffer.dtype(),
-                        wire_op(op), root);
+      [comm = g.route(buffer), g = &g, buffer, tensor, root, op] {
+        comm->reduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(), buffer.dtype(),
+                     wire_op(op), root);
         if (g->my_rank != root) return;
-        if (op == ReduceOp::Avg) divide(buffer, g->comm->size());
+        if (op == ReduceOp::Avg) divide(buffer, comm->size());
         land(buffer, tensor);
       },
       async_op);
@@ -703,8 +704,8 @@ Work all_gather(const Tensor& output, const Tensor& input, const Group& group, b
   Tensor in = staged(input), out = staging_for(output);
   return issue(
       c, fingerprint(c, 0, &input, -1, std::nullopt, false), true,
-      [g = &g, in, out, output] {
-        g->comm->all_gather(in.data_ptr(), out.data_ptr(), in.numel(), in.dtype());
+      [comm = g.route(in), g = &g, in, out, output] {
+        comm->all_gather(in.data_ptr(), out.data_ptr(), in.numel(), in.dtype());
         land(out, output);
       },
       async_op);
@@ -727,11 +728,12 @@ Tensor all_gather_uneven(const Tensor& input, const Group& group) {
     counts.push_back(n * row);
     shape[0] += n;
   }
-  Tensor in = staged(input), out = empty(shape, {.dtype = input.dtype()});
+  Tensor in = staged(input),
+         out = empty(shape, {.dtype = input.dtype(), .device = wire_device(input)});
   issue(
       c, fingerprint(c, 0, &input, -1, std::nullopt, true), true,
-      [g = &g, in, out, counts] {
-        g->comm->all_gather_v(in.data_ptr(), out.data_ptr(), counts, in.dtype());
+      [comm = g.route(in), g = &g, in, out, counts] {
+        comm->all_gather_v(in.data_ptr(), out.data_ptr(), counts, in.dtype());
       },
       false);
   return input.device().is_cpu() ? out : out.to(input.device());
@@ -749,10 +751,9 @@ Work reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, cons
   Tensor in = staged(input), out = staging_for(output);
   return issue(
       c, fingerprint(c, 0, &input, -1, op, false), true,
-      [g = &g, in, out, output, op] {
-        g->comm->reduce_scatter(in.data_ptr(), out.data_ptr(), out.numel(), in.dtype(),
-                                wire_op(op));
-        if (op == ReduceOp::Avg) divide(out, g->comm->size());
+      [comm = g.route(in), g = &g, in, out, output, op] {
+        comm->reduce_scatter(in.data_ptr(), out.data_ptr(), out.numel(), in.dtype(), wire_op(op));
+        if (op == ReduceOp::Avg) divide(out, comm->size());
         land(out, output);
       },
       async_op);
@@ -775,9 +776,9 @@ Work gather(const Tensor& output, const Tensor& input, int root, const Group& gr
   Tensor in = staged(input);
   return issue(
       c, fingerprint(c, 0, &input, root, std::nullopt, false), true,
-      [g = &g, in, out, output, root, is_root] {
-        g->comm->gather(in.data_ptr(), is_root ? out.data_ptr() : nullptr, in.numel(), in.dtype(),
-                        root);
+      [comm = g.route(in), g = &g, in, out, output, root, is_root] {
+        comm->gather(in.data_ptr(), is_root ? out.data_ptr() : nullptr, in.numel(), in.dtype(),
+                     root);
         if (is_root) land(out, output);
       },
       async_op);
@@ -800,9 +801,9 @@ Work scatter(const Tensor& output, const Tensor& input, int root, const Group& g
   Tensor out = staging_for(output);
   return issue(
       c, fingerprint(c, 0, &output, root, std::nullopt, false), true,
-      [g = &g, in, out, output, root, is_root] {
-        g->comm->scatter(is_root ? in.data_ptr() : nullptr, out.data_ptr(), out.numel(),
-                         out.dtype(), root);
+      [comm = g.route(out), g = &g, in, out, output, root, is_root] {
+        comm->scatter(is_root ? in.data_ptr() : nullptr, out.data_ptr(), out.numel(), out.dtype(),
+                      root);
         land(out, output);
       },
       async_op);
@@ -820,11 +821,10 @@ Work all_to_all(const Tensor& output, const Tensor& input, const Group& group, b
               output.shape(), input.shape());
   Group::Impl& g = member(c);
   Tensor in = staged(input), out = staging_for(output);
-  std::vector<int64_t> counts(group.size(), input.numel() / group.size());
   return issue(
       c, fingerprint(c, 0, &input, -1, std::nullopt, false), true,
-      [g = &g, in, out, output, counts] {
-        g->comm->all_to_all_v(in.data_ptr(), counts, out.data_ptr(), counts, in.dtype());
+      [comm = g.route(in), g = &g, in, out, output] {
+        comm->all_to_all(in.data_ptr(), out.data_ptr(), in.numel() / comm->size(), in.dtype());
         land(out, output);
       },
       async_op);
@@ -870,8 +870,8 @@ Work all_to_all(const Tensor& output, const Tensor& input,
   const std::string group_text = group.str();
   return issue(
       c, fingerprint(c, 0, &input, -1, std::nullopt, true), true,
-      [g = &g, in, out, output, send_counts, recv_counts, input_splits, output_splits, check,
-       group_text] {
+      [comm = g.route(in), g = &g, in, out, output, send_counts, recv_counts, input_splits,
+       output_splits, check, group_text] {
         if (check) {  // do the ranks' splits pair up? everyone learns the answer
           std::vector<int64_t> ones(input_splits.size(), 1), told(input_splits.size());
           g->comm->all_to_all_v(input_splits.data(), ones, told.data(), ones, kInt64);
@@ -883,7 +883,7 @@ Work all_to_all(const Tensor& output, const Tensor& input,
               "j's input_splits[r] (this rank expects {} and is sent {})",
               group_text, output_splits, told);
         }
-        g->comm->all_to_all_v(in.data_ptr(), send_counts, out.data_ptr(), recv_counts, in.dtype());
+        comm->all_to_all_v(in.data_ptr(), send_counts, out.data_ptr(), recv_counts, in.dtype());
         land(out, output);
       },
       async_op);
@@ -905,8 +905,8 @@ Work send(const Tensor& tensor, int dst, const Group& group, int tag, bool async
   Tensor buffer = staged(tensor);
   return issue(
       c, fingerprint(c, 0, &tensor, dst, std::nullopt, false), false,
-      [g = &g, buffer, dst, tag] {
-        g->comm->send(buffer.data_ptr(), buffer.numel(), buffer.dtype(), dst, tag);
+      [comm = g.route(buffer), g = &g, buffer, dst, tag] {
+        comm->send(buffer.data_ptr(), buffer.numel(), buffer.dtype(), dst, tag);
       },
       async_op);
 }
@@ -919,8 +919,8 @@ Work recv(const Tensor& tensor, int src, const Group& group, int tag, bool async
   Tensor buffer = staging_for(tensor);
   return issue(
       c, fingerprint(c, 0, &tensor, src, std::nullopt, false), false,
-      [g = &g, buffer, tensor, src, tag] {
-        g->comm->recv(buffer.data_ptr(), buffer.numel(), buffer.dtype(), src, tag);
+      [comm = g.route(buffer), g = &g, buffer, tensor, src, tag] {
+        comm->recv(buffer.data_ptr(), buffer.numel(), buffer.dtype(), src, tag);
         land(buffer, tensor);
       },
       async_op);

@@ -159,6 +159,10 @@ class MpiCommunicator final : public Communicator {
     const int count = as_int(n, "scatter");
     check(MPI_Scatter(in, count, mpi_type(t), out, count, mpi_type(t), root, comm_), "scatter");
   }
+  void all_to_all(const void* in, void* out, int64_t n, DType t) override {
+    const int count = as_int(n, "all_to_all");
+    check(MPI_Alltoall(in, count, mpi_type(t), out, count, mpi_type(t), comm_), "all_to_all");
+  }
   void all_to_all_v(const void* in, const std::vector<int64_t>& send_counts, void* out,
                     const std::vector<int64_t>& recv_counts, DType t) override {
     Counts s(send_counts, "all_to_all"), r(recv_counts, "all_to_all");

@@ -1,0 +1,149 @@
+// weave collectives vs raw MPI on the same buffers, same run: sizes 8 B .. 64 MB, alternating
+// trials, medians of >= 7 repetitions. Run under mpirun (2+ ranks). One line per case:
+// op= bytes= ranks= weave_us= mpi_us= ratio= busbw_GBps=  (ratio = weave / mpi; busbw as
+// nccl-tests defines it, from weave's time).
+#include <mpi.h>
+
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+#include "distributed/distributed.h"
+#include "ops/ops.h"
+
+using namespace weave;
+
+namespace {
+
+// Seconds per call of fn, timed together on all ranks (rank 0's clock after a barrier).
+double per_call(const std::function<void()>& fn, int iterations) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  double start = MPI_Wtime();
+  for (int i = 0; i < iterations; ++i) fn();
+  double t = (MPI_Wtime() - start) / iterations;
+  MPI_Bcast(&t, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  return t;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  set_num_threads(1);
+  dist::InitGuard guard(dist::Backend::MPI);
+  const int n = dist::world_size(), me = dist::rank();
+  const int reps = argc > 1 ? std::stoi(argv[1]) : 7;
+  if (n < 2 && me == 0) std::printf("run under mpirun with 2 or more ranks\n");
+  std::vector<int64_t> sizes;
+  for (int64_t b = 8; b <= (int64_t{64} << 20); b *= 4) sizes.push_back(b);
+  sizes.push_back(int64_t{64} << 20);
+
+  struct Case {
+    std::string op;
+    double bus_factor;  // busbw = algbw * factor
+    std::function<std::pair<std::function<void()>, std::function<void()>>(int64_t bytes)> make;
+  };
+  const double ring = double(n - 1) / n;
+  std::vector<Case> cases = {
+      {"all_reduce", 2 * ring,
+       [&](int64_t bytes) {
+         Tensor t = ones({bytes / 4});
+         return std::make_pair(std::function<void()>([t] { dist::all_reduce(t); }),
+                               std::function<void()>([t] {
+                                 MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), int(t.numel()),
+                                               MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+                               }));
+       }},
+      {"broadcast", 1.0,
+       [&](int64_t bytes) {
+         Tensor t = ones({bytes / 4});
+         return std::make_pair(
+             std::function<void()>([t] { dist::broadcast(t, 0); }), std::function<void()>([t] {
+               MPI_Bcast(t.data_ptr(), int(t.numel()), MPI_FLOAT, 0, MPI_COMM_WORLD);
+             }));
+       }},
+      {"all_gather", ring,
+       [&](int64_t bytes) {  // bytes = output size
+         int64_t per = std::max<int64_t>(bytes / 4 / n, 1);
+         Tensor in = ones({per}), out = empty({per * n});
+         return std::make_pair(std::function<void()>([in, out] { dist::all_gather(out, in); }),
+                               std::function<void()>([in, out] {
+                                 MPI_Allgather(in.data_ptr(), int(in.numel()), MPI_FLOAT,
+                                               out.data_ptr(), int(in.numel()), MPI_FLOAT,
+                                               MPI_COMM_WORLD);
+                               }));
+       }},
+      {"reduce_scatter", ring,
+       [&](int64_t bytes) {  // bytes = input size
+         int64_t per = std::max<int64_t>(bytes / 4 / n, 1);
+         Tensor in = ones({per * n}), out = empty({per});
+         return std::make_pair(std::function<void()>([in, out] { dist::reduce_scatter(out, in); }),
+                               std::function<void()>([in, out] {
+                                 MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(),
+                                                          int(out.numel()), MPI_FLOAT, MPI_SUM,
+                                                          MPI_COMM_WORLD);
+                               }));
+       }},
+      {"all_to_all", ring,
+       [&](int64_t bytes) {
+         int64_t per = std::max<int64_t>(bytes / 4 / n, 1);
+         Tensor in = ones({per * n}), out = empty({per * n});
+         return std::make_pair(std::function<void()>([in, out] { dist::all_to_all(out, in); }),
+                               std::function<void()>([in, out, per] {
+                                 MPI_Alltoall(in.data_ptr(), int(per), MPI_FLOAT, out.data_ptr(),
+                                              int(per), MPI_FLOAT, MPI_COMM_WORLD);
+                               }));
+       }},
+      {"send_recv", 1.0,
+       [&](int64_t bytes) {  // ping-pong between ranks 0 and 1; time per one-way message
+         Tensor t = ones({bytes / 4});
+         auto weave_fn = [t, me] {
+           if (me == 0) {
+             dist::send(t, 1);
+             dist::recv(t, 1);
+           } else if (me == 1) {
+             dist::recv(t, 0);
+             dist::send(t, 0);
+           }
+         };
+         auto mpi_fn = [t, me] {
+           if (me == 0) {
+             MPI_Send(t.data_ptr(), int(t.numel()), MPI_FLOAT, 1, 0, MPI_COMM_WORLD);
+             MPI_Recv(t.data_ptr(), int(t.numel()), MPI_FLOAT, 1, 0, MPI_COMM_WORLD,
+                      MPI_STATUS_IGNORE);
+           } else if (me == 1) {
+             MPI_Recv(t.data_ptr(), int(t.numel()), MPI_FLOAT, 0, 0, MPI_COMM_WORLD,
+                      MPI_STATUS_IGNORE);
+             MPI_Send(t.data_ptr(), int(t.numel()), MPI_FLOAT, 0, 0, MPI_COMM_WORLD);
+           }
+         };
+         return std::make_pair(std::function<void()>(weave_fn), std::function<void()>(mpi_fn));
+       }},
+  };
+
+  for (const Case& c : cases) {
+    for (int64_t bytes : sizes) {
+      auto [weave_fn, mpi_fn] = c.make(bytes);
+      const int iterations = int(std::clamp<int64_t>((int64_t{8} << 20) / bytes, 1, 2000));
+      weave_fn();
+      mpi_fn();
+      std::vector<double> tw, tm;
+      for (int r = 0; r < reps; ++r) {
+        tw.push_back(per_call(weave_fn, iterations));
+        tm.push_back(per_call(mpi_fn, iterations));
+      }
+      double w = bench::median(tw), m = bench::median(tm);
+      if (c.op == "send_recv") {  // a ping-pong is two messages
+        w /= 2;
+        m /= 2;
+      }
+      if (me == 0)
+        std::printf(
+            "op=%s bytes=%ld ranks=%d weave_us=%.2f mpi_us=%.2f ratio=%.3f busbw_GBps=%.3f\n",
+            c.op.c_str(), long(bytes), n, w * 1e6, m * 1e6, w / m,
+            double(bytes) / w * c.bus_factor * 1e-9);
+    }
+  }
+  std::fflush(stdout);
+}
