@@ -57,4 +57,12 @@ void finalize();
 [[noreturn]] void abort_job(int code);
 }  // namespace mpi
 
+/// What the NCCL backend (or its stub) provides.
+namespace nccl {
+/// True when weave was built with NCCL.
+bool available();
+/// The world's NCCL communicator on `device`, bootstrapped over the host world communicator.
+std::unique_ptr<Communicator> init_world(Communicator& host_world, int device);
+}  // namespace nccl
+
 }  // namespace weave::dist::detail

@@ -419,6 +419,9 @@ void init(Backend backend, InitOptions options) {
   r.size = comm->size();
   r.device = kCPU;
   if (backend == Backend::NCCL) {
+    WEAVE_CHECK(detail::nccl::available(), "init",
+                "weave was built without NCCL; hint: configure with -DWEAVE_WITH_CUDA=ON "
+                "-DWEAVE_WITH_NCCL=ON, or use Backend::MPI");
     WEAVE_CHECK(cuda::is_available(), "init",
                 "the NCCL backend needs a CUDA device; none is visible{}",
                 cuda::device_count() == 0 ? " (or weave was built without CUDA)" : "");
@@ -433,6 +436,8 @@ void init(Backend backend, InitOptions options) {
   std::vector<int> all(r.size);
   std::iota(all.begin(), all.end(), 0);
   r.world = make_group(all, std::move(comm));
+  if (backend == Backend::NCCL)
+    r.world->device_comm = detail::nccl::init_world(*r.world->comm, r.device.index);
   r.up = true;
   r.stop_watchdog = false;
   r.watchdog = std::thread(watchdog_loop);
@@ -455,6 +460,7 @@ void finalize() {
     for (auto& g : groups) g->drain();  // the watchdog still guards this
     for (auto& g : groups) {
       g->stop();
+      g->device_comm.reset();
       g->comm.reset();
     }
   }
@@ -950,11 +956,19 @@ Group new_group(const std::vector<int>& ranks) {
   Call c(Op::NewGroup, world());
   Fingerprint print = fingerprint(c, 0, nullptr, -1, std::nullopt, false);
   for (int v : ranks) print.extra = print.extra * 1000003 + v + 1;  // same list, same value
-  auto slot = std::make_shared<std::unique_ptr<Communicator>>();
+  auto host = std::make_shared<std::unique_ptr<Communicator>>();
+  auto device = std::make_shared<std::unique_ptr<Communicator>>();
   Group::Impl* w = r.world.get();
   issue(
-      c, print, true, [w, ranks, slot] { *slot = w->comm->split(ranks); }, false);
-  return Group(make_group(ranks, std::move(*slot)));
+      c, print, true,
+      [w, ranks, host, device] {
+        *host = w->comm->split(ranks);
+        if (w->device_comm) *device = w->device_comm->split(ranks);
+      },
+      false);
+  auto impl = make_group(ranks, std::move(*host));
+  impl->device_comm = std::move(*device);
+  return Group(impl);
 }
 
 }  // namespace weave::dist

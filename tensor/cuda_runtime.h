@@ -20,5 +20,7 @@ void empty_cache();
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes);
 /// Waits for all work on the device's weave stream.
 void synchronize(int device);
+/// The device's weave stream as a cudaStream_t (for backends that order work after it).
+void* stream_handle(int device);
 
 }  // namespace weave::cuda

@@ -9,16 +9,35 @@
 
 #include "distributed/distributed.h"
 #include "ops/ops.h"
+#include "tensor/cuda_runtime.h"
 
 using namespace weave;
 
+// Own flags: --backend=nccl (default mpi); --require-cuda exits 77 (CTest's skip code) on every
+// rank when no CUDA device is visible.
 int main(int argc, char** argv) {
   set_num_threads(1);  // ranks share the machine's cores
-  dist::InitGuard guard(dist::Backend::MPI);
+  std::vector<char*> args;
+  bool require_cuda = false, nccl = false;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--require-cuda")
+      require_cuda = true;
+    else if (arg == "--backend=nccl")
+      nccl = true;
+    else
+      args.push_back(argv[i]);
+  }
+  if (require_cuda && !cuda::is_available()) {
+    dist::InitGuard guard(dist::Backend::MPI);  // every rank starts and stops MPI cleanly
+    if (dist::rank() == 0) std::printf("skipped: no CUDA device (or weave built without CUDA)\n");
+    return 77;
+  }
+  dist::InitGuard guard(nccl ? dist::Backend::NCCL : dist::Backend::MPI);
   const int rank = dist::rank(), size = dist::world_size();
 
   std::ostringstream report;
-  doctest::Context context(argc, argv);
+  doctest::Context context(static_cast<int>(args.size()), args.data());
   context.setOption("no-version", true);
   context.setOption("no-colors", true);
   context.setCout(&report);

@@ -129,6 +129,10 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   WEAVE_CUDA_CHECK(cudaStreamSynchronize(s), "to");
 }
 
+void* stream_handle(int device) {
+  return stream(device);
+}
+
 void synchronize(int device) {
   DeviceGuard guard(device);
   WEAVE_CUDA_CHECK(cudaStreamSynchronize(stream(device)), "cuda");
