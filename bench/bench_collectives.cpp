@@ -1,5 +1,7 @@
 // weave collectives vs raw MPI on the same buffers, same run: sizes 8 B .. 64 MB, alternating
-// trials, medians of >= 7 repetitions. Run under mpirun (2+ ranks). One line per case:
+// trials, medians of >= 7 repetitions. Run under mpirun (2+ ranks):
+//   mpirun -np 2 bench_collectives [repetitions=7] [op]
+// One line per case:
 // op= bytes= ranks= weave_us= mpi_us= ratio= busbw_GBps=  (ratio = weave / mpi; busbw as
 // nccl-tests defines it, from weave's time).
 #include <mpi.h>
@@ -34,6 +36,7 @@ int main(int argc, char** argv) {
   dist::InitGuard guard(dist::Backend::MPI);
   const int n = dist::world_size(), me = dist::rank();
   const int reps = argc > 1 ? std::stoi(argv[1]) : 7;
+  const std::string only = argc > 2 ? argv[2] : "";  // e.g. "broadcast": run just that op
   if (n < 2 && me == 0) std::printf("run under mpirun with 2 or more ranks\n");
   std::vector<int64_t> sizes;
   for (int64_t b = 8; b <= (int64_t{64} << 20); b *= 4) sizes.push_back(b);
@@ -123,6 +126,7 @@ int main(int argc, char** argv) {
   };
 
   for (const Case& c : cases) {
+    if (!only.empty() && c.op != only) continue;
     for (int64_t bytes : sizes) {
       auto [weave_fn, mpi_fn] = c.make(bytes);
       const int iterations = int(std::clamp<int64_t>((int64_t{8} << 20) / bytes, 1, 2000));

@@ -271,7 +271,7 @@ struct Group::Impl {
       Task task;
       {
         std::unique_lock lock(mutex);
-        cv.wait(lock, [&] { return stopping || (!tasks.empty() && !busy); });
+        cv.wait(lock, [&] { return !busy && (stopping || !tasks.empty()); });
         if (tasks.empty()) return;  // stopping, queue drained
         task = std::move(tasks.front());
         tasks.pop_front();
@@ -522,9 +522,11 @@ void check_root(const Call& c, int root) {
 void check_tensor(const Call& c, const Tensor& t, const char* what) {
   WEAVE_CHECK(t.defined(), c.name, "{} is an undefined tensor", what);
   const Runtime& r = runtime();
-  if (t.device().is_cuda())
-    WEAVE_CHECK(r.backend == Backend::NCCL || cuda::is_available(), c.name,
-                "{} is on {}, which this build cannot reach", what, t.device());
+  if (t.device().is_cuda() && r.backend == Backend::NCCL)
+    WEAVE_CHECK(t.device() == r.device, c.name,
+                "{} is on {}, but this rank's NCCL device is {}; hint: move it with "
+                ".to(weave::dist::device())",
+                what, t.device(), r.device);
   WEAVE_CHECK(t.numel() <= int64_t{0x7fffffff}, c.name,
               "{} has {} elements; collectives move at most 2^31 - 1 elements at once", what,
               t.numel());
