@@ -7,6 +7,8 @@
 #include "data/dataloader.h"
 #include "data/fashion_mnist.h"
 #include "distributed/distributed.h"
+#include "distributed/functional.h"
+#include "distributed/gradcheck.h"
 #include "nn/init.h"
 #include "nn/layers.h"
 #include "nn/module.h"

@@ -14,6 +14,8 @@ namespace {
 thread_local std::string running_node_name;
 thread_local int backward_depth = 0;
 thread_local std::vector<std::function<void()>> pending_callbacks;
+// Held strongly: a rank may drop a collective's token, but its peers still need its backward.
+thread_local std::vector<std::shared_ptr<Node>> pending_collective_nodes;
 
 Tensor filled(const TensorMeta& meta, double value) {
   Tensor t = empty(meta.shape, {.dtype = meta.dtype, .device = meta.device});
@@ -68,14 +70,24 @@ const std::string& current_node_name() {
   return running_node_name;
 }
 
+void register_collective(std::shared_ptr<Node> node) {
+  pending_collective_nodes.push_back(std::move(node));
+}
+size_t pending_collectives() {
+  return pending_collective_nodes.size();
+}
+void clear_pending_collectives() {
+  pending_collective_nodes.clear();
+}
+
 void queue_callback(std::function<void()> fn) {
   WEAVE_CHECK(backward_depth > 0, "queue_callback",
               "no backward pass is running on this thread; hint: call it from a hook");
   pending_callbacks.push_back(std::move(fn));
 }
 
-void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads,
-              bool retain_graph) {
+void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph,
+              bool run_pending_collectives) {
   WEAVE_CHECK(grads.empty() || grads.size() == roots.size(), "backward",
               "expected one gradient per root ({}), found {}", roots.size(), grads.size());
   NoGradGuard no_grad;
@@ -93,11 +105,11 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
                 i, root.shape());
     Tensor grad = i < grads.size() ? grads[i] : Tensor();
     if (!grad.defined()) {
-      WEAVE_CHECK(root.numel() == 1, "backward",
+      WEAVE_CHECK(root.numel() <= 1, "backward",
                   "a gradient can be implied only for one-element roots, found shape {}; hint: "
                   "pass the gradient explicitly",
                   root.shape());
-      grad = filled({root.shape(), root.dtype(), root.device()}, 1.0);
+      grad = filled({root.shape(), root.dtype(), root.device()}, root.numel() == 1 ? 1.0 : 0.0);
     }
     WEAVE_CHECK(grad.shape() == root.shape(), "backward",
                 "gradient shape {} does not match root shape {}", grad.shape(), root.shape());
@@ -112,6 +124,9 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     accumulate(buffer[edge.input_nr], grad);
     root_nodes.push_back(edge.function);
   }
+
+  if (run_pending_collectives)
+    for (auto& node : pending_collective_nodes) root_nodes.push_back(node);
 
   // Count, for every reachable node, how many reachable edges point at it.
   std::unordered_map<Node*, int> dependencies;
@@ -151,9 +166,11 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
 
   // Keeps nodes alive while they run even if the last tensor holding them goes away.
   std::vector<std::shared_ptr<Node>> keep_alive(root_nodes);
+  std::unordered_map<Node*, bool> executed;
   while (!ready.empty()) {
     Node* node = ready.top().node;
     ready.pop();
+    executed[node] = true;
     std::vector<Tensor> inputs = std::move(buffers[node]);
     buffers.erase(node);
     const auto& meta = node->output_meta();
@@ -190,6 +207,8 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     }
   }
   running_node_name.clear();
+  std::erase_if(pending_collective_nodes,
+                [&](const auto& n) { return executed.count(n.get()) > 0; });
 
   // Callbacks may queue further callbacks; run until none are left.
   for (size_t i = 0; i < pending_callbacks.size(); ++i) {

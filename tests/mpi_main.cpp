@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 
@@ -40,7 +41,8 @@ int main(int argc, char** argv) {
   doctest::Context context(static_cast<int>(args.size()), args.data());
   context.setOption("no-version", true);
   context.setOption("no-colors", true);
-  context.setCout(&report);
+  // WEAVE_MPI_TEST_LIVE=1 prints each rank's report as it happens (for debugging a hang).
+  if (std::getenv("WEAVE_MPI_TEST_LIVE") == nullptr) context.setCout(&report);
   const int failed = context.run() != 0 ? 1 : 0;
 
   // Collect every rank's verdict and report on rank 0.
