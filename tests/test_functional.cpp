@@ -163,6 +163,79 @@ TEST_SUITE("functional") {
     autograd::clear_pending_collectives();  // these forwards record nothing (no grad), but be sure
   }
 
+  TEST_CASE("values and gradients equal one process on the stacked inputs, for every op") {
+    const Group& g = dist::world();
+    const int n = g.size(), me = g.rank(), root = n - 1;
+    const Shape shape{2 * n, n, 3};
+    using Ranks = std::vector<Tensor>;  // one tensor per rank
+    struct Op {
+      std::string name;
+      std::function<Tensor(const Tensor&)> distributed;  // this rank's output
+      std::function<Ranks(const Ranks&)> reference;      // every rank's output from all inputs
+    };
+    auto total = [](const Ranks& xs) {
+      Tensor t = xs[0];
+      for (size_t r = 1; r < xs.size(); ++r) t = t + xs[r];
+      return t;
+    };
+    auto each = [n](const Tensor& t) { return Ranks(n, t); };
+    auto token = [](const Tensor& like) { return empty({0}, {.dtype = like.dtype()}); };
+    std::vector<Op> ops = {
+        {"all_reduce_sum", [&](auto& x) { return F::all_reduce_sum(x, g); }, [&](auto& xs) { return each(total(xs)); }},
+        {"all_reduce_avg", [&](auto& x) { return F::all_reduce_avg(x, g); }, [&](auto& xs) { return each(total(xs) / double(n)); }},
+        {"all_reduce_max", [&](auto& x) { return F::all_reduce_max(x, g); },
+         [&](auto& xs) { return each(max(stack(xs), {0})); }},
+        {"broadcast", [&](auto& x) { return F::broadcast(x, root, g); }, [&](auto& xs) { return each(xs[root]); }},
+        {"reduce_sum", [&](auto& x) { return F::reduce_sum(x, root, g); },
+         [&](auto& xs) {
+           Ranks out;
+           for (int r = 0; r < n; ++r) out.push_back(r == root ? total(xs) : token(xs[0]));
+           return out;
+         }},
+        {"all_gather(1)", [&](auto& x) { return F::all_gather(x, 1, g); }, [&](auto& xs) { return each(cat(xs, 1)); }},
+        {"reduce_scatter_sum(0)", [&](auto& x) { return F::reduce_scatter_sum(x, 0, g); },
+         [&](auto& xs) { return chunk(total(xs), n, 0); }},
+        {"gather(2)", [&](auto& x) { return F::gather(x, root, 2, g); },
+         [&](auto& xs) {
+           Ranks out;
+           for (int r = 0; r < n; ++r) out.push_back(r == root ? cat(xs, 2) : token(xs[0]));
+           return out;
+         }},
+        {"scatter(1)", [&](auto& x) { return F::scatter(x, root, 1, g); }, [&](auto& xs) { return chunk(xs[root], n, 1); }},
+        {"all_to_all(0, 2)", [&](auto& x) { return F::all_to_all(x, 0, 2, g); },
+         [&](auto& xs) {
+           Ranks out;
+           for (int r = 0; r < n; ++r) {
+             Ranks pieces;
+             for (int j = 0; j < n; ++j) pieces.push_back(chunk(xs[j], n, 0)[r]);
+             out.push_back(cat(pieces, 2));
+           }
+           return out;
+         }},
+    };
+    for (const Op& op : ops) {
+      // L = sum_r sum(y_r * V_r), distributed and in one process.
+      auto probe = [&](int r, const Shape& s) {
+        Generator gen(uint64_t(r) + 555);
+        return randn(s, {.dtype = kFloat64}, &gen);
+      };
+      Tensor x = leaf(shape, me, 21);
+      Tensor y = op.distributed(x);
+      if (y.numel() > 0) (y * probe(me, y.shape())).sum().backward();
+      else autograd::backward({});
+      Ranks xs;
+      for (int r = 0; r < n; ++r) xs.push_back(leaf(shape, r, 21));
+      Ranks ys = op.reference(xs);
+      Tensor loss = zeros({}, {.dtype = kFloat64});
+      for (int r = 0; r < n; ++r)
+        if (ys[r].numel() > 0) loss = loss + (ys[r] * probe(r, ys[r].shape())).sum();
+      loss.backward();
+      CHECK_MESSAGE(y.shape() == ys[me].shape(), op.name);
+      if (y.numel() > 0) CHECK_MESSAGE(allclose(y, ys[me], 1e-12, 1e-12), op.name, " values");
+      CHECK_MESSAGE(allclose(x.grad(), xs[me].grad(), 1e-10, 1e-12), op.name, " gradients");
+    }
+  }
+
   TEST_CASE("only the root has a loss after reduce_sum and gather") {
     const int n = dist::world_size(), me = dist::rank();
     const int root = n - 1;
