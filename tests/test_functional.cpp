@@ -181,18 +181,22 @@ TEST_SUITE("functional") {
     auto each = [n](const Tensor& t) { return Ranks(n, t); };
     auto token = [](const Tensor& like) { return empty({0}, {.dtype = like.dtype()}); };
     std::vector<Op> ops = {
-        {"all_reduce_sum", [&](auto& x) { return F::all_reduce_sum(x, g); }, [&](auto& xs) { return each(total(xs)); }},
-        {"all_reduce_avg", [&](auto& x) { return F::all_reduce_avg(x, g); }, [&](auto& xs) { return each(total(xs) / double(n)); }},
+        {"all_reduce_sum", [&](auto& x) { return F::all_reduce_sum(x, g); },
+         [&](auto& xs) { return each(total(xs)); }},
+        {"all_reduce_avg", [&](auto& x) { return F::all_reduce_avg(x, g); },
+         [&](auto& xs) { return each(total(xs) / double(n)); }},
         {"all_reduce_max", [&](auto& x) { return F::all_reduce_max(x, g); },
          [&](auto& xs) { return each(max(stack(xs), {0})); }},
-        {"broadcast", [&](auto& x) { return F::broadcast(x, root, g); }, [&](auto& xs) { return each(xs[root]); }},
+        {"broadcast", [&](auto& x) { return F::broadcast(x, root, g); },
+         [&](auto& xs) { return each(xs[root]); }},
         {"reduce_sum", [&](auto& x) { return F::reduce_sum(x, root, g); },
          [&](auto& xs) {
            Ranks out;
            for (int r = 0; r < n; ++r) out.push_back(r == root ? total(xs) : token(xs[0]));
            return out;
          }},
-        {"all_gather(1)", [&](auto& x) { return F::all_gather(x, 1, g); }, [&](auto& xs) { return each(cat(xs, 1)); }},
+        {"all_gather(1)", [&](auto& x) { return F::all_gather(x, 1, g); },
+         [&](auto& xs) { return each(cat(xs, 1)); }},
         {"reduce_scatter_sum(0)", [&](auto& x) { return F::reduce_scatter_sum(x, 0, g); },
          [&](auto& xs) { return chunk(total(xs), n, 0); }},
         {"gather(2)", [&](auto& x) { return F::gather(x, root, 2, g); },
@@ -201,7 +205,8 @@ TEST_SUITE("functional") {
            for (int r = 0; r < n; ++r) out.push_back(r == root ? cat(xs, 2) : token(xs[0]));
            return out;
          }},
-        {"scatter(1)", [&](auto& x) { return F::scatter(x, root, 1, g); }, [&](auto& xs) { return chunk(xs[root], n, 1); }},
+        {"scatter(1)", [&](auto& x) { return F::scatter(x, root, 1, g); },
+         [&](auto& xs) { return chunk(xs[root], n, 1); }},
         {"all_to_all(0, 2)", [&](auto& x) { return F::all_to_all(x, 0, 2, g); },
          [&](auto& xs) {
            Ranks out;
@@ -221,8 +226,10 @@ TEST_SUITE("functional") {
       };
       Tensor x = leaf(shape, me, 21);
       Tensor y = op.distributed(x);
-      if (y.numel() > 0) (y * probe(me, y.shape())).sum().backward();
-      else autograd::backward({});
+      if (y.numel() > 0)
+        (y * probe(me, y.shape())).sum().backward();
+      else
+        autograd::backward({});
       Ranks xs;
       for (int r = 0; r < n; ++r) xs.push_back(leaf(shape, r, 21));
       Ranks ys = op.reference(xs);
