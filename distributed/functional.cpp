@@ -261,12 +261,14 @@ Tensor broadcast(const Tensor& x, int root, const Group& g) {
     return out;
   });
   // adjoint: every rank's gradient summed onto root; other ranks' inputs get zero
-  return record("BroadcastBackward", is_root ? x : Tensor(x.defined() ? x.detach() : x), y,
-                meta.requires_grad, [root, g, is_root](const BackwardArgs& args) -> Grads {
-                  Tensor sum = args.grad().contiguous().clone();
-                  dist::reduce(sum, ReduceOp::Sum, root, g);
-                  return {is_root ? sum : Tensor()};
-                });
+  return record(
+      "BroadcastBackward", x, y, meta.requires_grad,
+      [root, g, is_root, in = x.defined() ? x.detach() : x](const BackwardArgs& args) -> Grads {
+        Tensor sum = args.grad().contiguous().clone();
+        dist::reduce(sum, ReduceOp::Sum, root, g);
+        if (is_root) return {sum};
+        return {in.defined() ? zeros_like(in) : Tensor()};
+      });
 }
 
 Tensor reduce_sum(const Tensor& x, int root, const Group& g) {
@@ -358,11 +360,13 @@ Tensor scatter(const Tensor& x, int root, int64_t axis, const Group& g) {
     return raw_scatter(x, root, a, meta.shape, meta.dtype, wire_device(x), g);
   });
   // adjoint: the pieces' gradients gathered on root; other ranks' inputs get zero
-  return record("ScatterBackward", is_root ? x : Tensor(), y, meta.requires_grad,
-                [root, a, g, is_root](const BackwardArgs& args) -> Grads {
-                  Tensor all = raw_gather(args.grad(), root, a, g);
-                  return {is_root ? all : Tensor()};
-                });
+  return record(
+      "ScatterBackward", x, y, meta.requires_grad,
+      [root, a, g, is_root, in = x.defined() ? x.detach() : x](const BackwardArgs& args) -> Grads {
+        Tensor all = raw_gather(args.grad(), root, a, g);
+        if (is_root) return {all};
+        return {in.defined() ? zeros_like(in) : Tensor()};
+      });
 }
 
 // ---- all_to_all ------------------------------------------------------------------------
