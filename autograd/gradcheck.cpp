@@ -40,15 +40,9 @@ GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
     if (!x.defined() || !x.requires_grad()) continue;
     Tensor analytic = x.grad().defined() ? x.grad().contiguous() : zeros_like(x);
     std::vector<double> a = analytic.to_vector<double>();
-    Tensor alias = x.detach();  // shares storage: perturb in place, whatever the strides
     for (int64_t e = 0; e < x.numel(); ++e) {
       NoGradGuard no_grad;
-      int64_t offset = x.offset(), rest = e;
-      for (int d = x.dim() - 1; d >= 0; --d) {
-        offset += (rest % x.shape()[d]) * x.strides()[d];
-        rest /= x.shape()[d];
-      }
-      Tensor element = make_view(alias, {}, {}, offset);
+      Tensor element = element_view(x, e);  // shares storage: perturb in place
       const double original = element.item<double>();
       element.fill_(original + options.eps);
       double plus = loss(inputs).item<double>();

@@ -16,16 +16,6 @@ double all_sum(double v, const Group& g) {
   return t.item<double>();
 }
 
-// The element of x at row-major position e, as a 0-d view of the same storage.
-Tensor element(const Tensor& x, int64_t e) {
-  int64_t offset = x.offset();
-  for (int d = x.dim() - 1; d >= 0; --d) {
-    offset += (e % x.shape()[d]) * x.strides()[d];
-    e /= x.shape()[d];
-  }
-  return make_view(x.detach(), {}, {}, offset);
-}
-
 }  // namespace
 
 DistGradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
@@ -76,7 +66,7 @@ DistGradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tenso
       for (int64_t e = 0; e < table[r * inputs.size() + k]; ++e) {
         NoGradGuard no_grad;
         const bool mine = r == me;
-        Tensor cell = mine ? element(inputs[k], e) : Tensor();
+        Tensor cell = mine ? element_view(inputs[k], e) : Tensor();
         const double original = mine ? cell.item<double>() : 0;
         if (mine) cell.fill_(original + options.eps);
         const double plus = all_sum(local_loss(inputs).item<double>(), group);
@@ -86,7 +76,7 @@ DistGradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tenso
         cell.fill_(original);
         const double numeric = (plus - minus) / (2 * options.eps);
         Tensor g = inputs[k].grad();
-        const double analytic = g.defined() ? element(g, e).item<double>() : 0.0;
+        const double analytic = g.defined() ? element_view(g, e).item<double>() : 0.0;
         double error = std::fabs(analytic - numeric) - options.rtol * std::fabs(numeric);
         if (std::isnan(error)) error = INFINITY;
         ++result.checked;

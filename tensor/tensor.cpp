@@ -203,4 +203,19 @@ Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides,
   return Tensor(std::move(impl));
 }
 
+Tensor element_view(const Tensor& t, int64_t index) {
+  WEAVE_CHECK(index >= 0 && index < t.numel(), "element_view",
+              "index {} is outside a tensor of {} elements", index, t.numel());
+  int64_t offset = t.offset();
+  for (int d = t.dim() - 1; d >= 0; --d) {
+    offset += (index % t.shape()[d]) * t.strides()[d];
+    index /= t.shape()[d];
+  }
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = t.storage();
+  impl->offset = offset;
+  impl->dtype = t.dtype();
+  return Tensor(std::move(impl));
+}
+
 }  // namespace weave

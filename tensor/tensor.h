@@ -211,6 +211,8 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t);
 Tensor empty(const Shape& shape, TensorOptions options = {});
 /// A tensor over the same storage with another shape/strides/offset (no autograd recorded).
 Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides, int64_t offset);
+/// A 0-d view (no autograd) of the element at row-major position `index`, whatever the strides.
+Tensor element_view(const Tensor& t, int64_t index);
 
 }  // namespace weave
 
