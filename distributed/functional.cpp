@@ -467,29 +467,14 @@ Tensor gather_from_group(const Tensor& x, int64_t axis, const Group& g) {
                 });
 }
 
+// The sequence-parallel pair is all_gather / reduce_scatter_sum itself: each is the other's
+// adjoint under either convention, so the names only mark where a sequence region starts and ends.
 Tensor gather_from_sequence_group(const Tensor& x, int64_t axis, const Group& g) {
-  check_input(x, "gather_from_sequence_group");
-  const int a = axis_of(x, axis, "gather_from_sequence_group");
-  if (g.size() == 1) return x;
-  Tensor y = quietly([&] { return raw_all_gather(x, a, g); });
-  // partial gradients of the gathered sequence are summed and split back
-  return record("GatherFromSequenceBackward", x, y, wants_grad(x),
-                [a, g](const BackwardArgs& args) -> Grads {
-                  return {raw_reduce_scatter(args.grad(), a, g, "gather_from_sequence_group")};
-                });
+  return all_gather(x, axis, g);
 }
 
 Tensor reduce_scatter_to_sequence_group(const Tensor& x, int64_t axis, const Group& g) {
-  check_input(x, "reduce_scatter_to_sequence_group");
-  const int a = axis_of(x, axis, "reduce_scatter_to_sequence_group");
-  check_divisible(x, a, g, "reduce_scatter_to_sequence_group");
-  if (g.size() == 1) return x;
-  Tensor y =
-      quietly([&] { return raw_reduce_scatter(x, a, g, "reduce_scatter_to_sequence_group"); });
-  // each piece's gradient is needed by every rank's partial sum
-  return record(
-      "ReduceScatterToSequenceBackward", x, y, wants_grad(x),
-      [a, g](const BackwardArgs& args) -> Grads { return {raw_all_gather(args.grad(), a, g)}; });
+  return reduce_scatter_sum(x, axis, g);
 }
 
 }  // namespace weave::dist::functional

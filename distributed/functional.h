@@ -68,9 +68,11 @@ Tensor reduce_from_group(const Tensor& x, const Group& group = world());
 Tensor scatter_to_group(const Tensor& x, int64_t axis = -1, const Group& group = world());
 /// all_gather along axis forward; keep this rank's piece of the gradient backward.
 Tensor gather_from_group(const Tensor& x, int64_t axis = -1, const Group& group = world());
-/// Sequence parallelism: all_gather forward, reduce_scatter_sum backward.
+/// Sequence parallelism: all_gather forward, reduce_scatter_sum backward (the same op as
+/// all_gather; the name marks the region).
 Tensor gather_from_sequence_group(const Tensor& x, int64_t axis = 0, const Group& group = world());
-/// Sequence parallelism: reduce_scatter_sum forward, all_gather backward.
+/// Sequence parallelism: reduce_scatter_sum forward, all_gather backward (the same op as
+/// reduce_scatter_sum).
 Tensor reduce_scatter_to_sequence_group(const Tensor& x, int64_t axis = 0,
                                         const Group& group = world());
 

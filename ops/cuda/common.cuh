@@ -43,3 +43,11 @@ inline unsigned blocks_for(int64_t n, int threads) {
 }
 
 }  // namespace weave::cuda
+
+namespace weave::kernels::cuda {
+using weave::cuda::blocks_for;
+using weave::cuda::check_launch;
+using weave::cuda::DeviceGuard;
+/// Threads per block for weave's kernels.
+inline constexpr int kThreads = 256;
+}  // namespace weave::kernels::cuda

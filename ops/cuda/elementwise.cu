@@ -6,13 +6,7 @@
 
 namespace weave::kernels::cuda {
 
-using weave::cuda::blocks_for;
-using weave::cuda::check_launch;
-using weave::cuda::DeviceGuard;
-
 namespace {
-
-constexpr int kThreads = 256;
 
 // Element strides of N operands over one shape (dims of size 1 dropped).
 template <int N>

@@ -4,13 +4,7 @@
 
 namespace weave::kernels::cuda {
 
-using weave::cuda::blocks_for;
-using weave::cuda::check_launch;
-using weave::cuda::DeviceGuard;
-
 namespace {
-
-constexpr int kThreads = 256;
 
 template <class T>
 using acc_t = std::conditional_t<std::is_floating_point_v<compute_t<T>>, compute_t<T>, int64_t>;
