@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "bench_util.h"
-#include "distributed/distributed.h"
-#include "ops/ops.h"
+#include "weave/distributed/distributed.h"
+#include "weave/ops/ops.h"
 
 using namespace weave;
 

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "weave.h"
+#include "weave/weave.h"
 
 namespace weave::test {
 

@@ -8,9 +8,9 @@
 #include <sstream>
 #include <string>
 
-#include "distributed/distributed.h"
-#include "ops/ops.h"
-#include "tensor/cuda_runtime.h"
+#include "weave/distributed/distributed.h"
+#include "weave/ops/ops.h"
+#include "weave/tensor/cuda/runtime.h"
 
 using namespace weave;
 

@@ -3,8 +3,8 @@
 #include <chrono>
 #include <thread>
 
-#include "distributed/distributed.h"
-#include "ops/ops.h"
+#include "weave/distributed/distributed.h"
+#include "weave/ops/ops.h"
 
 using namespace weave;
 

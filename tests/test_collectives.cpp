@@ -6,8 +6,8 @@
 #include <chrono>
 #include <numeric>
 
-#include "distributed/distributed.h"
-#include "weave.h"
+#include "weave/distributed/distributed.h"
+#include "weave/weave.h"
 
 using namespace weave;
 using dist::Group;

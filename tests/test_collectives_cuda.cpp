@@ -2,8 +2,8 @@
 // through the host). Run only with --require-cuda, which skips them without a GPU.
 #include <doctest/doctest.h>
 
-#include "distributed/distributed.h"
-#include "weave.h"
+#include "weave/distributed/distributed.h"
+#include "weave/weave.h"
 
 using namespace weave;
 using dist::ReduceOp;

@@ -5,7 +5,7 @@
 
 #include <numeric>
 
-#include "weave.h"
+#include "weave/weave.h"
 
 using namespace weave;
 namespace F = weave::dist::functional;

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "tensor/cuda_runtime.h"
+#include "weave/tensor/cuda/runtime.h"
 
 int main(int argc, char** argv) {
   std::vector<char*> args;

@@ -1,0 +1,39 @@
+# cmake --install: the library, the public headers under <prefix>/include/weave, a CMake package
+# (find_package(weave) -> weave::weave) and a pkg-config file. A consumer gets every include
+# path, flag and dependency weave needs, and none of its build-machine flags (-march).
+include(CMakePackageConfigHelpers)
+
+install(TARGETS weave EXPORT weaveTargets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/weave/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/weave
+        FILES_MATCHING PATTERN "*.h")
+
+set(WEAVE_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/weave)
+install(EXPORT weaveTargets NAMESPACE weave:: DESTINATION ${WEAVE_CMAKE_DIR})
+configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/weaveConfig.cmake.in
+                              ${PROJECT_BINARY_DIR}/weaveConfig.cmake
+                              INSTALL_DESTINATION ${WEAVE_CMAKE_DIR})
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/weaveConfigVersion.cmake
+                                 COMPATIBILITY SameMinorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/weaveConfig.cmake ${PROJECT_BINARY_DIR}/weaveConfigVersion.cmake
+              ${PROJECT_SOURCE_DIR}/cmake/FindNCCL.cmake
+        DESTINATION ${WEAVE_CMAKE_DIR})
+
+# pkg-config: static archive, so the dependencies' libraries go on Libs as well.
+set(WEAVE_PC_REQUIRES "fmt")
+set(WEAVE_PC_REQUIRES_PRIVATE "zlib")
+set(WEAVE_PC_LIBS_PRIVATE "${OpenMP_CXX_FLAGS}")
+if(WEAVE_WITH_MPI)
+  string(APPEND WEAVE_PC_REQUIRES_PRIVATE " ompi-cxx")
+endif()
+if(WEAVE_WITH_CUDA)
+  string(APPEND WEAVE_PC_LIBS_PRIVATE " -L${CUDAToolkit_LIBRARY_DIR} -lcublas -lcudart")
+endif()
+if(WEAVE_WITH_NCCL)
+  get_filename_component(WEAVE_NCCL_DIR "${NCCL_LIBRARY}" DIRECTORY)
+  string(APPEND WEAVE_PC_LIBS_PRIVATE " -L${WEAVE_NCCL_DIR} -lnccl")
+endif()
+configure_file(${PROJECT_SOURCE_DIR}/cmake/weave.pc.in ${PROJECT_BINARY_DIR}/weave.pc @ONLY)
+install(FILES ${PROJECT_BINARY_DIR}/weave.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

@@ -1,0 +1,154 @@
+#pragma once
+// The backward graph: Node (one recorded op), Edge (a node's link to the node that produced
+// one of its inputs), AccumulateGrad (the sink that writes a leaf's .grad()).
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "weave/tensor/tensor.h"
+
+namespace weave::autograd {
+
+class Node;
+
+/// Points at input `input_nr` of `function`; an edge with no function carries no gradient.
+struct Edge {
+  std::shared_ptr<Node> function;
+  uint32_t input_nr = 0;
+  bool is_valid() const { return function != nullptr; }
+};
+
+/// Shape, dtype and device of one forward output: the engine makes zeros from it when an
+/// output received no gradient, and checks gradients against it.
+struct TensorMeta {
+  Shape shape;
+  DType dtype = kFloat32;
+  Device device;
+};
+
+/// One recorded operation. Edges point from a node to nodes created before it, so running
+/// ready nodes highest sequence number first replays the forward pass in exact reverse.
+class Node : public std::enable_shared_from_this<Node> {
+ public:
+  explicit Node(uint64_t sequence_nr);
+  Node();
+  virtual ~Node() = default;
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  /// "MulBackward", "AccumulateGrad", ...
+  virtual std::string name() const = 0;
+  /// Gradients w.r.t. this node's forward outputs -> gradients w.r.t. its inputs (one per
+  /// next edge; undefined where an input needs none).
+  virtual std::vector<Tensor> apply(std::vector<Tensor>&& grad_outputs) = 0;
+  /// Frees saved tensors after a backward without retain_graph.
+  virtual void release_variables() {}
+
+  uint64_t sequence_nr() const { return sequence_nr_; }
+  const std::vector<Edge>& next_edges() const { return next_edges_; }
+  std::vector<Edge>& mutable_next_edges() { return next_edges_; }
+  bool needs_input_grad(size_t i) const {
+    return i < next_edges_.size() && next_edges_[i].is_valid();
+  }
+
+  const std::vector<TensorMeta>& output_meta() const { return output_meta_; }
+  /// Registers a forward output; returns its output number.
+  uint32_t add_output(const Tensor& output);
+
+  /// Hooks on the gradient of one output (how non-leaf tensor hooks are stored).
+  struct PreHook {
+    uint64_t id;
+    uint32_t output_nr;
+    GradHook hook;
+  };
+  std::vector<PreHook>& pre_hooks() { return pre_hooks_; }
+
+ private:
+  uint64_t sequence_nr_;
+  std::vector<Edge> next_edges_;
+  std::vector<TensorMeta> output_meta_;
+  std::vector<PreHook> pre_hooks_;
+};
+
+/// Next value of this thread's node counter.
+uint64_t next_sequence_nr();
+/// A unique id for hook handles.
+uint64_t next_hook_id();
+
+/// Writes the incoming gradient into a leaf's grad() (summing with what is there), then runs
+/// the leaf's post-accumulate-grad hooks. Runs as soon as it is ready (highest priority).
+class AccumulateGrad final : public Node {
+ public:
+  explicit AccumulateGrad(const Tensor& leaf);
+  std::string name() const override { return "AccumulateGrad"; }
+  std::vector<Tensor> apply(std::vector<Tensor>&& grads) override;
+  /// The leaf, or undefined if it has been destroyed.
+  Tensor variable() const;
+
+ private:
+  std::weak_ptr<TensorImpl> variable_;
+};
+
+/// A tensor saved for backward. Remembers the version at save time; unpack() raises if the
+/// tensor was modified in place since. It keeps a detached alias (same storage, no grad_fn),
+/// so saving an op's own output never makes a node own itself.
+class SavedTensor {
+ public:
+  SavedTensor() = default;
+  explicit SavedTensor(const Tensor& tensor);
+  /// The saved tensor; raises weave::Error naming the node, shape and versions if it changed.
+  Tensor unpack() const;
+  bool defined() const { return tensor_.defined(); }
+
+ private:
+  Tensor tensor_;
+  uint64_t saved_version_ = 0;
+};
+
+/// What a recorded op's backward closure receives.
+struct BackwardArgs {
+  const std::vector<Tensor>& grads;  // one per forward output
+  const Node& node;
+  const Tensor& grad(size_t i = 0) const { return grads[i]; }
+  bool needs(size_t input) const { return node.needs_input_grad(input); }
+};
+using BackwardFn = std::function<std::vector<Tensor>(const BackwardArgs&)>;
+
+/// The node of every built-in op: a name and a backward closure that owns the saved tensors.
+class FunctionNode final : public Node {
+ public:
+  FunctionNode(const char* name, BackwardFn backward)
+      : name_(name), backward_(std::move(backward)) {}
+  std::string name() const override { return name_; }
+  std::vector<Tensor> apply(std::vector<Tensor>&& grads) override;
+  void release_variables() override { backward_ = nullptr; }
+
+ private:
+  const char* name_;
+  BackwardFn backward_;
+};
+
+/// The edge a gradient for `tensor` flows into: its grad_fn, its leaf accumulator, or none.
+Edge gradient_edge(const Tensor& tensor);
+/// True when grad mode is on and some input requires grad.
+bool should_record(std::initializer_list<const Tensor*> inputs);
+bool should_record(const std::vector<Tensor>& inputs);
+/// Connects `node` to the inputs and makes it the grad_fn of the outputs.
+void attach(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
+            const std::vector<Tensor>& outputs);
+
+/// Records an op: if grad mode is on and an input requires grad, output gets a FunctionNode
+/// whose backward is `backward`. Returns output.
+Tensor record(const char* name, const std::vector<Tensor>& inputs, Tensor output,
+              BackwardFn backward);
+/// Multi-output version.
+std::vector<Tensor> record(const char* name, const std::vector<Tensor>& inputs,
+                           std::vector<Tensor> outputs, BackwardFn backward);
+
+/// Name of the node the engine is running on this thread ("" outside backward).
+const std::string& current_node_name();
+
+}  // namespace weave::autograd

@@ -1,0 +1,78 @@
+#include "weave/data/dataloader.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace weave::data {
+
+Example Dataset::get_batch(const std::vector<int64_t>& indices) const {
+  std::vector<Tensor> inputs, targets;
+  for (int64_t i : indices) {
+    Example e = get(i);
+    inputs.push_back(e.input);
+    targets.push_back(e.target);
+  }
+  return {stack(inputs), stack(targets)};
+}
+
+TensorDataset::TensorDataset(Tensor inputs, Tensor targets)
+    : inputs_(std::move(inputs)), targets_(std::move(targets)) {
+  WEAVE_CHECK(inputs_.defined() && targets_.defined() && inputs_.dim() > 0 && targets_.dim() > 0 &&
+                  inputs_.size(0) == targets_.size(0),
+              "TensorDataset", "inputs and targets need the same first dimension, found {} and {}",
+              inputs_.defined() ? inputs_.shape() : Shape{},
+              targets_.defined() ? targets_.shape() : Shape{});
+}
+
+Example TensorDataset::get(int64_t index) const {
+  WEAVE_CHECK(index >= 0 && index < size(), "TensorDataset", "index {} out of range [0, {})", index,
+              size());
+  return {inputs_.select(0, index), targets_.select(0, index)};
+}
+
+Example TensorDataset::get_batch(const std::vector<int64_t>& indices) const {
+  Tensor idx = from_vector(indices, {}, inputs_.device());
+  return {index_select(inputs_, 0, idx), index_select(targets_, 0, idx.to(targets_.device()))};
+}
+
+DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, DataLoaderOptions options)
+    : dataset_(std::move(dataset)), options_(options), engine_(options.seed) {
+  WEAVE_CHECK(dataset_ != nullptr, "DataLoader", "dataset is null");
+  WEAVE_CHECK(options.batch_size > 0, "DataLoader", "batch_size must be positive, found {}",
+              options.batch_size);
+  order_.resize(dataset_->size());
+  std::iota(order_.begin(), order_.end(), 0);
+}
+
+int64_t DataLoader::size() const {
+  const int64_t n = static_cast<int64_t>(order_.size()), b = options_.batch_size;
+  return options_.drop_last ? n / b : (n + b - 1) / b;
+}
+
+DataLoader::Iterator DataLoader::begin() {
+  if (options_.shuffle) {
+    std::iota(order_.begin(), order_.end(), 0);
+    // Fisher-Yates with our own draws, so the order does not depend on the standard library.
+    for (int64_t i = static_cast<int64_t>(order_.size()) - 1; i > 0; --i) {
+      int64_t j = static_cast<int64_t>(engine_() % static_cast<uint64_t>(i + 1));
+      std::swap(order_[i], order_[j]);
+    }
+  }
+  return Iterator(this, 0);
+}
+
+Example DataLoader::load(int64_t batch) const {
+  const int64_t start = batch * options_.batch_size;
+  const int64_t stop = std::min<int64_t>(start + options_.batch_size, order_.size());
+  return dataset_->get_batch({order_.begin() + start, order_.begin() + stop});
+}
+
+const Example& DataLoader::Iterator::operator*() {
+  if (!loaded_) {
+    current_ = loader_->load(batch_);
+    loaded_ = true;
+  }
+  return current_;
+}
+
+}  // namespace weave::data

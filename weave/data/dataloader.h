@@ -1,0 +1,85 @@
+#pragma once
+// Datasets and a batching loader with seeded shuffling.
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "weave/ops/ops.h"
+
+namespace weave::data {
+
+/// One batch (or one example): inputs and targets.
+struct Example {
+  Tensor input;
+  Tensor target;
+};
+
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual int64_t size() const = 0;
+  virtual Example get(int64_t index) const = 0;
+  /// The examples at indices stacked along a new first dim. Override when a faster gather
+  /// exists (TensorDataset does).
+  virtual Example get_batch(const std::vector<int64_t>& indices) const;
+};
+
+/// Examples are rows of two tensors with the same first dimension.
+class TensorDataset : public Dataset {
+ public:
+  TensorDataset(Tensor inputs, Tensor targets);
+  int64_t size() const override { return inputs_.size(0); }
+  Example get(int64_t index) const override;
+  Example get_batch(const std::vector<int64_t>& indices) const override;
+
+ private:
+  Tensor inputs_, targets_;
+};
+
+struct DataLoaderOptions {
+  int64_t batch_size = 64;
+  bool shuffle = false;
+  bool drop_last = false;
+  uint64_t seed = 0;  // shuffle seed: each pass over the data draws the next permutation
+};
+
+/// Iterates over batches: `for (const Example& batch : loader)`. Every begin() starts a new
+/// epoch; with shuffle, epoch e's order is the same on every run with the same seed.
+class DataLoader {
+ public:
+  DataLoader(std::shared_ptr<const Dataset> dataset, DataLoaderOptions options);
+  /// Number of batches per epoch.
+  int64_t size() const;
+
+  class Iterator {
+   public:
+    using value_type = Example;
+    using difference_type = std::ptrdiff_t;
+    Iterator(const DataLoader* loader, int64_t batch) : loader_(loader), batch_(batch) {}
+    const Example& operator*();
+    Iterator& operator++() {
+      ++batch_;
+      loaded_ = false;
+      return *this;
+    }
+    bool operator==(const Iterator& other) const { return batch_ == other.batch_; }
+
+   private:
+    const DataLoader* loader_;
+    int64_t batch_;
+    bool loaded_ = false;
+    Example current_;
+  };
+  Iterator begin();
+  Iterator end() const { return Iterator(this, size()); }
+
+ private:
+  Example load(int64_t batch) const;
+  std::shared_ptr<const Dataset> dataset_;
+  DataLoaderOptions options_;
+  std::mt19937_64 engine_;
+  std::vector<int64_t> order_;
+};
+
+}  // namespace weave::data

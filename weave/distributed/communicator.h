@@ -1,0 +1,68 @@
+#pragma once
+// The backend interface (internal): one connection among the ranks of a group. Buffers are
+// contiguous and live where the backend moves data (host memory for MPI, the device for NCCL);
+// counts are elements per rank; roots and peers are ranks of this communicator. Calls block
+// until the operation is complete. Tensor handling, ordering, checks and timeouts live above,
+// in distributed.cpp.
+#include <memory>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+#include "weave/tensor/dtype.h"
+
+namespace weave::dist::detail {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int size() const = 0;
+  virtual int rank() const = 0;
+
+  /// op is never Avg (the layer above divides a sum).
+  virtual void all_reduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op) = 0;
+  virtual void broadcast(void* buffer, int64_t count, DType dtype, int root) = 0;
+  /// out matters on root only; in == out means in place.
+  virtual void reduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
+                      int root) = 0;
+  virtual void all_gather(const void* in, void* out, int64_t count, DType dtype) = 0;
+  /// counts[r] elements come from rank r, concatenated in rank order.
+  virtual void all_gather_v(const void* in, void* out, const std::vector<int64_t>& counts,
+                            DType dtype) = 0;
+  /// in holds size() * count elements; out receives this rank's reduced block.
+  virtual void reduce_scatter(const void* in, void* out, int64_t count, DType dtype,
+                              ReduceOp op) = 0;
+  virtual void gather(const void* in, void* out, int64_t count, DType dtype, int root) = 0;
+  virtual void scatter(const void* in, void* out, int64_t count, DType dtype, int root) = 0;
+  /// count elements to and from every rank.
+  virtual void all_to_all(const void* in, void* out, int64_t count, DType dtype) = 0;
+  virtual void all_to_all_v(const void* in, const std::vector<int64_t>& send_counts, void* out,
+                            const std::vector<int64_t>& recv_counts, DType dtype) = 0;
+  virtual void send(const void* buffer, int64_t count, DType dtype, int dst, int tag) = 0;
+  virtual void recv(void* buffer, int64_t count, DType dtype, int src, int tag) = 0;
+  virtual void barrier() = 0;
+  /// Collective over this communicator: members (ranks of this communicator, in the new
+  /// group's order) get the new communicator, everyone else null.
+  virtual std::unique_ptr<Communicator> split(const std::vector<int>& members) = 0;
+};
+
+/// What the MPI backend (or its stub) provides.
+namespace mpi {
+/// True when this process was started by an MPI launcher.
+bool launched();
+/// MPI_Init (thread multiple) and a duplicate of MPI_COMM_WORLD.
+std::unique_ptr<Communicator> init_world();
+int local_rank();
+void finalize();
+/// Tears the whole job down (MPI_Abort).
+[[noreturn]] void abort_job(int code);
+}  // namespace mpi
+
+/// What the NCCL backend (or its stub) provides.
+namespace nccl {
+/// True when weave was built with NCCL.
+bool available();
+/// The world's NCCL communicator on `device`, bootstrapped over the host world communicator.
+std::unique_ptr<Communicator> init_world(Communicator& host_world, int device);
+}  // namespace nccl
+
+}  // namespace weave::dist::detail

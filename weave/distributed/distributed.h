@@ -1,0 +1,154 @@
+#pragma once
+// Communication: process groups and (non-differentiable) collectives over MPI and NCCL.
+//
+// Launch with mpirun; a program started without it runs as a world of size 1.
+//
+//   weave::dist::InitGuard guard(weave::dist::Backend::MPI);
+//   Tensor t = ones({4}) * double(weave::dist::rank());
+//   weave::dist::all_reduce(t);                          // blocking, in place: sum over ranks
+//   auto work = weave::dist::all_reduce(t, ReduceOp::Max, weave::dist::world(), true);
+//   ...                                                  // overlap computation
+//   work.wait();
+//
+// Collectives of one group run in program order on that group's communication queue. Every
+// call takes `async_op`: false waits before returning, true returns a Work to wait on later.
+// Roots are group ranks: position in the group's rank list (the first listed is root 0).
+//
+// Environment: WEAVE_TIMEOUT_S (default 300) -- a collective running longer tears the job down
+// with a message naming it; WEAVE_CHECK_COLLECTIVES=1 -- every collective first compares a
+// fingerprint (sequence number, op, dtype, shape, root) across its group and raises on every
+// rank if they differ.
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "weave/tensor/tensor.h"
+
+namespace weave::dist {
+
+enum class Backend { MPI, NCCL };
+enum class ReduceOp { Sum, Prod, Min, Max, Avg };
+
+struct InitOptions {
+  /// CUDA devices to assign round-robin by local rank (empty: all visible devices).
+  std::vector<int> cuda_devices;
+  /// Seconds before a collective is declared hung; <= 0 reads WEAVE_TIMEOUT_S (default 300).
+  double timeout_s = 0;
+  /// Fingerprint check before every collective; unset reads WEAVE_CHECK_COLLECTIVES.
+  std::optional<bool> check_collectives;
+};
+
+/// Starts the communication layer (MPI_Init when launched by mpirun). Raises if already up.
+void init(Backend backend = Backend::MPI, InitOptions options = {});
+bool initialized();
+/// Waits for outstanding work, then shuts down (MPI_Finalize). Safe to call twice.
+void finalize();
+
+/// init() in the constructor, finalize() in the destructor.
+class InitGuard {
+ public:
+  explicit InitGuard(Backend backend = Backend::MPI, InitOptions options = {}) {
+    init(backend, std::move(options));
+  }
+  ~InitGuard() { finalize(); }
+  InitGuard(const InitGuard&) = delete;
+  InitGuard& operator=(const InitGuard&) = delete;
+};
+
+int rank();
+int world_size();
+/// Rank among the processes on this machine.
+int local_rank();
+Backend backend();
+/// This rank's CUDA device under NCCL (assigned round-robin by local rank), else cpu.
+Device device();
+
+/// An ordered list of global ranks. A rank's position is its group rank; the first listed rank
+/// is root 0. Every rank holds the same Group objects (non-members may hold one but not use it).
+class Group {
+ public:
+  /// The world group.
+  Group();
+  const std::vector<int>& ranks() const;
+  int size() const;
+  /// This process's group rank, or -1 if it is not a member.
+  int rank() const;
+  bool contains(int global_rank) const;
+  /// Global rank of group rank r.
+  int global_rank(int group_rank) const;
+  std::string str() const;
+  struct Impl;
+  const std::shared_ptr<Impl>& impl() const { return impl_; }
+  explicit Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+Group world();
+/// Creates a group from global ranks (unique, in range). Every rank must call it, in the same
+/// order, like the collectives.
+Group new_group(const std::vector<int>& ranks);
+
+/// Completion handle of a collective.
+class Work {
+ public:
+  Work() = default;
+  /// Blocks until the collective is done; rethrows its error, if any.
+  void wait() const;
+  bool is_completed() const;
+  struct State;
+  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+/// Returns once every rank of the group has reached it (after the group's earlier collectives).
+void barrier(const Group& group = world());
+
+// ---- collectives (tensors of any dtype; CPU tensors, or CUDA under NCCL / staged over MPI) --
+
+/// tensor = op over the group, in place.
+Work all_reduce(const Tensor& tensor, ReduceOp op = ReduceOp::Sum, const Group& group = world(),
+                bool async_op = false);
+/// output = op over the group of input (input unchanged); same shape and dtype.
+Work all_reduce(const Tensor& input, const Tensor& output, ReduceOp op,
+                const Group& group = world(), bool async_op = false);
+/// tensor = root's tensor.
+Work broadcast(const Tensor& tensor, int root = 0, const Group& group = world(),
+               bool async_op = false);
+/// On root, tensor = op over the group; other ranks' tensors are unchanged.
+Work reduce(const Tensor& tensor, ReduceOp op = ReduceOp::Sum, int root = 0,
+            const Group& group = world(), bool async_op = false);
+/// output [size * n, ...] = the inputs [n, ...] of every group rank, in group-rank order.
+Work all_gather(const Tensor& output, const Tensor& input, const Group& group = world(),
+                bool async_op = false);
+/// Inputs may differ in their first dimension; returns them concatenated (blocking).
+Tensor all_gather_uneven(const Tensor& input, const Group& group = world());
+/// output [n, ...] = group rank r's slice r of op over the inputs [size * n, ...].
+Work reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op = ReduceOp::Sum,
+                    const Group& group = world(), bool async_op = false);
+/// On root, output [size * n, ...] = every rank's input [n, ...]; output is ignored elsewhere.
+Work gather(const Tensor& output, const Tensor& input, int root = 0, const Group& group = world(),
+            bool async_op = false);
+/// output [n, ...] = slice r of root's input [size * n, ...]; input is ignored off root.
+Work scatter(const Tensor& output, const Tensor& input, int root = 0, const Group& group = world(),
+             bool async_op = false);
+/// Equal splits along dim 0: slice j of input goes to rank j; output slice j comes from rank j.
+Work all_to_all(const Tensor& output, const Tensor& input, const Group& group = world(),
+                bool async_op = false);
+/// Uneven splits along dim 0: input_splits[j] rows go to rank j, output_splits[j] come from it.
+Work all_to_all(const Tensor& output, const Tensor& input,
+                const std::vector<int64_t>& output_splits, const std::vector<int64_t>& input_splits,
+                const Group& group = world(), bool async_op = false);
+/// Point to point with a group rank; send and recv pair up by order (and tag).
+Work send(const Tensor& tensor, int dst, const Group& group = world(), int tag = 0,
+          bool async_op = false);
+Work recv(const Tensor& tensor, int src, const Group& group = world(), int tag = 0,
+          bool async_op = false);
+/// Broadcasts every tensor from root, in place (a model's parameters and buffers).
+void synchronize(const std::vector<Tensor>& tensors, int root = 0, const Group& group = world());
+
+}  // namespace weave::dist

@@ -1,0 +1,254 @@
+// The MPI backend: one duplicated communicator per group, MPI_THREAD_MULTIPLE (each group's
+// queue may call MPI from its own thread), errors returned rather than fatal.
+#include <mpi.h>
+
+#include <cstdlib>
+#include <mutex>
+
+#include "weave/distributed/communicator.h"
+
+namespace weave::dist::detail {
+
+namespace {
+
+void check(int code, const char* op) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  WEAVE_FAIL(op, "MPI error: {}", std::string(text, length));
+}
+
+int as_int(int64_t n, const char* op) {
+  WEAVE_CHECK(n >= 0 && n <= 0x7fffffff, op, "count {} does not fit MPI's int", n);
+  return static_cast<int>(n);
+}
+
+// 16-bit floats travel as 2-byte types of their own, reduced by our ops in float.
+MPI_Datatype half_type = MPI_DATATYPE_NULL, bfloat16_type = MPI_DATATYPE_NULL;
+MPI_Op half_ops[4] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};  // sum prod min max
+
+template <class T, int Which>
+void reduce_16bit(void* in, void* inout, int* length, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *length; ++i) {
+    float x = float(a[i]), y = float(b[i]);
+    float r = Which == 0   ? x + y
+              : Which == 1 ? x * y
+              : Which == 2 ? (x < y ? x : y)
+                           : (x > y ? x : y);
+    b[i] = T(r);
+  }
+}
+
+template <int Which>
+void reduce_16bit_dispatch(void* in, void* inout, int* length, MPI_Datatype* type) {
+  if (*type == half_type)
+    reduce_16bit<Half, Which>(in, inout, length, type);
+  else
+    reduce_16bit<BFloat16, Which>(in, inout, length, type);
+}
+
+void create_16bit_types() {
+  check(MPI_Type_contiguous(2, MPI_BYTE, &half_type), "init");
+  check(MPI_Type_commit(&half_type), "init");
+  check(MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_type), "init");
+  check(MPI_Type_commit(&bfloat16_type), "init");
+  check(MPI_Op_create(reduce_16bit_dispatch<0>, 1, &half_ops[0]), "init");
+  check(MPI_Op_create(reduce_16bit_dispatch<1>, 1, &half_ops[1]), "init");
+  check(MPI_Op_create(reduce_16bit_dispatch<2>, 1, &half_ops[2]), "init");
+  check(MPI_Op_create(reduce_16bit_dispatch<3>, 1, &half_ops[3]), "init");
+}
+
+MPI_Datatype mpi_type(DType dtype) {
+  switch (dtype) {
+    case kFloat32:
+      return MPI_FLOAT;
+    case kFloat64:
+      return MPI_DOUBLE;
+    case kInt32:
+      return MPI_INT32_T;
+    case kInt64:
+      return MPI_INT64_T;
+    case kUInt8:
+      return MPI_UINT8_T;
+    case kBool:
+      return MPI_C_BOOL;
+    case kFloat16:
+      return half_type;
+    case kBFloat16:
+      return bfloat16_type;
+  }
+  WEAVE_FAIL("mpi", "unsupported dtype {}", dtype);
+}
+
+MPI_Op mpi_op(ReduceOp op, DType dtype) {
+  const int index = op == ReduceOp::Sum    ? 0
+                    : op == ReduceOp::Prod ? 1
+                    : op == ReduceOp::Min  ? 2
+                                           : 3;
+  if (dtype == kFloat16 || dtype == kBFloat16) return half_ops[index];
+  if (dtype == kBool) return (index == 0 || index == 3) ? MPI_LOR : MPI_LAND;  // any / all
+  const MPI_Op ops[] = {MPI_SUM, MPI_PROD, MPI_MIN, MPI_MAX};
+  return ops[index];
+}
+
+// MPI wants int counts and displacements.
+struct Counts {
+  std::vector<int> counts, displacements;
+  Counts(const std::vector<int64_t>& c, const char* op) {
+    int64_t offset = 0;
+    for (int64_t n : c) {
+      counts.push_back(as_int(n, op));
+      displacements.push_back(as_int(offset, op));
+      offset += n;
+    }
+  }
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+  }
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&comm_);
+  }
+  int size() const override { return size_; }
+  int rank() const override { return rank_; }
+
+  void all_reduce(const void* in, void* out, int64_t n, DType t, ReduceOp op) override {
+    check(MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out, as_int(n, "all_reduce"), mpi_type(t),
+                        mpi_op(op, t), comm_),
+          "all_reduce");
+  }
+  void broadcast(void* buffer, int64_t n, DType t, int root) override {
+    check(MPI_Bcast(buffer, as_int(n, "broadcast"), mpi_type(t), root, comm_), "broadcast");
+  }
+  void reduce(const void* in, void* out, int64_t n, DType t, ReduceOp op, int root) override {
+    const void* send = (in == out && rank_ == root) ? MPI_IN_PLACE : in;
+    check(MPI_Reduce(send, out, as_int(n, "reduce"), mpi_type(t), mpi_op(op, t), root, comm_),
+          "reduce");
+  }
+  void all_gather(const void* in, void* out, int64_t n, DType t) override {
+    const int count = as_int(n, "all_gather");
+    check(MPI_Allgather(in, count, mpi_type(t), out, count, mpi_type(t), comm_), "all_gather");
+  }
+  void all_gather_v(const void* in, void* out, const std::vector<int64_t>& counts,
+                    DType t) override {
+    Counts c(counts, "all_gather_uneven");
+    check(MPI_Allgatherv(in, c.counts[rank_], mpi_type(t), out, c.counts.data(),
+                         c.displacements.data(), mpi_type(t), comm_),
+          "all_gather_uneven");
+  }
+  void reduce_scatter(const void* in, void* out, int64_t n, DType t, ReduceOp op) override {
+    check(MPI_Reduce_scatter_block(in, out, as_int(n, "reduce_scatter"), mpi_type(t), mpi_op(op, t),
+                                   comm_),
+          "reduce_scatter");
+  }
+  void gather(const void* in, void* out, int64_t n, DType t, int root) override {
+    const int count = as_int(n, "gather");
+    check(MPI_Gather(in, count, mpi_type(t), out, count, mpi_type(t), root, comm_), "gather");
+  }
+  void scatter(const void* in, void* out, int64_t n, DType t, int root) override {
+    const int count = as_int(n, "scatter");
+    check(MPI_Scatter(in, count, mpi_type(t), out, count, mpi_type(t), root, comm_), "scatter");
+  }
+  void all_to_all(const void* in, void* out, int64_t n, DType t) override {
+    const int count = as_int(n, "all_to_all");
+    check(MPI_Alltoall(in, count, mpi_type(t), out, count, mpi_type(t), comm_), "all_to_all");
+  }
+  void all_to_all_v(const void* in, const std::vector<int64_t>& send_counts, void* out,
+                    const std::vector<int64_t>& recv_counts, DType t) override {
+    Counts s(send_counts, "all_to_all"), r(recv_counts, "all_to_all");
+    check(MPI_Alltoallv(in, s.counts.data(), s.displacements.data(), mpi_type(t), out,
+                        r.counts.data(), r.displacements.data(), mpi_type(t), comm_),
+          "all_to_all");
+  }
+  void send(const void* buffer, int64_t n, DType t, int dst, int tag) override {
+    check(MPI_Send(buffer, as_int(n, "send"), mpi_type(t), dst, tag, comm_), "send");
+  }
+  void recv(void* buffer, int64_t n, DType t, int src, int tag) override {
+    check(MPI_Recv(buffer, as_int(n, "recv"), mpi_type(t), src, tag, comm_, MPI_STATUS_IGNORE),
+          "recv");
+  }
+  void barrier() override { check(MPI_Barrier(comm_), "barrier"); }
+  std::unique_ptr<Communicator> split(const std::vector<int>& members) override {
+    int color = MPI_UNDEFINED, key = 0;
+    for (size_t i = 0; i < members.size(); ++i)
+      if (members[i] == rank_) {
+        color = 0;
+        key = static_cast<int>(i);  // the new communicator follows the group's order
+      }
+    MPI_Comm comm = MPI_COMM_NULL;
+    check(MPI_Comm_split(comm_, color, key, &comm), "new_group");
+    if (comm == MPI_COMM_NULL) return nullptr;
+    return std::make_unique<MpiCommunicator>(comm);
+  }
+
+ private:
+  MPI_Comm comm_;
+  int rank_ = 0, size_ = 1;
+};
+
+bool we_initialized = false;
+int local = 0;
+
+}  // namespace
+
+namespace mpi {
+
+bool launched() {
+  for (const char* name :
+       {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"})
+    if (std::getenv(name) != nullptr) return true;
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  return initialized != 0;
+}
+
+std::unique_ptr<Communicator> init_world() {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  WEAVE_CHECK(!finalized, "init", "MPI was already finalized in this process; it cannot restart");
+  if (!initialized) {
+    int provided = 0;
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "init");
+    we_initialized = true;
+    WEAVE_CHECK(provided >= MPI_THREAD_MULTIPLE, "init",
+                "the MPI library provides thread level {}, weave needs MPI_THREAD_MULTIPLE ({})",
+                provided, int(MPI_THREAD_MULTIPLE));
+  }
+  if (half_type == MPI_DATATYPE_NULL) create_16bit_types();
+  MPI_Comm world = MPI_COMM_NULL, node = MPI_COMM_NULL;
+  check(MPI_Comm_dup(MPI_COMM_WORLD, &world), "init");
+  check(MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "init");
+  MPI_Comm_rank(node, &local);
+  MPI_Comm_free(&node);
+  return std::make_unique<MpiCommunicator>(world);
+}
+
+int local_rank() {
+  return local;
+}
+
+void finalize() {
+  if (!we_initialized) return;  // whoever started MPI finishes it
+  MPI_Finalize();
+  we_initialized = false;
+}
+
+void abort_job(int code) {
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+}  // namespace mpi
+
+}  // namespace weave::dist::detail

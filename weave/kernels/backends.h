@@ -1,0 +1,27 @@
+#pragma once
+// The same kernel set, once per backend: cpu/ always, cuda/ (or its no_cuda.cpp stub).
+#include "weave/kernels/kernels.h"
+
+#define WEAVE_BACKEND_KERNELS                                                                     \
+  void unary(UnaryOp op, const Tensor& x, const Tensor& out);                                     \
+  void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,           \
+                      const Tensor& out);                                                         \
+  void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out);                  \
+  void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out);            \
+  /* same device */                                                                               \
+  void copy(const Tensor& src, const Tensor& dst);                                                \
+  void fill(const Tensor& dst, double value);                                                     \
+  void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,        \
+              const Tensor& out);                                                                 \
+  void matmul(const Tensor& a, const Tensor& b, const Tensor& out);                               \
+  void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner,                   \
+                    const Tensor& index, const Tensor& out);                                      \
+  void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const Tensor& index, \
+                 const Tensor& src);
+
+namespace weave::kernels::cpu {
+WEAVE_BACKEND_KERNELS
+}
+namespace weave::kernels::cuda {
+WEAVE_BACKEND_KERNELS
+}

@@ -1,0 +1,192 @@
+// CPU kernels: typed strided loops for elementwise work, Eigen for reductions (GEMM: gemm.cpp).
+#include <cstring>
+
+#include "weave/kernels/backends.h"
+#include "weave/kernels/cpu/eigen.h"
+#include "weave/kernels/cpu/loops.h"
+
+namespace weave::kernels::cpu {
+
+namespace {
+
+template <class T>
+constexpr bool kEigenScalar = std::is_same_v<T, float> || std::is_same_v<T, double> ||
+                              std::is_same_v<T, int32_t> || std::is_same_v<T, int64_t>;
+
+}  // namespace
+
+void unary(UnaryOp op, const Tensor& x, const Tensor& out) {
+  visit_unary_op(op, [&](auto functor, const char* name) {
+    using F = typename decltype(functor)::type;
+    visit_unary<F>(x.dtype(), name, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      map<T, T>([](auto v) { return F{}(v); }, out, x);
+    });
+  });
+}
+
+void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
+                    const Tensor& out) {
+  visit_unary_op(op, [&](auto functor, const char* name) {
+    using F = typename decltype(functor)::type;
+    visit_unary<F>(x.dtype(), name, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      map<T, T, T, T>([](auto g, auto a, auto b) { return g * F{}.grad(a, b); }, out, grad, x, y);
+    });
+  });
+}
+
+void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  visit_binary_op(op, [&](auto functor, const char* name) {
+    using F = typename decltype(functor)::type;
+    auto body = [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      using Out = std::conditional_t<kComparison<F>, bool, T>;
+      map<Out, T, T>([](auto u, auto v) { return F{}(u, v); }, out, a, b);
+    };
+    if constexpr (kComparison<F>)
+      visit_dtype(a.dtype(), body);
+    else
+      visit_arithmetic(a.dtype(), name, body);
+  });
+}
+
+void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
+  visit_dtype(a.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    map<T, bool, T, T>([](bool c, auto u, auto v) { return c ? u : v; }, out, cond, a, b);
+  });
+}
+
+void copy(const Tensor& src, const Tensor& dst) {
+  if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous() &&
+      src.shape() == dst.shape()) {
+    if (src.data_ptr() != dst.data_ptr())
+      std::memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.itemsize());
+    return;
+  }
+  visit_dtype(dst.dtype(), [&](auto out_tag) {
+    using TO = typename decltype(out_tag)::type;
+    visit_dtype(src.dtype(), [&](auto in_tag) {
+      using TI = typename decltype(in_tag)::type;
+      map<TO, TI>([](auto v) { return v; }, dst, src);
+    });
+  });
+}
+
+void fill(const Tensor& dst, double value) {
+  visit_dtype(dst.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T v = T(static_cast<compute_t<T>>(value));
+    if (dst.is_contiguous()) {
+      std::fill_n(static_cast<T*>(dst.data_ptr()), dst.numel(), v);
+    } else {
+      map<T>([v]() { return compute_t<T>(v); }, dst);
+    }
+  });
+}
+
+namespace {
+
+template <class T>
+void sum_eigen(const T* x, int64_t outer, int64_t reduced, int64_t inner, T* o) {
+  using Map = Eigen::Map<const RowMajor<T>>;
+  using Out = Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>>;
+  if (inner == 1) {
+    Out(o, outer) = Map(x, outer, reduced).rowwise().sum();
+    return;
+  }
+#pragma omp parallel for if (outer * reduced * inner >= kParallelGrain && outer > 1)
+  for (int64_t b = 0; b < outer; ++b)
+    Out(o + b * inner, inner) =
+        Map(x + b * reduced * inner, reduced, inner).colwise().sum().transpose();
+}
+
+template <class T>
+void reduce_typed(ReduceOp op, const T* x, int64_t outer, int64_t reduced, int64_t inner,
+                  const Tensor& out) {
+  using C = compute_t<T>;
+  if (op == ReduceOp::ArgMax || op == ReduceOp::ArgMin) {
+    int64_t* o = static_cast<int64_t*>(out.data_ptr());
+    const bool is_max = op == ReduceOp::ArgMax;
+    for (int64_t b = 0; b < outer; ++b)
+      for (int64_t j = 0; j < inner; ++j) {
+        const T* p = x + b * reduced * inner + j;
+        int64_t best = 0;
+        C best_value = C(p[0]);
+        for (int64_t k = 1; k < reduced; ++k) {
+          C v = C(p[k * inner]);
+          if (best_value != best_value) break;  // NaN wins, first one
+          if (v != v || (is_max ? v > best_value : v < best_value)) {
+            best = k;
+            best_value = v;
+          }
+        }
+        o[b * inner + j] = best;
+      }
+    return;
+  }
+  T* o = static_cast<T*>(out.data_ptr());
+  if constexpr (kEigenScalar<T>) {
+    if (op == ReduceOp::Sum) return sum_eigen(x, outer, reduced, inner, o);
+  }
+  // Max/min propagate NaN, which Eigen's vectorwise max/min do not promise.
+  for (int64_t b = 0; b < outer; ++b)
+    for (int64_t j = 0; j < inner; ++j) {
+      const T* p = x + b * reduced * inner + j;
+      C acc = op == ReduceOp::Sum ? C(0) : C(p[0]);
+      for (int64_t k = 0; k < reduced; ++k) {
+        C v = C(p[k * inner]);
+        if (op == ReduceOp::Sum) acc = acc + v;
+        if (op == ReduceOp::Max) acc = (v != v || v > acc) ? v : acc;
+        if (op == ReduceOp::Min) acc = (v != v || v < acc) ? v : acc;
+      }
+      o[b * inner + j] = T(acc);
+    }
+}
+
+}  // namespace
+
+void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,
+            const Tensor& out) {
+  visit_dtype(x.dtype(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (std::is_same_v<T, bool>) {
+      WEAVE_FAIL("reduce", "bool tensors are reduced as integers; hint: .to(kInt64)");
+    } else {
+      reduce_typed<T>(op, static_cast<const T*>(x.data_ptr()), outer, reduced, inner, out);
+    }
+  });
+}
+
+void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
+                  const Tensor& out) {
+  const int64_t* idx = index.data<int64_t>();
+  const int64_t count = index.numel();
+  const size_t row_bytes = inner * src.itemsize();
+  const char* s = static_cast<const char*>(src.data_ptr());
+  char* o = static_cast<char*>(out.data_ptr());
+  for (int64_t b = 0; b < outer; ++b)
+    for (int64_t i = 0; i < count; ++i)
+      std::memcpy(o + (b * count + i) * row_bytes, s + (b * n + idx[i]) * row_bytes, row_bytes);
+}
+
+void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
+               const Tensor& src) {
+  const int64_t* idx = index.data<int64_t>();
+  const int64_t count = index.numel();
+  visit_arithmetic(dst.dtype(), "index_add", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* d = static_cast<T*>(dst.data_ptr());
+    const T* s = static_cast<const T*>(src.data_ptr());
+    for (int64_t b = 0; b < outer; ++b)
+      for (int64_t i = 0; i < count; ++i) {
+        T* row = d + (b * n + idx[i]) * inner;
+        const T* from = s + (b * count + i) * inner;
+        for (int64_t j = 0; j < inner; ++j)
+          row[j] = T(compute_t<T>(row[j]) + compute_t<T>(from[j]));
+      }
+  });
+}
+
+}  // namespace weave::kernels::cpu

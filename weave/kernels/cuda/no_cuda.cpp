@@ -1,0 +1,45 @@
+// Kernel stand-ins used when weave is built without CUDA: every entry point raises weave::Error.
+#include "weave/kernels/backends.h"
+
+namespace weave {
+
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  WEAVE_FAIL(what, "weave was built without CUDA; hint: configure with -DWEAVE_WITH_CUDA=ON");
+}
+}  // namespace
+
+namespace kernels::cuda {
+void unary(UnaryOp, const Tensor&, const Tensor&) {
+  no_cuda("unary");
+}
+void unary_backward(UnaryOp, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("unary");
+}
+void binary(BinaryOp, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("binary");
+}
+void where(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("where");
+}
+void copy(const Tensor&, const Tensor&) {
+  no_cuda("copy");
+}
+void fill(const Tensor&, double) {
+  no_cuda("fill");
+}
+void reduce(ReduceOp, const Tensor&, int64_t, int64_t, int64_t, const Tensor&) {
+  no_cuda("reduce");
+}
+void matmul(const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("matmul");
+}
+void index_select(const Tensor&, int64_t, int64_t, int64_t, const Tensor&, const Tensor&) {
+  no_cuda("index_select");
+}
+void index_add(const Tensor&, int64_t, int64_t, int64_t, const Tensor&, const Tensor&) {
+  no_cuda("index_add");
+}
+}  // namespace kernels::cuda
+
+}  // namespace weave

@@ -1,0 +1,326 @@
+#pragma once
+// Elementwise math, written once for CPU and CUDA. Each unary op keeps its forward and its
+// derivative side by side; WEAVE_UNARY_OPS / WEAVE_BINARY_OPS list them so kernels, front
+// ends and the kernel enum are generated from one place.
+//
+// Adding a unary op: a functor here + a line in WEAVE_UNARY_OPS + a declaration in ops.h.
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "weave/tensor/dtype.h"
+
+namespace weave::fn {
+
+#if defined(__CUDA_ARCH__)
+#define WEAVE_MATH(name) ::name
+#else
+#define WEAVE_MATH(name) std::name
+#endif
+
+template <class T>
+WEAVE_HD inline T exp_(T x) {
+  return WEAVE_MATH(exp)(x);
+}
+template <class T>
+WEAVE_HD inline T log_(T x) {
+  return WEAVE_MATH(log)(x);
+}
+template <class T>
+WEAVE_HD inline T sqrt_(T x) {
+  return WEAVE_MATH(sqrt)(x);
+}
+template <class T>
+WEAVE_HD inline T sin_(T x) {
+  return WEAVE_MATH(sin)(x);
+}
+template <class T>
+WEAVE_HD inline T cos_(T x) {
+  return WEAVE_MATH(cos)(x);
+}
+template <class T>
+WEAVE_HD inline T tanh_(T x) {
+  return WEAVE_MATH(tanh)(x);
+}
+template <class T>
+WEAVE_HD inline T erf_(T x) {
+  return WEAVE_MATH(erf)(x);
+}
+template <class T>
+WEAVE_HD inline T pow_(T x, T y) {
+  if constexpr (std::is_integral_v<T>) {
+    if constexpr (std::is_signed_v<T>)
+      if (y < 0) return x == 1 ? 1 : 0;
+    T result = 1;
+    for (; y > 0; y >>= 1, x *= x)
+      if (y & 1) result *= x;
+    return result;
+  } else {
+    return WEAVE_MATH(pow)(x, y);
+  }
+}
+
+// ---- unary: forward(x) and derivative(x, y = forward(x)) -------------------------------
+// `integral` says whether the op is defined on integer tensors; if not, they become float32.
+
+struct Neg {  // d/dx -x = -1
+  static constexpr bool integral = true;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return -x;
+  }
+  template <class T>
+  WEAVE_HD T grad(T, T) const {
+    return T(-1);
+  }
+};
+struct Abs {  // d/dx |x| = sign(x)
+  static constexpr bool integral = true;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    if constexpr (std::is_unsigned_v<T>)
+      return x;
+    else
+      return x < T(0) ? -x : x;
+  }
+  template <class T>
+  WEAVE_HD T grad(T x, T) const {
+    if constexpr (std::is_unsigned_v<T>)
+      return T(x != T(0));
+    else
+      return T((x > T(0)) - (x < T(0)));
+  }
+};
+struct Exp {  // d/dx e^x = e^x
+  static constexpr bool integral = false;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return exp_(x);
+  }
+  template <class T>
+  WEAVE_HD T grad(T, T y) const {
+    return y;
+  }
+};
+struct Log {  // d/dx ln x = 1/x
+  static constexpr bool integral = false;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return log_(x);
+  }
+  template <class T>
+  WEAVE_HD T grad(T x, T) const {
+    return T(1) / x;
+  }
+};
+struct Sqrt {  // d/dx sqrt(x) = 1 / (2 sqrt(x))
+  static constexpr bool integral = false;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return sqrt_(x);
+  }
+  template <class T>
+  WEAVE_HD T grad(T, T y) const {
+    return T(0.5) / y;
+  }
+};
+struct Rsqrt {  // d/dx x^-1/2 = -x^-3/2 / 2
+  static constexpr bool integral = false;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return T(1) / sqrt_(x);
+  }
+  template <class T>
+  WEAVE_HD T grad(T, T y) const {
+    return T(-0.5) * y * y * y;
+  }
+};
+struct Sin {  // d/dx sin x = cos x
+  static constexpr bool integral = false;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return sin_(x);
+  }
+  template <class T>
+  WEAVE_HD T grad(T x, T) const {
+    return cos_(x);
+  }
+};
+struct Cos {  // d/dx cos x = -sin x
+  static constexpr bool integral = false;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return cos_(x);
+  }
+  template <class T>
+  WEAVE_HD T grad(T x, T) const {
+    return -sin_(x);
+  }
+};
+struct Tanh {  // d/dx tanh x = 1 - tanh^2 x
+  static constexpr bool integral = false;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return tanh_(x);
+  }
+  template <class T>
+  WEAVE_HD T grad(T, T y) const {
+    return T(1) - y * y;
+  }
+};
+struct Sigmoid {  // d/dx s(x) = s(x) (1 - s(x))
+  static constexpr bool integral = false;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return T(1) / (T(1) + exp_(-x));
+  }
+  template <class T>
+  WEAVE_HD T grad(T, T y) const {
+    return y * (T(1) - y);
+  }
+};
+struct Relu {  // d/dx max(x, 0) = [x > 0]
+  static constexpr bool integral = true;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return x > T(0) ? x : T(0);
+  }
+  template <class T>
+  WEAVE_HD T grad(T x, T) const {
+    return x > T(0) ? T(1) : T(0);
+  }
+};
+struct Gelu {  // gelu(x) = x Phi(x);  d/dx = Phi(x) + x phi(x)
+  static constexpr bool integral = false;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return T(0.5) * x * (T(1) + erf_(x * T(0.70710678118654752440)));
+  }
+  template <class T>
+  WEAVE_HD T grad(T x, T) const {
+    T cdf = T(0.5) * (T(1) + erf_(x * T(0.70710678118654752440)));
+    return cdf + x * T(0.39894228040143267794) * exp_(T(-0.5) * x * x);
+  }
+};
+struct Silu {  // silu(x) = x s(x);  d/dx = s(x) (1 + x (1 - s(x)))
+  static constexpr bool integral = false;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return x / (T(1) + exp_(-x));
+  }
+  template <class T>
+  WEAVE_HD T grad(T x, T) const {
+    T s = T(1) / (T(1) + exp_(-x));
+    return s * (T(1) + x * (T(1) - s));
+  }
+};
+
+// X(Name, functor, public function name)
+#define WEAVE_UNARY_OPS(X)                  \
+  X(Neg, ::weave::fn::Neg, neg)             \
+  X(Abs, ::weave::fn::Abs, abs)             \
+  X(Exp, ::weave::fn::Exp, exp)             \
+  X(Log, ::weave::fn::Log, log)             \
+  X(Sqrt, ::weave::fn::Sqrt, sqrt)          \
+  X(Rsqrt, ::weave::fn::Rsqrt, rsqrt)       \
+  X(Sin, ::weave::fn::Sin, sin)             \
+  X(Cos, ::weave::fn::Cos, cos)             \
+  X(Tanh, ::weave::fn::Tanh, tanh)          \
+  X(Sigmoid, ::weave::fn::Sigmoid, sigmoid) \
+  X(Relu, ::weave::fn::Relu, relu)          \
+  X(Gelu, ::weave::fn::Gelu, gelu)          \
+  X(Silu, ::weave::fn::Silu, silu)
+
+// ---- binary (compute type in, compute type or bool out) ---------------------------------
+
+struct Add {
+  template <class T>
+  WEAVE_HD T operator()(T a, T b) const {
+    return a + b;
+  }
+};
+struct Sub {
+  template <class T>
+  WEAVE_HD T operator()(T a, T b) const {
+    return a - b;
+  }
+};
+struct Mul {
+  template <class T>
+  WEAVE_HD T operator()(T a, T b) const {
+    return a * b;
+  }
+};
+struct Div {
+  template <class T>
+  WEAVE_HD T operator()(T a, T b) const {
+    return a / b;
+  }
+};
+struct Pow {
+  template <class T>
+  WEAVE_HD T operator()(T a, T b) const {
+    return pow_(a, b);
+  }
+};
+struct Maximum {  // NaN propagates
+  template <class T>
+  WEAVE_HD T operator()(T a, T b) const {
+    return (a != a || a > b) ? a : b;
+  }
+};
+struct Minimum {
+  template <class T>
+  WEAVE_HD T operator()(T a, T b) const {
+    return (a != a || a < b) ? a : b;
+  }
+};
+struct Eq {
+  template <class T>
+  WEAVE_HD bool operator()(T a, T b) const {
+    return a == b;
+  }
+};
+struct Ne {
+  template <class T>
+  WEAVE_HD bool operator()(T a, T b) const {
+    return a != b;
+  }
+};
+struct Lt {
+  template <class T>
+  WEAVE_HD bool operator()(T a, T b) const {
+    return a < b;
+  }
+};
+struct Le {
+  template <class T>
+  WEAVE_HD bool operator()(T a, T b) const {
+    return a <= b;
+  }
+};
+struct Gt {
+  template <class T>
+  WEAVE_HD bool operator()(T a, T b) const {
+    return a > b;
+  }
+};
+struct Ge {
+  template <class T>
+  WEAVE_HD bool operator()(T a, T b) const {
+    return a >= b;
+  }
+};
+
+#define WEAVE_ARITHMETIC_OPS(X) \
+  X(Add, ::weave::fn::Add)      \
+  X(Sub, ::weave::fn::Sub)      \
+  X(Mul, ::weave::fn::Mul)      \
+  X(Div, ::weave::fn::Div)      \
+  X(Pow, ::weave::fn::Pow) X(Maximum, ::weave::fn::Maximum) X(Minimum, ::weave::fn::Minimum)
+#define WEAVE_COMPARISON_OPS(X) \
+  X(Eq, ::weave::fn::Eq)        \
+  X(Ne, ::weave::fn::Ne)        \
+  X(Lt, ::weave::fn::Lt) X(Le, ::weave::fn::Le) X(Gt, ::weave::fn::Gt) X(Ge, ::weave::fn::Ge)
+
+}  // namespace weave::fn

@@ -1,0 +1,81 @@
+// Device dispatch for every kernel entry point.
+#include "weave/kernels/kernels.h"
+
+#include "weave/kernels/backends.h"
+#include "weave/tensor/cuda/runtime.h"
+
+namespace weave::kernels {
+
+namespace {
+bool on_cuda(const Tensor& t) {
+  return t.device().is_cuda();
+}
+}  // namespace
+
+#define WEAVE_DISPATCH(call)           \
+  if (on_cuda(out)) return cuda::call; \
+  return cpu::call
+
+void unary(UnaryOp op, const Tensor& x, const Tensor& out) {
+  WEAVE_DISPATCH(unary(op, x, out));
+}
+
+void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
+                    const Tensor& out) {
+  WEAVE_DISPATCH(unary_backward(op, grad, x, y, out));
+}
+
+void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  WEAVE_DISPATCH(binary(op, a, b, out));
+}
+
+void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
+  WEAVE_DISPATCH(where(cond, a, b, out));
+}
+
+void fill(const Tensor& out, double value) {
+  WEAVE_DISPATCH(fill(out, value));
+}
+
+void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,
+            const Tensor& out) {
+  WEAVE_DISPATCH(reduce(op, x, outer, reduced, inner, out));
+}
+
+void matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
+  WEAVE_DISPATCH(matmul(a, b, out));
+}
+
+void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
+                  const Tensor& out) {
+  WEAVE_DISPATCH(index_select(src, outer, n, inner, index, out));
+}
+
+void index_add(const Tensor& out, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
+               const Tensor& src) {
+  WEAVE_DISPATCH(index_add(out, outer, n, inner, index, src));
+}
+
+#undef WEAVE_DISPATCH
+
+void copy(const Tensor& src, const Tensor& dst) {
+  if (src.device() == dst.device()) {
+    if (on_cuda(dst)) return cuda::copy(src, dst);
+    return cpu::copy(src, dst);
+  }
+  // Across devices: convert and compact on the source device, move the bytes, then scatter
+  // into dst's layout on its device.
+  Tensor packed = src;
+  if (src.dtype() != dst.dtype() || !src.is_contiguous() || src.shape() != dst.shape()) {
+    packed = empty(dst.shape(), {.dtype = dst.dtype(), .device = src.device()});
+    copy(src, packed);
+  }
+  Tensor landing = dst.is_contiguous()
+                       ? dst
+                       : empty(dst.shape(), {.dtype = dst.dtype(), .device = dst.device()});
+  weave::cuda::copy_bytes(landing.data_ptr(), dst.device(), packed.data_ptr(), src.device(),
+                          packed.numel() * packed.itemsize());
+  if (!landing.is_same(dst)) copy(landing, dst);
+}
+
+}  // namespace weave::kernels

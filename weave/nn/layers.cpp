@@ -1,0 +1,100 @@
+#include "weave/nn/layers.h"
+
+#include <cmath>
+
+#include "weave/autograd/grad_mode.h"
+#include "weave/nn/init.h"
+
+namespace weave::nn {
+
+namespace {
+Tensor uniform_tensor(const Shape& shape, double bound, Generator* generator) {
+  Tensor t = empty(shape);
+  init::uniform_(t, -bound, bound, generator);
+  return t;
+}
+}  // namespace
+
+Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, Generator* generator)
+    : Module("Linear"),
+      weight(register_parameter(
+          "weight",
+          uniform_tensor({out_features, in_features},
+                         1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(in_features, 1))),
+                         generator))),
+      bias(register_parameter(
+          "bias", with_bias ? uniform_tensor({out_features},
+                                             1.0 / std::sqrt(static_cast<double>(
+                                                       std::max<int64_t>(in_features, 1))),
+                                             generator)
+                            : Tensor())) {
+  WEAVE_CHECK(in_features > 0 && out_features > 0, "Linear",
+              "feature counts must be positive, found in={} out={}", in_features, out_features);
+}
+
+Tensor Linear::forward(const Tensor& x) {
+  return linear(x, weight, bias);
+}
+
+Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator* generator)
+    : Module("Embedding"),
+      weight(register_parameter("weight", randn({num_embeddings, dim}, {}, generator))) {}
+
+Tensor Embedding::forward(const Tensor& indices) {
+  return embedding(weight, indices);
+}
+
+LayerNorm::LayerNorm(const Shape& normalized_shape, double eps, bool affine)
+    : Module("LayerNorm"),
+      weight(register_parameter("weight", affine ? ones(normalized_shape) : Tensor())),
+      bias(register_parameter("bias", affine ? zeros(normalized_shape) : Tensor())),
+      shape_(normalized_shape),
+      eps_(eps) {}
+
+Tensor LayerNorm::forward(const Tensor& x) {
+  return layer_norm(x, shape_, weight, bias, eps_);
+}
+
+Dropout::Dropout(double p, Generator* generator) : Module("Dropout"), p_(p), generator_(generator) {
+  WEAVE_CHECK(p >= 0 && p <= 1, "Dropout", "probability must be in [0, 1], found {}", p);
+}
+
+Tensor Dropout::forward(const Tensor& x) {
+  return dropout(x, p_, is_training(), generator_);
+}
+
+std::shared_ptr<Module> ReLU() {
+  return std::make_shared<Lambda>("ReLU", [](const Tensor& x) { return relu(x); });
+}
+std::shared_ptr<Module> GELU() {
+  return std::make_shared<Lambda>("GELU", [](const Tensor& x) { return gelu(x); });
+}
+std::shared_ptr<Module> SiLU() {
+  return std::make_shared<Lambda>("SiLU", [](const Tensor& x) { return silu(x); });
+}
+std::shared_ptr<Module> Tanh() {
+  return std::make_shared<Lambda>("Tanh", [](const Tensor& x) { return tanh(x); });
+}
+std::shared_ptr<Module> Sigmoid() {
+  return std::make_shared<Lambda>("Sigmoid", [](const Tensor& x) { return sigmoid(x); });
+}
+std::shared_ptr<Module> Flatten() {
+  return std::make_shared<Lambda>("Flatten", [](const Tensor& x) { return x.flatten(1); });
+}
+
+Sequential::Sequential(std::initializer_list<std::shared_ptr<Module>> modules) : Sequential() {
+  for (const auto& m : modules) push_back(m);
+}
+
+void Sequential::push_back(std::shared_ptr<Module> module) {
+  WEAVE_CHECK(module != nullptr, "Sequential", "cannot add a null module");
+  modules_.push_back(register_module(std::to_string(modules_.size()), std::move(module)));
+}
+
+Tensor Sequential::forward(const Tensor& x) {
+  Tensor y = x;
+  for (auto& m : modules_) y = m->forward(y);
+  return y;
+}
+
+}  // namespace weave::nn

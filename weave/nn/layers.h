@@ -1,0 +1,86 @@
+#pragma once
+// Standard layers.
+#include <functional>
+#include <initializer_list>
+
+#include "weave/nn/module.h"
+
+namespace weave::nn {
+
+/// y = x W^T + b with W [out, in]; initialized like PyTorch (U(+-1/sqrt(in))).
+class Linear : public Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, bool bias = true,
+         Generator* generator = nullptr);
+  Tensor forward(const Tensor& x) override;
+  Tensor& weight;
+  Tensor& bias;  // undefined without bias
+};
+
+/// Lookup table [num_embeddings, dim], initialized N(0, 1).
+class Embedding : public Module {
+ public:
+  Embedding(int64_t num_embeddings, int64_t dim, Generator* generator = nullptr);
+  /// indices: integer tensor of any shape -> [..., dim].
+  Tensor forward(const Tensor& indices) override;
+  Tensor& weight;
+};
+
+/// Layer normalization over the trailing normalized_shape, with learned scale and shift.
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(const Shape& normalized_shape, double eps = 1e-5, bool affine = true);
+  Tensor forward(const Tensor& x) override;
+  Tensor& weight;  // undefined without affine
+  Tensor& bias;
+
+ private:
+  Shape shape_;
+  double eps_;
+};
+
+/// Zeroes elements with probability p in training mode (identity in eval mode).
+class Dropout : public Module {
+ public:
+  explicit Dropout(double p = 0.5, Generator* generator = nullptr);
+  Tensor forward(const Tensor& x) override;
+
+ private:
+  double p_;
+  Generator* generator_;
+};
+
+/// A stateless function as a module (activations, reshapes).
+class Lambda : public Module {
+ public:
+  Lambda(std::string name, std::function<Tensor(const Tensor&)> fn)
+      : Module(std::move(name)), fn_(std::move(fn)) {}
+  Tensor forward(const Tensor& x) override { return fn_(x); }
+
+ private:
+  std::function<Tensor(const Tensor&)> fn_;
+};
+
+std::shared_ptr<Module> ReLU();
+std::shared_ptr<Module> GELU();
+std::shared_ptr<Module> SiLU();
+std::shared_ptr<Module> Tanh();
+std::shared_ptr<Module> Sigmoid();
+/// Flattens all dims after the first (batch) dim.
+std::shared_ptr<Module> Flatten();
+
+/// Runs modules in order; children are named "0", "1", ...
+class Sequential : public Module {
+ public:
+  Sequential() : Module("Sequential") {}
+  Sequential(std::initializer_list<std::shared_ptr<Module>> modules);
+  void push_back(std::shared_ptr<Module> module);
+  Tensor forward(const Tensor& x) override;
+  size_t size() const { return modules_.size(); }
+  Module& operator[](size_t i) { return *modules_.at(i); }
+
+ private:
+  std::vector<std::shared_ptr<Module>> modules_;
+};
+
+}  // namespace weave::nn

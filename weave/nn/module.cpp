@@ -1,0 +1,152 @@
+#include "weave/nn/module.h"
+
+#include <set>
+
+#include "weave/autograd/grad_mode.h"
+
+namespace weave::nn {
+
+Tensor Module::forward(const Tensor&) {
+  WEAVE_FAIL(name_, "this module has no single-input forward(); call its own methods instead");
+}
+
+void Module::check_new_name(const std::string& name) const {
+  WEAVE_CHECK(!name.empty() && name.find('.') == std::string::npos, name_,
+              "invalid member name '{}': expected a non-empty name without '.'", name);
+  auto taken = [&](const auto& list) {
+    for (const auto& [n, v] : list)
+      if (n == name) return true;
+    return false;
+  };
+  WEAVE_CHECK(!taken(parameters_) && !taken(buffers_) && !taken(children_), name_,
+              "'{}' is already registered", name);
+}
+
+Tensor& Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
+  check_new_name(name);
+  Tensor leaf = !value.defined() || value.is_leaf() ? value : value.detach();
+  if (requires_grad && leaf.defined()) leaf.requires_grad_(true);
+  parameters_.emplace_back(name, std::make_unique<Tensor>(leaf));
+  return *parameters_.back().second;
+}
+
+Tensor& Module::register_buffer(const std::string& name, Tensor value) {
+  check_new_name(name);
+  buffers_.emplace_back(name, std::make_unique<Tensor>(value.defined() ? value.detach() : value));
+  return *buffers_.back().second;
+}
+
+namespace {
+template <class Get>
+void collect(const Module& module, const std::string& prefix, bool recurse, NamedTensors& out,
+             Get get) {
+  for (const auto& [name, tensor] : get(module)) out.emplace_back(prefix + name, tensor);
+  if (!recurse) return;
+  for (const auto& [name, child] : module.named_children())
+    collect(*child, prefix + name + ".", true, out, get);
+}
+}  // namespace
+
+NamedTensors Module::named_parameters(bool recurse) const {
+  NamedTensors out;
+  collect(*this, "", recurse, out, [](const Module& m) {
+    NamedTensors own;
+    for (const auto& [n, t] : m.parameters_)
+      if (t->defined()) own.emplace_back(n, *t);
+    return own;
+  });
+  return out;
+}
+
+NamedTensors Module::named_buffers(bool recurse) const {
+  NamedTensors out;
+  collect(*this, "", recurse, out, [](const Module& m) {
+    NamedTensors own;
+    for (const auto& [n, t] : m.buffers_)
+      if (t->defined()) own.emplace_back(n, *t);
+    return own;
+  });
+  return out;
+}
+
+std::vector<Tensor> Module::parameters(bool recurse) const {
+  std::vector<Tensor> out;
+  for (auto& [name, t] : named_parameters(recurse)) out.push_back(t);
+  return out;
+}
+
+std::vector<Tensor> Module::buffers(bool recurse) const {
+  std::vector<Tensor> out;
+  for (auto& [name, t] : named_buffers(recurse)) out.push_back(t);
+  return out;
+}
+
+void Module::train(bool on) {
+  training_ = on;
+  for (auto& [name, child] : children_) child->train(on);
+}
+
+void Module::zero_grad(bool set_to_none) {
+  for (Tensor& p : parameters()) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none) {
+      p.set_grad({});
+    } else {
+      NoGradGuard no_grad;
+      p.grad().zero_();
+    }
+  }
+}
+
+NamedTensors Module::state_dict() const {
+  NamedTensors state = named_parameters();
+  for (auto& entry : named_buffers()) state.push_back(entry);
+  return state;
+}
+
+void Module::load_state_dict(const NamedTensors& state, bool strict) {
+  NoGradGuard no_grad;
+  std::map<std::string, Tensor> own;
+  for (auto& [name, t] : state_dict()) own.emplace(name, t);
+  std::set<std::string> seen;
+  for (const auto& [name, value] : state) {
+    auto it = own.find(name);
+    if (it == own.end()) {
+      WEAVE_CHECK(!strict, "load_state_dict", "unexpected key '{}' in the state dict", name);
+      continue;
+    }
+    WEAVE_CHECK(it->second.shape() == value.shape(), "load_state_dict",
+                "'{}' has shape {} in the module but {} in the state dict", name,
+                it->second.shape(), value.shape());
+    it->second.copy_(value);
+    seen.insert(name);
+  }
+  if (strict)
+    for (const auto& [name, t] : own)
+      WEAVE_CHECK(seen.count(name), "load_state_dict", "missing key '{}' in the state dict", name);
+}
+
+template <class Fn>
+void Module::for_each_tensor(Fn&& fn) {
+  for (auto& [name, t] : parameters_) {
+    if (!t->defined()) continue;
+    Tensor moved = fn(*t);
+    if (moved.is_same(*t)) continue;
+    const bool grad = t->requires_grad();
+    *t = moved.detach();
+    if (grad) t->requires_grad_(true);
+  }
+  for (auto& [name, t] : buffers_)
+    if (t->defined()) *t = fn(*t).detach();
+  for (auto& [name, child] : children_) child->for_each_tensor(fn);
+}
+
+void Module::to(Device device) {
+  for_each_tensor([&](const Tensor& t) { return t.to(device); });
+}
+
+void Module::to(DType dtype) {
+  for_each_tensor([&](const Tensor& t) { return is_floating(t.dtype()) ? t.to(dtype) : t; });
+}
+
+}  // namespace weave::nn

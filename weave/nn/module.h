@@ -1,0 +1,77 @@
+#pragma once
+// Module: parameters, buffers and submodules registered by name, in a deterministic order.
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "weave/ops/ops.h"
+
+namespace weave::nn {
+
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+class Module {
+ public:
+  explicit Module(std::string name = "Module") : name_(std::move(name)) {}
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  /// The computation of single-input modules (what Sequential calls).
+  virtual Tensor forward(const Tensor& input);
+  Tensor operator()(const Tensor& input) { return forward(input); }
+  const std::string& name() const { return name_; }
+
+  /// "fc1.weight" style names, registration order, depth first. Deterministic, so every rank
+  /// of a distributed job lists parameters identically.
+  NamedTensors named_parameters(bool recurse = true) const;
+  std::vector<Tensor> parameters(bool recurse = true) const;
+  NamedTensors named_buffers(bool recurse = true) const;
+  std::vector<Tensor> buffers(bool recurse = true) const;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const {
+    return children_;
+  }
+
+  /// Sets training mode here and in every submodule (affects Dropout and the like).
+  virtual void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+  /// Drops (set_to_none) or zeroes every parameter's gradient.
+  void zero_grad(bool set_to_none = true);
+  /// Parameters and buffers by name.
+  NamedTensors state_dict() const;
+  /// Copies values into the parameters and buffers of the same names. With strict, missing
+  /// or unexpected names are errors; shapes must always match.
+  void load_state_dict(const NamedTensors& state, bool strict = true);
+  /// Moves/converts every parameter and buffer (call before creating an optimizer).
+  void to(Device device);
+  void to(DType dtype);
+
+ protected:
+  /// Registers a parameter (made a leaf that requires grad) and returns a reference that
+  /// stays valid (and follows to()). An undefined value reserves the name (an absent bias).
+  Tensor& register_parameter(const std::string& name, Tensor value, bool requires_grad = true);
+  Tensor& register_buffer(const std::string& name, Tensor value);
+  template <class M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
+    check_new_name(name);
+    children_.emplace_back(name, module);
+    return module;
+  }
+
+ private:
+  void check_new_name(const std::string& name) const;
+  template <class Fn>
+  void for_each_tensor(Fn&& fn);
+
+  std::string name_;
+  bool training_ = true;
+  // unique_ptr keeps references returned by register_* valid as more are added
+  std::vector<std::pair<std::string, std::unique_ptr<Tensor>>> parameters_;
+  std::vector<std::pair<std::string, std::unique_ptr<Tensor>>> buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+};
+
+}  // namespace weave::nn

@@ -1,0 +1,72 @@
+#pragma once
+// Helpers shared by the op front ends (not part of the public API). None of them records
+// autograd: front ends record once, on their own inputs.
+#include "weave/autograd/node.h"
+#include "weave/kernels/kernels.h"
+#include "weave/ops/ops.h"
+
+namespace weave::detail {
+
+using autograd::BackwardArgs;
+using autograd::SavedTensor;
+using Grads = std::vector<Tensor>;
+
+inline Tensor empty_on(const Shape& shape, DType dtype, Device device) {
+  return empty(shape, {.dtype = dtype, .device = device});
+}
+
+/// t converted to dtype; t itself when it already has it.
+inline Tensor convert(const Tensor& t, DType dtype) {
+  if (t.dtype() == dtype) return t;
+  Tensor out = empty_on(t.shape(), dtype, t.device());
+  kernels::copy(t, out);
+  return out;
+}
+
+/// A stride-0 view of t broadcast to shape (t's shape must broadcast to it).
+Tensor broadcast_view(const Tensor& t, const Shape& shape);
+
+/// Raises unless t is defined, naming op and argument.
+inline void check_defined(const Tensor& t, const char* op, const char* what = "input") {
+  WEAVE_CHECK(t.defined(), op, "{} is an undefined tensor", what);
+}
+
+inline void check_same_device(const Tensor& a, const Tensor& b, const char* op) {
+  WEAVE_CHECK(a.device() == b.device(), op,
+              "expected tensors on one device, found {} and {}; hint: move one with .to()",
+              a.device(), b.device());
+}
+
+/// Shape and dtype of an input whose values backward does not need.
+struct InputInfo {
+  Shape shape;
+  DType dtype = kFloat32;
+  InputInfo() = default;
+  explicit InputInfo(const Tensor& t) {
+    if (t.defined()) {
+      shape = t.shape();
+      dtype = t.dtype();
+    }
+  }
+};
+
+/// The gradient for an input from a gradient of broadcast shape: summed to the input's shape
+/// and converted to its dtype.
+inline Tensor reduce_grad(const Tensor& grad, const InputInfo& input) {
+  return convert(sum_to(grad, input.shape), input.dtype);
+}
+inline Tensor reduce_grad(const Tensor& grad, const Tensor& input) {
+  return reduce_grad(grad, InputInfo(input));
+}
+
+/// Dims list with every entry normalized and checked for duplicates; empty means all dims.
+std::vector<bool> reduced_dims_mask(const Dims& dims, int rank, const char* op);
+
+/// Marks a tensor written in place: bumps the version and, when autograd is involved,
+/// moves the history of `result` (the out-of-place result) onto `self`.
+void commit_inplace(Tensor& self, const Tensor& result);
+/// True if an in-place op on self with these operands must be recorded; raises for the
+/// in-place cases autograd cannot support (a leaf requiring grad, a view of one).
+bool inplace_needs_autograd(const Tensor& self, const Tensor& other, const char* op);
+
+}  // namespace weave::detail

@@ -1,0 +1,152 @@
+// matmul and linear.
+#include "weave/autograd/grad_mode.h"
+#include "weave/ops/internal.h"
+
+namespace weave {
+
+using namespace detail;
+
+namespace {
+
+DType matmul_dtype(const Tensor& a, const Tensor& b) {
+  DType dtype = to_floating(promote_types(a.dtype(), b.dtype()));
+  return dtype;
+}
+
+// An operand as a 3-D [batch, rows, cols] tensor the kernel accepts: inner stride 1 (row-major)
+// or row stride 1 (column-major), batch dims folded into one (stride 0 when broadcast).
+Tensor as_batched(const Tensor& t, const Shape& batch, int64_t batch_numel) {
+  const int r = t.dim();
+  const int64_t rows = t.shape()[r - 2], cols = t.shape()[r - 1];
+  int64_t rs = t.strides()[r - 2], cs = t.strides()[r - 1];
+  if (rows == 1) rs = cols;  // size-1 dims may carry any stride; pin them
+  if (cols == 1) cs = 1;
+  const bool row_major = cs == 1 && rs >= cols;
+  const bool col_major = rs == 1 && cs >= rows;
+  Shape own_batch;
+  for (int d = 0; d < r - 2; ++d) own_batch.push_back(t.shape()[d]);
+  // Batch stride: 0 if t has no batch of its own, the single stride if it folds to one dim.
+  std::optional<int64_t> batch_stride;
+  if (own_batch.numel() == 1) {
+    batch_stride = 0;
+  } else if (own_batch == batch) {
+    int64_t expected = -1;
+    bool folds = true;
+    for (int d = r - 3; d >= 0; --d) {
+      if (t.shape()[d] == 1) continue;
+      if (expected >= 0 && t.strides()[d] != expected) folds = false;
+      if (expected < 0) batch_stride = t.strides()[d];
+      expected = t.strides()[d] * t.shape()[d];
+    }
+    if (!folds) batch_stride.reset();
+  }
+  if ((row_major || col_major) && batch_stride)
+    return make_view(t, {batch_numel, rows, cols}, {*batch_stride, rs, cs}, t.offset());
+  Shape full = batch;
+  full.push_back(rows);
+  full.push_back(cols);
+  Tensor dense = empty_on(full, t.dtype(), t.device());
+  kernels::copy(broadcast_view(t, full), dense);
+  return make_view(dense, {batch_numel, rows, cols}, {rows * cols, cols, 1}, 0);
+}
+
+// a [..., M, K] @ b [..., K, N] with broadcast batch dims; records nothing.
+Tensor matmul_compute(const Tensor& a, const Tensor& b) {
+  const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
+  WEAVE_CHECK(b.size(-2) == k, "matmul", "inner dimensions differ: lhs {} vs rhs {}", a.shape(),
+              b.shape());
+  Shape batch_a, batch_b;
+  for (int d = 0; d < a.dim() - 2; ++d) batch_a.push_back(a.shape()[d]);
+  for (int d = 0; d < b.dim() - 2; ++d) batch_b.push_back(b.shape()[d]);
+  Shape batch = broadcast_shapes(batch_a, batch_b, "matmul");
+  const int64_t batch_numel = batch.numel();
+  Shape out_shape = batch;
+  out_shape.push_back(m);
+  out_shape.push_back(n);
+  Tensor out = empty_on(out_shape, a.dtype(), a.device());
+  if (out.numel() == 0) return out;
+  if (k == 0) {
+    kernels::fill(out, 0);
+    return out;
+  }
+  kernels::matmul(as_batched(a, batch, batch_numel), as_batched(b, batch, batch_numel),
+                  make_view(out, {batch_numel, m, n}, {m * n, n, 1}, 0));
+  return out;
+}
+
+}  // namespace
+
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  check_defined(a, "matmul", "lhs");
+  check_defined(b, "matmul", "rhs");
+  check_same_device(a, b, "matmul");
+  WEAVE_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul",
+              "both operands need at least 1 dimension, found {} and {}", a.shape(), b.shape());
+  const bool a_vector = a.dim() == 1, b_vector = b.dim() == 1;
+  if (a_vector || b_vector) {
+    Tensor out = matmul(a_vector ? a.unsqueeze(0) : a, b_vector ? b.unsqueeze(-1) : b);
+    if (b_vector) out = out.squeeze(-1);
+    if (a_vector) out = out.squeeze(b_vector ? -1 : -2);
+    return out;
+  }
+  const DType dtype = matmul_dtype(a, b);
+  Tensor ac = convert(a, dtype), bc = convert(b, dtype);
+  Tensor out = matmul_compute(ac, bc);
+  // d(AB) = (G B^T, A^T G), summed over broadcast batch dims
+  return autograd::record(
+      "MatmulBackward", {a, b}, out,
+      [as = SavedTensor(ac), bs = SavedTensor(bc), ai = InputInfo(a),
+       bi = InputInfo(b)](const BackwardArgs& args) -> Grads {
+        const Tensor& g = args.grad();
+        Tensor av = as.unpack(), bv = bs.unpack();
+        return {
+            args.needs(0) ? reduce_grad(matmul_compute(g, bv.transpose(-1, -2)), ai) : Tensor(),
+            args.needs(1) ? reduce_grad(matmul_compute(av.transpose(-1, -2), g), bi) : Tensor()};
+      });
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  check_defined(x, "linear");
+  check_defined(weight, "linear", "weight");
+  check_same_device(x, weight, "linear");
+  WEAVE_CHECK(weight.dim() == 2, "linear", "expected a 2-D weight [out, in], found {}",
+              weight.shape());
+  WEAVE_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "linear",
+              "input features differ: input {} vs weight {} (expected [..., {}])", x.shape(),
+              weight.shape(), weight.size(1));
+  if (bias.defined()) {
+    check_same_device(x, bias, "linear");
+    WEAVE_CHECK(bias.dim() == 1 && bias.size(0) == weight.size(0), "linear",
+                "expected a bias of shape [{}], found {}", weight.size(0), bias.shape());
+  }
+  DType dtype = matmul_dtype(x, weight);
+  if (bias.defined()) dtype = promote_types(dtype, bias.dtype());
+  Tensor xc = convert(x, dtype), wc = convert(weight, dtype);
+  Tensor x2 = xc.dim() == 2 ? xc : xc.reshape({-1, x.size(-1)});
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    y = matmul_compute(x2, wc.t());
+    if (bias.defined()) {
+      Tensor b = broadcast_view(convert(bias, dtype), y.shape());
+      kernels::binary(kernels::BinaryOp::Add, y, b, y);
+    }
+    Shape out_shape = x.shape();
+    out_shape[out_shape.size() - 1] = weight.size(0);
+    y = y.reshape(out_shape);
+  }
+  // dx = G W, dW = G^T x, db = sum of G over all but the last dim
+  return autograd::record(
+      "LinearBackward", {x, weight, bias}, y,
+      [xs = SavedTensor(x2), ws = SavedTensor(wc), xi = InputInfo(x), wi = InputInfo(weight),
+       bi = InputInfo(bias)](const BackwardArgs& args) -> Grads {
+        Tensor g = args.grad().reshape({-1, args.grad().size(-1)});
+        Tensor dx, dw, db;
+        if (args.needs(0)) dx = convert(matmul_compute(g, ws.unpack()).reshape(xi.shape), xi.dtype);
+        if (args.needs(1)) dw = convert(matmul_compute(g.t(), xs.unpack()), wi.dtype);
+        if (args.needs(2)) db = convert(sum(g, {0}), bi.dtype);
+        return {dx, dw, db};
+      });
+}
+
+}  // namespace weave

@@ -1,0 +1,186 @@
+#pragma once
+// Every tensor op. Ops broadcast like NumPy, promote dtypes like PyTorch, record autograd
+// when an input requires grad (and grad mode is on), and raise weave::Error starting with
+// "[op]" on bad input. Dims may be negative (counted from the end).
+#include <optional>
+#include <vector>
+
+#include "weave/tensor/random.h"
+#include "weave/tensor/tensor.h"
+
+namespace weave {
+
+// ---- creation ---------------------------------------------------------------------------
+
+Tensor zeros(const Shape& shape, TensorOptions options = {});
+Tensor ones(const Shape& shape, TensorOptions options = {});
+Tensor full(const Shape& shape, double value, TensorOptions options = {});
+/// Same shape, dtype and device as t.
+Tensor zeros_like(const Tensor& t);
+Tensor ones_like(const Tensor& t);
+Tensor full_like(const Tensor& t, double value);
+/// A 0-d tensor holding value.
+Tensor scalar_tensor(double value, TensorOptions options = {});
+/// start, start+step, ... below end (1-D).
+Tensor arange(double start, double end, double step = 1.0, TensorOptions options = {});
+Tensor arange(double end, TensorOptions options = {});
+/// n x m identity (m defaults to n).
+Tensor eye(int64_t n, int64_t m = -1, TensorOptions options = {});
+/// Uniform in [0, 1); seeded by `generator` (the default generator when null).
+Tensor rand(const Shape& shape, TensorOptions options = {}, Generator* generator = nullptr);
+/// Standard normal.
+Tensor randn(const Shape& shape, TensorOptions options = {}, Generator* generator = nullptr);
+/// Uniform integers in [low, high); dtype defaults to int64.
+Tensor randint(int64_t low, int64_t high, const Shape& shape,
+               TensorOptions options = {.dtype = kInt64}, Generator* generator = nullptr);
+/// Copies values (row-major) into a new tensor of the given shape (1-D when shape is empty;
+/// use scalar_tensor for a 0-d tensor).
+template <class T>
+Tensor from_vector(const std::vector<T>& values, const Shape& shape = {}, Device device = kCPU);
+/// Wraps host or device memory without copying; deleter (may be empty) runs when the
+/// tensor's storage dies.
+Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device = kCPU,
+                 std::function<void(void*)> deleter = {});
+
+// ---- elementwise ------------------------------------------------------------------------
+
+Tensor neg(const Tensor& x);
+Tensor abs(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+/// 1 / sqrt(x).
+Tensor rsqrt(const Tensor& x);
+Tensor sin(const Tensor& x);
+Tensor cos(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor relu(const Tensor& x);
+/// Exact GELU: x * Phi(x) with the normal CDF Phi.
+Tensor gelu(const Tensor& x);
+/// x * sigmoid(x).
+Tensor silu(const Tensor& x);
+
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+/// True division: integer inputs give a floating result.
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& base, const Tensor& exponent);
+Tensor pow(const Tensor& base, double exponent);
+/// Elementwise max / min; at ties the gradient is split equally.
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor minimum(const Tensor& a, const Tensor& b);
+
+/// Comparisons return bool tensors and are not differentiable.
+Tensor eq(const Tensor& a, const Tensor& b);
+Tensor ne(const Tensor& a, const Tensor& b);
+Tensor lt(const Tensor& a, const Tensor& b);
+Tensor le(const Tensor& a, const Tensor& b);
+Tensor gt(const Tensor& a, const Tensor& b);
+Tensor ge(const Tensor& a, const Tensor& b);
+/// cond ? a : b, broadcasting all three; cond must be bool.
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+
+// Scalars act like 0-d tensors that do not widen the tensor's dtype (int tensor * 0.5 is
+// float32; float16 tensor + 1.0 stays float16).
+Tensor operator+(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& a, const Tensor& b);
+Tensor operator*(const Tensor& a, const Tensor& b);
+Tensor operator/(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& x);
+Tensor operator+(const Tensor& a, double b);
+Tensor operator-(const Tensor& a, double b);
+Tensor operator*(const Tensor& a, double b);
+Tensor operator/(const Tensor& a, double b);
+Tensor operator+(double a, const Tensor& b);
+Tensor operator-(double a, const Tensor& b);
+Tensor operator*(double a, const Tensor& b);
+Tensor operator/(double a, const Tensor& b);
+/// A 0-d tensor for `value` in the dtype a scalar operand of `like` takes.
+Tensor wrap_scalar(double value, const Tensor& like);
+
+// ---- reductions (dims empty = all dims) -------------------------------------------------
+
+/// Integer and bool inputs sum to int64.
+Tensor sum(const Tensor& x, const Dims& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const Dims& dims = {}, bool keepdim = false);
+/// Maximum over dims; at ties the gradient is split equally.
+Tensor max(const Tensor& x, const Dims& dims = {}, bool keepdim = false);
+Tensor min(const Tensor& x, const Dims& dims = {}, bool keepdim = false);
+/// Index (int64) of the first maximum along dim, or in the flattened tensor.
+Tensor argmax(const Tensor& x, std::optional<int64_t> dim = std::nullopt, bool keepdim = false);
+Tensor argmin(const Tensor& x, std::optional<int64_t> dim = std::nullopt, bool keepdim = false);
+/// Variance with Bessel's correction by default (divides by N - correction).
+Tensor var(const Tensor& x, const Dims& dims = {}, int64_t correction = 1, bool keepdim = false);
+/// Sums a broadcast gradient back down to `shape` (the adjoint of expand).
+Tensor sum_to(const Tensor& x, const Shape& shape);
+
+// ---- linear algebra ---------------------------------------------------------------------
+
+/// Matrix product with NumPy semantics: 1-D operands are promoted and squeezed, batch
+/// dimensions broadcast.
+Tensor matmul(const Tensor& a, const Tensor& b);
+/// x @ weight^T + bias, weight [out, in], bias [out] (may be undefined).
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
+
+// ---- shape ------------------------------------------------------------------------------
+
+/// One dimension may be -1 (inferred). Returns a view when the strides allow, else a copy.
+Tensor reshape(const Tensor& x, const Shape& shape);
+Tensor view(const Tensor& x, const Shape& shape);
+Tensor flatten(const Tensor& x, int64_t start_dim = 0, int64_t end_dim = -1);
+Tensor permute(const Tensor& x, const Dims& order);
+Tensor transpose(const Tensor& x, int64_t dim0, int64_t dim1);
+Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length);
+Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t step = 1);
+/// Removes dim by indexing it.
+Tensor select(const Tensor& x, int64_t dim, int64_t index);
+/// Broadcasts to shape without copying; -1 keeps a size.
+Tensor expand(const Tensor& x, const Shape& shape);
+/// Removes one size-1 dim, or all of them.
+Tensor squeeze(const Tensor& x, std::optional<int64_t> dim = std::nullopt);
+Tensor unsqueeze(const Tensor& x, int64_t dim);
+/// Joins tensors along an existing dim.
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);
+/// Joins tensors along a new dim.
+Tensor stack(const std::vector<Tensor>& tensors, int64_t dim = 0);
+/// Pieces of `size` along dim (the last may be smaller); views.
+std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim = 0);
+/// Pieces of the given sizes along dim; they must add up to the dim's size.
+std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t dim = 0);
+/// `chunks` nearly equal pieces along dim.
+std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim = 0);
+/// Picks entries along dim by an int32/int64 index vector.
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
+
+// ---- neural-network ops -----------------------------------------------------------------
+
+enum class Reduction { Mean, Sum, None };
+
+Tensor softmax(const Tensor& x, int64_t dim = -1);
+Tensor log_softmax(const Tensor& x, int64_t dim = -1);
+/// logits [N, C] (or [C]), integer class targets [N] (or []).
+Tensor cross_entropy(const Tensor& logits, const Tensor& target,
+                     Reduction reduction = Reduction::Mean);
+Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean);
+/// Normalizes over the trailing dims given by normalized_shape; weight/bias may be undefined.
+Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight = {},
+                  const Tensor& bias = {}, double eps = 1e-5);
+/// Rows of weight [num, dim] picked by integer indices (any shape) -> [..., dim].
+Tensor embedding(const Tensor& weight, const Tensor& indices);
+/// In training, zeroes each element with probability p and scales the rest by 1 / (1 - p).
+Tensor dropout(const Tensor& x, double p, bool training = true, Generator* generator = nullptr);
+
+// ---- comparison of whole tensors --------------------------------------------------------
+
+/// |a - b| <= atol + rtol * |b| everywhere (shapes must broadcast).
+bool allclose(const Tensor& a, const Tensor& b, double rtol = 1e-5, double atol = 1e-8);
+/// Same shape and exactly equal values.
+bool equal(const Tensor& a, const Tensor& b);
+
+/// Threads used by CPU kernels (OpenMP and Eigen). Set 1 when MPI ranks share cores.
+void set_num_threads(int threads);
+int num_threads();
+
+}  // namespace weave

@@ -1,0 +1,482 @@
+// Creation, conversion, printing, in-place ops and the Tensor method shortcuts.
+#include <omp.h>
+#include <cmath>
+#include <ostream>
+#include "weave/kernels/cpu/eigen.h"
+
+#include "weave/autograd/grad_mode.h"
+#include "weave/ops/internal.h"
+
+namespace weave {
+
+using namespace detail;
+
+// ---- creation ---------------------------------------------------------------------------
+
+Tensor full(const Shape& shape, double value, TensorOptions options) {
+  Tensor t = empty(shape, {.dtype = options.dtype, .device = options.device});
+  kernels::fill(t, value);
+  if (options.requires_grad) t.requires_grad_(true);
+  return t;
+}
+Tensor zeros(const Shape& shape, TensorOptions options) {
+  return full(shape, 0.0, options);
+}
+Tensor ones(const Shape& shape, TensorOptions options) {
+  return full(shape, 1.0, options);
+}
+Tensor full_like(const Tensor& t, double value) {
+  return full(t.shape(), value, {.dtype = t.dtype(), .device = t.device()});
+}
+Tensor zeros_like(const Tensor& t) {
+  return full_like(t, 0.0);
+}
+Tensor ones_like(const Tensor& t) {
+  return full_like(t, 1.0);
+}
+Tensor scalar_tensor(double value, TensorOptions options) {
+  return full({}, value, options);
+}
+
+namespace {
+// Fills a host tensor element by element from `next`, then moves it to the target device.
+template <class Next>
+Tensor generate(const Shape& shape, TensorOptions options, Next next) {
+  Tensor host = empty(shape, {.dtype = options.dtype});
+  visit_dtype(options.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* p = static_cast<T*>(host.data_ptr());
+    for (int64_t i = 0; i < host.numel(); ++i) p[i] = T(static_cast<compute_t<T>>(next(i)));
+  });
+  Tensor t = options.device.is_cpu() ? host : host.to(options.device);
+  if (options.requires_grad) t.requires_grad_(true);
+  return t;
+}
+}  // namespace
+
+Tensor arange(double start, double end, double step, TensorOptions options) {
+  WEAVE_CHECK(step != 0 && std::isfinite(start) && std::isfinite(end), "arange",
+              "expected finite bounds and a non-zero step, found ({}, {}, {})", start, end, step);
+  const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((end - start) / step)));
+  return generate({n}, options, [&](int64_t i) { return start + static_cast<double>(i) * step; });
+}
+Tensor arange(double end, TensorOptions options) {
+  return arange(0, end, 1, options);
+}
+
+Tensor eye(int64_t n, int64_t m, TensorOptions options) {
+  if (m < 0) m = n;
+  WEAVE_CHECK(n >= 0, "eye", "size must be non-negative, found {}", n);
+  return generate({n, m}, options, [m](int64_t i) { return i / m == i % m ? 1.0 : 0.0; });
+}
+
+Tensor rand(const Shape& shape, TensorOptions options, Generator* generator) {
+  WEAVE_CHECK(is_floating(options.dtype), "rand", "expected a floating dtype, found {}",
+              options.dtype);
+  Generator& g = generator ? *generator : default_generator();
+  return generate(shape, options, [&](int64_t) { return g.uniform(); });
+}
+
+Tensor randn(const Shape& shape, TensorOptions options, Generator* generator) {
+  WEAVE_CHECK(is_floating(options.dtype), "randn", "expected a floating dtype, found {}",
+              options.dtype);
+  Generator& g = generator ? *generator : default_generator();
+  return generate(shape, options, [&](int64_t) { return g.normal(); });
+}
+
+Tensor randint(int64_t low, int64_t high, const Shape& shape, TensorOptions options,
+               Generator* generator) {
+  WEAVE_CHECK(low < high, "randint", "expected low < high, found [{}, {})", low, high);
+  Generator& g = generator ? *generator : default_generator();
+  return generate(shape, options,
+                  [&](int64_t) { return static_cast<double>(g.integer(low, high)); });
+}
+
+template <class T>
+Tensor from_vector(const std::vector<T>& values, const Shape& shape, Device device) {
+  const int64_t count = static_cast<int64_t>(values.size());
+  Shape s = shape.empty() ? Shape{count} : shape;
+  WEAVE_CHECK(s.numel() == count, "from_vector", "{} values do not fill shape {}", count, s);
+  Tensor host = empty(s, {.dtype = dtype_of<T>::value});
+  std::copy(values.begin(), values.end(), static_cast<T*>(host.data_ptr()));
+  return device.is_cpu() ? host : host.to(device);
+}
+template Tensor from_vector(const std::vector<float>&, const Shape&, Device);
+template Tensor from_vector(const std::vector<double>&, const Shape&, Device);
+template Tensor from_vector(const std::vector<int32_t>&, const Shape&, Device);
+template Tensor from_vector(const std::vector<int64_t>&, const Shape&, Device);
+template Tensor from_vector(const std::vector<uint8_t>&, const Shape&, Device);
+
+template <>
+Tensor from_vector(const std::vector<bool>& values, const Shape& shape, Device device) {
+  std::vector<uint8_t> bytes(values.begin(), values.end());
+  Tensor t = from_vector(bytes, shape, kCPU);
+  Tensor b = empty(t.shape(), {.dtype = kBool});
+  kernels::copy(t, b);
+  return device.is_cpu() ? b : b.to(device);
+}
+
+Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device,
+                 std::function<void(void*)> deleter) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage =
+      std::make_shared<Storage>(data, shape.numel() * itemsize(dtype), device, std::move(deleter));
+  impl->shape = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = dtype;
+  return Tensor(std::move(impl));
+}
+
+// ---- conversion -------------------------------------------------------------------------
+
+Tensor Tensor::to(DType dtype) const {
+  if (this->dtype() == dtype) return *this;
+  Tensor out = convert(*this, dtype);
+  if (!is_floating(dtype)) return out;  // integer results carry no gradient
+  // d to(dtype) = g converted back
+  return autograd::record("ToBackward", {*this}, out,
+                          [from = this->dtype()](const BackwardArgs& args) -> Grads {
+                            return {convert(args.grad(), from)};
+                          });
+}
+
+Tensor Tensor::to(Device device) const {
+  if (this->device() == device) return *this;
+  Tensor out = empty(shape(), {.dtype = dtype(), .device = device});
+  kernels::copy(*this, out);
+  // d to(device) = g moved back
+  return autograd::record("ToDeviceBackward", {*this}, out,
+                          [from = this->device()](const BackwardArgs& args) -> Grads {
+                            return {args.grad().to(from)};
+                          });
+}
+
+Tensor Tensor::clone() const {
+  Tensor out = empty(shape(), {.dtype = dtype(), .device = device()});
+  kernels::copy(*this, out);
+  // d clone = g
+  return autograd::record("CloneBackward", {*this}, out,
+                          [](const BackwardArgs& args) -> Grads { return {args.grad()}; });
+}
+
+Tensor Tensor::contiguous() const {
+  return is_contiguous() ? *this : clone();
+}
+
+Tensor Tensor::detach() const {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = storage();
+  impl->shape = shape();
+  impl->strides = strides();
+  impl->offset = offset();
+  impl->dtype = dtype();
+  return Tensor(std::move(impl));
+}
+
+template <class T>
+std::vector<T> Tensor::to_vector() const {
+  Tensor host = empty(shape(), {.dtype = dtype()});
+  kernels::copy(*this, host);
+  std::vector<T> values(host.numel());
+  visit_dtype(dtype(), [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    const S* p = static_cast<const S*>(host.data_ptr());
+    for (size_t i = 0; i < values.size(); ++i)
+      values[i] = static_cast<T>(static_cast<compute_t<S>>(p[i]));
+  });
+  return values;
+}
+
+template <class T>
+T Tensor::item() const {
+  WEAVE_CHECK(numel() == 1, "item", "expected a one-element tensor, found shape {}", shape());
+  return to_vector<T>()[0];
+}
+
+#define WEAVE_INSTANTIATE(T)                            \
+  template std::vector<T> Tensor::to_vector<T>() const; \
+  template T Tensor::item<T>() const;
+WEAVE_INSTANTIATE(float)
+WEAVE_INSTANTIATE(double)
+WEAVE_INSTANTIATE(int32_t)
+WEAVE_INSTANTIATE(int64_t)
+WEAVE_INSTANTIATE(uint8_t)
+WEAVE_INSTANTIATE(bool)
+#undef WEAVE_INSTANTIATE
+
+// ---- printing ---------------------------------------------------------------------------
+
+namespace {
+
+constexpr int64_t kSummarizeAbove = 1000;
+constexpr int64_t kEdgeItems = 3;
+
+void print_values(std::string& out, const std::vector<double>& values, const Shape& shape, int dim,
+                  int64_t offset, bool summarize,
+                  const std::string& (*format)(double, std::string&), std::string& scratch) {
+  if (shape.size() == 0) {
+    out += format(values[0], scratch);
+    return;
+  }
+  const int64_t size = shape[dim];
+  int64_t stride = 1;
+  for (int d = dim + 1; d < shape.size(); ++d) stride *= shape[d];
+  out += '[';
+  for (int64_t i = 0; i < size; ++i) {
+    if (summarize && size > 2 * kEdgeItems && i == kEdgeItems) {
+      out += "..., ";
+      i = size - kEdgeItems - 1;
+      continue;
+    }
+    if (dim == shape.size() - 1) {
+      out += format(values[offset + i], scratch);
+    } else {
+      print_values(out, values, shape, dim + 1, offset + i * stride, summarize, format, scratch);
+    }
+    if (i + 1 < size) out += dim == shape.size() - 1 ? ", " : ",\n" + std::string(8 + dim, ' ');
+  }
+  out += ']';
+}
+
+const std::string& format_float(double v, std::string& s) {
+  double a = std::fabs(v);
+  s = (a != 0 && (a >= 1e6 || a < 1e-4)) ? fmt::format("{:.4e}", v) : fmt::format("{:.4f}", v);
+  return s;
+}
+const std::string& format_int(double v, std::string& s) {
+  s = fmt::format("{}", static_cast<int64_t>(v));
+  return s;
+}
+const std::string& format_bool(double v, std::string& s) {
+  s = v != 0 ? "true" : "false";
+  return s;
+}
+
+}  // namespace
+
+std::string Tensor::str() const {
+  if (!defined()) return "tensor(undefined)";
+  std::string body;
+  if (numel() == 0) {
+    body = "[]";
+  } else {
+    std::vector<double> values = to_vector<double>();
+    auto format = is_floating(dtype()) ? format_float : dtype() == kBool ? format_bool : format_int;
+    std::string scratch;
+    print_values(body, values, shape(), 0, 0, numel() > kSummarizeAbove, format, scratch);
+  }
+  std::string text =
+      fmt::format("tensor({}, shape={}, dtype={}, device={}", body, shape(), dtype(), device());
+  if (grad_fn())
+    text += fmt::format(", grad_fn={}", grad_fn()->name());
+  else if (requires_grad())
+    text += ", requires_grad=true";
+  return text + ")";
+}
+
+std::ostream& operator<<(std::ostream& os, const Tensor& t) {
+  return os << t.str();
+}
+
+// ---- whole-tensor comparison ------------------------------------------------------------
+
+bool allclose(const Tensor& a, const Tensor& b, double rtol, double atol) {
+  NoGradGuard no_grad;
+  Tensor a64 = a.to(kFloat64), b64 = b.to(kFloat64);
+  Tensor ok = le(abs(a64 - b64), abs(b64) * rtol + atol);
+  return sum(ok).item<int64_t>() == ok.numel();
+}
+
+bool equal(const Tensor& a, const Tensor& b) {
+  NoGradGuard no_grad;
+  if (a.shape() != b.shape()) return false;
+  return sum(eq(a, b)).item<int64_t>() == a.numel();
+}
+
+// ---- in-place ---------------------------------------------------------------------------
+
+namespace detail {
+
+bool inplace_needs_autograd(const Tensor& self, const Tensor& other, const char* op) {
+  check_defined(self, op);
+  if (!autograd::GradMode::is_enabled()) return false;
+  const bool other_grad = other.defined() && other.requires_grad();
+  if (!self.requires_grad() && !other_grad) return false;
+  WEAVE_CHECK(!(self.is_leaf() && self.requires_grad()), op,
+              "a leaf tensor of shape {} that requires grad cannot be modified in place while grad "
+              "mode is on; hint: update it inside NoGradGuard (as optimizers do)",
+              self.shape());
+  WEAVE_CHECK(self.impl()->view_base == nullptr, op,
+              "autograd does not support in-place ops on views (shape {}); hint: use the "
+              "out-of-place op",
+              self.shape());
+  return true;
+}
+
+void commit_inplace(Tensor& self, const Tensor& result) {
+  Tensor converted = result.to(self.dtype());
+  kernels::copy(converted, self);
+  self.storage()->bump_version();
+  AutogradMeta& meta = self.impl()->meta();
+  meta.grad_fn = converted.grad_fn();
+  meta.output_nr = converted.output_nr();
+  meta.requires_grad = converted.requires_grad();
+}
+
+}  // namespace detail
+
+namespace {
+
+void check_writable(const Tensor& self, const Tensor& other, const char* op) {
+  for (int d = 0; d < self.dim(); ++d)
+    WEAVE_CHECK(self.strides()[d] != 0 || self.shape()[d] <= 1, op,
+                "the written tensor (shape {}) is a broadcast view whose elements share memory; "
+                "hint: clone() it first",
+                self.shape());
+  if (other.defined()) {
+    check_same_device(self, other, op);
+    WEAVE_CHECK(broadcast_shapes(self.shape(), other.shape(), op) == self.shape(), op,
+                "cannot broadcast {} into the written tensor of shape {}", other.shape(),
+                self.shape());
+  }
+}
+
+Tensor& binary_inplace(Tensor& self, const Tensor& other, kernels::BinaryOp op, const char* name,
+                       Tensor (*out_of_place)(const Tensor&, const Tensor&)) {
+  check_defined(other, name, "other");
+  check_writable(self, other, name);
+  if (inplace_needs_autograd(self, other, name)) {
+    commit_inplace(self, out_of_place(self.clone(), other));
+    return self;
+  }
+  kernels::binary(op, self, broadcast_view(convert(other, self.dtype()), self.shape()), self);
+  self.storage()->bump_version();
+  return self;
+}
+
+}  // namespace
+
+Tensor& Tensor::add_(const Tensor& other, double alpha) {
+  return binary_inplace(*this, alpha == 1.0 ? other : other * alpha, kernels::BinaryOp::Add, "add_",
+                        weave::add);
+}
+Tensor& Tensor::add_(double value) {
+  return add_(wrap_scalar(value, *this));
+}
+Tensor& Tensor::mul_(const Tensor& other) {
+  return binary_inplace(*this, other, kernels::BinaryOp::Mul, "mul_", weave::mul);
+}
+Tensor& Tensor::mul_(double value) {
+  return mul_(wrap_scalar(value, *this));
+}
+
+Tensor& Tensor::copy_(const Tensor& src) {
+  check_defined(src, "copy_", "src");
+  Tensor moved = src.device() == device() ? src : src.to(device());
+  check_writable(*this, moved, "copy_");
+  if (inplace_needs_autograd(*this, moved, "copy_")) {
+    commit_inplace(*this, weave::expand(moved.to(dtype()), shape()));
+    return *this;
+  }
+  kernels::copy(broadcast_view(moved, shape()), *this);
+  storage()->bump_version();
+  return *this;
+}
+
+Tensor& Tensor::fill_(double value) {
+  check_writable(*this, {}, "fill_");
+  if (inplace_needs_autograd(*this, {}, "fill_")) {
+    // The old values no longer matter: the node passes no gradient back.
+    Tensor filled = full_like(*this, value);
+    commit_inplace(*this,
+                   autograd::record("FillBackward", {*this}, filled,
+                                    [](const BackwardArgs&) -> Grads { return {Tensor()}; }));
+    return *this;
+  }
+  kernels::fill(*this, value);
+  storage()->bump_version();
+  return *this;
+}
+
+// ---- method shortcuts -------------------------------------------------------------------
+
+Tensor Tensor::reshape(const Shape& s) const {
+  return weave::reshape(*this, s);
+}
+Tensor Tensor::view(const Shape& s) const {
+  return weave::view(*this, s);
+}
+Tensor Tensor::flatten(int64_t a, int64_t b) const {
+  return weave::flatten(*this, a, b);
+}
+Tensor Tensor::permute(const Dims& order) const {
+  return weave::permute(*this, order);
+}
+Tensor Tensor::transpose(int64_t a, int64_t b) const {
+  return weave::transpose(*this, a, b);
+}
+Tensor Tensor::t() const {
+  WEAVE_CHECK(dim() <= 2, "t", "expected a tensor with at most 2 dims, found {}", shape());
+  return dim() < 2 ? *this : weave::transpose(*this, 0, 1);
+}
+Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  return weave::narrow(*this, d, start, length);
+}
+Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
+  return weave::slice(*this, d, start, end, step);
+}
+Tensor Tensor::select(int64_t d, int64_t index) const {
+  return weave::select(*this, d, index);
+}
+Tensor Tensor::expand(const Shape& s) const {
+  return weave::expand(*this, s);
+}
+Tensor Tensor::squeeze(std::optional<int64_t> d) const {
+  return weave::squeeze(*this, d);
+}
+Tensor Tensor::unsqueeze(int64_t d) const {
+  return weave::unsqueeze(*this, d);
+}
+Tensor Tensor::sum(const Dims& dims, bool keepdim) const {
+  return weave::sum(*this, dims, keepdim);
+}
+Tensor Tensor::mean(const Dims& dims, bool keepdim) const {
+  return weave::mean(*this, dims, keepdim);
+}
+Tensor Tensor::max(const Dims& dims, bool keepdim) const {
+  return weave::max(*this, dims, keepdim);
+}
+Tensor Tensor::min(const Dims& dims, bool keepdim) const {
+  return weave::min(*this, dims, keepdim);
+}
+Tensor Tensor::argmax(std::optional<int64_t> d, bool keepdim) const {
+  return weave::argmax(*this, d, keepdim);
+}
+Tensor Tensor::matmul(const Tensor& other) const {
+  return weave::matmul(*this, other);
+}
+Tensor Tensor::pow(double exponent) const {
+  return weave::pow(*this, exponent);
+}
+Tensor Tensor::exp() const {
+  return weave::exp(*this);
+}
+Tensor Tensor::log() const {
+  return weave::log(*this);
+}
+Tensor Tensor::relu() const {
+  return weave::relu(*this);
+}
+
+// ---- threads ----------------------------------------------------------------------------
+
+void set_num_threads(int threads) {
+  WEAVE_CHECK(threads >= 1, "set_num_threads", "expected at least 1 thread, found {}", threads);
+  omp_set_num_threads(threads);
+  Eigen::setNbThreads(threads);
+}
+int num_threads() {
+  return omp_get_max_threads();
+}
+
+}  // namespace weave

@@ -1,0 +1,120 @@
+#include "weave/optim/optimizer.h"
+
+#include <cmath>
+
+#include "weave/autograd/grad_mode.h"
+
+namespace weave::optim {
+
+Optimizer::Optimizer(std::vector<Tensor> params, double lr) : params_(std::move(params)), lr_(lr) {
+  WEAVE_CHECK(lr >= 0, "optimizer", "learning rate must be non-negative, found {}", lr);
+  for (size_t i = 0; i < params_.size(); ++i)
+    WEAVE_CHECK(params_[i].defined() && params_[i].is_leaf() && params_[i].requires_grad(),
+                "optimizer", "parameter {} must be a leaf that requires grad", i);
+}
+
+void Optimizer::zero_grad(bool set_to_none) {
+  NoGradGuard no_grad;
+  for (Tensor& p : params_) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none)
+      p.set_grad({});
+    else
+      p.grad().zero_();
+  }
+}
+
+SGD::SGD(std::vector<Tensor> params, SGDOptions options)
+    : Optimizer(std::move(params), options.lr), options_(options), momentum_(params_.size()) {
+  WEAVE_CHECK(
+      !options.nesterov || (options.momentum > 0 && options.dampening == 0), "SGD",
+      "Nesterov momentum needs momentum > 0 and dampening 0, found momentum={} dampening={}",
+      options.momentum, options.dampening);
+}
+
+void SGD::step() {
+  NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = params_[i];
+    if (!p.grad().defined()) continue;
+    Tensor d = p.grad();
+    if (options_.weight_decay != 0) d = d + p * options_.weight_decay;
+    if (options_.momentum != 0) {
+      Tensor& buf = momentum_[i];
+      if (!buf.defined()) {
+        buf = d.clone();
+      } else {
+        buf.mul_(options_.momentum).add_(d, 1 - options_.dampening);
+      }
+      d = options_.nesterov ? d + buf * options_.momentum : buf;
+    }
+    p.add_(d, -lr_);
+  }
+}
+
+Adam::Adam(std::vector<Tensor> params, AdamOptions options)
+    : Adam(std::move(params), options, false) {}
+
+Adam::Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled)
+    : Optimizer(std::move(params), options.lr),
+      options_(options),
+      decoupled_(decoupled),
+      exp_avg_(params_.size()),
+      exp_avg_sq_(params_.size()) {
+  WEAVE_CHECK(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1,
+              "Adam", "betas must be in [0, 1), found ({}, {})", options.beta1, options.beta2);
+  WEAVE_CHECK(options.eps >= 0, "Adam", "eps must be non-negative, found {}", options.eps);
+}
+
+void Adam::step() {
+  NoGradGuard no_grad;
+  ++steps_;
+  const double correction1 = 1 - std::pow(options_.beta1, static_cast<double>(steps_));
+  const double correction2 = 1 - std::pow(options_.beta2, static_cast<double>(steps_));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = params_[i];
+    if (!p.grad().defined()) continue;
+    Tensor g = p.grad();
+    if (options_.weight_decay != 0) {
+      if (decoupled_)
+        p.mul_(1 - lr_ * options_.weight_decay);
+      else
+        g = g + p * options_.weight_decay;
+    }
+    if (!exp_avg_[i].defined()) {
+      exp_avg_[i] = zeros_like(p);
+      exp_avg_sq_[i] = zeros_like(p);
+    }
+    exp_avg_[i].mul_(options_.beta1).add_(g, 1 - options_.beta1);
+    exp_avg_sq_[i].mul_(options_.beta2).add_(g * g, 1 - options_.beta2);
+    // p -= lr * m_hat / (sqrt(v_hat) + eps), with m_hat = m / c1 and v_hat = v / c2
+    Tensor denom = sqrt(exp_avg_sq_[i] / correction2) + options_.eps;
+    p.add_(exp_avg_[i] / denom, -lr_ / correction1);
+  }
+}
+
+AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)
+    : Adam(std::move(params), options, true) {}
+
+double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type) {
+  NoGradGuard no_grad;
+  WEAVE_CHECK(norm_type >= 1, "clip_grad_norm_", "norm_type must be >= 1, found {}", norm_type);
+  double total = 0;
+  for (const Tensor& p : params) {
+    if (!p.grad().defined()) continue;
+    Tensor g = abs(p.grad().to(kFloat64));
+    if (std::isinf(norm_type)) {
+      if (g.numel() > 0) total = std::max(total, max(g).item<double>());
+    } else {
+      total += sum(pow(g, norm_type)).item<double>();
+    }
+  }
+  if (!std::isinf(norm_type)) total = std::pow(total, 1.0 / norm_type);
+  const double scale = max_norm / (total + 1e-6);
+  if (scale < 1)
+    for (const Tensor& p : params)
+      if (p.grad().defined()) p.grad().mul_(scale);
+  return total;
+}
+
+}  // namespace weave::optim

@@ -1,0 +1,82 @@
+#pragma once
+// Optimizers. Each keeps its per-parameter state next to the parameter it belongs to and
+// updates parameters in place (without recording autograd).
+#include <vector>
+
+#include "weave/ops/ops.h"
+
+namespace weave::optim {
+
+class Optimizer {
+ public:
+  Optimizer(std::vector<Tensor> params, double lr);
+  virtual ~Optimizer() = default;
+  /// Applies one update using the parameters' current gradients (parameters without a
+  /// gradient are skipped).
+  virtual void step() = 0;
+  /// Drops (set_to_none) or zeroes every gradient.
+  void zero_grad(bool set_to_none = true);
+  double lr() const { return lr_; }
+  void set_lr(double lr) { lr_ = lr; }
+  const std::vector<Tensor>& params() const { return params_; }
+
+ protected:
+  std::vector<Tensor> params_;
+  double lr_;
+};
+
+struct SGDOptions {
+  double lr = 0.01;
+  double momentum = 0;
+  double dampening = 0;
+  double weight_decay = 0;
+  bool nesterov = false;
+};
+
+/// Stochastic gradient descent with momentum, Nesterov momentum and L2 weight decay, following
+/// PyTorch's update rule (the first step stores the gradient as the momentum buffer).
+class SGD : public Optimizer {
+ public:
+  SGD(std::vector<Tensor> params, SGDOptions options);
+  void step() override;
+
+ private:
+  SGDOptions options_;
+  std::vector<Tensor> momentum_;
+};
+
+struct AdamOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0;  // Adam: L2 added to the gradient; AdamW: decoupled decay
+};
+
+/// Adam (Kingma & Ba) with bias correction.
+class Adam : public Optimizer {
+ public:
+  Adam(std::vector<Tensor> params, AdamOptions options);
+  void step() override;
+
+ protected:
+  Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled);
+
+ private:
+  AdamOptions options_;
+  bool decoupled_;
+  int64_t steps_ = 0;
+  std::vector<Tensor> exp_avg_, exp_avg_sq_;
+};
+
+/// Adam with decoupled weight decay (Loshchilov & Hutter): p -= lr * wd * p before the Adam step.
+class AdamW : public Adam {
+ public:
+  AdamW(std::vector<Tensor> params, AdamOptions options = {.weight_decay = 0.01});
+};
+
+/// Scales all gradients so their joint norm is at most max_norm; returns the norm before
+/// clipping. norm_type may be any p >= 1 or INFINITY.
+double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0);
+
+}  // namespace weave::optim

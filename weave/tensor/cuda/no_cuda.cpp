@@ -1,0 +1,34 @@
+// CUDA runtime stand-ins used when weave is built without CUDA: no device is visible and every
+// request for one raises weave::Error.
+#include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/error.h"
+
+namespace weave {
+
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  WEAVE_FAIL(what, "weave was built without CUDA; hint: configure with -DWEAVE_WITH_CUDA=ON");
+}
+}  // namespace
+
+namespace cuda {
+bool is_available() {
+  return false;
+}
+int device_count() {
+  return 0;
+}
+void* allocate(size_t, int) {
+  no_cuda("cuda");
+}
+void deallocate(void*, size_t, int) {}
+void empty_cache() {}
+void copy_bytes(void*, Device, const void*, Device, size_t) {
+  no_cuda("to");
+}
+void synchronize(int) {
+  no_cuda("cuda");
+}
+}  // namespace cuda
+
+}  // namespace weave

@@ -1,0 +1,100 @@
+#include "weave/tensor/storage.h"
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <new>
+
+#include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/error.h"
+
+namespace weave {
+
+namespace {
+
+constexpr size_t kAlignment = 64;
+// Blocks below this size go straight to malloc, which already recycles small chunks well.
+constexpr size_t kCacheMinBytes = size_t{1} << 16;
+constexpr size_t kCacheLimitBytes = size_t{1} << 31;
+
+struct HostCache {
+  std::mutex mutex;
+  std::multimap<size_t, void*> free_blocks;
+  size_t cached_bytes = 0;
+
+  ~HostCache() { release_all(); }
+  void release_all() {
+    for (auto& [size, ptr] : free_blocks) std::free(ptr);
+    free_blocks.clear();
+    cached_bytes = 0;
+  }
+};
+
+HostCache& host_cache() {
+  static HostCache* cache = new HostCache;  // never destroyed: tensors may outlive statics
+  return *cache;
+}
+
+size_t round_up(size_t n) {
+  return (std::max<size_t>(n, 1) + kAlignment - 1) / kAlignment * kAlignment;
+}
+
+}  // namespace
+
+void* cpu_allocate(size_t nbytes) {
+  size_t size = round_up(nbytes);
+  if (size >= kCacheMinBytes) {
+    HostCache& cache = host_cache();
+    std::lock_guard lock(cache.mutex);
+    auto it = cache.free_blocks.find(size);
+    if (it != cache.free_blocks.end()) {
+      void* ptr = it->second;
+      cache.free_blocks.erase(it);
+      cache.cached_bytes -= size;
+      return ptr;
+    }
+  }
+  void* ptr = std::aligned_alloc(kAlignment, size);
+  WEAVE_CHECK(ptr != nullptr, "alloc", "out of host memory allocating {} bytes", nbytes);
+  return ptr;
+}
+
+void cpu_deallocate(void* ptr, size_t nbytes) {
+  if (ptr == nullptr) return;
+  size_t size = round_up(nbytes);
+  if (size >= kCacheMinBytes) {
+    HostCache& cache = host_cache();
+    std::lock_guard lock(cache.mutex);
+    if (cache.cached_bytes + size <= kCacheLimitBytes) {
+      cache.free_blocks.emplace(size, ptr);
+      cache.cached_bytes += size;
+      return;
+    }
+  }
+  std::free(ptr);
+}
+
+void cpu_empty_cache() {
+  HostCache& cache = host_cache();
+  std::lock_guard lock(cache.mutex);
+  cache.release_all();
+}
+
+Storage::Storage(size_t nbytes, Device device) : nbytes_(nbytes), device_(device) {
+  data_ = device.is_cpu() ? cpu_allocate(nbytes) : cuda::allocate(nbytes, device.index);
+}
+
+Storage::Storage(void* data, size_t nbytes, Device device, std::function<void(void*)> deleter)
+    : data_(data), nbytes_(nbytes), device_(device), deleter_(std::move(deleter)), owned_(false) {}
+
+Storage::~Storage() {
+  if (!owned_) {
+    if (deleter_) deleter_(data_);
+  } else if (device_.is_cpu()) {
+    cpu_deallocate(data_, nbytes_);
+  } else {
+    cuda::deallocate(data_, nbytes_, device_.index);
+  }
+}
+
+}  // namespace weave
