@@ -2,6 +2,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/kernels/kernels.h"
+#include "weave/tensor/tensor_impl.h"
 
 namespace weave::autograd {
 

@@ -2,6 +2,7 @@
 #include "weave/autograd/engine.h"
 #include "weave/autograd/node.h"
 #include "weave/kernels/kernels.h"
+#include "weave/tensor/tensor_impl.h"
 
 namespace weave {
 

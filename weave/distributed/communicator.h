@@ -3,11 +3,11 @@
 // contiguous and live where the backend moves data (host memory for MPI, the device for NCCL);
 // counts are elements per rank; roots and peers are ranks of this communicator. Calls block
 // until the operation is complete. Tensor handling, ordering, checks and timeouts live above,
-// in distributed.cpp.
+// in queue.cpp, runtime.cpp and collectives.cpp.
 #include <memory>
 #include <vector>
 
-#include "weave/distributed/distributed.h"
+#include "weave/distributed/types.h"
 #include "weave/tensor/dtype.h"
 
 namespace weave::dist::detail {
@@ -44,6 +44,9 @@ class Communicator {
   /// group's order) get the new communicator, everyone else null.
   virtual std::unique_ptr<Communicator> split(const std::vector<int>& members) = 0;
 };
+
+/// The backend of a world of one process (programs not started by mpirun): copies in to out.
+std::unique_ptr<Communicator> make_local_communicator();
 
 /// What the MPI backend (or its stub) provides.
 namespace mpi {

@@ -23,12 +23,10 @@
 #include <string>
 #include <vector>
 
+#include "weave/distributed/types.h"
 #include "weave/tensor/tensor.h"
 
 namespace weave::dist {
-
-enum class Backend { MPI, NCCL };
-enum class ReduceOp { Sum, Prod, Min, Max, Avg };
 
 struct InitOptions {
   /// CUDA devices to assign round-robin by local rank (empty: all visible devices).

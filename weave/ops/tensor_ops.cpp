@@ -6,6 +6,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/ops/internal.h"
+#include "weave/tensor/tensor_impl.h"
 
 namespace weave {
 

@@ -3,6 +3,7 @@
 #include <charconv>
 
 #include "weave/tensor/random.h"
+#include "weave/tensor/tensor_impl.h"
 
 namespace weave {
 

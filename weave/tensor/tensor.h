@@ -175,35 +175,6 @@ class Tensor {
   std::shared_ptr<TensorImpl> impl_;
 };
 
-/// Autograd state of a tensor; created on first use.
-struct AutogradMeta {
-  bool requires_grad = false;
-  bool retains_grad = false;
-  Tensor grad;
-  std::shared_ptr<autograd::Node> grad_fn;
-  uint32_t output_nr = 0;
-  /// The AccumulateGrad node of a leaf, shared by every use of the leaf in one graph.
-  std::weak_ptr<autograd::Node> grad_accumulator;
-  std::vector<std::pair<uint64_t, GradHook>> leaf_hooks;
-  std::vector<std::pair<uint64_t, PostAccumulateGradHook>> post_accumulate_hooks;
-};
-
-struct TensorImpl {
-  std::shared_ptr<Storage> storage;
-  Shape shape;
-  Strides strides;
-  int64_t offset = 0;  // in elements
-  DType dtype = kFloat32;
-  /// The tensor this one is a view of (null if it owns its storage's layout).
-  std::shared_ptr<TensorImpl> view_base;
-  std::unique_ptr<AutogradMeta> autograd;
-
-  AutogradMeta& meta() {
-    if (!autograd) autograd = std::make_unique<AutogradMeta>();
-    return *autograd;
-  }
-};
-
 /// Prints t.str().
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 

@@ -1,0 +1,420 @@
+// The collective front ends: argument checks, staging between a tensor and the wire buffer,
+// and the body each call submits to its group's queue.
+#include <numeric>
+#include <optional>
+
+#include "weave/distributed/runtime.h"
+#include "weave/kernels/kernels.h"
+#include "weave/ops/ops.h"
+#include "weave/tensor/tensor_impl.h"
+
+namespace weave::dist {
+
+using namespace detail;
+
+namespace {
+
+void check_root(const Call& c, int root) {
+  WEAVE_CHECK(
+      root >= 0 && root < c.group.size(), c.name,
+      "root {} is outside group {} (group ranks are 0..{}); hint: roots are positions in the group",
+      root, c.group.str(), c.group.size() - 1);
+}
+
+void check_tensor(const Call& c, const Tensor& t, const char* what) {
+  WEAVE_CHECK(t.defined(), c.name, "{} is an undefined tensor", what);
+  const Runtime& r = runtime();
+  if (t.device().is_cuda() && r.backend == Backend::NCCL)
+    WEAVE_CHECK(t.device() == r.device, c.name,
+                "{} is on {}, but this rank's NCCL device is {}; hint: move it with "
+                ".to(weave::dist::device())",
+                what, t.device(), r.device);
+  WEAVE_CHECK(t.numel() <= int64_t{0x7fffffff}, c.name,
+              "{} has {} elements; collectives move at most 2^31 - 1 elements at once", what,
+              t.numel());
+}
+
+void check_same(const Call& c, const Tensor& a, const Tensor& b) {
+  WEAVE_CHECK(a.dtype() == b.dtype(), c.name, "input is {} but output is {}", a.dtype(), b.dtype());
+  WEAVE_CHECK(a.device() == b.device(), c.name, "input is on {} but output is on {}", a.device(),
+              b.device());
+}
+
+// Host-side contiguous stand-in for a tensor (itself when already contiguous on the host):
+// the MPI backend moves host memory, so CUDA tensors are staged through it.
+Device wire_device(const Tensor& t) {  // NCCL moves CUDA memory itself; MPI moves host memory
+  return t.device().is_cuda() && runtime().backend == Backend::NCCL ? t.device() : kCPU;
+}
+Tensor staged(const Tensor& t) {
+  if (t.device() == wire_device(t) && t.is_contiguous()) return t;
+  Tensor stage = empty(t.shape(), {.dtype = t.dtype(), .device = wire_device(t)});
+  kernels::copy(t, stage);
+  return stage;
+}
+Tensor staging_for(const Tensor& t) {  // output-only staging: no copy in
+  if (t.device() == wire_device(t) && t.is_contiguous()) return t;
+  return empty(t.shape(), {.dtype = t.dtype(), .device = wire_device(t)});
+}
+void land(const Tensor& stage, const Tensor& target) {
+  if (!stage.is_same(target)) kernels::copy(stage, target);
+  target.storage()->bump_version();
+}
+
+Fingerprint fingerprint(const Call& c, uint64_t sequence, const Tensor* shape_of, int root,
+                        std::optional<ReduceOp> reduce_op, bool uneven_first_dim) {
+  Fingerprint f;
+  f.sequence = sequence;
+  f.op = static_cast<int32_t>(c.op);
+  f.rank = runtime().rank;
+  f.root = root;
+  f.reduce_op = reduce_op ? static_cast<int32_t>(*reduce_op) : -1;
+  if (shape_of) {
+    f.dtype = static_cast<int32_t>(shape_of->dtype());
+    f.ndim = shape_of->dim();
+    for (int i = 0; i < shape_of->dim(); ++i) f.dims[i] = shape_of->shape()[i];
+    if (uneven_first_dim && f.ndim > 0) f.dims[0] = -1;
+    const bool on_device_comm = shape_of->device().is_cuda() && c.group.impl()->device_comm;
+    f.wire = static_cast<int32_t>(on_device_comm ? DeviceType::CUDA : DeviceType::CPU);
+  }
+  return f;
+}
+
+void divide(const Tensor& t, int size) {
+  Tensor scalar = empty({}, {.dtype = t.dtype(), .device = t.device()});
+  kernels::fill(scalar, size);
+  kernels::binary(kernels::BinaryOp::Div, t,
+                  make_view(scalar, t.shape(), Dims::filled(t.dim(), 0), 0), t);
+}
+
+ReduceOp wire_op(ReduceOp op) {
+  return op == ReduceOp::Avg ? ReduceOp::Sum : op;
+}
+
+void check_reduce_op(const Call& c, ReduceOp op, DType dtype) {
+  WEAVE_CHECK(op != ReduceOp::Avg || is_floating(dtype), c.name,
+              "avg needs a floating dtype, found {}; hint: sum, then divide", dtype);
+}
+
+// Checks `big` is `parts` copies of `small` stacked along dim 0 ([parts * n, ...] vs [n, ...];
+// a 0-d small pairs with a 1-d big of `parts` elements).
+void check_stacked(const Call& c, const Tensor& big, const Tensor& small, int parts,
+                   const char* big_name, const char* small_name) {
+  Shape expected = small.shape();
+  if (expected.empty()) expected = Shape{1};
+  expected[0] *= parts;
+  WEAVE_CHECK(big.shape() == expected, c.name,
+              "{} has shape {}, expected {} ({} x {} {} along dim 0 over group {})", big_name,
+              big.shape(), expected, parts, small_name, small.shape(), c.group.str());
+}
+
+int64_t sum_of(const std::vector<int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), int64_t{0});
+}
+
+}  // namespace
+
+Work all_reduce(const Tensor& tensor, ReduceOp op, const Group& group, bool async_op) {
+  return all_reduce(tensor, tensor, op, group, async_op);
+}
+
+Work all_reduce(const Tensor& input, const Tensor& output, ReduceOp op, const Group& group,
+                bool async_op) {
+  Call c(Op::AllReduce, group);
+  check_tensor(c, input, "input");
+  check_tensor(c, output, "output");
+  check_same(c, input, output);
+  WEAVE_CHECK(input.shape() == output.shape(), c.name, "input {} and output {} differ in shape",
+              input.shape(), output.shape());
+  check_reduce_op(c, op, input.dtype());
+  Tensor in = staged(input);
+  Tensor out = input.is_same(output) ? in : staging_for(output);
+  Group::Impl* g = group.impl().get();
+  return issue(
+      c, fingerprint(c, 0, &input, -1, op, false), true,
+      [comm = g->route(in), g, in, out, output, op] {
+        comm->all_reduce(in.data_ptr(), out.data_ptr(), in.numel(), in.dtype(), wire_op(op));
+        if (op == ReduceOp::Avg) divide(out, comm->size());
+        land(out, output);
+      },
+      async_op);
+}
+
+Work broadcast(const Tensor& tensor, int root, const Group& group, bool async_op) {
+  Call c(Op::Broadcast, group);
+  check_tensor(c, tensor, "tensor");
+  Group::Impl& g = member(c);
+  check_root(c, root);
+  Tensor buffer = g.my_rank == root ? staged(tensor) : staging_for(tensor);
+  return issue(
+      c, fingerprint(c, 0, &tensor, root, std::nullopt, false), true,
+      [comm = g.route(buffer), g = &g, buffer, tensor, root] {
+        comm->broadcast(buffer.data_ptr(), buffer.numel(), buffer.dtype(), root);
+        if (g->my_rank != root) land(buffer, tensor);
+      },
+      async_op);
+}
+
+Work reduce(const Tensor& tensor, ReduceOp op, int root, const Group& group, bool async_op) {
+  Call c(Op::Reduce, group);
+  check_tensor(c, tensor, "tensor");
+  Group::Impl& g = member(c);
+  check_root(c, root);
+  check_reduce_op(c, op, tensor.dtype());
+  Tensor buffer = staged(tensor);
+  return issue(
+      c, fingerprint(c, 0, &tensor, root, op, false), true,
+      [comm = g.route(buffer), g = &g, buffer, tensor, root, op] {
+        comm->reduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(), buffer.dtype(),
+                     wire_op(op), root);
+        if (g->my_rank != root) return;
+        if (op == ReduceOp::Avg) divide(buffer, comm->size());
+        land(buffer, tensor);
+      },
+      async_op);
+}
+
+Work all_gather(const Tensor& output, const Tensor& input, const Group& group, bool async_op) {
+  Call c(Op::AllGather, group);
+  check_tensor(c, input, "input");
+  check_tensor(c, output, "output");
+  check_same(c, input, output);
+  Group::Impl& g = member(c);
+  check_stacked(c, output, input, group.size(), "output", "input");
+  Tensor in = staged(input), out = staging_for(output);
+  return issue(
+      c, fingerprint(c, 0, &input, -1, std::nullopt, false), true,
+      [comm = g.route(in), g = &g, in, out, output] {
+        comm->all_gather(in.data_ptr(), out.data_ptr(), in.numel(), in.dtype());
+        land(out, output);
+      },
+      async_op);
+}
+
+Tensor all_gather_uneven(const Tensor& input, const Group& group) {
+  Call c(Op::AllGatherV, group);
+  check_tensor(c, input, "input");
+  WEAVE_CHECK(input.dim() >= 1, c.name, "expected at least 1 dimension, found a 0-d tensor");
+  Group::Impl& g = member(c);
+  Tensor rows = full({1}, static_cast<double>(input.size(0)), {.dtype = kInt64});
+  Tensor all_rows = empty({group.size()}, {.dtype = kInt64});
+  all_gather(all_rows, rows, group);
+  int64_t row = 1;
+  for (int d = 1; d < input.dim(); ++d) row *= input.shape()[d];
+  std::vector<int64_t> counts;
+  Shape shape = input.shape();
+  shape[0] = 0;
+  for (int64_t n : all_rows.to_vector<int64_t>()) {
+    counts.push_back(n * row);
+    shape[0] += n;
+  }
+  Tensor in = staged(input),
+         out = empty(shape, {.dtype = input.dtype(), .device = wire_device(input)});
+  issue(
+      c, fingerprint(c, 0, &input, -1, std::nullopt, true), true,
+      [comm = g.route(in), g = &g, in, out, counts] {
+        comm->all_gather_v(in.data_ptr(), out.data_ptr(), counts, in.dtype());
+      },
+      false);
+  return input.device().is_cpu() ? out : out.to(input.device());
+}
+
+Work reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, const Group& group,
+                    bool async_op) {
+  Call c(Op::ReduceScatter, group);
+  check_tensor(c, input, "input");
+  check_tensor(c, output, "output");
+  check_same(c, input, output);
+  Group::Impl& g = member(c);
+  check_stacked(c, input, output, group.size(), "input", "output");
+  check_reduce_op(c, op, input.dtype());
+  Tensor in = staged(input), out = staging_for(output);
+  return issue(
+      c, fingerprint(c, 0, &input, -1, op, false), true,
+      [comm = g.route(in), g = &g, in, out, output, op] {
+        comm->reduce_scatter(in.data_ptr(), out.data_ptr(), out.numel(), in.dtype(), wire_op(op));
+        if (op == ReduceOp::Avg) divide(out, comm->size());
+        land(out, output);
+      },
+      async_op);
+}
+
+Work gather(const Tensor& output, const Tensor& input, int root, const Group& group,
+            bool async_op) {
+  Call c(Op::Gather, group);
+  check_tensor(c, input, "input");
+  Group::Impl& g = member(c);
+  check_root(c, root);
+  const bool is_root = g.my_rank == root;
+  Tensor out;
+  if (is_root) {
+    check_tensor(c, output, "output");
+    check_same(c, input, output);
+    check_stacked(c, output, input, group.size(), "output", "input");
+    out = staging_for(output);
+  }
+  Tensor in = staged(input);
+  return issue(
+      c, fingerprint(c, 0, &input, root, std::nullopt, false), true,
+      [comm = g.route(in), g = &g, in, out, output, root, is_root] {
+        comm->gather(in.data_ptr(), is_root ? out.data_ptr() : nullptr, in.numel(), in.dtype(),
+                     root);
+        if (is_root) land(out, output);
+      },
+      async_op);
+}
+
+Work scatter(const Tensor& output, const Tensor& input, int root, const Group& group,
+             bool async_op) {
+  Call c(Op::Scatter, group);
+  check_tensor(c, output, "output");
+  Group::Impl& g = member(c);
+  check_root(c, root);
+  const bool is_root = g.my_rank == root;
+  Tensor in;
+  if (is_root) {
+    check_tensor(c, input, "input");
+    check_same(c, input, output);
+    check_stacked(c, input, output, group.size(), "input", "output");
+    in = staged(input);
+  }
+  Tensor out = staging_for(output);
+  return issue(
+      c, fingerprint(c, 0, &output, root, std::nullopt, false), true,
+      [comm = g.route(out), g = &g, in, out, output, root, is_root] {
+        comm->scatter(is_root ? in.data_ptr() : nullptr, out.data_ptr(), out.numel(), out.dtype(),
+                      root);
+        land(out, output);
+      },
+      async_op);
+}
+
+Work all_to_all(const Tensor& output, const Tensor& input, const Group& group, bool async_op) {
+  Call c(Op::AllToAll, group);
+  check_tensor(c, input, "input");
+  check_tensor(c, output, "output");
+  check_same(c, input, output);
+  WEAVE_CHECK(input.dim() >= 1 && input.size(0) % group.size() == 0, c.name,
+              "dimension 0 of input {} must divide evenly among the {} ranks of group {}",
+              input.shape(), group.size(), group.str());
+  WEAVE_CHECK(output.shape() == input.shape(), c.name, "output {} must have the input's shape {}",
+              output.shape(), input.shape());
+  Group::Impl& g = member(c);
+  Tensor in = staged(input), out = staging_for(output);
+  return issue(
+      c, fingerprint(c, 0, &input, -1, std::nullopt, false), true,
+      [comm = g.route(in), g = &g, in, out, output] {
+        comm->all_to_all(in.data_ptr(), out.data_ptr(), in.numel() / comm->size(), in.dtype());
+        land(out, output);
+      },
+      async_op);
+}
+
+Work all_to_all(const Tensor& output, const Tensor& input,
+                const std::vector<int64_t>& output_splits, const std::vector<int64_t>& input_splits,
+                const Group& group, bool async_op) {
+  Call c(Op::AllToAllV, group);
+  check_tensor(c, input, "input");
+  check_tensor(c, output, "output");
+  check_same(c, input, output);
+  Group::Impl& g = member(c);
+  const size_t n = static_cast<size_t>(group.size());
+  WEAVE_CHECK(input_splits.size() == n && output_splits.size() == n, c.name,
+              "expected {} splits (one per rank of group {}), found {} input and {} output splits",
+              n, group.str(), input_splits.size(), output_splits.size());
+  for (int64_t v : input_splits)
+    WEAVE_CHECK(v >= 0, c.name, "splits must be non-negative, found {}", v);
+  for (int64_t v : output_splits)
+    WEAVE_CHECK(v >= 0, c.name, "splits must be non-negative, found {}", v);
+  WEAVE_CHECK(input.dim() >= 1 && output.dim() >= 1, c.name,
+              "input and output need at least 1 dimension");
+  WEAVE_CHECK(sum_of(input_splits) == input.size(0), c.name,
+              "input splits add up to {}, but input has {} rows", sum_of(input_splits),
+              input.size(0));
+  WEAVE_CHECK(sum_of(output_splits) == output.size(0), c.name,
+              "output splits add up to {}, but output has {} rows", sum_of(output_splits),
+              output.size(0));
+  for (int d = 1; d < input.dim(); ++d)
+    WEAVE_CHECK(output.dim() == input.dim() && output.shape()[d] == input.shape()[d], c.name,
+                "input {} and output {} must agree beyond dimension 0", input.shape(),
+                output.shape());
+  int64_t row = 1;
+  for (int d = 1; d < input.dim(); ++d) row *= input.shape()[d];
+  std::vector<int64_t> send_counts, recv_counts;
+  for (size_t j = 0; j < n; ++j) {
+    send_counts.push_back(input_splits[j] * row);
+    recv_counts.push_back(output_splits[j] * row);
+  }
+  Tensor in = staged(input), out = staging_for(output);
+  const bool check = runtime().check;
+  const std::string group_text = group.str();
+  return issue(
+      c, fingerprint(c, 0, &input, -1, std::nullopt, true), true,
+      [comm = g.route(in), g = &g, in, out, output, send_counts, recv_counts, input_splits,
+       output_splits, check, group_text] {
+        if (check) {  // do the ranks' splits pair up? everyone learns the answer
+          std::vector<int64_t> ones(input_splits.size(), 1), told(input_splits.size());
+          g->comm->all_to_all_v(input_splits.data(), ones, told.data(), ones, kInt64);
+          int64_t bad = told != output_splits;
+          g->comm->all_reduce(&bad, &bad, 1, kInt64, ReduceOp::Max);
+          WEAVE_CHECK(
+              !bad, "all_to_all",
+              "the splits in group {} do not pair up: rank r's output_splits[j] must equal rank "
+              "j's input_splits[r] (this rank expects {} and is sent {})",
+              group_text, output_splits, told);
+        }
+        comm->all_to_all_v(in.data_ptr(), send_counts, out.data_ptr(), recv_counts, in.dtype());
+        land(out, output);
+      },
+      async_op);
+}
+
+namespace {
+void check_peer(const Call& c, const Group::Impl& g, int peer) {
+  WEAVE_CHECK(peer >= 0 && peer < static_cast<int>(g.ranks.size()) && peer != g.my_rank, c.name,
+              "peer {} must be another rank of group {} (group ranks 0..{}, this is {})", peer,
+              c.group.str(), g.ranks.size() - 1, g.my_rank);
+}
+}  // namespace
+
+Work send(const Tensor& tensor, int dst, const Group& group, int tag, bool async_op) {
+  Call c(Op::Send, group);
+  check_tensor(c, tensor, "tensor");
+  Group::Impl& g = member(c);
+  check_peer(c, g, dst);
+  Tensor buffer = staged(tensor);
+  return issue(
+      c, fingerprint(c, 0, &tensor, dst, std::nullopt, false), false,
+      [comm = g.route(buffer), g = &g, buffer, dst, tag] {
+        comm->send(buffer.data_ptr(), buffer.numel(), buffer.dtype(), dst, tag);
+      },
+      async_op);
+}
+
+Work recv(const Tensor& tensor, int src, const Group& group, int tag, bool async_op) {
+  Call c(Op::Recv, group);
+  check_tensor(c, tensor, "tensor");
+  Group::Impl& g = member(c);
+  check_peer(c, g, src);
+  Tensor buffer = staging_for(tensor);
+  return issue(
+      c, fingerprint(c, 0, &tensor, src, std::nullopt, false), false,
+      [comm = g.route(buffer), g = &g, buffer, tensor, src, tag] {
+        comm->recv(buffer.data_ptr(), buffer.numel(), buffer.dtype(), src, tag);
+        land(buffer, tensor);
+      },
+      async_op);
+}
+
+void barrier(const Group& group) {
+  Call c(Op::Barrier, group);
+  Group::Impl& g = member(c);
+  issue(
+      c, fingerprint(c, 0, nullptr, -1, std::nullopt, false), true,
+      [g = &g] { g->comm->barrier(); }, false);
+}
+
+void synchronize(const std::vector<Tensor>& tensors, int root, const Group& group) {
+  for (const Tensor& t : tensors) broadcast(t, root, group);
+}
+
+}  // namespace weave::dist

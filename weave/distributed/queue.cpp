@@ -1,0 +1,52 @@
+// Work handles and the group accessors.
+#include "weave/distributed/queue.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "weave/distributed/runtime.h"
+
+namespace weave::dist {
+
+int64_t detail::now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void Work::wait() const {
+  if (!state_) return;
+  std::unique_lock lock(state_->mutex);
+  state_->cv.wait(lock, [&] { return state_->done; });
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+bool Work::is_completed() const {
+  if (!state_) return true;
+  std::lock_guard lock(state_->mutex);
+  return state_->done;
+}
+
+Group::Group() : impl_(detail::live("world").world) {}
+const std::vector<int>& Group::ranks() const {
+  return impl_->ranks;
+}
+int Group::size() const {
+  return static_cast<int>(impl_->ranks.size());
+}
+int Group::rank() const {
+  return impl_->my_rank;
+}
+bool Group::contains(int global) const {
+  return std::find(impl_->ranks.begin(), impl_->ranks.end(), global) != impl_->ranks.end();
+}
+int Group::global_rank(int group_rank) const {
+  WEAVE_CHECK(group_rank >= 0 && group_rank < size(), "group",
+              "group rank {} is outside group {} of size {}", group_rank, str(), size());
+  return impl_->ranks[group_rank];
+}
+std::string Group::str() const {
+  return fmt::format("[{}]", fmt::join(impl_->ranks, ", "));
+}
+
+}  // namespace weave::dist

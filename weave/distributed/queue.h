@@ -1,0 +1,156 @@
+#pragma once
+// Each group's communication queue (internal): collectives run in program order, inline on
+// the caller's thread when blocking with nothing queued, else on the group's worker thread.
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "weave/distributed/communicator.h"
+#include "weave/distributed/distributed.h"
+#include "weave/distributed/fingerprint.h"
+
+namespace weave::dist {
+
+struct Work::State {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+
+  void finish(std::exception_ptr e) {
+    {
+      std::lock_guard lock(mutex);
+      done = true;
+      error = e;
+    }
+    cv.notify_all();
+  }
+};
+
+namespace detail {
+
+/// Monotonic clock in nanoseconds (the watchdog's time base).
+int64_t now_ns();
+
+struct Task {
+  std::function<void()> run;
+  std::shared_ptr<Work::State> state;
+  Fingerprint print;
+};
+
+}  // namespace detail
+
+struct Group::Impl {
+  std::vector<int> ranks;
+  int my_rank = -1;
+  std::unique_ptr<detail::Communicator> comm;         // host (MPI or local); null on non-members
+  std::unique_ptr<detail::Communicator> device_comm;  // NCCL, for CUDA tensors; null otherwise
+
+  /// Where a tensor's bytes travel: NCCL for CUDA tensors when there is one, else the host.
+  detail::Communicator* route(const Tensor& t) const {
+    return t.device().is_cuda() && device_comm ? device_comm.get() : comm.get();
+  }
+  uint64_t next_sequence = 0;  // collectives issued (caller side, program order)
+
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<detail::Task> tasks;
+  bool busy = false;  // an op of this group is running (inline or on the worker)
+  bool stopping = false;
+  std::thread worker;
+
+  // Read by the watchdog: when the running op started (0: none) and what it is.
+  std::atomic<int64_t> running_since{0};
+  detail::Fingerprint running;  // guarded by mutex
+
+  ~Impl() { stop(); }
+
+  void stop() {
+    {
+      std::lock_guard lock(mutex);
+      stopping = true;
+    }
+    cv.notify_all();
+    if (worker.joinable()) worker.join();
+  }
+
+  // Marks the op started (caller holds the lock); the watchdog formats its description only
+  // if it ever has to report it, so the latency path formats nothing.
+  void start_running(const detail::Fingerprint& print) {
+    busy = true;
+    running = print;
+    running_since.store(detail::now_ns(), std::memory_order_release);
+  }
+  void finish_running() {
+    running_since.store(0, std::memory_order_release);
+    {
+      std::lock_guard lock(mutex);
+      busy = false;
+    }
+    cv.notify_all();
+  }
+
+  void worker_loop() {
+    for (;;) {
+      detail::Task task;
+      {
+        std::unique_lock lock(mutex);
+        cv.wait(lock, [&] { return !busy && (stopping || !tasks.empty()); });
+        if (tasks.empty()) return;  // stopping, queue drained
+        task = std::move(tasks.front());
+        tasks.pop_front();
+        start_running(task.print);
+      }
+      std::exception_ptr error;
+      try {
+        task.run();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      finish_running();
+      task.state->finish(error);
+    }
+  }
+
+  // Issues one op in program order: inline when blocking and nothing is queued (no thread
+  // hand-off, no allocation on the latency path), else on the worker thread.
+  template <class Body>
+  Work submit(const detail::Fingerprint& print, Body&& body, bool async_op) {
+    if (!async_op) {
+      std::unique_lock lock(mutex);
+      if (tasks.empty() && !busy) {
+        start_running(print);
+        lock.unlock();
+        struct Finish {
+          Impl* self;
+          ~Finish() { self->finish_running(); }
+        } finish{this};
+        body();
+        return Work();
+      }
+    }
+    auto state = std::make_shared<Work::State>();
+    {
+      std::lock_guard lock(mutex);
+      tasks.push_back({std::function<void()>(std::forward<Body>(body)), state, print});
+      if (!worker.joinable()) worker = std::thread([this] { worker_loop(); });
+    }
+    cv.notify_all();
+    Work work(state);
+    if (!async_op) work.wait();
+    return work;
+  }
+
+  // Waits until everything issued so far has run.
+  void drain() {
+    std::unique_lock lock(mutex);
+    cv.wait(lock, [&] { return tasks.empty() && !busy; });
+  }
+};
+
+}  // namespace weave::dist

@@ -1,0 +1,218 @@
+// init/finalize, the world and new groups, and the watchdog that turns a hung collective into a
+// clear job-wide failure.
+#include "weave/distributed/runtime.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+
+#include "weave/tensor/cuda/runtime.h"
+
+namespace weave::dist {
+
+namespace detail {
+
+Runtime& runtime() {
+  static Runtime* r = new Runtime;  // never destroyed: worker threads may outlive statics
+  return *r;
+}
+
+Runtime& live(const char* op) {
+  Runtime& r = runtime();
+  WEAVE_CHECK(r.up, op,
+              "the distributed module is not initialized; hint: call weave::dist::init() first");
+  return r;
+}
+
+std::shared_ptr<Group::Impl> make_group(std::vector<int> ranks,
+                                        std::unique_ptr<Communicator> comm) {
+  Runtime& r = runtime();
+  auto impl = std::make_shared<Group::Impl>();
+  impl->ranks = std::move(ranks);
+  auto it = std::find(impl->ranks.begin(), impl->ranks.end(), r.rank);
+  impl->my_rank = it == impl->ranks.end() ? -1 : static_cast<int>(it - impl->ranks.begin());
+  impl->comm = std::move(comm);
+  std::lock_guard lock(r.groups_mutex);
+  r.groups.push_back(impl);
+  return impl;
+}
+
+}  // namespace detail
+
+using namespace detail;
+
+namespace {
+
+double env_double(const char* name, double fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  double d = std::strtod(v, &end);
+  WEAVE_CHECK(end != v && *end == '\0' && d > 0, "init", "{}='{}' is not a positive number", name,
+              v);
+  return d;
+}
+
+void watchdog_loop() {
+  Runtime& r = runtime();
+  const auto limit = static_cast<int64_t>(r.timeout_s * 1e9);
+  while (!r.stop_watchdog.load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::lock_guard lock(r.groups_mutex);
+    for (auto& weak : r.groups) {
+      auto group = weak.lock();
+      if (!group) continue;
+      int64_t since = group->running_since.load(std::memory_order_acquire);
+      if (since == 0 || now_ns() - since < limit) continue;
+      std::string what;
+      {
+        std::lock_guard group_lock(group->mutex);
+        what = fmt::format("{} on group [{}]", describe(group->running),
+                           fmt::join(group->ranks, ", "));
+      }
+      std::fprintf(stderr,
+                   "[weave] rank %d: %s did not complete within %g s (WEAVE_TIMEOUT_S); a rank "
+                   "of the group probably skipped it or is stuck; tearing the job down\n",
+                   r.rank, what.c_str(), r.timeout_s);
+      std::fflush(stderr);
+      if (r.uses_mpi) detail::mpi::abort_job(1);
+      std::_Exit(1);
+    }
+  }
+}
+
+}  // namespace
+
+void init(Backend backend, InitOptions options) {
+  Runtime& r = runtime();
+  WEAVE_CHECK(!r.up, "init", "already initialized; hint: call finalize() first");
+  r.backend = backend;
+  r.timeout_s = options.timeout_s > 0 ? options.timeout_s : env_double("WEAVE_TIMEOUT_S", 300);
+  if (options.check_collectives) {
+    r.check = *options.check_collectives;
+  } else {
+    const char* v = std::getenv("WEAVE_CHECK_COLLECTIVES");
+    r.check = v != nullptr && std::strcmp(v, "0") != 0 && *v != '\0';
+  }
+  std::unique_ptr<Communicator> comm;
+  r.uses_mpi = detail::mpi::launched();
+  if (r.uses_mpi) {
+    comm = detail::mpi::init_world();
+    r.local_rank = detail::mpi::local_rank();
+  } else {
+    comm = make_local_communicator();
+    r.local_rank = 0;
+  }
+  r.rank = comm->rank();
+  r.size = comm->size();
+  r.device = kCPU;
+  if (backend == Backend::NCCL) {
+    WEAVE_CHECK(detail::nccl::available(), "init",
+                "weave was built without NCCL; hint: configure with -DWEAVE_WITH_CUDA=ON "
+                "-DWEAVE_WITH_NCCL=ON, or use Backend::MPI");
+    WEAVE_CHECK(cuda::is_available(), "init",
+                "the NCCL backend needs a CUDA device; none is visible{}",
+                cuda::device_count() == 0 ? " (or weave was built without CUDA)" : "");
+    std::vector<int> devices = options.cuda_devices;
+    if (devices.empty())
+      for (int d = 0; d < cuda::device_count(); ++d) devices.push_back(d);
+    for (int d : devices)
+      WEAVE_CHECK(d >= 0 && d < cuda::device_count(), "init",
+                  "cuda_devices lists cuda:{}, but {} are visible", d, cuda::device_count());
+    r.device = Device::cuda(devices[r.local_rank % devices.size()]);
+  }
+  std::vector<int> all(r.size);
+  std::iota(all.begin(), all.end(), 0);
+  r.world = make_group(all, std::move(comm));
+  if (backend == Backend::NCCL)
+    r.world->device_comm = detail::nccl::init_world(*r.world->comm, r.device.index);
+  r.up = true;
+  r.stop_watchdog = false;
+  r.watchdog = std::thread(watchdog_loop);
+}
+
+bool initialized() {
+  return runtime().up;
+}
+
+void finalize() {
+  Runtime& r = runtime();
+  if (!r.up) return;
+  {
+    std::vector<std::shared_ptr<Group::Impl>> groups;
+    {
+      std::lock_guard lock(r.groups_mutex);
+      for (auto& weak : r.groups)
+        if (auto g = weak.lock()) groups.push_back(g);
+    }
+    for (auto& g : groups) g->drain();  // the watchdog still guards this
+    for (auto& g : groups) {
+      g->stop();
+      g->device_comm.reset();
+      g->comm.reset();
+    }
+  }
+  r.stop_watchdog = true;
+  if (r.watchdog.joinable()) r.watchdog.join();
+  {
+    std::lock_guard lock(r.groups_mutex);
+    r.groups.clear();
+  }
+  r.world.reset();
+  if (r.uses_mpi) detail::mpi::finalize();
+  r.up = false;
+}
+
+int rank() {
+  return live("rank").rank;
+}
+int world_size() {
+  return live("world_size").size;
+}
+int local_rank() {
+  return live("local_rank").local_rank;
+}
+Backend backend() {
+  return live("backend").backend;
+}
+Device device() {
+  return live("device").device;
+}
+
+Group world() {
+  return Group(live("world").world);
+}
+
+Group new_group(const std::vector<int>& ranks) {
+  Runtime& r = live("new_group");
+  WEAVE_CHECK(!ranks.empty(), "new_group", "a group needs at least one rank");
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  WEAVE_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "new_group",
+              "ranks {} list a rank twice", ranks);
+  WEAVE_CHECK(sorted.front() >= 0 && sorted.back() < r.size, "new_group",
+              "ranks {} must lie in [0, {}) (the world size)", ranks, r.size);
+  Call c(Op::NewGroup, world());
+  Fingerprint print;
+  print.op = static_cast<int32_t>(c.op);
+  print.rank = r.rank;
+  for (int v : ranks) print.extra = print.extra * 1000003 + v + 1;  // same list, same value
+  auto host = std::make_shared<std::unique_ptr<Communicator>>();
+  auto device = std::make_shared<std::unique_ptr<Communicator>>();
+  Group::Impl* w = r.world.get();
+  issue(
+      c, print, true,
+      [w, ranks, host, device] {
+        *host = w->comm->split(ranks);
+        if (w->device_comm) *device = w->device_comm->split(ranks);
+      },
+      false);
+  auto impl = make_group(ranks, std::move(*host));
+  impl->device_comm = std::move(*device);
+  return Group(impl);
+}
+
+}  // namespace weave::dist
