@@ -1,7 +1,10 @@
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "helpers.h"
+#include "weave/kernels/functors.h"
 
 using namespace weave;
 
@@ -139,6 +142,39 @@ TEST_SUITE("autograd") {
     y.retain_grad();
     (y * 3.0).sum().backward();
     CHECK(y.grad().to_vector<double>() == std::vector<double>{3, 3});
+  }
+
+  TEST_CASE("an output dropped without backward is freed, with its node") {
+    // Ops that save their own output must not keep it alive through the saved alias.
+    manual_seed(0);
+    Tensor x = (rand({3, 4}) + 0.5).requires_grad_();
+    Tensor other = (rand({3, 4}) + 0.5).requires_grad_();
+    std::vector<std::pair<std::string, std::function<Tensor()>>> ops = {
+#define WEAVE_LEAK_CASE(Name, Functor, function) {#function, [&] { return function(x); }},
+        WEAVE_UNARY_OPS(WEAVE_LEAK_CASE)
+#undef WEAVE_LEAK_CASE
+            {"pow", [&] { return pow(x, 2.5); }},
+        {"pow(tensor)", [&] { return pow(x, other); }},
+        {"maximum", [&] { return maximum(x, other); }},
+        {"max", [&] { return max(x, {1}); }},
+        {"min", [&] { return min(x); }},
+        {"softmax", [&] { return softmax(x); }},
+        {"log_softmax", [&] { return log_softmax(x); }},
+        {"mul", [&] { return x * 2.0; }},
+    };
+    for (auto& [name, op] : ops) {
+      CAPTURE(name);
+      std::weak_ptr<TensorImpl> output;
+      std::weak_ptr<autograd::Node> node;
+      {
+        Tensor y = op();
+        REQUIRE(y.grad_fn() != nullptr);
+        output = y.impl_ptr();
+        node = y.grad_fn();
+      }
+      CHECK(output.expired());
+      CHECK(node.expired());
+    }
   }
 
   TEST_CASE("no-grad mode and detach record nothing") {

@@ -71,7 +71,15 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
 
 SavedTensor::SavedTensor(const Tensor& tensor) {
   if (!tensor.defined()) return;
-  tensor_ = make_view(tensor, tensor.shape(), tensor.strides(), tensor.offset());
+  // Not make_view: a view keeps its base handle (view_base), and the base may be the very
+  // output whose node owns this SavedTensor.
+  auto alias = std::make_shared<TensorImpl>();
+  alias->storage = tensor.storage();
+  alias->shape = tensor.shape();
+  alias->strides = tensor.strides();
+  alias->offset = tensor.offset();
+  alias->dtype = tensor.dtype();
+  tensor_ = Tensor(std::move(alias));
   saved_version_ = tensor.version();
 }
 
@@ -112,10 +120,10 @@ Edge gradient_edge(const Tensor& tensor) {
   return {};
 }
 
-bool should_record(std::initializer_list<const Tensor*> inputs) {
+bool should_record(std::initializer_list<Tensor> inputs) {
   if (!GradMode::is_enabled()) return false;
-  for (const Tensor* t : inputs)
-    if (t->defined() && t->requires_grad()) return true;
+  for (const Tensor& t : inputs)
+    if (t.defined() && t.requires_grad()) return true;
   return false;
 }
 
@@ -138,20 +146,6 @@ void attach(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs
     meta.grad_fn = node;
     meta.output_nr = node->add_output(output);
   }
-}
-
-Tensor record(const char* name, const std::vector<Tensor>& inputs, Tensor output,
-              BackwardFn backward) {
-  if (!should_record(inputs)) return output;
-  attach(std::make_shared<FunctionNode>(name, std::move(backward)), inputs, {output});
-  return output;
-}
-
-std::vector<Tensor> record(const char* name, const std::vector<Tensor>& inputs,
-                           std::vector<Tensor> outputs, BackwardFn backward) {
-  if (!should_record(inputs)) return outputs;
-  attach(std::make_shared<FunctionNode>(name, std::move(backward)), inputs, outputs);
-  return outputs;
 }
 
 }  // namespace weave::autograd

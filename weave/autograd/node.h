@@ -6,6 +6,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "weave/tensor/tensor.h"
@@ -93,8 +94,9 @@ class AccumulateGrad final : public Node {
 };
 
 /// A tensor saved for backward. Remembers the version at save time; unpack() raises if the
-/// tensor was modified in place since. It keeps a detached alias (same storage, no grad_fn),
-/// so saving an op's own output never makes a node own itself.
+/// tensor was modified in place since. It keeps a detached alias: the same storage and layout,
+/// but no grad_fn and no link to the saved tensor's handle, so saving an op's own output never
+/// makes the node keep that output (and through it, itself) alive.
 class SavedTensor {
  public:
   SavedTensor() = default;
@@ -134,19 +136,58 @@ class FunctionNode final : public Node {
 /// The edge a gradient for `tensor` flows into: its grad_fn, its leaf accumulator, or none.
 Edge gradient_edge(const Tensor& tensor);
 /// True when grad mode is on and some input requires grad.
-bool should_record(std::initializer_list<const Tensor*> inputs);
+bool should_record(std::initializer_list<Tensor> inputs);
 bool should_record(const std::vector<Tensor>& inputs);
 /// Connects `node` to the inputs and makes it the grad_fn of the outputs.
 void attach(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
             const std::vector<Tensor>& outputs);
 
+namespace detail {
+// A backward may be given directly, or as a maker (no arguments) that returns it. The maker
+// runs only when the op is recorded, so its saved tensors and closure cost nothing under
+// NoGradGuard or when no input requires grad.
+template <class BackwardOrMaker>
+BackwardFn make_backward(BackwardOrMaker&& backward) {
+  if constexpr (std::is_invocable_v<BackwardOrMaker&>)
+    return BackwardFn(backward());
+  else
+    return BackwardFn(std::forward<BackwardOrMaker>(backward));
+}
+}  // namespace detail
+
 /// Records an op: if grad mode is on and an input requires grad, output gets a FunctionNode
-/// whose backward is `backward`. Returns output.
+/// whose backward is `backward` (or what the maker `[&] { return [...](const BackwardArgs&)
+/// {...}; }` returns: the recommended form, which builds nothing when nothing is recorded).
+/// Returns output.
+template <class BackwardOrMaker>
+Tensor record(const char* name, std::initializer_list<Tensor> inputs, Tensor output,
+              BackwardOrMaker&& backward) {
+  if (!should_record(inputs)) return output;
+  attach(std::make_shared<FunctionNode>(
+             name, detail::make_backward(std::forward<BackwardOrMaker>(backward))),
+         std::vector<Tensor>(inputs), {output});
+  return output;
+}
+/// Variable-length inputs.
+template <class BackwardOrMaker>
 Tensor record(const char* name, const std::vector<Tensor>& inputs, Tensor output,
-              BackwardFn backward);
+              BackwardOrMaker&& backward) {
+  if (!should_record(inputs)) return output;
+  attach(std::make_shared<FunctionNode>(
+             name, detail::make_backward(std::forward<BackwardOrMaker>(backward))),
+         inputs, {output});
+  return output;
+}
 /// Multi-output version.
-std::vector<Tensor> record(const char* name, const std::vector<Tensor>& inputs,
-                           std::vector<Tensor> outputs, BackwardFn backward);
+template <class BackwardOrMaker>
+std::vector<Tensor> record(const char* name, std::initializer_list<Tensor> inputs,
+                           std::vector<Tensor> outputs, BackwardOrMaker&& backward) {
+  if (!should_record(inputs)) return outputs;
+  attach(std::make_shared<FunctionNode>(
+             name, detail::make_backward(std::forward<BackwardOrMaker>(backward))),
+         std::vector<Tensor>(inputs), outputs);
+  return outputs;
+}
 
 /// Name of the node the engine is running on this thread ("" outside backward).
 const std::string& current_node_name();

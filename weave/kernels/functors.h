@@ -3,7 +3,8 @@
 // derivative side by side; WEAVE_UNARY_OPS / WEAVE_BINARY_OPS list them so kernels, front
 // ends and the kernel enum are generated from one place.
 //
-// Adding a unary op: a functor here + a line in WEAVE_UNARY_OPS + a declaration in ops.h.
+// Adding a unary op: a functor here + a line in WEAVE_UNARY_OPS + a declaration in ops.h;
+// the op table test then requires a row for it.
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -62,9 +63,14 @@ WEAVE_HD inline T pow_(T x, T y) {
 
 // ---- unary: forward(x) and derivative(x, y = forward(x)) -------------------------------
 // `integral` says whether the op is defined on integer tensors; if not, they become float32.
+// `reads` says which of x and y the derivative reads: backward saves only that one and passes
+// it in both places.
+
+enum class Reads { Nothing, Input, Output };
 
 struct Neg {  // d/dx -x = -1
   static constexpr bool integral = true;
+  static constexpr Reads reads = Reads::Nothing;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return -x;
@@ -76,6 +82,7 @@ struct Neg {  // d/dx -x = -1
 };
 struct Abs {  // d/dx |x| = sign(x)
   static constexpr bool integral = true;
+  static constexpr Reads reads = Reads::Input;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     if constexpr (std::is_unsigned_v<T>)
@@ -93,6 +100,7 @@ struct Abs {  // d/dx |x| = sign(x)
 };
 struct Exp {  // d/dx e^x = e^x
   static constexpr bool integral = false;
+  static constexpr Reads reads = Reads::Output;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return exp_(x);
@@ -104,6 +112,7 @@ struct Exp {  // d/dx e^x = e^x
 };
 struct Log {  // d/dx ln x = 1/x
   static constexpr bool integral = false;
+  static constexpr Reads reads = Reads::Input;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return log_(x);
@@ -115,6 +124,7 @@ struct Log {  // d/dx ln x = 1/x
 };
 struct Sqrt {  // d/dx sqrt(x) = 1 / (2 sqrt(x))
   static constexpr bool integral = false;
+  static constexpr Reads reads = Reads::Output;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return sqrt_(x);
@@ -126,6 +136,7 @@ struct Sqrt {  // d/dx sqrt(x) = 1 / (2 sqrt(x))
 };
 struct Rsqrt {  // d/dx x^-1/2 = -x^-3/2 / 2
   static constexpr bool integral = false;
+  static constexpr Reads reads = Reads::Output;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return T(1) / sqrt_(x);
@@ -137,6 +148,7 @@ struct Rsqrt {  // d/dx x^-1/2 = -x^-3/2 / 2
 };
 struct Sin {  // d/dx sin x = cos x
   static constexpr bool integral = false;
+  static constexpr Reads reads = Reads::Input;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return sin_(x);
@@ -148,6 +160,7 @@ struct Sin {  // d/dx sin x = cos x
 };
 struct Cos {  // d/dx cos x = -sin x
   static constexpr bool integral = false;
+  static constexpr Reads reads = Reads::Input;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return cos_(x);
@@ -159,6 +172,7 @@ struct Cos {  // d/dx cos x = -sin x
 };
 struct Tanh {  // d/dx tanh x = 1 - tanh^2 x
   static constexpr bool integral = false;
+  static constexpr Reads reads = Reads::Output;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return tanh_(x);
@@ -170,6 +184,7 @@ struct Tanh {  // d/dx tanh x = 1 - tanh^2 x
 };
 struct Sigmoid {  // d/dx s(x) = s(x) (1 - s(x))
   static constexpr bool integral = false;
+  static constexpr Reads reads = Reads::Output;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return T(1) / (T(1) + exp_(-x));
@@ -181,6 +196,7 @@ struct Sigmoid {  // d/dx s(x) = s(x) (1 - s(x))
 };
 struct Relu {  // d/dx max(x, 0) = [x > 0]
   static constexpr bool integral = true;
+  static constexpr Reads reads = Reads::Input;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return x > T(0) ? x : T(0);
@@ -192,6 +208,7 @@ struct Relu {  // d/dx max(x, 0) = [x > 0]
 };
 struct Gelu {  // gelu(x) = x Phi(x);  d/dx = Phi(x) + x phi(x)
   static constexpr bool integral = false;
+  static constexpr Reads reads = Reads::Input;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return T(0.5) * x * (T(1) + erf_(x * T(0.70710678118654752440)));
@@ -204,6 +221,7 @@ struct Gelu {  // gelu(x) = x Phi(x);  d/dx = Phi(x) + x phi(x)
 };
 struct Silu {  // silu(x) = x s(x);  d/dx = s(x) (1 + x (1 - s(x)))
   static constexpr bool integral = false;
+  static constexpr Reads reads = Reads::Input;
   template <class T>
   WEAVE_HD T operator()(T x) const {
     return x / (T(1) + exp_(-x));

@@ -35,16 +35,19 @@ Tensor unary_op(const Tensor& x, UnaryOp op, const char* name, const char* backw
   Tensor input = convert(x, dtype);
   Tensor y = empty_on(x.shape(), dtype, x.device());
   kernels::unary(op, input, y);
-  // d/dx f(x) lives next to f in ops/functors.h; the kernel multiplies it by the gradient.
-  return autograd::record(backward_name, {x}, y,
-                          [op, xs = SavedTensor(input), ys = SavedTensor(y),
-                           in_dtype = x.dtype()](const BackwardArgs& args) -> Grads {
-                            Tensor xv = xs.unpack(), yv = ys.unpack();
-                            Tensor g = convert(args.grad(), xv.dtype());
-                            Tensor dx = empty_on(xv.shape(), xv.dtype(), xv.device());
-                            kernels::unary_backward(op, g, xv, yv, dx);
-                            return {convert(dx, in_dtype)};
-                          });
+  // d/dx f(x) lives next to f in kernels/functors.h; the kernel multiplies it by the gradient.
+  return autograd::record(backward_name, {x}, y, [&] {
+    const Tensor& read = Functor::reads == fn::Reads::Output ? y : input;
+    return [op, saved = Functor::reads == fn::Reads::Nothing ? SavedTensor() : SavedTensor(read),
+            shape = x.shape(), in_dtype = x.dtype(), dtype](const BackwardArgs& args) -> Grads {
+      Tensor g = convert(args.grad(), dtype);
+      // The derivative ignores the operand it does not read, so one tensor serves as both.
+      Tensor operand = saved.defined() ? saved.unpack() : g;
+      Tensor dx = empty_on(shape, dtype, g.device());
+      kernels::unary_backward(op, g, operand, operand, dx);
+      return {convert(dx, in_dtype)};
+    };
+  });
 }
 
 }  // namespace
@@ -96,67 +99,67 @@ Tensor arithmetic(BinaryOp op, const Tensor& a, const Tensor& b, const char* nam
 
 Tensor add(const Tensor& a, const Tensor& b) {
   // d(a+b) = (g, g)
-  return autograd::record(
-      "AddBackward", {a, b}, arithmetic(BinaryOp::Add, a, b, "add"),
-      [ai = InputInfo(a), bi = InputInfo(b)](const BackwardArgs& args) -> Grads {
-        const Tensor& g = args.grad();
-        return {args.needs(0) ? reduce_grad(g, ai) : Tensor(),
-                args.needs(1) ? reduce_grad(g, bi) : Tensor()};
-      });
+  return autograd::record("AddBackward", {a, b}, arithmetic(BinaryOp::Add, a, b, "add"), [&] {
+    return [ai = InputInfo(a), bi = InputInfo(b)](const BackwardArgs& args) -> Grads {
+      const Tensor& g = args.grad();
+      return {args.needs(0) ? reduce_grad(g, ai) : Tensor(),
+              args.needs(1) ? reduce_grad(g, bi) : Tensor()};
+    };
+  });
 }
 
 Tensor sub(const Tensor& a, const Tensor& b) {
   // d(a-b) = (g, -g)
-  return autograd::record(
-      "SubBackward", {a, b}, arithmetic(BinaryOp::Sub, a, b, "sub"),
-      [ai = InputInfo(a), bi = InputInfo(b)](const BackwardArgs& args) -> Grads {
-        const Tensor& g = args.grad();
-        return {args.needs(0) ? reduce_grad(g, ai) : Tensor(),
-                args.needs(1) ? reduce_grad(neg(g), bi) : Tensor()};
-      });
+  return autograd::record("SubBackward", {a, b}, arithmetic(BinaryOp::Sub, a, b, "sub"), [&] {
+    return [ai = InputInfo(a), bi = InputInfo(b)](const BackwardArgs& args) -> Grads {
+      const Tensor& g = args.grad();
+      return {args.needs(0) ? reduce_grad(g, ai) : Tensor(),
+              args.needs(1) ? reduce_grad(neg(g), bi) : Tensor()};
+    };
+  });
 }
 
 Tensor mul(const Tensor& a, const Tensor& b) {
   // d(ab) = (g b, g a)
-  return autograd::record(
-      "MulBackward", {a, b}, arithmetic(BinaryOp::Mul, a, b, "mul"),
-      [as = SavedTensor(a), bs = SavedTensor(b)](const BackwardArgs& args) -> Grads {
-        const Tensor& g = args.grad();
-        Tensor av = as.unpack(), bv = bs.unpack();
-        return {args.needs(0) ? reduce_grad(g * bv, av) : Tensor(),
-                args.needs(1) ? reduce_grad(g * av, bv) : Tensor()};
-      });
+  return autograd::record("MulBackward", {a, b}, arithmetic(BinaryOp::Mul, a, b, "mul"), [&] {
+    return [as = SavedTensor(a), bs = SavedTensor(b)](const BackwardArgs& args) -> Grads {
+      const Tensor& g = args.grad();
+      Tensor av = as.unpack(), bv = bs.unpack();
+      return {args.needs(0) ? reduce_grad(g * bv, av) : Tensor(),
+              args.needs(1) ? reduce_grad(g * av, bv) : Tensor()};
+    };
+  });
 }
 
 Tensor div(const Tensor& a, const Tensor& b) {
   // d(a/b) = (g / b, -g a / b^2)
-  return autograd::record(
-      "DivBackward", {a, b}, arithmetic(BinaryOp::Div, a, b, "div", true),
-      [as = SavedTensor(a), bs = SavedTensor(b)](const BackwardArgs& args) -> Grads {
-        const Tensor& g = args.grad();
-        Tensor av = as.unpack(), bv = bs.unpack();
-        return {args.needs(0) ? reduce_grad(g / bv, av) : Tensor(),
-                args.needs(1) ? reduce_grad(-g * av / (bv * bv), bv) : Tensor()};
-      });
+  return autograd::record("DivBackward", {a, b}, arithmetic(BinaryOp::Div, a, b, "div", true), [&] {
+    return [as = SavedTensor(a), bs = SavedTensor(b)](const BackwardArgs& args) -> Grads {
+      const Tensor& g = args.grad();
+      Tensor av = as.unpack(), bv = bs.unpack();
+      return {args.needs(0) ? reduce_grad(g / bv, av) : Tensor(),
+              args.needs(1) ? reduce_grad(-g * av / (bv * bv), bv) : Tensor()};
+    };
+  });
 }
 
 Tensor pow(const Tensor& base, const Tensor& exponent) {
   Tensor y = arithmetic(BinaryOp::Pow, base, exponent, "pow");
   // d(a^b) = (g b a^(b-1), g a^b ln a), the second taken as 0 where a == 0
-  return autograd::record("PowBackward", {base, exponent}, y,
-                          [as = SavedTensor(base), bs = SavedTensor(exponent),
-                           ys = SavedTensor(y)](const BackwardArgs& args) -> Grads {
-                            const Tensor& g = args.grad();
-                            Tensor a = as.unpack(), b = bs.unpack();
-                            Tensor da, db;
-                            if (args.needs(0)) da = reduce_grad(g * b * pow(a, b - 1.0), a);
-                            if (args.needs(1)) {
-                              Tensor safe_log =
-                                  where(eq(a, wrap_scalar(0, a)), zeros_like(a), log(a));
-                              db = reduce_grad(g * ys.unpack() * safe_log, b);
-                            }
-                            return {da, db};
-                          });
+  return autograd::record("PowBackward", {base, exponent}, y, [&] {
+    return [as = SavedTensor(base), bs = SavedTensor(exponent),
+            ys = SavedTensor(y)](const BackwardArgs& args) -> Grads {
+      const Tensor& g = args.grad();
+      Tensor a = as.unpack(), b = bs.unpack();
+      Tensor da, db;
+      if (args.needs(0)) da = reduce_grad(g * b * pow(a, b - 1.0), a);
+      if (args.needs(1)) {
+        Tensor safe_log = where(eq(a, wrap_scalar(0, a)), zeros_like(a), log(a));
+        db = reduce_grad(g * ys.unpack() * safe_log, b);
+      }
+      return {da, db};
+    };
+  });
 }
 
 Tensor pow(const Tensor& base, double exponent) {
@@ -174,15 +177,15 @@ Tensor winner_share(const Tensor& a, const Tensor& b, BinaryOp wins) {
 
 Tensor extremum(const Tensor& a, const Tensor& b, BinaryOp op, BinaryOp wins, const char* name,
                 const char* backward_name) {
-  return autograd::record(
-      backward_name, {a, b}, arithmetic(op, a, b, name),
-      [as = SavedTensor(a), bs = SavedTensor(b), wins](const BackwardArgs& args) -> Grads {
-        Tensor av = as.unpack(), bv = bs.unpack();
-        Tensor share = winner_share(av, bv, wins);
-        const Tensor& g = args.grad();
-        return {args.needs(0) ? reduce_grad(g * share, av) : Tensor(),
-                args.needs(1) ? reduce_grad(g * (1.0 - share), bv) : Tensor()};
-      });
+  return autograd::record(backward_name, {a, b}, arithmetic(op, a, b, name), [&] {
+    return [as = SavedTensor(a), bs = SavedTensor(b), wins](const BackwardArgs& args) -> Grads {
+      Tensor av = as.unpack(), bv = bs.unpack();
+      Tensor share = winner_share(av, bv, wins);
+      const Tensor& g = args.grad();
+      return {args.needs(0) ? reduce_grad(g * share, av) : Tensor(),
+              args.needs(1) ? reduce_grad(g * (1.0 - share), bv) : Tensor()};
+    };
+  });
 }
 }  // namespace
 
@@ -216,14 +219,15 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   kernels::where(broadcast_view(cond, shape), broadcast_view(p.a, shape),
                  broadcast_view(p.b, shape), out);
   // d where(c, a, b) = (where(c, g, 0), where(c, 0, g))
-  return autograd::record("WhereBackward", {a, b}, out,
-                          [cs = SavedTensor(cond), ai = InputInfo(a),
-                           bi = InputInfo(b)](const BackwardArgs& args) -> Grads {
-                            const Tensor& g = args.grad();
-                            Tensor c = cs.unpack(), zero = zeros_like(g);
-                            return {args.needs(0) ? reduce_grad(where(c, g, zero), ai) : Tensor(),
-                                    args.needs(1) ? reduce_grad(where(c, zero, g), bi) : Tensor()};
-                          });
+  return autograd::record("WhereBackward", {a, b}, out, [&] {
+    return [cs = SavedTensor(cond), ai = InputInfo(a),
+            bi = InputInfo(b)](const BackwardArgs& args) -> Grads {
+      const Tensor& g = args.grad();
+      Tensor c = cs.unpack(), zero = zeros_like(g);
+      return {args.needs(0) ? reduce_grad(where(c, g, zero), ai) : Tensor(),
+              args.needs(1) ? reduce_grad(where(c, zero, g), bi) : Tensor()};
+    };
+  });
 }
 
 // ---- scalars and operators --------------------------------------------------------------

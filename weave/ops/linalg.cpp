@@ -93,16 +93,15 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   Tensor ac = convert(a, dtype), bc = convert(b, dtype);
   Tensor out = matmul_compute(ac, bc);
   // d(AB) = (G B^T, A^T G), summed over broadcast batch dims
-  return autograd::record(
-      "MatmulBackward", {a, b}, out,
-      [as = SavedTensor(ac), bs = SavedTensor(bc), ai = InputInfo(a),
-       bi = InputInfo(b)](const BackwardArgs& args) -> Grads {
-        const Tensor& g = args.grad();
-        Tensor av = as.unpack(), bv = bs.unpack();
-        return {
-            args.needs(0) ? reduce_grad(matmul_compute(g, bv.transpose(-1, -2)), ai) : Tensor(),
-            args.needs(1) ? reduce_grad(matmul_compute(av.transpose(-1, -2), g), bi) : Tensor()};
-      });
+  return autograd::record("MatmulBackward", {a, b}, out, [&] {
+    return [as = SavedTensor(ac), bs = SavedTensor(bc), ai = InputInfo(a),
+            bi = InputInfo(b)](const BackwardArgs& args) -> Grads {
+      const Tensor& g = args.grad();
+      Tensor av = as.unpack(), bv = bs.unpack();
+      return {args.needs(0) ? reduce_grad(matmul_compute(g, bv.transpose(-1, -2)), ai) : Tensor(),
+              args.needs(1) ? reduce_grad(matmul_compute(av.transpose(-1, -2), g), bi) : Tensor()};
+    };
+  });
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
@@ -136,17 +135,17 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     y = y.reshape(out_shape);
   }
   // dx = G W, dW = G^T x, db = sum of G over all but the last dim
-  return autograd::record(
-      "LinearBackward", {x, weight, bias}, y,
-      [xs = SavedTensor(x2), ws = SavedTensor(wc), xi = InputInfo(x), wi = InputInfo(weight),
-       bi = InputInfo(bias)](const BackwardArgs& args) -> Grads {
-        Tensor g = args.grad().reshape({-1, args.grad().size(-1)});
-        Tensor dx, dw, db;
-        if (args.needs(0)) dx = convert(matmul_compute(g, ws.unpack()).reshape(xi.shape), xi.dtype);
-        if (args.needs(1)) dw = convert(matmul_compute(g.t(), xs.unpack()), wi.dtype);
-        if (args.needs(2)) db = convert(sum(g, {0}), bi.dtype);
-        return {dx, dw, db};
-      });
+  return autograd::record("LinearBackward", {x, weight, bias}, y, [&] {
+    return [xs = SavedTensor(x2), ws = SavedTensor(wc), xi = InputInfo(x), wi = InputInfo(weight),
+            bi = InputInfo(bias)](const BackwardArgs& args) -> Grads {
+      Tensor g = args.grad().reshape({-1, args.grad().size(-1)});
+      Tensor dx, dw, db;
+      if (args.needs(0)) dx = convert(matmul_compute(g, ws.unpack()).reshape(xi.shape), xi.dtype);
+      if (args.needs(1)) dw = convert(matmul_compute(g.t(), xs.unpack()), wi.dtype);
+      if (args.needs(2)) db = convert(sum(g, {0}), bi.dtype);
+      return {dx, dw, db};
+    };
+  });
 }
 
 }  // namespace weave

@@ -36,13 +36,13 @@ Tensor softmax(const Tensor& x, int64_t dim) {
     y = e / sum(e, {d}, true);
   }
   // dx = y (g - sum(g y))
-  return autograd::record(
-      "SoftmaxBackward", {x}, y,
-      [ys = SavedTensor(y), d, in = InputInfo(x)](const BackwardArgs& args) -> Grads {
-        Tensor yv = ys.unpack();
-        const Tensor& g = args.grad();
-        return {convert(yv * (g - sum(g * yv, {d}, true)), in.dtype)};
-      });
+  return autograd::record("SoftmaxBackward", {x}, y, [&] {
+    return [ys = SavedTensor(y), d, in = InputInfo(x)](const BackwardArgs& args) -> Grads {
+      Tensor yv = ys.unpack();
+      const Tensor& g = args.grad();
+      return {convert(yv * (g - sum(g * yv, {d}, true)), in.dtype)};
+    };
+  });
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
@@ -55,12 +55,12 @@ Tensor log_softmax(const Tensor& x, int64_t dim) {
     y = shifted - log(sum(exp(shifted), {d}, true));
   }
   // dx = g - exp(y) sum(g)
-  return autograd::record(
-      "LogSoftmaxBackward", {x}, y,
-      [ys = SavedTensor(y), d, in = InputInfo(x)](const BackwardArgs& args) -> Grads {
-        const Tensor& g = args.grad();
-        return {convert(g - exp(ys.unpack()) * sum(g, {d}, true), in.dtype)};
-      });
+  return autograd::record("LogSoftmaxBackward", {x}, y, [&] {
+    return [ys = SavedTensor(y), d, in = InputInfo(x)](const BackwardArgs& args) -> Grads {
+      const Tensor& g = args.grad();
+      return {convert(g - exp(ys.unpack()) * sum(g, {d}, true), in.dtype)};
+    };
+  });
 }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction) {

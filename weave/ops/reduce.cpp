@@ -94,15 +94,15 @@ Tensor extremum(const Tensor& x, const Dims& dims, bool keepdim, ReduceOp op, co
   WEAVE_CHECK(p.reduced > 0, name, "cannot reduce an empty dimension (input shape {})", x.shape());
   Tensor y = run(op, p, x.dtype(), keepdim);
   // d max = g shared equally among the elements equal to the maximum
-  return autograd::record(backward_name, {x}, y,
-                          [xs = SavedTensor(x), ys = SavedTensor(y), kept = p.kept_shape,
-                           dims](const BackwardArgs& args) -> Grads {
-                            Tensor xv = xs.unpack();
-                            Tensor winners = convert(
-                                eq(xv, expand_back(ys.unpack(), kept, xv.shape())), xv.dtype());
-                            Tensor count = sum(winners, dims, true);
-                            return {expand_back(args.grad(), kept, xv.shape()) * winners / count};
-                          });
+  return autograd::record(backward_name, {x}, y, [&] {
+    return [xs = SavedTensor(x), ys = SavedTensor(y), kept = p.kept_shape,
+            dims](const BackwardArgs& args) -> Grads {
+      Tensor xv = xs.unpack();
+      Tensor winners = convert(eq(xv, expand_back(ys.unpack(), kept, xv.shape())), xv.dtype());
+      Tensor count = sum(winners, dims, true);
+      return {expand_back(args.grad(), kept, xv.shape()) * winners / count};
+    };
+  });
 }
 
 Tensor arg_extremum(const Tensor& x, std::optional<int64_t> dim, bool keepdim, ReduceOp op,
@@ -140,10 +140,11 @@ Tensor sum(const Tensor& x, const Dims& dims, bool keepdim) {
   // d sum = g broadcast over the reduced dims
   Shape kept;
   for (int d = 0; d < x.dim(); ++d) kept.push_back(mask[d] ? 1 : x.shape()[d]);
-  return autograd::record(
-      "SumBackward", {x}, y, [kept, info = InputInfo(x)](const BackwardArgs& args) -> Grads {
-        return {convert(expand_back(args.grad(), kept, info.shape), info.dtype)};
-      });
+  return autograd::record("SumBackward", {x}, y, [&] {
+    return [kept, info = InputInfo(x)](const BackwardArgs& args) -> Grads {
+      return {convert(expand_back(args.grad(), kept, info.shape), info.dtype)};
+    };
+  });
 }
 
 Tensor mean(const Tensor& x, const Dims& dims, bool keepdim) {

@@ -266,19 +266,20 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   std::vector<InputInfo> infos;
   for (const Tensor& t : tensors) infos.emplace_back(t);
   // d cat = g split back into the pieces
-  return autograd::record(
-      "CatBackward", tensors, out, [sizes, d, infos](const BackwardArgs& args) -> Grads {
-        Grads grads;
-        int64_t start = 0;
-        for (size_t i = 0; i < sizes.size(); ++i) {
-          if (args.needs(i))
-            grads.push_back(convert(args.grad().narrow(d, start, sizes[i]), infos[i].dtype));
-          else
-            grads.emplace_back();
-          start += sizes[i];
-        }
-        return grads;
-      });
+  return autograd::record("CatBackward", tensors, out, [&] {
+    return [sizes, d, infos](const BackwardArgs& args) -> Grads {
+      Grads grads;
+      int64_t start = 0;
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        if (args.needs(i))
+          grads.push_back(convert(args.grad().narrow(d, start, sizes[i]), infos[i].dtype));
+        else
+          grads.emplace_back();
+        start += sizes[i];
+      }
+      return grads;
+    };
+  });
 }
 
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
@@ -313,8 +314,9 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
     start += size;
   }
   // d split = the pieces' gradients concatenated (absent ones are zeros)
-  return autograd::record("SplitBackward", {x}, pieces,
-                          [d](const BackwardArgs& args) -> Grads { return {cat(args.grads, d)}; });
+  return autograd::record("SplitBackward", {x}, pieces, [&] {
+    return [d](const BackwardArgs& args) -> Grads { return {cat(args.grads, d)}; };
+  });
 }
 
 std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t dim) {
@@ -361,13 +363,13 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   Tensor out = empty_on(shape, x.dtype(), x.device());
   kernels::index_select(src, outer, n, inner, idx, out);
   // d index_select = g added into zeros at the selected rows
-  return autograd::record(
-      "IndexSelectBackward", {x}, out,
-      [in = InputInfo(x), idx, outer, n, inner](const BackwardArgs& args) -> Grads {
-        Tensor gx = zeros(in.shape, {.dtype = in.dtype, .device = args.grad().device()});
-        kernels::index_add(gx, outer, n, inner, idx, convert(args.grad(), in.dtype).contiguous());
-        return {gx};
-      });
+  return autograd::record("IndexSelectBackward", {x}, out, [&] {
+    return [in = InputInfo(x), idx, outer, n, inner](const BackwardArgs& args) -> Grads {
+      Tensor gx = zeros(in.shape, {.dtype = in.dtype, .device = args.grad().device()});
+      kernels::index_add(gx, outer, n, inner, idx, convert(args.grad(), in.dtype).contiguous());
+      return {gx};
+    };
+  });
 }
 
 }  // namespace weave

@@ -135,10 +135,11 @@ Tensor Tensor::to(DType dtype) const {
   Tensor out = convert(*this, dtype);
   if (!is_floating(dtype)) return out;  // integer results carry no gradient
   // d to(dtype) = g converted back
-  return autograd::record("ToBackward", {*this}, out,
-                          [from = this->dtype()](const BackwardArgs& args) -> Grads {
-                            return {convert(args.grad(), from)};
-                          });
+  return autograd::record("ToBackward", {*this}, out, [&] {
+    return [from = this->dtype()](const BackwardArgs& args) -> Grads {
+      return {convert(args.grad(), from)};
+    };
+  });
 }
 
 Tensor Tensor::to(Device device) const {
@@ -146,18 +147,20 @@ Tensor Tensor::to(Device device) const {
   Tensor out = empty(shape(), {.dtype = dtype(), .device = device});
   kernels::copy(*this, out);
   // d to(device) = g moved back
-  return autograd::record("ToDeviceBackward", {*this}, out,
-                          [from = this->device()](const BackwardArgs& args) -> Grads {
-                            return {args.grad().to(from)};
-                          });
+  return autograd::record("ToDeviceBackward", {*this}, out, [&] {
+    return [from = this->device()](const BackwardArgs& args) -> Grads {
+      return {args.grad().to(from)};
+    };
+  });
 }
 
 Tensor Tensor::clone() const {
   Tensor out = empty(shape(), {.dtype = dtype(), .device = device()});
   kernels::copy(*this, out);
   // d clone = g
-  return autograd::record("CloneBackward", {*this}, out,
-                          [](const BackwardArgs& args) -> Grads { return {args.grad()}; });
+  return autograd::record("CloneBackward", {*this}, out, [&] {
+    return [](const BackwardArgs& args) -> Grads { return {args.grad()}; };
+  });
 }
 
 Tensor Tensor::contiguous() const {
@@ -389,9 +392,9 @@ Tensor& Tensor::fill_(double value) {
   if (inplace_needs_autograd(*this, {}, "fill_")) {
     // The old values no longer matter: the node passes no gradient back.
     Tensor filled = full_like(*this, value);
-    commit_inplace(*this,
-                   autograd::record("FillBackward", {*this}, filled,
-                                    [](const BackwardArgs&) -> Grads { return {Tensor()}; }));
+    commit_inplace(*this, autograd::record("FillBackward", {*this}, filled, [&] {
+      return [](const BackwardArgs&) -> Grads { return {Tensor()}; };
+    }));
     return *this;
   }
   kernels::fill(*this, value);
