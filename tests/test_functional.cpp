@@ -160,7 +160,7 @@ TEST_SUITE("functional") {
       CHECK(gathered.numel() == 0);
     CHECK(allclose(F::scatter(me == 0 ? all[0] : Tensor(), 0, 1, g), all[0].narrow(1, me * 2, 2)));
     CHECK(allclose(F::broadcast(me == 0 ? all[0] : Tensor(), 0, g), all[0]));
-    autograd::clear_pending_collectives();  // these forwards record nothing (no grad), but be sure
+    autograd::clear_must_run();  // these forwards record nothing (no grad), but be sure
   }
 
   TEST_CASE("remote_send and remote_recv around a ring") {
@@ -286,7 +286,7 @@ TEST_SUITE("functional") {
     else
       autograd::backward({});
     CHECK(allclose(z.grad(), z.detach().exp() * 3.0));
-    CHECK(autograd::pending_collectives() == 0);
+    CHECK(autograd::must_run_pending() == 0);
   }
 
   TEST_CASE("region mappings follow the replicated-loss convention") {
@@ -376,7 +376,28 @@ TEST_SUITE("functional") {
     Tensor whole = stage(data);
     autograd::backward({whole}, {}, false, false);
     CHECK(allclose(w_grad, layer.weight.grad(), 1e-9, 1e-12));
-    CHECK(autograd::pending_collectives() == 0);
+    CHECK(autograd::must_run_pending() == 0);
+  }
+
+  TEST_CASE("evaluation forwards leave nothing pending under ForwardOnlyGuard") {
+    autograd::clear_must_run();
+    const size_t marks = dist::world_size() > 1 ? 1 : 0;  // a world of one communicates nothing
+    Tensor x = leaf({3}, dist::rank());
+    Tensor training = F::all_reduce_sum(x * 2.0);  // a training forward, still pending
+    REQUIRE(autograd::must_run_pending() == marks);
+    {
+      autograd::ForwardOnlyGuard forward_only;
+      for (int batch = 0; batch < 5; ++batch) {
+        Tensor y = F::all_reduce_sum(x);
+        CHECK(y.grad_fn() != nullptr);  // still recorded...
+      }
+      CHECK(autograd::must_run_pending() == 6 * marks);
+    }
+    CHECK(autograd::must_run_pending() == marks);  // ...but forgotten; the training node stays
+    training.sum().backward();
+    CHECK(autograd::must_run_pending() == 0);
+    // d/dx of sum over ranks of sum(all_reduce_sum(2x)) is 2n.
+    CHECK(allclose(x.grad(), full({3}, 2.0 * dist::world_size(), {.dtype = kFloat64})));
   }
 
   TEST_CASE("no graph under NoGradGuard; bad axes and sizes are errors") {
@@ -385,7 +406,7 @@ TEST_SUITE("functional") {
       NoGradGuard no_grad;
       Tensor y = F::all_reduce_sum(leaf({2}, 0));
       CHECK(y.grad_fn() == nullptr);
-      CHECK(autograd::pending_collectives() == 0);
+      CHECK(autograd::must_run_pending() == 0);
     }
     if (n >= 2) {
       std::string message;

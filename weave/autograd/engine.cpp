@@ -1,5 +1,6 @@
 #include "weave/autograd/engine.h"
 
+#include <cstdio>
 #include <queue>
 #include <unordered_map>
 
@@ -15,7 +16,22 @@ thread_local std::string running_node_name;
 thread_local int backward_depth = 0;
 thread_local std::vector<std::function<void()>> pending_callbacks;
 // Held strongly: a rank may drop a collective's token, but its peers still need its backward.
-thread_local std::vector<std::shared_ptr<Node>> pending_collective_nodes;
+// `era` is the number of backward passes this thread had finished when the node was marked.
+struct MustRun {
+  std::shared_ptr<Node> node;
+  uint64_t era;
+};
+thread_local std::vector<MustRun> must_run_nodes;
+thread_local uint64_t backward_era = 0;
+thread_local bool warned_stale = false, warned_growth = false;
+// Marked nodes beyond which a forward that is never backpropagated is the likely cause.
+constexpr size_t kMustRunWarnCount = 100000;
+
+void warn_once(bool& warned, const std::string& message) {
+  if (warned) return;
+  warned = true;
+  std::fprintf(stderr, "[weave] warning: %s\n", message.c_str());
+}
 
 Tensor filled(const TensorMeta& meta, double value) {
   Tensor t = empty(meta.shape, {.dtype = meta.dtype, .device = meta.device});
@@ -70,14 +86,28 @@ const std::string& current_node_name() {
   return running_node_name;
 }
 
-void register_collective(std::shared_ptr<Node> node) {
-  pending_collective_nodes.push_back(std::move(node));
+void must_run(std::shared_ptr<Node> node) {
+  must_run_nodes.push_back({std::move(node), backward_era});
+  if (must_run_nodes.size() == kMustRunWarnCount)
+    warn_once(warned_growth,
+              fmt::format("{} communicating nodes are waiting for a backward on this thread; a "
+                          "forward with grad mode on that is never backpropagated (evaluation) "
+                          "keeps its graph until the next backward replays it; hint: run "
+                          "evaluation under NoGradGuard or autograd::ForwardOnlyGuard",
+                          kMustRunWarnCount));
 }
-size_t pending_collectives() {
-  return pending_collective_nodes.size();
+size_t must_run_pending() {
+  return must_run_nodes.size();
 }
-void clear_pending_collectives() {
-  pending_collective_nodes.clear();
+void clear_must_run() {
+  must_run_nodes.clear();
+}
+
+ForwardOnlyGuard::ForwardOnlyGuard() : first_(must_run_nodes.size()) {}
+ForwardOnlyGuard::~ForwardOnlyGuard() {
+  if (must_run_nodes.size() > first_)
+    must_run_nodes.erase(must_run_nodes.begin() + static_cast<std::ptrdiff_t>(first_),
+                         must_run_nodes.end());
 }
 
 void queue_callback(std::function<void()> fn) {
@@ -87,7 +117,7 @@ void queue_callback(std::function<void()> fn) {
 }
 
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph,
-              bool run_pending_collectives) {
+              bool run_must_run_nodes) {
   WEAVE_CHECK(grads.empty() || grads.size() == roots.size(), "backward",
               "expected one gradient per root ({}), found {}", roots.size(), grads.size());
   NoGradGuard no_grad;
@@ -125,8 +155,21 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     root_nodes.push_back(edge.function);
   }
 
-  if (run_pending_collectives)
-    for (auto& node : pending_collective_nodes) root_nodes.push_back(node);
+  if (run_must_run_nodes) {
+    size_t stale = 0;
+    for (auto& entry : must_run_nodes) {
+      root_nodes.push_back(entry.node);
+      stale += entry.era < backward_era;
+    }
+    if (stale > 0)
+      warn_once(warned_stale,
+                fmt::format("this backward also runs {} communicating node(s) recorded before an "
+                            "earlier backward that did not run them (a forward never "
+                            "backpropagated, or a schedule that turned run_must_run_nodes off); "
+                            "their communication is replayed now; hint: wrap evaluation "
+                            "forwards in NoGradGuard or autograd::ForwardOnlyGuard",
+                            stale));
+  }
 
   // Count, for every reachable node, how many reachable edges point at it.
   std::unordered_map<Node*, int> dependencies;
@@ -207,8 +250,8 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     }
   }
   running_node_name.clear();
-  std::erase_if(pending_collective_nodes,
-                [&](const auto& n) { return executed.count(n.get()) > 0; });
+  std::erase_if(must_run_nodes, [&](const MustRun& m) { return executed.count(m.node.get()) > 0; });
+  ++backward_era;
 
   // Callbacks may queue further callbacks; run until none are left.
   for (size_t i = 0; i < pending_callbacks.size(); ++i) {

@@ -14,22 +14,39 @@ namespace weave::autograd {
 /// Gradients accumulate into the leaves' grad(). Without retain_graph the graph's saved
 /// tensors are freed as it runs.
 ///
-/// With run_pending_collectives (the default), the pass also runs every collective node this
-/// thread recorded that no earlier backward ran, with zero upstream gradient where the roots do
-/// not reach it: every rank then runs every collective's backward, in the same (reverse
-/// creation) order, so `loss.backward()` on every rank cannot deadlock even where a rank's loss
-/// does not depend on a collective. Schedules that interleave micro-batches pass their tokens
-/// as roots and turn it off. Roots may be empty (a rank with no loss of its own).
+/// With run_must_run_nodes (the default), the pass also runs every node marked with
+/// must_run() on this thread that no earlier backward ran, with zero upstream gradient where
+/// the roots do not reach it. Communicating nodes are marked so: every rank then runs every
+/// collective's backward, in the same (reverse creation) order, so `loss.backward()` on every
+/// rank cannot deadlock even where a rank's loss does not depend on a collective. Schedules
+/// that interleave micro-batches pass their tokens as roots and turn it off. Roots may be
+/// empty (a rank with no loss of its own).
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads = {},
-              bool retain_graph = false, bool run_pending_collectives = true);
+              bool retain_graph = false, bool run_must_run_nodes = true);
 
 class Node;
-/// Marks a node as communicating (see backward). The engine keeps it until a backward runs it.
-void register_collective(std::shared_ptr<Node> node);
-/// Number of recorded collective nodes on this thread that no backward has run yet.
-size_t pending_collectives();
-/// Forgets them (for a forward whose graph will never be backpropagated on any rank).
-void clear_pending_collectives();
+/// Marks a node as one the next backward on this thread must run even if no root reaches it.
+/// The engine holds it strongly until a backward runs it.
+void must_run(std::shared_ptr<Node> node);
+/// Number of marked nodes on this thread that no backward has run yet.
+size_t must_run_pending();
+/// Forgets them all (a forward whose graph no rank will backpropagate).
+void clear_must_run();
+
+/// For a forward that will never be backpropagated (evaluation with grad mode on): the nodes
+/// marked while the guard lives are forgotten when it ends; older ones stay pending. Every
+/// rank must use the guard around the same forward. NoGradGuard is cheaper where it fits: it
+/// records nothing at all.
+class ForwardOnlyGuard {
+ public:
+  ForwardOnlyGuard();
+  ~ForwardOnlyGuard();
+  ForwardOnlyGuard(const ForwardOnlyGuard&) = delete;
+  ForwardOnlyGuard& operator=(const ForwardOnlyGuard&) = delete;
+
+ private:
+  size_t first_;
+};
 
 /// Runs fn once when the backward pass now running on this thread finishes (data-parallel
 /// wrappers wait for their outstanding communication here). Raises outside backward.

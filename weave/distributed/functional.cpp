@@ -177,7 +177,7 @@ Tensor record(const char* name, const Tensor& x, Tensor output, bool needed,
   if (!autograd::GradMode::is_enabled() || !needed) return output;
   auto node = std::make_shared<autograd::FunctionNode>(name, std::move(backward));
   autograd::attach(node, {x}, {output});
-  autograd::register_collective(node);
+  autograd::must_run(node);
   return output;
 }
 
