@@ -3,6 +3,7 @@
 // one process working on the stacked inputs, root-only losses, ties, and a pipeline chain.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <numeric>
 
 #include "weave/weave.h"
@@ -377,6 +378,37 @@ TEST_SUITE("functional") {
     autograd::backward({whole}, {}, false, false);
     CHECK(allclose(w_grad, layer.weight.grad(), 1e-9, 1e-12));
     CHECK(autograd::must_run_pending() == 0);
+  }
+
+  TEST_CASE("clip_grad_norm_ over a group equals clipping the whole model in one process") {
+    const int n = dist::world_size(), r = dist::rank();
+    for (double norm_type : {2.0, 1.0, 3.0, double(INFINITY)}) {
+      CAPTURE(norm_type);
+      // Rank j's shard gradient is input({5}, j); the replicated gradient is the same on all.
+      auto shard_grad = [](int j) { return input({5}, j, 1) * double(j + 1); };
+      Tensor replicated_grad = input({3}, 0, 2) * 10.0;
+      Tensor shard = zeros({5}, {.dtype = kFloat64}).requires_grad_();
+      Tensor replicated = zeros({3}, {.dtype = kFloat64}).requires_grad_();
+      shard.set_grad(shard_grad(r).clone());
+      replicated.set_grad(replicated_grad.clone());
+
+      // The reference: every shard once and the replicated parameter once, in one process.
+      std::vector<Tensor> whole;
+      for (int j = 0; j < n; ++j) {
+        whole.push_back(zeros({5}, {.dtype = kFloat64}).requires_grad_());
+        whole.back().set_grad(shard_grad(j).clone());
+      }
+      whole.push_back(zeros({3}, {.dtype = kFloat64}).requires_grad_());
+      whole.back().set_grad(replicated_grad.clone());
+      const double max_norm = 0.5;
+      const double expected = optim::clip_grad_norm_(whole, max_norm, norm_type);
+
+      const double total =
+          dist::clip_grad_norm_({shard}, {replicated}, max_norm, dist::world(), norm_type);
+      CHECK(total == doctest::Approx(expected).epsilon(1e-12));
+      CHECK(allclose(shard.grad(), whole[r].grad(), 1e-12, 1e-14));
+      CHECK(allclose(replicated.grad(), whole[n].grad(), 1e-12, 1e-14));
+    }
   }
 
   TEST_CASE("evaluation forwards leave nothing pending under ForwardOnlyGuard") {

@@ -112,6 +112,27 @@ TEST_SUITE("nn") {
     CHECK(w.item() == doctest::Approx(0.85));
   }
 
+  TEST_CASE("AdamW keeps its default weight decay when other options are given") {
+    // One step from w = 2 with gradient 1: w -= lr * wd * w, then w -= lr * g / (|g| + eps).
+    auto step_from_two = [](auto make_optimizer) {
+      Tensor w = from_vector<double>({2.0}).requires_grad_();
+      auto optimizer = make_optimizer(w);
+      w.set_grad(from_vector<double>({1.0}));
+      optimizer.step();
+      return w.item();
+    };
+    const double expected = 2.0 - 1e-3 * 0.01 * 2.0 - 1e-3 / (1.0 + 1e-8);
+    CHECK(step_from_two([](Tensor w) { return optim::AdamW({w}); }) ==
+          doctest::Approx(expected).epsilon(1e-12));
+    CHECK(step_from_two([](Tensor w) { return optim::AdamW({w}, {.lr = 1e-3}); }) ==
+          doctest::Approx(expected).epsilon(1e-12));
+    CHECK(step_from_two([](Tensor w) { return optim::AdamW({w}, {.eps = 1e-8}); }) ==
+          doctest::Approx(expected).epsilon(1e-12));
+    // Adam's default stays no decay.
+    CHECK(step_from_two([](Tensor w) { return optim::Adam({w}, {.lr = 1e-3}); }) ==
+          doctest::Approx(2.0 - 1e-3 / (1.0 + 1e-8)).epsilon(1e-12));
+  }
+
   TEST_CASE("learning-rate schedules") {
     auto step = optim::step_schedule(1.0, 10, 0.5);
     CHECK(step(9) == 1.0);

@@ -5,6 +5,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/data/dataloader.h"
 #include "weave/data/fashion_mnist.h"
+#include "weave/distributed/clip_grad.h"
 #include "weave/distributed/distributed.h"
 #include "weave/distributed/functional.h"
 #include "weave/distributed/gradcheck.h"

@@ -93,27 +93,47 @@ void Adam::step() {
   }
 }
 
-AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)
-    : Adam(std::move(params), options, true) {}
+AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options)
+    : Adam(std::move(params),
+           {.lr = options.lr,
+            .beta1 = options.beta1,
+            .beta2 = options.beta2,
+            .eps = options.eps,
+            .weight_decay = options.weight_decay},
+           true) {}
 
-double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type) {
+namespace detail {
+
+double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, const char* op) {
   NoGradGuard no_grad;
-  WEAVE_CHECK(norm_type >= 1, "clip_grad_norm_", "norm_type must be >= 1, found {}", norm_type);
-  double total = 0;
+  WEAVE_CHECK(norm_type >= 1, op, "norm_type must be >= 1, found {}", norm_type);
+  double partial = 0;
   for (const Tensor& p : params) {
     if (!p.grad().defined()) continue;
     Tensor g = abs(p.grad().to(kFloat64));
     if (std::isinf(norm_type)) {
-      if (g.numel() > 0) total = std::max(total, max(g).item<double>());
+      if (g.numel() > 0) partial = std::max(partial, max(g).item<double>());
     } else {
-      total += sum(pow(g, norm_type)).item<double>();
+      partial += sum(pow(g, norm_type)).item<double>();
     }
   }
-  if (!std::isinf(norm_type)) total = std::pow(total, 1.0 / norm_type);
-  const double scale = max_norm / (total + 1e-6);
+  return partial;
+}
+
+void scale_grads_to(const std::vector<Tensor>& params, double max_norm, double total_norm) {
+  NoGradGuard no_grad;
+  const double scale = max_norm / (total_norm + 1e-6);
   if (scale < 1)
     for (const Tensor& p : params)
       if (p.grad().defined()) p.grad().mul_(scale);
+}
+
+}  // namespace detail
+
+double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type) {
+  double total = detail::grad_norm_partial(params, norm_type, "clip_grad_norm_");
+  if (!std::isinf(norm_type)) total = std::pow(total, 1.0 / norm_type);
+  detail::scale_grads_to(params, max_norm, total);
   return total;
 }
 

@@ -69,14 +69,33 @@ class Adam : public Optimizer {
   std::vector<Tensor> exp_avg_, exp_avg_sq_;
 };
 
+/// AdamW's options: Adam's, with PyTorch's default decoupled weight decay of 0.01. A field
+/// left out of `{.lr = 1e-3}` keeps its default here, whichever way the struct is built.
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+};
+
 /// Adam with decoupled weight decay (Loshchilov & Hutter): p -= lr * wd * p before the Adam step.
 class AdamW : public Adam {
  public:
-  AdamW(std::vector<Tensor> params, AdamOptions options = {.weight_decay = 0.01});
+  explicit AdamW(std::vector<Tensor> params, AdamWOptions options = {});
 };
 
 /// Scales all gradients so their joint norm is at most max_norm; returns the norm before
-/// clipping. norm_type may be any p >= 1 or INFINITY.
+/// clipping. norm_type may be any p >= 1 or INFINITY. Under model parallelism, where each rank
+/// holds part of the parameters, use dist::clip_grad_norm_ (distributed/clip_grad.h).
 double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0);
+
+namespace detail {
+/// The pieces clip_grad_norm_ is made of, for norms that span processes: the partial norm of
+/// the gradients (sum of |g|^p, or max |g| for p = INFINITY), and the scaling step.
+double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, const char* op);
+/// Scales every gradient by max_norm / (total_norm + 1e-6) when that is below 1.
+void scale_grads_to(const std::vector<Tensor>& params, double max_norm, double total_norm);
+}  // namespace detail
 
 }  // namespace weave::optim
