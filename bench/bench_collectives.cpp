@@ -58,6 +58,18 @@ int main(int argc, char** argv) {
                                                MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
                                }));
        }},
+      // Avg = a sum divided by the group size; the peer is MPI's plain sum, so the ratio is
+      // what averaging costs on top of the reduction.
+      {"all_reduce_avg", 2 * ring,
+       [&](int64_t bytes) {
+         Tensor t = ones({bytes / 4});
+         return std::make_pair(
+             std::function<void()>([t] { dist::all_reduce(t, dist::ReduceOp::Avg); }),
+             std::function<void()>([t] {
+               MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), int(t.numel()), MPI_FLOAT, MPI_SUM,
+                             MPI_COMM_WORLD);
+             }));
+       }},
       {"broadcast", 1.0,
        [&](int64_t bytes) {
          Tensor t = ones({bytes / 4});

@@ -18,8 +18,11 @@ class Communicator {
   virtual int size() const = 0;
   virtual int rank() const = 0;
 
-  /// op is never Avg (the layer above divides a sum).
+  /// op is never Avg (see all_reduce_mean).
   virtual void all_reduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op) = 0;
+  /// The mean over the ranks (a floating dtype), when the backend can fold the division into
+  /// the reduction itself: returns true when done, false to let the layer above sum and scale.
+  virtual bool all_reduce_mean(const void*, void*, int64_t, DType) { return false; }
   virtual void broadcast(void* buffer, int64_t count, DType dtype, int root) = 0;
   /// out matters on root only; in == out means in place.
   virtual void reduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,

@@ -84,6 +84,12 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return size_; }
   int rank() const override { return rank_; }
 
+  bool all_reduce_mean(const void* in, void* out, int64_t n, DType t) override {
+    run("all_reduce", [&] {  // ncclAvg folds the division into the reduction kernel
+      return ncclAllReduce(in, out, size_t(n), nccl_type(t), ncclAvg, comm_, stream_);
+    });
+    return true;
+  }
   void all_reduce(const void* in, void* out, int64_t n, DType t, ReduceOp op) override {
     run("all_reduce", [&] {
       return ncclAllReduce(in, out, size_t(n), nccl_type(t), nccl_op(op, t), comm_, stream_);

@@ -100,6 +100,27 @@ void map(const F& f, const Tensor& out, const typename TensorFor<TI>::type&... i
   loop.run([&](const std::array<char*, N>& p, const std::array<int64_t, N>& s, int64_t n) {
     [&]<size_t... I>(std::index_sequence<I...>) {
       bool contiguous = s[0] == int64_t(sizeof(TO)) && ((s[I + 1] == int64_t(sizeof(TI))) && ...);
+      if constexpr (sizeof...(TI) == 2) {
+        // A binary op with one scalar operand (x * 2.0, a sum divided by n): the scalar is
+        // read once, so the loop vectorizes like the contiguous one.
+        using A = std::tuple_element_t<0, std::tuple<TI...>>;
+        using B = std::tuple_element_t<1, std::tuple<TI...>>;
+        if (!contiguous && s[0] == int64_t(sizeof(TO))) {
+          TO* o = reinterpret_cast<TO*>(p[0]);
+          if (s[1] == int64_t(sizeof(A)) && s[2] == 0) {
+            const A* a = reinterpret_cast<const A*>(p[1]);
+            const auto b = compute_t<B>(*reinterpret_cast<const B*>(p[2]));
+            for (int64_t i = 0; i < n; ++i) o[i] = TO(f(compute_t<A>(a[i]), b));
+            return;
+          }
+          if (s[1] == 0 && s[2] == int64_t(sizeof(B))) {
+            const auto a = compute_t<A>(*reinterpret_cast<const A*>(p[1]));
+            const B* b = reinterpret_cast<const B*>(p[2]);
+            for (int64_t i = 0; i < n; ++i) o[i] = TO(f(a, compute_t<B>(b[i])));
+            return;
+          }
+        }
+      }
       if (contiguous) {
         TO* o = reinterpret_cast<TO*>(p[0]);
         std::tuple<const TI*...> in{reinterpret_cast<const TI*>(p[I + 1])...};
