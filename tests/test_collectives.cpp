@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "weave/distributed/distributed.h"
+#include "weave/distributed/fingerprint.h"
 #include "weave/weave.h"
 
 using namespace weave;
@@ -290,6 +291,30 @@ TEST_SUITE("collectives") {
     CHECK(equal(a, value({3}, kFloat32, 0)));
     CHECK(equal(b, value({2, 2}, kInt64, 0)));
     dist::barrier();
+  }
+
+  TEST_CASE("the fingerprint tells the routes apart") {
+    // Two ranks whose tensors take different routes (one through NCCL, one through MPI) would
+    // call different libraries and wait forever: check mode must see them as different calls.
+    using dist::detail::Fingerprint;
+    Fingerprint host;
+    host.op = static_cast<int32_t>(dist::detail::Op::Broadcast);
+    host.dtype = static_cast<int32_t>(kFloat32);
+    host.ndim = 1;
+    host.dims[0] = 8;
+    host.root = 0;
+    host.wire = static_cast<int32_t>(DeviceType::CPU);
+    Fingerprint device = host;
+    device.rank = 1;
+    device.wire = static_cast<int32_t>(DeviceType::CUDA);
+    CHECK(dist::detail::same_call(host, host));
+    CHECK_FALSE(dist::detail::same_call(host, device));
+    CHECK(dist::detail::describe(host) == "broadcast(float32 [8], root 0) #0");
+    CHECK(dist::detail::describe(device) == "broadcast(float32 [8], root 0, via NCCL) #0");
+    // Ranks may differ in rank only.
+    Fingerprint other_rank = host;
+    other_rank.rank = 3;
+    CHECK(dist::detail::same_call(host, other_rank));
   }
 
   TEST_CASE("a shape mismatch raises on every rank, naming what each called") {

@@ -67,6 +67,29 @@ TEST_SUITE("cuda_collectives") {
       s.wait();
       CHECK(allclose(in.cpu(), value({6}, kFloat32, (me + n - 1) % n, kCPU)));
     }
+    // Receivers with no input of their own allocate on the sender's device type, so both ends
+    // take the same route (under NCCL: NCCL for CUDA, MPI for CPU) and nothing hangs.
+    namespace F = dist::functional;
+    for (bool cuda_root : {false, true}) {
+      CAPTURE(cuda_root);
+      const Device root_device = cuda_root ? gpu() : kCPU;
+      Tensor source = me == 0 ? value({5}, kFloat32, 0, root_device) : Tensor();
+      Tensor b = F::broadcast(source, 0);
+      CHECK(b.device().type == root_device.type);
+      CHECK(allclose(b.cpu(), value({5}, kFloat32, 0, kCPU)));
+      Tensor whole = me == 0 ? value({2 * n, 3}, kFloat32, 0, root_device) : Tensor();
+      Tensor piece = F::scatter(whole, 0, 0);
+      CHECK(piece.device().type == root_device.type);
+      CHECK(allclose(piece.cpu(), value({2 * n, 3}, kFloat32, 0, kCPU).narrow(0, 2 * me, 2)));
+      if (n >= 2) {
+        if (me == 0) F::remote_send(value({4}, kFloat32, 0, root_device), 1);
+        if (me == 1) {
+          Tensor got = F::remote_recv(0);
+          CHECK(got.device().type == root_device.type);
+          CHECK(allclose(got.cpu(), value({4}, kFloat32, 0, kCPU)));
+        }
+      }
+    }
     // A CPU tensor under NCCL travels over the group's MPI communicator.
     Tensor host = full({3}, 1.0);
     dist::all_reduce(host);

@@ -9,6 +9,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/autograd/node.h"
 #include "weave/ops/ops.h"
+#include "weave/tensor/cuda/runtime.h"
 
 namespace weave::dist::functional {
 
@@ -131,20 +132,24 @@ Tensor raw_all_to_all(const Tensor& x, int a, int c, const Group& g, const char*
   return ordered.permute(merge).reshape(out_shape);
 }
 
-// The metadata a receiver needs to allocate: shape, dtype, whether it is differentiable.
+// The metadata a receiver needs to allocate: shape, dtype, the sender's device type (so the
+// receiver's buffer takes the same route: NCCL for CUDA under Backend::NCCL, MPI for host
+// memory), and whether it is differentiable.
 struct Meta {
   Shape shape;
   DType dtype = kFloat32;
+  DeviceType device_type = DeviceType::CPU;
   bool requires_grad = false;
 };
-constexpr int kMetaSize = 3 + kMaxDims;
+constexpr int kMetaSize = 4 + kMaxDims;
 
 Tensor pack(const Meta& m) {
   std::vector<int64_t> v(kMetaSize, 0);
   v[0] = m.requires_grad;
   v[1] = static_cast<int64_t>(m.dtype);
-  v[2] = m.shape.size();
-  for (int d = 0; d < m.shape.size(); ++d) v[3 + d] = m.shape[d];
+  v[2] = static_cast<int64_t>(m.device_type);
+  v[3] = m.shape.size();
+  for (int d = 0; d < m.shape.size(); ++d) v[4 + d] = m.shape[d];
   return from_vector(v);
 }
 Meta unpack(const Tensor& t) {
@@ -152,16 +157,25 @@ Meta unpack(const Tensor& t) {
   Meta m;
   m.requires_grad = v[0] != 0;
   m.dtype = static_cast<DType>(v[1]);
-  for (int d = 0; d < v[2]; ++d) m.shape.push_back(v[3 + d]);
+  m.device_type = static_cast<DeviceType>(v[2]);
+  for (int d = 0; d < v[3]; ++d) m.shape.push_back(v[4 + d]);
   return m;
 }
 Meta meta_of(const Tensor& x) {
-  return {x.shape(), x.dtype(), x.requires_grad() && autograd::GradMode::is_enabled()};
+  return {x.shape(), x.dtype(), x.device().type,
+          x.requires_grad() && autograd::GradMode::is_enabled()};
 }
 
-Device wire_device(const Tensor& maybe) {
-  if (maybe.defined()) return maybe.device();
-  return dist::backend() == Backend::NCCL ? dist::device() : kCPU;
+// Where a rank with no input of its own puts what it receives: on the sender's device type,
+// so both ends route the bytes the same way (a CUDA receiver of a CPU sender under NCCL would
+// call NCCL while the sender calls MPI, and both would wait forever).
+Device receiver_device(const Meta& meta, const char* op) {
+  if (meta.device_type == DeviceType::CPU) return kCPU;
+  if (dist::device().is_cuda()) return dist::device();  // Backend::NCCL: this rank's GPU
+  WEAVE_CHECK(cuda::is_available(), op,
+              "the sending rank's tensor is on CUDA, but this rank has no CUDA device; hint: send "
+              "a CPU tensor (.cpu()), or give every rank a GPU");
+  return Device::cuda(dist::local_rank() % cuda::device_count());
 }
 
 // Point-to-point tags: forward values and backward gradients never share a channel.
@@ -256,7 +270,8 @@ Tensor broadcast(const Tensor& x, int root, const Group& g) {
     dist::broadcast(header, root, g);
     meta = unpack(header);
     Tensor out = is_root ? x.contiguous().clone()
-                         : empty(meta.shape, {.dtype = meta.dtype, .device = wire_device(x)});
+                         : empty(meta.shape, {.dtype = meta.dtype,
+                                              .device = receiver_device(meta, "broadcast")});
     dist::broadcast(out, root, g);
     return out;
   });
@@ -350,14 +365,16 @@ Tensor scatter(const Tensor& x, int root, int64_t axis, const Group& g) {
   if (g.size() == 1) return x;
   Meta meta;
   if (is_root)
-    meta = {with_dim(x.shape(), a, x.size(a) / g.size()), x.dtype(), meta_of(x).requires_grad};
+    meta = {with_dim(x.shape(), a, x.size(a) / g.size()), x.dtype(), x.device().type,
+            meta_of(x).requires_grad};
   Tensor y = quietly([&] {
     Tensor header = empty({kMetaSize}, {.dtype = kInt64});
     if (is_root) header = pack(meta);
     dist::broadcast(header, root, g);
     meta = unpack(header);
     if (!is_root) a = normalize_dim(axis, meta.shape.size(), "scatter");
-    return raw_scatter(x, root, a, meta.shape, meta.dtype, wire_device(x), g);
+    return raw_scatter(x, root, a, meta.shape, meta.dtype,
+                       is_root ? x.device() : receiver_device(meta, "scatter"), g);
   });
   // adjoint: the pieces' gradients gathered on root; other ranks' inputs get zero
   return record(
@@ -409,7 +426,8 @@ Tensor remote_recv(int src, const Group& g) {
     Tensor header = empty({kMetaSize}, {.dtype = kInt64});
     dist::recv(header, src, g, kForwardTag);
     meta = unpack(header);
-    Tensor out = empty(meta.shape, {.dtype = meta.dtype, .device = wire_device(Tensor())});
+    Tensor out =
+        empty(meta.shape, {.dtype = meta.dtype, .device = receiver_device(meta, "remote_recv")});
     dist::recv(out, src, g, kForwardTag);
     return out;
   });

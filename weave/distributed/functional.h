@@ -36,7 +36,8 @@ Tensor all_reduce_sum(const Tensor& x, const Group& group = world());
 Tensor all_reduce_avg(const Tensor& x, const Group& group = world());
 Tensor all_reduce_max(const Tensor& x, const Group& group = world());
 Tensor all_reduce_min(const Tensor& x, const Group& group = world());
-/// Root's x on every rank; x may be undefined off root (shape and dtype come from root).
+/// Root's x on every rank; x may be undefined off root (shape, dtype and device type come
+/// from root: a rank without x receives on the CPU for a CPU root, on its GPU for a CUDA one).
 Tensor broadcast(const Tensor& x, int root = 0, const Group& group = world());
 /// The sum on root; a token elsewhere.
 Tensor reduce_sum(const Tensor& x, int root = 0, const Group& group = world());
@@ -46,7 +47,8 @@ Tensor all_gather(const Tensor& x, int64_t axis = 0, const Group& group = world(
 Tensor reduce_scatter_sum(const Tensor& x, int64_t axis = 0, const Group& group = world());
 /// Inputs concatenated along axis on root; a token elsewhere.
 Tensor gather(const Tensor& x, int root = 0, int64_t axis = 0, const Group& group = world());
-/// Root's x split along axis; rank r gets piece r. x may be undefined off root.
+/// Root's x split along axis; rank r gets piece r. x may be undefined off root (as in
+/// broadcast, its pieces land on root's device type).
 Tensor scatter(const Tensor& x, int root = 0, int64_t axis = 0, const Group& group = world());
 /// Splits x along split_axis, sends piece j to rank j, concatenates what arrives along
 /// concat_axis in rank order.
@@ -54,7 +56,8 @@ Tensor all_to_all(const Tensor& x, int64_t split_axis = 0, int64_t concat_axis =
                   const Group& group = world());
 /// Sends x to group rank dst; returns a token (keep it or let backward find it).
 Tensor remote_send(const Tensor& x, int dst, const Group& group = world());
-/// Receives the tensor remote_send sent from group rank src (shape and dtype travel with it).
+/// Receives the tensor remote_send sent from group rank src (shape, dtype and device type
+/// travel with it).
 Tensor remote_recv(int src, const Group& group = world());
 
 // ---- tensor-parallel region mappings (replicated loss: the same loss on every rank, counted
