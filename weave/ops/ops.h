@@ -172,6 +172,22 @@ Tensor embedding(const Tensor& weight, const Tensor& indices);
 /// In training, zeroes each element with probability p and scales the rest by 1 / (1 - p).
 Tensor dropout(const Tensor& x, double p, bool training = true, Generator* generator = nullptr);
 
+// ---- the differentiable ops, listed -------------------------------------------------------
+// The op table (tests/test_op_table.cpp) generates its rows for WEAVE_UNARY_OPS and
+// WEAVE_DIFFERENTIABLE_BINARY_OPS and fails for any op in these lists that has no row, so a
+// new op cannot go untested: list it here (a unary op: in WEAVE_UNARY_OPS).
+
+/// Binary front ends of the differentiable functors in WEAVE_ARITHMETIC_OPS, in its order.
+#define WEAVE_DIFFERENTIABLE_BINARY_OPS(X) X(add) X(sub) X(mul) X(div) X(pow) X(maximum) X(minimum)
+/// Every other differentiable op, by the name of its op-table rows.
+#define WEAVE_DIFFERENTIABLE_OTHER_OPS(X)                                                          \
+  X(pow_scalar)                                                                                    \
+  X(scalar_ops) X(where) X(sum) X(mean) X(max) X(min) X(var) X(matmul) X(linear) X(reshape)        \
+      X(view) X(flatten) X(permute) X(transpose) X(narrow) X(slice) X(select) X(expand) X(squeeze) \
+          X(unsqueeze) X(cat) X(stack) X(split) X(chunk) X(index_select) X(softmax) X(log_softmax) \
+              X(cross_entropy) X(mse_loss) X(layer_norm) X(embedding) X(dropout) X(clone)          \
+                  X(contiguous) X(to_dtype) X(add_) X(mul_) X(copy_)
+
 // ---- comparison of whole tensors --------------------------------------------------------
 
 /// |a - b| <= atol + rtol * |b| everywhere (shapes must broadcast).

@@ -19,6 +19,8 @@ class Error : public std::runtime_error {
 
 namespace detail {
 [[noreturn]] void throw_error(std::string message);
+/// Raises "[op] call failed: error" (what WEAVE_CHECK_CALL reports).
+[[noreturn]] void fail_call(const char* op, const char* call, const std::string& error);
 }  // namespace detail
 
 }  // namespace weave
@@ -31,4 +33,16 @@ namespace detail {
 #define WEAVE_CHECK(cond, op, ...)                                 \
   do {                                                             \
     if (__builtin_expect(!(cond), 0)) WEAVE_FAIL(op, __VA_ARGS__); \
+  } while (0)
+
+/// Checks the status a CUDA, cuBLAS, NCCL or MPI call returns; on failure raises
+/// weave::Error("[op] cudaMalloc(&ptr, size) failed: out of memory (CUDA
+/// cudaErrorMemoryAllocation)"). The status type selects the library through two overloads in
+/// weave::detail that each backend defines next to its calls: `bool call_succeeded(Status)` and
+/// `std::string call_error(Status)`.
+#define WEAVE_CHECK_CALL(call, op)                                                       \
+  do {                                                                                   \
+    const auto weave_status_ = (call);                                                   \
+    if (__builtin_expect(!::weave::detail::call_succeeded(weave_status_), 0))            \
+      ::weave::detail::fail_call(op, #call, ::weave::detail::call_error(weave_status_)); \
   } while (0)

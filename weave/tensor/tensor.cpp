@@ -11,6 +11,9 @@ namespace detail {
 void throw_error(std::string message) {
   throw Error(std::move(message));
 }
+void fail_call(const char* op, const char* call, const std::string& error) {
+  throw Error(fmt::format("[{}] {} failed: {}", op, call, error));
+}
 }  // namespace detail
 
 // ---- dtype ------------------------------------------------------------------------------

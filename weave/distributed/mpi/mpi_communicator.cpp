@@ -4,21 +4,27 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <type_traits>
 
 #include "weave/distributed/communicator.h"
 
-namespace weave::dist::detail {
-
-namespace {
-
-void check(int code, const char* op) {
-  if (code == MPI_SUCCESS) return;
+namespace weave::detail {
+// MPI calls return an int error code (communicators here return errors, not abort).
+inline bool call_succeeded(int code) {
+  return code == MPI_SUCCESS;
+}
+inline std::string call_error(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
   MPI_Error_string(code, text, &length);
-  WEAVE_FAIL(op, "MPI error: {}", std::string(text, length));
+  return fmt::format("{} (MPI error {})", std::string(text, length), code);
 }
+}  // namespace weave::detail
+
+namespace weave::dist::detail {
+
+namespace {
 
 int as_int(int64_t n, const char* op) {
   WEAVE_CHECK(n >= 0 && n <= 0x7fffffff, op, "count {} does not fit MPI's int", n);
@@ -76,15 +82,15 @@ void mean_of_two_dispatch(void* in, void* inout, int* length, MPI_Datatype* type
 }
 
 void create_16bit_types() {
-  check(MPI_Type_contiguous(2, MPI_BYTE, &half_type), "init");
-  check(MPI_Type_commit(&half_type), "init");
-  check(MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_type), "init");
-  check(MPI_Type_commit(&bfloat16_type), "init");
-  check(MPI_Op_create(reduce_16bit_dispatch<0>, 1, &half_ops[0]), "init");
-  check(MPI_Op_create(reduce_16bit_dispatch<1>, 1, &half_ops[1]), "init");
-  check(MPI_Op_create(reduce_16bit_dispatch<2>, 1, &half_ops[2]), "init");
-  check(MPI_Op_create(reduce_16bit_dispatch<3>, 1, &half_ops[3]), "init");
-  check(MPI_Op_create(mean_of_two_dispatch, 1, &mean_of_two), "init");
+  WEAVE_CHECK_CALL(MPI_Type_contiguous(2, MPI_BYTE, &half_type), "init");
+  WEAVE_CHECK_CALL(MPI_Type_commit(&half_type), "init");
+  WEAVE_CHECK_CALL(MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_type), "init");
+  WEAVE_CHECK_CALL(MPI_Type_commit(&bfloat16_type), "init");
+  WEAVE_CHECK_CALL(MPI_Op_create(reduce_16bit_dispatch<0>, 1, &half_ops[0]), "init");
+  WEAVE_CHECK_CALL(MPI_Op_create(reduce_16bit_dispatch<1>, 1, &half_ops[1]), "init");
+  WEAVE_CHECK_CALL(MPI_Op_create(reduce_16bit_dispatch<2>, 1, &half_ops[2]), "init");
+  WEAVE_CHECK_CALL(MPI_Op_create(reduce_16bit_dispatch<3>, 1, &half_ops[3]), "init");
+  WEAVE_CHECK_CALL(MPI_Op_create(mean_of_two_dispatch, 1, &mean_of_two), "init");
 }
 
 MPI_Datatype mpi_type(DType dtype) {
@@ -149,68 +155,75 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
 
   void all_reduce(const void* in, void* out, int64_t n, DType t, ReduceOp op) override {
-    check(MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out, as_int(n, "all_reduce"), mpi_type(t),
-                        mpi_op(op, t), comm_),
-          "all_reduce");
+    WEAVE_CHECK_CALL(MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out, as_int(n, "all_reduce"),
+                                   mpi_type(t), mpi_op(op, t), comm_),
+                     "all_reduce");
   }
   bool all_reduce_mean(const void* in, void* out, int64_t n, DType t) override {
     if (size_ != 2 || !is_floating(t)) return false;
-    check(MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out, as_int(n, "all_reduce"), mpi_type(t),
-                        mean_of_two, comm_),
-          "all_reduce");
+    WEAVE_CHECK_CALL(MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out, as_int(n, "all_reduce"),
+                                   mpi_type(t), mean_of_two, comm_),
+                     "all_reduce");
     return true;
   }
   void broadcast(void* buffer, int64_t n, DType t, int root) override {
-    check(MPI_Bcast(buffer, as_int(n, "broadcast"), mpi_type(t), root, comm_), "broadcast");
+    WEAVE_CHECK_CALL(MPI_Bcast(buffer, as_int(n, "broadcast"), mpi_type(t), root, comm_),
+                     "broadcast");
   }
   void reduce(const void* in, void* out, int64_t n, DType t, ReduceOp op, int root) override {
     const void* send = (in == out && rank_ == root) ? MPI_IN_PLACE : in;
-    check(MPI_Reduce(send, out, as_int(n, "reduce"), mpi_type(t), mpi_op(op, t), root, comm_),
-          "reduce");
+    WEAVE_CHECK_CALL(
+        MPI_Reduce(send, out, as_int(n, "reduce"), mpi_type(t), mpi_op(op, t), root, comm_),
+        "reduce");
   }
   void all_gather(const void* in, void* out, int64_t n, DType t) override {
     const int count = as_int(n, "all_gather");
-    check(MPI_Allgather(in, count, mpi_type(t), out, count, mpi_type(t), comm_), "all_gather");
+    WEAVE_CHECK_CALL(MPI_Allgather(in, count, mpi_type(t), out, count, mpi_type(t), comm_),
+                     "all_gather");
   }
   void all_gather_v(const void* in, void* out, const std::vector<int64_t>& counts,
                     DType t) override {
     Counts c(counts, "all_gather_uneven");
-    check(MPI_Allgatherv(in, c.counts[rank_], mpi_type(t), out, c.counts.data(),
-                         c.displacements.data(), mpi_type(t), comm_),
-          "all_gather_uneven");
+    WEAVE_CHECK_CALL(MPI_Allgatherv(in, c.counts[rank_], mpi_type(t), out, c.counts.data(),
+                                    c.displacements.data(), mpi_type(t), comm_),
+                     "all_gather_uneven");
   }
   void reduce_scatter(const void* in, void* out, int64_t n, DType t, ReduceOp op) override {
-    check(MPI_Reduce_scatter_block(in, out, as_int(n, "reduce_scatter"), mpi_type(t), mpi_op(op, t),
-                                   comm_),
-          "reduce_scatter");
+    WEAVE_CHECK_CALL(MPI_Reduce_scatter_block(in, out, as_int(n, "reduce_scatter"), mpi_type(t),
+                                              mpi_op(op, t), comm_),
+                     "reduce_scatter");
   }
   void gather(const void* in, void* out, int64_t n, DType t, int root) override {
     const int count = as_int(n, "gather");
-    check(MPI_Gather(in, count, mpi_type(t), out, count, mpi_type(t), root, comm_), "gather");
+    WEAVE_CHECK_CALL(MPI_Gather(in, count, mpi_type(t), out, count, mpi_type(t), root, comm_),
+                     "gather");
   }
   void scatter(const void* in, void* out, int64_t n, DType t, int root) override {
     const int count = as_int(n, "scatter");
-    check(MPI_Scatter(in, count, mpi_type(t), out, count, mpi_type(t), root, comm_), "scatter");
+    WEAVE_CHECK_CALL(MPI_Scatter(in, count, mpi_type(t), out, count, mpi_type(t), root, comm_),
+                     "scatter");
   }
   void all_to_all(const void* in, void* out, int64_t n, DType t) override {
     const int count = as_int(n, "all_to_all");
-    check(MPI_Alltoall(in, count, mpi_type(t), out, count, mpi_type(t), comm_), "all_to_all");
+    WEAVE_CHECK_CALL(MPI_Alltoall(in, count, mpi_type(t), out, count, mpi_type(t), comm_),
+                     "all_to_all");
   }
   void all_to_all_v(const void* in, const std::vector<int64_t>& send_counts, void* out,
                     const std::vector<int64_t>& recv_counts, DType t) override {
     Counts s(send_counts, "all_to_all"), r(recv_counts, "all_to_all");
-    check(MPI_Alltoallv(in, s.counts.data(), s.displacements.data(), mpi_type(t), out,
-                        r.counts.data(), r.displacements.data(), mpi_type(t), comm_),
-          "all_to_all");
+    WEAVE_CHECK_CALL(MPI_Alltoallv(in, s.counts.data(), s.displacements.data(), mpi_type(t), out,
+                                   r.counts.data(), r.displacements.data(), mpi_type(t), comm_),
+                     "all_to_all");
   }
   void send(const void* buffer, int64_t n, DType t, int dst, int tag) override {
-    check(MPI_Send(buffer, as_int(n, "send"), mpi_type(t), dst, tag, comm_), "send");
+    WEAVE_CHECK_CALL(MPI_Send(buffer, as_int(n, "send"), mpi_type(t), dst, tag, comm_), "send");
   }
   void recv(void* buffer, int64_t n, DType t, int src, int tag) override {
-    check(MPI_Recv(buffer, as_int(n, "recv"), mpi_type(t), src, tag, comm_, MPI_STATUS_IGNORE),
-          "recv");
+    WEAVE_CHECK_CALL(
+        MPI_Recv(buffer, as_int(n, "recv"), mpi_type(t), src, tag, comm_, MPI_STATUS_IGNORE),
+        "recv");
   }
-  void barrier() override { check(MPI_Barrier(comm_), "barrier"); }
+  void barrier() override { WEAVE_CHECK_CALL(MPI_Barrier(comm_), "barrier"); }
   std::unique_ptr<Communicator> split(const std::vector<int>& members) override {
     int color = MPI_UNDEFINED, key = 0;
     for (size_t i = 0; i < members.size(); ++i)
@@ -219,7 +232,7 @@ class MpiCommunicator final : public Communicator {
         key = static_cast<int>(i);  // the new communicator follows the group's order
       }
     MPI_Comm comm = MPI_COMM_NULL;
-    check(MPI_Comm_split(comm_, color, key, &comm), "new_group");
+    WEAVE_CHECK_CALL(MPI_Comm_split(comm_, color, key, &comm), "new_group");
     if (comm == MPI_COMM_NULL) return nullptr;
     return std::make_unique<MpiCommunicator>(comm);
   }
@@ -252,7 +265,7 @@ std::unique_ptr<Communicator> init_world() {
   WEAVE_CHECK(!finalized, "init", "MPI was already finalized in this process; it cannot restart");
   if (!initialized) {
     int provided = 0;
-    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "init");
+    WEAVE_CHECK_CALL(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "init");
     we_initialized = true;
     WEAVE_CHECK(provided >= MPI_THREAD_MULTIPLE, "init",
                 "the MPI library provides thread level {}, weave needs MPI_THREAD_MULTIPLE ({})",
@@ -260,8 +273,9 @@ std::unique_ptr<Communicator> init_world() {
   }
   if (half_type == MPI_DATATYPE_NULL) create_16bit_types();
   MPI_Comm world = MPI_COMM_NULL, node = MPI_COMM_NULL;
-  check(MPI_Comm_dup(MPI_COMM_WORLD, &world), "init");
-  check(MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "init");
+  WEAVE_CHECK_CALL(MPI_Comm_dup(MPI_COMM_WORLD, &world), "init");
+  WEAVE_CHECK_CALL(MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+                   "init");
   MPI_Comm_rank(node, &local);
   MPI_Comm_free(&node);
   return std::make_unique<MpiCommunicator>(world);

@@ -7,20 +7,24 @@
 #include <thread>
 
 #include "weave/distributed/communicator.h"
+#include "weave/tensor/cuda/calls.h"
 #include "weave/tensor/cuda/runtime.h"
+
+namespace weave::detail {
+// ncclInProgress: a non-blocking communicator accepted the call; completion is polled for.
+inline bool call_succeeded(ncclResult_t status) {
+  return status == ncclSuccess || status == ncclInProgress;
+}
+inline std::string call_error(ncclResult_t status) {
+  const char* last = ncclGetLastError(nullptr);
+  return fmt::format("{} (NCCL){}{}", ncclGetErrorString(status), last && *last ? ": " : "",
+                     last ? last : "");
+}
+}  // namespace weave::detail
 
 namespace weave::dist::detail {
 
 namespace {
-
-void check(ncclResult_t result, const char* op) {
-  if (result == ncclSuccess || result == ncclInProgress) return;
-  WEAVE_FAIL(op, "NCCL error: {}", ncclGetErrorString(result));
-}
-void check(cudaError_t result, const char* op) {
-  if (result == cudaSuccess) return;
-  WEAVE_FAIL(op, "CUDA error: {}", cudaGetErrorString(result));
-}
 
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
@@ -68,18 +72,21 @@ size_t bytes_of(int64_t count, DType dtype) {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, int device) : comm_(comm), device_(device) {
-    check(cudaSetDevice(device_), "nccl");
-    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "nccl");
-    check(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "nccl");
-    check(ncclCommCount(comm_, &size_), "nccl");
-    check(ncclCommUserRank(comm_, &rank_), "nccl");
+    cuda::DeviceGuard guard(device_);
+    WEAVE_CHECK_CALL(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "nccl");
+    WEAVE_CHECK_CALL(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming), "nccl");
+    WEAVE_CHECK_CALL(ncclCommCount(comm_, &size_), "nccl");
+    WEAVE_CHECK_CALL(ncclCommUserRank(comm_, &rank_), "nccl");
   }
   ~NcclCommunicator() override {
+    int previous = 0;
+    cudaGetDevice(&previous);
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     ncclCommDestroy(comm_);
     cudaEventDestroy(ready_);
     cudaStreamDestroy(stream_);
+    cudaSetDevice(previous);
   }
   int size() const override { return size_; }
   int rank() const override { return rank_; }
@@ -112,7 +119,8 @@ class NcclCommunicator final : public Communicator {
   void all_gather_v(const void* in, void* out, const std::vector<int64_t>& counts,
                     DType t) override {
     run("all_gather_uneven", [&] {  // one broadcast per rank, fused
-      ncclGroupStart();
+      const ncclResult_t started = ncclGroupStart();
+      if (started != ncclSuccess) return started;
       size_t offset = 0;
       for (int r = 0; r < size_; ++r) {
         char* dst = static_cast<char*>(out) + bytes_of(int64_t(offset), t);
@@ -172,8 +180,8 @@ class NcclCommunicator final : public Communicator {
         key = int(i);
       }
     ncclComm_t comm = nullptr;
-    check(cudaSetDevice(device_), "new_group");
-    check(ncclCommSplit(comm_, color, key, &comm, nullptr), "new_group");
+    cuda::DeviceGuard guard(device_);
+    WEAVE_CHECK_CALL(ncclCommSplit(comm_, color, key, &comm, nullptr), "new_group");
     if (comm == nullptr) return nullptr;
     return std::make_unique<NcclCommunicator>(comm, device_);
   }
@@ -182,51 +190,59 @@ class NcclCommunicator final : public Communicator {
   // Orders the NCCL stream after weave's compute stream, enqueues, then waits for completion.
   template <class Enqueue>
   void run(const char* op, Enqueue&& enqueue) {
-    check(cudaSetDevice(device_), op);
-    check(cudaEventRecord(ready_, static_cast<cudaStream_t>(cuda::stream_handle(device_))), op);
-    check(cudaStreamWaitEvent(stream_, ready_, 0), op);
-    check(enqueue(), op);
+    cuda::DeviceGuard guard(device_);  // the caller's device is current again on return
+    WEAVE_CHECK_CALL(
+        cudaEventRecord(ready_, static_cast<cudaStream_t>(cuda::stream_handle(device_))), op);
+    WEAVE_CHECK_CALL(cudaStreamWaitEvent(stream_, ready_, 0), op);
+    WEAVE_CHECK_CALL(enqueue(), op);
     for (;;) {
       cudaError_t state = cudaStreamQuery(stream_);
       if (state == cudaSuccess) break;
-      if (state != cudaErrorNotReady) check(state, op);
+      if (state != cudaErrorNotReady) WEAVE_CHECK_CALL(state, op);
       ncclResult_t async = ncclSuccess;
-      check(ncclCommGetAsyncError(comm_, &async), op);
-      check(async, op);
+      WEAVE_CHECK_CALL(ncclCommGetAsyncError(comm_, &async), op);
+      WEAVE_CHECK_CALL(async, op);
       std::this_thread::yield();
     }
     // Consumers of the result run on weave's stream, which must see the NCCL writes.
-    check(cudaEventRecord(ready_, stream_), op);
-    check(cudaStreamWaitEvent(static_cast<cudaStream_t>(cuda::stream_handle(device_)), ready_, 0),
-          op);
+    WEAVE_CHECK_CALL(cudaEventRecord(ready_, stream_), op);
+    WEAVE_CHECK_CALL(
+        cudaStreamWaitEvent(static_cast<cudaStream_t>(cuda::stream_handle(device_)), ready_, 0),
+        op);
   }
 
   // Point-to-point exchange of counts[j] elements with every rank j (fused).
   void exchange(const char* op, const void* in, const std::vector<int64_t>& send_counts, void* out,
                 const std::vector<int64_t>& recv_counts, DType t) {
     run(op, [&] {
-      ncclGroupStart();
+      // Every call between GroupStart and GroupEnd is checked; the group is always closed
+      // before a failure is reported.
+      ncclResult_t result = ncclGroupStart();
+      if (result != ncclSuccess) return result;
+      cudaError_t copy = cudaSuccess;
       size_t sent = 0, received = 0;
-      for (int j = 0; j < size_; ++j) {
+      for (int j = 0; j < size_ && result == ncclSuccess && copy == cudaSuccess; ++j) {
         if (send_counts[j] > 0) {
           const char* src = static_cast<const char*>(in) + bytes_of(int64_t(sent), t);
           if (j == rank_) {
             char* dst =
                 static_cast<char*>(out) + bytes_of(int64_t(received_offset(recv_counts, j)), t);
-            cudaMemcpyAsync(dst, src, bytes_of(send_counts[j], t), cudaMemcpyDeviceToDevice,
-                            stream_);
+            copy = cudaMemcpyAsync(dst, src, bytes_of(send_counts[j], t), cudaMemcpyDeviceToDevice,
+                                   stream_);
           } else {
-            ncclSend(src, size_t(send_counts[j]), nccl_type(t), j, comm_, stream_);
+            result = ncclSend(src, size_t(send_counts[j]), nccl_type(t), j, comm_, stream_);
           }
         }
-        if (recv_counts[j] > 0 && j != rank_) {
+        if (result == ncclSuccess && recv_counts[j] > 0 && j != rank_) {
           char* dst = static_cast<char*>(out) + bytes_of(int64_t(received), t);
-          ncclRecv(dst, size_t(recv_counts[j]), nccl_type(t), j, comm_, stream_);
+          result = ncclRecv(dst, size_t(recv_counts[j]), nccl_type(t), j, comm_, stream_);
         }
         sent += size_t(send_counts[j]);
         received += size_t(recv_counts[j]);
       }
-      return ncclGroupEnd();
+      const ncclResult_t ended = ncclGroupEnd();
+      WEAVE_CHECK_CALL(copy, op);
+      return result != ncclSuccess ? result : ended;
     });
   }
   static size_t received_offset(const std::vector<int64_t>& counts, int upto) {
@@ -252,11 +268,11 @@ bool available() {
 
 std::unique_ptr<Communicator> init_world(Communicator& host_world, int device) {
   ncclUniqueId id;
-  if (host_world.rank() == 0) check(ncclGetUniqueId(&id), "init");
+  if (host_world.rank() == 0) WEAVE_CHECK_CALL(ncclGetUniqueId(&id), "init");
   host_world.broadcast(&id, sizeof(id), kUInt8, 0);
-  check(cudaSetDevice(device), "init");
+  cuda::DeviceGuard guard(device);
   ncclComm_t comm = nullptr;
-  check(ncclCommInitRank(&comm, host_world.size(), id, host_world.rank()), "init");
+  WEAVE_CHECK_CALL(ncclCommInitRank(&comm, host_world.size(), id, host_world.rank()), "init");
   return std::make_unique<NcclCommunicator>(comm, device);
 }
 

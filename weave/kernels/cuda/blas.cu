@@ -2,25 +2,36 @@
 #include <cublas_v2.h>
 
 #include <mutex>
+#include <string>
 
 #include "weave/kernels/backends.h"
 #include "weave/tensor/cuda/common.cuh"
+
+namespace weave::detail {
+inline bool call_succeeded(cublasStatus_t status) {
+  return status == CUBLAS_STATUS_SUCCESS;
+}
+inline std::string call_error(cublasStatus_t status) {
+  return fmt::format("{} (cuBLAS {})", cublasGetStatusString(status), cublasGetStatusName(status));
+}
+}  // namespace weave::detail
 
 namespace weave::kernels::cuda {
 
 namespace {
 
+// One handle per device, created once and bound to weave's stream of that device; later calls
+// read it without a lock (weave issues all of a device's GEMMs on that one stream).
 cublasHandle_t handle(int device) {
-  static std::mutex mutex;
-  static cublasHandle_t handles[64] = {};
-  std::lock_guard lock(mutex);
-  if (handles[device] == nullptr) {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag created[kMaxDevices];
+  static cublasHandle_t handles[kMaxDevices] = {};
+  WEAVE_CHECK(device >= 0 && device < kMaxDevices, "matmul", "cuda:{} is out of range", device);
+  std::call_once(created[device], [device] {
     weave::cuda::DeviceGuard guard(device);
-    cublasStatus_t status = cublasCreate(&handles[device]);
-    WEAVE_CHECK(status == CUBLAS_STATUS_SUCCESS, "matmul", "cublasCreate failed: {}",
-                cublasGetStatusString(status));
-    cublasSetStream(handles[device], weave::cuda::stream(device));
-  }
+    WEAVE_CHECK_CALL(cublasCreate(&handles[device]), "matmul");
+    WEAVE_CHECK_CALL(cublasSetStream(handles[device], weave::cuda::stream(device)), "matmul");
+  });
   return handles[device];
 }
 
@@ -43,27 +54,26 @@ void matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
   const int device = out.device().index;
   weave::cuda::DeviceGuard guard(device);
   Operand oa = describe(a), ob = describe(b);
-  cublasStatus_t status;
   if (a.dtype() == kFloat32) {
     const float alpha = 1, beta = 0;
-    status = cublasSgemmStridedBatched(
-        handle(device), ob.op, oa.op, int(n), int(m), int(k), &alpha,
-        static_cast<const float*>(b.data_ptr()), int(ob.ld), b.strides()[0],
-        static_cast<const float*>(a.data_ptr()), int(oa.ld), a.strides()[0], &beta,
-        static_cast<float*>(out.data_ptr()), int(n), m * n, int(batch));
+    WEAVE_CHECK_CALL(cublasSgemmStridedBatched(
+                         handle(device), ob.op, oa.op, int(n), int(m), int(k), &alpha,
+                         static_cast<const float*>(b.data_ptr()), int(ob.ld), b.strides()[0],
+                         static_cast<const float*>(a.data_ptr()), int(oa.ld), a.strides()[0], &beta,
+                         static_cast<float*>(out.data_ptr()), int(n), m * n, int(batch)),
+                     "matmul");
   } else if (a.dtype() == kFloat64) {
     const double alpha = 1, beta = 0;
-    status = cublasDgemmStridedBatched(
-        handle(device), ob.op, oa.op, int(n), int(m), int(k), &alpha,
-        static_cast<const double*>(b.data_ptr()), int(ob.ld), b.strides()[0],
-        static_cast<const double*>(a.data_ptr()), int(oa.ld), a.strides()[0], &beta,
-        static_cast<double*>(out.data_ptr()), int(n), m * n, int(batch));
+    WEAVE_CHECK_CALL(cublasDgemmStridedBatched(
+                         handle(device), ob.op, oa.op, int(n), int(m), int(k), &alpha,
+                         static_cast<const double*>(b.data_ptr()), int(ob.ld), b.strides()[0],
+                         static_cast<const double*>(a.data_ptr()), int(oa.ld), a.strides()[0],
+                         &beta, static_cast<double*>(out.data_ptr()), int(n), m * n, int(batch)),
+                     "matmul");
   } else {
     WEAVE_FAIL("matmul", "CUDA matmul supports float32 and float64, found {}; hint: .to(kFloat32)",
                a.dtype());
   }
-  WEAVE_CHECK(status == CUBLAS_STATUS_SUCCESS, "matmul", "cuBLAS GEMM failed: {}",
-              cublasGetStatusString(status));
 }
 
 }  // namespace weave::kernels::cuda

@@ -159,7 +159,7 @@ void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& o
 void copy(const Tensor& src, const Tensor& dst) {
   if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous()) {
     DeviceGuard guard(dst.device().index);
-    WEAVE_CUDA_CHECK(
+    WEAVE_CHECK_CALL(
         cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel() * src.itemsize(),
                         cudaMemcpyDeviceToDevice, weave::cuda::stream(dst.device().index)),
         "copy");

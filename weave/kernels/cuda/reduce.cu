@@ -105,7 +105,7 @@ void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_
   DeviceGuard guard(x.device().index);
   cudaStream_t s = weave::cuda::stream(x.device().index);
   if (reduced == 0) {  // only sums reach here with nothing to reduce
-    WEAVE_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, outputs * out.itemsize(), s), "reduce");
+    WEAVE_CHECK_CALL(cudaMemsetAsync(out.data_ptr(), 0, outputs * out.itemsize(), s), "reduce");
     return;
   }
   WEAVE_CHECK(outputs <= 0x7fffffff, "reduce", "too many outputs ({}) for one launch", outputs);

@@ -80,10 +80,11 @@ void* allocate(size_t nbytes, int device) {
   if (cudaMalloc(&ptr, size) != cudaSuccess) {
     cudaGetLastError();
     release_cached(device);  // give cached blocks back and try once more
-    WEAVE_CHECK(cudaMalloc(&ptr, size) == cudaSuccess, "cuda",
-                "out of memory allocating {} bytes on cuda:{}; hint: smaller batches, or free "
+    const cudaError_t status = cudaMalloc(&ptr, size);
+    WEAVE_CHECK(status == cudaSuccess, "cuda",
+                "cudaMalloc of {} bytes on cuda:{} failed: {}; hint: smaller batches, or free "
                 "tensors you no longer need",
-                nbytes, device);
+                nbytes, device, detail::call_error(status));
   }
   return ptr;
 }
@@ -103,14 +104,14 @@ void empty_cache() {
 }
 
 cudaStream_t stream(int device) {
-  static std::mutex mutex;
+  // Created once per device; later calls read it without a lock.
+  static std::once_flag created[kMaxDevices];
   static cudaStream_t streams[kMaxDevices] = {};
   check_device(device, "cuda");
-  std::lock_guard lock(mutex);
-  if (streams[device] == nullptr) {
+  std::call_once(created[device], [device] {
     DeviceGuard guard(device);
-    WEAVE_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[device], cudaStreamNonBlocking), "cuda");
-  }
+    WEAVE_CHECK_CALL(cudaStreamCreateWithFlags(&streams[device], cudaStreamNonBlocking), "cuda");
+  });
   return streams[device];
 }
 
@@ -121,12 +122,12 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   cudaStream_t s = stream(device);
   if (dst_device.is_cuda() && src_device.is_cuda() && dst_device.index != src_device.index) {
     synchronize(src_device.index);  // the source's producers run on its own stream
-    WEAVE_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, nbytes, s),
+    WEAVE_CHECK_CALL(cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, nbytes, s),
                      "to");
   } else {
-    WEAVE_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, s), "to");
+    WEAVE_CHECK_CALL(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, s), "to");
   }
-  WEAVE_CUDA_CHECK(cudaStreamSynchronize(s), "to");
+  WEAVE_CHECK_CALL(cudaStreamSynchronize(s), "to");
 }
 
 void* stream_handle(int device) {
@@ -135,7 +136,7 @@ void* stream_handle(int device) {
 
 void synchronize(int device) {
   DeviceGuard guard(device);
-  WEAVE_CUDA_CHECK(cudaStreamSynchronize(stream(device)), "cuda");
+  WEAVE_CHECK_CALL(cudaStreamSynchronize(stream(device)), "cuda");
 }
 
 }  // namespace weave::cuda
