@@ -35,5 +35,8 @@ if(WEAVE_WITH_NCCL)
   get_filename_component(WEAVE_NCCL_DIR "${NCCL_LIBRARY}" DIRECTORY)
   string(APPEND WEAVE_PC_LIBS_PRIVATE " -L${WEAVE_NCCL_DIR} -lnccl")
 endif()
+# From <prefix>/<libdir>/pkgconfig back up to <prefix> (libdir may be lib/x86_64-linux-gnu).
+file(RELATIVE_PATH WEAVE_PC_UP "/${CMAKE_INSTALL_LIBDIR}/pkgconfig" "/")
+string(REGEX REPLACE "/$" "" WEAVE_PC_UP "${WEAVE_PC_UP}")
 configure_file(${PROJECT_SOURCE_DIR}/cmake/weave.pc.in ${PROJECT_BINARY_DIR}/weave.pc @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/weave.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
