@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "bench_util.h"
-#include "weave/weave.h"
+#include <weave/weave.h>
 
 using namespace weave;
 

@@ -4,7 +4,7 @@
 #include "weave/kernels/cpu/eigen.h"
 
 #include "bench_util.h"
-#include "weave/weave.h"
+#include <weave/weave.h>
 
 using namespace weave;
 

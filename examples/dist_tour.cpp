@@ -3,7 +3,7 @@
 // gradient of each rank's slice flows back across ranks.  mpirun -np 2 dist_tour
 #include <cstdio>
 
-#include "weave/weave.h"
+#include <weave/weave.h>
 using namespace weave;
 namespace F = weave::dist::functional;
 

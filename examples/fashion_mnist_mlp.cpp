@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <string>
 
-#include "weave/weave.h"
+#include <weave/weave.h>
 
 using namespace weave;
 

@@ -1,7 +1,7 @@
 // The README's API tour: fit y = 3x - 1 + noise with a small MLP.
 #include <cstdio>
 
-#include "weave/weave.h"
+#include <weave/weave.h>
 using namespace weave;
 
 int main() {
