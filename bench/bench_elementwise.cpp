@@ -5,8 +5,8 @@
 #include <cstring>
 #include <vector>
 
-#include "bench_util.h"
 #include <weave/weave.h>
+#include "bench_util.h"
 
 using namespace weave;
 

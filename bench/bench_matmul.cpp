@@ -1,10 +1,10 @@
 // weave matmul vs raw Eigen GEMM (float32), same threads, same run.
 // ratio = eigen_time / weave_time (1.0 = as fast as Eigen, higher = faster).
 #include <cstdio>
-#include "weave/kernels/cpu/eigen.h"
 
-#include "bench_util.h"
 #include <weave/weave.h>
+#include "bench_util.h"
+#include "weave/kernels/cpu/eigen.h"
 
 using namespace weave;
 

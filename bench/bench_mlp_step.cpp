@@ -1,10 +1,10 @@
 // One training step of an MLP 784-256-128-10 (batch 64, SGD), split into forward, backward and
 // optimizer, against the same step written directly in Eigen. ratio = eigen_step / weave_step.
 #include <cstdio>
-#include "weave/kernels/cpu/eigen.h"
 
-#include "bench_util.h"
 #include <weave/weave.h>
+#include "bench_util.h"
+#include "weave/kernels/cpu/eigen.h"
 
 using namespace weave;
 

@@ -180,14 +180,16 @@ Tensor dropout(const Tensor& x, double p, bool training = true, Generator* gener
 /// Binary front ends of the differentiable functors in WEAVE_ARITHMETIC_OPS, in its order.
 #define WEAVE_DIFFERENTIABLE_BINARY_OPS(X) X(add) X(sub) X(mul) X(div) X(pow) X(maximum) X(minimum)
 /// Every other differentiable op, by the name of its op-table rows.
-#define WEAVE_DIFFERENTIABLE_OTHER_OPS(X)                                                        \
-  X(pow_scalar)                                                                                  \
-  X(scalar_ops)                                                                                  \
-  X(where) X(sum) X(mean) X(max) X(min) X(var) X(matmul) X(linear) X(reshape) X(view) X(flatten) \
-      X(permute) X(transpose) X(narrow) X(slice) X(select) X(expand) X(squeeze) X(unsqueeze)     \
-          X(cat) X(stack) X(split) X(chunk) X(index_select) X(softmax) X(log_softmax)            \
-              X(cross_entropy) X(mse_loss) X(layer_norm) X(embedding) X(dropout) X(clone)        \
-                  X(contiguous) X(to_dtype) X(add_) X(mul_) X(copy_)
+// clang-format off
+#define WEAVE_DIFFERENTIABLE_OTHER_OPS(X)                                                   \
+  X(pow_scalar) X(scalar_ops) X(where)                                                      \
+  X(sum) X(mean) X(max) X(min) X(var)                                                       \
+  X(matmul) X(linear)                                                                       \
+  X(reshape) X(view) X(flatten) X(permute) X(transpose) X(narrow) X(slice) X(select)       \
+  X(expand) X(squeeze) X(unsqueeze) X(cat) X(stack) X(split) X(chunk) X(index_select)      \
+  X(softmax) X(log_softmax) X(cross_entropy) X(mse_loss) X(layer_norm) X(embedding)         \
+  X(dropout) X(clone) X(contiguous) X(to_dtype) X(add_) X(mul_) X(copy_)
+// clang-format on
 
 // ---- comparison of whole tensors --------------------------------------------------------
 
