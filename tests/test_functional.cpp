@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <memory>
 #include <numeric>
 
 #include "weave/weave.h"
@@ -409,6 +410,26 @@ TEST_SUITE("functional") {
       CHECK(allclose(shard.grad(), whole[r].grad(), 1e-12, 1e-14));
       CHECK(allclose(replicated.grad(), whole[n].grad(), 1e-12, 1e-14));
     }
+  }
+
+  TEST_CASE("a collective's output dropped without backward is freed") {
+    // all_reduce_max/min save their output; the engine keeps their nodes for the next
+    // backward, but the nodes must not keep the outputs alive.
+    if (dist::world_size() < 2) return;  // a world of one records no collective node
+    autograd::clear_must_run();
+    Tensor x = leaf({4}, dist::rank());
+    for (auto op : {&F::all_reduce_max, &F::all_reduce_min}) {
+      std::weak_ptr<TensorImpl> output;
+      {
+        Tensor y = op(x, dist::world());
+        output = y.impl_ptr();
+      }
+      CHECK(output.expired());
+    }
+    CHECK(autograd::must_run_pending() == 2);
+    autograd::backward({});  // every rank runs the two backwards with zero gradient
+    CHECK(autograd::must_run_pending() == 0);
+    CHECK(allclose(x.grad(), zeros({4}, {.dtype = kFloat64})));
   }
 
   TEST_CASE("evaluation forwards leave nothing pending under ForwardOnlyGuard") {
