@@ -17,12 +17,14 @@ thread_local int backward_depth = 0;
 thread_local std::vector<std::function<void()>> pending_callbacks;
 // Held strongly: a rank may drop a collective's token, but its peers still need its backward.
 // `era` is the number of backward passes this thread had finished when the node was marked.
+// `id` counts marks on this thread (ForwardOnlyGuard drops the ids from its start on).
 struct MustRun {
   std::shared_ptr<Node> node;
   uint64_t era;
+  uint64_t id;
 };
 thread_local std::vector<MustRun> must_run_nodes;
-thread_local uint64_t backward_era = 0;
+thread_local uint64_t backward_era = 0, next_must_run_id = 0;
 thread_local bool warned_stale = false, warned_growth = false;
 // Marked nodes beyond which a forward that is never backpropagated is the likely cause.
 constexpr size_t kMustRunWarnCount = 100000;
@@ -87,7 +89,7 @@ const std::string& current_node_name() {
 }
 
 void must_run(std::shared_ptr<Node> node) {
-  must_run_nodes.push_back({std::move(node), backward_era});
+  must_run_nodes.push_back({std::move(node), backward_era, next_must_run_id++});
   if (must_run_nodes.size() == kMustRunWarnCount)
     warn_once(warned_growth,
               fmt::format("{} communicating nodes are waiting for a backward on this thread; a "
@@ -103,11 +105,9 @@ void clear_must_run() {
   must_run_nodes.clear();
 }
 
-ForwardOnlyGuard::ForwardOnlyGuard() : first_(must_run_nodes.size()) {}
+ForwardOnlyGuard::ForwardOnlyGuard() : first_(next_must_run_id) {}
 ForwardOnlyGuard::~ForwardOnlyGuard() {
-  if (must_run_nodes.size() > first_)
-    must_run_nodes.erase(must_run_nodes.begin() + static_cast<std::ptrdiff_t>(first_),
-                         must_run_nodes.end());
+  std::erase_if(must_run_nodes, [this](const MustRun& m) { return m.id >= first_; });
 }
 
 void queue_callback(std::function<void()> fn) {

@@ -2,6 +2,7 @@
 // The backward engine: deterministic, single-threaded per call. Ready nodes run highest
 // sequence number first, which replays the forward pass in exact reverse order on every
 // rank (the property that keeps collectives matched across ranks in backward).
+#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -45,7 +46,7 @@ class ForwardOnlyGuard {
   ForwardOnlyGuard& operator=(const ForwardOnlyGuard&) = delete;
 
  private:
-  size_t first_;
+  uint64_t first_;  // the first mark made under this guard
 };
 
 /// Runs fn once when the backward pass now running on this thread finishes (data-parallel

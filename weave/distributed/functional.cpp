@@ -186,10 +186,12 @@ constexpr int kForwardTag = 1, kBackwardTag = 2;
 // Records `output` as produced by a communicating node with one input (x may be undefined),
 // when grad mode is on and `needed` holds. The node is registered with the engine so every
 // rank runs its backward.
+template <class BackwardOrMaker>
 Tensor record(const char* name, const Tensor& x, Tensor output, bool needed,
-              autograd::BackwardFn backward) {
+              BackwardOrMaker&& backward) {
   if (!autograd::GradMode::is_enabled() || !needed) return output;
-  auto node = std::make_shared<autograd::FunctionNode>(name, std::move(backward));
+  auto node = std::make_shared<autograd::FunctionNode>(
+      name, autograd::detail::make_backward(std::forward<BackwardOrMaker>(backward)));
   autograd::attach(node, {x}, {output});
   autograd::must_run(node);
   return output;
@@ -222,8 +224,9 @@ Tensor all_reduce_linear(const Tensor& x, ReduceOp op, const Group& g, const cha
   if (g.size() == 1) return x;
   Tensor y = quietly([&] { return raw_all_reduce(x, op, g); });
   // d(sum_r x_r) / dx_q = 1 for every q: the gradient is the sum (or mean) of the gradients
-  return record(backward_name, x, y, wants_grad(x), [op, g](const BackwardArgs& args) -> Grads {
-    return {raw_all_reduce(args.grad(), op, g)};
+  return record(backward_name, x, y, wants_grad(x), [&] {
+    return
+        [op, g](const BackwardArgs& args) -> Grads { return {raw_all_reduce(args.grad(), op, g)}; };
   });
 }
 
@@ -233,14 +236,15 @@ Tensor all_reduce_extremum(const Tensor& x, ReduceOp op, const Group& g, const c
   if (g.size() == 1) return x;
   Tensor y = quietly([&] { return raw_all_reduce(x, op, g); });
   // Only the ranks whose input equals the result receive gradient, split among all of them.
-  return record(backward_name, x, y, wants_grad(x),
-                [xs = autograd::SavedTensor(x), ys = autograd::SavedTensor(y),
-                 g](const BackwardArgs& args) -> Grads {
-                  Tensor winner = eq(xs.unpack(), ys.unpack()).to(args.grad().dtype());
-                  Tensor ties = raw_all_reduce(winner, ReduceOp::Sum, g);
-                  Tensor total = raw_all_reduce(args.grad(), ReduceOp::Sum, g);
-                  return {winner * total / maximum(ties, ones_like(ties))};
-                });
+  return record(backward_name, x, y, wants_grad(x), [&] {
+    return [xs = autograd::SavedTensor(x), ys = autograd::SavedTensor(y),
+            g](const BackwardArgs& args) -> Grads {
+      Tensor winner = eq(xs.unpack(), ys.unpack()).to(args.grad().dtype());
+      Tensor ties = raw_all_reduce(winner, ReduceOp::Sum, g);
+      Tensor total = raw_all_reduce(args.grad(), ReduceOp::Sum, g);
+      return {winner * total / maximum(ties, ones_like(ties))};
+    };
+  });
 }
 }  // namespace
 
@@ -276,14 +280,15 @@ Tensor broadcast(const Tensor& x, int root, const Group& g) {
     return out;
   });
   // adjoint: every rank's gradient summed onto root; other ranks' inputs get zero
-  return record(
-      "BroadcastBackward", x, y, meta.requires_grad,
-      [root, g, is_root, in = x.defined() ? x.detach() : x](const BackwardArgs& args) -> Grads {
-        Tensor sum = args.grad().contiguous().clone();
-        dist::reduce(sum, ReduceOp::Sum, root, g);
-        if (is_root) return {sum};
-        return {in.defined() ? zeros_like(in) : Tensor()};
-      });
+  return record("BroadcastBackward", x, y, meta.requires_grad, [&] {
+    return
+        [root, g, is_root, in = x.defined() ? x.detach() : x](const BackwardArgs& args) -> Grads {
+          Tensor sum = args.grad().contiguous().clone();
+          dist::reduce(sum, ReduceOp::Sum, root, g);
+          if (is_root) return {sum};
+          return {in.defined() ? zeros_like(in) : Tensor()};
+        };
+  });
 }
 
 Tensor reduce_sum(const Tensor& x, int root, const Group& g) {
@@ -297,13 +302,14 @@ Tensor reduce_sum(const Tensor& x, int root, const Group& g) {
     return is_root ? sum : token_like(x);
   });
   // adjoint: root's gradient broadcast to every rank
-  return record(
-      "ReduceSumBackward", x, y, wants_grad(x),
-      [root, g, is_root, shape = x.shape(), options = like(x)](const BackwardArgs& args) -> Grads {
-        Tensor grad = is_root ? args.grad().contiguous().clone() : empty(shape, options);
-        dist::broadcast(grad, root, g);
-        return {grad};
-      });
+  return record("ReduceSumBackward", x, y, wants_grad(x), [&] {
+    return [root, g, is_root, shape = x.shape(),
+            options = like(x)](const BackwardArgs& args) -> Grads {
+      Tensor grad = is_root ? args.grad().contiguous().clone() : empty(shape, options);
+      dist::broadcast(grad, root, g);
+      return {grad};
+    };
+  });
 }
 
 // ---- all_gather / reduce_scatter ------------------------------------------------------------
@@ -314,10 +320,11 @@ Tensor all_gather(const Tensor& x, int64_t axis, const Group& g) {
   if (g.size() == 1) return x;
   Tensor y = quietly([&] { return raw_all_gather(x, a, g); });
   // adjoint: reduce_scatter_sum along the same axis
-  return record("AllGatherBackward", x, y, wants_grad(x),
-                [a, g](const BackwardArgs& args) -> Grads {
-                  return {raw_reduce_scatter(args.grad(), a, g, "all_gather")};
-                });
+  return record("AllGatherBackward", x, y, wants_grad(x), [&] {
+    return [a, g](const BackwardArgs& args) -> Grads {
+      return {raw_reduce_scatter(args.grad(), a, g, "all_gather")};
+    };
+  });
 }
 
 Tensor reduce_scatter_sum(const Tensor& x, int64_t axis, const Group& g) {
@@ -327,9 +334,10 @@ Tensor reduce_scatter_sum(const Tensor& x, int64_t axis, const Group& g) {
   if (g.size() == 1) return x;
   Tensor y = quietly([&] { return raw_reduce_scatter(x, a, g, "reduce_scatter_sum"); });
   // adjoint: all_gather along the same axis
-  return record(
-      "ReduceScatterSumBackward", x, y, wants_grad(x),
-      [a, g](const BackwardArgs& args) -> Grads { return {raw_all_gather(args.grad(), a, g)}; });
+  return record("ReduceScatterSumBackward", x, y, wants_grad(x), [&] {
+    return
+        [a, g](const BackwardArgs& args) -> Grads { return {raw_all_gather(args.grad(), a, g)}; };
+  });
 }
 
 // ---- gather / scatter ------------------------------------------------------------------
@@ -345,12 +353,13 @@ Tensor gather(const Tensor& x, int root, int64_t axis, const Group& g) {
     return is_root ? all : token_like(x);
   });
   // adjoint: root's gradient scattered back, piece r to rank r
-  return record("GatherBackward", x, y, wants_grad(x),
-                [root, a, g, is_root, shape = x.shape(),
-                 options = like(x)](const BackwardArgs& args) -> Grads {
-                  return {raw_scatter(is_root ? args.grad() : Tensor(), root, a, shape,
-                                      options.dtype, options.device, g)};
-                });
+  return record("GatherBackward", x, y, wants_grad(x), [&] {
+    return [root, a, g, is_root, shape = x.shape(),
+            options = like(x)](const BackwardArgs& args) -> Grads {
+      return {raw_scatter(is_root ? args.grad() : Tensor(), root, a, shape, options.dtype,
+                          options.device, g)};
+    };
+  });
 }
 
 Tensor scatter(const Tensor& x, int root, int64_t axis, const Group& g) {
@@ -377,13 +386,14 @@ Tensor scatter(const Tensor& x, int root, int64_t axis, const Group& g) {
                        is_root ? x.device() : receiver_device(meta, "scatter"), g);
   });
   // adjoint: the pieces' gradients gathered on root; other ranks' inputs get zero
-  return record(
-      "ScatterBackward", x, y, meta.requires_grad,
-      [root, a, g, is_root, in = x.defined() ? x.detach() : x](const BackwardArgs& args) -> Grads {
-        Tensor all = raw_gather(args.grad(), root, a, g);
-        if (is_root) return {all};
-        return {in.defined() ? zeros_like(in) : Tensor()};
-      });
+  return record("ScatterBackward", x, y, meta.requires_grad, [&] {
+    return [root, a, g, is_root,
+            in = x.defined() ? x.detach() : x](const BackwardArgs& args) -> Grads {
+      Tensor all = raw_gather(args.grad(), root, a, g);
+      if (is_root) return {all};
+      return {in.defined() ? zeros_like(in) : Tensor()};
+    };
+  });
 }
 
 // ---- all_to_all ------------------------------------------------------------------------
@@ -395,10 +405,11 @@ Tensor all_to_all(const Tensor& x, int64_t split_axis, int64_t concat_axis, cons
   if (g.size() == 1) return x;
   Tensor y = quietly([&] { return raw_all_to_all(x, a, c, g, "all_to_all"); });
   // adjoint: the exchange run backwards (split along concat_axis, concatenate along split_axis)
-  return record("AllToAllBackward", x, y, wants_grad(x),
-                [a, c, g](const BackwardArgs& args) -> Grads {
-                  return {raw_all_to_all(args.grad(), c, a, g, "all_to_all")};
-                });
+  return record("AllToAllBackward", x, y, wants_grad(x), [&] {
+    return [a, c, g](const BackwardArgs& args) -> Grads {
+      return {raw_all_to_all(args.grad(), c, a, g, "all_to_all")};
+    };
+  });
 }
 
 // ---- point to point ----------------------------------------------------------------------
@@ -412,12 +423,13 @@ Tensor remote_send(const Tensor& x, int dst, const Group& g) {
     return token_like(x);
   });
   // adjoint: the gradient of what dst received comes back from dst
-  return record("RemoteSendBackward", x, token, wants_grad(x),
-                [dst, g, shape = x.shape(), options = like(x)](const BackwardArgs&) -> Grads {
-                  Tensor grad = empty(shape, options);
-                  dist::recv(grad, dst, g, kBackwardTag);
-                  return {grad};
-                });
+  return record("RemoteSendBackward", x, token, wants_grad(x), [&] {
+    return [dst, g, shape = x.shape(), options = like(x)](const BackwardArgs&) -> Grads {
+      Tensor grad = empty(shape, options);
+      dist::recv(grad, dst, g, kBackwardTag);
+      return {grad};
+    };
+  });
 }
 
 Tensor remote_recv(int src, const Group& g) {
@@ -432,11 +444,12 @@ Tensor remote_recv(int src, const Group& g) {
     return out;
   });
   // adjoint: send this tensor's gradient back to src
-  return record("RemoteRecvBackward", Tensor(), y, meta.requires_grad,
-                [src, g](const BackwardArgs& args) -> Grads {
-                  dist::send(args.grad().contiguous(), src, g, kBackwardTag);
-                  return {Tensor()};
-                });
+  return record("RemoteRecvBackward", Tensor(), y, meta.requires_grad, [&] {
+    return [src, g](const BackwardArgs& args) -> Grads {
+      dist::send(args.grad().contiguous(), src, g, kBackwardTag);
+      return {Tensor()};
+    };
+  });
 }
 
 // ---- region mappings (replicated loss) -------------------------------------------------------
@@ -446,8 +459,10 @@ Tensor copy_to_group(const Tensor& x, const Group& g) {
   if (g.size() == 1) return x;
   Tensor y = make_view(x, x.shape(), x.strides(), x.offset());
   // identity forward; the replicas' gradients are partial, so they are summed
-  return record("CopyToGroupBackward", x, y, wants_grad(x), [g](const BackwardArgs& args) -> Grads {
-    return {raw_all_reduce(args.grad(), ReduceOp::Sum, g)};
+  return record("CopyToGroupBackward", x, y, wants_grad(x), [&] {
+    return [g](const BackwardArgs& args) -> Grads {
+      return {raw_all_reduce(args.grad(), ReduceOp::Sum, g)};
+    };
   });
 }
 
@@ -457,7 +472,7 @@ Tensor reduce_from_group(const Tensor& x, const Group& g) {
   Tensor y = quietly([&] { return raw_all_reduce(x, ReduceOp::Sum, g); });
   // the loss is replicated, so each partial result receives the gradient as is
   return record("ReduceFromGroupBackward", x, y, wants_grad(x),
-                [](const BackwardArgs& args) -> Grads { return {args.grad()}; });
+                [&] { return [](const BackwardArgs& args) -> Grads { return {args.grad()}; }; });
 }
 
 Tensor scatter_to_group(const Tensor& x, int64_t axis, const Group& g) {
@@ -468,9 +483,10 @@ Tensor scatter_to_group(const Tensor& x, int64_t axis, const Group& g) {
   const int64_t piece = x.size(a) / g.size();
   Tensor y = quietly([&] { return x.narrow(a, g.rank() * piece, piece).contiguous().clone(); });
   // the pieces' gradients are gathered back into the full tensor on every rank
-  return record(
-      "ScatterToGroupBackward", x, y, wants_grad(x),
-      [a, g](const BackwardArgs& args) -> Grads { return {raw_all_gather(args.grad(), a, g)}; });
+  return record("ScatterToGroupBackward", x, y, wants_grad(x), [&] {
+    return
+        [a, g](const BackwardArgs& args) -> Grads { return {raw_all_gather(args.grad(), a, g)}; };
+  });
 }
 
 Tensor gather_from_group(const Tensor& x, int64_t axis, const Group& g) {
@@ -479,10 +495,11 @@ Tensor gather_from_group(const Tensor& x, int64_t axis, const Group& g) {
   if (g.size() == 1) return x;
   Tensor y = quietly([&] { return raw_all_gather(x, a, g); });
   // the loss is replicated: each rank takes its own piece of the gradient
-  return record("GatherFromGroupBackward", x, y, wants_grad(x),
-                [a, g, piece = x.size(a)](const BackwardArgs& args) -> Grads {
-                  return {args.grad().narrow(a, g.rank() * piece, piece).contiguous()};
-                });
+  return record("GatherFromGroupBackward", x, y, wants_grad(x), [&] {
+    return [a, g, piece = x.size(a)](const BackwardArgs& args) -> Grads {
+      return {args.grad().narrow(a, g.rank() * piece, piece).contiguous()};
+    };
+  });
 }
 
 // The sequence-parallel pair is all_gather / reduce_scatter_sum itself: each is the other's
