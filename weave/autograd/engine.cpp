@@ -92,7 +92,8 @@ void must_run(std::shared_ptr<Node> node) {
   must_run_nodes.push_back({std::move(node), backward_era, next_must_run_id++});
   if (must_run_nodes.size() == kMustRunWarnCount)
     warn_once(warned_growth,
-              fmt::format("{} communicating nodes are waiting for a backward on this thread; a "
+              fmt::format("{} must-run nodes (differentiable collectives, say) are waiting for a "
+                          "backward on this thread; a "
                           "forward with grad mode on that is never backpropagated (evaluation) "
                           "keeps its graph until the next backward replays it; hint: run "
                           "evaluation under NoGradGuard or autograd::ForwardOnlyGuard",
@@ -162,13 +163,15 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       stale += entry.era < backward_era;
     }
     if (stale > 0)
-      warn_once(warned_stale,
-                fmt::format("this backward also runs {} communicating node(s) recorded before an "
-                            "earlier backward that did not run them (a forward never "
-                            "backpropagated, or a schedule that turned run_must_run_nodes off); "
-                            "their communication is replayed now; hint: wrap evaluation "
-                            "forwards in NoGradGuard or autograd::ForwardOnlyGuard",
-                            stale));
+      warn_once(
+          warned_stale,
+          fmt::format(
+              "this backward also runs {} must-run node(s) marked before an "
+              "earlier backward that did not run them (a forward never "
+              "backpropagated, or a schedule that turned run_must_run_nodes off); "
+              "they run now (a collective's communication is replayed); hint: wrap evaluation "
+              "forwards in NoGradGuard or autograd::ForwardOnlyGuard",
+              stale));
   }
 
   // Count, for every reachable node, how many reachable edges point at it.
