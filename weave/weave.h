@@ -16,5 +16,6 @@
 #include "weave/ops/ops.h"
 #include "weave/optim/optimizer.h"
 #include "weave/optim/schedule.h"
+#include "weave/parallel/ddp.h"
 #include "weave/tensor/cuda/runtime.h"
 #include "weave/tensor/tensor.h"

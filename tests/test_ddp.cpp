@@ -1,0 +1,218 @@
+// DistributedDataParallel against one process training on the whole (stacked) batch: the
+// averaged gradients must equal the single-process gradients of the global mean loss.
+#include <doctest/doctest.h>
+
+#include <memory>
+
+#include "weave/weave.h"
+
+using namespace weave;
+using parallel::DistributedDataParallel;
+
+namespace {
+
+constexpr int64_t kLocalBatch = 4;
+
+// An MLP 5 -> 7 -> 6 -> 3 in `dtype`, initialized from `seed`.
+std::shared_ptr<nn::Sequential> make_model(uint64_t seed, DType dtype = kFloat64) {
+  manual_seed(seed);
+  auto model = std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+      std::make_shared<nn::Linear>(5, 7), nn::Tanh(), std::make_shared<nn::Linear>(7, 6),
+      nn::Tanh(), std::make_shared<nn::Linear>(6, 3)});
+  model->to(dtype);
+  return model;
+}
+
+// Micro-batch m of the global batch: rows of every rank stacked, rank r's at [r*b, (r+1)*b).
+std::pair<Tensor, Tensor> global_batch(int micro, DType dtype = kFloat64) {
+  Generator g(1234 + uint64_t(micro));
+  const int64_t rows = kLocalBatch * dist::world_size();
+  return {randn({rows, 5}, {.dtype = dtype}, &g), randn({rows, 3}, {.dtype = dtype}, &g)};
+}
+Tensor local_rows(const Tensor& t) {
+  return t.narrow(0, dist::rank() * kLocalBatch, kLocalBatch);
+}
+
+// The single-process reference: gradients of the global mean loss summed over micro-batches.
+std::vector<Tensor> reference_grads(const std::vector<int>& micros, DType dtype = kFloat64) {
+  auto model = make_model(0, dtype);
+  for (int m : micros) {
+    auto [x, y] = global_batch(m, dtype);
+    mse_loss((*model)(x), y).backward();
+  }
+  std::vector<Tensor> grads;
+  for (const Tensor& p : model->parameters()) grads.push_back(p.grad().clone());
+  return grads;
+}
+
+void check_grads(nn::Module& model, const std::vector<Tensor>& expected, double rtol, double atol) {
+  auto params = model.parameters();
+  REQUIRE(params.size() == expected.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(params[i].grad().defined());
+    CHECK(allclose(params[i].grad(), expected[i], rtol, atol));
+  }
+}
+
+// Every rank starts from a different model; DDP must broadcast rank 0's.
+std::shared_ptr<nn::Sequential> rank_model(DType dtype = kFloat64) {
+  return make_model(uint64_t(dist::rank()) * 97, dtype);
+}
+
+}  // namespace
+
+TEST_SUITE("ddp") {
+  TEST_CASE("DDP gradients equal one process's on the stacked batch, for every bucketing") {
+    struct Bucketing {
+      const char* name;
+      double first_mb, later_mb;
+    };
+    const double tiny = 1e-9, mixed = 300.0 / (1024 * 1024);  // mixed: ~300 B per bucket
+    for (Bucketing b :
+         {Bucketing{"one bucket", 100, 100}, Bucketing{"one per parameter", tiny, tiny},
+          Bucketing{"mixed", mixed, 2 * mixed}}) {
+      for (bool set_to_none : {true, false}) {
+        CAPTURE(b.name);
+        CAPTURE(set_to_none);
+        auto model = rank_model();
+        DistributedDataParallel ddp(*model,
+                                    {.first_bucket_mb = b.first_mb, .bucket_mb = b.later_mb});
+        // The broadcast made every rank's model rank 0's.
+        auto start = make_model(0)->parameters();
+        for (size_t i = 0; i < start.size(); ++i) CHECK(equal(model->parameters()[i], start[i]));
+        for (int step = 0; step < 3; ++step) {  // the first traces the buckets
+          CAPTURE(step);
+          model->zero_grad(set_to_none);
+          auto [x, y] = global_batch(step);
+          mse_loss(ddp(local_rows(x)), local_rows(y)).backward();
+          check_grads(*model, reference_grads({step}), 1e-12, 1e-14);
+        }
+        const auto buckets = ddp.bucket_names();
+        CHECK(ddp.stats().buckets == int(buckets.size()));
+        if (std::string(b.name) == "one bucket") CHECK(buckets.size() == 1);
+        if (std::string(b.name) == "one per parameter") CHECK(buckets.size() == 6);
+        if (std::string(b.name) == "mixed") CHECK((buckets.size() > 1 && buckets.size() < 6));
+        // Buckets follow backward's order: the last layer's gradients come first.
+        CHECK(buckets.front().front().rfind("4.", 0) == 0);
+      }
+    }
+  }
+
+  TEST_CASE("communication starts before backward ends") {
+    auto model = rank_model();
+    DistributedDataParallel ddp(*model, {.first_bucket_mb = 1e-9, .bucket_mb = 1e-9});
+    for (int step = 0; step < 2; ++step) {
+      model->zero_grad(false);
+      auto [x, y] = global_batch(step);
+      mse_loss(ddp(local_rows(x)), local_rows(y)).backward();
+    }
+    // The first bucket (the last layer's bias) was launched after one gradient of six.
+    CHECK(ddp.stats().parameters == 6);
+    CHECK(ddp.stats().ready_before_first_launch == 1);
+  }
+
+  TEST_CASE("no_sync accumulates three micro-batches, then averages once") {
+    auto model = rank_model();
+    DistributedDataParallel ddp(*model, {.first_bucket_mb = 1e-4, .bucket_mb = 1e-4});
+    for (int round = 0; round < 2; ++round) {  // the first round traces the buckets
+      CAPTURE(round);
+      model->zero_grad(round == 0);
+      for (int micro = 0; micro < 3; ++micro) {
+        auto [x, y] = global_batch(10 * round + micro);
+        if (micro < 2) {
+          auto guard = ddp.no_sync();
+          mse_loss(ddp(local_rows(x)), local_rows(y)).backward();
+        } else {
+          mse_loss(ddp(local_rows(x)), local_rows(y)).backward();
+        }
+      }
+      check_grads(*model, reference_grads({10 * round, 10 * round + 1, 10 * round + 2}), 1e-12,
+                  1e-14);
+    }
+  }
+
+  TEST_CASE("unused parameters: allowed with find_unused_parameters, else named") {
+    // The last layer is used on rank 0 only; the middle layer's weight by nobody.
+    struct Branchy : nn::Module {
+      std::shared_ptr<nn::Linear> a, b, c;
+      Branchy() : Module("Branchy") {
+        manual_seed(5);
+        a = register_module("a", std::make_shared<nn::Linear>(5, 3));
+        b = register_module("b", std::make_shared<nn::Linear>(5, 3));
+        c = register_module("c", std::make_shared<nn::Linear>(5, 3));
+        to(kFloat64);
+      }
+      Tensor forward(const Tensor& x) override {
+        Tensor y = (*a)(x);
+        if (dist::rank() == 0) y = y + (*c)(x);
+        return y;
+      }
+    };
+    auto [x, y] = global_batch(0);
+    {
+      Branchy model;
+      DistributedDataParallel ddp(model, {.find_unused_parameters = true});
+      for (int step = 0; step < 2; ++step) {
+        model.zero_grad();
+        mse_loss(ddp(local_rows(x)), local_rows(y)).backward();
+      }
+      // b: nobody's; zero. c: rank 0's gradient averaged with zeros from the others.
+      CHECK(equal(model.b->weight.grad(), zeros({3, 5}, {.dtype = kFloat64})));
+      Branchy alone;
+      Tensor x0 = x.narrow(0, 0, kLocalBatch), y0 = y.narrow(0, 0, kLocalBatch);
+      mse_loss((*alone.a)(x0) + (*alone.c)(x0), y0).backward();
+      CHECK(allclose(model.c->weight.grad(), alone.c->weight.grad() / double(dist::world_size()),
+                     1e-12, 1e-14));
+      const auto& unused = ddp.stats().unused;
+      CHECK(std::find(unused.begin(), unused.end(), "b.weight") != unused.end());
+    }
+    {
+      Branchy model;
+      DistributedDataParallel ddp(model);
+      std::string message;
+      try {
+        mse_loss(ddp(local_rows(x)), local_rows(y)).backward();
+      } catch (const Error& e) {
+        message = e.what();
+      }
+      CHECK(message.find("got no gradient") != std::string::npos);
+      CHECK(message.find("b.weight") != std::string::npos);
+      dist::barrier();  // every rank completed its communication: nobody is left waiting
+    }
+  }
+
+  TEST_CASE("bf16 compression stays within bfloat16 rounding") {
+    auto model = rank_model(kFloat32);
+    DistributedDataParallel ddp(*model, {.compress = kBFloat16});
+    for (int step = 0; step < 2; ++step) {
+      model->zero_grad();
+      auto [x, y] = global_batch(step, kFloat32);
+      mse_loss(ddp(local_rows(x)), local_rows(y)).backward();
+      check_grads(*model, reference_grads({step}, kFloat32), 2e-2, 2e-3);
+    }
+    CHECK(model->parameters()[0].grad().dtype() == kFloat32);
+  }
+
+  TEST_CASE("ranks that disagree on the model raise on every rank") {
+    if (dist::world_size() < 2) return;
+    manual_seed(0);
+    nn::Linear model(4, dist::rank() == 1 ? 5 : 3);
+    std::string message;
+    try {
+      DistributedDataParallel ddp(model);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    CHECK(message.find("ranks disagree on the model") != std::string::npos);
+    CHECK(message.find("[5, 4]") != std::string::npos);
+  }
+
+  TEST_CASE("synchronize broadcasts parameters and buffers from a root") {
+    auto model = rank_model();
+    const int root = dist::world_size() - 1;
+    parallel::synchronize(*model, root);
+    auto expected = make_model(uint64_t(root) * 97)->parameters();
+    for (size_t i = 0; i < expected.size(); ++i) CHECK(equal(model->parameters()[i], expected[i]));
+  }
+}

@@ -1,0 +1,113 @@
+#pragma once
+// Data parallelism: every rank holds the whole model, trains on its own share of each batch,
+// and averages gradients during backward.
+//
+//   nn::Sequential model{...};
+//   parallel::DistributedDataParallel ddp(model);         // broadcasts rank 0's parameters
+//   optim::AdamW opt(model.parameters());
+//   for (auto& batch : loader) {
+//     Tensor loss = cross_entropy(ddp(batch.input), batch.target);
+//     opt.zero_grad(/*set_to_none=*/false);                 // keeps gradients in the buckets
+//     loss.backward();                                      // returns with averaged gradients
+//     opt.step();
+//   }
+//
+// Gradients are gathered into buckets (the first about 1 MB, later ones about 25 MB) in the
+// order backward produces them, traced in the first backward and checked to be identical on
+// every rank. As soon as a bucket's last gradient is accumulated, its averaging all_reduce is
+// launched asynchronously while backward goes on; the end of backward waits for the rest.
+// Gradients live as views of the bucket buffers, so nothing is copied in or out (with
+// zero_grad(set_to_none = true) a gradient arrives in a fresh buffer and is copied in once).
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+#include "weave/nn/module.h"
+
+namespace weave::parallel {
+
+struct DDPOptions {
+  /// Size cap of the first bucket (launched earliest, so communication starts soon).
+  double first_bucket_mb = 1.0;
+  /// Size cap of the later buckets.
+  double bucket_mb = 25.0;
+  /// Allow parameters that get no gradient in a step (their share of the bucket reduces
+  /// zeros). Without it, such a parameter is an error naming it, raised at the end of
+  /// backward after the communication completed (so no peer is left waiting).
+  bool find_unused_parameters = false;
+  /// Communicate gradients in kBFloat16 or kFloat16 (averaged, then widened back into the
+  /// parameters' dtype). Unset: the parameters' own dtype.
+  std::optional<DType> compress = std::nullopt;
+  /// The ranks that share the model (default: the world).
+  std::optional<dist::Group> group = std::nullopt;
+  /// Broadcast the parameters and buffers from this group rank at construction.
+  int broadcast_from = 0;
+};
+
+/// What the last synchronizing backward did (for tests and benchmarks).
+struct DDPStats {
+  int buckets = 0;
+  /// Gradients accumulated in that backward before the first bucket was launched, out of
+  /// `parameters`: below `parameters` means communication overlapped the rest of backward.
+  int64_t ready_before_first_launch = 0;
+  int64_t parameters = 0;
+  /// Parameters that got no gradient.
+  std::vector<std::string> unused;
+};
+
+class DistributedDataParallel {
+ public:
+  /// Checks that every rank of the group has the same parameter names, shapes and dtypes
+  /// (raising weave::Error on every rank, naming the first difference), then broadcasts the
+  /// parameters and buffers from options.broadcast_from. Every rank of the group must
+  /// construct it, with the module it will train (which must outlive this object).
+  explicit DistributedDataParallel(nn::Module& module, DDPOptions options = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  /// The module's forward.
+  Tensor forward(const Tensor& input);
+  Tensor operator()(const Tensor& input) { return forward(input); }
+  nn::Module& module() { return module_; }
+
+  /// While the guard lives, backward accumulates gradients locally without communicating
+  /// (gradient accumulation); the first backward after it averages everything accumulated.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DistributedDataParallel& ddp);
+    ~NoSyncGuard();
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool previous_;
+  };
+  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  const DDPStats& stats() const;
+  /// Parameter names of each bucket, in launch order (empty before the first backward).
+  std::vector<std::vector<std::string>> bucket_names() const;
+
+  struct State;
+
+ private:
+  nn::Module& module_;
+  std::shared_ptr<State> state_;
+};
+
+/// Broadcasts a module's parameters and buffers from group rank `root` (Lux's synchronize!!).
+/// Collective over the group.
+void synchronize(nn::Module& module, int root = 0,
+                 const std::optional<dist::Group>& group = std::nullopt);
+
+/// Raises weave::Error on every rank of the group, naming the first difference, unless every
+/// rank's module has the same parameter and buffer names, shapes and dtypes. Collective.
+void check_same_model(const nn::Module& module,
+                      const std::optional<dist::Group>& group = std::nullopt);
+
+}  // namespace weave::parallel
