@@ -105,4 +105,71 @@ TEST_SUITE("data") {
       CHECK(sum(eq(test.labels, scalar_tensor(static_cast<double>(c), {.dtype = kInt64})))
                 .item<int64_t>() == 1000);
   }
+
+  TEST_CASE("DistributedSampler: every item once plus wrapped padding, epoch-seeded") {
+    const int64_t n = 50;
+    const int replicas = 4;
+    auto shares = [&](int64_t epoch, parallel::DistributedSamplerOptions options) {
+      std::vector<std::vector<int64_t>> all;
+      for (int r = 0; r < replicas; ++r) {
+        parallel::DistributedSampler sampler(n, replicas, r, options);
+        sampler.set_epoch(epoch);
+        all.push_back(sampler.indices());
+        CHECK(int64_t(all.back().size()) == sampler.size());
+      }
+      return all;
+    };
+    auto epoch3 = shares(3, {.seed = 7});
+    std::multiset<int64_t> seen;
+    for (const auto& share : epoch3) {
+      CHECK(share.size() == 13);  // ceil(50 / 4)
+      seen.insert(share.begin(), share.end());
+    }
+    CHECK(seen.size() == 52);
+    for (int64_t i = 0; i < n; ++i) CHECK(seen.count(i) >= 1);
+    // The two padded positions repeat the first two of the epoch's permutation: rank 2 and 3
+    // take positions 50 and 51, which wrap to positions 0 and 1 (ranks 0 and 1's first items).
+    CHECK(epoch3[2].back() == epoch3[0].front());
+    CHECK(epoch3[3].back() == epoch3[1].front());
+    CHECK(shares(3, {.seed = 7}) == epoch3);  // the same epoch, the same order
+    CHECK(shares(4, {.seed = 7}) != epoch3);  // another epoch, another order
+    // Without shuffle, rank r takes r, r + 4, ...
+    auto plain = shares(0, {.shuffle = false});
+    CHECK(plain[1][0] == 1);
+    CHECK(plain[1][1] == 5);
+    // drop_last: 12 each, no repeats, the tail of the permutation dropped.
+    std::set<int64_t> kept;
+    for (const auto& share : shares(3, {.seed = 7, .drop_last = true})) {
+      CHECK(share.size() == 12);
+      kept.insert(share.begin(), share.end());
+    }
+    CHECK(kept.size() == 48);
+    // A DataLoader draws its batches from the sampler, a new epoch each set_epoch.
+    auto dataset = std::make_shared<data::TensorDataset>(arange(double(n), {.dtype = kInt64}),
+                                                         zeros({n}, {.dtype = kInt64}));
+    auto sampler = std::make_shared<parallel::DistributedSampler>(
+        n, replicas, 1, parallel::DistributedSamplerOptions{.seed = 7});
+    sampler->set_epoch(3);
+    data::DataLoader loader(dataset, {.batch_size = 5, .sampler = sampler});
+    CHECK(loader.size() == 3);
+    std::vector<int64_t> loaded;
+    for (const data::Example& batch : loader)
+      for (int64_t v : batch.input.to_vector<int64_t>()) loaded.push_back(v);
+    CHECK(loaded == epoch3[1]);
+    CHECK_WEAVE_ERROR(parallel::DistributedSampler(n, 4, 4), "DistributedSampler", "out of range");
+  }
+
+  TEST_CASE("contiguous partitions cover a dataset exactly once") {
+    auto dataset = std::make_shared<data::TensorDataset>(arange(10.0, {.dtype = kInt64}),
+                                                         zeros({10}, {.dtype = kInt64}));
+    std::vector<int64_t> all;
+    for (int r = 0; r < 3; ++r) {
+      parallel::PartitionedDataset part(dataset, 3, r);
+      CHECK(part.size() == (r == 0 ? 4 : 3));  // 10 = 4 + 3 + 3
+      for (int64_t v : part.get_batch({0, part.size() - 1}).input.to_vector<int64_t>())
+        all.push_back(v);
+    }
+    CHECK(all == std::vector<int64_t>{0, 3, 4, 6, 7, 9});
+    CHECK(parallel::contiguous_range(2, 4, 3) == std::pair<int64_t, int64_t>{2, 2});
+  }
 }

@@ -2,7 +2,15 @@
 // averaged gradients must equal the single-process gradients of the global mean loss.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <memory>
+#include <optional>
+#include <string>
+#include <thread>
 
 #include "weave/weave.h"
 
@@ -214,5 +222,60 @@ TEST_SUITE("ddp") {
     parallel::synchronize(*model, root);
     auto expected = make_model(uint64_t(root) * 97)->parameters();
     for (size_t i = 0; i < expected.size(); ++i) CHECK(equal(model->parameters()[i], expected[i]));
+  }
+
+  TEST_CASE("DistributedOptimizer steps like one process on the stacked batch") {
+    for (auto compress : {std::optional<DType>(), std::optional<DType>(kFloat32)}) {
+      auto model = make_model(0);
+      auto reference = make_model(0);
+      optim::SGD sgd(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+      optim::SGD reference_sgd(reference->parameters(), {.lr = 0.1, .momentum = 0.9});
+      // Tiny buckets: several all_reduces in flight at once.
+      parallel::DistributedOptimizer optimizer(sgd, {.bucket_mb = 1e-4, .compress = compress});
+      for (int step = 0; step < 3; ++step) {
+        auto [x, y] = global_batch(step);
+        optimizer.zero_grad();
+        mse_loss((*model)(local_rows(x)), local_rows(y)).backward();
+        optimizer.step();
+        reference_sgd.zero_grad();
+        mse_loss((*reference)(x), y).backward();
+        reference_sgd.step();
+      }
+      // Exact in float64; compressed to float32 on the wire, within float32 rounding.
+      const double rtol = compress ? 1e-5 : 1e-12, atol = compress ? 1e-6 : 1e-14;
+      for (size_t i = 0; i < reference->parameters().size(); ++i)
+        CHECK(allclose(model->parameters()[i], reference->parameters()[i], rtol, atol));
+    }
+  }
+
+  TEST_CASE("rank0_first: rank 0 runs first, and its failure reaches every rank") {
+    // Rank 0 slowly writes a file that every other rank's call must already find.
+    Tensor job = full({1}, double(::getpid()), {.dtype = kInt64});
+    dist::broadcast(job, 0);
+    const std::filesystem::path file = std::filesystem::temp_directory_path() /
+                                       ("weave_rank0_first_" + std::to_string(job.item<int64_t>()));
+    bool found = false;
+    parallel::rank0_first([&] {
+      if (dist::rank() == 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        std::ofstream(file) << "prepared";
+      }
+      found = std::filesystem::exists(file);
+    });
+    CHECK(found);
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove(file);
+
+    std::string message;
+    try {
+      parallel::rank0_first([] {
+        if (dist::rank() == 0) throw Error("[prepare] disk full");
+        FAIL("the other ranks must not run fn after rank 0 failed");
+      });
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    CHECK(message.rfind("[rank0_first]", 0) == 0);
+    CHECK(message.find("disk full") != std::string::npos);  // on every rank
   }
 }

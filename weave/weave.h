@@ -16,6 +16,8 @@
 #include "weave/ops/ops.h"
 #include "weave/optim/optimizer.h"
 #include "weave/optim/schedule.h"
+#include "weave/parallel/data.h"
 #include "weave/parallel/ddp.h"
+#include "weave/parallel/distributed_optimizer.h"
 #include "weave/tensor/cuda/runtime.h"
 #include "weave/tensor/tensor.h"

@@ -40,7 +40,9 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, DataLoaderOptions
   WEAVE_CHECK(dataset_ != nullptr, "DataLoader", "dataset is null");
   WEAVE_CHECK(options.batch_size > 0, "DataLoader", "batch_size must be positive, found {}",
               options.batch_size);
-  order_.resize(dataset_->size());
+  WEAVE_CHECK(!(options.sampler && options.shuffle), "DataLoader",
+              "shuffle and a sampler exclude each other; hint: let the sampler shuffle");
+  order_.resize(options.sampler ? options.sampler->size() : dataset_->size());
   std::iota(order_.begin(), order_.end(), 0);
 }
 
@@ -50,7 +52,13 @@ int64_t DataLoader::size() const {
 }
 
 DataLoader::Iterator DataLoader::begin() {
-  if (options_.shuffle) {
+  if (options_.sampler) {
+    order_ = options_.sampler->indices();
+    for (int64_t i : order_)
+      WEAVE_CHECK(i >= 0 && i < dataset_->size(), "DataLoader",
+                  "the sampler gave index {}, outside the dataset's {} examples", i,
+                  dataset_->size());
+  } else if (options_.shuffle) {
     std::iota(order_.begin(), order_.end(), 0);
     // Fisher-Yates with our own draws, so the order does not depend on the standard library.
     for (int64_t i = static_cast<int64_t>(order_.size()) - 1; i > 0; --i) {

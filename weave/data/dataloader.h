@@ -37,11 +37,24 @@ class TensorDataset : public Dataset {
   Tensor inputs_, targets_;
 };
 
+/// Chooses the dataset indices a pass over the data visits, in order (a distributed sampler
+/// gives each rank its share).
+class Sampler {
+ public:
+  virtual ~Sampler() = default;
+  /// Number of indices per pass.
+  virtual int64_t size() const = 0;
+  /// The indices of the next pass (DataLoader::begin() calls it once per epoch).
+  virtual std::vector<int64_t> indices() = 0;
+};
+
 struct DataLoaderOptions {
   int64_t batch_size = 64;
   bool shuffle = false;
   bool drop_last = false;
   uint64_t seed = 0;  // shuffle seed: each pass over the data draws the next permutation
+  /// Where the indices come from instead of shuffle (e.g. parallel::DistributedSampler).
+  std::shared_ptr<Sampler> sampler = nullptr;
 };
 
 /// Iterates over batches: `for (const Example& batch : loader)`. Every begin() starts a new

@@ -1,0 +1,115 @@
+// DistributedSampler, contiguous partitions and rank0_first.
+#include "weave/parallel/data.h"
+
+#include <cstring>
+#include <random>
+#include <string>
+
+namespace weave::parallel {
+
+namespace {
+dist::Group group_or_world(const std::optional<dist::Group>& group) {
+  return group ? *group : dist::world();
+}
+}  // namespace
+
+DistributedSampler::DistributedSampler(int64_t dataset_size, DistributedSamplerOptions options,
+                                       const std::optional<dist::Group>& group)
+    : DistributedSampler(dataset_size, group_or_world(group).size(), group_or_world(group).rank(),
+                         options) {}
+
+DistributedSampler::DistributedSampler(int64_t dataset_size, int replicas, int rank,
+                                       DistributedSamplerOptions options)
+    : dataset_size_(dataset_size), replicas_(replicas), rank_(rank), options_(options) {
+  WEAVE_CHECK(dataset_size >= 0, "DistributedSampler", "dataset size must be >= 0, found {}",
+              dataset_size);
+  WEAVE_CHECK(replicas > 0 && rank >= 0 && rank < replicas, "DistributedSampler",
+              "rank {} of {} replicas is out of range; hint: is this rank in the group?", rank,
+              replicas);
+  per_rank_ =
+      options.drop_last ? dataset_size / replicas : (dataset_size + replicas - 1) / replicas;
+}
+
+std::vector<int64_t> DistributedSampler::indices() {
+  std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
+  for (int64_t i = 0; i < dataset_size_; ++i) order[size_t(i)] = i;
+  if (options_.shuffle) {
+    // Fisher-Yates with our own draws: the same permutation on every rank and platform.
+    std::mt19937_64 engine(options_.seed + uint64_t(epoch_));
+    for (int64_t i = dataset_size_ - 1; i > 0; --i)
+      std::swap(order[size_t(i)], order[size_t(engine() % uint64_t(i + 1))]);
+  }
+  const int64_t total = per_rank_ * replicas_;
+  // Pad by wrapping (repeatedly, if the dataset is smaller than the padding), or trim.
+  for (int64_t i = dataset_size_; int64_t(order.size()) < total; ++i)
+    order.push_back(order[size_t(i % dataset_size_)]);
+  order.resize(size_t(total));
+  std::vector<int64_t> mine;
+  mine.reserve(size_t(per_rank_));
+  for (int64_t i = rank_; i < total; i += replicas_) mine.push_back(order[size_t(i)]);
+  return mine;
+}
+
+std::pair<int64_t, int64_t> contiguous_range(int64_t size, int replicas, int rank) {
+  WEAVE_CHECK(size >= 0 && replicas > 0 && rank >= 0 && rank < replicas, "contiguous_range",
+              "expected size >= 0 and 0 <= rank < replicas, found size {}, rank {}, replicas {}",
+              size, rank, replicas);
+  const int64_t base = size / replicas, extra = size % replicas;
+  const int64_t begin = rank * base + std::min<int64_t>(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
+}
+
+PartitionedDataset::PartitionedDataset(std::shared_ptr<const data::Dataset> dataset,
+                                       const std::optional<dist::Group>& group)
+    : PartitionedDataset(std::move(dataset), group_or_world(group).size(),
+                         group_or_world(group).rank()) {}
+
+PartitionedDataset::PartitionedDataset(std::shared_ptr<const data::Dataset> dataset, int replicas,
+                                       int rank)
+    : dataset_(std::move(dataset)) {
+  WEAVE_CHECK(dataset_ != nullptr, "PartitionedDataset", "dataset is null");
+  std::tie(begin_, end_) = contiguous_range(dataset_->size(), replicas, rank);
+}
+
+data::Example PartitionedDataset::get(int64_t index) const {
+  WEAVE_CHECK(index >= 0 && index < size(), "PartitionedDataset", "index {} out of range [0, {})",
+              index, size());
+  return dataset_->get(begin_ + index);
+}
+
+data::Example PartitionedDataset::get_batch(const std::vector<int64_t>& indices) const {
+  std::vector<int64_t> shifted;
+  shifted.reserve(indices.size());
+  for (int64_t i : indices) {
+    WEAVE_CHECK(i >= 0 && i < size(), "PartitionedDataset", "index {} out of range [0, {})", i,
+                size());
+    shifted.push_back(begin_ + i);
+  }
+  return dataset_->get_batch(shifted);
+}
+
+void rank0_first(const std::function<void()>& fn, const std::optional<dist::Group>& group_option) {
+  const dist::Group group = group_or_world(group_option);
+  std::string failure;
+  if (group.rank() == 0) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  // The others wait here until rank 0 is done, then learn whether (and why) it failed.
+  Tensor length = full({1}, double(failure.size()), {.dtype = kInt64});
+  dist::broadcast(length, 0, group);
+  if (length.item<int64_t>() > 0) {
+    Tensor text = empty({length.item<int64_t>()}, {.dtype = kUInt8});
+    if (group.rank() == 0) std::memcpy(text.data_ptr(), failure.data(), failure.size());
+    dist::broadcast(text, 0, group);
+    const auto* bytes = static_cast<const char*>(text.data_ptr());
+    WEAVE_FAIL("rank0_first", "the first rank (global rank {}) failed: {}", group.global_rank(0),
+               std::string(bytes, bytes + text.numel()));
+  }
+  if (group.rank() != 0) fn();
+}
+
+}  // namespace weave::parallel

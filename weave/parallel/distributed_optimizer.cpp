@@ -1,0 +1,74 @@
+// Gradient averaging fused into flat buckets, and the optimizer wrapper built on it.
+#include "weave/parallel/distributed_optimizer.h"
+
+#include "weave/autograd/grad_mode.h"
+
+namespace weave::parallel {
+
+void average_gradients(const std::vector<Tensor>& params, const dist::Group& group,
+                       double bucket_mb, std::optional<DType> compress) {
+  WEAVE_CHECK(bucket_mb > 0, "average_gradients", "bucket_mb must be positive, found {}",
+              bucket_mb);
+  NoGradGuard no_grad;
+  std::vector<Tensor> grads;
+  for (const Tensor& p : params) {
+    if (!p.defined() || !p.requires_grad()) continue;
+    if (!p.grad().defined()) p.set_grad(zeros_like(p));
+    grads.push_back(p.grad());
+  }
+  // Consecutive gradients of one dtype and device share a bucket up to the size cap.
+  struct Bucket {
+    std::vector<Tensor> grads;
+    Tensor flat, wire;
+    dist::Work work;
+  };
+  std::vector<Bucket> buckets;
+  const double cap = bucket_mb * 1024 * 1024;
+  double bytes = 0;
+  for (const Tensor& g : grads) {
+    const double size = double(g.numel()) * double(g.itemsize());
+    if (buckets.empty() || buckets.back().grads.front().dtype() != g.dtype() ||
+        buckets.back().grads.front().device() != g.device() || bytes + size > cap) {
+      buckets.emplace_back();
+      bytes = 0;
+    }
+    buckets.back().grads.push_back(g);
+    bytes += size;
+  }
+  for (Bucket& b : buckets) {  // pack and launch every bucket before waiting for any
+    std::vector<Tensor> pieces;
+    for (const Tensor& g : b.grads) pieces.push_back(g.reshape({-1}));
+    b.flat = cat(pieces);
+    b.wire = compress && *compress != b.flat.dtype() ? b.flat.to(*compress) : b.flat;
+    b.work = dist::all_reduce(b.wire, dist::ReduceOp::Avg, group, /*async_op=*/true);
+  }
+  for (Bucket& b : buckets) {
+    b.work.wait();
+    if (!b.wire.is_same(b.flat)) b.flat.copy_(b.wire);
+    int64_t offset = 0;
+    for (Tensor& g : b.grads) {
+      g.copy_(b.flat.narrow(0, offset, g.numel()).reshape(g.shape()));
+      offset += g.numel();
+    }
+  }
+}
+
+DistributedOptimizer::DistributedOptimizer(optim::Optimizer& optimizer,
+                                           DistributedOptimizerOptions options)
+    : optimizer_(optimizer),
+      options_(std::move(options)),
+      group_(options_.group ? *options_.group : dist::world()) {
+  WEAVE_CHECK(group_.rank() >= 0, "DistributedOptimizer", "rank {} is not in group {}",
+              dist::rank(), group_.str());
+}
+
+void DistributedOptimizer::synchronize() {
+  average_gradients(optimizer_.params(), group_, options_.bucket_mb, options_.compress);
+}
+
+void DistributedOptimizer::step() {
+  synchronize();
+  optimizer_.step();
+}
+
+}  // namespace weave::parallel

@@ -1,0 +1,45 @@
+#pragma once
+// Horovod's and Lux's DistributedOptimizer: wraps an optimizer so that step() first averages
+// every parameter's gradient over the group, fused into few all_reduces, then steps.
+#include <optional>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+#include "weave/optim/optimizer.h"
+
+namespace weave::parallel {
+
+struct DistributedOptimizerOptions {
+  /// Gradients are packed into flat buffers of at most this size (per dtype and device), each
+  /// averaged by one asynchronous all_reduce; the buffers overlap one another.
+  double bucket_mb = 25.0;
+  /// Communicate in kBFloat16 or kFloat16 (averaged, then widened back).
+  std::optional<DType> compress = std::nullopt;
+  std::optional<dist::Group> group = std::nullopt;
+};
+
+class DistributedOptimizer {
+ public:
+  /// Every rank of the group wraps the optimizer of its replica (same parameters, same order).
+  explicit DistributedOptimizer(optim::Optimizer& optimizer,
+                                DistributedOptimizerOptions options = {});
+  /// Averages the gradients over the group, then steps the wrapped optimizer. A parameter
+  /// without a gradient takes part with zeros (and receives the average).
+  void step();
+  /// Averages the gradients only (what step() does before stepping).
+  void synchronize();
+  void zero_grad(bool set_to_none = true) { optimizer_.zero_grad(set_to_none); }
+  optim::Optimizer& optimizer() { return optimizer_; }
+
+ private:
+  optim::Optimizer& optimizer_;
+  DistributedOptimizerOptions options_;
+  dist::Group group_;
+};
+
+/// Averages the gradients of `params` over the group in buckets of at most bucket_mb, as
+/// DistributedOptimizer::synchronize does. Collective.
+void average_gradients(const std::vector<Tensor>& params, const dist::Group& group,
+                       double bucket_mb = 25.0, std::optional<DType> compress = std::nullopt);
+
+}  // namespace weave::parallel
