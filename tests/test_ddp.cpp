@@ -278,4 +278,43 @@ TEST_SUITE("ddp") {
     CHECK(message.rfind("[rank0_first]", 0) == 0);
     CHECK(message.find("disk full") != std::string::npos);  // on every rank
   }
+
+  TEST_CASE("ZeRO-1 with Adam equals DDP with Adam, holding 1/N of the state") {
+    const int n = dist::world_size();
+    auto reference = make_model(0, kFloat32);
+    auto model = make_model(0, kFloat32);
+    DistributedDataParallel ddp(*reference);
+    optim::Adam adam(reference->parameters(), {.lr = 1e-2});
+    parallel::ZeroRedundancyOptimizer zero(model->parameters(), [](std::vector<Tensor> shard) {
+      return std::make_unique<optim::Adam>(std::move(shard), optim::AdamOptions{.lr = 1e-2});
+    });
+    for (int step = 0; step < 5; ++step) {
+      auto [x, y] = global_batch(step, kFloat32);
+      adam.zero_grad();
+      mse_loss(ddp(local_rows(x)), local_rows(y)).backward();
+      adam.step();
+      zero.zero_grad();
+      mse_loss((*model)(local_rows(x)), local_rows(y)).backward();
+      zero.step();
+    }
+    for (size_t i = 0; i < reference->parameters().size(); ++i)
+      CHECK(allclose(model->parameters()[i], reference->parameters()[i], 1e-6, 1e-7));
+    int64_t total = 0, full_state = 0, shard_state = 0;
+    for (const Tensor& p : model->parameters()) total += p.numel();
+    for (const Tensor& t : adam.state()) full_state += t.numel();
+    for (const Tensor& t : zero.shard_optimizer().state()) shard_state += t.numel();
+    CHECK(full_state == 2 * total);                   // Adam: two moments per element
+    CHECK(shard_state == 2 * ((total + n - 1) / n));  // this rank's slice only
+    CHECK(zero.shard_numel() == (total + n - 1) / n);
+  }
+
+  TEST_CASE("synchronize(optimizer) copies the root's state") {
+    auto model = make_model(0);
+    optim::SGD sgd(model->parameters(), {.lr = 0.1 * (dist::rank() + 1), .momentum = 0.9});
+    for (const Tensor& p : model->parameters()) p.set_grad(full_like(p, dist::rank() + 1.0));
+    sgd.step();  // momentum buffers = the rank's gradient
+    parallel::synchronize(sgd, 0);
+    CHECK(sgd.lr() == doctest::Approx(0.1));
+    for (const Tensor& t : sgd.state()) CHECK(allclose(t, full_like(t, 1.0)));
+  }
 }

@@ -19,5 +19,6 @@
 #include "weave/parallel/data.h"
 #include "weave/parallel/ddp.h"
 #include "weave/parallel/distributed_optimizer.h"
+#include "weave/parallel/zero.h"
 #include "weave/tensor/cuda/runtime.h"
 #include "weave/tensor/tensor.h"

@@ -52,6 +52,21 @@ void SGD::step() {
   }
 }
 
+std::vector<Tensor> SGD::state() const {
+  std::vector<Tensor> out;
+  for (const Tensor& t : momentum_)
+    if (t.defined()) out.push_back(t);
+  return out;
+}
+
+std::vector<Tensor> Adam::state() const {
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < exp_avg_.size(); ++i)
+    for (const Tensor& t : {exp_avg_[i], exp_avg_sq_[i]})
+      if (t.defined()) out.push_back(t);
+  return out;
+}
+
 Adam::Adam(std::vector<Tensor> params, AdamOptions options)
     : Adam(std::move(params), options, false) {}
 

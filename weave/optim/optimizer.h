@@ -19,6 +19,8 @@ class Optimizer {
   double lr() const { return lr_; }
   void set_lr(double lr) { lr_ = lr; }
   const std::vector<Tensor>& params() const { return params_; }
+  /// The state tensors created so far (momentum, moment estimates), in a fixed order.
+  virtual std::vector<Tensor> state() const { return {}; }
 
  protected:
   std::vector<Tensor> params_;
@@ -39,6 +41,7 @@ class SGD : public Optimizer {
  public:
   SGD(std::vector<Tensor> params, SGDOptions options);
   void step() override;
+  std::vector<Tensor> state() const override;
 
  private:
   SGDOptions options_;
@@ -58,6 +61,7 @@ class Adam : public Optimizer {
  public:
   Adam(std::vector<Tensor> params, AdamOptions options);
   void step() override;
+  std::vector<Tensor> state() const override;
 
  protected:
   Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled);

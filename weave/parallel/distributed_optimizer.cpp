@@ -53,6 +53,26 @@ void average_gradients(const std::vector<Tensor>& params, const dist::Group& gro
   }
 }
 
+void synchronize(optim::Optimizer& optimizer, int root,
+                 const std::optional<dist::Group>& group_option) {
+  const dist::Group group = group_option ? *group_option : dist::world();
+  NoGradGuard no_grad;
+  std::vector<Tensor> state = optimizer.state();
+  // Same number of state tensors everywhere, or the broadcasts below would not pair up.
+  Tensor counts = full({2}, double(state.size()), {.dtype = kInt64});
+  counts.narrow(0, 1, 1).mul_(-1.0);  // max of n and max of -n: equal iff all n agree
+  dist::all_reduce(counts, dist::ReduceOp::Max, group);
+  auto c = counts.to_vector<int64_t>();
+  WEAVE_CHECK(c[0] == -c[1], "synchronize",
+              "ranks hold different optimizer states ({} to {} state tensors); hint: synchronize "
+              "before the first step, or after the same number of steps everywhere",
+              -c[1], c[0]);
+  for (const Tensor& t : state) dist::broadcast(t, root, group);
+  Tensor lr = full({1}, optimizer.lr(), {.dtype = kFloat64});
+  dist::broadcast(lr, root, group);
+  optimizer.set_lr(lr.item<double>());
+}
+
 DistributedOptimizer::DistributedOptimizer(optim::Optimizer& optimizer,
                                            DistributedOptimizerOptions options)
     : optimizer_(optimizer),

@@ -37,6 +37,12 @@ class DistributedOptimizer {
   dist::Group group_;
 };
 
+/// Broadcasts an optimizer's state tensors and learning rate from group rank `root`, so a
+/// restarted or late replica continues exactly like the others. Every rank's optimizer must
+/// have created the same state so far (raises on every rank otherwise). Collective.
+void synchronize(optim::Optimizer& optimizer, int root = 0,
+                 const std::optional<dist::Group>& group = std::nullopt);
+
 /// Averages the gradients of `params` over the group in buckets of at most bucket_mb, as
 /// DistributedOptimizer::synchronize does. Collective.
 void average_gradients(const std::vector<Tensor>& params, const dist::Group& group,

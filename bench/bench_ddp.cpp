@@ -1,0 +1,140 @@
+// One data-parallel training step of an MLP with about 10M parameters, under mpirun, with each
+// way of averaging the gradients, all in the same run (cases interleaved, medians of
+// repetitions; every rank times the same steps and rank 0 prints):
+//   mpirun -np 2 bench_ddp [repetitions=9] [batch=32]
+// One line per case: case= step_ms= ratio= (ratio = step / compute-only step), then the time of
+// one flat all_reduce of every gradient and the share of it that DDP hid behind backward.
+#include <weave/weave.h>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+
+using namespace weave;
+
+namespace {
+
+std::shared_ptr<nn::Sequential> make_model() {
+  manual_seed(0);
+  return std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+      std::make_shared<nn::Linear>(784, 2048), nn::ReLU(), std::make_shared<nn::Linear>(2048, 2048),
+      nn::ReLU(), std::make_shared<nn::Linear>(2048, 1536), nn::ReLU(),
+      std::make_shared<nn::Linear>(1536, 10)});
+}
+
+// Every rank's step must end at the same moment for the next to start together.
+double timed(const std::function<void()>& step) {
+  dist::barrier();
+  const double t = bench::seconds(step);
+  Tensor slowest = full({1}, t, {.dtype = kFloat64});
+  dist::all_reduce(slowest, dist::ReduceOp::Max);
+  return slowest.item<double>();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  set_num_threads(1);
+  dist::InitGuard guard;
+  const int reps = argc > 1 ? std::stoi(argv[1]) : 9;
+  const int64_t batch = argc > 2 ? std::stoll(argv[2]) : 32;
+  const int me = dist::rank(), n = dist::world_size();
+  Generator data(7 + uint64_t(me));
+  Tensor x = randn({batch, 784}, {}, &data);
+  Tensor y = randint(0, 10, {batch}, {.dtype = kInt64}, &data);
+
+  struct Case {
+    std::string name;
+    std::shared_ptr<nn::Sequential> model;
+    std::function<void()> step;
+    std::vector<double> times;
+  };
+  std::vector<std::unique_ptr<Case>> cases;
+  auto add = [&](std::string name, auto make_step) {
+    auto c = std::make_unique<Case>();
+    c->name = std::move(name);
+    c->model = make_model();
+    c->step = make_step(*c->model);
+    cases.push_back(std::move(c));
+  };
+  auto backward = [&](nn::Module& model, auto&& forward) {
+    model.zero_grad(false);
+    cross_entropy(forward(x), y).backward();
+  };
+
+  add("compute_only", [&](nn::Sequential& m) {
+    return [&, &m = m] { backward(m, [&](const Tensor& in) { return m(in); }); };
+  });
+  add("naive_per_parameter", [&](nn::Sequential& m) {
+    return [&, &m = m] {
+      backward(m, [&](const Tensor& in) { return m(in); });
+      for (const Tensor& p : m.parameters()) dist::all_reduce(p.grad(), dist::ReduceOp::Avg);
+    };
+  });
+  add("flat_after_backward", [&](nn::Sequential& m) {
+    return [&, &m = m] {
+      backward(m, [&](const Tensor& in) { return m(in); });
+      parallel::average_gradients(m.parameters(), dist::world(), 1e6);  // one bucket
+    };
+  });
+  std::vector<std::unique_ptr<optim::SGD>> sgds;
+  std::vector<std::unique_ptr<parallel::DistributedOptimizer>> dist_opts;
+  add("distributed_optimizer", [&](nn::Sequential& m) {
+    sgds.push_back(std::make_unique<optim::SGD>(m.parameters(), optim::SGDOptions{.lr = 0.0}));
+    dist_opts.push_back(std::make_unique<parallel::DistributedOptimizer>(*sgds.back()));
+    auto* opt = dist_opts.back().get();
+    return [&, &m = m, opt] {
+      backward(m, [&](const Tensor& in) { return m(in); });
+      opt->synchronize();
+    };
+  });
+  std::vector<std::unique_ptr<parallel::DistributedDataParallel>> ddps;
+  for (bool bf16 : {false, true}) {
+    add(bf16 ? "ddp_bf16" : "ddp", [&, bf16](nn::Sequential& m) {
+      ddps.push_back(std::make_unique<parallel::DistributedDataParallel>(
+          m, parallel::DDPOptions{.compress = bf16 ? std::optional<DType>(kBFloat16)
+                                                   : std::optional<DType>()}));
+      auto* ddp = ddps.back().get();
+      return [&, &m = m, ddp] { backward(m, [&](const Tensor& in) { return (*ddp)(in); }); };
+    });
+  }
+  int64_t parameters = 0;
+  for (const Tensor& p : cases[0]->model->parameters()) parameters += p.numel();
+  Tensor flat = zeros({parameters});
+  double flat_all_reduce = 0;
+  {
+    std::vector<double> t;
+    for (int r = 0; r < reps + 1; ++r)
+      t.push_back(timed([&] { dist::all_reduce(flat, dist::ReduceOp::Avg); }));
+    t.erase(t.begin());
+    flat_all_reduce = bench::median(t);
+  }
+
+  for (auto& c : cases) c->step();  // warm up (DDP traces its buckets here)
+  for (int r = 0; r < reps; ++r)
+    for (auto& c : cases) c->times.push_back(timed(c->step));
+
+  const double compute = bench::median(cases[0]->times);
+  if (me == 0) {
+    std::printf("ranks=%d parameters=%lld batch_per_rank=%lld repetitions=%d\n", n,
+                static_cast<long long>(parameters), static_cast<long long>(batch), reps);
+    for (auto& c : cases) {
+      const double step = bench::median(c->times);
+      std::printf("case=%s step_ms=%.2f ratio=%.3f\n", c->name.c_str(), step * 1e3, step / compute);
+    }
+    const double ddp = bench::median(cases[4]->times);
+    std::printf(
+        "flat_all_reduce_ms=%.2f ddp_overhead_ms=%.2f hidden_share=%.2f "
+        "ddp_within_half_all_reduce=%s\n",
+        flat_all_reduce * 1e3, (ddp - compute) * 1e3, 1.0 - (ddp - compute) / flat_all_reduce,
+        ddp <= compute + 0.5 * flat_all_reduce ? "yes" : "no");
+    for (auto& d : ddps)
+      std::printf("ddp buckets=%d first_launch_after=%lld/%lld gradients\n", d->stats().buckets,
+                  static_cast<long long>(d->stats().ready_before_first_launch),
+                  static_cast<long long>(d->stats().parameters));
+  }
+  return 0;
+}

@@ -1,0 +1,170 @@
+#pragma once
+// The Fashion-MNIST MLP trainer behind fashion_mnist_mlp and fashion_mnist_ddp: flags, data,
+// model, and a training loop whose gradient averaging is a data-parallel strategy.
+//
+//   [--epochs 10] [--batch-size 128] [--lr 0.001] [--seed 0] [--data DIR] [--threads N]
+//   [--strategy ddp|dist-opt] [--compress bf16|fp16]
+//
+// --batch-size is the global batch, split across the ranks; each rank draws its share of every
+// epoch from a DistributedSampler. Rank 0 prints one line per epoch and, last, exactly
+// `test_accuracy=0.XXXX`.
+#include <weave/weave.h>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace fashion_mnist {
+
+using namespace weave;
+
+struct Flags {
+  int epochs = 10;
+  int64_t batch_size = 128;
+  double lr = 1e-3;
+  uint64_t seed = 0;
+  int threads = 0;
+  std::string data = data::kFashionMnistDir;
+  std::string strategy = "ddp";
+  std::optional<DType> compress;
+};
+
+inline Flags parse(int argc, char** argv, const char* program) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      WEAVE_CHECK(i + 1 < argc, program, "{} needs a value", arg);
+      return argv[++i];
+    };
+    if (arg == "--epochs") {
+      f.epochs = std::stoi(value());
+    } else if (arg == "--batch-size") {
+      f.batch_size = std::stoll(value());
+    } else if (arg == "--lr") {
+      f.lr = std::stod(value());
+    } else if (arg == "--seed") {
+      f.seed = std::stoull(value());
+    } else if (arg == "--data") {
+      f.data = value();
+    } else if (arg == "--threads") {
+      f.threads = std::stoi(value());
+    } else if (arg == "--strategy") {
+      f.strategy = value();
+      WEAVE_CHECK(f.strategy == "ddp" || f.strategy == "dist-opt", program,
+                  "unknown strategy '{}'; expected ddp or dist-opt", f.strategy);
+    } else if (arg == "--compress") {
+      const std::string c = value();
+      WEAVE_CHECK(c == "bf16" || c == "fp16", program,
+                  "unknown compression '{}'; expected bf16 or fp16", c);
+      f.compress = c == "bf16" ? kBFloat16 : kFloat16;
+    } else {
+      WEAVE_FAIL(program,
+                 "unknown flag '{}'; expected --epochs, --batch-size, --lr, --seed, --data, "
+                 "--threads, --strategy, --compress",
+                 arg);
+    }
+  }
+  WEAVE_CHECK(f.epochs > 0 && f.batch_size > 0 && f.lr > 0, program,
+              "--epochs, --batch-size and --lr must be positive");
+  return f;
+}
+
+// Pixels to float, standardized with the training set's mean and deviation.
+inline Tensor normalize(const Tensor& images) {
+  return (images.to(kFloat32) / 255.0 - 0.2860) / 0.3530;
+}
+
+inline double accuracy(nn::Module& model, const Tensor& images, const Tensor& labels) {
+  NoGradGuard no_grad;
+  model.eval();
+  int64_t correct = 0;
+  for (int64_t start = 0; start < images.size(0); start += 1000) {
+    int64_t n = std::min<int64_t>(1000, images.size(0) - start);
+    Tensor logits = model(images.narrow(0, start, n));
+    correct += sum(eq(argmax(logits, 1), labels.narrow(0, start, n))).item<int64_t>();
+  }
+  model.train();
+  return static_cast<double>(correct) / static_cast<double>(images.size(0));
+}
+
+// Trains with flags.strategy; returns the process's exit code.
+inline int run(const Flags& flags) {
+  dist::InitGuard distributed(dist::Backend::MPI);  // a world of one without mpirun
+  const int rank = dist::rank(), ranks = dist::world_size();
+  if (flags.threads > 0)
+    set_num_threads(flags.threads);
+  else if (ranks > 1)
+    set_num_threads(1);                      // ranks share this machine's cores
+  manual_seed(flags.seed + uint64_t(rank));  // DDP broadcasts rank 0's model
+
+  data::MnistSplit train = data::load_fashion_mnist(flags.data, true);
+  data::MnistSplit test = data::load_fashion_mnist(flags.data, false);
+  Tensor train_x = normalize(train.images).flatten(1), test_x = normalize(test.images).flatten(1);
+  auto dataset = std::make_shared<data::TensorDataset>(train_x, train.labels);
+  auto sampler = std::make_shared<parallel::DistributedSampler>(
+      dataset->size(), parallel::DistributedSamplerOptions{.seed = flags.seed});
+  const int64_t local_batch = std::max<int64_t>(1, flags.batch_size / ranks);
+  data::DataLoader loader(dataset, {.batch_size = local_batch, .sampler = sampler});
+
+  nn::Sequential model{
+      std::make_shared<nn::Linear>(784, 512), nn::ReLU(), std::make_shared<nn::Dropout>(0.2),
+      std::make_shared<nn::Linear>(512, 256), nn::ReLU(), std::make_shared<nn::Dropout>(0.2),
+      std::make_shared<nn::Linear>(256, 10)};
+  // ddp: averaging overlaps backward; dist-opt: one fused averaging before each step.
+  std::unique_ptr<parallel::DistributedDataParallel> ddp;
+  if (flags.strategy == "ddp")
+    ddp = std::make_unique<parallel::DistributedDataParallel>(
+        model, parallel::DDPOptions{.compress = flags.compress});
+  else
+    parallel::synchronize(model);
+  optim::AdamW optimizer(model.parameters(), {.lr = flags.lr, .weight_decay = 1e-4});
+  std::unique_ptr<parallel::DistributedOptimizer> averaging;
+  if (!ddp)
+    averaging = std::make_unique<parallel::DistributedOptimizer>(
+        optimizer, parallel::DistributedOptimizerOptions{.compress = flags.compress});
+  const int64_t total_steps = flags.epochs * loader.size();
+  optim::LRScheduler scheduler(
+      optimizer, optim::linear_warmup(optim::cosine_schedule(flags.lr, total_steps), 200));
+
+  double test_accuracy = 0;
+  for (int epoch = 1; epoch <= flags.epochs; ++epoch) {
+    auto start = std::chrono::steady_clock::now();
+    sampler->set_epoch(epoch);
+    double loss_sum = 0;
+    int64_t correct = 0, seen = 0;
+    for (const data::Example& batch : loader) {
+      Tensor logits = ddp ? (*ddp)(batch.input) : model(batch.input);
+      Tensor loss = cross_entropy(logits, batch.target);
+      optimizer.zero_grad(/*set_to_none=*/false);
+      loss.backward();
+      if (averaging)
+        averaging->step();  // averages the gradients, then steps
+      else
+        optimizer.step();  // DDP averaged them during backward
+      scheduler.step();
+      const int64_t n = batch.input.size(0);
+      loss_sum += loss.item<double>() * static_cast<double>(n);
+      correct += sum(eq(argmax(logits.detach(), 1), batch.target)).item<int64_t>();
+      seen += n;
+    }
+    double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // Epoch statistics over all ranks' shares; the replicas are identical, so is their accuracy.
+    Tensor stats = from_vector<double>({loss_sum, double(correct), double(seen)});
+    dist::all_reduce(stats);
+    auto totals = stats.to_vector<double>();
+    test_accuracy = accuracy(model, test_x, test.labels);
+    if (rank == 0) {
+      std::printf("epoch %d/%d loss=%.4f train_acc=%.4f test_acc=%.4f time=%.1fs ranks=%d\n", epoch,
+                  flags.epochs, totals[0] / totals[2], totals[1] / totals[2], test_accuracy,
+                  seconds, ranks);
+      std::fflush(stdout);
+    }
+  }
+  if (rank == 0) std::printf("test_accuracy=%.4f\n", test_accuracy);
+  return 0;
+}
+
+}  // namespace fashion_mnist

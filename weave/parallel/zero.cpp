@@ -1,0 +1,75 @@
+// ZeRO-1: reduce-scatter the gradients, step the owned slice, all-gather the parameters.
+#include "weave/parallel/zero.h"
+
+#include "weave/autograd/grad_mode.h"
+
+namespace weave::parallel {
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
+                                                 const OptimizerFactory& make_optimizer,
+                                                 const std::optional<dist::Group>& group)
+    : params_(std::move(params)), group_(group ? *group : dist::world()) {
+  const char* op = "ZeroRedundancyOptimizer";
+  WEAVE_CHECK(!params_.empty(), op, "expected parameters, found none");
+  WEAVE_CHECK(group_.rank() >= 0, op, "rank {} is not in group {}", dist::rank(), group_.str());
+  for (const Tensor& p : params_) {
+    WEAVE_CHECK(p.defined() && p.is_leaf() && p.requires_grad(), op,
+                "every parameter must be a leaf that requires grad");
+    WEAVE_CHECK(p.dtype() == params_[0].dtype() && p.device() == params_[0].device(), op,
+                "parameters must share one dtype and device, found {} on {} and {} on {}; hint: "
+                "one ZeroRedundancyOptimizer per dtype",
+                params_[0].dtype(), params_[0].device(), p.dtype(), p.device());
+    total_ += p.numel();
+  }
+  NoGradGuard no_grad;
+  const int64_t n = group_.size(), per_rank = (total_ + n - 1) / n;
+  std::vector<Tensor> pieces;
+  for (const Tensor& p : params_) pieces.push_back(p.reshape({-1}));
+  if (per_rank * n > total_)
+    pieces.push_back(zeros({per_rank * n - total_},
+                           {.dtype = params_[0].dtype(), .device = params_[0].device()}));
+  flat_params_ = cat(pieces);
+  shard_ = flat_params_.narrow(0, group_.rank() * per_rank, per_rank).detach();
+  shard_.requires_grad_(true);
+  optimizer_ = make_optimizer({shard_});
+  WEAVE_CHECK(optimizer_ != nullptr, op, "the optimizer factory returned null");
+}
+
+void ZeroRedundancyOptimizer::step() {
+  NoGradGuard no_grad;
+  std::vector<Tensor> grads;
+  for (const Tensor& p : params_)
+    grads.push_back(p.grad().defined()
+                        ? p.grad().reshape({-1})
+                        : zeros({p.numel()}, {.dtype = p.dtype(), .device = p.device()}));
+  const int64_t padding = flat_params_.numel() - total_;
+  if (padding > 0)
+    grads.push_back(
+        zeros({padding}, {.dtype = flat_params_.dtype(), .device = flat_params_.device()}));
+  Tensor shard_grad = empty({shard_.numel()}, {.dtype = shard_.dtype(), .device = shard_.device()});
+  dist::reduce_scatter(shard_grad, cat(grads), dist::ReduceOp::Avg, group_);
+  shard_.set_grad(shard_grad);
+  optimizer_->step();  // updates shard_, a slice of flat_params_, in place
+  Tensor gathered =
+      empty(flat_params_.shape(), {.dtype = shard_.dtype(), .device = shard_.device()});
+  dist::all_gather(gathered, shard_.detach(), group_);
+  flat_params_.copy_(gathered);
+  int64_t offset = 0;
+  for (Tensor& p : params_) {
+    p.copy_(flat_params_.narrow(0, offset, p.numel()).reshape(p.shape()));
+    offset += p.numel();
+  }
+}
+
+void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
+  NoGradGuard no_grad;
+  for (Tensor& p : params_) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none)
+      p.set_grad({});
+    else
+      p.grad().zero_();
+  }
+}
+
+}  // namespace weave::parallel

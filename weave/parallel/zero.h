@@ -1,0 +1,47 @@
+#pragma once
+// ZeRO stage 1: the optimizer state is sharded. Each rank of the group keeps (and updates) the
+// optimizer state of a 1/N slice of the flattened parameters only:
+//   1. the gradients, flattened, are reduce-scattered (averaged): each rank gets its slice;
+//   2. the wrapped optimizer steps that slice of the parameters;
+//   3. the updated slices are all-gathered back into every rank's parameters.
+// The step equals an unsharded data-parallel step; memory for optimizer state drops to 1/N.
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+#include "weave/optim/optimizer.h"
+
+namespace weave::parallel {
+
+/// Builds the optimizer of this rank's slice (one flat tensor), e.g.
+/// `[](std::vector<Tensor> shard) { return std::make_unique<optim::Adam>(shard, {...}); }`.
+using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::vector<Tensor>)>;
+
+class ZeroRedundancyOptimizer {
+ public:
+  /// params: the replica's parameters (one floating dtype and device; every rank the same
+  /// list). Collective over the group (the replicas must already be equal, e.g. after
+  /// parallel::synchronize).
+  ZeroRedundancyOptimizer(std::vector<Tensor> params, const OptimizerFactory& make_optimizer,
+                          const std::optional<dist::Group>& group = std::nullopt);
+  /// Averages the gradients (reduce-scatter), steps this rank's slice, gathers the parameters.
+  /// A parameter without a gradient takes part with zeros. Collective.
+  void step();
+  void zero_grad(bool set_to_none = true);
+  /// The optimizer of this rank's slice (for schedules: set_lr).
+  optim::Optimizer& shard_optimizer() { return *optimizer_; }
+  /// Elements of the flattened parameters this rank owns: ceil(total / group size).
+  int64_t shard_numel() const { return shard_.numel(); }
+
+ private:
+  std::vector<Tensor> params_;
+  dist::Group group_;
+  int64_t total_ = 0;
+  Tensor flat_params_;  // every parameter, flattened and padded to a multiple of the group size
+  Tensor shard_;        // this rank's slice of flat_params_, the leaf its optimizer updates
+  std::unique_ptr<optim::Optimizer> optimizer_;
+};
+
+}  // namespace weave::parallel
