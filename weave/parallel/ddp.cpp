@@ -8,6 +8,7 @@
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
+#include "weave/parallel/buckets.h"
 
 namespace weave::parallel {
 
@@ -172,48 +173,22 @@ struct DistributedDataParallel::State {
   }
 
   void build_buckets() {
-    // Ready order first; parameters that never became ready go last, latest registered first.
-    std::vector<int> order = trace;
-    for (int i = int(params.size()) - 1; i >= 0; --i)
-      if (std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
     // Every rank must cut the same buckets, or their all_reduces would not pair up: all take
     // the first rank's order. Without find_unused_parameters every rank must have traced that
     // same order (the same model code on inputs of the same structure), and all raise if not.
-    std::vector<int64_t> order64(order.begin(), order.end());
-    Tensor first_order = from_vector(order64);
-    dist::broadcast(first_order, 0, group);
-    const std::vector<int64_t> adopted = first_order.to_vector<int64_t>();
-    if (!options.find_unused_parameters) {
-      Tensor differs = full({1}, adopted != order64 ? 1.0 : 0.0, {.dtype = kInt64});
-      dist::all_reduce(differs, dist::ReduceOp::Max, group);
-      if (differs.item<int64_t>() != 0) {
-        fail_if_unused();  // the likely cause, named where this rank has it
-        WEAVE_FAIL("DistributedDataParallel",
-                   "ranks produced gradients in different orders in the first backward, so their "
-                   "buckets would differ; hint: every rank must run the same model code on "
-                   "inputs of the same structure, or construct with "
-                   "{{.find_unused_parameters = true}}");
-      }
+    bool differs = false;
+    const std::vector<int> order = detail::agree_on_order(trace, params.size(), group, differs);
+    if (differs && !options.find_unused_parameters) {
+      fail_if_unused();  // the likely cause, named where this rank has it
+      WEAVE_FAIL("DistributedDataParallel",
+                 "ranks produced gradients in different orders in the first backward, so their "
+                 "buckets would differ; hint: every rank must run the same model code on inputs "
+                 "of the same structure, or construct with {{.find_unused_parameters = true}}");
     }
-    order.assign(adopted.begin(), adopted.end());
-    const double mb = 1024.0 * 1024.0;
-    int64_t bytes = 0;
-    for (int i : order) {
-      const Tensor& p = params[i];
-      const int64_t size = p.numel() * int64_t(p.itemsize());
-      const double cap = (buckets.size() <= 1 ? options.first_bucket_mb : options.bucket_mb) * mb;
-      bool fresh = buckets.empty();
-      if (!fresh) {
-        const Tensor& first = params[buckets.back().params.front()];
-        fresh = first.dtype() != p.dtype() || first.device() != p.device() ||
-                (bytes + size > cap && !buckets.back().params.empty());
-      }
-      if (fresh) {
-        buckets.emplace_back();
-        bytes = 0;
-      }
-      buckets.back().params.push_back(i);
-      bytes += size;
+    for (const auto& members :
+         detail::cut_buckets(order, params, options.first_bucket_mb, options.bucket_mb)) {
+      buckets.emplace_back();
+      buckets.back().params = members;
     }
     views.assign(params.size(), Tensor());
     bucket_of.assign(params.size(), -1);
