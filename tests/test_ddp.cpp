@@ -317,4 +317,97 @@ TEST_SUITE("ddp") {
     CHECK(sgd.lr() == doctest::Approx(0.1));
     for (const Tensor& t : sgd.state()) CHECK(allclose(t, full_like(t, 1.0)));
   }
+
+  TEST_CASE("decentralized 'complete' equals DDP step for step (SGD), also accumulating") {
+    auto sgd_factory = [](std::vector<Tensor> bucket) {
+      return std::make_unique<optim::SGD>(std::move(bucket), optim::SGDOptions{.lr = 0.1});
+    };
+    auto model = rank_model(), reference = rank_model();
+    parallel::DecentralizedDataParallel dec(
+        *model, sgd_factory, {.topology = "complete", .first_bucket_mb = 1e-4, .bucket_mb = 1e-4});
+    DistributedDataParallel ddp(*reference);
+    optim::SGD sgd(reference->parameters(), {.lr = 0.1});
+    for (int step = 0; step < 4; ++step) {
+      CAPTURE(step);
+      auto [x, y] = global_batch(step);
+      auto [x2, y2] = global_batch(100 + step);
+      const bool accumulate = step == 3;  // the last step accumulates two micro-batches
+      if (accumulate) {
+        dec.set_accumulate_grad(true);
+        mse_loss(dec(local_rows(x2)), local_rows(y2)).backward();
+        dec.set_accumulate_grad(false);
+      }
+      mse_loss(dec(local_rows(x)), local_rows(y)).backward();
+      sgd.zero_grad();
+      if (accumulate) {
+        auto guard = ddp.no_sync();
+        mse_loss(ddp(local_rows(x2)), local_rows(y2)).backward();
+      }
+      mse_loss(ddp(local_rows(x)), local_rows(y)).backward();
+      sgd.step();
+      dec.wait();
+      for (size_t i = 0; i < reference->parameters().size(); ++i)
+        CHECK(allclose(model->parameters()[i], reference->parameters()[i], 1e-12, 1e-14));
+    }
+    CHECK(dec.steps() == 4);
+  }
+
+  TEST_CASE("decentralized ring and one-peer-exp mix exactly with their neighbours") {
+    const int n = dist::world_size(), me = dist::rank();
+    for (std::string topology : {"ring", "one-peer-exp"}) {
+      CAPTURE(topology);
+      if (topology == "ring" && n % 2 != 0) {
+        CHECK_THROWS_AS(parallel::topology_phases(topology, n), Error);
+        continue;
+      }
+      if (topology == "one-peer-exp" && (n < 2 || (n & (n - 1)) != 0)) continue;
+      auto model = rank_model();
+      const double lr = 0.05;
+      parallel::DecentralizedDataParallel dec(*model,
+                                              [lr](std::vector<Tensor> bucket) {
+                                                return std::make_unique<optim::SGD>(
+                                                    std::move(bucket), optim::SGDOptions{.lr = lr});
+                                              },
+                                              {.topology = topology});
+      // Two steps by hand: every rank's local step from the common start, then each phase's
+      // mixing matrix applied.
+      auto start = make_model(0);
+      std::vector<std::vector<Tensor>> replicas(static_cast<size_t>(n));
+      for (int r = 0; r < n; ++r)
+        for (const Tensor& p : start->parameters()) replicas[size_t(r)].push_back(p.clone());
+      for (int step = 0; step < 2; ++step) {
+        auto [x, y] = global_batch(step);
+        mse_loss(dec(local_rows(x)), local_rows(y)).backward();
+        std::vector<std::vector<Tensor>> stepped(static_cast<size_t>(n));
+        for (int r = 0; r < n; ++r) {
+          auto local = make_model(0);
+          for (size_t i = 0; i < local->parameters().size(); ++i)
+            local->parameters()[i].detach().copy_(replicas[size_t(r)][i]);
+          mse_loss((*local)(x.narrow(0, r * kLocalBatch, kLocalBatch)),
+                   y.narrow(0, r * kLocalBatch, kLocalBatch))
+              .backward();
+          for (const Tensor& p : local->parameters())
+            stepped[size_t(r)].push_back(p.detach() - p.grad() * lr);
+        }
+        auto m = parallel::mixing_matrix(dec.phases()[size_t(step) % dec.phases().size()], n);
+        for (int r = 0; r < n; ++r)
+          for (size_t i = 0; i < replicas[size_t(r)].size(); ++i) {
+            Tensor mixed = zeros_like(stepped[0][i]);
+            for (int j = 0; j < n; ++j)
+              mixed = mixed + stepped[size_t(j)][i] * m[size_t(r)][size_t(j)];
+            replicas[size_t(r)][i] = mixed;
+          }
+      }
+      dec.wait();
+      for (size_t i = 0; i < replicas[size_t(me)].size(); ++i)
+        CHECK(allclose(model->parameters()[i], replicas[size_t(me)][i], 1e-12, 1e-14));
+      // global_avg: every rank ends with the mean of the replicas.
+      dec.global_avg();
+      for (size_t i = 0; i < replicas[0].size(); ++i) {
+        Tensor mean = zeros_like(replicas[0][i]);
+        for (int r = 0; r < n; ++r) mean = mean + replicas[size_t(r)][i] / double(n);
+        CHECK(allclose(model->parameters()[i], mean, 1e-12, 1e-14));
+      }
+    }
+  }
 }

@@ -18,6 +18,7 @@
 #include "weave/optim/schedule.h"
 #include "weave/parallel/data.h"
 #include "weave/parallel/ddp.h"
+#include "weave/parallel/decentralized.h"
 #include "weave/parallel/distributed_optimizer.h"
 #include "weave/parallel/zero.h"
 #include "weave/tensor/cuda/runtime.h"
