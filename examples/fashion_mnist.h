@@ -3,7 +3,7 @@
 // model, and a training loop whose gradient averaging is a data-parallel strategy.
 //
 //   [--epochs 10] [--batch-size 128] [--lr 0.001] [--seed 0] [--data DIR] [--threads N]
-//   [--strategy ddp|dist-opt] [--compress bf16|fp16]
+//   [--strategy ddp|dist-opt|zero1|decentralized:TOPOLOGY] [--compress bf16|fp16]
 //
 // --batch-size is the global batch, split across the ranks; each rank draws its share of every
 // epoch from a DistributedSampler. Rank 0 prints one line per epoch and, last, exactly
@@ -52,8 +52,13 @@ inline Flags parse(int argc, char** argv, const char* program) {
       f.threads = std::stoi(value());
     } else if (arg == "--strategy") {
       f.strategy = value();
-      WEAVE_CHECK(f.strategy == "ddp" || f.strategy == "dist-opt", program,
-                  "unknown strategy '{}'; expected ddp or dist-opt", f.strategy);
+      const bool decentralized = f.strategy.rfind("decentralized:", 0) == 0;
+      WEAVE_CHECK(
+          f.strategy == "ddp" || f.strategy == "dist-opt" || f.strategy == "zero1" || decentralized,
+          program,
+          "unknown strategy '{}'; expected ddp, dist-opt, zero1 or decentralized:NAME "
+          "(NAME: {})",
+          f.strategy, parallel::topology_names());
     } else if (arg == "--compress") {
       const std::string c = value();
       WEAVE_CHECK(c == "bf16" || c == "fp16", program,
@@ -112,21 +117,40 @@ inline int run(const Flags& flags) {
       std::make_shared<nn::Linear>(784, 512), nn::ReLU(), std::make_shared<nn::Dropout>(0.2),
       std::make_shared<nn::Linear>(512, 256), nn::ReLU(), std::make_shared<nn::Dropout>(0.2),
       std::make_shared<nn::Linear>(256, 10)};
-  // ddp: averaging overlaps backward; dist-opt: one fused averaging before each step.
+  // ddp: averaging overlaps backward; dist-opt: one fused averaging before each step; zero1:
+  // reduce-scatter, step a 1/N slice of the Adam state, all-gather; decentralized: local steps
+  // inside backward, then neighbour averages over a topology.
+  auto make_adamw = [&](std::vector<Tensor> params) -> std::unique_ptr<optim::Optimizer> {
+    return std::make_unique<optim::AdamW>(
+        std::move(params), optim::AdamWOptions{.lr = flags.lr, .weight_decay = 1e-4});
+  };
+  const int64_t total_steps = flags.epochs * loader.size();
+  auto lr_at = optim::linear_warmup(optim::cosine_schedule(flags.lr, total_steps), 200);
   std::unique_ptr<parallel::DistributedDataParallel> ddp;
-  if (flags.strategy == "ddp")
+  std::unique_ptr<parallel::DecentralizedDataParallel> decentralized;
+  std::unique_ptr<parallel::DistributedOptimizer> averaging;
+  std::unique_ptr<parallel::ZeroRedundancyOptimizer> zero;
+  std::unique_ptr<optim::Optimizer> optimizer;
+  if (flags.strategy == "ddp") {
     ddp = std::make_unique<parallel::DistributedDataParallel>(
         model, parallel::DDPOptions{.compress = flags.compress});
-  else
+    optimizer = make_adamw(model.parameters());
+  } else if (flags.strategy == "dist-opt") {
     parallel::synchronize(model);
-  optim::AdamW optimizer(model.parameters(), {.lr = flags.lr, .weight_decay = 1e-4});
-  std::unique_ptr<parallel::DistributedOptimizer> averaging;
-  if (!ddp)
+    optimizer = make_adamw(model.parameters());
     averaging = std::make_unique<parallel::DistributedOptimizer>(
-        optimizer, parallel::DistributedOptimizerOptions{.compress = flags.compress});
-  const int64_t total_steps = flags.epochs * loader.size();
-  optim::LRScheduler scheduler(
-      optimizer, optim::linear_warmup(optim::cosine_schedule(flags.lr, total_steps), 200));
+        *optimizer, parallel::DistributedOptimizerOptions{.compress = flags.compress});
+  } else if (flags.strategy == "zero1") {
+    parallel::synchronize(model);
+    zero = std::make_unique<parallel::ZeroRedundancyOptimizer>(model.parameters(), make_adamw);
+  } else {
+    decentralized = std::make_unique<parallel::DecentralizedDataParallel>(
+        model, make_adamw,
+        parallel::DecentralizedOptions{.topology = flags.strategy.substr(14),
+                                       .lr_schedule = lr_at});
+  }
+  optim::Optimizer* stepped = zero ? &zero->shard_optimizer() : optimizer.get();
+  int64_t step = 0;
 
   double test_accuracy = 0;
   for (int epoch = 1; epoch <= flags.epochs; ++epoch) {
@@ -135,15 +159,22 @@ inline int run(const Flags& flags) {
     double loss_sum = 0;
     int64_t correct = 0, seen = 0;
     for (const data::Example& batch : loader) {
-      Tensor logits = ddp ? (*ddp)(batch.input) : model(batch.input);
+      Tensor logits = ddp             ? (*ddp)(batch.input)
+                      : decentralized ? (*decentralized)(batch.input)
+                                      : model(batch.input);
       Tensor loss = cross_entropy(logits, batch.target);
-      optimizer.zero_grad(/*set_to_none=*/false);
-      loss.backward();
+      if (stepped) {
+        stepped->set_lr(lr_at(step));
+        model.zero_grad(/*set_to_none=*/false);
+      }
+      loss.backward();  // decentralized: each bucket steps and mixes inside backward
       if (averaging)
         averaging->step();  // averages the gradients, then steps
-      else
-        optimizer.step();  // DDP averaged them during backward
-      scheduler.step();
+      else if (zero)
+        zero->step();
+      else if (optimizer)
+        optimizer->step();  // DDP averaged them during backward
+      ++step;
       const int64_t n = batch.input.size(0);
       loss_sum += loss.item<double>() * static_cast<double>(n);
       correct += sum(eq(argmax(logits.detach(), 1), batch.target)).item<int64_t>();
@@ -155,6 +186,8 @@ inline int run(const Flags& flags) {
     Tensor stats = from_vector<double>({loss_sum, double(correct), double(seen)});
     dist::all_reduce(stats);
     auto totals = stats.to_vector<double>();
+    if (decentralized && epoch == flags.epochs) decentralized->global_avg();  // one final model
+    if (decentralized && epoch < flags.epochs) decentralized->wait();
     test_accuracy = accuracy(model, test_x, test.labels);
     if (rank == 0) {
       std::printf("epoch %d/%d loss=%.4f train_acc=%.4f test_acc=%.4f time=%.1fs ranks=%d\n", epoch,
