@@ -3,7 +3,9 @@
 // repetitions; every rank times the same steps and rank 0 prints):
 //   mpirun -np 2 bench_ddp [repetitions=9] [batch=32]
 // One line per case: case= step_ms= ratio= (ratio = step / compute-only step), then the time of
-// one flat all_reduce of every gradient and the share of it that DDP hid behind backward.
+// one flat all_reduce of every gradient and the share of it that DDP hid behind backward. The
+// decentralized ring case steps with lr 0 inside backward and waits for its neighbour average
+// at the next forward (inside the next timed step).
 #include <weave/weave.h>
 #include <cstdio>
 #include <functional>
@@ -101,6 +103,18 @@ int main(int argc, char** argv) {
       return [&, &m = m, ddp] { backward(m, [&](const Tensor& in) { return (*ddp)(in); }); };
     });
   }
+  std::vector<std::unique_ptr<parallel::DecentralizedDataParallel>> decentralized;
+  if (n % 2 == 0)
+    add("decentralized_ring", [&](nn::Sequential& m) {
+      decentralized.push_back(std::make_unique<parallel::DecentralizedDataParallel>(
+          m,
+          [](std::vector<Tensor> bucket) {
+            return std::make_unique<optim::SGD>(std::move(bucket), optim::SGDOptions{.lr = 0.0});
+          },
+          parallel::DecentralizedOptions{.topology = "ring"}));
+      auto* dec = decentralized.back().get();
+      return [&, &m = m, dec] { backward(m, [&](const Tensor& in) { return (*dec)(in); }); };
+    });
   int64_t parameters = 0;
   for (const Tensor& p : cases[0]->model->parameters()) parameters += p.numel();
   Tensor flat = zeros({parameters});
