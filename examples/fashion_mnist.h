@@ -4,6 +4,8 @@
 //
 //   [--epochs 10] [--batch-size 128] [--lr 0.001] [--seed 0] [--data DIR] [--threads N]
 //   [--strategy ddp|dist-opt|zero1|decentralized:TOPOLOGY] [--compress bf16|fp16]
+//   [--recipe small]   (784-256-128-10 without dropout, Adam at a constant lr: the recipe
+//                       bench/torch_ddp_fashion_mnist.py runs in PyTorch)
 //
 // --batch-size is the global batch, split across the ranks; each rank draws its share of every
 // epoch from a DistributedSampler. Rank 0 prints one line per epoch and, last, exactly
@@ -14,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace fashion_mnist {
 
@@ -28,6 +31,7 @@ struct Flags {
   std::string data = data::kFashionMnistDir;
   std::string strategy = "ddp";
   std::optional<DType> compress;
+  bool small_recipe = false;
 };
 
 inline Flags parse(int argc, char** argv, const char* program) {
@@ -59,6 +63,10 @@ inline Flags parse(int argc, char** argv, const char* program) {
           "unknown strategy '{}'; expected ddp, dist-opt, zero1 or decentralized:NAME "
           "(NAME: {})",
           f.strategy, parallel::topology_names());
+    } else if (arg == "--recipe") {
+      const std::string r = value();
+      WEAVE_CHECK(r == "small", program, "unknown recipe '{}'; expected small", r);
+      f.small_recipe = true;
     } else if (arg == "--compress") {
       const std::string c = value();
       WEAVE_CHECK(c == "bf16" || c == "fp16", program,
@@ -67,7 +75,7 @@ inline Flags parse(int argc, char** argv, const char* program) {
     } else {
       WEAVE_FAIL(program,
                  "unknown flag '{}'; expected --epochs, --batch-size, --lr, --seed, --data, "
-                 "--threads, --strategy, --compress",
+                 "--threads, --strategy, --compress, --recipe",
                  arg);
     }
   }
@@ -113,19 +121,33 @@ inline int run(const Flags& flags) {
   const int64_t local_batch = std::max<int64_t>(1, flags.batch_size / ranks);
   data::DataLoader loader(dataset, {.batch_size = local_batch, .sampler = sampler});
 
-  nn::Sequential model{
-      std::make_shared<nn::Linear>(784, 512), nn::ReLU(), std::make_shared<nn::Dropout>(0.2),
-      std::make_shared<nn::Linear>(512, 256), nn::ReLU(), std::make_shared<nn::Dropout>(0.2),
-      std::make_shared<nn::Linear>(256, 10)};
+  using Layers = std::vector<std::shared_ptr<nn::Module>>;
+  const Layers layers = flags.small_recipe
+                            ? Layers{std::make_shared<nn::Linear>(784, 256), nn::ReLU(),
+                                     std::make_shared<nn::Linear>(256, 128), nn::ReLU(),
+                                     std::make_shared<nn::Linear>(128, 10)}
+                            : Layers{std::make_shared<nn::Linear>(784, 512),
+                                     nn::ReLU(),
+                                     std::make_shared<nn::Dropout>(0.2),
+                                     std::make_shared<nn::Linear>(512, 256),
+                                     nn::ReLU(),
+                                     std::make_shared<nn::Dropout>(0.2),
+                                     std::make_shared<nn::Linear>(256, 10)};
+  nn::Sequential model;
+  for (const auto& layer : layers) model.push_back(layer);
   // ddp: averaging overlaps backward; dist-opt: one fused averaging before each step; zero1:
   // reduce-scatter, step a 1/N slice of the Adam state, all-gather; decentralized: local steps
   // inside backward, then neighbour averages over a topology.
-  auto make_adamw = [&](std::vector<Tensor> params) -> std::unique_ptr<optim::Optimizer> {
+  auto make_optimizer = [&](std::vector<Tensor> params) -> std::unique_ptr<optim::Optimizer> {
+    if (flags.small_recipe)
+      return std::make_unique<optim::Adam>(std::move(params), optim::AdamOptions{.lr = flags.lr});
     return std::make_unique<optim::AdamW>(
         std::move(params), optim::AdamWOptions{.lr = flags.lr, .weight_decay = 1e-4});
   };
   const int64_t total_steps = flags.epochs * loader.size();
-  auto lr_at = optim::linear_warmup(optim::cosine_schedule(flags.lr, total_steps), 200);
+  optim::Schedule lr_at = [lr = flags.lr](int64_t) { return lr; };
+  if (!flags.small_recipe)
+    lr_at = optim::linear_warmup(optim::cosine_schedule(flags.lr, total_steps), 200);
   std::unique_ptr<parallel::DistributedDataParallel> ddp;
   std::unique_ptr<parallel::DecentralizedDataParallel> decentralized;
   std::unique_ptr<parallel::DistributedOptimizer> averaging;
@@ -134,18 +156,18 @@ inline int run(const Flags& flags) {
   if (flags.strategy == "ddp") {
     ddp = std::make_unique<parallel::DistributedDataParallel>(
         model, parallel::DDPOptions{.compress = flags.compress});
-    optimizer = make_adamw(model.parameters());
+    optimizer = make_optimizer(model.parameters());
   } else if (flags.strategy == "dist-opt") {
     parallel::synchronize(model);
-    optimizer = make_adamw(model.parameters());
+    optimizer = make_optimizer(model.parameters());
     averaging = std::make_unique<parallel::DistributedOptimizer>(
         *optimizer, parallel::DistributedOptimizerOptions{.compress = flags.compress});
   } else if (flags.strategy == "zero1") {
     parallel::synchronize(model);
-    zero = std::make_unique<parallel::ZeroRedundancyOptimizer>(model.parameters(), make_adamw);
+    zero = std::make_unique<parallel::ZeroRedundancyOptimizer>(model.parameters(), make_optimizer);
   } else {
     decentralized = std::make_unique<parallel::DecentralizedDataParallel>(
-        model, make_adamw,
+        model, make_optimizer,
         parallel::DecentralizedOptions{.topology = flags.strategy.substr(14),
                                        .lr_schedule = lr_at});
   }
