@@ -112,6 +112,40 @@ TEST_SUITE("nn") {
     CHECK(w.item() == doctest::Approx(0.85));
   }
 
+  TEST_CASE("the fused Adam step equals the step written with tensor ops") {
+    // A contiguous parameter takes the fused kernel; a transposed view of the same values
+    // takes the op-by-op path. Both must agree, for Adam (L2) and AdamW (decoupled).
+    for (bool decoupled : {false, true}) {
+      CAPTURE(decoupled);
+      Generator g(3);
+      Tensor start = randn({4, 6}, {.dtype = kFloat64}, &g);
+      Tensor fused = start.clone().requires_grad_();
+      Tensor strided = start.t().contiguous().t().detach().requires_grad_();  // same values
+      REQUIRE_FALSE(strided.is_contiguous());
+      std::unique_ptr<optim::Optimizer> a, b;
+      if (decoupled) {
+        a = std::make_unique<optim::AdamW>(std::vector<Tensor>{fused},
+                                           optim::AdamWOptions{.lr = 0.05, .weight_decay = 0.1});
+        b = std::make_unique<optim::AdamW>(std::vector<Tensor>{strided},
+                                           optim::AdamWOptions{.lr = 0.05, .weight_decay = 0.1});
+      } else {
+        a = std::make_unique<optim::Adam>(std::vector<Tensor>{fused},
+                                          optim::AdamOptions{.lr = 0.05, .weight_decay = 0.1});
+        b = std::make_unique<optim::Adam>(std::vector<Tensor>{strided},
+                                          optim::AdamOptions{.lr = 0.05, .weight_decay = 0.1});
+      }
+      for (int step = 0; step < 4; ++step) {
+        Tensor grad = randn({4, 6}, {.dtype = kFloat64}, &g);
+        fused.set_grad(grad.clone());
+        strided.set_grad(grad.t().contiguous().t());
+        a->step();
+        b->step();
+      }
+      CHECK(allclose(fused, strided, 1e-13, 1e-15));
+      CHECK(allclose(a->state()[1], b->state()[1], 1e-13, 1e-15));
+    }
+  }
+
   TEST_CASE("AdamW keeps its default weight decay when other options are given") {
     // One step from w = 2 with gradient 1: w -= lr * wd * w, then w -= lr * g / (|g| + eps).
     auto step_from_two = [](auto make_optimizer) {

@@ -61,6 +61,37 @@ WEAVE_HD inline T pow_(T x, T y) {
   }
 }
 
+// ---- optimizers: one element of a fused update --------------------------------------------
+
+/// Adam/AdamW constants in the compute type.
+template <class T>
+struct AdamConstants {
+  T lr_over_c1, beta1, one_minus_beta1, beta2, one_minus_beta2, correction2, eps, weight_decay,
+      decay;  // decay = 1 - lr * weight_decay (AdamW)
+  bool decoupled;
+};
+
+/// One element of an Adam step: m, v and p updated in place.
+template <class T>
+WEAVE_HD inline void adam_element(T& p, T g, T& m, T& v, const AdamConstants<T>& c) {
+  if (c.weight_decay != T(0)) {
+    if (c.decoupled)
+      p *= c.decay;
+    else
+      g += c.weight_decay * p;
+  }
+  m = c.beta1 * m + c.one_minus_beta1 * g;
+  v = c.beta2 * v + c.one_minus_beta2 * (g * g);
+  p -= c.lr_over_c1 * m / (sqrt_(v / c.correction2) + c.eps);
+}
+
+template <class T>
+AdamConstants<T> adam_constants(double lr, double beta1, double beta2, double eps, double wd,
+                                double correction1, double correction2, bool decoupled) {
+  return {T(lr / correction1), T(beta1), T(1 - beta1), T(beta2),       T(1 - beta2),
+          T(correction2),      T(eps),   T(wd),        T(1 - lr * wd), decoupled};
+}
+
 // ---- unary: forward(x) and derivative(x, y = forward(x)) -------------------------------
 // `integral` says whether the op is defined on integer tensors; if not, they become float32.
 // `reads` says which of x and y the derivative reads: backward saves only that one and passes

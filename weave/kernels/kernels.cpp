@@ -56,6 +56,12 @@ void index_add(const Tensor& out, int64_t outer, int64_t n, int64_t inner, const
   WEAVE_DISPATCH(index_add(out, outer, n, inner, index, src));
 }
 
+void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                 const Tensor& exp_avg_sq, const AdamStep& step) {
+  const Tensor& out = param;
+  WEAVE_DISPATCH(adam_update(param, grad, exp_avg, exp_avg_sq, step));
+}
+
 #undef WEAVE_DISPATCH
 
 void copy(const Tensor& src, const Tensor& dst) {

@@ -104,4 +104,15 @@ void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner, co
 void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
                const Tensor& src);
 
+/// The constants of one Adam/AdamW step (correction1/2: 1 - beta1^t, 1 - beta2^t).
+struct AdamStep {
+  double lr, beta1, beta2, eps, weight_decay, correction1, correction2;
+  bool decoupled;  // AdamW: p *= 1 - lr * wd; Adam: g += wd * p
+};
+/// One fused Adam update, in place, in a single pass over contiguous float32/float64 tensors of
+/// one dtype and device: m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+/// p -= lr / c1 * m / (sqrt(v / c2) + eps).
+void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
+                 const Tensor& exp_avg_sq, const AdamStep& step);
+
 }  // namespace weave::kernels

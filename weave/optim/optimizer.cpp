@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/kernels/kernels.h"
 
 namespace weave::optim {
 
@@ -89,16 +90,31 @@ void Adam::step() {
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
     if (!p.grad().defined()) continue;
+    if (!exp_avg_[i].defined()) {
+      exp_avg_[i] = zeros_like(p);
+      exp_avg_sq_[i] = zeros_like(p);
+    }
     Tensor g = p.grad();
+    // The common case in one fused pass (no temporaries): contiguous, one floating dtype.
+    if ((p.dtype() == kFloat32 || p.dtype() == kFloat64) && g.dtype() == p.dtype() &&
+        g.device() == p.device() && p.is_contiguous() && g.is_contiguous()) {
+      kernels::adam_update(p, g, exp_avg_[i], exp_avg_sq_[i],
+                           {.lr = lr_,
+                            .beta1 = options_.beta1,
+                            .beta2 = options_.beta2,
+                            .eps = options_.eps,
+                            .weight_decay = options_.weight_decay,
+                            .correction1 = correction1,
+                            .correction2 = correction2,
+                            .decoupled = decoupled_});
+      p.storage()->bump_version();
+      continue;
+    }
     if (options_.weight_decay != 0) {
       if (decoupled_)
         p.mul_(1 - lr_ * options_.weight_decay);
       else
         g = g + p * options_.weight_decay;
-    }
-    if (!exp_avg_[i].defined()) {
-      exp_avg_[i] = zeros_like(p);
-      exp_avg_sq_[i] = zeros_like(p);
     }
     exp_avg_[i].mul_(options_.beta1).add_(g, 1 - options_.beta1);
     exp_avg_sq_[i].mul_(options_.beta2).add_(g * g, 1 - options_.beta2);
