@@ -15,8 +15,12 @@ Optimizer::Optimizer(std::vector<Tensor> params, double lr) : params_(std::move(
 }
 
 void Optimizer::zero_grad(bool set_to_none) {
+  optim::zero_grad(params_, set_to_none);
+}
+
+void zero_grad(const std::vector<Tensor>& params, bool set_to_none) {
   NoGradGuard no_grad;
-  for (Tensor& p : params_) {
+  for (const Tensor& p : params) {
     if (!p.grad().defined()) continue;
     if (set_to_none)
       p.set_grad({});

@@ -89,6 +89,9 @@ class AdamW : public Adam {
   explicit AdamW(std::vector<Tensor> params, AdamWOptions options = {});
 };
 
+/// Drops (set_to_none) or zeroes the gradients of `params` (what Optimizer::zero_grad does).
+void zero_grad(const std::vector<Tensor>& params, bool set_to_none = true);
+
 /// Scales all gradients so their joint norm is at most max_norm; returns the norm before
 /// clipping. norm_type may be any p >= 1 or INFINITY. Under model parallelism, where each rank
 /// holds part of the parameters, use dist::clip_grad_norm_ (distributed/clip_grad.h).

@@ -1,6 +1,7 @@
 #pragma once
 // Gradient buckets shared by the data-parallel wrappers: the order backward produces gradients
 // in, agreed across ranks, and cut into buckets by size.
+#include <memory>
 #include <vector>
 
 #include "weave/distributed/distributed.h"
@@ -13,6 +14,20 @@ namespace weave::parallel::detail {
 /// order was different. Collective.
 std::vector<int> agree_on_order(std::vector<int> trace, size_t parameters, const dist::Group& group,
                                 bool& differs_anywhere);
+
+/// Registers, on every parameter, a post-accumulate-grad hook that calls
+/// state->on_ready(i, state) while the state lives; returns the handles.
+template <class State>
+std::vector<HookHandle> hook_ready(const std::vector<Tensor>& params,
+                                   const std::shared_ptr<State>& state) {
+  std::vector<HookHandle> hooks;
+  std::weak_ptr<State> weak = state;
+  for (size_t i = 0; i < params.size(); ++i)
+    hooks.push_back(params[i].register_post_accumulate_grad_hook([weak, i](Tensor&) {
+      if (auto alive = weak.lock()) alive->on_ready(int(i), weak);
+    }));
+  return hooks;
+}
 
 /// Cuts `order` into buckets of consecutive parameters with one dtype and device, the first
 /// bucket up to first_mb, the others up to mb (a parameter larger than the cap gets its own).

@@ -274,11 +274,7 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
     s.params.push_back(p);
   }
   s.ready.assign(s.params.size(), 0);
-  std::weak_ptr<State> weak = state_;
-  for (size_t i = 0; i < s.params.size(); ++i)
-    s.hooks.push_back(s.params[i].register_post_accumulate_grad_hook([weak, i](Tensor&) {
-      if (auto state = weak.lock()) state->on_ready(int(i), weak);
-    }));
+  s.hooks = detail::hook_ready(s.params, state_);
 }
 
 DistributedDataParallel::~DistributedDataParallel() {

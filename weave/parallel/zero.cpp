@@ -62,14 +62,7 @@ void ZeroRedundancyOptimizer::step() {
 }
 
 void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
-  NoGradGuard no_grad;
-  for (Tensor& p : params_) {
-    if (!p.grad().defined()) continue;
-    if (set_to_none)
-      p.set_grad({});
-    else
-      p.grad().zero_();
-  }
+  optim::zero_grad(params_, set_to_none);
 }
 
 }  // namespace weave::parallel
