@@ -9,6 +9,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/parallel/buckets.h"
 #include "weave/parallel/ddp.h"
+#include "weave/parallel/distributed_optimizer.h"
 
 namespace weave::parallel {
 
@@ -358,17 +359,7 @@ void DecentralizedDataParallel::wait() {
 
 void DecentralizedDataParallel::global_avg() {
   state_->complete_mixing();
-  NoGradGuard no_grad;
-  std::vector<Tensor> pieces;
-  for (const Tensor& p : state_->params) pieces.push_back(p.reshape({-1}));
-  if (pieces.empty()) return;
-  Tensor flat = cat(pieces);
-  dist::all_reduce(flat, dist::ReduceOp::Avg);
-  int64_t offset = 0;
-  for (Tensor& p : state_->params) {
-    p.copy_(flat.narrow(0, offset, p.numel()).reshape(p.shape()));
-    offset += p.numel();
-  }
+  average_tensors(state_->params, dist::world());
 }
 
 int64_t DecentralizedDataParallel::steps() const {

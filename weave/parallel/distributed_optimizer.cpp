@@ -7,8 +7,6 @@ namespace weave::parallel {
 
 void average_gradients(const std::vector<Tensor>& params, const dist::Group& group,
                        double bucket_mb, std::optional<DType> compress) {
-  WEAVE_CHECK(bucket_mb > 0, "average_gradients", "bucket_mb must be positive, found {}",
-              bucket_mb);
   NoGradGuard no_grad;
   std::vector<Tensor> grads;
   for (const Tensor& p : params) {
@@ -16,28 +14,35 @@ void average_gradients(const std::vector<Tensor>& params, const dist::Group& gro
     if (!p.grad().defined()) p.set_grad(zeros_like(p));
     grads.push_back(p.grad());
   }
-  // Consecutive gradients of one dtype and device share a bucket up to the size cap.
+  average_tensors(grads, group, bucket_mb, compress);
+}
+
+void average_tensors(const std::vector<Tensor>& tensors, const dist::Group& group, double bucket_mb,
+                     std::optional<DType> compress) {
+  WEAVE_CHECK(bucket_mb > 0, "average_tensors", "bucket_mb must be positive, found {}", bucket_mb);
+  NoGradGuard no_grad;
+  // Consecutive tensors of one dtype and device share a bucket up to the size cap.
   struct Bucket {
-    std::vector<Tensor> grads;
+    std::vector<Tensor> members;
     Tensor flat, wire;
     dist::Work work;
   };
   std::vector<Bucket> buckets;
   const double cap = bucket_mb * 1024 * 1024;
   double bytes = 0;
-  for (const Tensor& g : grads) {
+  for (const Tensor& g : tensors) {
     const double size = double(g.numel()) * double(g.itemsize());
-    if (buckets.empty() || buckets.back().grads.front().dtype() != g.dtype() ||
-        buckets.back().grads.front().device() != g.device() || bytes + size > cap) {
+    if (buckets.empty() || buckets.back().members.front().dtype() != g.dtype() ||
+        buckets.back().members.front().device() != g.device() || bytes + size > cap) {
       buckets.emplace_back();
       bytes = 0;
     }
-    buckets.back().grads.push_back(g);
+    buckets.back().members.push_back(g);
     bytes += size;
   }
   for (Bucket& b : buckets) {  // pack and launch every bucket before waiting for any
     std::vector<Tensor> pieces;
-    for (const Tensor& g : b.grads) pieces.push_back(g.reshape({-1}));
+    for (const Tensor& g : b.members) pieces.push_back(g.reshape({-1}));
     b.flat = cat(pieces);
     b.wire = compress && *compress != b.flat.dtype() ? b.flat.to(*compress) : b.flat;
     b.work = dist::all_reduce(b.wire, dist::ReduceOp::Avg, group, /*async_op=*/true);
@@ -46,7 +51,7 @@ void average_gradients(const std::vector<Tensor>& params, const dist::Group& gro
     b.work.wait();
     if (!b.wire.is_same(b.flat)) b.flat.copy_(b.wire);
     int64_t offset = 0;
-    for (Tensor& g : b.grads) {
+    for (Tensor& g : b.members) {
       g.copy_(b.flat.narrow(0, offset, g.numel()).reshape(g.shape()));
       offset += g.numel();
     }

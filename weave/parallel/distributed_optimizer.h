@@ -47,5 +47,9 @@ void synchronize(optim::Optimizer& optimizer, int root = 0,
 /// DistributedOptimizer::synchronize does. Collective.
 void average_gradients(const std::vector<Tensor>& params, const dist::Group& group,
                        double bucket_mb = 25.0, std::optional<DType> compress = std::nullopt);
+/// Replaces each tensor by its average over the group, in place, packed into flat buckets of
+/// at most bucket_mb whose all_reduces are all in flight at once. Collective.
+void average_tensors(const std::vector<Tensor>& tensors, const dist::Group& group,
+                     double bucket_mb = 25.0, std::optional<DType> compress = std::nullopt);
 
 }  // namespace weave::parallel
