@@ -27,13 +27,20 @@ std::shared_ptr<nn::Sequential> make_model() {
       std::make_shared<nn::Linear>(1536, 10)});
 }
 
+struct Timing {
+  double wall = 0, cpu = 0;  // slowest rank's wall seconds, mean CPU seconds per rank
+};
+
 // Every rank's step must end at the same moment for the next to start together.
-double timed(const std::function<void()>& step) {
+Timing timed(const std::function<void()>& step) {
   dist::barrier();
-  const double t = bench::seconds(step);
-  Tensor slowest = full({1}, t, {.dtype = kFloat64});
+  double wall = 0;
+  const double cpu = bench::cpu_seconds([&] { wall = bench::seconds(step); });
+  Tensor slowest = full({1}, wall, {.dtype = kFloat64});
   dist::all_reduce(slowest, dist::ReduceOp::Max);
-  return slowest.item<double>();
+  Tensor mean_cpu = full({1}, cpu, {.dtype = kFloat64});
+  dist::all_reduce(mean_cpu, dist::ReduceOp::Avg);
+  return {slowest.item<double>(), mean_cpu.item<double>()};
 }
 
 }  // namespace
@@ -43,6 +50,7 @@ int main(int argc, char** argv) {
   dist::InitGuard guard;
   const int reps = argc > 1 ? std::stoi(argv[1]) : 9;
   const int64_t batch = argc > 2 ? std::stoll(argv[2]) : 32;
+  const double bucket_mb = argc > 3 ? std::stod(argv[3]) : parallel::DDPOptions{}.bucket_mb;
   const int me = dist::rank(), n = dist::world_size();
   Generator data(7 + uint64_t(me));
   Tensor x = randn({batch, 784}, {}, &data);
@@ -52,7 +60,7 @@ int main(int argc, char** argv) {
     std::string name;
     std::shared_ptr<nn::Sequential> model;
     std::function<void()> step;
-    std::vector<double> times;
+    std::vector<double> times, cpu_times;
   };
   std::vector<std::unique_ptr<Case>> cases;
   auto add = [&](std::string name, auto make_step) {
@@ -97,8 +105,9 @@ int main(int argc, char** argv) {
   for (bool bf16 : {false, true}) {
     add(bf16 ? "ddp_bf16" : "ddp", [&, bf16](nn::Sequential& m) {
       ddps.push_back(std::make_unique<parallel::DistributedDataParallel>(
-          m, parallel::DDPOptions{.compress = bf16 ? std::optional<DType>(kBFloat16)
-                                                   : std::optional<DType>()}));
+          m, parallel::DDPOptions{
+                 .bucket_mb = bucket_mb,
+                 .compress = bf16 ? std::optional<DType>(kBFloat16) : std::optional<DType>()}));
       auto* ddp = ddps.back().get();
       return [&, &m = m, ddp] { backward(m, [&](const Tensor& in) { return (*ddp)(in); }); };
     });
@@ -118,18 +127,24 @@ int main(int argc, char** argv) {
   int64_t parameters = 0;
   for (const Tensor& p : cases[0]->model->parameters()) parameters += p.numel();
   Tensor flat = zeros({parameters});
-  double flat_all_reduce = 0;
+  double flat_all_reduce = 0, flat_all_reduce_cpu = 0;
   {
-    std::vector<double> t;
-    for (int r = 0; r < reps + 1; ++r)
-      t.push_back(timed([&] { dist::all_reduce(flat, dist::ReduceOp::Avg); }));
-    t.erase(t.begin());
-    flat_all_reduce = bench::median(t);
+    std::vector<double> wall, cpu;
+    for (int r = 0; r < reps + 1; ++r) {
+      const Timing t = timed([&] { dist::all_reduce(flat, dist::ReduceOp::Avg); });
+      if (r > 0) wall.push_back(t.wall), cpu.push_back(t.cpu);
+    }
+    flat_all_reduce = bench::median(wall);
+    flat_all_reduce_cpu = bench::median(cpu);
   }
 
   for (auto& c : cases) c->step();  // warm up (DDP traces its buckets here)
   for (int r = 0; r < reps; ++r)
-    for (auto& c : cases) c->times.push_back(timed(c->step));
+    for (auto& c : cases) {
+      const Timing t = timed(c->step);
+      c->times.push_back(t.wall);
+      c->cpu_times.push_back(t.cpu);
+    }
 
   const double compute = bench::median(cases[0]->times);
   if (me == 0) {
@@ -137,13 +152,15 @@ int main(int argc, char** argv) {
                 static_cast<long long>(parameters), static_cast<long long>(batch), reps);
     for (auto& c : cases) {
       const double step = bench::median(c->times);
-      std::printf("case=%s step_ms=%.2f ratio=%.3f\n", c->name.c_str(), step * 1e3, step / compute);
+      std::printf("case=%s step_ms=%.2f ratio=%.3f cpu_ms=%.2f\n", c->name.c_str(), step * 1e3,
+                  step / compute, bench::median(c->cpu_times) * 1e3);
     }
     const double ddp = bench::median(cases[4]->times);
     std::printf(
-        "flat_all_reduce_ms=%.2f ddp_overhead_ms=%.2f hidden_share=%.2f "
-        "ddp_within_half_all_reduce=%s\n",
-        flat_all_reduce * 1e3, (ddp - compute) * 1e3, 1.0 - (ddp - compute) / flat_all_reduce,
+        "flat_all_reduce_ms=%.2f flat_all_reduce_cpu_ms=%.2f ddp_overhead_ms=%.2f "
+        "hidden_share=%.2f ddp_within_half_all_reduce=%s\n",
+        flat_all_reduce * 1e3, flat_all_reduce_cpu * 1e3, (ddp - compute) * 1e3,
+        1.0 - (ddp - compute) / flat_all_reduce,
         ddp <= compute + 0.5 * flat_all_reduce ? "yes" : "no");
     for (auto& d : ddps)
       std::printf("ddp buckets=%d first_launch_after=%lld/%lld gradients\n", d->stats().buckets,

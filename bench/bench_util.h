@@ -2,6 +2,7 @@
 // Timing helpers shared by the benchmarks: alternate the contenders, report medians.
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <functional>
 #include <vector>
 
@@ -11,6 +12,19 @@ inline double seconds(const std::function<void()>& fn) {
   auto start = std::chrono::steady_clock::now();
   fn();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// CPU seconds this process (every thread) spent in fn: communication that is CPU work (shared
+/// memory copies and reductions) cannot hide behind compute that already fills every core.
+inline double cpu_seconds(const std::function<void()>& fn) {
+  auto now = [] {
+    timespec t{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+  };
+  const double start = now();
+  fn();
+  return now() - start;
 }
 
 inline double median(std::vector<double> v) {

@@ -124,6 +124,23 @@ TEST_SUITE("collectives") {
     }
   }
 
+  TEST_CASE("large all_reduce travels in pieces and lands whole") {
+    // Past 4 MB the MPI backend reduces in pieces: an odd count puts values on every piece
+    // boundary, in and out of place, for sum (float64: exact) and avg (float32, both paths).
+    const int64_t n = (int64_t{5} << 20) / 4 + 3;  // 5 MB of float32 and 3 more elements
+    const int size = dist::world_size(), me = dist::rank();
+    Tensor index = arange(0, double(n), 1, {.dtype = kFloat64});
+    Tensor mine = index * double(me + 1);
+    Tensor expected_sum = index * double(size * (size + 1) / 2);
+    Tensor sum = mine.clone();
+    dist::all_reduce(sum);
+    CHECK(allclose(sum, expected_sum, 0.0, 0.0));
+    Tensor avg_in = mine.to(kFloat32), avg_out = empty({n});
+    dist::all_reduce(avg_in, avg_out, ReduceOp::Avg);
+    CHECK(same(avg_in, mine.to(kFloat32)));
+    CHECK(allclose(avg_out, (expected_sum / double(size)).to(kFloat32), 1e-6, 1e-5));
+  }
+
   TEST_CASE("float16 and bool travel and reduce") {
     Tensor h = value({3, 3}, kFloat16, dist::rank());
     dist::all_reduce(h);

@@ -2,6 +2,7 @@
 // queue may call MPI from its own thread), errors returned rather than fatal.
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -155,15 +156,11 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
 
   void all_reduce(const void* in, void* out, int64_t n, DType t, ReduceOp op) override {
-    WEAVE_CHECK_CALL(MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out, as_int(n, "all_reduce"),
-                                   mpi_type(t), mpi_op(op, t), comm_),
-                     "all_reduce");
+    all_reduce_in_pieces(in, out, n, t, mpi_op(op, t));
   }
   bool all_reduce_mean(const void* in, void* out, int64_t n, DType t) override {
     if (size_ != 2 || !is_floating(t)) return false;
-    WEAVE_CHECK_CALL(MPI_Allreduce(in == out ? MPI_IN_PLACE : in, out, as_int(n, "all_reduce"),
-                                   mpi_type(t), mean_of_two, comm_),
-                     "all_reduce");
+    all_reduce_in_pieces(in, out, n, t, mean_of_two);
     return true;
   }
   void broadcast(void* buffer, int64_t n, DType t, int root) override {
@@ -238,6 +235,23 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
+  // Open MPI's all_reduce slows down 2-3x per byte past ~8 MB (measured at 2 and 4 ranks over
+  // shared memory: 36 MB whole 15.7 ms, in 4 MB pieces 6.8 ms), so large buffers go in
+  // pieces; the pieces also lift MPI's int count limit.
+  static constexpr int64_t kPieceBytes = int64_t{4} << 20;
+
+  void all_reduce_in_pieces(const void* in, void* out, int64_t n, DType t, MPI_Op op) {
+    const int64_t item = int64_t(itemsize(t));
+    const int64_t piece = std::max<int64_t>(1, kPieceBytes / item);
+    int64_t start = 0;
+    do {  // once even for n == 0: every rank still takes part
+      const int64_t count = std::min(piece, n - start);
+      void* dst = static_cast<char*>(out) + start * item;
+      const void* src = in == out ? MPI_IN_PLACE : static_cast<const char*>(in) + start * item;
+      WEAVE_CHECK_CALL(MPI_Allreduce(src, dst, int(count), mpi_type(t), op, comm_), "all_reduce");
+      start += piece;
+    } while (start < n);
+  }
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
 };
