@@ -432,6 +432,43 @@ Work recv(const Tensor& tensor, int src, const Group& group, int tag, bool async
       async_op);
 }
 
+Work isend(const Tensor& tensor, int dst, const Group& group, int tag) {
+  Call c(Op::Send, group);
+  check_tensor(c, tensor, "tensor");
+  Group::Impl& g = member(c);
+  check_peer(c, g, dst);
+  auto state = std::make_shared<Work::State>();
+  state->keep_alive = staged(tensor);
+  issue(
+      c, fingerprint(c, 0, &tensor, dst, std::nullopt, false), false,
+      [comm = g.route(state->keep_alive), state, dst, tag] {
+        const Tensor& buffer = state->keep_alive;
+        auto pending =
+            comm->start_send(buffer.data_ptr(), buffer.numel(), buffer.dtype(), dst, tag);
+        std::lock_guard lock(state->mutex);
+        state->pending = std::move(pending);
+        if (!state->pending) state->keep_alive = Tensor();
+      },
+      false);
+  state->finish(nullptr);
+  Work work(state);
+  std::lock_guard lock(g.sends_mutex);
+  std::erase_if(g.sends_in_flight, [](const Work& w) { return w.is_completed(); });
+  g.sends_in_flight.push_back(work);
+  return work;
+}
+
+void wait_sends(const Group& group) {
+  Call c(Op::Send, group);
+  Group::Impl& g = member(c);
+  std::vector<Work> in_flight;
+  {
+    std::lock_guard lock(g.sends_mutex);
+    in_flight.swap(g.sends_in_flight);
+  }
+  for (const Work& w : in_flight) w.wait();
+}
+
 void barrier(const Group& group) {
   Call c(Op::Barrier, group);
   Group::Impl& g = member(c);

@@ -12,6 +12,14 @@
 
 namespace weave::dist::detail {
 
+/// A send in flight (Communicator::start_send): its buffer stays untouched until done().
+class PendingSend {
+ public:
+  virtual ~PendingSend() = default;
+  /// True once the buffer may be reused (polling also drives the transfer on).
+  virtual bool done() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -42,6 +50,13 @@ class Communicator {
                             const std::vector<int64_t>& recv_counts, DType dtype) = 0;
   virtual void send(const void* buffer, int64_t count, DType dtype, int dst, int tag) = 0;
   virtual void recv(void* buffer, int64_t count, DType dtype, int src, int tag) = 0;
+  /// Starts a send that needs no matching receive to return; null when it already completed
+  /// (the default: backends without a non-blocking send block in send()).
+  virtual std::unique_ptr<PendingSend> start_send(const void* buffer, int64_t count, DType dtype,
+                                                  int dst, int tag) {
+    send(buffer, count, dtype, dst, tag);
+    return nullptr;
+  }
   virtual void barrier() = 0;
   /// Collective over this communicator: members (ranks of this communicator, in the new
   /// group's order) get the new communicator, everyone else null.

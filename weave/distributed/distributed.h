@@ -146,6 +146,13 @@ Work send(const Tensor& tensor, int dst, const Group& group = world(), int tag =
           bool async_op = false);
 Work recv(const Tensor& tensor, int src, const Group& group = world(), int tag = 0,
           bool async_op = false);
+/// Starts sending tensor to group rank dst and returns without waiting for the receiver (so two
+/// ranks may send to each other before either receives). The Work completes once tensor may be
+/// modified again; until then tensor must not be written. Sends to one peer arrive in order.
+/// The group also keeps the Work: wait_sends() (or finalize) waits for what is still in flight.
+Work isend(const Tensor& tensor, int dst, const Group& group = world(), int tag = 0);
+/// Waits for every isend this rank started on the group (a pipeline schedule's step end).
+void wait_sends(const Group& group = world());
 /// Broadcasts every tensor from root, in place (a model's parameters and buffers).
 void synchronize(const std::vector<Tensor>& tensors, int root = 0, const Group& group = world());
 

@@ -3,6 +3,7 @@
 // axis-0 collective, move it back).
 #include "weave/distributed/functional.h"
 
+#include <chrono>
 #include <numeric>
 
 #include "weave/autograd/engine.h"
@@ -414,19 +415,37 @@ Tensor all_to_all(const Tensor& x, int64_t split_axis, int64_t concat_axis, cons
 
 // ---- point to point ----------------------------------------------------------------------
 
+namespace {
+
+thread_local double receive_wait = 0;
+
+// Blocking receive, timed into receive_wait.
+void timed_recv(const Tensor& buffer, int src, const Group& g, int tag) {
+  const auto start = std::chrono::steady_clock::now();
+  dist::recv(buffer, src, g, tag);
+  receive_wait += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+double receive_wait_seconds() {
+  return receive_wait;
+}
+
 Tensor remote_send(const Tensor& x, int dst, const Group& g) {
   check_input(x, "remote_send");
   const Meta meta = meta_of(x);  // read before grad mode is switched off
+  // non-blocking: a stage may send forward and then receive from the same peer (1F1B)
   Tensor token = quietly([&] {
-    dist::send(pack(meta), dst, g, kForwardTag);
-    dist::send(x.contiguous(), dst, g, kForwardTag);
+    dist::isend(pack(meta), dst, g, kForwardTag);
+    dist::isend(x.contiguous(), dst, g, kForwardTag);
     return token_like(x);
   });
   // adjoint: the gradient of what dst received comes back from dst
   return record("RemoteSendBackward", x, token, wants_grad(x), [&] {
     return [dst, g, shape = x.shape(), options = like(x)](const BackwardArgs&) -> Grads {
       Tensor grad = empty(shape, options);
-      dist::recv(grad, dst, g, kBackwardTag);
+      timed_recv(grad, dst, g, kBackwardTag);
       return {grad};
     };
   });
@@ -436,17 +455,17 @@ Tensor remote_recv(int src, const Group& g) {
   Meta meta;
   Tensor y = quietly([&] {
     Tensor header = empty({kMetaSize}, {.dtype = kInt64});
-    dist::recv(header, src, g, kForwardTag);
+    timed_recv(header, src, g, kForwardTag);
     meta = unpack(header);
     Tensor out =
         empty(meta.shape, {.dtype = meta.dtype, .device = receiver_device(meta, "remote_recv")});
-    dist::recv(out, src, g, kForwardTag);
+    timed_recv(out, src, g, kForwardTag);
     return out;
   });
   // adjoint: send this tensor's gradient back to src
   return record("RemoteRecvBackward", Tensor(), y, meta.requires_grad, [&] {
     return [src, g](const BackwardArgs& args) -> Grads {
-      dist::send(args.grad().contiguous(), src, g, kBackwardTag);
+      dist::isend(args.grad().contiguous(), src, g, kBackwardTag);
       return {Tensor()};
     };
   });

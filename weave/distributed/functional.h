@@ -54,11 +54,17 @@ Tensor scatter(const Tensor& x, int root = 0, int64_t axis = 0, const Group& gro
 /// concat_axis in rank order.
 Tensor all_to_all(const Tensor& x, int64_t split_axis = 0, int64_t concat_axis = 0,
                   const Group& group = world());
-/// Sends x to group rank dst; returns a token (keep it or let backward find it).
+/// Sends x to group rank dst without waiting for dst to receive (dist::isend: x must not be
+/// written until dist::wait_sends(group)); returns a token (keep it or let backward find it).
+/// Its backward receives the gradient from dst.
 Tensor remote_send(const Tensor& x, int dst, const Group& group = world());
 /// Receives the tensor remote_send sent from group rank src (shape, dtype and device type
-/// travel with it).
+/// travel with it). Its backward sends the gradient back to src, again without waiting.
 Tensor remote_recv(int src, const Group& group = world());
+
+/// Seconds this thread has spent waiting to receive in remote_recv and in remote_send's
+/// backward (a pipeline stage's idle time).
+double receive_wait_seconds();
 
 // ---- tensor-parallel region mappings (replicated loss: the same loss on every rank, counted
 // once; the opposite convention to the ops above). -----------------------------------------

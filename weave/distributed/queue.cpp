@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <thread>
 
 #include "weave/distributed/runtime.h"
 
@@ -14,17 +15,40 @@ int64_t detail::now_ns() {
       .count();
 }
 
+namespace {
+
+// A posted isend completes by polling (the watchdog sees only ops running on a queue, so the
+// timeout is enforced here); the caller holds the state's lock.
+void finish_pending_send(Work::State& s) {
+  const detail::Runtime& r = detail::runtime();
+  const int64_t deadline =
+      detail::now_ns() + static_cast<int64_t>(std::min(r.timeout_s, 1e9) * 1e9);
+  while (!s.pending->done()) {
+    if (detail::now_ns() > deadline) detail::tear_down_after_timeout("a send (isend) to a peer");
+    std::this_thread::yield();
+  }
+  s.pending.reset();
+  s.keep_alive = Tensor();
+}
+
+}  // namespace
+
 void Work::wait() const {
   if (!state_) return;
   std::unique_lock lock(state_->mutex);
   state_->cv.wait(lock, [&] { return state_->done; });
   if (state_->error) std::rethrow_exception(state_->error);
+  if (state_->pending) finish_pending_send(*state_);
 }
 
 bool Work::is_completed() const {
   if (!state_) return true;
   std::lock_guard lock(state_->mutex);
-  return state_->done;
+  if (state_->done && state_->pending && state_->pending->done()) {
+    state_->pending.reset();
+    state_->keep_alive = Tensor();
+  }
+  return state_->done && !state_->pending;
 }
 
 Group::Group() : impl_(detail::live("world").world) {}

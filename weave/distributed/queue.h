@@ -21,6 +21,9 @@ struct Work::State {
   std::condition_variable cv;
   bool done = false;
   std::exception_ptr error;
+  // A non-blocking send (isend): `done` means posted; complete once `pending` is done too.
+  std::unique_ptr<detail::PendingSend> pending;
+  Tensor keep_alive;  // the send's buffer
 
   void finish(std::exception_ptr e) {
     {
@@ -56,6 +59,9 @@ struct Group::Impl {
     return t.device().is_cuda() && device_comm ? device_comm.get() : comm.get();
   }
   uint64_t next_sequence = 0;  // collectives issued (caller side, program order)
+
+  std::mutex sends_mutex;
+  std::vector<Work> sends_in_flight;  // isend's Works not yet seen complete
 
   std::mutex mutex;
   std::condition_variable cv;

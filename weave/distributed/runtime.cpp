@@ -40,6 +40,17 @@ std::shared_ptr<Group::Impl> make_group(std::vector<int> ranks,
   return impl;
 }
 
+void tear_down_after_timeout(const std::string& what) {
+  Runtime& r = runtime();
+  std::fprintf(stderr,
+               "[weave] rank %d: %s did not complete within %g s (WEAVE_TIMEOUT_S); a rank "
+               "of the group probably skipped it or is stuck; tearing the job down\n",
+               r.rank, what.c_str(), r.timeout_s);
+  std::fflush(stderr);
+  if (r.uses_mpi) detail::mpi::abort_job(1);
+  std::_Exit(1);
+}
+
 }  // namespace detail
 
 using namespace detail;
@@ -73,13 +84,7 @@ void watchdog_loop() {
         what = fmt::format("{} on group [{}]", describe(group->running),
                            fmt::join(group->ranks, ", "));
       }
-      std::fprintf(stderr,
-                   "[weave] rank %d: %s did not complete within %g s (WEAVE_TIMEOUT_S); a rank "
-                   "of the group probably skipped it or is stuck; tearing the job down\n",
-                   r.rank, what.c_str(), r.timeout_s);
-      std::fflush(stderr);
-      if (r.uses_mpi) detail::mpi::abort_job(1);
-      std::_Exit(1);
+      tear_down_after_timeout(what);
     }
   }
 }
@@ -147,6 +152,14 @@ void finalize() {
       std::lock_guard lock(r.groups_mutex);
       for (auto& weak : r.groups)
         if (auto g = weak.lock()) groups.push_back(g);
+    }
+    for (auto& g : groups) {
+      std::vector<Work> sends;
+      {
+        std::lock_guard lock(g->sends_mutex);
+        sends.swap(g->sends_in_flight);
+      }
+      for (const Work& w : sends) w.wait();
     }
     for (auto& g : groups) g->drain();  // the watchdog still guards this
     for (auto& g : groups) {

@@ -29,6 +29,10 @@ struct Runtime {
 Runtime& runtime();
 /// runtime(), after checking that init() ran; `op` names the caller in the error.
 Runtime& live(const char* op);
+/// Reports on stderr that `what` did not complete within the timeout and aborts the whole job
+/// (the watchdog's verdict; also used by waits that poll instead of blocking in a call).
+[[noreturn]] void tear_down_after_timeout(const std::string& what);
+
 /// A group over `ranks` with its host communicator (null on non-members), registered with the
 /// watchdog.
 std::shared_ptr<Group::Impl> make_group(std::vector<int> ranks, std::unique_ptr<Communicator> comm);

@@ -140,6 +140,25 @@ struct Counts {
   }
 };
 
+class MpiPendingSend final : public PendingSend {
+ public:
+  explicit MpiPendingSend(MPI_Request request) : request_(request) {}
+  ~MpiPendingSend() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    // abandoned (teardown after an error): MPI still completes it, nobody waits for it
+    if (!finalized && request_ != MPI_REQUEST_NULL) MPI_Request_free(&request_);
+  }
+  bool done() override {
+    int flag = 0;
+    WEAVE_CHECK_CALL(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE), "send");
+    return flag != 0;
+  }
+
+ private:
+  MPI_Request request_;
+};
+
 class MpiCommunicator final : public Communicator {
  public:
   explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {
@@ -219,6 +238,13 @@ class MpiCommunicator final : public Communicator {
     WEAVE_CHECK_CALL(
         MPI_Recv(buffer, as_int(n, "recv"), mpi_type(t), src, tag, comm_, MPI_STATUS_IGNORE),
         "recv");
+  }
+  std::unique_ptr<PendingSend> start_send(const void* buffer, int64_t n, DType t, int dst,
+                                          int tag) override {
+    MPI_Request request = MPI_REQUEST_NULL;
+    WEAVE_CHECK_CALL(
+        MPI_Isend(buffer, as_int(n, "send"), mpi_type(t), dst, tag, comm_, &request), "send");
+    return std::make_unique<MpiPendingSend>(request);
   }
   void barrier() override { WEAVE_CHECK_CALL(MPI_Barrier(comm_), "barrier"); }
   std::unique_ptr<Communicator> split(const std::vector<int>& members) override {
