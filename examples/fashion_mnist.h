@@ -6,6 +6,7 @@
 //   [--strategy ddp|dist-opt|zero1|decentralized:TOPOLOGY] [--compress bf16|fp16]
 //   [--recipe small]   (784-256-128-10 without dropout, Adam at a constant lr: the recipe
 //                       bench/torch_ddp_fashion_mnist.py runs in PyTorch)
+//   model-parallel examples: [--schedule gpipe|1f1b] [--microbatches M] [--tensor T]
 //
 // --batch-size is the global batch, split across the ranks; each rank draws its share of every
 // epoch from a DistributedSampler. Rank 0 prints one line per epoch and, last, exactly
@@ -32,6 +33,9 @@ struct Flags {
   std::string strategy = "ddp";
   std::optional<DType> compress;
   bool small_recipe = false;
+  parallel::Schedule schedule = parallel::Schedule::OneFOneB;
+  int microbatches = 4;
+  int tensor = 0;  // tensor-parallel group size (0: the example's default)
 };
 
 inline Flags parse(int argc, char** argv, const char* program) {
@@ -63,6 +67,12 @@ inline Flags parse(int argc, char** argv, const char* program) {
           "unknown strategy '{}'; expected ddp, dist-opt, zero1 or decentralized:NAME "
           "(NAME: {})",
           f.strategy, parallel::topology_names());
+    } else if (arg == "--schedule") {
+      f.schedule = parallel::schedule_from_name(value());
+    } else if (arg == "--microbatches") {
+      f.microbatches = std::stoi(value());
+    } else if (arg == "--tensor") {
+      f.tensor = std::stoi(value());
     } else if (arg == "--recipe") {
       const std::string r = value();
       WEAVE_CHECK(r == "small", program, "unknown recipe '{}'; expected small", r);
@@ -75,7 +85,8 @@ inline Flags parse(int argc, char** argv, const char* program) {
     } else {
       WEAVE_FAIL(program,
                  "unknown flag '{}'; expected --epochs, --batch-size, --lr, --seed, --data, "
-                 "--threads, --strategy, --compress, --recipe",
+                 "--threads, --strategy, --compress, --recipe, --schedule, --microbatches, "
+                 "--tensor",
                  arg);
     }
   }
@@ -102,20 +113,51 @@ inline double accuracy(nn::Module& model, const Tensor& images, const Tensor& la
   return static_cast<double>(correct) / static_cast<double>(images.size(0));
 }
 
+// One compute thread per rank when ranks share the machine, unless --threads says otherwise.
+inline void use_threads(const Flags& flags, int ranks) {
+  if (flags.threads > 0)
+    set_num_threads(flags.threads);
+  else if (ranks > 1)
+    set_num_threads(1);
+}
+
+struct Data {
+  Tensor train_x, train_y, test_x, test_y;  // images flattened to [N, 784], normalized
+};
+
+inline Data load(const Flags& flags) {
+  data::MnistSplit train = data::load_fashion_mnist(flags.data, true);
+  data::MnistSplit test = data::load_fashion_mnist(flags.data, false);
+  return {normalize(train.images).flatten(1), train.labels, normalize(test.images).flatten(1),
+          test.labels};
+}
+
+// The default recipe's learning rate: linear warm-up, then cosine decay; constant for --recipe
+// small.
+inline optim::Schedule lr_schedule(const Flags& flags, int64_t total_steps) {
+  if (flags.small_recipe) return [lr = flags.lr](int64_t) { return lr; };
+  return optim::linear_warmup(optim::cosine_schedule(flags.lr, total_steps), 200);
+}
+
+// Rank 0's progress line (statistics summed over the ranks by the caller).
+inline void report_epoch(int epoch, const Flags& flags, double loss, double train_acc,
+                         double test_acc, double seconds, int ranks) {
+  if (dist::rank() != 0) return;
+  std::printf("epoch %d/%d loss=%.4f train_acc=%.4f test_acc=%.4f time=%.1fs ranks=%d\n", epoch,
+              flags.epochs, loss, train_acc, test_acc, seconds, ranks);
+  std::fflush(stdout);
+}
+
 // Trains with flags.strategy; returns the process's exit code.
 inline int run(const Flags& flags) {
   dist::InitGuard distributed(dist::Backend::MPI);  // a world of one without mpirun
   const int rank = dist::rank(), ranks = dist::world_size();
-  if (flags.threads > 0)
-    set_num_threads(flags.threads);
-  else if (ranks > 1)
-    set_num_threads(1);                      // ranks share this machine's cores
+  use_threads(flags, ranks);
   manual_seed(flags.seed + uint64_t(rank));  // DDP broadcasts rank 0's model
 
-  data::MnistSplit train = data::load_fashion_mnist(flags.data, true);
-  data::MnistSplit test = data::load_fashion_mnist(flags.data, false);
-  Tensor train_x = normalize(train.images).flatten(1), test_x = normalize(test.images).flatten(1);
-  auto dataset = std::make_shared<data::TensorDataset>(train_x, train.labels);
+  const Data d = load(flags);
+  const Tensor& test_x = d.test_x;
+  auto dataset = std::make_shared<data::TensorDataset>(d.train_x, d.train_y);
   auto sampler = std::make_shared<parallel::DistributedSampler>(
       dataset->size(), parallel::DistributedSamplerOptions{.seed = flags.seed});
   const int64_t local_batch = std::max<int64_t>(1, flags.batch_size / ranks);
@@ -144,10 +186,7 @@ inline int run(const Flags& flags) {
     return std::make_unique<optim::AdamW>(
         std::move(params), optim::AdamWOptions{.lr = flags.lr, .weight_decay = 1e-4});
   };
-  const int64_t total_steps = flags.epochs * loader.size();
-  optim::Schedule lr_at = [lr = flags.lr](int64_t) { return lr; };
-  if (!flags.small_recipe)
-    lr_at = optim::linear_warmup(optim::cosine_schedule(flags.lr, total_steps), 200);
+  const optim::Schedule lr_at = lr_schedule(flags, flags.epochs * loader.size());
   std::unique_ptr<parallel::DistributedDataParallel> ddp;
   std::unique_ptr<parallel::DecentralizedDataParallel> decentralized;
   std::unique_ptr<parallel::DistributedOptimizer> averaging;
@@ -210,13 +249,9 @@ inline int run(const Flags& flags) {
     auto totals = stats.to_vector<double>();
     if (decentralized && epoch == flags.epochs) decentralized->global_avg();  // one final model
     if (decentralized && epoch < flags.epochs) decentralized->wait();
-    test_accuracy = accuracy(model, test_x, test.labels);
-    if (rank == 0) {
-      std::printf("epoch %d/%d loss=%.4f train_acc=%.4f test_acc=%.4f time=%.1fs ranks=%d\n", epoch,
-                  flags.epochs, totals[0] / totals[2], totals[1] / totals[2], test_accuracy,
-                  seconds, ranks);
-      std::fflush(stdout);
-    }
+    test_accuracy = accuracy(model, test_x, d.test_y);
+    report_epoch(epoch, flags, totals[0] / totals[2], totals[1] / totals[2], test_accuracy, seconds,
+                 ranks);
   }
   if (rank == 0) std::printf("test_accuracy=%.4f\n", test_accuracy);
   return 0;
