@@ -366,6 +366,28 @@ TEST_SUITE("model_parallel") {
                            doctest::Contains("micro-batches"), Error);
   }
 
+  TEST_CASE("a send-only stage that forgets its backward cannot step") {
+    const int me = dist::rank();
+    if (dist::world_size() < 2 || me > 1) return;
+    manual_seed(1);
+    nn::Linear layer(4, 4);
+    layer.to(kFloat64);
+    optim::SGD opt(layer.parameters(), {.lr = 0.1});
+    Tensor x = shared_randn({3, 4}, 7);
+    if (me == 0) {
+      dist::functional::remote_send(layer(x), 1);  // no loss here: the gradient comes back
+      CHECK_THROWS_WITH_AS(opt.step(), doctest::Contains("have not run backward"), Error);
+      autograd::backward({});  // receives it
+      REQUIRE(layer.weight.grad().defined());
+      CHECK_NOTHROW(opt.step());
+    } else {
+      Tensor received = dist::functional::remote_recv(0);
+      sum(layer(received)).backward();
+      CHECK_NOTHROW(opt.step());
+    }
+    dist::wait_sends();
+  }
+
   TEST_CASE("isend: neighbours send large tensors to each other before either receives") {
     const int n = dist::world_size(), me = dist::rank();
     if (n < 2) return;

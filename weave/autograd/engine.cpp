@@ -111,6 +111,10 @@ ForwardOnlyGuard::~ForwardOnlyGuard() {
   std::erase_if(must_run_nodes, [this](const MustRun& m) { return m.id >= first_; });
 }
 
+bool in_backward() {
+  return backward_depth > 0;
+}
+
 void queue_callback(std::function<void()> fn) {
   WEAVE_CHECK(backward_depth > 0, "queue_callback",
               "no backward pass is running on this thread; hint: call it from a hook");

@@ -49,6 +49,9 @@ class ForwardOnlyGuard {
   uint64_t first_;  // the first mark made under this guard
 };
 
+/// True while a backward pass runs on this thread (inside hooks and callbacks).
+bool in_backward();
+
 /// Runs fn once when the backward pass now running on this thread finishes (data-parallel
 /// wrappers wait for their outstanding communication here). Raises outside backward.
 void queue_callback(std::function<void()> fn);

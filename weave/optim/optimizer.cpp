@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
 #include "weave/kernels/kernels.h"
 
@@ -37,7 +38,19 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options)
       options.momentum, options.dampening);
 }
 
+void Optimizer::check_backward_complete() const {
+  if (autograd::in_backward()) return;  // per-bucket steps inside backward (decentralized)
+  const size_t pending = autograd::must_run_pending();
+  WEAVE_CHECK(pending == 0, "optimizer step",
+              "{} communicating autograd node(s) recorded in forward have not run backward, so "
+              "peers may wait for them or gradients they carry are missing; hint: call backward "
+              "on every rank (a rank without a loss of its own: autograd::backward({{}})), or "
+              "record forward-only communication under NoGradGuard or autograd::ForwardOnlyGuard",
+              pending);
+}
+
 void SGD::step() {
+  check_backward_complete();
   NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
@@ -87,6 +100,7 @@ Adam::Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled)
 }
 
 void Adam::step() {
+  check_backward_complete();
   NoGradGuard no_grad;
   ++steps_;
   const double correction1 = 1 - std::pow(options_.beta1, static_cast<double>(steps_));

@@ -12,7 +12,9 @@ class Optimizer {
   Optimizer(std::vector<Tensor> params, double lr);
   virtual ~Optimizer() = default;
   /// Applies one update using the parameters' current gradients (parameters without a
-  /// gradient are skipped).
+  /// gradient are skipped). Outside backward, raises if communicating autograd nodes (a
+  /// differentiable collective's or remote_send's backward) are still pending: their peers
+  /// would wait for them, or gradients they should bring would be missing.
   virtual void step() = 0;
   /// Drops (set_to_none) or zeroes every gradient.
   void zero_grad(bool set_to_none = true);
@@ -23,6 +25,8 @@ class Optimizer {
   virtual std::vector<Tensor> state() const { return {}; }
 
  protected:
+  /// The pending-communication check of step(); every step() calls it first.
+  void check_backward_complete() const;
   std::vector<Tensor> params_;
   double lr_;
 };
