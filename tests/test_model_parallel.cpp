@@ -320,6 +320,57 @@ TEST_SUITE("model_parallel") {
         }
   }
 
+  TEST_CASE("interleaved virtual stages give one process's gradients") {
+    const int p = dist::world_size(), me = dist::rank(), v = 2;
+    if (p < 2) return;
+    auto make = [&] {  // 2 p v children: every virtual stage gets a Linear and a Tanh
+      manual_seed(17);
+      auto model = std::make_shared<nn::Sequential>();
+      for (int i = 0; i < p * v; ++i) {
+        model->push_back(std::make_shared<nn::Linear>(i == 0 ? 5 : 6, 6));
+        model->push_back(nn::Tanh());
+      }
+      model->to(kFloat64);
+      return model;
+    };
+    for (parallel::Schedule schedule : {parallel::Schedule::GPipe, parallel::Schedule::OneFOneB})
+      for (int m : {p, 2 * p}) {
+        CAPTURE(int(schedule));
+        CAPTURE(m);
+        auto model = make();
+        auto chunks = parallel::pipeline_chunks(*model, me, p, v);
+        REQUIRE(chunks.size() == size_t(v));
+        for (const auto& chunk : chunks) CHECK(chunk->size() == 2);
+        parallel::Pipeline pipe({chunks[0].get(), chunks[1].get()},
+                                {.schedule = schedule, .microbatches = m});
+        Tensor x = shared_randn({2 * m, 5}, 41), y = shared_randn({2 * m, 6}, 42);
+        Tensor loss = pipe.train_step(x, y, mse);
+        auto reference = make();
+        Tensor ref_loss = mse((*reference)(x), y);
+        ref_loss.backward();
+        if (pipe.is_last()) CHECK(close(loss, ref_loss));
+        const auto params = model->parameters(), expected = reference->parameters();
+        int64_t mine = 0;
+        for (size_t i = 0; i < params.size(); ++i)
+          if (params[i].grad().defined()) {
+            ++mine;
+            CHECK(close(params[i].grad(), expected[i].grad()));
+          }
+        Tensor count = full({1}, double(mine), {.dtype = kInt64});
+        dist::all_reduce(count);
+        CHECK(count.item<int64_t>() == int64_t(params.size()));
+        if (schedule == parallel::Schedule::GPipe)
+          CHECK(pipe.stats().peak_live_microbatches == m * v);
+        else  // Megatron-LM's warm-up, then one forward and one backward in turn
+          CHECK(pipe.stats().peak_live_microbatches ==
+                std::min(std::min((p - me - 1) * 2 + (v - 1) * p, m * v) + 1, m * v));
+        Tensor predicted = pipe.predict(x);
+        if (pipe.is_last()) CHECK(close(predicted, (*make())(x)));
+      }
+    CHECK_THROWS_WITH_AS(parallel::Pipeline({nullptr}, {}), doctest::Contains("null pointer"),
+                         Error);
+  }
+
   TEST_CASE("a balanced pipeline idles (p - 1) / (m + p - 1) of the step") {
     const int p = dist::world_size(), me = dist::rank();
     nn::Sequential model;

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <deque>
+#include <map>
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
@@ -41,25 +41,43 @@ Schedule schedule_from_name(const std::string& name) {
 }
 
 Pipeline::Pipeline(nn::Module& stage, PipelineOptions options)
-    : stage_(stage), options_(options), group_(options.group ? *options.group : dist::world()) {
+    : Pipeline(std::vector<nn::Module*>{&stage}, options) {}
+
+Pipeline::Pipeline(std::vector<nn::Module*> chunks, PipelineOptions options)
+    : chunks_(std::move(chunks)),
+      options_(options),
+      group_(options.group ? *options.group : dist::world()) {
   WEAVE_CHECK(options.microbatches >= 1, "Pipeline", "microbatches must be at least 1, found {}",
               options.microbatches);
   WEAVE_CHECK(group_.rank() >= 0, "Pipeline",
               "rank {} is not in the pipeline group {}; hint: pass the mesh's pipeline group",
               dist::rank(), group_.str());
+  WEAVE_CHECK(!chunks_.empty(), "Pipeline", "expected at least one chunk, found none");
+  for (nn::Module* chunk : chunks_)
+    WEAVE_CHECK(chunk != nullptr, "Pipeline", "a chunk is a null pointer");
+  if (chunks_.size() > 1) {
+    WEAVE_CHECK(stages() > 1, "Pipeline",
+                "{} virtual stages on a pipeline of one rank; hint: pass them as one Sequential",
+                chunks_.size());
+    WEAVE_CHECK(options.microbatches % stages() == 0, "Pipeline",
+                "interleaving {} virtual stages needs micro-batches in multiples of the {} "
+                "ranks, found {}",
+                chunks_.size(), stages(), options.microbatches);
+  }
 }
 
-Tensor Pipeline::forward_microbatch(const Tensor& input, const Tensor& target,
+Tensor Pipeline::forward_microbatch(int chunk, const Tensor& input, const Tensor& target,
                                     const PipelineLoss& loss) {
+  const int p = stages();
   Tensor x = input;
-  if (!is_first()) {
+  if (!(is_first() && chunk == 0)) {
     const double t = now_s();
-    x = F::remote_recv(stage() - 1, group_);
+    x = F::remote_recv((stage() + p - 1) % p, group_);
     stats_.waiting_s += now_s() - t;
   }
-  Tensor y = stage_(x);
-  if (is_last()) return loss(y, target) / double(options_.microbatches);
-  return F::remote_send(y, stage() + 1, group_);
+  Tensor y = (*chunks_[chunk])(x);
+  if (holds_last_stage(chunk)) return loss(y, target) / double(options_.microbatches);
+  return F::remote_send(y, (stage() + 1) % p, group_);
 }
 
 void Pipeline::backward_microbatch(const Tensor& root) {
@@ -68,13 +86,31 @@ void Pipeline::backward_microbatch(const Tensor& root) {
   stats_.waiting_s += F::receive_wait_seconds() - before;
 }
 
+namespace {
+
+// The k-th forward of a rank: (micro-batch, chunk). Interleaved, micro-batches go in groups of
+// p, each group through chunk 0, then chunk 1, ... (Megatron-LM's order); backwards visit the
+// chunks in reverse.
+std::pair<int, int> forward_unit(int k, int p, int v) {
+  if (v == 1) return {k, 0};
+  const int group = k / (p * v), within = k % (p * v);
+  return {group * p + within % p, within / p};
+}
+std::pair<int, int> backward_unit(int k, int p, int v) {
+  auto [micro, chunk] = forward_unit(k, p, v);
+  return {micro, v - 1 - chunk};
+}
+
+}  // namespace
+
 Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const PipelineLoss& loss) {
   WEAVE_CHECK(autograd::must_run_pending() == 0, "Pipeline",
               "{} communicating autograd nodes from an earlier forward never ran backward, so "
               "peers may still wait for them; hint: finish that step's backward on every rank, "
               "or wrap forward-only passes in autograd::ForwardOnlyGuard",
               autograd::must_run_pending());
-  const int m = options_.microbatches, p = stages(), s = stage();
+  const int m = options_.microbatches, p = stages(), s = stage(), v = int(chunks_.size());
+  const int units = m * v;
   std::vector<Tensor> in, target;
   if (is_first()) in = microbatches_of(inputs, m, "input");
   if (is_last()) {
@@ -84,36 +120,35 @@ Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const P
   stats_ = {};
   const double start = now_s();
   Tensor total;
-  std::deque<Tensor> live;  // roots of the micro-batches whose backward is still to run
-  int next_forward = 0;
+  std::map<std::pair<int, int>, Tensor> live;  // roots whose backward is still to run
+  int forwards = 0, backwards = 0;
   auto forward = [&] {
-    const int i = next_forward++;
-    Tensor root =
-        forward_microbatch(is_first() ? in[i] : Tensor(), is_last() ? target[i] : Tensor(), loss);
-    if (is_last()) {
-      Tensor value = root.detach();
-      total = total.defined() ? total + value : value;
-    }
-    live.push_back(root);
+    const auto [micro, chunk] = forward_unit(forwards++, p, v);
+    const bool last = holds_last_stage(chunk);
+    Tensor root = forward_microbatch(chunk, is_first() && chunk == 0 ? in[micro] : Tensor(),
+                                     last ? target[micro] : Tensor(), loss);
+    if (last) total = total.defined() ? total + root.detach() : root.detach();
+    live[{micro, chunk}] = root;
     stats_.peak_live_microbatches =
         std::max(stats_.peak_live_microbatches, static_cast<int>(live.size()));
   };
   auto backward = [&] {
-    Tensor root = live.front();
-    live.pop_front();
-    backward_microbatch(root);
+    auto node = live.extract(backward_unit(backwards++, p, v));
+    WEAVE_CHECK(!node.empty(), "Pipeline", "internal: backward before its forward");
+    backward_microbatch(node.mapped());
   };
   if (options_.schedule == Schedule::GPipe) {
-    for (int i = 0; i < m; ++i) forward();
-    for (int i = 0; i < m; ++i) backward();
+    for (int k = 0; k < units; ++k) forward();
+    for (int k = 0; k < units; ++k) backward();
   } else {
-    const int warmup = std::min(p - s - 1, m);
-    for (int i = 0; i < warmup; ++i) forward();
-    for (int i = warmup; i < m; ++i) {
+    const int warmup =
+        v == 1 ? std::min(p - s - 1, m) : std::min((p - s - 1) * 2 + (v - 1) * p, units);
+    for (int k = 0; k < warmup; ++k) forward();
+    for (int k = warmup; k < units; ++k) {
       forward();
       backward();
     }
-    while (!live.empty()) backward();
+    while (backwards < units) backward();
   }
   {
     const double t = now_s();
@@ -126,17 +161,18 @@ Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const P
 
 Tensor Pipeline::predict(const Tensor& inputs) {
   NoGradGuard no_grad;
-  const int m = options_.microbatches;
+  const int m = options_.microbatches, p = stages(), v = int(chunks_.size());
   std::vector<Tensor> in;
   if (is_first()) in = microbatches_of(inputs, m, "input");
   std::vector<Tensor> outputs;
-  for (int i = 0; i < m; ++i) {
-    Tensor x = is_first() ? in[i] : F::remote_recv(stage() - 1, group_);
-    Tensor y = stage_(x);
-    if (is_last())
+  for (int k = 0; k < m * v; ++k) {
+    const auto [micro, chunk] = forward_unit(k, p, v);
+    Tensor x = is_first() && chunk == 0 ? in[micro] : F::remote_recv((stage() + p - 1) % p, group_);
+    Tensor y = (*chunks_[chunk])(x);
+    if (holds_last_stage(chunk))
       outputs.push_back(y);
     else
-      F::remote_send(y, stage() + 1, group_);
+      F::remote_send(y, (stage() + 1) % p, group_);
   }
   dist::wait_sends(group_);
   return is_last() ? cat(outputs, 0) : Tensor();
@@ -185,6 +221,20 @@ std::shared_ptr<nn::Sequential> pipeline_stage(const nn::Sequential& model, int 
   auto part = std::make_shared<nn::Sequential>();
   for (size_t i = first; i < last; ++i) part->push_back(children[i].second);
   return part;
+}
+
+}  // namespace weave::parallel
+
+namespace weave::parallel {
+
+std::vector<std::shared_ptr<nn::Sequential>> pipeline_chunks(const nn::Sequential& model, int rank,
+                                                             int ranks, int virtual_stages) {
+  WEAVE_CHECK(ranks >= 1 && virtual_stages >= 1 && rank >= 0 && rank < ranks, "pipeline_chunks",
+              "rank {} of {} with {} virtual stages is out of range", rank, ranks, virtual_stages);
+  std::vector<std::shared_ptr<nn::Sequential>> chunks;
+  for (int c = 0; c < virtual_stages; ++c)
+    chunks.push_back(pipeline_stage(model, c * ranks + rank, ranks * virtual_stages));
+  return chunks;
 }
 
 }  // namespace weave::parallel

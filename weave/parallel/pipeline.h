@@ -19,6 +19,10 @@
 //   GPipe: every forward, then every backward; m micro-batches of activations alive.
 //   1F1B:  p - s - 1 warm-up forwards on stage s, then one forward and one backward in turn;
 //          at most p - s micro-batches of activations alive.
+// Interleaved (virtual stages, Megatron-LM): each rank holds v chunks of the model, chunk c of
+// rank r being stage c p + r of v p, so a micro-batch visits every rank v times; with 1F1B the
+// bubble shrinks to (p - 1) / (v m + p - 1). Pass the chunks to the vector constructor
+// (pipeline_chunks cuts them); m must then divide by p.
 // Every stage runs every micro-batch's backward (a stage with no loss too), in the same order,
 // with that micro-batch's token as the root and pending-node replay off. Sends do not wait for
 // the receiver, so a stage may send an activation and then wait for a gradient from the same
@@ -62,6 +66,9 @@ class Pipeline {
   /// `stage` is this rank's part of the model (it must outlive the pipeline). Every stage of
   /// the group constructs one with the same options.
   Pipeline(nn::Module& stage, PipelineOptions options = {});
+  /// Interleaved: this rank's chunks in model order (chunk c is virtual stage c p + r); every
+  /// rank passes the same number.
+  Pipeline(std::vector<nn::Module*> chunks, PipelineOptions options = {});
 
   /// Forward and backward of every micro-batch. inputs [B, ...] matter on the first stage,
   /// targets [B, ...] on the last (others may pass undefined tensors). Gradients accumulate
@@ -74,19 +81,23 @@ class Pipeline {
   /// elsewhere (evaluation; in micro-batches of the same size).
   Tensor predict(const Tensor& inputs);
 
+  /// This rank's place in the pipeline group, and the group's size.
   int stage() const { return group_.rank(); }
   int stages() const { return group_.size(); }
+  /// Whether this rank feeds the inputs / computes the loss.
   bool is_first() const { return stage() == 0; }
   bool is_last() const { return stage() == stages() - 1; }
   const PipelineStats& stats() const { return stats_; }
 
  private:
-  // One micro-batch's forward on this stage: the root its backward starts from (the loss on
-  // the last stage, the send's token elsewhere).
-  Tensor forward_microbatch(const Tensor& input, const Tensor& target, const PipelineLoss& loss);
+  // One micro-batch's forward through chunk c: the root its backward starts from (the loss on
+  // the last virtual stage, the send's token elsewhere).
+  Tensor forward_microbatch(int chunk, const Tensor& input, const Tensor& target,
+                            const PipelineLoss& loss);
   void backward_microbatch(const Tensor& root);
+  bool holds_last_stage(int chunk) const { return is_last() && chunk == int(chunks_.size()) - 1; }
 
-  nn::Module& stage_;
+  std::vector<nn::Module*> chunks_;
   PipelineOptions options_;
   dist::Group group_;
   PipelineStats stats_;
@@ -97,5 +108,10 @@ class Pipeline {
 /// increasing boundaries).
 std::shared_ptr<nn::Sequential> pipeline_stage(const nn::Sequential& model, int stage, int stages,
                                                const std::vector<size_t>& boundaries = {});
+
+/// Rank `rank`'s chunks of an interleaved pipeline of `ranks` ranks with `virtual_stages`
+/// chunks each: stages rank, rank + ranks, rank + 2 ranks, ... of ranks * virtual_stages.
+std::vector<std::shared_ptr<nn::Sequential>> pipeline_chunks(const nn::Sequential& model, int rank,
+                                                             int ranks, int virtual_stages);
 
 }  // namespace weave::parallel

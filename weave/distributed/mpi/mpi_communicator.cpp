@@ -242,8 +242,8 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<PendingSend> start_send(const void* buffer, int64_t n, DType t, int dst,
                                           int tag) override {
     MPI_Request request = MPI_REQUEST_NULL;
-    WEAVE_CHECK_CALL(
-        MPI_Isend(buffer, as_int(n, "send"), mpi_type(t), dst, tag, comm_, &request), "send");
+    WEAVE_CHECK_CALL(MPI_Isend(buffer, as_int(n, "send"), mpi_type(t), dst, tag, comm_, &request),
+                     "send");
     return std::make_unique<MpiPendingSend>(request);
   }
   void barrier() override { WEAVE_CHECK_CALL(MPI_Barrier(comm_), "barrier"); }
