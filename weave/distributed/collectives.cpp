@@ -94,6 +94,11 @@ void scale_to_mean(const Tensor& t, int size) {
 constexpr int64_t kAvgChunkBytes = int64_t{1} << 20;
 
 void all_reduce_avg(Communicator* comm, const Tensor& in, const Tensor& out) {
+  if (comm->size() == 1) {  // the mean of one: no scaling pass
+    if (in.data_ptr() != out.data_ptr())
+      comm->all_reduce(in.data_ptr(), out.data_ptr(), in.numel(), in.dtype(), ReduceOp::Sum);
+    return;
+  }
   if (comm->all_reduce_mean(in.data_ptr(), out.data_ptr(), in.numel(), in.dtype())) return;
   const int64_t total = in.numel(), item = int64_t(in.itemsize());
   const int64_t chunk = std::max<int64_t>(1, kAvgChunkBytes / item);

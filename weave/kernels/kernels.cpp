@@ -1,10 +1,28 @@
 // Device dispatch for every kernel entry point.
 #include "weave/kernels/kernels.h"
 
+#include <omp.h>
+
+#include <atomic>
+
 #include "weave/kernels/backends.h"
 #include "weave/tensor/cuda/runtime.h"
 
 namespace weave::kernels {
+
+namespace {
+std::atomic<int>& thread_budget() {
+  static std::atomic<int> threads{omp_get_max_threads()};  // OMP_NUM_THREADS, or the cores
+  return threads;
+}
+}  // namespace
+
+void set_max_threads(int threads) {
+  thread_budget().store(threads, std::memory_order_relaxed);
+}
+int max_threads() {
+  return thread_budget().load(std::memory_order_relaxed);
+}
 
 namespace {
 bool on_cuda(const Tensor& t) {

@@ -78,6 +78,11 @@ inline constexpr bool kComparison = std::is_same_v<decltype(Functor{}(1, 1)), bo
 
 enum class ReduceOp : uint8_t { Sum, Max, Min, ArgMax, ArgMin };
 
+/// The CPU kernels' thread budget, one value for the whole process (OpenMP's own setting
+/// belongs to each calling thread, so a communication worker would otherwise use every core).
+void set_max_threads(int threads);
+int max_threads();
+
 /// out = op(x); x and out have one dtype.
 void unary(UnaryOp op, const Tensor& x, const Tensor& out);
 /// out = grad * op'(x) where y = op(x).

@@ -478,9 +478,10 @@ void set_num_threads(int threads) {
   WEAVE_CHECK(threads >= 1, "set_num_threads", "expected at least 1 thread, found {}", threads);
   omp_set_num_threads(threads);
   Eigen::setNbThreads(threads);
+  kernels::set_max_threads(threads);
 }
 int num_threads() {
-  return omp_get_max_threads();
+  return kernels::max_threads();
 }
 
 }  // namespace weave

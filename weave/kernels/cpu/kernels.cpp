@@ -96,7 +96,7 @@ void sum_eigen(const T* x, int64_t outer, int64_t reduced, int64_t inner, T* o) 
     Out(o, outer) = Map(x, outer, reduced).rowwise().sum();
     return;
   }
-#pragma omp parallel for if (outer * reduced * inner >= kParallelGrain && outer > 1)
+#pragma omp parallel for num_threads(threads_for(outer* reduced* inner)) if (outer > 1)
   for (int64_t b = 0; b < outer; ++b)
     Out(o + b * inner, inner) =
         Map(x + b * reduced * inner, reduced, inner).colwise().sum().transpose();

@@ -8,12 +8,18 @@
 #include <tuple>
 #include <utility>
 
+#include "weave/kernels/kernels.h"
 #include "weave/tensor/tensor.h"
 
 namespace weave::kernels::cpu {
 
 /// Below this many elements a loop stays on one thread.
 inline constexpr int64_t kParallelGrain = 32768;
+
+/// Threads worth using for `work` elements: one below kParallelGrain, else the budget.
+inline int threads_for(int64_t work) {
+  return work >= kParallelGrain ? max_threads() : 1;
+}
 
 template <size_t N>
 struct StridedLoop {
@@ -58,9 +64,9 @@ struct StridedLoop {
     for (int d = 0; d < rank - 1; ++d) rows *= shape[d];
     std::array<int64_t, N> inner_strides;
     for (size_t k = 0; k < N; ++k) inner_strides[k] = strides[k][rank - 1];
-    const bool parallel = rows * inner >= kParallelGrain && omp_get_max_threads() > 1;
+    const int threads = threads_for(rows * inner);
+    const bool parallel = threads > 1;
     if (rows == 1) {  // one long run: split it into chunks
-      int threads = parallel ? omp_get_max_threads() : 1;
       int64_t chunk = (inner + threads - 1) / threads;
 #pragma omp parallel for num_threads(threads) if (parallel)
       for (int t = 0; t < threads; ++t) {
@@ -72,7 +78,7 @@ struct StridedLoop {
       }
       return;
     }
-#pragma omp parallel for if (parallel)
+#pragma omp parallel for num_threads(threads) if (parallel)
     for (int64_t row = 0; row < rows; ++row) {
       std::array<char*, N> ptrs = {};
       for (size_t k = 0; k < N; ++k) ptrs[k] = base[k];

@@ -31,7 +31,7 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
     T* m = exp_avg.data<T>();
     T* v = exp_avg_sq.data<T>();
     const int64_t n = param.numel();
-    const int threads = n >= kParallelGrain ? omp_get_max_threads() : 1;
+    const int threads = threads_for(n);
     const int64_t chunk = (n + threads - 1) / threads;
 #pragma omp parallel for num_threads(threads) if (threads > 1)
     for (int t = 0; t < threads; ++t) {
