@@ -68,8 +68,7 @@ struct Shape {
 };
 
 double time_shape(const Shape& s, int reps) {
-  std::vector<float> a(size_t(s.m) * s.k, 0.5f), b(size_t(s.k) * s.n, 0.25f),
-      c(size_t(s.m) * s.n);
+  std::vector<float> a(size_t(s.m) * s.k, 0.5f), b(size_t(s.k) * s.n, 0.25f), c(size_t(s.m) * s.n);
   auto run = [&] { gemm(s.ta, s.tb, s.m, s.n, s.k, a.data(), b.data(), c.data()); };
   run();
   std::vector<double> t;
@@ -79,10 +78,11 @@ double time_shape(const Shape& s, int reps) {
 
 std::vector<Shape> mlp_step(int batch) {
   const std::string b = std::to_string(batch);
-  return {{"fwd1_b" + b, false, true, batch, 784, 256},  {"fwd2_b" + b, false, true, batch, 256, 128},
-          {"fwd3_b" + b, false, true, batch, 128, 10},   {"dW1_b" + b, true, false, 256, batch, 784},
-          {"dW2_b" + b, true, false, 128, batch, 256},   {"dW3_b" + b, true, false, 10, batch, 128},
-          {"dX2_b" + b, false, false, batch, 128, 256},  {"dX3_b" + b, false, false, batch, 10, 128}};
+  return {
+      {"fwd1_b" + b, false, true, batch, 784, 256}, {"fwd2_b" + b, false, true, batch, 256, 128},
+      {"fwd3_b" + b, false, true, batch, 128, 10},  {"dW1_b" + b, true, false, 256, batch, 784},
+      {"dW2_b" + b, true, false, 128, batch, 256},  {"dW3_b" + b, true, false, 10, batch, 128},
+      {"dX2_b" + b, false, false, batch, 128, 256}, {"dX3_b" + b, false, false, batch, 10, 128}};
 }
 
 }  // namespace

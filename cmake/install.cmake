@@ -24,6 +24,9 @@ install(FILES ${PROJECT_BINARY_DIR}/weaveConfig.cmake ${PROJECT_BINARY_DIR}/weav
 # pkg-config: static archive, so the dependencies' libraries go on Libs as well.
 set(WEAVE_PC_REQUIRES "fmt")
 set(WEAVE_PC_REQUIRES_PRIVATE "zlib")
+if(WEAVE_WITH_OPENBLAS)
+  string(APPEND WEAVE_PC_REQUIRES_PRIVATE " openblas")
+endif()
 set(WEAVE_PC_LIBS_PRIVATE "${OpenMP_CXX_FLAGS}")
 if(WEAVE_WITH_MPI)
   string(APPEND WEAVE_PC_REQUIRES_PRIVATE " ompi-cxx")
