@@ -2,7 +2,8 @@
 # Installs weave's build and test dependencies from Debian packages, only those missing.
 set -euo pipefail
 packages=(cmake g++ make pkg-config libeigen3-dev libfmt-dev doctest-dev zlib1g-dev
-          libopenmpi-dev openmpi-bin dataset-fashion-mnist clang-format libopenblas-pthread-dev)
+          libopenmpi-dev openmpi-bin dataset-fashion-mnist clang-format libopenblas-pthread-dev
+          nlohmann-json3-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

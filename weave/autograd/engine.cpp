@@ -1,5 +1,7 @@
 #include "weave/autograd/engine.h"
 
+#include "weave/tensor/trace.h"
+
 #include <cstdio>
 #include <queue>
 #include <unordered_map>
@@ -233,7 +235,11 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
     }
 
     running_node_name = node->name();
-    std::vector<Tensor> outputs = node->apply(std::move(inputs));
+    std::vector<Tensor> outputs;
+    {
+      const trace::Scope trace_scope("backward", trace::enabled() ? node->name() : std::string());
+      outputs = node->apply(std::move(inputs));
+    }
     if (!retain_graph) node->release_variables();
 
     const auto& edges = node->next_edges();

@@ -30,6 +30,18 @@ std::string describe(const Fingerprint& f) {
   return fmt::format("{} #{}", text, f.sequence);
 }
 
+std::string trace_args(const Fingerprint& f, const std::vector<int>& ranks) {
+  std::string args =
+      fmt::format("\"call\": \"{}\", \"group\": \"[{}]\"", describe(f), fmt::join(ranks, ", "));
+  if (f.ndim >= 0) {
+    int64_t elements = 1;
+    for (int i = 0; i < f.ndim; ++i) elements *= std::max<int64_t>(f.dims[i], 0);
+    args +=
+        fmt::format(", \"bytes\": {}", elements * int64_t(itemsize(static_cast<DType>(f.dtype))));
+  }
+  return args;
+}
+
 bool same_call(const Fingerprint& a, const Fingerprint& b) {
   if (a.sequence != b.sequence || a.op != b.op || a.dtype != b.dtype || a.root != b.root ||
       a.ndim != b.ndim || a.reduce_op != b.reduce_op || a.extra != b.extra || a.wire != b.wire)

@@ -48,6 +48,8 @@ struct Fingerprint {
 
 /// "all_reduce(float32 [4, 5]) #3"; "broadcast(float32 [8], root 0, via NCCL) #4"
 std::string describe(const Fingerprint& f);
+/// The trace event arguments of a call: "call", "group" and "bytes" (per rank).
+std::string trace_args(const Fingerprint& f, const std::vector<int>& ranks);
 /// True when two ranks' fingerprints describe the same call.
 bool same_call(const Fingerprint& a, const Fingerprint& b);
 /// Compares this rank's fingerprint with those of the group's other ranks over `host` (the

@@ -13,6 +13,7 @@
 #include "weave/distributed/communicator.h"
 #include "weave/distributed/distributed.h"
 #include "weave/distributed/fingerprint.h"
+#include "weave/tensor/trace.h"
 
 namespace weave::dist {
 
@@ -114,13 +115,21 @@ struct Group::Impl {
       }
       std::exception_ptr error;
       try {
-        task.run();
+        run_traced(task.print, task.run);
       } catch (...) {
         error = std::current_exception();
       }
       finish_running();
       task.state->finish(error);
     }
+  }
+
+  // Runs an op's body as a "collective" event of the trace (weave/tensor/trace.h).
+  template <class Body>
+  void run_traced(const detail::Fingerprint& print, Body& body) {
+    const trace::Scope trace_scope("collective", detail::op_name(static_cast<detail::Op>(print.op)),
+                                   [&] { return detail::trace_args(print, ranks); });
+    body();
   }
 
   // Issues one op in program order: inline when blocking and nothing is queued (no thread
@@ -136,7 +145,7 @@ struct Group::Impl {
           Impl* self;
           ~Finish() { self->finish_running(); }
         } finish{this};
-        body();
+        run_traced(print, body);
         return Work();
       }
     }

@@ -134,6 +134,7 @@ void init(Backend backend, InitOptions options) {
   r.world = make_group(all, std::move(comm));
   if (backend == Backend::NCCL)
     r.world->device_comm = detail::nccl::init_world(*r.world->comm, r.device.index);
+  trace::set_rank(r.rank, r.size > 1);
   r.up = true;
   r.stop_watchdog = false;
   r.watchdog = std::thread(watchdog_loop);
@@ -175,6 +176,7 @@ void finalize() {
     r.groups.clear();
   }
   r.world.reset();
+  trace::stop();  // while the rank is known; a WEAVE_TRACE run writes its file here
   if (r.uses_mpi) detail::mpi::finalize();
   r.up = false;
 }

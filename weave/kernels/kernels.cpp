@@ -7,6 +7,7 @@
 
 #include "weave/kernels/backends.h"
 #include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/trace.h"
 
 namespace weave::kernels {
 
@@ -30,59 +31,73 @@ bool on_cuda(const Tensor& t) {
 }
 }  // namespace
 
-#define WEAVE_DISPATCH(call)           \
-  if (on_cuda(out)) return cuda::call; \
+const char* unary_name(UnaryOp op) {
+  const char* name = "unary";
+  visit_unary_op(op, [&](auto, const char* n) { name = n; });
+  return name;
+}
+const char* binary_name(BinaryOp op) {
+  const char* name = "binary";
+  visit_binary_op(op, [&](auto, const char* n) { name = n; });
+  return name;
+}
+
+// Every kernel call is an "op" event of the trace (weave/tensor/trace.h).
+#define WEAVE_DISPATCH(name, call)            \
+  const trace::Scope trace_scope("op", name); \
+  if (on_cuda(out)) return cuda::call;        \
   return cpu::call
 
 void unary(UnaryOp op, const Tensor& x, const Tensor& out) {
-  WEAVE_DISPATCH(unary(op, x, out));
+  WEAVE_DISPATCH(unary_name(op), unary(op, x, out));
 }
 
 void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
                     const Tensor& out) {
-  WEAVE_DISPATCH(unary_backward(op, grad, x, y, out));
+  WEAVE_DISPATCH(unary_name(op), unary_backward(op, grad, x, y, out));
 }
 
 void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
-  WEAVE_DISPATCH(binary(op, a, b, out));
+  WEAVE_DISPATCH(binary_name(op), binary(op, a, b, out));
 }
 
 void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
-  WEAVE_DISPATCH(where(cond, a, b, out));
+  WEAVE_DISPATCH("where", where(cond, a, b, out));
 }
 
 void fill(const Tensor& out, double value) {
-  WEAVE_DISPATCH(fill(out, value));
+  WEAVE_DISPATCH("fill", fill(out, value));
 }
 
 void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,
             const Tensor& out) {
-  WEAVE_DISPATCH(reduce(op, x, outer, reduced, inner, out));
+  WEAVE_DISPATCH("reduce", reduce(op, x, outer, reduced, inner, out));
 }
 
 void matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
-  WEAVE_DISPATCH(matmul(a, b, out));
+  WEAVE_DISPATCH("matmul", matmul(a, b, out));
 }
 
 void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
                   const Tensor& out) {
-  WEAVE_DISPATCH(index_select(src, outer, n, inner, index, out));
+  WEAVE_DISPATCH("index_select", index_select(src, outer, n, inner, index, out));
 }
 
 void index_add(const Tensor& out, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
                const Tensor& src) {
-  WEAVE_DISPATCH(index_add(out, outer, n, inner, index, src));
+  WEAVE_DISPATCH("index_add", index_add(out, outer, n, inner, index, src));
 }
 
 void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                  const Tensor& exp_avg_sq, const AdamStep& step) {
   const Tensor& out = param;
-  WEAVE_DISPATCH(adam_update(param, grad, exp_avg, exp_avg_sq, step));
+  WEAVE_DISPATCH("adam_update", adam_update(param, grad, exp_avg, exp_avg_sq, step));
 }
 
 #undef WEAVE_DISPATCH
 
 void copy(const Tensor& src, const Tensor& dst) {
+  const trace::Scope trace_scope("op", "copy");
   if (src.device() == dst.device()) {
     if (on_cuda(dst)) return cuda::copy(src, dst);
     return cpu::copy(src, dst);

@@ -5,6 +5,7 @@
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
 #include "weave/kernels/kernels.h"
+#include "weave/tensor/trace.h"
 
 namespace weave::optim {
 
@@ -50,6 +51,7 @@ void Optimizer::check_backward_complete() const {
 }
 
 void SGD::step() {
+  const trace::Scope trace_scope("optimizer", "SGD.step");
   check_backward_complete();
   NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -100,6 +102,7 @@ Adam::Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled)
 }
 
 void Adam::step() {
+  const trace::Scope trace_scope("optimizer", "Adam.step");
   check_backward_complete();
   NoGradGuard no_grad;
   ++steps_;

@@ -1,0 +1,73 @@
+// Merges per-rank traces (WEAVE_TRACE) into one Chrome trace / Perfetto timeline and reports
+// what they hold:
+//   weave_trace_merge trace.rank0.json trace.rank1.json > trace.json
+// stderr: one line per file, "FILE: N events (op A, backward B, optimizer C, collective D,
+// E bytes)". Exits 1 if a file is not a valid trace; with --require-collectives, also if a
+// file has no collective event (the check CTest runs).
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <string>
+
+int main(int argc, char** argv) {
+  bool require_collectives = false;
+  nlohmann::json merged = {{"displayTimeUnit", "ms"}, {"traceEvents", nlohmann::json::array()}};
+  int files = 0;
+  for (int i = 1; i < argc; ++i) {
+    const std::string path = argv[i];
+    if (path == "--require-collectives") {
+      require_collectives = true;
+      continue;
+    }
+    std::ifstream in(path);
+    nlohmann::json trace;
+    try {
+      trace = nlohmann::json::parse(in);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s: not valid JSON: %s\n", path.c_str(), e.what());
+      return 1;
+    }
+    if (!trace.contains("traceEvents") || !trace["traceEvents"].is_array()) {
+      std::fprintf(stderr, "%s: no traceEvents array\n", path.c_str());
+      return 1;
+    }
+    std::map<std::string, int> count;
+    long long bytes = 0;
+    for (const auto& event : trace["traceEvents"]) {
+      if (!event.contains("ph") || !event.contains("pid")) {
+        std::fprintf(stderr, "%s: an event without ph or pid: %s\n", path.c_str(),
+                     event.dump().c_str());
+        return 1;
+      }
+      if (event["ph"] == "X") {
+        const std::string category = event.value("cat", "");
+        ++count[category];
+        if (category == "collective" && event.contains("args"))
+          bytes += event["args"].value("bytes", 0LL);
+        if (!event.contains("ts") || !event.contains("dur") || event["dur"].get<double>() < 0) {
+          std::fprintf(stderr, "%s: a complete event without ts/dur\n", path.c_str());
+          return 1;
+        }
+      }
+      merged["traceEvents"].push_back(event);
+    }
+    std::fprintf(stderr,
+                 "%s: %zu events (op %d, backward %d, optimizer %d, collective %d, %lld bytes)\n",
+                 path.c_str(), trace["traceEvents"].size(), count["op"], count["backward"],
+                 count["optimizer"], count["collective"], bytes);
+    if (require_collectives && count["collective"] == 0) {
+      std::fprintf(stderr, "%s: no collective events\n", path.c_str());
+      return 1;
+    }
+    ++files;
+  }
+  if (files == 0) {
+    std::fprintf(stderr, "usage: weave_trace_merge [--require-collectives] TRACE.json...\n");
+    return 2;
+  }
+  std::cout << merged.dump() << "\n";
+  return 0;
+}
