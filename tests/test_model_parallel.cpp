@@ -3,6 +3,7 @@
 // one process on the whole batch, hybrid data x tensor parallelism step for step, and meshes.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <memory>
@@ -91,7 +92,7 @@ Tensor mse(const Tensor& out, const Tensor& target) {
 }
 
 // A stage of fixed duration: sleeps in forward and twice as long in backward.
-constexpr auto kForwardDelay = std::chrono::milliseconds(10);
+constexpr auto kForwardDelay = std::chrono::milliseconds(20);
 struct Delay : autograd::Function<Delay> {
   static constexpr const char* name = "DelayBackward";
   static Tensor forward(FunctionContext&, const Tensor& x) {
@@ -384,14 +385,20 @@ TEST_SUITE("model_parallel") {
         parallel::Pipeline pipe(*stage, {.schedule = schedule, .microbatches = m});
         Tensor x = ones({m, 4}), y = zeros({m, 4});
         pipe.train_step(x, y, mse);  // warm up
-        dist::barrier();
-        const auto start = std::chrono::steady_clock::now();
-        pipe.train_step(x, y, mse);
-        dist::barrier();
-        const double wall =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        const double busy = pipe.stats().step_s - pipe.stats().waiting_s;
-        const double idle = 1.0 - busy / wall, expected = double(p - 1) / (m + p - 1);
+        // the median of three steps: a descheduled rank shows up as idle time on its peers
+        std::vector<double> idles;
+        for (int trial = 0; trial < 3; ++trial) {
+          dist::barrier();
+          const auto start = std::chrono::steady_clock::now();
+          pipe.train_step(x, y, mse);
+          dist::barrier();
+          const double wall =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          const double busy = pipe.stats().step_s - pipe.stats().waiting_s;
+          idles.push_back(1.0 - busy / wall);
+        }
+        std::sort(idles.begin(), idles.end());
+        const double idle = idles[1], expected = double(p - 1) / (m + p - 1);
         CAPTURE(idle);
         CAPTURE(expected);
         CHECK(std::abs(idle - expected) <= 0.05);

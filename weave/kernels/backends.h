@@ -19,7 +19,9 @@
   void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const Tensor& index, \
                  const Tensor& src);                                                              \
   void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,                \
-                   const Tensor& exp_avg_sq, const AdamStep& step);
+                   const Tensor& exp_avg_sq, const AdamStep& step);                               \
+  void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,         \
+                  const SgdStep& step);
 
 namespace weave::kernels::cpu {
 WEAVE_BACKEND_KERNELS

@@ -92,6 +92,32 @@ AdamConstants<T> adam_constants(double lr, double beta1, double beta2, double ep
           T(correction2),      T(eps),   T(wd),        T(1 - lr * wd), decoupled};
 }
 
+/// SGD constants in the compute type (PyTorch's rule; the first step copies the gradient into
+/// the momentum buffer).
+template <class T>
+struct SgdConstants {
+  T lr, momentum, one_minus_dampening, weight_decay;
+  bool nesterov, first;
+};
+
+/// One element of an SGD step: the momentum buffer (when momentum != 0) and p in place.
+template <class T>
+WEAVE_HD inline void sgd_element(T& p, T g, T& buffer, const SgdConstants<T>& c) {
+  if (c.weight_decay != T(0)) g += c.weight_decay * p;
+  T direction = g;
+  if (c.momentum != T(0)) {
+    buffer = c.first ? g : c.momentum * buffer + c.one_minus_dampening * g;
+    direction = c.nesterov ? g + c.momentum * buffer : buffer;
+  }
+  p -= c.lr * direction;
+}
+
+template <class T>
+SgdConstants<T> sgd_constants(double lr, double momentum, double dampening, double wd,
+                              bool nesterov, bool first) {
+  return {T(lr), T(momentum), T(1 - dampening), T(wd), nesterov, first};
+}
+
 // ---- unary: forward(x) and derivative(x, y = forward(x)) -------------------------------
 // `integral` says whether the op is defined on integer tensors; if not, they become float32.
 // `reads` says which of x and y the derivative reads: backward saves only that one and passes

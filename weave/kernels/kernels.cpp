@@ -94,6 +94,12 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
   WEAVE_DISPATCH("adam_update", adam_update(param, grad, exp_avg, exp_avg_sq, step));
 }
 
+void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,
+                const SgdStep& step) {
+  const Tensor& out = param;
+  WEAVE_DISPATCH("sgd_update", sgd_update(param, grad, momentum_buffer, step));
+}
+
 #undef WEAVE_DISPATCH
 
 void copy(const Tensor& src, const Tensor& dst) {

@@ -120,4 +120,15 @@ struct AdamStep {
 void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                  const Tensor& exp_avg_sq, const AdamStep& step);
 
+struct SgdStep {
+  double lr, momentum, dampening, weight_decay;
+  bool nesterov;
+  bool first;  // the momentum buffer takes the gradient as is (PyTorch's first step)
+};
+/// One fused SGD update, in place, in a single pass over contiguous float32/float64 tensors of
+/// one dtype and device: g += wd p; buf = momentum buf + (1 - dampening) g (or g at first);
+/// p -= lr (nesterov ? g + momentum buf : buf). momentum_buffer is ignored without momentum.
+void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,
+                const SgdStep& step);
+
 }  // namespace weave::kernels

@@ -57,7 +57,23 @@ void SGD::step() {
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
     if (!p.grad().defined()) continue;
-    Tensor d = p.grad();
+    const Tensor& g = p.grad();
+    // The common case in one fused pass (no temporaries): contiguous, one floating dtype.
+    if ((p.dtype() == kFloat32 || p.dtype() == kFloat64) && g.dtype() == p.dtype() &&
+        g.device() == p.device() && p.is_contiguous() && g.is_contiguous()) {
+      const bool first = options_.momentum != 0 && !momentum_[i].defined();
+      if (first) momentum_[i] = empty(p.shape(), {.dtype = p.dtype(), .device = p.device()});
+      kernels::sgd_update(p, g, momentum_[i],
+                          {.lr = lr_,
+                           .momentum = options_.momentum,
+                           .dampening = options_.dampening,
+                           .weight_decay = options_.weight_decay,
+                           .nesterov = options_.nesterov,
+                           .first = first});
+      p.storage()->bump_version();
+      continue;
+    }
+    Tensor d = g;
     if (options_.weight_decay != 0) d = d + p * options_.weight_decay;
     if (options_.momentum != 0) {
       Tensor& buf = momentum_[i];

@@ -17,7 +17,56 @@ void adam_range(T* __restrict p, const T* __restrict g, T* __restrict m, T* __re
   for (int64_t i = 0; i < n; ++i) fn::adam_element(p[i], g[i], m[i], v[i], c);
 }
 
+template <class T>
+void sgd_range(T* __restrict p, const T* __restrict g, T* __restrict buffer, int64_t n,
+               const fn::SgdConstants<T> c) {
+  if (buffer == nullptr) {  // no momentum
+    T unused = 0;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      T local = unused;
+      fn::sgd_element(p[i], g[i], local, c);
+    }
+    return;
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) fn::sgd_element(p[i], g[i], buffer[i], c);
+}
+
+// Splits n elements into one contiguous range per thread.
+template <class Range>
+void in_ranges(int64_t n, const Range& range) {
+  const int threads = threads_for(n);
+  const int64_t chunk = (n + threads - 1) / threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+  for (int t = 0; t < threads; ++t) {
+    const int64_t begin = t * chunk, count = std::min(chunk, n - begin);
+    if (count > 0) range(begin, count);
+  }
+}
+
 }  // namespace
+
+void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,
+                const SgdStep& step) {
+  auto run = [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const auto c = fn::sgd_constants<T>(step.lr, step.momentum, step.dampening, step.weight_decay,
+                                        step.nesterov, step.first);
+    T* p = param.data<T>();
+    const T* g = grad.data<T>();
+    T* buffer = step.momentum != 0 ? momentum_buffer.data<T>() : nullptr;
+    in_ranges(param.numel(), [&](int64_t begin, int64_t count) {
+      sgd_range(p + begin, g + begin, buffer ? buffer + begin : nullptr, count, c);
+    });
+  };
+  if (param.dtype() == kFloat32)
+    run(type_tag<float>{});
+  else if (param.dtype() == kFloat64)
+    run(type_tag<double>{});
+  else
+    WEAVE_FAIL("sgd_update", "expected float32 or float64, found {}", param.dtype());
+}
 
 void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                  const Tensor& exp_avg_sq, const AdamStep& step) {

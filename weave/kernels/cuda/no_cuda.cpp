@@ -40,6 +40,9 @@ void index_select(const Tensor&, int64_t, int64_t, int64_t, const Tensor&, const
 void index_add(const Tensor&, int64_t, int64_t, int64_t, const Tensor&, const Tensor&) {
   no_cuda("index_add");
 }
+void sgd_update(const Tensor&, const Tensor&, const Tensor&, const SgdStep&) {
+  no_cuda("sgd_update");
+}
 void adam_update(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const AdamStep&) {
   no_cuda("adam_update");
 }
