@@ -92,7 +92,7 @@ Tensor mse(const Tensor& out, const Tensor& target) {
 }
 
 // A stage of fixed duration: sleeps in forward and twice as long in backward.
-constexpr auto kForwardDelay = std::chrono::milliseconds(20);
+constexpr auto kForwardDelay = std::chrono::milliseconds(40);
 struct Delay : autograd::Function<Delay> {
   static constexpr const char* name = "DelayBackward";
   static Tensor forward(FunctionContext&, const Tensor& x) {

@@ -209,4 +209,36 @@ TEST_SUITE("tensor") {
     CHECK(y.to_vector<float>() == std::vector<float>{3, 5, 3, 5});
     CHECK_WEAVE_ERROR(ones({2}).expand({3, 2}).add_(1.0), "add_", "broadcast view");
   }
+
+  TEST_CASE(
+      "addcmul_, addcdiv_ and lerp_ equal their expressions, in one pass or through autograd") {
+    for (DType dtype : {kFloat32, kFloat64}) {
+      CAPTURE(dtype);
+      Generator g(9);
+      Tensor start = randn({3, 4}, {.dtype = dtype}, &g), a = randn({3, 4}, {.dtype = dtype}, &g);
+      Tensor b = rand({1, 4}, {.dtype = dtype}, &g) + 0.5;  // broadcast, away from zero
+      const double tol = dtype == kFloat64 ? 1e-14 : 1e-6;
+      Tensor x = start.clone();
+      x.addcmul_(a, b, 0.3);
+      CHECK(allclose(x, start + a * b * 0.3, tol, tol));
+      x = start.clone();
+      x.addcdiv_(a, b, -2.0);
+      CHECK(allclose(x, start + a / b * -2.0, tol, tol));
+      x = start.clone();
+      x.lerp_(b, 0.25);
+      CHECK(allclose(x, start + (b - start) * 0.25, tol, tol));
+    }
+    // with a graph: the gradients of the same expression
+    Tensor w = randn({2, 3}, {.dtype = kFloat64}).requires_grad_();
+    Tensor a = randn({2, 3}, {.dtype = kFloat64}).requires_grad_();
+    Tensor b = randn({2, 3}, {.dtype = kFloat64});
+    Tensor y = w * 1.0;
+    y.addcmul_(a, b, 0.5);
+    sum(y).backward();
+    CHECK(allclose(w.grad(), ones({2, 3}, {.dtype = kFloat64}), 0, 0));
+    CHECK(allclose(a.grad(), b * 0.5, 1e-15, 1e-15));
+    Tensor ints = zeros({2}, {.dtype = kInt64});
+    CHECK_THROWS_WITH_AS(ints.addcmul_(ints, ints), doctest::Contains("expected a floating tensor"),
+                         Error);
+  }
 }

@@ -21,7 +21,10 @@
   void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,                \
                    const Tensor& exp_avg_sq, const AdamStep& step);                               \
   void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,         \
-                  const SgdStep& step);
+                  const SgdStep& step);                                                           \
+  void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,   \
+               const Tensor& out);                                                                \
+  void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out);
 
 namespace weave::kernels::cpu {
 WEAVE_BACKEND_KERNELS

@@ -92,6 +92,26 @@ AdamConstants<T> adam_constants(double lr, double beta1, double beta2, double ep
           T(correction2),      T(eps),   T(wd),        T(1 - lr * wd), decoupled};
 }
 
+// ---- fused in-place updates (Tensor::addcmul_, addcdiv_, lerp_) ----------------------------
+
+/// self + value * a * b, or self + value * a / b.
+struct AddCMulDiv {
+  double value;
+  bool divide;
+  template <class T>
+  WEAVE_HD T operator()(T self, T a, T b) const {
+    return divide ? self + T(value) * (a / b) : self + T(value) * (a * b);
+  }
+};
+/// self + weight * (end - self).
+struct Lerp {
+  double weight;
+  template <class T>
+  WEAVE_HD T operator()(T self, T end) const {
+    return self + T(weight) * (end - self);
+  }
+};
+
 /// SGD constants in the compute type (PyTorch's rule; the first step copies the gradient into
 /// the momentum buffer).
 template <class T>

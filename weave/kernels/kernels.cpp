@@ -94,6 +94,15 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
   WEAVE_DISPATCH("adam_update", adam_update(param, grad, exp_avg, exp_avg_sq, step));
 }
 
+void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,
+             const Tensor& out) {
+  WEAVE_DISPATCH(divide ? "addcdiv" : "addcmul", addcmul(self, a, b, value, divide, out));
+}
+
+void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out) {
+  WEAVE_DISPATCH("lerp", lerp(self, end, weight, out));
+}
+
 void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,
                 const SgdStep& step) {
   const Tensor& out = param;

@@ -90,6 +90,12 @@ void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tenso
                     const Tensor& out);
 /// out = op(a, b); a and b share a dtype; out has it too, or bool for comparisons.
 void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out);
+/// out = self + value * a * b (or a / b with divide); one floating dtype, one shape (inputs
+/// may be broadcast views).
+void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,
+             const Tensor& out);
+/// out = self + weight * (end - self).
+void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out);
 /// out = cond ? a : b; cond is bool.
 void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out);
 /// dst = src elementwise, converting dtype, across devices.

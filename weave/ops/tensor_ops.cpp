@@ -1,6 +1,7 @@
 // Creation, conversion, printing, in-place ops and the Tensor method shortcuts.
 #include <omp.h>
 #include <cmath>
+#include <functional>
 #include <ostream>
 #include "weave/kernels/cpu/eigen.h"
 
@@ -372,6 +373,57 @@ Tensor& Tensor::mul_(const Tensor& other) {
 }
 Tensor& Tensor::mul_(double value) {
   return mul_(wrap_scalar(value, *this));
+}
+
+namespace {
+
+// The fused in-place updates share their checks and their autograd fallback (the same
+// expression out of place, committed into self).
+Tensor& fused_inplace(Tensor& self, const std::vector<Tensor>& operands, const char* name,
+                      const std::function<Tensor(const Tensor&)>& out_of_place,
+                      const std::function<void(const std::vector<Tensor>&)>& kernel) {
+  WEAVE_CHECK(self.defined(), name, "called on an undefined tensor");
+  WEAVE_CHECK(is_floating(self.dtype()), name,
+              "expected a floating tensor, found {}; hint: .to(kFloat32) first", self.dtype());
+  for (const Tensor& t : operands) {
+    check_defined(t, name, "operand");
+    check_writable(self, t, name);
+  }
+  bool needs_graph = false;
+  for (const Tensor& t : operands)
+    needs_graph = needs_graph || inplace_needs_autograd(self, t, name);
+  if (needs_graph) {
+    commit_inplace(self, out_of_place(self.clone()));
+    return self;
+  }
+  std::vector<Tensor> views;
+  for (const Tensor& t : operands)
+    views.push_back(broadcast_view(convert(t, self.dtype()), self.shape()));
+  kernel(views);
+  self.storage()->bump_version();
+  return self;
+}
+
+}  // namespace
+
+Tensor& Tensor::addcmul_(const Tensor& a, const Tensor& b, double value) {
+  return fused_inplace(
+      *this, {a, b}, "addcmul_", [&](const Tensor& s) { return s + a * b * value; },
+      [&](const std::vector<Tensor>& v) {
+        kernels::addcmul(*this, v[0], v[1], value, false, *this);
+      });
+}
+Tensor& Tensor::addcdiv_(const Tensor& a, const Tensor& b, double value) {
+  return fused_inplace(
+      *this, {a, b}, "addcdiv_", [&](const Tensor& s) { return s + a / b * value; },
+      [&](const std::vector<Tensor>& v) {
+        kernels::addcmul(*this, v[0], v[1], value, true, *this);
+      });
+}
+Tensor& Tensor::lerp_(const Tensor& end, double weight) {
+  return fused_inplace(
+      *this, {end}, "lerp_", [&](const Tensor& s) { return s + (end - s) * weight; },
+      [&](const std::vector<Tensor>& v) { kernels::lerp(*this, v[0], weight, *this); });
 }
 
 Tensor& Tensor::copy_(const Tensor& src) {

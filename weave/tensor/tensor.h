@@ -166,6 +166,12 @@ class Tensor {
   Tensor& add_(double value);
   Tensor& mul_(const Tensor& other);
   Tensor& mul_(double value);
+  /// this += value * a * b in one pass (a and b broadcast to this shape; floating dtypes).
+  Tensor& addcmul_(const Tensor& a, const Tensor& b, double value = 1.0);
+  /// this += value * a / b in one pass.
+  Tensor& addcdiv_(const Tensor& a, const Tensor& b, double value = 1.0);
+  /// this += weight * (end - this) in one pass.
+  Tensor& lerp_(const Tensor& end, double weight);
   /// Copies src (broadcast, converted to this dtype and device) into this tensor.
   Tensor& copy_(const Tensor& src);
   Tensor& fill_(double value);

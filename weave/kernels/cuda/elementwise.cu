@@ -149,6 +149,28 @@ void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
   });
 }
 
+void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,
+             const Tensor& out) {
+  const fn::AddCMulDiv f{value, divide};
+  if (out.dtype() == kFloat32)
+    map<float, float, float, float>(f, out, self, a, b);
+  else if (out.dtype() == kFloat64)
+    map<double, double, double, double>(f, out, self, a, b);
+  else
+    WEAVE_FAIL(divide ? "addcdiv_" : "addcmul_", "expected float32 or float64, found {}",
+               out.dtype());
+}
+
+void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out) {
+  const fn::Lerp f{weight};
+  if (out.dtype() == kFloat32)
+    map<float, float, float>(f, out, self, end);
+  else if (out.dtype() == kFloat64)
+    map<double, double, double>(f, out, self, end);
+  else
+    WEAVE_FAIL("lerp_", "expected float32 or float64, found {}", out.dtype());
+}
+
 void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
   visit_dtype(a.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;

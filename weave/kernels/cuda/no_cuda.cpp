@@ -40,6 +40,12 @@ void index_select(const Tensor&, int64_t, int64_t, int64_t, const Tensor&, const
 void index_add(const Tensor&, int64_t, int64_t, int64_t, const Tensor&, const Tensor&) {
   no_cuda("index_add");
 }
+void addcmul(const Tensor&, const Tensor&, const Tensor&, double, bool, const Tensor&) {
+  no_cuda("addcmul");
+}
+void lerp(const Tensor&, const Tensor&, double, const Tensor&) {
+  no_cuda("lerp");
+}
 void sgd_update(const Tensor&, const Tensor&, const Tensor&, const SgdStep&) {
   no_cuda("sgd_update");
 }
