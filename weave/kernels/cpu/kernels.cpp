@@ -4,6 +4,7 @@
 #include "weave/kernels/backends.h"
 #include "weave/kernels/cpu/eigen.h"
 #include "weave/kernels/cpu/loops.h"
+#include "weave/kernels/cpu/vector_math.h"
 
 namespace weave::kernels::cpu {
 
