@@ -4,6 +4,9 @@
 //                                          dtype and shape
 //   weave_mpi_timeout pipeline-throw       a pipeline stage throws mid-schedule (uncaught)
 //   weave_mpi_timeout pipeline-throw-caught   ... and main catches it and returns 1
+//   weave_mpi_timeout slow-peer            a healthy job whose barrier waits 0.5 s for a rank:
+//                                          must succeed under any WEAVE_TIMEOUT_S above that
+//                                          (1e10 and inf once overflowed into an instant abort)
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -60,6 +63,12 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode.empty()) return skip_collective();
   dist::InitGuard guard;
+  if (mode == "slow-peer") {
+    if (dist::rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    dist::barrier();
+    if (dist::rank() == 0) std::printf("slow-peer: done\n");
+    return 0;
+  }
   if (mode == "pipeline-throw") pipeline_with_a_failing_stage();
   try {
     pipeline_with_a_failing_stage();

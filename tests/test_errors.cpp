@@ -24,6 +24,21 @@ TEST_SUITE("errors") {
     CHECK_WEAVE_ERROR(empty({-1}), "empty", "non-negative");
   }
 
+  TEST_CASE("sizes that overflow are errors, not wrapped counts") {
+    const int64_t big = int64_t{1} << 62, huge = int64_t{1} << 32;
+    CHECK_THROWS_WITH_AS(empty({big}), doctest::Contains("overflows int64"), Error);
+    CHECK_THROWS_WITH_AS(zeros({huge, huge}), doctest::Contains("more elements than int64"), Error);
+    CHECK_THROWS_WITH_AS(zeros({3037000500, 3037000500}), doctest::Contains("int64"), Error);
+    CHECK_THROWS_WITH_AS(ones({1, 1}).expand({huge, huge}),
+                         doctest::Contains("more elements than int64"), Error);
+    CHECK_THROWS_WITH_AS(ones({1}).expand({-5}), doctest::Contains("non-negative"), Error);
+    CHECK_THROWS_WITH_AS(Dims::filled(-1, 0),
+                         doctest::Contains("at most 8 dimensions (and not fewer than 0), found -1"),
+                         Error);
+    CHECK_THROWS_WITH_AS(scalar_tensor(3).size(0), doctest::Contains("0-d tensor"), Error);
+    CHECK(ones({3, 4}).expand({2, 3, 4}).shape() == Shape{2, 3, 4});
+  }
+
   TEST_CASE("dtype and value errors") {
     CHECK_WEAVE_ERROR(where(ones({2}), ones({2}), ones({2})), "where", "bool condition");
     CHECK_WEAVE_ERROR(index_select(ones({3}), 0, ones({1})), "index_select", "int32 or int64");

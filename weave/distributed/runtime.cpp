@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <numeric>
 
 #include "weave/tensor/cuda/runtime.h"
@@ -69,7 +70,9 @@ double env_double(const char* name, double fallback) {
 
 void watchdog_loop() {
   Runtime& r = runtime();
-  const auto limit = static_cast<int64_t>(r.timeout_s * 1e9);
+  // a timeout beyond ~292 years (or inf) means "never" rather than an int64 overflow
+  const int64_t limit = r.timeout_s >= 9.2e9 ? std::numeric_limits<int64_t>::max()
+                                             : static_cast<int64_t>(r.timeout_s * 1e9);
   while (!r.stop_watchdog.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     std::lock_guard lock(r.groups_mutex);

@@ -200,11 +200,16 @@ Tensor expand(const Tensor& x, const Shape& requested) {
     }
     int64_t have = x.shape()[i - lead];
     if (shape[i] == -1) shape[i] = have;
+    WEAVE_CHECK(shape[i] >= 0, "expand",
+                "cannot expand {} to {}: dimension {} is {}; sizes are non-negative (or -1 to keep "
+                "one)",
+                x.shape(), requested, i, shape[i]);
     WEAVE_CHECK(have == shape[i] || have == 1, "expand",
                 "cannot expand {} to {}: dimension {} is {}, expected 1 or {}", x.shape(),
                 requested, i, have, shape[i]);
     strides[i] = have == shape[i] ? x.strides()[i - lead] : 0;
   }
+  shape.numel();  // raises if the expanded element count overflows
   // d expand = g summed over the broadcast dims
   return view_of(
       x, shape, strides, x.offset(), "ExpandBackward",

@@ -58,10 +58,12 @@ class Dims {
     size_ = static_cast<uint8_t>(n);
   }
   std::vector<int64_t> vec() const { return {begin(), end()}; }
-  /// Product of the entries (1 for an empty Dims).
+  /// Product of the entries (1 for an empty Dims); raises if it overflows int64.
   int64_t numel() const {
     int64_t n = 1;
-    for (int i = 0; i < size_; ++i) n *= data_[i];
+    for (int i = 0; i < size_; ++i)
+      WEAVE_CHECK(!__builtin_mul_overflow(n, data_[i], &n), "shape",
+                  "{} has more elements than int64 can count; hint: check the sizes", str());
     return n;
   }
   friend bool operator==(const Dims& a, const Dims& b) {
@@ -78,8 +80,8 @@ class Dims {
     std::copy(first, last, data_);
   }
   static void check_capacity(int n) {
-    WEAVE_CHECK(n <= kMaxDims, "shape", "at most {} dimensions are supported, found {}", kMaxDims,
-                n);
+    WEAVE_CHECK(n >= 0 && n <= kMaxDims, "shape",
+                "a shape has at most {} dimensions (and not fewer than 0), found {}", kMaxDims, n);
   }
   int64_t data_[kMaxDims] = {};
   uint8_t size_ = 0;

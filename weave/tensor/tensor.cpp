@@ -142,6 +142,8 @@ const Strides& Tensor::strides() const {
   return checked(impl_).strides;
 }
 int64_t Tensor::size(int64_t dim) const {
+  WEAVE_CHECK(this->dim() > 0, "size",
+              "a 0-d tensor has no dimension {}; hint: numel() counts its one element", dim);
   return shape()[normalize_dim(dim, this->dim(), "size")];
 }
 int Tensor::dim() const {
@@ -185,9 +187,13 @@ bool Tensor::is_contiguous() const {
 Tensor empty(const Shape& shape, TensorOptions options) {
   for (int64_t d : shape)
     WEAVE_CHECK(d >= 0, "empty", "sizes must be non-negative, found {}", shape);
+  int64_t bytes = 0;
+  WEAVE_CHECK(
+      !__builtin_mul_overflow(shape.numel(), int64_t(weave::itemsize(options.dtype)), &bytes),
+      "empty", "{} elements of {} do not fit in memory (the byte count overflows int64)", shape,
+      options.dtype);
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage =
-      std::make_shared<Storage>(shape.numel() * weave::itemsize(options.dtype), options.device);
+  impl->storage = std::make_shared<Storage>(size_t(bytes), options.device);
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = options.dtype;
