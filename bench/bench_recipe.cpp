@@ -4,7 +4,8 @@
 // Prints:
 //   step batch=B step_us=...  limit_us=... (gemm_us=... optimizer_us=...) ratio_to_limit=...
 //     for B = 64 and 1024: the median training step on fixed data, and the limit: the step's
-//     eight GEMMs run alone (Eigen, the fastest GEMM here for these shapes: see README) plus one
+//     eight GEMMs run alone through weave's GEMM (OpenBLAS when built with it, the fastest
+//     library here for these shapes: see README, bench/compare_gemm.sh) plus one
 //     pass of Adam's bytes (read p, g, m, v; write p, m, v) at this machine's memcpy bandwidth
 //   epochs=E wall_s=... best_test_accuracy=...   shuffled batches of 64 sliced from the tensors
 //   (epochs=0 skips the run)

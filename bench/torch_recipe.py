@@ -10,24 +10,17 @@ Fashion-MNIST scaled to [0, 1], one thread. Prints, like bench_recipe:
 Only a benchmark peer: weave never needs PyTorch to build or test.
 """
 import argparse
-import gzip
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-DATA = "/usr/share/datasets/fashion-mnist"
-
-
-def read_idx(name):
-    with gzip.open(os.path.join(DATA, name), "rb") as f:
-        raw = f.read()
-    dims = raw[3]
-    shape = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(dims)]
-    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * dims).reshape(shape)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_ddp_fashion_mnist import read_idx  # noqa: E402  (the same IDX reader)
 
 
 def images(name):

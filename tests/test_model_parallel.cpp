@@ -87,6 +87,21 @@ std::shared_ptr<nn::Sequential> pipeline_model(int64_t width) {
   return model;
 }
 
+// A pipeline's stages together hold every gradient of the whole model, each on exactly one
+// rank, equal to the reference's.
+void check_stage_grads(const nn::Module& model, const nn::Module& reference) {
+  const auto params = model.parameters(), expected = reference.parameters();
+  int64_t mine = 0;
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].grad().defined()) {
+      ++mine;
+      CHECK(close(params[i].grad(), expected[i].grad()));
+    }
+  Tensor count = full({1}, double(mine), {.dtype = kInt64});
+  dist::all_reduce(count);
+  CHECK(count.item<int64_t>() == int64_t(params.size()));
+}
+
 Tensor mse(const Tensor& out, const Tensor& target) {
   return mse_loss(out, target);
 }
@@ -301,16 +316,7 @@ TEST_SUITE("model_parallel") {
               CHECK(close(loss, ref_loss));
             else
               CHECK(!loss.defined());
-            const auto params = model->parameters(), expected = reference->parameters();
-            int64_t mine = 0;
-            for (size_t i = 0; i < params.size(); ++i)
-              if (params[i].grad().defined()) {
-                ++mine;
-                CHECK(close(params[i].grad(), expected[i].grad()));
-              }
-            Tensor count = full({1}, double(mine), {.dtype = kInt64});
-            dist::all_reduce(count);
-            CHECK(count.item<int64_t>() == int64_t(params.size()));  // every one, by one stage
+            check_stage_grads(*model, *reference);
             const int expected_live =
                 schedule == parallel::Schedule::GPipe ? m : std::min(n - me, m);
             CHECK(pipe.stats().peak_live_microbatches == expected_live);
@@ -350,16 +356,7 @@ TEST_SUITE("model_parallel") {
         Tensor ref_loss = mse((*reference)(x), y);
         ref_loss.backward();
         if (pipe.is_last()) CHECK(close(loss, ref_loss));
-        const auto params = model->parameters(), expected = reference->parameters();
-        int64_t mine = 0;
-        for (size_t i = 0; i < params.size(); ++i)
-          if (params[i].grad().defined()) {
-            ++mine;
-            CHECK(close(params[i].grad(), expected[i].grad()));
-          }
-        Tensor count = full({1}, double(mine), {.dtype = kInt64});
-        dist::all_reduce(count);
-        CHECK(count.item<int64_t>() == int64_t(params.size()));
+        check_stage_grads(*model, *reference);
         if (schedule == parallel::Schedule::GPipe)
           CHECK(pipe.stats().peak_live_microbatches == m * v);
         else  // Megatron-LM's warm-up, then one forward and one backward in turn

@@ -457,21 +457,13 @@ Work isend(const Tensor& tensor, int dst, const Group& group, int tag) {
       false);
   state->finish(nullptr);
   Work work(state);
-  std::lock_guard lock(g.sends_mutex);
-  std::erase_if(g.sends_in_flight, [](const Work& w) { return w.is_completed(); });
-  g.sends_in_flight.push_back(work);
+  g.track_send(work);
   return work;
 }
 
 void wait_sends(const Group& group) {
   Call c(Op::Send, group);
-  Group::Impl& g = member(c);
-  std::vector<Work> in_flight;
-  {
-    std::lock_guard lock(g.sends_mutex);
-    in_flight.swap(g.sends_in_flight);
-  }
-  for (const Work& w : in_flight) w.wait();
+  member(c).wait_sends();
 }
 
 void barrier(const Group& group) {

@@ -20,11 +20,10 @@ namespace {
 // A posted isend completes by polling (the watchdog sees only ops running on a queue, so the
 // timeout is enforced here); the caller holds the state's lock.
 void finish_pending_send(Work::State& s) {
-  const detail::Runtime& r = detail::runtime();
-  const int64_t deadline =
-      detail::now_ns() + static_cast<int64_t>(std::min(r.timeout_s, 1e9) * 1e9);
+  const int64_t start = detail::now_ns(), limit = detail::runtime().timeout_ns;
   while (!s.pending->done()) {
-    if (detail::now_ns() > deadline) detail::tear_down_after_timeout("a send (isend) to a peer");
+    if (detail::now_ns() - start > limit)
+      detail::tear_down_after_timeout("a send (isend) to a peer");
     std::this_thread::yield();
   }
   s.pending.reset();

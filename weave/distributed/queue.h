@@ -64,6 +64,22 @@ struct Group::Impl {
   std::mutex sends_mutex;
   std::vector<Work> sends_in_flight;  // isend's Works not yet seen complete
 
+  // Keeps an isend's Work until it is seen complete (dropping the ones already done).
+  void track_send(const Work& work) {
+    std::lock_guard lock(sends_mutex);
+    std::erase_if(sends_in_flight, [](const Work& w) { return w.is_completed(); });
+    sends_in_flight.push_back(work);
+  }
+  // Waits for every isend still in flight on this group.
+  void wait_sends() {
+    std::vector<Work> in_flight;
+    {
+      std::lock_guard lock(sends_mutex);
+      in_flight.swap(sends_in_flight);
+    }
+    for (const Work& w : in_flight) w.wait();
+  }
+
   std::mutex mutex;
   std::condition_variable cv;
   std::deque<detail::Task> tasks;

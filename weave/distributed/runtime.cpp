@@ -70,9 +70,7 @@ double env_double(const char* name, double fallback) {
 
 void watchdog_loop() {
   Runtime& r = runtime();
-  // a timeout beyond ~292 years (or inf) means "never" rather than an int64 overflow
-  const int64_t limit = r.timeout_s >= 9.2e9 ? std::numeric_limits<int64_t>::max()
-                                             : static_cast<int64_t>(r.timeout_s * 1e9);
+  const int64_t limit = r.timeout_ns;
   while (!r.stop_watchdog.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     std::lock_guard lock(r.groups_mutex);
@@ -99,6 +97,8 @@ void init(Backend backend, InitOptions options) {
   WEAVE_CHECK(!r.up, "init", "already initialized; hint: call finalize() first");
   r.backend = backend;
   r.timeout_s = options.timeout_s > 0 ? options.timeout_s : env_double("WEAVE_TIMEOUT_S", 300);
+  r.timeout_ns = r.timeout_s >= 9.2e9 ? std::numeric_limits<int64_t>::max()
+                                      : static_cast<int64_t>(r.timeout_s * 1e9);
   if (options.check_collectives) {
     r.check = *options.check_collectives;
   } else {
@@ -157,14 +157,7 @@ void finalize() {
       for (auto& weak : r.groups)
         if (auto g = weak.lock()) groups.push_back(g);
     }
-    for (auto& g : groups) {
-      std::vector<Work> sends;
-      {
-        std::lock_guard lock(g->sends_mutex);
-        sends.swap(g->sends_in_flight);
-      }
-      for (const Work& w : sends) w.wait();
-    }
+    for (auto& g : groups) g->wait_sends();
     for (auto& g : groups) g->drain();  // the watchdog still guards this
     for (auto& g : groups) {
       g->stop();

@@ -15,6 +15,8 @@ struct Runtime {
   Backend backend = Backend::MPI;
   bool uses_mpi = false;
   double timeout_s = 300;
+  /// timeout_s in nanoseconds, saturated: beyond int64 (about 292 years, or inf) means never.
+  int64_t timeout_ns = int64_t{300} * 1000000000;
   bool check = false;
   int rank = 0, size = 1, local_rank = 0;
   Device device = kCPU;

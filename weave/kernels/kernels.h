@@ -34,6 +34,14 @@ void visit_arithmetic(DType dtype, const char* op, Fn&& fn) {
   });
 }
 
+/// Calls fn(type_tag<float>{}) or fn(type_tag<double>{}); any other dtype raises naming op.
+template <class Fn>
+void visit_floating(DType dtype, const char* op, Fn&& fn) {
+  if (dtype == kFloat32) return fn(type_tag<float>{});
+  if (dtype == kFloat64) return fn(type_tag<double>{});
+  WEAVE_FAIL(op, "expected float32 or float64, found {}", dtype);
+}
+
 /// visit_arithmetic restricted to the dtypes unary op Functor is instantiated for: floating
 /// only, unless the op is defined on integers.
 template <class Functor, class Fn>

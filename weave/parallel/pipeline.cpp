@@ -66,24 +66,21 @@ Pipeline::Pipeline(std::vector<nn::Module*> chunks, PipelineOptions options)
   }
 }
 
-Tensor Pipeline::forward_microbatch(int chunk, const Tensor& input, const Tensor& target,
-                                    const PipelineLoss& loss) {
+Tensor Pipeline::run_chunk(int chunk, const Tensor& input) {
   const int p = stages();
-  Tensor x = input;
-  if (!(is_first() && chunk == 0)) {
-    const double t = now_s();
-    x = F::remote_recv((stage() + p - 1) % p, group_);
-    stats_.waiting_s += now_s() - t;
-  }
-  Tensor y = (*chunks_[chunk])(x);
-  if (holds_last_stage(chunk)) return loss(y, target) / double(options_.microbatches);
-  return F::remote_send(y, (stage() + 1) % p, group_);
+  Tensor x = is_first() && chunk == 0 ? input : F::remote_recv((stage() + p - 1) % p, group_);
+  return (*chunks_[chunk])(x);
 }
 
-void Pipeline::backward_microbatch(const Tensor& root) {
-  const double before = F::receive_wait_seconds();
-  autograd::backward({root}, {}, /*retain_graph=*/false, /*run_must_run_nodes=*/false);
-  stats_.waiting_s += F::receive_wait_seconds() - before;
+Tensor Pipeline::send_on(const Tensor& y) {
+  return F::remote_send(y, (stage() + 1) % stages(), group_);
+}
+
+Tensor Pipeline::forward_microbatch(int chunk, const Tensor& input, const Tensor& target,
+                                    const PipelineLoss& loss) {
+  Tensor y = run_chunk(chunk, input);
+  if (holds_last_stage(chunk)) return loss(y, target) / double(options_.microbatches);
+  return send_on(y);
 }
 
 namespace {
@@ -118,7 +115,7 @@ Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const P
     target = microbatches_of(targets, m, "target");
   }
   stats_ = {};
-  const double start = now_s();
+  const double start = now_s(), received_before = F::receive_wait_seconds();
   Tensor total;
   std::map<std::pair<int, int>, Tensor> live;  // roots whose backward is still to run
   int forwards = 0, backwards = 0;
@@ -135,7 +132,8 @@ Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const P
   auto backward = [&] {
     auto node = live.extract(backward_unit(backwards++, p, v));
     WEAVE_CHECK(!node.empty(), "Pipeline", "internal: backward before its forward");
-    backward_microbatch(node.mapped());
+    autograd::backward({node.mapped()}, {}, /*retain_graph=*/false,
+                       /*run_must_run_nodes=*/false);
   };
   if (options_.schedule == Schedule::GPipe) {
     for (int k = 0; k < units; ++k) forward();
@@ -150,11 +148,10 @@ Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const P
     }
     while (backwards < units) backward();
   }
-  {
-    const double t = now_s();
-    dist::wait_sends(group_);
-    stats_.waiting_s += now_s() - t;
-  }
+  const double sends_start = now_s();
+  dist::wait_sends(group_);
+  // idle: receiving activations and gradients, and the last sends' completion
+  stats_.waiting_s = F::receive_wait_seconds() - received_before + (now_s() - sends_start);
   stats_.step_s = now_s() - start;
   return total;
 }
@@ -167,12 +164,11 @@ Tensor Pipeline::predict(const Tensor& inputs) {
   std::vector<Tensor> outputs;
   for (int k = 0; k < m * v; ++k) {
     const auto [micro, chunk] = forward_unit(k, p, v);
-    Tensor x = is_first() && chunk == 0 ? in[micro] : F::remote_recv((stage() + p - 1) % p, group_);
-    Tensor y = (*chunks_[chunk])(x);
+    Tensor y = run_chunk(chunk, is_first() && chunk == 0 ? in[micro] : Tensor());
     if (holds_last_stage(chunk))
       outputs.push_back(y);
     else
-      F::remote_send(y, (stage() + 1) % p, group_);
+      send_on(y);
   }
   dist::wait_sends(group_);
   return is_last() ? cat(outputs, 0) : Tensor();

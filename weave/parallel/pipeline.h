@@ -94,7 +94,11 @@ class Pipeline {
   // the last virtual stage, the send's token elsewhere).
   Tensor forward_microbatch(int chunk, const Tensor& input, const Tensor& target,
                             const PipelineLoss& loss);
-  void backward_microbatch(const Tensor& root);
+  // Chunk c's output for one micro-batch: its input is `input` on the first virtual stage,
+  // else received from the previous rank.
+  Tensor run_chunk(int chunk, const Tensor& input);
+  // Sends y to the next rank's chunk; returns the send's token.
+  Tensor send_on(const Tensor& y);
   bool holds_last_stage(int chunk) const { return is_last() && chunk == int(chunks_.size()) - 1; }
 
   std::vector<nn::Module*> chunks_;

@@ -54,24 +54,17 @@ void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
 
 void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,
              const Tensor& out) {
-  const fn::AddCMulDiv f{value, divide};
-  if (out.dtype() == kFloat32)
-    map<float, float, float, float>(f, out, self, a, b);
-  else if (out.dtype() == kFloat64)
-    map<double, double, double, double>(f, out, self, a, b);
-  else
-    WEAVE_FAIL(divide ? "addcdiv_" : "addcmul_", "expected float32 or float64, found {}",
-               out.dtype());
+  visit_floating(out.dtype(), divide ? "addcdiv_" : "addcmul_", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    map<T, T, T, T>(fn::AddCMulDiv{value, divide}, out, self, a, b);
+  });
 }
 
 void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out) {
-  const fn::Lerp f{weight};
-  if (out.dtype() == kFloat32)
-    map<float, float, float>(f, out, self, end);
-  else if (out.dtype() == kFloat64)
-    map<double, double, double>(f, out, self, end);
-  else
-    WEAVE_FAIL("lerp_", "expected float32 or float64, found {}", out.dtype());
+  visit_floating(out.dtype(), "lerp_", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    map<T, T, T>(fn::Lerp{weight}, out, self, end);
+  });
 }
 
 void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {

@@ -21,6 +21,19 @@ inline int threads_for(int64_t work) {
   return work >= kParallelGrain ? max_threads() : 1;
 }
 
+/// Splits [0, n) into one contiguous range per thread of the budget (one below
+/// kParallelGrain) and calls range(begin, count) for each.
+template <class Range>
+void for_ranges(int64_t n, const Range& range) {
+  const int threads = threads_for(n);
+  const int64_t chunk = (n + threads - 1) / threads;
+#pragma omp parallel for num_threads(threads) if (threads > 1)
+  for (int t = 0; t < threads; ++t) {
+    const int64_t begin = t * chunk, count = std::min(chunk, n - begin);
+    if (count > 0) range(begin, count);
+  }
+}
+
 template <size_t N>
 struct StridedLoop {
   int rank = 0;
@@ -67,15 +80,11 @@ struct StridedLoop {
     const int threads = threads_for(rows * inner);
     const bool parallel = threads > 1;
     if (rows == 1) {  // one long run: split it into chunks
-      int64_t chunk = (inner + threads - 1) / threads;
-#pragma omp parallel for num_threads(threads) if (parallel)
-      for (int t = 0; t < threads; ++t) {
-        int64_t begin = t * chunk, count = std::min(chunk, inner - begin);
-        if (count <= 0) continue;
+      for_ranges(inner, [&](int64_t begin, int64_t count) {
         std::array<char*, N> ptrs;
         for (size_t k = 0; k < N; ++k) ptrs[k] = base[k] + begin * inner_strides[k];
         body(ptrs, inner_strides, count);
-      }
+      });
       return;
     }
 #pragma omp parallel for num_threads(threads) if (parallel)

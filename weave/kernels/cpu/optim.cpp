@@ -1,6 +1,4 @@
 // Fused optimizer updates on the CPU: one pass over the parameter and its state.
-#include <omp.h>
-
 #include "weave/kernels/backends.h"
 #include "weave/kernels/cpu/loops.h"
 
@@ -33,18 +31,6 @@ void sgd_range(T* __restrict p, const T* __restrict g, T* __restrict buffer, int
   for (int64_t i = 0; i < n; ++i) fn::sgd_element(p[i], g[i], buffer[i], c);
 }
 
-// Splits n elements into one contiguous range per thread.
-template <class Range>
-void in_ranges(int64_t n, const Range& range) {
-  const int threads = threads_for(n);
-  const int64_t chunk = (n + threads - 1) / threads;
-#pragma omp parallel for num_threads(threads) if (threads > 1)
-  for (int t = 0; t < threads; ++t) {
-    const int64_t begin = t * chunk, count = std::min(chunk, n - begin);
-    if (count > 0) range(begin, count);
-  }
-}
-
 }  // namespace
 
 void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,
@@ -56,16 +42,11 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
     T* p = param.data<T>();
     const T* g = grad.data<T>();
     T* buffer = step.momentum != 0 ? momentum_buffer.data<T>() : nullptr;
-    in_ranges(param.numel(), [&](int64_t begin, int64_t count) {
+    for_ranges(param.numel(), [&](int64_t begin, int64_t count) {
       sgd_range(p + begin, g + begin, buffer ? buffer + begin : nullptr, count, c);
     });
   };
-  if (param.dtype() == kFloat32)
-    run(type_tag<float>{});
-  else if (param.dtype() == kFloat64)
-    run(type_tag<double>{});
-  else
-    WEAVE_FAIL("sgd_update", "expected float32 or float64, found {}", param.dtype());
+  visit_floating(param.dtype(), "sgd_update", run);
 }
 
 void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
@@ -79,21 +60,11 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
     const T* g = grad.data<T>();
     T* m = exp_avg.data<T>();
     T* v = exp_avg_sq.data<T>();
-    const int64_t n = param.numel();
-    const int threads = threads_for(n);
-    const int64_t chunk = (n + threads - 1) / threads;
-#pragma omp parallel for num_threads(threads) if (threads > 1)
-    for (int t = 0; t < threads; ++t) {
-      const int64_t begin = t * chunk, count = std::min(chunk, n - begin);
-      if (count > 0) adam_range(p + begin, g + begin, m + begin, v + begin, count, c);
-    }
+    for_ranges(param.numel(), [&](int64_t begin, int64_t count) {
+      adam_range(p + begin, g + begin, m + begin, v + begin, count, c);
+    });
   };
-  if (param.dtype() == kFloat32)
-    run(type_tag<float>{});
-  else if (param.dtype() == kFloat64)
-    run(type_tag<double>{});
-  else
-    WEAVE_FAIL("adam_update", "expected float32 or float64, found {}", param.dtype());
+  visit_floating(param.dtype(), "adam_update", run);
 }
 
 }  // namespace weave::kernels::cpu

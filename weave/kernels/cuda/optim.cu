@@ -38,12 +38,7 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
         static_cast<T*>(param.data_ptr()), static_cast<const T*>(grad.data_ptr()),
         step.momentum != 0 ? static_cast<T*>(momentum_buffer.data_ptr()) : nullptr, n, c);
   };
-  if (param.dtype() == kFloat32)
-    launch(type_tag<float>{});
-  else if (param.dtype() == kFloat64)
-    launch(type_tag<double>{});
-  else
-    WEAVE_FAIL("sgd_update", "expected float32 or float64, found {}", param.dtype());
+  visit_floating(param.dtype(), "sgd_update", launch);
   check_launch("sgd_update");
 }
 
@@ -62,12 +57,7 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
         static_cast<T*>(param.data_ptr()), static_cast<const T*>(grad.data_ptr()),
         static_cast<T*>(exp_avg.data_ptr()), static_cast<T*>(exp_avg_sq.data_ptr()), n, c);
   };
-  if (param.dtype() == kFloat32)
-    launch(type_tag<float>{});
-  else if (param.dtype() == kFloat64)
-    launch(type_tag<double>{});
-  else
-    WEAVE_FAIL("adam_update", "expected float32 or float64, found {}", param.dtype());
+  visit_floating(param.dtype(), "adam_update", launch);
   check_launch("adam_update");
 }
 
