@@ -7,8 +7,16 @@
 //   weave_mpi_timeout slow-peer            a healthy job whose barrier waits 0.5 s for a rank:
 //                                          must succeed under any WEAVE_TIMEOUT_S above that
 //                                          (1e10 and inf once overflowed into an instant abort)
+// and the fault matrix (scripts/fault-matrix.sh), rank 1 failing while the others are inside a
+// collective:
+//   weave_mpi_timeout exception            throws; main catches it outside the InitGuard
+//   weave_mpi_timeout kill                 SIGKILL
+//   weave_mpi_timeout exit                 exit(1)
+//   weave_mpi_timeout return-early         returns from main (its InitGuard finalizes)
 #include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 
@@ -57,11 +65,35 @@ void pipeline_with_a_failing_stage() {
   std::this_thread::sleep_for(std::chrono::seconds(60));
 }
 
+// Rank 1 fails in the way `mode` names after the first collective; the others go on to the
+// next one and wait there.
+int fault(const std::string& mode) {
+  try {
+    dist::InitGuard guard;
+    Tensor t = ones({4, 5});
+    dist::all_reduce(t);
+    if (dist::rank() == 1) {
+      if (mode == "exception") WEAVE_FAIL("train", "rank 1 failed on purpose");
+      if (mode == "kill") std::raise(SIGKILL);
+      if (mode == "exit") std::exit(1);
+      if (mode == "return-early") return 0;
+    }
+    dist::all_reduce(t);
+    std::this_thread::sleep_for(std::chrono::seconds(60));
+  } catch (const std::exception& e) {
+    std::printf("rank %d: error: %s\n", dist::initialized() ? dist::rank() : -1, e.what());
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode.empty()) return skip_collective();
+  if (mode.empty() || mode == "skip") return skip_collective();
+  if (mode == "exception" || mode == "kill" || mode == "exit" || mode == "return-early")
+    return fault(mode);
   dist::InitGuard guard;
   if (mode == "slow-peer") {
     if (dist::rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));

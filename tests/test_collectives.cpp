@@ -344,8 +344,8 @@ TEST_SUITE("collectives") {
       message = e.what();
     }
     CHECK(message.rfind("[all_reduce] collective mismatch", 0) == 0);
-    CHECK(message.find("rank 0 called all_reduce(float32 [2, 3])") != std::string::npos);
-    CHECK(message.find("rank 1 called all_reduce(float32 [3, 2])") != std::string::npos);
+    CHECK(message.find("rank 0 called all_reduce(float32 [2, 3], sum)") != std::string::npos);
+    CHECK(message.find("rank 1 called all_reduce(float32 [3, 2], sum)") != std::string::npos);
     // the group is still usable afterwards
     Tensor ok = ones({2});
     dist::all_reduce(ok);

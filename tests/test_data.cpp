@@ -78,15 +78,49 @@ TEST_SUITE("data") {
     CHECK(split.images.to_vector<int64_t>()[23] == 23);
     CHECK(split.labels.to_vector<int64_t>() == std::vector<int64_t>{3, 4});
 
-    CHECK_WEAVE_ERROR(data::load_fashion_mnist(dir.string(), false), "fashion_mnist",
-                      "cannot open");
+    CHECK_WEAVE_ERROR(data::load_fashion_mnist(dir.string(), false), "read_idx", "cannot open");
     write_gz(dir / "t10k-images-idx3-ubyte.gz", idx(3, {2, 3, 4}, 10));  // truncated
     write_gz(dir / "t10k-labels-idx1-ubyte.gz", idx(1, {2}, 2));
-    CHECK_WEAVE_ERROR(data::load_fashion_mnist(dir.string(), false), "fashion_mnist", "truncated");
+    CHECK_WEAVE_ERROR(data::load_fashion_mnist(dir.string(), false), "read_idx", "truncated");
     auto bad = idx(1, {2}, 2);
     bad[2] = 0x0d;  // float IDX, not unsigned bytes
     write_gz(dir / "bad.gz", bad);
-    CHECK_WEAVE_ERROR(data::read_idx((dir / "bad.gz").string()), "fashion_mnist", "magic");
+    CHECK_WEAVE_ERROR(data::read_idx((dir / "bad.gz").string()), "read_idx", "magic");
+    std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("IDX reader: crafted files are clear errors, never a crash or a huge allocation") {
+    auto bytes_of = [](std::initializer_list<unsigned> values) {
+      return std::vector<unsigned char>(values.begin(), values.end());
+    };
+    auto read = [](const std::vector<unsigned char>& b) {
+      return data::read_idx_bytes(b.data(), b.size(), "crafted");
+    };
+    CHECK_WEAVE_ERROR(read(bytes_of({0, 0})), "read_idx", "no complete IDX header");
+    CHECK_WEAVE_ERROR(read(bytes_of({0, 0, 8, 0})), "read_idx", "magic");  // 0 dimensions
+    CHECK_WEAVE_ERROR(read(bytes_of({0, 0, 8, 5})), "read_idx", "magic");  // 5 dimensions
+    CHECK_WEAVE_ERROR(read(bytes_of({1, 0, 8, 1, 0, 0, 0, 1, 7})), "read_idx", "magic");
+    CHECK_WEAVE_ERROR(read(bytes_of({0, 0, 8, 2, 0, 0, 0, 1, 0, 0})), "read_idx",
+                      "inside its list of sizes");
+    // sizes whose product wraps int64 (it once wrapped to a small allocation, then overflowed)
+    CHECK_WEAVE_ERROR(read(bytes_of({0,   0,   8,   4,   255, 255, 255, 255, 255, 255,
+                                     255, 255, 255, 255, 255, 255, 255, 255, 255, 255})),
+                      "read_idx", "more data than any IDX dataset holds");
+    // 60000 x 28 x 28 declared, 3 bytes present: an error, without a 47 MB allocation first
+    CHECK_WEAVE_ERROR(
+        read(bytes_of({0, 0, 8, 3, 0, 0, 0xea, 0x60, 0, 0, 0, 28, 0, 0, 0, 28, 1, 2, 3})),
+        "read_idx", "declares 47040000 bytes");
+    CHECK_WEAVE_ERROR(read(bytes_of({0, 0, 8, 1, 0, 0, 0, 2, 1, 2, 3})), "read_idx",
+                      "more data than its header declares");
+    Tensor ok = read(bytes_of({0, 0, 8, 2, 0, 0, 0, 2, 0, 0, 0, 1, 5, 6}));
+    CHECK(ok.shape() == Shape{2, 1});
+    CHECK(ok.to_vector<int64_t>() == std::vector<int64_t>{5, 6});
+    // A dataset directory of empty splits is an error, not an empty training run.
+    auto dir = temp_dir();
+    write_gz(dir / "t10k-images-idx3-ubyte.gz", idx(3, {0, 28, 28}, 0));
+    write_gz(dir / "t10k-labels-idx1-ubyte.gz", idx(1, {0}, 0));
+    CHECK_WEAVE_ERROR(data::load_fashion_mnist(dir.string(), false), "fashion_mnist",
+                      "do not form a dataset");
     std::filesystem::remove_all(dir);
   }
 

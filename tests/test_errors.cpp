@@ -27,7 +27,7 @@ TEST_SUITE("errors") {
   TEST_CASE("sizes that overflow are errors, not wrapped counts") {
     const int64_t big = int64_t{1} << 62, huge = int64_t{1} << 32;
     CHECK_THROWS_WITH_AS(empty({big}), doctest::Contains("overflows int64"), Error);
-    CHECK_THROWS_WITH_AS(zeros({huge, huge}), doctest::Contains("more elements than int64"), Error);
+    CHECK_THROWS_WITH_AS(zeros({huge, huge}), doctest::Contains("overflows int64"), Error);
     CHECK_THROWS_WITH_AS(zeros({3037000500, 3037000500}), doctest::Contains("int64"), Error);
     CHECK_THROWS_WITH_AS(ones({1, 1}).expand({huge, huge}),
                          doctest::Contains("more elements than int64"), Error);
@@ -37,6 +37,65 @@ TEST_SUITE("errors") {
                          Error);
     CHECK_THROWS_WITH_AS(scalar_tensor(3).size(0), doctest::Contains("0-d tensor"), Error);
     CHECK(ones({3, 4}).expand({2, 3, 4}).shape() == Shape{2, 3, 4});
+    float cell = 0;
+    CHECK_WEAVE_ERROR(from_blob(&cell, {big, 4}, kFloat32), "from_blob", "overflows int64");
+    CHECK_WEAVE_ERROR(from_blob(&cell, {-2}, kFloat32), "from_blob", "non-negative");
+    CHECK_WEAVE_ERROR(from_blob(nullptr, {2}, kFloat32), "from_blob", "null pointer");
+    CHECK_WEAVE_ERROR(ones({4}).narrow(0, 1, INT64_MAX), "narrow", "outside dimension");
+    CHECK_WEAVE_ERROR(ones({4}).narrow(0, 5, 0), "narrow", "outside dimension");
+    CHECK(ones({4}).narrow(0, 4, 0).shape() == Shape{0});
+    // a step as large as int64 allows: one element, not a wrapped count
+    Tensor every = arange(5).slice(0, 1, 5, INT64_MAX);
+    CHECK(every.shape() == Shape{1});
+    CHECK(every.item<int64_t>() == 1);
+    CHECK(arange(10).slice(0, 0, 10, 4).to_vector<int64_t>() == std::vector<int64_t>{0, 4, 8});
+    CHECK(arange(10).slice(0, 3, 3, 2).shape() == Shape{0});
+    CHECK_WEAVE_ERROR(arange(0, 1e30), "arange", "more than can be counted");
+    CHECK(arange(0, 3).numel() == 3);
+  }
+
+  TEST_CASE("a group from before finalize() is an error after a new init()") {
+    if (dist::initialized()) return;
+    dist::init();
+    const dist::Group old = dist::world();
+    dist::finalize();
+    dist::init();
+    Tensor t = ones({2});
+    CHECK_WEAVE_ERROR(dist::all_reduce(t, dist::ReduceOp::Sum, old), "all_reduce",
+                      "session that finalize() ended");
+    dist::all_reduce(t);  // the new world works
+    CHECK(t.to_vector<float>() == std::vector<float>{1, 1});
+    dist::finalize();
+  }
+
+  TEST_CASE("undefined tensors raise instead of crashing") {
+    CHECK_WEAVE_ERROR(Tensor().grad(), "grad", "undefined tensor");
+    CHECK_WEAVE_ERROR(Tensor().is_leaf(), "is_leaf", "undefined tensor");
+    CHECK_WEAVE_ERROR(Tensor().set_grad(ones({1})), "set_grad", "undefined tensor");
+    CHECK_FALSE(Tensor().requires_grad());
+    CHECK(Tensor().grad_fn() == nullptr);
+  }
+
+  TEST_CASE("no silent truncation or surprising results (PyTorch's behaviour or an error)") {
+    Tensor counts = from_vector<int64_t>({1, 2});
+    CHECK_WEAVE_ERROR(counts.add_(0.5), "add_", "cannot be written into the int64 tensor");
+    CHECK_WEAVE_ERROR(counts.mul_(1.5), "mul_", "cannot be written into the int64 tensor");
+    CHECK_WEAVE_ERROR(counts.add_(ones({2})), "add_", "float32");
+    CHECK(counts.to_vector<int64_t>() == std::vector<int64_t>{1, 2});  // untouched
+    counts.add_(2.0);                                                  // integral: fine
+    CHECK(counts.to_vector<int64_t>() == std::vector<int64_t>{3, 4});
+    CHECK_WEAVE_ERROR(pow(from_vector<int64_t>({2, 3}), -1), "pow", "negative integer powers");
+    CHECK_WEAVE_ERROR(pow(from_vector<int32_t>({2}), from_vector<int32_t>({-2})), "pow",
+                      "negative integer powers");
+    CHECK(pow(from_vector<int64_t>({2, 3}), 2).to_vector<int64_t>() == std::vector<int64_t>{4, 9});
+    CHECK(pow(from_vector<int64_t>({2}), -1.0 + 0.5).dtype() == kFloat32);  // a fraction: float
+    CHECK_WEAVE_ERROR(layer_norm(ones({2, 3}), {3}, {}, {}, -1e-5), "layer_norm", "eps");
+    Tensor w = ones({2}).requires_grad_();
+    CHECK_WEAVE_ERROR(optim::SGD({w, w}, {.lr = 0.1}), "optimizer", "parameters 0 and 1");
+    // softmax over an empty dimension: an empty result, as in PyTorch
+    CHECK(softmax(zeros({3, 0}), 1).shape() == Shape{3, 0});
+    CHECK(log_softmax(zeros({0, 4}), 0).shape() == Shape{0, 4});
+    CHECK(softmax(zeros({0, 4}), 1).shape() == Shape{0, 4});
   }
 
   TEST_CASE("dtype and value errors") {

@@ -11,6 +11,7 @@ const std::shared_ptr<autograd::Node> kNoNode;
 }
 
 bool Tensor::requires_grad() const {
+  if (!defined()) return false;
   const auto& meta = impl()->autograd;
   return meta && (meta->requires_grad || meta->grad_fn);
 }
@@ -28,11 +29,14 @@ Tensor& Tensor::requires_grad_(bool enabled) {
 }
 
 Tensor Tensor::grad() const {
+  WEAVE_CHECK(defined(), "grad",
+              "undefined tensor; hint: a default-constructed Tensor has no data");
   const auto& meta = impl()->autograd;
   return meta ? meta->grad : Tensor();
 }
 
 void Tensor::set_grad(const Tensor& grad) const {
+  WEAVE_CHECK(defined(), "set_grad", "undefined tensor");
   if (grad.defined())
     WEAVE_CHECK(grad.shape() == shape(), "set_grad",
                 "gradient shape {} differs from tensor shape {}", grad.shape(), shape());
@@ -40,11 +44,19 @@ void Tensor::set_grad(const Tensor& grad) const {
 }
 
 const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const {
+  if (!defined()) return kNoNode;
   const auto& meta = impl()->autograd;
   return meta ? meta->grad_fn : kNoNode;
 }
 
+bool Tensor::is_leaf() const {
+  WEAVE_CHECK(defined(), "is_leaf",
+              "undefined tensor; hint: a default-constructed Tensor has no data");
+  return grad_fn() == nullptr;
+}
+
 uint32_t Tensor::output_nr() const {
+  if (!defined()) return 0;
   const auto& meta = impl()->autograd;
   return meta ? meta->output_nr : 0;
 }

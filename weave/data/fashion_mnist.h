@@ -18,7 +18,11 @@ struct MnistSplit {
 /// file raises weave::Error naming the file.
 MnistSplit load_fashion_mnist(const std::string& dir = kFashionMnistDir, bool train = true);
 
-/// Reads one IDX file (gzipped or plain) into a uint8 tensor shaped by its header.
+/// Reads one IDX file (gzipped or plain) into a uint8 tensor shaped by its header. A file that
+/// is truncated, has another magic or dtype, declares implausible sizes, or holds more or less
+/// data than its header says raises weave::Error naming the file.
 Tensor read_idx(const std::string& path);
+/// The same for an uncompressed IDX image in memory; `name` names it in errors.
+Tensor read_idx_bytes(const void* data, size_t size, const std::string& name = "IDX data");
 
 }  // namespace weave::data

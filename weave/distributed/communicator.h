@@ -76,6 +76,9 @@ int local_rank();
 void finalize();
 /// Tears the whole job down (MPI_Abort).
 [[noreturn]] void abort_job(int code);
+/// A barrier of the whole world on a communicator of its own (so it can never pair with a
+/// collective a peer is stuck in); false if it did not complete within timeout_ns.
+bool farewell(int64_t timeout_ns);
 }  // namespace mpi
 
 /// What the NCCL backend (or its stub) provides.

@@ -15,9 +15,9 @@
 // Roots are group ranks: position in the group's rank list (the first listed is root 0).
 //
 // Environment: WEAVE_TIMEOUT_S (default 300) -- a collective running longer tears the job down
-// with a message naming it; WEAVE_CHECK_COLLECTIVES=1 -- every collective first compares a
-// fingerprint (sequence number, op, dtype, shape, root) across its group and raises on every
-// rank if they differ.
+// with a message naming it; WEAVE_CHECK_COLLECTIVES -- how ranks check that they issued the
+// same call (see CheckMode): unset or "guard" (the default), "1" or "full", "0" or "off".
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
@@ -28,30 +28,55 @@
 
 namespace weave::dist {
 
+/// How the ranks of a group check, before each collective, that they all issued the same call
+/// (sequence number, op, dtype, shape, root, reduce op), and that a point-to-point receive
+/// matches what was sent. A mismatch raises weave::Error on every rank involved, naming what
+/// each rank called and the fields that differ; so does a rank's own argument error, which
+/// reaches its peers instead of leaving them waiting.
+enum class CheckMode {
+  /// Nothing is checked: a mismatch may hang or give wrong values. For measuring the guard.
+  Off,
+  /// The default: one 24-byte all_reduce before each collective (the full comparison runs only
+  /// when it finds a difference) and a small header ahead of each point-to-point message.
+  Guard,
+  /// Also all-gathers every call's whole description and checks that all_to_all splits pair up.
+  Full,
+};
+
 struct InitOptions {
   /// CUDA devices to assign round-robin by local rank (empty: all visible devices).
   std::vector<int> cuda_devices;
   /// Seconds before a collective is declared hung; <= 0 reads WEAVE_TIMEOUT_S (default 300).
   double timeout_s = 0;
-  /// Fingerprint check before every collective; unset reads WEAVE_CHECK_COLLECTIVES.
-  std::optional<bool> check_collectives;
+  /// Unset reads WEAVE_CHECK_COLLECTIVES. Every rank must use the same mode (init checks).
+  std::optional<CheckMode> check;
 };
 
 /// Starts the communication layer (MPI_Init when launched by mpirun). Raises if already up.
 void init(Backend backend = Backend::MPI, InitOptions options = {});
 bool initialized();
-/// Waits for outstanding work, then shuts down (MPI_Finalize). Safe to call twice.
+/// Waits for outstanding work and for every rank to reach finalize, then shuts down
+/// (MPI_Finalize). A rank that waits longer than WEAVE_TIMEOUT_S for the others (they are stuck,
+/// or a rank left early) aborts the job instead of hanging. Groups created before it are
+/// unusable afterwards, even after a new init(). Safe to call twice.
 void finalize();
 
-/// init() in the constructor, finalize() in the destructor.
+/// init() in the constructor, finalize() in the destructor. If an exception leaves the guard's
+/// scope in a job of several ranks, the others may be waiting for this one inside a collective:
+/// instead of finalizing (which would wait for them), it prints the rank and the last error
+/// and aborts the job (MPI_Abort).
 class InitGuard {
  public:
-  explicit InitGuard(Backend backend = Backend::MPI, InitOptions options = {}) {
+  explicit InitGuard(Backend backend = Backend::MPI, InitOptions options = {})
+      : unwinding_at_start_(std::uncaught_exceptions()) {
     init(backend, std::move(options));
   }
-  ~InitGuard() { finalize(); }
+  ~InitGuard();
   InitGuard(const InitGuard&) = delete;
   InitGuard& operator=(const InitGuard&) = delete;
+
+ private:
+  int unwinding_at_start_;
 };
 
 int rank();

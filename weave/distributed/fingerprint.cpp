@@ -16,6 +16,13 @@ const char* op_name(Op op) {
   return names[static_cast<int>(op)];
 }
 
+namespace {
+const char* reduce_op_name(int32_t op) {
+  static const char* names[] = {"sum", "prod", "min", "max", "avg"};
+  return op >= 0 && op < 5 ? names[op] : "?";
+}
+}  // namespace
+
 std::string describe(const Fingerprint& f) {
   std::string text = op_name(static_cast<Op>(f.op));
   if (f.ndim >= 0) {
@@ -23,6 +30,7 @@ std::string describe(const Fingerprint& f) {
     for (int i = 0; i < f.ndim; ++i)
       dims.push_back(f.dims[i] < 0 ? "*" : std::to_string(f.dims[i]));
     text += fmt::format("({} [{}]", dtype_name(static_cast<DType>(f.dtype)), fmt::join(dims, ", "));
+    if (f.reduce_op >= 0) text += fmt::format(", {}", reduce_op_name(f.reduce_op));
     if (f.root >= 0) text += fmt::format(", root {}", f.root);
     if (f.wire == static_cast<int32_t>(DeviceType::CUDA)) text += ", via NCCL";
     text += ")";
@@ -42,27 +50,87 @@ std::string trace_args(const Fingerprint& f, const std::vector<int>& ranks) {
   return args;
 }
 
-bool same_call(const Fingerprint& a, const Fingerprint& b) {
-  if (a.sequence != b.sequence || a.op != b.op || a.dtype != b.dtype || a.root != b.root ||
-      a.ndim != b.ndim || a.reduce_op != b.reduce_op || a.extra != b.extra || a.wire != b.wire)
-    return false;
-  return std::equal(a.dims, a.dims + std::max(a.ndim, 0), b.dims);
+namespace {
+
+// The fields in which two calls differ, by name.
+std::vector<std::string> differences(const Fingerprint& a, const Fingerprint& b) {
+  std::vector<std::string> fields;
+  auto note = [&](bool differs, const char* name) {
+    if (differs) fields.push_back(name);
+  };
+  note(a.sequence != b.sequence, "sequence number (a rank skipped or added a collective)");
+  note(a.op != b.op, "op");
+  note(a.dtype != b.dtype, "dtype");
+  note(a.ndim != b.ndim || !std::equal(a.dims, a.dims + std::max(a.ndim, 0), b.dims), "shape");
+  note(a.root != b.root, "root");
+  note(a.reduce_op != b.reduce_op, "reduce op");
+  note(a.extra != b.extra, "group ranks");
+  note(a.wire != b.wire, "transport (NCCL vs MPI)");
+  return fields;
 }
 
-// Compares this rank's fingerprint with the group's; raises on every rank if any differs.
+// FNV-1a over the fields every rank must agree on (not rank, not failed).
+uint64_t call_hash(const Fingerprint& f) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(static_cast<int64_t>(f.sequence));
+  mix(f.op);
+  mix(f.dtype);
+  mix(f.root);
+  mix(f.ndim);
+  mix(f.reduce_op);
+  for (int i = 0; i < std::max(f.ndim, 0); ++i) mix(f.dims[i]);
+  mix(f.extra);
+  mix(f.wire);
+  return h;
+}
+
+}  // namespace
+
+bool same_call(const Fingerprint& a, const Fingerprint& b) {
+  return differences(a, b).empty();
+}
+
 void verify(Communicator& host, const std::vector<int>& ranks, const Fingerprint& mine) {
   std::vector<Fingerprint> all(ranks.size());
   host.all_gather(&mine, all.data(), sizeof(Fingerprint), kUInt8);
-  bool agree = true;
-  for (const Fingerprint& f : all) agree = agree && same_call(f, all[0]);
-  if (agree) return;
+  const char* name = op_name(static_cast<Op>(mine.op));
+  for (const Fingerprint& f : all)
+    WEAVE_CHECK(f.failed == 0, name,
+                "rank {} of group [{}] rejected its arguments to {} and did not run it, so this "
+                "rank's {} did not run either; see rank {}'s error",
+                f.rank, fmt::join(ranks, ", "), describe(f), describe(mine), f.rank);
+  std::vector<std::string> fields;
+  for (const Fingerprint& f : all)
+    for (const std::string& field : differences(f, all[0]))
+      if (std::find(fields.begin(), fields.end(), field) == fields.end()) fields.push_back(field);
+  if (fields.empty()) return;
   std::vector<std::string> calls;
   for (const Fingerprint& f : all)
     calls.push_back(fmt::format("rank {} called {}", f.rank, describe(f)));
+  WEAVE_FAIL(name,
+             "collective mismatch in group [{}]: {} (they differ in {}); hint: every rank of a "
+             "group must issue the same collectives, with the same dtypes, shapes, roots and "
+             "reduce ops, in the same order",
+             fmt::join(ranks, ", "), fmt::join(calls, ", "), fmt::join(fields, ", "));
+}
+
+void guard(Communicator& host, const std::vector<int>& ranks, const Fingerprint& mine) {
+  // max(h) == h and max(~h) == ~h on a rank means h is both the largest and the smallest hash:
+  // every rank reaches the same verdict without a second round.
+  const auto h = static_cast<int64_t>(call_hash(mine));
+  int64_t v[3] = {h, ~h, mine.failed};
+  host.all_reduce(v, v, 3, kInt64, ReduceOp::Max);
+  if (v[0] == h && v[1] == ~h && v[2] == 0) return;
+  verify(host, ranks, mine);  // every rank gets here: the full comparison names the difference
   WEAVE_FAIL(op_name(static_cast<Op>(mine.op)),
-             "collective mismatch in group [{}]: {}; hint: every rank of a group must issue the "
-             "same collectives, with the same dtypes and shapes, in the same order",
-             fmt::join(ranks, ", "), fmt::join(calls, ", "));
+             "the ranks of group [{}] disagree about {} (their call hashes differ)",
+             fmt::join(ranks, ", "), describe(mine));
 }
 
 }  // namespace weave::dist::detail

@@ -1,6 +1,9 @@
 #pragma once
-// Check mode (WEAVE_CHECK_COLLECTIVES=1): before a collective runs, every rank of the group
-// all-gathers a fixed-size fingerprint of its call and compares it with the others'.
+// The agreement check before every collective. By default (the guard) the ranks of the group
+// all-reduce 24 bytes: a hash of each rank's call in a form whose maximum shows whether all are
+// equal, and a flag raised by a rank whose own call failed its argument checks. Only when that
+// shows a difference do they all-gather the whole fingerprints for a message naming each rank's
+// call. Full check mode (WEAVE_CHECK_COLLECTIVES=1) always all-gathers them.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -44,6 +47,9 @@ struct Fingerprint {
   /// The device type the bytes travel on (kCPU: the host communicator, kCUDA: NCCL). Ranks
   /// that disagree would call different libraries and hang, so it is part of the call.
   int32_t wire = -1;
+  /// Group rank + 1 of a rank whose call failed its own checks: instead of running it, that rank
+  /// joins the agreement step with this set, so the others raise instead of waiting for it.
+  int32_t failed = 0;
 };
 
 /// "all_reduce(float32 [4, 5]) #3"; "broadcast(float32 [8], root 0, via NCCL) #4"
@@ -53,8 +59,11 @@ std::string trace_args(const Fingerprint& f, const std::vector<int>& ranks);
 /// True when two ranks' fingerprints describe the same call.
 bool same_call(const Fingerprint& a, const Fingerprint& b);
 /// Compares this rank's fingerprint with those of the group's other ranks over `host` (the
-/// group's host communicator); raises weave::Error on every rank, naming each rank's call, if
-/// any differs.
+/// group's host communicator); raises weave::Error on every rank, naming each rank's call and
+/// the fields that differ, if any differs or a rank's call failed.
 void verify(Communicator& host, const std::vector<int>& ranks, const Fingerprint& mine);
+/// The default check: one all_reduce of 3 int64 over `host`; calls verify() (on every rank
+/// alike) only when the calls differ or a rank's call failed.
+void guard(Communicator& host, const std::vector<int>& ranks, const Fingerprint& mine);
 
 }  // namespace weave::dist::detail

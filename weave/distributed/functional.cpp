@@ -209,6 +209,15 @@ Tensor quietly(F&& forward) {
   return forward();
 }
 
+// True for a group of one (the op is the identity there), after checking this rank belongs to
+// the group: a non-member must get the membership error whatever the group's size.
+bool alone_in(const Group& g, const char* op) {
+  WEAVE_CHECK(g.rank() >= 0, op,
+              "rank {} is not in group {}; hint: only members may call its collectives",
+              dist::rank(), g.str());
+  return g.size() == 1;
+}
+
 void check_root(int root, const Group& g, const char* op) {
   WEAVE_CHECK(root >= 0 && root < g.size(), op, "root {} is outside group {} (group ranks 0..{})",
               root, g.str(), g.size() - 1);
@@ -222,7 +231,7 @@ namespace {
 Tensor all_reduce_linear(const Tensor& x, ReduceOp op, const Group& g, const char* name,
                          const char* backward_name) {
   check_input(x, name);
-  if (g.size() == 1) return x;
+  if (alone_in(g, name)) return x;
   Tensor y = quietly([&] { return raw_all_reduce(x, op, g); });
   // d(sum_r x_r) / dx_q = 1 for every q: the gradient is the sum (or mean) of the gradients
   return record(backward_name, x, y, wants_grad(x), [&] {
@@ -234,7 +243,7 @@ Tensor all_reduce_linear(const Tensor& x, ReduceOp op, const Group& g, const cha
 Tensor all_reduce_extremum(const Tensor& x, ReduceOp op, const Group& g, const char* name,
                            const char* backward_name) {
   check_input(x, name);
-  if (g.size() == 1) return x;
+  if (alone_in(g, name)) return x;
   Tensor y = quietly([&] { return raw_all_reduce(x, op, g); });
   // Only the ranks whose input equals the result receive gradient, split among all of them.
   return record(backward_name, x, y, wants_grad(x), [&] {
@@ -268,7 +277,7 @@ Tensor broadcast(const Tensor& x, int root, const Group& g) {
   check_root(root, g, "broadcast");
   const bool is_root = g.rank() == root;
   if (is_root) check_input(x, "broadcast");
-  if (g.size() == 1) return x;
+  if (alone_in(g, "broadcast")) return x;
   Meta meta = is_root ? meta_of(x) : Meta{};  // read before grad mode is switched off
   Tensor y = quietly([&] {
     Tensor header = is_root ? pack(meta) : empty({kMetaSize}, {.dtype = kInt64});
@@ -295,7 +304,7 @@ Tensor broadcast(const Tensor& x, int root, const Group& g) {
 Tensor reduce_sum(const Tensor& x, int root, const Group& g) {
   check_input(x, "reduce_sum");
   check_root(root, g, "reduce_sum");
-  if (g.size() == 1) return x;
+  if (alone_in(g, "reduce_sum")) return x;
   const bool is_root = g.rank() == root;
   Tensor y = quietly([&] {
     Tensor sum = x.contiguous().clone();
@@ -318,7 +327,7 @@ Tensor reduce_sum(const Tensor& x, int root, const Group& g) {
 Tensor all_gather(const Tensor& x, int64_t axis, const Group& g) {
   check_input(x, "all_gather");
   const int a = axis_of(x, axis, "all_gather");
-  if (g.size() == 1) return x;
+  if (alone_in(g, "all_gather")) return x;
   Tensor y = quietly([&] { return raw_all_gather(x, a, g); });
   // adjoint: reduce_scatter_sum along the same axis
   return record("AllGatherBackward", x, y, wants_grad(x), [&] {
@@ -332,7 +341,7 @@ Tensor reduce_scatter_sum(const Tensor& x, int64_t axis, const Group& g) {
   check_input(x, "reduce_scatter_sum");
   const int a = axis_of(x, axis, "reduce_scatter_sum");
   check_divisible(x, a, g, "reduce_scatter_sum");
-  if (g.size() == 1) return x;
+  if (alone_in(g, "reduce_scatter_sum")) return x;
   Tensor y = quietly([&] { return raw_reduce_scatter(x, a, g, "reduce_scatter_sum"); });
   // adjoint: all_gather along the same axis
   return record("ReduceScatterSumBackward", x, y, wants_grad(x), [&] {
@@ -347,7 +356,7 @@ Tensor gather(const Tensor& x, int root, int64_t axis, const Group& g) {
   check_input(x, "gather");
   check_root(root, g, "gather");
   const int a = axis_of(x, axis, "gather");
-  if (g.size() == 1) return x;
+  if (alone_in(g, "gather")) return x;
   const bool is_root = g.rank() == root;
   Tensor y = quietly([&] {
     Tensor all = raw_gather(x, root, a, g);
@@ -366,21 +375,36 @@ Tensor gather(const Tensor& x, int root, int64_t axis, const Group& g) {
 Tensor scatter(const Tensor& x, int root, int64_t axis, const Group& g) {
   check_root(root, g, "scatter");
   const bool is_root = g.rank() == root;
+  const bool alone = alone_in(g, "scatter");
   int a = 0;
-  if (is_root) {
-    check_input(x, "scatter");
-    a = axis_of(x, axis, "scatter");
-    check_divisible(x, a, g, "scatter");
-  }
-  if (g.size() == 1) return x;
   Meta meta;
-  if (is_root)
+  if (is_root) {
+    // Only the root can judge its input; the header it broadcasts tells the others whether it
+    // did, so a rejected input is an error on every rank instead of a hang on the others.
+    try {
+      check_input(x, "scatter");
+      a = axis_of(x, axis, "scatter");
+      check_divisible(x, a, g, "scatter");
+    } catch (const Error&) {
+      if (!alone) {
+        NoGradGuard no_grad;
+        Tensor rejected = full({kMetaSize}, -1.0, {.dtype = kInt64});
+        dist::broadcast(rejected, root, g);
+      }
+      throw;
+    }
     meta = {with_dim(x.shape(), a, x.size(a) / g.size()), x.dtype(), x.device().type,
             meta_of(x).requires_grad};
+  }
+  if (alone) return x;
   Tensor y = quietly([&] {
     Tensor header = empty({kMetaSize}, {.dtype = kInt64});
     if (is_root) header = pack(meta);
     dist::broadcast(header, root, g);
+    WEAVE_CHECK(header.to_vector<int64_t>()[3] >= 0, "scatter",
+                "the root (group rank {}) rejected its input, so there is nothing to scatter; see "
+                "the root's error",
+                root);
     meta = unpack(header);
     if (!is_root) a = normalize_dim(axis, meta.shape.size(), "scatter");
     return raw_scatter(x, root, a, meta.shape, meta.dtype,
@@ -403,7 +427,7 @@ Tensor all_to_all(const Tensor& x, int64_t split_axis, int64_t concat_axis, cons
   check_input(x, "all_to_all");
   const int a = axis_of(x, split_axis, "all_to_all"), c = axis_of(x, concat_axis, "all_to_all");
   check_divisible(x, a, g, "all_to_all");
-  if (g.size() == 1) return x;
+  if (alone_in(g, "all_to_all")) return x;
   Tensor y = quietly([&] { return raw_all_to_all(x, a, c, g, "all_to_all"); });
   // adjoint: the exchange run backwards (split along concat_axis, concatenate along split_axis)
   return record("AllToAllBackward", x, y, wants_grad(x), [&] {
@@ -475,7 +499,7 @@ Tensor remote_recv(int src, const Group& g) {
 
 Tensor copy_to_group(const Tensor& x, const Group& g) {
   check_input(x, "copy_to_group");
-  if (g.size() == 1) return x;
+  if (alone_in(g, "copy_to_group")) return x;
   Tensor y = make_view(x, x.shape(), x.strides(), x.offset());
   // identity forward; the replicas' gradients are partial, so they are summed
   return record("CopyToGroupBackward", x, y, wants_grad(x), [&] {
@@ -487,7 +511,7 @@ Tensor copy_to_group(const Tensor& x, const Group& g) {
 
 Tensor reduce_from_group(const Tensor& x, const Group& g) {
   check_input(x, "reduce_from_group");
-  if (g.size() == 1) return x;
+  if (alone_in(g, "reduce_from_group")) return x;
   Tensor y = quietly([&] { return raw_all_reduce(x, ReduceOp::Sum, g); });
   // the loss is replicated, so each partial result receives the gradient as is
   return record("ReduceFromGroupBackward", x, y, wants_grad(x),
@@ -498,7 +522,7 @@ Tensor scatter_to_group(const Tensor& x, int64_t axis, const Group& g) {
   check_input(x, "scatter_to_group");
   const int a = axis_of(x, axis, "scatter_to_group");
   check_divisible(x, a, g, "scatter_to_group");
-  if (g.size() == 1) return x;
+  if (alone_in(g, "scatter_to_group")) return x;
   const int64_t piece = x.size(a) / g.size();
   Tensor y = quietly([&] { return x.narrow(a, g.rank() * piece, piece).contiguous().clone(); });
   // the pieces' gradients are gathered back into the full tensor on every rank
@@ -511,7 +535,7 @@ Tensor scatter_to_group(const Tensor& x, int64_t axis, const Group& g) {
 Tensor gather_from_group(const Tensor& x, int64_t axis, const Group& g) {
   check_input(x, "gather_from_group");
   const int a = axis_of(x, axis, "gather_from_group");
-  if (g.size() == 1) return x;
+  if (alone_in(g, "gather_from_group")) return x;
   Tensor y = quietly([&] { return raw_all_gather(x, a, g); });
   // the loss is replicated: each rank takes its own piece of the gradient
   return record("GatherFromGroupBackward", x, y, wants_grad(x), [&] {

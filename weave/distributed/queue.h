@@ -59,7 +59,9 @@ struct Group::Impl {
   detail::Communicator* route(const Tensor& t) const {
     return t.device().is_cuda() && device_comm ? device_comm.get() : comm.get();
   }
-  uint64_t next_sequence = 0;  // collectives issued (caller side, program order)
+  bool finished = false;                   // finalize() ran: the communicators are gone
+  std::atomic<uint64_t> next_sequence{0};  // collectives issued (caller side, program order)
+  std::atomic<std::thread::id> issuer{};   // the thread inside issue() now, if any
 
   std::mutex sends_mutex;
   std::vector<Work> sends_in_flight;  // isend's Works not yet seen complete

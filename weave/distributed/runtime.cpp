@@ -52,6 +52,52 @@ void tear_down_after_timeout(const std::string& what) {
   std::_Exit(1);
 }
 
+void agree(Group::Impl& g, const Fingerprint& print, CheckMode mode) {
+  if (mode == CheckMode::Full)
+    verify(*g.comm, g.ranks, print);
+  else
+    guard(*g.comm, g.ranks, print);
+}
+
+void report_failure(const Call& c) noexcept {
+  try {
+    Runtime& r = runtime();
+    if (!r.up || r.check == CheckMode::Off || c.op == Op::Send || c.op == Op::Recv) return;
+    Group::Impl* g = c.group.impl().get();
+    if (g == nullptr || g->my_rank < 0 || g->ranks.size() < 2) return;
+    c.issued = true;
+    Fingerprint print;
+    print.op = static_cast<int32_t>(c.op);
+    print.rank = r.rank;
+    print.failed = 1;
+    print.sequence = g->next_sequence.fetch_add(1, std::memory_order_relaxed);
+    const CheckMode mode = r.check;
+    g->submit(
+        print,
+        [g, print, mode] {
+          try {
+            agree(*g, print, mode);
+          } catch (const Error&) {  // this rank's own error is the one its caller sees
+          }
+        },
+        false);
+  } catch (...) {  // a failure to report must not replace the error being raised
+  }
+}
+
+void abort_if_peers_wait(const std::string& why) {
+  Runtime& r = runtime();
+  if (!r.up || !r.uses_mpi || r.size < 2) return;
+  const std::string error = last_error_message();
+  std::fprintf(stderr,
+               "[weave] rank %d: %s; the other ranks may be waiting for this one, so it aborts "
+               "the job instead of finalizing%s%s\n",
+               r.rank, why.c_str(),
+               error.empty() ? "" : ". Last error on this rank: ", error.c_str());
+  std::fflush(stderr);
+  detail::mpi::abort_job(1);
+}
+
 }  // namespace detail
 
 using namespace detail;
@@ -66,6 +112,19 @@ double env_double(const char* name, double fallback) {
   WEAVE_CHECK(end != v && *end == '\0' && d > 0, "init", "{}='{}' is not a positive number", name,
               v);
   return d;
+}
+
+CheckMode check_mode_from_env() {
+  const char* v = std::getenv("WEAVE_CHECK_COLLECTIVES");
+  if (v == nullptr || *v == '\0') return CheckMode::Guard;
+  const std::string s = v;
+  if (s == "0" || s == "off") return CheckMode::Off;
+  if (s == "guard") return CheckMode::Guard;
+  if (s == "1" || s == "full") return CheckMode::Full;
+  WEAVE_FAIL("init",
+             "WEAVE_CHECK_COLLECTIVES='{}' is not a check mode; hint: use 0/off, guard "
+             "(the default) or 1/full",
+             s);
 }
 
 void watchdog_loop() {
@@ -90,7 +149,36 @@ void watchdog_loop() {
   }
 }
 
+// An exception that escapes main (std::terminate) or an exit() while the job runs would leave
+// the other ranks waiting: both abort the job with this rank's story instead.
+std::terminate_handler previous_terminate = nullptr;
+
+void terminate_with_report() {
+  std::string what = "an uncaught exception";
+  if (auto e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& error) {
+      what = fmt::format("uncaught exception: {}", error.what());
+    } catch (...) {
+    }
+  }
+  abort_if_peers_wait(what);
+  if (previous_terminate) previous_terminate();
+  std::abort();
+}
+
+void exit_without_finalize() {
+  abort_if_peers_wait("the process is exiting (exit() or a return from main) without finalize()");
+}
+
 }  // namespace
+
+InitGuard::~InitGuard() {
+  if (std::uncaught_exceptions() > unwinding_at_start_)
+    abort_if_peers_wait("an exception is leaving the scope of its InitGuard");
+  finalize();
+}
 
 void init(Backend backend, InitOptions options) {
   Runtime& r = runtime();
@@ -99,12 +187,7 @@ void init(Backend backend, InitOptions options) {
   r.timeout_s = options.timeout_s > 0 ? options.timeout_s : env_double("WEAVE_TIMEOUT_S", 300);
   r.timeout_ns = r.timeout_s >= 9.2e9 ? std::numeric_limits<int64_t>::max()
                                       : static_cast<int64_t>(r.timeout_s * 1e9);
-  if (options.check_collectives) {
-    r.check = *options.check_collectives;
-  } else {
-    const char* v = std::getenv("WEAVE_CHECK_COLLECTIVES");
-    r.check = v != nullptr && std::strcmp(v, "0") != 0 && *v != '\0';
-  }
+  r.check = options.check ? *options.check : check_mode_from_env();
   std::unique_ptr<Communicator> comm;
   r.uses_mpi = detail::mpi::launched();
   if (r.uses_mpi) {
@@ -116,6 +199,15 @@ void init(Backend backend, InitOptions options) {
   }
   r.rank = comm->rank();
   r.size = comm->size();
+  if (r.size > 1) {  // the checks add messages of their own: every rank must send the same ones
+    const auto mode = static_cast<int64_t>(r.check);
+    int64_t extremes[2] = {mode, -mode};
+    comm->all_reduce(extremes, extremes, 2, kInt64, ReduceOp::Max);
+    WEAVE_CHECK(extremes[0] == -extremes[1], "init",
+                "the ranks use different check modes (this rank: {}); hint: give every rank the "
+                "same WEAVE_CHECK_COLLECTIVES",
+                mode);
+  }
   r.device = kCPU;
   if (backend == Backend::NCCL) {
     WEAVE_CHECK(detail::nccl::available(), "init",
@@ -138,6 +230,12 @@ void init(Backend backend, InitOptions options) {
   if (backend == Backend::NCCL)
     r.world->device_comm = detail::nccl::init_world(*r.world->comm, r.device.index);
   trace::set_rank(r.rank, r.size > 1);
+  static const bool handlers_installed = [] {
+    previous_terminate = std::set_terminate(terminate_with_report);
+    std::atexit(exit_without_finalize);
+    return true;
+  }();
+  (void)handlers_installed;
   r.up = true;
   r.stop_watchdog = false;
   r.watchdog = std::thread(watchdog_loop);
@@ -161,10 +259,15 @@ void finalize() {
     for (auto& g : groups) g->drain();  // the watchdog still guards this
     for (auto& g : groups) {
       g->stop();
+      g->finished = true;
       g->device_comm.reset();
       g->comm.reset();
     }
   }
+  // MPI_Finalize waits for every rank; one still inside a collective (a skipped call, a rank
+  // that left early) would make it wait forever. The farewell barrier waits only so long.
+  if (r.uses_mpi && r.size > 1 && !detail::mpi::farewell(r.timeout_ns))
+    tear_down_after_timeout("finalize (waiting for every rank to reach it)");
   r.stop_watchdog = true;
   if (r.watchdog.joinable()) r.watchdog.join();
   {
@@ -206,7 +309,8 @@ Group new_group(const std::vector<int>& ranks) {
               "ranks {} list a rank twice", ranks);
   WEAVE_CHECK(sorted.front() >= 0 && sorted.back() < r.size, "new_group",
               "ranks {} must lie in [0, {}) (the world size)", ranks, r.size);
-  Call c(Op::NewGroup, world());
+  const Group world_group = world();
+  Call c(Op::NewGroup, world_group);
   Fingerprint print;
   print.op = static_cast<int32_t>(c.op);
   print.rank = r.rank;

@@ -2,6 +2,7 @@
 // The process-wide runtime (internal): init/finalize, the group registry, the watchdog, and
 // issue(), through which every front end in collectives.cpp submits its call.
 #include <atomic>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -17,7 +18,7 @@ struct Runtime {
   double timeout_s = 300;
   /// timeout_s in nanoseconds, saturated: beyond int64 (about 292 years, or inf) means never.
   int64_t timeout_ns = int64_t{300} * 1000000000;
-  bool check = false;
+  CheckMode check = CheckMode::Guard;
   int rank = 0, size = 1, local_rank = 0;
   Device device = kCPU;
   std::shared_ptr<Group::Impl> world;
@@ -35,42 +36,102 @@ Runtime& live(const char* op);
 /// (the watchdog's verdict; also used by waits that poll instead of blocking in a call).
 [[noreturn]] void tear_down_after_timeout(const std::string& what);
 
+/// Prints this rank's report (`why` and the last weave::Error) and aborts the job, when it is a
+/// job of several MPI ranks that may be waiting for this one; otherwise returns.
+void abort_if_peers_wait(const std::string& why);
+
 /// A group over `ranks` with its host communicator (null on non-members), registered with the
 /// watchdog.
 std::shared_ptr<Group::Impl> make_group(std::vector<int> ranks, std::unique_ptr<Communicator> comm);
+
+struct Call;
+/// Joins the agreement step of the call `c` that this rank could not issue, with
+/// Fingerprint::failed set (nothing for point-to-point calls, non-members, or CheckMode::Off).
+/// Never throws.
+void report_failure(const Call& c) noexcept;
 
 // Everything one collective call needs from its caller.
 struct Call {
   Op op;
   const Group& group;
   const char* name;
-  Call(Op o, const Group& g) : op(o), group(g), name(op_name(o)) {}
+  mutable bool issued = false;  // issue() took it; before that, an error is the caller's own
+  int unwinding_at_start;
+
+  Call(Op o, const Group& g)
+      : op(o), group(g), name(op_name(o)), unwinding_at_start(std::uncaught_exceptions()) {}
+  Call(Op, Group&&) = delete;  // group is held by reference: a temporary would dangle
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  // A collective whose front end raised before issuing it (a bad argument on this rank only)
+  // still takes its turn, flagged as failed: the other ranks raise instead of waiting.
+  ~Call() {
+    if (!issued && std::uncaught_exceptions() > unwinding_at_start) report_failure(*this);
+  }
 };
 
 inline Group::Impl& member(const Call& c) {
   live(c.name);
   Group::Impl& g = *c.group.impl();
+  WEAVE_CHECK(!g.finished, c.name,
+              "group {} belongs to a session that finalize() ended; hint: create groups again "
+              "after init()",
+              c.group.str());
   WEAVE_CHECK(g.my_rank >= 0, c.name,
               "rank {} is not in group {}; hint: only members may call its collectives",
               runtime().rank, c.group.str());
   return g;
 }
 
-// Runs `body` on the group in program order, after the fingerprint check when it is on.
-// Point-to-point calls (collective = false) take no sequence number and no check.
+/// The agreement step before a collective runs (see CheckMode).
+void agree(Group::Impl& g, const Fingerprint& print, CheckMode mode);
+
+// One thread issues on a group at a time: the ranks must see the same order, and two threads'
+// calls on one rank have none. A second thread arriving while one is inside issue() (which, for
+// a blocking call, lasts until it completes) is an error, not a race.
+class IssuingThread {
+ public:
+  IssuingThread(Group::Impl& g, const Call& c) : g_(g) {
+    std::thread::id holder;
+    if (g.issuer.compare_exchange_strong(holder, std::this_thread::get_id())) {
+      owned_ = true;
+      return;
+    }
+    WEAVE_CHECK(holder == std::this_thread::get_id(), c.name,
+                "two threads issued collectives on group {} at the same time; the ranks would "
+                "see them in different orders; hint: one thread per group (new_group gives each "
+                "thread its own)",
+                c.group.str());
+  }
+  ~IssuingThread() {
+    if (owned_) g_.issuer.store(std::thread::id());
+  }
+  IssuingThread(const IssuingThread&) = delete;
+  IssuingThread& operator=(const IssuingThread&) = delete;
+
+ private:
+  Group::Impl& g_;
+  bool owned_ = false;
+};
+
+// Runs `body` on the group in program order, after the agreement step (CheckMode). Point-to-
+// point calls (collective = false) take no sequence number; their check travels with them.
 template <class Body>
 Work issue(const Call& c, Fingerprint print, bool collective, Body&& body, bool async_op) {
   Group::Impl& g = member(c);
-  if (collective) print.sequence = g.next_sequence++;
-  if (runtime().check && collective)
-    return g.submit(
-        print,
-        [&g, print, body = std::forward<Body>(body)] {
-          detail::verify(*g.comm, g.ranks, print);
-          body();
-        },
-        async_op);
-  return g.submit(print, std::forward<Body>(body), async_op);
+  c.issued = true;
+  IssuingThread one_thread(g, c);
+  const CheckMode mode = runtime().check;
+  if (collective) print.sequence = g.next_sequence.fetch_add(1, std::memory_order_relaxed);
+  if (!collective || mode == CheckMode::Off)
+    return g.submit(print, std::forward<Body>(body), async_op);
+  return g.submit(
+      print,
+      [&g, print, mode, body = std::forward<Body>(body)] {
+        agree(g, print, mode);
+        body();
+      },
+      async_op);
 }
 
 }  // namespace weave::dist::detail

@@ -144,6 +144,12 @@ Tensor div(const Tensor& a, const Tensor& b) {
 }
 
 Tensor pow(const Tensor& base, const Tensor& exponent) {
+  check_defined(base, "pow", "base");
+  check_defined(exponent, "pow", "exponent");
+  if (!is_floating(base.dtype()) && !is_floating(exponent.dtype()) && exponent.numel() > 0)
+    WEAVE_CHECK(min(exponent).item<int64_t>() >= 0, "pow",
+                "integers to negative integer powers are not allowed (the result is a "
+                "fraction); hint: convert the base with .to(kFloat32) first");
   Tensor y = arithmetic(BinaryOp::Pow, base, exponent, "pow");
   // d(a^b) = (g b a^(b-1), g a^b ln a), the second taken as 0 where a == 0
   return autograd::record("PowBackward", {base, exponent}, y, [&] {

@@ -32,8 +32,12 @@ Tensor softmax(const Tensor& x, int64_t dim) {
   Tensor xf = floating(x), y;
   {
     NoGradGuard no_grad;
-    Tensor e = exp(xf - max(xf, {d}, true));
-    y = e / sum(e, {d}, true);
+    if (xf.numel() == 0) {  // nothing to normalize (an empty dim has no max)
+      y = empty(xf.shape(), {.dtype = xf.dtype(), .device = xf.device()});
+    } else {
+      Tensor e = exp(xf - max(xf, {d}, true));
+      y = e / sum(e, {d}, true);
+    }
   }
   // dx = y (g - sum(g y))
   return autograd::record("SoftmaxBackward", {x}, y, [&] {
@@ -51,8 +55,12 @@ Tensor log_softmax(const Tensor& x, int64_t dim) {
   Tensor xf = floating(x), y;
   {
     NoGradGuard no_grad;
-    Tensor shifted = xf - max(xf, {d}, true);
-    y = shifted - log(sum(exp(shifted), {d}, true));
+    if (xf.numel() == 0) {  // nothing to normalize (an empty dim has no max)
+      y = empty(xf.shape(), {.dtype = xf.dtype(), .device = xf.device()});
+    } else {
+      Tensor shifted = xf - max(xf, {d}, true);
+      y = shifted - log(sum(exp(shifted), {d}, true));
+    }
   }
   // dx = g - exp(y) sum(g)
   return autograd::record("LogSoftmaxBackward", {x}, y, [&] {
@@ -102,6 +110,8 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
                   const Tensor& bias, double eps) {
   check_defined(x, "layer_norm");
+  WEAVE_CHECK(eps >= 0 && std::isfinite(eps), "layer_norm",
+              "eps must be a finite non-negative number, found {}", eps);
   const int k = normalized_shape.size();
   bool matches = k >= 1 && k <= x.dim();
   for (int i = 0; matches && i < k; ++i)

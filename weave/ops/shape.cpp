@@ -152,8 +152,12 @@ Tensor slice(const Tensor& x, int64_t dim, int64_t start, int64_t end, int64_t s
   end = std::clamp<int64_t>(end, start, size);
   Shape shape = x.shape();
   Strides strides = x.strides();
-  shape[d] = (end - start + step - 1) / step;
-  strides[d] *= step;
+  // Written so that no intermediate exceeds size: step may be as large as INT64_MAX.
+  shape[d] = end == start ? 0 : (end - start - 1) / step + 1;
+  int64_t stride = 0;
+  WEAVE_CHECK(shape[d] <= 1 || !__builtin_mul_overflow(strides[d], step, &stride), "slice",
+              "step {} times stride {} overflows int64", step, strides[d]);
+  if (shape[d] > 1) strides[d] = stride;
   // d slice = g placed into zeros at the sliced positions
   return view_of(x, shape, strides, x.offset() + start * x.strides()[d], "SliceBackward",
                  [in = InputInfo(x), d, start, end, step](const BackwardArgs& args) -> Grads {
@@ -170,8 +174,8 @@ Tensor narrow(const Tensor& x, int64_t dim, int64_t start, int64_t length) {
   int d = normalize_dim(dim, x.dim(), "narrow");
   const int64_t size = x.shape()[d];
   if (start < 0) start += size;
-  WEAVE_CHECK(start >= 0 && length >= 0 && start + length <= size, "narrow",
-              "range [{}, {}) is outside dimension {} of size {}", start, start + length, d, size);
+  WEAVE_CHECK(start >= 0 && start <= size && length >= 0 && length <= size - start, "narrow",
+              "start {} and length {} are outside dimension {} of size {}", start, length, d, size);
   return slice(x, d, start, start + length);
 }
 

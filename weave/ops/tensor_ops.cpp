@@ -59,7 +59,13 @@ Tensor generate(const Shape& shape, TensorOptions options, Next next) {
 Tensor arange(double start, double end, double step, TensorOptions options) {
   WEAVE_CHECK(step != 0 && std::isfinite(start) && std::isfinite(end), "arange",
               "expected finite bounds and a non-zero step, found ({}, {}, {})", start, end, step);
-  const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((end - start) / step)));
+  const double count = std::ceil((end - start) / step);
+  // 2^53 is where doubles stop counting every integer; beyond it the values themselves repeat.
+  WEAVE_CHECK(count <= 9007199254740992.0, "arange",
+              "[{}, {}) in steps of {} holds {:g} values, more than can be counted exactly; hint: "
+              "check the bounds",
+              start, end, step, count);
+  const int64_t n = std::max<int64_t>(0, static_cast<int64_t>(count));
   return generate({n}, options, [&](int64_t i) { return start + static_cast<double>(i) * step; });
 }
 Tensor arange(double end, TensorOptions options) {
@@ -120,9 +126,11 @@ Tensor from_vector(const std::vector<bool>& values, const Shape& shape, Device d
 
 Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device,
                  std::function<void(void*)> deleter) {
+  const int64_t bytes = checked_byte_count(shape, dtype, "from_blob");
+  WEAVE_CHECK(data != nullptr || bytes == 0, "from_blob",
+              "expected memory behind {} elements, found a null pointer", shape);
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage =
-      std::make_shared<Storage>(data, shape.numel() * itemsize(dtype), device, std::move(deleter));
+  impl->storage = std::make_shared<Storage>(data, size_t(bytes), device, std::move(deleter));
   impl->shape = shape;
   impl->strides = contiguous_strides(shape);
   impl->dtype = dtype;
@@ -350,6 +358,14 @@ Tensor& binary_inplace(Tensor& self, const Tensor& other, kernels::BinaryOp op, 
                        Tensor (*out_of_place)(const Tensor&, const Tensor&)) {
   check_defined(other, name, "other");
   check_writable(self, other, name);
+  // PyTorch's rule: the result may narrow within its kind, never lose a kind (a fraction
+  // truncated into an integer, a number squeezed into a bool).
+  const bool loses_kind = (is_floating(other.dtype()) && !is_floating(self.dtype())) ||
+                          (self.dtype() == kBool && other.dtype() != kBool);
+  WEAVE_CHECK(!loses_kind, name,
+              "the result is {}, which cannot be written into the {} tensor without losing "
+              "values; hint: use the out-of-place op, or convert with .to() first",
+              other.dtype(), self.dtype());
   if (inplace_needs_autograd(self, other, name)) {
     commit_inplace(self, out_of_place(self.clone(), other));
     return self;

@@ -1,5 +1,7 @@
 #include "weave/optim/optimizer.h"
 
+#include <unordered_map>
+
 #include <cmath>
 
 #include "weave/autograd/engine.h"
@@ -11,9 +13,16 @@ namespace weave::optim {
 
 Optimizer::Optimizer(std::vector<Tensor> params, double lr) : params_(std::move(params)), lr_(lr) {
   WEAVE_CHECK(lr >= 0, "optimizer", "learning rate must be non-negative, found {}", lr);
-  for (size_t i = 0; i < params_.size(); ++i)
+  std::unordered_map<const TensorImpl*, size_t> seen;
+  for (size_t i = 0; i < params_.size(); ++i) {
     WEAVE_CHECK(params_[i].defined() && params_[i].is_leaf() && params_[i].requires_grad(),
                 "optimizer", "parameter {} must be a leaf that requires grad", i);
+    auto [it, fresh] = seen.emplace(params_[i].impl(), i);
+    WEAVE_CHECK(fresh, "optimizer",
+                "parameters {} and {} are the same tensor, so it would be updated twice per "
+                "step; hint: list each parameter once (a shared weight is one parameter)",
+                it->second, i);
+  }
 }
 
 void Optimizer::zero_grad(bool set_to_none) {

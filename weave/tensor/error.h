@@ -17,6 +17,10 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& message) : std::runtime_error(message) {}
 };
 
+/// The message of the last weave::Error raised in this process ("" if none), for the report a
+/// rank prints when it has to abort a distributed job.
+std::string last_error_message();
+
 namespace detail {
 [[noreturn]] void throw_error(std::string message);
 /// Raises "[op] call failed: error" (what WEAVE_CHECK_CALL reports).

@@ -1,18 +1,33 @@
 #include "weave/tensor/tensor.h"
 
 #include <charconv>
+#include <mutex>
 
 #include "weave/tensor/random.h"
 #include "weave/tensor/tensor_impl.h"
 
 namespace weave {
 
+namespace {
+std::mutex last_error_mutex;
+std::string last_error;
+}  // namespace
+
+std::string last_error_message() {
+  std::lock_guard lock(last_error_mutex);
+  return last_error;
+}
+
 namespace detail {
 void throw_error(std::string message) {
+  {
+    std::lock_guard lock(last_error_mutex);
+    last_error = message;
+  }
   throw Error(std::move(message));
 }
 void fail_call(const char* op, const char* call, const std::string& error) {
-  throw Error(fmt::format("[{}] {} failed: {}", op, call, error));
+  throw_error(fmt::format("[{}] {} failed: {}", op, call, error));
 }
 }  // namespace detail
 
@@ -184,14 +199,18 @@ bool Tensor::is_contiguous() const {
   return true;
 }
 
-Tensor empty(const Shape& shape, TensorOptions options) {
+int64_t checked_byte_count(const Shape& shape, DType dtype, const char* op) {
+  for (int64_t d : shape) WEAVE_CHECK(d >= 0, op, "sizes must be non-negative, found {}", shape);
+  int64_t bytes = int64_t(weave::itemsize(dtype));
   for (int64_t d : shape)
-    WEAVE_CHECK(d >= 0, "empty", "sizes must be non-negative, found {}", shape);
-  int64_t bytes = 0;
-  WEAVE_CHECK(
-      !__builtin_mul_overflow(shape.numel(), int64_t(weave::itemsize(options.dtype)), &bytes),
-      "empty", "{} elements of {} do not fit in memory (the byte count overflows int64)", shape,
-      options.dtype);
+    WEAVE_CHECK(!__builtin_mul_overflow(bytes, d, &bytes), op,
+                "{} elements of {} do not fit in memory (the byte count overflows int64)", shape,
+                dtype);
+  return bytes;
+}
+
+Tensor empty(const Shape& shape, TensorOptions options) {
+  const int64_t bytes = checked_byte_count(shape, options.dtype, "empty");
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = std::make_shared<Storage>(size_t(bytes), options.device);
   impl->shape = shape;

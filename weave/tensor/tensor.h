@@ -111,17 +111,20 @@ class Tensor {
   std::vector<T> to_vector() const;
 
   // ---- autograd -------------------------------------------------------------------------
+  /// False for an undefined tensor.
   bool requires_grad() const;
   /// Marks a leaf as requiring grad; returns *this.
   Tensor& requires_grad_(bool enabled = true);
   /// Accumulated gradient of a leaf (or of a tensor that called retain_grad()); may be undefined.
+  /// Raises on an undefined tensor.
   Tensor grad() const;
   void set_grad(const Tensor& grad) const;
-  /// The node that produced this tensor; null for leaves.
+  /// The node that produced this tensor; null for leaves and undefined tensors.
   const std::shared_ptr<autograd::Node>& grad_fn() const;
   /// Which output of grad_fn this tensor is.
   uint32_t output_nr() const;
-  bool is_leaf() const { return grad_fn() == nullptr; }
+  /// True for tensors not produced by a recorded op; raises on an undefined tensor.
+  bool is_leaf() const;
   /// Backpropagates from this tensor. grad defaults to 1 for a one-element tensor.
   void backward(const Tensor& grad = {}, bool retain_graph = false) const;
   /// Calls hook with the gradient flowing into this tensor during backward; a defined return
@@ -186,6 +189,9 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t);
 
 /// A new contiguous, uninitialized tensor.
 Tensor empty(const Shape& shape, TensorOptions options = {});
+/// Bytes that shape elements of dtype occupy; raises an error naming op when a size is negative or
+/// the count overflows int64.
+int64_t checked_byte_count(const Shape& shape, DType dtype, const char* op);
 /// A tensor over the same storage with another shape/strides/offset (no autograd recorded).
 Tensor make_view(const Tensor& base, const Shape& shape, const Strides& strides, int64_t offset);
 /// A 0-d view (no autograd) of the element at row-major position `index`, whatever the strides.

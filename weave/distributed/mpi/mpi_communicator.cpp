@@ -3,9 +3,11 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 #include "weave/distributed/communicator.h"
@@ -284,6 +286,7 @@ class MpiCommunicator final : public Communicator {
 
 bool we_initialized = false;
 int local = 0;
+MPI_Comm control = MPI_COMM_NULL;  // the world again, for finalize's farewell barrier only
 
 }  // namespace
 
@@ -318,6 +321,7 @@ std::unique_ptr<Communicator> init_world() {
                    "init");
   MPI_Comm_rank(node, &local);
   MPI_Comm_free(&node);
+  if (control == MPI_COMM_NULL) WEAVE_CHECK_CALL(MPI_Comm_dup(MPI_COMM_WORLD, &control), "init");
   return std::make_unique<MpiCommunicator>(world);
 }
 
@@ -325,7 +329,25 @@ int local_rank() {
   return local;
 }
 
+bool farewell(int64_t timeout_ns) {
+  if (control == MPI_COMM_NULL) return true;
+  MPI_Request request = MPI_REQUEST_NULL;
+  if (MPI_Ibarrier(control, &request) != MPI_SUCCESS) return false;
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    int done = 0;
+    MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (done) return true;
+    if (std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                             start)
+            .count() > timeout_ns)
+      return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
 void finalize() {
+  if (control != MPI_COMM_NULL) MPI_Comm_free(&control);
   if (!we_initialized) return;  // whoever started MPI finishes it
   MPI_Finalize();
   we_initialized = false;

@@ -1,0 +1,228 @@
+// Mismatched calls across ranks, and arguments only one rank can judge: under the default
+// guard and under full check mode, every rank involved raises (none hangs, none gets a silent
+// wrong result), the message names the difference, and the group stays usable.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "helpers.h"
+#include "weave/distributed/distributed.h"
+#include "weave/distributed/functional.h"
+#include "weave/distributed/runtime.h"
+
+using namespace weave;
+using dist::CheckMode;
+using dist::ReduceOp;
+
+namespace {
+
+// Switches the check mode on every rank for one test (all ranks run the tests in step).
+class ScopedCheckMode {
+ public:
+  explicit ScopedCheckMode(CheckMode mode) : saved_(dist::detail::runtime().check) {
+    dist::detail::runtime().check = mode;
+  }
+  ~ScopedCheckMode() { dist::detail::runtime().check = saved_; }
+
+ private:
+  CheckMode saved_;
+};
+
+const char* name(CheckMode mode) {
+  return mode == CheckMode::Guard ? "guard" : "full";
+}
+
+// The message `call` raises on this rank ("" if it returned).
+template <class F>
+std::string error_of(F&& call) {
+  try {
+    call();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// After an error the group must still work: an all_reduce of ones gives the world size.
+void check_group_still_works() {
+  Tensor ok = ones({3});
+  dist::all_reduce(ok);
+  CHECK(ok.to_vector<float>() == std::vector<float>(3, float(dist::world_size())));
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_SUITE("guard") {
+  TEST_CASE("mismatched collectives raise on every rank, naming the field that differs") {
+    if (dist::world_size() < 2) return;
+    const bool odd = dist::rank() % 2 == 1;
+    struct Case {
+      const char* what;
+      std::function<void()> call;
+      const char* field;
+    };
+    const std::vector<Case> cases = {
+        {"lengths [4] vs [1000]", [&] { dist::all_reduce(zeros({odd ? 1000 : 4})); }, "shape"},
+        {"same count, other shape",
+         [&] {
+           dist::all_reduce(odd ? zeros({3, 2}) : zeros({2, 3}));
+         },
+         "shape"},
+        {"float32 vs int32",
+         [&] { dist::all_reduce(zeros({4}, {.dtype = odd ? kInt32 : kFloat32})); }, "dtype"},
+        {"sum vs max", [&] { dist::all_reduce(zeros({4}), odd ? ReduceOp::Max : ReduceOp::Sum); },
+         "reduce op"},
+        {"roots 0 vs 1", [&] { dist::broadcast(zeros({4}), odd ? 1 : 0); }, "root"},
+        {"all_reduce vs broadcast",
+         [&] {
+           if (odd)
+             dist::broadcast(zeros({4}), 0);
+           else
+             dist::all_reduce(zeros({4}));
+         },
+         "op"},
+    };
+    for (CheckMode mode : {CheckMode::Guard, CheckMode::Full}) {
+      ScopedCheckMode scoped(mode);
+      for (const Case& c : cases) {
+        CAPTURE(name(mode));
+        CAPTURE(c.what);
+        const std::string message = error_of(c.call);
+        CHECK_MESSAGE(contains(message, "collective mismatch"), message);
+        CHECK_MESSAGE(contains(message, std::string("differ in ") + c.field), message);
+        check_group_still_works();
+      }
+    }
+  }
+
+  TEST_CASE("a rank whose own arguments fail makes the others raise instead of waiting") {
+    const int n = dist::world_size();
+    if (n < 2) return;
+    const int r = dist::rank();
+    for (CheckMode mode : {CheckMode::Guard, CheckMode::Full}) {
+      ScopedCheckMode scoped(mode);
+      CAPTURE(name(mode));
+      // scatter: only the root holds the input; here it has the wrong number of rows
+      std::string message = error_of([&] {
+        Tensor out = zeros({2});
+        dist::scatter(out, r == 0 ? zeros({2 * n + 1}) : Tensor(), 0);
+      });
+      if (r == 0)
+        CHECK_MESSAGE(contains(message, "input has shape"), message);
+      else
+        CHECK_MESSAGE((contains(message, "rank 0 of group") && contains(message, "rejected")),
+                      message);
+      check_group_still_works();
+      // gather: only the root holds the output
+      message = error_of([&] { dist::gather(r == 0 ? zeros({3}) : Tensor(), ones({2}), 0); });
+      if (r == 0)
+        CHECK_MESSAGE(contains(message, "output has shape"), message);
+      else
+        CHECK_MESSAGE(contains(message, "rejected"), message);
+      check_group_still_works();
+      // a check any rank may fail alone: an undefined input on the last rank
+      message = error_of([&] { dist::all_reduce(r == n - 1 ? Tensor() : zeros({2})); });
+      CHECK_MESSAGE(!message.empty(), "every rank must raise");
+      check_group_still_works();
+    }
+  }
+
+  TEST_CASE("the functional scatter: a root that rejects its input stops the others too") {
+    const int n = dist::world_size();
+    if (n < 2) return;
+    const std::string message = error_of([&] {
+      (void)dist::functional::scatter(dist::rank() == 0 ? zeros({n + 1, 2}) : Tensor(), 0, 0);
+    });
+    if (dist::rank() == 0)
+      CHECK_MESSAGE(contains(message, "does not divide"), message);
+    else
+      CHECK_MESSAGE(contains(message, "the root (group rank 0) rejected its input"), message);
+    check_group_still_works();
+  }
+
+  TEST_CASE("a receive that does not match the send raises, and the channel stays in step") {
+    if (dist::world_size() < 2) return;
+    const int r = dist::rank();
+    for (CheckMode mode : {CheckMode::Guard, CheckMode::Full}) {
+      ScopedCheckMode scoped(mode);
+      CAPTURE(name(mode));
+      struct Case {
+        Tensor sent, received;
+        const char* part;
+      };
+      const std::vector<Case> cases = {
+          {ones({4}), zeros({6}), "sent float32 [4], but this rank receives float32 [6]"},
+          {ones({4}), zeros({2}, {.dtype = kFloat64}), "receives float64 [2]"},
+          {ones({2, 3}), zeros({3, 2}), "receives float32 [3, 2]"},
+      };
+      for (const Case& c : cases) {
+        if (r == 0) dist::send(c.sent, 1);
+        if (r == 1) {
+          const std::string message = error_of([&] { dist::recv(c.received, 0); });
+          CHECK_MESSAGE(contains(message, c.part), message);
+        }
+        // the next matching pair goes through untouched: the bad payload was taken off the wire
+        if (r == 0) dist::send(full({3}, 7.0), 1);
+        if (r == 1) {
+          Tensor t = zeros({3});
+          dist::recv(t, 0);
+          CHECK(t.to_vector<float>() == std::vector<float>(3, 7.0f));
+        }
+      }
+      // isend carries the header too
+      if (r == 0) {
+        dist::isend(ones({5}), 1);
+        dist::wait_sends();
+      }
+      if (r == 1) {
+        const std::string message = error_of([&] { dist::recv(zeros({5}, {.dtype = kInt32}), 0); });
+        CHECK_MESSAGE(contains(message, "receives int32 [5]"), message);
+      }
+      dist::barrier();
+    }
+  }
+
+  TEST_CASE("a non-member gets the membership error even from a group of one") {
+    if (dist::world_size() < 2) return;
+    const dist::Group only_zero = dist::new_group({0});
+    if (dist::rank() == 0) {
+      Tensor x = ones({2});
+      CHECK(dist::functional::all_reduce_sum(x, only_zero).is_same(x));
+      return;
+    }
+    CHECK_WEAVE_ERROR(dist::functional::all_reduce_sum(ones({2}), only_zero), "all_reduce_sum",
+                      "not in group");
+    CHECK_WEAVE_ERROR(dist::functional::broadcast(ones({2}), 0, only_zero), "broadcast",
+                      "not in group");
+    CHECK_WEAVE_ERROR(dist::functional::copy_to_group(ones({2}), only_zero), "copy_to_group",
+                      "not in group");
+  }
+
+  TEST_CASE("two threads issuing on one group at once is an error, not a race") {
+    if (dist::world_size() < 2) return;
+    const dist::Group world = dist::world();
+    if (dist::rank() == 0) {
+      // the main thread sits in a blocking all_reduce until rank 1 joins, 300 ms later
+      std::string second;
+      std::thread other([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        second = error_of([&] { dist::all_reduce(zeros({2}), ReduceOp::Sum, world); });
+      });
+      Tensor t = ones({2});
+      dist::all_reduce(t, ReduceOp::Sum, world);
+      other.join();
+      CHECK_MESSAGE(contains(second, "two threads issued collectives"), second);
+      CHECK(t.to_vector<float>() == std::vector<float>(2, float(dist::world_size())));
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      Tensor t = ones({2});
+      dist::all_reduce(t, ReduceOp::Sum, world);
+    }
+    check_group_still_works();
+  }
+}
