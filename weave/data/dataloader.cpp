@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <sstream>
 
 namespace weave::data {
 
@@ -52,6 +53,11 @@ int64_t DataLoader::size() const {
 }
 
 DataLoader::Iterator DataLoader::begin() {
+  if (resume_) {
+    resume_ = false;
+    return Iterator(this, position_);
+  }
+  position_ = 0;
   if (options_.sampler) {
     order_ = options_.sampler->indices();
     for (int64_t i : order_)
@@ -69,6 +75,49 @@ DataLoader::Iterator DataLoader::begin() {
   return Iterator(this, 0);
 }
 
+LoaderState DataLoader::state() const {
+  std::ostringstream generator;
+  generator << engine_;
+  return {generator.str(), order_, position_,
+          options_.sampler ? options_.sampler->state() : std::string()};
+}
+
+namespace {
+std::mt19937_64 parse_generator(const std::string& text) {
+  std::istringstream in(text);
+  std::mt19937_64 engine;
+  in >> engine;
+  WEAVE_CHECK(!in.fail(), "DataLoader", "the saved shuffle generator state is unreadable");
+  return engine;
+}
+}  // namespace
+
+void DataLoader::check_state(const LoaderState& state) const {
+  parse_generator(state.generator);
+  WEAVE_CHECK(state.order.size() == order_.size(), "DataLoader",
+              "the saved order covers {} examples, this loader {}; hint: same dataset and "
+              "sampler as when it was saved",
+              state.order.size(), order_.size());
+  for (int64_t i : state.order)
+    WEAVE_CHECK(i >= 0 && i < dataset_->size(), "DataLoader",
+                "the saved order holds index {}, outside the dataset's {} examples", i,
+                dataset_->size());
+  WEAVE_CHECK(state.position >= 0 && state.position <= size(), "DataLoader",
+              "the saved position {} is outside the epoch's {} batches", state.position, size());
+  if (!options_.sampler)
+    WEAVE_CHECK(state.sampler.empty(), "DataLoader",
+                "the saved state has a sampler's, but this loader has no sampler");
+}
+
+void DataLoader::load_state(const LoaderState& state) {
+  check_state(state);
+  if (options_.sampler) options_.sampler->load_state(state.sampler);
+  engine_ = parse_generator(state.generator);
+  order_ = state.order;
+  position_ = state.position;
+  resume_ = position_ < size();
+}
+
 Example DataLoader::load(int64_t batch) const {
   const int64_t start = batch * options_.batch_size;
   const int64_t stop = std::min<int64_t>(start + options_.batch_size, order_.size());
@@ -77,6 +126,7 @@ Example DataLoader::load(int64_t batch) const {
 
 const Example& DataLoader::Iterator::operator*() {
   if (!loaded_) {
+    loader_->position_ = batch_ + 1;
     current_ = loader_->load(batch_);
     loaded_ = true;
   }

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "weave/ops/ops.h"
@@ -46,6 +47,21 @@ class Sampler {
   virtual int64_t size() const = 0;
   /// The indices of the next pass (DataLoader::begin() calls it once per epoch).
   virtual std::vector<int64_t> indices() = 0;
+  /// What a checkpoint keeps of the sampler (a DistributedSampler's epoch), as text.
+  virtual std::string state() const { return ""; }
+  /// Restores state(); raises on text it did not write.
+  virtual void load_state(const std::string& state) {
+    WEAVE_CHECK(state.empty(), "Sampler", "this sampler keeps no state, found '{}'", state);
+  }
+};
+
+/// Where a DataLoader stands, for checkpoints: the shuffle generator, the current epoch's order,
+/// how many of its batches were handed out, and the sampler's state.
+struct LoaderState {
+  std::string generator;
+  std::vector<int64_t> order;
+  int64_t position = 0;
+  std::string sampler;
 };
 
 struct DataLoaderOptions {
@@ -87,12 +103,22 @@ class DataLoader {
   Iterator begin();
   Iterator end() const { return Iterator(this, size()); }
 
+  /// Where the loader stands. Saved in the middle of an epoch, the next begin() after
+  /// load_state() continues that epoch at the next batch; saved after an epoch, it starts the
+  /// next one with the permutation an uninterrupted run would draw.
+  LoaderState state() const;
+  /// Raises (changing nothing) unless `state` fits this loader's dataset and batch size.
+  void check_state(const LoaderState& state) const;
+  void load_state(const LoaderState& state);
+
  private:
   Example load(int64_t batch) const;
   std::shared_ptr<const Dataset> dataset_;
   DataLoaderOptions options_;
   std::mt19937_64 engine_;
   std::vector<int64_t> order_;
+  mutable int64_t position_ = 0;  // batches of this epoch handed out
+  bool resume_ = false;           // the next begin() continues at position_
 };
 
 }  // namespace weave::data

@@ -108,6 +108,8 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
   NoGradGuard no_grad;
   std::map<std::string, Tensor> own;
   for (auto& [name, t] : state_dict()) own.emplace(name, t);
+  // Everything is checked before anything is copied: a bad entry leaves the module as it was.
+  std::vector<std::pair<Tensor, Tensor>> copies;
   std::set<std::string> seen;
   for (const auto& [name, value] : state) {
     auto it = own.find(name);
@@ -115,15 +117,18 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
       WEAVE_CHECK(!strict, "load_state_dict", "unexpected key '{}' in the state dict", name);
       continue;
     }
+    WEAVE_CHECK(value.defined(), "load_state_dict", "'{}' is an undefined tensor", name);
     WEAVE_CHECK(it->second.shape() == value.shape(), "load_state_dict",
                 "'{}' has shape {} in the module but {} in the state dict", name,
                 it->second.shape(), value.shape());
-    it->second.copy_(value);
-    seen.insert(name);
+    WEAVE_CHECK(seen.insert(name).second, "load_state_dict", "'{}' appears twice in the state dict",
+                name);
+    copies.emplace_back(it->second, value);
   }
   if (strict)
     for (const auto& [name, t] : own)
       WEAVE_CHECK(seen.count(name), "load_state_dict", "missing key '{}' in the state dict", name);
+  for (auto& [target, value] : copies) target.copy_(value);
 }
 
 template <class Fn>

@@ -1,8 +1,9 @@
 #include "weave/optim/optimizer.h"
 
-#include <unordered_map>
-
+#include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <unordered_map>
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
@@ -23,6 +24,73 @@ Optimizer::Optimizer(std::vector<Tensor> params, double lr) : params_(std::move(
                 "step; hint: list each parameter once (a shared weight is one parameter)",
                 it->second, i);
   }
+}
+
+OptimizerState Optimizer::state_dict() const {
+  OptimizerState state;
+  state.scalars = counters();
+  state.scalars["lr"] = lr_;
+  state.scalars["params"] = static_cast<double>(params_.size());
+  for (auto& [slot, tensors] : const_cast<Optimizer*>(this)->state_slots())
+    for (size_t i = 0; i < tensors->size(); ++i)
+      if ((*tensors)[i].defined())
+        state.tensors.emplace_back(fmt::format("{}.{}", slot, i), (*tensors)[i]);
+  return state;
+}
+
+void Optimizer::check_state_dict(const OptimizerState& state) const {
+  auto slots = const_cast<Optimizer*>(this)->state_slots();
+  std::map<std::string, double> expected = counters();
+  expected["lr"] = 0;
+  expected["params"] = 0;
+  for (const auto& [key, value] : expected)
+    WEAVE_CHECK(state.scalars.count(key), "load_state_dict", "the optimizer state has no '{}'",
+                key);
+  for (const auto& [key, value] : state.scalars) {
+    WEAVE_CHECK(expected.count(key), "load_state_dict",
+                "unexpected '{}' in the optimizer state (another optimizer's?)", key);
+    WEAVE_CHECK(std::isfinite(value) && value >= 0, "load_state_dict",
+                "optimizer state '{}' is {}, expected a finite non-negative number", key, value);
+  }
+  WEAVE_CHECK(state.scalars.at("params") == static_cast<double>(params_.size()), "load_state_dict",
+              "the optimizer state is for {} parameters, this optimizer has {}",
+              state.scalars.at("params"), params_.size());
+  for (const auto& [name, t] : state.tensors) {
+    const size_t dot = name.rfind('.');
+    auto slot = std::find_if(slots.begin(), slots.end(), [&](const auto& s) {
+      return dot != std::string::npos && s.first == name.substr(0, dot);
+    });
+    WEAVE_CHECK(slot != slots.end(), "load_state_dict",
+                "unexpected optimizer state tensor '{}' (another optimizer's?)", name);
+    size_t index = 0;
+    const std::string digits = name.substr(dot + 1);
+    WEAVE_CHECK(!digits.empty() && digits.size() < 10 &&
+                    std::all_of(digits.begin(), digits.end(), ::isdigit) &&
+                    (index = std::stoul(digits)) < params_.size(),
+                "load_state_dict", "optimizer state tensor '{}' names no parameter (there are {})",
+                name, params_.size());
+    const Tensor& p = params_[index];
+    WEAVE_CHECK(t.defined() && t.shape() == p.shape() && t.dtype() == p.dtype(), "load_state_dict",
+                "optimizer state tensor '{}' is {} {}, but parameter {} is {} {}", name,
+                t.defined() ? dtype_name(t.dtype()) : "undefined",
+                t.defined() ? t.shape().str() : "", index, dtype_name(p.dtype()), p.shape());
+  }
+}
+
+void Optimizer::load_state_dict(const OptimizerState& state) {
+  check_state_dict(state);
+  NoGradGuard no_grad;
+  for (auto& [slot, tensors] : state_slots()) {
+    std::vector<Tensor> loaded(params_.size());
+    for (const auto& [name, t] : state.tensors)
+      if (name.rfind(slot + ".", 0) == 0 && name.find('.', slot.size() + 1) == std::string::npos) {
+        const size_t index = std::stoul(name.substr(slot.size() + 1));
+        loaded[index] = t.detach().to(params_[index].device()).contiguous().clone();
+      }
+    *tensors = std::move(loaded);
+  }
+  lr_ = state.scalars.at("lr");
+  set_counters(state.scalars);
 }
 
 void Optimizer::zero_grad(bool set_to_none) {

@@ -1,11 +1,22 @@
 #pragma once
 // Optimizers. Each keeps its per-parameter state next to the parameter it belongs to and
 // updates parameters in place (without recording autograd).
+#include <map>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "weave/ops/ops.h"
 
 namespace weave::optim {
+
+/// An optimizer's state, for checkpoints: its state tensors by name ("exp_avg.3" is parameter
+/// 3's first moment; a parameter whose state does not exist yet has no entry) and its numbers
+/// ("lr", "params" (the parameter count), "step" for Adam).
+struct OptimizerState {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  std::map<std::string, double> scalars;
+};
 
 class Optimizer {
  public:
@@ -23,10 +34,24 @@ class Optimizer {
   const std::vector<Tensor>& params() const { return params_; }
   /// The state tensors created so far (momentum, moment estimates), in a fixed order.
   virtual std::vector<Tensor> state() const { return {}; }
+  /// The whole state; the tensors are the live ones, not copies.
+  OptimizerState state_dict() const;
+  /// Raises, naming the entry, unless `state` fits this optimizer: known names, parameter
+  /// indices in range, each tensor with its parameter's shape and dtype, the same parameter
+  /// count.
+  void check_state_dict(const OptimizerState& state) const;
+  /// Replaces the state with copies of `state` (on the parameters' devices), after
+  /// check_state_dict: on an error nothing changes.
+  void load_state_dict(const OptimizerState& state);
 
  protected:
   /// The pending-communication check of step(); every step() calls it first.
   void check_backward_complete() const;
+  /// Per-parameter state vectors by name, indexed like params_ (undefined until created).
+  virtual std::vector<std::pair<std::string, std::vector<Tensor>*>> state_slots() { return {}; }
+  /// Counters beyond lr (Adam's step count), and setting them from a checked state.
+  virtual std::map<std::string, double> counters() const { return {}; }
+  virtual void set_counters(const std::map<std::string, double>&) {}
   std::vector<Tensor> params_;
   double lr_;
 };
@@ -46,6 +71,11 @@ class SGD : public Optimizer {
   SGD(std::vector<Tensor> params, SGDOptions options);
   void step() override;
   std::vector<Tensor> state() const override;
+
+ protected:
+  std::vector<std::pair<std::string, std::vector<Tensor>*>> state_slots() override {
+    return {{"momentum", &momentum_}};
+  }
 
  private:
   SGDOptions options_;
@@ -69,6 +99,15 @@ class Adam : public Optimizer {
 
  protected:
   Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled);
+  std::vector<std::pair<std::string, std::vector<Tensor>*>> state_slots() override {
+    return {{"exp_avg", &exp_avg_}, {"exp_avg_sq", &exp_avg_sq_}};
+  }
+  std::map<std::string, double> counters() const override {
+    return {{"step", static_cast<double>(steps_)}};
+  }
+  void set_counters(const std::map<std::string, double>& counters) override {
+    steps_ = static_cast<int64_t>(counters.at("step"));
+  }
 
  private:
   AdamOptions options_;

@@ -41,4 +41,10 @@ void LRScheduler::step() {
   optimizer_.set_lr(schedule_(++step_));
 }
 
+void LRScheduler::set_step_count(int64_t step) {
+  WEAVE_CHECK(step >= 0, "LRScheduler", "step count must be non-negative, found {}", step);
+  step_ = step;
+  optimizer_.set_lr(schedule_(step_));
+}
+
 }  // namespace weave::optim

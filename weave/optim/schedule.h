@@ -25,6 +25,8 @@ class LRScheduler {
   LRScheduler(Optimizer& optimizer, Schedule schedule);
   void step();
   int64_t step_count() const { return step_; }
+  /// Resumes at a step count (a checkpoint's): sets the learning rate the schedule gives it.
+  void set_step_count(int64_t step);
   double lr() const { return optimizer_.lr(); }
 
  private:

@@ -1,6 +1,7 @@
 // DistributedSampler, contiguous partitions and rank0_first.
 #include "weave/parallel/data.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -28,6 +29,14 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int replicas, int r
               replicas);
   per_rank_ =
       options.drop_last ? dataset_size / replicas : (dataset_size + replicas - 1) / replicas;
+}
+
+void DistributedSampler::load_state(const std::string& state) {
+  char* end = nullptr;
+  const long long epoch = std::strtoll(state.c_str(), &end, 10);
+  WEAVE_CHECK(!state.empty() && *end == '\0' && epoch >= 0, "DistributedSampler",
+              "'{}' is not a saved epoch", state);
+  epoch_ = epoch;
 }
 
 std::vector<int64_t> DistributedSampler::indices() {

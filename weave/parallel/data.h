@@ -39,6 +39,9 @@ class DistributedSampler : public data::Sampler {
   /// Indices per rank and epoch.
   int64_t size() const override { return per_rank_; }
   std::vector<int64_t> indices() override;
+  /// The epoch, as text (checkpoints).
+  std::string state() const override { return std::to_string(epoch_); }
+  void load_state(const std::string& state) override;
 
  private:
   int64_t dataset_size_;

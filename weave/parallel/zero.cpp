@@ -1,6 +1,8 @@
 // ZeRO-1: reduce-scatter the gradients, step the owned slice, all-gather the parameters.
 #include "weave/parallel/zero.h"
 
+#include <algorithm>
+
 #include "weave/autograd/grad_mode.h"
 
 namespace weave::parallel {
@@ -37,6 +39,16 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
 
 void ZeroRedundancyOptimizer::step() {
   NoGradGuard no_grad;
+  // The parameters are the truth: whatever changed them since the last step (a loaded
+  // checkpoint, a manual edit) reaches the owned slice before the optimizer updates it.
+  const int64_t start = group_.rank() * shard_.numel(), stop = start + shard_.numel();
+  int64_t offset = 0;
+  for (const Tensor& p : params_) {
+    const int64_t lo = std::max(start, offset), hi = std::min(stop, offset + p.numel());
+    if (lo < hi)
+      shard_.narrow(0, lo - start, hi - lo).copy_(p.reshape({-1}).narrow(0, lo - offset, hi - lo));
+    offset += p.numel();
+  }
   std::vector<Tensor> grads;
   for (const Tensor& p : params_)
     grads.push_back(p.grad().defined()
@@ -54,7 +66,7 @@ void ZeroRedundancyOptimizer::step() {
       empty(flat_params_.shape(), {.dtype = shard_.dtype(), .device = shard_.device()});
   dist::all_gather(gathered, shard_.detach(), group_);
   flat_params_.copy_(gathered);
-  int64_t offset = 0;
+  offset = 0;
   for (Tensor& p : params_) {
     p.copy_(flat_params_.narrow(0, offset, p.numel()).reshape(p.shape()));
     offset += p.numel();

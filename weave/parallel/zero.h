@@ -27,10 +27,13 @@ class ZeroRedundancyOptimizer {
   ZeroRedundancyOptimizer(std::vector<Tensor> params, const OptimizerFactory& make_optimizer,
                           const std::optional<dist::Group>& group = std::nullopt);
   /// Averages the gradients (reduce-scatter), steps this rank's slice, gathers the parameters.
-  /// A parameter without a gradient takes part with zeros. Collective.
+  /// A parameter without a gradient takes part with zeros. The slice is read from the
+  /// parameters first, so a checkpoint loaded into the model (and shard_optimizer()'s state
+  /// into it) resumes exactly. Collective.
   void step();
   void zero_grad(bool set_to_none = true);
-  /// The optimizer of this rank's slice (for schedules: set_lr).
+  /// The optimizer of this rank's slice (for schedules: set_lr; for sharded checkpoints: the
+  /// TrainingState's optimizer).
   optim::Optimizer& shard_optimizer() { return *optimizer_; }
   /// Elements of the flattened parameters this rank owns: ceil(total / group size).
   int64_t shard_numel() const { return shard_.numel(); }

@@ -1,0 +1,80 @@
+// Kills a process that saves checkpoints in a loop (SIGKILL at random instants) and checks
+// that the checkpoint on disk always loads and is whole: every tensor holds the version its
+// metadata names, the old one or a newer one, never a mix.
+//   weave_checkpoint_crash [kills = 100]
+// Prints "kills=K loadable=L mid_write=M versions=A..B" and exits non-zero unless L == K.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "weave/weave.h"
+
+using namespace weave;
+
+namespace {
+
+// 16 MB per save, so that a kill often lands while the file is being written.
+nn::NamedTensors contents(int64_t version) {
+  nn::NamedTensors tensors;
+  for (int i = 0; i < 4; ++i)
+    tensors.emplace_back(fmt::format("t{}", i), full({1 << 20}, double(version)));
+  return tensors;
+}
+
+[[noreturn]] void save_forever(const std::string& path, int64_t first_version) {
+  for (int64_t v = first_version;; ++v)
+    data::save_safetensors(path, contents(v), {{"version", std::to_string(v)}});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  set_num_threads(1);
+  const int kills = argc > 1 ? std::atoi(argv[1]) : 100;
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("weave_crash_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  const std::string path = (dir / "ckpt.safetensors").string();
+  data::save_safetensors(path, contents(0), {{"version", "0"}});
+  std::mt19937 rng(12345);
+  int loadable = 0, mid_write = 0;
+  int64_t version = 0, lowest = -1;
+  for (int k = 0; k < kills; ++k) {
+    const pid_t child = fork();
+    if (child == 0) save_forever(path, version + 1);
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 120000));
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+    for (const auto& entry : fs::directory_iterator(dir))
+      if (entry.path().filename().string().find(".tmp-") != std::string::npos) {
+        ++mid_write;  // killed while a temporary was open: the interesting case
+        fs::remove(entry.path());
+      }
+    try {
+      const auto file = data::load_safetensors(path);
+      const int64_t v = std::stoll(file.metadata.at("version"));
+      bool whole = file.tensors.size() == 4 && v >= version;
+      for (const auto& [name, t] : file.tensors)
+        whole = whole && equal(t, full({1 << 20}, double(v)));
+      if (whole) {
+        ++loadable;
+        version = v;
+        if (lowest < 0) lowest = v;
+      } else {
+        std::printf("kill %d: the checkpoint is not whole (version %lld)\n", k, (long long)v);
+      }
+    } catch (const std::exception& e) {
+      std::printf("kill %d: the checkpoint does not load: %s\n", k, e.what());
+    }
+  }
+  fs::remove_all(dir);
+  std::printf("kills=%d loadable=%d mid_write=%d versions=%lld..%lld\n", kills, loadable, mid_write,
+              (long long)lowest, (long long)version);
+  return loadable == kills ? 0 : 1;
+}

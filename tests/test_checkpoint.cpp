@@ -1,0 +1,276 @@
+// safetensors files (against the format's byte layout, and every kind of corruption) and
+// training checkpoints (exact resume, strict all-or-nothing loads).
+#include <filesystem>
+#include <fstream>
+
+#include "helpers.h"
+
+using namespace weave;
+
+namespace {
+
+std::filesystem::path scratch_dir() {
+  auto dir = std::filesystem::temp_directory_path() /
+             ("weave_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(std::rand()));
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+std::string little_endian_u64(uint64_t v) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return out;
+}
+
+// A file image built by hand from the format description, header keys in the order the Python
+// package writes them.
+std::string hand_made_file() {
+  std::string header =
+      R"({"__metadata__":{"format":"pt"},"b":{"dtype":"I64","shape":[1],"data_offsets":[8,16]},)"
+      R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  std::string data;
+  const float a[2] = {1.5f, -2.0f};
+  const int64_t b = 42;
+  data.append(reinterpret_cast<const char*>(a), 8);
+  data.append(reinterpret_cast<const char*>(&b), 8);
+  return little_endian_u64(header.size()) + header + data;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A model with every kind of state: parameters, a buffer-free dropout drawing from the default
+// generator, so an exact resume needs the generator too.
+struct Net : nn::Module {
+  Net() : nn::Module("Net") {
+    fc1 = register_module("fc1", std::make_shared<nn::Linear>(6, 16));
+    fc2 = register_module("fc2", std::make_shared<nn::Linear>(16, 3));
+  }
+  Tensor forward(const Tensor& x) override {
+    return fc2->forward(dropout(relu(fc1->forward(x)), 0.2, is_training()));
+  }
+  std::shared_ptr<nn::Linear> fc1, fc2;
+};
+
+std::shared_ptr<data::TensorDataset> toy_data() {
+  Generator g(11);
+  Tensor x = randn({40, 6}, {}, &g);
+  Tensor y = argmax(matmul(x, randn({6, 3}, {}, &g)), 1);
+  return std::make_shared<data::TensorDataset>(x, y);
+}
+
+// One run: builds everything from seed 0, optionally loads `resume_from`, trains `epochs`
+// epochs (or stops after `stop_after_batches` batches), optionally saves; returns the losses.
+std::vector<float> train(bool adam, int epochs, const std::string& resume_from = "",
+                         const std::string& save_to = "", int stop_after_batches = -1) {
+  manual_seed(0);
+  Net net;
+  std::unique_ptr<optim::Optimizer> opt;
+  if (adam)
+    opt = std::make_unique<optim::AdamW>(net.parameters(), optim::AdamWOptions{.lr = 0.01});
+  else
+    opt = std::make_unique<optim::SGD>(net.parameters(),
+                                       optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  optim::LRScheduler sched(*opt, optim::cosine_schedule(adam ? 0.01 : 0.05, 40));
+  data::DataLoader loader(toy_data(), {.batch_size = 8, .shuffle = true, .seed = 5});
+  data::TrainingState state{
+      .model = &net, .optimizer = opt.get(), .scheduler = &sched, .loader = &loader};
+  if (!resume_from.empty()) data::load_checkpoint(resume_from, state);
+  std::vector<float> losses;
+  int batches = 0;
+  for (int e = 0; e < epochs; ++e) {
+    for (const auto& batch : loader) {
+      opt->zero_grad();
+      Tensor loss = cross_entropy(net(batch.input), batch.target);
+      loss.backward();
+      opt->step();
+      sched.step();
+      losses.push_back(loss.item<float>());
+      if (++batches == stop_after_batches) break;
+    }
+    if (batches == stop_after_batches) break;
+  }
+  if (!save_to.empty()) data::save_checkpoint(save_to, state);
+  return losses;
+}
+
+}  // namespace
+
+TEST_SUITE("checkpoint") {
+  TEST_CASE("safetensors: the byte layout of the format, both ways") {
+    const auto file =
+        data::parse_safetensors(hand_made_file().data(), hand_made_file().size(), "hand-made");
+    REQUIRE(file.tensors.size() == 2);
+    CHECK(file.tensors[0].first == "a");  // file order: by offset
+    CHECK(file.tensors[0].second.to_vector<float>() == std::vector<float>{1.5f, -2.0f});
+    CHECK(file.tensors[1].second.dtype() == kInt64);
+    CHECK(file.tensors[1].second.to_vector<int64_t>() == std::vector<int64_t>{42});
+    CHECK(file.metadata.at("format") == "pt");
+
+    // Writing: length, the JSON header padded with spaces to 8 bytes, then the raw bytes.
+    const std::string image =
+        data::serialize_safetensors({{"w", from_vector<float>({1, 2})}}, {{"step", "3"}});
+    const std::string header =
+        R"({"__metadata__":{"step":"3"},"w":{"data_offsets":[0,8],"dtype":"F32","shape":[2]}})";
+    const std::string padded = header + std::string((8 - header.size() % 8) % 8, ' ');
+    const float w[2] = {1, 2};
+    CHECK(image == little_endian_u64(padded.size()) + padded +
+                       std::string(reinterpret_cast<const char*>(w), 8));
+  }
+
+  TEST_CASE("safetensors: every dtype, empty and 0-d tensors round-trip") {
+    nn::NamedTensors tensors;
+    for (DType d : {kFloat32, kFloat64, kBFloat16, kFloat16, kInt32, kInt64, kUInt8, kBool})
+      tensors.emplace_back(std::string("t_") + dtype_name(d),
+                           from_vector<float>({0, 1, 1, 0, 1, 0}).reshape({2, 3}).to(d));
+    tensors.emplace_back("empty", zeros({0, 4}));
+    tensors.emplace_back("scalar", scalar_tensor(7.25));
+    tensors.emplace_back("strided", arange(12).reshape({3, 4}).t());  // written contiguous
+    auto dir = scratch_dir();
+    const std::string path = (dir / "all.safetensors").string();
+    data::save_safetensors(path, tensors, {{"note", "ok"}});
+    auto back = data::load_safetensors(path);
+    REQUIRE(back.tensors.size() == tensors.size());
+    std::map<std::string, Tensor> by_name(back.tensors.begin(), back.tensors.end());
+    for (const auto& [name, t] : tensors) {
+      CAPTURE(name);
+      const Tensor& b = by_name.at(name);
+      CHECK(b.dtype() == t.dtype());
+      CHECK(b.shape() == t.shape());
+      CHECK(b.to(kFloat64).to_vector<double>() == t.to(kFloat64).to_vector<double>());
+    }
+    CHECK(back.metadata.at("note") == "ok");
+    // nothing but the file itself is left in the directory (the temporary was renamed)
+    CHECK(std::distance(std::filesystem::directory_iterator(dir),
+                        std::filesystem::directory_iterator()) == 1);
+    std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("safetensors: corrupt files are errors that name the problem") {
+    auto parse = [](const std::string& bytes) {
+      return error_of([&] { data::parse_safetensors(bytes.data(), bytes.size(), "f"); });
+    };
+    const std::string good = hand_made_file();
+    // every truncation of a valid file is an error, never a crash
+    for (size_t n = 0; n < good.size(); ++n) {
+      CAPTURE(n);
+      CHECK_FALSE(parse(good.substr(0, n)).empty());
+    }
+    CHECK(parse(good + "x").find("holds 1 bytes of data after") != std::string::npos);
+    auto with_header = [](const std::string& header, const std::string& data) {
+      return little_endian_u64(header.size()) + header + data;
+    };
+    const std::string eight(8, '\0');
+    CHECK(parse(little_endian_u64(uint64_t(1) << 62) + "{}").find("declares a") !=
+          std::string::npos);
+    CHECK(parse(with_header("[1, 2]", "")).find("not a JSON object") != std::string::npos);
+    CHECK(parse(with_header("{not json", "")).find("not a JSON object") != std::string::npos);
+    CHECK(parse(with_header(R"({"a":{"dtype":"F8","shape":[1],"data_offsets":[0,1]}})", "x"))
+              .find("dtype 'F8'") != std::string::npos);
+    CHECK(parse(with_header(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", eight))
+              .find("F32 [3] needs 12") != std::string::npos);
+    CHECK(parse(with_header(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})",
+                            eight.substr(0, 4)))
+              .find("not a non-negative integer") != std::string::npos);
+    CHECK(parse(with_header(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                            R"("b":{"dtype":"F32","shape":[1],"data_offsets":[2,6]}})",
+                            eight))
+              .find("without overlaps or holes") != std::string::npos);
+    CHECK(parse(with_header(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", eight))
+              .find("starts at byte 4") != std::string::npos);
+    CHECK(parse(with_header(R"({"a":{"dtype":"BOOL","shape":[1],"data_offsets":[0,1]}})",
+                            std::string(1, '\2')))
+              .find("holds the byte 2") != std::string::npos);
+    CHECK(parse(with_header(R"({"__metadata__":{"k":1}})", ""))
+              .find("metadata 'k' is not a string") != std::string::npos);
+    CHECK(parse(with_header(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296,4],)"
+                            R"("data_offsets":[0,0]}})",
+                            ""))
+              .find("overflows") != std::string::npos);
+    CHECK_WEAVE_ERROR(data::load_safetensors("/nonexistent/x.safetensors"), "safetensors",
+                      "cannot open");
+    CHECK_WEAVE_ERROR(data::serialize_safetensors({{"a", ones({1})}, {"a", ones({1})}}),
+                      "safetensors", "appears twice");
+  }
+
+  TEST_CASE("exact resume: 2 epochs, save, 2 more == 4 uninterrupted (SGD and AdamW)") {
+    auto dir = scratch_dir();
+    for (bool adam : {false, true}) {
+      CAPTURE(adam);
+      const std::string path = (dir / (adam ? "adamw.safetensors" : "sgd.safetensors")).string();
+      const std::vector<float> straight = train(adam, 4);
+      const std::vector<float> first = train(adam, 2, "", path);
+      const std::vector<float> second = train(adam, 2, path);
+      std::vector<float> joined = first;
+      joined.insert(joined.end(), second.begin(), second.end());
+      REQUIRE(joined.size() == straight.size());
+      for (size_t i = 0; i < straight.size(); ++i) {
+        CAPTURE(i);
+        CHECK(joined[i] == straight[i]);  // bit-identical, not approximately equal
+      }
+      // and in the middle of an epoch: 7 batches, save, the rest
+      const std::vector<float> part = train(adam, 4, "", path, 7);
+      const std::vector<float> rest = train(adam, 4, path, "", int(straight.size()) - 7);
+      std::vector<float> mid = part;
+      mid.insert(mid.end(), rest.begin(), rest.end());
+      CHECK(mid == straight);
+    }
+    std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("strict loads: a mismatch names the tensor and changes nothing") {
+    auto dir = scratch_dir();
+    const std::string path = (dir / "net.safetensors").string();
+    manual_seed(1);
+    Net saved;
+    optim::AdamW opt(saved.parameters(), {.lr = 0.01});
+    data::TrainingState state{.model = &saved, .optimizer = &opt};
+    data::save_checkpoint(path, state);
+
+    manual_seed(2);
+    Net other;
+    optim::AdamW other_opt(other.parameters(), {.lr = 0.5});
+    const Tensor before = other.fc1->weight.clone();
+    // an optimizer whose state came from more steps than the file's: AdamW's "step" is 0 there
+    data::TrainingState target{.model = &other, .optimizer = &other_opt};
+
+    auto file = data::load_safetensors(path);
+    auto rewrite = [&](const std::function<void(data::SafetensorsFile&)>& edit) {
+      data::SafetensorsFile copy = file;
+      edit(copy);
+      data::save_safetensors(path, copy.tensors, copy.metadata);
+    };
+    rewrite([](auto& f) { f.tensors[0].second = zeros({5, 5}); });
+    CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "is float32 [5, 5]");
+    rewrite([](auto& f) { f.tensors[0].second = f.tensors[0].second.to(kFloat64); });
+    CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "float64");
+    rewrite([](auto& f) { f.tensors[0].first = "model/fc9.weight"; });
+    CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "fc9.weight");
+    rewrite([](auto& f) { f.tensors.erase(f.tensors.begin()); });
+    CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "has no 'model/");
+    rewrite([](auto& f) { f.metadata.erase("optimizer"); });
+    CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "'optimizer'");
+    rewrite([](auto& f) { f.tensors.emplace_back("stray", ones({1})); });
+    CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "'stray'");
+    // the other model and optimizer are untouched by all of the above
+    CHECK(equal(other.fc1->weight, before));
+    CHECK(other_opt.lr() == 0.5);
+    // a truncated file
+    rewrite([](auto&) {});
+    std::filesystem::resize_file(path, std::filesystem::file_size(path) - 3);
+    CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "safetensors", "truncated");
+    CHECK(equal(other.fc1->weight, before));
+    // and the intact file loads
+    data::save_safetensors(path, file.tensors, file.metadata);
+    data::load_checkpoint(path, target);
+    CHECK(equal(other.fc1->weight, saved.fc1->weight));
+    CHECK(other_opt.lr() == 0.01);
+    std::filesystem::remove_all(dir);
+  }
+}

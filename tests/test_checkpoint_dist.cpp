@@ -1,0 +1,202 @@
+// Sharded checkpoints at 1-4 ranks: exact resume of data-parallel (DDP) and ZeRO runs, the
+// gathered single file, generations, and all-or-nothing loads across the group.
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "helpers.h"
+
+using namespace weave;
+
+namespace {
+
+// A directory every rank of the world agrees on (rank 0's pid), empty.
+std::string shared_dir(const std::string& what) {
+  Tensor id = full({1}, double(getpid()), {.dtype = kInt64});
+  dist::broadcast(id, 0);
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           fmt::format("weave_sharded_{}_{}", id.item<int64_t>(), what))
+                              .string();
+  if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  dist::barrier();
+  return dir;
+}
+
+std::shared_ptr<data::TensorDataset> toy_data() {
+  Generator g(3);
+  Tensor x = randn({48, 5}, {}, &g);
+  return std::make_shared<data::TensorDataset>(x, argmax(matmul(x, randn({5, 3}, {}, &g)), 1));
+}
+
+std::shared_ptr<nn::Sequential> make_model() {
+  manual_seed(0);
+  return std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+      std::make_shared<nn::Linear>(5, 12), nn::ReLU(), std::make_shared<nn::Linear>(12, 3)});
+}
+
+enum class Strategy { DDP, Zero };
+
+// Trains `epochs` epochs (resuming from / saving to a sharded checkpoint when given); returns
+// this rank's losses.
+std::vector<float> train(Strategy strategy, int epochs, const std::string& resume_from,
+                         const std::string& save_to, bool single_file = false) {
+  auto model = make_model();
+  parallel::DistributedDataParallel ddp(*model);
+  std::unique_ptr<optim::Optimizer> adam;
+  std::unique_ptr<parallel::ZeroRedundancyOptimizer> zero;
+  optim::Optimizer* optimizer = nullptr;
+  if (strategy == Strategy::DDP) {
+    adam = std::make_unique<optim::AdamW>(model->parameters(), optim::AdamWOptions{.lr = 0.02});
+    optimizer = adam.get();
+  } else {
+    zero = std::make_unique<parallel::ZeroRedundancyOptimizer>(
+        model->parameters(), [](std::vector<Tensor> shard) -> std::unique_ptr<optim::Optimizer> {
+          return std::make_unique<optim::AdamW>(shard, optim::AdamWOptions{.lr = 0.02});
+        });
+    optimizer = &zero->shard_optimizer();
+  }
+  auto sampler = std::make_shared<parallel::DistributedSampler>(
+      48, parallel::DistributedSamplerOptions{.shuffle = true, .seed = 9});
+  data::DataLoader loader(toy_data(), {.batch_size = 6, .sampler = sampler});
+  data::TrainingState state{.model = model.get(), .optimizer = optimizer, .loader = &loader};
+  int first_epoch = 0;
+  if (!resume_from.empty()) {
+    parallel::load_sharded_checkpoint(resume_from, state);
+    first_epoch = std::stoi(state.user.at("epoch"));
+  }
+  std::vector<float> losses;
+  for (int e = first_epoch; e < first_epoch + epochs; ++e) {
+    sampler->set_epoch(e);
+    for (const auto& batch : loader) {
+      Tensor loss = cross_entropy(ddp(batch.input), batch.target);
+      if (zero) {
+        zero->zero_grad();
+      } else {
+        adam->zero_grad();
+      }
+      loss.backward();
+      if (zero) {
+        zero->step();
+      } else {
+        adam->step();
+      }
+      losses.push_back(loss.item<float>());
+    }
+  }
+  if (!save_to.empty()) {
+    state.user["epoch"] = std::to_string(first_epoch + epochs);
+    parallel::save_sharded_checkpoint(save_to, state, dist::world(), {.single_file = single_file});
+  }
+  return losses;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_SUITE("sharded_checkpoint") {
+  TEST_CASE("exact resume across ranks: DDP and ZeRO, one file per rank or one in all") {
+    for (Strategy strategy : {Strategy::DDP, Strategy::Zero})
+      for (bool single : {false, true}) {
+        const std::string name = strategy == Strategy::DDP ? "ddp" : "zero";
+        CAPTURE(name);
+        CAPTURE(single);
+        const std::string dir = shared_dir("resume");
+        const std::vector<float> straight = train(strategy, 4, "", "");
+        std::vector<float> joined = train(strategy, 2, "", dir, single);
+        const std::vector<float> second = train(strategy, 2, dir, "");
+        joined.insert(joined.end(), second.begin(), second.end());
+        CHECK(joined == straight);  // bit-identical
+        if (dist::rank() == 0) std::filesystem::remove_all(dir);
+      }
+  }
+
+  TEST_CASE("a new save replaces the old generation only after its index is committed") {
+    const std::string dir = shared_dir("generations");
+    auto model = make_model();
+    data::TrainingState state{.model = model.get()};
+    parallel::save_sharded_checkpoint(dir, state);
+    model->parameters()[0].detach().fill_(3.0);
+    parallel::save_sharded_checkpoint(dir, state);
+    dist::barrier();
+    const int n = dist::world_size();
+    std::vector<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(dir))
+      names.push_back(entry.path().filename().string());
+    std::sort(names.begin(), names.end());
+    std::vector<std::string> expected{"index.json"};
+    for (int r = 0; r < n; ++r)
+      expected.push_back(fmt::format("rank-{:05d}-of-{:05d}.g2.safetensors", r, n));
+    std::sort(expected.begin(), expected.end());
+    CHECK(names == expected);
+    auto fresh = make_model();
+    data::TrainingState into{.model = fresh.get()};
+    parallel::load_sharded_checkpoint(dir, into);
+    CHECK(equal(fresh->parameters()[0], full(fresh->parameters()[0].shape(), 3.0)));
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("tensor parallel: each rank's shard comes back to that rank") {
+    const std::string dir = shared_dir("tensor_parallel");
+    const int n = dist::world_size();
+    manual_seed(1);
+    parallel::ColumnParallelLinear saved(4, 2 * n, dist::world());
+    data::TrainingState state{.model = &saved};
+    parallel::save_sharded_checkpoint(dir, state);
+    manual_seed(2);
+    parallel::ColumnParallelLinear fresh(4, 2 * n, dist::world());
+    CHECK_FALSE(equal(fresh.weight, saved.weight));
+    data::TrainingState into{.model = &fresh};
+    parallel::load_sharded_checkpoint(dir, into);
+    CHECK(equal(fresh.weight, saved.weight));
+    CHECK(fresh.weight.shape() == Shape{2, 4});  // this rank's rows only
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("one rank's failed check fails the load everywhere, and nothing changes") {
+    if (dist::world_size() < 2) return;
+    const std::string dir = shared_dir("strict");
+    auto model = make_model();
+    data::TrainingState state{.model = model.get()};
+    parallel::save_sharded_checkpoint(dir, state);
+    // the last rank expects a different model
+    const bool odd_one = dist::rank() == dist::world_size() - 1;
+    manual_seed(5);
+    std::shared_ptr<nn::Module> other =
+        odd_one ? std::shared_ptr<nn::Module>(std::make_shared<nn::Linear>(5, 4))
+                : std::shared_ptr<nn::Module>(std::make_shared<nn::Sequential>(
+                      std::initializer_list<std::shared_ptr<nn::Module>>{
+                          std::make_shared<nn::Linear>(5, 12), nn::ReLU(),
+                          std::make_shared<nn::Linear>(12, 3)}));
+    const Tensor before = other->parameters()[0].clone();
+    data::TrainingState into{.model = other.get()};
+    const std::string message = error_of([&] { parallel::load_sharded_checkpoint(dir, into); });
+    if (odd_one)
+      CHECK_MESSAGE(message.find("load_checkpoint") != std::string::npos, message);
+    else
+      CHECK_MESSAGE(message.find("another rank of group") != std::string::npos, message);
+    CHECK(equal(other->parameters()[0], before));
+    // a checkpoint of another world size
+    const std::string solo = shared_dir("solo");
+    const dist::Group only_zero = dist::new_group({0});
+    if (dist::rank() == 0) parallel::save_sharded_checkpoint(solo, state, only_zero);
+    dist::barrier();
+    CHECK_WEAVE_ERROR(parallel::load_sharded_checkpoint(solo, state), "load_sharded_checkpoint",
+                      "saved by 1 ranks");
+    dist::barrier();
+    if (dist::rank() == 0) {
+      std::filesystem::remove_all(dir);
+      std::filesystem::remove_all(solo);
+    }
+  }
+}

@@ -1,0 +1,176 @@
+#include "weave/data/checkpoint.h"
+
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "weave/tensor/random.h"
+
+namespace weave::data {
+
+namespace {
+
+using json = nlohmann::json;
+
+constexpr const char* kFormat = "1";
+
+std::string engine_text(std::mt19937_64& engine) {
+  std::ostringstream out;
+  out << engine;
+  return out.str();
+}
+
+const std::string& required(const Metadata& metadata, const std::string& key,
+                            const std::string& name) {
+  auto it = metadata.find(key);
+  WEAVE_CHECK(it != metadata.end(), "load_checkpoint",
+              "{} has no '{}'; hint: was it saved with the same parts (model, optimizer, "
+              "scheduler, loader)?",
+              name, key);
+  return it->second;
+}
+
+json parse_json(const std::string& text, const std::string& key, const std::string& name) {
+  json value = json::parse(text, nullptr, false);
+  WEAVE_CHECK(!value.is_discarded(), "load_checkpoint", "{}: '{}' is not valid JSON", name, key);
+  return value;
+}
+
+// The entries of `contents` under `prefix` ("model/"), with the prefix removed.
+nn::NamedTensors under(const SafetensorsFile& contents, const std::string& prefix) {
+  nn::NamedTensors out;
+  for (const auto& [name, t] : contents.tensors)
+    if (name.rfind(prefix, 0) == 0) out.emplace_back(name.substr(prefix.size()), t);
+  return out;
+}
+
+}  // namespace
+
+SafetensorsFile checkpoint_contents(const TrainingState& state) {
+  SafetensorsFile out;
+  out.metadata["weave.checkpoint"] = kFormat;
+  if (state.model)
+    for (const auto& [name, t] : state.model->state_dict())
+      out.tensors.emplace_back("model/" + name, t);
+  if (state.optimizer) {
+    const optim::OptimizerState s = state.optimizer->state_dict();
+    for (const auto& [name, t] : s.tensors) out.tensors.emplace_back("optimizer/" + name, t);
+    out.metadata["optimizer"] = json(s.scalars).dump();
+  }
+  if (state.scheduler)
+    out.metadata["scheduler.step"] = std::to_string(state.scheduler->step_count());
+  if (state.loader) {
+    const LoaderState s = state.loader->state();
+    out.tensors.emplace_back("loader/order", from_vector(s.order, Shape{int64_t(s.order.size())}));
+    out.metadata["loader"] =
+        json{{"generator", s.generator}, {"position", s.position}, {"sampler", s.sampler}}.dump();
+  }
+  if (state.default_generator)
+    out.metadata["rng.default"] = engine_text(default_generator().engine());
+  for (const auto& [key, value] : state.user) out.metadata["user." + key] = value;
+  return out;
+}
+
+void restore_checkpoint(const SafetensorsFile& contents, TrainingState& state,
+                        const std::string& name, const std::function<void()>& before_changes) {
+  const Metadata& meta = contents.metadata;
+  WEAVE_CHECK(required(meta, "weave.checkpoint", name) == kFormat, "load_checkpoint",
+              "{} is checkpoint format {}, this weave reads format {}", name,
+              meta.at("weave.checkpoint"), kFormat);
+  // Every known prefix; an entry under none of them is unexpected.
+  for (const auto& [tensor, t] : contents.tensors) {
+    const bool known = (tensor.rfind("model/", 0) == 0 && state.model) ||
+                       (tensor.rfind("optimizer/", 0) == 0 && state.optimizer) ||
+                       (tensor == "loader/order" && state.loader);
+    WEAVE_CHECK(known, "load_checkpoint",
+                "{} holds tensor '{}', which nothing being restored takes; hint: pass the same "
+                "parts (model, optimizer, loader) as when saving",
+                name, tensor);
+  }
+
+  // ---- check everything ------------------------------------------------------------------
+  nn::NamedTensors model;
+  if (state.model) {
+    model = under(contents, "model/");
+    std::map<std::string, Tensor> own;
+    for (const auto& [key, t] : state.model->state_dict()) own.emplace(key, t);
+    std::set<std::string> seen;
+    for (const auto& [key, t] : model) {
+      auto it = own.find(key);
+      WEAVE_CHECK(it != own.end(), "load_checkpoint", "{}: the model has no '{}'", name, key);
+      WEAVE_CHECK(t.shape() == it->second.shape() && t.dtype() == it->second.dtype(),
+                  "load_checkpoint", "{}: 'model/{}' is {} {}, the model's is {} {}", name, key,
+                  t.dtype(), t.shape(), it->second.dtype(), it->second.shape());
+      seen.insert(key);
+    }
+    for (const auto& [key, t] : own)
+      WEAVE_CHECK(seen.count(key), "load_checkpoint", "{} has no 'model/{}'", name, key);
+  }
+  optim::OptimizerState optimizer;
+  if (state.optimizer) {
+    optimizer.tensors = under(contents, "optimizer/");
+    const json scalars = parse_json(required(meta, "optimizer", name), "optimizer", name);
+    WEAVE_CHECK(scalars.is_object(), "load_checkpoint", "{}: 'optimizer' is not an object", name);
+    for (const auto& [key, value] : scalars.items()) {
+      WEAVE_CHECK(value.is_number(), "load_checkpoint", "{}: optimizer '{}' is not a number", name,
+                  key);
+      optimizer.scalars[key] = value.get<double>();
+    }
+    state.optimizer->check_state_dict(optimizer);
+  }
+  int64_t scheduler_step = 0;
+  if (state.scheduler) {
+    const std::string& text = required(meta, "scheduler.step", name);
+    char* end = nullptr;
+    scheduler_step = std::strtoll(text.c_str(), &end, 10);
+    WEAVE_CHECK(!text.empty() && *end == '\0' && scheduler_step >= 0, "load_checkpoint",
+                "{}: scheduler.step '{}' is not a step count", name, text);
+  }
+  LoaderState loader;
+  if (state.loader) {
+    const json saved = parse_json(required(meta, "loader", name), "loader", name);
+    const bool shaped = saved.is_object() && saved.contains("generator") &&
+                        saved["generator"].is_string() && saved.contains("position") &&
+                        saved["position"].is_number_integer() && saved.contains("sampler") &&
+                        saved["sampler"].is_string();
+    WEAVE_CHECK(shaped, "load_checkpoint", "{}: 'loader' lacks generator, position or sampler",
+                name);
+    nn::NamedTensors order = under(contents, "loader/");
+    WEAVE_CHECK(
+        order.size() == 1 && order[0].second.dim() == 1 && order[0].second.dtype() == kInt64,
+        "load_checkpoint", "{}: 'loader/order' is missing or not an int64 vector", name);
+    loader = {saved["generator"].get<std::string>(), order[0].second.to_vector<int64_t>(),
+              saved["position"].get<int64_t>(), saved["sampler"].get<std::string>()};
+    state.loader->check_state(loader);
+  }
+  std::mt19937_64 generator;
+  if (state.default_generator) {
+    std::istringstream in(required(meta, "rng.default", name));
+    in >> generator;
+    WEAVE_CHECK(!in.fail(), "load_checkpoint", "{}: rng.default is unreadable", name);
+  }
+
+  // ---- then change things (nothing below can fail on the checked contents) -----------------
+  if (before_changes) before_changes();
+  if (state.model) state.model->load_state_dict(model, true);
+  if (state.optimizer) state.optimizer->load_state_dict(optimizer);
+  if (state.scheduler) state.scheduler->set_step_count(scheduler_step);
+  if (state.optimizer && state.scheduler)  // the saved rate wins over the schedule's rounding
+    state.optimizer->set_lr(optimizer.scalars.at("lr"));
+  if (state.loader) state.loader->load_state(loader);
+  if (state.default_generator) default_generator().engine() = generator;
+  state.user.clear();
+  for (const auto& [key, value] : meta)
+    if (key.rfind("user.", 0) == 0) state.user[key.substr(5)] = value;
+}
+
+void save_checkpoint(const std::string& path, const TrainingState& state) {
+  const SafetensorsFile contents = checkpoint_contents(state);
+  save_safetensors(path, contents.tensors, contents.metadata);
+}
+
+void load_checkpoint(const std::string& path, TrainingState& state) {
+  restore_checkpoint(load_safetensors(path), state, path);
+}
+
+}  // namespace weave::data

@@ -1,0 +1,44 @@
+#pragma once
+// The safetensors format (Hugging Face): an 8-byte little-endian header length, a JSON header
+// naming each tensor's dtype, shape and byte range, then the bytes. Files written here load in
+// the Python `safetensors` package and the other way round.
+//
+//   data::save_safetensors("model.safetensors", model.state_dict(), {{"epoch", "3"}});
+//   auto file = data::load_safetensors("model.safetensors");   // file.tensors, file.metadata
+#include <map>
+#include <string>
+#include <vector>
+
+#include "weave/nn/module.h"
+
+namespace weave::data {
+
+/// String metadata stored in the header's "__metadata__" entry.
+using Metadata = std::map<std::string, std::string>;
+
+struct SafetensorsFile {
+  nn::NamedTensors tensors;  // in file order (sorted by offset)
+  Metadata metadata;
+};
+
+/// The whole file image: header and data (CPU copies of the tensors, contiguous, in order).
+/// Names must be unique and non-empty; "__metadata__" is reserved.
+std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadata& metadata = {});
+/// Parses a file image; every inconsistency (truncated data, a header that is not JSON or not
+/// the format, an unknown dtype, a byte range that does not fit the shape, overlaps or gaps
+/// between tensors) raises weave::Error naming `name` and the tensor.
+SafetensorsFile parse_safetensors(const void* data, size_t size, const std::string& name);
+
+/// Writes path atomically (see write_file_atomically): a crash leaves the old file or the new.
+void save_safetensors(const std::string& path, const nn::NamedTensors& tensors,
+                      const Metadata& metadata = {});
+SafetensorsFile load_safetensors(const std::string& path);
+
+/// Replaces path with `bytes` so that a crash at any instant leaves either the old file or the
+/// new one: write a temporary file in the same directory, fsync it, rename it over path, fsync
+/// the directory.
+void write_file_atomically(const std::string& path, const std::string& bytes);
+/// The whole file; raises naming path if it cannot be read.
+std::string read_file(const std::string& path);
+
+}  // namespace weave::data

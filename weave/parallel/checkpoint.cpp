@@ -1,0 +1,186 @@
+#include "weave/parallel/checkpoint.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+namespace weave::parallel {
+
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+constexpr const char* kFormat = "weave-sharded-1";
+
+// True on every rank iff `ok` holds on every rank of the group (one all_reduce).
+bool everyone(bool ok, const dist::Group& group) {
+  Tensor flag = full({1}, ok ? 1.0 : 0.0, {.dtype = kInt32});
+  dist::all_reduce(flag, dist::ReduceOp::Min, group);
+  return flag.item<int32_t>() == 1;
+}
+
+// Runs `step` on this rank, then learns whether it succeeded everywhere: raises this rank's own
+// error, or (where this rank succeeded) one saying another rank failed.
+template <class Step>
+void on_every_rank(const char* op, const dist::Group& group, const std::string& what, Step&& step) {
+  std::exception_ptr error;
+  try {
+    step();
+  } catch (const Error&) {
+    error = std::current_exception();
+  }
+  const bool all_ok = everyone(error == nullptr, group);
+  if (error) std::rethrow_exception(error);
+  WEAVE_CHECK(all_ok, op, "another rank of group {} failed to {}; see its error", group.str(),
+              what);
+}
+
+std::string shard_name(int rank, int size, int64_t generation) {
+  return fmt::format("rank-{:05d}-of-{:05d}.g{}.safetensors", rank, size, generation);
+}
+
+json read_index(const std::string& dir) {
+  const std::string path = dir + "/index.json";
+  const std::string text = data::read_file(path);
+  json index = json::parse(text, nullptr, false);
+  WEAVE_CHECK(!index.is_discarded() && index.is_object() && index.value("format", "") == kFormat &&
+                  index.contains("world_size") && index["world_size"].is_number_integer() &&
+                  index.contains("generation") && index["generation"].is_number_integer() &&
+                  index.contains("files") && index["files"].is_array(),
+              "load_sharded_checkpoint", "{} is not a weave sharded checkpoint index", path);
+  for (const json& f : index["files"])
+    WEAVE_CHECK(f.is_string() && f.get<std::string>().find('/') == std::string::npos,
+                "load_sharded_checkpoint", "{} lists a file name that is not a plain name", path);
+  return index;
+}
+
+int64_t current_generation(const std::string& dir) {
+  if (!fs::exists(dir + "/index.json")) return 0;
+  try {
+    return read_index(dir)["generation"].get<int64_t>();
+  } catch (const Error&) {
+    return 0;  // an unreadable index is replaced by this save
+  }
+}
+
+// Contents under "rank<r>/" with the prefix removed.
+data::SafetensorsFile rank_part(const data::SafetensorsFile& all, int rank) {
+  const std::string prefix = fmt::format("rank{}/", rank);
+  data::SafetensorsFile out;
+  for (const auto& [name, t] : all.tensors)
+    if (name.rfind(prefix, 0) == 0) out.tensors.emplace_back(name.substr(prefix.size()), t);
+  for (const auto& [key, value] : all.metadata)
+    if (key.rfind(prefix, 0) == 0) out.metadata[key.substr(prefix.size())] = value;
+  return out;
+}
+
+}  // namespace
+
+void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& state,
+                             const dist::Group& group, ShardedCheckpointOptions options) {
+  const char* op = "save_sharded_checkpoint";
+  const int rank = group.rank(), size = group.size();
+  WEAVE_CHECK(rank >= 0, op, "this rank is not in group {}", group.str());
+  // Rank 0 prepares the directory and picks the generation; everyone learns both.
+  Tensor generation = zeros({1}, {.dtype = kInt64});
+  on_every_rank(op, group, "prepare the checkpoint directory", [&] {
+    if (rank != 0) return;
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    WEAVE_CHECK(!ec, op, "cannot create {}: {}", dir, ec.message());
+    generation.fill_(static_cast<double>(current_generation(dir) + 1));
+  });
+  dist::broadcast(generation, 0, group);
+  const int64_t g = generation.item<int64_t>();
+
+  const data::SafetensorsFile mine = data::checkpoint_contents(state);
+  json index = {{"format", kFormat}, {"world_size", size}, {"generation", g}};
+  std::vector<std::string> files;
+  if (!options.single_file) {
+    for (int r = 0; r < size; ++r) files.push_back(shard_name(r, size, g));
+    on_every_rank(op, group, "write its shard", [&] {
+      data::save_safetensors(dir + "/" + files[size_t(rank)], mine.tensors, mine.metadata);
+    });
+  } else {
+    files.push_back(fmt::format("all-{:05d}-ranks.g{}.safetensors", size, g));
+    const std::string image = data::serialize_safetensors(mine.tensors, mine.metadata);
+    Tensor bytes = empty({int64_t(image.size())}, {.dtype = kUInt8});
+    std::memcpy(bytes.data_ptr(), image.data(), image.size());
+    Tensor lengths = empty({size}, {.dtype = kInt64});
+    dist::all_gather(lengths, full({1}, double(image.size()), {.dtype = kInt64}), group);
+    const std::vector<int64_t> length = lengths.to_vector<int64_t>();
+    if (rank != 0) dist::send(bytes, 0, group);
+    on_every_rank(op, group, "write the gathered checkpoint", [&] {
+      if (rank != 0) return;
+      data::SafetensorsFile all;
+      for (int r = 0; r < size; ++r) {
+        Tensor part = bytes;
+        if (r != 0) {
+          part = empty({length[size_t(r)]}, {.dtype = kUInt8});
+          dist::recv(part, r, group);
+        }
+        const data::SafetensorsFile contents = data::parse_safetensors(
+            part.data_ptr(), size_t(part.numel()), fmt::format("rank {}'s contents", r));
+        for (const auto& [name, t] : contents.tensors)
+          all.tensors.emplace_back(fmt::format("rank{}/{}", r, name), t);
+        for (const auto& [key, value] : contents.metadata)
+          all.metadata[fmt::format("rank{}/{}", r, key)] = value;
+      }
+      data::save_safetensors(dir + "/" + files[0], all.tensors, all.metadata);
+    });
+  }
+  index["files"] = files;
+  index["single_file"] = options.single_file;
+  // The commit point: the new index, written only once every file above is durable.
+  on_every_rank(op, group, "commit the index", [&] {
+    if (rank == 0) data::write_file_atomically(dir + "/index.json", index.dump(2) + "\n");
+  });
+  // Older generations are garbage now.
+  if (rank == 0) {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      const bool ours = name.size() > 12 && name.rfind(".safetensors") == name.size() - 12 &&
+                        (name.rfind("rank-", 0) == 0 || name.rfind("all-", 0) == 0);
+      if (ours && std::find(files.begin(), files.end(), name) == files.end())
+        fs::remove(entry.path(), ec);
+    }
+  }
+}
+
+void load_sharded_checkpoint(const std::string& dir, data::TrainingState& state,
+                             const dist::Group& group) {
+  const char* op = "load_sharded_checkpoint";
+  const int rank = group.rank(), size = group.size();
+  WEAVE_CHECK(rank >= 0, op, "this rank is not in group {}", group.str());
+  bool agreed = false;
+  try {
+    const json index = read_index(dir);
+    const int saved_size = index["world_size"].get<int>();
+    WEAVE_CHECK(saved_size == size, op,
+                "{} was saved by {} ranks, this group has {}; hint: load at the world size it "
+                "was saved at (or save with single_file and split it yourself)",
+                dir, saved_size, size);
+    const bool single = index.value("single_file", false);
+    const auto& files = index["files"];
+    WEAVE_CHECK(files.size() == (single ? 1u : size_t(size)), op,
+                "{}/index.json lists {} files for {} ranks", dir, files.size(), size);
+    const std::string path = dir + "/" + files[single ? 0 : size_t(rank)].get<std::string>();
+    data::SafetensorsFile contents = data::load_safetensors(path);
+    if (single) contents = rank_part(contents, rank);
+    data::restore_checkpoint(contents, state, path, [&] {
+      agreed = true;
+      WEAVE_CHECK(everyone(true, group), op,
+                  "another rank of group {} could not load its part of {}; nothing was changed "
+                  "here",
+                  group.str(), dir);
+    });
+  } catch (const Error&) {
+    if (!agreed) everyone(false, group);  // this rank's own check failed: tell the others
+    throw;
+  }
+}
+
+}  // namespace weave::parallel
