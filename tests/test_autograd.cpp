@@ -162,7 +162,9 @@ TEST_SUITE("autograd") {
         {"log_softmax", [&] { return log_softmax(x); }},
         {"mul", [&] { return x * 2.0; }},
     };
-    for (auto& [name, op] : ops) {
+    for (auto& entry : ops) {
+      const std::string& name = entry.first;  // CAPTURE needs a variable, not a binding
+      auto& op = entry.second;
       CAPTURE(name);
       std::weak_ptr<TensorImpl> output;
       std::weak_ptr<autograd::Node> node;

@@ -138,7 +138,9 @@ TEST_SUITE("checkpoint") {
     auto back = data::load_safetensors(path);
     REQUIRE(back.tensors.size() == tensors.size());
     std::map<std::string, Tensor> by_name(back.tensors.begin(), back.tensors.end());
-    for (const auto& [name, t] : tensors) {
+    for (const auto& entry : tensors) {
+      const std::string& name = entry.first;  // CAPTURE needs a variable, not a binding
+      const Tensor& t = entry.second;
       CAPTURE(name);
       const Tensor& b = by_name.at(name);
       CHECK(b.dtype() == t.dtype());

@@ -35,7 +35,7 @@ std::shared_ptr<nn::Sequential> make_model() {
       std::make_shared<nn::Linear>(5, 12), nn::ReLU(), std::make_shared<nn::Linear>(12, 3)});
 }
 
-enum class Strategy { DDP, Zero };
+enum class Strategy { DDP_SGD, DDP, Zero };
 
 // Trains `epochs` epochs (resuming from / saving to a sharded checkpoint when given); returns
 // this rank's losses.
@@ -43,10 +43,14 @@ std::vector<float> train(Strategy strategy, int epochs, const std::string& resum
                          const std::string& save_to, bool single_file = false) {
   auto model = make_model();
   parallel::DistributedDataParallel ddp(*model);
-  std::unique_ptr<optim::Optimizer> adam;
+  std::unique_ptr<optim::Optimizer> adam;  // or SGD: the replicated optimizer
   std::unique_ptr<parallel::ZeroRedundancyOptimizer> zero;
   optim::Optimizer* optimizer = nullptr;
-  if (strategy == Strategy::DDP) {
+  if (strategy == Strategy::DDP_SGD) {
+    adam = std::make_unique<optim::SGD>(model->parameters(),
+                                        optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+    optimizer = adam.get();
+  } else if (strategy == Strategy::DDP) {
     adam = std::make_unique<optim::AdamW>(model->parameters(), optim::AdamWOptions{.lr = 0.02});
     optimizer = adam.get();
   } else {
@@ -103,10 +107,12 @@ std::string error_of(const std::function<void()>& f) {
 }  // namespace
 
 TEST_SUITE("sharded_checkpoint") {
-  TEST_CASE("exact resume across ranks: DDP and ZeRO, one file per rank or one in all") {
-    for (Strategy strategy : {Strategy::DDP, Strategy::Zero})
+  TEST_CASE("exact resume across ranks: DDP (SGD, AdamW) and ZeRO, per-rank files or one") {
+    for (Strategy strategy : {Strategy::DDP_SGD, Strategy::DDP, Strategy::Zero})
       for (bool single : {false, true}) {
-        const std::string name = strategy == Strategy::DDP ? "ddp" : "zero";
+        const std::string name = strategy == Strategy::DDP_SGD ? "ddp+sgd"
+                                 : strategy == Strategy::DDP   ? "ddp+adamw"
+                                                               : "zero+adamw";
         CAPTURE(name);
         CAPTURE(single);
         const std::string dir = shared_dir("resume");

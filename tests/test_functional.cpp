@@ -130,8 +130,9 @@ TEST_SUITE("functional") {
                                   {leaf(shape_4d(axis, n), me)}, {}, g),
                   "reduce_scatter_sum " + where);
       }
-      for (auto [split, concat] : {std::pair{0, 1}, {1, 0}, {2, 0}, {0, 2}, {2, 3}}) {
-        Shape s{n, n, 2 * n, 1};  // every split axis divides by n
+      for (auto axes : {std::pair{0, 1}, {1, 0}, {2, 0}, {0, 2}, {2, 3}}) {
+        const int split = axes.first, concat = axes.second;  // captured below: not bindings
+        Shape s{n, n, 2 * n, 1};                             // every split axis divides by n
         expect_ok(dist::gradcheck([&](auto& x) { return F::all_to_all(x[0], split, concat, g); },
                                   {leaf(s, me)}, {}, g),
                   fmt::format("all_to_all ({}, {}) group {}", split, concat, g.str()));

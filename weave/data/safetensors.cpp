@@ -1,6 +1,7 @@
 #include "weave/data/safetensors.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -202,6 +203,18 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
     errno = saved;
     fail_io(what, path);
   };
+  // mkstemp creates the file 0600; a checkpoint gets the permissions of the file it replaces,
+  // or those a new file would get under the umask.
+  struct stat existing;
+  mode_t mode = 0;
+  if (::stat(path.c_str(), &existing) == 0) {
+    mode = existing.st_mode & 07777;
+  } else {
+    const mode_t mask = ::umask(0);
+    ::umask(mask);
+    mode = 0666 & ~mask;
+  }
+  if (::fchmod(fd, mode) != 0) give_up("set the permissions of");
   size_t written = 0;
   while (written < bytes.size()) {
     const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);

@@ -55,7 +55,9 @@ void Optimizer::check_state_dict(const OptimizerState& state) const {
   WEAVE_CHECK(state.scalars.at("params") == static_cast<double>(params_.size()), "load_state_dict",
               "the optimizer state is for {} parameters, this optimizer has {}",
               state.scalars.at("params"), params_.size());
-  for (const auto& [name, t] : state.tensors) {
+  for (const auto& entry : state.tensors) {
+    const std::string& name = entry.first;  // not a structured binding: the lambda below uses it
+    const Tensor& t = entry.second;
     const size_t dot = name.rfind('.');
     auto slot = std::find_if(slots.begin(), slots.end(), [&](const auto& s) {
       return dot != std::string::npos && s.first == name.substr(0, dot);

@@ -106,7 +106,10 @@ std::string Dims::str() const {
 Strides contiguous_strides(const Shape& shape) {
   Strides strides = Dims::filled(shape.size(), 1);
   for (int i = shape.size() - 2; i >= 0; --i)
-    strides[i] = strides[i + 1] * std::max<int64_t>(shape[i + 1], 1);
+    // Only a shape with a zero size can overflow here (any other was rejected with its element
+    // count); it addresses no memory, so a saturated stride is as good as any.
+    if (__builtin_mul_overflow(strides[i + 1], std::max<int64_t>(shape[i + 1], 1), &strides[i]))
+      strides[i] = INT64_MAX;
   return strides;
 }
 
