@@ -22,6 +22,17 @@ namespace weave::test {
     CHECK_MESSAGE(threw_, "expected weave::Error from " #expr);                       \
   } while (0)
 
+/// The message of the weave::Error that `call` raises ("" if it returns).
+template <class F>
+std::string error_of(F&& call) {
+  try {
+    call();
+  } catch (const ::weave::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 inline bool close(const Tensor& a, const Tensor& b, double rtol = 1e-5, double atol = 1e-6) {
   return a.shape() == b.shape() && allclose(a, b, rtol, atol);
 }

@@ -6,6 +6,7 @@
 #include "helpers.h"
 
 using namespace weave;
+using weave::test::error_of;
 
 namespace {
 
@@ -34,15 +35,6 @@ std::string hand_made_file() {
   data.append(reinterpret_cast<const char*>(a), 8);
   data.append(reinterpret_cast<const char*>(&b), 8);
   return little_endian_u64(header.size()) + header + data;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 // A model with every kind of state: parameters, a buffer-free dropout drawing from the default

@@ -8,6 +8,7 @@
 #include "helpers.h"
 
 using namespace weave;
+using weave::test::error_of;
 
 namespace {
 
@@ -93,15 +94,6 @@ std::vector<float> train(Strategy strategy, int epochs, const std::string& resum
     parallel::save_sharded_checkpoint(save_to, state, dist::world(), {.single_file = single_file});
   }
   return losses;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace

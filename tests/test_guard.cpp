@@ -14,6 +14,7 @@
 using namespace weave;
 using dist::CheckMode;
 using dist::ReduceOp;
+using weave::test::error_of;
 
 namespace {
 
@@ -31,17 +32,6 @@ class ScopedCheckMode {
 
 const char* name(CheckMode mode) {
   return mode == CheckMode::Guard ? "guard" : "full";
-}
-
-// The message `call` raises on this rank ("" if it returned).
-template <class F>
-std::string error_of(F&& call) {
-  try {
-    call();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 // After an error the group must still work: an all_reduce of ones gives the world size.
