@@ -11,7 +11,7 @@ runs=${1:-3}
 epochs=${2:-10}
 exe=build/bench/bench_recipe
 [ -x "$exe" ] || { echo "build $exe first (bash scripts/test.sh)" >&2; exit 1; }
-field() { grep "$1" | grep -o "$2=[0-9.]*" | head -1 | cut -d= -f2; }
+field() { { grep "$1" || true; } | grep -o "$2=[0-9.]*" | head -1 | cut -d= -f2 || true; }
 declare -a w64 t64 w1024 t1024 wwall twall
 for ((i = 1; i <= runs; ++i)); do
   w=$(OMP_NUM_THREADS=1 taskset -c 0 "$exe" "$epochs")

@@ -13,7 +13,7 @@
   void fill(const Tensor& dst, double value);                                                     \
   void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,        \
               const Tensor& out);                                                                 \
-  void matmul(const Tensor& a, const Tensor& b, const Tensor& out);                               \
+  void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate);              \
   void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner,                   \
                     const Tensor& index, const Tensor& out);                                      \
   void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const Tensor& index, \

@@ -74,8 +74,8 @@ void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_
   WEAVE_DISPATCH("reduce", reduce(op, x, outer, reduced, inner, out));
 }
 
-void matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
-  WEAVE_DISPATCH("matmul", matmul(a, b, out));
+void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate) {
+  WEAVE_DISPATCH("matmul", matmul(a, b, out, accumulate));
 }
 
 void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner, const Tensor& index,

@@ -114,8 +114,9 @@ void fill(const Tensor& dst, double value);
 void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,
             const Tensor& out);
 /// out[b] = a[b] @ b[b] for 3-D a [B, M, K], b [B, K, N] (a row- or column-major inner
-/// layout, batch stride may be 0) into contiguous out [B, M, N].
-void matmul(const Tensor& a, const Tensor& b, const Tensor& out);
+/// layout, batch stride may be 0) into contiguous out [B, M, N]; with accumulate, out[b] +=
+/// (GEMM's beta = 1: a bias placed in out first costs no extra pass).
+void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate = false);
 /// src contiguous viewed as [outer, n, inner]; out[o, i, :] = src[o, index[i], :].
 void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
                   const Tensor& out);

@@ -51,7 +51,9 @@ Tensor as_batched(const Tensor& t, const Shape& batch, int64_t batch_numel) {
 }
 
 // a [..., M, K] @ b [..., K, N] with broadcast batch dims; records nothing.
-Tensor matmul_compute(const Tensor& a, const Tensor& b) {
+// a @ b (+ bias, broadcast over the rows: placed in the output first, then the GEMM adds onto
+// it, which saves linear a separate pass over its output).
+Tensor matmul_compute(const Tensor& a, const Tensor& b, const Tensor& bias = {}) {
   const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
   WEAVE_CHECK(b.size(-2) == k, "matmul", "inner dimensions differ: lhs {} vs rhs {}", a.shape(),
               b.shape());
@@ -65,12 +67,13 @@ Tensor matmul_compute(const Tensor& a, const Tensor& b) {
   out_shape.push_back(n);
   Tensor out = empty_on(out_shape, a.dtype(), a.device());
   if (out.numel() == 0) return out;
-  if (k == 0) {
+  if (bias.defined())
+    kernels::copy(broadcast_view(bias, out_shape), out);
+  else if (k == 0)
     kernels::fill(out, 0);
-    return out;
-  }
+  if (k == 0) return out;
   kernels::matmul(as_batched(a, batch, batch_numel), as_batched(b, batch, batch_numel),
-                  make_view(out, {batch_numel, m, n}, {m * n, n, 1}, 0));
+                  make_view(out, {batch_numel, m, n}, {m * n, n, 1}, 0), bias.defined());
   return out;
 }
 
@@ -125,11 +128,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   Tensor y;
   {
     NoGradGuard no_grad;
-    y = matmul_compute(x2, wc.t());
-    if (bias.defined()) {
-      Tensor b = broadcast_view(convert(bias, dtype), y.shape());
-      kernels::binary(kernels::BinaryOp::Add, y, b, y);
-    }
+    y = matmul_compute(x2, wc.t(), bias.defined() ? convert(bias, dtype) : Tensor());
     Shape out_shape = x.shape();
     out_shape[out_shape.size() - 1] = weight.size(0);
     y = y.reshape(out_shape);

@@ -27,19 +27,19 @@ void sync_blas_threads() {
 
 template <class T>
 void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int64_t m, int64_t n, int64_t k, const T* a,
-               int64_t lda, const T* b, int64_t ldb, T* c) {
+               int64_t lda, const T* b, int64_t ldb, T* c, T beta) {
   if constexpr (std::is_same_v<T, float>)
-    cblas_sgemm(CblasRowMajor, ta, tb, int(m), int(n), int(k), 1.0f, a, int(lda), b, int(ldb), 0.0f,
+    cblas_sgemm(CblasRowMajor, ta, tb, int(m), int(n), int(k), 1.0f, a, int(lda), b, int(ldb), beta,
                 c, int(n));
   else
-    cblas_dgemm(CblasRowMajor, ta, tb, int(m), int(n), int(k), 1.0, a, int(lda), b, int(ldb), 0.0,
+    cblas_dgemm(CblasRowMajor, ta, tb, int(m), int(n), int(k), 1.0, a, int(lda), b, int(ldb), beta,
                 c, int(n));
 }
 
 // True when done: each operand row-major (inner stride 1) or column-major (row stride 1),
 // sizes within BLAS's int.
 template <class T>
-bool matmul_blas(const Tensor& a, const Tensor& b, const Tensor& out) {
+bool matmul_blas(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate) {
   const int64_t batch = out.size(0), m = out.size(1), n = out.size(2), k = a.size(2);
   constexpr int64_t kIntMax = 0x7fffffff;
   if (m == 0 || n == 0 || k == 0 || m > kIntMax || n > kIntMax || k > kIntMax) return false;
@@ -54,13 +54,14 @@ bool matmul_blas(const Tensor& a, const Tensor& b, const Tensor& out) {
   T* po = static_cast<T*>(out.data_ptr());
   for (int64_t i = 0; i < batch; ++i)
     blas_gemm<T>(a_col ? CblasTrans : CblasNoTrans, b_col ? CblasTrans : CblasNoTrans, m, n, k,
-                 pa + i * a.strides()[0], lda, pb + i * b.strides()[0], ldb, po + i * m * n);
+                 pa + i * a.strides()[0], lda, pb + i * b.strides()[0], ldb, po + i * m * n,
+                 accumulate ? T(1) : T(0));
   return true;
 }
 #endif
 
 template <class T>
-void matmul_typed(const Tensor& a, const Tensor& b, const Tensor& out) {
+void matmul_typed(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate) {
   const int64_t batch = out.size(0), m = out.size(1), n = out.size(2), k = a.size(2);
   const T* pa = static_cast<const T*>(a.data_ptr());
   const T* pb = static_cast<const T*>(b.data_ptr());
@@ -75,30 +76,36 @@ void matmul_typed(const Tensor& a, const Tensor& b, const Tensor& out) {
     using ColMap =
         Eigen::Map<const Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic>, 0, Eigen::OuterStride<>>;
     using RowMap = Eigen::Map<const RowMajor<T>, 0, Eigen::OuterStride<>>;
+    auto store = [&](const auto& product) {
+      if (accumulate)
+        result.noalias() += product;
+      else
+        result.noalias() = product;
+    };
     if (!a_col && !b_col)
-      result.noalias() = RowMap(ai, m, k, Eigen::OuterStride<>(a.strides()[1])) *
-                         RowMap(bi, k, n, Eigen::OuterStride<>(b.strides()[1]));
+      store(RowMap(ai, m, k, Eigen::OuterStride<>(a.strides()[1])) *
+            RowMap(bi, k, n, Eigen::OuterStride<>(b.strides()[1])));
     else if (a_col && !b_col)
-      result.noalias() = ColMap(ai, m, k, Eigen::OuterStride<>(a.strides()[2])) *
-                         RowMap(bi, k, n, Eigen::OuterStride<>(b.strides()[1]));
+      store(ColMap(ai, m, k, Eigen::OuterStride<>(a.strides()[2])) *
+            RowMap(bi, k, n, Eigen::OuterStride<>(b.strides()[1])));
     else if (!a_col && b_col)
-      result.noalias() = RowMap(ai, m, k, Eigen::OuterStride<>(a.strides()[1])) *
-                         ColMap(bi, k, n, Eigen::OuterStride<>(b.strides()[2]));
+      store(RowMap(ai, m, k, Eigen::OuterStride<>(a.strides()[1])) *
+            ColMap(bi, k, n, Eigen::OuterStride<>(b.strides()[2])));
     else
-      result.noalias() = ColMap(ai, m, k, Eigen::OuterStride<>(a.strides()[2])) *
-                         ColMap(bi, k, n, Eigen::OuterStride<>(b.strides()[2]));
+      store(ColMap(ai, m, k, Eigen::OuterStride<>(a.strides()[2])) *
+            ColMap(bi, k, n, Eigen::OuterStride<>(b.strides()[2])));
   }
 }
 
 }  // namespace
 
-void matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
+void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate) {
 #ifdef WEAVE_WITH_OPENBLAS
-  if (a.dtype() == kFloat32 && matmul_blas<float>(a, b, out)) return;
-  if (a.dtype() == kFloat64 && matmul_blas<double>(a, b, out)) return;
+  if (a.dtype() == kFloat32 && matmul_blas<float>(a, b, out, accumulate)) return;
+  if (a.dtype() == kFloat64 && matmul_blas<double>(a, b, out, accumulate)) return;
 #endif
-  if (a.dtype() == kFloat32) return matmul_typed<float>(a, b, out);
-  if (a.dtype() == kFloat64) return matmul_typed<double>(a, b, out);
+  if (a.dtype() == kFloat32) return matmul_typed<float>(a, b, out, accumulate);
+  if (a.dtype() == kFloat64) return matmul_typed<double>(a, b, out, accumulate);
   WEAVE_FAIL("matmul", "CPU matmul supports float32 and float64, found {}; hint: .to(kFloat32)",
              a.dtype());
 }

@@ -104,18 +104,43 @@ void fill(const Tensor& dst, double value) {
 
 namespace {
 
+// Sums over the middle of [outer, reduced, inner] with inner > 1 (a bias gradient: [batch,
+// features] summed over the batch). Rows are added whole into a block of accumulators, which
+// vectorizes across the contiguous inner dim; Eigen's colwise sum of a row-major map walks
+// each column with a stride. Blocks of kBlockRows rows are summed first and then added to
+// the total, which keeps float32's rounding error growing with the number of blocks, not rows.
 template <class T>
-void sum_eigen(const T* x, int64_t outer, int64_t reduced, int64_t inner, T* o) {
+void sum_over_rows(const T* x, int64_t outer, int64_t reduced, int64_t inner, T* o) {
+  using C = compute_t<T>;
+  constexpr int64_t kBlockCols = 512, kBlockRows = 64;
+  const int64_t col_blocks = (inner + kBlockCols - 1) / kBlockCols;
+  const int64_t tasks = outer * col_blocks;
+#pragma omp parallel for num_threads(threads_for(outer* reduced* inner)) if (tasks > 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t b = task / col_blocks, j0 = (task % col_blocks) * kBlockCols;
+    const int64_t cols = std::min(kBlockCols, inner - j0);
+    C total[kBlockCols], part[kBlockCols];
+    std::fill_n(total, cols, C(0));
+    const T* base = x + b * reduced * inner + j0;
+    for (int64_t k0 = 0; k0 < reduced; k0 += kBlockRows) {
+      std::fill_n(part, cols, C(0));
+      const int64_t k1 = std::min(reduced, k0 + kBlockRows);
+      for (int64_t k = k0; k < k1; ++k) {
+        const T* row = base + k * inner;
+        for (int64_t j = 0; j < cols; ++j) part[j] += C(row[j]);
+      }
+      for (int64_t j = 0; j < cols; ++j) total[j] += part[j];
+    }
+    for (int64_t j = 0; j < cols; ++j) o[b * inner + j0 + j] = T(total[j]);
+  }
+}
+
+// Sums over the last dim ([outer, reduced]): contiguous rows, Eigen vectorizes each.
+template <class T>
+void sum_eigen(const T* x, int64_t outer, int64_t reduced, T* o) {
   using Map = Eigen::Map<const RowMajor<T>>;
   using Out = Eigen::Map<Eigen::Matrix<T, Eigen::Dynamic, 1>>;
-  if (inner == 1) {
-    Out(o, outer) = Map(x, outer, reduced).rowwise().sum();
-    return;
-  }
-#pragma omp parallel for num_threads(threads_for(outer* reduced* inner)) if (outer > 1)
-  for (int64_t b = 0; b < outer; ++b)
-    Out(o + b * inner, inner) =
-        Map(x + b * reduced * inner, reduced, inner).colwise().sum().transpose();
+  Out(o, outer) = Map(x, outer, reduced).rowwise().sum();
 }
 
 template <class T>
@@ -143,8 +168,9 @@ void reduce_typed(ReduceOp op, const T* x, int64_t outer, int64_t reduced, int64
     return;
   }
   T* o = static_cast<T*>(out.data_ptr());
+  if (op == ReduceOp::Sum && inner > 1) return sum_over_rows(x, outer, reduced, inner, o);
   if constexpr (kEigenScalar<T>) {
-    if (op == ReduceOp::Sum) return sum_eigen(x, outer, reduced, inner, o);
+    if (op == ReduceOp::Sum) return sum_eigen(x, outer, reduced, o);
   }
   // Max/min propagate NaN, which Eigen's vectorwise max/min do not promise.
   for (int64_t b = 0; b < outer; ++b)

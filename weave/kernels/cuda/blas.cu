@@ -49,13 +49,13 @@ Operand describe(const Tensor& t) {
 
 }  // namespace
 
-void matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
+void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate) {
   const int64_t batch = out.size(0), m = out.size(1), n = out.size(2), k = a.size(2);
   const int device = out.device().index;
   weave::cuda::DeviceGuard guard(device);
   Operand oa = describe(a), ob = describe(b);
   if (a.dtype() == kFloat32) {
-    const float alpha = 1, beta = 0;
+    const float alpha = 1, beta = accumulate ? 1 : 0;
     WEAVE_CHECK_CALL(cublasSgemmStridedBatched(
                          handle(device), ob.op, oa.op, int(n), int(m), int(k), &alpha,
                          static_cast<const float*>(b.data_ptr()), int(ob.ld), b.strides()[0],
@@ -63,7 +63,7 @@ void matmul(const Tensor& a, const Tensor& b, const Tensor& out) {
                          static_cast<float*>(out.data_ptr()), int(n), m * n, int(batch)),
                      "matmul");
   } else if (a.dtype() == kFloat64) {
-    const double alpha = 1, beta = 0;
+    const double alpha = 1, beta = accumulate ? 1 : 0;
     WEAVE_CHECK_CALL(cublasDgemmStridedBatched(
                          handle(device), ob.op, oa.op, int(n), int(m), int(k), &alpha,
                          static_cast<const double*>(b.data_ptr()), int(ob.ld), b.strides()[0],

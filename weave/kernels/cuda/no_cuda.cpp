@@ -31,7 +31,7 @@ void fill(const Tensor&, double) {
 void reduce(ReduceOp, const Tensor&, int64_t, int64_t, int64_t, const Tensor&) {
   no_cuda("reduce");
 }
-void matmul(const Tensor&, const Tensor&, const Tensor&) {
+void matmul(const Tensor&, const Tensor&, const Tensor&, bool) {
   no_cuda("matmul");
 }
 void index_select(const Tensor&, int64_t, int64_t, int64_t, const Tensor&, const Tensor&) {
