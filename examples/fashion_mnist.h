@@ -97,7 +97,11 @@ inline Flags parse(int argc, char** argv, const char* program) {
 
 // Pixels to float, standardized with the training set's mean and deviation.
 inline Tensor normalize(const Tensor& images) {
-  return (images.to(kFloat32) / 255.0 - 0.2860) / 0.3530;
+  // (x / 255 - mean) / std as one allocation and two in-place passes: the 188 MB training set
+  // is touched fresh once, not four times (first touch is what loading costs on small VMs).
+  Tensor x = images.to(kFloat32);
+  x.mul_(1.0 / (255.0 * 0.3530)).add_(-0.2860 / 0.3530);
+  return x;
 }
 
 inline double accuracy(nn::Module& model, const Tensor& images, const Tensor& labels) {
