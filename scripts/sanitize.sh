@@ -7,6 +7,7 @@
 #   scripts/sanitize.sh [fuzz seconds per target = 60]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh  # clang, libomp, the sanitizer runtimes
 fuzz_seconds=${1:-60}
 jobs=$(nproc)
 export OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \

@@ -241,13 +241,14 @@ TEST_SUITE("checkpoint") {
       data::save_safetensors(path, copy.tensors, copy.metadata);
     };
     rewrite([](auto& f) { f.tensors[0].second = zeros({5, 5}); });
-    CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "is float32 [5, 5]");
+    CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint",
+                      "[5, 5] in the state dict");
     rewrite([](auto& f) { f.tensors[0].second = f.tensors[0].second.to(kFloat64); });
     CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "float64");
     rewrite([](auto& f) { f.tensors[0].first = "model/fc9.weight"; });
     CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "fc9.weight");
     rewrite([](auto& f) { f.tensors.erase(f.tensors.begin()); });
-    CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "has no 'model/");
+    CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "missing key");
     rewrite([](auto& f) { f.metadata.erase("optimizer"); });
     CHECK_WEAVE_ERROR(data::load_checkpoint(path, target), "load_checkpoint", "'optimizer'");
     rewrite([](auto& f) { f.tensors.emplace_back("stray", ones({1})); });

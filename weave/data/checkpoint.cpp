@@ -1,7 +1,6 @@
 #include "weave/data/checkpoint.h"
 
 #include <nlohmann/json.hpp>
-#include <set>
 #include <sstream>
 
 #include "weave/tensor/random.h"
@@ -92,19 +91,11 @@ void restore_checkpoint(const SafetensorsFile& contents, TrainingState& state,
   nn::NamedTensors model;
   if (state.model) {
     model = under(contents, "model/");
-    std::map<std::string, Tensor> own;
-    for (const auto& [key, t] : state.model->state_dict()) own.emplace(key, t);
-    std::set<std::string> seen;
-    for (const auto& [key, t] : model) {
-      auto it = own.find(key);
-      WEAVE_CHECK(it != own.end(), "load_checkpoint", "{}: the model has no '{}'", name, key);
-      WEAVE_CHECK(t.shape() == it->second.shape() && t.dtype() == it->second.dtype(),
-                  "load_checkpoint", "{}: 'model/{}' is {} {}, the model's is {} {}", name, key,
-                  t.dtype(), t.shape(), it->second.dtype(), it->second.shape());
-      seen.insert(key);
+    try {
+      state.model->check_state_dict(model, /*strict=*/true, /*same_dtypes=*/true);
+    } catch (const Error& e) {  // the same message, naming the file it came from
+      WEAVE_FAIL("load_checkpoint", "{}: the model does not take it: {}", name, e.what());
     }
-    for (const auto& [key, t] : own)
-      WEAVE_CHECK(seen.count(key), "load_checkpoint", "{} has no 'model/{}'", name, key);
   }
   optim::OptimizerState optimizer;
   if (state.optimizer) {

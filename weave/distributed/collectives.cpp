@@ -429,9 +429,12 @@ Header header_of(const Tensor& t) {
   return h;
 }
 
+bool readable(const Header& h) {
+  return h[0] >= 0 && h[0] <= static_cast<int64_t>(kBool) && h[1] >= 0 && h[1] <= kMaxDims;
+}
+
 std::string header_text(const Header& h) {
-  if (h[0] < 0 || h[0] > static_cast<int64_t>(kBool) || h[1] < 0 || h[1] > kMaxDims)
-    return "an unreadable header";
+  if (!readable(h)) return "an unreadable header";
   return fmt::format("{} {}", static_cast<DType>(h[0]), Shape(h.data() + 2, int(h[1])));
 }
 
@@ -442,10 +445,9 @@ void receive_checked(Group::Impl& g, Communicator* route, const Tensor& buffer, 
   g.comm->recv(sent.data(), kHeaderSize, kInt64, src, tag);
   const Header expected = header_of(buffer);
   if (sent == expected) return;
-  const std::string sent_text = header_text(sent);
   Tensor discard;
   try {
-    if (sent_text != "an unreadable header")
+    if (readable(sent))
       discard = empty(Shape(sent.data() + 2, int(sent[1])),
                       {.dtype = static_cast<DType>(sent[0]), .device = buffer.device()});
   } catch (const Error&) {  // a shape no tensor can have: nothing sensible to drain
@@ -455,7 +457,7 @@ void receive_checked(Group::Impl& g, Communicator* route, const Tensor& buffer, 
   WEAVE_FAIL("recv",
              "group rank {} sent {}, but this rank receives {}; hint: the receiving tensor must "
              "have the sent dtype and shape",
-             src, sent_text, header_text(expected));
+             src, header_text(sent), header_text(expected));
 }
 
 // An isend's header and payload in flight together; the header's bytes live here.

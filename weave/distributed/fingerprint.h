@@ -47,8 +47,8 @@ struct Fingerprint {
   /// The device type the bytes travel on (kCPU: the host communicator, kCUDA: NCCL). Ranks
   /// that disagree would call different libraries and hang, so it is part of the call.
   int32_t wire = -1;
-  /// Group rank + 1 of a rank whose call failed its own checks: instead of running it, that rank
-  /// joins the agreement step with this set, so the others raise instead of waiting for it.
+  /// 1 when this rank's call failed its own checks: instead of running it, the rank joins the
+  /// agreement step with this set, so the others raise instead of waiting for it.
   int32_t failed = 0;
 };
 

@@ -61,27 +61,16 @@ void agree(Group::Impl& g, const Fingerprint& print, CheckMode mode) {
 
 void report_failure(const Call& c) noexcept {
   try {
-    Runtime& r = runtime();
-    if (!r.up || r.check == CheckMode::Off || c.op == Op::Send || c.op == Op::Recv) return;
-    Group::Impl* g = c.group.impl().get();
-    if (g == nullptr || g->my_rank < 0 || g->ranks.size() < 2) return;
-    c.issued = true;
+    if (c.op == Op::Send || c.op == Op::Recv) return;  // their check travels with the message
     Fingerprint print;
     print.op = static_cast<int32_t>(c.op);
-    print.rank = r.rank;
+    print.rank = runtime().rank;
     print.failed = 1;
-    print.sequence = g->next_sequence.fetch_add(1, std::memory_order_relaxed);
-    const CheckMode mode = r.check;
-    g->submit(
-        print,
-        [g, print, mode] {
-          try {
-            agree(*g, print, mode);
-          } catch (const Error&) {  // this rank's own error is the one its caller sees
-          }
-        },
-        false);
-  } catch (...) {  // a failure to report must not replace the error being raised
+    // Takes the call's turn with nothing to run: the agreement step raises here too (the flag
+    // is set), which the catch below drops, since this rank's own error is the one to report.
+    issue(
+        c, print, true, [] {}, false);
+  } catch (...) {  // not initialized, not a member, a finished group: nobody waits for this rank
   }
 }
 

@@ -45,9 +45,9 @@ void abort_if_peers_wait(const std::string& why);
 std::shared_ptr<Group::Impl> make_group(std::vector<int> ranks, std::unique_ptr<Communicator> comm);
 
 struct Call;
-/// Joins the agreement step of the call `c` that this rank could not issue, with
-/// Fingerprint::failed set (nothing for point-to-point calls, non-members, or CheckMode::Off).
-/// Never throws.
+/// Issues the call `c` that this rank could not issue with nothing to run and
+/// Fingerprint::failed set, so the group's agreement step raises on the other ranks too
+/// (nothing for point-to-point calls). Never throws.
 void report_failure(const Call& c) noexcept;
 
 // Everything one collective call needs from its caller.

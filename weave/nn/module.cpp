@@ -104,12 +104,9 @@ NamedTensors Module::state_dict() const {
   return state;
 }
 
-void Module::load_state_dict(const NamedTensors& state, bool strict) {
-  NoGradGuard no_grad;
+void Module::check_state_dict(const NamedTensors& state, bool strict, bool same_dtypes) const {
   std::map<std::string, Tensor> own;
   for (auto& [name, t] : state_dict()) own.emplace(name, t);
-  // Everything is checked before anything is copied: a bad entry leaves the module as it was.
-  std::vector<std::pair<Tensor, Tensor>> copies;
   std::set<std::string> seen;
   for (const auto& [name, value] : state) {
     auto it = own.find(name);
@@ -121,14 +118,26 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
     WEAVE_CHECK(it->second.shape() == value.shape(), "load_state_dict",
                 "'{}' has shape {} in the module but {} in the state dict", name,
                 it->second.shape(), value.shape());
+    WEAVE_CHECK(!same_dtypes || it->second.dtype() == value.dtype(), "load_state_dict",
+                "'{}' is {} in the module but {} in the state dict", name, it->second.dtype(),
+                value.dtype());
     WEAVE_CHECK(seen.insert(name).second, "load_state_dict", "'{}' appears twice in the state dict",
                 name);
-    copies.emplace_back(it->second, value);
   }
   if (strict)
     for (const auto& [name, t] : own)
       WEAVE_CHECK(seen.count(name), "load_state_dict", "missing key '{}' in the state dict", name);
-  for (auto& [target, value] : copies) target.copy_(value);
+}
+
+void Module::load_state_dict(const NamedTensors& state, bool strict) {
+  check_state_dict(state, strict);
+  NoGradGuard no_grad;
+  std::map<std::string, Tensor> own;
+  for (auto& [name, t] : state_dict()) own.emplace(name, t);
+  for (const auto& [name, value] : state) {
+    auto it = own.find(name);
+    if (it != own.end()) it->second.copy_(value);
+  }
 }
 
 template <class Fn>

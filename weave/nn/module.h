@@ -42,9 +42,13 @@ class Module {
   void zero_grad(bool set_to_none = true);
   /// Parameters and buffers by name.
   NamedTensors state_dict() const;
-  /// Copies values into the parameters and buffers of the same names (converting dtypes). With
-  /// strict, missing or unexpected names are errors; shapes must always match. Everything is
-  /// checked before anything is copied, so on an error the module is unchanged.
+  /// Raises, naming the entry, unless load_state_dict(state, strict) would succeed: with strict,
+  /// missing or unexpected names are errors; shapes must always match; with same_dtypes, dtypes
+  /// too (a checkpoint's rule; load_state_dict itself converts).
+  void check_state_dict(const NamedTensors& state, bool strict = true,
+                        bool same_dtypes = false) const;
+  /// Copies values into the parameters and buffers of the same names (converting dtypes), after
+  /// check_state_dict: on an error the module is unchanged.
   void load_state_dict(const NamedTensors& state, bool strict = true);
   /// Moves/converts every parameter and buffer (call before creating an optimizer).
   void to(Device device);

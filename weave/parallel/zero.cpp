@@ -33,19 +33,21 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
   flat_params_ = cat(pieces);
   shard_ = flat_params_.narrow(0, group_.rank() * per_rank, per_rank).detach();
   shard_.requires_grad_(true);
+  for (const Tensor& p : params_) synced_versions_.push_back(p.version());
   optimizer_ = make_optimizer({shard_});
   WEAVE_CHECK(optimizer_ != nullptr, op, "the optimizer factory returned null");
 }
 
 void ZeroRedundancyOptimizer::step() {
   NoGradGuard no_grad;
-  // The parameters are the truth: whatever changed them since the last step (a loaded
-  // checkpoint, a manual edit) reaches the owned slice before the optimizer updates it.
+  // The parameters are the truth: a parameter changed since the last step (a loaded checkpoint,
+  // an in-place edit: its version moved) reaches the owned slice before the optimizer updates it.
   const int64_t start = group_.rank() * shard_.numel(), stop = start + shard_.numel();
   int64_t offset = 0;
-  for (const Tensor& p : params_) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i];
     const int64_t lo = std::max(start, offset), hi = std::min(stop, offset + p.numel());
-    if (lo < hi)
+    if (lo < hi && p.version() != synced_versions_[i])
       shard_.narrow(0, lo - start, hi - lo).copy_(p.reshape({-1}).narrow(0, lo - offset, hi - lo));
     offset += p.numel();
   }
@@ -67,8 +69,10 @@ void ZeroRedundancyOptimizer::step() {
   dist::all_gather(gathered, shard_.detach(), group_);
   flat_params_.copy_(gathered);
   offset = 0;
-  for (Tensor& p : params_) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = params_[i];
     p.copy_(flat_params_.narrow(0, offset, p.numel()).reshape(p.shape()));
+    synced_versions_[i] = p.version();
     offset += p.numel();
   }
 }

@@ -27,9 +27,10 @@ class ZeroRedundancyOptimizer {
   ZeroRedundancyOptimizer(std::vector<Tensor> params, const OptimizerFactory& make_optimizer,
                           const std::optional<dist::Group>& group = std::nullopt);
   /// Averages the gradients (reduce-scatter), steps this rank's slice, gathers the parameters.
-  /// A parameter without a gradient takes part with zeros. The slice is read from the
-  /// parameters first, so a checkpoint loaded into the model (and shard_optimizer()'s state
-  /// into it) resumes exactly. Collective.
+  /// A parameter without a gradient takes part with zeros. A parameter changed in place since
+  /// the last step (its version moved: a checkpoint loaded into the model, for one) is read
+  /// into the slice first, so loading the model and shard_optimizer()'s state resumes exactly.
+  /// Collective.
   void step();
   void zero_grad(bool set_to_none = true);
   /// The optimizer of this rank's slice (for schedules: set_lr; for sharded checkpoints: the
@@ -44,6 +45,7 @@ class ZeroRedundancyOptimizer {
   int64_t total_ = 0;
   Tensor flat_params_;  // every parameter, flattened and padded to a multiple of the group size
   Tensor shard_;        // this rank's slice of flat_params_, the leaf its optimizer updates
+  std::vector<uint64_t> synced_versions_;  // each parameter's version when shard_ last matched it
   std::unique_ptr<optim::Optimizer> optimizer_;
 };
 
