@@ -3,7 +3,8 @@
 # suites (leak detection on), the MPI suites at 2 and 3 ranks (leak detection off: Open MPI's
 # own allocations outlive MPI_Finalize) and the fuzzers (scripts/fuzz.sh); a ThreadSanitizer
 # build runs the communication-queue suites (async collectives, isend, the guard, the one-
-# thread-per-group check) at 2 ranks. Any report fails the job.
+# thread-per-group check), the data-parallel wrappers (DDP, ZeRO, decentralized, the failure
+# paths), the pipeline schedules and the sharded checkpoints at 2 ranks. Any report fails the job.
 #   scripts/sanitize.sh [fuzz seconds per target = 60]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,10 +46,10 @@ bash scripts/fuzz.sh "$fuzz_seconds" build-sanitize
 echo "== TSan build"
 configure build-tsan thread
 build build-tsan weave_mpi_tests
-echo "== TSan: communication-queue suites at 2 ranks"
+echo "== TSan: communication-queue, data-parallel, pipeline and checkpoint suites at 2 ranks"
 # Open MPI and libomp are not instrumented: ignore what they do through intercepted calls, and
 # the lock orders TSan infers inside Open MPI (tests/tsan.supp); shared memory only (no TCP).
 OMPI_MCA_btl=self,vader \
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/tests/tsan.supp" \
-  $mpirun -np 2 build-tsan/tests/weave_mpi_tests --test-suite=collectives,guard | tail -2
+  $mpirun -np 2 build-tsan/tests/weave_mpi_tests --test-suite=collectives,guard,ddp,robust,model_parallel,sharded_checkpoint | tail -2
 echo "sanitizer job: no reports"

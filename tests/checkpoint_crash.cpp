@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "weave/weave.h"
@@ -34,8 +35,64 @@ nn::NamedTensors contents(int64_t version) {
 
 }  // namespace
 
+// Sharded saves (a world of one) SIGKILLed at random instants leave temporaries behind; the
+// next complete save removes every one of them, and the checkpoint loads.
+//   weave_checkpoint_crash sharded [kills = 100]
+// Prints "sharded kills=K left=L after_next_save=0 loadable=1".
+int sharded_crash(int kills) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("weave_sharded_crash_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  auto save_in_child = [&](bool forever) {
+    const pid_t child = fork();
+    if (child != 0) return child;
+    dist::InitGuard guard;  // a plain process: a world of one, no MPI
+    nn::Linear model(1024, 1024);
+    data::TrainingState state{.model = &model};
+    do parallel::save_sharded_checkpoint(dir.string(), state);
+    while (forever);
+    std::_Exit(0);
+  };
+  std::mt19937 rng(54321);
+  for (int k = 0; k < kills; ++k) {
+    const pid_t child = save_in_child(true);
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300000));
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+  }
+  auto temporaries = [&] {
+    int n = 0;
+    for (const auto& entry : fs::directory_iterator(dir))
+      n += entry.path().filename().string().find(".tmp-") != std::string::npos;
+    return n;
+  };
+  const int left = temporaries();
+  int status = 0;
+  waitpid(save_in_child(false), &status, 0);
+  const int after = temporaries();
+  int loadable = 0;
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+    dist::InitGuard guard;
+    nn::Linear model(1024, 1024);
+    data::TrainingState state{.model = &model};
+    try {
+      parallel::load_sharded_checkpoint(dir.string(), state);
+      loadable = 1;
+    } catch (const std::exception& e) {
+      std::printf("the checkpoint does not load: %s\n", e.what());
+    }
+  }
+  fs::remove_all(dir);
+  std::printf("sharded kills=%d left=%d after_next_save=%d loadable=%d\n", kills, left, after,
+              loadable);
+  return after == 0 && loadable == 1 ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   set_num_threads(1);
+  if (argc > 1 && std::string(argv[1]) == "sharded")
+    return sharded_crash(argc > 2 ? std::atoi(argv[2]) : 100);
   const int kills = argc > 1 ? std::atoi(argv[1]) : 100;
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / ("weave_crash_" + std::to_string(getpid()));

@@ -1,7 +1,11 @@
 // safetensors files (against the format's byte layout, and every kind of corruption) and
 // training checkpoints (exact resume, strict all-or-nothing loads).
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <random>
+
+#include <zlib.h>
 
 #include "helpers.h"
 
@@ -108,10 +112,19 @@ TEST_SUITE("checkpoint") {
     // Writing: length, the JSON header padded with spaces to 8 bytes, then the raw bytes.
     const std::string image =
         data::serialize_safetensors({{"w", from_vector<float>({1, 2})}}, {{"step", "3"}});
-    const std::string header =
-        R"({"__metadata__":{"step":"3"},"w":{"data_offsets":[0,8],"dtype":"F32","shape":[2]}})";
-    const std::string padded = header + std::string((8 - header.size() % 8) % 8, ' ');
+    // weave adds CRC-32s (zlib's, computed here independently): of w's 8 bytes, and of the
+    // user metadata as "key\0value\0" pairs in key order.
     const float w[2] = {1, 2};
+    const auto crc_w = ::crc32_z(0, reinterpret_cast<const Bytef*>(w), 8);
+    const char pairs[] =
+        "step\0"
+        "3";
+    const auto crc_meta = ::crc32_z(0, reinterpret_cast<const Bytef*>(pairs), sizeof pairs);
+    const std::string header = fmt::format(
+        R"({{"__metadata__":{{"step":"3","weave.crc32.w":"{:08x}","weave.crc32/metadata":"{:08x}"}},)"
+        R"("w":{{"data_offsets":[0,8],"dtype":"F32","shape":[2]}}}})",
+        crc_w, crc_meta);
+    const std::string padded = header + std::string((8 - header.size() % 8) % 8, ' ');
     CHECK(image == little_endian_u64(padded.size()) + padded +
                        std::string(reinterpret_cast<const char*>(w), 8));
   }
@@ -191,6 +204,67 @@ TEST_SUITE("checkpoint") {
                       "cannot open");
     CHECK_WEAVE_ERROR(data::serialize_safetensors({{"a", ones({1})}, {"a", ones({1})}}),
                       "safetensors", "appears twice");
+  }
+
+  TEST_CASE("safetensors: 300 random bit flips anywhere in a file are all rejected") {
+    nn::NamedTensors tensors{{"w", randn({16, 8})},
+                             {"b", arange(5.0, {.dtype = kInt64})},
+                             {"h", randn({3, 3}).to(kBFloat16)}};
+    const std::string image = data::serialize_safetensors(tensors, {{"epoch", "3"}});
+    const auto clean = data::parse_safetensors(image.data(), image.size(), "clean");
+    CHECK(clean.metadata == data::Metadata{{"epoch", "3"}});  // the checksums stay inside
+    std::mt19937_64 rng(2026);
+    int rejected = 0;
+    for (int trial = 0; trial < 300; ++trial) {
+      std::string bad = image;
+      const size_t byte = rng() % bad.size();
+      bad[byte] = static_cast<char>(bad[byte] ^ (1 << (rng() % 8)));
+      const std::string error =
+          error_of([&] { data::parse_safetensors(bad.data(), bad.size(), "flipped"); });
+      if (!error.empty()) {
+        ++rejected;
+      } else {
+        MESSAGE("a flip of byte " << byte << " of " << bad.size() << " loaded silently");
+      }
+    }
+    CHECK(rejected == 300);
+    // Tensor bytes and metadata values are covered by the checksums, not just the layout.
+    std::string bad = image;
+    bad[bad.size() - 1] ^= 1;
+    CHECK(error_of([&] {
+            data::parse_safetensors(bad.data(), bad.size(), "f");
+          }).find("fails its checksum") != std::string::npos);
+    bad = image;
+    bad[image.find("\"3\"") + 1] = '4';  // epoch 3 -> 4
+    CHECK(error_of([&] {
+            data::parse_safetensors(bad.data(), bad.size(), "f");
+          }).find("the metadata fails its checksum") != std::string::npos);
+  }
+
+  TEST_CASE("safetensors: a crafted header is rejected before the parser allocates") {
+    // A 99 MB header of nested arrays (the format's limit is 100 MB).
+    const size_t depth = 99u << 20;
+    std::string header(depth / 2, '[');
+    header.append(depth / 2, ']');
+    std::string file = little_endian_u64(header.size()) + header;
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error =
+        error_of([&] { data::parse_safetensors(file.data(), file.size(), "nested"); });
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CHECK(error.find("nests deeper than 3 levels at byte 11") != std::string::npos);
+    CHECK(seconds < 1.0);
+    // A shape of a million sizes.
+    std::string shape = R"({"a":{"dtype":"F32","shape":[)";
+    for (int i = 0; i < 1000000; ++i) shape += "1,";
+    shape += R"(1],"data_offsets":[0,4]}})";
+    file = little_endian_u64(shape.size()) + shape + std::string(4, '\0');
+    CHECK(error_of([&] {
+            data::parse_safetensors(file.data(), file.size(), "wide");
+          }).find("an array of more than 8 elements") != std::string::npos);
+    CHECK(error_of([&] {
+            data::serialize_safetensors({{"a", ones({1})}}, {{"weave.crc32.a", "x"}});
+          }).find("is reserved") != std::string::npos);
   }
 
   TEST_CASE("exact resume: 2 epochs, save, 2 more == 4 uninterrupted (SGD and AdamW)") {

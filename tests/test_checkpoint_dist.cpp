@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "helpers.h"
 
@@ -139,6 +140,50 @@ TEST_SUITE("sharded_checkpoint") {
     data::TrainingState into{.model = fresh.get()};
     parallel::load_sharded_checkpoint(dir, into);
     CHECK(equal(fresh->parameters()[0], full(fresh->parameters()[0].shape(), 3.0)));
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("a save touches only its own files, and cleans up after killed saves") {
+    const std::string dir = shared_dir("own_files");
+    auto model = make_model();
+    data::TrainingState state{.model = model.get()};
+    parallel::save_sharded_checkpoint(dir, state);
+    dist::barrier();
+    // The user's files that look like ours, and temporaries that killed saves left behind.
+    const std::vector<std::string> users = {"rank-mine.safetensors", "all-best.safetensors",
+                                            "rank-00000-of-00001.safetensors", "notes.tmp-abcdef"};
+    const std::vector<std::string> leftovers = {"rank-00000-of-00002.g7.safetensors.tmp-Ab12Cd",
+                                                "index.json.tmp-x9Y8z7",
+                                                "all-00004-ranks.g3.safetensors.tmp-qwerty"};
+    if (dist::rank() == 0)
+      for (const auto& name : users) std::ofstream(dir + "/" + name) << "mine";
+    if (dist::rank() == dist::world_size() - 1)
+      for (const auto& name : leftovers) std::ofstream(dir + "/" + name) << "partial";
+    dist::barrier();
+    parallel::save_sharded_checkpoint(dir, state);
+    dist::barrier();
+    for (const auto& name : users) CHECK_MESSAGE(std::filesystem::exists(dir + "/" + name), name);
+    for (const auto& name : leftovers)
+      CHECK_MESSAGE(!std::filesystem::exists(dir + "/" + name), name);
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("ranks that name different directories raise on every rank; the old save stays") {
+    if (dist::world_size() < 2) return;
+    const std::string dir = shared_dir("which_dir");
+    auto model = make_model();
+    data::TrainingState state{.model = model.get()};
+    parallel::save_sharded_checkpoint(dir, state);
+    const std::string mine = dist::rank() == 1 ? dir + "-elsewhere" : dir;
+    const std::string error = error_of([&] { parallel::save_sharded_checkpoint(mine, state); });
+    CHECK_MESSAGE(error.find("ranks disagree on the checkpoint directory") != std::string::npos,
+                  error);
+    auto fresh = make_model();
+    data::TrainingState into{.model = fresh.get()};
+    parallel::load_sharded_checkpoint(dir, into);  // generation 1, whole
+    CHECK(equal(fresh->parameters()[0], model->parameters()[0]));
     dist::barrier();
     if (dist::rank() == 0) std::filesystem::remove_all(dir);
   }

@@ -240,6 +240,28 @@ TEST_SUITE("nn") {
     CHECK(optim::clip_grad_norm_({a, b}, 10.0, INFINITY) == doctest::Approx(0.8).epsilon(1e-4));
   }
 
+  TEST_CASE("clip_grad_norm_ rejects a bad max_norm and reports non-finite gradients") {
+    Tensor a = zeros({2}).requires_grad_();
+    a.set_grad(from_vector<float>({3, 4}));
+    CHECK_WEAVE_ERROR(optim::clip_grad_norm_({a}, -1.0), "clip_grad_norm_", "found -1");
+    CHECK_WEAVE_ERROR(optim::clip_grad_norm_({a}, std::nan("")), "clip_grad_norm_", "found nan");
+    CHECK(a.grad().to_vector<float>() == std::vector<float>{3, 4});        // untouched
+    CHECK(optim::clip_grad_norm_({a}, INFINITY) == doctest::Approx(5.0));  // measures only
+    for (double norm_type : {2.0, 1.0, double(INFINITY)}) {
+      CAPTURE(norm_type);
+      a.set_grad(from_vector<float>({std::nanf(""), 4}));
+      CHECK_WEAVE_ERROR(optim::clip_grad_norm_({a}, 1.0, norm_type, true), "clip_grad_norm_",
+                        "holds NaN or infinity");
+      CHECK(a.grad().to_vector<float>()[1] == 4.0f);  // the error leaves them unchanged
+      // Without the flag, PyTorch's behaviour: the norm is NaN and so is every gradient.
+      CHECK(std::isnan(optim::clip_grad_norm_({a}, 1.0, norm_type)));
+      CHECK(std::isnan(a.grad().to_vector<float>()[1]));
+      a.set_grad(from_vector<float>({INFINITY, 4}));
+      CHECK_WEAVE_ERROR(optim::clip_grad_norm_({a}, 1.0, norm_type, true), "clip_grad_norm_",
+                        "is inf");
+    }
+  }
+
   TEST_CASE("a model trains: loss falls on a separable problem") {
     manual_seed(3);
     Tensor x = randn({256, 2});

@@ -1,6 +1,7 @@
 // One table of every differentiable op. On CPU each case is gradient-checked against central
 // finite differences in float64; on a CUDA machine each case's values and gradients are also
 // compared with the CPU's.
+#include <cmath>
 #include <functional>
 #include <set>
 
@@ -83,6 +84,11 @@ std::vector<OpCase> cases() {
   all.push_back({"where", {any({3, 4}), any({3, 4}), any({4})}, [](const Inputs& x) {
                    return where(gt(x[0], x[1]), x[1], x[2]);
                  }});
+
+  all.push_back({"clamp", {any({3, 4})}, [](const Inputs& x) { return clamp(x[0], -0.5, 0.5); }});
+  all.push_back(
+      {"clamp", {tr({3, 4})}, [](const Inputs& x) { return clamp(x[0], std::nullopt, 0.3); }});
+  all.push_back({"clamp", {any({})}, [](const Inputs& x) { return clamp(x[0], -0.2); }});
 
   for (Dims dims : {Dims{}, Dims{0}, Dims{1}, Dims{-1, 0}}) {
     for (bool keep : {false, true}) {
@@ -248,6 +254,12 @@ std::vector<OpCase> cases() {
   return all;
 }
 
+std::vector<bool> to_vector_bool(const Tensor& t) {
+  std::vector<bool> out;
+  for (uint8_t v : t.to(kUInt8).to_vector<uint8_t>()) out.push_back(v != 0);
+  return out;
+}
+
 std::vector<Tensor> make_inputs(const std::vector<Input>& specs, Generator& generator) {
   std::vector<Tensor> inputs;
   for (const Input& spec : specs) {
@@ -311,6 +323,66 @@ TEST_SUITE("op_table") {
     CHECK_MESSAGE(arithmetic == binary,
                   "WEAVE_ARITHMETIC_OPS and WEAVE_DIFFERENTIABLE_BINARY_OPS differ in length");
     MESSAGE(listed.size() << " listed ops, each with a row");
+  }
+
+  TEST_CASE("NaN propagates through every elementwise op and reduction, as in PyTorch") {
+    const double nan = std::nan("");
+    for (DType dtype : {kFloat32, kFloat64, kBFloat16}) {
+      CAPTURE(dtype);
+      // A NaN among ordinary values, at the front, in the middle and at the end.
+      Tensor x = from_vector<double>({nan, -1.5, 0.0, nan, 2.0, nan}).to(dtype);
+      auto nan_where_x_is = [&](const Tensor& y, const std::string& op) {
+        const auto v = y.to(kFloat64).to_vector<double>();
+        const auto in = x.to(kFloat64).to_vector<double>();
+        REQUIRE(v.size() == in.size());
+        for (size_t i = 0; i < v.size(); ++i)  // (log(-1.5) is NaN too: NaN in implies NaN out)
+          if (std::isnan(in[i])) CHECK_MESSAGE(std::isnan(v[i]), op, " element ", i, " is ", v[i]);
+      };
+#define WEAVE_NAN_UNARY(Name, Functor, function) nan_where_x_is(function(x), #function);
+      WEAVE_UNARY_OPS(WEAVE_NAN_UNARY)
+#undef WEAVE_NAN_UNARY
+      Tensor one = ones({6}, {.dtype = dtype});
+      // Every arithmetic op, NaN on either side (pow(NaN, 0) = 1 is IEEE's and PyTorch's).
+#define WEAVE_NAN_BINARY(function)                            \
+  nan_where_x_is(function(x, one * 0.5), #function "(x, c)"); \
+  nan_where_x_is(function(one * 0.5, x), #function "(c, x)");
+      WEAVE_DIFFERENTIABLE_BINARY_OPS(WEAVE_NAN_BINARY)
+#undef WEAVE_NAN_BINARY
+      nan_where_x_is(clamp(x, -1.0, 1.0), "clamp");
+      nan_where_x_is(clamp(x, 0.0), "clamp(min)");
+      nan_where_x_is(where(gt(one, zeros_like(one)), x, one), "where");
+      nan_where_x_is(x * 2.0 + 1.0, "scalar ops");
+      CHECK(to_vector_bool(isnan(x)) == std::vector<bool>{true, false, false, true, false, true});
+      CHECK(to_vector_bool(isfinite(x)) ==
+            std::vector<bool>{false, true, true, false, true, false});
+      // Comparisons with NaN are false (ne: true), as IEEE says.
+      CHECK(to_vector_bool(gt(x, one * -10.0)) ==
+            std::vector<bool>{false, true, true, false, true, false});
+      CHECK(to_vector_bool(ne(x, x)) == to_vector_bool(isnan(x)));
+      // Reductions: max/min/sum/mean are NaN; argmax/argmin point at the first NaN.
+      for (Tensor r : {max(x), min(x), sum(x), mean(x), softmax(x).sum()})
+        CHECK(std::isnan(r.to(kFloat64).item<double>()));
+      CHECK(argmax(x).item<int64_t>() == 0);
+      CHECK(argmin(x.narrow(0, 1, 5)).item<int64_t>() == 2);
+      CHECK_FALSE(all_finite(x));
+      CHECK(all_finite(x.narrow(0, 1, 2)));
+      CHECK_FALSE(all_finite(full({3}, INFINITY, {.dtype = dtype})));
+      CHECK(all_finite(full({1000}, 3e38, {.dtype = kFloat32})));  // no overflow in the test
+    }
+    // The gradient of relu at NaN is NaN (visible), not a silent 0.
+    Tensor x = from_vector<double>({std::nan(""), 1.0}).requires_grad_();
+    relu(x).sum().backward();
+    CHECK(std::isnan(x.grad().to_vector<double>()[0]));
+    CHECK(x.grad().to_vector<double>()[1] == 1.0);
+    CHECK(sign(from_vector<double>({-3, 0, 2})).to_vector<double>() ==
+          std::vector<double>{-1, 0, 1});
+    CHECK(sign(from_vector<int64_t>({-3, 0, 2})).to_vector<int64_t>() ==
+          std::vector<int64_t>{-1, 0, 1});
+    CHECK(clamp(from_vector<int64_t>({-3, 0, 2}), -1.0, 1.0).to_vector<int64_t>() ==
+          std::vector<int64_t>{-1, 0, 1});
+    CHECK_WEAVE_ERROR(clamp(x, 1.0, -1.0), "clamp", "min 1 is above max -1");
+    CHECK_WEAVE_ERROR(clamp(x, std::nan("")), "clamp", "a bound is NaN");
+    CHECK_WEAVE_ERROR(clamp(x, std::nullopt, std::nullopt), "clamp", "found neither");
   }
 
   TEST_CASE("gradcheck catches a wrong derivative") {

@@ -18,6 +18,15 @@ int main(int argc, char** argv) {
   int files = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string path = argv[i];
+    if (path == "--help" || path == "-h") {
+      std::printf(
+          "usage: weave_trace_merge [--require-collectives] TRACE.json... > merged.json\n"
+          "Merges the per-rank traces that WEAVE_TRACE=trace.json writes (trace.rank0.json,\n"
+          "trace.rank1.json, ...) into one Chrome trace / Perfetto timeline on stdout, and\n"
+          "prints one summary line per file on stderr. Exits 1 if a file is not a valid trace,\n"
+          "or, with --require-collectives, holds no collective event.\n");
+      return 0;
+    }
     if (path == "--require-collectives") {
       require_collectives = true;
       continue;

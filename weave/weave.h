@@ -29,3 +29,4 @@
 #include "weave/parallel/zero.h"
 #include "weave/tensor/cuda/runtime.h"
 #include "weave/tensor/tensor.h"
+#include "weave/tensor/trace.h"

@@ -16,7 +16,12 @@ namespace {
 
 thread_local std::string running_node_name;
 thread_local int backward_depth = 0;
-thread_local std::vector<std::function<void()>> pending_callbacks;
+// A queue_callback callback (on_success) or a queue_final_callback one (always).
+struct Callback {
+  std::function<void()> on_success;
+  std::function<void(bool)> always;
+};
+thread_local std::vector<Callback> pending_callbacks;
 // Held strongly: a rank may drop a collective's token, but its peers still need its backward.
 // `era` is the number of backward passes this thread had finished when the node was marked.
 // `id` counts marks on this thread (ForwardOnlyGuard drops the ids from its start on).
@@ -120,8 +125,31 @@ bool in_backward() {
 void queue_callback(std::function<void()> fn) {
   WEAVE_CHECK(backward_depth > 0, "queue_callback",
               "no backward pass is running on this thread; hint: call it from a hook");
-  pending_callbacks.push_back(std::move(fn));
+  pending_callbacks.push_back({std::move(fn), nullptr});
 }
+
+void queue_final_callback(std::function<void(bool failed)> fn) {
+  WEAVE_CHECK(backward_depth > 0, "queue_final_callback",
+              "no backward pass is running on this thread; hint: call it from a hook");
+  pending_callbacks.push_back({nullptr, std::move(fn)});
+}
+
+namespace {
+
+// Backward unwinds: every final callback still learns that it failed (the first error is the
+// one that propagates; theirs are dropped).
+void run_failed_callbacks(size_t from) {
+  for (size_t i = from; i < pending_callbacks.size(); ++i) {
+    auto always = std::move(pending_callbacks[i].always);
+    if (!always) continue;
+    try {
+      always(true);
+    } catch (...) {
+    }
+  }
+}
+
+}  // namespace
 
 void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph,
               bool run_must_run_nodes) {
@@ -219,57 +247,73 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
   // Keeps nodes alive while they run even if the last tensor holding them goes away.
   std::vector<std::shared_ptr<Node>> keep_alive(root_nodes);
   std::unordered_map<Node*, bool> executed;
-  while (!ready.empty()) {
-    Node* node = ready.top().node;
-    ready.pop();
-    executed[node] = true;
-    std::vector<Tensor> inputs = std::move(buffers[node]);
-    buffers.erase(node);
-    const auto& meta = node->output_meta();
-    inputs.resize(std::max<size_t>(meta.size(), 1));
-    for (size_t i = 0; i < meta.size(); ++i)
-      if (!inputs[i].defined()) inputs[i] = filled(meta[i], 0.0);
-    for (auto& pre_hook : node->pre_hooks()) {
-      Tensor replaced = pre_hook.hook(inputs[pre_hook.output_nr]);
-      if (replaced.defined()) inputs[pre_hook.output_nr] = replaced;
-    }
-
-    running_node_name = node->name();
-    std::vector<Tensor> outputs;
-    {
-      const trace::Scope trace_scope("backward", trace::enabled() ? node->name() : std::string());
-      outputs = node->apply(std::move(inputs));
-    }
-    if (!retain_graph) node->release_variables();
-
-    const auto& edges = node->next_edges();
-    WEAVE_CHECK(outputs.size() == edges.size() || edges.empty(), "autograd",
-                "{} returned {} gradients, expected {}", node->name(), outputs.size(),
-                edges.size());
-    for (size_t i = 0; i < edges.size(); ++i) {
-      const Edge& edge = edges[i];
-      if (!edge.is_valid()) continue;
-      Node* next = edge.function.get();
-      if (outputs[i].defined()) {
-        check_gradient(*node, i, outputs[i], next->output_meta()[edge.input_nr]);
-        auto& buffer = buffers[next];
-        buffer.resize(std::max<size_t>(next->output_meta().size(), 1));
-        accumulate(buffer[edge.input_nr], std::move(outputs[i]));
+  try {
+    while (!ready.empty()) {
+      Node* node = ready.top().node;
+      ready.pop();
+      executed[node] = true;
+      std::vector<Tensor> inputs = std::move(buffers[node]);
+      buffers.erase(node);
+      const auto& meta = node->output_meta();
+      inputs.resize(std::max<size_t>(meta.size(), 1));
+      for (size_t i = 0; i < meta.size(); ++i)
+        if (!inputs[i].defined()) inputs[i] = filled(meta[i], 0.0);
+      for (auto& pre_hook : node->pre_hooks()) {
+        Tensor replaced = pre_hook.hook(inputs[pre_hook.output_nr]);
+        if (replaced.defined()) inputs[pre_hook.output_nr] = replaced;
       }
-      if (--dependencies[next] == 0) {
-        keep_alive.push_back(edge.function);
-        ready.push({next, next->sequence_nr(), arrivals++});
+
+      running_node_name = node->name();
+      std::vector<Tensor> outputs;
+      {
+        const trace::Scope trace_scope("backward", trace::enabled() ? node->name() : std::string());
+        outputs = node->apply(std::move(inputs));
+      }
+      if (!retain_graph) node->release_variables();
+
+      const auto& edges = node->next_edges();
+      WEAVE_CHECK(outputs.size() == edges.size() || edges.empty(), "autograd",
+                  "{} returned {} gradients, expected {}", node->name(), outputs.size(),
+                  edges.size());
+      for (size_t i = 0; i < edges.size(); ++i) {
+        const Edge& edge = edges[i];
+        if (!edge.is_valid()) continue;
+        Node* next = edge.function.get();
+        if (outputs[i].defined()) {
+          check_gradient(*node, i, outputs[i], next->output_meta()[edge.input_nr]);
+          auto& buffer = buffers[next];
+          buffer.resize(std::max<size_t>(next->output_meta().size(), 1));
+          accumulate(buffer[edge.input_nr], std::move(outputs[i]));
+        }
+        if (--dependencies[next] == 0) {
+          keep_alive.push_back(edge.function);
+          ready.push({next, next->sequence_nr(), arrivals++});
+        }
       }
     }
+  } catch (...) {
+    std::erase_if(must_run_nodes,
+                  [&](const MustRun& m) { return executed.count(m.node.get()) > 0; });
+    run_failed_callbacks(0);
+    throw;
   }
   running_node_name.clear();
   std::erase_if(must_run_nodes, [&](const MustRun& m) { return executed.count(m.node.get()) > 0; });
   ++backward_era;
 
-  // Callbacks may queue further callbacks; run until none are left.
+  // Callbacks may queue further callbacks; run until none are left. One that raises ends the
+  // pass: the final callbacks after it run as failed, then its error propagates.
   for (size_t i = 0; i < pending_callbacks.size(); ++i) {
-    auto callback = std::move(pending_callbacks[i]);
-    callback();
+    Callback callback = std::move(pending_callbacks[i]);
+    try {
+      if (callback.on_success)
+        callback.on_success();
+      else
+        callback.always(false);
+    } catch (...) {
+      run_failed_callbacks(i + 1);
+      throw;
+    }
   }
 }
 

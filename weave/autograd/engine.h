@@ -52,8 +52,17 @@ class ForwardOnlyGuard {
 /// True while a backward pass runs on this thread (inside hooks and callbacks).
 bool in_backward();
 
-/// Runs fn once when the backward pass now running on this thread finishes (data-parallel
-/// wrappers wait for their outstanding communication here). Raises outside backward.
+/// Runs fn once when the backward pass now running on this thread finishes. It does not run
+/// when backward unwinds by an exception. Raises outside backward.
 void queue_callback(std::function<void()> fn);
+
+/// Runs fn(failed) once when the backward pass now running on this thread ends, either way:
+/// failed is false when it finished (fn runs in order with the queue_callback callbacks) and
+/// true when an exception unwinds it (from a node, a hook, or an earlier callback). Wrappers
+/// that keep per-backward state (data parallelism's outstanding all_reduces) reset it here, so
+/// whatever unwinds out of backward, the next one starts clean. An exception that fn raises
+/// when failed is true is dropped: the error that unwound backward is the one that propagates.
+/// Raises outside backward.
+void queue_final_callback(std::function<void(bool failed)> fn);
 
 }  // namespace weave::autograd

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <zlib.h>
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -20,6 +21,76 @@ using json = nlohmann::json;
 
 // The format caps the header at 100 MB; a larger length is a corrupt file, not an allocation.
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
+// A safetensors header is an object of objects holding short arrays: no more nesting, no
+// longer arrays, and at most this many entries, or the file is crafted; checked on the raw
+// bytes before the JSON parser allocates anything.
+constexpr int kMaxHeaderDepth = 3;
+constexpr int64_t kMaxHeaderEntries = int64_t{1} << 20;
+// Metadata keys of the checksums weave writes: one per tensor, one over the user metadata.
+constexpr const char* kChecksumPrefix = "weave.crc32.";
+constexpr const char* kMetadataChecksum = "weave.crc32/metadata";
+
+uint32_t crc32_of(const void* data, size_t size, uint32_t seed = 0) {
+  return static_cast<uint32_t>(::crc32_z(seed, static_cast<const Bytef*>(data), size));
+}
+
+std::string hex32(uint32_t v) {
+  return fmt::format("{:08x}", v);
+}
+
+// CRC-32 over the user's metadata (the checksums excluded), key and value, in key order.
+uint32_t metadata_checksum(const std::map<std::string, std::string>& metadata) {
+  uint32_t crc = 0;
+  for (const auto& [key, value] : metadata) {
+    if (key.rfind(kChecksumPrefix, 0) == 0 || key == kMetadataChecksum) continue;
+    crc = crc32_of(key.data(), key.size() + 1,
+                   crc);  // with the terminating NUL: "ab"+"c" != "a"+"bc"
+    crc = crc32_of(value.data(), value.size() + 1, crc);
+  }
+  return crc;
+}
+
+// Rejects a header whose nesting, array lengths or entry count no safetensors header has.
+void check_header_layout(const unsigned char* p, uint64_t length, const std::string& name) {
+  int depth = 0;
+  int64_t counts[kMaxHeaderDepth + 1] = {};
+  bool is_array[kMaxHeaderDepth + 1] = {};
+  bool in_string = false, escaped = false;
+  for (uint64_t i = 0; i < length; ++i) {
+    const unsigned char c = p[i];
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      WEAVE_CHECK(depth < kMaxHeaderDepth, "safetensors",
+                  "{}: the header nests deeper than {} levels at byte {}; a safetensors header "
+                  "never does (corrupt or crafted file)",
+                  name, kMaxHeaderDepth, i + 8);
+      ++depth;
+      counts[depth] = 0;
+      is_array[depth] = c == '[';
+    } else if (c == '}' || c == ']') {
+      if (depth > 0) --depth;
+    } else if (c == ',' && depth > 0) {
+      const int64_t n = ++counts[depth];
+      WEAVE_CHECK(!is_array[depth] || n < kMaxDims, "safetensors",
+                  "{}: the header holds an array of more than {} elements at byte {} (corrupt "
+                  "or crafted file)",
+                  name, kMaxDims, i + 8);
+      WEAVE_CHECK(n < kMaxHeaderEntries, "safetensors",
+                  "{}: the header holds more than {} entries (corrupt or crafted file)", name,
+                  kMaxHeaderEntries);
+    }
+  }
+}
 
 const char* format_dtype(DType dtype) {
   switch (dtype) {
@@ -105,7 +176,11 @@ Entry parse_entry(const std::string& key, const json& value, const std::string& 
 
 std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadata& metadata) {
   json header = json::object();
-  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::map<std::string, std::string> stored(metadata.begin(), metadata.end());
+  for (const auto& [key, value] : metadata)
+    WEAVE_CHECK(key.rfind("weave.crc32", 0) != 0, "safetensors",
+                "metadata key '{}' is reserved (weave's checksums)", key);
+  stored[kMetadataChecksum] = hex32(metadata_checksum(stored));
   std::vector<Tensor> data;
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
@@ -119,8 +194,10 @@ std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadat
                     {"shape", host.shape().vec()},
                     {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
+    stored[kChecksumPrefix + name] = hex32(crc32_of(host.data_ptr(), bytes));
     data.push_back(host);
   }
+  header["__metadata__"] = stored;
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the format's recommended 8-byte alignment
   std::string out(8, '\0');
@@ -142,6 +219,7 @@ SafetensorsFile parse_safetensors(const void* bytes, size_t size, const std::str
   WEAVE_CHECK(length <= kMaxHeaderBytes && length <= size - 8, "safetensors",
               "{} declares a {}-byte header, but the file holds {} bytes after the length{}", name,
               length, size - 8, length > kMaxHeaderBytes ? " (the format's limit is 100 MB)" : "");
+  check_header_layout(p + 8, length, name);
   const json header = json::parse(p + 8, p + 8 + length, nullptr, false);
   WEAVE_CHECK(!header.is_discarded() && header.is_object(), "safetensors",
               "{}: the header is not a JSON object; hint: is this a safetensors file?", name);
@@ -179,7 +257,39 @@ SafetensorsFile parse_safetensors(const void* bytes, size_t size, const std::str
               "header",
               name, data_size - expected, expected);
   const unsigned char* data = p + 8 + length;
+  // Files weave wrote carry a CRC-32 of every tensor's bytes and of the user metadata: a
+  // flipped bit anywhere is an error, not a silently different model. (Files from other
+  // writers have none and load as they are.)
+  // Any key of weave's checksum namespace marks the file as checked, so a flipped bit in one of
+  // those keys cannot turn the checking off.
+  bool checked = false;
+  for (const auto& [key, value] : file.metadata)
+    checked = checked || key.rfind("weave.crc32", 0) == 0;
+  if (checked) {
+    WEAVE_CHECK(file.metadata.count(kMetadataChecksum) == 1, "safetensors",
+                "{}: the metadata checksum is missing: the file is corrupt", name);
+    WEAVE_CHECK(file.metadata[kMetadataChecksum] == hex32(metadata_checksum(file.metadata)),
+                "safetensors",
+                "{}: the metadata fails its checksum (stored {}, computed {}): the file is "
+                "corrupt",
+                name, file.metadata[kMetadataChecksum], hex32(metadata_checksum(file.metadata)));
+    size_t checksums = 0;
+    for (const auto& [key, value] : file.metadata) checksums += key.rfind(kChecksumPrefix, 0) == 0;
+    WEAVE_CHECK(checksums == entries.size(), "safetensors",
+                "{}: {} tensors but {} checksums: the file is corrupt", name, entries.size(),
+                checksums);
+  }
   for (const Entry& e : entries) {
+    if (checked) {
+      auto stored = file.metadata.find(kChecksumPrefix + e.name);
+      WEAVE_CHECK(stored != file.metadata.end(), "safetensors",
+                  "{}: tensor '{}' has no checksum: the file is corrupt", name, e.name);
+      const std::string actual = hex32(crc32_of(data + e.begin, e.end - e.begin));
+      WEAVE_CHECK(stored->second == actual, "safetensors",
+                  "{}: tensor '{}' fails its checksum (stored {}, computed {}): the file is "
+                  "corrupt",
+                  name, e.name, stored->second, actual);
+    }
     Tensor t = empty(e.shape, {.dtype = e.dtype});
     if (e.end > e.begin) std::memcpy(t.data_ptr(), data + e.begin, e.end - e.begin);
     if (e.dtype == kBool)
@@ -188,7 +298,15 @@ SafetensorsFile parse_safetensors(const void* bytes, size_t size, const std::str
                     e.name, int(data[i]));
     file.tensors.emplace_back(e.name, t);
   }
+  std::erase_if(file.metadata, [](const auto& item) {
+    return item.first.rfind(kChecksumPrefix, 0) == 0 || item.first == kMetadataChecksum;
+  });
   return file;
+}
+
+uint32_t checksum(const Tensor& t) {
+  const Tensor host = t.detach().cpu().contiguous();
+  return crc32_of(host.data_ptr(), size_t(host.numel()) * host.itemsize());
 }
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {

@@ -29,6 +29,9 @@ std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadat
 /// between tensors) raises weave::Error naming `name` and the tensor.
 SafetensorsFile parse_safetensors(const void* data, size_t size, const std::string& name);
 
+/// CRC-32 (zlib's) of a tensor's values as stored: its elements' bytes in row-major order.
+uint32_t checksum(const Tensor& t);
+
 /// Writes path atomically (see write_file_atomically): a crash leaves the old file or the new.
 void save_safetensors(const std::string& path, const nn::NamedTensors& tensors,
                       const Metadata& metadata = {});

@@ -14,8 +14,10 @@ namespace weave::dist {
 /// clipping (the same value on every rank). `sharded` are this rank's own parameters (shards,
 /// pipeline stages: every rank's count); `replicated` are held identically by every rank of
 /// the group (layer norms in a tensor-parallel block: counted once). norm_type is any p >= 1 or
-/// INFINITY. Collective over `group`: every member calls it.
+/// INFINITY. With error_if_nonfinite, a NaN or infinite total norm raises on every rank alike
+/// (the norm is the same everywhere). Collective over `group`: every member calls it.
 double clip_grad_norm_(const std::vector<Tensor>& sharded, const std::vector<Tensor>& replicated,
-                       double max_norm, const Group& group = world(), double norm_type = 2.0);
+                       double max_norm, const Group& group = world(), double norm_type = 2.0,
+                       bool error_if_nonfinite = false);
 
 }  // namespace weave::dist

@@ -271,16 +271,31 @@ struct Sigmoid {  // d/dx s(x) = s(x) (1 - s(x))
     return y * (T(1) - y);
   }
 };
-struct Relu {  // d/dx max(x, 0) = [x > 0]
+struct Relu {  // d/dx max(x, 0) = [x > 0]; NaN propagates (x != x only for NaN)
   static constexpr bool integral = true;
   static constexpr Reads reads = Reads::Input;
   template <class T>
   WEAVE_HD T operator()(T x) const {
-    return x > T(0) ? x : T(0);
+    return x > T(0) || x != x ? x : T(0);
   }
   template <class T>
   WEAVE_HD T grad(T x, T) const {
-    return x > T(0) ? T(1) : T(0);
+    return x != x ? x : x > T(0) ? T(1) : T(0);
+  }
+};
+struct Sign {  // sign(x) in {-1, 0, 1}, NaN for NaN;  d/dx = 0
+  static constexpr bool integral = true;
+  static constexpr Reads reads = Reads::Nothing;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    if constexpr (std::is_unsigned_v<T>)
+      return T(x != T(0));
+    else
+      return x != x ? x : T(int(x > T(0)) - int(x < T(0)));
+  }
+  template <class T>
+  WEAVE_HD T grad(T, T) const {
+    return T(0);
   }
 };
 struct Gelu {  // gelu(x) = x Phi(x);  d/dx = Phi(x) + x phi(x)
@@ -323,6 +338,7 @@ struct Silu {  // silu(x) = x s(x);  d/dx = s(x) (1 + x (1 - s(x)))
   X(Tanh, ::weave::fn::Tanh, tanh)          \
   X(Sigmoid, ::weave::fn::Sigmoid, sigmoid) \
   X(Relu, ::weave::fn::Relu, relu)          \
+  X(Sign, ::weave::fn::Sign, sign)          \
   X(Gelu, ::weave::fn::Gelu, gelu)          \
   X(Silu, ::weave::fn::Silu, silu)
 

@@ -1,6 +1,7 @@
 // Elementwise ops: front ends and their derivatives, side by side.
 #include <cmath>
 
+#include "weave/autograd/grad_mode.h"
 #include "weave/ops/internal.h"
 
 namespace weave {
@@ -234,6 +235,60 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
               args.needs(1) ? reduce_grad(where(c, zero, g), bi) : Tensor()};
     };
   });
+}
+
+Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max) {
+  check_defined(x, "clamp");
+  WEAVE_CHECK(min || max, "clamp", "expected a min or a max bound, found neither");
+  WEAVE_CHECK(!(min && std::isnan(*min)) && !(max && std::isnan(*max)), "clamp",
+              "a bound is NaN (min {}, max {}); hint: leave a bound out with std::nullopt",
+              min ? *min : 0.0, max ? *max : 0.0);
+  WEAVE_CHECK(!min || !max || *min <= *max, "clamp", "min {} is above max {}", *min, *max);
+  WEAVE_CHECK(x.dtype() != kBool, "clamp", "expected a numeric tensor, found bool");
+  Tensor y;
+  {
+    NoGradGuard no_grad;  // maximum/minimum keep NaN; the gradient below is clamp's own
+    y = x;
+    if (min) y = maximum(y, wrap_scalar(*min, x));
+    if (max) y = minimum(y, wrap_scalar(*max, x));
+    if (y.is_same(x)) y = x.clone();
+  }
+  // d clamp(x) = g where min <= x <= max, else 0 (a NaN x compares false: 0)
+  return autograd::record("ClampBackward", {x}, y, [&] {
+    return [xs = SavedTensor(x), min, max](const BackwardArgs& args) -> Grads {
+      const Tensor x = xs.unpack();
+      Tensor g = args.grad(), zero = zeros_like(g);
+      if (min) g = where(ge(x, wrap_scalar(*min, x)), g, zero);
+      if (max) g = where(le(x, wrap_scalar(*max, x)), g, zero);
+      return {g};
+    };
+  });
+}
+
+Tensor isnan(const Tensor& x) {
+  check_defined(x, "isnan");
+  return ne(x, x);
+}
+
+Tensor isinf(const Tensor& x) {
+  check_defined(x, "isinf");
+  if (!is_floating(x.dtype())) return zeros(x.shape(), {.dtype = kBool, .device = x.device()});
+  return eq(abs(x), wrap_scalar(INFINITY, x));
+}
+
+Tensor isfinite(const Tensor& x) {
+  check_defined(x, "isfinite");
+  if (!is_floating(x.dtype())) return ones(x.shape(), {.dtype = kBool, .device = x.device()});
+  // x - x is 0 for every finite x and NaN for inf and NaN.
+  return eq(x - x, wrap_scalar(0, x));
+}
+
+bool all_finite(const Tensor& x) {
+  check_defined(x, "all_finite");
+  if (!is_floating(x.dtype()) || x.numel() == 0) return true;
+  NoGradGuard no_grad;
+  // 0 * x is 0 for finite x and NaN otherwise, and a sum of zeros cannot overflow.
+  return std::isfinite(sum(x.detach() * 0.0).item<double>());
 }
 
 // ---- scalars and operators --------------------------------------------------------------

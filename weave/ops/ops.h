@@ -60,6 +60,18 @@ Tensor relu(const Tensor& x);
 Tensor gelu(const Tensor& x);
 /// x * sigmoid(x).
 Tensor silu(const Tensor& x);
+/// -1, 0 or 1 by the sign of x (NaN stays NaN); its gradient is zero.
+Tensor sign(const Tensor& x);
+/// x limited to [min, max] (either bound may be left out); NaN stays NaN. The gradient passes
+/// where min <= x <= max, as in PyTorch. A NaN bound, or min > max, raises.
+Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max = std::nullopt);
+
+/// Elementwise tests (bool tensors, not differentiable); integer tensors are always finite.
+Tensor isnan(const Tensor& x);
+Tensor isinf(const Tensor& x);
+Tensor isfinite(const Tensor& x);
+/// True when no element of x is NaN or infinite (one pass, no bool tensor kept).
+bool all_finite(const Tensor& x);
 
 Tensor add(const Tensor& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);
@@ -182,7 +194,7 @@ Tensor dropout(const Tensor& x, double p, bool training = true, Generator* gener
 /// Every other differentiable op, by the name of its op-table rows.
 // clang-format off
 #define WEAVE_DIFFERENTIABLE_OTHER_OPS(X)                                                   \
-  X(pow_scalar) X(scalar_ops) X(where)                                                      \
+  X(pow_scalar) X(scalar_ops) X(where) X(clamp)                                                   \
   X(sum) X(mean) X(max) X(min) X(var)                                                       \
   X(matmul) X(linear)                                                                       \
   X(reshape) X(view) X(flatten) X(permute) X(transpose) X(narrow) X(slice) X(select)       \

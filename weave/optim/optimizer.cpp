@@ -259,7 +259,9 @@ double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, co
     if (!p.grad().defined()) continue;
     Tensor g = abs(p.grad().to(kFloat64));
     if (std::isinf(norm_type)) {
-      if (g.numel() > 0) partial = std::max(partial, max(g).item<double>());
+      const double m = g.numel() > 0 ? max(g).item<double>() : 0.0;
+      if (std::isnan(m) || m > partial) partial = m;  // std::max would drop a NaN
+      if (std::isnan(partial)) break;
     } else {
       partial += sum(pow(g, norm_type)).item<double>();
     }
@@ -267,19 +269,38 @@ double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, co
   return partial;
 }
 
+void check_max_norm(double max_norm, const char* op) {
+  WEAVE_CHECK(max_norm >= 0, op,
+              "max_norm must be a number >= 0, found {}; hint: a negative max_norm would flip "
+              "the gradients' sign, INFINITY measures the norm without clipping",
+              max_norm);
+}
+
+void check_finite_norm(double total_norm, bool error_if_nonfinite, const char* op) {
+  WEAVE_CHECK(!error_if_nonfinite || std::isfinite(total_norm), op,
+              "the total norm of the gradients is {}: some gradient holds NaN or infinity; the "
+              "gradients were left unchanged; hint: skip this step (zero_grad), lower the "
+              "learning rate or the loss scale",
+              total_norm);
+}
+
 void scale_grads_to(const std::vector<Tensor>& params, double max_norm, double total_norm) {
   NoGradGuard no_grad;
   const double scale = max_norm / (total_norm + 1e-6);
-  if (scale < 1)
+  if (!(scale >= 1))  // NaN too: as in PyTorch, a NaN norm makes every gradient NaN
     for (const Tensor& p : params)
       if (p.grad().defined()) p.grad().mul_(scale);
 }
 
 }  // namespace detail
 
-double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type) {
-  double total = detail::grad_norm_partial(params, norm_type, "clip_grad_norm_");
+double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type,
+                       bool error_if_nonfinite) {
+  const char* op = "clip_grad_norm_";
+  detail::check_max_norm(max_norm, op);
+  double total = detail::grad_norm_partial(params, norm_type, op);
   if (!std::isinf(norm_type)) total = std::pow(total, 1.0 / norm_type);
+  detail::check_finite_norm(total, error_if_nonfinite, op);
   detail::scale_grads_to(params, max_norm, total);
   return total;
 }

@@ -135,16 +135,24 @@ class AdamW : public Adam {
 /// Drops (set_to_none) or zeroes the gradients of `params` (what Optimizer::zero_grad does).
 void zero_grad(const std::vector<Tensor>& params, bool set_to_none = true);
 
-/// Scales all gradients so their joint norm is at most max_norm; returns the norm before
-/// clipping. norm_type may be any p >= 1 or INFINITY. Under model parallelism, where each rank
-/// holds part of the parameters, use dist::clip_grad_norm_ (distributed/clip_grad.h).
-double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0);
+/// Scales all gradients so their joint norm is at most max_norm (>= 0; INFINITY only measures);
+/// returns the norm before clipping. norm_type may be any p >= 1 or INFINITY. A NaN or infinite
+/// norm (a non-finite gradient) raises with error_if_nonfinite; without it, as in PyTorch, the
+/// gradients are scaled by NaN or 0 and the returned norm is not finite: check it. Under model
+/// parallelism, where each rank holds part of the parameters, use dist::clip_grad_norm_
+/// (distributed/clip_grad.h).
+double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
+                       bool error_if_nonfinite = false);
 
 namespace detail {
 /// The pieces clip_grad_norm_ is made of, for norms that span processes: the partial norm of
 /// the gradients (sum of |g|^p, or max |g| for p = INFINITY), and the scaling step.
 double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, const char* op);
-/// Scales every gradient by max_norm / (total_norm + 1e-6) when that is below 1.
+/// Raises unless max_norm is a number >= 0 (INFINITY allowed).
+void check_max_norm(double max_norm, const char* op);
+/// Raises when error_if_nonfinite is set and total_norm is NaN or infinite.
+void check_finite_norm(double total_norm, bool error_if_nonfinite, const char* op);
+/// Scales every gradient by max_norm / (total_norm + 1e-6) when that is below 1 (or NaN).
 void scale_grads_to(const std::vector<Tensor>& params, double max_norm, double total_norm);
 }  // namespace detail
 

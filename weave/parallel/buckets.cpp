@@ -8,16 +8,20 @@
 namespace weave::parallel::detail {
 
 std::vector<int> agree_on_order(std::vector<int> trace, size_t parameters, const dist::Group& group,
-                                bool& differs_anywhere) {
+                                bool& differs_anywhere, std::vector<int64_t>* counts) {
   for (int i = int(parameters) - 1; i >= 0; --i)
     if (std::find(trace.begin(), trace.end(), i) == trace.end()) trace.push_back(i);
   std::vector<int64_t> mine(trace.begin(), trace.end());
   Tensor first = from_vector(mine);
   dist::broadcast(first, 0, group);
   const std::vector<int64_t> adopted = first.to_vector<int64_t>();
-  Tensor differs = full({1}, adopted != mine ? 1.0 : 0.0, {.dtype = kInt64});
-  dist::all_reduce(differs, dist::ReduceOp::Max, group);
-  differs_anywhere = differs.item<int64_t>() != 0;
+  std::vector<int64_t> words = {adopted != mine ? 1 : 0};
+  if (counts) words.insert(words.end(), counts->begin(), counts->end());
+  Tensor summed = from_vector(words);
+  dist::all_reduce(summed, dist::ReduceOp::Sum, group);
+  words = summed.to_vector<int64_t>();
+  differs_anywhere = words[0] != 0;
+  if (counts) counts->assign(words.begin() + 1, words.end());
   return {adopted.begin(), adopted.end()};
 }
 

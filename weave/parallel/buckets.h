@@ -11,9 +11,10 @@ namespace weave::parallel::detail {
 /// Completes a traced ready order (parameter indices) with the parameters that never became
 /// ready, latest registered first, then makes every rank of the group adopt the first rank's
 /// order. Returns that order; `differs_anywhere` tells (on every rank) whether some rank's own
-/// order was different. Collective.
+/// order was different. `counts`, if given, are per-rank 0/1 flags summed over the group in
+/// the same round (how many ranks set each). Collective.
 std::vector<int> agree_on_order(std::vector<int> trace, size_t parameters, const dist::Group& group,
-                                bool& differs_anywhere);
+                                bool& differs_anywhere, std::vector<int64_t>* counts = nullptr);
 
 /// Registers, on every parameter, a post-accumulate-grad hook that calls
 /// state->on_ready(i, state) while the state lives; returns the handles.

@@ -4,6 +4,9 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <regex>
+
+#include "weave/parallel/agree.h"
 
 namespace weave::parallel {
 
@@ -28,7 +31,7 @@ void on_every_rank(const char* op, const dist::Group& group, const std::string& 
   std::exception_ptr error;
   try {
     step();
-  } catch (const Error&) {
+  } catch (...) {  // any exception (bad_alloc, a filesystem error) takes part in the agreement
     error = std::current_exception();
   }
   const bool all_ok = everyone(error == nullptr, group);
@@ -39,6 +42,18 @@ void on_every_rank(const char* op, const dist::Group& group, const std::string& 
 
 std::string shard_name(int rank, int size, int64_t generation) {
   return fmt::format("rank-{:05d}-of-{:05d}.g{}.safetensors", rank, size, generation);
+}
+
+// The names this format writes, and the temporaries of their atomic writes: the only files a
+// save ever deletes (the user's own files in the directory are never touched).
+bool is_generation_file(const std::string& name) {
+  static const std::regex pattern(R"((rank-\d{5}-of-\d{5}|all-\d{5}-ranks)\.g\d+\.safetensors)");
+  return std::regex_match(name, pattern);
+}
+bool is_our_temporary(const std::string& name) {
+  static const std::regex pattern(
+      R"(((rank-\d{5}-of-\d{5}|all-\d{5}-ranks)\.g\d+\.safetensors|index\.json)\.tmp-[A-Za-z0-9]{6})");
+  return std::regex_match(name, pattern);
 }
 
 json read_index(const std::string& dir) {
@@ -83,6 +98,13 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
   const char* op = "save_sharded_checkpoint";
   const int rank = group.rank(), size = group.size();
   WEAVE_CHECK(rank >= 0, op, "this rank is not in group {}", group.str());
+  // One checkpoint, one directory: ranks that name different ones would each write a part
+  // that the other's index does not find.
+  std::error_code path_error;
+  const std::string where = fs::weakly_canonical(fs::absolute(dir), path_error).string();
+  detail::check_same_lines({path_error ? dir : where}, group, op, "the checkpoint directory",
+                           "every rank of the group saves into the same directory (a shared "
+                           "file system), with the same path");
   // Rank 0 prepares the directory and picks the generation; everyone learns both.
   Tensor generation = zeros({1}, {.dtype = kInt64});
   on_every_rank(op, group, "prepare the checkpoint directory", [&] {
@@ -98,11 +120,20 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
   const data::SafetensorsFile mine = data::checkpoint_contents(state);
   json index = {{"format", kFormat}, {"world_size", size}, {"generation", g}};
   std::vector<std::string> files;
+  // Each file's size as its writer knows it: the index is committed only once rank 0 sees
+  // every listed file whole.
+  std::vector<int64_t> sizes;
   if (!options.single_file) {
     for (int r = 0; r < size; ++r) files.push_back(shard_name(r, size, g));
+    int64_t written = -1;
     on_every_rank(op, group, "write its shard", [&] {
-      data::save_safetensors(dir + "/" + files[size_t(rank)], mine.tensors, mine.metadata);
+      const std::string image = data::serialize_safetensors(mine.tensors, mine.metadata);
+      data::write_file_atomically(dir + "/" + files[size_t(rank)], image);
+      written = int64_t(image.size());
     });
+    Tensor all_sizes = empty({size}, {.dtype = kInt64});
+    dist::all_gather(all_sizes, full({1}, double(written), {.dtype = kInt64}), group);
+    sizes = all_sizes.to_vector<int64_t>();
   } else {
     files.push_back(fmt::format("all-{:05d}-ranks.g{}.safetensors", size, g));
     const std::string image = data::serialize_safetensors(mine.tensors, mine.metadata);
@@ -128,24 +159,39 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
         for (const auto& [key, value] : contents.metadata)
           all.metadata[fmt::format("rank{}/{}", r, key)] = value;
       }
-      data::save_safetensors(dir + "/" + files[0], all.tensors, all.metadata);
+      const std::string image = data::serialize_safetensors(all.tensors, all.metadata);
+      data::write_file_atomically(dir + "/" + files[0], image);
+      sizes = {int64_t(image.size())};
     });
   }
   index["files"] = files;
   index["single_file"] = options.single_file;
-  // The commit point: the new index, written only once every file above is durable.
+  // The commit point: the new index, written only once every file above is durable and rank 0
+  // sees each of them, whole, where the index will point.
   on_every_rank(op, group, "commit the index", [&] {
-    if (rank == 0) data::write_file_atomically(dir + "/index.json", index.dump(2) + "\n");
+    if (rank != 0) return;
+    for (size_t i = 0; i < files.size(); ++i) {
+      std::error_code ec;
+      const auto found = fs::file_size(dir + "/" + files[i], ec);
+      WEAVE_CHECK(!ec && int64_t(found) == sizes[i], op,
+                  "{}/{} is {} after its writer wrote {} bytes; the index was not replaced and the "
+                  "previous checkpoint stays; hint: every rank must see the same directory (a "
+                  "shared file system)",
+                  dir, files[i], ec ? "missing" : fmt::format("{} bytes", found), sizes[i]);
+    }
+    data::write_file_atomically(dir + "/index.json", index.dump(2) + "\n");
   });
-  // Older generations are garbage now.
+  // Older generations are garbage now, and so are temporaries that killed saves left behind
+  // (every rank's writes of this save are complete: nothing of ours is being written).
   if (rank == 0) {
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator(dir, ec)) {
       const std::string name = entry.path().filename().string();
-      const bool ours = name.size() > 12 && name.rfind(".safetensors") == name.size() - 12 &&
-                        (name.rfind("rank-", 0) == 0 || name.rfind("all-", 0) == 0);
-      if (ours && std::find(files.begin(), files.end(), name) == files.end())
-        fs::remove(entry.path(), ec);
+      const bool stale = (is_generation_file(name) &&
+                          std::find(files.begin(), files.end(), name) == files.end()) ||
+                         is_our_temporary(name);
+      std::error_code ignored;
+      if (stale) fs::remove(entry.path(), ignored);
     }
   }
 }
@@ -177,7 +223,7 @@ void load_sharded_checkpoint(const std::string& dir, data::TrainingState& state,
                   "here",
                   group.str(), dir);
     });
-  } catch (const Error&) {
+  } catch (...) {
     if (!agreed) everyone(false, group);  // this rank's own check failed: tell the others
     throw;
   }

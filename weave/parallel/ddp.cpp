@@ -4,10 +4,13 @@
 #include "weave/parallel/ddp.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
+#include "weave/parallel/agree.h"
 #include "weave/parallel/buckets.h"
 
 namespace weave::parallel {
@@ -18,7 +21,7 @@ dist::Group group_or_world(const std::optional<dist::Group>& group) {
   return group ? *group : dist::world();
 }
 
-// "name float32 [4, 3]" for every parameter, then every buffer.
+// "parameter name float32 [4, 3]" for every parameter, then every buffer.
 std::vector<std::string> describe_model(const nn::Module& module) {
   std::vector<std::string> lines;
   for (const auto& [name, t] : module.named_parameters())
@@ -28,50 +31,12 @@ std::vector<std::string> describe_model(const nn::Module& module) {
   return lines;
 }
 
-// Every rank's lines, gathered as one '\n'-joined byte string per rank.
-std::vector<std::vector<std::string>> gather_lines(const std::vector<std::string>& lines,
-                                                   const dist::Group& group) {
-  std::string text;
-  for (const std::string& line : lines) text += line + '\n';
-  Tensor bytes = empty({int64_t(text.size())}, {.dtype = kUInt8});
-  if (!text.empty()) std::memcpy(bytes.data_ptr(), text.data(), text.size());
-  Tensor lengths = empty({group.size()}, {.dtype = kInt64});
-  dist::all_gather(lengths, full({1}, double(text.size()), {.dtype = kInt64}), group);
-  Tensor all = dist::all_gather_uneven(bytes, group);
-  std::vector<std::vector<std::string>> per_rank;
-  const auto* data = static_cast<const char*>(all.data_ptr());
-  int64_t offset = 0;
-  for (int64_t length : lengths.to_vector<int64_t>()) {
-    std::vector<std::string> rank_lines;
-    std::string rank_text(data + offset, data + offset + length);
-    offset += length;
-    for (size_t start = 0; start < rank_text.size();) {
-      size_t end = rank_text.find('\n', start);
-      rank_lines.push_back(rank_text.substr(start, end - start));
-      start = end + 1;
-    }
-    per_rank.push_back(std::move(rank_lines));
-  }
-  return per_rank;
-}
-
 }  // namespace
 
 void check_same_model(const nn::Module& module, const std::optional<dist::Group>& group_option) {
-  const dist::Group group = group_or_world(group_option);
-  const auto all = gather_lines(describe_model(module), group);
-  for (size_t r = 1; r < all.size(); ++r) {
-    const auto& mine = all[0];
-    const auto& theirs = all[r];
-    for (size_t i = 0; i < std::max(mine.size(), theirs.size()); ++i) {
-      const std::string a = i < mine.size() ? mine[i] : "nothing";
-      const std::string b = i < theirs.size() ? theirs[i] : "nothing";
-      WEAVE_CHECK(a == b, "DistributedDataParallel",
-                  "ranks disagree on the model: entry {} is '{}' on rank {} but '{}' on rank {}; "
-                  "hint: build the same model (same layers, shapes and dtypes) on every rank",
-                  i, a, group.global_rank(0), b, group.global_rank(int(r)));
-    }
-  }
+  detail::check_same_lines(describe_model(module), group_or_world(group_option),
+                           "DistributedDataParallel", "the model",
+                           "build the same model (same layers, shapes and dtypes) on every rank");
 }
 
 void synchronize(nn::Module& module, int root, const std::optional<dist::Group>& group_option) {
@@ -85,10 +50,17 @@ void synchronize(nn::Module& module, int root, const std::optional<dist::Group>&
 
 // ---- the reducer -------------------------------------------------------------------------
 
+namespace {
+// The status words after the last bucket's gradients: this rank's backward failed (or was
+// skipped); this rank has parameters without a gradient.
+constexpr int64_t kStatusWords = 2;
+enum StatusWord { kFailed = 0, kUnused = 1 };
+}  // namespace
+
 struct DistributedDataParallel::State {
   struct Bucket {
     std::vector<int> params;
-    Tensor buffer;  // the gradients, flat, in the parameters' dtype
+    Tensor buffer;  // the gradients, flat, in the parameters' dtype (the last: + status words)
     Tensor wire;    // what travels: buffer itself, or its compressed copy
     int pending = 0;
     dist::Work work;
@@ -108,6 +80,9 @@ struct DistributedDataParallel::State {
   std::vector<int> trace;  // first backward: parameter indices in the order they became ready
   bool no_sync = false;
   bool in_backward = false;
+  // A synchronizing forward ran and its backward has not settled yet.
+  bool forward_pending = false;
+  bool finite = true;
   std::vector<char> ready;
   int64_t ready_count = 0;
   size_t next_launch = 0;
@@ -119,17 +94,11 @@ struct DistributedDataParallel::State {
   void on_ready(int i, const std::weak_ptr<State>& self) {
     if (no_sync) return;
     if (!in_backward) {
-      in_backward = true;
-      std::fill(ready.begin(), ready.end(), 0);
-      ready_count = 0;
-      next_launch = 0;
-      for (Bucket& b : buckets) {
-        b.pending = int(b.params.size());
-        b.launched = false;
-      }
-      stats.ready_before_first_launch = -1;
-      autograd::queue_callback([self] {
-        if (auto state = self.lock()) state->finish();
+      begin_step();
+      // Runs when backward ends, also when an exception unwinds it: the step is settled on
+      // every rank either way.
+      autograd::queue_final_callback([self](bool failed) {
+        if (auto state = self.lock()) state->settle(failed);
       });
     }
     if (ready[i]) return;
@@ -142,6 +111,19 @@ struct DistributedDataParallel::State {
     into_bucket(i);
     Bucket& b = buckets[bucket_of[i]];
     if (--b.pending == 0) launch_ready();
+  }
+
+  // The per-step state, fresh: nothing ready, nothing launched.
+  void begin_step() {
+    in_backward = true;
+    std::fill(ready.begin(), ready.end(), 0);
+    ready_count = 0;
+    next_launch = 0;
+    for (Bucket& b : buckets) {
+      b.pending = int(b.params.size());
+      b.launched = false;
+    }
+    stats.ready_before_first_launch = -1;
   }
 
   // Makes parameter i's gradient its bucket view (copying it in if it arrived elsewhere, as
@@ -159,9 +141,10 @@ struct DistributedDataParallel::State {
   }
 
   // Launches, in bucket order, every bucket whose gradients are all in (order matters: every
-  // rank must issue the same all_reduces in the same order).
+  // rank must issue the same all_reduces in the same order). The last bucket, which carries the
+  // status words, waits for the end of backward, when this rank's status is known.
   void launch_ready() {
-    while (next_launch < buckets.size() && buckets[next_launch].pending == 0)
+    while (next_launch + 1 < buckets.size() && buckets[next_launch].pending == 0)
       launch(buckets[next_launch++]);
   }
 
@@ -172,19 +155,13 @@ struct DistributedDataParallel::State {
     b.launched = true;
   }
 
-  void build_buckets() {
-    // Every rank must cut the same buckets, or their all_reduces would not pair up: all take
-    // the first rank's order. Without find_unused_parameters every rank must have traced that
-    // same order (the same model code on inputs of the same structure), and all raise if not.
-    bool differs = false;
-    const std::vector<int> order = detail::agree_on_order(trace, params.size(), group, differs);
-    if (differs && !options.find_unused_parameters) {
-      fail_if_unused();  // the likely cause, named where this rank has it
-      WEAVE_FAIL("DistributedDataParallel",
-                 "ranks produced gradients in different orders in the first backward, so their "
-                 "buckets would differ; hint: every rank must run the same model code on inputs "
-                 "of the same structure, or construct with {{.find_unused_parameters = true}}");
-    }
+  // The status words of the last bucket (in the wire's dtype: what the ranks averaged).
+  Tensor status_words() const {
+    const Tensor& wire = buckets.back().wire;
+    return wire.narrow(0, wire.numel() - kStatusWords, kStatusWords);
+  }
+
+  void build_buckets(const std::vector<int>& order) {
     for (const auto& members :
          detail::cut_buckets(order, params, options.first_bucket_mb, options.bucket_mb)) {
       buckets.emplace_back();
@@ -197,6 +174,7 @@ struct DistributedDataParallel::State {
       const Tensor& first = params[bucket.params.front()];
       int64_t total = 0;
       for (int i : bucket.params) total += params[i].numel();
+      if (b + 1 == buckets.size()) total += kStatusWords;
       bucket.buffer = zeros({total}, {.dtype = first.dtype(), .device = first.device()});
       bucket.wire = options.compress && *options.compress != first.dtype()
                         ? empty({total}, {.dtype = *options.compress, .device = first.device()})
@@ -214,40 +192,144 @@ struct DistributedDataParallel::State {
     traced = true;
   }
 
-  // End of a synchronizing backward: launch what is left (buckets holding parameters that got
-  // no gradient), wait for every bucket, widen compressed results, report unused parameters.
-  void finish() {
+  std::vector<std::string> unused_names() const {
+    std::vector<std::string> unused;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!ready[i]) unused.push_back(names[i]);
+    return unused;
+  }
+
+  // Discards this step's gradients (zeroes them) on a step some rank failed.
+  void discard_gradients() {
+    NoGradGuard no_grad;
+    for (Tensor& p : params)
+      if (p.grad().defined()) p.grad().zero_();
+  }
+
+  // Ends a synchronizing step on this rank, in step with the group: launches what is left,
+  // waits for every bucket, learns every rank's status from the status words and acts on it
+  // alike everywhere. `failed`: this rank's backward unwound (or, from forward, never ran).
+  // Raises on the ranks that did not fail when another did; never on a failed rank (its own
+  // error is the one to report), except for what every rank raises alike.
+  void settle(bool failed) {
+    if (!in_backward) begin_step();  // settling a step whose backward never reached us
     in_backward = false;
+    forward_pending = false;
+    const int64_t step = stats.steps++;
     const bool first = !traced;
-    if (first) build_buckets();
-    // Parameters without a gradient from this backward keep what they accumulated (no_sync
-    // micro-batches) or contribute zeros; then every bucket is complete.
-    for (size_t i = 0; i < params.size(); ++i)
-      if (first || !ready[i]) into_bucket(int(i));
-    for (Bucket& b : buckets) b.pending = 0;
-    launch_ready();
-    stats.unused.clear();
-    for (size_t i = 0; i < params.size(); ++i)
-      if (!ready[i]) stats.unused.push_back(names[i]);
+    const bool has_unused = !failed && !unused_names().empty();
+    int64_t failed_ranks = 0, unused_ranks = 0;
+    if (first) {
+      // Every rank must cut the same buckets, or their all_reduces would not pair up: all take
+      // the first rank's order, agreeing on the statuses in the same round.
+      bool differs = false;
+      std::vector<int64_t> flags = {failed ? 1 : 0, has_unused ? 1 : 0};
+      const std::vector<int> order = detail::agree_on_order(failed ? std::vector<int>{} : trace,
+                                                            params.size(), group, differs, &flags);
+      failed_ranks = flags[kFailed];
+      unused_ranks = flags[kUnused];
+      trace.clear();
+      if (failed_ranks > 0) {
+        discard_gradients();  // stays untraced: the next backward traces again
+        ++stats.failed_steps;
+        if (failed) return;
+        fail_after_peer(step, failed_ranks);
+      }
+      if (differs && !options.find_unused_parameters) {
+        check_used(unused_ranks, has_unused);  // the likely cause, named where a rank has it
+        WEAVE_FAIL("DistributedDataParallel",
+                   "ranks produced gradients in different orders in the first backward, so "
+                   "their buckets would differ; hint: every rank must run the same model code "
+                   "on inputs of the same structure, or construct with "
+                   "{{.find_unused_parameters = true}}");
+      }
+      build_buckets(order);
+      for (size_t i = 0; i < params.size(); ++i) into_bucket(int(i));
+      for (Bucket& b : buckets) b.pending = 0;
+      next_launch = 0;
+      while (next_launch < buckets.size()) launch(buckets[next_launch++]);
+      wait_all();
+    } else {
+      // Parameters without a gradient from this backward keep what they accumulated (no_sync
+      // micro-batches) or contribute zeros; then every bucket is complete.
+      for (size_t i = 0; i < params.size(); ++i)
+        if (!ready[i]) into_bucket(int(i));
+      for (Bucket& b : buckets) b.pending = 0;
+      launch_ready();
+      {
+        NoGradGuard no_grad;
+        Tensor words = buckets.back().buffer.narrow(0, buckets.back().buffer.numel() - kStatusWords,
+                                                    kStatusWords);
+        words.copy_(from_vector<double>({failed ? 1.0 : 0.0, has_unused ? 1.0 : 0.0})
+                        .to(words.dtype())
+                        .to(words.device()));
+      }
+      launch(buckets[next_launch++]);
+      wait_all();
+      // The average of 0/1 words times the group size counts the ranks that set them.
+      const std::vector<double> averaged = status_words().to(kFloat64).cpu().to_vector<double>();
+      failed_ranks = std::llround(averaged[kFailed] * group.size());
+      unused_ranks = std::llround(averaged[kUnused] * group.size());
+      if (failed_ranks > 0) {
+        discard_gradients();
+        ++stats.failed_steps;
+        if (failed) return;
+        fail_after_peer(step, failed_ranks);
+      }
+    }
+    stats.unused = unused_names();
     stats.parameters = int64_t(params.size());
+    // Unused parameters still get the group's average (their peers may have used them).
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!ready[i]) params[i].set_grad(views[i]);
+    if (!options.find_unused_parameters) check_used(unused_ranks, has_unused);
+    if (options.check_finite) check_gradients_finite(step);
+  }
+
+  void wait_all() {
     for (Bucket& b : buckets) {
       b.work.wait();
       if (!b.wire.is_same(b.buffer)) b.buffer.copy_(b.wire);
     }
-    // Unused parameters still get the group's average (their peers may have used them).
-    for (size_t i = 0; i < params.size(); ++i)
-      if (!ready[i]) params[i].set_grad(views[i]);
-    if (!options.find_unused_parameters) fail_if_unused();
   }
 
-  void fail_if_unused() const {
-    std::vector<std::string> unused;
-    for (size_t i = 0; i < params.size(); ++i)
-      if (!ready[i]) unused.push_back(names[i]);
-    WEAVE_CHECK(unused.empty(), "DistributedDataParallel",
+  [[noreturn]] void fail_after_peer(int64_t step, int64_t failed_ranks) const {
+    WEAVE_FAIL("DistributedDataParallel",
+               "{} of the {} ranks of group {} failed or skipped backward in step {} (see their "
+               "error), so every rank discarded this step's gradients (they are zero); hint: "
+               "catch this error and go on to the next batch on every rank, as the failing rank "
+               "does",
+               failed_ranks, group.size(), group.str(), step);
+  }
+
+  // Without find_unused_parameters, a parameter without gradient on any rank raises on every
+  // rank; the ranks that have one name theirs.
+  void check_used(int64_t unused_ranks, bool has_unused) const {
+    if (unused_ranks == 0) return;
+    WEAVE_CHECK(!has_unused, "DistributedDataParallel",
                 "parameters got no gradient in this backward: {}; hint: construct with "
                 "{{.find_unused_parameters = true}} if the model leaves some unused",
-                unused);
+                unused_names());
+    WEAVE_FAIL("DistributedDataParallel",
+               "{} rank(s) of group {} have parameters that got no gradient in this backward "
+               "(see their error); hint: construct with {{.find_unused_parameters = true}} if "
+               "the model leaves some unused",
+               unused_ranks, group.str());
+  }
+
+  // The averaged gradients are equal on every rank, so is this verdict.
+  void check_gradients_finite(int64_t step) {
+    finite = true;
+    for (const Bucket& b : buckets) finite = finite && all_finite(b.buffer);
+    if (finite) return;
+    std::string first;
+    for (size_t i = 0; i < params.size() && first.empty(); ++i)
+      if (!all_finite(views[i])) first = names[i];
+    WEAVE_FAIL("DistributedDataParallel",
+               "the averaged gradients of step {} hold NaN or infinity (first in {}); every rank "
+               "of group {} raises; hint: skip this step on every rank (zero_grad, no "
+               "optimizer step), or lower the learning rate or loss scale",
+               step, first, group.str());
   }
 };
 
@@ -283,6 +365,27 @@ DistributedDataParallel::~DistributedDataParallel() {
 
 Tensor DistributedDataParallel::forward(const Tensor& input) {
   State& s = *state_;
+  const bool synchronizing = autograd::GradMode::is_enabled() && !s.no_sync;
+  // The previous synchronizing forward got no backward on this rank (skipped, or it failed
+  // before reaching this model): settle that step with the group now, as failed, so the peers'
+  // all_reduces of that step pair with this rank's and nothing pairs across steps.
+  if (s.forward_pending && synchronizing) {
+    std::fprintf(stderr,
+                 "[weave] rank %d: DistributedDataParallel: step %lld's forward got no backward "
+                 "on this rank; its gradients are discarded on every rank; hint: run evaluation "
+                 "under NoGradGuard\n",
+                 dist::rank(), static_cast<long long>(s.stats.steps));
+    s.settle(true);
+  }
+  if (synchronizing && s.options.broadcast_buffers) {
+    NoGradGuard no_grad;
+    std::vector<dist::Work> works;
+    for (const Tensor& t : module_.buffers())
+      if (t.defined())
+        works.push_back(dist::broadcast(t, s.options.broadcast_from, s.group, /*async_op=*/true));
+    for (dist::Work& w : works) w.wait();
+  }
+  s.forward_pending = synchronizing;
   // Gradients dropped by zero_grad(set_to_none = true) go back into their buckets, zeroed,
   // so backward accumulates in place instead of copying in afterwards.
   if (s.traced && !s.no_sync) {
@@ -306,6 +409,10 @@ DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
 
 const DDPStats& DistributedDataParallel::stats() const {
   return state_->stats;
+}
+
+bool DistributedDataParallel::gradients_finite() const {
+  return state_->finite;
 }
 
 std::vector<std::vector<std::string>> DistributedDataParallel::bucket_names() const {

@@ -18,6 +18,19 @@
 // launched asynchronously while backward goes on; the end of backward waits for the rest.
 // Gradients live as views of the bucket buffers, so nothing is copied in or out (with
 // zero_grad(set_to_none = true) a gradient arrives in a fresh buffer and is copied in once).
+//
+// Every synchronizing step ends the same way on every rank of the group. The last bucket carries
+// two status words (this rank's backward failed; this rank has parameters without gradient), so
+// what one rank knows every rank learns in the same all_reduce:
+//  - an exception that unwinds one rank's backward (a hook, a custom Function, an allocation)
+//    still completes that rank's share of the all_reduces; every rank discards the step's
+//    gradients (zeroes them), the failing rank's error propagates, and every other rank raises
+//    "... failed or skipped backward in step N". A loop that catches the error and goes on to
+//    the next batch (after zero_grad) trains as if every rank had skipped that batch.
+//  - a rank whose synchronizing forward is followed by another forward instead of a backward
+//    (it skipped the backward) settles the step at that next forward, as failed, the same way.
+//  - a parameter without gradient on any rank (without find_unused_parameters) raises on every
+//    rank, each naming its own.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -45,6 +58,15 @@ struct DDPOptions {
   std::optional<dist::Group> group = std::nullopt;
   /// Broadcast the parameters and buffers from this group rank at construction.
   int broadcast_from = 0;
+  /// Broadcast the module's buffers (running statistics and the like, which forward may update
+  /// differently on each rank) from broadcast_from before every synchronizing forward, as
+  /// PyTorch does. Costs nothing for a module without buffers.
+  bool broadcast_buffers = true;
+  /// After averaging, check the gradients for NaN and infinity. The averaged gradients are the
+  /// same on every rank, so every rank reaches the same verdict without communicating: each
+  /// raises weave::Error from backward (gradients left as averaged), and
+  /// gradients_finite() says false until the next synchronizing backward.
+  bool check_finite = false;
 };
 
 /// What the last synchronizing backward did (for tests and benchmarks).
@@ -56,6 +78,11 @@ struct DDPStats {
   int64_t parameters = 0;
   /// Parameters that got no gradient.
   std::vector<std::string> unused;
+  /// Synchronizing backward passes settled so far (finished, failed or skipped).
+  int64_t steps = 0;
+  /// Of those, steps whose gradients were discarded because some rank's backward failed or
+  /// was skipped.
+  int64_t failed_steps = 0;
 };
 
 class DistributedDataParallel {
@@ -90,6 +117,9 @@ class DistributedDataParallel {
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
   const DDPStats& stats() const;
+  /// With check_finite: false when the last synchronizing backward averaged a NaN or infinite
+  /// gradient (the same answer on every rank). A mixed-precision loss scaler reads this.
+  bool gradients_finite() const;
   /// Parameter names of each bucket, in launch order (empty before the first backward).
   std::vector<std::vector<std::string>> bucket_names() const;
 

@@ -210,8 +210,9 @@ struct DecentralizedDataParallel::State {
         b.pending = int(b.params.size());
         b.stepped = false;
       }
-      autograd::queue_callback([self] {
-        if (auto state = self.lock()) state->finish();
+      // Runs also when an exception unwinds backward: the next step must start clean.
+      autograd::queue_final_callback([self](bool failed) {
+        if (auto state = self.lock()) state->finish(failed);
       });
     }
     if (ready[size_t(i)]) return;
@@ -266,10 +267,22 @@ struct DecentralizedDataParallel::State {
     }
   }
 
-  void build_buckets() {
+  // Returns false (on every rank) when some rank's first backward failed: nothing is built,
+  // the next backward traces again.
+  bool build_buckets(bool failed) {
     bool differs = false;
-    const std::vector<int> order =
-        detail::agree_on_order(trace, params.size(), dist::world(), differs);
+    std::vector<int64_t> failed_ranks = {failed ? 1 : 0};
+    const std::vector<int> order = detail::agree_on_order(
+        failed ? std::vector<int>{} : trace, params.size(), dist::world(), differs, &failed_ranks);
+    trace.clear();
+    if (failed_ranks[0] > 0) {
+      for (const Tensor& p : params)
+        if (p.grad().defined()) p.grad().zero_();
+      WEAVE_CHECK(failed, "DecentralizedDataParallel",
+                  "{} rank(s) failed in the first backward (see their error); no rank stepped",
+                  failed_ranks[0]);
+      return false;
+    }
     WEAVE_CHECK(!differs, "DecentralizedDataParallel",
                 "ranks produced gradients in different orders in the first backward; hint: "
                 "every rank must run the same model code on inputs of the same structure");
@@ -289,16 +302,27 @@ struct DecentralizedDataParallel::State {
       buckets.push_back(std::move(b));
     }
     traced = true;
+    return true;
   }
 
   // End of a stepping backward: buckets that are not complete (parameters without a gradient)
-  // step with what they have, and every bucket's neighbour average goes out.
-  void finish() {
+  // step with what they have, and every bucket's neighbour average goes out. When this rank's
+  // backward failed, its incomplete buckets do not step (their gradients are partial and are
+  // dropped), but their averages still go out: the neighbours wait for them, and every rank
+  // stays in the same phase.
+  void finish(bool failed) {
     in_backward = false;
     NoGradGuard no_grad;
-    if (!traced) build_buckets();
+    if (!traced && !build_buckets(failed)) return;
     for (Bucket& b : buckets)
-      if (!b.stepped) step_bucket(b);
+      if (!b.stepped) {
+        if (failed) {
+          b.optimizer->zero_grad(true);
+          b.stepped = true;
+        } else {
+          step_bucket(b);
+        }
+      }
     launch_stepped();
     ++step;
   }

@@ -2,6 +2,7 @@
 #include "weave/parallel/distributed_optimizer.h"
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/parallel/agree.h"
 
 namespace weave::parallel {
 
@@ -85,15 +86,23 @@ DistributedOptimizer::DistributedOptimizer(optim::Optimizer& optimizer,
       group_(options_.group ? *options_.group : dist::world()) {
   WEAVE_CHECK(group_.rank() >= 0, "DistributedOptimizer", "rank {} is not in group {}",
               dist::rank(), group_.str());
+  detail::check_same_lines(detail::describe_tensors(optimizer_.params()), group_,
+                           "DistributedOptimizer", "the parameters",
+                           "wrap the same parameters in the same order on every rank");
 }
 
 void DistributedOptimizer::synchronize() {
   average_gradients(optimizer_.params(), group_, options_.bucket_mb, options_.compress);
 }
 
-void DistributedOptimizer::step() {
+bool DistributedOptimizer::step() {
   synchronize();
+  if (options_.check_finite) {
+    for (const Tensor& p : optimizer_.params())
+      if (p.grad().defined() && !all_finite(p.grad())) return false;
+  }
   optimizer_.step();
+  return true;
 }
 
 }  // namespace weave::parallel

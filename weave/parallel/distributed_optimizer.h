@@ -16,16 +16,22 @@ struct DistributedOptimizerOptions {
   /// Communicate in kBFloat16 or kFloat16 (averaged, then widened back).
   std::optional<DType> compress = std::nullopt;
   std::optional<dist::Group> group = std::nullopt;
+  /// After averaging, skip the step when a gradient holds NaN or infinity. The averaged
+  /// gradients are equal on every rank, so every rank skips alike, without communicating.
+  bool check_finite = false;
 };
 
 class DistributedOptimizer {
  public:
-  /// Every rank of the group wraps the optimizer of its replica (same parameters, same order).
+  /// Every rank of the group wraps the optimizer of its replica: the same parameters (shapes
+  /// and dtypes) in the same order, or every rank raises naming the first difference.
+  /// Collective.
   explicit DistributedOptimizer(optim::Optimizer& optimizer,
                                 DistributedOptimizerOptions options = {});
   /// Averages the gradients over the group, then steps the wrapped optimizer. A parameter
-  /// without a gradient takes part with zeros (and receives the average).
-  void step();
+  /// without a gradient takes part with zeros (and receives the average). Returns false, on
+  /// every rank alike, when check_finite skipped the step.
+  bool step();
   /// Averages the gradients only (what step() does before stepping).
   void synchronize();
   void zero_grad(bool set_to_none = true) { optimizer_.zero_grad(set_to_none); }

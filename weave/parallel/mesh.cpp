@@ -30,7 +30,8 @@ ProcessMesh::ProcessMesh(MeshShape shape) : shape_(shape) {
               "data={} x tensor={} x pipeline={} is {} ranks, but the world has {}; hint: launch "
               "with mpirun -np {} or change the mesh",
               shape.data, shape.tensor, shape.pipeline,
-              int64_t{shape.data} * shape.tensor * shape.pipeline, world, world);
+              int64_t{shape.data} * shape.tensor * shape.pipeline, world,
+              int64_t{shape.data} * shape.tensor * shape.pipeline);
   const int D = shape.data, T = shape.tensor, P = shape.pipeline;
   // each group kind: one group per combination of the other two coordinates
   tensor_ = groups_of(D * P, [&](int i) {

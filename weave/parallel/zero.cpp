@@ -4,13 +4,15 @@
 #include <algorithm>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/parallel/agree.h"
 
 namespace weave::parallel {
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
                                                  const OptimizerFactory& make_optimizer,
-                                                 const std::optional<dist::Group>& group)
-    : params_(std::move(params)), group_(group ? *group : dist::world()) {
+                                                 const std::optional<dist::Group>& group,
+                                                 ZeroOptions options)
+    : params_(std::move(params)), group_(group ? *group : dist::world()), options_(options) {
   const char* op = "ZeroRedundancyOptimizer";
   WEAVE_CHECK(!params_.empty(), op, "expected parameters, found none");
   WEAVE_CHECK(group_.rank() >= 0, op, "rank {} is not in group {}", dist::rank(), group_.str());
@@ -23,6 +25,13 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
                 params_[0].dtype(), params_[0].device(), p.dtype(), p.device());
     total_ += p.numel();
   }
+  // Each rank owns a slice of the flattened list: a list in another order (same total size)
+  // would update the wrong elements without a word, and unequal replicas would stay unequal.
+  detail::check_same_lines(detail::describe_tensors(params_), group_, op, "the parameters",
+                           "pass the same parameters in the same order on every rank");
+  detail::check_same_lines(detail::describe_values(params_), group_, op, "the parameters' values",
+                           "the values differ: the replicas must be equal before sharding "
+                           "(parallel::synchronize(module) broadcasts rank 0's)");
   NoGradGuard no_grad;
   const int64_t n = group_.size(), per_rank = (total_ + n - 1) / n;
   std::vector<Tensor> pieces;
@@ -38,7 +47,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
   WEAVE_CHECK(optimizer_ != nullptr, op, "the optimizer factory returned null");
 }
 
-void ZeroRedundancyOptimizer::step() {
+bool ZeroRedundancyOptimizer::step() {
   NoGradGuard no_grad;
   // The parameters are the truth: a parameter changed since the last step (a loaded checkpoint,
   // an in-place edit: its version moved) reaches the owned slice before the optimizer updates it.
@@ -61,7 +70,22 @@ void ZeroRedundancyOptimizer::step() {
     grads.push_back(
         zeros({padding}, {.dtype = flat_params_.dtype(), .device = flat_params_.device()}));
   Tensor shard_grad = empty({shard_.numel()}, {.dtype = shard_.dtype(), .device = shard_.device()});
-  dist::reduce_scatter(shard_grad, cat(grads), dist::ReduceOp::Avg, group_);
+  if (!options_.check_finite) {
+    dist::reduce_scatter(shard_grad, cat(grads), dist::ReduceOp::Avg, group_);
+  } else {
+    // Every rank's slice of the reduce-scatter gets one more element: this rank's "my
+    // gradients are not finite" (0 or 1); the average says whether any rank's were.
+    bool finite = true;
+    for (const Tensor& g : grads) finite = finite && all_finite(g);
+    const int64_t n = group_.size(), per_rank = shard_.numel();
+    Tensor packed = empty({n, per_rank + 1}, {.dtype = shard_.dtype(), .device = shard_.device()});
+    packed.narrow(1, 0, per_rank).copy_(cat(grads).reshape({n, per_rank}));
+    packed.narrow(1, per_rank, 1).fill_(finite ? 0.0 : 1.0);
+    Tensor mine = empty({per_rank + 1}, {.dtype = shard_.dtype(), .device = shard_.device()});
+    dist::reduce_scatter(mine, packed.reshape({-1}), dist::ReduceOp::Avg, group_);
+    if (mine.narrow(0, per_rank, 1).to(kFloat64).item<double>() != 0) return false;
+    shard_grad = mine.narrow(0, 0, per_rank);
+  }
   shard_.set_grad(shard_grad);
   optimizer_->step();  // updates shard_, a slice of flat_params_, in place
   Tensor gathered =
@@ -75,6 +99,7 @@ void ZeroRedundancyOptimizer::step() {
     synced_versions_[i] = p.version();
     offset += p.numel();
   }
+  return true;
 }
 
 void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {

@@ -19,19 +19,28 @@ namespace weave::parallel {
 /// `[](std::vector<Tensor> shard) { return std::make_unique<optim::Adam>(shard, {...}); }`.
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::vector<Tensor>)>;
 
+struct ZeroOptions {
+  /// Skip the step on every rank when any rank's gradients hold NaN or infinity: each rank's
+  /// verdict travels in the reduce-scatter itself (one extra element per rank), so the check
+  /// costs one pass over the local gradients and no extra communication.
+  bool check_finite = false;
+};
+
 class ZeroRedundancyOptimizer {
  public:
-  /// params: the replica's parameters (one floating dtype and device; every rank the same
-  /// list). Collective over the group (the replicas must already be equal, e.g. after
-  /// parallel::synchronize).
+  /// params: the replica's parameters (one floating dtype and device). Collective over the
+  /// group: every rank must pass the same list (shapes and dtypes in the same order) holding
+  /// the same values (the replicas must already be equal, e.g. after parallel::synchronize);
+  /// otherwise every rank raises, naming the first parameter that differs.
   ZeroRedundancyOptimizer(std::vector<Tensor> params, const OptimizerFactory& make_optimizer,
-                          const std::optional<dist::Group>& group = std::nullopt);
+                          const std::optional<dist::Group>& group = std::nullopt,
+                          ZeroOptions options = {});
   /// Averages the gradients (reduce-scatter), steps this rank's slice, gathers the parameters.
   /// A parameter without a gradient takes part with zeros. A parameter changed in place since
   /// the last step (its version moved: a checkpoint loaded into the model, for one) is read
   /// into the slice first, so loading the model and shard_optimizer()'s state resumes exactly.
-  /// Collective.
-  void step();
+  /// Returns false, on every rank alike, when check_finite skipped the step. Collective.
+  bool step();
   void zero_grad(bool set_to_none = true);
   /// The optimizer of this rank's slice (for schedules: set_lr; for sharded checkpoints: the
   /// TrainingState's optimizer).
@@ -42,6 +51,7 @@ class ZeroRedundancyOptimizer {
  private:
   std::vector<Tensor> params_;
   dist::Group group_;
+  ZeroOptions options_;
   int64_t total_ = 0;
   Tensor flat_params_;  // every parameter, flattened and padded to a multiple of the group size
   Tensor shard_;        // this rank's slice of flat_params_, the leaf its optimizer updates

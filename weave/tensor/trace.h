@@ -3,7 +3,7 @@
 // bytes and group) as Chrome trace / Perfetto JSON, one file per rank.
 //
 //   WEAVE_TRACE=trace.json mpirun -np 2 ./train      # trace.rank0.json, trace.rank1.json
-//   python3 scripts/merge-traces.py trace.rank*.json > trace.json   # one timeline
+//   weave_trace_merge trace.rank*.json > trace.json   # one timeline
 //
 // Open the file in https://ui.perfetto.dev or chrome://tracing: one process per rank, one
 // track per thread (the main thread's ops and backward, each group's communication worker).

@@ -1,0 +1,340 @@
+// Training that cannot go silently wrong: a backward that fails or is skipped on one rank, a
+// parameter without gradient on one rank, non-finite gradients, buffers updated in forward,
+// parameter lists that differ between ranks. Each case compares with one process training on
+// the stacked batches (skipping what every rank skipped), or checks the error on every rank.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <memory>
+#include <new>
+#include <string>
+
+#include "helpers.h"
+#include "weave/weave.h"
+
+using namespace weave;
+using parallel::DistributedDataParallel;
+
+namespace {
+
+constexpr int64_t kRows = 4;  // per rank
+
+// Fails on purpose in backward while armed (a gradient hook, a custom Function, an allocation).
+bool armed = false;
+
+struct ThrowInBackward : autograd::Function<ThrowInBackward> {
+  static Tensor forward(autograd::FunctionContext&, const Tensor& x) { return x * 1.0; }
+  static std::vector<Tensor> backward(autograd::FunctionContext&, const std::vector<Tensor>& g) {
+    if (armed) throw std::bad_alloc();  // not a weave::Error: any exception type must do
+    return {g[0]};
+  }
+};
+
+// A layer that passes its input through the throwing Function.
+struct Tripwire : nn::Module {
+  Tripwire() : Module("Tripwire") {}
+  Tensor forward(const Tensor& x) override { return ThrowInBackward::apply(x); }
+};
+
+std::shared_ptr<nn::Sequential> make_model(uint64_t seed) {
+  manual_seed(seed);
+  auto model = std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+      std::make_shared<nn::Linear>(5, 7), nn::Tanh(), std::make_shared<nn::Linear>(7, 6),
+      std::make_shared<Tripwire>(), nn::Tanh(), std::make_shared<nn::Linear>(6, 3)});
+  model->to(kFloat64);
+  return model;
+}
+
+std::pair<Tensor, Tensor> global_batch(int step) {
+  Generator g(777 + uint64_t(step));
+  const int64_t rows = kRows * dist::world_size();
+  return {randn({rows, 5}, {.dtype = kFloat64}, &g), randn({rows, 3}, {.dtype = kFloat64}, &g)};
+}
+Tensor mine(const Tensor& t) {
+  return t.narrow(0, dist::rank() * kRows, kRows);
+}
+
+// One process, SGD on the mean loss of the stacked batches, skipping `skipped`.
+std::vector<Tensor> reference_params(int steps, int skipped, double lr) {
+  auto model = make_model(0);
+  optim::SGD sgd(model->parameters(), {.lr = lr});
+  for (int step = 0; step < steps; ++step) {
+    if (step == skipped) continue;
+    auto [x, y] = global_batch(step);
+    sgd.zero_grad();
+    mse_loss((*model)(x), y).backward();
+    sgd.step();
+  }
+  return model->parameters();
+}
+
+void check_params(nn::Module& model, const std::vector<Tensor>& expected) {
+  auto params = model.parameters();
+  REQUIRE(params.size() == expected.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    CAPTURE(i);
+    CHECK(allclose(params[i], expected[i], 1e-11, 1e-13));
+  }
+}
+
+enum class Where { LossHook, MiddleFunction, LeafHook, SkippedBackward };
+const char* name_of(Where w) {
+  switch (w) {
+    case Where::LossHook:
+      return "a hook on the output, before any parameter's gradient";
+    case Where::MiddleFunction:
+      return "a custom Function between layers, after some buckets launched";
+    case Where::LeafHook:
+      return "a hook on the first layer's weight, the last gradient";
+    case Where::SkippedBackward:
+      return "a rank that skips its backward";
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_SUITE("robust") {
+  TEST_CASE("a backward that fails or is skipped on one rank: every rank skips that step") {
+    const int n = dist::world_size(), failing = n - 1, steps = 6;
+    const double lr = 0.1;
+    for (Where where :
+         {Where::LossHook, Where::MiddleFunction, Where::LeafHook, Where::SkippedBackward}) {
+      for (int fail_step : {0, 2}) {  // the first (tracing) backward, and a later one
+        for (double bucket_mb : {1e-9, 25.0}) {
+          CAPTURE(name_of(where));
+          CAPTURE(fail_step);
+          CAPTURE(bucket_mb);
+          // Every rank starts elsewhere; DDP broadcasts rank 0's model.
+          auto model = make_model(dist::rank() == 0 ? 0 : 11 + uint64_t(dist::rank()));
+          DistributedDataParallel ddp(*model,
+                                      {.first_bucket_mb = bucket_mb, .bucket_mb = bucket_mb});
+          optim::SGD sgd(model->parameters(), {.lr = lr});
+          bool leaf_armed = false;
+          HookHandle leaf_hook =
+              model->parameters()[0].register_post_accumulate_grad_hook([&leaf_armed](Tensor&) {
+                if (leaf_armed) throw Error("[test] the first layer's hook failed on purpose");
+              });
+          std::string message;
+          int raised = 0;
+          for (int step = 0; step < steps; ++step) {
+            const bool here = step == fail_step && dist::rank() == failing;
+            auto [x, y] = global_batch(step);
+            sgd.zero_grad();
+            try {
+              Tensor out = ddp(mine(x));
+              if (here && where == Where::LossHook)
+                out.register_hook([](const Tensor&) -> Tensor {
+                  throw Error("[test] the output's hook failed on purpose");
+                });
+              Tensor loss = mse_loss(out, mine(y));
+              if (here && where == Where::SkippedBackward) continue;
+              armed = here && where == Where::MiddleFunction;
+              leaf_armed = here && where == Where::LeafHook;
+              loss.backward();
+              sgd.step();
+            } catch (const std::exception& e) {
+              ++raised;
+              message = e.what();
+            }
+            armed = leaf_armed = false;
+          }
+          leaf_hook.remove();
+          // Every rank trained as one process that skipped that batch.
+          check_params(*model, reference_params(steps, fail_step, lr));
+          if (dist::rank() == failing) {
+            if (where == Where::SkippedBackward) {
+              CHECK(raised == 0);  // it chose to skip: nothing to report to itself
+            } else {
+              CHECK(raised == 1);
+              CHECK_MESSAGE(
+                  message.find(where == Where::MiddleFunction ? "bad_alloc" : "on purpose") !=
+                      std::string::npos,
+                  message);
+            }
+          } else {
+            CHECK(raised == 1);
+            CHECK_MESSAGE(message.find("failed or skipped backward in step " +
+                                       std::to_string(fail_step)) != std::string::npos,
+                          message);
+          }
+          CHECK(ddp.stats().failed_steps == 1);
+          CHECK(ddp.stats().steps == steps);
+        }
+      }
+    }
+  }
+
+  TEST_CASE("a parameter without gradient on one rank raises on every rank, not just there") {
+    if (dist::world_size() < 2) return;
+    struct Branchy : nn::Module {
+      std::shared_ptr<nn::Linear> a, c;
+      Branchy() : Module("Branchy") {
+        manual_seed(5);
+        a = register_module("a", std::make_shared<nn::Linear>(5, 3));
+        c = register_module("c", std::make_shared<nn::Linear>(5, 3));
+        to(kFloat64);
+      }
+      Tensor forward(const Tensor& x) override {
+        Tensor y = (*a)(x);
+        if (dist::rank() == 0) y = y + (*c)(x);  // c gets no gradient on the other ranks
+        return y;
+      }
+    };
+    Branchy model;
+    DistributedDataParallel ddp(model);
+    for (int step = 0; step < 2; ++step) {  // the tracing backward and a later one
+      CAPTURE(step);
+      auto [x, y] = global_batch(step);
+      const std::string message = test::error_of([&] {
+        model.zero_grad();
+        mse_loss(ddp(mine(x)), mine(y)).backward();
+      });
+      if (dist::rank() == 0)
+        CHECK_MESSAGE(message.find("rank(s) of group") != std::string::npos, message);
+      else
+        CHECK_MESSAGE(
+            message.find("got no gradient in this backward: [\"c.weight\", \"c.bias\"]") !=
+                std::string::npos,
+            message);
+    }
+  }
+
+  TEST_CASE("check_finite: a NaN in one rank's batch raises on every rank; skipping recovers") {
+    const int n = dist::world_size(), poisoned = n - 1, steps = 4;
+    const double lr = 0.1;
+    auto model = make_model(0);
+    DistributedDataParallel ddp(*model, {.check_finite = true});
+    optim::SGD sgd(model->parameters(), {.lr = lr});
+    int raised = 0;
+    for (int step = 0; step < steps; ++step) {
+      auto [x, y] = global_batch(step);
+      Tensor input = mine(x).clone();
+      if (step == 1 && dist::rank() == poisoned) input.narrow(0, 0, 1).fill_(std::nan(""));
+      sgd.zero_grad();
+      const std::string message = test::error_of([&] {
+        mse_loss(ddp(input), mine(y)).backward();
+        sgd.step();
+      });
+      CHECK(ddp.gradients_finite() == (step != 1));
+      if (step == 1) {
+        ++raised;
+        CHECK_MESSAGE(message.find("hold NaN or infinity (first in ") != std::string::npos,
+                      message);
+      } else {
+        CHECK(message.empty());
+      }
+    }
+    CHECK(raised == 1);
+    check_params(*model, reference_params(steps, 1, lr));
+  }
+
+  TEST_CASE("DDP broadcasts buffers that forward updates, before every training forward") {
+    // A running statistic updated from each rank's own batch, as batch norm does.
+    struct Running : nn::Module {
+      std::shared_ptr<nn::Linear> fc;
+      Tensor seen;  // the statistic as forward found it
+      Running() : Module("Running") {
+        manual_seed(1);
+        fc = register_module("fc", std::make_shared<nn::Linear>(5, 3));
+        register_buffer("mean", zeros({5}, {.dtype = kFloat32}));
+        to(kFloat64);
+      }
+      Tensor forward(const Tensor& x) override {
+        Tensor stat = named_buffers().front().second;  // a handle: updates land in the buffer
+        seen = stat.clone();
+        stat.mul_(0.5).add_(weave::mean(x.detach(), {0}) * 0.5);
+        return (*fc)(x);
+      }
+    };
+    const int n = dist::world_size();
+    for (bool broadcast : {true, false}) {
+      CAPTURE(broadcast);
+      Running model;
+      DistributedDataParallel ddp(model, {.broadcast_buffers = broadcast});
+      Tensor expected;  // rank 0's statistic, computed here from its batches
+      for (int step = 0; step < 3; ++step) {
+        auto [x, y] = global_batch(step);
+        model.zero_grad();
+        mse_loss(ddp(mine(x)), mine(y)).backward();
+        Tensor all = empty({n, 5}, {.dtype = kFloat64});
+        dist::all_gather(all, model.seen.unsqueeze(0));
+        bool same = true;
+        for (int r = 1; r < n; ++r) same = same && equal(all.select(0, r), all.select(0, 0));
+        if (broadcast || step == 0 || n == 1)
+          CHECK(same);
+        else
+          CHECK_FALSE(same);  // without the broadcast the replicas drift apart
+      }
+      // Evaluation under NoGradGuard does not broadcast (one rank may evaluate alone).
+      if (dist::rank() == 0) {
+        NoGradGuard no_grad;
+        ddp(mine(global_batch(9).first));
+      }
+    }
+  }
+
+  TEST_CASE("ZeRO and DistributedOptimizer check their parameters across ranks") {
+    if (dist::world_size() < 2) return;
+    auto model = make_model(0);
+    std::vector<Tensor> params = model->parameters();
+    // Same shapes, same total size, another order on rank 1: the weights of two layers of one
+    // shape would silently swap; here the two biases [7] and [6] and a swap of equal shapes.
+    std::vector<Tensor> reordered = params;
+    if (dist::rank() == 1) std::swap(reordered[0], reordered[2]);
+    const std::string zero_error = test::error_of([&] {
+      parallel::ZeroRedundancyOptimizer zero(reordered, [](std::vector<Tensor> shard) {
+        return std::make_unique<optim::SGD>(std::move(shard), optim::SGDOptions{.lr = 0.1});
+      });
+    });
+    CHECK_MESSAGE(zero_error.find("[ZeroRedundancyOptimizer] ranks disagree on the parameters: "
+                                  "entry 0") != std::string::npos,
+                  zero_error);
+    optim::SGD sgd(reordered, {.lr = 0.1});
+    const std::string dist_error =
+        test::error_of([&] { parallel::DistributedOptimizer wrapped(sgd); });
+    CHECK_MESSAGE(dist_error.find("[DistributedOptimizer] ranks disagree on the parameters") !=
+                      std::string::npos,
+                  dist_error);
+    // Same shapes in the same order but different values (replicas never synchronized).
+    auto other = make_model(uint64_t(dist::rank()));
+    const std::string value_error = test::error_of([&] {
+      parallel::ZeroRedundancyOptimizer zero(other->parameters(), [](std::vector<Tensor> shard) {
+        return std::make_unique<optim::SGD>(std::move(shard), optim::SGDOptions{.lr = 0.1});
+      });
+    });
+    CHECK_MESSAGE(value_error.find("values differ") != std::string::npos, value_error);
+  }
+
+  TEST_CASE("DistributedOptimizer and ZeRO with check_finite skip the step on every rank") {
+    const int n = dist::world_size(), poisoned = n - 1, steps = 4;
+    const double lr = 0.1;
+    for (bool zero : {false, true}) {
+      CAPTURE(zero);
+      auto model = make_model(0);
+      optim::SGD sgd(model->parameters(), {.lr = lr});
+      parallel::DistributedOptimizer dist_opt(sgd, {.check_finite = true});
+      std::unique_ptr<parallel::ZeroRedundancyOptimizer> zero_opt;
+      if (zero)
+        zero_opt = std::make_unique<parallel::ZeroRedundancyOptimizer>(
+            model->parameters(),
+            [lr](std::vector<Tensor> shard) {
+              return std::make_unique<optim::SGD>(std::move(shard), optim::SGDOptions{.lr = lr});
+            },
+            std::nullopt, parallel::ZeroOptions{.check_finite = true});
+      int skipped = 0;
+      for (int step = 0; step < steps; ++step) {
+        auto [x, y] = global_batch(step);
+        Tensor input = mine(x).clone();
+        if (step == 2 && dist::rank() == poisoned) input.narrow(0, 1, 1).fill_(INFINITY);
+        model->zero_grad();
+        mse_loss((*model)(input), mine(y)).backward();
+        const bool stepped = zero ? zero_opt->step() : dist_opt.step();
+        skipped += stepped ? 0 : 1;
+        CHECK(stepped == (step != 2));
+      }
+      CHECK(skipped == 1);
+      check_params(*model, reference_params(steps, 2, lr));
+    }
+  }
+}

@@ -1,0 +1,78 @@
+// Collective comparison of what every rank must hold alike.
+#include "weave/parallel/agree.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "weave/data/safetensors.h"
+
+namespace weave::parallel::detail {
+
+namespace {
+
+// Every rank's lines, gathered as one '\n'-joined byte string per rank.
+std::vector<std::vector<std::string>> gather_lines(const std::vector<std::string>& lines,
+                                                   const dist::Group& group) {
+  std::string text;
+  for (const std::string& line : lines) text += line + '\n';
+  Tensor bytes = empty({int64_t(text.size())}, {.dtype = kUInt8});
+  if (!text.empty()) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  Tensor lengths = empty({group.size()}, {.dtype = kInt64});
+  dist::all_gather(lengths, full({1}, double(text.size()), {.dtype = kInt64}), group);
+  Tensor all = dist::all_gather_uneven(bytes, group);
+  std::vector<std::vector<std::string>> per_rank;
+  const auto* data = static_cast<const char*>(all.data_ptr());
+  int64_t offset = 0;
+  for (int64_t length : lengths.to_vector<int64_t>()) {
+    std::vector<std::string> rank_lines;
+    std::string rank_text(data + offset, data + offset + length);
+    offset += length;
+    for (size_t start = 0; start < rank_text.size();) {
+      size_t end = rank_text.find('\n', start);
+      rank_lines.push_back(rank_text.substr(start, end - start));
+      start = end + 1;
+    }
+    per_rank.push_back(std::move(rank_lines));
+  }
+  return per_rank;
+}
+
+}  // namespace
+
+void check_same_lines(const std::vector<std::string>& lines, const dist::Group& group,
+                      const char* op, const std::string& what, const std::string& hint) {
+  const auto all = gather_lines(lines, group);
+  const auto& first = all[0];
+  for (size_t r = 1; r < all.size(); ++r) {
+    const auto& theirs = all[r];
+    for (size_t i = 0; i < std::max(first.size(), theirs.size()); ++i) {
+      const std::string a = i < first.size() ? first[i] : "nothing";
+      const std::string b = i < theirs.size() ? theirs[i] : "nothing";
+      WEAVE_CHECK(a == b, op,
+                  "ranks disagree on {}: entry {} is '{}' on rank {} but '{}' on rank {}; hint: {}",
+                  what, i, a, group.global_rank(0), b, group.global_rank(int(r)), hint);
+    }
+  }
+}
+
+std::vector<std::string> describe_tensors(const std::vector<Tensor>& tensors,
+                                          const std::vector<std::string>& names) {
+  std::vector<std::string> lines;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    const std::string name = i < names.size() ? names[i] : std::to_string(i);
+    lines.push_back(t.defined() ? fmt::format("parameter {} {} {}", name, t.dtype(), t.shape())
+                                : fmt::format("parameter {} undefined", name));
+  }
+  return lines;
+}
+
+std::vector<std::string> describe_values(const std::vector<Tensor>& tensors) {
+  std::vector<std::string> lines;
+  for (size_t i = 0; i < tensors.size(); ++i)
+    lines.push_back(fmt::format("parameter {} crc32 {:08x}", i,
+                                tensors[i].defined() ? data::checksum(tensors[i]) : 0u));
+  return lines;
+}
+
+}  // namespace weave::parallel::detail
