@@ -185,7 +185,8 @@ TEST_SUITE("robust") {
     DistributedDataParallel ddp(model);
     for (int step = 0; step < 2; ++step) {  // the tracing backward and a later one
       CAPTURE(step);
-      auto [x, y] = global_batch(step);
+      const auto batch = global_batch(step);  // (clang 14 cannot capture bindings)
+      const Tensor x = batch.first, y = batch.second;
       const std::string message = test::error_of([&] {
         model.zero_grad();
         mse_loss(ddp(mine(x)), mine(y)).backward();
@@ -208,7 +209,8 @@ TEST_SUITE("robust") {
     optim::SGD sgd(model->parameters(), {.lr = lr});
     int raised = 0;
     for (int step = 0; step < steps; ++step) {
-      auto [x, y] = global_batch(step);
+      const auto batch = global_batch(step);  // (clang 14 cannot capture bindings)
+      const Tensor x = batch.first, y = batch.second;
       Tensor input = mine(x).clone();
       if (step == 1 && dist::rank() == poisoned) input.narrow(0, 0, 1).fill_(std::nan(""));
       sgd.zero_grad();
