@@ -181,6 +181,8 @@ TEST_SUITE("sharded_checkpoint") {
     CHECK_MESSAGE(error.find("ranks disagree on the checkpoint directory") != std::string::npos,
                   error);
     auto fresh = make_model();
+    fresh->parameters()[0].detach().fill_(0.0);  // only the load can bring the saved values back
+    CHECK_FALSE(equal(fresh->parameters()[0], model->parameters()[0]));
     data::TrainingState into{.model = fresh.get()};
     parallel::load_sharded_checkpoint(dir, into);  // generation 1, whole
     CHECK(equal(fresh->parameters()[0], model->parameters()[0]));

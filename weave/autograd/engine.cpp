@@ -247,6 +247,10 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
   // Keeps nodes alive while they run even if the last tensor holding them goes away.
   std::vector<std::shared_ptr<Node>> keep_alive(root_nodes);
   std::unordered_map<Node*, bool> executed;
+  auto forget_executed = [&] {
+    std::erase_if(must_run_nodes,
+                  [&](const MustRun& m) { return executed.count(m.node.get()) > 0; });
+  };
   try {
     while (!ready.empty()) {
       Node* node = ready.top().node;
@@ -292,13 +296,12 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       }
     }
   } catch (...) {
-    std::erase_if(must_run_nodes,
-                  [&](const MustRun& m) { return executed.count(m.node.get()) > 0; });
+    forget_executed();  // the nodes that ran did communicate; the rest stay pending
     run_failed_callbacks(0);
     throw;
   }
   running_node_name.clear();
-  std::erase_if(must_run_nodes, [&](const MustRun& m) { return executed.count(m.node.get()) > 0; });
+  forget_executed();
   ++backward_era;
 
   // Callbacks may queue further callbacks; run until none are left. One that raises ends the

@@ -287,8 +287,11 @@ bool all_finite(const Tensor& x) {
   check_defined(x, "all_finite");
   if (!is_floating(x.dtype()) || x.numel() == 0) return true;
   NoGradGuard no_grad;
-  // 0 * x is 0 for finite x and NaN otherwise, and a sum of zeros cannot overflow.
-  return std::isfinite(sum(x.detach() * 0.0).item<double>());
+  // A finite sum means every element is finite (NaN and inf propagate): one pass, no temporary.
+  if (std::isfinite(sum(x.detach()).to(kFloat64).item<double>())) return true;
+  // The sum may have overflowed: 0 * x is 0 for finite x and NaN otherwise, and a sum of zeros
+  // cannot overflow.
+  return std::isfinite(sum(x.detach() * 0.0).to(kFloat64).item<double>());
 }
 
 // ---- scalars and operators --------------------------------------------------------------

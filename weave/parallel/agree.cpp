@@ -55,14 +55,12 @@ void check_same_lines(const std::vector<std::string>& lines, const dist::Group& 
   }
 }
 
-std::vector<std::string> describe_tensors(const std::vector<Tensor>& tensors,
-                                          const std::vector<std::string>& names) {
+std::vector<std::string> describe_tensors(const std::vector<Tensor>& tensors) {
   std::vector<std::string> lines;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    const std::string name = i < names.size() ? names[i] : std::to_string(i);
-    lines.push_back(t.defined() ? fmt::format("parameter {} {} {}", name, t.dtype(), t.shape())
-                                : fmt::format("parameter {} undefined", name));
+    lines.push_back(t.defined() ? fmt::format("parameter {} {} {}", i, t.dtype(), t.shape())
+                                : fmt::format("parameter {} undefined", i));
   }
   return lines;
 }

@@ -15,9 +15,8 @@ namespace weave::parallel::detail {
 void check_same_lines(const std::vector<std::string>& lines, const dist::Group& group,
                       const char* op, const std::string& what, const std::string& hint);
 
-/// "parameter 3 float32 [4, 5]" for each tensor (named by `names` where given).
-std::vector<std::string> describe_tensors(const std::vector<Tensor>& tensors,
-                                          const std::vector<std::string>& names = {});
+/// "parameter 3 float32 [4, 5]" for each tensor.
+std::vector<std::string> describe_tensors(const std::vector<Tensor>& tensors);
 /// "parameter 3 crc32 1a2b3c4d": each tensor's values, as a checksum of its bytes.
 std::vector<std::string> describe_values(const std::vector<Tensor>& tensors);
 

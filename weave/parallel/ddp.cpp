@@ -10,6 +10,7 @@
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
+#include "weave/optim/optimizer.h"
 #include "weave/parallel/agree.h"
 #include "weave/parallel/buckets.h"
 
@@ -155,12 +156,6 @@ struct DistributedDataParallel::State {
     b.launched = true;
   }
 
-  // The status words of the last bucket (in the wire's dtype: what the ranks averaged).
-  Tensor status_words() const {
-    const Tensor& wire = buckets.back().wire;
-    return wire.narrow(0, wire.numel() - kStatusWords, kStatusWords);
-  }
-
   void build_buckets(const std::vector<int>& order) {
     for (const auto& members :
          detail::cut_buckets(order, params, options.first_bucket_mb, options.bucket_mb)) {
@@ -199,13 +194,6 @@ struct DistributedDataParallel::State {
     return unused;
   }
 
-  // Discards this step's gradients (zeroes them) on a step some rank failed.
-  void discard_gradients() {
-    NoGradGuard no_grad;
-    for (Tensor& p : params)
-      if (p.grad().defined()) p.grad().zero_();
-  }
-
   // Ends a synchronizing step on this rank, in step with the group: launches what is left,
   // waits for every bucket, learns every rank's status from the status words and acts on it
   // alike everywhere. `failed`: this rank's backward unwound (or, from forward, never ran).
@@ -216,39 +204,32 @@ struct DistributedDataParallel::State {
     in_backward = false;
     forward_pending = false;
     const int64_t step = stats.steps++;
-    const bool first = !traced;
-    const bool has_unused = !failed && !unused_names().empty();
+    const bool has_unused = !failed && ready_count < int64_t(params.size());
     int64_t failed_ranks = 0, unused_ranks = 0;
-    if (first) {
+    if (!traced) {
       // Every rank must cut the same buckets, or their all_reduces would not pair up: all take
       // the first rank's order, agreeing on the statuses in the same round.
       bool differs = false;
       std::vector<int64_t> flags = {failed ? 1 : 0, has_unused ? 1 : 0};
       const std::vector<int> order = detail::agree_on_order(failed ? std::vector<int>{} : trace,
                                                             params.size(), group, differs, &flags);
+      trace.clear();
       failed_ranks = flags[kFailed];
       unused_ranks = flags[kUnused];
-      trace.clear();
-      if (failed_ranks > 0) {
-        discard_gradients();  // stays untraced: the next backward traces again
-        ++stats.failed_steps;
-        if (failed) return;
-        fail_after_peer(step, failed_ranks);
+      if (failed_ranks == 0) {
+        if (differs && !options.find_unused_parameters) {
+          check_used(unused_ranks, has_unused);  // the likely cause, named where a rank has it
+          WEAVE_FAIL("DistributedDataParallel",
+                     "ranks produced gradients in different orders in the first backward, so "
+                     "their buckets would differ; hint: every rank must run the same model code "
+                     "on inputs of the same structure, or construct with "
+                     "{{.find_unused_parameters = true}}");
+        }
+        build_buckets(order);
+        for (size_t i = 0; i < params.size(); ++i) into_bucket(int(i));
+        while (next_launch < buckets.size()) launch(buckets[next_launch++]);
+        wait_all();
       }
-      if (differs && !options.find_unused_parameters) {
-        check_used(unused_ranks, has_unused);  // the likely cause, named where a rank has it
-        WEAVE_FAIL("DistributedDataParallel",
-                   "ranks produced gradients in different orders in the first backward, so "
-                   "their buckets would differ; hint: every rank must run the same model code "
-                   "on inputs of the same structure, or construct with "
-                   "{{.find_unused_parameters = true}}");
-      }
-      build_buckets(order);
-      for (size_t i = 0; i < params.size(); ++i) into_bucket(int(i));
-      for (Bucket& b : buckets) b.pending = 0;
-      next_launch = 0;
-      while (next_launch < buckets.size()) launch(buckets[next_launch++]);
-      wait_all();
     } else {
       // Parameters without a gradient from this backward keep what they accumulated (no_sync
       // micro-batches) or contribute zeros; then every bucket is complete.
@@ -256,26 +237,27 @@ struct DistributedDataParallel::State {
         if (!ready[i]) into_bucket(int(i));
       for (Bucket& b : buckets) b.pending = 0;
       launch_ready();
-      {
-        NoGradGuard no_grad;
-        Tensor words = buckets.back().buffer.narrow(0, buckets.back().buffer.numel() - kStatusWords,
-                                                    kStatusWords);
-        words.copy_(from_vector<double>({failed ? 1.0 : 0.0, has_unused ? 1.0 : 0.0})
-                        .to(words.dtype())
-                        .to(words.device()));
-      }
+      Tensor words = buckets.back().buffer.narrow(0, buckets.back().buffer.numel() - kStatusWords,
+                                                  kStatusWords);
+      words.narrow(0, kFailed, 1).fill_(failed ? 1.0 : 0.0);
+      words.narrow(0, kUnused, 1).fill_(has_unused ? 1.0 : 0.0);
       launch(buckets[next_launch++]);
       wait_all();
       // The average of 0/1 words times the group size counts the ranks that set them.
-      const std::vector<double> averaged = status_words().to(kFloat64).cpu().to_vector<double>();
+      const std::vector<double> averaged = words.to(kFloat64).cpu().to_vector<double>();
       failed_ranks = std::llround(averaged[kFailed] * group.size());
       unused_ranks = std::llround(averaged[kUnused] * group.size());
-      if (failed_ranks > 0) {
-        discard_gradients();
-        ++stats.failed_steps;
-        if (failed) return;
-        fail_after_peer(step, failed_ranks);
-      }
+    }
+    if (failed_ranks > 0) {  // every rank discards the step (an untraced one traces again)
+      optim::zero_grad(params, /*set_to_none=*/false);
+      ++stats.failed_steps;
+      if (failed) return;  // this rank's own error is the one to report
+      WEAVE_FAIL("DistributedDataParallel",
+                 "{} of the {} ranks of group {} failed or skipped backward in step {} (see "
+                 "their error), so every rank discarded this step's gradients (they are zero); "
+                 "hint: catch this error and go on to the next batch on every rank, as the "
+                 "failing rank does",
+                 failed_ranks, group.size(), group.str(), step);
     }
     stats.unused = unused_names();
     stats.parameters = int64_t(params.size());
@@ -291,15 +273,6 @@ struct DistributedDataParallel::State {
       b.work.wait();
       if (!b.wire.is_same(b.buffer)) b.buffer.copy_(b.wire);
     }
-  }
-
-  [[noreturn]] void fail_after_peer(int64_t step, int64_t failed_ranks) const {
-    WEAVE_FAIL("DistributedDataParallel",
-               "{} of the {} ranks of group {} failed or skipped backward in step {} (see their "
-               "error), so every rank discarded this step's gradients (they are zero); hint: "
-               "catch this error and go on to the next batch on every rank, as the failing rank "
-               "does",
-               failed_ranks, group.size(), group.str(), step);
   }
 
   // Without find_unused_parameters, a parameter without gradient on any rank raises on every

@@ -276,8 +276,7 @@ struct DecentralizedDataParallel::State {
         failed ? std::vector<int>{} : trace, params.size(), dist::world(), differs, &failed_ranks);
     trace.clear();
     if (failed_ranks[0] > 0) {
-      for (const Tensor& p : params)
-        if (p.grad().defined()) p.grad().zero_();
+      optim::zero_grad(params, /*set_to_none=*/false);
       WEAVE_CHECK(failed, "DecentralizedDataParallel",
                   "{} rank(s) failed in the first backward (see their error); no rank stepped",
                   failed_ranks[0]);
