@@ -33,6 +33,16 @@ std::string error_of(F&& call) {
   return "";
 }
 
+/// Checks every parameter of `model` against `expected` (float64 training: to 1e-11 relative).
+inline void check_params(nn::Module& model, const std::vector<Tensor>& expected) {
+  auto params = model.parameters();
+  REQUIRE(params.size() == expected.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    CAPTURE(i);
+    CHECK(allclose(params[i], expected[i], 1e-11, 1e-13));
+  }
+}
+
 inline bool close(const Tensor& a, const Tensor& b, double rtol = 1e-5, double atol = 1e-6) {
   return a.shape() == b.shape() && allclose(a, b, rtol, atol);
 }

@@ -13,6 +13,13 @@
 //   weave_mpi_timeout kill                 SIGKILL
 //   weave_mpi_timeout exit                 exit(1)
 //   weave_mpi_timeout return-early         returns from main (its InitGuard finalizes)
+// and the training faults of the matrix, each ending on every rank within seconds:
+//   weave_mpi_timeout uneven               DDP training, rank 1 has one batch fewer (no join):
+//                                          both ranks report the steps each reached
+//   weave_mpi_timeout uneven-join          the same inside parallel::join(): trains, exit 0
+//   weave_mpi_timeout backward-exception   rank 1's backward throws (uncaught) in step 2
+//   weave_mpi_timeout ddp-unused           rank 1 leaves a parameter without gradient
+//   weave_mpi_timeout pipeline-options     the stages disagree on the number of micro-batches
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -87,6 +94,55 @@ int fault(const std::string& mode) {
   return 0;
 }
 
+// Passes its input on, detached when `cut` (the layers before it get no gradient).
+class CutGradient : public nn::Module {
+ public:
+  explicit CutGradient(bool cut) : nn::Module("CutGradient"), cut_(cut) {}
+  Tensor forward(const Tensor& x) override { return cut_ ? x.detach() : x; }
+
+ private:
+  bool cut_;
+};
+
+// DDP on a small model; rank r trains on 5 - r batches (rank 1 has one fewer), inside join()
+// or not. A backward that throws on rank 1 in step 2 (`throw_in_backward`), or a layer that rank
+// 1 leaves unused (`skip_layer`), are the other faults.
+struct TrainingFault {
+  bool use_join = false, throw_in_backward = false, skip_layer = false;
+};
+
+int train_with_fault(TrainingFault fault) {
+  dist::InitGuard guard;
+  manual_seed(1);
+  auto first = std::make_shared<nn::Linear>(4, 8);
+  const bool faulty = dist::rank() == 1;
+  auto cut = std::make_shared<CutGradient>(fault.skip_layer && faulty);
+  nn::Sequential model{first, cut, nn::Tanh(), std::make_shared<nn::Linear>(8, 2)};
+  parallel::DistributedDataParallel ddp(model);
+  optim::SGD sgd(model.parameters(), {.lr = 0.1});
+  HookHandle hook = first->parameters()[0].register_post_accumulate_grad_hook([&](Tensor&) {
+    if (fault.throw_in_backward && faulty && ddp.stats().steps == 2)
+      WEAVE_FAIL("train", "rank 1's backward failed on purpose in step 2");
+  });
+  auto loop = [&] {
+    const int batches = 5 - dist::rank();
+    for (int step = 0; step < batches; ++step) {
+      Generator g(uint64_t(step) * 10 + uint64_t(dist::rank()));
+      Tensor x = randn({6, 4}, {}, &g), y = randn({6, 2}, {}, &g);
+      sgd.zero_grad(false);
+      mse_loss(ddp(x), y).backward();
+      sgd.step();
+    }
+  };
+  if (fault.use_join)
+    parallel::join({ddp, sgd}, loop);
+  else
+    loop();
+  std::printf("rank %d: trained %lld steps\n", dist::rank(),
+              static_cast<long long>(ddp.stats().steps));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -94,6 +150,19 @@ int main(int argc, char** argv) {
   if (mode.empty() || mode == "skip") return skip_collective();
   if (mode == "exception" || mode == "kill" || mode == "exit" || mode == "return-early")
     return fault(mode);
+  if (mode == "uneven") return train_with_fault({});
+  if (mode == "uneven-join") return train_with_fault({.use_join = true});
+  if (mode == "backward-exception") return train_with_fault({.throw_in_backward = true});
+  if (mode == "ddp-unused") return train_with_fault({.skip_layer = true});
+  if (mode == "pipeline-options") {
+    dist::InitGuard guard;
+    nn::Sequential model;
+    for (int i = 0; i < dist::world_size(); ++i)
+      model.push_back(std::make_shared<nn::Linear>(4, 4));
+    auto stage = parallel::pipeline_stage(model, dist::rank(), dist::world_size());
+    parallel::Pipeline pipe(*stage, {.microbatches = dist::rank() == 1 ? 4 : 2});
+    return 0;
+  }
   dist::InitGuard guard;
   if (mode == "slow-peer") {
     if (dist::rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));

@@ -5,15 +5,19 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <new>
 #include <string>
+
+#include <unistd.h>
 
 #include "helpers.h"
 #include "weave/weave.h"
 
 using namespace weave;
 using parallel::DistributedDataParallel;
+using test::check_params;
 
 namespace {
 
@@ -66,15 +70,6 @@ std::vector<Tensor> reference_params(int steps, int skipped, double lr) {
     sgd.step();
   }
   return model->parameters();
-}
-
-void check_params(nn::Module& model, const std::vector<Tensor>& expected) {
-  auto params = model.parameters();
-  REQUIRE(params.size() == expected.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    CAPTURE(i);
-    CHECK(allclose(params[i], expected[i], 1e-11, 1e-13));
-  }
 }
 
 enum class Where { LossHook, MiddleFunction, LeafHook, SkippedBackward };
@@ -338,5 +333,138 @@ TEST_SUITE("robust") {
       CHECK(skipped == 1);
       check_params(*model, reference_params(steps, 2, lr));
     }
+  }
+
+  TEST_CASE("pipeline argument errors raise on every stage before anything is sent") {
+    const int n = dist::world_size(), me = dist::rank(), last = n - 1;
+    manual_seed(3);
+    nn::Sequential model;
+    for (int i = 0; i < std::max(n, 2); ++i) model.push_back(std::make_shared<nn::Linear>(4, 4));
+    auto stage = parallel::pipeline_stage(model, me, n);
+    auto mse = [](const Tensor& out, const Tensor& y) { return mse_loss(out, y); };
+    // Each case's error on the stage that made it, and on every other stage.
+    auto expect_everywhere = [&](const std::string& message, int culprit, const std::string& own,
+                                 const std::string& others) {
+      CAPTURE(message);
+      CHECK(message.find(me == culprit ? own : others) != std::string::npos);
+    };
+    const std::string rejected = "rejected its arguments";
+    SUBCASE("the stages disagree on micro-batches") {
+      const std::string message = test::error_of(
+          [&] { parallel::Pipeline pipe(*stage, {.microbatches = me == last ? 4 : 2}); });
+      if (n > 1) CHECK(message.find("disagree on microbatches (from 2 to 4") != std::string::npos);
+      if (n == 1) CHECK(message.empty());
+    }
+    SUBCASE("one stage's options are invalid") {
+      const std::string message = test::error_of(
+          [&] { parallel::Pipeline pipe(*stage, {.microbatches = me == last ? 0 : 2}); });
+      expect_everywhere(message, last, "microbatches must be at least 1", rejected);
+    }
+    parallel::Pipeline pipe(*stage, {.microbatches = 2});
+    const Tensor x = ones({4, 4}), y = zeros({4, 4});
+    SUBCASE("a batch that does not divide into micro-batches") {
+      const std::string message = test::error_of([&] { pipe.train_step(ones({3, 4}), y, mse); });
+      expect_everywhere(message, 0, "does not divide into 2 micro-batches", rejected);
+    }
+    SUBCASE("no loss on the last stage") {
+      const std::string message = test::error_of([&] { pipe.train_step(x, y, nullptr); });
+      expect_everywhere(message, last, "the last stage needs a loss function", rejected);
+    }
+    SUBCASE("inputs and targets of different batch sizes") {
+      const std::string message = test::error_of([&] { pipe.train_step(x, zeros({6, 4}), mse); });
+      CHECK(message.find("inputs have batch size 4 but the last stage's targets 6") !=
+            std::string::npos);
+    }
+    // After any of these, the pipeline still trains.
+    Tensor loss = pipe.train_step(x, y, mse);
+    CHECK(loss.defined() == (me == last));
+  }
+
+  TEST_CASE("in a data x tensor mesh, a sampler or wrapper left on the default group raises") {
+    const int n = dist::world_size();
+    if (n < 2 || n % 2 != 0) return;
+    {
+      parallel::ProcessMesh mesh({.data = n / 2, .tensor = 2});
+      auto expect_trap = [](const std::string& message, const char* op) {
+        CAPTURE(message);
+        CHECK(message.find(fmt::format("[{}] no group was given, and a ProcessMesh", op)) !=
+              std::string::npos);
+        CHECK(message.find("mesh.data()") != std::string::npos);
+      };
+      expect_trap(test::error_of([] { parallel::DistributedSampler sampler(100); }),
+                  "DistributedSampler");
+      auto model = make_model(0);
+      expect_trap(test::error_of([&] { DistributedDataParallel ddp(*model); }),
+                  "DistributedDataParallel");
+      expect_trap(test::error_of([&] {
+                    parallel::ZeroRedundancyOptimizer zero(
+                        model->parameters(), [](std::vector<Tensor> shard) {
+                          return std::make_unique<optim::SGD>(std::move(shard),
+                                                              optim::SGDOptions{.lr = 0.1});
+                        });
+                  }),
+                  "ZeroRedundancyOptimizer");
+      // Given the data group, the sampler splits over the data ranks only: both ranks of a
+      // tensor group read the same batches.
+      parallel::DistributedSampler sampler(100, {.seed = 5}, mesh.data());
+      Tensor mine = from_vector(sampler.indices(), {sampler.size()});
+      Tensor theirs = mine.clone();
+      dist::broadcast(theirs, 0, mesh.tensor());
+      CHECK(equal(mine, theirs));
+    }
+    // Without a mesh, the default is the world again.
+    parallel::DistributedSampler sampler(100);
+    CHECK(sampler.size() == (100 + n - 1) / n);
+  }
+
+  TEST_CASE("a training state saved by rank 0 does not restore its data order on another rank") {
+    const int n = dist::world_size();
+    if (n < 2) return;
+    Generator g(4);
+    auto dataset =
+        std::make_shared<data::TensorDataset>(randn({20, 5}, {}, &g), randn({20, 3}, {}, &g));
+    auto make_loader = [&](std::shared_ptr<parallel::DistributedSampler> sampler) {
+      return data::DataLoader(dataset, {.batch_size = 2, .sampler = std::move(sampler)});
+    };
+    auto sampler = std::make_shared<parallel::DistributedSampler>(
+        20, parallel::DistributedSamplerOptions{.seed = 9});
+    sampler->set_epoch(2);
+    data::DataLoader loader = make_loader(sampler);
+    auto batch = loader.begin();
+    *batch;
+    ++batch;  // one batch handed out
+    Tensor pid = full({1}, double(getpid()), {.dtype = kInt64});
+    dist::broadcast(pid, 0);
+    const std::string path = (std::filesystem::temp_directory_path() /
+                              fmt::format("weave_rank0_state_{}.safetensors", pid.item<int64_t>()))
+                                 .string();
+    auto model = make_model(0);
+    data::TrainingState state{.model = model.get(), .loader = &loader};
+    if (dist::rank() == 0) data::save_checkpoint(path, state);
+    dist::barrier();
+    const std::string message = test::error_of([&] { data::load_checkpoint(path, state); });
+    if (dist::rank() == 0) {
+      CHECK(message.empty());
+    } else {
+      CAPTURE(message);
+      CHECK(message.find(fmt::format("was saved by rank 0 of {}", n)) != std::string::npos);
+      CHECK(message.find(fmt::format("on rank {} of {}", dist::rank(), n)) != std::string::npos);
+    }
+    // Saved without the loader, the replicated parts load on every rank; the sampler's own
+    // state (epoch and seed) holds nothing of one rank's, so it carries over too.
+    dist::barrier();
+    data::TrainingState model_only{.model = model.get()};
+    if (dist::rank() == 0) data::save_checkpoint(path, model_only);
+    dist::barrier();
+    CHECK(test::error_of([&] { data::load_checkpoint(path, model_only); }).empty());
+    auto restored = std::make_shared<parallel::DistributedSampler>(20);
+    restored->load_state(sampler->state());
+    CHECK(sampler->state() == "epoch 2 seed 9");
+    CHECK(restored->indices() == sampler->indices());
+    restored->load_state("3");  // the bare epoch older checkpoints wrote
+    CHECK(restored->epoch() == 3);
+    CHECK(!test::error_of([&] { restored->load_state("epoch x"); }).empty());
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove(path);
   }
 }

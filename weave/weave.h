@@ -23,6 +23,7 @@
 #include "weave/parallel/ddp.h"
 #include "weave/parallel/decentralized.h"
 #include "weave/parallel/distributed_optimizer.h"
+#include "weave/parallel/join.h"
 #include "weave/parallel/mesh.h"
 #include "weave/parallel/pipeline.h"
 #include "weave/parallel/tensor_parallel.h"

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "weave/tensor/process.h"
 #include "weave/tensor/random.h"
 
 namespace weave::data {
@@ -43,11 +44,31 @@ nn::NamedTensors under(const SafetensorsFile& contents, const std::string& prefi
   return out;
 }
 
+// A loader whose order is one rank's share of the data (a DistributedSampler) restores only
+// on the rank that saved it: elsewhere it would train this rank on that rank's batches.
+void check_owner(const Metadata& meta, const DataLoader& loader, const std::string& name) {
+  const auto saved = meta.find("weave.rank");
+  if (saved == meta.end()) return;
+  const ProcessPlace place = process_place();
+  const std::string here = fmt::format("{} of {}", place.rank, place.world_size);
+  const auto& sampler = loader.options().sampler;
+  WEAVE_CHECK(saved->second == here || !sampler || !sampler->per_rank(), "load_checkpoint",
+              "{} was saved by rank {}, and its data loader's order is that rank's share of "
+              "the data (a DistributedSampler); restoring it on rank {} would train this rank on "
+              "rank {}'s batches; hint: save one checkpoint per rank "
+              "(parallel::save_sharded_checkpoint), or leave the loader out of a checkpoint shared "
+              "by every rank and call sampler.set_epoch() on each",
+              name, saved->second, here, saved->second);
+}
+
 }  // namespace
 
 SafetensorsFile checkpoint_contents(const TrainingState& state) {
   SafetensorsFile out;
   out.metadata["weave.checkpoint"] = kFormat;
+  const ProcessPlace place = process_place();
+  if (place.world_size > 1)
+    out.metadata["weave.rank"] = fmt::format("{} of {}", place.rank, place.world_size);
   if (state.model)
     for (const auto& [name, t] : state.model->state_dict())
       out.tensors.emplace_back("model/" + name, t);
@@ -133,6 +154,7 @@ void restore_checkpoint(const SafetensorsFile& contents, TrainingState& state,
     loader = {saved["generator"].get<std::string>(), order[0].second.to_vector<int64_t>(),
               saved["position"].get<int64_t>(), saved["sampler"].get<std::string>()};
     state.loader->check_state(loader);
+    check_owner(meta, *state.loader, name);
   }
   std::mt19937_64 generator;
   if (state.default_generator) {

@@ -53,6 +53,9 @@ class Sampler {
   virtual void load_state(const std::string& state) {
     WEAVE_CHECK(state.empty(), "Sampler", "this sampler keeps no state, found '{}'", state);
   }
+  /// True when indices() is this rank's share of the data, different on each rank (a
+  /// DistributedSampler over several replicas): a loader's order then belongs to one rank.
+  virtual bool per_rank() const { return false; }
 };
 
 /// Where a DataLoader stands, for checkpoints: the shuffle generator, the current epoch's order,
@@ -80,6 +83,7 @@ class DataLoader {
   DataLoader(std::shared_ptr<const Dataset> dataset, DataLoaderOptions options);
   /// Number of batches per epoch.
   int64_t size() const;
+  const DataLoaderOptions& options() const { return options_; }
 
   class Iterator {
    public:

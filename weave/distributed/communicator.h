@@ -5,6 +5,9 @@
 // until the operation is complete. Tensor handling, ordering, checks and timeouts live above,
 // in queue.cpp, runtime.cpp and collectives.cpp.
 #include <memory>
+#include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "weave/distributed/types.h"
@@ -77,8 +80,20 @@ void finalize();
 /// Tears the whole job down (MPI_Abort).
 [[noreturn]] void abort_job(int code);
 /// A barrier of the whole world on a communicator of its own (so it can never pair with a
-/// collective a peer is stuck in); false if it did not complete within timeout_ns.
-bool farewell(int64_t timeout_ns);
+/// collective a peer is stuck in); false if it did not complete within timeout_ns, or if a
+/// peer reported (report_waiting) that it waits for this rank in a collective, whose report is
+/// then in *waiting.
+bool farewell(int64_t timeout_ns, std::string* waiting);
+/// Tells every other rank, on that communicator, that this rank is leaving, with `notice`
+/// (what it issued on each group). Completed by finish_leaving().
+void announce_leaving(const std::vector<int64_t>& notice);
+/// A leaving notice from another rank, if one has arrived: its rank and contents.
+std::optional<std::pair<int, std::vector<int64_t>>> poll_leaving();
+/// Receives the notices of every rank not yet polled (`polled` of them were) and completes this
+/// rank's own; after farewell() succeeded, so every rank has sent one.
+void finish_leaving(int polled);
+/// Tells leaving rank `rank` why this rank waits for it (what farewell() reports there).
+void report_waiting(int rank, const std::string& report);
 }  // namespace mpi
 
 /// What the NCCL backend (or its stub) provides.

@@ -128,6 +128,13 @@ class Work {
   std::shared_ptr<State> state_;
 };
 
+/// Numbers the training step this rank is in on the group (-1: none). Every later collective on
+/// the group carries the number and the guard compares it, so ranks in different steps raise
+/// at once instead of pairing equal-shaped collectives across iterations; a rank that calls
+/// finalize() while a peer waits for it reports the steps of both. The data-parallel wrappers
+/// number their steps themselves; a hand-written loop may do the same.
+void set_step(const Group& group, int64_t step);
+
 /// Returns once every rank of the group has reached it (after the group's earlier collectives).
 void barrier(const Group& group = world());
 

@@ -35,6 +35,7 @@ std::string describe(const Fingerprint& f) {
     if (f.wire == static_cast<int32_t>(DeviceType::CUDA)) text += ", via NCCL";
     text += ")";
   }
+  if (f.step >= 0) return fmt::format("{} #{} in step {}", text, f.sequence, f.step);
   return fmt::format("{} #{}", text, f.sequence);
 }
 
@@ -65,6 +66,7 @@ std::vector<std::string> differences(const Fingerprint& a, const Fingerprint& b)
   note(a.root != b.root, "root");
   note(a.reduce_op != b.reduce_op, "reduce op");
   note(a.extra != b.extra, "group ranks");
+  note(a.step != b.step, "training step (dist::set_step)");
   // Only two calls that both move tensors can differ in transport (a call without a tensor,
   // such as a barrier or a failed call's report, has none).
   note(a.wire != b.wire && a.ndim >= 0 && b.ndim >= 0, "transport (NCCL vs MPI)");
@@ -89,6 +91,7 @@ uint64_t call_hash(const Fingerprint& f) {
   for (int i = 0; i < std::max(f.ndim, 0); ++i) mix(f.dims[i]);
   mix(f.extra);
   mix(f.wire);
+  mix(f.step);
   return h;
 }
 

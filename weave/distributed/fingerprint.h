@@ -50,9 +50,12 @@ struct Fingerprint {
   /// 1 when this rank's call failed its own checks: instead of running it, the rank joins the
   /// agreement step with this set, so the others raise instead of waiting for it.
   int32_t failed = 0;
+  /// The training step the group is in on this rank (dist::set_step; -1: not numbered). Two
+  /// steps' collectives of equal shapes would otherwise pair silently across iterations.
+  int64_t step = -1;
 };
 
-/// "all_reduce(float32 [4, 5]) #3"; "broadcast(float32 [8], root 0, via NCCL) #4"
+/// "all_reduce(float32 [4, 5]) #3"; "broadcast(float32 [8], root 0, via NCCL) #4 in step 7"
 std::string describe(const Fingerprint& f);
 /// The trace event arguments of a call: "call", "group" and "bytes" (per rank).
 std::string trace_args(const Fingerprint& f, const std::vector<int>& ranks);

@@ -72,4 +72,8 @@ std::string Group::str() const {
   return fmt::format("[{}]", fmt::join(impl_->ranks, ", "));
 }
 
+void set_step(const Group& group, int64_t step) {
+  group.impl()->step.store(step, std::memory_order_relaxed);
+}
+
 }  // namespace weave::dist

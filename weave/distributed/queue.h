@@ -59,7 +59,10 @@ struct Group::Impl {
   detail::Communicator* route(const Tensor& t) const {
     return t.device().is_cuda() && device_comm ? device_comm.get() : comm.get();
   }
-  bool finished = false;                   // finalize() ran: the communicators are gone
+  bool finished = false;  // finalize() ran: the communicators are gone
+  /// The same on every rank: new_group runs on every rank in one order (the world is 0).
+  int64_t id = 0;
+  std::atomic<int64_t> step{-1};           // dist::set_step's number, copied into each call
   std::atomic<uint64_t> next_sequence{0};  // collectives issued (caller side, program order)
   std::atomic<std::thread::id> issuer{};   // the thread inside issue() now, if any
 

@@ -11,6 +11,7 @@
 #include <numeric>
 
 #include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/process.h"
 
 namespace weave::dist {
 
@@ -36,20 +37,28 @@ std::shared_ptr<Group::Impl> make_group(std::vector<int> ranks,
   auto it = std::find(impl->ranks.begin(), impl->ranks.end(), r.rank);
   impl->my_rank = it == impl->ranks.end() ? -1 : static_cast<int>(it - impl->ranks.begin());
   impl->comm = std::move(comm);
+  impl->id = r.next_group_id++;
   std::lock_guard lock(r.groups_mutex);
   r.groups.push_back(impl);
   return impl;
 }
 
-void tear_down_after_timeout(const std::string& what) {
-  Runtime& r = runtime();
-  std::fprintf(stderr,
-               "[weave] rank %d: %s did not complete within %g s (WEAVE_TIMEOUT_S); a rank "
-               "of the group probably skipped it or is stuck; tearing the job down\n",
-               r.rank, what.c_str(), r.timeout_s);
+void report(const std::string& what) {
+  std::fprintf(stderr, "[weave] rank %d: %s\n", runtime().rank, what.c_str());
   std::fflush(stderr);
-  if (r.uses_mpi) detail::mpi::abort_job(1);
+}
+
+void tear_down(const std::string& why) {
+  report(fmt::format("{}; tearing the job down", why));
+  if (runtime().uses_mpi) detail::mpi::abort_job(1);
   std::_Exit(1);
+}
+
+void tear_down_after_timeout(const std::string& what) {
+  tear_down(
+      fmt::format("{} did not complete within {} s (WEAVE_TIMEOUT_S); a rank of the group "
+                  "probably skipped it or is stuck",
+                  what, runtime().timeout_s));
 }
 
 void agree(Group::Impl& g, const Fingerprint& print, CheckMode mode) {
@@ -77,7 +86,8 @@ void report_failure(const Call& c) noexcept {
 void abort_if_peers_wait(const std::string& why) {
   Runtime& r = runtime();
   if (!r.up || !r.uses_mpi || r.size < 2) return;
-  const std::string error = last_error_message();
+  std::string error = last_error_message();
+  if (why.find(error) != std::string::npos) error.clear();  // already told
   std::fprintf(stderr,
                "[weave] rank %d: %s; the other ranks may be waiting for this one, so it aborts "
                "the job instead of finalizing%s%s\n",
@@ -116,17 +126,80 @@ CheckMode check_mode_from_env() {
              s);
 }
 
+constexpr const char* kUnevenHint =
+    "hint: every rank must run the same number of steps: give each rank as many batches as the "
+    "others (DistributedSampler pads or drops to equal shares), or run the training loop in "
+    "parallel::join(...), which shadows the missing steps";
+
+// A rank's leaving notice: [groups, then (id, collectives issued, step) per group].
+std::vector<int64_t> leaving_notice(const std::vector<std::shared_ptr<Group::Impl>>& groups) {
+  std::vector<int64_t> notice = {0};
+  for (const auto& g : groups) {
+    if (g->my_rank < 0) continue;
+    notice.insert(notice.end(),
+                  {g->id, static_cast<int64_t>(g->next_sequence.load()), g->step.load()});
+    ++notice[0];
+  }
+  return notice;
+}
+
+struct Leaver {
+  int rank;
+  std::vector<int64_t> notice;
+};
+
+// When `leaver` left without ever issuing the collective `group` is running, that collective
+// can never complete: reports it here and to the leaver, and tears the job down.
+void check_waits_for(const Leaver& leaver, Group::Impl& group) {
+  if (std::find(group.ranks.begin(), group.ranks.end(), leaver.rank) == group.ranks.end()) return;
+  Fingerprint running;
+  {
+    std::lock_guard lock(group.mutex);
+    running = group.running;
+  }
+  const auto op = static_cast<Op>(running.op);
+  if (op == Op::Send || op == Op::Recv) return;  // numbered per pair, not per group
+  for (int64_t i = 0; i < leaver.notice[0]; ++i) {
+    const int64_t* entry = &leaver.notice[1 + 3 * i];
+    if (entry[0] != group.id) continue;
+    const auto issued = static_cast<uint64_t>(entry[1]);
+    if (running.sequence < issued) return;  // the leaver took part; it is completing
+    const std::string left_after = entry[2] >= 0 ? fmt::format("after {} steps", entry[2] + 1)
+                                                 : fmt::format("after {} collectives", issued);
+    const std::string ranks = fmt::format("[{}]", fmt::join(group.ranks, ", "));
+    const int me = runtime().rank;
+    report(
+        fmt::format("rank {} called finalize() {} on group {}, while this rank waits for it in "
+                    "{}; {}; tearing the job down",
+                    leaver.rank, left_after, ranks, describe(running), kUnevenHint));
+    detail::mpi::report_waiting(
+        leaver.rank, fmt::format("rank {} waits for this rank in {} on group {}, which this rank "
+                                 "never issued: it called finalize() {} on that group; {}",
+                                 me, describe(running), ranks, left_after, kUnevenHint));
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // lets the leaver report too
+    detail::mpi::abort_job(1);
+  }
+}
+
 void watchdog_loop() {
   Runtime& r = runtime();
   const int64_t limit = r.timeout_ns;
+  std::vector<Leaver> leavers;
   while (!r.stop_watchdog.load()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (r.uses_mpi)
+      while (auto notice = detail::mpi::poll_leaving()) {
+        leavers.push_back({notice->first, std::move(notice->second)});
+        r.leaving_polled.fetch_add(1);
+      }
     std::lock_guard lock(r.groups_mutex);
     for (auto& weak : r.groups) {
       auto group = weak.lock();
       if (!group) continue;
       int64_t since = group->running_since.load(std::memory_order_acquire);
-      if (since == 0 || now_ns() - since < limit) continue;
+      if (since == 0) continue;
+      for (const Leaver& leaver : leavers) check_waits_for(leaver, *group);
+      if (now_ns() - since < limit) continue;
       std::string what;
       {
         std::lock_guard group_lock(group->mutex);
@@ -177,6 +250,8 @@ void init(Backend backend, InitOptions options) {
   r.timeout_ns = r.timeout_s >= 9.2e9 ? std::numeric_limits<int64_t>::max()
                                       : static_cast<int64_t>(r.timeout_s * 1e9);
   r.check = options.check ? *options.check : check_mode_from_env();
+  r.next_group_id = 0;
+  r.leaving_polled = 0;
   std::unique_ptr<Communicator> comm;
   r.uses_mpi = detail::mpi::launched();
   if (r.uses_mpi) {
@@ -219,6 +294,7 @@ void init(Backend backend, InitOptions options) {
   if (backend == Backend::NCCL)
     r.world->device_comm = detail::nccl::init_world(*r.world->comm, r.device.index);
   trace::set_rank(r.rank, r.size > 1);
+  set_process_place({r.rank, r.size});
   static const bool handlers_installed = [] {
     previous_terminate = std::set_terminate(terminate_with_report);
     std::atexit(exit_without_finalize);
@@ -246,6 +322,9 @@ void finalize() {
     }
     for (auto& g : groups) g->wait_sends();
     for (auto& g : groups) g->drain();  // the watchdog still guards this
+    // A peer still waiting in a collective this rank never issued learns it from this notice
+    // at once (the watchdog's check_waits_for), instead of at the timeout.
+    if (r.uses_mpi && r.size > 1) detail::mpi::announce_leaving(leaving_notice(groups));
     for (auto& g : groups) {
       g->stop();
       g->finished = true;
@@ -255,10 +334,16 @@ void finalize() {
   }
   // MPI_Finalize waits for every rank; one still inside a collective (a skipped call, a rank
   // that left early) would make it wait forever. The farewell barrier waits only so long.
-  if (r.uses_mpi && r.size > 1 && !detail::mpi::farewell(r.timeout_ns))
-    tear_down_after_timeout("finalize (waiting for every rank to reach it)");
+  if (r.uses_mpi && r.size > 1) {
+    std::string waiting;
+    if (!detail::mpi::farewell(r.timeout_ns, &waiting)) {
+      if (!waiting.empty()) tear_down(fmt::format("finalize(): {}", waiting));
+      tear_down_after_timeout("finalize (waiting for every rank to reach it)");
+    }
+  }
   r.stop_watchdog = true;
   if (r.watchdog.joinable()) r.watchdog.join();
+  if (r.uses_mpi && r.size > 1) detail::mpi::finish_leaving(r.leaving_polled.load());
   {
     std::lock_guard lock(r.groups_mutex);
     r.groups.clear();
@@ -266,6 +351,7 @@ void finalize() {
   r.world.reset();
   trace::stop();  // while the rank is known; a WEAVE_TRACE run writes its file here
   if (r.uses_mpi) detail::mpi::finalize();
+  set_process_place({});
   r.up = false;
 }
 

@@ -24,8 +24,11 @@ struct Runtime {
   std::shared_ptr<Group::Impl> world;
   std::mutex groups_mutex;
   std::vector<std::weak_ptr<Group::Impl>> groups;
+  int64_t next_group_id = 0;  // new_group runs on every rank in one order: ids agree
   std::thread watchdog;
   std::atomic<bool> stop_watchdog{false};
+  /// Leaving notices of other ranks (mpi::poll_leaving) the watchdog has received.
+  std::atomic<int> leaving_polled{0};
 };
 
 /// The process-wide state (never destroyed: worker threads may outlive statics).
@@ -35,6 +38,10 @@ Runtime& live(const char* op);
 /// Reports on stderr that `what` did not complete within the timeout and aborts the whole job
 /// (the watchdog's verdict; also used by waits that poll instead of blocking in a call).
 [[noreturn]] void tear_down_after_timeout(const std::string& what);
+/// Prints "[weave] rank r: <what>" on stderr.
+void report(const std::string& what);
+/// Prints "[weave] rank r: <why>; tearing the job down" on stderr and aborts the whole job.
+[[noreturn]] void tear_down(const std::string& why);
 
 /// Prints this rank's report (`why` and the last weave::Error) and aborts the job, when it is a
 /// job of several MPI ranks that may be waiting for this one; otherwise returns.
@@ -122,7 +129,10 @@ Work issue(const Call& c, Fingerprint print, bool collective, Body&& body, bool 
   c.issued = true;
   IssuingThread one_thread(g, c);
   const CheckMode mode = runtime().check;
-  if (collective) print.sequence = g.next_sequence.fetch_add(1, std::memory_order_relaxed);
+  if (collective) {
+    print.sequence = g.next_sequence.fetch_add(1, std::memory_order_relaxed);
+    print.step = g.step.load(std::memory_order_relaxed);
+  }
   if (!collective || mode == CheckMode::Off)
     return g.submit(print, std::forward<Body>(body), async_op);
   return g.submit(

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "weave/autograd/grad_mode.h"
 #include "weave/data/safetensors.h"
 
 namespace weave::parallel::detail {
@@ -53,6 +54,31 @@ void check_same_lines(const std::vector<std::string>& lines, const dist::Group& 
                   what, i, a, group.global_rank(0), b, group.global_rank(int(r)), hint);
     }
   }
+}
+
+std::vector<int64_t> check_together(const std::function<void()>& checks, const dist::Group& group,
+                                    const char* op, std::vector<int64_t> values) {
+  std::exception_ptr mine;
+  try {
+    checks();
+  } catch (...) {  // any type: the peers must learn of it all the same
+    mine = std::current_exception();
+  }
+  values.push_back(mine ? 1 : 0);  // last: whether any rank's checks raised
+  std::vector<int64_t> maxima;
+  {
+    NoGradGuard no_grad;
+    Tensor packed = from_vector<int64_t>(values, {int64_t(values.size())});
+    dist::all_reduce(packed, dist::ReduceOp::Max, group);
+    maxima = packed.to_vector<int64_t>();
+  }
+  if (mine) std::rethrow_exception(mine);
+  WEAVE_CHECK(maxima.back() == 0, op,
+              "a rank of group {} rejected its arguments (see its error), so every rank raises "
+              "before anything is sent",
+              group.str());
+  maxima.pop_back();
+  return maxima;
 }
 
 std::vector<std::string> describe_tensors(const std::vector<Tensor>& tensors) {

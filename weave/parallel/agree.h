@@ -2,6 +2,7 @@
 // What the ranks of a group must hold alike before they train together (the same model, the
 // same parameter list, the same options), checked collectively: every rank raises, naming the
 // first difference, or none does.
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,14 @@ namespace weave::parallel::detail {
 /// Collective.
 void check_same_lines(const std::vector<std::string>& lines, const dist::Group& group,
                       const char* op, const std::string& what, const std::string& hint);
+
+/// Runs this rank's argument `checks`, then agrees on the outcome over the group before anything
+/// else is communicated: a rank whose checks raised re-raises its error, and every other rank
+/// raises too ("a rank of group ... rejected its arguments"), so none waits for a peer that
+/// gave up. `values` travel in the same all_reduce (elementwise max; pass -x for a minimum),
+/// and their maxima are returned. Collective: one all_reduce.
+std::vector<int64_t> check_together(const std::function<void()>& checks, const dist::Group& group,
+                                    const char* op, std::vector<int64_t> values = {});
 
 /// "parameter 3 float32 [4, 5]" for each tensor.
 std::vector<std::string> describe_tensors(const std::vector<Tensor>& tensors);

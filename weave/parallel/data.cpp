@@ -1,23 +1,28 @@
 // DistributedSampler, contiguous partitions and rank0_first.
 #include "weave/parallel/data.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
 
+#include "weave/parallel/mesh.h"
+
 namespace weave::parallel {
 
 namespace {
-dist::Group group_or_world(const std::optional<dist::Group>& group) {
-  return group ? *group : dist::world();
+// The data-parallel group's size and this rank's place in it.
+std::pair<int, int> replicas_and_rank(const std::optional<dist::Group>& group, const char* op) {
+  const dist::Group g = detail::data_parallel_group(group, op);
+  return {g.size(), g.rank()};
 }
 }  // namespace
 
 DistributedSampler::DistributedSampler(int64_t dataset_size, DistributedSamplerOptions options,
                                        const std::optional<dist::Group>& group)
-    : DistributedSampler(dataset_size, group_or_world(group).size(), group_or_world(group).rank(),
-                         options) {}
+    : DistributedSampler(dataset_size, replicas_and_rank(group, "DistributedSampler").first,
+                         replicas_and_rank(group, "DistributedSampler").second, options) {}
 
 DistributedSampler::DistributedSampler(int64_t dataset_size, int replicas, int rank,
                                        DistributedSamplerOptions options)
@@ -31,12 +36,24 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int replicas, int r
       options.drop_last ? dataset_size / replicas : (dataset_size + replicas - 1) / replicas;
 }
 
+std::string DistributedSampler::state() const {
+  return fmt::format("epoch {} seed {}", epoch_, options_.seed);
+}
+
 void DistributedSampler::load_state(const std::string& state) {
-  char* end = nullptr;
-  const long long epoch = std::strtoll(state.c_str(), &end, 10);
-  WEAVE_CHECK(!state.empty() && *end == '\0' && epoch >= 0, "DistributedSampler",
-              "'{}' is not a saved epoch", state);
+  long long epoch = -1;
+  unsigned long long seed = options_.seed;
+  int consumed = 0;
+  const bool bare = std::sscanf(state.c_str(), "%lld%n", &epoch, &consumed) == 1 &&
+                    size_t(consumed) == state.size();
+  const bool full =
+      !bare &&
+      std::sscanf(state.c_str(), "epoch %lld seed %llu%n", &epoch, &seed, &consumed) == 2 &&
+      size_t(consumed) == state.size();
+  WEAVE_CHECK((bare || full) && epoch >= 0, "DistributedSampler",
+              "'{}' is not a saved sampler state (expected 'epoch <e> seed <s>')", state);
   epoch_ = epoch;
+  options_.seed = seed;
 }
 
 std::vector<int64_t> DistributedSampler::indices() {
@@ -70,8 +87,8 @@ std::pair<int64_t, int64_t> contiguous_range(int64_t size, int replicas, int ran
 
 PartitionedDataset::PartitionedDataset(std::shared_ptr<const data::Dataset> dataset,
                                        const std::optional<dist::Group>& group)
-    : PartitionedDataset(std::move(dataset), group_or_world(group).size(),
-                         group_or_world(group).rank()) {}
+    : PartitionedDataset(std::move(dataset), replicas_and_rank(group, "PartitionedDataset").first,
+                         replicas_and_rank(group, "PartitionedDataset").second) {}
 
 PartitionedDataset::PartitionedDataset(std::shared_ptr<const data::Dataset> dataset, int replicas,
                                        int rank)
@@ -98,7 +115,7 @@ data::Example PartitionedDataset::get_batch(const std::vector<int64_t>& indices)
 }
 
 void rank0_first(const std::function<void()>& fn, const std::optional<dist::Group>& group_option) {
-  const dist::Group group = group_or_world(group_option);
+  const dist::Group group = group_option ? *group_option : dist::world();
   std::string failure;
   if (group.rank() == 0) {
     try {

@@ -39,9 +39,12 @@ class DistributedSampler : public data::Sampler {
   /// Indices per rank and epoch.
   int64_t size() const override { return per_rank_; }
   std::vector<int64_t> indices() override;
-  /// The epoch, as text (checkpoints).
-  std::string state() const override { return std::to_string(epoch_); }
+  /// The epoch and the seed, as text (checkpoints): "epoch 3 seed 0". They hold nothing of
+  /// this rank's, so the state is valid on every rank of the group.
+  std::string state() const override;
+  /// Restores state() (also a bare epoch, as older checkpoints wrote it).
   void load_state(const std::string& state) override;
+  bool per_rank() const override { return replicas_ > 1; }
 
  private:
   int64_t dataset_size_;

@@ -13,14 +13,12 @@
 #include "weave/optim/optimizer.h"
 #include "weave/parallel/agree.h"
 #include "weave/parallel/buckets.h"
+#include "weave/parallel/join.h"
+#include "weave/parallel/mesh.h"
 
 namespace weave::parallel {
 
 namespace {
-
-dist::Group group_or_world(const std::optional<dist::Group>& group) {
-  return group ? *group : dist::world();
-}
 
 // "parameter name float32 [4, 3]" for every parameter, then every buffer.
 std::vector<std::string> describe_model(const nn::Module& module) {
@@ -35,13 +33,14 @@ std::vector<std::string> describe_model(const nn::Module& module) {
 }  // namespace
 
 void check_same_model(const nn::Module& module, const std::optional<dist::Group>& group_option) {
-  detail::check_same_lines(describe_model(module), group_or_world(group_option),
+  detail::check_same_lines(describe_model(module),
+                           detail::data_parallel_group(group_option, "check_same_model"),
                            "DistributedDataParallel", "the model",
                            "build the same model (same layers, shapes and dtypes) on every rank");
 }
 
 void synchronize(nn::Module& module, int root, const std::optional<dist::Group>& group_option) {
-  const dist::Group group = group_or_world(group_option);
+  const dist::Group group = detail::data_parallel_group(group_option, "synchronize");
   NoGradGuard no_grad;
   for (const Tensor& t : module.parameters())
     if (t.defined()) dist::broadcast(t, root, group);
@@ -89,7 +88,9 @@ struct DistributedDataParallel::State {
   size_t next_launch = 0;
   DDPStats stats;
 
-  explicit State(DDPOptions o) : options(std::move(o)), group(group_or_world(options.group)) {}
+  explicit State(DDPOptions o)
+      : options(std::move(o)),
+        group(detail::data_parallel_group(options.group, "DistributedDataParallel")) {}
 
   // A post-accumulate-grad hook fired for parameter i.
   void on_ready(int i, const std::weak_ptr<State>& self) {
@@ -268,6 +269,30 @@ struct DistributedDataParallel::State {
     if (options.check_finite) check_gradients_finite(step);
   }
 
+  void broadcast_buffers(nn::Module& module) {
+    if (!options.broadcast_buffers) return;
+    NoGradGuard no_grad;
+    std::vector<dist::Work> works;
+    for (const Tensor& t : module.buffers())
+      if (t.defined())
+        works.push_back(dist::broadcast(t, options.broadcast_from, group, /*async_op=*/true));
+    for (dist::Work& w : works) w.wait();
+  }
+
+  // join(): a step of the others in which this rank, out of inputs, contributes zeros.
+  void shadow_step(nn::Module& module) {
+    dist::set_step(group, stats.steps);
+    broadcast_buffers(module);
+    begin_step();
+    for (Bucket& b : buckets) b.buffer.zero_();
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].set_grad(views[i]);
+      ready[i] = 1;
+    }
+    ready_count = int64_t(params.size());
+    settle(/*failed=*/false);
+  }
+
   void wait_all() {
     for (Bucket& b : buckets) {
       b.work.wait();
@@ -350,13 +375,10 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
                  dist::rank(), static_cast<long long>(s.stats.steps));
     s.settle(true);
   }
-  if (synchronizing && s.options.broadcast_buffers) {
-    NoGradGuard no_grad;
-    std::vector<dist::Work> works;
-    for (const Tensor& t : module_.buffers())
-      if (t.defined())
-        works.push_back(dist::broadcast(t, s.options.broadcast_from, s.group, /*async_op=*/true));
-    for (dist::Work& w : works) w.wait();
+  if (synchronizing) {
+    detail::join_step_begins(this);
+    dist::set_step(s.group, s.stats.steps);
+    s.broadcast_buffers(module_);
   }
   s.forward_pending = synchronizing;
   // Gradients dropped by zero_grad(set_to_none = true) go back into their buckets, zeroed,
@@ -386,6 +408,18 @@ const DDPStats& DistributedDataParallel::stats() const {
 
 bool DistributedDataParallel::gradients_finite() const {
   return state_->finite;
+}
+
+const dist::Group& DistributedDataParallel::group() const {
+  return state_->group;
+}
+
+bool DistributedDataParallel::can_shadow() const {
+  return state_->traced;
+}
+
+void DistributedDataParallel::shadow_step() {
+  state_->shadow_step(module_);
 }
 
 std::vector<std::vector<std::string>> DistributedDataParallel::bucket_names() const {

@@ -122,10 +122,18 @@ class DistributedDataParallel {
   bool gradients_finite() const;
   /// Parameter names of each bucket, in launch order (empty before the first backward).
   std::vector<std::vector<std::string>> bucket_names() const;
+  /// The ranks that share the model.
+  const dist::Group& group() const;
 
   struct State;
 
  private:
+  friend class Joined;
+  // join(): whether this rank can take part in a step with zero gradients (the buckets are
+  // traced), and that step: the forward's buffer broadcast, then every bucket with zeros.
+  bool can_shadow() const;
+  void shadow_step();
+
   nn::Module& module_;
   std::shared_ptr<State> state_;
 };

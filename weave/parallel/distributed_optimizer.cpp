@@ -3,6 +3,8 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/parallel/agree.h"
+#include "weave/parallel/join.h"
+#include "weave/parallel/mesh.h"
 
 namespace weave::parallel {
 
@@ -61,7 +63,7 @@ void average_tensors(const std::vector<Tensor>& tensors, const dist::Group& grou
 
 void synchronize(optim::Optimizer& optimizer, int root,
                  const std::optional<dist::Group>& group_option) {
-  const dist::Group group = group_option ? *group_option : dist::world();
+  const dist::Group group = detail::data_parallel_group(group_option, "synchronize");
   NoGradGuard no_grad;
   std::vector<Tensor> state = optimizer.state();
   // Same number of state tensors everywhere, or the broadcasts below would not pair up.
@@ -83,7 +85,7 @@ DistributedOptimizer::DistributedOptimizer(optim::Optimizer& optimizer,
                                            DistributedOptimizerOptions options)
     : optimizer_(optimizer),
       options_(std::move(options)),
-      group_(options_.group ? *options_.group : dist::world()) {
+      group_(detail::data_parallel_group(options_.group, "DistributedOptimizer")) {
   WEAVE_CHECK(group_.rank() >= 0, "DistributedOptimizer", "rank {} is not in group {}",
               dist::rank(), group_.str());
   detail::check_same_lines(detail::describe_tensors(optimizer_.params()), group_,
@@ -96,6 +98,8 @@ void DistributedOptimizer::synchronize() {
 }
 
 bool DistributedOptimizer::step() {
+  detail::join_step_begins(this);
+  dist::set_step(group_, steps_++);
   synchronize();
   if (options_.check_finite) {
     for (const Tensor& p : optimizer_.params())

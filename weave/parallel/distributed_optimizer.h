@@ -36,11 +36,13 @@ class DistributedOptimizer {
   void synchronize();
   void zero_grad(bool set_to_none = true) { optimizer_.zero_grad(set_to_none); }
   optim::Optimizer& optimizer() { return optimizer_; }
+  const dist::Group& group() const { return group_; }
 
  private:
   optim::Optimizer& optimizer_;
   DistributedOptimizerOptions options_;
   dist::Group group_;
+  int64_t steps_ = 0;
 };
 
 /// Broadcasts an optimizer's state tensors and learning rate from group rank `root`, so a

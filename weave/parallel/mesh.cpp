@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <mutex>
 #include <vector>
 
 namespace weave::parallel {
@@ -19,7 +20,29 @@ dist::Group groups_of(int count, RanksOf ranks_of) {
   return mine;
 }
 
+std::mutex meshes_mutex;
+std::vector<std::weak_ptr<const MeshShape>> meshes;  // alive meshes beyond data parallelism
+
 }  // namespace
+
+namespace detail {
+dist::Group data_parallel_group(const std::optional<dist::Group>& group, const char* op) {
+  if (group) return *group;
+  std::lock_guard lock(meshes_mutex);
+  std::erase_if(meshes, [](const auto& weak) { return weak.expired(); });
+  if (!meshes.empty()) {
+    const MeshShape shape = *meshes.front().lock();
+    WEAVE_FAIL(op,
+               "no group was given, and a ProcessMesh (data={} tensor={} pipeline={}) exists, so "
+               "the default (the world) would span its tensor and pipeline ranks too: the ranks "
+               "of one tensor group would read different batches or average different shards; "
+               "hint: pass the mesh's data group (mesh.data()), or dist::world() if the whole "
+               "world is meant",
+               shape.data, shape.tensor, shape.pipeline);
+  }
+  return dist::world();
+}
+}  // namespace detail
 
 ProcessMesh::ProcessMesh(MeshShape shape) : shape_(shape) {
   const int world = dist::world_size();
@@ -49,6 +72,11 @@ ProcessMesh::ProcessMesh(MeshShape shape) : shape_(shape) {
     for (int p = 0; p < P; ++p) ranks.push_back(rank_at(i % D, i / D, p));
     return ranks;
   });
+  if (T * P > 1) {
+    registered_ = std::make_shared<const MeshShape>(shape);
+    std::lock_guard lock(meshes_mutex);
+    meshes.push_back(registered_);
+  }
 }
 
 int ProcessMesh::rank_at(int data, int tensor, int pipeline) const {

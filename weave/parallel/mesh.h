@@ -8,6 +8,8 @@
 //
 // Rank r sits at tensor index r % T, data index (r / T) % D, pipeline index r / (T * D).
 // Every rank must construct the mesh (it creates groups, a collective step).
+#include <memory>
+#include <optional>
 #include <string>
 
 #include "weave/distributed/distributed.h"
@@ -42,6 +44,15 @@ class ProcessMesh {
  private:
   MeshShape shape_;
   dist::Group data_, tensor_, pipeline_;
+  std::shared_ptr<const MeshShape> registered_;  // alive while a copy of this mesh is
 };
+
+namespace detail {
+/// The group of a data-parallel wrapper or sampler: `group` when given, else the world, except
+/// while a ProcessMesh with tensor or pipeline ranks is alive: the world then spans those too
+/// (the ranks of one tensor group would read different batches, or average different shards),
+/// so leaving the group unset raises, naming mesh.data(). `op` names the caller in the error.
+dist::Group data_parallel_group(const std::optional<dist::Group>& group, const char* op);
+}  // namespace detail
 
 }  // namespace weave::parallel

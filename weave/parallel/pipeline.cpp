@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
+#include "weave/parallel/agree.h"
 
 namespace weave::parallel {
 
@@ -47,23 +49,42 @@ Pipeline::Pipeline(std::vector<nn::Module*> chunks, PipelineOptions options)
     : chunks_(std::move(chunks)),
       options_(options),
       group_(options.group ? *options.group : dist::world()) {
-  WEAVE_CHECK(options.microbatches >= 1, "Pipeline", "microbatches must be at least 1, found {}",
-              options.microbatches);
   WEAVE_CHECK(group_.rank() >= 0, "Pipeline",
               "rank {} is not in the pipeline group {}; hint: pass the mesh's pipeline group",
               dist::rank(), group_.str());
-  WEAVE_CHECK(!chunks_.empty(), "Pipeline", "expected at least one chunk, found none");
-  for (nn::Module* chunk : chunks_)
-    WEAVE_CHECK(chunk != nullptr, "Pipeline", "a chunk is a null pointer");
-  if (chunks_.size() > 1) {
-    WEAVE_CHECK(stages() > 1, "Pipeline",
-                "{} virtual stages on a pipeline of one rank; hint: pass them as one Sequential",
-                chunks_.size());
-    WEAVE_CHECK(options.microbatches % stages() == 0, "Pipeline",
-                "interleaving {} virtual stages needs micro-batches in multiples of the {} "
-                "ranks, found {}",
-                chunks_.size(), stages(), options.microbatches);
-  }
+  // Every stage learns of a bad argument on any stage, and the stages must agree on the
+  // schedule: they raise together here rather than wait for each other's messages later.
+  const int64_t m = options.microbatches, v = int64_t(chunks_.size()),
+                schedule = static_cast<int64_t>(options.schedule);
+  const std::vector<int64_t> agreed = detail::check_together(
+      [&] {
+        WEAVE_CHECK(options.microbatches >= 1, "Pipeline",
+                    "microbatches must be at least 1, found {}", options.microbatches);
+        WEAVE_CHECK(!chunks_.empty(), "Pipeline", "expected at least one chunk, found none");
+        for (nn::Module* chunk : chunks_)
+          WEAVE_CHECK(chunk != nullptr, "Pipeline", "a chunk is a null pointer");
+        if (chunks_.size() > 1) {
+          WEAVE_CHECK(stages() > 1, "Pipeline",
+                      "{} virtual stages on a pipeline of one rank; hint: pass them as one "
+                      "Sequential",
+                      chunks_.size());
+          WEAVE_CHECK(options.microbatches % stages() == 0, "Pipeline",
+                      "interleaving {} virtual stages needs micro-batches in multiples of the {} "
+                      "ranks, found {}",
+                      chunks_.size(), stages(), options.microbatches);
+        }
+      },
+      group_, "Pipeline", {m, -m, v, -v, schedule, -schedule});
+  const char* hint = "hint: every stage constructs its Pipeline with the same options";
+  WEAVE_CHECK(agreed[0] == -agreed[1], "Pipeline",
+              "the stages of group {} disagree on microbatches (from {} to {}; this stage: {}); {}",
+              group_.str(), -agreed[1], agreed[0], m, hint);
+  WEAVE_CHECK(agreed[2] == -agreed[3], "Pipeline",
+              "the stages of group {} hold different numbers of chunks (from {} to {}; this "
+              "stage: {}); {}",
+              group_.str(), -agreed[3], agreed[2], v, hint);
+  WEAVE_CHECK(agreed[4] == -agreed[5], "Pipeline",
+              "the stages of group {} use different schedules; {}", group_.str(), hint);
 }
 
 Tensor Pipeline::run_chunk(int chunk, const Tensor& input) {
@@ -101,19 +122,34 @@ std::pair<int, int> backward_unit(int k, int p, int v) {
 }  // namespace
 
 Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const PipelineLoss& loss) {
-  WEAVE_CHECK(autograd::must_run_pending() == 0, "Pipeline",
-              "{} communicating autograd nodes from an earlier forward never ran backward, so "
-              "peers may still wait for them; hint: finish that step's backward on every rank, "
-              "or wrap forward-only passes in autograd::ForwardOnlyGuard",
-              autograd::must_run_pending());
   const int m = options_.microbatches, p = stages(), s = stage(), v = int(chunks_.size());
   const int units = m * v;
   std::vector<Tensor> in, target;
-  if (is_first()) in = microbatches_of(inputs, m, "input");
-  if (is_last()) {
-    WEAVE_CHECK(static_cast<bool>(loss), "Pipeline", "the last stage needs a loss function");
-    target = microbatches_of(targets, m, "target");
-  }
+  // Every stage checks its own arguments and learns the others' verdict (and the batch sizes of
+  // the first stage's inputs and the last stage's targets) before the first send.
+  constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
+  auto batch_of = [&](const Tensor& t, bool mine) {
+    return mine && t.defined() && t.dim() >= 1 ? t.size(0) : kNone;
+  };
+  const std::vector<int64_t> batch = detail::check_together(
+      [&] {
+        WEAVE_CHECK(autograd::must_run_pending() == 0, "Pipeline",
+                    "{} communicating autograd nodes from an earlier forward never ran backward, "
+                    "so peers may still wait for them; hint: finish that step's backward on "
+                    "every rank, or wrap forward-only passes in autograd::ForwardOnlyGuard",
+                    autograd::must_run_pending());
+        if (is_first()) in = microbatches_of(inputs, m, "input");
+        if (is_last()) {
+          WEAVE_CHECK(static_cast<bool>(loss), "Pipeline",
+                      "the last stage needs a loss function, found none");
+          target = microbatches_of(targets, m, "target");
+        }
+      },
+      group_, "Pipeline", {batch_of(inputs, is_first()), batch_of(targets, is_last())});
+  WEAVE_CHECK(batch[0] == batch[1], "Pipeline",
+              "the first stage's inputs have batch size {} but the last stage's targets {}; hint: "
+              "pass the same batch's inputs and targets",
+              batch[0], batch[1]);
   stats_ = {};
   const double start = now_s(), received_before = F::receive_wait_seconds();
   Tensor total;

@@ -5,6 +5,8 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/parallel/agree.h"
+#include "weave/parallel/join.h"
+#include "weave/parallel/mesh.h"
 
 namespace weave::parallel {
 
@@ -12,7 +14,9 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
                                                  const OptimizerFactory& make_optimizer,
                                                  const std::optional<dist::Group>& group,
                                                  ZeroOptions options)
-    : params_(std::move(params)), group_(group ? *group : dist::world()), options_(options) {
+    : params_(std::move(params)),
+      group_(detail::data_parallel_group(group, "ZeroRedundancyOptimizer")),
+      options_(options) {
   const char* op = "ZeroRedundancyOptimizer";
   WEAVE_CHECK(!params_.empty(), op, "expected parameters, found none");
   WEAVE_CHECK(group_.rank() >= 0, op, "rank {} is not in group {}", dist::rank(), group_.str());
@@ -48,6 +52,8 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
 }
 
 bool ZeroRedundancyOptimizer::step() {
+  detail::join_step_begins(this);
+  dist::set_step(group_, steps_++);
   NoGradGuard no_grad;
   // The parameters are the truth: a parameter changed since the last step (a loaded checkpoint,
   // an in-place edit: its version moved) reaches the owned slice before the optimizer updates it.

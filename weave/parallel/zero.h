@@ -47,6 +47,7 @@ class ZeroRedundancyOptimizer {
   optim::Optimizer& shard_optimizer() { return *optimizer_; }
   /// Elements of the flattened parameters this rank owns: ceil(total / group size).
   int64_t shard_numel() const { return shard_.numel(); }
+  const dist::Group& group() const { return group_; }
 
  private:
   std::vector<Tensor> params_;
@@ -57,6 +58,7 @@ class ZeroRedundancyOptimizer {
   Tensor shard_;        // this rank's slice of flat_params_, the leaf its optimizer updates
   std::vector<uint64_t> synced_versions_;  // each parameter's version when shard_ last matched it
   std::unique_ptr<optim::Optimizer> optimizer_;
+  int64_t steps_ = 0;
 };
 
 }  // namespace weave::parallel

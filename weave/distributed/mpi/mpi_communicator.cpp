@@ -329,7 +329,11 @@ int local_rank() {
   return local;
 }
 
-bool farewell(int64_t timeout_ns) {
+// Tags on the control communicator (only farewell's barrier and these messages use it).
+constexpr int kLeavingTag = 1;
+constexpr int kWaitingTag = 2;
+
+bool farewell(int64_t timeout_ns, std::string* waiting) {
   if (control == MPI_COMM_NULL) return true;
   MPI_Request request = MPI_REQUEST_NULL;
   if (MPI_Ibarrier(control, &request) != MPI_SUCCESS) return false;
@@ -338,12 +342,82 @@ bool farewell(int64_t timeout_ns) {
     int done = 0;
     MPI_Test(&request, &done, MPI_STATUS_IGNORE);
     if (done) return true;
+    int arrived = 0;
+    MPI_Status status;
+    MPI_Iprobe(MPI_ANY_SOURCE, kWaitingTag, control, &arrived, &status);
+    if (arrived) {
+      int length = 0;
+      MPI_Get_count(&status, MPI_CHAR, &length);
+      waiting->assign(static_cast<size_t>(length), '\0');
+      MPI_Recv(waiting->data(), length, MPI_CHAR, status.MPI_SOURCE, kWaitingTag, control,
+               MPI_STATUS_IGNORE);
+      return false;
+    }
     if (std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
                                                              start)
             .count() > timeout_ns)
       return false;
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
+}
+
+namespace {
+std::vector<int64_t> leaving_notice;  // kept alive until its sends complete
+std::vector<MPI_Request> leaving_sends;
+
+std::vector<int64_t> receive_notice(const MPI_Status& status) {
+  int count = 0;
+  MPI_Get_count(&status, MPI_INT64_T, &count);
+  std::vector<int64_t> notice(static_cast<size_t>(std::max(count, 0)));
+  MPI_Recv(notice.data(), count, MPI_INT64_T, status.MPI_SOURCE, kLeavingTag, control,
+           MPI_STATUS_IGNORE);
+  return notice;
+}
+}  // namespace
+
+void announce_leaving(const std::vector<int64_t>& notice) {
+  if (control == MPI_COMM_NULL) return;
+  int me = 0, size = 1;
+  MPI_Comm_rank(control, &me);
+  MPI_Comm_size(control, &size);
+  leaving_notice = notice;
+  leaving_sends.clear();
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == me) continue;
+    leaving_sends.emplace_back(MPI_REQUEST_NULL);
+    MPI_Isend(leaving_notice.data(), static_cast<int>(leaving_notice.size()), MPI_INT64_T, peer,
+              kLeavingTag, control, &leaving_sends.back());
+  }
+}
+
+std::optional<std::pair<int, std::vector<int64_t>>> poll_leaving() {
+  if (control == MPI_COMM_NULL) return std::nullopt;
+  int arrived = 0;
+  MPI_Status status;
+  MPI_Iprobe(MPI_ANY_SOURCE, kLeavingTag, control, &arrived, &status);
+  if (!arrived) return std::nullopt;
+  return std::make_pair(status.MPI_SOURCE, receive_notice(status));
+}
+
+void finish_leaving(int polled) {
+  if (control == MPI_COMM_NULL) return;
+  int size = 1;
+  MPI_Comm_size(control, &size);
+  for (int i = polled; i < size - 1; ++i) {
+    MPI_Status status;
+    MPI_Probe(MPI_ANY_SOURCE, kLeavingTag, control, &status);
+    receive_notice(status);
+  }
+  MPI_Waitall(static_cast<int>(leaving_sends.size()), leaving_sends.data(), MPI_STATUSES_IGNORE);
+  leaving_sends.clear();
+}
+
+void report_waiting(int rank, const std::string& report) {
+  if (control == MPI_COMM_NULL) return;
+  MPI_Request request = MPI_REQUEST_NULL;  // the job is torn down next: nobody waits for it
+  MPI_Isend(report.data(), static_cast<int>(report.size()), MPI_CHAR, rank, kWaitingTag, control,
+            &request);
+  MPI_Request_free(&request);
 }
 
 void finalize() {

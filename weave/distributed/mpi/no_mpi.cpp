@@ -22,8 +22,14 @@ void finalize() {}
 void abort_job(int code) {
   std::_Exit(code);
 }
-bool farewell(int64_t) {
+bool farewell(int64_t, std::string*) {
   return true;
 }
+void announce_leaving(const std::vector<int64_t>&) {}
+std::optional<std::pair<int, std::vector<int64_t>>> poll_leaving() {
+  return std::nullopt;
+}
+void finish_leaving(int) {}
+void report_waiting(int, const std::string&) {}
 
 }  // namespace weave::dist::detail::mpi

@@ -1,0 +1,75 @@
+#pragma once
+// Uneven inputs (PyTorch's Join): the ranks of a data-parallel group may hold different numbers
+// of batches. Inside join(), a rank whose training loop has returned shadows the steps the
+// others still take, so no rank waits for a collective that never comes:
+//
+//   parallel::DistributedDataParallel ddp(model);
+//   optim::AdamW optimizer(model.parameters());
+//   parallel::join({ddp, optimizer}, [&] {
+//     for (auto& batch : my_batches) {              // 65 on one rank, 64 on another
+//       optimizer.zero_grad(/*set_to_none=*/false);
+//       cross_entropy(ddp(batch.input), batch.target).backward();
+//       optimizer.step();
+//     }
+//   });
+//
+// Each step of the first listed wrapper begins with one small all_reduce that counts the ranks
+// still training. A rank whose loop has returned answers it with zero, then takes part in the
+// step with zero gradients (DDP: the same bucket all_reduces; ZeRO: the same reduce-scatter and
+// all-gather; DistributedOptimizer: the same all_reduces) and steps what it received as the
+// others do, so the replicas stay equal: parameters and optimizer state end where the others'
+// end. Gradients are averaged over the whole group (PyTorch's divide_by_initial_world_size): a
+// rank out of batches contributes zeros. join() returns on every rank once every rank's loop
+// has returned.
+//
+// A loop that raises on one rank makes every other rank raise at its next step (a DDP step that
+// failed on a training rank is skipped by the shadowing ones, as by the training ones). A rank
+// out of batches before its DDP wrapper's first backward cannot shadow it (the buckets are not
+// traced yet): every rank raises. Listing DDP without the optimizer that steps its parameters
+// would leave the idle rank's replica behind: join() compares the replicas' values when it
+// ends and raises on every rank if they differ.
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "weave/parallel/ddp.h"
+#include "weave/parallel/distributed_optimizer.h"
+#include "weave/parallel/zero.h"
+
+namespace weave::parallel {
+
+/// One participant of join(), in the order its steps run inside the loop.
+class Joined {
+ public:
+  Joined(DistributedDataParallel& ddp);
+  Joined(ZeroRedundancyOptimizer& zero);
+  Joined(DistributedOptimizer& optimizer);
+  /// The local optimizer of a DDP model: list it after the wrapper, so the idle rank steps it on
+  /// the shadowed step's averaged gradients.
+  Joined(optim::Optimizer& optimizer);
+
+ private:
+  template <class AveragingOptimizer>
+  Joined(AveragingOptimizer& optimizer, const dist::Group& group);
+  friend void join(const std::vector<Joined>& joined, const std::function<void()>& loop);
+  const void* wrapper_ = nullptr;
+  std::optional<dist::Group> group_;  // none for a local optimizer
+  std::function<bool()> can_shadow_;
+  std::function<void()> shadow_;  // one step of the others, with zero gradients
+  std::function<void()> at_end_;  // checks once every rank is done
+};
+
+/// Runs `loop` (this rank's training loop) with uneven inputs allowed across the group of the
+/// listed wrappers (all must share one group), then shadows the other ranks' remaining steps
+/// until every rank's loop has returned. Collective: every rank of the group calls it. Nested
+/// join() regions are an error.
+void join(const std::vector<Joined>& joined, const std::function<void()>& loop);
+
+namespace detail {
+/// Called by a data-parallel wrapper as one of its steps begins (before it numbers the step):
+/// inside join(), the first listed wrapper's steps count the ranks still training. Collective
+/// over the join's group then; nothing otherwise.
+void join_step_begins(const void* wrapper);
+}  // namespace detail
+
+}  // namespace weave::parallel
