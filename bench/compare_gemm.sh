@@ -5,10 +5,12 @@
 #   bash bench/compare_gemm.sh [repetitions=21]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# These two hold OpenBLAS to older kernels than the CPU has (set by some images, not by users'
+# machines): unset for every library alike.
+unset OPENBLAS_CORETYPE OPENBLAS_L2_SIZE
 reps=${1:-21}
 out=$(for lib in eigen openblas blis; do
-  [ -x "build/bench/bench_gemm_$lib" ] && env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE \
-    "build/bench/bench_gemm_$lib" "$reps"
+  [ -x "build/bench/bench_gemm_$lib" ] && "build/bench/bench_gemm_$lib" "$reps"
 done)
 echo "$out"
 echo "summary (us; lower is faster):"

@@ -1,7 +1,10 @@
 #pragma once
 #include <doctest/doctest.h>
 
+#include <filesystem>
 #include <string>
+
+#include <unistd.h>
 
 #include "weave/weave.h"
 
@@ -41,6 +44,19 @@ inline void check_params(nn::Module& model, const std::vector<Tensor>& expected)
     CAPTURE(i);
     CHECK(allclose(params[i], expected[i], 1e-11, 1e-13));
   }
+}
+
+/// A directory every rank of the world agrees on (named from rank 0's pid and `what`), empty.
+/// Collective.
+inline std::string shared_dir(const std::string& what) {
+  Tensor id = full({1}, double(getpid()), {.dtype = kInt64});
+  dist::broadcast(id, 0);
+  const std::string dir = (std::filesystem::temp_directory_path() /
+                           fmt::format("weave_sharded_{}_{}", id.item<int64_t>(), what))
+                              .string();
+  if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  dist::barrier();
+  return dir;
 }
 
 inline bool close(const Tensor& a, const Tensor& b, double rtol = 1e-5, double atol = 1e-6) {

@@ -1,7 +1,6 @@
 // Sharded checkpoints at 1-4 ranks: exact resume of data-parallel (DDP) and ZeRO runs, the
 // gathered single file, generations, and all-or-nothing loads across the group.
 #include <doctest/doctest.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -9,21 +8,10 @@
 #include "helpers.h"
 
 using namespace weave;
+using test::shared_dir;
 using weave::test::error_of;
 
 namespace {
-
-// A directory every rank of the world agrees on (rank 0's pid), empty.
-std::string shared_dir(const std::string& what) {
-  Tensor id = full({1}, double(getpid()), {.dtype = kInt64});
-  dist::broadcast(id, 0);
-  const std::string dir = (std::filesystem::temp_directory_path() /
-                           fmt::format("weave_sharded_{}_{}", id.item<int64_t>(), what))
-                              .string();
-  if (dist::rank() == 0) std::filesystem::remove_all(dir);
-  dist::barrier();
-  return dir;
-}
 
 std::shared_ptr<data::TensorDataset> toy_data() {
   Generator g(3);

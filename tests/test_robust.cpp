@@ -10,8 +10,6 @@
 #include <new>
 #include <string>
 
-#include <unistd.h>
-
 #include "helpers.h"
 #include "weave/weave.h"
 
@@ -433,11 +431,10 @@ TEST_SUITE("robust") {
     auto batch = loader.begin();
     *batch;
     ++batch;  // one batch handed out
-    Tensor pid = full({1}, double(getpid()), {.dtype = kInt64});
-    dist::broadcast(pid, 0);
-    const std::string path = (std::filesystem::temp_directory_path() /
-                              fmt::format("weave_rank0_state_{}.safetensors", pid.item<int64_t>()))
-                                 .string();
+    const std::string dir = test::shared_dir("rank0_state");
+    if (dist::rank() == 0) std::filesystem::create_directories(dir);
+    dist::barrier();
+    const std::string path = dir + "/state.safetensors";
     auto model = make_model(0);
     data::TrainingState state{.model = model.get(), .loader = &loader};
     if (dist::rank() == 0) data::save_checkpoint(path, state);
@@ -465,6 +462,6 @@ TEST_SUITE("robust") {
     CHECK(restored->epoch() == 3);
     CHECK(!test::error_of([&] { restored->load_state("epoch x"); }).empty());
     dist::barrier();
-    if (dist::rank() == 0) std::filesystem::remove(path);
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
   }
 }

@@ -43,8 +43,8 @@ uint32_t metadata_checksum(const std::map<std::string, std::string>& metadata) {
   uint32_t crc = 0;
   for (const auto& [key, value] : metadata) {
     if (key.rfind(kChecksumPrefix, 0) == 0 || key == kMetadataChecksum) continue;
-    crc = crc32_of(key.data(), key.size() + 1,
-                   crc);  // with the terminating NUL: "ab"+"c" != "a"+"bc"
+    // With the terminating NUL: "ab" + "c" and "a" + "bc" differ.
+    crc = crc32_of(key.data(), key.size() + 1, crc);
     crc = crc32_of(value.data(), value.size() + 1, crc);
   }
   return crc;

@@ -269,7 +269,10 @@ struct DistributedDataParallel::State {
     if (options.check_finite) check_gradients_finite(step);
   }
 
-  void broadcast_buffers(nn::Module& module) {
+  // What a synchronizing forward communicates before the module runs (also when join()
+  // shadows it): the step's number on the group, then the buffers.
+  void start_step(nn::Module& module) {
+    dist::set_step(group, stats.steps);
     if (!options.broadcast_buffers) return;
     NoGradGuard no_grad;
     std::vector<dist::Work> works;
@@ -281,8 +284,7 @@ struct DistributedDataParallel::State {
 
   // join(): a step of the others in which this rank, out of inputs, contributes zeros.
   void shadow_step(nn::Module& module) {
-    dist::set_step(group, stats.steps);
-    broadcast_buffers(module);
+    start_step(module);
     begin_step();
     for (Bucket& b : buckets) b.buffer.zero_();
     for (size_t i = 0; i < params.size(); ++i) {
@@ -377,8 +379,7 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
   }
   if (synchronizing) {
     detail::join_step_begins(this);
-    dist::set_step(s.group, s.stats.steps);
-    s.broadcast_buffers(module_);
+    s.start_step(module_);
   }
   s.forward_pending = synchronizing;
   // Gradients dropped by zero_grad(set_to_none = true) go back into their buckets, zeroed,
