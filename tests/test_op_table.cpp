@@ -206,6 +206,74 @@ std::vector<OpCase> cases() {
   all.push_back({"layer_norm", {any({2, 3, 4})}, [](const Inputs& x) {
                    return layer_norm(x[0], {3, 4});
                  }});
+  all.push_back({"layer_norm", {tr({4, 5}), any({5})}, [](const Inputs& x) {
+                   return layer_norm(x[0], {5}, x[1]);
+                 }});
+  all.push_back({"rms_norm", {any({3, 5}), any({5})}, [](const Inputs& x) {
+                   return rms_norm(x[0], {5}, x[1]);
+                 }});
+  all.push_back({"rms_norm", {tr({4, 3})}, [](const Inputs& x) { return rms_norm(x[0], {3}); }});
+  all.push_back({"bias_gelu", {any({3, 5}), any({5})}, [](const Inputs& x) {
+                   return bias_gelu(x[0], x[1]);
+                 }});
+  all.push_back({"bias_gelu", {tr({4, 3}), any({3})}, [](const Inputs& x) {
+                   return bias_gelu(x[0], x[1], true);
+                 }});
+  all.push_back({"softmax", {any({2, 3, 4})}, [](const Inputs& x) { return softmax(x[0], 1); }});
+  all.push_back({"softmax", {any({})}, [](const Inputs& x) { return softmax(x[0]) * x[0]; }});
+  all.push_back(
+      {"cross_entropy", {tr({4, 5})}, [](const Inputs& x) {
+         // an ignored row adds nothing and the mean is over the other three
+         return cross_entropy(x[0], from_vector<int64_t>({1, -100, 0, 4}, {}, x[0].device()));
+       }});
+  // Attention: causal and not, boolean and additive masks, Tq != Tk, strided [B, T, H, D] views.
+  all.push_back({"scaled_dot_product_attention",
+                 {any({2, 2, 3, 4}), any({2, 2, 3, 4}), any({2, 2, 3, 4})},
+                 [](const Inputs& x) { return scaled_dot_product_attention(x[0], x[1], x[2]); }});
+  all.push_back({"scaled_dot_product_attention",
+                 {any({1, 2, 5, 3}), any({1, 2, 5, 3}), any({1, 2, 5, 2})},
+                 [](const Inputs& x) {
+                   return scaled_dot_product_attention(x[0], x[1], x[2], {.causal = true});
+                 }});
+  all.push_back({"scaled_dot_product_attention",
+                 {any({1, 3, 2, 4}), any({1, 5, 2, 4}), any({1, 5, 2, 4})},
+                 [](const Inputs& x) {  // [B, T, H, D] storage seen as [B, H, T, D]; Tq != Tk
+                   return scaled_dot_product_attention(x[0].transpose(1, 2), x[1].transpose(1, 2),
+                                                       x[2].transpose(1, 2),
+                                                       {.causal = true, .scale = 0.7});
+                 }});
+  all.push_back({"scaled_dot_product_attention",
+                 {any({2, 1, 3, 2}), any({2, 1, 4, 2}), any({2, 1, 4, 3}), any({3, 4})},
+                 [](const Inputs& x) {  // an additive mask, differentiated (broadcast over B, H)
+                   return scaled_dot_product_attention(x[0], x[1], x[2], {.mask = x[3]});
+                 }});
+  all.push_back({"scaled_dot_product_attention",
+                 {any({1, 2, 3, 2}), any({1, 2, 4, 2}), any({1, 2, 4, 2})},
+                 [](const Inputs& x) {
+                   Tensor allowed = from_vector<uint8_t>({1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 1, 0},
+                                                         {1, 1, 3, 4}, x[0].device())
+                                        .to(kBool);
+                   return scaled_dot_product_attention(x[0], x[1], x[2], {.mask = allowed});
+                 }});
+  all.push_back({"scaled_dot_product_attention",
+                 {any({1, 2, 4, 3}), any({1, 2, 4, 3}), any({1, 2, 4, 3})},
+                 [](const Inputs& x) {
+                   Generator g(11);  // the same dropout mask at every perturbation
+                   return scaled_dot_product_attention(
+                       x[0], x[1], x[2], {.causal = true, .dropout_p = 0.3, .generator = &g});
+                 }});
+  all.push_back({"tril", {any({3, 4})}, [](const Inputs& x) { return tril(x[0]).exp(); }});
+  all.push_back({"tril", {tr({2, 4})}, [](const Inputs& x) { return tril(x[0], 1).exp(); }});
+  all.push_back({"triu", {any({2, 3, 3})}, [](const Inputs& x) { return triu(x[0], -1).exp(); }});
+  all.push_back({"masked_fill", {any({3, 4})}, [](const Inputs& x) {
+                   return masked_fill(x[0], gt(x[0], scalar_tensor(0.2, {.device = x[0].device()})),
+                                      -2.0)
+                       .exp();
+                 }});
+  all.push_back(
+      {"topk", {any({3, 5})}, [](const Inputs& x) { return topk(x[0], 2).values.exp(); }});
+  all.push_back(
+      {"topk", {tr({4, 3})}, [](const Inputs& x) { return topk(x[0], 3, 0, false).values.exp(); }});
   all.push_back(
       {"embedding", {any({6, 3})}, [](const Inputs& x) {
          return embedding(x[0], from_vector<int64_t>({5, 0, 5, 1, 2, 3}, {2, 3}, x[0].device()));

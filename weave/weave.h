@@ -14,6 +14,7 @@
 #include "weave/nn/init.h"
 #include "weave/nn/layers.h"
 #include "weave/nn/module.h"
+#include "weave/nn/transformer.h"
 #include "weave/ops/gradcheck.h"
 #include "weave/ops/ops.h"
 #include "weave/optim/optimizer.h"

@@ -2,29 +2,49 @@
 // The same kernel set, once per backend: cpu/ always, cuda/ (or its no_cuda.cpp stub).
 #include "weave/kernels/kernels.h"
 
-#define WEAVE_BACKEND_KERNELS                                                                     \
-  void unary(UnaryOp op, const Tensor& x, const Tensor& out);                                     \
-  void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,           \
-                      const Tensor& out);                                                         \
-  void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out);                  \
-  void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out);            \
-  /* same device */                                                                               \
-  void copy(const Tensor& src, const Tensor& dst);                                                \
-  void fill(const Tensor& dst, double value);                                                     \
-  void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,        \
-              const Tensor& out);                                                                 \
-  void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate);              \
-  void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner,                   \
-                    const Tensor& index, const Tensor& out);                                      \
-  void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const Tensor& index, \
-                 const Tensor& src);                                                              \
-  void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,                \
-                   const Tensor& exp_avg_sq, const AdamStep& step);                               \
-  void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,         \
-                  const SgdStep& step);                                                           \
-  void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,   \
-               const Tensor& out);                                                                \
-  void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out);
+#define WEAVE_BACKEND_KERNELS                                                                      \
+  void unary(UnaryOp op, const Tensor& x, const Tensor& out);                                      \
+  void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,            \
+                      const Tensor& out);                                                          \
+  void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out);                   \
+  void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out);             \
+  /* same device */                                                                                \
+  void copy(const Tensor& src, const Tensor& dst);                                                 \
+  void fill(const Tensor& dst, double value);                                                      \
+  void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,         \
+              const Tensor& out);                                                                  \
+  void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate);               \
+  void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner,                    \
+                    const Tensor& index, const Tensor& out);                                       \
+  void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const Tensor& index,  \
+                 const Tensor& src);                                                               \
+  void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,                 \
+                   const Tensor& exp_avg_sq, const AdamStep& step);                                \
+  void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,          \
+                  const SgdStep& step);                                                            \
+  void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,    \
+               const Tensor& out);                                                                 \
+  void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out);              \
+  void softmax(const Tensor& x, const Tensor& out, bool log);                                      \
+  void softmax_backward(const Tensor& grad, const Tensor& y, const Tensor& out, bool log);         \
+  void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, bool rms, \
+                  const Tensor& out, const Tensor& mean, const Tensor& rstd);                      \
+  void layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight,              \
+                           const Tensor& mean, const Tensor& rstd, bool rms, const Tensor& dx,     \
+                           const Tensor& dweight, const Tensor& dbias);                            \
+  void cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,             \
+                     const Tensor& loss, const Tensor& lse);                                       \
+  void cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tensor& target,      \
+                              int64_t ignore_index, const Tensor& lse, const Tensor& dlogits);     \
+  void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tensor& out);        \
+  void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x,                   \
+                                const Tensor& bias, const Tensor& out);                            \
+  void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,            \
+                 const AttentionParams& params, const Tensor& out, const Tensor& lse);             \
+  void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,   \
+                          const Tensor& mask, const AttentionParams& params, const Tensor& out,    \
+                          const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, \
+                          const Tensor& dmask);
 
 namespace weave::kernels::cpu {
 WEAVE_BACKEND_KERNELS

@@ -311,6 +311,21 @@ struct Gelu {  // gelu(x) = x Phi(x);  d/dx = Phi(x) + x phi(x)
     return cdf + x * T(0.39894228040143267794) * exp_(T(-0.5) * x * x);
   }
 };
+struct GeluTanh {  // gelu(x) ~ x/2 (1 + tanh u), u = c (x + a x^3);  d/dx = (1 + t)/2 + x/2 (1 -
+                   // t^2) u'
+  static constexpr bool integral = false;
+  static constexpr Reads reads = Reads::Input;
+  static constexpr double kC = 0.79788456080286535588, kA = 0.044715;  // sqrt(2/pi)
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return T(0.5) * x * (T(1) + tanh_(T(kC) * (x + T(kA) * x * x * x)));
+  }
+  template <class T>
+  WEAVE_HD T grad(T x, T) const {
+    T t = tanh_(T(kC) * (x + T(kA) * x * x * x));
+    return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * T(kC) * (T(1) + T(3 * kA) * x * x);
+  }
+};
 struct Silu {  // silu(x) = x s(x);  d/dx = s(x) (1 + x (1 - s(x)))
   static constexpr bool integral = false;
   static constexpr Reads reads = Reads::Input;
@@ -326,21 +341,56 @@ struct Silu {  // silu(x) = x s(x);  d/dx = s(x) (1 + x (1 - s(x)))
 };
 
 // X(Name, functor, public function name)
-#define WEAVE_UNARY_OPS(X)                  \
-  X(Neg, ::weave::fn::Neg, neg)             \
-  X(Abs, ::weave::fn::Abs, abs)             \
-  X(Exp, ::weave::fn::Exp, exp)             \
-  X(Log, ::weave::fn::Log, log)             \
-  X(Sqrt, ::weave::fn::Sqrt, sqrt)          \
-  X(Rsqrt, ::weave::fn::Rsqrt, rsqrt)       \
-  X(Sin, ::weave::fn::Sin, sin)             \
-  X(Cos, ::weave::fn::Cos, cos)             \
-  X(Tanh, ::weave::fn::Tanh, tanh)          \
-  X(Sigmoid, ::weave::fn::Sigmoid, sigmoid) \
-  X(Relu, ::weave::fn::Relu, relu)          \
-  X(Sign, ::weave::fn::Sign, sign)          \
-  X(Gelu, ::weave::fn::Gelu, gelu)          \
+#define WEAVE_UNARY_OPS(X)                      \
+  X(Neg, ::weave::fn::Neg, neg)                 \
+  X(Abs, ::weave::fn::Abs, abs)                 \
+  X(Exp, ::weave::fn::Exp, exp)                 \
+  X(Log, ::weave::fn::Log, log)                 \
+  X(Sqrt, ::weave::fn::Sqrt, sqrt)              \
+  X(Rsqrt, ::weave::fn::Rsqrt, rsqrt)           \
+  X(Sin, ::weave::fn::Sin, sin)                 \
+  X(Cos, ::weave::fn::Cos, cos)                 \
+  X(Tanh, ::weave::fn::Tanh, tanh)              \
+  X(Sigmoid, ::weave::fn::Sigmoid, sigmoid)     \
+  X(Relu, ::weave::fn::Relu, relu)              \
+  X(Sign, ::weave::fn::Sign, sign)              \
+  X(Gelu, ::weave::fn::Gelu, gelu)              \
+  X(GeluTanh, ::weave::fn::GeluTanh, gelu_tanh) \
   X(Silu, ::weave::fn::Silu, silu)
+
+/// op(x + b): a bias added and an activation applied in one pass.
+template <class Functor>
+struct BiasApply {
+  template <class T>
+  WEAVE_HD T operator()(T x, T b) const {
+    return Functor{}(x + b);
+  }
+};
+/// g op'(x + b), recomputing op(x + b) for the derivatives that read the output.
+template <class Functor>
+struct BiasApplyGrad {
+  template <class T>
+  WEAVE_HD T operator()(T g, T x, T b) const {
+    const T z = x + b;
+    if constexpr (Functor::reads == Reads::Output)
+      return g * Functor{}.grad(z, Functor{}(z));
+    else
+      return g * Functor{}.grad(z, z);
+  }
+};
+
+// ---- dropout inside fused kernels ----------------------------------------------------------
+
+/// Whether element `index` survives dropout with probability p under `seed`: a counter-based
+/// draw (splitmix64's finalizer), so a fused kernel regenerates its mask in backward, on any
+/// device and in any order, without storing it.
+WEAVE_HD inline bool dropout_keep(uint64_t seed, uint64_t index, double p) {
+  uint64_t z = seed + (index + 1) * 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  z ^= z >> 31;
+  return double(z >> 11) * 0x1.0p-53 >= p;
+}
 
 // ---- binary (compute type in, compute type or bool out) ---------------------------------
 

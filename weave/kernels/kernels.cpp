@@ -109,6 +109,64 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
   WEAVE_DISPATCH("sgd_update", sgd_update(param, grad, momentum_buffer, step));
 }
 
+void softmax(const Tensor& x, const Tensor& out, bool log) {
+  WEAVE_DISPATCH(log ? "log_softmax" : "softmax", softmax(x, out, log));
+}
+
+void softmax_backward(const Tensor& grad, const Tensor& y, const Tensor& out, bool log) {
+  WEAVE_DISPATCH(log ? "log_softmax_backward" : "softmax_backward",
+                 softmax_backward(grad, y, out, log));
+}
+
+void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, bool rms,
+                const Tensor& out, const Tensor& mean, const Tensor& rstd) {
+  WEAVE_DISPATCH(rms ? "rms_norm" : "layer_norm",
+                 layer_norm(x, weight, bias, eps, rms, out, mean, rstd));
+}
+
+void layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight,
+                         const Tensor& mean, const Tensor& rstd, bool rms, const Tensor& dx,
+                         const Tensor& dweight, const Tensor& dbias) {
+  const Tensor& out = dx;
+  WEAVE_DISPATCH(rms ? "rms_norm_backward" : "layer_norm_backward",
+                 layer_norm_backward(grad, x, weight, mean, rstd, rms, dx, dweight, dbias));
+}
+
+void cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
+                   const Tensor& loss, const Tensor& lse) {
+  const Tensor& out = loss;
+  WEAVE_DISPATCH("cross_entropy", cross_entropy(logits, target, ignore_index, loss, lse));
+}
+
+void cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tensor& target,
+                            int64_t ignore_index, const Tensor& lse, const Tensor& dlogits) {
+  const Tensor& out = dlogits;
+  WEAVE_DISPATCH("cross_entropy_backward",
+                 cross_entropy_backward(grad, logits, target, ignore_index, lse, dlogits));
+}
+
+void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tensor& out) {
+  WEAVE_DISPATCH(unary_name(op), bias_activation(op, x, bias, out));
+}
+
+void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& bias,
+                              const Tensor& out) {
+  WEAVE_DISPATCH(unary_name(op), bias_activation_backward(op, grad, x, bias, out));
+}
+
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+               const AttentionParams& params, const Tensor& out, const Tensor& lse) {
+  WEAVE_DISPATCH("attention", attention(q, k, v, mask, params, out, lse));
+}
+
+void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& mask, const AttentionParams& params, const Tensor& out,
+                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                        const Tensor& dmask) {
+  WEAVE_DISPATCH("attention_backward",
+                 attention_backward(grad, q, k, v, mask, params, out, lse, dq, dk, dv, dmask));
+}
+
 #undef WEAVE_DISPATCH
 
 void copy(const Tensor& src, const Tensor& dst) {

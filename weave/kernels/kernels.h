@@ -124,6 +124,60 @@ void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner, co
 void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
                const Tensor& src);
 
+// ---- fused neural-network kernels --------------------------------------------------------
+// Row kernels take contiguous tensors viewed as [rows, n] (n: the last dim's size) in one
+// floating dtype; per-row statistics ([rows]) are in that dtype too.
+
+/// out = softmax of each row, or log_softmax with `log`.
+void softmax(const Tensor& x, const Tensor& out, bool log);
+/// The gradient from the forward's output y: y (g - sum(g y)), or g - exp(y) sum(g) with `log`.
+void softmax_backward(const Tensor& grad, const Tensor& y, const Tensor& out, bool log);
+/// Normalizes each row, then scales and shifts by weight and bias [n] (either undefined):
+/// layer norm (x - mean) rstd, or with `rms` x rstd (rstd = 1 / sqrt(mean(x^2) + eps)).
+/// Writes mean (layer norm only) and rstd per row for the backward.
+void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, bool rms,
+                const Tensor& out, const Tensor& mean, const Tensor& rstd);
+/// dx from the saved statistics; dweight and dbias [n] (sums over rows) where defined.
+void layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight,
+                         const Tensor& mean, const Tensor& rstd, bool rms, const Tensor& dx,
+                         const Tensor& dweight, const Tensor& dbias);
+/// loss[i] = logsumexp(logits[i]) - logits[i, target[i]] (0 where target is ignore_index);
+/// target is int64 [rows]; writes lse [rows]. Targets are checked by the caller.
+void cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
+                   const Tensor& loss, const Tensor& lse);
+/// dlogits[i] = grad[i] (softmax(logits[i]) - onehot(target[i])), recomputed from lse.
+void cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tensor& target,
+                            int64_t ignore_index, const Tensor& lse, const Tensor& dlogits);
+/// out = op(x + bias) elementwise in one pass (bias: a broadcast view of out's shape).
+void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tensor& out);
+/// out = grad op'(x + bias), recomputing op(x + bias) where the derivative needs it.
+void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& bias,
+                              const Tensor& out);
+
+/// Fused attention's settings. Causal masking is aligned to the bottom right: query i of Tq
+/// sits at position i + Tk - Tq and sees keys up to there (the usual rule for cached decoding;
+/// the ordinary causal mask when Tq == Tk).
+struct AttentionParams {
+  double scale = 1.0;
+  bool causal = false;
+  double dropout_p = 0.0;
+  uint64_t dropout_seed = 0;  // fn::dropout_keep's seed for this call
+};
+/// out [B, H, Tq, Dv] = softmax(scale q k^T + mask) v for q [B, H, Tq, D], k [B, H, Tk, D],
+/// v [B, H, Tk, Dv], each with unit stride in its last dim and any other strides; mask is
+/// undefined or a broadcast view [B, H, Tq, Tk] (bool: true attends; else additive, q's
+/// dtype). lse [B, H, Tq] contiguous gets each row's log-sum-exp (+inf for a row that attends
+/// to nothing, whose output is 0). Never holds a Tq x Tk tensor.
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+               const AttentionParams& params, const Tensor& out, const Tensor& lse);
+/// dq, dk, dv (shaped like q, k, v, unit inner stride) from the forward's out and lse,
+/// recomputing the scores block by block; dmask (contiguous [B, H, Tq, Tk], or undefined)
+/// gets the gradient of the scores, for an additive mask that requires grad.
+void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& mask, const AttentionParams& params, const Tensor& out,
+                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                        const Tensor& dmask);
+
 /// The constants of one Adam/AdamW step (correction1/2: 1 - beta1^t, 1 - beta2^t).
 struct AdamStep {
   double lr, beta1, beta2, eps, weight_decay, correction1, correction2;

@@ -55,6 +55,16 @@ Tensor LayerNorm::forward(const Tensor& x) {
   return layer_norm(x, shape_, weight, bias, eps_);
 }
 
+RMSNorm::RMSNorm(const Shape& normalized_shape, double eps, bool affine)
+    : Module("RMSNorm"),
+      weight(register_parameter("weight", affine ? ones(normalized_shape) : Tensor())),
+      shape_(normalized_shape),
+      eps_(eps) {}
+
+Tensor RMSNorm::forward(const Tensor& x) {
+  return rms_norm(x, shape_, weight, eps_);
+}
+
 Dropout::Dropout(double p, Generator* generator) : Module("Dropout"), p_(p), generator_(generator) {
   WEAVE_CHECK(p >= 0 && p <= 1, "Dropout", "probability must be in [0, 1], found {}", p);
 }

@@ -39,6 +39,19 @@ class LayerNorm : public Module {
   double eps_;
 };
 
+/// Root-mean-square normalization over the trailing normalized_shape with a learned scale
+/// (LLaMA's RMSNorm).
+class RMSNorm : public Module {
+ public:
+  explicit RMSNorm(const Shape& normalized_shape, double eps = 1e-6, bool affine = true);
+  Tensor forward(const Tensor& x) override;
+  Tensor& weight;  // undefined without affine
+
+ private:
+  Shape shape_;
+  double eps_;
+};
+
 /// Zeroes elements with probability p in training mode (identity in eval mode).
 class Dropout : public Module {
  public:

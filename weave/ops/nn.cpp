@@ -26,52 +26,124 @@ Tensor apply_reduction(const Tensor& loss, Reduction reduction) {
 
 }  // namespace
 
-Tensor softmax(const Tensor& x, int64_t dim) {
-  check_defined(x, "softmax");
-  const int d = normalize_dim(dim, x.dim(), "softmax");
-  Tensor xf = floating(x), y;
-  {
-    NoGradGuard no_grad;
-    if (xf.numel() == 0) {  // nothing to normalize (an empty dim has no max)
-      y = empty(xf.shape(), {.dtype = xf.dtype(), .device = xf.device()});
-    } else {
-      Tensor e = exp(xf - max(xf, {d}, true));
-      y = e / sum(e, {d}, true);
-    }
-  }
-  // dx = y (g - sum(g y))
-  return autograd::record("SoftmaxBackward", {x}, y, [&] {
-    return [ys = SavedTensor(y), d, in = InputInfo(x)](const BackwardArgs& args) -> Grads {
+namespace {
+
+/// The dtype a fused kernel computes in: float64 stays, everything else runs in float32 (the
+/// reduced-precision dtypes accumulate in float32 and convert back).
+DType kernel_dtype(DType dtype) {
+  return dtype == kFloat64 ? kFloat64 : kFloat32;
+}
+
+/// t in the kernel dtype with dim `d` moved last, contiguous (a row per remaining index).
+Tensor rows_along(const Tensor& t, int d, DType dtype) {
+  Tensor moved = d == t.dim() - 1 ? t : t.transpose(d, -1);
+  return convert(moved, dtype).contiguous();
+}
+
+Tensor softmax_family(const Tensor& x, int64_t dim, bool log) {
+  const char* op = log ? "log_softmax" : "softmax";
+  check_defined(x, op);
+  const int d = normalize_dim(dim, x.dim(), op);
+  const DType out_dtype = to_floating(x.dtype()), dtype = kernel_dtype(out_dtype);
+  // A 0-d tensor is one row of one element.
+  Tensor rows = x.dim() == 0 ? convert(x, dtype).reshape({1}) : rows_along(x, d, dtype);
+  Tensor y = empty_on(rows.shape(), dtype, x.device());
+  kernels::softmax(rows, y, log);
+  auto back_to_layout = [shape = x.shape(), d, scalar = x.dim() == 0](const Tensor& t) {
+    if (scalar) return t.reshape({});
+    return d == t.dim() - 1 ? t : t.transpose(d, -1);
+  };
+  Tensor out = convert(back_to_layout(y), out_dtype);
+  // softmax: dx = y (g - sum(g y));  log_softmax: dx = g - exp(y) sum(g)
+  return autograd::record(log ? "LogSoftmaxBackward" : "SoftmaxBackward", {x}, out, [&] {
+    return [ys = SavedTensor(y), d, log, back_to_layout,
+            in = InputInfo(x)](const BackwardArgs& args) -> Grads {
       Tensor yv = ys.unpack();
       const Tensor& g = args.grad();
-      return {convert(yv * (g - sum(g * yv, {d}, true)), in.dtype)};
+      Tensor g_rows =
+          g.dim() == 0 ? convert(g, yv.dtype()).reshape({1}) : rows_along(g, d, yv.dtype());
+      Tensor dx = empty_on(yv.shape(), yv.dtype(), yv.device());
+      kernels::softmax_backward(g_rows, yv, dx, log);
+      return {convert(back_to_layout(dx), in.dtype)};
     };
   });
+}
+
+/// Host copy of integer class targets as int64, checked against [0, classes) (ignore_index
+/// allowed).
+void check_targets(const Tensor& target, int64_t classes, int64_t ignore_index) {
+  Tensor host = convert(target, kInt64).to(kCPU).contiguous();
+  const int64_t* t = host.data<int64_t>();
+  for (int64_t i = 0; i < host.numel(); ++i)
+    WEAVE_CHECK(t[i] == ignore_index || (t[i] >= 0 && t[i] < classes), "cross_entropy",
+                "target {} at position {} is not a class in [0, {}) nor ignore_index ({})", t[i], i,
+                classes, ignore_index);
+}
+
+Tensor normalization(const char* op, bool rms, const Tensor& x, const Shape& normalized_shape,
+                     const Tensor& weight, const Tensor& bias, double eps) {
+  check_defined(x, op);
+  WEAVE_CHECK(eps >= 0 && std::isfinite(eps), op,
+              "eps must be a finite non-negative number, found {}", eps);
+  const int k = normalized_shape.size();
+  bool matches = k >= 1 && k <= x.dim();
+  for (int i = 0; matches && i < k; ++i)
+    matches = x.shape()[x.dim() - k + i] == normalized_shape[i];
+  WEAVE_CHECK(matches, op, "input {} does not end with normalized_shape {}", x.shape(),
+              normalized_shape);
+  for (auto [t, what] : {std::pair{&weight, "weight"}, std::pair{&bias, "bias"}}) {
+    if (!t->defined()) continue;
+    check_same_device(x, *t, op);
+    WEAVE_CHECK(t->shape() == normalized_shape, op, "expected {} of shape {}, found {}", what,
+                normalized_shape, t->shape());
+  }
+  const DType out_dtype = to_floating(x.dtype()), dtype = kernel_dtype(out_dtype);
+  const int64_t n = normalized_shape.numel();
+  Tensor rows = convert(x, dtype).contiguous().reshape({-1, n});
+  auto flat = [&](const Tensor& t) {
+    return t.defined() ? convert(t, dtype).contiguous().reshape({n}) : Tensor();
+  };
+  Tensor w = flat(weight), b = flat(bias);
+  Tensor y = empty_on(rows.shape(), dtype, x.device());
+  Tensor mu = rms ? Tensor() : empty_on({rows.size(0)}, dtype, x.device());
+  Tensor rstd = empty_on({rows.size(0)}, dtype, x.device());
+  kernels::layer_norm(rows, w, b, eps, rms, y, mu, rstd);
+  Tensor out = convert(y.reshape(x.shape()), out_dtype);
+  // xhat = (x - mean) rstd;  dx = rstd (g w - mean(g w) - xhat mean(g w xhat)),
+  // dweight = sum over rows of g xhat, dbias = sum of g (RMS norm: no mean terms)
+  return autograd::record(
+      rms ? "RmsNormBackward" : "LayerNormBackward", {x, weight, bias}, out, [&] {
+        return [xs = SavedTensor(rows), ws = SavedTensor(w), mu, rstd, rms, xi = InputInfo(x),
+                wi = InputInfo(weight), bi = InputInfo(bias)](const BackwardArgs& args) -> Grads {
+          Tensor xv = xs.unpack(), wv = ws.unpack();
+          Tensor g = convert(args.grad(), xv.dtype()).contiguous();
+          auto make = [&](bool needed, const Shape& shape) {
+            return needed ? empty_on(shape, xv.dtype(), xv.device()) : Tensor();
+          };
+          Tensor dx = make(args.needs(0), xv.shape());
+          Tensor dw = make(args.needs(1), {xv.size(1)});
+          Tensor db = make(args.needs(2), {xv.size(1)});
+          kernels::layer_norm_backward(g.reshape(xv.shape()), xv, wv, mu, rstd, rms, dx, dw, db);
+          auto finish = [](const Tensor& t, const InputInfo& info) {
+            return t.defined() ? convert(t.reshape(info.shape), info.dtype) : Tensor();
+          };
+          return {finish(dx, xi), finish(dw, wi), finish(db, bi)};
+        };
+      });
+}
+
+}  // namespace
+
+Tensor softmax(const Tensor& x, int64_t dim) {
+  return softmax_family(x, dim, false);
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
-  check_defined(x, "log_softmax");
-  const int d = normalize_dim(dim, x.dim(), "log_softmax");
-  Tensor xf = floating(x), y;
-  {
-    NoGradGuard no_grad;
-    if (xf.numel() == 0) {  // nothing to normalize (an empty dim has no max)
-      y = empty(xf.shape(), {.dtype = xf.dtype(), .device = xf.device()});
-    } else {
-      Tensor shifted = xf - max(xf, {d}, true);
-      y = shifted - log(sum(exp(shifted), {d}, true));
-    }
-  }
-  // dx = g - exp(y) sum(g)
-  return autograd::record("LogSoftmaxBackward", {x}, y, [&] {
-    return [ys = SavedTensor(y), d, in = InputInfo(x)](const BackwardArgs& args) -> Grads {
-      const Tensor& g = args.grad();
-      return {convert(g - exp(ys.unpack()) * sum(g, {d}, true), in.dtype)};
-    };
-  });
+  return softmax_family(x, dim, true);
 }
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction) {
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduction,
+                     int64_t ignore_index) {
   check_defined(logits, "cross_entropy", "logits");
   check_defined(target, "cross_entropy", "target");
   check_same_device(logits, target, "cross_entropy");
@@ -81,21 +153,36 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
   WEAVE_CHECK((batched && target.dim() == 1 && target.size(0) == logits.size(0)) ||
                   (logits.dim() == 1 && target.dim() == 0),
               "cross_entropy",
-              "expected logits [N, C] with target [N] (or [C] with []), found {} and {}",
+              "expected logits [N, C] with target [N] (or [C] with []), found {} and {}; hint: "
+              "reshape sequence logits to [-1, C] and targets to [-1]",
               logits.shape(), target.shape());
   const int64_t classes = logits.size(-1), n = batched ? logits.size(0) : 1;
-  Tensor t = convert(target, kInt64).reshape({n});
-  if (n > 0) {
-    int64_t lo = min(t).item<int64_t>(), hi = max(t).item<int64_t>();
-    WEAVE_CHECK(lo >= 0 && hi < classes, "cross_entropy",
-                "target classes must lie in [0, {}), found values in [{}, {}]", classes, lo, hi);
-  }
-  Tensor logp = log_softmax(logits, -1).reshape({-1});
-  Tensor rows = arange(0, static_cast<double>(n), 1, {.dtype = kInt64, .device = logits.device()});
-  Tensor picked = index_select(logp, 0, rows * static_cast<double>(classes) + t);
-  Tensor loss = -picked;
+  WEAVE_CHECK(classes > 0 || n == 0, "cross_entropy", "logits {} have no classes", logits.shape());
+  check_targets(target, classes, ignore_index);
+  const DType out_dtype = to_floating(logits.dtype()), dtype = kernel_dtype(out_dtype);
+  Tensor rows = convert(logits, dtype).contiguous().reshape({n, classes});
+  Tensor t = convert(target, kInt64).contiguous().reshape({n});
+  Tensor loss = empty_on({n}, dtype, logits.device()), lse = empty_on({n}, dtype, logits.device());
+  kernels::cross_entropy(rows, t, ignore_index, loss, lse);
+  // dlogits = g (softmax(logits) - onehot(target)), recomputed from the saved log-sum-exp
+  loss = autograd::record("CrossEntropyBackward", {logits}, convert(loss, out_dtype), [&] {
+    return [rs = SavedTensor(rows), t, lse, ignore_index,
+            in = InputInfo(logits)](const BackwardArgs& args) -> Grads {
+      Tensor rv = rs.unpack();
+      Tensor g = convert(args.grad(), rv.dtype()).contiguous();
+      Tensor d = empty_on(rv.shape(), rv.dtype(), rv.device());
+      kernels::cross_entropy_backward(g, rv, t, ignore_index, lse, d);
+      return {convert(d.reshape(in.shape), in.dtype)};
+    };
+  });
   if (!batched) loss = loss.reshape({});
-  return apply_reduction(loss, reduction);
+  if (reduction == Reduction::None) return loss;
+  if (reduction == Reduction::Sum) return sum(loss);
+  // The mean over the targets that count (NaN when every one is ignored, as in PyTorch).
+  const int64_t counted =
+      sum(ne(t, scalar_tensor(double(ignore_index), {.dtype = kInt64, .device = t.device()})))
+          .item<int64_t>();
+  return sum(loss) / double(counted);
 }
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
@@ -109,31 +196,38 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
 
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
                   const Tensor& bias, double eps) {
-  check_defined(x, "layer_norm");
-  WEAVE_CHECK(eps >= 0 && std::isfinite(eps), "layer_norm",
-              "eps must be a finite non-negative number, found {}", eps);
-  const int k = normalized_shape.size();
-  bool matches = k >= 1 && k <= x.dim();
-  for (int i = 0; matches && i < k; ++i)
-    matches = x.shape()[x.dim() - k + i] == normalized_shape[i];
-  WEAVE_CHECK(matches, "layer_norm", "input {} does not end with normalized_shape {}", x.shape(),
-              normalized_shape);
-  if (weight.defined())
-    WEAVE_CHECK(weight.shape() == normalized_shape, "layer_norm",
-                "expected weight of shape {}, found {}", normalized_shape, weight.shape());
-  if (bias.defined())
-    WEAVE_CHECK(bias.shape() == normalized_shape, "layer_norm",
-                "expected bias of shape {}, found {}", normalized_shape, bias.shape());
-  Dims dims;
-  for (int i = 0; i < k; ++i) dims.push_back(x.dim() - k + i);
-  Tensor xf = floating(x);
-  Tensor mu = mean(xf, dims, true);
-  Tensor centered = xf - mu;
-  Tensor variance = mean(centered * centered, dims, true);
-  Tensor y = centered * rsqrt(variance + eps);
-  if (weight.defined()) y = y * weight;
-  if (bias.defined()) y = y + bias;
-  return y;
+  return normalization("layer_norm", false, x, normalized_shape, weight, bias, eps);
+}
+
+Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, double eps) {
+  return normalization("rms_norm", true, x, normalized_shape, weight, Tensor(), eps);
+}
+
+Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approximation) {
+  check_defined(x, "bias_gelu");
+  check_defined(bias, "bias_gelu", "bias");
+  check_same_device(x, bias, "bias_gelu");
+  WEAVE_CHECK(x.dim() >= 1 && bias.dim() == 1 && bias.size(0) == x.size(-1), "bias_gelu",
+              "expected a bias of shape [{}] for input {}, found {}", x.dim() ? x.size(-1) : 0,
+              x.shape(), bias.shape());
+  const auto op = tanh_approximation ? kernels::UnaryOp::GeluTanh : kernels::UnaryOp::Gelu;
+  const DType out_dtype = to_floating(promote_types(x.dtype(), bias.dtype()));
+  const DType dtype = kernel_dtype(out_dtype);
+  Tensor xc = convert(x, dtype), bc = convert(bias, dtype);
+  Tensor y = empty_on(x.shape(), dtype, x.device());
+  kernels::bias_activation(op, xc, broadcast_view(bc, x.shape()), y);
+  // z = x + b: dx = g gelu'(z), db = dx summed over all but the last dim
+  return autograd::record("BiasGeluBackward", {x, bias}, convert(y, out_dtype), [&] {
+    return [xs = SavedTensor(xc), bs = SavedTensor(bc), op, xi = InputInfo(x),
+            bi = InputInfo(bias)](const BackwardArgs& args) -> Grads {
+      Tensor xv = xs.unpack();
+      Tensor g = convert(args.grad(), xv.dtype());
+      Tensor dz = empty_on(xv.shape(), xv.dtype(), xv.device());
+      kernels::bias_activation_backward(op, g, xv, broadcast_view(bs.unpack(), xv.shape()), dz);
+      return {args.needs(0) ? convert(dz, xi.dtype) : Tensor(),
+              args.needs(1) ? reduce_grad(dz, bi) : Tensor()};
+    };
+  });
 }
 
 Tensor embedding(const Tensor& weight, const Tensor& indices) {

@@ -58,6 +58,9 @@ Tensor sigmoid(const Tensor& x);
 Tensor relu(const Tensor& x);
 /// Exact GELU: x * Phi(x) with the normal CDF Phi.
 Tensor gelu(const Tensor& x);
+/// GELU's tanh approximation, x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (PyTorch's
+/// approximate="tanh", GPT-2's).
+Tensor gelu_tanh(const Tensor& x);
 /// x * sigmoid(x).
 Tensor silu(const Tensor& x);
 /// -1, 0 or 1 by the sign of x (NaN stays NaN); its gradient is zero.
@@ -170,19 +173,104 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
 
 enum class Reduction { Mean, Sum, None };
 
+// The ops below are fused: one kernel pass forward and one backward, saving only what the
+// backward needs. They compute in float32 for the reduced-precision dtypes (float64 stays) and
+// return the input's floating dtype.
+
+/// Softmax along dim (any dim; along the last one no copy is made).
 Tensor softmax(const Tensor& x, int64_t dim = -1);
 Tensor log_softmax(const Tensor& x, int64_t dim = -1);
-/// logits [N, C] (or [C]), integer class targets [N] (or []).
+/// logits [N, C] (or [C]), integer class targets [N] (or []); targets equal to ignore_index
+/// add nothing, and the mean is over the others (PyTorch's rule). Keeps only the logits and
+/// each row's log-sum-exp for backward, never a probability tensor: a GPT's [B*T, vocab]
+/// logits cost no second copy.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target,
-                     Reduction reduction = Reduction::Mean);
+                     Reduction reduction = Reduction::Mean, int64_t ignore_index = -100);
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean);
 /// Normalizes over the trailing dims given by normalized_shape; weight/bias may be undefined.
+/// Saves the input and each row's mean and 1/std.
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight = {},
                   const Tensor& bias = {}, double eps = 1e-5);
+/// Root-mean-square normalization (LLaMA's): x / sqrt(mean(x^2) + eps) * weight over the
+/// trailing normalized_shape; weight may be undefined.
+Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight = {},
+                double eps = 1e-6);
+/// gelu(x + bias) with bias [x.size(-1)], in one pass forward and one backward (the sum z is
+/// never stored); tanh_approximation picks gelu_tanh.
+Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approximation = false);
 /// Rows of weight [num, dim] picked by integer indices (any shape) -> [..., dim].
 Tensor embedding(const Tensor& weight, const Tensor& indices);
 /// In training, zeroes each element with probability p and scales the rest by 1 / (1 - p).
 Tensor dropout(const Tensor& x, double p, bool training = true, Generator* generator = nullptr);
+
+// ---- attention ----------------------------------------------------------------------------
+
+struct AttentionOptions {
+  /// Each query sees only keys at or before its position. With Tq != Tk the queries are the
+  /// last Tq positions (query i sits at i + Tk - Tq): the rule for decoding with a KV cache.
+  bool causal = false;
+  /// Broadcastable to [B, H, Tq, Tk]: bool (true = may attend) or floating (added to the
+  /// scores; differentiated when it requires grad, a learned position bias).
+  Tensor mask{};
+  /// Multiplies q k^T; 1 / sqrt(head_dim) when unset.
+  std::optional<double> scale{};
+  /// Dropout on the attention probabilities (applied whenever > 0, as in PyTorch: pass 0 in
+  /// evaluation). The mask is drawn from one 64-bit seed taken from `generator` (the default
+  /// generator when null) and regenerated in backward, never stored.
+  double dropout_p = 0.0;
+  Generator* generator = nullptr;
+};
+
+/// softmax(scale q k^T + mask) v for q [B, H, Tq, D], k [B, H, Tk, D], v [B, H, Tk, Dv].
+/// Inputs may be strided views, such as a [B, T, H, D] projection transposed to [B, H, T, D]:
+/// no copy is made while each has unit stride in its last dim. Fused: it never holds a
+/// Tq x Tk tensor (forward keeps each row's log-sum-exp; backward recomputes the scores block
+/// by block). The result is laid out [B, Tq, H, Dv] in memory, so `.transpose(1, 2).reshape({B,
+/// Tq, H * Dv})` (merging the heads) is free. A query row that may attend to nothing gets 0.
+///
+///   Tensor qkv = linear(x, w_qkv).reshape({B, T, 3, H, D});   // one fused projection
+///   Tensor q = qkv.select(2, 0).transpose(1, 2), ...;           // views, no copies
+///   Tensor y = scaled_dot_product_attention(q, k, v, {.causal = true});
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const AttentionOptions& options = {});
+
+struct AttentionResult {
+  Tensor output;
+  /// [B, H, Tq] in the computation dtype: log sum_j exp(scores_ij) (+inf for a row that
+  /// attends to nothing); not differentiated.
+  Tensor logsumexp;
+};
+/// scaled_dot_product_attention that also returns each row's log-sum-exp (to merge partial
+/// attentions over key blocks, as ring attention does).
+AttentionResult scaled_dot_product_attention_with_lse(const Tensor& q, const Tensor& k,
+                                                      const Tensor& v,
+                                                      const AttentionOptions& options = {});
+
+/// The keep-mask (bool [B, H, Tq, Tk]) that attention dropout with probability p applies when
+/// called with `generator` in the same state (it takes the same one draw from it): to
+/// reproduce a run, or to check the fused op against the composed one.
+Tensor attention_dropout_mask(const Shape& scores_shape, double p, Generator* generator = nullptr);
+
+// ---- masking and sampling ---------------------------------------------------------------
+
+/// The lower (tril) or upper (triu) triangle of the last two dims: elements with
+/// col - row <= diagonal (tril) or >= diagonal (triu) are kept, the rest are 0.
+Tensor tril(const Tensor& x, int64_t diagonal = 0);
+Tensor triu(const Tensor& x, int64_t diagonal = 0);
+/// x with `value` where mask (bool, broadcastable to x's shape) is true.
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value);
+
+struct TopK {
+  Tensor values;   // differentiable (gradient flows to the picked elements)
+  Tensor indices;  // int64
+};
+/// The k largest (or smallest) entries along dim, sorted (ties: the lower index first; NaN
+/// counts as largest, as in PyTorch).
+TopK topk(const Tensor& x, int64_t k, int64_t dim = -1, bool largest = true);
+/// Draws num_samples class indices (int64) from each row of non-negative weights probs [C]
+/// or [N, C] (they need not sum to 1); without replacement no index repeats.
+Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement = false,
+                   Generator* generator = nullptr);
 
 // ---- the differentiable ops, listed -------------------------------------------------------
 // The op table (tests/test_op_table.cpp) generates its rows for WEAVE_UNARY_OPS and
@@ -199,8 +287,9 @@ Tensor dropout(const Tensor& x, double p, bool training = true, Generator* gener
   X(matmul) X(linear)                                                                       \
   X(reshape) X(view) X(flatten) X(permute) X(transpose) X(narrow) X(slice) X(select)       \
   X(expand) X(squeeze) X(unsqueeze) X(cat) X(stack) X(split) X(chunk) X(index_select)      \
-  X(softmax) X(log_softmax) X(cross_entropy) X(mse_loss) X(layer_norm) X(embedding)         \
-  X(dropout) X(clone) X(contiguous) X(to_dtype) X(add_) X(mul_) X(copy_)
+  X(softmax) X(log_softmax) X(cross_entropy) X(mse_loss) X(layer_norm) X(rms_norm)          \
+  X(bias_gelu) X(embedding) X(dropout) X(scaled_dot_product_attention) X(tril) X(triu)      \
+  X(masked_fill) X(topk) X(clone) X(contiguous) X(to_dtype) X(add_) X(mul_) X(copy_)
 // clang-format on
 
 // ---- comparison of whole tensors --------------------------------------------------------

@@ -1,5 +1,6 @@
 #include "weave/tensor/storage.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -35,6 +36,15 @@ HostCache& host_cache() {
   return *cache;
 }
 
+std::atomic<size_t> bytes_in_use{0}, peak_bytes{0};
+
+void count_allocation(size_t size) {
+  const size_t now = bytes_in_use.fetch_add(size, std::memory_order_relaxed) + size;
+  size_t peak = peak_bytes.load(std::memory_order_relaxed);
+  while (now > peak && !peak_bytes.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
 size_t round_up(size_t n) {
   return (std::max<size_t>(n, 1) + kAlignment - 1) / kAlignment * kAlignment;
 }
@@ -43,6 +53,7 @@ size_t round_up(size_t n) {
 
 void* cpu_allocate(size_t nbytes) {
   size_t size = round_up(nbytes);
+  count_allocation(size);
   if (size >= kCacheMinBytes) {
     HostCache& cache = host_cache();
     std::lock_guard lock(cache.mutex);
@@ -62,6 +73,7 @@ void* cpu_allocate(size_t nbytes) {
 void cpu_deallocate(void* ptr, size_t nbytes) {
   if (ptr == nullptr) return;
   size_t size = round_up(nbytes);
+  bytes_in_use.fetch_sub(size, std::memory_order_relaxed);
   if (size >= kCacheMinBytes) {
     HostCache& cache = host_cache();
     std::lock_guard lock(cache.mutex);
@@ -78,6 +90,14 @@ void cpu_empty_cache() {
   HostCache& cache = host_cache();
   std::lock_guard lock(cache.mutex);
   cache.release_all();
+}
+
+MemoryStats cpu_memory_stats() {
+  return {bytes_in_use.load(std::memory_order_relaxed), peak_bytes.load(std::memory_order_relaxed)};
+}
+
+void cpu_reset_peak_memory() {
+  peak_bytes.store(bytes_in_use.load(std::memory_order_relaxed), std::memory_order_relaxed);
 }
 
 Storage::Storage(size_t nbytes, Device device) : nbytes_(nbytes), device_(device) {

@@ -44,4 +44,14 @@ void cpu_deallocate(void* ptr, size_t nbytes);
 /// Returns every cached host block to the system.
 void cpu_empty_cache();
 
+/// Bytes of host memory held by live tensors (what the allocator has handed out and not yet
+/// taken back, cached blocks excluded), now and at the peak since the last reset.
+struct MemoryStats {
+  size_t in_use = 0;
+  size_t peak = 0;
+};
+MemoryStats cpu_memory_stats();
+/// Starts a new peak from the current use (to measure one region of a program).
+void cpu_reset_peak_memory();
+
 }  // namespace weave

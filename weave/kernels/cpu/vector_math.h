@@ -5,6 +5,7 @@
 // glibc declares these itself only under -ffast-math; libmvec's results are within 4 ulp.
 // CMake defines WEAVE_WITH_LIBMVEC when it links libmvec (x86-64 glibc).
 #include <cmath>
+#include <cstdint>
 
 #if defined(WEAVE_WITH_LIBMVEC) && defined(__x86_64__) && defined(__GLIBC__) && \
     !defined(__FAST_MATH__)
@@ -27,3 +28,45 @@ WEAVE_SIMD_MATH double pow(double, double) noexcept;
 }
 #undef WEAVE_SIMD_MATH
 #endif
+
+namespace weave::kernels::cpu {
+
+// Reductions over a contiguous row. `omp simd reduction` lets the compiler reorder the sum and
+// the maximum across vector lanes, which it may not do on its own without -ffast-math; each
+// row is short, so the reordering changes float32 results only in the last bits.
+
+/// The largest element, NaN if any is NaN, -inf for an empty row.
+template <class T>
+inline T row_max(const T* x, int64_t n) {
+  T m = -INFINITY;
+  bool nan = false;
+#pragma omp simd reduction(max : m) reduction(|| : nan)
+  for (int64_t j = 0; j < n; ++j) {
+    m = x[j] > m ? x[j] : m;
+    nan = nan || x[j] != x[j];
+  }
+  return nan ? T(NAN) : m;
+}
+
+/// Writes exp(x - shift) over x in place and returns the sum.
+template <class T>
+inline T exp_shifted_in_place(T* x, int64_t n, T shift) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = std::exp(x[j] - shift);
+    sum += x[j];
+  }
+  return sum;
+}
+
+/// sum_j f(j) for a vectorizable f.
+template <class T, class F>
+inline T row_sum(int64_t n, const F& f) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) sum += f(j);
+  return sum;
+}
+
+}  // namespace weave::kernels::cpu

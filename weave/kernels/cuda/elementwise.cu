@@ -149,6 +149,27 @@ void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
   });
 }
 
+void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tensor& out) {
+  visit_unary_op(op, [&](auto functor, const char* name) {
+    using F = typename decltype(functor)::type;
+    visit_floating(x.dtype(), name, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      map<T, T, T>(fn::BiasApply<F>{}, out, x, bias);
+    });
+  });
+}
+
+void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& bias,
+                              const Tensor& out) {
+  visit_unary_op(op, [&](auto functor, const char* name) {
+    using F = typename decltype(functor)::type;
+    visit_floating(x.dtype(), name, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      map<T, T, T, T>(fn::BiasApplyGrad<F>{}, out, grad, x, bias);
+    });
+  });
+}
+
 void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,
              const Tensor& out) {
   visit_floating(out.dtype(), divide ? "addcdiv_" : "addcmul_", [&](auto tag) {

@@ -52,6 +52,42 @@ void sgd_update(const Tensor&, const Tensor&, const Tensor&, const SgdStep&) {
 void adam_update(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const AdamStep&) {
   no_cuda("adam_update");
 }
+void softmax(const Tensor&, const Tensor&, bool) {
+  no_cuda("softmax");
+}
+void softmax_backward(const Tensor&, const Tensor&, const Tensor&, bool) {
+  no_cuda("softmax");
+}
+void layer_norm(const Tensor&, const Tensor&, const Tensor&, double, bool, const Tensor&,
+                const Tensor&, const Tensor&) {
+  no_cuda("layer_norm");
+}
+void layer_norm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                         bool, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("layer_norm");
+}
+void cross_entropy(const Tensor&, const Tensor&, int64_t, const Tensor&, const Tensor&) {
+  no_cuda("cross_entropy");
+}
+void cross_entropy_backward(const Tensor&, const Tensor&, const Tensor&, int64_t, const Tensor&,
+                            const Tensor&) {
+  no_cuda("cross_entropy");
+}
+void bias_activation(UnaryOp, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("bias_activation");
+}
+void bias_activation_backward(UnaryOp, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("bias_activation");
+}
+void attention(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const AttentionParams&,
+               const Tensor&, const Tensor&) {
+  no_cuda("scaled_dot_product_attention");
+}
+void attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        const AttentionParams&, const Tensor&, const Tensor&, const Tensor&,
+                        const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("scaled_dot_product_attention");
+}
 }  // namespace kernels::cuda
 
 }  // namespace weave

@@ -1,0 +1,257 @@
+// Fused attention on the CPU, blocked like FlashAttention-2: per (batch, head, query block) the
+// scores of one key block at a time are formed by a GEMM, folded into a running maximum and sum
+// (online softmax) and multiplied into the output; only each row's log-sum-exp is kept. The
+// backward recomputes each block's probabilities from it.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "weave/kernels/backends.h"
+#include "weave/kernels/cpu/gemm.h"
+#include "weave/kernels/cpu/loops.h"
+#include "weave/kernels/cpu/vector_math.h"
+
+namespace weave::kernels::cpu {
+
+namespace {
+
+constexpr int64_t kBlockQ = 64, kBlockK = 128;
+
+/// A [B, H, T, D] operand: base pointer and element strides (the last one is 1).
+template <class P>
+struct Heads {
+  P* base;
+  int64_t batch_stride, head_stride, row_stride;
+  Heads(const Tensor& t)  // NOLINT: converting is the point
+      : base(static_cast<P*>(t.data_ptr())),
+        batch_stride(t.strides()[0]),
+        head_stride(t.strides()[1]),
+        row_stride(t.strides()[2]) {}
+  P* at(int64_t b, int64_t h, int64_t row = 0) const {
+    return base + b * batch_stride + h * head_stride + row * row_stride;
+  }
+};
+
+/// Everything that hides a score: the causal rule, a boolean or additive mask, and dropout.
+template <class T>
+struct Masking {
+  int64_t tq, tk, heads;
+  bool causal;
+  const T* additive = nullptr;
+  const bool* allowed = nullptr;
+  int64_t strides[4] = {0, 0, 0, 0};
+  double dropout_p;
+  uint64_t seed;
+  T keep_scale;
+
+  Masking(const Tensor& q, const Tensor& k, const Tensor& mask, const AttentionParams& params)
+      : tq(q.size(2)),
+        tk(k.size(2)),
+        heads(q.size(1)),
+        causal(params.causal),
+        dropout_p(params.dropout_p),
+        seed(params.dropout_seed),
+        keep_scale(T(1.0 / (1.0 - params.dropout_p))) {
+    if (mask.defined()) {
+      if (mask.dtype() == kBool)
+        allowed = static_cast<const bool*>(mask.data_ptr());
+      else
+        additive = static_cast<const T*>(mask.data_ptr());
+      for (int d = 0; d < 4; ++d) strides[d] = mask.strides()[d];
+    }
+  }
+
+  /// The last key query i may see, plus one.
+  int64_t key_end(int64_t i) const {
+    return causal ? std::clamp<int64_t>(i + 1 + tk - tq, 0, tk) : tk;
+  }
+  /// The first query that sees key j.
+  int64_t first_query(int64_t j) const { return causal ? std::max<int64_t>(0, j - (tk - tq)) : 0; }
+
+  /// Applies causal rule and mask to a rows x cols block of scores at (i0, j0).
+  void apply(T* s, int64_t ld, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+             int64_t cols) const {
+    constexpr T kMinusInf = -std::numeric_limits<T>::infinity();
+    for (int64_t r = 0; r < rows; ++r) {
+      T* row = s + r * ld;
+      const int64_t i = i0 + r;
+      if (causal)
+        for (int64_t c = std::max<int64_t>(0, key_end(i) - j0); c < cols; ++c) row[c] = kMinusInf;
+      const int64_t base = b * strides[0] + h * strides[1] + i * strides[2] + j0 * strides[3];
+      if (additive)
+        for (int64_t c = 0; c < cols; ++c) row[c] += additive[base + c * strides[3]];
+      if (allowed)
+        for (int64_t c = 0; c < cols; ++c)
+          if (!allowed[base + c * strides[3]]) row[c] = kMinusInf;
+    }
+  }
+
+  /// Multiplies a block of probabilities by the dropout mask over 1 - p.
+  void drop(T* p, int64_t ld, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
+            int64_t cols) const {
+    if (dropout_p == 0) return;
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint64_t first = uint64_t(((b * heads + h) * tq + i0 + r) * tk + j0);
+      for (int64_t c = 0; c < cols; ++c)
+        p[r * ld + c] *= fn::dropout_keep(seed, first + c, dropout_p) ? keep_scale : T(0);
+    }
+  }
+};
+
+template <class T>
+void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+             const AttentionParams& params, const Tensor& out, const Tensor& lse) {
+  const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), d = q.size(3);
+  const int64_t dv = v.size(3);
+  const Heads<const T> Q(q), K(k), V(v);
+  const Heads<T> O(out);
+  T* L = lse.data<T>();
+  const Masking<T> masking(q, k, mask, params);
+  const int64_t blocks = (tq + kBlockQ - 1) / kBlockQ, tasks = batch * heads * blocks;
+  const T scale = T(params.scale);
+  const int threads = threads_for(tasks * kBlockQ * k.size(2) * d);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<T> scores(kBlockQ * kBlockK), acc(kBlockQ * dv), row_max(kBlockQ), row_sum(kBlockQ);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / (heads * blocks), h = task / blocks % heads;
+      const int64_t i0 = task % blocks * kBlockQ, rows = std::min(kBlockQ, tq - i0);
+      std::fill_n(row_max.data(), rows, -std::numeric_limits<T>::infinity());
+      std::fill_n(row_sum.data(), rows, T(0));
+      std::fill_n(acc.data(), rows * dv, T(0));
+      const int64_t keys = masking.key_end(i0 + rows - 1);
+      for (int64_t j0 = 0; j0 < keys; j0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, keys - j0);
+        T* s = scores.data();
+        gemm<T>(false, true, rows, cols, d, scale, Q.at(b, h, i0), Q.row_stride, K.at(b, h, j0),
+                K.row_stride, T(0), s, kBlockK);
+        masking.apply(s, kBlockK, b, h, i0, rows, j0, cols);
+        for (int64_t r = 0; r < rows; ++r) {
+          T* sr = s + r * kBlockK;
+          const T block_max = cpu::row_max(sr, cols);
+          const T m = block_max > row_max[r] || block_max != block_max ? block_max : row_max[r];
+          // A row masked so far keeps max -inf; shift by 0 then, so exp gives 0, not NaN.
+          const T shift = m == -std::numeric_limits<T>::infinity() ? T(0) : m;
+          const T correction = std::exp(row_max[r] - shift);
+          row_sum[r] = row_sum[r] * correction + exp_shifted_in_place(sr, cols, shift);
+          if (correction != T(1))
+            for (int64_t c = 0; c < dv; ++c) acc[r * dv + c] *= correction;
+          row_max[r] = m;
+        }
+        masking.drop(s, kBlockK, b, h, i0, rows, j0, cols);
+        gemm<T>(false, false, rows, dv, cols, T(1), s, kBlockK, V.at(b, h, j0), V.row_stride, T(1),
+                acc.data(), dv);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        T* o = O.at(b, h, i0 + r);
+        const T l = row_sum[r];
+        const T inverse = l > T(0) ? T(1) / l : T(0);
+        for (int64_t c = 0; c < dv; ++c) o[c] = acc[r * dv + c] * inverse;
+        L[(b * heads + h) * tq + i0 + r] =
+            l > T(0) ? row_max[r] + std::log(l) : std::numeric_limits<T>::infinity();
+      }
+    }
+  }
+}
+
+template <class T>
+void backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,
+              const Tensor& mask, const AttentionParams& params, const Tensor& out,
+              const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv_out,
+              const Tensor& dmask) {
+  const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), tk = k.size(2);
+  const int64_t d = q.size(3), dv = v.size(3);
+  const Heads<const T> Q(q), K(k), V(v), O(out), G(grad);
+  const Heads<T> DQ(dq), DK(dk), DV(dv_out);
+  const T* L = lse.data<T>();
+  T* dscores = dmask.defined() ? dmask.data<T>() : nullptr;
+  if (dscores) std::fill_n(dscores, dmask.numel(), T(0));
+  const Masking<T> masking(q, k, mask, params);
+  const T scale = T(params.scale);
+  const int64_t tasks = batch * heads;
+  const int threads = threads_for(tasks * tq * tk * d);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<T> probs(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK), dk_acc(kBlockK * d),
+        dv_acc(kBlockK * dv), delta(tq);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / heads, h = task % heads;
+      const T* lse_row = L + task * tq;
+      // delta_i = sum_c dO_ic O_ic = sum_j P_ij dP_ij (dropout included)
+      for (int64_t i = 0; i < tq; ++i) {
+        const T *g = G.at(b, h, i), *o = O.at(b, h, i);
+        delta[i] = row_sum<T>(dv, [&](int64_t c) { return g[c] * o[c]; });
+        std::fill_n(DQ.at(b, h, i), d, T(0));
+      }
+      for (int64_t j0 = 0; j0 < tk; j0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, tk - j0);
+        std::fill(dk_acc.begin(), dk_acc.end(), T(0));
+        std::fill(dv_acc.begin(), dv_acc.end(), T(0));
+        for (int64_t i0 = masking.first_query(j0) / kBlockQ * kBlockQ; i0 < tq; i0 += kBlockQ) {
+          const int64_t rows = std::min(kBlockQ, tq - i0);
+          T *p = probs.data(), *dp = dprobs.data();
+          gemm<T>(false, true, rows, cols, d, scale, Q.at(b, h, i0), Q.row_stride, K.at(b, h, j0),
+                  K.row_stride, T(0), p, kBlockK);
+          masking.apply(p, kBlockK, b, h, i0, rows, j0, cols);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c)
+              p[r * kBlockK + c] = std::exp(p[r * kBlockK + c] - lse_row[i0 + r]);
+          // dV += P_dropped^T dO
+          const T* dropped = p;
+          if (params.dropout_p > 0) {
+            std::copy(p, p + rows * kBlockK, dp);
+            masking.drop(dp, kBlockK, b, h, i0, rows, j0, cols);
+            dropped = dp;
+          }
+          gemm<T>(true, false, cols, dv, rows, T(1), dropped, kBlockK, G.at(b, h, i0), G.row_stride,
+                  T(1), dv_acc.data(), dv);
+          // dP = dO V^T (through the dropout mask), dS = P (dP - delta)
+          gemm<T>(false, true, rows, cols, dv, T(1), G.at(b, h, i0), G.row_stride, V.at(b, h, j0),
+                  V.row_stride, T(0), dp, kBlockK);
+          masking.drop(dp, kBlockK, b, h, i0, rows, j0, cols);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c)
+              p[r * kBlockK + c] *= dp[r * kBlockK + c] - delta[i0 + r];
+          if (dscores)
+            for (int64_t r = 0; r < rows; ++r)
+              std::copy_n(p + r * kBlockK, cols, dscores + (task * tq + i0 + r) * tk + j0);
+          // dQ += scale dS K, dK += scale dS^T Q
+          gemm<T>(false, false, rows, d, cols, scale, p, kBlockK, K.at(b, h, j0), K.row_stride,
+                  T(1), DQ.at(b, h, i0), DQ.row_stride);
+          gemm<T>(true, false, cols, d, rows, scale, p, kBlockK, Q.at(b, h, i0), Q.row_stride, T(1),
+                  dk_acc.data(), d);
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+          std::copy_n(dk_acc.data() + c * d, d, DK.at(b, h, j0 + c));
+          std::copy_n(dv_acc.data() + c * dv, dv, DV.at(b, h, j0 + c));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+               const AttentionParams& params, const Tensor& out, const Tensor& lse) {
+  visit_floating(q.dtype(), "scaled_dot_product_attention", [&](auto tag) {
+    forward<typename decltype(tag)::type>(q, k, v, mask, params, out, lse);
+  });
+}
+
+void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& mask, const AttentionParams& params, const Tensor& out,
+                        const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                        const Tensor& dmask) {
+  visit_floating(q.dtype(), "scaled_dot_product_attention", [&](auto tag) {
+    backward<typename decltype(tag)::type>(grad, q, k, v, mask, params, out, lse, dq, dk, dv,
+                                           dmask);
+  });
+}
+
+}  // namespace weave::kernels::cpu

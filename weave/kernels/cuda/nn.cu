@@ -1,0 +1,266 @@
+// CUDA kernels of the fused neural-network ops: one block per row for softmax, layer/RMS norm
+// and cross-entropy, the row's sums combined in shared memory (bias + activation lives with the
+// elementwise launcher, in elementwise.cu).
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "weave/kernels/backends.h"
+#include "weave/tensor/cuda/common.cuh"
+
+namespace weave::kernels::cuda {
+
+namespace {
+
+enum class Combine { Sum, Max };
+
+/// Combines one value per thread across the block; every thread gets the result.
+template <class T>
+__device__ T block_reduce(T value, Combine how) {
+  __shared__ T shared[kThreads];
+  shared[threadIdx.x] = value;
+  __syncthreads();
+  for (int step = blockDim.x / 2; step > 0; step /= 2) {
+    if (threadIdx.x < step) {
+      T a = shared[threadIdx.x], b = shared[threadIdx.x + step];
+      shared[threadIdx.x] = how == Combine::Sum ? a + b : (b > a || b != b ? b : a);
+    }
+    __syncthreads();
+  }
+  T result = shared[0];
+  __syncthreads();  // shared is reused by the next call
+  return result;
+}
+
+template <class T>
+__device__ T row_max(const T* x, int64_t n) {
+  T m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m = x[j] > m || x[j] != x[j] ? x[j] : m;
+  return block_reduce(m, Combine::Max);
+}
+
+template <class T>
+__device__ T safe_shift(T m) {
+  return isinf(m) ? T(0) : m;
+}
+
+template <class T>
+__global__ void softmax_kernel(const T* x, T* out, int64_t n, bool log) {
+  const T* xi = x + blockIdx.x * n;
+  T* oi = out + blockIdx.x * n;
+  const T shift = safe_shift(row_max(xi, n));
+  T sum = 0;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sum += exp(xi[j] - shift);
+  sum = block_reduce(sum, Combine::Sum);
+  const T offset = shift + ::log(sum);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
+    oi[j] = log ? xi[j] - offset : exp(xi[j] - offset);
+}
+
+template <class T>
+__global__ void softmax_backward_kernel(const T* g, const T* y, T* out, int64_t n, bool log) {
+  const int64_t base = blockIdx.x * n;
+  T total = 0;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
+    total += log ? g[base + j] : g[base + j] * y[base + j];
+  total = block_reduce(total, Combine::Sum);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
+    out[base + j] =
+        log ? g[base + j] - exp(y[base + j]) * total : y[base + j] * (g[base + j] - total);
+}
+
+template <class T>
+__global__ void layer_norm_kernel(const T* x, const T* w, const T* b, T eps, bool rms, T* out,
+                                  T* mean, T* rstd, int64_t n) {
+  const T* xi = x + blockIdx.x * n;
+  T mu = 0;
+  if (!rms) {
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mu += xi[j];
+    mu = block_reduce(mu, Combine::Sum) / T(n);
+  }
+  T squares = 0;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) squares += (xi[j] - mu) * (xi[j] - mu);
+  const T r = T(1) / sqrt(block_reduce(squares, Combine::Sum) / T(n) + eps);
+  if (threadIdx.x == 0) {
+    if (mean) mean[blockIdx.x] = mu;
+    rstd[blockIdx.x] = r;
+  }
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    T v = (xi[j] - mu) * r;
+    if (w) v *= w[j];
+    if (b) v += b[j];
+    out[blockIdx.x * n + j] = v;
+  }
+}
+
+// dx per row (one block per row); dweight/dbias by a second kernel over columns.
+template <class T>
+__global__ void layer_norm_dx_kernel(const T* g, const T* x, const T* w, const T* mean,
+                                     const T* rstd, T* dx, int64_t n) {
+  const int64_t base = blockIdx.x * n;
+  const T mu = mean ? mean[blockIdx.x] : T(0), r = rstd[blockIdx.x];
+  T sum_g = 0, sum_gx = 0;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const T gw = w ? g[base + j] * w[j] : g[base + j];
+    sum_g += gw;
+    sum_gx += gw * (x[base + j] - mu) * r;
+  }
+  sum_g = block_reduce(sum_g, Combine::Sum);
+  sum_gx = block_reduce(sum_gx, Combine::Sum);
+  const T mean_g = mean ? sum_g / T(n) : T(0), mean_gx = sum_gx / T(n);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const T gw = w ? g[base + j] * w[j] : g[base + j];
+    dx[base + j] = r * (gw - mean_g - (x[base + j] - mu) * r * mean_gx);
+  }
+}
+
+template <class T>
+__global__ void layer_norm_params_kernel(const T* g, const T* x, const T* mean, const T* rstd,
+                                         T* dweight, T* dbias, int64_t rows, int64_t n) {
+  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (j >= n) return;
+  T dw = 0, db = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const T gi = g[i * n + j];
+    dw += gi * (x[i * n + j] - (mean ? mean[i] : T(0))) * rstd[i];
+    db += gi;
+  }
+  if (dweight) dweight[j] = dw;
+  if (dbias) dbias[j] = db;
+}
+
+template <class T>
+__global__ void cross_entropy_kernel(const T* logits, const int64_t* target, int64_t ignore,
+                                     T* loss, T* lse, int64_t n) {
+  const T* xi = logits + blockIdx.x * n;
+  const T shift = safe_shift(row_max(xi, n));
+  T sum = 0;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sum += exp(xi[j] - shift);
+  sum = block_reduce(sum, Combine::Sum);
+  if (threadIdx.x == 0) {
+    const T e = shift + ::log(sum);
+    const int64_t t = target[blockIdx.x];
+    lse[blockIdx.x] = e;
+    loss[blockIdx.x] = t == ignore ? T(0) : e - xi[t];
+  }
+}
+
+template <class T>
+__global__ void cross_entropy_backward_kernel(const T* grad, int64_t grad_stride, const T* logits,
+                                              const int64_t* target, int64_t ignore, const T* lse,
+                                              T* dlogits, int64_t n) {
+  const int64_t row = blockIdx.x, t = target[row];
+  const T g = t == ignore ? T(0) : grad[row * grad_stride], e = lse[row];
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
+    dlogits[row * n + j] = g * (exp(logits[row * n + j] - e) - (j == t ? T(1) : T(0)));
+}
+
+int64_t rows_of(const Tensor& t, int64_t n) {
+  return n == 0 ? 0 : t.numel() / n;
+}
+
+/// Launches one block per row on t's device stream (nothing for no rows).
+template <class Launch>
+void per_row(const Tensor& t, int64_t rows, const char* op, const Launch& launch) {
+  if (rows == 0) return;
+  WEAVE_CHECK(rows <= 0x7fffffff, op, "too many rows ({}) for one launch", rows);
+  DeviceGuard guard(t.device().index);
+  launch(static_cast<unsigned>(rows), weave::cuda::stream(t.device().index));
+  check_launch(op);
+}
+
+template <class T>
+const T* maybe(const Tensor& t) {
+  return t.defined() ? static_cast<const T*>(t.data_ptr()) : nullptr;
+}
+template <class T>
+T* maybe_mut(const Tensor& t) {
+  return t.defined() ? static_cast<T*>(t.data_ptr()) : nullptr;
+}
+
+}  // namespace
+
+void softmax(const Tensor& x, const Tensor& out, bool log) {
+  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
+  visit_floating(x.dtype(), "softmax", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    per_row(x, rows_of(x, n), "softmax", [&](unsigned rows, cudaStream_t s) {
+      softmax_kernel<T><<<rows, kThreads, 0, s>>>(maybe<T>(x), maybe_mut<T>(out), n, log);
+    });
+  });
+}
+
+void softmax_backward(const Tensor& grad, const Tensor& y, const Tensor& out, bool log) {
+  const int64_t n = y.dim() == 0 ? 1 : y.size(-1);
+  visit_floating(y.dtype(), "softmax", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    per_row(y, rows_of(y, n), "softmax", [&](unsigned rows, cudaStream_t s) {
+      softmax_backward_kernel<T>
+          <<<rows, kThreads, 0, s>>>(maybe<T>(grad), maybe<T>(y), maybe_mut<T>(out), n, log);
+    });
+  });
+}
+
+void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, bool rms,
+                const Tensor& out, const Tensor& mean, const Tensor& rstd) {
+  const int64_t n = x.size(-1);
+  visit_floating(x.dtype(), "layer_norm", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    per_row(x, rows_of(x, n), "layer_norm", [&](unsigned rows, cudaStream_t s) {
+      layer_norm_kernel<T><<<rows, kThreads, 0, s>>>(maybe<T>(x), maybe<T>(weight), maybe<T>(bias),
+                                                     T(eps), rms, maybe_mut<T>(out),
+                                                     maybe_mut<T>(mean), maybe_mut<T>(rstd), n);
+    });
+  });
+}
+
+void layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight,
+                         const Tensor& mean, const Tensor& rstd, bool, const Tensor& dx,
+                         const Tensor& dweight, const Tensor& dbias) {
+  const int64_t n = x.size(-1), rows = rows_of(x, n);
+  visit_floating(x.dtype(), "layer_norm", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (dx.defined())
+      per_row(x, rows, "layer_norm", [&](unsigned r, cudaStream_t s) {
+        layer_norm_dx_kernel<T><<<r, kThreads, 0, s>>>(maybe<T>(grad), maybe<T>(x),
+                                                       maybe<T>(weight), maybe<T>(mean),
+                                                       maybe<T>(rstd), maybe_mut<T>(dx), n);
+      });
+    if ((dweight.defined() || dbias.defined()) && n > 0) {
+      DeviceGuard guard(x.device().index);
+      layer_norm_params_kernel<T>
+          <<<blocks_for(n, kThreads), kThreads, 0, weave::cuda::stream(x.device().index)>>>(
+              maybe<T>(grad), maybe<T>(x), maybe<T>(mean), maybe<T>(rstd), maybe_mut<T>(dweight),
+              maybe_mut<T>(dbias), rows, n);
+      check_launch("layer_norm");
+    }
+  });
+}
+
+void cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_index,
+                   const Tensor& loss, const Tensor& lse) {
+  const int64_t n = logits.size(-1);
+  visit_floating(logits.dtype(), "cross_entropy", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    per_row(logits, rows_of(logits, n), "cross_entropy", [&](unsigned rows, cudaStream_t s) {
+      cross_entropy_kernel<T><<<rows, kThreads, 0, s>>>(maybe<T>(logits), maybe<int64_t>(target),
+                                                        ignore_index, maybe_mut<T>(loss),
+                                                        maybe_mut<T>(lse), n);
+    });
+  });
+}
+
+void cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tensor& target,
+                            int64_t ignore_index, const Tensor& lse, const Tensor& dlogits) {
+  const int64_t n = logits.size(-1);
+  visit_floating(logits.dtype(), "cross_entropy", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    per_row(logits, rows_of(logits, n), "cross_entropy", [&](unsigned rows, cudaStream_t s) {
+      cross_entropy_backward_kernel<T><<<rows, kThreads, 0, s>>>(
+          maybe<T>(grad), grad.numel() == 1 ? 0 : 1, maybe<T>(logits), maybe<int64_t>(target),
+          ignore_index, maybe<T>(lse), maybe_mut<T>(dlogits), n);
+    });
+  });
+}
+
+}  // namespace weave::kernels::cuda

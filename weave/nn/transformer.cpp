@@ -1,0 +1,111 @@
+#include "weave/nn/transformer.h"
+
+#include "weave/autograd/grad_mode.h"
+
+namespace weave::nn {
+
+KVCache::KVCache(int64_t max_length) : max_length_(max_length) {
+  WEAVE_CHECK(max_length > 0, "KVCache", "max_length must be positive, found {}", max_length);
+}
+
+std::pair<Tensor, Tensor> KVCache::append(const Tensor& k, const Tensor& v) {
+  WEAVE_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(2) == v.size(2), "KVCache",
+              "expected k and v [B, H, T, D] of one length, found {} and {}", k.shape(), v.shape());
+  if (keys_.defined()) {
+    const bool same = k.size(0) == keys_.size(0) && k.size(1) == keys_.size(1) &&
+                      k.size(3) == keys_.size(3) && v.size(3) == values_.size(3) &&
+                      k.dtype() == keys_.dtype() && k.device() == keys_.device();
+    WEAVE_CHECK(same, "KVCache",
+                "expected keys like the cached ones [{}, {}, *, {}] ({}), found {} ({}); hint: "
+                "reset() only rewinds, a different batch needs its own cache",
+                keys_.size(0), keys_.size(1), keys_.size(3), keys_.dtype(), k.shape(), k.dtype());
+  }
+  WEAVE_CHECK(length_ + k.size(2) <= max_length_, "KVCache",
+              "{} cached positions + {} new exceed max_length {}", length_, k.size(2), max_length_);
+  NoGradGuard no_grad;
+  if (!keys_.defined()) {
+    keys_ = empty({k.size(0), k.size(1), max_length_, k.size(3)},
+                  {.dtype = k.dtype(), .device = k.device()});
+    values_ = empty({v.size(0), v.size(1), max_length_, v.size(3)},
+                    {.dtype = v.dtype(), .device = v.device()});
+  }
+  keys_.narrow(2, length_, k.size(2)).copy_(k);
+  values_.narrow(2, length_, v.size(2)).copy_(v);
+  length_ += k.size(2);
+  return {keys_.narrow(2, 0, length_), values_.narrow(2, 0, length_)};
+}
+
+MultiheadAttention::MultiheadAttention(int64_t dim, int64_t heads,
+                                       MultiheadAttentionOptions options)
+    : Module("MultiheadAttention"), dim_(dim), heads_(heads), options_(options) {
+  WEAVE_CHECK(heads > 0 && dim > 0 && dim % heads == 0, "MultiheadAttention",
+              "dim {} must be a positive multiple of heads {}", dim, heads);
+  qkv = register_module("qkv",
+                        std::make_shared<Linear>(dim, 3 * dim, options.bias, options.generator));
+  out = register_module("out", std::make_shared<Linear>(dim, dim, options.bias, options.generator));
+}
+
+Tensor MultiheadAttention::forward(const Tensor& x) {
+  return attend(x, nullptr);
+}
+
+Tensor MultiheadAttention::forward(const Tensor& x, KVCache& cache) {
+  return attend(x, &cache);
+}
+
+Tensor MultiheadAttention::attend(const Tensor& x, KVCache* cache) {
+  WEAVE_CHECK(x.dim() == 3 && x.size(2) == dim_, "MultiheadAttention",
+              "expected input [B, T, {}], found {}", dim_, x.shape());
+  const int64_t b = x.size(0), t = x.size(1), head_dim = dim_ / heads_;
+  // [B, T, 3 dim] read as [B, T, 3, H, hd]: q, k, v are [B, H, T, hd] views of it.
+  Tensor projected = (*qkv)(x).reshape({b, t, 3, heads_, head_dim});
+  Tensor q = projected.select(2, 0).transpose(1, 2);
+  Tensor k = projected.select(2, 1).transpose(1, 2);
+  Tensor v = projected.select(2, 2).transpose(1, 2);
+  if (cache) std::tie(k, v) = cache->append(k, v);
+  const double p = is_training() ? options_.dropout : 0.0;
+  Tensor y = scaled_dot_product_attention(
+      q, k, v, {.causal = options_.causal, .dropout_p = p, .generator = options_.generator});
+  return (*out)(y.transpose(1, 2).reshape({b, t, dim_}));
+}
+
+TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, TransformerBlockOptions options)
+    : Module("TransformerBlock"), options_(options) {
+  const int64_t hidden = options.hidden > 0 ? options.hidden : 4 * dim;
+  norm1 = register_module("norm1", std::make_shared<LayerNorm>(Shape{dim}));
+  attention =
+      register_module("attention", std::make_shared<MultiheadAttention>(
+                                       dim, heads,
+                                       MultiheadAttentionOptions{.bias = options.bias,
+                                                                 .causal = options.causal,
+                                                                 .dropout = options.dropout,
+                                                                 .generator = options.generator}));
+  norm2 = register_module("norm2", std::make_shared<LayerNorm>(Shape{dim}));
+  // fc1's bias is added by bias_gelu, fused with the activation (its forward is not called).
+  fc1 = register_module("fc1",
+                        std::make_shared<Linear>(dim, hidden, options.bias, options.generator));
+  fc2 = register_module("fc2",
+                        std::make_shared<Linear>(hidden, dim, options.bias, options.generator));
+  dropout_ =
+      register_module("dropout", std::make_shared<Dropout>(options.dropout, options.generator));
+}
+
+Tensor TransformerBlock::forward(const Tensor& x) {
+  return run(x, nullptr);
+}
+
+Tensor TransformerBlock::forward(const Tensor& x, KVCache& cache) {
+  return run(x, &cache);
+}
+
+Tensor TransformerBlock::run(const Tensor& x, KVCache* cache) {
+  Tensor normed = (*norm1)(x);
+  Tensor h = x + (*dropout_)(cache ? attention->forward(normed, *cache) : (*attention)(normed));
+  Tensor up = linear((*norm2)(h), fc1->weight);
+  Tensor hidden = fc1->bias.defined()  ? bias_gelu(up, fc1->bias, options_.tanh_gelu)
+                  : options_.tanh_gelu ? gelu_tanh(up)
+                                       : gelu(up);
+  return h + (*dropout_)((*fc2)(hidden));
+}
+
+}  // namespace weave::nn

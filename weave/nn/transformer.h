@@ -1,0 +1,94 @@
+#pragma once
+// Transformer layers: multi-head self-attention on the fused attention op, a pre-LayerNorm
+// block, and the key/value cache that makes generation cost one position per step.
+//
+//   nn::TransformerBlock block(384, 6, {.causal = true, .dropout = 0.1});
+//   Tensor y = block(x);                       // x [B, T, 384] -> [B, T, 384]
+//
+//   nn::KVCache cache(256);                    // generation: feed the prompt, then one token
+//   Tensor h = block.forward(prompt, cache);   // at a time; each call appends to the cache
+//   Tensor next = block.forward(token, cache);
+#include <utility>
+
+#include "weave/nn/layers.h"
+
+namespace weave::nn {
+
+/// Keys and values of the positions seen so far, for one attention layer (inference: it holds
+/// no history for autograd). Storage for max_length positions is allocated at the first append.
+class KVCache {
+ public:
+  explicit KVCache(int64_t max_length);
+  /// Appends k and v [B, H, T, D] and returns views of every cached position [B, H, length, D].
+  std::pair<Tensor, Tensor> append(const Tensor& k, const Tensor& v);
+  int64_t length() const { return length_; }
+  int64_t max_length() const { return max_length_; }
+  /// Forgets every position (a new sequence); the storage is kept.
+  void reset() { length_ = 0; }
+
+ private:
+  int64_t max_length_, length_ = 0;
+  Tensor keys_, values_;
+};
+
+struct MultiheadAttentionOptions {
+  bool bias = true;
+  /// Each position attends only to itself and earlier ones (a decoder).
+  bool causal = false;
+  /// Dropout on the attention probabilities, in training mode.
+  double dropout = 0.0;
+  Generator* generator = nullptr;
+};
+
+/// Self-attention with `heads` heads of dim / heads each. One fused projection makes q, k and v
+/// ([dim] -> [3 dim], read as [3, heads, head_dim]); the heads are strided views of it, passed
+/// to scaled_dot_product_attention without a copy, whose output merges back into [B, T, dim]
+/// as a view before the output projection.
+class MultiheadAttention : public Module {
+ public:
+  MultiheadAttention(int64_t dim, int64_t heads, MultiheadAttentionOptions options = {});
+  /// x [B, T, dim] -> [B, T, dim].
+  Tensor forward(const Tensor& x) override;
+  /// The same, attending also to the positions in `cache` (and adding this call's to it).
+  Tensor forward(const Tensor& x, KVCache& cache);
+  int64_t heads() const { return heads_; }
+  std::shared_ptr<Linear> qkv;  // [3 dim, dim]
+  std::shared_ptr<Linear> out;  // [dim, dim]
+
+ private:
+  Tensor attend(const Tensor& x, KVCache* cache);
+  int64_t dim_, heads_;
+  MultiheadAttentionOptions options_;
+};
+
+struct TransformerBlockOptions {
+  /// The MLP's hidden width; 4 dim when 0.
+  int64_t hidden = 0;
+  bool causal = true;
+  /// Dropout on the attention probabilities and on both residual branches, in training mode.
+  double dropout = 0.0;
+  bool bias = true;
+  /// gelu_tanh (GPT-2's) instead of the exact GELU.
+  bool tanh_gelu = false;
+  Generator* generator = nullptr;
+};
+
+/// A pre-LayerNorm block (GPT-2): x + attention(norm1(x)), then h + mlp(norm2(h)), the MLP
+/// being Linear -> GELU -> Linear with the first bias and the GELU fused (bias_gelu).
+class TransformerBlock : public Module {
+ public:
+  TransformerBlock(int64_t dim, int64_t heads, TransformerBlockOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  /// With a key/value cache for this block's attention (generation).
+  Tensor forward(const Tensor& x, KVCache& cache);
+  std::shared_ptr<LayerNorm> norm1, norm2;
+  std::shared_ptr<MultiheadAttention> attention;
+  std::shared_ptr<Linear> fc1, fc2;
+
+ private:
+  Tensor run(const Tensor& x, KVCache* cache);
+  TransformerBlockOptions options_;
+  std::shared_ptr<Dropout> dropout_;
+};
+
+}  // namespace weave::nn
