@@ -224,6 +224,21 @@ TEST_SUITE("transformer") {
     // rms_norm: x / sqrt(mean(x^2) + eps) w
     CHECK(relative_error(rms_norm(x, {33}, w), x / sqrt(mean(x * x, {1}, true) + 1e-6) * w) <
           1e-12);
+    // Gradients of the scale and shift alone (an input that does not require grad, such as
+    // the data itself), against the composed ops' gradients.
+    for (bool rms : {false, true}) {
+      CAPTURE(rms);
+      Tensor wf = w.detach().requires_grad_(), bf = b.detach().requires_grad_();
+      Tensor wc = w.detach().requires_grad_(), bc = b.detach().requires_grad_();
+      Tensor fused = rms ? rms_norm(x, {33}, wf) : layer_norm(x, {33}, wf, bf);
+      Tensor composed = rms ? x / sqrt(mean(x * x, {1}, true) + 1e-6) * wc
+                            : (x - mu) / sqrt(var_ + 1e-5) * wc + bc;
+      Tensor probe = randn(x.shape(), {.dtype = kFloat64}, &g);
+      sum(fused * probe).backward();
+      sum(composed * probe).backward();
+      CHECK(relative_error(wf.grad(), wc.grad()) < 1e-12);
+      if (!rms) CHECK(relative_error(bf.grad(), bc.grad()) < 1e-12);
+    }
     // bias_gelu: gelu(x + b), gelu_tanh's formula
     CHECK(relative_error(bias_gelu(x, b), gelu(x + b)) < 1e-14);
     Tensor z = x + b;
@@ -375,13 +390,16 @@ TEST_SUITE("transformer") {
     Tensor x = randn({2, 5, 8}, {.dtype = kFloat64}, &g).requires_grad_();
     auto result = autograd::gradcheck([&](const Inputs& in) { return block(in[0]); }, {x});
     CHECK_MESSAGE(result.ok, result.report);
-    // The parameters' gradients too: perturb fc1's weight through a functional wrapper.
+    // Every parameter's gradient too: gradcheck perturbs its inputs in place, so the block's
+    // own parameters can be the inputs of a function that only runs the block.
+    const Tensor fixed = x.detach();
+    auto params =
+        autograd::gradcheck([&](const Inputs&) { return block(fixed); }, block.parameters());
+    CHECK_MESSAGE(params.ok, params.report);
+    int64_t elements = 0;
+    for (const Tensor& p : block.parameters()) elements += p.numel();
+    CHECK(params.checked == elements);  // every element of every parameter was compared
     Tensor full = block(x);
-    full.sum().backward();
-    for (const auto& named : block.named_parameters()) {
-      CAPTURE(named.first);
-      CHECK(named.second.grad().defined());
-    }
     // Prompt of 3 positions, then 2 single positions through the cache: equal to the full run.
     NoGradGuard no_grad;
     nn::KVCache cache(5);

@@ -127,7 +127,7 @@ void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, doubl
 void layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight,
                          const Tensor& mean, const Tensor& rstd, bool rms, const Tensor& dx,
                          const Tensor& dweight, const Tensor& dbias) {
-  const Tensor& out = dx;
+  const Tensor& out = x;  // (dx is undefined when only the scale and shift need gradients)
   WEAVE_DISPATCH(rms ? "rms_norm_backward" : "layer_norm_backward",
                  layer_norm_backward(grad, x, weight, mean, rstd, rms, dx, dweight, dbias));
 }

@@ -12,10 +12,6 @@ namespace {
 
 constexpr const char* kOp = "scaled_dot_product_attention";
 
-DType kernel_dtype(DType dtype) {
-  return dtype == kFloat64 ? kFloat64 : kFloat32;
-}
-
 /// t in dtype with unit stride in its last dim (a copy only when needed).
 Tensor unit_inner(const Tensor& t, DType dtype) {
   Tensor c = convert(t, dtype);

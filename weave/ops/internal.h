@@ -23,6 +23,12 @@ inline Tensor convert(const Tensor& t, DType dtype) {
   return out;
 }
 
+/// The dtype a fused kernel computes in: float64 stays, everything else runs in float32 (the
+/// reduced-precision dtypes accumulate in float32 and are converted back).
+inline DType kernel_dtype(DType dtype) {
+  return dtype == kFloat64 ? kFloat64 : kFloat32;
+}
+
 /// A stride-0 view of t broadcast to shape (t's shape must broadcast to it).
 Tensor broadcast_view(const Tensor& t, const Shape& shape);
 

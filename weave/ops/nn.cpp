@@ -28,12 +28,6 @@ Tensor apply_reduction(const Tensor& loss, Reduction reduction) {
 
 namespace {
 
-/// The dtype a fused kernel computes in: float64 stays, everything else runs in float32 (the
-/// reduced-precision dtypes accumulate in float32 and convert back).
-DType kernel_dtype(DType dtype) {
-  return dtype == kFloat64 ? kFloat64 : kFloat32;
-}
-
 /// t in the kernel dtype with dim `d` moved last, contiguous (a row per remaining index).
 Tensor rows_along(const Tensor& t, int d, DType dtype) {
   Tensor moved = d == t.dim() - 1 ? t : t.transpose(d, -1);
@@ -49,7 +43,7 @@ Tensor softmax_family(const Tensor& x, int64_t dim, bool log) {
   Tensor rows = x.dim() == 0 ? convert(x, dtype).reshape({1}) : rows_along(x, d, dtype);
   Tensor y = empty_on(rows.shape(), dtype, x.device());
   kernels::softmax(rows, y, log);
-  auto back_to_layout = [shape = x.shape(), d, scalar = x.dim() == 0](const Tensor& t) {
+  auto back_to_layout = [d, scalar = x.dim() == 0](const Tensor& t) {
     if (scalar) return t.reshape({});
     return d == t.dim() - 1 ? t : t.transpose(d, -1);
   };
@@ -69,15 +63,19 @@ Tensor softmax_family(const Tensor& x, int64_t dim, bool log) {
   });
 }
 
-/// Host copy of integer class targets as int64, checked against [0, classes) (ignore_index
-/// allowed).
-void check_targets(const Tensor& target, int64_t classes, int64_t ignore_index) {
-  Tensor host = convert(target, kInt64).to(kCPU).contiguous();
+/// Checks integer class targets against [0, classes) (ignore_index allowed) on the host and
+/// returns how many are not ignored (the mean's divisor).
+int64_t check_targets(const Tensor& target, int64_t classes, int64_t ignore_index) {
+  Tensor host = target.to(kCPU).to(kInt64).contiguous();
   const int64_t* t = host.data<int64_t>();
-  for (int64_t i = 0; i < host.numel(); ++i)
+  int64_t counted = 0;
+  for (int64_t i = 0; i < host.numel(); ++i) {
     WEAVE_CHECK(t[i] == ignore_index || (t[i] >= 0 && t[i] < classes), "cross_entropy",
                 "target {} at position {} is not a class in [0, {}) nor ignore_index ({})", t[i], i,
                 classes, ignore_index);
+    counted += t[i] != ignore_index;
+  }
+  return counted;
 }
 
 Tensor normalization(const char* op, bool rms, const Tensor& x, const Shape& normalized_shape,
@@ -158,7 +156,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
               logits.shape(), target.shape());
   const int64_t classes = logits.size(-1), n = batched ? logits.size(0) : 1;
   WEAVE_CHECK(classes > 0 || n == 0, "cross_entropy", "logits {} have no classes", logits.shape());
-  check_targets(target, classes, ignore_index);
+  const int64_t counted = check_targets(target, classes, ignore_index);
   const DType out_dtype = to_floating(logits.dtype()), dtype = kernel_dtype(out_dtype);
   Tensor rows = convert(logits, dtype).contiguous().reshape({n, classes});
   Tensor t = convert(target, kInt64).contiguous().reshape({n});
@@ -179,9 +177,6 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
   if (reduction == Reduction::None) return loss;
   if (reduction == Reduction::Sum) return sum(loss);
   // The mean over the targets that count (NaN when every one is ignored, as in PyTorch).
-  const int64_t counted =
-      sum(ne(t, scalar_tensor(double(ignore_index), {.dtype = kInt64, .device = t.device()})))
-          .item<int64_t>();
   return sum(loss) / double(counted);
 }
 

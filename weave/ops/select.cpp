@@ -6,7 +6,6 @@
 #include <cmath>
 #include <numeric>
 
-#include "weave/autograd/grad_mode.h"
 #include "weave/ops/internal.h"
 
 namespace weave {

@@ -134,8 +134,7 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ma
           T* sr = s + r * kBlockK;
           const T block_max = cpu::row_max(sr, cols);
           const T m = block_max > row_max[r] || block_max != block_max ? block_max : row_max[r];
-          // A row masked so far keeps max -inf; shift by 0 then, so exp gives 0, not NaN.
-          const T shift = m == -std::numeric_limits<T>::infinity() ? T(0) : m;
+          const T shift = safe_shift(m);  // a row masked so far keeps max -inf
           const T correction = std::exp(row_max[r] - shift);
           row_sum[r] = row_sum[r] * correction + exp_shifted_in_place(sr, cols, shift);
           if (correction != T(1))

@@ -20,9 +20,9 @@ namespace weave::kernels::cpu {
 
 namespace {
 
-constexpr int64_t kIntMax = 0x7fffffff;
-
 #ifdef WEAVE_WITH_OPENBLAS
+constexpr int64_t kIntMax = 0x7fffffff;  // BLAS takes int sizes
+
 // OpenBLAS keeps its own thread pool: follow weave's budget (set_num_threads, OMP_NUM_THREADS).
 void sync_blas_threads() {
   static std::atomic<int> applied{0};

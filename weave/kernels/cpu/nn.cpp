@@ -21,14 +21,6 @@ void for_rows(int64_t rows, int64_t n, const Row& row) {
   for (int64_t i = 0; i < rows; ++i) row(i);
 }
 
-/// The shift that keeps exp in range: the row's maximum, or 0 when that is infinite (a row of
-/// -inf then gives exp(-inf) = 0 everywhere instead of NaN).
-template <class T>
-T safe_shift(T m) {
-  return std::isinf(m) ? T(0) : m;
-}
-
-template <class T>
 int64_t rows_of(const Tensor& t, int64_t n) {
   return n == 0 ? 0 : t.numel() / n;
 }
@@ -41,7 +33,7 @@ void softmax(const Tensor& x, const Tensor& out, bool log) {
     using T = typename decltype(tag)::type;
     const T* px = x.data<T>();
     T* po = out.data<T>();
-    for_rows(rows_of<T>(x, n), n, [&](int64_t i) {
+    for_rows(rows_of(x, n), n, [&](int64_t i) {
       const T* xi = px + i * n;
       T* oi = po + i * n;
       const T shift = safe_shift(row_max(xi, n));
@@ -64,7 +56,7 @@ void softmax_backward(const Tensor& grad, const Tensor& y, const Tensor& out, bo
     using T = typename decltype(tag)::type;
     const T *pg = grad.data<T>(), *py = y.data<T>();
     T* po = out.data<T>();
-    for_rows(rows_of<T>(y, n), n, [&](int64_t i) {
+    for_rows(rows_of(y, n), n, [&](int64_t i) {
       const T *gi = pg + i * n, *yi = py + i * n;
       T* oi = po + i * n;
       if (log) {
@@ -87,7 +79,7 @@ void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, doubl
     const T* w = weight.defined() ? weight.data<T>() : nullptr;
     const T* b = bias.defined() ? bias.data<T>() : nullptr;
     T *po = out.data<T>(), *pm = rms ? nullptr : mean.data<T>(), *pr = rstd.data<T>();
-    for_rows(rows_of<T>(x, n), n, [&](int64_t i) {
+    for_rows(rows_of(x, n), n, [&](int64_t i) {
       const T* xi = px + i * n;
       T* oi = po + i * n;
       const T mu = rms ? T(0) : row_sum<T>(n, [&](int64_t j) { return xi[j]; }) / T(n);
@@ -108,7 +100,7 @@ void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, doubl
 void layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weight,
                          const Tensor& mean, const Tensor& rstd, bool rms, const Tensor& dx,
                          const Tensor& dweight, const Tensor& dbias) {
-  const int64_t n = x.size(-1), rows = rows_of<int>(x, n);
+  const int64_t n = x.size(-1), rows = rows_of(x, n);
   visit_floating(x.dtype(), rms ? "rms_norm" : "layer_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T *pg = grad.data<T>(), *px = x.data<T>(), *pr = rstd.data<T>();
@@ -163,7 +155,7 @@ void cross_entropy(const Tensor& logits, const Tensor& target, int64_t ignore_in
     const T* px = logits.data<T>();
     const int64_t* pt = target.data<int64_t>();
     T *pl = loss.data<T>(), *pe = lse.data<T>();
-    for_rows(rows_of<T>(logits, n), n, [&](int64_t i) {
+    for_rows(rows_of(logits, n), n, [&](int64_t i) {
       const T* xi = px + i * n;
       const T shift = safe_shift(row_max(xi, n));
       const T sum = row_sum<T>(n, [&](int64_t j) { return std::exp(xi[j] - shift); });
@@ -182,7 +174,7 @@ void cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tens
     const int64_t* pt = target.data<int64_t>();
     T* pd = dlogits.data<T>();
     const int64_t grad_stride = grad.numel() == 1 ? 0 : 1;  // a mean's gradient is one number
-    for_rows(rows_of<T>(logits, n), n, [&](int64_t i) {
+    for_rows(rows_of(logits, n), n, [&](int64_t i) {
       const T *xi = px + i * n, g = pg[i * grad_stride], e = pe[i];
       T* di = pd + i * n;
       if (pt[i] == ignore_index) {

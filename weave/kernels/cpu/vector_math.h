@@ -48,6 +48,13 @@ inline T row_max(const T* x, int64_t n) {
   return nan ? T(NAN) : m;
 }
 
+/// The shift that keeps exp in range: a row's maximum, or 0 when that is infinite (a row of
+/// -inf, everything masked, then gives exp(-inf) = 0 everywhere instead of NaN).
+template <class T>
+inline T safe_shift(T m) {
+  return std::isinf(m) ? T(0) : m;
+}
+
 /// Writes exp(x - shift) over x in place and returns the sum.
 template <class T>
 inline T exp_shifted_in_place(T* x, int64_t n, T shift) {
