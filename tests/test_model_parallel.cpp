@@ -293,6 +293,119 @@ TEST_SUITE("model_parallel") {
     CHECK(close(row.bias.grad(), ref_row.bias.grad()));
   }
 
+  TEST_CASE("parallel transformer blocks equal nn::TransformerBlock at any group size") {
+    // 12 heads and 24 hidden units divide among 1-4 ranks; head_dim 3 is no vector width.
+    const dist::Group tp = dist::world();
+    const int64_t dim = 36, heads = 12, hidden = 24, t = 12, b = 2;
+    nn::TransformerBlock ref(dim, heads, {.hidden = hidden});
+    ref.to(kFloat64);
+    {
+      // random norms and biases too: the ones and zeros they start from hide a swapped pair
+      NoGradGuard no_grad;
+      Generator g(43);
+      for (Tensor& p : ref.parameters()) p.copy_(randn(p.shape(), {.dtype = kFloat64}, &g) * 0.5);
+    }
+    const Tensor x_bt = shared_randn({b, t, dim}, 44), w_bt = shared_randn({b, t, dim}, 45);
+    Tensor ref_x = leaf(x_bt);
+    Tensor ref_out = ref(ref_x);
+    sum(ref_out * w_bt).backward();
+    nn::NamedTensors ref_grads;
+    for (const auto& [name, p] : ref.named_parameters()) ref_grads.emplace_back(name, p.grad());
+    const Tensor x = x_bt.transpose(0, 1), w = w_bt.transpose(0, 1);  // sequence first
+
+    for (bool sp : {false, true}) {
+      CAPTURE(sp);
+      parallel::ParallelTransformerBlock block(dim, heads, tp,
+                                               {.hidden = hidden, .sequence_parallel = sp});
+      block.to(kFloat64);
+      block.load_state_dict(parallel::shard_state_dict(ref.state_dict(), block));
+      check_state_equal(parallel::gather_state_dict(block), ref.state_dict(), 0);
+      CHECK(block.attention->local_heads() == heads / tp.size());
+      // with sequence parallelism each rank holds (and its loss covers) its slice of the
+      // sequence; without, the loss is replicated and counted once
+      Tensor my_x = leaf(sp ? piece(x, 0, tp) : x);
+      Tensor out = block(my_x);
+      const Tensor expected = ref_out.detach().transpose(0, 1);
+      CHECK(close(out, sp ? piece(expected, 0, tp) : expected));
+      sum(out * (sp ? piece(w, 0, tp) : w)).backward();
+      const Tensor expected_dx = ref_x.grad().transpose(0, 1);
+      CHECK(close(my_x.grad(), sp ? piece(expected_dx, 0, tp) : expected_dx));
+      nn::NamedTensors grads;
+      for (const auto& [name, p] : block.named_parameters()) grads.emplace_back(name, p.grad());
+      check_state_equal(grads, parallel::shard_state_dict(ref_grads, block));
+      CHECK(autograd::must_run_pending() == 0);
+    }
+
+    // Decoding with a KV cache on the local heads: position by position equals the whole
+    // causal sequence at once.
+    parallel::ParallelTransformerBlock block(dim, heads, tp, {.hidden = hidden});
+    block.to(kFloat64);
+    block.load_state_dict(parallel::shard_state_dict(ref.state_dict(), block));
+    NoGradGuard no_grad;
+    nn::KVCache cache(t);
+    std::vector<Tensor> steps;
+    steps.push_back(block.forward(x.narrow(0, 0, 5), cache));
+    for (int64_t i = 5; i < t; ++i) steps.push_back(block.forward(x.narrow(0, i, 1), cache));
+    CHECK(close(cat(steps, 0), ref_out.detach().transpose(0, 1)));
+  }
+
+  TEST_CASE("ParallelAttention and ParallelMLP alone; bad shapes fail on every rank") {
+    const dist::Group tp = dist::world();
+    const int n = tp.size();
+    const int64_t dim = 24, heads = 12, t = 4 * n, b = 3;
+    nn::MultiheadAttention ref_attention(dim, heads);  // not causal
+    nn::MLP ref_mlp(dim, 8 * n, {.tanh_gelu = true});
+    parallel::ParallelAttention attention(dim, heads, tp, {.sequence_parallel = true});
+    parallel::ParallelMLP mlp(dim, 8 * n, tp, {.tanh_gelu = true});
+    for (nn::Module* m :
+         std::initializer_list<nn::Module*>{&ref_attention, &ref_mlp, &attention, &mlp})
+      m->to(kFloat64);
+    attention.load_state_dict(parallel::shard_state_dict(ref_attention.state_dict(), attention));
+    mlp.load_state_dict(parallel::shard_state_dict(ref_mlp.state_dict(), mlp));
+    const Tensor x_bt = shared_randn({b, t, dim}, 46), w_bt = shared_randn({b, t, dim}, 47);
+    const Tensor x = x_bt.transpose(0, 1), w = w_bt.transpose(0, 1);
+
+    // sequence-parallel attention: each rank's slice of the sequence in and out
+    // (each reference runs its backward first: a backward also runs the collectives that
+    // earlier forwards left pending, which would consume the parallel graph's)
+    Tensor ref_x = leaf(x_bt), my_x = leaf(piece(x, 0, tp));
+    Tensor ref_out = ref_attention(ref_x);
+    sum(ref_out * w_bt).backward();
+    Tensor out = attention(my_x);
+    CHECK(close(out, piece(ref_out.detach().transpose(0, 1), 0, tp)));
+    sum(out * piece(w, 0, tp)).backward();
+    CHECK(close(my_x.grad(), piece(ref_x.grad().transpose(0, 1), 0, tp)));
+    CHECK(close(attention.qkv->weight.grad(), piece(ref_attention.qkv->weight.grad(), 0, tp)));
+    CHECK(close(attention.qkv->bias.grad(), piece(ref_attention.qkv->bias.grad(), 0, tp)));
+    CHECK(close(attention.out->weight.grad(), piece(ref_attention.out->weight.grad(), 1, tp)));
+    CHECK(close(attention.out->bias.grad(), ref_attention.out->bias.grad()));
+
+    // the MLP on the whole sequence, its loss replicated
+    Tensor ref_h = leaf(x_bt), my_h = leaf(x);
+    Tensor ref_y = ref_mlp(ref_h);
+    sum(ref_y * w_bt).backward();
+    Tensor y = mlp(my_h);
+    CHECK(close(y, ref_y.detach().transpose(0, 1)));
+    sum(y * w).backward();
+    CHECK(close(my_h.grad(), ref_h.grad().transpose(0, 1)));
+    CHECK(close(mlp.fc1->weight.grad(), piece(ref_mlp.fc1->weight.grad(), 0, tp)));
+    CHECK(close(mlp.fc1->bias.grad(), piece(ref_mlp.fc1->bias.grad(), 0, tp)));
+    CHECK(close(mlp.fc2->weight.grad(), piece(ref_mlp.fc2->weight.grad(), 1, tp)));
+    CHECK(close(mlp.fc2->bias.grad(), ref_mlp.fc2->bias.grad()));
+
+    // Bad input raises on every rank, before any collective (no rank is left waiting).
+    if (n > 1)
+      CHECK_THROWS_WITH_AS(parallel::ParallelAttention(2 * (n + 1), n + 1, tp),
+                           doctest::Contains("heads do not divide among the"), Error);
+    CHECK_THROWS_WITH_AS(attention(randn({t, b, dim + 1}, {.dtype = kFloat64})),
+                         doctest::Contains("expected input [T, B, 24] (sequence first)"), Error);
+    nn::KVCache cache(8);
+    CHECK_THROWS_WITH_AS(attention.forward(my_x, cache),
+                         doctest::Contains("decoding with a KV cache needs the whole sequence"),
+                         Error);
+    CHECK(autograd::must_run_pending() == 0);
+  }
+
   TEST_CASE("GPipe and 1F1B give one process's gradients on the whole batch") {
     const int n = dist::world_size(), me = dist::rank();
     for (parallel::Schedule schedule : {parallel::Schedule::GPipe, parallel::Schedule::OneFOneB})

@@ -357,8 +357,8 @@ Tensor composed_self_attention(nn::MultiheadAttention& mha, const Tensor& x, boo
   std::vector<Tensor> outputs;
   for (int64_t h = 0; h < heads; ++h) {
     auto project = [&](int part) {
-      Tensor wp = w.narrow(0, part * dim + h * hd, hd),
-             bp = bias.narrow(0, part * dim + h * hd, hd);
+      Tensor wp = w.narrow(0, (3 * h + part) * hd, hd),
+             bp = bias.narrow(0, (3 * h + part) * hd, hd);
       return matmul(x, wp.t()) + bp;  // [B, T, hd]
     };
     Reference r{.causal = causal, .scale = 1.0 / std::sqrt(double(hd))};

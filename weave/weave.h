@@ -26,6 +26,7 @@
 #include "weave/parallel/distributed_optimizer.h"
 #include "weave/parallel/join.h"
 #include "weave/parallel/mesh.h"
+#include "weave/parallel/parallel_transformer.h"
 #include "weave/parallel/pipeline.h"
 #include "weave/parallel/tensor_parallel.h"
 #include "weave/parallel/zero.h"

@@ -35,6 +35,22 @@ std::pair<Tensor, Tensor> KVCache::append(const Tensor& k, const Tensor& v) {
   return {keys_.narrow(2, 0, length_), values_.narrow(2, 0, length_)};
 }
 
+Tensor fused_qkv_attention(const Tensor& qkv, int64_t heads, const AttentionOptions& options,
+                           KVCache* cache) {
+  WEAVE_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0, "fused_qkv_attention",
+              "expected qkv [B, T, heads * 3 * head_dim] with {} heads, found {}", heads,
+              qkv.shape());
+  const int64_t b = qkv.size(0), t = qkv.size(1), head_dim = qkv.size(2) / (3 * heads);
+  // [B, T, H, 3, hd]: q, k and v are [B, H, T, hd] views of it.
+  Tensor projected = qkv.reshape({b, t, heads, 3, head_dim});
+  Tensor q = projected.select(3, 0).transpose(1, 2);
+  Tensor k = projected.select(3, 1).transpose(1, 2);
+  Tensor v = projected.select(3, 2).transpose(1, 2);
+  if (cache) std::tie(k, v) = cache->append(k, v);
+  Tensor y = scaled_dot_product_attention(q, k, v, options);
+  return y.transpose(1, 2).reshape({b, t, heads * head_dim});
+}
+
 MultiheadAttention::MultiheadAttention(int64_t dim, int64_t heads,
                                        MultiheadAttentionOptions options)
     : Module("MultiheadAttention"), dim_(dim), heads_(heads), options_(options) {
@@ -56,22 +72,32 @@ Tensor MultiheadAttention::forward(const Tensor& x, KVCache& cache) {
 Tensor MultiheadAttention::attend(const Tensor& x, KVCache* cache) {
   WEAVE_CHECK(x.dim() == 3 && x.size(2) == dim_, "MultiheadAttention",
               "expected input [B, T, {}], found {}", dim_, x.shape());
-  const int64_t b = x.size(0), t = x.size(1), head_dim = dim_ / heads_;
-  // [B, T, 3 dim] read as [B, T, 3, H, hd]: q, k, v are [B, H, T, hd] views of it.
-  Tensor projected = (*qkv)(x).reshape({b, t, 3, heads_, head_dim});
-  Tensor q = projected.select(2, 0).transpose(1, 2);
-  Tensor k = projected.select(2, 1).transpose(1, 2);
-  Tensor v = projected.select(2, 2).transpose(1, 2);
-  if (cache) std::tie(k, v) = cache->append(k, v);
   const double p = is_training() ? options_.dropout : 0.0;
-  Tensor y = scaled_dot_product_attention(
-      q, k, v, {.causal = options_.causal, .dropout_p = p, .generator = options_.generator});
-  return (*out)(y.transpose(1, 2).reshape({b, t, dim_}));
+  Tensor y = fused_qkv_attention(
+      (*qkv)(x), heads_,
+      {.causal = options_.causal, .dropout_p = p, .generator = options_.generator}, cache);
+  return (*out)(y);
+}
+
+MLP::MLP(int64_t dim, int64_t hidden, MLPOptions options)
+    : Module("MLP"), tanh_gelu_(options.tanh_gelu) {
+  fc1 = register_module("fc1",
+                        std::make_shared<Linear>(dim, hidden, options.bias, options.generator));
+  fc2 = register_module("fc2",
+                        std::make_shared<Linear>(hidden, dim, options.bias, options.generator));
+}
+
+Tensor MLP::forward(const Tensor& x) {
+  return (*fc2)(bias_gelu_or_gelu(linear(x, fc1->weight), fc1->bias, tanh_gelu_));
+}
+
+Tensor bias_gelu_or_gelu(const Tensor& x, const Tensor& bias, bool tanh_gelu) {
+  if (bias.defined()) return bias_gelu(x, bias, tanh_gelu);
+  return tanh_gelu ? gelu_tanh(x) : gelu(x);
 }
 
 TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, TransformerBlockOptions options)
-    : Module("TransformerBlock"), options_(options) {
-  const int64_t hidden = options.hidden > 0 ? options.hidden : 4 * dim;
+    : Module("TransformerBlock") {
   norm1 = register_module("norm1", std::make_shared<LayerNorm>(Shape{dim}));
   attention =
       register_module("attention", std::make_shared<MultiheadAttention>(
@@ -81,11 +107,11 @@ TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, TransformerBlockO
                                                                  .dropout = options.dropout,
                                                                  .generator = options.generator}));
   norm2 = register_module("norm2", std::make_shared<LayerNorm>(Shape{dim}));
-  // fc1's bias is added by bias_gelu, fused with the activation (its forward is not called).
-  fc1 = register_module("fc1",
-                        std::make_shared<Linear>(dim, hidden, options.bias, options.generator));
-  fc2 = register_module("fc2",
-                        std::make_shared<Linear>(hidden, dim, options.bias, options.generator));
+  mlp = register_module("mlp",
+                        std::make_shared<MLP>(dim, options.hidden > 0 ? options.hidden : 4 * dim,
+                                              MLPOptions{.bias = options.bias,
+                                                         .tanh_gelu = options.tanh_gelu,
+                                                         .generator = options.generator}));
   dropout_ =
       register_module("dropout", std::make_shared<Dropout>(options.dropout, options.generator));
 }
@@ -101,11 +127,7 @@ Tensor TransformerBlock::forward(const Tensor& x, KVCache& cache) {
 Tensor TransformerBlock::run(const Tensor& x, KVCache* cache) {
   Tensor normed = (*norm1)(x);
   Tensor h = x + (*dropout_)(cache ? attention->forward(normed, *cache) : (*attention)(normed));
-  Tensor up = linear((*norm2)(h), fc1->weight);
-  Tensor hidden = fc1->bias.defined()  ? bias_gelu(up, fc1->bias, options_.tanh_gelu)
-                  : options_.tanh_gelu ? gelu_tanh(up)
-                                       : gelu(up);
-  return h + (*dropout_)((*fc2)(hidden));
+  return h + (*dropout_)((*mlp)((*norm2)(h)));
 }
 
 }  // namespace weave::nn

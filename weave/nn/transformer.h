@@ -31,6 +31,15 @@ class KVCache {
   Tensor keys_, values_;
 };
 
+/// Self-attention over a fused projection, the core MultiheadAttention and
+/// parallel::ParallelAttention share. qkv [B, T, heads * 3 * head_dim] holds, head by head, that
+/// head's query, key and value (head-major, as Megatron-LM lays it out, so that splitting the
+/// projection's rows into contiguous pieces gives each piece whole heads). Strided views are
+/// accepted (no copy while the last dim has unit stride). Keys and values go through `cache`
+/// when one is given. Returns [B, T, heads * head_dim], a view of contiguous memory.
+Tensor fused_qkv_attention(const Tensor& qkv, int64_t heads, const AttentionOptions& options,
+                           KVCache* cache = nullptr);
+
 struct MultiheadAttentionOptions {
   bool bias = true;
   /// Each position attends only to itself and earlier ones (a decoder).
@@ -41,7 +50,7 @@ struct MultiheadAttentionOptions {
 };
 
 /// Self-attention with `heads` heads of dim / heads each. One fused projection makes q, k and v
-/// ([dim] -> [3 dim], read as [3, heads, head_dim]); the heads are strided views of it, passed
+/// ([dim] -> [3 dim], read as [heads, 3, head_dim]); the heads are strided views of it, passed
 /// to scaled_dot_product_attention without a copy, whose output merges back into [B, T, dim]
 /// as a view before the output projection.
 class MultiheadAttention : public Module {
@@ -52,7 +61,7 @@ class MultiheadAttention : public Module {
   /// The same, attending also to the positions in `cache` (and adding this call's to it).
   Tensor forward(const Tensor& x, KVCache& cache);
   int64_t heads() const { return heads_; }
-  std::shared_ptr<Linear> qkv;  // [3 dim, dim]
+  std::shared_ptr<Linear> qkv;  // [3 dim, dim], rows [heads, 3, head_dim]
   std::shared_ptr<Linear> out;  // [dim, dim]
 
  private:
@@ -60,6 +69,28 @@ class MultiheadAttention : public Module {
   int64_t dim_, heads_;
   MultiheadAttentionOptions options_;
 };
+
+struct MLPOptions {
+  bool bias = true;
+  /// gelu_tanh (GPT-2's) instead of the exact GELU.
+  bool tanh_gelu = false;
+  Generator* generator = nullptr;
+};
+
+/// A transformer's feed-forward network: fc2(GELU(fc1(x))), fc1's bias and the GELU fused
+/// (bias_gelu: one pass forward, one backward; fc1's own forward is not used).
+class MLP : public Module {
+ public:
+  MLP(int64_t dim, int64_t hidden, MLPOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  std::shared_ptr<Linear> fc1, fc2;  // [hidden, dim], [dim, hidden]
+
+ private:
+  bool tanh_gelu_;
+};
+
+/// GELU of x + bias (bias may be undefined): the fused op where there is a bias.
+Tensor bias_gelu_or_gelu(const Tensor& x, const Tensor& bias, bool tanh_gelu);
 
 struct TransformerBlockOptions {
   /// The MLP's hidden width; 4 dim when 0.
@@ -73,8 +104,7 @@ struct TransformerBlockOptions {
   Generator* generator = nullptr;
 };
 
-/// A pre-LayerNorm block (GPT-2): x + attention(norm1(x)), then h + mlp(norm2(h)), the MLP
-/// being Linear -> GELU -> Linear with the first bias and the GELU fused (bias_gelu).
+/// A pre-LayerNorm block (GPT-2): h = x + attention(norm1(x)), then h + mlp(norm2(h)).
 class TransformerBlock : public Module {
  public:
   TransformerBlock(int64_t dim, int64_t heads, TransformerBlockOptions options = {});
@@ -83,11 +113,10 @@ class TransformerBlock : public Module {
   Tensor forward(const Tensor& x, KVCache& cache);
   std::shared_ptr<LayerNorm> norm1, norm2;
   std::shared_ptr<MultiheadAttention> attention;
-  std::shared_ptr<Linear> fc1, fc2;
+  std::shared_ptr<MLP> mlp;
 
  private:
   Tensor run(const Tensor& x, KVCache* cache);
-  TransformerBlockOptions options_;
   std::shared_ptr<Dropout> dropout_;
 };
 

@@ -38,6 +38,9 @@ ColumnParallelLinear::ColumnParallelLinear(int64_t in_features, int64_t out_feat
       bias(register_parameter("bias", Tensor())),
       options_(options) {
   piece_of(out_features, this->group(), "ColumnParallelLinear", "out_features");
+  WEAVE_CHECK(!(options.skip_bias_add && options.gather_output), "ColumnParallelLinear",
+              "skip_bias_add leaves the bias to the caller, which gather_output would then add "
+              "to a gathered output it cannot align; hint: use one of them");
   nn::Linear full(in_features, out_features, options.bias, options.generator);
   weight = my_slice(full.weight, 0, this->group());
   weight.requires_grad_(true);
@@ -51,7 +54,7 @@ Tensor ColumnParallelLinear::forward(const Tensor& x) {
   const dist::Group& g = group();
   Tensor input =
       options_.sequence_parallel ? F::gather_from_sequence_group(x, 0, g) : F::copy_to_group(x, g);
-  Tensor y = linear(input, weight, bias);
+  Tensor y = linear(input, weight, options_.skip_bias_add ? Tensor() : bias);
   return options_.gather_output ? F::gather_from_group(y, -1, g) : y;
 }
 

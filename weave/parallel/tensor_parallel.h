@@ -47,6 +47,9 @@ struct ColumnParallelOptions {
   bool gather_output = false;
   /// Input split along axis 0 (the sequence), all_gathered before the matmul.
   bool sequence_parallel = false;
+  /// Leave the bias out of forward's result, for the caller to fuse it with what follows
+  /// (bias_gelu); the bias is still this layer's parameter.
+  bool skip_bias_add = false;
   Generator* generator = nullptr;
 };
 
