@@ -5,6 +5,11 @@
 // export the same symbols); bench/compare_gemm.sh runs all three. Lines:
 //   gemm lib=L threads=T shape=NAME m= k= n= us= gflops=      (median of repetitions)
 //   gemm lib=L threads=T mlp_step batch=B us=                 (the step's eight, summed)
+// With `--gpt LAYERS DIM HEADS CONTEXT BATCH VOCAB`, one thread: the GEMMs of a GPT training
+// step instead (bench/compare_gpt.sh's limit), each linear's forward, input and weight
+// gradients, and attention's six products per head (scores, output; the gradients of v, of the
+// probabilities, of q and k) counted at half for the causal mask:
+//   gemm lib=L threads=1 gpt_step ... us=
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -85,9 +90,49 @@ std::vector<Shape> mlp_step(int batch) {
       {"dX2_b" + b, false, false, batch, 128, 256}, {"dX3_b" + b, false, false, batch, 10, 128}};
 }
 
+// The GEMMs of one GPT step (forward and backward) in microseconds, median of reps each.
+double gpt_step_us(int layers, int dim, int heads, int context, int batch, int vocab, int reps) {
+  const int tokens = batch * context, hd = dim / heads;
+  double linear_us = 0;
+  auto linear = [&](int in, int out) {  // x W^T, dY W, dY^T x
+    for (const Shape& s :
+         {Shape{"fwd", false, true, tokens, in, out}, Shape{"dX", false, false, tokens, out, in},
+          Shape{"dW", true, false, out, tokens, in}})
+      linear_us += time_shape(s, reps) * 1e6;
+  };
+  for (int l = 0; l < layers; ++l) {
+    linear(dim, 3 * dim);
+    linear(dim, dim);
+    linear(dim, 4 * dim);
+    linear(4 * dim, dim);
+  }
+  linear(dim, vocab);
+  double head_pair_us = 0;  // one (sequence, head): S = Q K^T, O = P V, dV, dP, dQ, dK
+  for (const Shape& s : {Shape{"S", false, true, context, hd, context},
+                         Shape{"O", false, false, context, context, hd},
+                         Shape{"dV", true, false, context, context, hd},
+                         Shape{"dP", false, true, context, hd, context},
+                         Shape{"dQ", false, false, context, context, hd},
+                         Shape{"dK", true, false, context, context, hd}})
+    head_pair_us += time_shape(s, reps) * 1e6;
+  const double attention_us = 0.5 * head_pair_us * batch * heads * layers;
+  std::printf(
+      "gemm lib=%s threads=1 gpt_step layers=%d dim=%d heads=%d context=%d batch=%d "
+      "vocab=%d linear_us=%.0f attention_us=%.0f us=%.0f\n",
+      kLibrary, layers, dim, heads, context, batch, vocab, linear_us, attention_us,
+      linear_us + attention_us);
+  return linear_us + attention_us;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 8 && std::string(argv[1]) == "--gpt") {
+    set_threads(1);
+    gpt_step_us(std::stoi(argv[2]), std::stoi(argv[3]), std::stoi(argv[4]), std::stoi(argv[5]),
+                std::stoi(argv[6]), std::stoi(argv[7]), 7);
+    return 0;
+  }
   const int reps = argc > 1 ? std::stoi(argv[1]) : 21;
   for (int threads : {1, 2}) {
     set_threads(threads);

@@ -1,0 +1,171 @@
+#!/usr/bin/python3
+"""The GPT of examples/gpt/gpt.cpp in PyTorch, for bench/compare_gpt.sh.
+
+Same text and split, same windows per step (splitmix64 of seed and step), same model (pre-LN
+blocks, one fused q/k/v projection, exact GELU, untied output layer), same initialization
+scheme (weights N(0, 0.02), biases 0), AdamW, warmup + cosine schedule and clipping at 1.0.
+PyTorch 1.13 has no fused attention, so attention is written as its users write it: scores,
+a causal mask, softmax, and a product with v.
+
+  gpt_torch.py [--layers 4] [--dim 256] [--heads 4] [--context 128] [--batch 16] [--steps 600]
+               [--threads 1] [--log-every 20] [--eval-every 100] [--seed 0]
+
+Prints the same lines as the weave example: `step S/N loss L lr R tokens/s T`, and at the end
+`heldout_loss=X.XXXX`.
+"""
+import argparse
+import math
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x):
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def load_corpus(directory):
+    names = sorted(n for n in os.listdir(directory)
+                   if not n.endswith(".dat") and not os.path.islink(os.path.join(directory, n))
+                   and os.path.isfile(os.path.join(directory, n)))
+    text = bytearray()
+    for name in names:
+        with open(os.path.join(directory, name), "rb") as f:
+            lines = f.read().split(b"\n")
+        if lines and lines[-1] == b"":  # a last line without its newline still gets one
+            lines.pop()
+        for line in lines:
+            text += b"\n" if line == b"%" else line + b"\n"
+    chars = sorted(set(text))
+    vocab = (len(chars) + 7) // 8 * 8
+    id_of = {c: i for i, c in enumerate(chars)}
+    ids = torch.tensor([id_of[c] for c in text], dtype=torch.int64)
+    split = len(text) * 9 // 10
+    return ids[:split], ids[split:], vocab
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        hd = d // self.heads
+        qkv = self.qkv(self.norm1(x)).view(b, t, self.heads, 3, hd)
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(hd))
+        scores = scores.masked_fill(mask[:t, :t], float("-inf"))
+        y = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.out(y)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Gpt(nn.Module):
+    def __init__(self, vocab, context, dim, heads, layers):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("mask", torch.triu(torch.ones(context, context, dtype=torch.bool), 1))
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith(".bias"):
+                    p.zero_()
+                elif "norm" not in name:
+                    p.normal_(0.0, 0.02)
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        x = self.tokens(ids) + self.positions(torch.arange(t))
+        for block in self.blocks:
+            x = block(x, self.mask)
+        return self.head(self.norm(x))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    for name, default in [("layers", 4), ("dim", 256), ("heads", 4), ("context", 128),
+                          ("batch", 16), ("steps", 600), ("warmup", 60), ("threads", 1),
+                          ("log-every", 20), ("eval-every", 100), ("eval-windows", 64),
+                          ("seed", 0)]:
+        parser.add_argument("--" + name, type=int, default=default)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--min-lr", type=float, default=1e-4)
+    parser.add_argument("--data", default="/usr/share/games/fortunes")
+    a = parser.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    train, heldout, vocab = load_corpus(a.data)
+    model = Gpt(vocab, a.context, a.dim, a.heads, a.layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+
+    def lr_at(step):
+        if step < a.warmup:
+            return a.lr * (step + 1) / a.warmup
+        progress = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
+        return a.min_lr + 0.5 * (a.lr - a.min_lr) * (1 + math.cos(math.pi * progress))
+
+    def windows(tokens, offsets):
+        return torch.stack([tokens[o:o + a.context + 1] for o in offsets])
+
+    def heldout_loss():
+        model.eval()
+        span = len(heldout) - a.context - 1
+        offsets = [i * span // a.eval_windows for i in range(a.eval_windows)]
+        total = 0.0
+        with torch.no_grad():
+            for first in range(0, len(offsets), a.batch):
+                w = windows(heldout, offsets[first:first + a.batch])
+                logits = model(w[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, vocab), w[:, 1:].reshape(-1))
+                total += loss.item() * w.shape[0]
+        model.train()
+        return total / a.eval_windows
+
+    print(f"gpt_torch {torch.__version__}: {a.layers} layers, dim {a.dim}, {a.heads} heads, "
+          f"context {a.context}, batch {a.batch}, vocab {vocab}, threads {a.threads}", flush=True)
+    span = len(train) - a.context - 1
+    started, loss_sum, losses = time.perf_counter(), 0.0, 0
+    for step in range(a.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        offsets = [splitmix64((a.seed << 40) + step * a.batch + i) % span for i in range(a.batch)]
+        w = windows(train, offsets)
+        logits = model(w[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), w[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        loss_sum += loss.item()
+        losses += 1
+        done = step + 1
+        if done % a.log_every == 0 or done == a.steps:
+            seconds = time.perf_counter() - started
+            print(f"step {done}/{a.steps} loss {loss_sum / losses:.4f} lr {lr_at(done):.2e} "
+                  f"tokens/s {losses * a.batch * a.context / seconds:.0f}", flush=True)
+            started, loss_sum, losses = time.perf_counter(), 0.0, 0
+        if done % a.eval_every == 0 and done < a.steps:
+            print(f"step {done} heldout_loss {heldout_loss():.4f}", flush=True)
+    print(f"heldout_loss={heldout_loss():.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

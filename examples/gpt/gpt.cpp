@@ -1,0 +1,490 @@
+// A character-level GPT trained on the quotations of Debian's `fortunes` package:
+//   mpirun -np 2 gpt [--strategy ddp|tp|hybrid] [--tp 2] [--layers 4] [--dim 256] [--heads 4]
+//                    [--context 128] [--batch 16] [--steps 600] [--lr 1e-3] [--eval-every 100]
+//                    [--checkpoint DIR [--checkpoint-every 100] [--resume] [--stop-at STEP]]
+//                    [--no-sequence-parallel] [--samples 3] [--threads 1] [--seed 0]
+//
+// The text (every fortune file, in name order, `%` separator lines dropped) is split once: the
+// first 90% trains, the last 10% is held out. Each step takes `--batch` windows of context + 1
+// characters from the training text at offsets every process derives from (seed, step), so a
+// run at any number of ranks and any strategy sees the same global batch:
+//   ddp     each rank takes its share of the windows; gradients averaged (DDP);
+//   tp      every rank takes all of them; heads, MLP units and vocabulary split over the ranks,
+//           with sequence parallelism unless --no-sequence-parallel;
+//   hybrid  tensor-parallel groups of --tp ranks, data parallel across them.
+// Every strategy starts from the same weights (the whole model is initialized on every rank
+// with the seed, then split), so all of them follow one process step for step.
+//
+// Rank 0 prints step, loss and tokens/s every --log-every (20) steps, the held-out loss every
+// --eval-every steps, and at the end `heldout_loss=X.XXXX` followed by a few sampled lines.
+#include <weave/weave.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <set>
+#include <string>
+#include <vector>
+
+using namespace weave;
+namespace F = dist::functional;
+
+namespace {
+
+struct Flags {
+  std::string strategy = "ddp", data_dir = "/usr/share/games/fortunes", checkpoint;
+  int tp = 2, threads = 1, samples = 3;
+  int64_t layers = 4, dim = 256, heads = 4, context = 128, batch = 16, steps = 600,
+          eval_every = 100, eval_windows = 64, checkpoint_every = 100, stop_at = -1, log_every = 20;
+  double lr = 1e-3, min_lr = 1e-4, weight_decay = 0.01, clip = 1.0;
+  int64_t warmup = 60;
+  bool sequence_parallel = true, resume = false;
+  uint64_t seed = 0;
+};
+
+Flags parse(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      WEAVE_CHECK(i + 1 < argc, "gpt", "{} needs a value", arg);
+      return argv[++i];
+    };
+    if (arg == "--strategy")
+      f.strategy = value();
+    else if (arg == "--data")
+      f.data_dir = value();
+    else if (arg == "--checkpoint")
+      f.checkpoint = value();
+    else if (arg == "--tp")
+      f.tp = std::stoi(value());
+    else if (arg == "--threads")
+      f.threads = std::stoi(value());
+    else if (arg == "--samples")
+      f.samples = std::stoi(value());
+    else if (arg == "--layers")
+      f.layers = std::stoll(value());
+    else if (arg == "--dim")
+      f.dim = std::stoll(value());
+    else if (arg == "--heads")
+      f.heads = std::stoll(value());
+    else if (arg == "--context")
+      f.context = std::stoll(value());
+    else if (arg == "--batch")
+      f.batch = std::stoll(value());
+    else if (arg == "--steps")
+      f.steps = std::stoll(value());
+    else if (arg == "--warmup")
+      f.warmup = std::stoll(value());
+    else if (arg == "--log-every")
+      f.log_every = std::stoll(value());
+    else if (arg == "--eval-every")
+      f.eval_every = std::stoll(value());
+    else if (arg == "--eval-windows")
+      f.eval_windows = std::stoll(value());
+    else if (arg == "--checkpoint-every")
+      f.checkpoint_every = std::stoll(value());
+    else if (arg == "--stop-at")
+      f.stop_at = std::stoll(value());
+    else if (arg == "--lr")
+      f.lr = std::stod(value());
+    else if (arg == "--min-lr")
+      f.min_lr = std::stod(value());
+    else if (arg == "--seed")
+      f.seed = std::stoull(value());
+    else if (arg == "--resume")
+      f.resume = true;
+    else if (arg == "--no-sequence-parallel")
+      f.sequence_parallel = false;
+    else
+      WEAVE_FAIL("gpt",
+                 "unknown flag '{}'; expected --strategy, --tp, --layers, --dim, --heads, "
+                 "--context, --batch, --steps, --lr, --eval-every, --checkpoint, --resume, ...",
+                 arg);
+  }
+  WEAVE_CHECK(f.strategy == "ddp" || f.strategy == "tp" || f.strategy == "hybrid", "gpt",
+              "--strategy must be ddp, tp or hybrid, found '{}'", f.strategy);
+  return f;
+}
+
+// ---- data --------------------------------------------------------------------------------
+
+struct Corpus {
+  std::vector<int64_t> train, heldout;  // token ids
+  std::vector<unsigned char> chars;     // id -> byte
+  int64_t vocab = 0;                    // chars.size() padded to a multiple of 8 (for tp)
+};
+
+Corpus load_corpus(const std::string& dir) {
+  namespace fs = std::filesystem;
+  WEAVE_CHECK(fs::is_directory(dir), "gpt",
+              "no fortunes at {}; hint: apt-get install fortunes, or pass --data DIR", dir);
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(dir))
+    if (entry.is_regular_file() && !entry.is_symlink() && entry.path().extension() != ".dat")
+      files.push_back(entry.path());
+  std::sort(files.begin(), files.end());
+  std::string text;
+  for (const auto& path : files) {
+    std::ifstream in(path);
+    for (std::string line; std::getline(in, line);) text += line == "%" ? "\n" : line + "\n";
+  }
+  WEAVE_CHECK(text.size() > 1000, "gpt", "found only {} bytes of text in {}", text.size(), dir);
+  Corpus corpus;
+  const std::set<unsigned char> seen(text.begin(), text.end());
+  corpus.chars.assign(seen.begin(), seen.end());
+  corpus.vocab = (int64_t(corpus.chars.size()) + 7) / 8 * 8;
+  std::array<int64_t, 256> id_of{};
+  for (size_t i = 0; i < corpus.chars.size(); ++i) id_of[corpus.chars[i]] = int64_t(i);
+  const size_t split = text.size() * 9 / 10;
+  for (size_t i = 0; i < text.size(); ++i)
+    (i < split ? corpus.train : corpus.heldout).push_back(id_of[(unsigned char)text[i]]);
+  return corpus;
+}
+
+// The same in bench/gpt_torch.py: window offsets from (seed, step, index), on every process.
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Windows of context + 1 tokens at the given offsets: [n, context + 1].
+Tensor windows(const std::vector<int64_t>& tokens, const std::vector<int64_t>& offsets,
+               int64_t context) {
+  std::vector<int64_t> out;
+  out.reserve(offsets.size() * size_t(context + 1));
+  for (int64_t start : offsets)
+    out.insert(out.end(), tokens.begin() + start, tokens.begin() + start + context + 1);
+  return from_vector(out, {int64_t(offsets.size()), context + 1});
+}
+
+std::vector<int64_t> train_offsets(const Flags& f, int64_t text_size, int64_t step) {
+  std::vector<int64_t> offsets;
+  for (int64_t i = 0; i < f.batch; ++i)
+    offsets.push_back(int64_t(splitmix64((f.seed << 40) + uint64_t(step * f.batch + i)) %
+                              uint64_t(text_size - f.context - 1)));
+  return offsets;
+}
+
+// ---- models ------------------------------------------------------------------------------
+
+/// A GPT however it is split: logits from ids, the loss of those logits, and decoding.
+class LanguageModel : public nn::Module {
+ public:
+  using nn::Module::Module;
+  /// Mean cross-entropy of forward(ids)'s logits against targets [B, T].
+  virtual Tensor loss(const Tensor& logits, const Tensor& targets) = 0;
+  /// The next token's logits [B, vocab] on every rank, extending one cache per block.
+  virtual Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) = 0;
+};
+
+// Token plus position embeddings of ids [B, T] sitting at positions start, start + 1, ...
+Tensor embed_at(nn::Module& tokens, nn::Embedding& positions, const Tensor& ids, int64_t start) {
+  Tensor where = arange(double(start), double(start + ids.size(1)), 1, {.dtype = kInt64});
+  return tokens(ids) + positions(where);
+}
+
+/// One process's GPT (also each DDP replica): [B, T] ids -> [B, T, vocab] logits.
+class Gpt : public LanguageModel {
+ public:
+  Gpt(const Flags& f, int64_t vocab) : LanguageModel("Gpt") {
+    tokens = register_module("tokens", std::make_shared<nn::Embedding>(vocab, f.dim));
+    positions = register_module("positions", std::make_shared<nn::Embedding>(f.context, f.dim));
+    for (int64_t i = 0; i < f.layers; ++i)
+      blocks.push_back(register_module("block" + std::to_string(i),
+                                       std::make_shared<nn::TransformerBlock>(f.dim, f.heads)));
+    norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{f.dim}));
+    head = register_module("head", std::make_shared<nn::Linear>(f.dim, vocab));
+  }
+  Tensor forward(const Tensor& ids) override {
+    Tensor x = embed(ids, 0);
+    for (auto& block : blocks) x = (*block)(x);
+    return (*head)((*norm)(x));
+  }
+  Tensor loss(const Tensor& logits, const Tensor& targets) override {
+    return cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+  }
+  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
+    Tensor x = embed(ids, caches[0].length());
+    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->forward(x, caches[i]);
+    return (*head)((*norm)(x.select(1, x.size(1) - 1)));
+  }
+  std::shared_ptr<nn::Embedding> tokens, positions;
+  std::vector<std::shared_ptr<nn::TransformerBlock>> blocks;
+  std::shared_ptr<nn::LayerNorm> norm;
+  std::shared_ptr<nn::Linear> head;
+
+ private:
+  Tensor embed(const Tensor& ids, int64_t start) {
+    return embed_at(*tokens, *positions, ids, start);
+  }
+};
+
+/// The same GPT split over a tensor-parallel group: the vocabulary of the embedding and of the
+/// output layer, the heads and MLP units of every block. Sequence first inside; with sequence
+/// parallelism the norms and residuals hold 1/n of the sequence. Same parameter names as Gpt.
+class ParallelGpt : public LanguageModel {
+ public:
+  ParallelGpt(const Flags& f, int64_t vocab, const dist::Group& tp, bool sequence_parallel)
+      : LanguageModel("ParallelGpt"), tp_(tp), sequence_parallel_(sequence_parallel) {
+    tokens = register_module("tokens",
+                             std::make_shared<parallel::VocabParallelEmbedding>(vocab, f.dim, tp));
+    positions = register_module("positions", std::make_shared<nn::Embedding>(f.context, f.dim));
+    for (int64_t i = 0; i < f.layers; ++i)
+      blocks.push_back(register_module(
+          "block" + std::to_string(i),
+          std::make_shared<parallel::ParallelTransformerBlock>(
+              f.dim, f.heads, tp,
+              parallel::ParallelTransformerBlockOptions{.sequence_parallel = sequence_parallel})));
+    if (sequence_parallel)
+      norm = register_module(
+          "norm", std::make_shared<parallel::SequenceParallelLayerNorm>(Shape{f.dim}, tp));
+    else
+      norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{f.dim}));
+    head = register_module(
+        "head", std::make_shared<parallel::ColumnParallelLinear>(
+                    f.dim, vocab, tp,
+                    parallel::ColumnParallelOptions{.sequence_parallel = sequence_parallel}));
+  }
+  /// ids [B, T] -> this rank's vocabulary slice of the logits, [T, B, vocab / n].
+  Tensor forward(const Tensor& ids) override {
+    Tensor x = embed(ids, 0);
+    if (sequence_parallel_) x = F::scatter_to_group(x, 0, tp_);  // this rank's positions
+    for (auto& block : blocks) x = (*block)(x);
+    return (*head)((*norm)(x));
+  }
+  Tensor loss(const Tensor& logits, const Tensor& targets) override {
+    return parallel::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                  targets.transpose(0, 1).reshape({-1}), tp_);
+  }
+  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
+    Tensor x = embed(ids, caches[0].length());
+    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->forward(x, caches[i]);
+    Tensor local = (*head)((*norm)(x.select(0, x.size(0) - 1)));  // [B, vocab / n]
+    return F::all_gather(local, -1, tp_);
+  }
+  std::shared_ptr<parallel::VocabParallelEmbedding> tokens;
+  std::shared_ptr<nn::Embedding> positions;
+  std::vector<std::shared_ptr<parallel::ParallelTransformerBlock>> blocks;
+  std::shared_ptr<nn::Module> norm;
+  std::shared_ptr<parallel::ColumnParallelLinear> head;
+
+ private:
+  // [B, T] ids -> [T, B, dim]
+  Tensor embed(const Tensor& ids, int64_t start) {
+    return embed_at(*tokens, *positions, ids, start).transpose(0, 1).contiguous();
+  }
+  dist::Group tp_;
+  bool sequence_parallel_;
+};
+
+// GPT-2's initialization: weights N(0, 0.02), biases 0, norms 1 (the same on every rank that
+// uses the same seed).
+void initialize(nn::Module& model, uint64_t seed) {
+  NoGradGuard no_grad;
+  Generator g(seed);
+  for (auto& [name, p] : model.named_parameters()) {
+    const bool is_norm = name.find("norm") != std::string::npos;
+    if (name.ends_with(".bias"))
+      p.zero_();
+    else if (!is_norm)
+      p.copy_(randn(p.shape(), {.dtype = p.dtype()}, &g) * 0.02);
+  }
+}
+
+std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
+                                     const parallel::ProcessMesh& mesh, bool sequence_parallel) {
+  auto whole = std::make_shared<Gpt>(f, vocab);
+  initialize(*whole, f.seed);
+  if (mesh.shape().tensor == 1) return whole;
+  auto split = std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), sequence_parallel);
+  split->load_state_dict(parallel::shard_state_dict(whole->state_dict(), *split));
+  return split;
+}
+
+// Mean loss over the held-out windows: each data-parallel rank evaluates its share.
+double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
+                    const parallel::ProcessMesh& mesh) {
+  NoGradGuard no_grad;
+  model.eval();
+  const int64_t span = int64_t(corpus.heldout.size()) - f.context - 1;
+  std::vector<int64_t> mine;
+  for (int64_t i = mesh.data_rank(); i < f.eval_windows; i += mesh.shape().data)
+    mine.push_back(i * span / f.eval_windows);
+  double total = 0;
+  for (size_t first = 0; first < mine.size(); first += size_t(f.batch)) {
+    const size_t last = std::min(mine.size(), first + size_t(f.batch));
+    Tensor w = windows(corpus.heldout, {mine.begin() + first, mine.begin() + last}, f.context);
+    Tensor logits = model(w.narrow(1, 0, f.context));
+    total += model.loss(logits, w.narrow(1, 1, f.context)).item<double>() * double(last - first);
+  }
+  Tensor sum = full({1}, total, {.dtype = kFloat64});
+  dist::all_reduce(sum, dist::ReduceOp::Sum, mesh.data());
+  model.train();
+  return sum.item<double>() / double(f.eval_windows);
+}
+
+// Lines sampled from a newline, temperature 0.8, on the ranks of data-parallel group 0 (the
+// tensor-parallel ranks decode together); printed by rank 0.
+void sample(LanguageModel& model, const Flags& f, const Corpus& corpus,
+            const parallel::ProcessMesh& mesh) {
+  if (mesh.data_rank() != 0 || f.samples <= 0) return;
+  NoGradGuard no_grad;
+  model.eval();
+  Generator g(f.seed + 7);  // the same draws on every tensor-parallel rank
+  const auto newline = std::find(corpus.chars.begin(), corpus.chars.end(), '\n');
+  const int64_t start = newline - corpus.chars.begin();
+  std::vector<nn::KVCache> caches;
+  for (int64_t i = 0; i < f.layers; ++i) caches.emplace_back(f.context);
+  Tensor ids = full({f.samples, 1}, double(start), {.dtype = kInt64});
+  std::vector<std::string> text(size_t(f.samples));
+  for (int64_t t = 0; t + 1 < f.context; ++t) {
+    Tensor logits = model.decode(ids, caches).narrow(1, 0, int64_t(corpus.chars.size()));
+    ids = multinomial(softmax(logits / 0.8, -1), 1, false, &g);
+    const auto drawn = ids.to_vector<int64_t>();
+    for (size_t s = 0; s < drawn.size(); ++s) text[s] += char(corpus.chars[size_t(drawn[s])]);
+  }
+  if (dist::rank() == 0) {
+    std::printf("samples:\n");
+    for (const auto& s : text) {
+      std::string line = s.substr(0, s.find('\n'));
+      std::printf("  | %s\n", line.c_str());
+    }
+  }
+  model.train();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Flags f = parse(argc, argv);
+  dist::InitGuard distributed;
+  set_num_threads(f.threads);
+  const int world = dist::world_size();
+  const int tensor = f.strategy == "ddp" ? 1 : f.strategy == "tp" ? world : f.tp;
+  WEAVE_CHECK(tensor > 0 && world % tensor == 0, "gpt",
+              "--tp {} does not divide the {} ranks; hint: run a multiple of --tp ranks", tensor,
+              world);
+  const parallel::ProcessMesh mesh({.data = world / tensor, .tensor = tensor});
+  const int data = mesh.shape().data;
+  WEAVE_CHECK(f.batch % data == 0, "gpt", "--batch {} does not divide among {} data-parallel ranks",
+              f.batch, data);
+  const bool sequence_parallel = tensor > 1 && f.sequence_parallel;
+  const Corpus corpus = load_corpus(f.data_dir);
+
+  auto model = build(f, corpus.vocab, mesh, sequence_parallel);
+  std::unique_ptr<parallel::DistributedDataParallel> ddp;
+  if (data > 1)
+    ddp = std::make_unique<parallel::DistributedDataParallel>(
+        *model, parallel::DDPOptions{.group = mesh.data()});
+  optim::AdamW optimizer(model->parameters(), {.lr = f.lr, .weight_decay = f.weight_decay});
+  // Linear warmup, then cosine to min_lr (the same formula in bench/gpt_torch.py).
+  optim::LRScheduler scheduler(optimizer, [f](int64_t step) {
+    if (step < f.warmup) return f.lr * double(step + 1) / double(f.warmup);
+    const double progress =
+        std::min(1.0, double(step - f.warmup) / double(std::max<int64_t>(1, f.steps - f.warmup)));
+    return f.min_lr + 0.5 * (f.lr - f.min_lr) * (1 + std::cos(M_PI * progress));
+  });
+  // Gradient clipping over the whole model: shards counted on every rank, replicas once.
+  std::vector<Tensor> sharded, replicated;
+  const auto split = parallel::split_axes(*model);
+  for (const auto& [name, p] : model->named_parameters())
+    (split.count(name) ? sharded : replicated).push_back(p);
+
+  data::TrainingState state{.model = model.get(), .optimizer = &optimizer, .scheduler = &scheduler};
+  int64_t step = 0;
+  namespace fs = std::filesystem;
+  if (f.resume && !f.checkpoint.empty() && fs::exists(fs::path(f.checkpoint) / "index.json")) {
+    parallel::load_sharded_checkpoint(f.checkpoint, state);
+    step = std::stoll(state.user.at("step"));
+    if (dist::rank() == 0) std::printf("resumed at step %lld\n", static_cast<long long>(step));
+  }
+  if (dist::rank() == 0) {
+    int64_t count = 0;
+    for (const Tensor& p : model->parameters()) count += p.numel();
+    std::printf(
+        "gpt: %s, %s; %lld layers, dim %lld, %lld heads, context %lld, batch %lld, vocab %lld "
+        "(%zu used), %lld parameters on rank 0; %zu train / %zu held-out characters\n",
+        f.strategy.c_str(), mesh.str().c_str(), static_cast<long long>(f.layers),
+        static_cast<long long>(f.dim), static_cast<long long>(f.heads),
+        static_cast<long long>(f.context), static_cast<long long>(f.batch),
+        static_cast<long long>(corpus.vocab), corpus.chars.size(), static_cast<long long>(count),
+        corpus.train.size(), corpus.heldout.size());
+  }
+
+  const int64_t local_batch = f.batch / data;
+  const int64_t train_span = int64_t(corpus.train.size());
+  auto window_start = std::chrono::steady_clock::now();
+  double loss_sum = 0;
+  int64_t losses = 0, tokens = 0;
+  while (step < f.steps) {
+    std::vector<int64_t> offsets = train_offsets(f, train_span, step);
+    offsets = {offsets.begin() + mesh.data_rank() * local_batch,
+               offsets.begin() + (mesh.data_rank() + 1) * local_batch};
+    Tensor w = windows(corpus.train, offsets, f.context);
+    Tensor inputs = w.narrow(1, 0, f.context), targets = w.narrow(1, 1, f.context);
+    optimizer.zero_grad();
+    Tensor logits = ddp ? (*ddp)(inputs) : (*model)(inputs);
+    Tensor loss = model->loss(logits, targets);
+    loss.backward();
+    if (tensor > 1)
+      dist::clip_grad_norm_(sharded, replicated, f.clip, mesh.tensor());
+    else
+      optim::clip_grad_norm_(model->parameters(), f.clip);
+    optimizer.step();
+    scheduler.step();
+    ++step;
+    loss_sum += loss.item<double>();
+    ++losses;
+    tokens += f.batch * f.context;
+    if (step % f.log_every == 0 || step == f.steps) {
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - window_start).count();
+      Tensor mean = full({1}, loss_sum / double(losses), {.dtype = kFloat64});
+      dist::all_reduce(mean, dist::ReduceOp::Sum, mesh.data());
+      if (dist::rank() == 0)
+        std::printf("step %lld/%lld loss %.4f lr %.2e tokens/s %.0f\n",
+                    static_cast<long long>(step), static_cast<long long>(f.steps),
+                    mean.item<double>() / data, scheduler.lr(), double(tokens) / seconds);
+      loss_sum = 0, losses = 0, tokens = 0;
+      window_start = std::chrono::steady_clock::now();
+    }
+    if (step % f.eval_every == 0 && step < f.steps) {
+      const double held = heldout_loss(*model, f, corpus, mesh);
+      if (dist::rank() == 0)
+        std::printf("step %lld heldout_loss %.4f\n", static_cast<long long>(step), held);
+    }
+    if (!f.checkpoint.empty() &&
+        (step % f.checkpoint_every == 0 || step == f.steps || step == f.stop_at)) {
+      state.user = {{"step", std::to_string(step)}};
+      parallel::save_sharded_checkpoint(f.checkpoint, state);
+    }
+    if (dist::rank() == 0) std::fflush(stdout);
+    if (step == f.stop_at) {
+      if (dist::rank() == 0) std::printf("stopped at step %lld\n", static_cast<long long>(step));
+      return 0;
+    }
+  }
+  const double held = heldout_loss(*model, f, corpus, mesh);
+  if (dist::rank() == 0) std::printf("heldout_loss=%.4f\n", held);
+  // Decoding appends one position at a time, which sequence parallelism cannot split: the same
+  // parameters in a model built without it.
+  if (sequence_parallel) {
+    auto decoder = std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
+    decoder->load_state_dict(model->state_dict());
+    sample(*decoder, f, corpus, mesh);
+  } else {
+    sample(*model, f, corpus, mesh);
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "error: %s\n", e.what());
+  return 1;
+}

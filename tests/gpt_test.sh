@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# gpt_test.sh GPT MPIRUN...: a short GPT run on the fortunes text at 2 ranks under ddp and tp (with
+# and without sequence parallelism), at 4 ranks hybrid, and stopped then resumed from its
+# checkpoint, must each end at the held-out loss of one process on the same global batch
+# (float32: within 1e-3 relative). Exits 77 (skipped) without the fortunes package.
+set -u
+gpt=$1
+shift
+mpirun=("$@")
+[ -d /usr/share/games/fortunes ] || { echo "skipped: no /usr/share/games/fortunes"; exit 77; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+args=(--layers 2 --dim 64 --heads 4 --context 32 --batch 8 --steps 30 --warmup 5
+      --eval-every 10 --eval-windows 16 --samples 2)
+held() { grep -o 'heldout_loss=[0-9.]*' | cut -d= -f2; }
+reference=$("$gpt" "${args[@]}" | held)
+[ -n "$reference" ] || { echo "FAIL: one process printed no heldout_loss"; exit 1; }
+echo "one process: heldout_loss=$reference"
+status=0
+check() {  # name, then the held-out loss it printed
+  if [ -z "$2" ] || ! awk -v a="$2" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d;
+                                                       exit !(d <= 1e-3 * b) }'; then
+    echo "FAIL: $1: heldout_loss='$2', one process $reference"
+    status=1
+  else
+    echo "ok: $1: heldout_loss=$2"
+  fi
+}
+check "ddp np2" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy ddp | held)"
+check "tp np2" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp | held)"
+check "tp np2 without sequence parallelism" \
+  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --no-sequence-parallel | held)"
+check "hybrid np4 (2 x 2)" "$("${mpirun[@]}" -np 4 "$gpt" "${args[@]}" --strategy hybrid --tp 2 | held)"
+"${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --checkpoint "$work/ckpt" --stop-at 15 \
+  | grep -q "stopped at step 15" || { echo "FAIL: the run did not stop at step 15"; status=1; }
+resumed=$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --checkpoint "$work/ckpt" --resume)
+echo "$resumed" | grep -q "resumed at step 15" || { echo "FAIL: no resume from step 15"; status=1; }
+check "tp np2 stopped at 15, resumed" "$(echo "$resumed" | held)"
+echo "$resumed" | grep -q "^samples:" || { echo "FAIL: no samples"; status=1; }
+[ $status -eq 0 ] && echo "PASS: every strategy equals one process"
+exit $status
