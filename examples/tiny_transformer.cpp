@@ -2,8 +2,9 @@
 // sequences generated in the program ("3 1 4 1 5 9 2 6 | 1 1 2 3 4 5 6 9"):
 //   mpirun -np 2 tiny_transformer [--epochs 8] [--steps 100] [--lr 0.003] [--seed 0]
 //
-// Attention heads are split across the ranks (query/key/value projections column parallel,
-// the output projection row parallel), so are the MLP's hidden units, the token embedding
+// Each block is a parallel::ParallelTransformerBlock: attention heads are split across the
+// ranks (one fused q/k/v projection column parallel, the output projection row parallel, causal
+// fused attention on the local heads), so are the MLP's hidden units, the token embedding
 // (vocabulary rows) and the output layer (vocabulary columns), whose loss is the
 // vocab-parallel cross-entropy: no rank ever holds every logit. The loss counts the sorted
 // half only. Rank 0 prints one line per epoch and, last, `final_loss=... uniform=...`
@@ -40,63 +41,6 @@ Tensor make_batch(int64_t batch, Generator& g) {
   return from_vector(out, {batch, 2 * kDigits + 1});
 }
 
-// 0 on and below the diagonal, a large negative number above it: position t sees 0..t.
-Tensor causal_mask(int64_t t) {
-  std::vector<float> mask(size_t(t * t), 0.0f);
-  for (int64_t i = 0; i < t; ++i)
-    for (int64_t j = i + 1; j < t; ++j) mask[size_t(i * t + j)] = -1e9f;
-  return from_vector(mask, {t, t});
-}
-
-class Block : public nn::Module {
- public:
-  explicit Block(const dist::Group& tp)
-      : nn::Module("Block"),
-        norm1_(register_module("norm1", std::make_shared<nn::LayerNorm>(Shape{kModel}))),
-        query_(register_module("query", column(kModel, kModel, tp))),
-        key_(register_module("key", column(kModel, kModel, tp))),
-        value_(register_module("value", column(kModel, kModel, tp))),
-        project_(register_module("project", row(kModel, kModel, tp))),
-        norm2_(register_module("norm2", std::make_shared<nn::LayerNorm>(Shape{kModel}))),
-        up_(register_module("up", column(kModel, kHidden, tp))),
-        down_(register_module("down", row(kHidden, kModel, tp))),
-        local_heads_(kHeads / tp.size()) {
-    WEAVE_CHECK(kHeads % tp.size() == 0, "tiny_transformer",
-                "{} heads do not divide among {} ranks; hint: run with 1, 2 or 4 ranks", kHeads,
-                tp.size());
-  }
-
-  Tensor forward(const Tensor& x) override {  // [B, T, kModel]
-    const int64_t b = x.size(0), t = x.size(1), head = kModel / kHeads;
-    Tensor y = (*norm1_)(x);
-    auto heads = [&](const Tensor& z) {  // [B, T, local * head] -> [B, local, T, head]
-      return z.reshape({b, t, local_heads_, head}).permute({0, 2, 1, 3});
-    };
-    Tensor q = heads((*query_)(y)), k = heads((*key_)(y)), v = heads((*value_)(y));
-    Tensor scores = matmul(q, k.transpose(2, 3)) / std::sqrt(double(head)) + causal_mask(t);
-    Tensor attended = matmul(softmax(scores, -1), v).permute({0, 2, 1, 3});
-    Tensor h = x + (*project_)(attended.reshape({b, t, local_heads_ * head}));
-    return h + (*down_)(gelu((*up_)((*norm2_)(h))));
-  }
-
- private:
-  static std::shared_ptr<parallel::ColumnParallelLinear> column(int64_t in, int64_t out,
-                                                                const dist::Group& tp) {
-    return std::make_shared<parallel::ColumnParallelLinear>(in, out, tp);
-  }
-  static std::shared_ptr<parallel::RowParallelLinear> row(int64_t in, int64_t out,
-                                                          const dist::Group& tp) {
-    return std::make_shared<parallel::RowParallelLinear>(in, out, tp);
-  }
-  std::shared_ptr<nn::LayerNorm> norm1_;
-  std::shared_ptr<parallel::ColumnParallelLinear> query_, key_, value_;
-  std::shared_ptr<parallel::RowParallelLinear> project_;
-  std::shared_ptr<nn::LayerNorm> norm2_;
-  std::shared_ptr<parallel::ColumnParallelLinear> up_;
-  std::shared_ptr<parallel::RowParallelLinear> down_;
-  int64_t local_heads_;
-};
-
 class Decoder : public nn::Module {
  public:
   explicit Decoder(const dist::Group& tp, int layers = 2)
@@ -107,16 +51,23 @@ class Decoder : public nn::Module {
         norm_(register_module("norm", std::make_shared<nn::LayerNorm>(Shape{kModel}))),
         head_(register_module(
             "head", std::make_shared<parallel::ColumnParallelLinear>(kModel, kVocab, tp))) {
+    WEAVE_CHECK(kHeads % tp.size() == 0, "tiny_transformer",
+                "{} heads do not divide among {} ranks; hint: run with 1, 2 or 4 ranks", kHeads,
+                tp.size());
     for (int i = 0; i < layers; ++i)
-      blocks_.push_back(register_module("block" + std::to_string(i), std::make_shared<Block>(tp)));
+      blocks_.push_back(register_module(
+          "block" + std::to_string(i),
+          std::make_shared<parallel::ParallelTransformerBlock>(
+              kModel, kHeads, tp, parallel::ParallelTransformerBlockOptions{.hidden = kHidden})));
   }
 
   /// ids [B, T] -> this rank's slice of the logits [B, T, kVocab / ranks].
   Tensor forward(const Tensor& ids) override {
     Tensor where = arange(0, double(ids.size(1)), 1, {.dtype = kInt64});
-    Tensor x = ((*tokens_)(ids) + (*positions_)(where)) * 0.5;
+    // the blocks take the sequence first: [T, B, kModel]
+    Tensor x = (((*tokens_)(ids) + (*positions_)(where)) * 0.5).transpose(0, 1).contiguous();
     for (auto& block : blocks_) x = (*block)(x);
-    return (*head_)((*norm_)(x));
+    return (*head_)((*norm_)(x)).transpose(0, 1);
   }
 
  private:
@@ -124,7 +75,7 @@ class Decoder : public nn::Module {
   std::shared_ptr<nn::Embedding> positions_;
   std::shared_ptr<nn::LayerNorm> norm_;
   std::shared_ptr<parallel::ColumnParallelLinear> head_;
-  std::vector<std::shared_ptr<Block>> blocks_;
+  std::vector<std::shared_ptr<parallel::ParallelTransformerBlock>> blocks_;
 };
 
 // Loss over the sorted half: the positions from the separator on predict the next token.
