@@ -372,6 +372,40 @@ Tensor composed_self_attention(nn::MultiheadAttention& mha, const Tensor& x, boo
 }  // namespace
 
 TEST_SUITE("transformer") {
+  TEST_CASE("linear on strided and permuted views multiplies them in place: no input copy") {
+    Generator g(25);
+    const Tensor base = randn({4, 9, 64}, {.dtype = kFloat64}, &g);  // [B, T, K]
+    for (bool transposed : {true, false}) {
+      CAPTURE(transposed);
+      // [T, B, K] (leading dims out of memory order), or rows 64 apart holding 48 features
+      auto view_of = [&](const Tensor& t) {
+        return transposed ? t.transpose(0, 1) : t.narrow(2, 0, 48);
+      };
+      const int64_t k = view_of(base).size(2);
+      const Tensor w = randn({32, k}, {.dtype = kFloat64}, &g),
+                   b = randn({32}, {.dtype = kFloat64}, &g);
+      Tensor leaf_w = w.clone().requires_grad_(), leaf_b = b.clone().requires_grad_();
+      Tensor base_leaf = base.clone().requires_grad_();
+      Tensor dense = view_of(base).contiguous().requires_grad_();
+      Tensor view = view_of(base_leaf);
+      const size_t before = cpu_memory_stats().in_use;
+      cpu_reset_peak_memory();
+      Tensor y = linear(view, leaf_w, leaf_b);
+      // the output only: a copy of the input would add its 8 * numel bytes
+      CHECK(cpu_memory_stats().peak - before <= size_t(y.numel()) * 8 + 1024);
+      Tensor ref_w = w.clone().requires_grad_(), ref_b = b.clone().requires_grad_();
+      Tensor expected = linear(dense, ref_w, ref_b);
+      CHECK(y.shape() == expected.shape());
+      CHECK(relative_error(y, expected) < 1e-13);
+      const Tensor gy = randn(y.shape(), {.dtype = kFloat64}, &g);
+      sum(y * gy).backward();
+      sum(expected * gy).backward();
+      CHECK(relative_error(view_of(base_leaf.grad()), dense.grad()) < 1e-13);
+      CHECK(relative_error(leaf_w.grad(), ref_w.grad()) < 1e-13);
+      CHECK(relative_error(leaf_b.grad(), ref_b.grad()) < 1e-13);
+    }
+  }
+
   TEST_CASE("MultiheadAttention equals attention composed head by head from its weights") {
     Generator g(21);
     nn::MultiheadAttention mha(12, 3, {.causal = true, .generator = &g});

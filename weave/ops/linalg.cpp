@@ -1,4 +1,8 @@
 // matmul and linear.
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
 #include "weave/autograd/grad_mode.h"
 #include "weave/ops/internal.h"
 
@@ -77,6 +81,54 @@ Tensor matmul_compute(const Tensor& a, const Tensor& b, const Tensor& bias = {})
   return out;
 }
 
+// For linear's input x [..., K]: an order of the leading dims under which they fold into one
+// (largest stride first), so that a permuted view, such as the [T, B, K] transpose of a
+// contiguous [B, T, K], multiplies as one [M, K] matrix without a copy. Empty when they already
+// fold in their own order (reshape makes the view) or fold in no order (reshape copies).
+std::vector<int64_t> fold_order(const Tensor& x) {
+  const int lead = x.dim() - 1;
+  auto folds = [&](const std::vector<int64_t>& order) {
+    int64_t expected = -1;  // the stride the next non-trivial dim must have
+    for (int i = lead - 1; i >= 0; --i) {
+      const int64_t d = order[size_t(i)];
+      if (x.shape()[int(d)] == 1) continue;
+      if (expected >= 0 && x.strides()[int(d)] != expected) return false;
+      expected = x.strides()[int(d)] * x.shape()[int(d)];
+    }
+    return true;
+  };
+  std::vector<int64_t> order(static_cast<size_t>(lead));
+  std::iota(order.begin(), order.end(), 0);
+  if (lead < 2 || folds(order)) return {};
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return x.strides()[int(a)] > x.strides()[int(b)]; });
+  if (!folds(order)) return {};
+  order.push_back(lead);
+  return order;
+}
+
+std::vector<int64_t> inverse_order(const std::vector<int64_t>& order) {
+  std::vector<int64_t> inverse(order.size());
+  for (size_t i = 0; i < order.size(); ++i) inverse[size_t(order[i])] = int64_t(i);
+  return inverse;
+}
+
+// t laid out in `order` (empty: as it is) as [-1, cols]: a view where the layout allows.
+Tensor fold_rows(const Tensor& t, const std::vector<int64_t>& order, int64_t cols) {
+  const Tensor permuted = order.empty() ? t : t.permute(Dims(order));
+  return permuted.dim() == 2 ? permuted : permuted.reshape({-1, cols});
+}
+
+// rows [M, cols] back to the shape `like` has, undoing `order`.
+Tensor unfold_rows(const Tensor& rows, const Shape& like, const std::vector<int64_t>& order) {
+  Shape permuted = like;
+  if (!order.empty())
+    for (size_t i = 0; i < order.size(); ++i) permuted[int(i)] = like[int(order[i])];
+  permuted[permuted.size() - 1] = rows.size(1);
+  Tensor out = rows.reshape(permuted);
+  return order.empty() ? out : out.permute(Dims(inverse_order(order)));
+}
+
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
@@ -124,22 +176,22 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   DType dtype = matmul_dtype(x, weight);
   if (bias.defined()) dtype = promote_types(dtype, bias.dtype());
   Tensor xc = convert(x, dtype), wc = convert(weight, dtype);
-  Tensor x2 = xc.dim() == 2 ? xc : xc.reshape({-1, x.size(-1)});
+  const std::vector<int64_t> order = fold_order(xc);
+  Tensor x2 = fold_rows(xc, order, x.size(-1));
   Tensor y;
   {
     NoGradGuard no_grad;
-    y = matmul_compute(x2, wc.t(), bias.defined() ? convert(bias, dtype) : Tensor());
-    Shape out_shape = x.shape();
-    out_shape[out_shape.size() - 1] = weight.size(0);
-    y = y.reshape(out_shape);
+    y = unfold_rows(matmul_compute(x2, wc.t(), bias.defined() ? convert(bias, dtype) : Tensor()),
+                    x.shape(), order);
   }
-  // dx = G W, dW = G^T x, db = sum of G over all but the last dim
+  // dx = G W, dW = G^T x, db = sum of G over all but the last dim (G in x's row order)
   return autograd::record("LinearBackward", {x, weight, bias}, y, [&] {
     return [xs = SavedTensor(x2), ws = SavedTensor(wc), xi = InputInfo(x), wi = InputInfo(weight),
-            bi = InputInfo(bias)](const BackwardArgs& args) -> Grads {
-      Tensor g = args.grad().reshape({-1, args.grad().size(-1)});
+            bi = InputInfo(bias), order](const BackwardArgs& args) -> Grads {
+      Tensor g = fold_rows(args.grad(), order, args.grad().size(-1));
       Tensor dx, dw, db;
-      if (args.needs(0)) dx = convert(matmul_compute(g, ws.unpack()).reshape(xi.shape), xi.dtype);
+      if (args.needs(0))
+        dx = convert(unfold_rows(matmul_compute(g, ws.unpack()), xi.shape, order), xi.dtype);
       if (args.needs(1)) dw = convert(matmul_compute(g.t(), xs.unpack()), wi.dtype);
       if (args.needs(2)) db = convert(sum(g, {0}), bi.dtype);
       return {dx, dw, db};
