@@ -241,6 +241,8 @@ TEST_SUITE("transformer") {
     }
     // bias_gelu: gelu(x + b), gelu_tanh's formula
     CHECK(relative_error(bias_gelu(x, b), gelu(x + b)) < 1e-14);
+    CHECK(equal(bias_gelu(x, Tensor()), gelu(x)));
+    CHECK(equal(bias_gelu(x, Tensor(), true), gelu_tanh(x)));
     Tensor z = x + b;
     Tensor tanh_form = 0.5 * z * (1.0 + tanh(std::sqrt(2 / M_PI) * (z + 0.044715 * z * z * z)));
     CHECK(relative_error(bias_gelu(x, b, true), tanh_form) < 1e-14);

@@ -88,12 +88,7 @@ MLP::MLP(int64_t dim, int64_t hidden, MLPOptions options)
 }
 
 Tensor MLP::forward(const Tensor& x) {
-  return (*fc2)(bias_gelu_or_gelu(linear(x, fc1->weight), fc1->bias, tanh_gelu_));
-}
-
-Tensor bias_gelu_or_gelu(const Tensor& x, const Tensor& bias, bool tanh_gelu) {
-  if (bias.defined()) return bias_gelu(x, bias, tanh_gelu);
-  return tanh_gelu ? gelu_tanh(x) : gelu(x);
+  return (*fc2)(bias_gelu(linear(x, fc1->weight), fc1->bias, tanh_gelu_));
 }
 
 TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, TransformerBlockOptions options)

@@ -89,9 +89,6 @@ class MLP : public Module {
   bool tanh_gelu_;
 };
 
-/// GELU of x + bias (bias may be undefined): the fused op where there is a bias.
-Tensor bias_gelu_or_gelu(const Tensor& x, const Tensor& bias, bool tanh_gelu);
-
 struct TransformerBlockOptions {
   /// The MLP's hidden width; 4 dim when 0.
   int64_t hidden = 0;

@@ -1,6 +1,7 @@
 // matmul and linear.
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "weave/autograd/grad_mode.h"
@@ -17,6 +18,26 @@ DType matmul_dtype(const Tensor& a, const Tensor& b) {
   return dtype;
 }
 
+// The single stride of dims (outermost first) taken as one dim, if they fold into one: each
+// stride is the next one's stride times its size, size-1 dims aside. 0 when every one has size 1.
+std::optional<int64_t> folded_stride(const Tensor& t, const std::vector<int64_t>& dims) {
+  int64_t stride = 0, expected = -1;  // the stride the next outer non-trivial dim must have
+  for (auto d = dims.rbegin(); d != dims.rend(); ++d) {
+    const int64_t size = t.shape()[int(*d)], step = t.strides()[int(*d)];
+    if (size == 1) continue;
+    if (expected >= 0 && step != expected) return std::nullopt;
+    if (expected < 0) stride = step;
+    expected = step * size;
+  }
+  return stride;
+}
+
+std::vector<int64_t> first_dims(int n) {
+  std::vector<int64_t> dims(static_cast<size_t>(std::max(n, 0)));
+  std::iota(dims.begin(), dims.end(), 0);
+  return dims;
+}
+
 // An operand as a 3-D [batch, rows, cols] tensor the kernel accepts: inner stride 1 (row-major)
 // or row stride 1 (column-major), batch dims folded into one (stride 0 when broadcast).
 Tensor as_batched(const Tensor& t, const Shape& batch, int64_t batch_numel) {
@@ -31,19 +52,8 @@ Tensor as_batched(const Tensor& t, const Shape& batch, int64_t batch_numel) {
   for (int d = 0; d < r - 2; ++d) own_batch.push_back(t.shape()[d]);
   // Batch stride: 0 if t has no batch of its own, the single stride if it folds to one dim.
   std::optional<int64_t> batch_stride;
-  if (own_batch.numel() == 1) {
-    batch_stride = 0;
-  } else if (own_batch == batch) {
-    int64_t expected = -1;
-    bool folds = true;
-    for (int d = r - 3; d >= 0; --d) {
-      if (t.shape()[d] == 1) continue;
-      if (expected >= 0 && t.strides()[d] != expected) folds = false;
-      if (expected < 0) batch_stride = t.strides()[d];
-      expected = t.strides()[d] * t.shape()[d];
-    }
-    if (!folds) batch_stride.reset();
-  }
+  if (own_batch.numel() == 1 || own_batch == batch)
+    batch_stride = folded_stride(t, first_dims(r - 2));
   if ((row_major || col_major) && batch_stride)
     return make_view(t, {batch_numel, rows, cols}, {*batch_stride, rs, cs}, t.offset());
   Shape full = batch;
@@ -87,22 +97,11 @@ Tensor matmul_compute(const Tensor& a, const Tensor& b, const Tensor& bias = {})
 // fold in their own order (reshape makes the view) or fold in no order (reshape copies).
 std::vector<int64_t> fold_order(const Tensor& x) {
   const int lead = x.dim() - 1;
-  auto folds = [&](const std::vector<int64_t>& order) {
-    int64_t expected = -1;  // the stride the next non-trivial dim must have
-    for (int i = lead - 1; i >= 0; --i) {
-      const int64_t d = order[size_t(i)];
-      if (x.shape()[int(d)] == 1) continue;
-      if (expected >= 0 && x.strides()[int(d)] != expected) return false;
-      expected = x.strides()[int(d)] * x.shape()[int(d)];
-    }
-    return true;
-  };
-  std::vector<int64_t> order(static_cast<size_t>(lead));
-  std::iota(order.begin(), order.end(), 0);
-  if (lead < 2 || folds(order)) return {};
+  std::vector<int64_t> order = first_dims(lead);
+  if (lead < 2 || folded_stride(x, order)) return {};
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return x.strides()[int(a)] > x.strides()[int(b)]; });
-  if (!folds(order)) return {};
+  if (!folded_stride(x, order)) return {};
   order.push_back(lead);
   return order;
 }

@@ -200,7 +200,7 @@ Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& we
 
 Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approximation) {
   check_defined(x, "bias_gelu");
-  check_defined(bias, "bias_gelu", "bias");
+  if (!bias.defined()) return tanh_approximation ? gelu_tanh(x) : gelu(x);
   check_same_device(x, bias, "bias_gelu");
   WEAVE_CHECK(x.dim() >= 1 && bias.dim() == 1 && bias.size(0) == x.size(-1), "bias_gelu",
               "expected a bias of shape [{}] for input {}, found {}", x.dim() ? x.size(-1) : 0,

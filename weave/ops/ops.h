@@ -196,7 +196,8 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
 Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight = {},
                 double eps = 1e-6);
 /// gelu(x + bias) with bias [x.size(-1)], in one pass forward and one backward (the sum z is
-/// never stored); tanh_approximation picks gelu_tanh.
+/// never stored); tanh_approximation picks gelu_tanh. An undefined bias (a layer without one)
+/// is plain gelu / gelu_tanh.
 Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approximation = false);
 /// Rows of weight [num, dim] picked by integer indices (any shape) -> [..., dim].
 Tensor embedding(const Tensor& weight, const Tensor& indices);

@@ -67,7 +67,7 @@ ParallelMLP::ParallelMLP(int64_t dim, int64_t hidden, dist::Group group, Paralle
 }
 
 Tensor ParallelMLP::forward(const Tensor& x) {
-  return (*fc2)(nn::bias_gelu_or_gelu((*fc1)(x), fc1->bias, tanh_gelu_));
+  return (*fc2)(bias_gelu((*fc1)(x), fc1->bias, tanh_gelu_));
 }
 
 ParallelTransformerBlock::ParallelTransformerBlock(int64_t dim, int64_t heads, dist::Group group,
