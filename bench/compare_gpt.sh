@@ -4,7 +4,9 @@
 # both pinned to the same core. Runs alternate; each reports its median step time (the steps
 # after the first two) and its peak resident memory (/usr/bin/time). Also prints the limit: the
 # step's GEMMs alone through OpenBLAS, the fastest GEMM library here (bench/compare_gemm.sh).
-#   bash bench/compare_gpt.sh [runs=3] [steps=12] [core=1]
+#   bash bench/compare_gpt.sh [runs=3] [steps=12] [core=1] [autocast=bf16]
+# With `bf16` both run forward under autocast (weave's AutocastGuard, torch.autocast("cpu"));
+# the GEMM limit stays float32's.
 # Needs python3-torch and libopenblas0-pthread (Debian); weave itself never needs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,13 +17,15 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 runs=${1:-3}
 steps=${2:-12}
 core=${3:-1}
+autocast=()
+[ -n "${4:-}" ] && autocast=(--autocast "$4")
 gpt=build/examples/gpt
 limit_exe=build/bench/bench_gemm_openblas
 for exe in "$gpt" "$limit_exe"; do
   [ -x "$exe" ] || { echo "build $exe first (bash scripts/test.sh)" >&2; exit 1; }
 done
 model=(--layers 6 --dim 384 --heads 6 --context 256 --batch 4 --steps "$steps" --log-every 1
-       --eval-every 1000000)
+       --eval-every 1000000 "${autocast[@]}")
 tokens=$((4 * 256))
 
 median() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }

@@ -8,7 +8,10 @@ PyTorch 1.13 has no fused attention, so attention is written as its users write 
 a causal mask, softmax, and a product with v.
 
   gpt_torch.py [--layers 4] [--dim 256] [--heads 4] [--context 128] [--batch 16] [--steps 600]
-               [--threads 1] [--log-every 20] [--eval-every 100] [--seed 0]
+               [--threads 1] [--log-every 20] [--eval-every 100] [--seed 0] [--autocast bf16]
+
+--autocast bf16 runs forward and the loss under torch.autocast("cpu", torch.bfloat16), as
+examples/gpt does under weave's AutocastGuard.
 
 Prints the same lines as the weave example: `step S/N loss L lr R tokens/s T`, and at the end
 `heldout_loss=X.XXXX`.
@@ -109,7 +112,9 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--min-lr", type=float, default=1e-4)
     parser.add_argument("--data", default="/usr/share/games/fortunes")
+    parser.add_argument("--autocast", choices=["bf16"], default=None)
     a = parser.parse_args()
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast == "bf16")
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     train, heldout, vocab = load_corpus(a.data)
@@ -133,8 +138,9 @@ def main():
         with torch.no_grad():
             for first in range(0, len(offsets), a.batch):
                 w = windows(heldout, offsets[first:first + a.batch])
-                logits = model(w[:, :-1])
-                loss = F.cross_entropy(logits.reshape(-1, vocab), w[:, 1:].reshape(-1))
+                with autocast():
+                    logits = model(w[:, :-1])
+                    loss = F.cross_entropy(logits.reshape(-1, vocab), w[:, 1:].reshape(-1))
                 total += loss.item() * w.shape[0]
         model.train()
         return total / a.eval_windows
@@ -148,8 +154,9 @@ def main():
             group["lr"] = lr_at(step)
         offsets = [splitmix64((a.seed << 40) + step * a.batch + i) % span for i in range(a.batch)]
         w = windows(train, offsets)
-        logits = model(w[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, vocab), w[:, 1:].reshape(-1))
+        with autocast():
+            logits = model(w[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, vocab), w[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -4,6 +4,8 @@
 //
 //   [--epochs 10] [--batch-size 128] [--lr 0.001] [--seed 0] [--data DIR] [--threads N]
 //   [--strategy ddp|dist-opt|zero1|decentralized:TOPOLOGY] [--compress bf16|fp16]
+//   [--autocast bf16|fp16]   (forward under AutocastGuard; fp16 adds a GradScaler, agreed over
+//                             the ranks; decentralized steps inside backward, without one)
 //   [--recipe small]   (784-256-128-10 without dropout, Adam at a constant lr: the recipe
 //                       bench/torch_ddp_fashion_mnist.py runs in PyTorch)
 //   model-parallel examples: [--schedule gpipe|1f1b] [--microbatches M] [--tensor T]
@@ -32,6 +34,7 @@ struct Flags {
   std::string data = data::kFashionMnistDir;
   std::string strategy = "ddp";
   std::optional<DType> compress;
+  std::optional<DType> autocast;
   bool small_recipe = false;
   parallel::Schedule schedule = parallel::Schedule::OneFOneB;
   int microbatches = 4;
@@ -77,17 +80,18 @@ inline Flags parse(int argc, char** argv, const char* program) {
       const std::string r = value();
       WEAVE_CHECK(r == "small", program, "unknown recipe '{}'; expected small", r);
       f.small_recipe = true;
-    } else if (arg == "--compress") {
+    } else if (arg == "--compress" || arg == "--autocast") {
       const std::string c = value();
       WEAVE_CHECK(c == "bf16" || c == "fp16", program,
-                  "unknown compression '{}'; expected bf16 or fp16", c);
-      f.compress = c == "bf16" ? kBFloat16 : kFloat16;
+                  "unknown {} dtype '{}'; expected bf16 or fp16", arg, c);
+      (arg == "--compress" ? f.compress : f.autocast) = c == "bf16" ? kBFloat16 : kFloat16;
     } else {
-      WEAVE_FAIL(program,
-                 "unknown flag '{}'; expected --epochs, --batch-size, --lr, --seed, --data, "
-                 "--threads, --strategy, --compress, --recipe, --schedule, --microbatches, "
-                 "--tensor",
-                 arg);
+      WEAVE_FAIL(
+          program,
+          "unknown flag '{}'; expected --epochs, --batch-size, --lr, --seed, --data, "
+          "--threads, --strategy, --compress, --autocast, --recipe, --schedule, --microbatches, "
+          "--tensor",
+          arg);
     }
   }
   WEAVE_CHECK(f.epochs > 0 && f.batch_size > 0 && f.lr > 0, program,
@@ -215,6 +219,8 @@ inline int run(const Flags& flags) {
                                        .lr_schedule = lr_at});
   }
   optim::Optimizer* stepped = zero ? &zero->shard_optimizer() : optimizer.get();
+  // float16's range needs loss scaling; bfloat16 has float32's range and needs none
+  parallel::GradScaler scaler({.enabled = flags.autocast == kFloat16 && !decentralized});
   int64_t step = 0;
 
   double test_accuracy = 0;
@@ -224,21 +230,28 @@ inline int run(const Flags& flags) {
     double loss_sum = 0;
     int64_t correct = 0, seen = 0;
     for (const data::Example& batch : loader) {
-      Tensor logits = ddp             ? (*ddp)(batch.input)
-                      : decentralized ? (*decentralized)(batch.input)
-                                      : model(batch.input);
-      Tensor loss = cross_entropy(logits, batch.target);
+      Tensor logits, loss;
+      {
+        std::optional<AutocastGuard> autocast;
+        if (flags.autocast) autocast.emplace(*flags.autocast);
+        logits = ddp             ? (*ddp)(batch.input)
+                 : decentralized ? (*decentralized)(batch.input)
+                                 : model(batch.input);
+        loss = cross_entropy(logits, batch.target);  // float32 under autocast
+      }
       if (stepped) {
         stepped->set_lr(lr_at(step));
         model.zero_grad(/*set_to_none=*/false);
       }
-      loss.backward();  // decentralized: each bucket steps and mixes inside backward
-      if (averaging)
-        averaging->step();  // averages the gradients, then steps
+      // decentralized: each bucket steps and mixes inside backward
+      scaler.scale(loss).backward();
+      if (averaging)  // averages the gradients, then steps
+        scaler.step(optimizer->params(), [&] { averaging->step(); });
       else if (zero)
-        zero->step();
+        scaler.step(model.parameters(), [&] { zero->step(); });
       else if (optimizer)
-        optimizer->step();  // DDP averaged them during backward
+        scaler.step(*optimizer);  // DDP averaged them during backward
+      if (!decentralized) scaler.update();
       ++step;
       const int64_t n = batch.input.size(0);
       loss_sum += loss.item<double>() * static_cast<double>(n);

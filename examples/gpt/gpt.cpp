@@ -3,6 +3,7 @@
 //                    [--context 128] [--batch 16] [--steps 600] [--lr 1e-3] [--eval-every 100]
 //                    [--checkpoint DIR [--checkpoint-every 100] [--resume] [--stop-at STEP]]
 //                    [--no-sequence-parallel] [--samples 3] [--threads 1] [--seed 0]
+//                    [--autocast bf16|fp16]
 //
 // The text (every fortune file, in name order, `%` separator lines dropped) is split once: the
 // first 90% trains, the last 10% is held out. Each step takes `--batch` windows of context + 1
@@ -12,6 +13,9 @@
 //   tp      every rank takes all of them; heads, MLP units and vocabulary split over the ranks,
 //           with sequence parallelism unless --no-sequence-parallel;
 //   hybrid  tensor-parallel groups of --tp ranks, data parallel across them.
+// --autocast runs forward, the loss and the held-out evaluation under AutocastGuard (matrix
+// products and attention in bfloat16/float16, float32 parameters); fp16 adds a GradScaler
+// whose overflow verdict the data-parallel ranks agree on.
 // Every strategy starts from the same weights (the whole model is initialized on every rank
 // with the seed, then split), so all of them follow one process step for step.
 //
@@ -27,6 +31,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -45,6 +50,7 @@ struct Flags {
   int64_t warmup = 60;
   bool sequence_parallel = true, resume = false;
   uint64_t seed = 0;
+  std::optional<DType> autocast;
 };
 
 Flags parse(int argc, char** argv) {
@@ -101,7 +107,12 @@ Flags parse(int argc, char** argv) {
       f.resume = true;
     else if (arg == "--no-sequence-parallel")
       f.sequence_parallel = false;
-    else
+    else if (arg == "--autocast") {
+      const std::string dtype = value();
+      WEAVE_CHECK(dtype == "bf16" || dtype == "fp16", "gpt",
+                  "--autocast must be bf16 or fp16, found '{}'", dtype);
+      f.autocast = dtype == "bf16" ? kBFloat16 : kFloat16;
+    } else
       WEAVE_FAIL("gpt",
                  "unknown flag '{}'; expected --strategy, --tp, --layers, --dim, --heads, "
                  "--context, --batch, --steps, --lr, --eval-every, --checkpoint, --resume, ...",
@@ -398,6 +409,10 @@ int main(int argc, char** argv) try {
   for (const auto& [name, p] : model->named_parameters())
     (split.count(name) ? sharded : replicated).push_back(p);
 
+  // float16's range needs loss scaling; bfloat16 has float32's range and needs none. Every
+  // rank agrees on skipping (the world: tensor-parallel shards overflow separately).
+  parallel::GradScaler scaler({.enabled = f.autocast == kFloat16});
+
   data::TrainingState state{.model = model.get(), .optimizer = &optimizer, .scheduler = &scheduler};
   int64_t step = 0;
   namespace fs = std::filesystem;
@@ -431,14 +446,21 @@ int main(int argc, char** argv) try {
     Tensor w = windows(corpus.train, offsets, f.context);
     Tensor inputs = w.narrow(1, 0, f.context), targets = w.narrow(1, 1, f.context);
     optimizer.zero_grad();
-    Tensor logits = ddp ? (*ddp)(inputs) : (*model)(inputs);
-    Tensor loss = model->loss(logits, targets);
-    loss.backward();
+    Tensor loss;
+    {
+      std::optional<AutocastGuard> autocast;
+      if (f.autocast) autocast.emplace(*f.autocast);
+      Tensor logits = ddp ? (*ddp)(inputs) : (*model)(inputs);
+      loss = model->loss(logits, targets);
+    }
+    scaler.scale(loss).backward();
+    scaler.unscale_(optimizer.params());  // clipping sees the true gradients
     if (tensor > 1)
       dist::clip_grad_norm_(sharded, replicated, f.clip, mesh.tensor());
     else
       optim::clip_grad_norm_(model->parameters(), f.clip);
-    optimizer.step();
+    scaler.step(optimizer);
+    scaler.update();
     scheduler.step();
     ++step;
     loss_sum += loss.item<double>();
@@ -457,6 +479,8 @@ int main(int argc, char** argv) try {
       window_start = std::chrono::steady_clock::now();
     }
     if (step % f.eval_every == 0 && step < f.steps) {
+      std::optional<AutocastGuard> autocast;
+      if (f.autocast) autocast.emplace(*f.autocast);
       const double held = heldout_loss(*model, f, corpus, mesh);
       if (dist::rank() == 0)
         std::printf("step %lld heldout_loss %.4f\n", static_cast<long long>(step), held);
@@ -472,6 +496,8 @@ int main(int argc, char** argv) try {
       return 0;
     }
   }
+  std::optional<AutocastGuard> autocast;
+  if (f.autocast) autocast.emplace(*f.autocast);
   const double held = heldout_loss(*model, f, corpus, mesh);
   if (dist::rank() == 0) std::printf("heldout_loss=%.4f\n", held);
   // Decoding appends one position at a time, which sequence parallelism cannot split: the same

@@ -18,6 +18,17 @@ std::atomic<int>& thread_budget() {
 }
 }  // namespace
 
+namespace {
+std::atomic<Float32MatmulPrecision> matmul_precision{Float32MatmulPrecision::Highest};
+}  // namespace
+
+void set_float32_matmul_precision(Float32MatmulPrecision precision) {
+  matmul_precision.store(precision, std::memory_order_relaxed);
+}
+Float32MatmulPrecision float32_matmul_precision() {
+  return matmul_precision.load(std::memory_order_relaxed);
+}
+
 void set_max_threads(int threads) {
   thread_budget().store(threads, std::memory_order_relaxed);
 }

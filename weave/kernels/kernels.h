@@ -42,6 +42,15 @@ void visit_floating(DType dtype, const char* op, Fn&& fn) {
   WEAVE_FAIL(op, "expected float32 or float64, found {}", dtype);
 }
 
+/// Calls fn(type_tag<P>{}) for the parameter dtypes the fused optimizer kernels take: float32,
+/// float64, and bfloat16 / float16 (whose state is float32: compute_t<P>); others raise.
+template <class Fn>
+void visit_param_dtype(DType dtype, const char* op, Fn&& fn) {
+  if (dtype == kBFloat16) return fn(type_tag<BFloat16>{});
+  if (dtype == kFloat16) return fn(type_tag<Half>{});
+  visit_floating(dtype, op, fn);
+}
+
 /// visit_arithmetic restricted to the dtypes unary op Functor is instantiated for: floating
 /// only, unless the op is defined on integers.
 template <class Functor, class Fn>
@@ -85,6 +94,12 @@ template <class Functor>
 inline constexpr bool kComparison = std::is_same_v<decltype(Functor{}(1, 1)), bool>;
 
 enum class ReduceOp : uint8_t { Sum, Max, Min, ArgMax, ArgMin };
+
+/// float32 matmul on CUDA: Highest keeps float32 throughout; High lets cuBLAS use TF32 tensor
+/// cores (10-bit mantissa inputs, float32 accumulation). The CPU always computes float32.
+enum class Float32MatmulPrecision : uint8_t { Highest, High };
+void set_float32_matmul_precision(Float32MatmulPrecision precision);
+Float32MatmulPrecision float32_matmul_precision();
 
 /// The CPU kernels' thread budget, one value for the whole process (OpenMP's own setting
 /// belongs to each calling thread, so a communication worker would otherwise use every core).
@@ -183,8 +198,9 @@ struct AdamStep {
   double lr, beta1, beta2, eps, weight_decay, correction1, correction2;
   bool decoupled;  // AdamW: p *= 1 - lr * wd; Adam: g += wd * p
 };
-/// One fused Adam update, in place, in a single pass over contiguous float32/float64 tensors of
-/// one dtype and device: m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
+/// One fused Adam update, in place, in a single pass over contiguous tensors on one device: param
+/// and grad of one floating dtype, the state in its compute dtype (float32 for bfloat16/float16
+/// parameters, each rounded once per step): m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
 /// p -= lr / c1 * m / (sqrt(v / c2) + eps).
 void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                  const Tensor& exp_avg_sq, const AdamStep& step);
@@ -194,8 +210,8 @@ struct SgdStep {
   bool nesterov;
   bool first;  // the momentum buffer takes the gradient as is (PyTorch's first step)
 };
-/// One fused SGD update, in place, in a single pass over contiguous float32/float64 tensors of
-/// one dtype and device: g += wd p; buf = momentum buf + (1 - dampening) g (or g at first);
+/// One fused SGD update, in place, in a single pass over contiguous tensors on one device (dtypes
+/// as adam_update's): g += wd p; buf = momentum buf + (1 - dampening) g (or g at first);
 /// p -= lr (nesterov ? g + momentum buf : buf). momentum_buffer is ignored without momentum.
 void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,
                 const SgdStep& step);

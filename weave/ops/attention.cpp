@@ -2,6 +2,7 @@
 // kernels (kernels/cpu/attention.cpp, kernels/cuda/attention.cu).
 #include <cmath>
 
+#include "weave/ops/autocast.h"
 #include "weave/ops/internal.h"
 
 namespace weave {
@@ -93,6 +94,13 @@ Checked check_and_prepare(const Tensor& q, const Tensor& k, const Tensor& v,
 AttentionResult scaled_dot_product_attention_with_lse(const Tensor& q, const Tensor& k,
                                                       const Tensor& v,
                                                       const AttentionOptions& options) {
+  if (autocast_dtype()) {
+    const char* op = "scaled_dot_product_attention";
+    Tensor qc = autocast_input(q, op, "q"), kc = autocast_input(k, op, "k");
+    Tensor vc = autocast_input(v, op, "v");
+    if (!qc.is_same(q) || !kc.is_same(k) || !vc.is_same(v))
+      return scaled_dot_product_attention_with_lse(qc, kc, vc, options);
+  }
   Checked c = check_and_prepare(q, k, v, options);
   const int64_t b = q.size(0), h = q.size(1), tq = q.size(2), dv = v.size(3);
   const DType dtype = c.q.dtype();

@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/ops/autocast.h"
 #include "weave/ops/internal.h"
 
 namespace weave {
@@ -30,6 +31,8 @@ namespace {
 template <class Functor>
 Tensor unary_op(const Tensor& x, UnaryOp op, const char* name, const char* backward_name) {
   check_defined(x, name);
+  if (Tensor xc = autocast_input(x, name); !xc.is_same(x))
+    return unary_op<Functor>(xc, op, name, backward_name);
   WEAVE_CHECK(x.dtype() != kBool || !Functor::integral, name,
               "expected a numeric tensor, found bool; hint: .to(kInt64)");
   const DType dtype = Functor::integral ? x.dtype() : to_floating(x.dtype());
@@ -147,6 +150,7 @@ Tensor div(const Tensor& a, const Tensor& b) {
 Tensor pow(const Tensor& base, const Tensor& exponent) {
   check_defined(base, "pow", "base");
   check_defined(exponent, "pow", "exponent");
+  if (Tensor bc = autocast_input(base, "pow", "base"); !bc.is_same(base)) return pow(bc, exponent);
   if (!is_floating(base.dtype()) && !is_floating(exponent.dtype()) && exponent.numel() > 0)
     WEAVE_CHECK(min(exponent).item<int64_t>() >= 0, "pow",
                 "integers to negative integer powers are not allowed (the result is a "

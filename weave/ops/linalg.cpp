@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/ops/autocast.h"
 #include "weave/ops/internal.h"
 
 namespace weave {
@@ -134,6 +135,10 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   check_defined(a, "matmul", "lhs");
   check_defined(b, "matmul", "rhs");
   check_same_device(a, b, "matmul");
+  if (autocast_dtype()) {
+    Tensor ac = autocast_input(a, "matmul", "lhs"), bc = autocast_input(b, "matmul", "rhs");
+    if (!ac.is_same(a) || !bc.is_same(b)) return matmul(ac, bc);
+  }
   WEAVE_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul",
               "both operands need at least 1 dimension, found {} and {}", a.shape(), b.shape());
   const bool a_vector = a.dim() == 1, b_vector = b.dim() == 1;
@@ -162,6 +167,12 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   check_defined(x, "linear");
   check_defined(weight, "linear", "weight");
   check_same_device(x, weight, "linear");
+  if (autocast_dtype()) {
+    Tensor xc = autocast_input(x, "linear"), wc = autocast_input(weight, "linear", "weight");
+    Tensor bc = autocast_input(bias, "linear", "bias");
+    if (!xc.is_same(x) || !wc.is_same(weight) || (bias.defined() && !bc.is_same(bias)))
+      return linear(xc, wc, bc);
+  }
   WEAVE_CHECK(weight.dim() == 2, "linear", "expected a 2-D weight [out, in], found {}",
               weight.shape());
   WEAVE_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "linear",

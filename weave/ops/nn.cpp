@@ -1,5 +1,6 @@
 // Neural-network ops: softmax family, losses, normalization, embedding, dropout.
 #include "weave/autograd/grad_mode.h"
+#include "weave/ops/autocast.h"
 #include "weave/ops/internal.h"
 
 namespace weave {
@@ -37,6 +38,7 @@ Tensor rows_along(const Tensor& t, int d, DType dtype) {
 Tensor softmax_family(const Tensor& x, int64_t dim, bool log) {
   const char* op = log ? "log_softmax" : "softmax";
   check_defined(x, op);
+  if (Tensor xc = autocast_input(x, op); !xc.is_same(x)) return softmax_family(xc, dim, log);
   const int d = normalize_dim(dim, x.dim(), op);
   const DType out_dtype = to_floating(x.dtype()), dtype = kernel_dtype(out_dtype);
   // A 0-d tensor is one row of one element.
@@ -81,6 +83,13 @@ int64_t check_targets(const Tensor& target, int64_t classes, int64_t ignore_inde
 Tensor normalization(const char* op, bool rms, const Tensor& x, const Shape& normalized_shape,
                      const Tensor& weight, const Tensor& bias, double eps) {
   check_defined(x, op);
+  if (autocast_dtype()) {
+    Tensor xc = autocast_input(x, op), wc = autocast_input(weight, op, "weight");
+    Tensor bc = autocast_input(bias, op, "bias");
+    if (!xc.is_same(x) || (weight.defined() && !wc.is_same(weight)) ||
+        (bias.defined() && !bc.is_same(bias)))
+      return normalization(op, rms, xc, normalized_shape, wc, bc, eps);
+  }
   WEAVE_CHECK(eps >= 0 && std::isfinite(eps), op,
               "eps must be a finite non-negative number, found {}", eps);
   const int k = normalized_shape.size();
@@ -144,6 +153,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
                      int64_t ignore_index) {
   check_defined(logits, "cross_entropy", "logits");
   check_defined(target, "cross_entropy", "target");
+  if (Tensor lc = autocast_input(logits, "cross_entropy", "logits"); !lc.is_same(logits))
+    return cross_entropy(lc, target, reduction, ignore_index);
   check_same_device(logits, target, "cross_entropy");
   WEAVE_CHECK(target.dtype() == kInt64 || target.dtype() == kInt32, "cross_entropy",
               "expected integer class targets (int64 or int32), found {}", target.dtype());
@@ -183,6 +194,11 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
   check_defined(input, "mse_loss", "input");
   check_defined(target, "mse_loss", "target");
+  if (autocast_dtype()) {
+    Tensor ic = autocast_input(input, "mse_loss", "input");
+    Tensor tc = autocast_input(target, "mse_loss", "target");
+    if (!ic.is_same(input) || !tc.is_same(target)) return mse_loss(ic, tc, reduction);
+  }
   WEAVE_CHECK(input.shape() == target.shape(), "mse_loss",
               "input {} and target {} must have the same shape", input.shape(), target.shape());
   Tensor diff = floating(input) - target;

@@ -3,6 +3,7 @@
 // when an input requires grad (and grad mode is on), and raise weave::Error starting with
 // "[op]" on bad input. Dims may be negative (counted from the end).
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "weave/tensor/random.h"
@@ -303,5 +304,12 @@ bool equal(const Tensor& a, const Tensor& b);
 /// Threads used by CPU kernels (OpenMP and Eigen). Set 1 when MPI ranks share cores.
 void set_num_threads(int threads);
 int num_threads();
+
+/// Precision of float32 matrix products on CUDA, as PyTorch names it: "highest" (the default:
+/// float32 throughout) or "high" / "medium" (TF32 tensor cores: inputs rounded to a 10-bit
+/// mantissa, float32 accumulation, several times float32's rate on an H100). The CPU always
+/// computes float32. Anything else raises.
+void set_float32_matmul_precision(const std::string& precision);
+std::string float32_matmul_precision();
 
 }  // namespace weave

@@ -1,4 +1,5 @@
 // Reductions over any set of dims, with keepdim.
+#include "weave/ops/autocast.h"
 #include "weave/ops/internal.h"
 
 namespace weave {
@@ -134,6 +135,7 @@ Tensor arg_extremum(const Tensor& x, std::optional<int64_t> dim, bool keepdim, R
 
 Tensor sum(const Tensor& x, const Dims& dims, bool keepdim) {
   check_defined(x, "sum");
+  if (Tensor xc = autocast_input(x, "sum"); !xc.is_same(x)) return sum(xc, dims, keepdim);
   auto mask = reduced_dims_mask(dims, x.dim(), "sum");
   const DType dtype = is_floating(x.dtype()) ? x.dtype() : kInt64;
   Tensor y = run(ReduceOp::Sum, plan(convert(x, dtype), mask), dtype, keepdim);
@@ -149,6 +151,7 @@ Tensor sum(const Tensor& x, const Dims& dims, bool keepdim) {
 
 Tensor mean(const Tensor& x, const Dims& dims, bool keepdim) {
   check_defined(x, "mean");
+  if (Tensor xc = autocast_input(x, "mean"); !xc.is_same(x)) return mean(xc, dims, keepdim);
   auto mask = reduced_dims_mask(dims, x.dim(), "mean");
   int64_t count = 1;
   for (int d = 0; d < x.dim(); ++d)
@@ -172,6 +175,8 @@ Tensor argmin(const Tensor& x, std::optional<int64_t> dim, bool keepdim) {
 
 Tensor var(const Tensor& x, const Dims& dims, int64_t correction, bool keepdim) {
   check_defined(x, "var");
+  if (Tensor xc = autocast_input(x, "var"); !xc.is_same(x))
+    return var(xc, dims, correction, keepdim);
   auto mask = reduced_dims_mask(dims, x.dim(), "var");
   int64_t count = 1;
   for (int d = 0; d < x.dim(); ++d)

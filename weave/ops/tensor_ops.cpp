@@ -548,6 +548,20 @@ void set_num_threads(int threads) {
   Eigen::setNbThreads(threads);
   kernels::set_max_threads(threads);
 }
+void set_float32_matmul_precision(const std::string& precision) {
+  WEAVE_CHECK(precision == "highest" || precision == "high" || precision == "medium",
+              "set_float32_matmul_precision",
+              "expected \"highest\", \"high\" or \"medium\", found \"{}\"", precision);
+  kernels::set_float32_matmul_precision(precision == "highest"
+                                            ? kernels::Float32MatmulPrecision::Highest
+                                            : kernels::Float32MatmulPrecision::High);
+}
+
+std::string float32_matmul_precision() {
+  return kernels::float32_matmul_precision() == kernels::Float32MatmulPrecision::Highest ? "highest"
+                                                                                         : "high";
+}
+
 int num_threads() {
   return kernels::max_threads();
 }

@@ -12,6 +12,22 @@
 
 namespace weave::optim {
 
+namespace {
+
+// The common case, in one fused pass without temporaries: contiguous, one floating dtype.
+bool fuses(const Tensor& p, const Tensor& g) {
+  return is_floating(p.dtype()) && g.dtype() == p.dtype() && g.device() == p.device() &&
+         p.is_contiguous() && g.is_contiguous();
+}
+
+// Optimizer state lives in the parameter's compute dtype: float32 for bfloat16/float16, so
+// that the moments keep the small values reduced precision would flush or round away.
+TensorOptions state_options(const Tensor& p) {
+  return {.dtype = compute_dtype(p.dtype()), .device = p.device()};
+}
+
+}  // namespace
+
 Optimizer::Optimizer(std::vector<Tensor> params, double lr) : params_(std::move(params)), lr_(lr) {
   WEAVE_CHECK(lr >= 0, "optimizer", "learning rate must be non-negative, found {}", lr);
   std::unordered_map<const TensorImpl*, size_t> seen;
@@ -72,10 +88,12 @@ void Optimizer::check_state_dict(const OptimizerState& state) const {
                 "load_state_dict", "optimizer state tensor '{}' names no parameter (there are {})",
                 name, params_.size());
     const Tensor& p = params_[index];
-    WEAVE_CHECK(t.defined() && t.shape() == p.shape() && t.dtype() == p.dtype(), "load_state_dict",
-                "optimizer state tensor '{}' is {} {}, but parameter {} is {} {}", name,
+    WEAVE_CHECK(t.defined() && t.shape() == p.shape() && t.dtype() == compute_dtype(p.dtype()),
+                "load_state_dict",
+                "optimizer state tensor '{}' is {} {}, but parameter {} is {} {} (state: {})", name,
                 t.defined() ? dtype_name(t.dtype()) : "undefined",
-                t.defined() ? t.shape().str() : "", index, dtype_name(p.dtype()), p.shape());
+                t.defined() ? t.shape().str() : "", index, dtype_name(p.dtype()), p.shape(),
+                dtype_name(compute_dtype(p.dtype())));
   }
 }
 
@@ -137,11 +155,9 @@ void SGD::step() {
     Tensor& p = params_[i];
     if (!p.grad().defined()) continue;
     const Tensor& g = p.grad();
-    // The common case in one fused pass (no temporaries): contiguous, one floating dtype.
-    if ((p.dtype() == kFloat32 || p.dtype() == kFloat64) && g.dtype() == p.dtype() &&
-        g.device() == p.device() && p.is_contiguous() && g.is_contiguous()) {
+    if (fuses(p, g)) {
       const bool first = options_.momentum != 0 && !momentum_[i].defined();
-      if (first) momentum_[i] = empty(p.shape(), {.dtype = p.dtype(), .device = p.device()});
+      if (first) momentum_[i] = empty(p.shape(), state_options(p));
       kernels::sgd_update(p, g, momentum_[i],
                           {.lr = lr_,
                            .momentum = options_.momentum,
@@ -152,7 +168,7 @@ void SGD::step() {
       p.storage()->bump_version();
       continue;
     }
-    Tensor d = g;
+    Tensor d = g.to(compute_dtype(p.dtype()));
     if (options_.weight_decay != 0) d = d + p * options_.weight_decay;
     if (options_.momentum != 0) {
       Tensor& buf = momentum_[i];
@@ -207,13 +223,11 @@ void Adam::step() {
     Tensor& p = params_[i];
     if (!p.grad().defined()) continue;
     if (!exp_avg_[i].defined()) {
-      exp_avg_[i] = zeros_like(p);
-      exp_avg_sq_[i] = zeros_like(p);
+      exp_avg_[i] = zeros(p.shape(), state_options(p));
+      exp_avg_sq_[i] = zeros(p.shape(), state_options(p));
     }
     Tensor g = p.grad();
-    // The common case in one fused pass (no temporaries): contiguous, one floating dtype.
-    if ((p.dtype() == kFloat32 || p.dtype() == kFloat64) && g.dtype() == p.dtype() &&
-        g.device() == p.device() && p.is_contiguous() && g.is_contiguous()) {
+    if (fuses(p, g)) {
       kernels::adam_update(p, g, exp_avg_[i], exp_avg_sq_[i],
                            {.lr = lr_,
                             .beta1 = options_.beta1,
@@ -226,6 +240,7 @@ void Adam::step() {
       p.storage()->bump_version();
       continue;
     }
+    g = g.to(exp_avg_[i].dtype());
     if (options_.weight_decay != 0) {
       if (decoupled_)
         p.mul_(1 - lr_ * options_.weight_decay);
@@ -248,6 +263,77 @@ AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options)
             .eps = options.eps,
             .weight_decay = options.weight_decay},
            true) {}
+
+MixedPrecision::MixedPrecision(std::vector<Tensor> params, const Factory& make_optimizer)
+    : Optimizer(std::move(params), 0), masters_(params_.size()) {
+  NoGradGuard no_grad;
+  std::vector<Tensor> stepped;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i];
+    if (compute_dtype(p.dtype()) != p.dtype()) {
+      masters_[i] = p.detach().to(compute_dtype(p.dtype())).contiguous().clone();
+      masters_[i].requires_grad_();
+    }
+    stepped.push_back(master(i));
+  }
+  optimizer_ = make_optimizer(stepped);
+  WEAVE_CHECK(
+      optimizer_ != nullptr && optimizer_->params().size() == params_.size(), "MixedPrecision",
+      "the factory must return an optimizer of the {} masters it is given, found {}",
+      params_.size(), optimizer_ ? fmt::format("one of {}", optimizer_->params().size()) : "none");
+  lr_ = optimizer_->lr();
+}
+
+void MixedPrecision::step() {
+  const trace::Scope trace_scope("optimizer", "MixedPrecision.step");
+  check_backward_complete();
+  NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!masters_[i].defined()) continue;
+    const Tensor& g = params_[i].grad();
+    masters_[i].set_grad(g.defined() ? g.to(masters_[i].dtype()) : Tensor());
+  }
+  optimizer_->set_lr(lr_);
+  optimizer_->step();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!masters_[i].defined() || !params_[i].grad().defined()) continue;
+    params_[i].copy_(masters_[i]);
+    masters_[i].set_grad({});
+  }
+}
+
+std::vector<Tensor> MixedPrecision::state() const {
+  std::vector<Tensor> out;
+  for (const Tensor& m : masters_)
+    if (m.defined()) out.push_back(m);
+  for (const Tensor& t : optimizer_->state()) out.push_back(t);
+  return out;
+}
+
+std::vector<std::pair<std::string, std::vector<Tensor>*>> MixedPrecision::state_slots() {
+  auto slots = optimizer_->state_slots();
+  slots.insert(slots.begin(), {"master", &masters_});
+  return slots;
+}
+
+void MixedPrecision::set_counters(const std::map<std::string, double>& counters) {
+  optimizer_->set_counters(counters);
+  // The masters were replaced by loaded copies (undefined where the state had none): each
+  // becomes a leaf again (rebuilt from its parameter if missing), its parameter takes the
+  // rounded value, and the wrapped optimizer steps the new masters.
+  NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor& p = params_[i];
+    if (compute_dtype(p.dtype()) != p.dtype()) {
+      if (!masters_[i].defined()) masters_[i] = p.detach().to(compute_dtype(p.dtype())).clone();
+      masters_[i].requires_grad_();
+      p.copy_(masters_[i]);
+    } else {
+      masters_[i] = Tensor();
+    }
+    optimizer_->params_[i] = master(i);
+  }
+}
 
 namespace detail {
 

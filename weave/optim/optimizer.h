@@ -1,7 +1,9 @@
 #pragma once
 // Optimizers. Each keeps its per-parameter state next to the parameter it belongs to and
 // updates parameters in place (without recording autograd).
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,6 +56,8 @@ class Optimizer {
   virtual void set_counters(const std::map<std::string, double>&) {}
   std::vector<Tensor> params_;
   double lr_;
+
+  friend class MixedPrecision;  // reaches the wrapped optimizer's state slots and counters
 };
 
 struct SGDOptions {
@@ -130,6 +134,38 @@ struct AdamWOptions {
 class AdamW : public Adam {
  public:
   explicit AdamW(std::vector<Tensor> params, AdamWOptions options = {});
+};
+
+/// Float32 master weights for bfloat16 / float16 parameters. The wrapped optimizer steps float32
+/// copies of them; after each step the parameters are set to their masters, rounded. Updates
+/// smaller than half a bfloat16 ulp of the weight (lr 1e-4 on a weight of 1 is one: bfloat16
+/// has 8 significant bits) accumulate in the master instead of being rounded away. float32 and
+/// float64 parameters are their own masters.
+///
+///   optim::MixedPrecision opt(model.parameters(), [](std::vector<Tensor> masters) {
+///     return std::make_unique<optim::AdamW>(std::move(masters), optim::AdamWOptions{});
+///   });
+///
+/// step() widens each gradient into its master's, steps, rounds back; set_lr and the state
+/// (for checkpoints: the masters as "master.i", then the wrapped optimizer's) pass through.
+class MixedPrecision : public Optimizer {
+ public:
+  using Factory = std::function<std::unique_ptr<Optimizer>(std::vector<Tensor> masters)>;
+  MixedPrecision(std::vector<Tensor> params, const Factory& make_optimizer);
+  void step() override;
+  std::vector<Tensor> state() const override;
+  /// Parameter i's float32 master (a float32 or float64 parameter is its own).
+  const Tensor& master(size_t i) const { return masters_[i].defined() ? masters_[i] : params_[i]; }
+  Optimizer& wrapped() { return *optimizer_; }
+
+ protected:
+  std::vector<std::pair<std::string, std::vector<Tensor>*>> state_slots() override;
+  std::map<std::string, double> counters() const override { return optimizer_->counters(); }
+  void set_counters(const std::map<std::string, double>& counters) override;
+
+ private:
+  std::vector<Tensor> masters_;  // undefined where the parameter is its own master
+  std::unique_ptr<Optimizer> optimizer_;
 };
 
 /// Drops (set_to_none) or zeroes the gradients of `params` (what Optimizer::zero_grad does).

@@ -156,6 +156,10 @@ bool is_integral(DType dtype);
 /// The dtype of an arithmetic result with operands a and b (PyTorch's category rules:
 /// bool < integers < floating; within a category the wider type; float16 with bfloat16 -> float32).
 DType promote_types(DType a, DType b);
+/// The dtype arithmetic on dtype happens in (compute_t's DType): float32 for the 16-bit floats.
+inline DType compute_dtype(DType dtype) {
+  return dtype == DType::BFloat16 || dtype == DType::Float16 ? DType::Float32 : dtype;
+}
 /// Float dtype used for integer inputs of floating ops (exp of int32 -> float32).
 inline DType to_floating(DType dtype) {
   return is_floating(dtype) ? dtype : kFloat32;

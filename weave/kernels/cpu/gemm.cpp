@@ -107,12 +107,40 @@ void matmul_typed(const Tensor& a, const Tensor& b, const Tensor& out, bool accu
             accumulate ? T(1) : T(0), po + i * m * n, n);
 }
 
+// A 3-D matmul operand in float32, its batch kept broadcast (stride 0) where it was.
+Tensor widened(const Tensor& t) {
+  const bool broadcast = t.strides()[0] == 0;
+  const Tensor source =
+      broadcast ? make_view(t, {1, t.size(1), t.size(2)},
+                            {t.size(1) * t.size(2), t.strides()[1], t.strides()[2]}, t.offset())
+                : t;
+  Tensor wide = empty(source.shape());
+  copy(source, wide);
+  if (!broadcast) return wide;
+  return make_view(wide, t.shape(), {0, wide.strides()[1], wide.strides()[2]}, 0);
+}
+
+// Reduced precision without a oneDNN implementation: the same product in float32 (inputs
+// widened exactly, one rounding at the end), which is what oneDNN's float32 accumulation gives.
+void widened_matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate) {
+  Tensor wide_out = empty(out.shape());
+  if (accumulate) copy(out, wide_out);
+  matmul_typed<float>(widened(a), widened(b), wide_out, accumulate);
+  copy(wide_out, out);
+}
+
 }  // namespace
 
 void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate) {
   if (a.dtype() == kFloat32) return matmul_typed<float>(a, b, out, accumulate);
   if (a.dtype() == kFloat64) return matmul_typed<double>(a, b, out, accumulate);
-  WEAVE_FAIL("matmul", "CPU matmul supports float32 and float64, found {}; hint: .to(kFloat32)",
+  if (a.dtype() == kBFloat16 || a.dtype() == kFloat16) {
+    if (!reduced_precision_matmul(a, b, out, accumulate)) widened_matmul(a, b, out, accumulate);
+    return;
+  }
+  WEAVE_FAIL("matmul",
+             "expected a floating dtype (float32, float64, bfloat16, float16), found {}; hint: "
+             ".to(kFloat32)",
              a.dtype());
 }
 

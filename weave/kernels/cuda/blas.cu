@@ -54,15 +54,7 @@ void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate
   const int device = out.device().index;
   weave::cuda::DeviceGuard guard(device);
   Operand oa = describe(a), ob = describe(b);
-  if (a.dtype() == kFloat32) {
-    const float alpha = 1, beta = accumulate ? 1 : 0;
-    WEAVE_CHECK_CALL(cublasSgemmStridedBatched(
-                         handle(device), ob.op, oa.op, int(n), int(m), int(k), &alpha,
-                         static_cast<const float*>(b.data_ptr()), int(ob.ld), b.strides()[0],
-                         static_cast<const float*>(a.data_ptr()), int(oa.ld), a.strides()[0], &beta,
-                         static_cast<float*>(out.data_ptr()), int(n), m * n, int(batch)),
-                     "matmul");
-  } else if (a.dtype() == kFloat64) {
+  if (a.dtype() == kFloat64) {
     const double alpha = 1, beta = accumulate ? 1 : 0;
     WEAVE_CHECK_CALL(cublasDgemmStridedBatched(
                          handle(device), ob.op, oa.op, int(n), int(m), int(k), &alpha,
@@ -70,10 +62,33 @@ void matmul(const Tensor& a, const Tensor& b, const Tensor& out, bool accumulate
                          static_cast<const double*>(a.data_ptr()), int(oa.ld), a.strides()[0],
                          &beta, static_cast<double*>(out.data_ptr()), int(n), m * n, int(batch)),
                      "matmul");
+    return;
+  }
+  // float32 (TF32 tensor cores when float32_matmul_precision allows), bfloat16 and float16
+  // (tensor cores, float32 accumulation): one cublasGemmStridedBatchedEx.
+  cudaDataType_t type;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  if (a.dtype() == kFloat32) {
+    type = CUDA_R_32F;
+    if (float32_matmul_precision() == Float32MatmulPrecision::High)
+      compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+  } else if (a.dtype() == kBFloat16) {
+    type = CUDA_R_16BF;
+  } else if (a.dtype() == kFloat16) {
+    type = CUDA_R_16F;
   } else {
-    WEAVE_FAIL("matmul", "CUDA matmul supports float32 and float64, found {}; hint: .to(kFloat32)",
+    WEAVE_FAIL("matmul",
+               "expected a floating dtype (float32, float64, bfloat16, float16), found {}; hint: "
+               ".to(kFloat32)",
                a.dtype());
   }
+  const float alpha = 1, beta = accumulate ? 1 : 0;
+  WEAVE_CHECK_CALL(
+      cublasGemmStridedBatchedEx(handle(device), ob.op, oa.op, int(n), int(m), int(k), &alpha,
+                                 b.data_ptr(), type, int(ob.ld), b.strides()[0], a.data_ptr(), type,
+                                 int(oa.ld), a.strides()[0], &beta, out.data_ptr(), type, int(n),
+                                 m * n, int(batch), compute, CUBLAS_GEMM_DEFAULT),
+      "matmul");
 }
 
 }  // namespace weave::kernels::cuda

@@ -6,19 +6,24 @@ namespace weave::kernels::cuda {
 
 namespace {
 
-template <class T>
-__global__ void adam_kernel(T* p, const T* g, T* m, T* v, int64_t n, fn::AdamConstants<T> c) {
-  const int64_t stride = int64_t(blockDim.x) * gridDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    fn::adam_element(p[i], g[i], m[i], v[i], c);
-}
-
-template <class T>
-__global__ void sgd_kernel(T* p, const T* g, T* buffer, int64_t n, fn::SgdConstants<T> c) {
+// P: the parameter's and gradient's type; the state and the arithmetic are in T = compute_t<P>.
+template <class P, class T = compute_t<P>>
+__global__ void adam_kernel(P* p, const P* g, T* m, T* v, int64_t n, fn::AdamConstants<T> c) {
   const int64_t stride = int64_t(blockDim.x) * gridDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    T unused = 0;
-    fn::sgd_element(p[i], g[i], buffer ? buffer[i] : unused, c);
+    T value = T(p[i]);
+    fn::adam_element(value, T(g[i]), m[i], v[i], c);
+    p[i] = P(value);
+  }
+}
+
+template <class P, class T = compute_t<P>>
+__global__ void sgd_kernel(P* p, const P* g, T* buffer, int64_t n, fn::SgdConstants<T> c) {
+  const int64_t stride = int64_t(blockDim.x) * gridDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    T value = T(p[i]), unused = 0;
+    fn::sgd_element(value, T(g[i]), buffer ? buffer[i] : unused, c);
+    p[i] = P(value);
   }
 }
 
@@ -31,14 +36,15 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
   if (n == 0) return;
   const unsigned blocks = std::min<unsigned>(blocks_for(n, kThreads), 65535u * 8);
   auto launch = [&](auto tag) {
-    using T = typename decltype(tag)::type;
+    using P = typename decltype(tag)::type;
+    using T = compute_t<P>;
     const auto c = fn::sgd_constants<T>(step.lr, step.momentum, step.dampening, step.weight_decay,
                                         step.nesterov, step.first);
-    sgd_kernel<T><<<blocks, kThreads, 0, weave::cuda::stream(param.device().index)>>>(
-        static_cast<T*>(param.data_ptr()), static_cast<const T*>(grad.data_ptr()),
+    sgd_kernel<P><<<blocks, kThreads, 0, weave::cuda::stream(param.device().index)>>>(
+        static_cast<P*>(param.data_ptr()), static_cast<const P*>(grad.data_ptr()),
         step.momentum != 0 ? static_cast<T*>(momentum_buffer.data_ptr()) : nullptr, n, c);
   };
-  visit_floating(param.dtype(), "sgd_update", launch);
+  visit_param_dtype(param.dtype(), "sgd_update", launch);
   check_launch("sgd_update");
 }
 
@@ -49,15 +55,16 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
   if (n == 0) return;
   const unsigned blocks = std::min<unsigned>(blocks_for(n, kThreads), 65535u * 8);
   auto launch = [&](auto tag) {
-    using T = typename decltype(tag)::type;
+    using P = typename decltype(tag)::type;
+    using T = compute_t<P>;
     const auto c =
         fn::adam_constants<T>(step.lr, step.beta1, step.beta2, step.eps, step.weight_decay,
                               step.correction1, step.correction2, step.decoupled);
-    adam_kernel<T><<<blocks, kThreads, 0, weave::cuda::stream(param.device().index)>>>(
-        static_cast<T*>(param.data_ptr()), static_cast<const T*>(grad.data_ptr()),
+    adam_kernel<P><<<blocks, kThreads, 0, weave::cuda::stream(param.device().index)>>>(
+        static_cast<P*>(param.data_ptr()), static_cast<const P*>(grad.data_ptr()),
         static_cast<T*>(exp_avg.data_ptr()), static_cast<T*>(exp_avg_sq.data_ptr()), n, c);
   };
-  visit_floating(param.dtype(), "adam_update", launch);
+  visit_param_dtype(param.dtype(), "adam_update", launch);
   check_launch("adam_update");
 }
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# gpt_autocast_test.sh GPT MPIRUN...: a small GPT trained at 2 ranks (ddp) in float32, under
+# bfloat16 autocast, and under float16 autocast with the loss scaler, and at 2 ranks with tensor
+# parallelism under bfloat16: each reduced-precision run must end within 0.03 nats of the
+# float32 held-out loss. Exits 77 (skipped) without the fortunes package.
+set -u
+gpt=$1
+shift
+mpirun=("$@")
+[ -d /usr/share/games/fortunes ] || { echo "skipped: no /usr/share/games/fortunes"; exit 77; }
+args=(--layers 2 --dim 128 --heads 4 --context 64 --batch 16 --steps 150 --warmup 15
+      --eval-every 1000 --eval-windows 64 --samples 1 --log-every 50)
+held() { grep -o 'heldout_loss=[0-9.]*' | cut -d= -f2; }
+reference=$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" | held)
+[ -n "$reference" ] || { echo "FAIL: the float32 run printed no heldout_loss"; exit 1; }
+echo "float32: heldout_loss=$reference"
+status=0
+check() {  # name, then the held-out loss it printed
+  if [ -z "$2" ] || ! awk -v a="$2" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d;
+                                                       exit !(d <= 0.03) }'; then
+    echo "FAIL: $1: heldout_loss='$2', float32 $reference"
+    status=1
+  else
+    echo "ok: $1: heldout_loss=$2"
+  fi
+}
+check "ddp np2 bf16" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --autocast bf16 | held)"
+check "ddp np2 fp16 + GradScaler" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --autocast fp16 | held)"
+check "tp np2 bf16" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --autocast bf16 | held)"
+[ $status -eq 0 ] && echo "PASS: reduced precision within 0.03 nats of float32"
