@@ -136,6 +136,43 @@ TEST_SUITE("mixed_precision_dist") {
     run_scaler_case(Wrapper::Zero);
   }
 
+  TEST_CASE("GradScaler with DecentralizedDataParallel: unscaled buckets, an agreed backoff") {
+    auto sgd = [](std::vector<Tensor> bucket) {
+      return std::make_unique<optim::SGD>(std::move(bucket), optim::SGDOptions{.lr = 0.05});
+    };
+    parallel::GradScaler scaler;
+    auto model = make_model(uint64_t(dist::rank()) + 40),
+         plain = make_model(uint64_t(dist::rank()) + 40);
+    parallel::DecentralizedDataParallel dec(
+        *model, sgd,
+        {.topology = "complete", .first_bucket_mb = 1e-4, .bucket_mb = 1e-4, .scaler = &scaler});
+    parallel::DecentralizedDataParallel reference(
+        *plain, sgd, {.topology = "complete", .first_bucket_mb = 1e-4, .bucket_mb = 1e-4});
+    for (int step = 0; step < 4; ++step) {
+      CAPTURE(step);
+      auto [x, y] = global_batch(step);
+      const bool inject = step == 2 && overflowing_rank();
+      Tensor loss = mse_loss(dec(local_rows(x)), local_rows(y));
+      scaler.scale(inject ? loss * INFINITY : loss).backward();
+      const double scale_before = scaler.get_scale();
+      scaler.update();
+      CHECK(scaler.get_scale() == (step == 2 ? scale_before * 0.5 : scale_before));
+      check_same_scale_everywhere(scaler.get_scale());
+      if (step < 2) {
+        // a power-of-two scale unscales exactly: the same steps as without a scaler
+        mse_loss(reference(local_rows(x)), local_rows(y)).backward();
+        dec.wait();
+        reference.wait();
+        auto params = model->parameters(), expected = plain->parameters();
+        for (size_t i = 0; i < params.size(); ++i)
+          CHECK(equal(params[i].detach(), expected[i].detach()));
+      }
+    }
+    dec.wait();
+    for (const Tensor& p : model->parameters())
+      CHECK(sum(isfinite(p.detach()).to(kInt64)).item<int64_t>() == p.numel());
+  }
+
   TEST_CASE("GradScaler: a rank without backward raises on every rank") {
     if (dist::world_size() < 2) return;  // needs a rank with and one without backward
     auto model = make_model(1);

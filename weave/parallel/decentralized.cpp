@@ -226,9 +226,17 @@ struct DecentralizedDataParallel::State {
     launch_stepped();
   }
 
+  // With a loss scaler, the bucket's gradients are unscaled first, and a bucket holding
+  // inf/NaN keeps its parameters (the scaler's update() agrees on the backoff over the world).
   void step_bucket(Bucket& b) {
     if (options.lr_schedule) b.optimizer->set_lr(options.lr_schedule(step));
-    b.optimizer->step();
+    bool finite = true;
+    if (options.scaler) {
+      std::vector<Tensor> grads;
+      for (const Tensor& p : b.optimizer->params()) grads.push_back(p.grad());
+      finite = options.scaler->unscale_local(grads);
+    }
+    if (finite) b.optimizer->step();
     b.optimizer->zero_grad(true);
     b.stepped = true;
   }

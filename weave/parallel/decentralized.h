@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "weave/nn/module.h"
+#include "weave/parallel/grad_scaler.h"
 #include "weave/parallel/zero.h"
 
 namespace weave::parallel {
@@ -56,6 +57,11 @@ struct DecentralizedOptions {
   double bucket_mb = 25.0;
   /// Learning rate of step t (0-based), applied to every bucket's optimizer before it steps.
   std::function<double(int64_t step)> lr_schedule = nullptr;
+  /// A loss scaler (not owned; float16 training): backward of scaler->scale(loss) arrives
+  /// scaled; each bucket is unscaled before its optimizer steps it and is not stepped when
+  /// it holds inf/NaN. Call scaler->update() after each backward: it agrees on the backoff
+  /// over the world, so the scale stays the same on every rank.
+  GradScaler* scaler = nullptr;
 };
 
 class DecentralizedDataParallel {
