@@ -10,20 +10,11 @@ mpirun=("$@")
 [ -d /usr/share/games/fortunes ] || { echo "skipped: no /usr/share/games/fortunes"; exit 77; }
 args=(--layers 2 --dim 128 --heads 4 --context 64 --batch 16 --steps 150 --warmup 15
       --eval-every 1000 --eval-windows 64 --samples 1 --log-every 50)
-held() { grep -o 'heldout_loss=[0-9.]*' | cut -d= -f2; }
+source "$(dirname "$0")/heldout_check.sh"
 reference=$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" | held)
 [ -n "$reference" ] || { echo "FAIL: the float32 run printed no heldout_loss"; exit 1; }
 echo "float32: heldout_loss=$reference"
-status=0
-check() {  # name, then the held-out loss it printed
-  if [ -z "$2" ] || ! awk -v a="$2" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d;
-                                                       exit !(d <= 0.03) }'; then
-    echo "FAIL: $1: heldout_loss='$2', float32 $reference"
-    status=1
-  else
-    echo "ok: $1: heldout_loss=$2"
-  fi
-}
+tolerance=0.03
 check "ddp np2 bf16" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --autocast bf16 | held)"
 check "ddp np2 fp16 + GradScaler" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --autocast fp16 | held)"
 check "tp np2 bf16" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --autocast bf16 | held)"

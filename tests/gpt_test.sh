@@ -12,20 +12,11 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 args=(--layers 2 --dim 64 --heads 4 --context 32 --batch 8 --steps 30 --warmup 5
       --eval-every 10 --eval-windows 16 --samples 2)
-held() { grep -o 'heldout_loss=[0-9.]*' | cut -d= -f2; }
+source "$(dirname "$0")/heldout_check.sh"
 reference=$("$gpt" "${args[@]}" | held)
 [ -n "$reference" ] || { echo "FAIL: one process printed no heldout_loss"; exit 1; }
 echo "one process: heldout_loss=$reference"
-status=0
-check() {  # name, then the held-out loss it printed
-  if [ -z "$2" ] || ! awk -v a="$2" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d;
-                                                       exit !(d <= 1e-3 * b) }'; then
-    echo "FAIL: $1: heldout_loss='$2', one process $reference"
-    status=1
-  else
-    echo "ok: $1: heldout_loss=$2"
-  fi
-}
+tolerance=$(awk -v b="$reference" 'BEGIN { print 1e-3 * b }')  # float32: 1e-3 relative
 check "ddp np2" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy ddp | held)"
 check "tp np2" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp | held)"
 check "tp np2 without sequence parallelism" \

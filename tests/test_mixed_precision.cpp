@@ -255,6 +255,18 @@ TEST_SUITE("mixed_precision") {
     CHECK(equal(restored.params()[0].detach(), mixed.detach()));
   }
 
+  TEST_CASE("all_finite over a list: one verdict, overflowing sums of finite values included") {
+    Tensor big = full({2}, 3e38), small = ones({3}, {.dtype = kBFloat16});
+    CHECK(all_finite(std::vector<Tensor>{big, Tensor(), small}));  // big's own sum overflows
+    CHECK(all_finite(std::vector<Tensor>{}));
+    for (double bad : {double(INFINITY), -double(INFINITY), double(NAN)}) {
+      CAPTURE(bad);
+      Tensor last = ones({4});
+      last.data<float>()[3] = float(bad);
+      CHECK(!all_finite(std::vector<Tensor>{big, small, last}));
+    }
+  }
+
   TEST_CASE("GradScaler: the documented scale sequence, skipped steps, and misuse") {
     Tensor w = ones({3}).requires_grad_();
     optim::SGD opt({w}, {.lr = 0.1});

@@ -298,6 +298,21 @@ bool all_finite(const Tensor& x) {
   return std::isfinite(sum(x.detach() * 0.0).to(kFloat64).item<double>());
 }
 
+bool all_finite(const std::vector<Tensor>& tensors) {
+  NoGradGuard no_grad;
+  Tensor total;  // float64 on the first tensor's device: sums of finite floats cannot overflow it
+  for (const Tensor& t : tensors) {
+    if (!t.defined() || !is_floating(t.dtype()) || t.numel() == 0) continue;
+    Tensor part = sum(t.detach()).to(kFloat64);
+    total = total.defined() ? total + part.to(total.device()) : part;
+  }
+  if (!total.defined() || std::isfinite(total.item<double>())) return true;
+  // Some tensor's own sum overflowed or is not finite: ask each one exactly.
+  for (const Tensor& t : tensors)
+    if (t.defined() && !all_finite(t)) return false;
+  return true;
+}
+
 // ---- scalars and operators --------------------------------------------------------------
 
 Tensor wrap_scalar(double value, const Tensor& like) {

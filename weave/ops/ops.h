@@ -76,6 +76,9 @@ Tensor isinf(const Tensor& x);
 Tensor isfinite(const Tensor& x);
 /// True when no element of x is NaN or infinite (one pass, no bool tensor kept).
 bool all_finite(const Tensor& x);
+/// The same for every defined tensor of the list, with one host read for all of them when they
+/// are finite (each tensor's sum added up in float64), not one per tensor.
+bool all_finite(const std::vector<Tensor>& tensors);
 
 Tensor add(const Tensor& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);

@@ -288,18 +288,22 @@ void MixedPrecision::step() {
   const trace::Scope trace_scope("optimizer", "MixedPrecision.step");
   check_backward_complete();
   NoGradGuard no_grad;
+  // The masters' gradients are kept between steps: each step widens into the same buffer.
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!masters_[i].defined()) continue;
     const Tensor& g = params_[i].grad();
-    masters_[i].set_grad(g.defined() ? g.to(masters_[i].dtype()) : Tensor());
+    Tensor wide = masters_[i].grad();
+    if (!g.defined())
+      masters_[i].set_grad({});
+    else if (wide.defined())
+      wide.copy_(g);
+    else
+      masters_[i].set_grad(g.to(masters_[i].dtype()));
   }
   optimizer_->set_lr(lr_);
   optimizer_->step();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!masters_[i].defined() || !params_[i].grad().defined()) continue;
-    params_[i].copy_(masters_[i]);
-    masters_[i].set_grad({});
-  }
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (masters_[i].defined() && params_[i].grad().defined()) params_[i].copy_(masters_[i]);
 }
 
 std::vector<Tensor> MixedPrecision::state() const {

@@ -319,8 +319,9 @@ struct DistributedDataParallel::State {
 
   // The averaged gradients are equal on every rank, so is this verdict.
   void check_gradients_finite(int64_t step) {
-    finite = true;
-    for (const Bucket& b : buckets) finite = finite && all_finite(b.buffer);
+    std::vector<Tensor> buffers;
+    for (const Bucket& b : buckets) buffers.push_back(b.buffer);
+    finite = all_finite(buffers);
     if (finite) return;
     std::string first;
     for (size_t i = 0; i < params.size() && first.empty(); ++i)

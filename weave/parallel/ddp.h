@@ -52,7 +52,8 @@ struct DDPOptions {
   /// backward after the communication completed (so no peer is left waiting).
   bool find_unused_parameters = false;
   /// Communicate gradients in kBFloat16 or kFloat16 (averaged, then widened back into the
-  /// parameters' dtype). Unset: the parameters' own dtype.
+  /// parameters' dtype), or in kFloat32 (bfloat16/float16 parameters averaged in float32,
+  /// then rounded once). Unset: the parameters' own dtype.
   std::optional<DType> compress = std::nullopt;
   /// The ranks that share the model (default: the world).
   std::optional<dist::Group> group = std::nullopt;

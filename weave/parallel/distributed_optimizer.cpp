@@ -102,8 +102,9 @@ bool DistributedOptimizer::step() {
   dist::set_step(group_, steps_++);
   synchronize();
   if (options_.check_finite) {
-    for (const Tensor& p : optimizer_.params())
-      if (p.grad().defined() && !all_finite(p.grad())) return false;
+    std::vector<Tensor> grads;
+    for (const Tensor& p : optimizer_.params()) grads.push_back(p.grad());
+    if (!all_finite(grads)) return false;
   }
   optimizer_.step();
   return true;

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/parallel/agree.h"
 
 namespace weave::parallel {
 
@@ -31,27 +32,12 @@ Tensor GradScaler::scale(const Tensor& loss) const {
 
 namespace {
 
-// Each rank's flags, maxed over the group (on the backend's device: NCCL reduces GPU memory).
-std::vector<float> agree_max(std::vector<float> flags, const std::optional<dist::Group>& group) {
-  if (!group) return flags;
-  Tensor t = from_vector<float>(flags, {int64_t(flags.size())}).to(dist::device());
-  dist::all_reduce(t, dist::ReduceOp::Max, *group);
-  Tensor host = t.cpu();
-  return {host.data<float>(), host.data<float>() + flags.size()};
-}
-
 // Divides each gradient by `scale` in place; true when every one is finite afterwards.
 bool unscale_grads(const std::vector<Tensor>& grads, double scale) {
   NoGradGuard no_grad;
-  bool finite = true;
-  const double inverse = 1.0 / scale;
-  for (Tensor g : grads) {
-    if (!g.defined() || g.numel() == 0) continue;
-    g.mul_(inverse);
-    // one pass: the sum of g * 0 is NaN exactly when some element is inf or NaN
-    if (finite && !std::isfinite(sum(g * 0.0).item<double>())) finite = false;
-  }
-  return finite;
+  for (Tensor g : grads)
+    if (g.defined()) g.mul_(1.0 / scale);
+  return all_finite(grads);
 }
 
 }  // namespace
@@ -80,13 +66,19 @@ void GradScaler::unscale_(const std::vector<Tensor>& params) {
     any_grad = any_grad || p.grad().defined();
   }
   const bool finite = unscale_grads(grads, scale_);
-  // One all_reduce carries both verdicts, so a rank that raises does so with all its peers.
-  const std::vector<float> verdict = agree_max({finite ? 0.f : 1.f, any_grad ? 0.f : 1.f}, group_);
-  WEAVE_CHECK(verdict[1] == 0, op,
-              "{} has no gradients to unscale; hint: call backward on scaler.scale(loss) on "
-              "every rank before step()",
-              any_grad ? "another rank of the group" : "this rank");
-  found_inf_ = verdict[0] != 0;
+  // One all_reduce carries the overflow verdict and whether some rank has no gradients (its
+  // check raises there, and every other rank raises with it).
+  auto checks = [&] {
+    WEAVE_CHECK(any_grad, op,
+                "no gradients to unscale; hint: call backward on scaler.scale(loss) on every "
+                "rank before step()");
+  };
+  if (group_) {
+    found_inf_ = detail::check_together(checks, *group_, op, {finite ? 0 : 1})[0] != 0;
+  } else {
+    checks();
+    found_inf_ = !finite;
+  }
   agreed_ = true;
   stage_ = Stage::Unscaled;
 }
@@ -112,8 +104,9 @@ void GradScaler::update() {
               "scaler.step(optimizer), scaler.update()");
   stage_ = Stage::Ready;
   if (!options_.enabled) return;
-  if (!agreed_)  // per-bucket verdicts (decentralized): agree now
-    found_inf_ = agree_max({found_inf_ ? 1.f : 0.f}, group_)[0] != 0;
+  if (!agreed_ && group_)  // per-bucket verdicts (decentralized): agree now
+    found_inf_ =
+        detail::check_together([] {}, *group_, "GradScaler.update", {found_inf_ ? 1 : 0})[0] != 0;
   if (found_inf_) {
     scale_ *= options_.backoff_factor;
     growth_tracker_ = 0;

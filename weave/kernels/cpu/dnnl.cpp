@@ -113,7 +113,7 @@ bool reduced_precision_matmul(const Tensor& a, const Tensor& b, const Tensor& ou
   // oneDNN's OpenMP runtime uses the calling thread's setting: weave's budget for this call.
   const int previous = omp_get_max_threads();
   omp_set_num_threads(max_threads());
-  dnnl::stream stream(lib.engine);
+  thread_local dnnl::stream stream(lib.engine);
   primitive->matmul.execute(stream,
                             {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
   stream.wait();
