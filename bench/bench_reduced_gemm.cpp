@@ -4,6 +4,11 @@
 // bench/compare_reduced_gemm.sh runs this beside bench/torch_gemm.py (same shapes) and reports.
 //   bench_reduced_gemm [trials=5]
 // Prints `name=... m= k= n= dtype= ms= gflops=` per case (median of the trials).
+// With `--gpt LAYERS DIM HEADS CONTEXT BATCH VOCAB`, one thread: the bfloat16 GEMMs of a GPT
+// training step under autocast (bench/compare_gpt.sh's limit with `bf16`), the same list as
+// bench_gemm's `--gpt` (each linear's forward, input and weight gradient; attention's six
+// products per (sequence, head), counted at half for the causal mask):
+//   gemm dtype=bfloat16 threads=1 gpt_step ... us=
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -29,7 +34,53 @@ const std::vector<GemmShape> kShapes = {
     {"gpt_out_proj", 2048, 256, 256},
 };
 
+// One product of a [m, k] (or its transpose) and b [k, n] (or its transpose) in bfloat16,
+// microseconds, median of reps after a warm-up.
+double product_us(bool transpose_a, bool transpose_b, int64_t m, int64_t k, int64_t n, int reps) {
+  Tensor a = transpose_a ? randn({k, m}).to(kBFloat16).t() : randn({m, k}).to(kBFloat16);
+  Tensor b = transpose_b ? randn({n, k}).to(kBFloat16).t() : randn({k, n}).to(kBFloat16);
+  Tensor out = matmul(a, b);
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) t.push_back(bench::seconds([&] { out = matmul(a, b); }));
+  return bench::median(t) * 1e6;
+}
+
+void gpt_step(int layers, int dim, int heads, int context, int batch, int vocab) {
+  const int tokens = batch * context, hd = dim / heads, reps = 7;
+  double linear_us = 0;
+  auto linear = [&](int in, int out) {  // x W^T, dY W, dY^T x
+    linear_us += product_us(false, true, tokens, in, out, reps) +
+                 product_us(false, false, tokens, out, in, reps) +
+                 product_us(true, false, out, tokens, in, reps);
+  };
+  for (int l = 0; l < layers; ++l) {
+    linear(dim, 3 * dim);
+    linear(dim, dim);
+    linear(dim, 4 * dim);
+    linear(4 * dim, dim);
+  }
+  linear(dim, vocab);
+  // One (sequence, head): S = Q K^T, O = P V, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q.
+  const double head_pair_us = product_us(false, true, context, hd, context, reps) +
+                              product_us(false, false, context, context, hd, reps) +
+                              product_us(true, false, context, context, hd, reps) +
+                              product_us(false, true, context, hd, context, reps) +
+                              product_us(false, false, context, context, hd, reps) +
+                              product_us(true, false, context, context, hd, reps);
+  const double attention_us = 0.5 * head_pair_us * batch * heads * layers;
+  std::printf(
+      "gemm dtype=bfloat16 threads=1 gpt_step layers=%d dim=%d heads=%d context=%d batch=%d "
+      "vocab=%d linear_us=%.0f attention_us=%.0f us=%.0f\n",
+      layers, dim, heads, context, batch, vocab, linear_us, attention_us, linear_us + attention_us);
+}
+
 int main(int argc, char** argv) {
+  if (argc == 8 && std::string(argv[1]) == "--gpt") {
+    set_num_threads(1);
+    gpt_step(std::stoi(argv[2]), std::stoi(argv[3]), std::stoi(argv[4]), std::stoi(argv[5]),
+             std::stoi(argv[6]), std::stoi(argv[7]));
+    return 0;
+  }
   const int trials = argc > 1 ? std::atoi(argv[1]) : 5;
   for (const GemmShape& s : kShapes) {
     const double flops = 2.0 * double(s.m) * double(s.k) * double(s.n);

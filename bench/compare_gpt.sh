@@ -5,8 +5,9 @@
 # after the first two) and its peak resident memory (/usr/bin/time). Also prints the limit: the
 # step's GEMMs alone through OpenBLAS, the fastest GEMM library here (bench/compare_gemm.sh).
 #   bash bench/compare_gpt.sh [runs=3] [steps=12] [core=1] [autocast=bf16]
-# With `bf16` both run forward under autocast (weave's AutocastGuard, torch.autocast("cpu"));
-# the GEMM limit stays float32's.
+# With `bf16` both run forward under autocast (weave's AutocastGuard, torch.autocast("cpu")),
+# and the limit is the same GEMMs in bfloat16 through oneDNN (bench_reduced_gemm --gpt; weave's
+# bfloat16 matmul, which runs at PyTorch's rate on these shapes: compare_reduced_gemm.sh).
 # Needs python3-torch and libopenblas0-pthread (Debian); weave itself never needs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,9 +19,12 @@ runs=${1:-3}
 steps=${2:-12}
 core=${3:-1}
 autocast=()
-[ -n "${4:-}" ] && autocast=(--autocast "$4")
-gpt=build/examples/gpt
 limit_exe=build/bench/bench_gemm_openblas
+if [ -n "${4:-}" ]; then
+  autocast=(--autocast "$4")
+  [ "$4" = bf16 ] && limit_exe=build/bench/bench_reduced_gemm
+fi
+gpt=build/examples/gpt
 for exe in "$gpt" "$limit_exe"; do
   [ -x "$exe" ] || { echo "build $exe first (bash scripts/test.sh)" >&2; exit 1; }
 done
