@@ -43,10 +43,10 @@ int main(int argc, char** argv) {
   }
   auto peak = [&](const std::function<void()>& fn) {
     cpu_empty_cache();
-    const size_t before = cpu_memory_stats().in_use;
-    cpu_reset_peak_memory();
+    const size_t before = memory_stats().in_use;
+    reset_peak_memory();
     fn();
-    return double(cpu_memory_stats().peak - before);
+    return double(memory_stats().peak - before);
   };
   const double fused_bytes = peak(fused), composed_bytes = peak(composed);
   auto [fused_s, composed_s] = bench::alternate(fused, composed, trials);

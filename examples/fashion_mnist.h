@@ -11,8 +11,8 @@
 //   model-parallel examples: [--schedule gpipe|1f1b] [--microbatches M] [--tensor T]
 //
 // --batch-size is the global batch, split across the ranks; each rank draws its share of every
-// epoch from a DistributedSampler. Rank 0 prints one line per epoch and, last, exactly
-// `test_accuracy=0.XXXX`.
+// epoch from a DistributedSampler. Rank 0 prints one line per epoch, then exactly
+// `test_accuracy=0.XXXX`, then its peak tensor memory (memory_stats).
 #include <weave/weave.h>
 #include <chrono>
 #include <cstdio>
@@ -270,7 +270,11 @@ inline int run(const Flags& flags) {
     report_epoch(epoch, flags, totals[0] / totals[2], totals[1] / totals[2], test_accuracy, seconds,
                  ranks);
   }
-  if (rank == 0) std::printf("test_accuracy=%.4f\n", test_accuracy);
+  if (rank == 0) {
+    std::printf("test_accuracy=%.4f\n", test_accuracy);
+    std::printf("peak tensor memory on rank 0: %.1f MB (memory_stats)\n",
+                double(memory_stats().peak) / 1e6);
+  }
   return 0;
 }
 

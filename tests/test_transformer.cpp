@@ -195,10 +195,10 @@ TEST_SUITE("transformer") {
     auto peak_extra = [&](const std::function<Tensor()>& attend) {
       for (const Tensor& x : {q, k, v}) x.grad() = Tensor();
       cpu_empty_cache();
-      const size_t before = cpu_memory_stats().in_use;
-      cpu_reset_peak_memory();
+      const size_t before = memory_stats().in_use;
+      reset_peak_memory();
       attend().sum().backward();
-      return double(cpu_memory_stats().peak - before);
+      return double(memory_stats().peak - before);
     };
     const double fused =
         peak_extra([&] { return scaled_dot_product_attention(q, k, v, {.causal = true}); });
@@ -390,11 +390,11 @@ TEST_SUITE("transformer") {
       Tensor base_leaf = base.clone().requires_grad_();
       Tensor dense = view_of(base).contiguous().requires_grad_();
       Tensor view = view_of(base_leaf);
-      const size_t before = cpu_memory_stats().in_use;
-      cpu_reset_peak_memory();
+      const size_t before = memory_stats().in_use;
+      reset_peak_memory();
       Tensor y = linear(view, leaf_w, leaf_b);
       // the output only: a copy of the input would add its 8 * numel bytes
-      CHECK(cpu_memory_stats().peak - before <= size_t(y.numel()) * 8 + 1024);
+      CHECK(memory_stats().peak - before <= size_t(y.numel()) * 8 + 1024);
       Tensor ref_w = w.clone().requires_grad_(), ref_b = b.clone().requires_grad_();
       Tensor expected = linear(dense, ref_w, ref_b);
       CHECK(y.shape() == expected.shape());

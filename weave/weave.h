@@ -15,6 +15,7 @@
 #include "weave/nn/layers.h"
 #include "weave/nn/module.h"
 #include "weave/nn/transformer.h"
+#include "weave/ops/activation_checkpoint.h"
 #include "weave/ops/autocast.h"
 #include "weave/ops/gradcheck.h"
 #include "weave/ops/ops.h"

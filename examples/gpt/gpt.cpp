@@ -3,7 +3,7 @@
 //                    [--context 128] [--batch 16] [--steps 600] [--lr 1e-3] [--eval-every 100]
 //                    [--checkpoint DIR [--checkpoint-every 100] [--resume] [--stop-at STEP]]
 //                    [--no-sequence-parallel] [--samples 3] [--threads 1] [--seed 0]
-//                    [--autocast bf16|fp16]
+//                    [--autocast bf16|fp16] [--checkpoint-activations]
 //
 // The text (every fortune file, in name order, `%` separator lines dropped) is split once: the
 // first 90% trains, the last 10% is held out. Each step takes `--batch` windows of context + 1
@@ -16,6 +16,8 @@
 // --autocast runs forward, the loss and the held-out evaluation under AutocastGuard (matrix
 // products and attention in bfloat16/float16, float32 parameters); fp16 adds a GradScaler
 // whose overflow verdict the data-parallel ranks agree on.
+// --checkpoint-activations keeps only each block's input for backward and recomputes the block
+// there (autograd::checkpoint): the same gradients, less activation memory, one more forward.
 // Every strategy starts from the same weights (the whole model is initialized on every rank
 // with the seed, then split), so all of them follow one process step for step.
 //
@@ -48,7 +50,7 @@ struct Flags {
           eval_every = 100, eval_windows = 64, checkpoint_every = 100, stop_at = -1, log_every = 20;
   double lr = 1e-3, min_lr = 1e-4, weight_decay = 0.01, clip = 1.0;
   int64_t warmup = 60;
-  bool sequence_parallel = true, resume = false;
+  bool sequence_parallel = true, resume = false, checkpoint_activations = false;
   uint64_t seed = 0;
   std::optional<DType> autocast;
 };
@@ -107,6 +109,8 @@ Flags parse(int argc, char** argv) {
       f.resume = true;
     else if (arg == "--no-sequence-parallel")
       f.sequence_parallel = false;
+    else if (arg == "--checkpoint-activations")
+      f.checkpoint_activations = true;
     else if (arg == "--autocast") {
       const std::string dtype = value();
       WEAVE_CHECK(dtype == "bf16" || dtype == "fp16", "gpt",
@@ -194,6 +198,14 @@ class LanguageModel : public nn::Module {
   virtual Tensor loss(const Tensor& logits, const Tensor& targets) = 0;
   /// The next token's logits [B, vocab] on every rank, extending one cache per block.
   virtual Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) = 0;
+  /// Recompute each block in backward instead of keeping its activations.
+  bool checkpoint_activations = false;
+
+ protected:
+  Tensor run_block(nn::Module& block, const Tensor& x) {
+    if (!checkpoint_activations) return block(x);
+    return autograd::checkpoint([&block](const Tensor& h) { return block(h); }, x);
+  }
 };
 
 // Token plus position embeddings of ids [B, T] sitting at positions start, start + 1, ...
@@ -216,7 +228,7 @@ class Gpt : public LanguageModel {
   }
   Tensor forward(const Tensor& ids) override {
     Tensor x = embed(ids, 0);
-    for (auto& block : blocks) x = (*block)(x);
+    for (auto& block : blocks) x = run_block(*block, x);
     return (*head)((*norm)(x));
   }
   Tensor loss(const Tensor& logits, const Tensor& targets) override {
@@ -268,7 +280,7 @@ class ParallelGpt : public LanguageModel {
   Tensor forward(const Tensor& ids) override {
     Tensor x = embed(ids, 0);
     if (sequence_parallel_) x = F::scatter_to_group(x, 0, tp_);  // this rank's positions
-    for (auto& block : blocks) x = (*block)(x);
+    for (auto& block : blocks) x = run_block(*block, x);
     return (*head)((*norm)(x));
   }
   Tensor loss(const Tensor& logits, const Tensor& targets) override {
@@ -314,9 +326,11 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
                                      const parallel::ProcessMesh& mesh, bool sequence_parallel) {
   auto whole = std::make_shared<Gpt>(f, vocab);
   initialize(*whole, f.seed);
+  whole->checkpoint_activations = f.checkpoint_activations;
   if (mesh.shape().tensor == 1) return whole;
   auto split = std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), sequence_parallel);
   split->load_state_dict(parallel::shard_state_dict(whole->state_dict(), *split));
+  split->checkpoint_activations = f.checkpoint_activations;
   return split;
 }
 
@@ -499,7 +513,11 @@ int main(int argc, char** argv) try {
   std::optional<AutocastGuard> autocast;
   if (f.autocast) autocast.emplace(*f.autocast);
   const double held = heldout_loss(*model, f, corpus, mesh);
-  if (dist::rank() == 0) std::printf("heldout_loss=%.4f\n", held);
+  if (dist::rank() == 0) {
+    std::printf("peak tensor memory on rank 0: %.1f MB (memory_stats)\n",
+                double(memory_stats().peak) / 1e6);
+    std::printf("heldout_loss=%.4f\n", held);
+  }
   // Decoding appends one position at a time, which sequence parallelism cannot split: the same
   // parameters in a model built without it.
   if (sequence_parallel) {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <queue>
 #include <unordered_map>
+#include <utility>
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/autograd/node.h"
@@ -120,6 +121,11 @@ ForwardOnlyGuard::~ForwardOnlyGuard() {
 
 bool in_backward() {
   return backward_depth > 0;
+}
+
+detail::RecomputeGuard::RecomputeGuard() : depth_(std::exchange(backward_depth, 0)) {}
+detail::RecomputeGuard::~RecomputeGuard() {
+  backward_depth = depth_;
 }
 
 void queue_callback(std::function<void()> fn) {

@@ -49,8 +49,25 @@ class ForwardOnlyGuard {
   uint64_t first_;  // the first mark made under this guard
 };
 
-/// True while a backward pass runs on this thread (inside hooks and callbacks).
+/// True while a backward pass runs on this thread (inside hooks and callbacks), except inside
+/// a recomputation (detail::RecomputeGuard).
 bool in_backward();
+
+namespace detail {
+/// Activation checkpointing runs a region's forward again inside backward: while the guard
+/// lives, in_backward() is false on this thread, so the ops behave as they did in forward
+/// (autocast included).
+class RecomputeGuard {
+ public:
+  RecomputeGuard();
+  ~RecomputeGuard();
+  RecomputeGuard(const RecomputeGuard&) = delete;
+  RecomputeGuard& operator=(const RecomputeGuard&) = delete;
+
+ private:
+  int depth_;
+};
+}  // namespace detail
 
 /// Runs fn once when the backward pass now running on this thread finishes. It does not run
 /// when backward unwinds by an exception. Raises outside backward.

@@ -1,5 +1,7 @@
 #include "weave/autograd/node.h"
 
+#include <utility>
+
 #include "weave/autograd/grad_mode.h"
 #include "weave/kernels/kernels.h"
 #include "weave/tensor/tensor_impl.h"
@@ -69,8 +71,25 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
 
 // ---- SavedTensor ------------------------------------------------------------------------
 
+namespace {
+thread_local std::shared_ptr<detail::SavedTensorHooks> saved_tensor_hooks;
+}  // namespace
+
+detail::SavedTensorHooksGuard::SavedTensorHooksGuard(std::shared_ptr<SavedTensorHooks> hooks)
+    : previous_(std::exchange(saved_tensor_hooks, std::move(hooks))) {}
+detail::SavedTensorHooksGuard::~SavedTensorHooksGuard() {
+  saved_tensor_hooks = std::move(previous_);
+}
+
 SavedTensor::SavedTensor(const Tensor& tensor) {
   if (!tensor.defined()) return;
+  if (saved_tensor_hooks) {
+    slot_ = saved_tensor_hooks->pack(tensor);
+    if (slot_ >= 0) {
+      hooks_ = saved_tensor_hooks;
+      return;
+    }
+  }
   // Not make_view: a view keeps its base handle (view_base), and the base may be the very
   // output whose node owns this SavedTensor.
   auto alias = std::make_shared<TensorImpl>();
@@ -84,6 +103,7 @@ SavedTensor::SavedTensor(const Tensor& tensor) {
 }
 
 Tensor SavedTensor::unpack() const {
+  if (slot_ >= 0) return hooks_->unpack(slot_);
   if (tensor_.defined() && tensor_.version() != saved_version_) {
     WEAVE_FAIL("autograd",
                "a tensor of shape {} saved by {} was modified in place: saved at version {}, now "

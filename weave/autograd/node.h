@@ -93,21 +93,51 @@ class AccumulateGrad final : public Node {
   std::weak_ptr<TensorImpl> variable_;
 };
 
+namespace detail {
+/// The hooks every tensor saved for backward passes through, the way activation checkpointing
+/// (ops/activation_checkpoint.h) drops a region's activations in forward and recomputes them in
+/// backward. While hooks are installed on a thread, each SavedTensor made there asks pack():
+/// a slot number (>= 0) is kept instead of the tensor, and unpack(slot) gives the tensor back
+/// when backward needs it; -1 keeps the tensor itself.
+class SavedTensorHooks {
+ public:
+  virtual ~SavedTensorHooks() = default;
+  virtual int64_t pack(const Tensor& tensor) = 0;
+  virtual Tensor unpack(int64_t slot) = 0;
+};
+
+/// Installs hooks on this thread while alive; guards nest (the innermost wins, and a null one
+/// turns the hooks off inside).
+class SavedTensorHooksGuard {
+ public:
+  explicit SavedTensorHooksGuard(std::shared_ptr<SavedTensorHooks> hooks);
+  ~SavedTensorHooksGuard();
+  SavedTensorHooksGuard(const SavedTensorHooksGuard&) = delete;
+  SavedTensorHooksGuard& operator=(const SavedTensorHooksGuard&) = delete;
+
+ private:
+  std::shared_ptr<SavedTensorHooks> previous_;
+};
+}  // namespace detail
+
 /// A tensor saved for backward. Remembers the version at save time; unpack() raises if the
 /// tensor was modified in place since. It keeps a detached alias: the same storage and layout,
 /// but no grad_fn and no link to the saved tensor's handle, so saving an op's own output never
-/// makes the node keep that output (and through it, itself) alive.
+/// makes the node keep that output (and through it, itself) alive. Inside a checkpointed region
+/// it keeps a slot of the region instead, and unpack() recomputes.
 class SavedTensor {
  public:
   SavedTensor() = default;
   explicit SavedTensor(const Tensor& tensor);
   /// The saved tensor; raises weave::Error naming the node, shape and versions if it changed.
   Tensor unpack() const;
-  bool defined() const { return tensor_.defined(); }
+  bool defined() const { return tensor_.defined() || slot_ >= 0; }
 
  private:
   Tensor tensor_;
   uint64_t saved_version_ = 0;
+  std::shared_ptr<detail::SavedTensorHooks> hooks_;  // with slot_ >= 0: where the tensor is
+  int64_t slot_ = -1;
 };
 
 /// What a recorded op's backward closure receives.

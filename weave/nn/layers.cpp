@@ -103,8 +103,18 @@ void Sequential::push_back(std::shared_ptr<Module> module) {
 
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
-  for (auto& m : modules_) y = m->forward(y);
+  for (auto& m : modules_) y = (*m)(y);
   return y;
+}
+
+Checkpoint::Checkpoint(std::shared_ptr<Module> module, autograd::CheckpointOptions options)
+    : Module("Checkpoint"), module_(std::move(module)), options_(std::move(options)) {
+  register_wrapped_module(module_);
+}
+
+Tensor Checkpoint::forward(const Tensor& x) {
+  return autograd::checkpoint([this](const Tensor& input) { return (*module_)(input); }, x,
+                              options_);
 }
 
 }  // namespace weave::nn

@@ -4,6 +4,7 @@
 #include <initializer_list>
 
 #include "weave/nn/module.h"
+#include "weave/ops/activation_checkpoint.h"
 
 namespace weave::nn {
 
@@ -94,6 +95,25 @@ class Sequential : public Module {
 
  private:
   std::vector<std::shared_ptr<Module>> modules_;
+};
+
+/// Activation checkpointing of a module (autograd::checkpoint over its forward): backward keeps
+/// only the module's input and recomputes the rest when it gets there.
+///
+///   nn::Sequential model{std::make_shared<nn::Checkpoint>(block0),
+///                        std::make_shared<nn::Checkpoint>(block1), head};
+///
+/// The wrapper adds no name: the wrapped module's parameters keep theirs, so a state dict
+/// saved with checkpointing loads without it and back.
+class Checkpoint : public Module {
+ public:
+  explicit Checkpoint(std::shared_ptr<Module> module, autograd::CheckpointOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  Module& wrapped() { return *module_; }
+
+ private:
+  std::shared_ptr<Module> module_;
+  autograd::CheckpointOptions options_;
 };
 
 }  // namespace weave::nn

@@ -10,6 +10,51 @@ Tensor Module::forward(const Tensor&) {
   WEAVE_FAIL(name_, "this module has no single-input forward(); call its own methods instead");
 }
 
+Tensor Module::operator()(const Tensor& input) {
+  if (hooks_->pre.empty() && hooks_->post.empty()) return forward(input);
+  // Copies: a hook may remove itself (or register another) while they run.
+  auto pre = hooks_->pre;
+  Tensor x = input;
+  for (auto& [id, hook] : pre)
+    if (Tensor replaced = hook(*this, x); replaced.defined()) x = replaced;
+  Tensor y = forward(x);
+  auto post = hooks_->post;
+  for (auto& [id, hook] : post)
+    if (Tensor replaced = hook(*this, x, y); replaced.defined()) y = replaced;
+  return y;
+}
+
+template <class Hook>
+HookHandle Module::add_hook(std::vector<std::pair<uint64_t, Hook>> ForwardHooks::*list,
+                            Hook hook) {
+  WEAVE_CHECK(hook != nullptr, name_, "expected a hook function, found an empty one");
+  const uint64_t id = hooks_->next_id++;
+  ((*hooks_).*list).emplace_back(id, std::move(hook));
+  return HookHandle([weak = std::weak_ptr<ForwardHooks>(hooks_), list, id] {
+    if (auto hooks = weak.lock())
+      std::erase_if((*hooks).*list, [id](const auto& entry) { return entry.first == id; });
+  });
+}
+
+HookHandle Module::register_forward_pre_hook(ForwardPreHook hook) {
+  return add_hook(&ForwardHooks::pre, std::move(hook));
+}
+
+HookHandle Module::register_forward_hook(ForwardHook hook) {
+  return add_hook(&ForwardHooks::post, std::move(hook));
+}
+
+void Module::register_wrapped_module(std::shared_ptr<Module> module) {
+  WEAVE_CHECK(module != nullptr, name_, "expected a module to wrap, found null");
+  WEAVE_CHECK(children_.empty() && parameters_.empty() && buffers_.empty(), name_,
+              "a wrapper holds one unnamed module and nothing else");
+  children_.emplace_back("", std::move(module));
+}
+
+std::string member_prefix(const std::string& prefix, const std::string& child_name) {
+  return child_name.empty() ? prefix : prefix + child_name + ".";
+}
+
 void Module::check_new_name(const std::string& name) const {
   WEAVE_CHECK(!name.empty() && name.find('.') == std::string::npos, name_,
               "invalid member name '{}': expected a non-empty name without '.'", name);
@@ -43,7 +88,7 @@ void collect(const Module& module, const std::string& prefix, bool recurse, Name
   for (const auto& [name, tensor] : get(module)) out.emplace_back(prefix + name, tensor);
   if (!recurse) return;
   for (const auto& [name, child] : module.named_children())
-    collect(*child, prefix + name + ".", true, out, get);
+    collect(*child, member_prefix(prefix, name), true, out, get);
 }
 }  // namespace
 

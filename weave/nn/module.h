@@ -1,5 +1,7 @@
 #pragma once
 // Module: parameters, buffers and submodules registered by name, in a deterministic order.
+#include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -19,9 +21,24 @@ class Module {
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
 
-  /// The computation of single-input modules (what Sequential calls).
+  /// The computation of single-input modules.
   virtual Tensor forward(const Tensor& input);
-  Tensor operator()(const Tensor& input) { return forward(input); }
+  /// Calling a module (what Sequential, the layers and the parallel wrappers do): the forward
+  /// pre-hooks, forward(), then the forward hooks. forward() called directly runs no hooks.
+  Tensor operator()(const Tensor& input);
+
+  /// Runs before forward with the input; returning a defined tensor replaces the input.
+  using ForwardPreHook = std::function<Tensor(Module& module, const Tensor& input)>;
+  /// Runs after forward with the input and output; returning a defined tensor replaces the
+  /// output.
+  using ForwardHook =
+      std::function<Tensor(Module& module, const Tensor& input, const Tensor& output)>;
+  /// Hooks run in registration order on every call of this module (not of its children), for
+  /// logging or checking activations, or for wrappers that prepare parameters before a forward
+  /// and release them after (sharded data parallelism). The handle removes the hook; dropping
+  /// it keeps the hook. An exception from a hook propagates out of the call.
+  HookHandle register_forward_pre_hook(ForwardPreHook hook);
+  HookHandle register_forward_hook(ForwardHook hook);
   const std::string& name() const { return name_; }
 
   /// "fc1.weight" style names, registration order, depth first. Deterministic, so every rank
@@ -65,6 +82,9 @@ class Module {
     children_.emplace_back(name, module);
     return module;
   }
+  /// Registers the one child of a wrapper without a name: its parameters and buffers keep
+  /// their own names (no prefix), so a state dict loads with or without the wrapper.
+  void register_wrapped_module(std::shared_ptr<Module> module);
 
  private:
   void check_new_name(const std::string& name) const;
@@ -77,6 +97,18 @@ class Module {
   std::vector<std::pair<std::string, std::unique_ptr<Tensor>>> parameters_;
   std::vector<std::pair<std::string, std::unique_ptr<Tensor>>> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  struct ForwardHooks {
+    uint64_t next_id = 0;
+    std::vector<std::pair<uint64_t, ForwardPreHook>> pre;
+    std::vector<std::pair<uint64_t, ForwardHook>> post;
+  };
+  std::shared_ptr<ForwardHooks> hooks_ = std::make_shared<ForwardHooks>();
+  template <class Hook>
+  HookHandle add_hook(std::vector<std::pair<uint64_t, Hook>> ForwardHooks::*list, Hook hook);
 };
+
+/// The prefix of a child's member names: prefix + name + "." ("block0.attn."), or prefix itself
+/// for a wrapper's unnamed child.
+std::string member_prefix(const std::string& prefix, const std::string& child_name);
 
 }  // namespace weave::nn

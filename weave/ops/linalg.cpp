@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/ops/activation_checkpoint.h"
 #include "weave/ops/autocast.h"
 #include "weave/ops/internal.h"
 
@@ -150,7 +151,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   }
   const DType dtype = matmul_dtype(a, b);
   Tensor ac = convert(a, dtype), bc = convert(b, dtype);
-  Tensor out = matmul_compute(ac, bc);
+  Tensor out = autograd::detail::kept_result("matmul", [&] { return matmul_compute(ac, bc); });
   // d(AB) = (G B^T, A^T G), summed over broadcast batch dims
   return autograd::record("MatmulBackward", {a, b}, out, [&] {
     return [as = SavedTensor(ac), bs = SavedTensor(bc), ai = InputInfo(a),
@@ -191,7 +192,12 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   Tensor y;
   {
     NoGradGuard no_grad;
-    y = unfold_rows(matmul_compute(x2, wc.t(), bias.defined() ? convert(bias, dtype) : Tensor()),
+    y = unfold_rows(autograd::detail::kept_result(
+                        "matmul",
+                        [&] {
+                          return matmul_compute(x2, wc.t(),
+                                                bias.defined() ? convert(bias, dtype) : Tensor());
+                        }),
                     x.shape(), order);
   }
   // dx = G W, dW = G^T x, db = sum of G over all but the last dim (G in x's row order)

@@ -393,7 +393,7 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
         s.params[i].set_grad(s.views[i]);
       }
   }
-  return module_.forward(input);
+  return module_(input);
 }
 
 DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)

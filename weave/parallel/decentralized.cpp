@@ -377,7 +377,7 @@ DecentralizedDataParallel::~DecentralizedDataParallel() {
 
 Tensor DecentralizedDataParallel::forward(const Tensor& input) {
   state_->complete_mixing();
-  return module_.forward(input);
+  return module_(input);
 }
 
 void DecentralizedDataParallel::set_accumulate_grad(bool accumulate) {

@@ -171,7 +171,8 @@ void walk(const nn::Module& module, const std::string& prefix, std::map<std::str
     for (const auto& [name, t] : module.named_parameters(false))
       if (t.defined() && sharded->split_axis(name) >= 0)
         out[prefix + name] = {sharded->split_axis(name), sharded};
-  for (const auto& [name, child] : module.named_children()) walk(*child, prefix + name + ".", out);
+  for (const auto& [name, child] : module.named_children())
+    walk(*child, nn::member_prefix(prefix, name), out);
 }
 
 std::map<std::string, Split> splits_of(const nn::Module& module) {

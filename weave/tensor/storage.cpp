@@ -36,13 +36,9 @@ HostCache& host_cache() {
   return *cache;
 }
 
-std::atomic<size_t> bytes_in_use{0}, peak_bytes{0};
-
-void count_allocation(size_t size) {
-  const size_t now = bytes_in_use.fetch_add(size, std::memory_order_relaxed) + size;
-  size_t peak = peak_bytes.load(std::memory_order_relaxed);
-  while (now > peak && !peak_bytes.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
-  }
+detail::MemoryCounter& host_counter() {
+  static detail::MemoryCounter* counter = new detail::MemoryCounter;  // as the cache
+  return *counter;
 }
 
 size_t round_up(size_t n) {
@@ -53,7 +49,7 @@ size_t round_up(size_t n) {
 
 void* cpu_allocate(size_t nbytes) {
   size_t size = round_up(nbytes);
-  count_allocation(size);
+  host_counter().allocated(size);
   if (size >= kCacheMinBytes) {
     HostCache& cache = host_cache();
     std::lock_guard lock(cache.mutex);
@@ -62,10 +58,12 @@ void* cpu_allocate(size_t nbytes) {
       void* ptr = it->second;
       cache.free_blocks.erase(it);
       cache.cached_bytes -= size;
+      host_counter().uncached(size);
       return ptr;
     }
   }
   void* ptr = std::aligned_alloc(kAlignment, size);
+  if (ptr == nullptr) host_counter().freed(size);
   WEAVE_CHECK(ptr != nullptr, "alloc", "out of host memory allocating {} bytes", nbytes);
   return ptr;
 }
@@ -73,13 +71,14 @@ void* cpu_allocate(size_t nbytes) {
 void cpu_deallocate(void* ptr, size_t nbytes) {
   if (ptr == nullptr) return;
   size_t size = round_up(nbytes);
-  bytes_in_use.fetch_sub(size, std::memory_order_relaxed);
+  host_counter().freed(size);
   if (size >= kCacheMinBytes) {
     HostCache& cache = host_cache();
     std::lock_guard lock(cache.mutex);
     if (cache.cached_bytes + size <= kCacheLimitBytes) {
       cache.free_blocks.emplace(size, ptr);
       cache.cached_bytes += size;
+      host_counter().cached(size);
       return;
     }
   }
@@ -92,12 +91,33 @@ void cpu_empty_cache() {
   cache.release_all();
 }
 
-MemoryStats cpu_memory_stats() {
-  return {bytes_in_use.load(std::memory_order_relaxed), peak_bytes.load(std::memory_order_relaxed)};
+void detail::MemoryCounter::allocated(size_t bytes) {
+  allocations_.fetch_add(1, std::memory_order_relaxed);
+  const size_t now = in_use_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+  size_t peak = peak_.load(std::memory_order_relaxed);
+  while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
 }
 
-void cpu_reset_peak_memory() {
-  peak_bytes.store(bytes_in_use.load(std::memory_order_relaxed), std::memory_order_relaxed);
+void detail::MemoryCounter::freed(size_t bytes) {
+  allocations_.fetch_sub(1, std::memory_order_relaxed);
+  in_use_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+MemoryStats detail::MemoryCounter::read() const {
+  return {in_use_.load(std::memory_order_relaxed), peak_.load(std::memory_order_relaxed),
+          allocations_.load(std::memory_order_relaxed), cached_.load(std::memory_order_relaxed)};
+}
+
+MemoryStats memory_stats(Device device) {
+  return device.is_cpu() ? host_counter().read() : cuda::memory_counter(device.index).read();
+}
+
+void reset_peak_memory(Device device) {
+  if (device.is_cpu())
+    host_counter().reset_peak();
+  else
+    cuda::memory_counter(device.index).reset_peak();
 }
 
 Storage::Storage(size_t nbytes, Device device) : nbytes_(nbytes), device_(device) {

@@ -44,14 +44,41 @@ void cpu_deallocate(void* ptr, size_t nbytes);
 /// Returns every cached host block to the system.
 void cpu_empty_cache();
 
-/// Bytes of host memory held by live tensors (what the allocator has handed out and not yet
-/// taken back, cached blocks excluded), now and at the peak since the last reset.
+/// What a device's allocator holds:
+///
+///   reset_peak_memory(kCPU);
+///   train_step();
+///   fmt::print("peak {} MB\n", memory_stats(kCPU).peak / 1e6);
 struct MemoryStats {
+  /// Bytes held by live tensors (handed out and not yet given back; cached blocks excluded).
   size_t in_use = 0;
+  /// The highest in_use since the last reset_peak_memory (or the start).
   size_t peak = 0;
+  /// Blocks handed out and not yet given back.
+  size_t allocations = 0;
+  /// Bytes the caching allocator keeps free for reuse (not in in_use).
+  size_t cached = 0;
 };
-MemoryStats cpu_memory_stats();
+/// The allocator's statistics for `device` (the host by default). Raises for a CUDA device in a
+/// build without CUDA.
+MemoryStats memory_stats(Device device = kCPU);
 /// Starts a new peak from the current use (to measure one region of a program).
-void cpu_reset_peak_memory();
+void reset_peak_memory(Device device = kCPU);
+
+namespace detail {
+/// The counters behind memory_stats, one per device (thread-safe).
+class MemoryCounter {
+ public:
+  void allocated(size_t bytes);
+  void freed(size_t bytes);
+  void cached(size_t bytes) { cached_.fetch_add(bytes, std::memory_order_relaxed); }
+  void uncached(size_t bytes) { cached_.fetch_sub(bytes, std::memory_order_relaxed); }
+  MemoryStats read() const;
+  void reset_peak() { peak_.store(in_use_.load(std::memory_order_relaxed)); }
+
+ private:
+  std::atomic<size_t> in_use_{0}, peak_{0}, allocations_{0}, cached_{0};
+};
+}  // namespace detail
 
 }  // namespace weave

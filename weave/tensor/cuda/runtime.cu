@@ -17,6 +17,7 @@ constexpr int kMaxDevices = 64;
 struct DeviceCache {
   std::mutex mutex;
   std::multimap<size_t, void*> free_blocks;
+  weave::detail::MemoryCounter counter;
 };
 
 DeviceCache& cache(int device) {
@@ -33,7 +34,10 @@ void release_cached(int device) {
   DeviceCache& c = cache(device);
   std::lock_guard lock(c.mutex);
   DeviceGuard guard(device);
-  for (auto& [size, ptr] : c.free_blocks) cudaFree(ptr);
+  for (auto& [size, ptr] : c.free_blocks) {
+    cudaFree(ptr);
+    c.counter.uncached(size);
+  }
   c.free_blocks.clear();
 }
 
@@ -72,6 +76,8 @@ void* allocate(size_t nbytes, int device) {
     if (it != c.free_blocks.end()) {
       void* ptr = it->second;
       c.free_blocks.erase(it);
+      c.counter.uncached(size);
+      c.counter.allocated(size);
       return ptr;
     }
   }
@@ -86,6 +92,7 @@ void* allocate(size_t nbytes, int device) {
                 "tensors you no longer need",
                 nbytes, device, detail::call_error(status));
   }
+  c.counter.allocated(size);
   return ptr;
 }
 
@@ -93,7 +100,15 @@ void deallocate(void* ptr, size_t nbytes, int device) {
   if (ptr == nullptr) return;
   DeviceCache& c = cache(device);
   std::lock_guard lock(c.mutex);
-  c.free_blocks.emplace(round_size(nbytes), ptr);
+  const size_t size = round_size(nbytes);
+  c.free_blocks.emplace(size, ptr);
+  c.counter.freed(size);
+  c.counter.cached(size);
+}
+
+weave::detail::MemoryCounter& memory_counter(int device) {
+  check_device(device, "memory_stats");
+  return cache(device).counter;
 }
 
 void empty_cache() {

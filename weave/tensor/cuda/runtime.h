@@ -4,6 +4,7 @@
 #include <cstddef>
 
 #include "weave/tensor/device.h"
+#include "weave/tensor/storage.h"
 
 namespace weave::cuda {
 
@@ -16,6 +17,8 @@ void* allocate(size_t nbytes, int device);
 void deallocate(void* ptr, size_t nbytes, int device);
 /// Frees every cached device block.
 void empty_cache();
+/// The allocator's counters for a device (memory_stats(Device::cuda(device)) reads them).
+weave::detail::MemoryCounter& memory_counter(int device);
 /// Copies nbytes between any two devices (host included) and waits for the copy.
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes);
 /// Waits for all work on the device's weave stream.
