@@ -25,8 +25,7 @@ Tensor Module::operator()(const Tensor& input) {
 }
 
 template <class Hook>
-HookHandle Module::add_hook(std::vector<std::pair<uint64_t, Hook>> ForwardHooks::*list,
-                            Hook hook) {
+HookHandle Module::add_hook(std::vector<std::pair<uint64_t, Hook>> ForwardHooks::*list, Hook hook) {
   WEAVE_CHECK(hook != nullptr, name_, "expected a hook function, found an empty one");
   const uint64_t id = hooks_->next_id++;
   ((*hooks_).*list).emplace_back(id, std::move(hook));

@@ -26,6 +26,7 @@
 // calls fn.
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "weave/tensor/random.h"
