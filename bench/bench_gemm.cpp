@@ -92,30 +92,10 @@ std::vector<Shape> mlp_step(int batch) {
 
 // The GEMMs of one GPT step (forward and backward) in microseconds, median of reps each.
 double gpt_step_us(int layers, int dim, int heads, int context, int batch, int vocab, int reps) {
-  const int tokens = batch * context, hd = dim / heads;
-  double linear_us = 0;
-  auto linear = [&](int in, int out) {  // x W^T, dY W, dY^T x
-    for (const Shape& s :
-         {Shape{"fwd", false, true, tokens, in, out}, Shape{"dX", false, false, tokens, out, in},
-          Shape{"dW", true, false, out, tokens, in}})
-      linear_us += time_shape(s, reps) * 1e6;
-  };
-  for (int l = 0; l < layers; ++l) {
-    linear(dim, 3 * dim);
-    linear(dim, dim);
-    linear(dim, 4 * dim);
-    linear(4 * dim, dim);
-  }
-  linear(dim, vocab);
-  double head_pair_us = 0;  // one (sequence, head): S = Q K^T, O = P V, dV, dP, dQ, dK
-  for (const Shape& s : {Shape{"S", false, true, context, hd, context},
-                         Shape{"O", false, false, context, context, hd},
-                         Shape{"dV", true, false, context, context, hd},
-                         Shape{"dP", false, true, context, hd, context},
-                         Shape{"dQ", false, false, context, context, hd},
-                         Shape{"dK", true, false, context, context, hd}})
-    head_pair_us += time_shape(s, reps) * 1e6;
-  const double attention_us = 0.5 * head_pair_us * batch * heads * layers;
+  double linear_us = 0, attention_us = 0;
+  for (const auto& p : weave::bench::gpt_step_products(layers, dim, heads, context, batch, vocab))
+    (p.attention ? attention_us : linear_us) +=
+        p.times * time_shape({p.name, p.transpose_a, p.transpose_b, p.m, p.k, p.n}, reps) * 1e6;
   std::printf(
       "gemm lib=%s threads=1 gpt_step layers=%d dim=%d heads=%d context=%d batch=%d "
       "vocab=%d linear_us=%.0f attention_us=%.0f us=%.0f\n",

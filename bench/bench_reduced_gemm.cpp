@@ -6,8 +6,7 @@
 // Prints `name=... m= k= n= dtype= ms= gflops=` per case (median of the trials).
 // With `--gpt LAYERS DIM HEADS CONTEXT BATCH VOCAB`, one thread: the bfloat16 GEMMs of a GPT
 // training step under autocast (bench/compare_gpt.sh's limit with `bf16`), the same list as
-// bench_gemm's `--gpt` (each linear's forward, input and weight gradient; attention's six
-// products per (sequence, head), counted at half for the causal mask):
+// bench_gemm's `--gpt` (bench::gpt_step_products):
 //   gemm dtype=bfloat16 threads=1 gpt_step ... us=
 #include <cstdio>
 #include <cstdlib>
@@ -46,28 +45,10 @@ double product_us(bool transpose_a, bool transpose_b, int64_t m, int64_t k, int6
 }
 
 void gpt_step(int layers, int dim, int heads, int context, int batch, int vocab) {
-  const int tokens = batch * context, hd = dim / heads, reps = 7;
-  double linear_us = 0;
-  auto linear = [&](int in, int out) {  // x W^T, dY W, dY^T x
-    linear_us += product_us(false, true, tokens, in, out, reps) +
-                 product_us(false, false, tokens, out, in, reps) +
-                 product_us(true, false, out, tokens, in, reps);
-  };
-  for (int l = 0; l < layers; ++l) {
-    linear(dim, 3 * dim);
-    linear(dim, dim);
-    linear(dim, 4 * dim);
-    linear(4 * dim, dim);
-  }
-  linear(dim, vocab);
-  // One (sequence, head): S = Q K^T, O = P V, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q.
-  const double head_pair_us = product_us(false, true, context, hd, context, reps) +
-                              product_us(false, false, context, context, hd, reps) +
-                              product_us(true, false, context, context, hd, reps) +
-                              product_us(false, true, context, hd, context, reps) +
-                              product_us(false, false, context, context, hd, reps) +
-                              product_us(true, false, context, context, hd, reps);
-  const double attention_us = 0.5 * head_pair_us * batch * heads * layers;
+  double linear_us = 0, attention_us = 0;
+  for (const auto& p : bench::gpt_step_products(layers, dim, heads, context, batch, vocab))
+    (p.attention ? attention_us : linear_us) +=
+        p.times * product_us(p.transpose_a, p.transpose_b, p.m, p.k, p.n, 7);
   std::printf(
       "gemm dtype=bfloat16 threads=1 gpt_step layers=%d dim=%d heads=%d context=%d batch=%d "
       "vocab=%d linear_us=%.0f attention_us=%.0f us=%.0f\n",

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <ctime>
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace weave::bench {
@@ -43,6 +44,50 @@ inline std::pair<double, double> alternate(const std::function<void()>& a,
     tb.push_back(seconds(b));
   }
   return {median(ta), median(tb)};
+}
+
+/// One matrix product of a benchmark's workload: op(A) [m, k] times op(B) [k, n], op
+/// transposing a stored [k, m] A or [n, k] B; the workload runs it `times` times.
+struct Product {
+  std::string name;
+  bool transpose_a, transpose_b;
+  int m, k, n;
+  double times = 1;
+  bool attention = false;
+};
+
+/// The matrix products of one GPT training step (compare_gpt.sh's limit): each linear's forward
+/// x W^T, input gradient dY W and weight gradient dY^T x; attention's six per (sequence, head),
+/// S = Q K^T, O = P V, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q, counted at half for
+/// the causal mask.
+inline std::vector<Product> gpt_step_products(int layers, int dim, int heads, int context,
+                                              int batch, int vocab) {
+  const int tokens = batch * context, hd = dim / heads;
+  std::vector<Product> out;
+  auto linear = [&](int in, int features) {
+    out.push_back({"fwd", false, true, tokens, in, features});
+    out.push_back({"dX", false, false, tokens, features, in});
+    out.push_back({"dW", true, false, features, tokens, in});
+  };
+  for (int l = 0; l < layers; ++l) {
+    linear(dim, 3 * dim);
+    linear(dim, dim);
+    linear(dim, 4 * dim);
+    linear(4 * dim, dim);
+  }
+  linear(dim, vocab);
+  const double pairs = 0.5 * batch * heads * layers;
+  for (Product p : {Product{"S", false, true, context, hd, context},
+                    Product{"O", false, false, context, context, hd},
+                    Product{"dV", true, false, context, context, hd},
+                    Product{"dP", false, true, context, hd, context},
+                    Product{"dQ", false, false, context, context, hd},
+                    Product{"dK", true, false, context, context, hd}}) {
+    p.times = pairs;
+    p.attention = true;
+    out.push_back(p);
+  }
+  return out;
 }
 
 }  // namespace weave::bench

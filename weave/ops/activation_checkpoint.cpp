@@ -17,6 +17,18 @@ namespace detail {
 
 namespace {
 thread_local CheckpointRegion* keeping = nullptr;
+
+// Makes `region` the keeping region on this thread for the scope's life.
+class KeepingScope {
+ public:
+  explicit KeepingScope(CheckpointRegion* region) : outer_(std::exchange(keeping, region)) {}
+  ~KeepingScope() { keeping = outer_; }
+  KeepingScope(const KeepingScope&) = delete;
+  KeepingScope& operator=(const KeepingScope&) = delete;
+
+ private:
+  CheckpointRegion* outer_;
+};
 thread_local int64_t reused = 0;
 const std::vector<std::string> kKeepableKernels = {"matmul"};
 }  // namespace
@@ -76,7 +88,7 @@ class CheckpointRegion final : public SavedTensorHooks {
   }
 
   Tensor keep_or_replay(const char* kernel, const std::function<Tensor()>& compute) {
-    if (!recomputing_) {
+    if (!forward_done_) {
       Tensor result = compute();
       kept_.push_back({kernel, result, result.version()});
       return result;
@@ -146,6 +158,7 @@ class CheckpointRegion final : public SavedTensorHooks {
     slots_.assign(slot_meta_.size(), {});
     filled_ = 0;
     replayed_ = 0;
+    forward_done_ = true;
     std::vector<Tensor> inputs;
     for (size_t i = 0; i < inputs_.size(); ++i) {
       Tensor input = inputs_[i].defined() ? inputs_[i].detach() : Tensor();
@@ -163,17 +176,8 @@ class CheckpointRegion final : public SavedTensorHooks {
         autocast.emplace(kBFloat16, false);
       GeneratorReplay generators(*this);
       SavedTensorHooksGuard collect(std::make_shared<Collector>(*this));
-      CheckpointRegion* outer = std::exchange(keeping, keep_.empty() ? nullptr : this);
-      recomputing_ = true;
-      try {
-        fn_(inputs);
-      } catch (...) {
-        keeping = outer;
-        recomputing_ = false;
-        throw;
-      }
-      keeping = outer;
-      recomputing_ = false;
+      KeepingScope replay(keep_.empty() ? nullptr : this);
+      fn_(inputs);
     }
     WEAVE_CHECK(filled_ == slot_meta_.size(), "checkpoint",
                 "the recomputation diverged from the forward: it saved {} tensors for backward, "
@@ -200,7 +204,7 @@ class CheckpointRegion final : public SavedTensorHooks {
   size_t filled_ = 0;
   std::vector<Kept> kept_;
   size_t replayed_ = 0;
-  bool recomputing_ = false;
+  bool forward_done_ = false;  // from the first recomputation on, kept results are handed back
   bool recomputed_ = false;
 };
 
@@ -211,16 +215,8 @@ CheckpointRegion* keeping_region() {
 Tensor keep_result(CheckpointRegion& region, const char* kernel,
                    const std::function<Tensor()>& compute) {
   if (!region.keeps(kernel)) return compute();
-  // A kept kernel's own work (a nested product) is not kept twice.
-  CheckpointRegion* outer = std::exchange(keeping, nullptr);
-  try {
-    Tensor result = region.keep_or_replay(kernel, compute);
-    keeping = outer;
-    return result;
-  } catch (...) {
-    keeping = outer;
-    throw;
-  }
+  const KeepingScope nested(nullptr);  // a kept kernel's own work is not kept twice
+  return region.keep_or_replay(kernel, compute);
 }
 
 int64_t reused_results() {
@@ -269,15 +265,8 @@ std::vector<Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<T
   std::vector<Tensor> outputs;
   {
     detail::SavedTensorHooksGuard hooks(region);
-    detail::CheckpointRegion* outer =
-        std::exchange(detail::keeping, options.keep.empty() ? nullptr : region.get());
-    try {
-      outputs = fn(inputs);
-    } catch (...) {
-      detail::keeping = outer;
-      throw;
-    }
-    detail::keeping = outer;
+    const detail::KeepingScope keep(options.keep.empty() ? nullptr : region.get());
+    outputs = fn(inputs);
   }
   const bool any_output = std::any_of(outputs.begin(), outputs.end(), [](const Tensor& t) {
     return t.defined() && t.requires_grad();
