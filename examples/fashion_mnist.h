@@ -3,7 +3,7 @@
 // model, and a training loop whose gradient averaging is a data-parallel strategy.
 //
 //   [--epochs 10] [--batch-size 128] [--lr 0.001] [--seed 0] [--data DIR] [--threads N]
-//   [--strategy ddp|dist-opt|zero1|decentralized:TOPOLOGY] [--compress bf16|fp16]
+//   [--strategy ddp|dist-opt|zero1|fsdp|fsdp-zero2|decentralized:TOPOLOGY] [--compress bf16|fp16]
 //   [--autocast bf16|fp16]   (forward under AutocastGuard; fp16 adds a GradScaler, agreed over
 //                             the ranks; decentralized steps inside backward, without one)
 //   [--recipe small]   (784-256-128-10 without dropout, Adam at a constant lr: the recipe
@@ -64,12 +64,13 @@ inline Flags parse(int argc, char** argv, const char* program) {
     } else if (arg == "--strategy") {
       f.strategy = value();
       const bool decentralized = f.strategy.rfind("decentralized:", 0) == 0;
-      WEAVE_CHECK(
-          f.strategy == "ddp" || f.strategy == "dist-opt" || f.strategy == "zero1" || decentralized,
-          program,
-          "unknown strategy '{}'; expected ddp, dist-opt, zero1 or decentralized:NAME "
-          "(NAME: {})",
-          f.strategy, parallel::topology_names());
+      WEAVE_CHECK(f.strategy == "ddp" || f.strategy == "dist-opt" || f.strategy == "zero1" ||
+                      f.strategy == "fsdp" || f.strategy == "fsdp-zero2" || decentralized,
+                  program,
+                  "unknown strategy '{}'; expected ddp, dist-opt, zero1, fsdp, fsdp-zero2 or "
+                  "decentralized:NAME "
+                  "(NAME: {})",
+                  f.strategy, parallel::topology_names());
     } else if (arg == "--schedule") {
       f.schedule = parallel::schedule_from_name(value());
     } else if (arg == "--microbatches") {
@@ -186,8 +187,10 @@ inline int run(const Flags& flags) {
   nn::Sequential model;
   for (const auto& layer : layers) model.push_back(layer);
   // ddp: averaging overlaps backward; dist-opt: one fused averaging before each step; zero1:
-  // reduce-scatter, step a 1/N slice of the Adam state, all-gather; decentralized: local steps
-  // inside backward, then neighbour averages over a topology.
+  // reduce-scatter, step a 1/N slice of the Adam state, all-gather; fsdp: each layer's
+  // parameters sharded too, gathered around its forward and backward (fsdp-zero2: gradients and
+  // optimizer state sharded only); decentralized: local steps inside backward, then neighbour
+  // averages over a topology.
   auto make_optimizer = [&](std::vector<Tensor> params) -> std::unique_ptr<optim::Optimizer> {
     if (flags.small_recipe)
       return std::make_unique<optim::Adam>(std::move(params), optim::AdamOptions{.lr = flags.lr});
@@ -199,6 +202,7 @@ inline int run(const Flags& flags) {
   std::unique_ptr<parallel::DecentralizedDataParallel> decentralized;
   std::unique_ptr<parallel::DistributedOptimizer> averaging;
   std::unique_ptr<parallel::ZeroRedundancyOptimizer> zero;
+  std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
   std::unique_ptr<optim::Optimizer> optimizer;
   if (flags.strategy == "ddp") {
     ddp = std::make_unique<parallel::DistributedDataParallel>(
@@ -209,6 +213,12 @@ inline int run(const Flags& flags) {
     optimizer = make_optimizer(model.parameters());
     averaging = std::make_unique<parallel::DistributedOptimizer>(
         *optimizer, parallel::DistributedOptimizerOptions{.compress = flags.compress});
+  } else if (flags.strategy == "fsdp" || flags.strategy == "fsdp-zero2") {
+    fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
+        model, parallel::FSDPOptions{.sharding = flags.strategy == "fsdp"
+                                                     ? parallel::ShardingStrategy::FullShard
+                                                     : parallel::ShardingStrategy::ShardGradOp});
+    optimizer = make_optimizer(fsdp->parameters());  // this rank's shards
   } else if (flags.strategy == "zero1") {
     parallel::synchronize(model);
     zero = std::make_unique<parallel::ZeroRedundancyOptimizer>(model.parameters(), make_optimizer);
@@ -235,13 +245,17 @@ inline int run(const Flags& flags) {
         std::optional<AutocastGuard> autocast;
         if (flags.autocast) autocast.emplace(*flags.autocast);
         logits = ddp             ? (*ddp)(batch.input)
+                 : fsdp          ? (*fsdp)(batch.input)
                  : decentralized ? (*decentralized)(batch.input)
                                  : model(batch.input);
         loss = cross_entropy(logits, batch.target);  // float32 under autocast
       }
       if (stepped) {
         stepped->set_lr(lr_at(step));
-        model.zero_grad(/*set_to_none=*/false);
+        if (fsdp)
+          optimizer->zero_grad(/*set_to_none=*/false);  // the shards' gradients
+        else
+          model.zero_grad(/*set_to_none=*/false);
       }
       // decentralized: each bucket steps and mixes inside backward
       scaler.scale(loss).backward();

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# gpt_test.sh GPT MPIRUN...: a short GPT run on the fortunes text at 2 ranks under ddp and tp (with
-# and without sequence parallelism), at 4 ranks hybrid, and stopped then resumed from its
+# gpt_test.sh GPT MPIRUN...: a short GPT run on the fortunes text at 2 ranks under ddp, fsdp (also
+# stopped and resumed) and tp (with and without sequence parallelism), at 4 ranks hybrid, and stopped then resumed from its
 # checkpoint, and with activation checkpointing (ddp, and tp with sequence parallelism), must each
 # end at the held-out loss of one process on the same global batch (float32: within 1e-3
 # relative). Exits 77 (skipped) without the fortunes package.
@@ -26,6 +26,13 @@ check "ddp np2 with activation checkpointing" \
   "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy ddp --checkpoint-activations | held)"
 check "tp np2 with activation checkpointing" \
   "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --checkpoint-activations | held)"
+check "fsdp np2 (ZeRO-3)" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy fsdp | held)"
+check "fsdp np2 with activation checkpointing" \
+  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy fsdp --checkpoint-activations | held)"
+"${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy fsdp --checkpoint "$work/fsdp" --stop-at 15 \
+  | grep -q "stopped at step 15" || { echo "FAIL: the fsdp run did not stop at step 15"; status=1; }
+check "fsdp np2 stopped at 15, resumed from its sharded checkpoint" \
+  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy fsdp --checkpoint "$work/fsdp" --resume | held)"
 check "hybrid np4 (2 x 2)" "$("${mpirun[@]}" -np 4 "$gpt" "${args[@]}" --strategy hybrid --tp 2 | held)"
 "${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --checkpoint "$work/ckpt" --stop-at 15 \
   | grep -q "stopped at step 15" || { echo "FAIL: the run did not stop at step 15"; status=1; }

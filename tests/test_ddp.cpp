@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "helpers.h"
 #include "weave/weave.h"
 
 using namespace weave;
@@ -350,6 +351,46 @@ TEST_SUITE("ddp") {
         CHECK(allclose(model->parameters()[i], reference->parameters()[i], 1e-12, 1e-14));
     }
     CHECK(dec.steps() == 4);
+  }
+
+  TEST_CASE("decentralized 'complete' on a 2x2 mesh's data group equals DDP on that group") {
+    if (dist::world_size() != 4) return;
+    parallel::ProcessMesh mesh({.data = 2, .tensor = 2});
+    // The two data groups ({0, 2} and {1, 3}) train different models: mixing across them, or
+    // averaging over the world, would pull each toward the other.
+    const uint64_t seed = 11 + uint64_t(mesh.tensor_rank()) * 5;
+    auto model = make_model(seed), reference = make_model(seed);
+    for (const Tensor& p : model->parameters()) p.detach().add_(double(mesh.data_rank()));
+    CHECK_WEAVE_ERROR(parallel::DecentralizedDataParallel(*model,
+                                                          [](std::vector<Tensor> bucket) {
+                                                            return std::make_unique<optim::SGD>(
+                                                                std::move(bucket),
+                                                                optim::SGDOptions{.lr = 0.1});
+                                                          },
+                                                          {.topology = "complete"}),
+                      "DecentralizedDataParallel", "mesh.data()");
+    parallel::DecentralizedDataParallel dec(*model,
+                                            [](std::vector<Tensor> bucket) {
+                                              return std::make_unique<optim::SGD>(
+                                                  std::move(bucket), optim::SGDOptions{.lr = 0.1});
+                                            },
+                                            {.topology = "complete", .group = mesh.data()});
+    DistributedDataParallel ddp(*reference, {.group = mesh.data()});
+    optim::SGD sgd(reference->parameters(), {.lr = 0.1});
+    for (int step = 0; step < 3; ++step) {
+      CAPTURE(step);
+      auto [x, y] = global_batch(step + 10 * mesh.tensor_rank());
+      Tensor xs = x.narrow(0, mesh.data_rank() * kLocalBatch, kLocalBatch);
+      Tensor ys = y.narrow(0, mesh.data_rank() * kLocalBatch, kLocalBatch);
+      mse_loss(dec(xs), ys).backward();
+      sgd.zero_grad();
+      mse_loss(ddp(xs), ys).backward();
+      sgd.step();
+      dec.wait();
+      for (size_t i = 0; i < reference->parameters().size(); ++i)
+        CHECK(allclose(model->parameters()[i], reference->parameters()[i], 1e-12, 1e-14));
+    }
+    CHECK(dec.group().ranks() == mesh.data().ranks());
   }
 
   TEST_CASE("decentralized ring and one-peer-exp mix exactly with their neighbours") {

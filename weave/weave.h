@@ -25,6 +25,8 @@
 #include "weave/parallel/data.h"
 #include "weave/parallel/ddp.h"
 #include "weave/parallel/decentralized.h"
+#include "weave/parallel/topology.h"
+#include "weave/parallel/fsdp.h"
 #include "weave/parallel/distributed_optimizer.h"
 #include "weave/parallel/grad_scaler.h"
 #include "weave/parallel/join.h"

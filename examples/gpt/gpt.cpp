@@ -1,5 +1,5 @@
 // A character-level GPT trained on the quotations of Debian's `fortunes` package:
-//   mpirun -np 2 gpt [--strategy ddp|tp|hybrid] [--tp 2] [--layers 4] [--dim 256] [--heads 4]
+//   mpirun -np 2 gpt [--strategy ddp|fsdp|tp|hybrid] [--tp 2] [--layers 4] [--dim 256] [--heads 4]
 //                    [--context 128] [--batch 16] [--steps 600] [--lr 1e-3] [--eval-every 100]
 //                    [--checkpoint DIR [--checkpoint-every 100] [--resume] [--stop-at STEP]]
 //                    [--no-sequence-parallel] [--samples 3] [--threads 1] [--seed 0]
@@ -10,6 +10,8 @@
 // characters from the training text at offsets every process derives from (seed, step), so a
 // run at any number of ranks and any strategy sees the same global batch:
 //   ddp     each rank takes its share of the windows; gradients averaged (DDP);
+//   fsdp    as ddp, with parameters, gradients and AdamW state sharded (ZeRO-3; each block,
+//           embedding, norm and head is a unit, gathered around its forward and backward);
 //   tp      every rank takes all of them; heads, MLP units and vocabulary split over the ranks,
 //           with sequence parallelism unless --no-sequence-parallel;
 //   hybrid  tensor-parallel groups of --tp ranks, data parallel across them.
@@ -122,8 +124,9 @@ Flags parse(int argc, char** argv) {
                  "--context, --batch, --steps, --lr, --eval-every, --checkpoint, --resume, ...",
                  arg);
   }
-  WEAVE_CHECK(f.strategy == "ddp" || f.strategy == "tp" || f.strategy == "hybrid", "gpt",
-              "--strategy must be ddp, tp or hybrid, found '{}'", f.strategy);
+  WEAVE_CHECK(
+      f.strategy == "ddp" || f.strategy == "fsdp" || f.strategy == "tp" || f.strategy == "hybrid",
+      "gpt", "--strategy must be ddp, fsdp, tp or hybrid, found '{}'", f.strategy);
   return f;
 }
 
@@ -393,7 +396,8 @@ int main(int argc, char** argv) try {
   dist::InitGuard distributed;
   set_num_threads(f.threads);
   const int world = dist::world_size();
-  const int tensor = f.strategy == "ddp" ? 1 : f.strategy == "tp" ? world : f.tp;
+  const bool fully_sharded = f.strategy == "fsdp";
+  const int tensor = f.strategy == "ddp" || fully_sharded ? 1 : f.strategy == "tp" ? world : f.tp;
   WEAVE_CHECK(tensor > 0 && world % tensor == 0, "gpt",
               "--tp {} does not divide the {} ranks; hint: run a multiple of --tp ranks", tensor,
               world);
@@ -405,11 +409,29 @@ int main(int argc, char** argv) try {
   const Corpus corpus = load_corpus(f.data_dir);
 
   auto model = build(f, corpus.vocab, mesh, sequence_parallel);
+  std::vector<std::pair<std::string, Shape>> model_shapes;  // before fsdp shards the parameters
+  for (const auto& [name, p] : model->named_parameters())
+    model_shapes.emplace_back(name, p.shape());
   std::unique_ptr<parallel::DistributedDataParallel> ddp;
-  if (data > 1)
+  std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
+  if (fully_sharded)
+    fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
+        *model, parallel::FSDPOptions{.group = mesh.data()});
+  else if (data > 1)
     ddp = std::make_unique<parallel::DistributedDataParallel>(
         *model, parallel::DDPOptions{.group = mesh.data()});
-  optim::AdamW optimizer(model->parameters(), {.lr = f.lr, .weight_decay = f.weight_decay});
+  // Evaluation and sampling run on whole parameters: under fsdp, on a replica loaded from the
+  // gathered state (the sharded model's forward would gather on every data-parallel rank, but
+  // only one group samples). Collective under fsdp.
+  auto whole_model = [&]() -> std::shared_ptr<LanguageModel> {
+    if (!fsdp) return model;
+    auto replica = build(f, corpus.vocab, mesh, sequence_parallel);
+    replica->load_state_dict(fsdp->full_state_dict());
+    return replica;
+  };
+  // Under fsdp the optimizer steps this rank's shards only.
+  optim::AdamW optimizer(fsdp ? fsdp->parameters() : model->parameters(),
+                         {.lr = f.lr, .weight_decay = f.weight_decay});
   // Linear warmup, then cosine to min_lr (the same formula in bench/gpt_torch.py).
   optim::LRScheduler scheduler(optimizer, [f](int64_t step) {
     if (step < f.warmup) return f.lr * double(step + 1) / double(f.warmup);
@@ -427,7 +449,9 @@ int main(int argc, char** argv) try {
   // rank agrees on skipping (the world: tensor-parallel shards overflow separately).
   parallel::GradScaler scaler({.enabled = f.autocast == kFloat16});
 
-  data::TrainingState state{.model = model.get(), .optimizer = &optimizer, .scheduler = &scheduler};
+  data::TrainingState state{.model = fsdp ? &fsdp->sharded_module() : model.get(),
+                            .optimizer = &optimizer,
+                            .scheduler = &scheduler};
   int64_t step = 0;
   namespace fs = std::filesystem;
   if (f.resume && !f.checkpoint.empty() && fs::exists(fs::path(f.checkpoint) / "index.json")) {
@@ -437,7 +461,7 @@ int main(int argc, char** argv) try {
   }
   if (dist::rank() == 0) {
     int64_t count = 0;
-    for (const Tensor& p : model->parameters()) count += p.numel();
+    for (const auto& [name, shape] : model_shapes) count += shape.numel();
     std::printf(
         "gpt: %s, %s; %lld layers, dim %lld, %lld heads, context %lld, batch %lld, vocab %lld "
         "(%zu used), %lld parameters on rank 0; %zu train / %zu held-out characters\n",
@@ -464,12 +488,14 @@ int main(int argc, char** argv) try {
     {
       std::optional<AutocastGuard> autocast;
       if (f.autocast) autocast.emplace(*f.autocast);
-      Tensor logits = ddp ? (*ddp)(inputs) : (*model)(inputs);
+      Tensor logits = ddp ? (*ddp)(inputs) : fsdp ? (*fsdp)(inputs) : (*model)(inputs);
       loss = model->loss(logits, targets);
     }
     scaler.scale(loss).backward();
     scaler.unscale_(optimizer.params());  // clipping sees the true gradients
-    if (tensor > 1)
+    if (fsdp)  // disjoint shards: the norm sums over the data-parallel group
+      dist::clip_grad_norm_(optimizer.params(), {}, f.clip, mesh.data());
+    else if (tensor > 1)
       dist::clip_grad_norm_(sharded, replicated, f.clip, mesh.tensor());
     else
       optim::clip_grad_norm_(model->parameters(), f.clip);
@@ -495,7 +521,7 @@ int main(int argc, char** argv) try {
     if (step % f.eval_every == 0 && step < f.steps) {
       std::optional<AutocastGuard> autocast;
       if (f.autocast) autocast.emplace(*f.autocast);
-      const double held = heldout_loss(*model, f, corpus, mesh);
+      const double held = heldout_loss(*whole_model(), f, corpus, mesh);
       if (dist::rank() == 0)
         std::printf("step %lld heldout_loss %.4f\n", static_cast<long long>(step), held);
     }
@@ -512,7 +538,8 @@ int main(int argc, char** argv) try {
   }
   std::optional<AutocastGuard> autocast;
   if (f.autocast) autocast.emplace(*f.autocast);
-  const double held = heldout_loss(*model, f, corpus, mesh);
+  const std::shared_ptr<LanguageModel> evaluated = whole_model();
+  const double held = heldout_loss(*evaluated, f, corpus, mesh);
   if (dist::rank() == 0) {
     std::printf("peak tensor memory on rank 0: %.1f MB (memory_stats)\n",
                 double(memory_stats().peak) / 1e6);
@@ -522,10 +549,10 @@ int main(int argc, char** argv) try {
   // parameters in a model built without it.
   if (sequence_parallel) {
     auto decoder = std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
-    decoder->load_state_dict(model->state_dict());
+    decoder->load_state_dict(evaluated->state_dict());
     sample(*decoder, f, corpus, mesh);
   } else {
-    sample(*model, f, corpus, mesh);
+    sample(*evaluated, f, corpus, mesh);
   }
   return 0;
 } catch (const std::exception& e) {

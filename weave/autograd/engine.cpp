@@ -123,9 +123,20 @@ bool in_backward() {
   return backward_depth > 0;
 }
 
-detail::RecomputeGuard::RecomputeGuard() : depth_(std::exchange(backward_depth, 0)) {}
+namespace {
+thread_local int recompute_depth = 0;
+}
+
+detail::RecomputeGuard::RecomputeGuard() : depth_(std::exchange(backward_depth, 0)) {
+  ++recompute_depth;
+}
 detail::RecomputeGuard::~RecomputeGuard() {
   backward_depth = depth_;
+  --recompute_depth;
+}
+
+bool detail::recomputing() {
+  return recompute_depth > 0;
 }
 
 void queue_callback(std::function<void()> fn) {

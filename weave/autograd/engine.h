@@ -67,6 +67,9 @@ class RecomputeGuard {
  private:
   int depth_;
 };
+/// True while a RecomputeGuard lives on this thread (a module's forward hooks tell a
+/// recomputation from the forward pass by it).
+bool recomputing();
 }  // namespace detail
 
 /// Runs fn once when the backward pass now running on this thread finishes. It does not run

@@ -152,7 +152,8 @@ Work broadcast(const Tensor& tensor, int root = 0, const Group& group = world(),
 /// On root, tensor = op over the group; other ranks' tensors are unchanged.
 Work reduce(const Tensor& tensor, ReduceOp op = ReduceOp::Sum, int root = 0,
             const Group& group = world(), bool async_op = false);
-/// output [size * n, ...] = the inputs [n, ...] of every group rank, in group-rank order.
+/// output [size * n, ...] = the inputs [n, ...] of every group rank, in group-rank order. The
+/// input may be this rank's own slice of the output (in place: output.narrow(0, rank * n, n)).
 Work all_gather(const Tensor& output, const Tensor& input, const Group& group = world(),
                 bool async_op = false);
 /// Inputs may differ in their first dimension; returns them concatenated (blocking).

@@ -91,6 +91,15 @@ void collect(const Module& module, const std::string& prefix, bool recurse, Name
 }
 }  // namespace
 
+// A tensor reachable under several names (a tied weight, a module registered twice) is listed
+// once, under its first name, so optimizers and data-parallel wrappers see it once.
+namespace {
+void drop_repeats(NamedTensors& named) {
+  std::set<const void*> seen;
+  std::erase_if(named, [&](const auto& entry) { return !seen.insert(entry.second.impl()).second; });
+}
+}  // namespace
+
 NamedTensors Module::named_parameters(bool recurse) const {
   NamedTensors out;
   collect(*this, "", recurse, out, [](const Module& m) {
@@ -99,6 +108,7 @@ NamedTensors Module::named_parameters(bool recurse) const {
       if (t->defined()) own.emplace_back(n, *t);
     return own;
   });
+  drop_repeats(out);
   return out;
 }
 
@@ -110,6 +120,7 @@ NamedTensors Module::named_buffers(bool recurse) const {
       if (t->defined()) own.emplace_back(n, *t);
     return own;
   });
+  drop_repeats(out);
   return out;
 }
 
@@ -185,26 +196,38 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
 }
 
 template <class Fn>
-void Module::for_each_tensor(Fn&& fn) {
-  for (auto& [name, t] : parameters_) {
-    if (!t->defined()) continue;
-    Tensor moved = fn(*t);
-    if (moved.is_same(*t)) continue;
-    const bool grad = t->requires_grad();
-    *t = moved.detach();
-    if (grad) t->requires_grad_(true);
-  }
+void Module::for_each_tensor(Fn&& fn, std::map<const void*, std::pair<Tensor, Tensor>>& done) {
+  // A tensor reachable twice (a tied weight) is converted once, and both places get the result.
+  auto convert = [&](Tensor& t, bool leaf) {
+    auto it = done.find(t.impl());
+    if (it != done.end()) {
+      t = it->second.second;
+      return;
+    }
+    const Tensor original = t;
+    Tensor moved = fn(t);
+    if (!moved.is_same(t)) {
+      const bool grad = leaf && t.requires_grad();
+      t = moved.detach();
+      if (grad) t.requires_grad_(true);
+    }
+    done.emplace(original.impl(), std::make_pair(original, t));  // keeps the key's tensor alive
+  };
+  for (auto& [name, t] : parameters_)
+    if (t->defined()) convert(*t, true);
   for (auto& [name, t] : buffers_)
-    if (t->defined()) *t = fn(*t).detach();
-  for (auto& [name, child] : children_) child->for_each_tensor(fn);
+    if (t->defined()) convert(*t, false);
+  for (auto& [name, child] : children_) child->for_each_tensor(fn, done);
 }
 
 void Module::to(Device device) {
-  for_each_tensor([&](const Tensor& t) { return t.to(device); });
+  std::map<const void*, std::pair<Tensor, Tensor>> done;
+  for_each_tensor([&](const Tensor& t) { return t.to(device); }, done);
 }
 
 void Module::to(DType dtype) {
-  for_each_tensor([&](const Tensor& t) { return is_floating(t.dtype()) ? t.to(dtype) : t; });
+  std::map<const void*, std::pair<Tensor, Tensor>> done;
+  for_each_tensor([&](const Tensor& t) { return is_floating(t.dtype()) ? t.to(dtype) : t; }, done);
 }
 
 }  // namespace weave::nn

@@ -42,7 +42,8 @@ class Module {
   const std::string& name() const { return name_; }
 
   /// "fc1.weight" style names, registration order, depth first. Deterministic, so every rank
-  /// of a distributed job lists parameters identically.
+  /// of a distributed job lists parameters identically. A tensor reachable under several names
+  /// (a tied weight, a module registered twice) is listed once, under its first name.
   NamedTensors named_parameters(bool recurse = true) const;
   std::vector<Tensor> parameters(bool recurse = true) const;
   NamedTensors named_buffers(bool recurse = true) const;
@@ -89,7 +90,7 @@ class Module {
  private:
   void check_new_name(const std::string& name) const;
   template <class Fn>
-  void for_each_tensor(Fn&& fn);
+  void for_each_tensor(Fn&& fn, std::map<const void*, std::pair<Tensor, Tensor>>& done);
 
   std::string name_;
   bool training_ = true;

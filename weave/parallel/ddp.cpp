@@ -12,7 +12,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/optim/optimizer.h"
 #include "weave/parallel/agree.h"
-#include "weave/parallel/buckets.h"
+#include "weave/parallel/flat_buffer.h"
 #include "weave/parallel/join.h"
 #include "weave/parallel/mesh.h"
 
@@ -58,140 +58,55 @@ enum StatusWord { kFailed = 0, kUnused = 1 };
 }  // namespace
 
 struct DistributedDataParallel::State {
-  struct Bucket {
-    std::vector<int> params;
-    Tensor buffer;  // the gradients, flat, in the parameters' dtype (the last: + status words)
-    Tensor wire;    // what travels: buffer itself, or its compressed copy
-    int pending = 0;
-    dist::Work work;
-    bool launched = false;
-  };
+  // The last bucket holds the status words after its gradients.
+  using Bucket = detail::GradBucket;
 
   DDPOptions options;
   dist::Group group;
   std::vector<std::string> names;
   std::vector<Tensor> params;
   std::vector<Tensor> views;  // params[i]'s gradient inside its bucket
-  std::vector<int> bucket_of;
   std::vector<Bucket> buckets;
-  std::vector<HookHandle> hooks;
-
-  bool traced = false;
-  std::vector<int> trace;  // first backward: parameter indices in the order they became ready
-  bool no_sync = false;
-  bool in_backward = false;
+  std::shared_ptr<detail::GradReadiness> readiness;
   // A synchronizing forward ran and its backward has not settled yet.
   bool forward_pending = false;
   bool finite = true;
-  std::vector<char> ready;
-  int64_t ready_count = 0;
-  size_t next_launch = 0;
   DDPStats stats;
 
   explicit State(DDPOptions o)
       : options(std::move(o)),
         group(detail::data_parallel_group(options.group, "DistributedDataParallel")) {}
 
-  // A post-accumulate-grad hook fired for parameter i.
-  void on_ready(int i, const std::weak_ptr<State>& self) {
-    if (no_sync) return;
-    if (!in_backward) {
-      begin_step();
-      // Runs when backward ends, also when an exception unwinds it: the step is settled on
-      // every rank either way.
-      autograd::queue_final_callback([self](bool failed) {
-        if (auto state = self.lock()) state->settle(failed);
-      });
-    }
-    if (ready[i]) return;
-    ready[i] = 1;
-    ++ready_count;
-    if (!traced) {
-      trace.push_back(i);
-      return;
-    }
-    into_bucket(i);
-    Bucket& b = buckets[bucket_of[i]];
-    if (--b.pending == 0) launch_ready();
+  void watch(const std::vector<Tensor>& watched) {
+    readiness = detail::GradReadiness::create(
+        watched, {.ready = [this](int i) { detail::bind_grad(params[i], views[i]); },
+                  .launch = [this](int b) { buckets[size_t(b)].launch_average(group); },
+                  .finish = [this](bool failed) { settle(failed); }});
   }
 
-  // The per-step state, fresh: nothing ready, nothing launched.
-  void begin_step() {
-    in_backward = true;
-    std::fill(ready.begin(), ready.end(), 0);
-    ready_count = 0;
-    next_launch = 0;
-    for (Bucket& b : buckets) {
-      b.pending = int(b.params.size());
-      b.launched = false;
-    }
-    stats.ready_before_first_launch = -1;
-  }
-
-  // Makes parameter i's gradient its bucket view (copying it in if it arrived elsewhere, as
-  // after zero_grad(set_to_none = true)).
-  void into_bucket(int i) {
-    Tensor& view = views[i];
-    Tensor grad = params[i].grad();
-    if (grad.defined() && grad.storage() == view.storage() && grad.offset() == view.offset())
-      return;
-    if (grad.defined())
-      view.copy_(grad);
-    else
-      view.zero_();
-    params[i].set_grad(view);
-  }
-
-  // Launches, in bucket order, every bucket whose gradients are all in (order matters: every
-  // rank must issue the same all_reduces in the same order). The last bucket, which carries the
-  // status words, waits for the end of backward, when this rank's status is known.
-  void launch_ready() {
-    while (next_launch + 1 < buckets.size() && buckets[next_launch].pending == 0)
-      launch(buckets[next_launch++]);
-  }
-
-  void launch(Bucket& b) {
-    if (stats.ready_before_first_launch < 0) stats.ready_before_first_launch = ready_count;
-    if (!b.wire.is_same(b.buffer)) b.wire.copy_(b.buffer);
-    b.work = dist::all_reduce(b.wire, dist::ReduceOp::Avg, group, /*async_op=*/true);
-    b.launched = true;
-  }
-
+  // The last bucket, which carries the status words, is held back until the end of backward,
+  // when this rank's status is known.
   void build_buckets(const std::vector<int>& order) {
-    for (const auto& members :
-         detail::cut_buckets(order, params, options.first_bucket_mb, options.bucket_mb)) {
-      buckets.emplace_back();
-      buckets.back().params = members;
-    }
+    std::vector<std::vector<int>> members =
+        detail::cut_buckets(order, params, options.first_bucket_mb, options.bucket_mb);
     views.assign(params.size(), Tensor());
-    bucket_of.assign(params.size(), -1);
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      Bucket& bucket = buckets[b];
-      const Tensor& first = params[bucket.params.front()];
-      int64_t total = 0;
-      for (int i : bucket.params) total += params[i].numel();
-      if (b + 1 == buckets.size()) total += kStatusWords;
-      bucket.buffer = zeros({total}, {.dtype = first.dtype(), .device = first.device()});
-      bucket.wire = options.compress && *options.compress != first.dtype()
-                        ? empty({total}, {.dtype = *options.compress, .device = first.device()})
-                        : bucket.buffer;
-      int64_t offset = 0;
-      for (int i : bucket.params) {
-        views[i] =
-            make_view(bucket.buffer, params[i].shape(), contiguous_strides(params[i].shape()),
-                      bucket.buffer.offset() + offset);
-        bucket_of[i] = int(b);
-        offset += params[i].numel();
-      }
+    for (size_t b = 0; b < members.size(); ++b) {
+      std::vector<Tensor> bucket_params;
+      for (int i : members[b]) bucket_params.push_back(params[size_t(i)]);
+      Bucket bucket = Bucket::allocate(bucket_params, options.compress,
+                                       b + 1 == members.size() ? kStatusWords : 0);
+      for (size_t k = 0; k < members[b].size(); ++k)
+        views[size_t(members[b][k])] = bucket.grads.view(k);
+      buckets.push_back(std::move(bucket));
     }
+    readiness->set_buckets(std::move(members), /*held_back=*/1);
     stats.buckets = int(buckets.size());
-    traced = true;
   }
 
   std::vector<std::string> unused_names() const {
     std::vector<std::string> unused;
     for (size_t i = 0; i < params.size(); ++i)
-      if (!ready[i]) unused.push_back(names[i]);
+      if (!readiness->is_ready(int(i))) unused.push_back(names[i]);
     return unused;
   }
 
@@ -201,20 +116,18 @@ struct DistributedDataParallel::State {
   // Raises on the ranks that did not fail when another did; never on a failed rank (its own
   // error is the one to report), except for what every rank raises alike.
   void settle(bool failed) {
-    if (!in_backward) begin_step();  // settling a step whose backward never reached us
-    in_backward = false;
     forward_pending = false;
     const int64_t step = stats.steps++;
-    const bool has_unused = !failed && ready_count < int64_t(params.size());
+    const bool has_unused = !failed && readiness->ready_count() < int64_t(params.size());
     int64_t failed_ranks = 0, unused_ranks = 0;
-    if (!traced) {
+    if (!readiness->has_buckets()) {
       // Every rank must cut the same buckets, or their all_reduces would not pair up: all take
       // the first rank's order, agreeing on the statuses in the same round.
       bool differs = false;
+      std::vector<int> trace = readiness->take_trace();
       std::vector<int64_t> flags = {failed ? 1 : 0, has_unused ? 1 : 0};
       const std::vector<int> order = detail::agree_on_order(failed ? std::vector<int>{} : trace,
                                                             params.size(), group, differs, &flags);
-      trace.clear();
       failed_ranks = flags[kFailed];
       unused_ranks = flags[kUnused];
       if (failed_ranks == 0) {
@@ -226,28 +139,33 @@ struct DistributedDataParallel::State {
                      "on inputs of the same structure, or construct with "
                      "{{.find_unused_parameters = true}}");
         }
-        build_buckets(order);
-        for (size_t i = 0; i < params.size(); ++i) into_bucket(int(i));
-        while (next_launch < buckets.size()) launch(buckets[next_launch++]);
+        std::vector<char> was_ready(params.size());
+        for (size_t i = 0; i < params.size(); ++i) was_ready[i] = readiness->is_ready(int(i));
+        build_buckets(order);  // starts the bookkeeping afresh
+        for (size_t i = 0; i < params.size(); ++i)
+          if (was_ready[i]) readiness->mark_ready(int(i));
+        for (size_t i = 0; i < params.size(); ++i) detail::bind_grad(params[i], views[i]);
+        readiness->launch_rest();
+        readiness->end();
         wait_all();
       }
+      stats.ready_before_first_launch = readiness->ready_count();  // nothing overlapped
     } else {
       // Parameters without a gradient from this backward keep what they accumulated (no_sync
       // micro-batches) or contribute zeros; then every bucket is complete.
       for (size_t i = 0; i < params.size(); ++i)
-        if (!ready[i]) into_bucket(int(i));
-      for (Bucket& b : buckets) b.pending = 0;
-      launch_ready();
-      Tensor words = buckets.back().buffer.narrow(0, buckets.back().buffer.numel() - kStatusWords,
-                                                  kStatusWords);
+        if (!readiness->is_ready(int(i))) detail::bind_grad(params[i], views[i]);
+      const Tensor& last = buckets.back().grads.flat;
+      Tensor words = last.narrow(0, last.numel() - kStatusWords, kStatusWords);
       words.narrow(0, kFailed, 1).fill_(failed ? 1.0 : 0.0);
       words.narrow(0, kUnused, 1).fill_(has_unused ? 1.0 : 0.0);
-      launch(buckets[next_launch++]);
+      readiness->launch_rest();
       wait_all();
       // The average of 0/1 words times the group size counts the ranks that set them.
       const std::vector<double> averaged = words.to(kFloat64).cpu().to_vector<double>();
       failed_ranks = std::llround(averaged[kFailed] * group.size());
       unused_ranks = std::llround(averaged[kUnused] * group.size());
+      stats.ready_before_first_launch = readiness->ready_at_first_launch();
     }
     if (failed_ranks > 0) {  // every rank discards the step (an untraced one traces again)
       optim::zero_grad(params, /*set_to_none=*/false);
@@ -262,9 +180,6 @@ struct DistributedDataParallel::State {
     }
     stats.unused = unused_names();
     stats.parameters = int64_t(params.size());
-    // Unused parameters still get the group's average (their peers may have used them).
-    for (size_t i = 0; i < params.size(); ++i)
-      if (!ready[i]) params[i].set_grad(views[i]);
     if (!options.find_unused_parameters) check_used(unused_ranks, has_unused);
     if (options.check_finite) check_gradients_finite(step);
   }
@@ -285,21 +200,18 @@ struct DistributedDataParallel::State {
   // join(): a step of the others in which this rank, out of inputs, contributes zeros.
   void shadow_step(nn::Module& module) {
     start_step(module);
-    begin_step();
-    for (Bucket& b : buckets) b.buffer.zero_();
+    readiness->begin();
+    for (Bucket& b : buckets) b.grads.flat.zero_();
     for (size_t i = 0; i < params.size(); ++i) {
       params[i].set_grad(views[i]);
-      ready[i] = 1;
+      readiness->mark_ready(int(i));
     }
-    ready_count = int64_t(params.size());
+    readiness->end();
     settle(/*failed=*/false);
   }
 
   void wait_all() {
-    for (Bucket& b : buckets) {
-      b.work.wait();
-      if (!b.wire.is_same(b.buffer)) b.buffer.copy_(b.wire);
-    }
+    for (Bucket& b : buckets) b.wait();
   }
 
   // Without find_unused_parameters, a parameter without gradient on any rank raises on every
@@ -320,7 +232,7 @@ struct DistributedDataParallel::State {
   // The averaged gradients are equal on every rank, so is this verdict.
   void check_gradients_finite(int64_t step) {
     std::vector<Tensor> buffers;
-    for (const Bucket& b : buckets) buffers.push_back(b.buffer);
+    for (const Bucket& b : buckets) buffers.push_back(b.grads.flat);
     finite = all_finite(buffers);
     if (finite) return;
     std::string first;
@@ -356,17 +268,14 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
     s.names.push_back(name);
     s.params.push_back(p);
   }
-  s.ready.assign(s.params.size(), 0);
-  s.hooks = detail::hook_ready(s.params, state_);
+  s.watch(s.params);
 }
 
-DistributedDataParallel::~DistributedDataParallel() {
-  for (HookHandle& hook : state_->hooks) hook.remove();
-}
+DistributedDataParallel::~DistributedDataParallel() = default;
 
 Tensor DistributedDataParallel::forward(const Tensor& input) {
   State& s = *state_;
-  const bool synchronizing = autograd::GradMode::is_enabled() && !s.no_sync;
+  const bool synchronizing = autograd::GradMode::is_enabled() && !s.readiness->paused();
   // The previous synchronizing forward got no backward on this rank (skipped, or it failed
   // before reaching this model): settle that step with the group now, as failed, so the peers'
   // all_reduces of that step pair with this rank's and nothing pairs across steps.
@@ -376,6 +285,8 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
                  "on this rank; its gradients are discarded on every rank; hint: run evaluation "
                  "under NoGradGuard\n",
                  dist::rank(), static_cast<long long>(s.stats.steps));
+    s.readiness->begin();
+    s.readiness->end();
     s.settle(true);
   }
   if (synchronizing) {
@@ -385,7 +296,7 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
   s.forward_pending = synchronizing;
   // Gradients dropped by zero_grad(set_to_none = true) go back into their buckets, zeroed,
   // so backward accumulates in place instead of copying in afterwards.
-  if (s.traced && !s.no_sync) {
+  if (s.readiness->has_buckets() && !s.readiness->paused()) {
     NoGradGuard no_grad;
     for (size_t i = 0; i < s.params.size(); ++i)
       if (!s.params[i].grad().defined()) {
@@ -397,11 +308,11 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
 }
 
 DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)
-    : ddp_(ddp), previous_(ddp.state_->no_sync) {
-  ddp_.state_->no_sync = true;
+    : ddp_(ddp), previous_(ddp.state_->readiness->paused()) {
+  ddp_.state_->readiness->set_paused(true);
 }
 DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
-  ddp_.state_->no_sync = previous_;
+  ddp_.state_->readiness->set_paused(previous_);
 }
 
 const DDPStats& DistributedDataParallel::stats() const {
@@ -417,7 +328,7 @@ const dist::Group& DistributedDataParallel::group() const {
 }
 
 bool DistributedDataParallel::can_shadow() const {
-  return state_->traced;
+  return state_->readiness->has_buckets();
 }
 
 void DistributedDataParallel::shadow_step() {
@@ -426,9 +337,9 @@ void DistributedDataParallel::shadow_step() {
 
 std::vector<std::vector<std::string>> DistributedDataParallel::bucket_names() const {
   std::vector<std::vector<std::string>> out;
-  for (const auto& bucket : state_->buckets) {
+  for (const auto& bucket : state_->readiness->buckets()) {
     out.emplace_back();
-    for (int i : bucket.params) out.back().push_back(state_->names[i]);
+    for (int i : bucket) out.back().push_back(state_->names[size_t(i)]);
   }
   return out;
 }

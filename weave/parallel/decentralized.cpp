@@ -1,106 +1,21 @@
-// Topologies and the decentralized trainer: per-bucket steps inside backward, asynchronous
-// neighbour averages completed at the next forward.
+// The decentralized trainer: per-bucket optimizer steps inside backward, asynchronous neighbour
+// averages of each bucket's flat parameters completed at the next forward.
 #include "weave/parallel/decentralized.h"
 
+#include <algorithm>
 #include <map>
-#include <mutex>
 
-#include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
-#include "weave/parallel/buckets.h"
 #include "weave/parallel/ddp.h"
 #include "weave/parallel/distributed_optimizer.h"
+#include "weave/parallel/flat_buffer.h"
+#include "weave/parallel/mesh.h"
 
 namespace weave::parallel {
 
-// ---- topologies ----------------------------------------------------------------------------
-
 namespace {
 
-using PhaseMaker = std::function<std::vector<TopologyPhase>(int world, int local_ranks)>;
-
-bool power_of_two(int n) {
-  return n > 0 && (n & (n - 1)) == 0;
-}
-int log2_of(int n) {
-  int k = 0;
-  while ((1 << k) < n) ++k;
-  return k;
-}
-
-std::vector<TopologyPhase> complete(int n, int) {
-  std::vector<int> all(size_t(n), 0);
-  for (int i = 0; i < n; ++i) all[size_t(i)] = i;
-  return {{{all}, 1.0 / n}};
-}
-
-std::vector<TopologyPhase> ring(int n, int) {
-  WEAVE_CHECK(n >= 2 && n % 2 == 0, "topology",
-              "ring needs an even world size, found world size {}; hint: use complete or "
-              "one-peer-exp",
-              n);
-  TopologyPhase forward{{}, 0.5}, backward{{}, 0.5};
-  for (int i = 0; i < n; i += 2) {
-    forward.edges.push_back({i, i + 1});
-    backward.edges.push_back({i, (i + n - 1) % n});
-  }
-  return {forward, backward};
-}
-
-std::vector<TopologyPhase> one_peer_exp(int n, int) {
-  WEAVE_CHECK(n >= 2 && power_of_two(n), "topology",
-              "one-peer-exp needs a power-of-two world size of at least 2, found world size {}", n);
-  std::vector<TopologyPhase> phases;
-  for (int bit = 1; bit < n; bit <<= 1) {
-    TopologyPhase phase{{}, 0.5};
-    for (int j = 0; j < n; ++j)
-      if ((j & bit) == 0) phase.edges.push_back({j, j + bit});
-    phases.push_back(phase);
-  }
-  return phases;
-}
-
-std::vector<TopologyPhase> alternating_exp_ring(int n, int local) {
-  WEAVE_CHECK(local >= 1 && n % local == 0 && power_of_two(n / local) && n / local >= 2, "topology",
-              "alternating-exp-ring needs local_ranks ({}) to divide the world size ({}) into a "
-              "power-of-two number (>= 2) of nodes",
-              local, n);
-  const int nodes = n / local;
-  auto ranks_of = [&](int node) {
-    std::vector<int> ranks;
-    for (int l = 0; l < local; ++l) ranks.push_back(node * local + l);
-    return ranks;
-  };
-  std::vector<TopologyPhase> phases;
-  for (int i = 0; i < log2_of(nodes); ++i) {
-    TopologyPhase intra{{}, 1.0 / local};
-    for (int node = 0; node < nodes; ++node) intra.edges.push_back(ranks_of(node));
-    TopologyPhase inter{{}, 1.0 / (2 * local)};
-    for (int node = 0; node < nodes; ++node)
-      if ((node & (1 << i)) == 0) {
-        std::vector<int> edge = ranks_of(node), other = ranks_of(node | (1 << i));
-        edge.insert(edge.end(), other.begin(), other.end());
-        inter.edges.push_back(edge);
-      }
-    phases.push_back(intra);
-    phases.push_back(inter);
-  }
-  return phases;
-}
-
-struct Registry {
-  std::mutex mutex;
-  std::map<std::string, PhaseMaker> makers{{"complete", complete},
-                                           {"ring", ring},
-                                           {"one-peer-exp", one_peer_exp},
-                                           {"alternating-exp-ring", alternating_exp_ring}};
-};
-Registry& registry() {
-  static Registry r;
-  return r;
-}
-
-// The edge of `phase` that holds `rank`.
+// The edge of `phase` that holds group rank `rank`.
 const std::vector<int>& edge_of(const TopologyPhase& phase, int rank) {
   for (const auto& edge : phase.edges)
     for (int r : edge)
@@ -108,74 +23,35 @@ const std::vector<int>& edge_of(const TopologyPhase& phase, int rank) {
   WEAVE_FAIL("topology", "rank {} is in no edge of a phase", rank);
 }
 
+// The rank lists of every group the world's ranks train on, in order of their lowest rank: the
+// world itself, or the sibling groups of a mesh (each rank passes its own). Collective over the
+// world when `group` is not the world.
+std::vector<std::vector<int>> sibling_groups(const dist::Group& group) {
+  const int world = dist::world_size();
+  if (group.size() == world) return {group.ranks()};
+  std::vector<int64_t> mine(size_t(world), -1);
+  for (size_t k = 0; k < group.ranks().size(); ++k) mine[k] = group.ranks()[k];
+  Tensor all = empty({int64_t(world) * world}, {.dtype = kInt64});
+  dist::all_gather(all, from_vector(mine), dist::world());
+  const std::vector<int64_t> values = all.to_vector<int64_t>();
+  std::vector<std::vector<int>> groups;
+  for (int r = 0; r < world; ++r) {
+    std::vector<int> ranks;
+    for (int k = 0; k < world && values[size_t(r * world + k)] >= 0; ++k)
+      ranks.push_back(int(values[size_t(r * world + k)]));
+    if (std::find(groups.begin(), groups.end(), ranks) == groups.end()) groups.push_back(ranks);
+  }
+  return groups;
+}
+
 }  // namespace
-
-std::vector<std::string> topology_names() {
-  std::lock_guard lock(registry().mutex);
-  std::vector<std::string> names;
-  for (const auto& [name, maker] : registry().makers) names.push_back(name);
-  return names;
-}
-
-void register_topology(const std::string& name, PhaseMaker make_phases) {
-  WEAVE_CHECK(!name.empty() && make_phases, "register_topology",
-              "expected a name and a phase function");
-  std::lock_guard lock(registry().mutex);
-  registry().makers[name] = std::move(make_phases);
-}
-
-std::vector<TopologyPhase> topology_phases(const std::string& name, int world, int local_ranks) {
-  PhaseMaker maker;
-  {
-    std::lock_guard lock(registry().mutex);
-    auto it = registry().makers.find(name);
-    if (it != registry().makers.end()) maker = it->second;
-  }
-  WEAVE_CHECK(maker != nullptr, "topology", "unknown topology '{}'; registered: {}", name,
-              topology_names());
-  WEAVE_CHECK(world >= 1, "topology", "world size must be positive, found {}", world);
-  std::vector<TopologyPhase> phases = maker(world, local_ranks);
-  WEAVE_CHECK(!phases.empty(), "topology", "topology '{}' has no phase for world size {}", name,
-              world);
-  for (size_t p = 0; p < phases.size(); ++p) {  // every rank in exactly one edge per phase
-    std::vector<int> seen(size_t(world), 0);
-    for (const auto& edge : phases[p].edges)
-      for (int r : edge) {
-        WEAVE_CHECK(r >= 0 && r < world, "topology", "{} phase {} names rank {} of {}", name, p, r,
-                    world);
-        ++seen[size_t(r)];
-      }
-    for (int r = 0; r < world; ++r)
-      WEAVE_CHECK(seen[size_t(r)] == 1, "topology",
-                  "{} phase {} puts rank {} in {} edges; every rank needs exactly one", name, p, r,
-                  seen[size_t(r)]);
-    WEAVE_CHECK(phases[p].weight > 0 && phases[p].weight <= 1, "topology",
-                "{} phase {} has weight {}; expected (0, 1]", name, p, phases[p].weight);
-  }
-  return phases;
-}
-
-std::vector<std::vector<double>> mixing_matrix(const TopologyPhase& phase, int world) {
-  std::vector<std::vector<double>> m(size_t(world), std::vector<double>(size_t(world), 0.0));
-  for (const auto& edge : phase.edges) {
-    const double others = edge.size() > 1 ? (1 - phase.weight) / double(edge.size() - 1) : 0;
-    for (int i : edge)
-      for (int j : edge)
-        m[size_t(i)][size_t(j)] = i == j ? (edge.size() > 1 ? phase.weight : 1.0) : others;
-  }
-  return m;
-}
-
-// ---- the trainer ---------------------------------------------------------------------------
 
 struct DecentralizedDataParallel::State {
   struct Bucket {
-    std::vector<int> params;
+    detail::FlatBuffer params;  // the bucket's parameters live here (bound after tracing)
     std::unique_ptr<optim::Optimizer> optimizer;
-    int pending = 0;
-    bool stepped = false;
-    // The neighbour average in flight: buf = c * x summed over the edge; x <- self * x + buf.
-    Tensor buffer;
+    // The neighbour average in flight: mixed = c * x summed over the edge; x <- self * x + mixed.
+    Tensor mixed;
     dist::Work work;
     double self = 1;
     bool mixing = false;
@@ -187,75 +63,53 @@ struct DecentralizedDataParallel::State {
   };
 
   DecentralizedOptions options;
+  dist::Group group;
   OptimizerFactory make_optimizer;
   std::vector<TopologyPhase> phases;
   std::vector<PhaseGroup> my_phase;
   std::vector<Tensor> params;
-  std::vector<int> bucket_of;
   std::vector<Bucket> buckets;
-  std::vector<HookHandle> hooks;
-  std::vector<int> trace;
-  std::vector<char> ready;
-  bool traced = false, accumulate = false, in_backward = false;
-  size_t next_launch = 0;
+  std::shared_ptr<detail::GradReadiness> readiness;
+  bool failing = false;  // finishing a backward that unwound on this rank
   int64_t step = 0;
 
-  void on_ready(int i, const std::weak_ptr<State>& self) {
-    if (accumulate) return;
-    if (!in_backward) {
-      in_backward = true;
-      std::fill(ready.begin(), ready.end(), 0);
-      next_launch = 0;
-      for (Bucket& b : buckets) {
-        b.pending = int(b.params.size());
-        b.stepped = false;
-      }
-      // Runs also when an exception unwinds backward: the next step must start clean.
-      autograd::queue_final_callback([self](bool failed) {
-        if (auto state = self.lock()) state->finish(failed);
-      });
-    }
-    if (ready[size_t(i)]) return;
-    ready[size_t(i)] = 1;
-    if (!traced) {
-      trace.push_back(i);
-      return;
-    }
-    Bucket& b = buckets[size_t(bucket_of[size_t(i)])];
-    if (--b.pending == 0) step_bucket(b);
-    launch_stepped();
+  explicit State(DecentralizedOptions o)
+      : options(std::move(o)),
+        group(detail::data_parallel_group(options.group, "DecentralizedDataParallel")) {}
+
+  void watch() {
+    readiness = detail::GradReadiness::create(
+        params, {.launch = [this](int b) { step_and_mix(buckets[size_t(b)]); },
+                 .finish = [this](bool failed) { finish(failed); }});
   }
 
   // With a loss scaler, the bucket's gradients are unscaled first, and a bucket holding
   // inf/NaN keeps its parameters (the scaler's update() agrees on the backoff over the world).
-  void step_bucket(Bucket& b) {
-    if (options.lr_schedule) b.optimizer->set_lr(options.lr_schedule(step));
-    bool finite = true;
-    if (options.scaler) {
-      std::vector<Tensor> grads;
-      for (const Tensor& p : b.optimizer->params()) grads.push_back(p.grad());
-      finite = options.scaler->unscale_local(grads);
+  // A rank whose backward failed drops the partial gradients without stepping, but still sends
+  // its averages: the neighbours wait for them, and every rank stays in the same phase.
+  void step_and_mix(Bucket& b) {
+    if (!failing) {
+      if (options.lr_schedule) b.optimizer->set_lr(options.lr_schedule(step));
+      bool finite = true;
+      if (options.scaler) {
+        std::vector<Tensor> grads;
+        for (const Tensor& p : b.optimizer->params()) grads.push_back(p.grad());
+        finite = options.scaler->unscale_local(grads);
+      }
+      if (finite) b.optimizer->step();
     }
-    if (finite) b.optimizer->step();
     b.optimizer->zero_grad(true);
-    b.stepped = true;
-  }
-
-  // Neighbour averages go out in bucket order (the same on every rank of an edge).
-  void launch_stepped() {
-    while (next_launch < buckets.size() && buckets[next_launch].stepped)
-      launch_mixing(buckets[next_launch++]);
+    launch_mixing(b);
   }
 
   void launch_mixing(Bucket& b) {
     const PhaseGroup& phase = my_phase[size_t(step) % my_phase.size()];
     if (!phase.group) return;  // alone in this phase's edge: nothing to mix
     const double others = (1 - phase.weight) / double(phase.edge_size - 1);
-    std::vector<Tensor> pieces;
-    for (int i : b.params) pieces.push_back(params[size_t(i)].reshape({-1}));
-    b.buffer = cat(pieces) * others;
+    NoGradGuard no_grad;
+    b.mixed = b.params.flat * others;
     b.self = phase.weight - others;
-    b.work = dist::all_reduce(b.buffer, dist::ReduceOp::Sum, *phase.group, /*async_op=*/true);
+    b.work = dist::all_reduce(b.mixed, dist::ReduceOp::Sum, *phase.group, /*async_op=*/true);
     b.mixing = true;
   }
 
@@ -264,14 +118,9 @@ struct DecentralizedDataParallel::State {
     for (Bucket& b : buckets) {
       if (!b.mixing) continue;
       b.work.wait();
-      int64_t offset = 0;
-      for (int i : b.params) {
-        Tensor& p = params[size_t(i)];
-        p.mul_(b.self).add_(b.buffer.narrow(0, offset, p.numel()).reshape(p.shape()));
-        offset += p.numel();
-      }
+      b.params.flat.mul_(b.self).add_(b.mixed);
       b.mixing = false;
-      b.buffer = Tensor();
+      b.mixed = Tensor();
     }
   }
 
@@ -280,9 +129,9 @@ struct DecentralizedDataParallel::State {
   bool build_buckets(bool failed) {
     bool differs = false;
     std::vector<int64_t> failed_ranks = {failed ? 1 : 0};
+    std::vector<int> trace = readiness->take_trace();
     const std::vector<int> order = detail::agree_on_order(
-        failed ? std::vector<int>{} : trace, params.size(), dist::world(), differs, &failed_ranks);
-    trace.clear();
+        failed ? std::vector<int>{} : trace, params.size(), group, differs, &failed_ranks);
     if (failed_ranks[0] > 0) {
       optim::zero_grad(params, /*set_to_none=*/false);
       WEAVE_CHECK(failed, "DecentralizedDataParallel",
@@ -293,44 +142,37 @@ struct DecentralizedDataParallel::State {
     WEAVE_CHECK(!differs, "DecentralizedDataParallel",
                 "ranks produced gradients in different orders in the first backward; hint: "
                 "every rank must run the same model code on inputs of the same structure");
-    bucket_of.assign(params.size(), -1);
-    for (const auto& members :
-         detail::cut_buckets(order, params, options.first_bucket_mb, options.bucket_mb)) {
+    std::vector<std::vector<int>> members =
+        detail::cut_buckets(order, params, options.first_bucket_mb, options.bucket_mb);
+    for (const std::vector<int>& bucket_members : members) {
       Bucket b;
-      b.params = members;
+      std::vector<Shape> shapes;
       std::vector<Tensor> bucket_params;
-      for (int i : members) {
-        bucket_of[size_t(i)] = int(buckets.size());
+      for (int i : bucket_members) {
+        shapes.push_back(params[size_t(i)].shape());
         bucket_params.push_back(params[size_t(i)]);
       }
+      b.params =
+          detail::FlatBuffer::allocate(shapes, bucket_params[0].dtype(), bucket_params[0].device());
+      for (size_t k = 0; k < bucket_params.size(); ++k)
+        detail::bind_data(bucket_params[k], b.params.view(k));
       b.optimizer = make_optimizer(bucket_params);
       WEAVE_CHECK(b.optimizer != nullptr, "DecentralizedDataParallel",
                   "the optimizer factory returned null");
       buckets.push_back(std::move(b));
     }
-    traced = true;
+    readiness->set_buckets(std::move(members));
     return true;
   }
 
   // End of a stepping backward: buckets that are not complete (parameters without a gradient)
-  // step with what they have, and every bucket's neighbour average goes out. When this rank's
-  // backward failed, its incomplete buckets do not step (their gradients are partial and are
-  // dropped), but their averages still go out: the neighbours wait for them, and every rank
-  // stays in the same phase.
+  // step with what they have, and every bucket's neighbour average goes out.
   void finish(bool failed) {
-    in_backward = false;
     NoGradGuard no_grad;
-    if (!traced && !build_buckets(failed)) return;
-    for (Bucket& b : buckets)
-      if (!b.stepped) {
-        if (failed) {
-          b.optimizer->zero_grad(true);
-          b.stepped = true;
-        } else {
-          step_bucket(b);
-        }
-      }
-    launch_stepped();
+    if (!readiness->has_buckets() && !build_buckets(failed)) return;
+    failing = failed;
+    readiness->launch_rest();
+    failing = false;
     ++step;
   }
 };
@@ -338,37 +180,45 @@ struct DecentralizedDataParallel::State {
 DecentralizedDataParallel::DecentralizedDataParallel(nn::Module& module,
                                                      OptimizerFactory make_optimizer,
                                                      DecentralizedOptions options)
-    : module_(module), state_(std::make_shared<State>()) {
+    : module_(module), state_(std::make_shared<State>(std::move(options))) {
   State& s = *state_;
-  WEAVE_CHECK(make_optimizer != nullptr, "DecentralizedDataParallel",
-              "expected an optimizer factory");
-  s.options = std::move(options);
+  const char* op = "DecentralizedDataParallel";
+  WEAVE_CHECK(make_optimizer != nullptr, op, "expected an optimizer factory");
+  WEAVE_CHECK(s.group.rank() >= 0, op,
+              "rank {} is not in group {}; hint: only its members construct the wrapper",
+              dist::rank(), s.group.str());
   s.make_optimizer = std::move(make_optimizer);
-  const int world = dist::world_size(), me = dist::rank();
-  s.phases = topology_phases(s.options.topology, world, s.options.local_ranks);
-  check_same_model(module);
-  synchronize(module);
-  // Every rank creates every edge's group, in the same order (new_group is collective);
-  // an edge that recurs in several phases is created once.
-  std::map<std::vector<int>, dist::Group> groups;
+  s.phases = topology_phases(s.options.topology, s.group.size(), s.options.local_ranks);
+  check_same_model(module, s.group);
+  synchronize(module, 0, s.group);
+  // Every rank of the world creates every edge group of every sibling group, in one order
+  // (new_group is collective over the world); an edge that recurs is created once.
+  std::map<std::vector<int>, dist::Group> edges;
+  for (const std::vector<int>& ranks : sibling_groups(s.group))
+    for (const TopologyPhase& phase : s.phases)
+      for (const auto& edge : phase.edges) {
+        std::vector<int> global;
+        for (int r : edge) global.push_back(ranks[size_t(r)]);
+        if (global.size() > 1 && !edges.count(global))
+          edges.emplace(global, dist::new_group(global));
+      }
   for (const TopologyPhase& phase : s.phases) {
-    for (const auto& edge : phase.edges)
-      if (edge.size() > 1 && !groups.count(edge)) groups.emplace(edge, dist::new_group(edge));
-    const std::vector<int>& mine = edge_of(phase, me);
+    const std::vector<int>& mine = edge_of(phase, s.group.rank());
     State::PhaseGroup pg;
     pg.weight = phase.weight;
     pg.edge_size = mine.size();
-    if (mine.size() > 1) pg.group = groups.at(mine);
+    std::vector<int> global;
+    for (int r : mine) global.push_back(s.group.global_rank(r));
+    if (mine.size() > 1) pg.group = edges.at(global);
     s.my_phase.push_back(pg);
   }
   for (const auto& [name, p] : module.named_parameters())
     if (p.defined() && p.requires_grad()) s.params.push_back(p);
-  s.ready.assign(s.params.size(), 0);
-  s.hooks = detail::hook_ready(s.params, state_);
+  s.watch();
 }
 
 DecentralizedDataParallel::~DecentralizedDataParallel() {
-  for (HookHandle& hook : state_->hooks) hook.remove();
+  state_->readiness.reset();
   try {
     state_->complete_mixing();  // no all_reduce may outlive the buffers it writes
   } catch (...) {
@@ -381,7 +231,7 @@ Tensor DecentralizedDataParallel::forward(const Tensor& input) {
 }
 
 void DecentralizedDataParallel::set_accumulate_grad(bool accumulate) {
-  state_->accumulate = accumulate;
+  state_->readiness->set_paused(accumulate);
 }
 
 void DecentralizedDataParallel::wait() {
@@ -390,7 +240,7 @@ void DecentralizedDataParallel::wait() {
 
 void DecentralizedDataParallel::global_avg() {
   state_->complete_mixing();
-  average_tensors(state_->params, dist::world());
+  average_tensors(state_->params, state_->group);
 }
 
 int64_t DecentralizedDataParallel::steps() const {
@@ -399,6 +249,10 @@ int64_t DecentralizedDataParallel::steps() const {
 
 const std::vector<TopologyPhase>& DecentralizedDataParallel::phases() const {
   return state_->phases;
+}
+
+const dist::Group& DecentralizedDataParallel::group() const {
+  return state_->group;
 }
 
 }  // namespace weave::parallel

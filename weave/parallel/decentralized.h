@@ -2,11 +2,8 @@
 // Decentralized data parallelism (Decent-DP): no global average per step. Each rank steps its
 // own replica, then averages it with a few neighbours; over steps the replicas mix.
 //
-// A topology is a cycle of phases. A phase is a set of edges (rank sets, each a group of its
-// own) with a weight w; every rank is in exactly one edge per phase, and step t uses phase
-// t mod (number of phases). On an edge R, rank i mixes
-//   x_i <- w x_i + (1 - w) / (|R| - 1) * sum_{j in R, j != i} x_j
-// (each phase's mixing matrix is doubly stochastic and symmetric).
+// Who averages with whom is a topology (parallel/topology.h): a cycle of phases, each a set of
+// edges over the ranks of the group.
 //
 //   parallel::DecentralizedDataParallel ddp(model, [](std::vector<Tensor> bucket) {
 //     return std::make_unique<optim::AdamW>(bucket, optim::AdamWOptions{.lr = 1e-3}); },
@@ -20,34 +17,16 @@
 // the rest of backward and the time until the next forward.
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "weave/nn/module.h"
 #include "weave/parallel/grad_scaler.h"
+#include "weave/parallel/topology.h"
 #include "weave/parallel/zero.h"
 
 namespace weave::parallel {
-
-/// One phase: edges (global ranks) with the phase's self-weight w.
-struct TopologyPhase {
-  std::vector<std::vector<int>> edges;
-  double weight = 0.5;
-};
-
-/// A topology's phases for `world` ranks; `local_ranks` is the number of ranks per node
-/// (alternating-exp-ring only). Names: "complete", "ring" (even world size), "one-peer-exp"
-/// (power-of-two world size), "alternating-exp-ring" (local_ranks per node, a power-of-two
-/// number of nodes). An unsupported world size raises weave::Error naming both.
-std::vector<TopologyPhase> topology_phases(const std::string& name, int world, int local_ranks = 1);
-/// The registered topology names.
-std::vector<std::string> topology_names();
-/// Registers a topology under `name` (for example, one of your own design).
-void register_topology(
-    const std::string& name,
-    std::function<std::vector<TopologyPhase>(int world, int local_ranks)> make_phases);
-/// The mixing matrix of one phase: M[i][j] is rank j's share in rank i's new value.
-std::vector<std::vector<double>> mixing_matrix(const TopologyPhase& phase, int world);
 
 struct DecentralizedOptions {
   std::string topology = "ring";
@@ -62,13 +41,19 @@ struct DecentralizedOptions {
   /// it holds inf/NaN. Call scaler->update() after each backward: it agrees on the backoff
   /// over the world, so the scale stays the same on every rank.
   GradScaler* scaler = nullptr;
+  /// The ranks that train together (default: the world; under a ProcessMesh, mesh.data()).
+  /// Topology ranks are positions in this group. With a group smaller than the world, every
+  /// rank of the world constructs its wrapper at the same time, on its own group of the same
+  /// size (the sibling groups of a mesh): the edges of all of them are created together.
+  std::optional<dist::Group> group = std::nullopt;
 };
 
 class DecentralizedDataParallel {
  public:
-  /// Broadcasts rank 0's model (after checking every rank has the same one) and builds the
-  /// topology's groups. `make_optimizer` builds the optimizer of one bucket's parameters.
-  /// Collective over the world.
+  /// Broadcasts group rank 0's model (after checking every rank of the group has the same one)
+  /// and builds the topology's groups. `make_optimizer` builds the optimizer of one bucket's
+  /// parameters. Collective over the world. After the first backward, each bucket's
+  /// parameters live in one flat buffer (the neighbour average mixes it in one piece).
   DecentralizedDataParallel(nn::Module& module, OptimizerFactory make_optimizer,
                             DecentralizedOptions options = {});
   ~DecentralizedDataParallel();
@@ -83,12 +68,13 @@ class DecentralizedDataParallel {
   void set_accumulate_grad(bool accumulate);
   /// Completes the pending neighbour averages (forward does this too).
   void wait();
-  /// Completes pending averages, then averages the replicas over all ranks. Collective.
+  /// Completes pending averages, then averages the replicas over the group. Collective.
   void global_avg();
   /// Steps taken (backward passes that stepped).
   int64_t steps() const;
   /// Phases of the topology in use.
   const std::vector<TopologyPhase>& phases() const;
+  const dist::Group& group() const;
 
   struct State;
 

@@ -1,6 +1,7 @@
 #pragma once
 // Horovod's and Lux's DistributedOptimizer: wraps an optimizer so that step() first averages
 // every parameter's gradient over the group, fused into few all_reduces, then steps.
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -32,7 +33,10 @@ class DistributedOptimizer {
   /// without a gradient takes part with zeros (and receives the average). Returns false, on
   /// every rank alike, when check_finite skipped the step.
   bool step();
-  /// Averages the gradients only (what step() does before stepping).
+  /// Averages the gradients only (what step() does before stepping). The gradients become
+  /// slices of flat bucket buffers at the first call and stay there (zero_grad(false) keeps
+  /// them), so later steps communicate them in place; a gradient that arrives elsewhere (after
+  /// zero_grad(true)) is copied in.
   void synchronize();
   void zero_grad(bool set_to_none = true) { optimizer_.zero_grad(set_to_none); }
   optim::Optimizer& optimizer() { return optimizer_; }
@@ -43,6 +47,8 @@ class DistributedOptimizer {
   DistributedOptimizerOptions options_;
   dist::Group group_;
   int64_t steps_ = 0;
+  struct Buckets;
+  std::shared_ptr<Buckets> buckets_;  // built at the first synchronize
 };
 
 /// Broadcasts an optimizer's state tensors and learning rate from group rank `root`, so a

@@ -5,6 +5,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/parallel/agree.h"
+#include "weave/parallel/flat_buffer.h"
 #include "weave/parallel/join.h"
 #include "weave/parallel/mesh.h"
 
@@ -37,74 +38,56 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
                            "the values differ: the replicas must be equal before sharding "
                            "(parallel::synchronize(module) broadcasts rank 0's)");
   NoGradGuard no_grad;
-  const int64_t n = group_.size(), per_rank = (total_ + n - 1) / n;
-  std::vector<Tensor> pieces;
-  for (const Tensor& p : params_) pieces.push_back(p.reshape({-1}));
-  if (per_rank * n > total_)
-    pieces.push_back(zeros({per_rank * n - total_},
-                           {.dtype = params_[0].dtype(), .device = params_[0].device()}));
-  flat_params_ = cat(pieces);
-  shard_ = flat_params_.narrow(0, group_.rank() * per_rank, per_rank).detach();
+  const int64_t n = group_.size();
+  std::vector<Shape> shapes;
+  for (const Tensor& p : params_) shapes.push_back(p.shape());
+  // The parameters and their gradients become slices of two flat buffers padded to a multiple
+  // of the group size: the reduce-scatter reads the gradients in place, the optimizer updates
+  // this rank's slice of the parameters in place, and the all-gather writes them in place.
+  flat_params_ = std::make_unique<detail::FlatBuffer>(
+      detail::FlatBuffer::allocate(shapes, params_[0].dtype(), params_[0].device(), n));
+  flat_grads_ = std::make_unique<detail::FlatBuffer>(
+      detail::FlatBuffer::allocate(shapes, params_[0].dtype(), params_[0].device(), n));
+  for (size_t k = 0; k < params_.size(); ++k) detail::bind_data(params_[k], flat_params_->view(k));
+  const int64_t per_rank = flat_params_->flat.numel() / n;
+  shard_ = flat_params_->flat.narrow(0, group_.rank() * per_rank, per_rank).detach();
   shard_.requires_grad_(true);
-  for (const Tensor& p : params_) synced_versions_.push_back(p.version());
+  shard_grad_ = empty({per_rank}, {.dtype = shard_.dtype(), .device = shard_.device()});
   optimizer_ = make_optimizer({shard_});
   WEAVE_CHECK(optimizer_ != nullptr, op, "the optimizer factory returned null");
 }
+
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
 
 bool ZeroRedundancyOptimizer::step() {
   detail::join_step_begins(this);
   dist::set_step(group_, steps_++);
   NoGradGuard no_grad;
-  // The parameters are the truth: a parameter changed since the last step (a loaded checkpoint,
-  // an in-place edit: its version moved) reaches the owned slice before the optimizer updates it.
-  const int64_t start = group_.rank() * shard_.numel(), stop = start + shard_.numel();
-  int64_t offset = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Tensor& p = params_[i];
-    const int64_t lo = std::max(start, offset), hi = std::min(stop, offset + p.numel());
-    if (lo < hi && p.version() != synced_versions_[i])
-      shard_.narrow(0, lo - start, hi - lo).copy_(p.reshape({-1}).narrow(0, lo - offset, hi - lo));
-    offset += p.numel();
+  for (size_t k = 0; k < params_.size(); ++k) {
+    // A parameter whose memory was replaced since (by code that rebinds rather than copies)
+    // comes back into the flat buffer, its values with it.
+    if (params_[k].storage() != flat_params_->flat.storage())
+      detail::bind_data(params_[k], flat_params_->view(k));
+    detail::bind_grad(params_[k], flat_grads_->view(k));
   }
-  std::vector<Tensor> grads;
-  for (const Tensor& p : params_)
-    grads.push_back(p.grad().defined()
-                        ? p.grad().reshape({-1})
-                        : zeros({p.numel()}, {.dtype = p.dtype(), .device = p.device()}));
-  const int64_t padding = flat_params_.numel() - total_;
-  if (padding > 0)
-    grads.push_back(
-        zeros({padding}, {.dtype = flat_params_.dtype(), .device = flat_params_.device()}));
-  Tensor shard_grad = empty({shard_.numel()}, {.dtype = shard_.dtype(), .device = shard_.device()});
   if (!options_.check_finite) {
-    dist::reduce_scatter(shard_grad, cat(grads), dist::ReduceOp::Avg, group_);
+    dist::reduce_scatter(shard_grad_, flat_grads_->flat, dist::ReduceOp::Avg, group_);
+    shard_.set_grad(shard_grad_);
   } else {
     // Every rank's slice of the reduce-scatter gets one more element: this rank's "my
     // gradients are not finite" (0 or 1); the average says whether any rank's were.
-    bool finite = true;
-    for (const Tensor& g : grads) finite = finite && all_finite(g);
+    const bool finite = all_finite(flat_grads_->flat);
     const int64_t n = group_.size(), per_rank = shard_.numel();
     Tensor packed = empty({n, per_rank + 1}, {.dtype = shard_.dtype(), .device = shard_.device()});
-    packed.narrow(1, 0, per_rank).copy_(cat(grads).reshape({n, per_rank}));
+    packed.narrow(1, 0, per_rank).copy_(flat_grads_->flat.reshape({n, per_rank}));
     packed.narrow(1, per_rank, 1).fill_(finite ? 0.0 : 1.0);
     Tensor mine = empty({per_rank + 1}, {.dtype = shard_.dtype(), .device = shard_.device()});
     dist::reduce_scatter(mine, packed.reshape({-1}), dist::ReduceOp::Avg, group_);
     if (mine.narrow(0, per_rank, 1).to(kFloat64).item<double>() != 0) return false;
-    shard_grad = mine.narrow(0, 0, per_rank);
+    shard_.set_grad(mine.narrow(0, 0, per_rank));
   }
-  shard_.set_grad(shard_grad);
-  optimizer_->step();  // updates shard_, a slice of flat_params_, in place
-  Tensor gathered =
-      empty(flat_params_.shape(), {.dtype = shard_.dtype(), .device = shard_.device()});
-  dist::all_gather(gathered, shard_.detach(), group_);
-  flat_params_.copy_(gathered);
-  offset = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Tensor& p = params_[i];
-    p.copy_(flat_params_.narrow(0, offset, p.numel()).reshape(p.shape()));
-    synced_versions_[i] = p.version();
-    offset += p.numel();
-  }
+  optimizer_->step();  // updates shard_, this rank's slice of the parameters, in place
+  dist::all_gather(flat_params_->flat, shard_.detach(), group_);
   return true;
 }
 

@@ -15,6 +15,10 @@
 
 namespace weave::parallel {
 
+namespace detail {
+struct FlatBuffer;
+}
+
 /// Builds the optimizer of this rank's slice (one flat tensor), e.g.
 /// `[](std::vector<Tensor> shard) { return std::make_unique<optim::Adam>(shard, {...}); }`.
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::vector<Tensor>)>;
@@ -35,12 +39,18 @@ class ZeroRedundancyOptimizer {
   ZeroRedundancyOptimizer(std::vector<Tensor> params, const OptimizerFactory& make_optimizer,
                           const std::optional<dist::Group>& group = std::nullopt,
                           ZeroOptions options = {});
+  ~ZeroRedundancyOptimizer();
+  ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
+  ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
   /// Averages the gradients (reduce-scatter), steps this rank's slice, gathers the parameters.
-  /// A parameter without a gradient takes part with zeros. A parameter changed in place since
-  /// the last step (its version moved: a checkpoint loaded into the model, for one) is read
-  /// into the slice first, so loading the model and shard_optimizer()'s state resumes exactly.
+  /// A parameter without a gradient takes part with zeros. The parameters live in one flat
+  /// buffer (from construction on) and this rank's slice of it is what the optimizer steps, so
+  /// a checkpoint loaded into the model reaches the slice, and loading the model and
+  /// shard_optimizer()'s state resumes exactly.
   /// Returns false, on every rank alike, when check_finite skipped the step. Collective.
   bool step();
+  /// With set_to_none = false the gradients stay slices of the flat gradient buffer (zeroed);
+  /// with true they are dropped and copied into it at the next step.
   void zero_grad(bool set_to_none = true);
   /// The optimizer of this rank's slice (for schedules: set_lr; for sharded checkpoints: the
   /// TrainingState's optimizer).
@@ -54,9 +64,10 @@ class ZeroRedundancyOptimizer {
   dist::Group group_;
   ZeroOptions options_;
   int64_t total_ = 0;
-  Tensor flat_params_;  // every parameter, flattened and padded to a multiple of the group size
-  Tensor shard_;        // this rank's slice of flat_params_, the leaf its optimizer updates
-  std::vector<uint64_t> synced_versions_;  // each parameter's version when shard_ last matched it
+  // The parameters' memory, padded to a multiple of the group size, and their gradients'.
+  std::unique_ptr<detail::FlatBuffer> flat_params_, flat_grads_;
+  Tensor shard_;       // this rank's slice of flat_params_, the leaf its optimizer updates
+  Tensor shard_grad_;  // the reduce-scatter's output, shard_'s gradient
   std::unique_ptr<optim::Optimizer> optimizer_;
   int64_t steps_ = 0;
 };

@@ -127,7 +127,25 @@ Storage::Storage(size_t nbytes, Device device) : nbytes_(nbytes), device_(device
 Storage::Storage(void* data, size_t nbytes, Device device, std::function<void(void*)> deleter)
     : data_(data), nbytes_(nbytes), device_(device), deleter_(std::move(deleter)), owned_(false) {}
 
+void Storage::release() {
+  WEAVE_CHECK(owned_, "Storage::release", "only memory weave allocated can be released");
+  if (released_) return;
+  if (device_.is_cpu())
+    cpu_deallocate(data_, nbytes_);
+  else
+    cuda::deallocate(data_, nbytes_, device_.index);
+  data_ = nullptr;
+  released_ = true;
+}
+
+void Storage::allocate_again() {
+  if (!released_) return;
+  data_ = device_.is_cpu() ? cpu_allocate(nbytes_) : cuda::allocate(nbytes_, device_.index);
+  released_ = false;
+}
+
 Storage::~Storage() {
+  if (released_) return;
   if (!owned_) {
     if (deleter_) deleter_(data_);
   } else if (device_.is_cpu()) {

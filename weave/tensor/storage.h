@@ -28,12 +28,25 @@ class Storage {
   uint64_t version() const { return version_.load(std::memory_order_relaxed); }
   void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
 
+  /// Gives the memory back to the allocator while the Storage (and every view and saved tensor
+  /// on it) lives on; reading it raises until allocate_again(). Fully sharded data parallelism
+  /// frees a unit's gathered parameters this way between forward and backward.
+  void release();
+  /// Allocates nbytes() again after release() (contents undefined); nothing if not released.
+  void allocate_again();
+  bool released() const { return released_; }
+  /// Puts the version counter back after a write that refilled released memory with the values
+  /// it held (a sharded parameter gathered again for backward): tensors autograd saved from it
+  /// stay valid. Only for that case; any other write must keep its bump.
+  void restore_version(uint64_t version) { version_.store(version, std::memory_order_relaxed); }
+
  private:
   void* data_ = nullptr;
   size_t nbytes_ = 0;
   Device device_;
   std::function<void(void*)> deleter_;
   bool owned_ = true;
+  bool released_ = false;
   std::atomic<uint64_t> version_{0};
 };
 

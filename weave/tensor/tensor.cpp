@@ -188,6 +188,10 @@ uint64_t Tensor::version() const {
 
 void* Tensor::data_ptr() const {
   const TensorImpl& t = checked(impl_);
+  WEAVE_CHECK(!t.storage->released(), "data",
+              "the tensor's memory was released (a fully sharded parameter outside its unit's "
+              "forward and backward); hint: read parameters through the wrapper's state_dict(), "
+              "or gather them first");
   return static_cast<char*>(t.storage->data()) + t.offset * weave::itemsize(t.dtype);
 }
 

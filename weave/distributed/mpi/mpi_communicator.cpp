@@ -196,7 +196,10 @@ class MpiCommunicator final : public Communicator {
   }
   void all_gather(const void* in, void* out, int64_t n, DType t) override {
     const int count = as_int(n, "all_gather");
-    WEAVE_CHECK_CALL(MPI_Allgather(in, count, mpi_type(t), out, count, mpi_type(t), comm_),
+    // In place when the input is this rank's own slice of the output (as NCCL allows too).
+    const void* own = static_cast<const char*>(out) + int64_t(rank_) * n * int64_t(itemsize(t));
+    const void* send = in == own ? MPI_IN_PLACE : in;
+    WEAVE_CHECK_CALL(MPI_Allgather(send, count, mpi_type(t), out, count, mpi_type(t), comm_),
                      "all_gather");
   }
   void all_gather_v(const void* in, void* out, const std::vector<int64_t>& counts,

@@ -1,0 +1,289 @@
+// FullyShardedDataParallel against DistributedDataParallel (itself checked against one process
+// on the stacked batch): after 20 AdamW steps the whole parameters must agree to 1e-10 in
+// float64, for ZeRO-2 and ZeRO-3, uneven units, tied and unused parameters, no_sync
+// accumulation, activation checkpointing and tensor-parallel blocks inside. Plus the memory
+// bound, the prefetch order in the trace, and the errors.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "helpers.h"
+#include "weave/weave.h"
+
+using namespace weave;
+using parallel::DistributedDataParallel;
+using parallel::FullyShardedDataParallel;
+
+namespace {
+
+constexpr int64_t kLocalBatch = 4;
+
+// Uneven units: 5 -> 16 -> 9 -> 3 (96, 153 and 30 elements).
+std::shared_ptr<nn::Sequential> make_model(uint64_t seed) {
+  manual_seed(seed);
+  auto model = std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+      std::make_shared<nn::Linear>(5, 16), nn::Tanh(), std::make_shared<nn::Linear>(16, 9),
+      nn::Tanh(), std::make_shared<nn::Linear>(9, 3)});
+  model->to(kFloat64);
+  return model;
+}
+
+std::pair<Tensor, Tensor> local_batch(int step, int64_t in = 5, int64_t out = 3) {
+  Generator g(777 + uint64_t(step));
+  const int64_t rows = kLocalBatch * dist::world_size();
+  Tensor x = randn({rows, in}, {.dtype = kFloat64}, &g),
+         y = randn({rows, out}, {.dtype = kFloat64}, &g);
+  return {x.narrow(0, dist::rank() * kLocalBatch, kLocalBatch),
+          y.narrow(0, dist::rank() * kLocalBatch, kLocalBatch)};
+}
+
+optim::AdamWOptions adamw_options() {
+  return {.lr = 1e-2, .weight_decay = 0.05};
+}
+
+// The largest |a - b| over the reference's parameters and the FSDP model's gathered ones.
+double max_difference(nn::Module& reference, FullyShardedDataParallel& fsdp) {
+  const nn::NamedTensors full = fsdp.full_state_dict();
+  double worst = 0;
+  for (const auto& [name, p] : reference.named_parameters()) {
+    bool found = false;
+    for (const auto& [n, t] : full)
+      if (n == name) {
+        found = true;
+        worst = std::max(worst, weave::abs(t - p.detach()).max().item<double>());
+      }
+    CHECK_MESSAGE(found, name);
+  }
+  return worst;
+}
+
+// A 6 -> 6 -> 6 -> 5 model whose second and third layers share one weight (they land in the
+// root unit), and a layer that forward never calls.
+struct TiedModel : nn::Module {
+  std::shared_ptr<nn::Linear> a, b, c, unused;
+  TiedModel() {
+    a = register_module("a", std::make_shared<nn::Linear>(5, 6));
+    b = register_module("b", std::make_shared<nn::Linear>(6, 6));
+    c = register_module("c", std::make_shared<nn::Linear>(6, 6));
+    unused = register_module("unused", std::make_shared<nn::Linear>(4, 4));
+    to(kFloat64);
+    c->weight = b->weight;
+  }
+  Tensor forward(const Tensor& x) override {
+    return (*c)(tanh((*b)(tanh((*a)(x))))).narrow(1, 0, 3);
+  }
+};
+
+}  // namespace
+
+TEST_SUITE("fsdp") {
+  TEST_CASE("ZeRO-3 and ZeRO-2 equal DDP after 20 AdamW steps, with no_sync accumulation") {
+    for (auto sharding :
+         {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp}) {
+      for (bool prefetch : {true, false}) {
+        CAPTURE(int(sharding));
+        CAPTURE(prefetch);
+        // Rank 0's model is broadcast: the reference is that model on every rank.
+        auto reference = make_model(100), model = make_model(100 + uint64_t(dist::rank()));
+        DistributedDataParallel ddp(*reference);
+        optim::AdamW reference_opt(reference->parameters(), adamw_options());
+        FullyShardedDataParallel fsdp(*model, {.sharding = sharding, .prefetch = prefetch});
+        CHECK(fsdp.unit_names() == std::vector<std::string>{"0", "2", "4"});
+        optim::AdamW opt(fsdp.parameters(), adamw_options());
+        // The shards: 1/N of each unit, padded.
+        const int n = dist::world_size();
+        int64_t shard_elements = 0;
+        for (const Tensor& s : fsdp.parameters()) shard_elements += s.numel();
+        CHECK(shard_elements == (96 + n - 1) / n + (153 + n - 1) / n + (30 + n - 1) / n);
+        // Rank 0's model was broadcast: the first whole state equals the reference's.
+        CHECK(max_difference(*reference, fsdp) == 0);
+        for (int step = 0; step < 20; ++step) {
+          CAPTURE(step);
+          auto [x, y] = local_batch(step);
+          reference_opt.zero_grad();
+          opt.zero_grad();
+          if (step % 5 == 4) {  // two micro-batches accumulated, then one averaging backward
+            auto [x2, y2] = local_batch(1000 + step);
+            {
+              auto guard = ddp.no_sync();
+              mse_loss(ddp(x2), y2).backward();
+            }
+            auto guard = fsdp.no_sync();
+            mse_loss(fsdp(x2), y2).backward();
+          }
+          mse_loss(ddp(x), y).backward();
+          mse_loss(fsdp(x), y).backward();
+          reference_opt.step();
+          opt.step();
+        }
+        CHECK(max_difference(*reference, fsdp) <= 1e-10);
+        CHECK(fsdp.stats().steps == 20);
+        if (prefetch && n > 1) CHECK(fsdp.stats().prefetches > 0);
+        if (!prefetch) CHECK(fsdp.stats().prefetches == 0);
+      }
+    }
+  }
+
+  TEST_CASE(
+      "a parameter shared between units goes to the root unit; unused parameters reduce zeros") {
+    manual_seed(21);
+    auto reference = std::make_shared<TiedModel>();
+    manual_seed(21);
+    auto model = std::make_shared<TiedModel>();
+    CHECK(model->parameters().size() == 7);  // c.weight is b.weight: listed once
+    DistributedDataParallel ddp(*reference, {.find_unused_parameters = true});
+    optim::AdamW reference_opt(reference->parameters(), adamw_options());
+    FullyShardedDataParallel fsdp(*model);
+    // b and c keep only their biases; the shared weight is the root's.
+    CHECK(fsdp.unit_names() == std::vector<std::string>{"a", "b", "c", "unused", ""});
+    optim::AdamW opt(fsdp.parameters(), adamw_options());
+    for (int step = 0; step < 20; ++step) {
+      auto [x, y] = local_batch(step);
+      reference_opt.zero_grad();
+      opt.zero_grad();
+      mse_loss(ddp(x), y).backward();
+      mse_loss(fsdp(x), y).backward();
+      reference_opt.step();
+      opt.step();
+    }
+    CHECK(max_difference(*reference, fsdp) <= 1e-10);
+  }
+
+  TEST_CASE("checkpointed units equal plain ones bitwise, and DDP") {
+    const auto build = [](uint64_t seed) {
+      manual_seed(seed);
+      auto model =
+          std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+              std::make_shared<nn::Linear>(5, 12),
+              std::make_shared<nn::Checkpoint>(std::make_shared<nn::Sequential>(
+                  std::initializer_list<std::shared_ptr<nn::Module>>{
+                      std::make_shared<nn::Linear>(12, 12), nn::Tanh(),
+                      std::make_shared<nn::Dropout>(0.2)})),
+              std::make_shared<nn::Checkpoint>(std::make_shared<nn::Linear>(12, 3))});
+      model->to(kFloat64);
+      return model;
+    };
+    auto reference = build(5), model = build(5);
+    DistributedDataParallel ddp(*reference);
+    optim::AdamW reference_opt(reference->parameters(), adamw_options());
+    FullyShardedDataParallel fsdp(*model);
+    optim::AdamW opt(fsdp.parameters(), adamw_options());
+    for (int step = 0; step < 6; ++step) {
+      auto [x, y] = local_batch(step);
+      reference_opt.zero_grad();
+      opt.zero_grad();
+      const Generator saved = default_generator();
+      mse_loss(ddp(x), y).backward();
+      default_generator() = saved;  // the same dropout masks in both
+      mse_loss(fsdp(x), y).backward();
+      reference_opt.step();
+      opt.step();
+    }
+    CHECK(max_difference(*reference, fsdp) <= 1e-10);
+  }
+
+  TEST_CASE("tensor-parallel blocks inside, on a 2x2 mesh: FSDP over mesh.data() equals DDP") {
+    if (dist::world_size() != 4) return;
+    parallel::ProcessMesh mesh({.data = 2, .tensor = 2});
+    const int64_t dim = 8, heads = 4, t = 4, b = 2;
+    auto build = [&] {
+      manual_seed(5 + uint64_t(dist::rank()));  // each tensor rank's shards; data rank 0's win
+      auto model = std::make_shared<nn::Sequential>();
+      for (int l = 0; l < 2; ++l)
+        model->push_back(std::make_shared<parallel::ParallelTransformerBlock>(
+            dim, heads, mesh.tensor(), parallel::ParallelTransformerBlockOptions{.hidden = 16}));
+      model->to(kFloat64);
+      return model;
+    };
+    auto reference = build(), model = build();
+    DistributedDataParallel ddp(*reference, {.group = mesh.data()});
+    optim::AdamW reference_opt(reference->parameters(), adamw_options());
+    FullyShardedDataParallel fsdp(*model, {.group = mesh.data()});
+    optim::AdamW opt(fsdp.parameters(), adamw_options());
+    for (int step = 0; step < 5; ++step) {
+      Generator g(300 + uint64_t(step) * 10 + uint64_t(mesh.data_rank()));  // per data rank
+      Tensor x = randn({t, b, dim}, {.dtype = kFloat64}, &g);
+      reference_opt.zero_grad();
+      opt.zero_grad();
+      // One model's forward and backward, then the other's: the engine runs the collectives
+      // a forward recorded (the tensor-parallel ones) in the next backward, whichever graph
+      // that backward is for.
+      Tensor a = ddp(x);
+      mean(a * a).backward();
+      Tensor c = fsdp(x);
+      mean(c * c).backward();
+      reference_opt.step();
+      opt.step();
+    }
+    CHECK(max_difference(*reference, fsdp) <= 1e-10);
+  }
+
+  TEST_CASE("bad inputs raise on every rank") {
+    // A unit that names no module.
+    auto model = make_model(1);
+    CHECK_WEAVE_ERROR(FullyShardedDataParallel(*model, {.units = {"0", "fc9"}}),
+                      "FullyShardedDataParallel", "'fc9' names no submodule");
+    // Ranks with different models (rank 1 has an extra layer).
+    if (dist::world_size() > 1) {
+      manual_seed(1);
+      auto other =
+          std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+              std::make_shared<nn::Linear>(5, 16), nn::Tanh(),
+              std::make_shared<nn::Linear>(16, dist::rank() == 1 ? 8 : 9)});
+      CHECK_WEAVE_ERROR(FullyShardedDataParallel(*other), "DistributedDataParallel",
+                        "ranks disagree on the model");
+    }
+  }
+
+  TEST_CASE("ZeRO-3 holds 1/N of the state plus the units in flight") {
+    const int n = dist::world_size();
+    const int64_t width = 192;
+    const int layers = 6;
+    auto measure = [&](bool sharded) {
+      cpu_empty_cache();
+      const size_t before = memory_stats().in_use;
+      auto model = std::make_shared<nn::Sequential>();
+      manual_seed(9);
+      for (int l = 0; l < layers; ++l) model->push_back(std::make_shared<nn::Linear>(width, width));
+      model->to(kFloat64);
+      std::unique_ptr<FullyShardedDataParallel> fsdp;
+      std::unique_ptr<DistributedDataParallel> ddp;
+      std::unique_ptr<optim::AdamW> opt;
+      if (sharded) {
+        fsdp = std::make_unique<FullyShardedDataParallel>(*model);
+        opt = std::make_unique<optim::AdamW>(fsdp->parameters(), adamw_options());
+      } else {
+        ddp = std::make_unique<DistributedDataParallel>(*model);
+        opt = std::make_unique<optim::AdamW>(model->parameters(), adamw_options());
+      }
+      size_t peak = 0;
+      for (int step = 0; step < 3; ++step) {
+        auto [x, y] = local_batch(step, width, width);
+        reset_peak_memory();
+        opt->zero_grad();
+        Tensor out = sharded ? (*fsdp)(x) : (*ddp)(x);
+        mse_loss(out, y).backward();
+        opt->step();
+        peak = memory_stats().peak - before;
+      }
+      return peak;
+    };
+    const double unit = double(width * width + width) * 8;
+    const double state = 4 * layers * unit;  // parameters, gradients, two Adam moments
+    const size_t ddp_peak = measure(false), fsdp_peak = measure(true);
+    // In flight during backward: two units' gathered parameters (the one running and the one
+    // prefetched), three units of whole gradients (the unit's accumulating buffer, the previous
+    // unit's while its reduce_scatter completes, and the fresh weight gradient before it is
+    // accumulated), and activations (4 rows per layer, a few copies: under a quarter unit).
+    const double bound = state / n + 2 * unit + 3 * unit + 0.25 * unit;
+    MESSAGE("DDP peak " << ddp_peak << " B, ZeRO-3 peak " << fsdp_peak << " B, bound " << bound
+                        << " B at " << n << " ranks");
+    CHECK(double(fsdp_peak) <= bound);
+    CHECK(double(ddp_peak) >= state);
+    if (n >= 2) CHECK(double(fsdp_peak) < 0.75 * double(ddp_peak));
+  }
+}

@@ -1,0 +1,207 @@
+// Flat buffers, bound parameters and gradients, per-backward readiness, and the bucket order.
+#include "weave/parallel/flat_buffer.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "weave/autograd/engine.h"
+#include "weave/autograd/grad_mode.h"
+#include "weave/ops/ops.h"
+#include "weave/tensor/tensor_impl.h"
+
+namespace weave::parallel::detail {
+
+FlatBuffer FlatBuffer::allocate(const std::vector<Shape>& shapes, DType dtype, Device device,
+                                int64_t pad_to, int64_t extra) {
+  FlatBuffer buffer;
+  buffer.shapes = shapes;
+  for (const Shape& shape : shapes) {
+    buffer.offsets.push_back(buffer.used);
+    buffer.used += shape.numel();
+  }
+  const int64_t padded = (buffer.used + pad_to - 1) / pad_to * pad_to;
+  buffer.flat = zeros({padded + extra}, {.dtype = dtype, .device = device});
+  return buffer;
+}
+
+Tensor FlatBuffer::view_in(const Tensor& buffer, size_t k) const {
+  return make_view(buffer, shapes[k], contiguous_strides(shapes[k]), buffer.offset() + offsets[k]);
+}
+
+GradBucket GradBucket::allocate(const std::vector<Tensor>& params, std::optional<DType> compress,
+                                int64_t extra) {
+  std::vector<Shape> shapes;
+  for (const Tensor& p : params) shapes.push_back(p.shape());
+  GradBucket bucket;
+  bucket.grads = FlatBuffer::allocate(shapes, params[0].dtype(), params[0].device(), 1, extra);
+  const Tensor& flat = bucket.grads.flat;
+  bucket.wire = compress && *compress != flat.dtype()
+                    ? empty(flat.shape(), {.dtype = *compress, .device = flat.device()})
+                    : flat;
+  return bucket;
+}
+
+void GradBucket::launch_average(const dist::Group& group) {
+  if (!wire.is_same(grads.flat)) wire.copy_(grads.flat);
+  work = dist::all_reduce(wire, dist::ReduceOp::Avg, group, /*async_op=*/true);
+}
+
+void GradBucket::wait() {
+  work.wait();
+  if (!wire.is_same(grads.flat)) grads.flat.copy_(wire);
+}
+
+void bind_data(const Tensor& tensor, Tensor view, bool copy_values) {
+  WEAVE_CHECK(tensor.shape() == view.shape() && tensor.dtype() == view.dtype(), "bind_data",
+              "expected a view of shape {} and dtype {}, found {} and {}", tensor.shape(),
+              tensor.dtype(), view.shape(), view.dtype());
+  if (copy_values) {
+    NoGradGuard no_grad;
+    view.copy_(tensor.detach());
+  }
+  TensorImpl& impl = *tensor.impl();
+  impl.storage = view.storage();
+  impl.strides = view.strides();
+  impl.offset = view.offset();
+}
+
+void bind_grad(const Tensor& param, Tensor view) {
+  Tensor grad = param.grad();
+  if (grad.defined() && grad.storage() == view.storage() && grad.offset() == view.offset()) return;
+  NoGradGuard no_grad;
+  if (grad.defined())
+    view.copy_(grad);
+  else
+    view.zero_();
+  param.set_grad(view);
+}
+
+// ---- readiness -------------------------------------------------------------------------------
+
+GradReadiness::GradReadiness(size_t params, Handlers handlers)
+    : handlers_(std::move(handlers)), bucket_of_(params, -1), ready_(params, 0) {}
+
+std::shared_ptr<GradReadiness> GradReadiness::create(const std::vector<Tensor>& params,
+                                                     Handlers handlers) {
+  std::shared_ptr<GradReadiness> readiness(new GradReadiness(params.size(), std::move(handlers)));
+  std::weak_ptr<GradReadiness> weak = readiness;
+  for (size_t i = 0; i < params.size(); ++i)
+    readiness->hooks_.push_back(params[i].register_post_accumulate_grad_hook([weak, i](Tensor&) {
+      if (auto alive = weak.lock()) alive->on_hook(int(i), weak);
+    }));
+  return readiness;
+}
+
+GradReadiness::~GradReadiness() {
+  for (HookHandle& hook : hooks_) hook.remove();
+}
+
+void GradReadiness::set_buckets(std::vector<std::vector<int>> buckets, int held_back) {
+  buckets_ = std::move(buckets);
+  held_back_ = held_back;
+  std::fill(bucket_of_.begin(), bucket_of_.end(), -1);
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (int i : buckets_[b]) bucket_of_[size_t(i)] = int(b);
+  pending_.assign(buckets_.size(), 0);
+  begin();
+  in_backward_ = false;
+}
+
+std::vector<int> GradReadiness::take_trace() {
+  return std::exchange(trace_, {});
+}
+
+void GradReadiness::begin() {
+  in_backward_ = true;
+  std::fill(ready_.begin(), ready_.end(), 0);
+  ready_count_ = 0;
+  ready_at_first_launch_ = -1;
+  next_launch_ = 0;
+  for (size_t b = 0; b < buckets_.size(); ++b) pending_[b] = int(buckets_[b].size());
+}
+
+void GradReadiness::on_hook(int param, const std::weak_ptr<GradReadiness>& self) {
+  if (paused_) return;
+  if (!in_backward_) {
+    begin();
+    // Runs when backward ends, also when an exception unwinds it: every rank settles the step.
+    autograd::queue_final_callback([self](bool failed) {
+      if (auto alive = self.lock()) {
+        alive->end();
+        if (alive->handlers_.finish) alive->handlers_.finish(failed);
+      }
+    });
+  }
+  mark_ready(param);
+}
+
+void GradReadiness::mark_ready(int param) {
+  if (ready_[size_t(param)]) return;
+  ready_[size_t(param)] = 1;
+  ++ready_count_;
+  if (buckets_.empty()) {
+    trace_.push_back(param);
+    return;
+  }
+  if (handlers_.ready) handlers_.ready(param);
+  const int b = bucket_of_[size_t(param)];
+  if (b >= 0 && --pending_[size_t(b)] == 0) launch_ready(buckets_.size() - size_t(held_back_));
+}
+
+void GradReadiness::launch_ready(size_t end) {
+  while (next_launch_ < end && pending_[next_launch_] == 0) {
+    if (ready_at_first_launch_ < 0) ready_at_first_launch_ = ready_count_;
+    handlers_.launch(int(next_launch_++));
+  }
+}
+
+void GradReadiness::launch_rest() {
+  std::fill(pending_.begin(), pending_.end(), 0);
+  launch_ready(buckets_.size());
+}
+
+// ---- the bucket order ------------------------------------------------------------------------
+
+std::vector<int> agree_on_order(std::vector<int> trace, size_t parameters, const dist::Group& group,
+                                bool& differs_anywhere, std::vector<int64_t>* counts) {
+  for (int i = int(parameters) - 1; i >= 0; --i)
+    if (std::find(trace.begin(), trace.end(), i) == trace.end()) trace.push_back(i);
+  std::vector<int64_t> mine(trace.begin(), trace.end());
+  Tensor first = from_vector(mine);
+  dist::broadcast(first, 0, group);
+  const std::vector<int64_t> adopted = first.to_vector<int64_t>();
+  std::vector<int64_t> words = {adopted != mine ? 1 : 0};
+  if (counts) words.insert(words.end(), counts->begin(), counts->end());
+  Tensor summed = from_vector(words);
+  dist::all_reduce(summed, dist::ReduceOp::Sum, group);
+  words = summed.to_vector<int64_t>();
+  differs_anywhere = words[0] != 0;
+  if (counts) counts->assign(words.begin() + 1, words.end());
+  return {adopted.begin(), adopted.end()};
+}
+
+std::vector<std::vector<int>> cut_buckets(const std::vector<int>& order,
+                                          const std::vector<Tensor>& params, double first_mb,
+                                          double mb) {
+  std::vector<std::vector<int>> buckets;
+  double bytes = 0;
+  for (int i : order) {
+    const Tensor& p = params[i];
+    const double size = double(p.numel()) * double(p.itemsize());
+    const double cap = (buckets.size() <= 1 ? first_mb : mb) * 1024.0 * 1024.0;
+    bool fresh = buckets.empty();
+    if (!fresh) {
+      const Tensor& first = params[buckets.back().front()];
+      fresh = first.dtype() != p.dtype() || first.device() != p.device() || bytes + size > cap;
+    }
+    if (fresh) {
+      buckets.emplace_back();
+      bytes = 0;
+    }
+    buckets.back().push_back(i);
+    bytes += size;
+  }
+  return buckets;
+}
+
+}  // namespace weave::parallel::detail

@@ -1,0 +1,149 @@
+#pragma once
+// The layer every data-parallel strategy stands on (internal): parameters and gradients laid out
+// in flat buffers whose slices they are, and the per-backward bookkeeping of which gradients are
+// in, so a bucket's collective can start the moment its last gradient is accumulated.
+//
+//   DDP                all_reduce of each gradient bucket, launched from the hooks
+//   FSDP               reduce_scatter of each unit's gradients, launched from the hooks;
+//                      the parameters live in gathered flat buffers, sharded between uses
+//   ZeRO-1             reduce_scatter of the flat gradients, step of a slice of the flat
+//                      parameters, all_gather back into them: no per-step copies
+//   DistributedOptim.  all_reduce of gradient buckets at step()
+//   decentralized      per-bucket optimizer step from the hooks, then a neighbour average of the
+//                      bucket's flat parameters
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+
+namespace weave::parallel::detail {
+
+/// Tensors laid out back to back in one contiguous tensor of one dtype and device.
+struct FlatBuffer {
+  Tensor flat;
+  std::vector<int64_t> offsets;  // element offset of each member
+  std::vector<Shape> shapes;
+  /// Elements the members occupy; flat holds `used` rounded up to a multiple of pad_to, plus
+  /// `extra` trailing elements.
+  int64_t used = 0;
+
+  /// Zero-filled room for tensors of these shapes.
+  static FlatBuffer allocate(const std::vector<Shape>& shapes, DType dtype, Device device,
+                             int64_t pad_to = 1, int64_t extra = 0);
+  /// Member k's slice of `flat`, in its shape.
+  Tensor view(size_t k) const { return view_in(flat, k); }
+  /// Member k's slice of another tensor laid out like `flat` (a gathered copy, a wire buffer).
+  Tensor view_in(const Tensor& buffer, size_t k) const;
+  size_t size() const { return shapes.size(); }
+};
+
+/// A flat gradient buffer averaged over a group in one asynchronous all_reduce, optionally in a
+/// narrower dtype on the wire (DDP's buckets, DistributedOptimizer's).
+struct GradBucket {
+  FlatBuffer grads;
+  Tensor wire;  // what travels: grads.flat itself, or its copy in the compressed dtype
+  dist::Work work;
+
+  /// Room for the gradients of `params` (one dtype and device), plus `extra` trailing elements.
+  static GradBucket allocate(const std::vector<Tensor>& params, std::optional<DType> compress,
+                             int64_t extra = 0);
+  void launch_average(const dist::Group& group);
+  /// Waits for the average and widens it back into grads.flat.
+  void wait();
+};
+
+/// Makes `view` the memory of `tensor`: the handle keeps its identity (a leaf, its hooks, the
+/// optimizer's reference to it) while its elements move into the view's storage. The tensor's
+/// values are copied over first when copy_values.
+void bind_data(const Tensor& tensor, Tensor view, bool copy_values = true);
+
+/// Makes `view` the gradient of `param`, copying what it accumulated so far (or zeros) into it,
+/// unless the gradient already is that view.
+void bind_grad(const Tensor& param, Tensor view);
+
+/// One backward's bookkeeping over parameters partitioned into buckets: a post-accumulate-grad
+/// hook on every parameter marks it ready; when a bucket's parameters are all ready and every
+/// bucket before it has been launched, `launch(b)` runs. Launching in a fixed bucket order is
+/// what keeps the collectives of every rank paired. Before the buckets are set, the hooks trace
+/// the order parameters become ready in (the owner cuts buckets from it after the first
+/// backward). `finish(failed)` runs when backward ends, also when an exception unwinds it.
+class GradReadiness {
+ public:
+  struct Handlers {
+    /// Parameter i's gradient was accumulated (before its bucket is counted down).
+    std::function<void(int param)> ready = {};
+    std::function<void(int bucket)> launch = {};
+    std::function<void(bool failed)> finish = {};
+  };
+  /// Installs the hooks; they do nothing once the returned object is gone.
+  static std::shared_ptr<GradReadiness> create(const std::vector<Tensor>& params,
+                                               Handlers handlers);
+  ~GradReadiness();
+  GradReadiness(const GradReadiness&) = delete;
+  GradReadiness& operator=(const GradReadiness&) = delete;
+
+  /// The buckets, in launch order; the last `held_back` are launched only by launch_rest().
+  void set_buckets(std::vector<std::vector<int>> buckets, int held_back = 0);
+  bool has_buckets() const { return !buckets_.empty(); }
+  const std::vector<std::vector<int>>& buckets() const { return buckets_; }
+  int bucket_of(int param) const { return bucket_of_[size_t(param)]; }
+  /// The order parameters became ready in since the last take (the first backward's trace).
+  std::vector<int> take_trace();
+
+  /// While paused (no_sync, gradient accumulation) the hooks do nothing.
+  void set_paused(bool paused) { paused_ = paused; }
+  bool paused() const { return paused_; }
+  /// Inside a backward that has marked some parameter ready.
+  bool in_backward() const { return in_backward_; }
+  bool is_ready(int param) const { return ready_[size_t(param)] != 0; }
+  int64_t ready_count() const { return ready_count_; }
+  /// Parameters marked ready when the first bucket was launched (-1: none launched yet).
+  int64_t ready_at_first_launch() const { return ready_at_first_launch_; }
+
+  /// Starts a step by hand (what the first hook of a backward does, without the final
+  /// callback): nothing ready, nothing launched.
+  void begin();
+  /// Marks parameter i ready without a hook (a rank that shadows a step).
+  void mark_ready(int param);
+  /// Ends the step: every bucket counts as complete and the ones not launched yet are
+  /// launched in order, the held-back ones included.
+  void launch_rest();
+  /// Leaves the backward (what finish's caller does before calling it).
+  void end() { in_backward_ = false; }
+
+ private:
+  GradReadiness(size_t params, Handlers handlers);
+  void on_hook(int param, const std::weak_ptr<GradReadiness>& self);
+  void launch_ready(size_t end);
+
+  Handlers handlers_;
+  std::vector<HookHandle> hooks_;
+  std::vector<std::vector<int>> buckets_;
+  std::vector<int> bucket_of_;
+  std::vector<int> pending_;
+  int held_back_ = 0;
+  std::vector<char> ready_;
+  std::vector<int> trace_;
+  int64_t ready_count_ = 0, ready_at_first_launch_ = -1;
+  size_t next_launch_ = 0;
+  bool paused_ = false, in_backward_ = false;
+};
+
+/// Completes a traced ready order (parameter indices) with the parameters that never became
+/// ready, latest registered first, then makes every rank of the group adopt the first rank's
+/// order. Returns that order; `differs_anywhere` tells (on every rank) whether some rank's own
+/// order was different. `counts`, if given, are per-rank 0/1 flags summed over the group in
+/// the same round (how many ranks set each). Collective.
+std::vector<int> agree_on_order(std::vector<int> trace, size_t parameters, const dist::Group& group,
+                                bool& differs_anywhere, std::vector<int64_t>* counts = nullptr);
+
+/// Cuts `order` into buckets of consecutive parameters with one dtype and device, the first
+/// bucket up to first_mb, the others up to mb (a parameter larger than the cap gets its own).
+std::vector<std::vector<int>> cut_buckets(const std::vector<int>& order,
+                                          const std::vector<Tensor>& params, double first_mb,
+                                          double mb);
+
+}  // namespace weave::parallel::detail

@@ -1,0 +1,583 @@
+// FullyShardedDataParallel: units of flat, padded, sharded parameters; gathers around each
+// unit's forward and backward (prefetched), reduce-scatters launched as a unit's gradients are
+// accumulated, and the step settled with the group at the end of backward.
+#include "weave/parallel/fsdp.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "weave/autograd/engine.h"
+#include "weave/autograd/grad_mode.h"
+#include "weave/parallel/agree.h"
+#include "weave/parallel/ddp.h"
+#include "weave/parallel/flat_buffer.h"
+#include "weave/parallel/mesh.h"
+#include "weave/tensor/trace.h"
+
+namespace weave::parallel {
+
+namespace {
+constexpr const char* kOp = "FullyShardedDataParallel";
+
+// Module `name` ("blocks.0") under `root`, or null.
+nn::Module* find_module(nn::Module& root, const std::string& name, const std::string& prefix = "") {
+  for (const auto& [child_name, child] : root.named_children()) {
+    const std::string full = nn::member_prefix(prefix, child_name);
+    const std::string bare = full.empty() ? full : full.substr(0, full.size() - 1);
+    if (bare == name) return child.get();
+    if (name.rfind(full, 0) == 0 && !full.empty())
+      if (nn::Module* found = find_module(*child, name, full)) return found;
+  }
+  return nullptr;
+}
+
+// Parameters that require grad, each once (a tied parameter appears under its first name).
+std::vector<std::pair<std::string, Tensor>> trainable(const nn::Module& module) {
+  std::vector<std::pair<std::string, Tensor>> out;
+  std::set<const void*> seen;
+  for (const auto& [name, p] : module.named_parameters())
+    if (p.defined() && p.requires_grad() && seen.insert(p.impl()).second) out.emplace_back(name, p);
+  return out;
+}
+
+// A module that holds another's shards as its parameters and its buffers as its own, for the
+// checkpoint code.
+class ShardModule : public nn::Module {
+ public:
+  ShardModule(const std::vector<std::pair<std::string, Tensor>>& shards,
+              const nn::NamedTensors& buffers) {
+    for (const auto& [name, t] : shards) register_parameter(name, t);
+    for (const auto& [name, t] : buffers) register_buffer(name, t);
+  }
+  Tensor forward(const Tensor&) override {
+    WEAVE_FAIL(kOp, "the sharded module holds shards for checkpoints; it has no forward");
+  }
+};
+
+std::string flat_name(size_t unit, DType dtype) {
+  return fmt::format("fsdp/unit{}/{}", unit, dtype_name(dtype));
+}
+
+}  // namespace
+
+struct FullyShardedDataParallel::State {
+  // One dtype's parameters of a unit, flat.
+  struct Flat {
+    std::vector<int> params;  // indices into State::params
+    detail::FlatBuffer full;  // gathered parameters (the params' memory); released between uses
+    Tensor shard;             // this rank's slice, a leaf of its own: what the optimizer steps
+    uint64_t gathered_version = ~uint64_t{0};  // shard's version when `full` was last gathered
+    dist::Work gather;
+    bool gathering = false;
+    // A gather that refills released memory with unchanged values keeps the storage's version,
+    // so the tensors autograd saved from the parameters in forward stay valid for backward.
+    bool refill = false;
+    uint64_t version_before = 0;
+    detail::FlatBuffer grads;  // whole gradients during backward (null between steps)
+    Tensor reduced;  // this step's averaged shard gradient, added to shard.grad at the end
+    dist::Work reduce;
+    bool reducing = false;
+  };
+  struct Unit {
+    std::string name;
+    std::vector<nn::Module*> modules;
+    std::vector<Flat> flats;
+    int64_t forward_start_ns = 0;
+    bool root = false;
+  };
+
+  FSDPOptions options;
+  dist::Group group;
+  std::vector<std::string> names;
+  std::vector<Tensor> params;
+  std::vector<int> unit_of;
+  std::vector<Unit> units;  // the root unit last
+  std::vector<int> forward_order;
+  bool order_known = false;
+  std::vector<HookHandle> module_hooks;
+  std::shared_ptr<detail::GradReadiness> readiness;
+  std::vector<int> reducing;  // units with reduce_scatters in flight, oldest first
+  bool end_queued = false;    // this backward's end-of-backward work is queued
+  FSDPStats stats;
+  std::unique_ptr<ShardModule> shard_module;
+
+  explicit State(FSDPOptions o)
+      : options(std::move(o)), group(detail::data_parallel_group(options.group, kOp)) {}
+
+  bool full_shard() const { return options.sharding == ShardingStrategy::FullShard; }
+  Unit& root() { return units.back(); }
+
+  // ---- gathering ---------------------------------------------------------------------------
+
+  bool needs_gather(const Flat& f) const {
+    return f.full.flat.storage()->released() || f.gathered_version != f.shard.version();
+  }
+
+  void launch_gather(Unit& u, bool prefetch) {
+    for (Flat& f : u.flats) {
+      if (f.gathering || !needs_gather(f)) continue;
+      f.refill = f.gathered_version == f.shard.version();
+      f.version_before = f.full.flat.storage()->version();
+      f.full.flat.storage()->allocate_again();
+      f.gathered_version = f.shard.version();
+      NoGradGuard no_grad;
+      f.gather = dist::all_gather(f.full.flat, f.shard.detach(), group, /*async_op=*/true);
+      f.gathering = true;
+      ++stats.gathers;
+      if (prefetch) ++stats.prefetches;
+    }
+  }
+
+  void wait_gather(Unit& u) {
+    for (Flat& f : u.flats)
+      if (f.gathering) {
+        f.gathering = false;
+        f.gather.wait();
+        if (f.refill) f.full.flat.storage()->restore_version(f.version_before);
+      }
+  }
+
+  void ensure_gathered(Unit& u) {
+    launch_gather(u, false);
+    wait_gather(u);
+  }
+
+  void release(Unit& u) {
+    if (!full_shard()) return;
+    wait_gather(u);
+    for (Flat& f : u.flats) f.full.flat.storage()->release();
+  }
+
+  // ---- forward -------------------------------------------------------------------------------
+
+  int next_in_forward(int u, int direction) const {
+    if (!order_known) return direction > 0 && u + 1 < int(units.size()) - 1 ? u + 1 : -1;
+    auto it = std::find(forward_order.begin(), forward_order.end(), u);
+    if (it == forward_order.end()) return -1;
+    const auto pos = it - forward_order.begin() + direction;
+    return pos >= 0 && pos < int64_t(forward_order.size()) ? forward_order[size_t(pos)] : -1;
+  }
+
+  void pre_forward(int u) {
+    Unit& unit = units[size_t(u)];
+    ensure_gathered(unit);
+    if (recomputing()) return;
+    if (!order_known &&
+        std::find(forward_order.begin(), forward_order.end(), u) == forward_order.end())
+      forward_order.push_back(u);
+    if (options.prefetch) {
+      const int next = next_in_forward(u, +1);
+      if (next >= 0) launch_gather(units[size_t(next)], true);
+    }
+    if (trace::enabled()) unit.forward_start_ns = trace::detail::now_ns();
+  }
+
+  Tensor post_forward(int u, const Tensor& output) {
+    Unit& unit = units[size_t(u)];
+    if (recomputing()) return output;  // its backward follows at once: keep it gathered
+    if (trace::enabled())
+      trace::detail::record("fsdp", fmt::format("forward unit {}", u), unit.forward_start_ns,
+                            trace::detail::now_ns(), fmt::format("\"unit\": {}", u));
+    if (autograd::GradMode::is_enabled() && output.defined() && output.requires_grad()) {
+      std::weak_ptr<State> weak = self;
+      output.register_hook([weak, u](const Tensor&) -> Tensor {
+        if (auto s = weak.lock()) s->pre_backward(u);
+        return {};
+      });
+    }
+    release(unit);
+    return output;
+  }
+
+  // The checkpointed region of a unit runs again inside backward (autograd::checkpoint): its
+  // hooks gather but neither prefetch in forward order nor release.
+  static bool recomputing() { return autograd::detail::recomputing(); }
+
+  // ---- backward ------------------------------------------------------------------------------
+
+  void pre_backward(int u) {
+    Unit& unit = units[size_t(u)];
+    queue_end_of_backward();
+    ensure_gathered(unit);
+    if (options.prefetch) {
+      const int previous = next_in_forward(u, -1);
+      if (previous >= 0) launch_gather(units[size_t(previous)], true);
+    }
+    bind_grads(unit);
+  }
+
+  // Whole-gradient buffers for the unit, the parameters' .grad bound into them so backward
+  // accumulates in place (what no_sync micro-batches accumulated is kept).
+  void bind_grads(Unit& unit) {
+    for (Flat& f : unit.flats) {
+      if (!f.grads.flat.defined()) {
+        std::vector<Shape> shapes;
+        for (int i : f.params) shapes.push_back(params[size_t(i)].shape());
+        f.grads =
+            detail::FlatBuffer::allocate(shapes, f.shard.dtype(), f.shard.device(), group.size());
+      }
+      for (size_t k = 0; k < f.params.size(); ++k)
+        detail::bind_grad(params[size_t(f.params[k])], f.grads.view(k));
+    }
+  }
+
+  // Launched in the fixed unit order (GradReadiness): every rank issues the same collectives.
+  void launch_reduce(int u) {
+    Unit& unit = units[size_t(u)];
+    bind_grads(unit);  // parameters without a gradient contribute zeros
+    NoGradGuard no_grad;
+    for (Flat& f : unit.flats) {
+      f.reduced = empty(f.shard.shape(), {.dtype = f.shard.dtype(), .device = f.shard.device()});
+      f.reduce = dist::reduce_scatter(f.reduced, f.grads.flat, dist::ReduceOp::Avg, group,
+                                      /*async_op=*/true);
+      f.reducing = true;
+      ++stats.reduce_scatters;
+    }
+    // At most two units' whole gradients are alive: the one just launched, and the one before
+    // while its reduce-scatter completes (it overlapped this unit's backward).
+    for (int earlier : reducing) finish_reduce(units[size_t(earlier)]);
+    reducing.assign(1, u);
+    if (!unit.root) release(unit);
+  }
+
+  void finish_reduce(Unit& unit) {
+    for (Flat& f : unit.flats) {
+      if (!f.reducing) continue;
+      f.reducing = false;
+      f.reduce.wait();
+      for (int i : f.params) params[size_t(i)].set_grad(Tensor());
+      f.grads = {};
+    }
+  }
+
+  void queue_end_of_backward() {
+    if (end_queued) return;
+    end_queued = true;
+    std::weak_ptr<State> weak = self;
+    autograd::queue_final_callback([weak](bool failed) {
+      if (auto s = weak.lock()) s->end_of_backward(failed);
+    });
+  }
+
+  // After a no_sync backward (nothing reduced): only the parameters are released. After a
+  // synchronizing one: GradReadiness's finish ran settle() first.
+  void end_of_backward(bool) {
+    end_queued = false;
+    for (Unit& u : units) release(u);
+  }
+
+  // Ends a synchronizing step on this rank, in step with the group.
+  void settle(bool failed) {
+    const int64_t step = stats.steps++;
+    readiness->launch_rest();
+    Tensor flag = full({1}, failed ? 1.0 : 0.0, {.dtype = kInt64});
+    dist::all_reduce(flag, dist::ReduceOp::Sum, group);
+    const int64_t failed_ranks = flag.item<int64_t>();
+    for (int u : reducing) finish_reduce(units[size_t(u)]);
+    reducing.clear();
+    NoGradGuard no_grad;
+    if (failed_ranks == 0)
+      for (Unit& u : units)
+        for (Flat& f : u.flats) {
+          if (f.shard.grad().defined())
+            f.shard.grad().add_(f.reduced);
+          else
+            f.shard.set_grad(f.reduced);
+        }
+    for (Unit& u : units)
+      for (Flat& f : u.flats) f.reduced = Tensor();
+    if (failed_ranks == 0 || failed) {
+      if (failed_ranks > 0) ++stats.failed_steps;
+      return;
+    }
+    ++stats.failed_steps;
+    WEAVE_FAIL(kOp,
+               "{} of the {} ranks of group {} failed in backward in step {} (see their error), so "
+               "every rank discarded this step's gradients; hint: catch this error and go on to "
+               "the next batch on every rank, as the failing rank does",
+               failed_ranks, group.size(), group.str(), step);
+  }
+
+  std::weak_ptr<State> self;
+};
+
+namespace {
+
+// Each unit: a name and its modules.
+std::vector<std::pair<std::string, std::vector<nn::Module*>>> resolve_units(
+    nn::Module& module, const FSDPOptions& options) {
+  std::vector<std::pair<std::string, std::vector<nn::Module*>>> out;
+  if (!options.units.empty()) {
+    for (const std::string& name : options.units) {
+      nn::Module* found = find_module(module, name);
+      WEAVE_CHECK(found != nullptr, kOp,
+                  "unit '{}' names no submodule; expected one of the module's children by "
+                  "their parameter prefix (for example '{}'); hint: list the names with "
+                  "named_children()",
+                  name, module.named_children().empty() ? "" : module.named_children()[0].first);
+      out.push_back({name, {found}});
+    }
+    for (size_t a = 0; a < out.size(); ++a)
+      for (size_t b = 0; b < out.size(); ++b)
+        WEAVE_CHECK(a == b || out[b].first.rfind(out[a].first + ".", 0) != 0, kOp,
+                    "unit '{}' lies inside unit '{}'; units must not nest", out[b].first,
+                    out[a].first);
+    return out;
+  }
+  double bytes = 0;
+  for (const auto& [name, child] : module.named_children()) {
+    double child_bytes = 0;
+    for (const auto& [n, p] : trainable(*child)) child_bytes += double(p.numel() * p.itemsize());
+    if (child_bytes == 0 && (out.empty() || options.unit_mb == 0)) continue;
+    if (out.empty() || options.unit_mb == 0 || bytes >= options.unit_mb * 1024 * 1024) {
+      out.push_back({name, {}});
+      bytes = 0;
+    }
+    out.back().second.push_back(child.get());
+    bytes += child_bytes;
+  }
+  return out;
+}
+
+}  // namespace
+
+FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptions options)
+    : module_(module), state_(std::make_shared<State>(std::move(options))) {
+  State& s = *state_;
+  s.self = state_;
+  WEAVE_CHECK(s.group.rank() >= 0, kOp,
+              "rank {} is not in group {}; hint: only its members construct the wrapper",
+              dist::rank(), s.group.str());
+  check_same_model(module, s.group);
+  std::vector<std::pair<std::string, std::vector<nn::Module*>>> unit_specs;
+  detail::check_together([&] { unit_specs = resolve_units(module, s.options); }, s.group, kOp);
+  synchronize(module, s.options.broadcast_from, s.group);
+
+  for (const auto& [name, p] : trainable(module)) {
+    WEAVE_CHECK(is_floating(p.dtype()), kOp,
+                "parameter {} has dtype {}; gradients need a floating dtype", name, p.dtype());
+    s.names.push_back(name);
+    s.params.push_back(p);
+  }
+  std::map<const void*, int> index;
+  for (size_t i = 0; i < s.params.size(); ++i) index[s.params[i].impl()] = int(i);
+  // A parameter belongs to the one unit that uses it; one in several units, or in none, to root.
+  std::vector<int> owners(s.params.size(), -1);
+  for (size_t u = 0; u < unit_specs.size(); ++u)
+    for (nn::Module* m : unit_specs[u].second)
+      for (const auto& [n, p] : trainable(*m)) {
+        int& owner = owners[size_t(index.at(p.impl()))];
+        owner = owner == -1 || owner == int(u) ? int(u) : -2;
+      }
+  const int64_t n = s.group.size();
+  auto build_unit = [&](const std::string& name, std::vector<nn::Module*> modules,
+                        std::vector<int> members, bool root) {
+    State::Unit unit;
+    unit.name = name;
+    unit.modules = std::move(modules);
+    unit.root = root;
+    std::vector<std::pair<DType, Device>> kinds;
+    for (int i : members) {
+      const auto kind = std::make_pair(s.params[size_t(i)].dtype(), s.params[size_t(i)].device());
+      if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(kind);
+    }
+    for (const auto& [dtype, device] : kinds) {
+      State::Flat f;
+      std::vector<Shape> shapes;
+      for (int i : members)
+        if (s.params[size_t(i)].dtype() == dtype && s.params[size_t(i)].device() == device) {
+          f.params.push_back(i);
+          shapes.push_back(s.params[size_t(i)].shape());
+        }
+      f.full = detail::FlatBuffer::allocate(shapes, dtype, device, n);
+      for (size_t k = 0; k < f.params.size(); ++k)
+        detail::bind_data(s.params[size_t(f.params[k])], f.full.view(k));
+      const int64_t per_rank = f.full.flat.numel() / n;
+      NoGradGuard no_grad;
+      f.shard = f.full.flat.narrow(0, s.group.rank() * per_rank, per_rank).clone().detach();
+      f.shard.requires_grad_(true);
+      f.gathered_version = f.shard.version();
+      unit.flats.push_back(std::move(f));
+    }
+    s.units.push_back(std::move(unit));
+  };
+  for (size_t u = 0; u < unit_specs.size(); ++u) {
+    std::vector<int> members;
+    for (size_t i = 0; i < s.params.size(); ++i)
+      if (owners[i] == int(u)) members.push_back(int(i));
+    if (!members.empty()) build_unit(unit_specs[u].first, unit_specs[u].second, members, false);
+  }
+  std::vector<int> root_members;
+  for (size_t i = 0; i < s.params.size(); ++i)
+    if (owners[i] < 0) root_members.push_back(int(i));
+  build_unit("", {}, root_members, true);  // possibly empty: keeps "the root is last" simple
+  s.unit_of.assign(s.params.size(), -1);
+  for (size_t u = 0; u < s.units.size(); ++u)
+    for (const State::Flat& f : s.units[u].flats)
+      for (int i : f.params) s.unit_of[size_t(i)] = int(u);
+  s.stats.units = int(s.units.size()) - (root_members.empty() ? 1 : 0);
+
+  // Hooks: a unit gathers before its first module's forward and reshards after its last's.
+  for (size_t u = 0; u + 1 < s.units.size(); ++u) {
+    std::weak_ptr<State> weak = state_;
+    const int unit = int(u);
+    nn::Module* last = s.units[u].modules.back();
+    for (nn::Module* m : s.units[u].modules)
+      s.module_hooks.push_back(
+          m->register_forward_pre_hook([weak, unit](nn::Module&, const Tensor&) {
+            if (auto alive = weak.lock()) alive->pre_forward(unit);
+            return Tensor();
+          }));
+    s.module_hooks.push_back(
+        last->register_forward_hook([weak, unit](nn::Module&, const Tensor&, const Tensor& out) {
+          if (auto alive = weak.lock()) return alive->post_forward(unit, out);
+          return Tensor();
+        }));
+  }
+  // Reduce-scatters go out in reverse unit order (backward's usual order), the root last.
+  std::vector<std::vector<int>> buckets;
+  for (int u = int(s.units.size()) - 2; u >= 0; --u) {
+    buckets.emplace_back();
+    for (const State::Flat& f : s.units[size_t(u)].flats)
+      buckets.back().insert(buckets.back().end(), f.params.begin(), f.params.end());
+  }
+  buckets.emplace_back();
+  for (const State::Flat& f : s.root().flats)
+    buckets.back().insert(buckets.back().end(), f.params.begin(), f.params.end());
+  const int unit_count = int(s.units.size());
+  State* raw = &s;
+  s.readiness = detail::GradReadiness::create(
+      s.params,
+      {.ready = [raw](int i) { raw->bind_grads(raw->units[size_t(raw->unit_of[size_t(i)])]); },
+       .launch = [raw, unit_count](
+                     int b) { raw->launch_reduce(b + 1 == unit_count ? b : unit_count - 2 - b); },
+       .finish = [raw](bool failed) { raw->settle(failed); }});
+  std::erase_if(buckets, [](const std::vector<int>& b) { return b.empty(); });
+  s.readiness->set_buckets(buckets);
+  for (State::Unit& u : s.units) s.release(u);
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() {
+  for (HookHandle& hook : state_->module_hooks) hook.remove();
+}
+
+Tensor FullyShardedDataParallel::forward(const Tensor& input) {
+  State& s = *state_;
+  s.ensure_gathered(s.root());
+  if (!s.readiness->paused() && autograd::GradMode::is_enabled()) s.bind_grads(s.root());
+  Tensor out = module_(input);
+  if (!s.order_known && !s.forward_order.empty()) s.order_known = true;
+  if (!autograd::GradMode::is_enabled() || !out.requires_grad()) {
+    for (State::Unit& u : s.units) s.release(u);  // no backward follows
+  } else {
+    std::weak_ptr<State> weak = state_;
+    out.register_hook([weak](const Tensor&) -> Tensor {
+      if (auto alive = weak.lock()) alive->queue_end_of_backward();
+      return {};
+    });
+  }
+  return out;
+}
+
+std::vector<Tensor> FullyShardedDataParallel::parameters() const {
+  std::vector<Tensor> out;
+  for (const State::Unit& u : state_->units)
+    for (const State::Flat& f : u.flats) out.push_back(f.shard);
+  return out;
+}
+
+std::vector<std::string> FullyShardedDataParallel::shard_names() const {
+  std::vector<std::string> out;
+  for (size_t u = 0; u < state_->units.size(); ++u)
+    for (const State::Flat& f : state_->units[u].flats)
+      out.push_back(fmt::format("unit {} ({}) {}", u,
+                                state_->units[u].root ? "root" : state_->units[u].name,
+                                f.shard.dtype()));
+  return out;
+}
+
+std::vector<std::string> FullyShardedDataParallel::unit_names() const {
+  std::vector<std::string> out;
+  for (const State::Unit& u : state_->units)
+    if (!u.flats.empty()) out.push_back(u.name);
+  return out;
+}
+
+FullyShardedDataParallel::NoSyncGuard::NoSyncGuard(FullyShardedDataParallel& fsdp)
+    : fsdp_(fsdp), previous_(fsdp.state_->readiness->paused()) {
+  fsdp_.state_->readiness->set_paused(true);
+}
+FullyShardedDataParallel::NoSyncGuard::~NoSyncGuard() {
+  fsdp_.state_->readiness->set_paused(previous_);
+}
+
+nn::NamedTensors FullyShardedDataParallel::full_state_dict() {
+  State& s = *state_;
+  NoGradGuard no_grad;
+  std::map<const void*, Tensor> values;
+  for (State::Unit& u : s.units)
+    for (State::Flat& f : u.flats) {
+      Tensor whole =
+          empty(f.full.flat.shape(), {.dtype = f.shard.dtype(), .device = f.shard.device()});
+      dist::all_gather(whole, f.shard.detach(), s.group);
+      for (size_t k = 0; k < f.params.size(); ++k)
+        values[s.params[size_t(f.params[k])].impl()] = f.full.view_in(whole, k).clone();
+    }
+  nn::NamedTensors out;
+  for (const auto& [name, p] : module_.named_parameters()) {
+    auto it = values.find(p.impl());
+    out.emplace_back(name, it != values.end() ? it->second : p.detach().clone());
+  }
+  for (const auto& [name, b] : module_.named_buffers()) out.emplace_back(name, b.detach().clone());
+  return out;
+}
+
+void FullyShardedDataParallel::load_full_state_dict(const nn::NamedTensors& state) {
+  State& s = *state_;
+  detail::check_together([&] { module_.check_state_dict(state, /*strict=*/true); }, s.group, kOp);
+  std::map<std::string, Tensor> by_name(state.begin(), state.end());
+  NoGradGuard no_grad;
+  for (State::Unit& u : s.units)
+    for (State::Flat& f : u.flats) {
+      Tensor whole =
+          zeros(f.full.flat.shape(), {.dtype = f.shard.dtype(), .device = f.shard.device()});
+      for (size_t k = 0; k < f.params.size(); ++k)
+        f.full.view_in(whole, k).copy_(by_name.at(s.names[size_t(f.params[k])]));
+      f.shard.detach().copy_(whole.narrow(0, s.group.rank() * f.shard.numel(), f.shard.numel()));
+    }
+  for (auto& [name, b] : module_.named_buffers()) {
+    Tensor target = b;
+    target.copy_(by_name.at(name));
+  }
+}
+
+nn::NamedTensors FullyShardedDataParallel::sharded_state_dict() const {
+  nn::NamedTensors out;
+  for (size_t u = 0; u < state_->units.size(); ++u)
+    for (const State::Flat& f : state_->units[u].flats)
+      out.emplace_back(flat_name(u, f.shard.dtype()), f.shard);
+  for (const auto& [name, b] : module_.named_buffers()) out.emplace_back(name, b);
+  return out;
+}
+
+nn::Module& FullyShardedDataParallel::sharded_module() {
+  if (!state_->shard_module) {
+    std::vector<std::pair<std::string, Tensor>> shards;
+    for (size_t u = 0; u < state_->units.size(); ++u)
+      for (const State::Flat& f : state_->units[u].flats)
+        shards.emplace_back(fmt::format("unit{}_{}", u, dtype_name(f.shard.dtype())), f.shard);
+    state_->shard_module = std::make_unique<ShardModule>(shards, module_.named_buffers());
+  }
+  return *state_->shard_module;
+}
+
+const FSDPStats& FullyShardedDataParallel::stats() const {
+  return state_->stats;
+}
+
+const dist::Group& FullyShardedDataParallel::group() const {
+  return state_->group;
+}
+
+}  // namespace weave::parallel
