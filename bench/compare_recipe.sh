@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 # These two hold OpenBLAS to older kernels than the CPU has (set by some images, not by users'
 # machines): unset for weave and PyTorch alike, so both run the kernels a user would get.
 unset OPENBLAS_CORETYPE OPENBLAS_L2_SIZE
+# One compute thread for both sides alike (each reads the variable its library honours).
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 runs=${1:-3}
 epochs=${2:-10}
 exe=build/bench/bench_recipe
@@ -17,8 +19,8 @@ exe=build/bench/bench_recipe
 field() { { grep "$1" || true; } | grep -o "$2=[0-9.]*" | head -1 | cut -d= -f2 || true; }
 declare -a w64 t64 w1024 t1024 wwall twall
 for ((i = 1; i <= runs; ++i)); do
-  w=$(OMP_NUM_THREADS=1 taskset -c 0 "$exe" "$epochs")
-  t=$(OPENBLAS_NUM_THREADS=1 taskset -c 0 /usr/bin/python3 bench/torch_recipe.py --epochs "$epochs")
+  w=$(taskset -c 0 "$exe" "$epochs")
+  t=$(taskset -c 0 /usr/bin/python3 bench/torch_recipe.py --epochs "$epochs")
   w64+=("$(echo "$w" | field 'batch=64 ' step_us)"); t64+=("$(echo "$t" | field 'batch=64 ' step_us)")
   w1024+=("$(echo "$w" | field 'batch=1024' step_us)"); t1024+=("$(echo "$t" | field 'batch=1024' step_us)")
   wwall+=("$(echo "$w" | field epochs= wall_s)"); twall+=("$(echo "$t" | field epochs= wall_s)")

@@ -5,11 +5,15 @@
 // bound, the prefetch order in the trace, and the errors.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
+
+#include <unistd.h>
 
 #include "helpers.h"
 #include "weave/weave.h"
@@ -49,12 +53,13 @@ optim::AdamWOptions adamw_options() {
 double max_difference(nn::Module& reference, FullyShardedDataParallel& fsdp) {
   const nn::NamedTensors full = fsdp.full_state_dict();
   double worst = 0;
-  for (const auto& [name, p] : reference.named_parameters()) {
+  for (const auto& entry : reference.named_parameters()) {
+    const std::string& name = entry.first;
     bool found = false;
     for (const auto& [n, t] : full)
       if (n == name) {
         found = true;
-        worst = std::max(worst, weave::abs(t - p.detach()).max().item<double>());
+        worst = std::max(worst, weave::abs(t - entry.second.detach()).max().item<double>());
       }
     CHECK_MESSAGE(found, name);
   }
@@ -93,6 +98,8 @@ TEST_SUITE("fsdp") {
         optim::AdamW reference_opt(reference->parameters(), adamw_options());
         FullyShardedDataParallel fsdp(*model, {.sharding = sharding, .prefetch = prefetch});
         CHECK(fsdp.unit_names() == std::vector<std::string>{"0", "2", "4"});
+        CHECK(fsdp.shard_names() ==
+              std::vector<std::string>{"unit0_float64", "unit1_float64", "unit2_float64"});
         optim::AdamW opt(fsdp.parameters(), adamw_options());
         // The shards: 1/N of each unit, padded.
         const int n = dist::world_size();
@@ -220,6 +227,114 @@ TEST_SUITE("fsdp") {
       opt.step();
     }
     CHECK(max_difference(*reference, fsdp) <= 1e-10);
+  }
+
+  TEST_CASE("a backward that fails or is skipped on one rank: every rank discards the step") {
+    if (dist::world_size() < 2) return;
+    const int failing = dist::world_size() - 1;
+    // Where the failing rank's backward stops in step 1: below layer 1's Tanh (units 2 and 1
+    // done), below layer 3's Tanh (unit 2 done, unit 1's prefetch issued), or not at all: it
+    // skips backward, and settles the step at its next forward.
+    for (int where : {1, 3, -1}) {
+      CAPTURE(where);
+      auto reference = make_model(100), model = make_model(100);
+      DistributedDataParallel ddp(*reference);
+      optim::AdamW reference_opt(reference->parameters(), adamw_options());
+      FullyShardedDataParallel fsdp(*model);
+      optim::AdamW opt(fsdp.parameters(), adamw_options());
+      bool armed = false;
+      HookHandle hook;
+      if (where >= 0)
+        hook = (*model)[size_t(where)].register_forward_hook(
+            [&](nn::Module&, const Tensor&, const Tensor& out) {
+              if (armed && dist::rank() == failing)
+                out.register_hook(
+                    [](const Tensor&) -> Tensor { WEAVE_FAIL("test", "injected failure"); });
+              return Tensor();
+            });
+      for (int step = 0; step < 4; ++step) {
+        CAPTURE(step);
+        auto [x, y] = local_batch(step);
+        opt.zero_grad();
+        armed = step == 1;
+        std::string error;
+        try {
+          Tensor loss = mse_loss(fsdp(x), y);
+          if (!(armed && where < 0 && dist::rank() == failing)) loss.backward();
+        } catch (const Error& e) {
+          error = e.what();
+        }
+        if (step == 1) {
+          // The failing rank reports its own error (none when it skipped); the others name it.
+          const std::string expected = dist::rank() != failing ? "failed in backward in step 1"
+                                       : where >= 0            ? "injected failure"
+                                                               : "";
+          const bool reported =
+              expected.empty() ? error.empty() : error.find(expected) != std::string::npos;
+          CHECK_MESSAGE(reported, error);
+          if (dist::rank() != failing || where >= 0)
+            for (const Tensor& shard : fsdp.parameters()) CHECK_FALSE(shard.grad().defined());
+          continue;  // every rank skips the step, as the reference does
+        }
+        CHECK_MESSAGE(error.empty(), error);
+        reference_opt.zero_grad();
+        mse_loss(ddp(x), y).backward();
+        reference_opt.step();
+        opt.step();
+      }
+      CHECK(fsdp.stats().failed_steps == 1);
+      CHECK(max_difference(*reference, fsdp) <= 1e-10);
+    }
+  }
+
+  TEST_CASE("the trace shows unit 1's all_gather starting while unit 0's forward runs") {
+    if (dist::world_size() < 2) return;
+    // Unit 0 takes 100 ms (a layer that sleeps), so the prefetched gather has time to start.
+    struct Slow : nn::Module {
+      std::shared_ptr<nn::Linear> fc;
+      Slow() { fc = register_module("fc", std::make_shared<nn::Linear>(5, 16)); }
+      Tensor forward(const Tensor& x) override {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        return (*fc)(x);
+      }
+    };
+    for (bool prefetch : {true, false}) {
+      CAPTURE(prefetch);
+      manual_seed(4);
+      auto model =
+          std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+              std::make_shared<Slow>(), nn::Tanh(), std::make_shared<nn::Linear>(16, 9)});
+      model->to(kFloat64);
+      FullyShardedDataParallel fsdp(*model, {.prefetch = prefetch});
+      auto [x, y] = local_batch(0, 5, 9);
+      mse_loss(fsdp(x), y).backward();  // the first step learns the forward order
+      trace::start((std::filesystem::temp_directory_path() /
+                    fmt::format("weave_fsdp_trace_{}_{{rank}}.json", getpid()))
+                       .string());
+      fsdp(x);
+      const std::string path = trace::stop();
+      nlohmann::json events = nlohmann::json::parse(std::ifstream(path))["traceEvents"];
+      std::filesystem::remove(path);
+      // Unit 1's shard: 153 elements over N ranks, float64.
+      const int64_t n = dist::world_size(), unit1_bytes = (153 + n - 1) / n * 8;
+      double unit0_start = -1, unit0_end = -1, gather1_start = -1;
+      for (const auto& e : events) {
+        if (e["ph"] != "X") continue;
+        if (e["cat"] == "fsdp" && e["name"] == "forward unit 0") {
+          unit0_start = e["ts"].get<double>();
+          unit0_end = unit0_start + e["dur"].get<double>();
+        }
+        if (e["cat"] == "collective" && e["name"] == "all_gather" &&
+            e["args"]["bytes"].get<int64_t>() == unit1_bytes)
+          gather1_start = e["ts"].get<double>();
+      }
+      REQUIRE(unit0_start >= 0);
+      REQUIRE(gather1_start >= 0);
+      if (prefetch)
+        CHECK(gather1_start < unit0_end);  // in flight while unit 0 computes
+      else
+        CHECK(gather1_start >= unit0_end);  // only when unit 1's own forward begins
+    }
   }
 
   TEST_CASE("bad inputs raise on every rank") {

@@ -77,11 +77,11 @@ struct DistributedDataParallel::State {
       : options(std::move(o)),
         group(detail::data_parallel_group(options.group, "DistributedDataParallel")) {}
 
-  void watch(const std::vector<Tensor>& watched) {
+  void watch() {
     readiness = detail::GradReadiness::create(
-        watched, {.ready = [this](int i) { detail::bind_grad(params[i], views[i]); },
-                  .launch = [this](int b) { buckets[size_t(b)].launch_average(group); },
-                  .finish = [this](bool failed) { settle(failed); }});
+        params, {.ready = [this](int i) { detail::bind_grad(params[i], views[i]); },
+                 .launch = [this](int b) { buckets[size_t(b)].launch_average(group); },
+                 .finish = [this](bool failed) { settle(failed); }});
   }
 
   // The last bucket, which carries the status words, is held back until the end of backward,
@@ -139,14 +139,9 @@ struct DistributedDataParallel::State {
                      "on inputs of the same structure, or construct with "
                      "{{.find_unused_parameters = true}}");
         }
-        std::vector<char> was_ready(params.size());
-        for (size_t i = 0; i < params.size(); ++i) was_ready[i] = readiness->is_ready(int(i));
-        build_buckets(order);  // starts the bookkeeping afresh
-        for (size_t i = 0; i < params.size(); ++i)
-          if (was_ready[i]) readiness->mark_ready(int(i));
+        build_buckets(order);
         for (size_t i = 0; i < params.size(); ++i) detail::bind_grad(params[i], views[i]);
         readiness->launch_rest();
-        readiness->end();
         wait_all();
       }
       stats.ready_before_first_launch = readiness->ready_count();  // nothing overlapped
@@ -200,13 +195,12 @@ struct DistributedDataParallel::State {
   // join(): a step of the others in which this rank, out of inputs, contributes zeros.
   void shadow_step(nn::Module& module) {
     start_step(module);
-    readiness->begin();
+    readiness->clear();
     for (Bucket& b : buckets) b.grads.flat.zero_();
     for (size_t i = 0; i < params.size(); ++i) {
       params[i].set_grad(views[i]);
       readiness->mark_ready(int(i));
     }
-    readiness->end();
     settle(/*failed=*/false);
   }
 
@@ -268,7 +262,7 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
     s.names.push_back(name);
     s.params.push_back(p);
   }
-  s.watch(s.params);
+  s.watch();
 }
 
 DistributedDataParallel::~DistributedDataParallel() = default;
@@ -285,8 +279,7 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
                  "on this rank; its gradients are discarded on every rank; hint: run evaluation "
                  "under NoGradGuard\n",
                  dist::rank(), static_cast<long long>(s.stats.steps));
-    s.readiness->begin();
-    s.readiness->end();
+    s.readiness->clear();
     s.settle(true);
   }
   if (synchronizing) {
@@ -307,12 +300,8 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
   return module_(input);
 }
 
-DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)
-    : ddp_(ddp), previous_(ddp.state_->readiness->paused()) {
-  ddp_.state_->readiness->set_paused(true);
-}
-DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
-  ddp_.state_->readiness->set_paused(previous_);
+NoSyncGuard DistributedDataParallel::no_sync() {
+  return NoSyncGuard(state_->readiness);
 }
 
 const DDPStats& DistributedDataParallel::stats() const {

@@ -39,6 +39,7 @@
 
 #include "weave/distributed/distributed.h"
 #include "weave/nn/module.h"
+#include "weave/parallel/no_sync.h"
 
 namespace weave::parallel {
 
@@ -104,18 +105,7 @@ class DistributedDataParallel {
 
   /// While the guard lives, backward accumulates gradients locally without communicating
   /// (gradient accumulation); the first backward after it averages everything accumulated.
-  class NoSyncGuard {
-   public:
-    explicit NoSyncGuard(DistributedDataParallel& ddp);
-    ~NoSyncGuard();
-    NoSyncGuard(const NoSyncGuard&) = delete;
-    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-
-   private:
-    DistributedDataParallel& ddp_;
-    bool previous_;
-  };
-  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+  NoSyncGuard no_sync();
 
   const DDPStats& stats() const;
   /// With check_finite: false when the last synchronizing backward averaged a NaN or infinite

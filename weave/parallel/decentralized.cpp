@@ -146,16 +146,9 @@ struct DecentralizedDataParallel::State {
         detail::cut_buckets(order, params, options.first_bucket_mb, options.bucket_mb);
     for (const std::vector<int>& bucket_members : members) {
       Bucket b;
-      std::vector<Shape> shapes;
       std::vector<Tensor> bucket_params;
-      for (int i : bucket_members) {
-        shapes.push_back(params[size_t(i)].shape());
-        bucket_params.push_back(params[size_t(i)]);
-      }
-      b.params =
-          detail::FlatBuffer::allocate(shapes, bucket_params[0].dtype(), bucket_params[0].device());
-      for (size_t k = 0; k < bucket_params.size(); ++k)
-        detail::bind_data(bucket_params[k], b.params.view(k));
+      for (int i : bucket_members) bucket_params.push_back(params[size_t(i)]);
+      b.params = detail::FlatBuffer::adopt(bucket_params);
       b.optimizer = make_optimizer(bucket_params);
       WEAVE_CHECK(b.optimizer != nullptr, "DecentralizedDataParallel",
                   "the optimizer factory returned null");

@@ -1,5 +1,6 @@
 // Flat buffers, bound parameters and gradients, per-backward readiness, and the bucket order.
 #include "weave/parallel/flat_buffer.h"
+#include "weave/parallel/no_sync.h"
 
 #include <algorithm>
 #include <utility>
@@ -11,16 +12,22 @@
 
 namespace weave::parallel::detail {
 
-FlatBuffer FlatBuffer::allocate(const std::vector<Shape>& shapes, DType dtype, Device device,
-                                int64_t pad_to, int64_t extra) {
+FlatBuffer FlatBuffer::like(const std::vector<Tensor>& tensors, int64_t pad_to, int64_t extra) {
   FlatBuffer buffer;
-  buffer.shapes = shapes;
-  for (const Shape& shape : shapes) {
+  for (const Tensor& t : tensors) {
+    buffer.shapes.push_back(t.shape());
     buffer.offsets.push_back(buffer.used);
-    buffer.used += shape.numel();
+    buffer.used += t.numel();
   }
   const int64_t padded = (buffer.used + pad_to - 1) / pad_to * pad_to;
-  buffer.flat = zeros({padded + extra}, {.dtype = dtype, .device = device});
+  buffer.flat =
+      zeros({padded + extra}, {.dtype = tensors[0].dtype(), .device = tensors[0].device()});
+  return buffer;
+}
+
+FlatBuffer FlatBuffer::adopt(const std::vector<Tensor>& tensors, int64_t pad_to) {
+  FlatBuffer buffer = like(tensors, pad_to);
+  for (size_t k = 0; k < tensors.size(); ++k) bind_data(tensors[k], buffer.view(k));
   return buffer;
 }
 
@@ -30,10 +37,8 @@ Tensor FlatBuffer::view_in(const Tensor& buffer, size_t k) const {
 
 GradBucket GradBucket::allocate(const std::vector<Tensor>& params, std::optional<DType> compress,
                                 int64_t extra) {
-  std::vector<Shape> shapes;
-  for (const Tensor& p : params) shapes.push_back(p.shape());
   GradBucket bucket;
-  bucket.grads = FlatBuffer::allocate(shapes, params[0].dtype(), params[0].device(), 1, extra);
+  bucket.grads = FlatBuffer::like(params, 1, extra);
   const Tensor& flat = bucket.grads.flat;
   bucket.wire = compress && *compress != flat.dtype()
                     ? empty(flat.shape(), {.dtype = *compress, .device = flat.device()})
@@ -51,11 +56,11 @@ void GradBucket::wait() {
   if (!wire.is_same(grads.flat)) grads.flat.copy_(wire);
 }
 
-void bind_data(const Tensor& tensor, Tensor view, bool copy_values) {
+void bind_data(const Tensor& tensor, Tensor view) {
   WEAVE_CHECK(tensor.shape() == view.shape() && tensor.dtype() == view.dtype(), "bind_data",
               "expected a view of shape {} and dtype {}, found {} and {}", tensor.shape(),
               tensor.dtype(), view.shape(), view.dtype());
-  if (copy_values) {
+  {
     NoGradGuard no_grad;
     view.copy_(tensor.detach());
   }
@@ -102,17 +107,18 @@ void GradReadiness::set_buckets(std::vector<std::vector<int>> buckets, int held_
   std::fill(bucket_of_.begin(), bucket_of_.end(), -1);
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (int i : buckets_[b]) bucket_of_[size_t(i)] = int(b);
+  // What is ready already (the traced backward's parameters) stays ready, and counts down.
   pending_.assign(buckets_.size(), 0);
-  begin();
-  in_backward_ = false;
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (int i : buckets_[b]) pending_[b] += ready_[size_t(i)] ? 0 : 1;
+  next_launch_ = 0;
 }
 
 std::vector<int> GradReadiness::take_trace() {
   return std::exchange(trace_, {});
 }
 
-void GradReadiness::begin() {
-  in_backward_ = true;
+void GradReadiness::clear() {
   std::fill(ready_.begin(), ready_.end(), 0);
   ready_count_ = 0;
   ready_at_first_launch_ = -1;
@@ -123,11 +129,12 @@ void GradReadiness::begin() {
 void GradReadiness::on_hook(int param, const std::weak_ptr<GradReadiness>& self) {
   if (paused_) return;
   if (!in_backward_) {
-    begin();
+    in_backward_ = true;
+    clear();
     // Runs when backward ends, also when an exception unwinds it: every rank settles the step.
     autograd::queue_final_callback([self](bool failed) {
       if (auto alive = self.lock()) {
-        alive->end();
+        alive->in_backward_ = false;
         if (alive->handlers_.finish) alive->handlers_.finish(failed);
       }
     });
@@ -159,6 +166,23 @@ void GradReadiness::launch_rest() {
   std::fill(pending_.begin(), pending_.end(), 0);
   launch_ready(buckets_.size());
 }
+
+}  // namespace weave::parallel::detail
+
+namespace weave::parallel {
+
+NoSyncGuard::NoSyncGuard(std::shared_ptr<detail::GradReadiness> readiness)
+    : readiness_(std::move(readiness)), previous_(readiness_->paused()) {
+  readiness_->set_paused(true);
+}
+
+NoSyncGuard::~NoSyncGuard() {
+  readiness_->set_paused(previous_);
+}
+
+}  // namespace weave::parallel
+
+namespace weave::parallel::detail {
 
 // ---- the bucket order ------------------------------------------------------------------------
 

@@ -30,9 +30,10 @@ struct FlatBuffer {
   /// `extra` trailing elements.
   int64_t used = 0;
 
-  /// Zero-filled room for tensors of these shapes.
-  static FlatBuffer allocate(const std::vector<Shape>& shapes, DType dtype, Device device,
-                             int64_t pad_to = 1, int64_t extra = 0);
+  /// Zero-filled room for tensors shaped like `tensors` (one dtype and device: the first's).
+  static FlatBuffer like(const std::vector<Tensor>& tensors, int64_t pad_to = 1, int64_t extra = 0);
+  /// Room for `tensors`, which move into it (bind_data: their values, then their memory).
+  static FlatBuffer adopt(const std::vector<Tensor>& tensors, int64_t pad_to = 1);
   /// Member k's slice of `flat`, in its shape.
   Tensor view(size_t k) const { return view_in(flat, k); }
   /// Member k's slice of another tensor laid out like `flat` (a gathered copy, a wire buffer).
@@ -57,8 +58,8 @@ struct GradBucket {
 
 /// Makes `view` the memory of `tensor`: the handle keeps its identity (a leaf, its hooks, the
 /// optimizer's reference to it) while its elements move into the view's storage. The tensor's
-/// values are copied over first when copy_values.
-void bind_data(const Tensor& tensor, Tensor view, bool copy_values = true);
+/// values are copied over first.
+void bind_data(const Tensor& tensor, Tensor view);
 
 /// Makes `view` the gradient of `param`, copying what it accumulated so far (or zeros) into it,
 /// unless the gradient already is that view.
@@ -86,6 +87,8 @@ class GradReadiness {
   GradReadiness& operator=(const GradReadiness&) = delete;
 
   /// The buckets, in launch order; the last `held_back` are launched only by launch_rest().
+  /// Parameters already marked ready (in the traced backward) stay ready; nothing launches
+  /// until the next mark or launch_rest().
   void set_buckets(std::vector<std::vector<int>> buckets, int held_back = 0);
   bool has_buckets() const { return !buckets_.empty(); }
   const std::vector<std::vector<int>>& buckets() const { return buckets_; }
@@ -96,23 +99,19 @@ class GradReadiness {
   /// While paused (no_sync, gradient accumulation) the hooks do nothing.
   void set_paused(bool paused) { paused_ = paused; }
   bool paused() const { return paused_; }
-  /// Inside a backward that has marked some parameter ready.
-  bool in_backward() const { return in_backward_; }
   bool is_ready(int param) const { return ready_[size_t(param)] != 0; }
   int64_t ready_count() const { return ready_count_; }
   /// Parameters marked ready when the first bucket was launched (-1: none launched yet).
   int64_t ready_at_first_launch() const { return ready_at_first_launch_; }
 
-  /// Starts a step by hand (what the first hook of a backward does, without the final
-  /// callback): nothing ready, nothing launched.
-  void begin();
+  /// Starts a step afresh outside backward: nothing ready, nothing launched (a step settled
+  /// without a backward, or shadowed by join()).
+  void clear();
   /// Marks parameter i ready without a hook (a rank that shadows a step).
   void mark_ready(int param);
   /// Ends the step: every bucket counts as complete and the ones not launched yet are
   /// launched in order, the held-back ones included.
   void launch_rest();
-  /// Leaves the backward (what finish's caller does before calling it).
-  void end() { in_backward_ = false; }
 
  private:
   GradReadiness(size_t params, Handlers handlers);

@@ -4,8 +4,8 @@
 #include "weave/parallel/fsdp.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
-#include <set>
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
@@ -32,12 +32,11 @@ nn::Module* find_module(nn::Module& root, const std::string& name, const std::st
   return nullptr;
 }
 
-// Parameters that require grad, each once (a tied parameter appears under its first name).
-std::vector<std::pair<std::string, Tensor>> trainable(const nn::Module& module) {
-  std::vector<std::pair<std::string, Tensor>> out;
-  std::set<const void*> seen;
+// Parameters that require grad (named_parameters lists a tied one once).
+nn::NamedTensors trainable(const nn::Module& module) {
+  nn::NamedTensors out;
   for (const auto& [name, p] : module.named_parameters())
-    if (p.defined() && p.requires_grad() && seen.insert(p.impl()).second) out.emplace_back(name, p);
+    if (p.requires_grad()) out.emplace_back(name, p);
   return out;
 }
 
@@ -45,8 +44,7 @@ std::vector<std::pair<std::string, Tensor>> trainable(const nn::Module& module) 
 // checkpoint code.
 class ShardModule : public nn::Module {
  public:
-  ShardModule(const std::vector<std::pair<std::string, Tensor>>& shards,
-              const nn::NamedTensors& buffers) {
+  ShardModule(const nn::NamedTensors& shards, const nn::NamedTensors& buffers) {
     for (const auto& [name, t] : shards) register_parameter(name, t);
     for (const auto& [name, t] : buffers) register_buffer(name, t);
   }
@@ -54,10 +52,6 @@ class ShardModule : public nn::Module {
     WEAVE_FAIL(kOp, "the sharded module holds shards for checkpoints; it has no forward");
   }
 };
-
-std::string flat_name(size_t unit, DType dtype) {
-  return fmt::format("fsdp/unit{}/{}", unit, dtype_name(dtype));
-}
 
 }  // namespace
 
@@ -99,6 +93,9 @@ struct FullyShardedDataParallel::State {
   std::shared_ptr<detail::GradReadiness> readiness;
   std::vector<int> reducing;  // units with reduce_scatters in flight, oldest first
   bool end_queued = false;    // this backward's end-of-backward work is queued
+  // A synchronizing forward ran and its backward has not settled; which units' backward began.
+  bool forward_pending = false;
+  std::vector<char> backward_began;
   FSDPStats stats;
   std::unique_ptr<ShardModule> shard_module;
 
@@ -106,6 +103,11 @@ struct FullyShardedDataParallel::State {
       : options(std::move(o)), group(detail::data_parallel_group(options.group, kOp)) {}
 
   bool full_shard() const { return options.sharding == ShardingStrategy::FullShard; }
+  std::vector<Tensor> members(const Flat& f) const {
+    std::vector<Tensor> out;
+    for (int i : f.params) out.push_back(params[size_t(i)]);
+    return out;
+  }
   Unit& root() { return units.back(); }
 
   // ---- gathering ---------------------------------------------------------------------------
@@ -197,26 +199,40 @@ struct FullyShardedDataParallel::State {
   // ---- backward ------------------------------------------------------------------------------
 
   void pre_backward(int u) {
-    Unit& unit = units[size_t(u)];
     queue_end_of_backward();
-    ensure_gathered(unit);
+    gather_for_backward(u);
+    bind_grads(units[size_t(u)]);
+  }
+
+  // The collectives a unit's backward begins with: its gather, and the previous unit's prefetch.
+  void gather_for_backward(int u) {
+    backward_began[size_t(u)] = 1;
+    ensure_gathered(units[size_t(u)]);
     if (options.prefetch) {
       const int previous = next_in_forward(u, -1);
       if (previous >= 0) launch_gather(units[size_t(previous)], true);
     }
-    bind_grads(unit);
+  }
+
+  // A rank whose backward stopped early issues what the others still issue, in their order: for
+  // each unit whose backward had not begun (last forward first), its gathers, then its
+  // gradients complete (zeros), which launches its reduce_scatter in the fixed order.
+  void replay_rest_of_backward() {
+    std::vector<int> order = forward_order;
+    if (order.empty())
+      for (int u = 0; u + 1 < int(units.size()); ++u) order.push_back(u);
+    for (auto it = order.rbegin(); it != order.rend(); ++it) {
+      if (!backward_began[size_t(*it)]) gather_for_backward(*it);
+      for (const Flat& f : units[size_t(*it)].flats)
+        for (int i : f.params) readiness->mark_ready(i);
+    }
   }
 
   // Whole-gradient buffers for the unit, the parameters' .grad bound into them so backward
   // accumulates in place (what no_sync micro-batches accumulated is kept).
   void bind_grads(Unit& unit) {
     for (Flat& f : unit.flats) {
-      if (!f.grads.flat.defined()) {
-        std::vector<Shape> shapes;
-        for (int i : f.params) shapes.push_back(params[size_t(i)].shape());
-        f.grads =
-            detail::FlatBuffer::allocate(shapes, f.shard.dtype(), f.shard.device(), group.size());
-      }
+      if (!f.grads.flat.defined()) f.grads = detail::FlatBuffer::like(members(f), group.size());
       for (size_t k = 0; k < f.params.size(); ++k)
         detail::bind_grad(params[size_t(f.params[k])], f.grads.view(k));
     }
@@ -255,21 +271,24 @@ struct FullyShardedDataParallel::State {
     if (end_queued) return;
     end_queued = true;
     std::weak_ptr<State> weak = self;
-    autograd::queue_final_callback([weak](bool failed) {
-      if (auto s = weak.lock()) s->end_of_backward(failed);
+    autograd::queue_final_callback([weak](bool) {
+      if (auto s = weak.lock()) s->end_of_backward();
     });
   }
 
-  // After a no_sync backward (nothing reduced): only the parameters are released. After a
-  // synchronizing one: GradReadiness's finish ran settle() first.
-  void end_of_backward(bool) {
+  // Releases the parameters after a no_sync backward. A synchronizing one leaves that to
+  // settle(), which may still need them gathered as they are (it replays a failed backward).
+  void end_of_backward() {
     end_queued = false;
+    if (forward_pending) return;
     for (Unit& u : units) release(u);
   }
 
   // Ends a synchronizing step on this rank, in step with the group.
   void settle(bool failed) {
     const int64_t step = stats.steps++;
+    forward_pending = false;
+    if (failed) replay_rest_of_backward();
     readiness->launch_rest();
     Tensor flag = full({1}, failed ? 1.0 : 0.0, {.dtype = kInt64});
     dist::all_reduce(flag, dist::ReduceOp::Sum, group);
@@ -285,13 +304,12 @@ struct FullyShardedDataParallel::State {
           else
             f.shard.set_grad(f.reduced);
         }
-    for (Unit& u : units)
+    for (Unit& u : units) {
       for (Flat& f : u.flats) f.reduced = Tensor();
-    if (failed_ranks == 0 || failed) {
-      if (failed_ranks > 0) ++stats.failed_steps;
-      return;
+      release(u);
     }
-    ++stats.failed_steps;
+    if (failed_ranks > 0) ++stats.failed_steps;
+    if (failed_ranks == 0 || failed) return;  // a failed rank's own error is the one to report
     WEAVE_FAIL(kOp,
                "{} of the {} ranks of group {} failed in backward in step {} (see their error), so "
                "every rank discarded this step's gradients; hint: catch this error and go on to "
@@ -384,15 +402,10 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
     }
     for (const auto& [dtype, device] : kinds) {
       State::Flat f;
-      std::vector<Shape> shapes;
       for (int i : members)
-        if (s.params[size_t(i)].dtype() == dtype && s.params[size_t(i)].device() == device) {
+        if (s.params[size_t(i)].dtype() == dtype && s.params[size_t(i)].device() == device)
           f.params.push_back(i);
-          shapes.push_back(s.params[size_t(i)].shape());
-        }
-      f.full = detail::FlatBuffer::allocate(shapes, dtype, device, n);
-      for (size_t k = 0; k < f.params.size(); ++k)
-        detail::bind_data(s.params[size_t(f.params[k])], f.full.view(k));
+      f.full = detail::FlatBuffer::adopt(s.members(f), n);
       const int64_t per_rank = f.full.flat.numel() / n;
       NoGradGuard no_grad;
       f.shard = f.full.flat.narrow(0, s.group.rank() * per_rank, per_rank).clone().detach();
@@ -416,7 +429,6 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
   for (size_t u = 0; u < s.units.size(); ++u)
     for (const State::Flat& f : s.units[u].flats)
       for (int i : f.params) s.unit_of[size_t(i)] = int(u);
-  s.stats.units = int(s.units.size()) - (root_members.empty() ? 1 : 0);
 
   // Hooks: a unit gathers before its first module's forward and reshards after its last's.
   for (size_t u = 0; u + 1 < s.units.size(); ++u) {
@@ -456,6 +468,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
   std::erase_if(buckets, [](const std::vector<int>& b) { return b.empty(); });
   s.readiness->set_buckets(buckets);
   for (State::Unit& u : s.units) s.release(u);
+  s.backward_began.assign(s.units.size(), 0);
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
@@ -464,13 +477,28 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
 
 Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   State& s = *state_;
+  const bool synchronizing = autograd::GradMode::is_enabled() && !s.readiness->paused();
+  // The previous synchronizing forward's backward never reached this model on this rank (it
+  // failed before, or was skipped): settle that step now, as failed, issuing what the other
+  // ranks' backward issued, so their collectives complete and pair with this rank's.
+  if (s.forward_pending && synchronizing) {
+    std::fprintf(stderr,
+                 "[weave] rank %d: FullyShardedDataParallel: step %lld's forward got no backward "
+                 "on this rank; its gradients are discarded on every rank; hint: run evaluation "
+                 "under NoGradGuard\n",
+                 dist::rank(), static_cast<long long>(s.stats.steps));
+    s.readiness->clear();
+    s.settle(true);
+  }
   s.ensure_gathered(s.root());
-  if (!s.readiness->paused() && autograd::GradMode::is_enabled()) s.bind_grads(s.root());
+  if (autograd::GradMode::is_enabled()) s.backward_began.assign(s.units.size(), 0);
+  if (synchronizing) s.bind_grads(s.root());
   Tensor out = module_(input);
   if (!s.order_known && !s.forward_order.empty()) s.order_known = true;
   if (!autograd::GradMode::is_enabled() || !out.requires_grad()) {
     for (State::Unit& u : s.units) s.release(u);  // no backward follows
   } else {
+    s.forward_pending = synchronizing;
     std::weak_ptr<State> weak = state_;
     out.register_hook([weak](const Tensor&) -> Tensor {
       if (auto alive = weak.lock()) alive->queue_end_of_backward();
@@ -491,9 +519,7 @@ std::vector<std::string> FullyShardedDataParallel::shard_names() const {
   std::vector<std::string> out;
   for (size_t u = 0; u < state_->units.size(); ++u)
     for (const State::Flat& f : state_->units[u].flats)
-      out.push_back(fmt::format("unit {} ({}) {}", u,
-                                state_->units[u].root ? "root" : state_->units[u].name,
-                                f.shard.dtype()));
+      out.push_back(fmt::format("unit{}_{}", u, dtype_name(f.shard.dtype())));
   return out;
 }
 
@@ -504,12 +530,8 @@ std::vector<std::string> FullyShardedDataParallel::unit_names() const {
   return out;
 }
 
-FullyShardedDataParallel::NoSyncGuard::NoSyncGuard(FullyShardedDataParallel& fsdp)
-    : fsdp_(fsdp), previous_(fsdp.state_->readiness->paused()) {
-  fsdp_.state_->readiness->set_paused(true);
-}
-FullyShardedDataParallel::NoSyncGuard::~NoSyncGuard() {
-  fsdp_.state_->readiness->set_paused(previous_);
+NoSyncGuard FullyShardedDataParallel::no_sync() {
+  return NoSyncGuard(state_->readiness);
 }
 
 nn::NamedTensors FullyShardedDataParallel::full_state_dict() {
@@ -552,22 +574,13 @@ void FullyShardedDataParallel::load_full_state_dict(const nn::NamedTensors& stat
   }
 }
 
-nn::NamedTensors FullyShardedDataParallel::sharded_state_dict() const {
-  nn::NamedTensors out;
-  for (size_t u = 0; u < state_->units.size(); ++u)
-    for (const State::Flat& f : state_->units[u].flats)
-      out.emplace_back(flat_name(u, f.shard.dtype()), f.shard);
-  for (const auto& [name, b] : module_.named_buffers()) out.emplace_back(name, b);
-  return out;
-}
-
 nn::Module& FullyShardedDataParallel::sharded_module() {
   if (!state_->shard_module) {
-    std::vector<std::pair<std::string, Tensor>> shards;
-    for (size_t u = 0; u < state_->units.size(); ++u)
-      for (const State::Flat& f : state_->units[u].flats)
-        shards.emplace_back(fmt::format("unit{}_{}", u, dtype_name(f.shard.dtype())), f.shard);
-    state_->shard_module = std::make_unique<ShardModule>(shards, module_.named_buffers());
+    const std::vector<std::string> names = shard_names();
+    const std::vector<Tensor> shards = parameters();
+    nn::NamedTensors named;
+    for (size_t k = 0; k < shards.size(); ++k) named.emplace_back(names[k], shards[k]);
+    state_->shard_module = std::make_unique<ShardModule>(named, module_.named_buffers());
   }
   return *state_->shard_module;
 }

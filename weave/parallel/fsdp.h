@@ -34,9 +34,10 @@
 // inside the unit's backward, while the unit is gathered.
 //
 // Every rank of the group runs the same model code (the collectives pair up by order). A rank
-// whose backward fails still completes its share of the step's collectives; one small all_reduce
-// at the end of backward tells every rank, every rank discards the step's gradients, and the
-// ranks that did not fail raise.
+// whose backward fails part-way still issues what its peers' backward issues, in their order
+// (each remaining unit's gathers, then its reduce_scatter of zeros); a rank that skips backward
+// does so at its next forward, with a warning. One small all_reduce at the end tells every rank,
+// every rank discards the step's gradients, and the ranks that did not fail raise.
 #include <memory>
 #include <optional>
 #include <string>
@@ -44,6 +45,7 @@
 
 #include "weave/distributed/distributed.h"
 #include "weave/nn/module.h"
+#include "weave/parallel/no_sync.h"
 
 namespace weave::parallel {
 
@@ -77,8 +79,6 @@ struct FSDPOptions {
 
 /// What the wrapper did (for tests and benchmarks).
 struct FSDPStats {
-  /// Units, the root unit last (when it has parameters).
-  int units = 0;
   /// all_gathers and reduce_scatters issued so far, over all units.
   int64_t gathers = 0;
   int64_t reduce_scatters = 0;
@@ -107,25 +107,15 @@ class FullyShardedDataParallel {
 
   /// This rank's shards (one flat leaf per unit and dtype): what the optimizer steps.
   std::vector<Tensor> parameters() const;
-  /// "unit 0 (blocks.0) float32" for each of parameters().
+  /// "unit0_float32" for each of parameters(): unit index (unit_names() order) and dtype; the
+  /// parameter names of sharded_module().
   std::vector<std::string> shard_names() const;
   /// Unit names, in order ("" for the root unit).
   std::vector<std::string> unit_names() const;
 
   /// While the guard lives, backward accumulates whole gradients locally (no reduce_scatter);
   /// the first backward after it reduces everything accumulated.
-  class NoSyncGuard {
-   public:
-    explicit NoSyncGuard(FullyShardedDataParallel& fsdp);
-    ~NoSyncGuard();
-    NoSyncGuard(const NoSyncGuard&) = delete;
-    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-
-   private:
-    FullyShardedDataParallel& fsdp_;
-    bool previous_;
-  };
-  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+  NoSyncGuard no_sync();
 
   /// The whole model's parameters and buffers, by the module's names, gathered on every rank
   /// (copies). Collective.
@@ -133,10 +123,6 @@ class FullyShardedDataParallel {
   /// Loads whole parameters (each rank keeps its slices) and buffers; strict as
   /// Module::load_state_dict. Collective (it checks on every rank before changing anything).
   void load_full_state_dict(const nn::NamedTensors& state);
-  /// This rank's shards by shard_names()-derived keys ("fsdp/unit0/float32"): what a sharded
-  /// checkpoint of this rank holds (parallel::save_sharded_checkpoint through a
-  /// data::TrainingState whose model is sharded_module()).
-  nn::NamedTensors sharded_state_dict() const;
   /// A module whose parameters are this rank's shards (and whose buffers are the model's), for
   /// data::TrainingState: sharded checkpoints save and load it at the same world size.
   nn::Module& sharded_module();

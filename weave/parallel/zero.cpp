@@ -28,7 +28,6 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
                 "parameters must share one dtype and device, found {} on {} and {} on {}; hint: "
                 "one ZeroRedundancyOptimizer per dtype",
                 params_[0].dtype(), params_[0].device(), p.dtype(), p.device());
-    total_ += p.numel();
   }
   // Each rank owns a slice of the flattened list: a list in another order (same total size)
   // would update the wrong elements without a word, and unequal replicas would stay unequal.
@@ -39,16 +38,11 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
                            "(parallel::synchronize(module) broadcasts rank 0's)");
   NoGradGuard no_grad;
   const int64_t n = group_.size();
-  std::vector<Shape> shapes;
-  for (const Tensor& p : params_) shapes.push_back(p.shape());
   // The parameters and their gradients become slices of two flat buffers padded to a multiple
   // of the group size: the reduce-scatter reads the gradients in place, the optimizer updates
   // this rank's slice of the parameters in place, and the all-gather writes them in place.
-  flat_params_ = std::make_unique<detail::FlatBuffer>(
-      detail::FlatBuffer::allocate(shapes, params_[0].dtype(), params_[0].device(), n));
-  flat_grads_ = std::make_unique<detail::FlatBuffer>(
-      detail::FlatBuffer::allocate(shapes, params_[0].dtype(), params_[0].device(), n));
-  for (size_t k = 0; k < params_.size(); ++k) detail::bind_data(params_[k], flat_params_->view(k));
+  flat_params_ = std::make_unique<detail::FlatBuffer>(detail::FlatBuffer::adopt(params_, n));
+  flat_grads_ = std::make_unique<detail::FlatBuffer>(detail::FlatBuffer::like(params_, n));
   const int64_t per_rank = flat_params_->flat.numel() / n;
   shard_ = flat_params_->flat.narrow(0, group_.rank() * per_rank, per_rank).detach();
   shard_.requires_grad_(true);

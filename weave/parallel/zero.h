@@ -63,7 +63,6 @@ class ZeroRedundancyOptimizer {
   std::vector<Tensor> params_;
   dist::Group group_;
   ZeroOptions options_;
-  int64_t total_ = 0;
   // The parameters' memory, padded to a multiple of the group size, and their gradients'.
   std::unique_ptr<detail::FlatBuffer> flat_params_, flat_grads_;
   Tensor shard_;       // this rank's slice of flat_params_, the leaf its optimizer updates
