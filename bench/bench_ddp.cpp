@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
     auto* opt = dist_opts.back().get();
     return [&, &m = m, opt] {
       backward(m, [&](const Tensor& in) { return m(in); });
-      opt->synchronize();
+      opt->average_gradients();
     };
   });
   std::vector<std::unique_ptr<parallel::DistributedDataParallel>> ddps;

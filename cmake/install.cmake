@@ -7,8 +7,33 @@ install(TARGETS weave EXPORT weaveTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(DIRECTORY ${PROJECT_SOURCE_DIR}/weave/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/weave
-        FILES_MATCHING PATTERN "*.h")
+
+# The public headers: weave/weave.h and every weave header it includes, transitively. The rest
+# (kernels, backends, the communication runtime, the flat-buffer layer) stay inside the build.
+# Configuration re-runs when one of them changes, so a new #include is installed too.
+function(weave_public_headers out)
+  set(pending weave/weave.h)
+  set(found)
+  while(pending)
+    list(POP_FRONT pending header)
+    if(header IN_LIST found)
+      continue()
+    endif()
+    list(APPEND found ${header})
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/${header})
+    file(STRINGS ${PROJECT_SOURCE_DIR}/${header} lines REGEX "^#include \"weave/")
+    foreach(line IN LISTS lines)
+      string(REGEX REPLACE "^#include \"(weave/[^\"]+)\".*" "\\1" included "${line}")
+      list(APPEND pending ${included})
+    endforeach()
+  endwhile()
+  set(${out} ${found} PARENT_SCOPE)
+endfunction()
+weave_public_headers(WEAVE_PUBLIC_HEADERS)
+foreach(header IN LISTS WEAVE_PUBLIC_HEADERS)
+  get_filename_component(folder ${header} DIRECTORY)
+  install(FILES ${PROJECT_SOURCE_DIR}/${header} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/${folder})
+endforeach()
 
 set(WEAVE_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/weave)
 install(EXPORT weaveTargets NAMESPACE weave:: DESTINATION ${WEAVE_CMAKE_DIR})

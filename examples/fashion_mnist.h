@@ -209,7 +209,7 @@ inline int run(const Flags& flags) {
         model, parallel::DDPOptions{.compress = flags.compress});
     optimizer = make_optimizer(model.parameters());
   } else if (flags.strategy == "dist-opt") {
-    parallel::synchronize(model);
+    parallel::broadcast_parameters(model);
     optimizer = make_optimizer(model.parameters());
     averaging = std::make_unique<parallel::DistributedOptimizer>(
         *optimizer, parallel::DistributedOptimizerOptions{.compress = flags.compress});
@@ -220,7 +220,7 @@ inline int run(const Flags& flags) {
                                                      : parallel::ShardingStrategy::ShardGradOp});
     optimizer = make_optimizer(fsdp->parameters());  // this rank's shards
   } else if (flags.strategy == "zero1") {
-    parallel::synchronize(model);
+    parallel::broadcast_parameters(model);
     zero = std::make_unique<parallel::ZeroRedundancyOptimizer>(model.parameters(), make_optimizer);
   } else {
     decentralized = std::make_unique<parallel::DecentralizedDataParallel>(

@@ -17,6 +17,16 @@ if find "$prefix/include" -name '*.h' | xargs grep -l '#include "\(tensor\|ops\|
   echo "installed headers include weave paths without the weave/ prefix" >&2
   exit 1
 fi
+# Only the public headers: each weave header an installed one includes is installed, and the
+# internal ones (kernels, the communication runtime, the flat-buffer layer) are not.
+for header in $(find "$prefix/include" -name '*.h'); do
+  for included in $(sed -n 's/^#include "\(weave\/[^"]*\)".*/\1/p' "$header"); do
+    test -f "$prefix/include/$included" || { echo "$header includes $included, not installed" >&2; exit 1; }
+  done
+done
+for internal in weave/kernels/kernels.h weave/distributed/runtime.h weave/parallel/flat_buffer.h; do
+  if test -e "$prefix/include/$internal"; then echo "internal header $internal installed" >&2; exit 1; fi
+done
 
 echo "== consumer through find_package(weave)"
 cmake -S examples/consumer -B "$work/cmake" -DCMAKE_PREFIX_PATH="$prefix" \

@@ -10,7 +10,7 @@
 
 #include "weave/distributed/distributed.h"
 #include "weave/ops/ops.h"
-#include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/cuda/device_runtime.h"
 
 using namespace weave;
 

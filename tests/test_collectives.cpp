@@ -302,9 +302,9 @@ TEST_SUITE("collectives") {
     CHECK(t.to_vector<float>() == std::vector<float>(3, float(dist::world_size())));
   }
 
-  TEST_CASE("synchronize and barrier") {
+  TEST_CASE("broadcast_tensors and barrier") {
     Tensor a = value({3}, kFloat32, dist::rank()), b = value({2, 2}, kInt64, dist::rank());
-    dist::synchronize({a, b}, 0);
+    dist::broadcast_tensors({a, b}, 0);
     CHECK(equal(a, value({3}, kFloat32, 0)));
     CHECK(equal(b, value({2, 2}, kInt64, 0)));
     dist::barrier();

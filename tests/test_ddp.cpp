@@ -217,10 +217,10 @@ TEST_SUITE("ddp") {
     CHECK(message.find("[5, 4]") != std::string::npos);
   }
 
-  TEST_CASE("synchronize broadcasts parameters and buffers from a root") {
+  TEST_CASE("broadcast_parameters broadcasts parameters and buffers from a root") {
     auto model = rank_model();
     const int root = dist::world_size() - 1;
-    parallel::synchronize(*model, root);
+    parallel::broadcast_parameters(*model, root);
     auto expected = make_model(uint64_t(root) * 97)->parameters();
     for (size_t i = 0; i < expected.size(); ++i) CHECK(equal(model->parameters()[i], expected[i]));
   }
@@ -309,12 +309,12 @@ TEST_SUITE("ddp") {
     CHECK(zero.shard_numel() == (total + n - 1) / n);
   }
 
-  TEST_CASE("synchronize(optimizer) copies the root's state") {
+  TEST_CASE("broadcast_optimizer_state copies the root's state") {
     auto model = make_model(0);
     optim::SGD sgd(model->parameters(), {.lr = 0.1 * (dist::rank() + 1), .momentum = 0.9});
     for (const Tensor& p : model->parameters()) p.set_grad(full_like(p, dist::rank() + 1.0));
     sgd.step();  // momentum buffers = the rank's gradient
-    parallel::synchronize(sgd, 0);
+    parallel::broadcast_optimizer_state(sgd, 0);
     CHECK(sgd.lr() == doctest::Approx(0.1));
     for (const Tensor& t : sgd.state()) CHECK(allclose(t, full_like(t, 1.0)));
   }

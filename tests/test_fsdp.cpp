@@ -193,6 +193,55 @@ TEST_SUITE("fsdp") {
     CHECK(max_difference(*reference, fsdp) <= 1e-10);
   }
 
+  TEST_CASE("bfloat16 parameters, and a unit holding two dtypes, equal DDP") {
+    // bfloat16 layers, then a float32 head: grouped into one unit (unit_mb) or one unit each.
+    struct Mixed : nn::Module {
+      std::shared_ptr<nn::Sequential> low;
+      std::shared_ptr<nn::Linear> high;
+      explicit Mixed(uint64_t seed) {
+        manual_seed(seed);
+        low = register_module("low", std::make_shared<nn::Sequential>(
+                                         std::initializer_list<std::shared_ptr<nn::Module>>{
+                                             std::make_shared<nn::Linear>(5, 16), nn::Tanh(),
+                                             std::make_shared<nn::Linear>(16, 9)}));
+        high = register_module("high", std::make_shared<nn::Linear>(9, 3));
+        low->to(kBFloat16);
+      }
+      Tensor forward(const Tensor& x) override {
+        return (*high)(tanh((*low)(x.to(kBFloat16))).to(kFloat32));
+      }
+    };
+    for (double unit_mb : {0.0, 1.0}) {
+      CAPTURE(unit_mb);
+      auto reference = std::make_shared<Mixed>(3), model = std::make_shared<Mixed>(3);
+      DistributedDataParallel ddp(*reference);
+      optim::AdamW reference_opt(reference->parameters(), adamw_options());
+      FullyShardedDataParallel fsdp(*model, {.unit_mb = unit_mb});
+      const auto expected_shards =
+          unit_mb > 0 ? std::vector<std::string>{"unit0_bfloat16", "unit0_float32"}
+                      : std::vector<std::string>{"unit0_bfloat16", "unit1_float32"};
+      CHECK(fsdp.shard_names() == expected_shards);
+      CHECK(fsdp.parameters()[0].dtype() == kBFloat16);
+      optim::AdamW opt(fsdp.parameters(), adamw_options());
+      const Tensor initial = reference->low->parameters()[0].detach().clone();
+      for (int step = 0; step < 10; ++step) {
+        auto [x, y] = local_batch(step);
+        reference_opt.zero_grad();
+        opt.zero_grad();
+        mse_loss(ddp(x), y.to(kFloat32)).backward();
+        mse_loss(fsdp(x), y.to(kFloat32)).backward();
+        reference_opt.step();
+        opt.step();
+      }
+      // The reduction's rounding to bfloat16 is the same as DDP's: the same sums in float32,
+      // rounded once.
+      CHECK(max_difference(*reference, fsdp) == 0);
+      // bfloat16's steps are coarse: the test means something only if the weights moved.
+      CHECK(weave::abs(reference->low->parameters()[0].detach() - initial).max().item<double>() >
+            0.01);
+    }
+  }
+
   TEST_CASE("tensor-parallel blocks inside, on a 2x2 mesh: FSDP over mesh.data() equals DDP") {
     if (dist::world_size() != 4) return;
     parallel::ProcessMesh mesh({.data = 2, .tensor = 2});

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/cuda/device_runtime.h"
 
 int main(int argc, char** argv) {
   std::vector<char*> args;

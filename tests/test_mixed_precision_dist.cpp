@@ -67,7 +67,7 @@ enum class Wrapper { DDP, DistributedOptimizer, Zero };
 // gradient only, which the average would not reach before the step decision).
 void run_scaler_case(Wrapper wrapper) {
   auto model = make_model(5);
-  parallel::synchronize(*model);
+  parallel::broadcast_parameters(*model);
   std::unique_ptr<parallel::DistributedDataParallel> ddp;
   if (wrapper == Wrapper::DDP) ddp = std::make_unique<parallel::DistributedDataParallel>(*model);
   optim::SGD opt(model->parameters(), {.lr = 0.05, .momentum = 0.9});

@@ -61,16 +61,6 @@ void accumulate(Tensor& slot, Tensor grad) {
   slot = std::move(sum);
 }
 
-struct ReadyEntry {
-  Node* node;
-  uint64_t sequence_nr;
-  uint64_t arrival;
-  bool operator<(const ReadyEntry& other) const {  // max-heap: highest sequence, then earliest
-    if (sequence_nr != other.sequence_nr) return sequence_nr < other.sequence_nr;
-    return arrival > other.arrival;
-  }
-};
-
 struct DepthGuard {
   DepthGuard() { ++backward_depth; }
   ~DepthGuard() {
@@ -168,49 +158,51 @@ void run_failed_callbacks(size_t from) {
 
 }  // namespace
 
-void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph,
-              bool run_must_run_nodes) {
-  WEAVE_CHECK(grads.empty() || grads.size() == roots.size(), "backward",
-              "expected one gradient per root ({}), found {}", roots.size(), grads.size());
-  NoGradGuard no_grad;
-  DepthGuard depth;
+namespace {
 
-  // Seed the input buffers of the root nodes.
-  std::unordered_map<Node*, std::vector<Tensor>> buffers;
-  std::vector<std::shared_ptr<Node>> root_nodes;
-  for (size_t i = 0; i < roots.size(); ++i) {
-    const Tensor& root = roots[i];
-    WEAVE_CHECK(root.defined(), "backward", "root {} is an undefined tensor", i);
-    WEAVE_CHECK(root.requires_grad(), "backward",
-                "root {} (shape {}) does not require grad and has no grad_fn; hint: did you "
-                "compute it under NoGradGuard or from tensors without requires_grad?",
-                i, root.shape());
-    Tensor grad = i < grads.size() ? grads[i] : Tensor();
-    if (!grad.defined()) {
-      WEAVE_CHECK(root.numel() <= 1, "backward",
-                  "a gradient can be implied only for one-element roots, found shape {}; hint: "
-                  "pass the gradient explicitly",
-                  root.shape());
-      grad = filled({root.shape(), root.dtype(), root.device()}, root.numel() == 1 ? 1.0 : 0.0);
+Tensor root_gradient(const Tensor& root, size_t index, Tensor grad) {
+  WEAVE_CHECK(root.defined(), "backward", "root {} is an undefined tensor", index);
+  WEAVE_CHECK(root.requires_grad(), "backward",
+              "root {} (shape {}) does not require grad and has no grad_fn; hint: did you "
+              "compute it under NoGradGuard or from tensors without requires_grad?",
+              index, root.shape());
+  if (!grad.defined()) {
+    WEAVE_CHECK(root.numel() <= 1, "backward",
+                "a gradient can be implied only for one-element roots, found shape {}; hint: "
+                "pass the gradient explicitly",
+                root.shape());
+    return filled({root.shape(), root.dtype(), root.device()}, root.numel() == 1 ? 1.0 : 0.0);
+  }
+  WEAVE_CHECK(grad.shape() == root.shape(), "backward",
+              "gradient shape {} does not match root shape {}", grad.shape(), root.shape());
+  if (grad.dtype() == root.dtype() && grad.device() == root.device()) return grad;
+  Tensor converted = empty(root.shape(), {.dtype = root.dtype(), .device = root.device()});
+  kernels::copy(grad, converted);
+  return converted;
+}
+
+// One backward pass over the graph reachable from its roots: seed the roots' gradients, count
+// each node's dependencies (reachable edges pointing at it), then run the ready nodes, highest
+// sequence number first (the reverse of the forward order where the graph leaves a choice).
+class GraphTask {
+ public:
+  explicit GraphTask(bool retain_graph) : retain_graph_(retain_graph) {}
+
+  void seed_roots(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads) {
+    for (size_t i = 0; i < roots.size(); ++i) {
+      Tensor grad = root_gradient(roots[i], i, i < grads.size() ? grads[i] : Tensor());
+      Edge edge = gradient_edge(roots[i]);
+      add_input(edge, std::move(grad));
+      roots_.push_back(edge.function);
     }
-    WEAVE_CHECK(grad.shape() == root.shape(), "backward",
-                "gradient shape {} does not match root shape {}", grad.shape(), root.shape());
-    if (grad.dtype() != root.dtype() || grad.device() != root.device()) {
-      Tensor converted = empty(root.shape(), {.dtype = root.dtype(), .device = root.device()});
-      kernels::copy(grad, converted);
-      grad = converted;
-    }
-    Edge edge = gradient_edge(root);
-    auto& buffer = buffers[edge.function.get()];
-    buffer.resize(std::max<size_t>(edge.function->output_meta().size(), 1));
-    accumulate(buffer[edge.input_nr], grad);
-    root_nodes.push_back(edge.function);
   }
 
-  if (run_must_run_nodes) {
+  // The nodes marked must-run on this thread (collectives whose peers wait for their backward)
+  // become roots too.
+  void add_must_run_nodes() {
     size_t stale = 0;
     for (auto& entry : must_run_nodes) {
-      root_nodes.push_back(entry.node);
+      roots_.push_back(entry.node);
       stale += entry.era < backward_era;
     }
     if (stale > 0)
@@ -225,104 +217,128 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
               stale));
   }
 
-  // Count, for every reachable node, how many reachable edges point at it.
-  std::unordered_map<Node*, int> dependencies;
-  {
+  void count_dependencies() {
     std::vector<Node*> stack;
-    std::unordered_map<Node*, bool> seen;
-    for (auto& node : root_nodes)
-      if (!seen[node.get()]) {
-        seen[node.get()] = true;
-        stack.push_back(node.get());
-      }
+    for (auto& root : roots_)
+      if (!std::exchange(nodes_[root.get()].seen, true)) stack.push_back(root.get());
     while (!stack.empty()) {
       Node* node = stack.back();
       stack.pop_back();
       for (const Edge& edge : node->next_edges()) {
         if (!edge.is_valid()) continue;
-        Node* next = edge.function.get();
-        ++dependencies[next];
-        if (!seen[next]) {
-          seen[next] = true;
-          stack.push_back(next);
-        }
+        NodeState& next = nodes_[edge.function.get()];
+        ++next.dependencies;
+        if (!std::exchange(next.seen, true)) stack.push_back(edge.function.get());
       }
     }
   }
 
-  std::priority_queue<ReadyEntry> ready;
-  uint64_t arrivals = 0;
-  {
-    std::unordered_map<Node*, bool> queued;
-    for (auto& node : root_nodes)
-      if (dependencies[node.get()] == 0 && !queued[node.get()]) {
-        queued[node.get()] = true;
-        ready.push({node.get(), node->sequence_nr(), arrivals++});
+  // On failure the nodes that ran have communicated and leave the must-run list; the rest stay.
+  void run_ready_nodes() {
+    keep_alive_ = roots_;
+    for (auto& root : roots_)
+      if (nodes_[root.get()].dependencies == 0) push_ready(root);
+    try {
+      while (!ready_.empty()) {
+        Node* node = ready_.top().node;
+        ready_.pop();
+        run_node(*node);
       }
+    } catch (...) {
+      forget_executed_must_run_nodes();
+      throw;
+    }
+    forget_executed_must_run_nodes();
   }
 
-  // Keeps nodes alive while they run even if the last tensor holding them goes away.
-  std::vector<std::shared_ptr<Node>> keep_alive(root_nodes);
-  std::unordered_map<Node*, bool> executed;
-  auto forget_executed = [&] {
-    std::erase_if(must_run_nodes,
-                  [&](const MustRun& m) { return executed.count(m.node.get()) > 0; });
+ private:
+  struct NodeState {
+    std::vector<Tensor> inputs;  // the gradients arrived so far, one per forward output
+    int dependencies = 0;        // edges from nodes that have not run yet
+    bool seen = false, queued = false, executed = false;
   };
-  try {
-    while (!ready.empty()) {
-      Node* node = ready.top().node;
-      ready.pop();
-      executed[node] = true;
-      std::vector<Tensor> inputs = std::move(buffers[node]);
-      buffers.erase(node);
-      const auto& meta = node->output_meta();
-      inputs.resize(std::max<size_t>(meta.size(), 1));
-      for (size_t i = 0; i < meta.size(); ++i)
-        if (!inputs[i].defined()) inputs[i] = filled(meta[i], 0.0);
-      for (auto& pre_hook : node->pre_hooks()) {
-        Tensor replaced = pre_hook.hook(inputs[pre_hook.output_nr]);
-        if (replaced.defined()) inputs[pre_hook.output_nr] = replaced;
-      }
-
-      running_node_name = node->name();
-      std::vector<Tensor> outputs;
-      {
-        const trace::Scope trace_scope("backward", trace::enabled() ? node->name() : std::string());
-        outputs = node->apply(std::move(inputs));
-      }
-      if (!retain_graph) node->release_variables();
-
-      const auto& edges = node->next_edges();
-      WEAVE_CHECK(outputs.size() == edges.size() || edges.empty(), "autograd",
-                  "{} returned {} gradients, expected {}", node->name(), outputs.size(),
-                  edges.size());
-      for (size_t i = 0; i < edges.size(); ++i) {
-        const Edge& edge = edges[i];
-        if (!edge.is_valid()) continue;
-        Node* next = edge.function.get();
-        if (outputs[i].defined()) {
-          check_gradient(*node, i, outputs[i], next->output_meta()[edge.input_nr]);
-          auto& buffer = buffers[next];
-          buffer.resize(std::max<size_t>(next->output_meta().size(), 1));
-          accumulate(buffer[edge.input_nr], std::move(outputs[i]));
-        }
-        if (--dependencies[next] == 0) {
-          keep_alive.push_back(edge.function);
-          ready.push({next, next->sequence_nr(), arrivals++});
-        }
-      }
+  struct ReadyEntry {
+    Node* node;
+    uint64_t sequence_nr;
+    uint64_t arrival;
+    bool operator<(const ReadyEntry& other) const {  // max-heap: highest sequence, then earliest
+      if (sequence_nr != other.sequence_nr) return sequence_nr < other.sequence_nr;
+      return arrival > other.arrival;
     }
-  } catch (...) {
-    forget_executed();  // the nodes that ran did communicate; the rest stay pending
-    run_failed_callbacks(0);
-    throw;
-  }
-  running_node_name.clear();
-  forget_executed();
-  ++backward_era;
+  };
 
-  // Callbacks may queue further callbacks; run until none are left. One that raises ends the
-  // pass: the final callbacks after it run as failed, then its error propagates.
+  void add_input(const Edge& edge, Tensor grad) {
+    auto& inputs = nodes_[edge.function.get()].inputs;
+    inputs.resize(std::max<size_t>(edge.function->output_meta().size(), 1));
+    accumulate(inputs[edge.input_nr], std::move(grad));
+  }
+
+  void push_ready(const std::shared_ptr<Node>& node) {
+    if (std::exchange(nodes_[node.get()].queued, true)) return;
+    keep_alive_.push_back(node);
+    ready_.push({node.get(), node->sequence_nr(), arrivals_++});
+  }
+
+  // The node's gradients, with zeros for the outputs no gradient reached, after its pre-hooks.
+  std::vector<Tensor> take_inputs(Node& node, NodeState& state) {
+    std::vector<Tensor> inputs = std::move(state.inputs);
+    const auto& meta = node.output_meta();
+    inputs.resize(std::max<size_t>(meta.size(), 1));
+    for (size_t i = 0; i < meta.size(); ++i)
+      if (!inputs[i].defined()) inputs[i] = filled(meta[i], 0.0);
+    for (auto& pre_hook : node.pre_hooks()) {
+      Tensor replaced = pre_hook.hook(inputs[pre_hook.output_nr]);
+      if (replaced.defined()) inputs[pre_hook.output_nr] = replaced;
+    }
+    return inputs;
+  }
+
+  void run_node(Node& node) {
+    NodeState& state = nodes_[&node];
+    state.executed = true;
+    std::vector<Tensor> inputs = take_inputs(node, state);
+    running_node_name = node.name();
+    std::vector<Tensor> outputs;
+    {
+      const trace::Scope trace_scope("backward", trace::enabled() ? node.name() : std::string());
+      outputs = node.apply(std::move(inputs));
+    }
+    if (!retain_graph_) node.release_variables();
+
+    const auto& edges = node.next_edges();
+    WEAVE_CHECK(outputs.size() == edges.size() || edges.empty(), "autograd",
+                "{} returned {} gradients, expected {}", node.name(), outputs.size(), edges.size());
+    for (size_t i = 0; i < edges.size(); ++i) {
+      const Edge& edge = edges[i];
+      if (!edge.is_valid()) continue;
+      if (outputs[i].defined()) {
+        check_gradient(node, i, outputs[i], edge.function->output_meta()[edge.input_nr]);
+        add_input(edge, std::move(outputs[i]));
+      }
+      if (--nodes_[edge.function.get()].dependencies == 0) push_ready(edge.function);
+    }
+  }
+
+  void forget_executed_must_run_nodes() {
+    std::erase_if(must_run_nodes, [&](const MustRun& m) {
+      auto it = nodes_.find(m.node.get());
+      return it != nodes_.end() && it->second.executed;
+    });
+  }
+
+  bool retain_graph_;
+  // References into an unordered_map stay valid as it grows.
+  std::unordered_map<Node*, NodeState> nodes_;
+  std::vector<std::shared_ptr<Node>> roots_;
+  // Keeps queued nodes alive while they wait and run, even if the last tensor holding them goes.
+  std::vector<std::shared_ptr<Node>> keep_alive_;
+  std::priority_queue<ReadyEntry> ready_;
+  uint64_t arrivals_ = 0;
+};
+
+// Callbacks may queue further callbacks; run until none are left. One that raises ends the
+// pass: the final callbacks after it run as failed, then its error propagates.
+void run_callbacks() {
   for (size_t i = 0; i < pending_callbacks.size(); ++i) {
     Callback callback = std::move(pending_callbacks[i]);
     try {
@@ -335,6 +351,29 @@ void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads
       throw;
     }
   }
+}
+
+}  // namespace
+
+void backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grads, bool retain_graph,
+              bool run_must_run_nodes) {
+  WEAVE_CHECK(grads.empty() || grads.size() == roots.size(), "backward",
+              "expected one gradient per root ({}), found {}", roots.size(), grads.size());
+  NoGradGuard no_grad;
+  DepthGuard depth;
+  GraphTask task(retain_graph);
+  task.seed_roots(roots, grads);
+  if (run_must_run_nodes) task.add_must_run_nodes();
+  task.count_dependencies();
+  try {
+    task.run_ready_nodes();
+  } catch (...) {
+    run_failed_callbacks(0);
+    throw;
+  }
+  running_node_name.clear();
+  ++backward_era;
+  run_callbacks();
 }
 
 }  // namespace weave::autograd

@@ -1,6 +1,19 @@
 #pragma once
 // The backward graph: Node (one recorded op), Edge (a node's link to the node that produced
 // one of its inputs), AccumulateGrad (the sink that writes a leaf's .grad()).
+//
+// Who owns what. A tensor owns its grad_fn (shared_ptr); a node owns the nodes its edges point
+// at, so the graph lives exactly as long as some output tensor (or a must-run registration,
+// engine.h) still holds its head, and dies from the head down once backward released it. A
+// node owns the tensors it saved (SavedTensor: the data, never the saving tensor's handle, so
+// saving an op's own output makes no cycle). A leaf owns its AccumulateGrad only weakly (the
+// leaf keeps a weak_ptr and the graph keeps the node), and the node refers back to the leaf
+// weakly too: dropping a parameter frees it even while an old graph survives.
+//
+// Which thread runs what. A graph is recorded by the thread running the forward and run by the
+// thread calling backward(); nodes, hooks and callbacks run on that one thread, in the engine's
+// order (engine.cpp), never concurrently. Hooks that start communication hand the transfer to
+// a group's worker thread (distributed/queue.h) and only wait on it later, on this thread.
 #include <cstdint>
 #include <functional>
 #include <limits>

@@ -555,7 +555,7 @@ void barrier(const Group& group) {
       [g = &g] { g->comm->barrier(); }, false);
 }
 
-void synchronize(const std::vector<Tensor>& tensors, int root, const Group& group) {
+void broadcast_tensors(const std::vector<Tensor>& tensors, int root, const Group& group) {
   for (const Tensor& t : tensors) broadcast(t, root, group);
 }
 

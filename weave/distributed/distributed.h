@@ -187,6 +187,7 @@ Work isend(const Tensor& tensor, int dst, const Group& group = world(), int tag 
 /// Waits for every isend this rank started on the group (a pipeline schedule's step end).
 void wait_sends(const Group& group = world());
 /// Broadcasts every tensor from root, in place (a model's parameters and buffers).
-void synchronize(const std::vector<Tensor>& tensors, int root = 0, const Group& group = world());
+void broadcast_tensors(const std::vector<Tensor>& tensors, int root = 0,
+                       const Group& group = world());
 
 }  // namespace weave::dist

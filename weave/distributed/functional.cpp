@@ -10,7 +10,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/autograd/node.h"
 #include "weave/ops/ops.h"
-#include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/cuda/device_runtime.h"
 
 namespace weave::dist::functional {
 

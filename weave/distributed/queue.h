@@ -1,6 +1,18 @@
 #pragma once
 // Each group's communication queue (internal): collectives run in program order, inline on
 // the caller's thread when blocking with nothing queued, else on the group's worker thread.
+//
+// Who owns what. The runtime (runtime.h) owns the world's Group::Impl and registers the others
+// weakly; every Group handle owns its Impl, and an Impl owns its communicators, its queue of
+// Tasks and its worker thread (joined in stop()). A Task owns the closure that moves the bytes
+// and shares its Work::State with the caller's Work handle; the closure owns (captures) the
+// tensors it reads and writes, so an asynchronous call's buffers outlive a caller that drops
+// them. An isend's Work is also kept by the group (track_send) until it is seen complete.
+//
+// Which thread runs what. One caller thread issues on a group at a time (`issuer`; a second
+// raises). Tasks run one at a time per group (`busy`), on the caller's thread (blocking, queue
+// empty) or on the worker; Work::State is finished by whichever ran it, under its mutex. The
+// watchdog thread only reads `running_since` and, under `mutex`, `running`.
 #include <atomic>
 #include <condition_variable>
 #include <deque>

@@ -10,7 +10,7 @@
 #include <limits>
 #include <numeric>
 
-#include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/cuda/device_runtime.h"
 #include "weave/tensor/process.h"
 
 namespace weave::dist {

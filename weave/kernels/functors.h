@@ -11,7 +11,7 @@
 
 #include "weave/tensor/dtype.h"
 
-namespace weave::fn {
+namespace weave::functors {
 
 #if defined(__CUDA_ARCH__)
 #define WEAVE_MATH(name) ::name
@@ -341,22 +341,22 @@ struct Silu {  // silu(x) = x s(x);  d/dx = s(x) (1 + x (1 - s(x)))
 };
 
 // X(Name, functor, public function name)
-#define WEAVE_UNARY_OPS(X)                      \
-  X(Neg, ::weave::fn::Neg, neg)                 \
-  X(Abs, ::weave::fn::Abs, abs)                 \
-  X(Exp, ::weave::fn::Exp, exp)                 \
-  X(Log, ::weave::fn::Log, log)                 \
-  X(Sqrt, ::weave::fn::Sqrt, sqrt)              \
-  X(Rsqrt, ::weave::fn::Rsqrt, rsqrt)           \
-  X(Sin, ::weave::fn::Sin, sin)                 \
-  X(Cos, ::weave::fn::Cos, cos)                 \
-  X(Tanh, ::weave::fn::Tanh, tanh)              \
-  X(Sigmoid, ::weave::fn::Sigmoid, sigmoid)     \
-  X(Relu, ::weave::fn::Relu, relu)              \
-  X(Sign, ::weave::fn::Sign, sign)              \
-  X(Gelu, ::weave::fn::Gelu, gelu)              \
-  X(GeluTanh, ::weave::fn::GeluTanh, gelu_tanh) \
-  X(Silu, ::weave::fn::Silu, silu)
+#define WEAVE_UNARY_OPS(X)                            \
+  X(Neg, ::weave::functors::Neg, neg)                 \
+  X(Abs, ::weave::functors::Abs, abs)                 \
+  X(Exp, ::weave::functors::Exp, exp)                 \
+  X(Log, ::weave::functors::Log, log)                 \
+  X(Sqrt, ::weave::functors::Sqrt, sqrt)              \
+  X(Rsqrt, ::weave::functors::Rsqrt, rsqrt)           \
+  X(Sin, ::weave::functors::Sin, sin)                 \
+  X(Cos, ::weave::functors::Cos, cos)                 \
+  X(Tanh, ::weave::functors::Tanh, tanh)              \
+  X(Sigmoid, ::weave::functors::Sigmoid, sigmoid)     \
+  X(Relu, ::weave::functors::Relu, relu)              \
+  X(Sign, ::weave::functors::Sign, sign)              \
+  X(Gelu, ::weave::functors::Gelu, gelu)              \
+  X(GeluTanh, ::weave::functors::GeluTanh, gelu_tanh) \
+  X(Silu, ::weave::functors::Silu, silu)
 
 /// op(x + b): a bias added and an activation applied in one pass.
 template <class Functor>
@@ -473,15 +473,17 @@ struct Ge {
   }
 };
 
-#define WEAVE_ARITHMETIC_OPS(X) \
-  X(Add, ::weave::fn::Add)      \
-  X(Sub, ::weave::fn::Sub)      \
-  X(Mul, ::weave::fn::Mul)      \
-  X(Div, ::weave::fn::Div)      \
-  X(Pow, ::weave::fn::Pow) X(Maximum, ::weave::fn::Maximum) X(Minimum, ::weave::fn::Minimum)
+#define WEAVE_ARITHMETIC_OPS(X)  \
+  X(Add, ::weave::functors::Add) \
+  X(Sub, ::weave::functors::Sub) \
+  X(Mul, ::weave::functors::Mul) \
+  X(Div, ::weave::functors::Div) \
+  X(Pow, ::weave::functors::Pow) \
+  X(Maximum, ::weave::functors::Maximum) X(Minimum, ::weave::functors::Minimum)
 #define WEAVE_COMPARISON_OPS(X) \
-  X(Eq, ::weave::fn::Eq)        \
-  X(Ne, ::weave::fn::Ne)        \
-  X(Lt, ::weave::fn::Lt) X(Le, ::weave::fn::Le) X(Gt, ::weave::fn::Gt) X(Ge, ::weave::fn::Ge)
+  X(Eq, ::weave::functors::Eq)  \
+  X(Ne, ::weave::functors::Ne)  \
+  X(Lt, ::weave::functors::Lt)  \
+  X(Le, ::weave::functors::Le) X(Gt, ::weave::functors::Gt) X(Ge, ::weave::functors::Ge)
 
-}  // namespace weave::fn
+}  // namespace weave::functors

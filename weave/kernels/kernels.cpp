@@ -6,7 +6,7 @@
 #include <atomic>
 
 #include "weave/kernels/backends.h"
-#include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/cuda/device_runtime.h"
 #include "weave/tensor/trace.h"
 
 namespace weave::kernels {

@@ -176,7 +176,7 @@ struct AttentionParams {
   double scale = 1.0;
   bool causal = false;
   double dropout_p = 0.0;
-  uint64_t dropout_seed = 0;  // fn::dropout_keep's seed for this call
+  uint64_t dropout_seed = 0;  // functors::dropout_keep's seed for this call
 };
 /// out [B, H, Tq, Dv] = softmax(scale q k^T + mask) v for q [B, H, Tq, D], k [B, H, Tk, D],
 /// v [B, H, Tk, Dv], each with unit stride in its last dim and any other strides; mask is

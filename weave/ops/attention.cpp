@@ -165,7 +165,7 @@ Tensor attention_dropout_mask(const Shape& scores_shape, double p, Generator* ge
   Tensor mask = empty(scores_shape, {.dtype = kBool});
   bool* m = mask.data<bool>();
   for (int64_t i = 0; i < mask.numel(); ++i)
-    m[i] = p == 0 || fn::dropout_keep(seed, uint64_t(i), p);
+    m[i] = p == 0 || functors::dropout_keep(seed, uint64_t(i), p);
   return mask;
 }
 

@@ -41,16 +41,17 @@ Tensor unary_op(const Tensor& x, UnaryOp op, const char* name, const char* backw
   kernels::unary(op, input, y);
   // d/dx f(x) lives next to f in kernels/functors.h; the kernel multiplies it by the gradient.
   return autograd::record(backward_name, {x}, y, [&] {
-    const Tensor& read = Functor::reads == fn::Reads::Output ? y : input;
-    return [op, saved = Functor::reads == fn::Reads::Nothing ? SavedTensor() : SavedTensor(read),
-            shape = x.shape(), in_dtype = x.dtype(), dtype](const BackwardArgs& args) -> Grads {
-      Tensor g = convert(args.grad(), dtype);
-      // The derivative ignores the operand it does not read, so one tensor serves as both.
-      Tensor operand = saved.defined() ? saved.unpack() : g;
-      Tensor dx = empty_on(shape, dtype, g.device());
-      kernels::unary_backward(op, g, operand, operand, dx);
-      return {convert(dx, in_dtype)};
-    };
+    const Tensor& read = Functor::reads == functors::Reads::Output ? y : input;
+    return
+        [op, saved = Functor::reads == functors::Reads::Nothing ? SavedTensor() : SavedTensor(read),
+         shape = x.shape(), in_dtype = x.dtype(), dtype](const BackwardArgs& args) -> Grads {
+          Tensor g = convert(args.grad(), dtype);
+          // The derivative ignores the operand it does not read, so one tensor serves as both.
+          Tensor operand = saved.defined() ? saved.unpack() : g;
+          Tensor dx = empty_on(shape, dtype, g.device());
+          kernels::unary_backward(op, g, operand, operand, dx);
+          return {convert(dx, in_dtype)};
+        };
   });
 }
 

@@ -39,8 +39,9 @@ void check_same_model(const nn::Module& module, const std::optional<dist::Group>
                            "build the same model (same layers, shapes and dtypes) on every rank");
 }
 
-void synchronize(nn::Module& module, int root, const std::optional<dist::Group>& group_option) {
-  const dist::Group group = detail::data_parallel_group(group_option, "synchronize");
+void broadcast_parameters(nn::Module& module, int root,
+                          const std::optional<dist::Group>& group_option) {
+  const dist::Group group = detail::data_parallel_group(group_option, "broadcast_parameters");
   NoGradGuard no_grad;
   for (const Tensor& t : module.parameters())
     if (t.defined()) dist::broadcast(t, root, group);
@@ -254,7 +255,7 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
               "rank {} is not in group {}; hint: only its members construct the wrapper",
               dist::rank(), s.group.str());
   check_same_model(module, s.group);
-  synchronize(module, s.options.broadcast_from, s.group);
+  broadcast_parameters(module, s.options.broadcast_from, s.group);
   for (const auto& [name, p] : module.named_parameters()) {
     if (!p.defined() || !p.requires_grad()) continue;
     WEAVE_CHECK(is_floating(p.dtype()), "DistributedDataParallel",

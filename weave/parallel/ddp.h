@@ -129,10 +129,10 @@ class DistributedDataParallel {
   std::shared_ptr<State> state_;
 };
 
-/// Broadcasts a module's parameters and buffers from group rank `root` (Lux's synchronize!!).
-/// Collective over the group.
-void synchronize(nn::Module& module, int root = 0,
-                 const std::optional<dist::Group>& group = std::nullopt);
+/// Broadcasts a module's parameters and buffers from group rank `root` (Horovod's
+/// broadcast_parameters), so every replica starts equal. Collective over the group.
+void broadcast_parameters(nn::Module& module, int root = 0,
+                          const std::optional<dist::Group>& group = std::nullopt);
 
 /// Raises weave::Error on every rank of the group, naming the first difference, unless every
 /// rank's module has the same parameter and buffer names, shapes and dtypes. Collective.

@@ -183,7 +183,7 @@ DecentralizedDataParallel::DecentralizedDataParallel(nn::Module& module,
   s.make_optimizer = std::move(make_optimizer);
   s.phases = topology_phases(s.options.topology, s.group.size(), s.options.local_ranks);
   check_same_model(module, s.group);
-  synchronize(module, 0, s.group);
+  broadcast_parameters(module, 0, s.group);
   // Every rank of the world creates every edge group of every sibling group, in one order
   // (new_group is collective over the world); an edge that recurs is created once.
   std::map<std::vector<int>, dist::Group> edges;

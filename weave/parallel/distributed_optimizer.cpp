@@ -64,9 +64,9 @@ void average_tensors(const std::vector<Tensor>& tensors, const dist::Group& grou
   }
 }
 
-void synchronize(optim::Optimizer& optimizer, int root,
-                 const std::optional<dist::Group>& group_option) {
-  const dist::Group group = detail::data_parallel_group(group_option, "synchronize");
+void broadcast_optimizer_state(optim::Optimizer& optimizer, int root,
+                               const std::optional<dist::Group>& group_option) {
+  const dist::Group group = detail::data_parallel_group(group_option, "broadcast_optimizer_state");
   NoGradGuard no_grad;
   std::vector<Tensor> state = optimizer.state();
   // Same number of state tensors everywhere, or the broadcasts below would not pair up.
@@ -74,8 +74,8 @@ void synchronize(optim::Optimizer& optimizer, int root,
   counts.narrow(0, 1, 1).mul_(-1.0);  // max of n and max of -n: equal iff all n agree
   dist::all_reduce(counts, dist::ReduceOp::Max, group);
   auto c = counts.to_vector<int64_t>();
-  WEAVE_CHECK(c[0] == -c[1], "synchronize",
-              "ranks hold different optimizer states ({} to {} state tensors); hint: synchronize "
+  WEAVE_CHECK(c[0] == -c[1], "broadcast_optimizer_state",
+              "ranks hold different optimizer states ({} to {} state tensors); hint: broadcast "
               "before the first step, or after the same number of steps everywhere",
               -c[1], c[0]);
   for (const Tensor& t : state) dist::broadcast(t, root, group);
@@ -102,7 +102,7 @@ struct DistributedOptimizer::Buckets {
   std::vector<detail::GradBucket> buckets;
 };
 
-void DistributedOptimizer::synchronize() {
+void DistributedOptimizer::average_gradients() {
   NoGradGuard no_grad;
   std::vector<Tensor> params;
   for (const Tensor& p : optimizer_.params())
@@ -135,7 +135,7 @@ void DistributedOptimizer::synchronize() {
 bool DistributedOptimizer::step() {
   detail::join_step_begins(this);
   dist::set_step(group_, steps_++);
-  synchronize();
+  average_gradients();
   if (options_.check_finite) {
     std::vector<Tensor> grads;
     for (const Tensor& p : optimizer_.params()) grads.push_back(p.grad());

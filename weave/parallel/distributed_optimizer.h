@@ -37,7 +37,7 @@ class DistributedOptimizer {
   /// slices of flat bucket buffers at the first call and stay there (zero_grad(false) keeps
   /// them), so later steps communicate them in place; a gradient that arrives elsewhere (after
   /// zero_grad(true)) is copied in.
-  void synchronize();
+  void average_gradients();
   void zero_grad(bool set_to_none = true) { optimizer_.zero_grad(set_to_none); }
   optim::Optimizer& optimizer() { return optimizer_; }
   const dist::Group& group() const { return group_; }
@@ -48,17 +48,17 @@ class DistributedOptimizer {
   dist::Group group_;
   int64_t steps_ = 0;
   struct Buckets;
-  std::shared_ptr<Buckets> buckets_;  // built at the first synchronize
+  std::shared_ptr<Buckets> buckets_;  // built at the first average_gradients
 };
 
 /// Broadcasts an optimizer's state tensors and learning rate from group rank `root`, so a
 /// restarted or late replica continues exactly like the others. Every rank's optimizer must
 /// have created the same state so far (raises on every rank otherwise). Collective.
-void synchronize(optim::Optimizer& optimizer, int root = 0,
-                 const std::optional<dist::Group>& group = std::nullopt);
+void broadcast_optimizer_state(optim::Optimizer& optimizer, int root = 0,
+                               const std::optional<dist::Group>& group = std::nullopt);
 
 /// Averages the gradients of `params` over the group in buckets of at most bucket_mb, as
-/// DistributedOptimizer::synchronize does. Collective.
+/// DistributedOptimizer::average_gradients does. Collective.
 void average_gradients(const std::vector<Tensor>& params, const dist::Group& group,
                        double bucket_mb = 25.0, std::optional<DType> compress = std::nullopt);
 /// Replaces each tensor by its average over the group, in place, packed into flat buckets of

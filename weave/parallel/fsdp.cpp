@@ -370,7 +370,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
   check_same_model(module, s.group);
   std::vector<std::pair<std::string, std::vector<nn::Module*>>> unit_specs;
   detail::check_together([&] { unit_specs = resolve_units(module, s.options); }, s.group, kOp);
-  synchronize(module, s.options.broadcast_from, s.group);
+  broadcast_parameters(module, s.options.broadcast_from, s.group);
 
   for (const auto& [name, p] : trainable(module)) {
     WEAVE_CHECK(is_floating(p.dtype()), kOp,

@@ -35,7 +35,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
                            "pass the same parameters in the same order on every rank");
   detail::check_same_lines(detail::describe_values(params_), group_, op, "the parameters' values",
                            "the values differ: the replicas must be equal before sharding "
-                           "(parallel::synchronize(module) broadcasts rank 0's)");
+                           "(parallel::broadcast_parameters(module) broadcasts rank 0's)");
   NoGradGuard no_grad;
   const int64_t n = group_.size();
   // The parameters and their gradients become slices of two flat buffers padded to a multiple

@@ -34,8 +34,9 @@ class ZeroRedundancyOptimizer {
  public:
   /// params: the replica's parameters (one floating dtype and device). Collective over the
   /// group: every rank must pass the same list (shapes and dtypes in the same order) holding
-  /// the same values (the replicas must already be equal, e.g. after parallel::synchronize);
-  /// otherwise every rank raises, naming the first parameter that differs.
+  /// the same values (the replicas must already be equal, e.g. after
+  /// parallel::broadcast_parameters); otherwise every rank raises, naming the first parameter that
+  /// differs.
   ZeroRedundancyOptimizer(std::vector<Tensor> params, const OptimizerFactory& make_optimizer,
                           const std::optional<dist::Group>& group = std::nullopt,
                           ZeroOptions options = {});

@@ -6,7 +6,7 @@
 #include <mutex>
 #include <new>
 
-#include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/cuda/device_runtime.h"
 #include "weave/tensor/error.h"
 
 namespace weave {

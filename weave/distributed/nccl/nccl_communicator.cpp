@@ -8,7 +8,7 @@
 
 #include "weave/distributed/communicator.h"
 #include "weave/tensor/cuda/calls.h"
-#include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/cuda/device_runtime.h"
 
 namespace weave::detail {
 // ncclInProgress: a non-blocking communicator accepted the call; completion is polled for.

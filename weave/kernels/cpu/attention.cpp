@@ -96,7 +96,7 @@ struct Masking {
     for (int64_t r = 0; r < rows; ++r) {
       const uint64_t first = uint64_t(((b * heads + h) * tq + i0 + r) * tk + j0);
       for (int64_t c = 0; c < cols; ++c)
-        p[r * ld + c] *= fn::dropout_keep(seed, first + c, dropout_p) ? keep_scale : T(0);
+        p[r * ld + c] *= functors::dropout_keep(seed, first + c, dropout_p) ? keep_scale : T(0);
     }
   }
 };

@@ -56,14 +56,14 @@ void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value,
              const Tensor& out) {
   visit_floating(out.dtype(), divide ? "addcdiv_" : "addcmul_", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    map<T, T, T, T>(fn::AddCMulDiv{value, divide}, out, self, a, b);
+    map<T, T, T, T>(functors::AddCMulDiv{value, divide}, out, self, a, b);
   });
 }
 
 void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out) {
   visit_floating(out.dtype(), "lerp_", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    map<T, T, T>(fn::Lerp{weight}, out, self, end);
+    map<T, T, T>(functors::Lerp{weight}, out, self, end);
   });
 }
 

@@ -192,7 +192,7 @@ void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tens
     using F = typename decltype(functor)::type;
     visit_floating(x.dtype(), name, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      map<T, T, T>(fn::BiasApply<F>{}, out, x, bias);
+      map<T, T, T>(functors::BiasApply<F>{}, out, x, bias);
     });
   });
 }
@@ -203,7 +203,7 @@ void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, c
     using F = typename decltype(functor)::type;
     visit_floating(x.dtype(), name, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      map<T, T, T, T>(fn::BiasApplyGrad<F>{}, out, grad, x, bias);
+      map<T, T, T, T>(functors::BiasApplyGrad<F>{}, out, grad, x, bias);
     });
   });
 }

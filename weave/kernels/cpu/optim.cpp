@@ -11,23 +11,23 @@ namespace {
 // P: the parameter's and gradient's type; the state and the arithmetic are in T = compute_t<P>.
 template <class P, class T = compute_t<P>>
 void adam_range(P* __restrict p, const P* __restrict g, T* __restrict m, T* __restrict v, int64_t n,
-                const fn::AdamConstants<T> c) {
+                const functors::AdamConstants<T> c) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     T value = T(p[i]);
-    fn::adam_element(value, T(g[i]), m[i], v[i], c);
+    functors::adam_element(value, T(g[i]), m[i], v[i], c);
     p[i] = P(value);
   }
 }
 
 template <class P, class T = compute_t<P>>
 void sgd_range(P* __restrict p, const P* __restrict g, T* __restrict buffer, int64_t n,
-               const fn::SgdConstants<T> c) {
+               const functors::SgdConstants<T> c) {
   if (buffer == nullptr) {  // no momentum
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       T value = T(p[i]), local = 0;
-      fn::sgd_element(value, T(g[i]), local, c);
+      functors::sgd_element(value, T(g[i]), local, c);
       p[i] = P(value);
     }
     return;
@@ -35,7 +35,7 @@ void sgd_range(P* __restrict p, const P* __restrict g, T* __restrict buffer, int
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     T value = T(p[i]);
-    fn::sgd_element(value, T(g[i]), buffer[i], c);
+    functors::sgd_element(value, T(g[i]), buffer[i], c);
     p[i] = P(value);
   }
 }
@@ -47,8 +47,8 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
   auto run = [&](auto tag) {
     using P = typename decltype(tag)::type;
     using T = compute_t<P>;
-    const auto c = fn::sgd_constants<T>(step.lr, step.momentum, step.dampening, step.weight_decay,
-                                        step.nesterov, step.first);
+    const auto c = functors::sgd_constants<T>(step.lr, step.momentum, step.dampening,
+                                              step.weight_decay, step.nesterov, step.first);
     P* p = param.data<P>();
     const P* g = grad.data<P>();
     T* buffer = step.momentum != 0 ? momentum_buffer.data<T>() : nullptr;
@@ -65,8 +65,8 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
     using P = typename decltype(tag)::type;
     using T = compute_t<P>;
     const auto c =
-        fn::adam_constants<T>(step.lr, step.beta1, step.beta2, step.eps, step.weight_decay,
-                              step.correction1, step.correction2, step.decoupled);
+        functors::adam_constants<T>(step.lr, step.beta1, step.beta2, step.eps, step.weight_decay,
+                                    step.correction1, step.correction2, step.decoupled);
     P* p = param.data<P>();
     const P* g = grad.data<P>();
     T* m = exp_avg.data<T>();

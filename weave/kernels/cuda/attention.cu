@@ -53,7 +53,7 @@ struct Problem {
   __device__ T keep(int64_t b, int64_t h, int64_t i, int64_t j) const {
     if (dropout_p == 0) return T(1);
     const uint64_t index = uint64_t(((b * heads + h) * tq + i) * tk + j);
-    return fn::dropout_keep(seed, index, dropout_p) ? T(1.0 / (1.0 - dropout_p)) : T(0);
+    return functors::dropout_keep(seed, index, dropout_p) ? T(1.0 / (1.0 - dropout_p)) : T(0);
   }
 };
 

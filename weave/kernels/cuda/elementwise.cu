@@ -154,7 +154,7 @@ void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tens
     using F = typename decltype(functor)::type;
     visit_floating(x.dtype(), name, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      map<T, T, T>(fn::BiasApply<F>{}, out, x, bias);
+      map<T, T, T>(functors::BiasApply<F>{}, out, x, bias);
     });
   });
 }
@@ -165,7 +165,7 @@ void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, c
     using F = typename decltype(functor)::type;
     visit_floating(x.dtype(), name, [&](auto tag) {
       using T = typename decltype(tag)::type;
-      map<T, T, T, T>(fn::BiasApplyGrad<F>{}, out, grad, x, bias);
+      map<T, T, T, T>(functors::BiasApplyGrad<F>{}, out, grad, x, bias);
     });
   });
 }
@@ -174,14 +174,14 @@ void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value,
              const Tensor& out) {
   visit_floating(out.dtype(), divide ? "addcdiv_" : "addcmul_", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    map<T, T, T, T>(fn::AddCMulDiv{value, divide}, out, self, a, b);
+    map<T, T, T, T>(functors::AddCMulDiv{value, divide}, out, self, a, b);
   });
 }
 
 void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out) {
   visit_floating(out.dtype(), "lerp_", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    map<T, T, T>(fn::Lerp{weight}, out, self, end);
+    map<T, T, T>(functors::Lerp{weight}, out, self, end);
   });
 }
 

@@ -8,21 +8,21 @@ namespace {
 
 // P: the parameter's and gradient's type; the state and the arithmetic are in T = compute_t<P>.
 template <class P, class T = compute_t<P>>
-__global__ void adam_kernel(P* p, const P* g, T* m, T* v, int64_t n, fn::AdamConstants<T> c) {
+__global__ void adam_kernel(P* p, const P* g, T* m, T* v, int64_t n, functors::AdamConstants<T> c) {
   const int64_t stride = int64_t(blockDim.x) * gridDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     T value = T(p[i]);
-    fn::adam_element(value, T(g[i]), m[i], v[i], c);
+    functors::adam_element(value, T(g[i]), m[i], v[i], c);
     p[i] = P(value);
   }
 }
 
 template <class P, class T = compute_t<P>>
-__global__ void sgd_kernel(P* p, const P* g, T* buffer, int64_t n, fn::SgdConstants<T> c) {
+__global__ void sgd_kernel(P* p, const P* g, T* buffer, int64_t n, functors::SgdConstants<T> c) {
   const int64_t stride = int64_t(blockDim.x) * gridDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     T value = T(p[i]), unused = 0;
-    fn::sgd_element(value, T(g[i]), buffer ? buffer[i] : unused, c);
+    functors::sgd_element(value, T(g[i]), buffer ? buffer[i] : unused, c);
     p[i] = P(value);
   }
 }
@@ -38,8 +38,8 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
   auto launch = [&](auto tag) {
     using P = typename decltype(tag)::type;
     using T = compute_t<P>;
-    const auto c = fn::sgd_constants<T>(step.lr, step.momentum, step.dampening, step.weight_decay,
-                                        step.nesterov, step.first);
+    const auto c = functors::sgd_constants<T>(step.lr, step.momentum, step.dampening,
+                                              step.weight_decay, step.nesterov, step.first);
     sgd_kernel<P><<<blocks, kThreads, 0, weave::cuda::stream(param.device().index)>>>(
         static_cast<P*>(param.data_ptr()), static_cast<const P*>(grad.data_ptr()),
         step.momentum != 0 ? static_cast<T*>(momentum_buffer.data_ptr()) : nullptr, n, c);
@@ -58,8 +58,8 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
     using P = typename decltype(tag)::type;
     using T = compute_t<P>;
     const auto c =
-        fn::adam_constants<T>(step.lr, step.beta1, step.beta2, step.eps, step.weight_decay,
-                              step.correction1, step.correction2, step.decoupled);
+        functors::adam_constants<T>(step.lr, step.beta1, step.beta2, step.eps, step.weight_decay,
+                                    step.correction1, step.correction2, step.decoupled);
     adam_kernel<P><<<blocks, kThreads, 0, weave::cuda::stream(param.device().index)>>>(
         static_cast<P*>(param.data_ptr()), static_cast<const P*>(grad.data_ptr()),
         static_cast<T*>(exp_avg.data_ptr()), static_cast<T*>(exp_avg_sq.data_ptr()), n, c);

@@ -1,6 +1,6 @@
 // CUDA runtime stand-ins used when weave is built without CUDA: no device is visible and every
 // request for one raises weave::Error.
-#include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/cuda/device_runtime.h"
 #include "weave/tensor/error.h"
 
 namespace weave {

@@ -1,4 +1,4 @@
-#include "weave/parallel/checkpoint.h"
+#include "weave/parallel/sharded_checkpoint.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,6 +1,6 @@
 #pragma once
-// The small slice of the CUDA runtime the tensor layer needs. Implemented in ops/cuda/ when
-// weave is built with CUDA, and by ops/cuda/no_cuda.cpp (which raises weave::Error) otherwise.
+// The small slice of the CUDA runtime the tensor layer needs: device_runtime.cu when weave is
+// built with CUDA, no_cuda.cpp (which raises weave::Error) otherwise.
 #include <cstddef>
 
 #include "weave/tensor/device.h"

@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "weave/tensor/cuda/common.cuh"
-#include "weave/tensor/cuda/runtime.h"
+#include "weave/tensor/cuda/device_runtime.h"
 
 namespace weave::cuda {
 
