@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -89,10 +91,97 @@ int sharded_crash(int kills) {
   return after == 0 && loadable == 1 ? 0 : 1;
 }
 
+// Asynchronous sharded saves SIGKILLed at random instants: a process saves in a loop with
+// {.async = true}, overwriting its parameters with -1 right after each call (training goes on
+// while the background thread writes). After every kill the checkpoint must load, hold one
+// saved version in every parameter (never the -1 of the training that followed), and never go
+// back to an older version.
+//   weave_checkpoint_crash async [kills = 50]
+// Prints "async kills=K loadable=L mid_write=M versions=A..B".
+int async_crash(int kills) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("weave_async_crash_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  auto fill = [](nn::Module& model, double value) {
+    NoGradGuard no_grad;
+    for (Tensor& p : model.parameters()) p.fill_(value);
+  };
+  auto in_child = [](const std::function<int()>& body) {
+    const pid_t child = fork();
+    if (child != 0) return child;
+    int code = 1;
+    {
+      dist::InitGuard guard;  // a plain process: a world of one, no MPI
+      try {
+        code = body();
+      } catch (const std::exception& e) {
+        std::printf("%s\n", e.what());
+      }
+    }
+    std::fflush(stdout);
+    std::_Exit(code);
+  };
+  auto save_from = [&](int64_t first, bool forever) {
+    return in_child([&, first, forever] {
+      nn::Linear model(1024, 1024);
+      data::TrainingState state{.model = &model};
+      for (int64_t v = first;; ++v) {
+        fill(model, double(v));
+        state.user["version"] = std::to_string(v);
+        parallel::save_sharded_checkpoint(dir.string(), state, dist::world(), {.async = forever});
+        fill(model, -1.0);  // the training that goes on while the save is written
+        if (!forever) return 0;
+      }
+    });
+  };
+  int status = 0;
+  waitpid(save_from(0, false), &status, 0);  // generation 1: version 0, synchronous
+  std::mt19937 rng(2468);
+  int loadable = 0, mid_write = 0;
+  int64_t version = 0, lowest = -1;
+  for (int k = 0; k < kills; ++k) {
+    const pid_t saver = save_from(version + 1, true);
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 200000));
+    kill(saver, SIGKILL);
+    waitpid(saver, nullptr, 0);
+    for (const auto& entry : fs::directory_iterator(dir))
+      mid_write += entry.path().filename().string().find(".tmp-") != std::string::npos;
+    // The check runs in a child too (the parent forks the next saver and must stay plain).
+    const fs::path seen = dir / "seen-version";
+    waitpid(in_child([&] {
+              nn::Linear model(1024, 1024);
+              data::TrainingState state{.model = &model};
+              parallel::load_sharded_checkpoint(dir.string(), state);
+              const int64_t v = std::stoll(state.user.at("version"));
+              bool whole = v >= version;
+              for (const Tensor& p : model.parameters())
+                whole = whole && equal(p, full(p.shape(), double(v)));
+              std::ofstream(seen) << v;
+              return whole ? 0 : 2;
+            }),
+            &status, 0);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+      ++loadable;
+      std::ifstream(seen) >> version;
+      if (lowest < 0) lowest = version;
+    } else {
+      std::printf("kill %d: the checkpoint does not load whole after version %lld\n", k,
+                  (long long)version);
+    }
+  }
+  fs::remove_all(dir);
+  std::printf("async kills=%d loadable=%d mid_write=%d versions=%lld..%lld\n", kills, loadable,
+              mid_write, (long long)lowest, (long long)version);
+  return loadable == kills ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   set_num_threads(1);
   if (argc > 1 && std::string(argv[1]) == "sharded")
     return sharded_crash(argc > 2 ? std::atoi(argv[2]) : 100);
+  if (argc > 1 && std::string(argv[1]) == "async")
+    return async_crash(argc > 2 ? std::atoi(argv[2]) : 50);
   const int kills = argc > 1 ? std::atoi(argv[1]) : 100;
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / ("weave_crash_" + std::to_string(getpid()));

@@ -30,7 +30,7 @@ enum class Strategy { DDP_SGD, DDP, Zero };
 // Trains `epochs` epochs (resuming from / saving to a sharded checkpoint when given); returns
 // this rank's losses.
 std::vector<float> train(Strategy strategy, int epochs, const std::string& resume_from,
-                         const std::string& save_to, bool single_file = false) {
+                         const std::string& save_to, bool single_file = false, bool async = false) {
   auto model = make_model();
   parallel::DistributedDataParallel ddp(*model);
   std::unique_ptr<optim::Optimizer> adam;  // or SGD: the replicated optimizer
@@ -80,7 +80,8 @@ std::vector<float> train(Strategy strategy, int epochs, const std::string& resum
   }
   if (!save_to.empty()) {
     state.user["epoch"] = std::to_string(first_epoch + epochs);
-    parallel::save_sharded_checkpoint(save_to, state, dist::world(), {.single_file = single_file});
+    parallel::save_sharded_checkpoint(save_to, state, dist::world(),
+                                      {.single_file = single_file, .async = async});
   }
   return losses;
 }
@@ -104,6 +105,73 @@ TEST_SUITE("sharded_checkpoint") {
         CHECK(joined == straight);  // bit-identical
         if (dist::rank() == 0) std::filesystem::remove_all(dir);
       }
+  }
+
+  TEST_CASE("asynchronous saves resume exactly; the load commits the save still being written") {
+    for (Strategy strategy : {Strategy::DDP, Strategy::Zero})
+      for (bool single : {false, true}) {
+        CAPTURE(int(strategy));
+        CAPTURE(single);
+        const std::string dir = shared_dir("async_resume");
+        const std::vector<float> straight = train(strategy, 4, "", "");
+        std::vector<float> joined = train(strategy, 2, "", dir, single, true);
+        const std::vector<float> second = train(strategy, 2, dir, "");
+        joined.insert(joined.end(), second.begin(), second.end());
+        CHECK(joined == straight);  // bit-identical
+        if (dist::rank() == 0) std::filesystem::remove_all(dir);
+      }
+  }
+
+  TEST_CASE("an asynchronous save keeps the state of its call while training goes on") {
+    const std::string dir = shared_dir("async");
+    auto generation = [&] {
+      dist::barrier();
+      std::ifstream in(dir + "/index.json");
+      const std::string text((std::istreambuf_iterator<char>(in)), {});
+      const auto at = text.find("\"generation\": ");
+      return std::stoi(text.substr(at + 14));
+    };
+    auto model = make_model();
+    Tensor weight = model->parameters()[0];
+    data::TrainingState state{.model = model.get()};
+    auto set = [&](double value) {
+      NoGradGuard no_grad;
+      weight.fill_(value);
+    };
+    set(1.0);
+    parallel::save_sharded_checkpoint(dir, state);
+    set(2.0);
+    parallel::save_sharded_checkpoint(dir, state, dist::world(), {.async = true});
+    set(3.0);                  // training goes on: the save holds its own copy
+    CHECK(generation() == 1);  // nothing committed before the next save or the wait
+    parallel::save_sharded_checkpoint(dir, state, dist::world(), {.async = true});
+    CHECK(generation() == 2);  // the next save committed the previous one first
+    set(4.0);
+    parallel::wait_for_checkpoint();
+    CHECK(generation() == 3);
+    auto fresh = make_model();
+    data::TrainingState into{.model = fresh.get()};
+    parallel::load_sharded_checkpoint(dir, into);
+    CHECK(equal(fresh->parameters()[0], full(weight.shape(), 3.0)));
+    parallel::wait_for_checkpoint();  // nothing pending: returns at once
+
+    // A background write that fails: the wait raises on every rank, the last save stays.
+    const int n = dist::world_size();
+    if (dist::rank() == 0)
+      std::filesystem::create_directories(
+          fmt::format("{}/rank-{:05d}-of-{:05d}.g4.safetensors", dir, n - 1, n));
+    dist::barrier();
+    set(5.0);
+    parallel::save_sharded_checkpoint(dir, state, dist::world(), {.async = true});
+    const std::string error = error_of([] { parallel::wait_for_checkpoint(); });
+    if (dist::rank() == n - 1)
+      CHECK(error.find("rank-") != std::string::npos);
+    else
+      CHECK(error.find("another rank") != std::string::npos);
+    CHECK(generation() == 3);
+    parallel::load_sharded_checkpoint(dir, into);
+    CHECK(equal(fresh->parameters()[0], full(weight.shape(), 3.0)));
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
   }
 
   TEST_CASE("a new save replaces the old generation only after its index is committed") {

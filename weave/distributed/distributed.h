@@ -18,6 +18,7 @@
 // with a message naming it; WEAVE_CHECK_COLLECTIVES -- how ranks check that they issued the
 // same call (see CheckMode): unset or "guard" (the default), "1" or "full", "0" or "off".
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -60,6 +61,11 @@ bool initialized();
 /// or a rank left early) aborts the job instead of hanging. Groups created before it are
 /// unusable afterwards, even after a new init(). Safe to call twice.
 void finalize();
+/// Runs fn at the start of the next finalize(), before any group is drained: work a layer above
+/// left for later that still communicates (a background checkpoint's commit). Hooks run in
+/// reverse order of registration; one that raises is reported as a warning and the rest still
+/// run. Forgotten after that finalize.
+void at_finalize(std::function<void()> fn);
 
 /// init() in the constructor, finalize() in the destructor. If an exception leaves the guard's
 /// scope in a job of several ranks, the others may be waiting for this one inside a collective:

@@ -310,9 +310,20 @@ bool initialized() {
   return runtime().up;
 }
 
+void at_finalize(std::function<void()> fn) {
+  live("at_finalize").finalize_hooks.push_back(std::move(fn));
+}
+
 void finalize() {
   Runtime& r = runtime();
   if (!r.up) return;
+  for (auto hooks = std::exchange(r.finalize_hooks, {}); !hooks.empty(); hooks.pop_back()) {
+    try {
+      hooks.back()();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[weave] rank %d: warning: finalize: %s\n", r.rank, e.what());
+    }
+  }
   {
     std::vector<std::shared_ptr<Group::Impl>> groups;
     {

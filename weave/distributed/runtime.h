@@ -3,6 +3,7 @@
 // issue(), through which every front end in collectives.cpp submits its call.
 #include <atomic>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -13,6 +14,7 @@ namespace weave::dist::detail {
 
 struct Runtime {
   bool up = false;
+  std::vector<std::function<void()>> finalize_hooks;  // at_finalize's, run first by finalize
   Backend backend = Backend::MPI;
   bool uses_mpi = false;
   double timeout_s = 300;

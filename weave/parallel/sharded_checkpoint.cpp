@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <thread>
 
 #include "weave/parallel/agree.h"
 
@@ -91,11 +93,130 @@ data::SafetensorsFile rank_part(const data::SafetensorsFile& all, int rank) {
   return out;
 }
 
+// One save from its generation on: the files it writes, then the commit of its index.
+struct Save {
+  std::string dir;
+  dist::Group group;
+  int64_t generation = 0;
+  bool single_file = false;
+  std::vector<std::string> files;
+  // This rank's part (every rank), or every rank's parts (group rank 0, single_file).
+  data::SafetensorsFile contents;
+  // Set by the writer: the bytes of this rank's file (-1: it writes none), or its error.
+  int64_t written = -1;
+  std::exception_ptr error;
+  std::thread writer;  // an asynchronous save's background writer
+
+  Save() = default;
+  Save(const Save&) = delete;
+  Save& operator=(const Save&) = delete;
+  // A process that exits with a save pending (no finalize) still lets the write finish.
+  ~Save() {
+    if (writer.joinable()) writer.join();
+  }
+};
+
+// The asynchronous save whose commit is still to come (one per process: the next save, a
+// load, wait_for_checkpoint or finalize completes it first).
+std::mutex pending_mutex;
+std::unique_ptr<Save> pending;
+
+// This rank's file: serialized and written atomically (local work only: it may run on a
+// background thread). Records the size or the error.
+void write_files(Save& save) {
+  try {
+    const bool writes = !save.single_file || save.group.rank() == 0;
+    if (!writes) return;
+    const std::string& name = save.files[save.single_file ? 0 : size_t(save.group.rank())];
+    const std::string image =
+        data::serialize_safetensors(save.contents.tensors, save.contents.metadata);
+    data::write_file_atomically(save.dir + "/" + name, image);
+    save.written = int64_t(image.size());
+  } catch (...) {
+    save.error = std::current_exception();
+  }
+  save.contents = {};  // the host copies go as soon as they are on disk
+}
+
+// The commit point, collective over the save's group: every rank learns whether every write
+// succeeded, then group rank 0 checks each file's size where the index will point and
+// replaces the index atomically; then the older generations are deleted.
+void commit(Save& save) {
+  const char* op = "save_sharded_checkpoint";
+  if (save.writer.joinable()) save.writer.join();
+  const dist::Group& group = save.group;
+  const int rank = group.rank(), size = group.size();
+  on_every_rank(op, group, save.single_file ? "write the gathered checkpoint" : "write its shard",
+                [&] {
+                  if (save.error) std::rethrow_exception(save.error);
+                });
+  Tensor all_sizes = empty({size}, {.dtype = kInt64});
+  dist::all_gather(all_sizes, full({1}, double(save.written), {.dtype = kInt64}), group);
+  std::vector<int64_t> sizes = all_sizes.to_vector<int64_t>();
+  if (save.single_file) sizes.resize(1);
+  const json index = {{"format", kFormat},
+                      {"world_size", size},
+                      {"generation", save.generation},
+                      {"files", save.files},
+                      {"single_file", save.single_file}};
+  on_every_rank(op, group, "commit the index", [&] {
+    if (rank != 0) return;
+    for (size_t i = 0; i < save.files.size(); ++i) {
+      std::error_code ec;
+      const auto found = fs::file_size(save.dir + "/" + save.files[i], ec);
+      WEAVE_CHECK(!ec && int64_t(found) == sizes[i], op,
+                  "{}/{} is {} after its writer wrote {} bytes; the index was not replaced and the "
+                  "previous checkpoint stays; hint: every rank must see the same directory (a "
+                  "shared file system)",
+                  save.dir, save.files[i], ec ? "missing" : fmt::format("{} bytes", found),
+                  sizes[i]);
+    }
+    data::write_file_atomically(save.dir + "/index.json", index.dump(2) + "\n");
+  });
+  // Older generations are garbage now, and so are temporaries that killed saves left behind
+  // (every rank's writes of this save are complete: nothing of ours is being written).
+  if (rank == 0) {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(save.dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      const bool stale =
+          (is_generation_file(name) &&
+           std::find(save.files.begin(), save.files.end(), name) == save.files.end()) ||
+          is_our_temporary(name);
+      std::error_code ignored;
+      if (stale) fs::remove(entry.path(), ignored);
+    }
+  }
+}
+
+void complete_pending() {
+  std::unique_ptr<Save> save;
+  {
+    std::lock_guard lock(pending_mutex);
+    save = std::move(pending);
+  }
+  if (save) commit(*save);
+}
+
+// Deep copies on the host: training may change the live tensors as soon as the save returns.
+data::SafetensorsFile host_copy(data::SafetensorsFile contents) {
+  for (auto& entry : contents.tensors) {
+    const Tensor live = entry.second.detach();
+    entry.second = live.device().is_cuda() ? live.to(kCPU) : live.clone();
+  }
+  return contents;
+}
+
 }  // namespace
 
 void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& state,
                              const dist::Group& group, ShardedCheckpointOptions options) {
   const char* op = "save_sharded_checkpoint";
+  complete_pending();
+  auto save = std::make_unique<Save>();
+  save->dir = dir;
+  save->group = group;
+  save->single_file = options.single_file;
   const int rank = group.rank(), size = group.size();
   WEAVE_CHECK(rank >= 0, op, "this rank is not in group {}", group.str());
   // One checkpoint, one directory: ranks that name different ones would each write a part
@@ -115,27 +236,15 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
     generation.fill_(static_cast<double>(current_generation(dir) + 1));
   });
   dist::broadcast(generation, 0, group);
-  const int64_t g = generation.item<int64_t>();
+  save->generation = generation.item<int64_t>();
 
-  const data::SafetensorsFile mine = data::checkpoint_contents(state);
-  json index = {{"format", kFormat}, {"world_size", size}, {"generation", g}};
-  std::vector<std::string> files;
-  // Each file's size as its writer knows it: the index is committed only once rank 0 sees
-  // every listed file whole.
-  std::vector<int64_t> sizes;
+  data::SafetensorsFile mine = data::checkpoint_contents(state);
   if (!options.single_file) {
-    for (int r = 0; r < size; ++r) files.push_back(shard_name(r, size, g));
-    int64_t written = -1;
-    on_every_rank(op, group, "write its shard", [&] {
-      const std::string image = data::serialize_safetensors(mine.tensors, mine.metadata);
-      data::write_file_atomically(dir + "/" + files[size_t(rank)], image);
-      written = int64_t(image.size());
-    });
-    Tensor all_sizes = empty({size}, {.dtype = kInt64});
-    dist::all_gather(all_sizes, full({1}, double(written), {.dtype = kInt64}), group);
-    sizes = all_sizes.to_vector<int64_t>();
+    for (int r = 0; r < size; ++r) save->files.push_back(shard_name(r, size, save->generation));
+    save->contents = options.async ? host_copy(std::move(mine)) : std::move(mine);
   } else {
-    files.push_back(fmt::format("all-{:05d}-ranks.g{}.safetensors", size, g));
+    // Group rank 0 receives every rank's serialized part now; only its write can wait.
+    save->files.push_back(fmt::format("all-{:05d}-ranks.g{}.safetensors", size, save->generation));
     const std::string image = data::serialize_safetensors(mine.tensors, mine.metadata);
     Tensor bytes = empty({int64_t(image.size())}, {.dtype = kUInt8});
     std::memcpy(bytes.data_ptr(), image.data(), image.size());
@@ -143,9 +252,8 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
     dist::all_gather(lengths, full({1}, double(image.size()), {.dtype = kInt64}), group);
     const std::vector<int64_t> length = lengths.to_vector<int64_t>();
     if (rank != 0) dist::send(bytes, 0, group);
-    on_every_rank(op, group, "write the gathered checkpoint", [&] {
+    on_every_rank(op, group, "gather the checkpoint", [&] {
       if (rank != 0) return;
-      data::SafetensorsFile all;
       for (int r = 0; r < size; ++r) {
         Tensor part = bytes;
         if (r != 0) {
@@ -155,50 +263,39 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
         const data::SafetensorsFile contents = data::parse_safetensors(
             part.data_ptr(), size_t(part.numel()), fmt::format("rank {}'s contents", r));
         for (const auto& [name, t] : contents.tensors)
-          all.tensors.emplace_back(fmt::format("rank{}/{}", r, name), t);
+          save->contents.tensors.emplace_back(fmt::format("rank{}/{}", r, name), t);
         for (const auto& [key, value] : contents.metadata)
-          all.metadata[fmt::format("rank{}/{}", r, key)] = value;
+          save->contents.metadata[fmt::format("rank{}/{}", r, key)] = value;
       }
-      const std::string image = data::serialize_safetensors(all.tensors, all.metadata);
-      data::write_file_atomically(dir + "/" + files[0], image);
-      sizes = {int64_t(image.size())};
     });
   }
-  index["files"] = files;
-  index["single_file"] = options.single_file;
-  // The commit point: the new index, written only once every file above is durable and rank 0
-  // sees each of them, whole, where the index will point.
-  on_every_rank(op, group, "commit the index", [&] {
-    if (rank != 0) return;
-    for (size_t i = 0; i < files.size(); ++i) {
-      std::error_code ec;
-      const auto found = fs::file_size(dir + "/" + files[i], ec);
-      WEAVE_CHECK(!ec && int64_t(found) == sizes[i], op,
-                  "{}/{} is {} after its writer wrote {} bytes; the index was not replaced and the "
-                  "previous checkpoint stays; hint: every rank must see the same directory (a "
-                  "shared file system)",
-                  dir, files[i], ec ? "missing" : fmt::format("{} bytes", found), sizes[i]);
-    }
-    data::write_file_atomically(dir + "/index.json", index.dump(2) + "\n");
-  });
-  // Older generations are garbage now, and so are temporaries that killed saves left behind
-  // (every rank's writes of this save are complete: nothing of ours is being written).
-  if (rank == 0) {
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(dir, ec)) {
-      const std::string name = entry.path().filename().string();
-      const bool stale = (is_generation_file(name) &&
-                          std::find(files.begin(), files.end(), name) == files.end()) ||
-                         is_our_temporary(name);
-      std::error_code ignored;
-      if (stale) fs::remove(entry.path(), ignored);
-    }
+  if (!options.async) {
+    write_files(*save);
+    commit(*save);
+    return;
   }
+  Save* raw = save.get();
+  raw->writer = std::thread([raw] { write_files(*raw); });
+  std::lock_guard lock(pending_mutex);
+  pending = std::move(save);
+  static bool hooked_this_init = false;  // reset by the hook itself
+  if (!hooked_this_init) {
+    hooked_this_init = true;
+    dist::at_finalize([] {
+      hooked_this_init = false;
+      complete_pending();
+    });
+  }
+}
+
+void wait_for_checkpoint() {
+  complete_pending();
 }
 
 void load_sharded_checkpoint(const std::string& dir, data::TrainingState& state,
                              const dist::Group& group) {
   const char* op = "load_sharded_checkpoint";
+  complete_pending();  // a save still being written is the newest
   const int rank = group.rank(), size = group.size();
   WEAVE_CHECK(rank >= 0, op, "this rank is not in group {}", group.str());
   bool agreed = false;

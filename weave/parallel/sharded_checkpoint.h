@@ -25,12 +25,25 @@ namespace weave::parallel {
 struct ShardedCheckpointOptions {
   /// Gather everything into one file on group rank 0 instead of one file per rank.
   bool single_file = false;
+  /// Copy the state to host memory and return; a background thread serializes and writes this
+  /// rank's file. The save is committed (its index replaced, the older generation deleted) by
+  /// the next save, a load, wait_for_checkpoint() or finalize(), whichever comes first; until
+  /// then the previous generation is the one that loads, also after a crash.
+  bool async = false;
 };
 
-/// Collective over `group`. Raises on every rank if any rank fails to write.
+/// Collective over `group`. Raises on every rank if any rank fails to write (an asynchronous
+/// save's write error is raised by the call that commits it).
+///
+///   parallel::save_sharded_checkpoint("run/ckpt", state, dist::world(), {.async = true});
+///   train_more();                        // the write goes on meanwhile
+///   parallel::wait_for_checkpoint();     // committed (or its error raised on every rank)
 void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& state,
                              const dist::Group& group = dist::world(),
                              ShardedCheckpointOptions options = {});
+/// Waits for this process's asynchronous save, if any, and commits it. Collective over that
+/// save's group.
+void wait_for_checkpoint();
 /// Collective over `group` (of the size the checkpoint was saved at).
 void load_sharded_checkpoint(const std::string& dir, data::TrainingState& state,
                              const dist::Group& group = dist::world());
