@@ -12,19 +12,10 @@
 
 #include <unistd.h>
 
+#include "bench_dist.h"
 #include "bench_util.h"
 
 using namespace weave;
-
-namespace {
-
-double slowest(double seconds) {
-  Tensor t = full({1}, seconds, {.dtype = kFloat64});
-  dist::all_reduce(t, dist::ReduceOp::Max);
-  return t.item<double>();
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   set_num_threads(1);
@@ -50,15 +41,15 @@ int main(int argc, char** argv) {
   std::vector<double> sync, blocked, wait, load;
   for (int r = 0; r < reps + 1; ++r) {
     dist::barrier();
-    const double s =
-        slowest(bench::seconds([&] { parallel::save_sharded_checkpoint(dir, state); }));
+    const double s = bench::max_over_ranks(
+        bench::seconds([&] { parallel::save_sharded_checkpoint(dir, state); }));
     dist::barrier();
-    const double b = slowest(bench::seconds(
+    const double b = bench::max_over_ranks(bench::seconds(
         [&] { parallel::save_sharded_checkpoint(dir, state, dist::world(), {.async = true}); }));
-    const double w = slowest(bench::seconds([] { parallel::wait_for_checkpoint(); }));
+    const double w = bench::max_over_ranks(bench::seconds([] { parallel::wait_for_checkpoint(); }));
     dist::barrier();
-    const double l =
-        slowest(bench::seconds([&] { parallel::load_sharded_checkpoint(dir, state); }));
+    const double l = bench::max_over_ranks(
+        bench::seconds([&] { parallel::load_sharded_checkpoint(dir, state); }));
     if (r == 0) continue;  // warm-up
     sync.push_back(s), blocked.push_back(b), wait.push_back(w), load.push_back(l);
   }

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_dist.h"
 #include "bench_util.h"
 
 using namespace weave;
@@ -36,11 +37,10 @@ Timing timed(const std::function<void()>& step) {
   dist::barrier();
   double wall = 0;
   const double cpu = bench::cpu_seconds([&] { wall = bench::seconds(step); });
-  Tensor slowest = full({1}, wall, {.dtype = kFloat64});
-  dist::all_reduce(slowest, dist::ReduceOp::Max);
+  const double slowest = bench::max_over_ranks(wall);
   Tensor mean_cpu = full({1}, cpu, {.dtype = kFloat64});
   dist::all_reduce(mean_cpu, dist::ReduceOp::Avg);
-  return {slowest.item<double>(), mean_cpu.item<double>()};
+  return {slowest, mean_cpu.item<double>()};
 }
 
 }  // namespace

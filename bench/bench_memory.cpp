@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_dist.h"
 #include "bench_util.h"
 
 using namespace weave;
@@ -59,12 +60,6 @@ class Gpt : public nn::Module {
  private:
   bool checkpoint_;
 };
-
-double max_over_ranks(double value) {
-  Tensor t = full({1}, value, {.dtype = kFloat64});
-  dist::all_reduce(t, dist::ReduceOp::Max);
-  return t.item<double>();
-}
 
 struct Case {
   std::string name;
@@ -120,7 +115,7 @@ int main(int argc, char** argv) {
     k->model = std::make_shared<Gpt>(c, checkpoint);
     std::tie(k->step, k->owner) = make(*k->model);
     for (int i = 0; i < 2; ++i) k->step();  // optimizer state and traced buckets exist now
-    k->state_bytes = max_over_ranks(double(memory_stats().in_use) - before);
+    k->state_bytes = bench::max_over_ranks(double(memory_stats().in_use) - before);
     cases.push_back(std::move(k));
   };
 
@@ -170,7 +165,8 @@ int main(int argc, char** argv) {
     const double before = double(memory_stats().in_use);
     reset_peak_memory();
     const double wall = bench::seconds(k.step);
-    return std::pair{max_over_ranks(wall), max_over_ranks(double(memory_stats().peak) - before)};
+    return std::pair{bench::max_over_ranks(wall),
+                     bench::max_over_ranks(double(memory_stats().peak) - before)};
   };
   for (int r = 0; r < reps; ++r)
     for (auto& k : cases) {

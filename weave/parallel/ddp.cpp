@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 
 #include "weave/autograd/engine.h"
@@ -69,8 +68,6 @@ struct DistributedDataParallel::State {
   std::vector<Tensor> views;  // params[i]'s gradient inside its bucket
   std::vector<Bucket> buckets;
   std::shared_ptr<detail::GradReadiness> readiness;
-  // A synchronizing forward ran and its backward has not settled yet.
-  bool forward_pending = false;
   bool finite = true;
   DDPStats stats;
 
@@ -117,7 +114,6 @@ struct DistributedDataParallel::State {
   // Raises on the ranks that did not fail when another did; never on a failed rank (its own
   // error is the one to report), except for what every rank raises alike.
   void settle(bool failed) {
-    forward_pending = false;
     const int64_t step = stats.steps++;
     const bool has_unused = !failed && readiness->ready_count() < int64_t(params.size());
     int64_t failed_ranks = 0, unused_ranks = 0;
@@ -270,24 +266,12 @@ DistributedDataParallel::~DistributedDataParallel() = default;
 
 Tensor DistributedDataParallel::forward(const Tensor& input) {
   State& s = *state_;
-  const bool synchronizing = autograd::GradMode::is_enabled() && !s.readiness->paused();
-  // The previous synchronizing forward got no backward on this rank (skipped, or it failed
-  // before reaching this model): settle that step with the group now, as failed, so the peers'
-  // all_reduces of that step pair with this rank's and nothing pairs across steps.
-  if (s.forward_pending && synchronizing) {
-    std::fprintf(stderr,
-                 "[weave] rank %d: DistributedDataParallel: step %lld's forward got no backward "
-                 "on this rank; its gradients are discarded on every rank; hint: run evaluation "
-                 "under NoGradGuard\n",
-                 dist::rank(), static_cast<long long>(s.stats.steps));
-    s.readiness->clear();
-    s.settle(true);
-  }
+  const bool synchronizing = s.readiness->begin_forward("DistributedDataParallel", s.stats.steps);
   if (synchronizing) {
     detail::join_step_begins(this);
     s.start_step(module_);
   }
-  s.forward_pending = synchronizing;
+  if (synchronizing) s.readiness->expect_backward();
   // Gradients dropped by zero_grad(set_to_none = true) go back into their buckets, zeroed,
   // so backward accumulates in place instead of copying in afterwards.
   if (s.readiness->has_buckets() && !s.readiness->paused()) {

@@ -3,6 +3,7 @@
 #include "weave/parallel/no_sync.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <utility>
 
 #include "weave/autograd/engine.h"
@@ -135,11 +136,30 @@ void GradReadiness::on_hook(int param, const std::weak_ptr<GradReadiness>& self)
     autograd::queue_final_callback([self](bool failed) {
       if (auto alive = self.lock()) {
         alive->in_backward_ = false;
-        if (alive->handlers_.finish) alive->handlers_.finish(failed);
+        alive->finish(failed);
       }
     });
   }
   mark_ready(param);
+}
+
+void GradReadiness::finish(bool failed) {
+  backward_expected_ = false;
+  if (handlers_.finish) handlers_.finish(failed);
+}
+
+bool GradReadiness::begin_forward(const char* owner, int64_t step) {
+  const bool synchronizing = autograd::GradMode::is_enabled() && !paused_;
+  if (synchronizing && backward_expected_) {
+    std::fprintf(stderr,
+                 "[weave] rank %d: %s: step %lld's forward got no backward on this rank; its "
+                 "gradients are discarded on every rank; hint: run evaluation under "
+                 "NoGradGuard\n",
+                 dist::rank(), owner, static_cast<long long>(step));
+    clear();
+    finish(/*failed=*/true);
+  }
+  return synchronizing;
 }
 
 void GradReadiness::mark_ready(int param) {

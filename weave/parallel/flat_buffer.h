@@ -107,6 +107,15 @@ class GradReadiness {
   /// Starts a step afresh outside backward: nothing ready, nothing launched (a step settled
   /// without a backward, or shadowed by join()).
   void clear();
+  /// Called as the owner's forward starts, before it communicates; returns whether this forward
+  /// synchronizes (grad mode on, not paused). If the previous synchronizing forward got no
+  /// backward on this rank (it failed before reaching the model, or was skipped), warns, naming
+  /// `owner` and `step`, and settles that step first as failed (finish(true)): the owner then
+  /// issues what its peers' backward issued, so their collectives pair with this rank's.
+  bool begin_forward(const char* owner, int64_t step);
+  /// A synchronizing forward ran: its step is pending until finish() runs for it.
+  void expect_backward() { backward_expected_ = true; }
+  bool backward_expected() const { return backward_expected_; }
   /// Marks parameter i ready without a hook (a rank that shadows a step).
   void mark_ready(int param);
   /// Ends the step: every bucket counts as complete and the ones not launched yet are
@@ -117,6 +126,7 @@ class GradReadiness {
   GradReadiness(size_t params, Handlers handlers);
   void on_hook(int param, const std::weak_ptr<GradReadiness>& self);
   void launch_ready(size_t end);
+  void finish(bool failed);
 
   Handlers handlers_;
   std::vector<HookHandle> hooks_;
@@ -128,7 +138,7 @@ class GradReadiness {
   std::vector<int> trace_;
   int64_t ready_count_ = 0, ready_at_first_launch_ = -1;
   size_t next_launch_ = 0;
-  bool paused_ = false, in_backward_ = false;
+  bool paused_ = false, in_backward_ = false, backward_expected_ = false;
 };
 
 /// Completes a traced ready order (parameter indices) with the parameters that never became

@@ -4,7 +4,6 @@
 #include "weave/parallel/fsdp.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <map>
 
 #include "weave/autograd/engine.h"
@@ -91,11 +90,9 @@ struct FullyShardedDataParallel::State {
   bool order_known = false;
   std::vector<HookHandle> module_hooks;
   std::shared_ptr<detail::GradReadiness> readiness;
-  std::vector<int> reducing;  // units with reduce_scatters in flight, oldest first
-  bool end_queued = false;    // this backward's end-of-backward work is queued
-  // A synchronizing forward ran and its backward has not settled; which units' backward began.
-  bool forward_pending = false;
-  std::vector<char> backward_began;
+  std::vector<int> reducing;         // units with reduce_scatters in flight, oldest first
+  bool end_queued = false;           // this backward's end-of-backward work is queued
+  std::vector<char> backward_began;  // this step's units whose backward began
   FSDPStats stats;
   std::unique_ptr<ShardModule> shard_module;
 
@@ -280,14 +277,13 @@ struct FullyShardedDataParallel::State {
   // settle(), which may still need them gathered as they are (it replays a failed backward).
   void end_of_backward() {
     end_queued = false;
-    if (forward_pending) return;
+    if (readiness->backward_expected()) return;
     for (Unit& u : units) release(u);
   }
 
   // Ends a synchronizing step on this rank, in step with the group.
   void settle(bool failed) {
     const int64_t step = stats.steps++;
-    forward_pending = false;
     if (failed) replay_rest_of_backward();
     readiness->launch_rest();
     Tensor flag = full({1}, failed ? 1.0 : 0.0, {.dtype = kInt64});
@@ -477,19 +473,7 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
 
 Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   State& s = *state_;
-  const bool synchronizing = autograd::GradMode::is_enabled() && !s.readiness->paused();
-  // The previous synchronizing forward's backward never reached this model on this rank (it
-  // failed before, or was skipped): settle that step now, as failed, issuing what the other
-  // ranks' backward issued, so their collectives complete and pair with this rank's.
-  if (s.forward_pending && synchronizing) {
-    std::fprintf(stderr,
-                 "[weave] rank %d: FullyShardedDataParallel: step %lld's forward got no backward "
-                 "on this rank; its gradients are discarded on every rank; hint: run evaluation "
-                 "under NoGradGuard\n",
-                 dist::rank(), static_cast<long long>(s.stats.steps));
-    s.readiness->clear();
-    s.settle(true);
-  }
+  const bool synchronizing = s.readiness->begin_forward(kOp, s.stats.steps);
   s.ensure_gathered(s.root());
   if (autograd::GradMode::is_enabled()) s.backward_began.assign(s.units.size(), 0);
   if (synchronizing) s.bind_grads(s.root());
@@ -498,7 +482,7 @@ Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   if (!autograd::GradMode::is_enabled() || !out.requires_grad()) {
     for (State::Unit& u : s.units) s.release(u);  // no backward follows
   } else {
-    s.forward_pending = synchronizing;
+    if (synchronizing) s.readiness->expect_backward();
     std::weak_ptr<State> weak = state_;
     out.register_hook([weak](const Tensor&) -> Tensor {
       if (auto alive = weak.lock()) alive->queue_end_of_backward();
