@@ -112,18 +112,24 @@ TEST_SUITE("checkpoint") {
     // Writing: length, the JSON header padded with spaces to 8 bytes, then the raw bytes.
     const std::string image =
         data::serialize_safetensors({{"w", from_vector<float>({1, 2})}}, {{"step", "3"}});
-    // weave adds CRC-32s (zlib's, computed here independently): of w's 8 bytes, and of the
-    // user metadata as "key\0value\0" pairs in key order.
+    // weave adds CRC-32s (zlib's, computed here independently): of w's 8 bytes, of each
+    // 64 KiB block of the data (here one, the same 8 bytes), and of the other metadata as
+    // "key\0value\0" pairs in key order.
     const float w[2] = {1, 2};
     const auto crc_w = ::crc32_z(0, reinterpret_cast<const Bytef*>(w), 8);
-    const char pairs[] =
-        "step\0"
-        "3";
-    const auto crc_meta = ::crc32_z(0, reinterpret_cast<const Bytef*>(pairs), sizeof pairs);
+    const std::string blocks = fmt::format("65536 {:08x}", crc_w);
+    const std::string pairs = std::string(
+                                  "step\0"
+                                  "3\0"
+                                  "weave.crc32/blocks\0",
+                                  26) +
+                              blocks + std::string(1, '\0');
+    const auto crc_meta = ::crc32_z(0, reinterpret_cast<const Bytef*>(pairs.data()), pairs.size());
     const std::string header = fmt::format(
-        R"({{"__metadata__":{{"step":"3","weave.crc32.w":"{:08x}","weave.crc32/metadata":"{:08x}"}},)"
+        R"({{"__metadata__":{{"step":"3","weave.crc32.w":"{:08x}","weave.crc32/blocks":"{}",)"
+        R"("weave.crc32/metadata":"{:08x}"}},)"
         R"("w":{{"data_offsets":[0,8],"dtype":"F32","shape":[2]}}}})",
-        crc_w, crc_meta);
+        crc_w, blocks, crc_meta);
     const std::string padded = header + std::string((8 - header.size() % 8) % 8, ' ');
     CHECK(image == little_endian_u64(padded.size()) + padded +
                        std::string(reinterpret_cast<const char*>(w), 8));

@@ -45,20 +45,33 @@ nn::NamedTensors under(const SafetensorsFile& contents, const std::string& prefi
 }
 
 // A loader whose order is one rank's share of the data (a DistributedSampler) restores only
-// on the rank that saved it: elsewhere it would train this rank on that rank's batches.
-void check_owner(const Metadata& meta, const DataLoader& loader, const std::string& name) {
-  const auto saved = meta.find("weave.rank");
-  if (saved == meta.end()) return;
+// on a rank with the same share: elsewhere it would train this rank on that rank's batches.
+// (Saved with another number of replicas, the loader re-splits the epoch instead.)
+void check_owner(const Metadata& meta, const LoaderState& saved, const DataLoader& loader,
+                 const std::string& name) {
+  const auto& sampler = loader.options().sampler;
+  if (!sampler || !sampler->per_rank() || loader.resplits(saved)) return;
+  if (saved.replica >= 0) {
+    WEAVE_CHECK(saved.replica == sampler->replica(), "load_checkpoint",
+                "{} holds the data loader of replica {} of {}, and its order is that replica's "
+                "share of the data (a DistributedSampler); restoring it on replica {} would train "
+                "this rank on another's batches; hint: load the checkpoint of this rank's "
+                "replica (parallel::load_sharded_checkpoint picks it)",
+                name, saved.replica, saved.replicas, sampler->replica());
+    return;
+  }
+  // Written before the loader recorded its split: the saving rank stands for it.
+  const auto rank = meta.find("weave.rank");
+  if (rank == meta.end()) return;
   const ProcessPlace place = process_place();
   const std::string here = fmt::format("{} of {}", place.rank, place.world_size);
-  const auto& sampler = loader.options().sampler;
-  WEAVE_CHECK(saved->second == here || !sampler || !sampler->per_rank(), "load_checkpoint",
+  WEAVE_CHECK(rank->second == here, "load_checkpoint",
               "{} was saved by rank {}, and its data loader's order is that rank's share of "
               "the data (a DistributedSampler); restoring it on rank {} would train this rank on "
               "rank {}'s batches; hint: save one checkpoint per rank "
               "(parallel::save_sharded_checkpoint), or leave the loader out of a checkpoint shared "
               "by every rank and call sampler.set_epoch() on each",
-              name, saved->second, here, saved->second);
+              name, rank->second, here, rank->second);
 }
 
 }  // namespace
@@ -83,7 +96,9 @@ SafetensorsFile checkpoint_contents(const TrainingState& state) {
     const LoaderState s = state.loader->state();
     out.tensors.emplace_back("loader/order", from_vector(s.order, Shape{int64_t(s.order.size())}));
     out.metadata["loader"] =
-        json{{"generator", s.generator}, {"position", s.position}, {"sampler", s.sampler}}.dump();
+        json{{"generator", s.generator},   {"position", s.position}, {"sampler", s.sampler},
+             {"batch_size", s.batch_size}, {"replicas", s.replicas}, {"replica", s.replica}}
+            .dump();
   }
   if (state.default_generator)
     out.metadata["rng.default"] = engine_text(default_generator().engine());
@@ -153,8 +168,21 @@ void restore_checkpoint(const SafetensorsFile& contents, TrainingState& state,
         "load_checkpoint", "{}: 'loader/order' is missing or not an int64 vector", name);
     loader = {saved["generator"].get<std::string>(), order[0].second.to_vector<int64_t>(),
               saved["position"].get<int64_t>(), saved["sampler"].get<std::string>()};
+    const bool split_recorded =
+        saved.contains("batch_size") && saved.contains("replicas") && saved.contains("replica");
+    if (split_recorded) {
+      WEAVE_CHECK(saved["batch_size"].is_number_integer() &&
+                      saved["replicas"].is_number_integer() && saved["replica"].is_number_integer(),
+                  "load_checkpoint",
+                  "{}: 'loader' has a batch_size, replicas or replica that is "
+                  "not an integer",
+                  name);
+      loader.batch_size = saved["batch_size"].get<int64_t>();
+      loader.replicas = saved["replicas"].get<int>();
+      loader.replica = saved["replica"].get<int>();
+    }
     state.loader->check_state(loader);
-    check_owner(meta, *state.loader, name);
+    check_owner(meta, loader, *state.loader, name);
   }
   std::mt19937_64 generator;
   if (state.default_generator) {

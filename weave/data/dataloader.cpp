@@ -16,6 +16,12 @@ Example Dataset::get_batch(const std::vector<int64_t>& indices) const {
   return {stack(inputs), stack(targets)};
 }
 
+std::vector<int64_t> Sampler::indices_from(int64_t consumed) {
+  std::vector<int64_t> all = indices();
+  all.erase(all.begin(), all.begin() + std::clamp<int64_t>(consumed, 0, int64_t(all.size())));
+  return all;
+}
+
 TensorDataset::TensorDataset(Tensor inputs, Tensor targets)
     : inputs_(std::move(inputs)), targets_(std::move(targets)) {
   WEAVE_CHECK(inputs_.defined() && targets_.defined() && inputs_.dim() > 0 && targets_.dim() > 0 &&
@@ -78,8 +84,18 @@ DataLoader::Iterator DataLoader::begin() {
 LoaderState DataLoader::state() const {
   std::ostringstream generator;
   generator << engine_;
-  return {generator.str(), order_, position_,
-          options_.sampler ? options_.sampler->state() : std::string()};
+  const Sampler* sampler = options_.sampler.get();
+  return {generator.str(),
+          order_,
+          position_,
+          sampler ? sampler->state() : std::string(),
+          options_.batch_size,
+          sampler ? sampler->replicas() : 1,
+          sampler ? sampler->replica() : 0};
+}
+
+bool DataLoader::resplits(const LoaderState& state) const {
+  return state.replicas >= 1 && options_.sampler && state.replicas != options_.sampler->replicas();
 }
 
 namespace {
@@ -94,6 +110,12 @@ std::mt19937_64 parse_generator(const std::string& text) {
 
 void DataLoader::check_state(const LoaderState& state) const {
   parse_generator(state.generator);
+  if (resplits(state)) {
+    WEAVE_CHECK(state.batch_size > 0 && state.position >= 0, "DataLoader",
+                "the saved state's batch size {} or position {} is not a loader's",
+                state.batch_size, state.position);
+    return;  // the saved order is another split's: this loader's is derived anew
+  }
   WEAVE_CHECK(state.order.size() == order_.size(), "DataLoader",
               "the saved order covers {} examples, this loader {}; hint: same dataset and "
               "sampler as when it was saved",
@@ -113,8 +135,17 @@ void DataLoader::load_state(const LoaderState& state) {
   check_state(state);
   if (options_.sampler) options_.sampler->load_state(state.sampler);
   engine_ = parse_generator(state.generator);
-  order_ = state.order;
-  position_ = state.position;
+  if (resplits(state)) {
+    order_ = options_.sampler->indices_from(state.position * state.batch_size * state.replicas);
+    for (int64_t i : order_)
+      WEAVE_CHECK(i >= 0 && i < dataset_->size(), "DataLoader",
+                  "the sampler gave index {}, outside the dataset's {} examples", i,
+                  dataset_->size());
+    position_ = 0;
+  } else {
+    order_ = state.order;
+    position_ = state.position;
+  }
   resume_ = position_ < size();
 }
 

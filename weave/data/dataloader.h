@@ -56,15 +56,27 @@ class Sampler {
   /// True when indices() is this rank's share of the data, different on each rank (a
   /// DistributedSampler over several replicas): a loader's order then belongs to one rank.
   virtual bool per_rank() const { return false; }
+  /// How many ranks split the data, and this rank's place among them.
+  virtual int replicas() const { return 1; }
+  virtual int replica() const { return 0; }
+  /// This rank's share of the rest of the current epoch, after the first `consumed` entries of
+  /// the epoch's order over all replicas: how a loader resumes an epoch that was saved at
+  /// another number of replicas.
+  virtual std::vector<int64_t> indices_from(int64_t consumed);
 };
 
 /// Where a DataLoader stands, for checkpoints: the shuffle generator, the current epoch's order,
-/// how many of its batches were handed out, and the sampler's state.
+/// how many of its batches were handed out, and the sampler's state; and how the data was
+/// split (batch size, the sampler's replicas and this rank's place), so that a loader with
+/// another split can take up the epoch where the saved one left it (-1: not recorded).
 struct LoaderState {
   std::string generator;
   std::vector<int64_t> order;
   int64_t position = 0;
   std::string sampler;
+  int64_t batch_size = -1;
+  int replicas = -1;
+  int replica = -1;
 };
 
 struct DataLoaderOptions {
@@ -110,10 +122,17 @@ class DataLoader {
   /// Where the loader stands. Saved in the middle of an epoch, the next begin() after
   /// load_state() continues that epoch at the next batch; saved after an epoch, it starts the
   /// next one with the permutation an uninterrupted run would draw.
+  ///
+  /// A state saved with another number of replicas (a DistributedSampler over another data-
+  /// parallel size) resumes the epoch at the same place in its global order: the examples the
+  /// saved run had consumed (position x batch size x replicas) are skipped, and the rest is
+  /// split anew among this loader's replicas (Sampler::indices_from).
   LoaderState state() const;
   /// Raises (changing nothing) unless `state` fits this loader's dataset and batch size.
   void check_state(const LoaderState& state) const;
   void load_state(const LoaderState& state);
+  /// Whether `state` was saved with another number of replicas (load_state re-splits it).
+  bool resplits(const LoaderState& state) const;
 
  private:
   Example load(int64_t batch) const;

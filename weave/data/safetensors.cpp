@@ -29,6 +29,10 @@ constexpr int64_t kMaxHeaderEntries = int64_t{1} << 20;
 // Metadata keys of the checksums weave writes: one per tensor, one over the user metadata.
 constexpr const char* kChecksumPrefix = "weave.crc32.";
 constexpr const char* kMetadataChecksum = "weave.crc32/metadata";
+// CRC-32 of every block of the data section ("<block bytes> <crc><crc>..."): a read of part of
+// the file verifies just the blocks it touches.
+constexpr const char* kBlockChecksums = "weave.crc32/blocks";
+constexpr uint64_t kChecksumBlockBytes = uint64_t{64} << 10;
 
 uint32_t crc32_of(const void* data, size_t size, uint32_t seed = 0) {
   return static_cast<uint32_t>(::crc32_z(seed, static_cast<const Bytef*>(data), size));
@@ -38,7 +42,22 @@ std::string hex32(uint32_t v) {
   return fmt::format("{:08x}", v);
 }
 
-// CRC-32 over the user's metadata (the checksums excluded), key and value, in key order.
+// The value of hex32's text, if it is exactly such a text (8 lowercase hex digits): a flipped
+// bit that turns a digit into its capital must not read as the same checksum.
+bool parse_hex32(const std::string& text, uint32_t* out) {
+  if (text.size() != 8) return false;
+  uint32_t v = 0;
+  for (char c : text) {
+    const bool digit = c >= '0' && c <= '9', letter = c >= 'a' && c <= 'f';
+    if (!digit && !letter) return false;
+    v = v * 16 + uint32_t(digit ? c - '0' : c - 'a' + 10);
+  }
+  *out = v;
+  return true;
+}
+
+// CRC-32 over the metadata (the tensors' checksums and its own excluded; the block checksums
+// included), key and value, in key order.
 uint32_t metadata_checksum(const std::map<std::string, std::string>& metadata) {
   uint32_t crc = 0;
   for (const auto& [key, value] : metadata) {
@@ -127,12 +146,7 @@ bool parse_dtype(const std::string& text, DType* out) {
   WEAVE_FAIL("safetensors", "cannot {} {}: {}", what, path, std::strerror(errno));
 }
 
-struct Entry {
-  std::string name;
-  DType dtype;
-  Shape shape;
-  uint64_t begin, end;
-};
+using Entry = SafetensorsEntry;
 
 Entry parse_entry(const std::string& key, const json& value, const std::string& name) {
   auto bad = [&](const std::string& why) {
@@ -180,7 +194,6 @@ std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadat
   for (const auto& [key, value] : metadata)
     WEAVE_CHECK(key.rfind("weave.crc32", 0) != 0, "safetensors",
                 "metadata key '{}' is reserved (weave's checksums)", key);
-  stored[kMetadataChecksum] = hex32(metadata_checksum(stored));
   std::vector<Tensor> data;
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
@@ -194,9 +207,38 @@ std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadat
                     {"shape", host.shape().vec()},
                     {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
-    stored[kChecksumPrefix + name] = hex32(crc32_of(host.data_ptr(), bytes));
     data.push_back(host);
   }
+  // One pass over the bytes: each segment between tensor and block boundaries is checksummed
+  // once, and the tensors' and the blocks' CRCs are combined from the segments'.
+  std::string blocks = std::to_string(kChecksumBlockBytes) + " ";
+  {
+    uint32_t block_crc = 0;
+    uint64_t in_block = 0;
+    for (size_t k = 0; k < data.size(); ++k) {
+      const auto* bytes = static_cast<const char*>(data[k].data_ptr());
+      uint64_t left = uint64_t(data[k].numel()) * data[k].itemsize();
+      uint32_t tensor_crc = 0;
+      while (left > 0) {
+        const uint64_t take = std::min(left, kChecksumBlockBytes - in_block);
+        const uint32_t segment = crc32_of(bytes, take);
+        tensor_crc = uint32_t(::crc32_combine(tensor_crc, segment, z_off_t(take)));
+        block_crc = uint32_t(::crc32_combine(block_crc, segment, z_off_t(take)));
+        bytes += take;
+        left -= take;
+        in_block += take;
+        if (in_block == kChecksumBlockBytes) {
+          blocks += hex32(block_crc);
+          block_crc = 0;
+          in_block = 0;
+        }
+      }
+      stored[kChecksumPrefix + tensors[k].first] = hex32(tensor_crc);
+    }
+    if (in_block > 0) blocks += hex32(block_crc);
+  }
+  stored[kBlockChecksums] = blocks;
+  stored[kMetadataChecksum] = hex32(metadata_checksum(stored));
   header["__metadata__"] = stored;
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the format's recommended 8-byte alignment
@@ -210,39 +252,47 @@ std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadat
   return out;
 }
 
-SafetensorsFile parse_safetensors(const void* bytes, size_t size, const std::string& name) {
-  const auto* p = static_cast<const unsigned char*>(bytes);
-  WEAVE_CHECK(size >= 8, "safetensors", "{} is truncated: {} bytes, not even the header length",
-              name, size);
+namespace {
+
+// The header of a file of `file_size` bytes whose first `available` bytes (at least the length
+// and the header) are at p: every check that needs no tensor data. The checksums stay in
+// `checksums` and `block_checksums`, out of the metadata.
+SafetensorsHeader parse_header(const unsigned char* p, uint64_t available, uint64_t file_size,
+                               const std::string& name) {
+  WEAVE_CHECK(file_size >= 8 && available >= 8, "safetensors",
+              "{} is truncated: {} bytes, not even the header length", name, file_size);
   uint64_t length = 0;
   for (int i = 0; i < 8; ++i) length |= uint64_t{p[i]} << (8 * i);
-  WEAVE_CHECK(length <= kMaxHeaderBytes && length <= size - 8, "safetensors",
+  WEAVE_CHECK(length <= kMaxHeaderBytes && length <= file_size - 8, "safetensors",
               "{} declares a {}-byte header, but the file holds {} bytes after the length{}", name,
-              length, size - 8, length > kMaxHeaderBytes ? " (the format's limit is 100 MB)" : "");
+              length, file_size - 8,
+              length > kMaxHeaderBytes ? " (the format's limit is 100 MB)" : "");
+  WEAVE_CHECK(available >= 8 + length, "safetensors", "{}: the header was not read whole", name);
   check_header_layout(p + 8, length, name);
   const json header = json::parse(p + 8, p + 8 + length, nullptr, false);
   WEAVE_CHECK(!header.is_discarded() && header.is_object(), "safetensors",
               "{}: the header is not a JSON object; hint: is this a safetensors file?", name);
-  SafetensorsFile file;
-  std::vector<Entry> entries;
+  SafetensorsHeader out;
+  out.path = name;
+  out.data_start = 8 + length;
   for (const auto& [key, value] : header.items()) {
     if (key == "__metadata__") {
       WEAVE_CHECK(value.is_object(), "safetensors", "{}: __metadata__ is not an object", name);
       for (const auto& [k, v] : value.items()) {
         WEAVE_CHECK(v.is_string(), "safetensors", "{}: metadata '{}' is not a string", name, k);
-        file.metadata[k] = v.get<std::string>();
+        out.metadata[k] = v.get<std::string>();
       }
       continue;
     }
-    entries.push_back(parse_entry(key, value, name));
+    out.entries.push_back(parse_entry(key, value, name));
   }
   // The data must be covered exactly: no overlaps, no holes, nothing after the last tensor.
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+  std::sort(out.entries.begin(), out.entries.end(), [](const Entry& a, const Entry& b) {
     return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
   });
-  const uint64_t data_size = size - 8 - length;
+  const uint64_t data_size = file_size - 8 - length;
   uint64_t expected = 0;
-  for (const Entry& e : entries) {
+  for (const Entry& e : out.entries) {
     WEAVE_CHECK(e.begin == expected, "safetensors",
                 "{}: tensor '{}' starts at byte {} of the data, expected {} (the tensors must "
                 "cover the data without overlaps or holes)",
@@ -256,39 +306,72 @@ SafetensorsFile parse_safetensors(const void* bytes, size_t size, const std::str
               "{} holds {} bytes of data after its tensors end at {}: corrupt or truncated "
               "header",
               name, data_size - expected, expected);
-  const unsigned char* data = p + 8 + length;
   // Files weave wrote carry a CRC-32 of every tensor's bytes and of the user metadata: a
   // flipped bit anywhere is an error, not a silently different model. (Files from other
   // writers have none and load as they are.)
   // Any key of weave's checksum namespace marks the file as checked, so a flipped bit in one of
   // those keys cannot turn the checking off.
-  bool checked = false;
-  for (const auto& [key, value] : file.metadata)
-    checked = checked || key.rfind("weave.crc32", 0) == 0;
-  if (checked) {
-    WEAVE_CHECK(file.metadata.count(kMetadataChecksum) == 1, "safetensors",
+  for (const auto& [key, value] : out.metadata)
+    out.checked = out.checked || key.rfind("weave.crc32", 0) == 0;
+  if (out.checked) {
+    Metadata& meta = out.metadata;
+    WEAVE_CHECK(meta.count(kMetadataChecksum) == 1, "safetensors",
                 "{}: the metadata checksum is missing: the file is corrupt", name);
-    WEAVE_CHECK(file.metadata[kMetadataChecksum] == hex32(metadata_checksum(file.metadata)),
-                "safetensors",
+    WEAVE_CHECK(meta[kMetadataChecksum] == hex32(metadata_checksum(meta)), "safetensors",
                 "{}: the metadata fails its checksum (stored {}, computed {}): the file is "
                 "corrupt",
-                name, file.metadata[kMetadataChecksum], hex32(metadata_checksum(file.metadata)));
+                name, meta[kMetadataChecksum], hex32(metadata_checksum(meta)));
     size_t checksums = 0;
-    for (const auto& [key, value] : file.metadata) checksums += key.rfind(kChecksumPrefix, 0) == 0;
-    WEAVE_CHECK(checksums == entries.size(), "safetensors",
-                "{}: {} tensors but {} checksums: the file is corrupt", name, entries.size(),
+    for (const auto& [key, value] : meta) checksums += key.rfind(kChecksumPrefix, 0) == 0;
+    WEAVE_CHECK(checksums == out.entries.size(), "safetensors",
+                "{}: {} tensors but {} checksums: the file is corrupt", name, out.entries.size(),
                 checksums);
+    for (const Entry& e : out.entries) {
+      auto stored = meta.find(kChecksumPrefix + e.name);
+      WEAVE_CHECK(stored != meta.end() && parse_hex32(stored->second, &out.checksums[e.name]),
+                  "safetensors", "{}: tensor '{}' has no checksum: the file is corrupt", name,
+                  e.name);
+    }
+    auto blocks = meta.find(kBlockChecksums);
+    if (blocks != meta.end()) {
+      // "<block bytes> <crc><crc>...": one CRC per block, the last one possibly short.
+      const std::string& text = blocks->second;
+      const size_t space = text.find(' ');
+      const std::string size_text = text.substr(0, space);
+      const bool digits = !size_text.empty() && size_text.size() < 12 &&
+                          std::all_of(size_text.begin(), size_text.end(), ::isdigit);
+      const uint64_t block = digits ? std::stoull(size_text) : 0;
+      const uint64_t count = block == 0 ? 0 : (data_size + block - 1) / block;
+      bool fits = block > 0 && space != std::string::npos && text.size() - space - 1 == count * 8;
+      for (uint64_t i = 0; fits && i < count; ++i) {
+        uint32_t crc = 0;
+        fits = parse_hex32(text.substr(space + 1 + i * 8, 8), &crc);
+        out.block_checksums.push_back(crc);
+      }
+      WEAVE_CHECK(fits, "safetensors",
+                  "{}: the block checksums do not fit the data: the file is corrupt", name);
+      out.block_bytes = block;
+    }
   }
-  for (const Entry& e : entries) {
-    if (checked) {
-      auto stored = file.metadata.find(kChecksumPrefix + e.name);
-      WEAVE_CHECK(stored != file.metadata.end(), "safetensors",
-                  "{}: tensor '{}' has no checksum: the file is corrupt", name, e.name);
-      const std::string actual = hex32(crc32_of(data + e.begin, e.end - e.begin));
-      WEAVE_CHECK(stored->second == actual, "safetensors",
+  std::erase_if(out.metadata,
+                [](const auto& item) { return item.first.rfind("weave.crc32", 0) == 0; });
+  return out;
+}
+
+}  // namespace
+
+SafetensorsFile parse_safetensors(const void* bytes, size_t size, const std::string& name) {
+  const auto* p = static_cast<const unsigned char*>(bytes);
+  const SafetensorsHeader header = parse_header(p, size, size, name);
+  const unsigned char* data = p + header.data_start;
+  SafetensorsFile file;
+  for (const Entry& e : header.entries) {
+    if (header.checked) {
+      const uint32_t actual = crc32_of(data + e.begin, e.end - e.begin);
+      WEAVE_CHECK(header.checksums.at(e.name) == actual, "safetensors",
                   "{}: tensor '{}' fails its checksum (stored {}, computed {}): the file is "
                   "corrupt",
-                  name, e.name, stored->second, actual);
+                  name, e.name, hex32(header.checksums.at(e.name)), hex32(actual));
     }
     Tensor t = empty(e.shape, {.dtype = e.dtype});
     if (e.end > e.begin) std::memcpy(t.data_ptr(), data + e.begin, e.end - e.begin);
@@ -298,9 +381,7 @@ SafetensorsFile parse_safetensors(const void* bytes, size_t size, const std::str
                     e.name, int(data[i]));
     file.tensors.emplace_back(e.name, t);
   }
-  std::erase_if(file.metadata, [](const auto& item) {
-    return item.first.rfind(kChecksumPrefix, 0) == 0 || item.first == kMetadataChecksum;
-  });
+  file.metadata = header.metadata;
   return file;
 }
 
@@ -389,6 +470,117 @@ void save_safetensors(const std::string& path, const nn::NamedTensors& tensors,
 SafetensorsFile load_safetensors(const std::string& path) {
   const std::string bytes = read_file(path);
   return parse_safetensors(bytes.data(), bytes.size(), path);
+}
+
+namespace {
+
+// Reads exactly `size` bytes at `offset` (a short read is a truncated file).
+void read_at(int fd, void* dest, uint64_t size, uint64_t offset, const std::string& path) {
+  auto* out = static_cast<char*>(dest);
+  while (size > 0) {
+    const ssize_t n = ::pread(fd, out, size, off_t(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) fail_io("read", path);
+    WEAVE_CHECK(n > 0, "safetensors", "{} is truncated: it ends before byte {}", path, offset);
+    out += n;
+    size -= uint64_t(n);
+    offset += uint64_t(n);
+  }
+}
+
+struct File {
+  int fd;
+  explicit File(const std::string& path) : fd(::open(path.c_str(), O_RDONLY)) {
+    if (fd < 0) fail_io("open", path);
+  }
+  ~File() { ::close(fd); }
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+};
+
+}  // namespace
+
+SafetensorsHeader read_safetensors_header(const std::string& path) {
+  File file(path);
+  struct stat info;
+  if (::fstat(file.fd, &info) != 0) fail_io("stat", path);
+  const uint64_t size = uint64_t(info.st_size);
+  unsigned char prefix[8] = {};
+  WEAVE_CHECK(size >= 8, "safetensors", "{} is truncated: {} bytes, not even the header length",
+              path, size);
+  read_at(file.fd, prefix, 8, 0, path);
+  uint64_t length = 0;
+  for (int i = 0; i < 8; ++i) length |= uint64_t{prefix[i]} << (8 * i);
+  std::string bytes(reinterpret_cast<const char*>(prefix), 8);
+  if (length <= kMaxHeaderBytes && length <= size - 8) {
+    bytes.resize(8 + length);
+    read_at(file.fd, bytes.data() + 8, length, 8, path);
+  }
+  SafetensorsHeader header =
+      parse_header(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), size, path);
+  header.bytes_read = bytes.size();
+  return header;
+}
+
+uint64_t read_safetensors_ranges(const SafetensorsHeader& header, std::vector<ByteRange> ranges) {
+  const std::string& path = header.path;
+  WEAVE_CHECK(!header.checked || header.block_bytes > 0, "safetensors",
+              "{} has no block checksums, so parts of it cannot be verified; hint: it was "
+              "written by an older weave: load it whole",
+              path);
+  const uint64_t data_size = header.entries.empty() ? 0 : header.entries.back().end;
+  for (const ByteRange& r : ranges)
+    WEAVE_CHECK(r.begin <= r.end && r.end <= data_size, "safetensors",
+                "{}: bytes [{}, {}) lie outside its {} bytes of data", path, r.begin, r.end,
+                data_size);
+  std::sort(ranges.begin(), ranges.end(),
+            [](const ByteRange& a, const ByteRange& b) { return a.begin < b.begin; });
+  // Each read covers whole checksum blocks (or exactly the range in an unchecked file);
+  // ranges that share or touch blocks are read together.
+  const uint64_t block = header.checked ? header.block_bytes : 1;
+  File file(path);
+  uint64_t bytes_read = 0;
+  std::vector<char> buffer;
+  for (size_t i = 0; i < ranges.size();) {
+    if (ranges[i].begin == ranges[i].end) {
+      ++i;
+      continue;
+    }
+    const uint64_t start = ranges[i].begin / block * block;
+    uint64_t stop = std::min(data_size, (ranges[i].end + block - 1) / block * block);
+    size_t j = i + 1;
+    while (j < ranges.size() && ranges[j].begin / block * block <= stop) {
+      stop = std::max(stop, std::min(data_size, (ranges[j].end + block - 1) / block * block));
+      ++j;
+    }
+    // Read in pieces of at most 64 MB: the staging buffer stays bounded for big tensors.
+    constexpr uint64_t kPiece = uint64_t{64} << 20;
+    const uint64_t piece = header.checked ? std::max(block, kPiece / block * block) : kPiece;
+    for (uint64_t at = start; at < stop; at += piece) {
+      const uint64_t end = std::min(stop, at + piece);
+      buffer.resize(end - at);
+      read_at(file.fd, buffer.data(), end - at, header.data_start + at, path);
+      bytes_read += end - at;
+      if (header.checked)
+        for (uint64_t b = at; b < end; b += block) {
+          const uint64_t n = std::min(block, end - b);
+          const uint32_t actual = crc32_of(buffer.data() + (b - at), n);
+          const uint32_t stored = header.block_checksums[b / block];
+          WEAVE_CHECK(actual == stored, "safetensors",
+                      "{}: data bytes [{}, {}) fail their checksum (stored {}, computed {}): the "
+                      "file is corrupt",
+                      path, b, b + n, hex32(stored), hex32(actual));
+        }
+      for (size_t k = i; k < j; ++k) {
+        const uint64_t from = std::max(ranges[k].begin, at), to = std::min(ranges[k].end, end);
+        if (from < to)
+          std::memcpy(static_cast<char*>(ranges[k].dest) + (from - ranges[k].begin),
+                      buffer.data() + (from - at), to - from);
+      }
+    }
+    i = j;
+  }
+  return bytes_read;
 }
 
 }  // namespace weave::data

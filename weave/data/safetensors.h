@@ -29,6 +29,41 @@ std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadat
 /// between tensors) raises weave::Error naming `name` and the tensor.
 SafetensorsFile parse_safetensors(const void* data, size_t size, const std::string& name);
 
+/// Where a tensor's bytes lie: [begin, end) of the data section.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  uint64_t begin, end;
+};
+
+/// A file's header, read without its data, for reading parts of the file.
+struct SafetensorsHeader {
+  std::string path;
+  std::vector<SafetensorsEntry> entries;  // by offset
+  Metadata metadata;                      // the checksums taken out (the metadata's verified)
+  uint64_t data_start = 0;                // file offset of the data section
+  /// Whether weave wrote it: each tensor's CRC-32 and each data block's.
+  bool checked = false;
+  std::map<std::string, uint32_t> checksums;
+  uint64_t block_bytes = 0;
+  std::vector<uint32_t> block_checksums;
+  uint64_t bytes_read = 0;  // by read_safetensors_header
+};
+
+/// Reads and checks the header only (what parse_safetensors checks short of the data).
+SafetensorsHeader read_safetensors_header(const std::string& path);
+
+/// Bytes [begin, end) of the data section, to be copied to dest.
+struct ByteRange {
+  uint64_t begin, end;
+  void* dest;
+};
+/// Reads the ranges with ranged reads: in a file weave wrote, the checksum blocks that hold
+/// them (each verified; a mismatch raises naming the bytes), else exactly the ranges. Returns
+/// the bytes read.
+uint64_t read_safetensors_ranges(const SafetensorsHeader& header, std::vector<ByteRange> ranges);
+
 /// CRC-32 (zlib's) of a tensor's values as stored: its elements' bytes in row-major order.
 uint32_t checksum(const Tensor& t);
 

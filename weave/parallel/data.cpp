@@ -1,6 +1,7 @@
 // DistributedSampler, contiguous partitions and rank0_first.
 #include "weave/parallel/data.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -57,6 +58,10 @@ void DistributedSampler::load_state(const std::string& state) {
 }
 
 std::vector<int64_t> DistributedSampler::indices() {
+  return indices_from(0);
+}
+
+std::vector<int64_t> DistributedSampler::indices_from(int64_t consumed) {
   std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
   for (int64_t i = 0; i < dataset_size_; ++i) order[size_t(i)] = i;
   if (options_.shuffle) {
@@ -65,14 +70,21 @@ std::vector<int64_t> DistributedSampler::indices() {
     for (int64_t i = dataset_size_ - 1; i > 0; --i)
       std::swap(order[size_t(i)], order[size_t(engine() % uint64_t(i + 1))]);
   }
-  const int64_t total = per_rank_ * replicas_;
-  // Pad by wrapping (repeatedly, if the dataset is smaller than the padding), or trim.
-  for (int64_t i = dataset_size_; int64_t(order.size()) < total; ++i)
-    order.push_back(order[size_t(i % dataset_size_)]);
-  order.resize(size_t(total));
+  const int64_t skipped = std::clamp<int64_t>(consumed, 0, dataset_size_);
+  const int64_t left = dataset_size_ - skipped;
+  const int64_t per_rank =
+      consumed == 0 ? per_rank_
+                    : (options_.drop_last ? left / replicas_ : (left + replicas_ - 1) / replicas_);
+  const int64_t total = per_rank * replicas_;
+  std::vector<int64_t> rest(order.begin() + skipped, order.end());
+  // Pad by wrapping around the epoch's order (repeatedly, if the dataset is smaller than the
+  // padding), or trim.
+  for (int64_t i = 0; int64_t(rest.size()) < total; ++i)
+    rest.push_back(order[size_t(i % dataset_size_)]);
+  rest.resize(size_t(total));
   std::vector<int64_t> mine;
-  mine.reserve(size_t(per_rank_));
-  for (int64_t i = rank_; i < total; i += replicas_) mine.push_back(order[size_t(i)]);
+  mine.reserve(size_t(per_rank));
+  for (int64_t i = rank_; i < total; i += replicas_) mine.push_back(rest[size_t(i)]);
   return mine;
 }
 

@@ -45,6 +45,11 @@ class DistributedSampler : public data::Sampler {
   /// Restores state() (also a bare epoch, as older checkpoints wrote it).
   void load_state(const std::string& state) override;
   bool per_rank() const override { return replicas_ > 1; }
+  int replicas() const override { return replicas_; }
+  int replica() const override { return rank_; }
+  /// The epoch's order without its first `consumed` entries, padded (or trimmed) to a multiple
+  /// of the replicas and dealt out as indices() deals the whole order.
+  std::vector<int64_t> indices_from(int64_t consumed) override;
 
  private:
   int64_t dataset_size_;

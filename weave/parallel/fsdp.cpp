@@ -12,6 +12,8 @@
 #include "weave/parallel/ddp.h"
 #include "weave/parallel/flat_buffer.h"
 #include "weave/parallel/mesh.h"
+#include "weave/parallel/placement.h"
+#include "weave/parallel/tensor_parallel.h"
 #include "weave/tensor/trace.h"
 
 namespace weave::parallel {
@@ -385,6 +387,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
         owner = owner == -1 || owner == int(u) ? int(u) : -2;
       }
   const int64_t n = s.group.size();
+  const std::map<std::string, TensorSplit> splits = tensor_splits(module);
   auto build_unit = [&](const std::string& name, std::vector<nn::Module*> modules,
                         std::vector<int> members, bool root) {
     State::Unit unit;
@@ -407,6 +410,20 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
       f.shard = f.full.flat.narrow(0, s.group.rank() * per_rank, per_rank).clone().detach();
       f.shard.requires_grad_(true);
       f.gathered_version = f.shard.version();
+      // Sharded checkpoints describe the shard by the parameters it covers.
+      detail::FlatShard layout{.members = {},
+                               .names = {},
+                               .splits = {},
+                               .offsets = f.full.offsets,
+                               .shapes = f.full.shapes,
+                               .begin = s.group.rank() * per_rank};
+      for (int i : f.params) {
+        layout.members.push_back(s.params[size_t(i)].impl());
+        layout.names.push_back(s.names[size_t(i)]);
+        auto split = splits.find(s.names[size_t(i)]);
+        layout.splits.push_back(split == splits.end() ? TensorSplit{} : split->second);
+      }
+      detail::register_flat_shard(f.shard, std::move(layout));
       unit.flats.push_back(std::move(f));
     }
     s.units.push_back(std::move(unit));
@@ -469,6 +486,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
   for (HookHandle& hook : state_->module_hooks) hook.remove();
+  for (const State::Unit& u : state_->units)
+    for (const State::Flat& f : u.flats) detail::forget_flat_shard(f.shard);
 }
 
 Tensor FullyShardedDataParallel::forward(const Tensor& input) {

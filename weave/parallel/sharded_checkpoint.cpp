@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <thread>
 
 #include "weave/parallel/agree.h"
+#include "weave/parallel/placement.h"
+#include "weave/parallel/reshard.h"
 
 namespace weave::parallel {
 
@@ -17,7 +20,10 @@ namespace {
 using json = nlohmann::json;
 namespace fs = std::filesystem;
 
-constexpr const char* kFormat = "weave-sharded-1";
+// Format 2 records each tensor's placement (and loads at any layout); format 1 did not (it loads
+// at the world size it was saved at).
+constexpr const char* kFormat = "weave-sharded-2";
+constexpr const char* kFormatWithoutPlacements = "weave-sharded-1";
 
 // True on every rank iff `ok` holds on every rank of the group (one all_reduce).
 bool everyone(bool ok, const dist::Group& group) {
@@ -62,8 +68,10 @@ json read_index(const std::string& dir) {
   const std::string path = dir + "/index.json";
   const std::string text = data::read_file(path);
   json index = json::parse(text, nullptr, false);
-  WEAVE_CHECK(!index.is_discarded() && index.is_object() && index.value("format", "") == kFormat &&
-                  index.contains("world_size") && index["world_size"].is_number_integer() &&
+  const bool known = !index.is_discarded() && index.is_object() && index.contains("format") &&
+                     index["format"].is_string() &&
+                     (index["format"] == kFormat || index["format"] == kFormatWithoutPlacements);
+  WEAVE_CHECK(known && index.contains("world_size") && index["world_size"].is_number_integer() &&
                   index.contains("generation") && index["generation"].is_number_integer() &&
                   index.contains("files") && index["files"].is_array(),
               "load_sharded_checkpoint", "{} is not a weave sharded checkpoint index", path);
@@ -239,6 +247,7 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
   save->generation = generation.item<int64_t>();
 
   data::SafetensorsFile mine = data::checkpoint_contents(state);
+  mine.metadata["weave.placement"] = detail::placements_text(detail::placements_of(state));
   if (!options.single_file) {
     for (int r = 0; r < size; ++r) save->files.push_back(shard_name(r, size, save->generation));
     save->contents = options.async ? host_copy(std::move(mine)) : std::move(mine);
@@ -292,30 +301,19 @@ void wait_for_checkpoint() {
   complete_pending();
 }
 
-void load_sharded_checkpoint(const std::string& dir, data::TrainingState& state,
-                             const dist::Group& group) {
-  const char* op = "load_sharded_checkpoint";
-  complete_pending();  // a save still being written is the newest
-  const int rank = group.rank(), size = group.size();
-  WEAVE_CHECK(rank >= 0, op, "this rank is not in group {}", group.str());
+namespace {
+
+// Restores `contents` on every rank of the group or on none: each rank checks its own, then
+// learns whether every rank's checks passed before anything changes. `read` (which may raise
+// too) comes first.
+void restore_everywhere(const std::function<data::SafetensorsFile()>& read,
+                        data::TrainingState& state, const std::string& name, const std::string& dir,
+                        const dist::Group& group) {
   bool agreed = false;
   try {
-    const json index = read_index(dir);
-    const int saved_size = index["world_size"].get<int>();
-    WEAVE_CHECK(saved_size == size, op,
-                "{} was saved by {} ranks, this group has {}; hint: load at the world size it "
-                "was saved at (or save with single_file and split it yourself)",
-                dir, saved_size, size);
-    const bool single = index.value("single_file", false);
-    const auto& files = index["files"];
-    WEAVE_CHECK(files.size() == (single ? 1u : size_t(size)), op,
-                "{}/index.json lists {} files for {} ranks", dir, files.size(), size);
-    const std::string path = dir + "/" + files[single ? 0 : size_t(rank)].get<std::string>();
-    data::SafetensorsFile contents = data::load_safetensors(path);
-    if (single) contents = rank_part(contents, rank);
-    data::restore_checkpoint(contents, state, path, [&] {
+    data::restore_checkpoint(read(), state, name, [&] {
       agreed = true;
-      WEAVE_CHECK(everyone(true, group), op,
+      WEAVE_CHECK(everyone(true, group), "load_sharded_checkpoint",
                   "another rank of group {} could not load its part of {}; nothing was changed "
                   "here",
                   group.str(), dir);
@@ -324,6 +322,121 @@ void load_sharded_checkpoint(const std::string& dir, data::TrainingState& state,
     if (!agreed) everyone(false, group);  // this rank's own check failed: tell the others
     throw;
   }
+}
+
+// A checkpoint without placements (format 1): each rank restores its own part whole.
+void load_own_parts(const json& index, const std::string& dir, data::TrainingState& state,
+                    const dist::Group& group) {
+  const int rank = group.rank(), size = group.size();
+  const bool single = index.value("single_file", false);
+  std::string path = dir;  // the file, once the sizes are known to match (names it in errors)
+  restore_everywhere(
+      [&] {
+        const int saved_size = index["world_size"].get<int>();
+        WEAVE_CHECK(saved_size == size && index["files"].size() == (single ? 1u : size_t(size)),
+                    "load_sharded_checkpoint",
+                    "{} was saved by {} ranks in format {}, which records no placements, and "
+                    "this group has {}; hint: load it at the world size it was saved at and save "
+                    "it again",
+                    dir, saved_size, kFormatWithoutPlacements, size);
+        path = dir + "/" + index["files"][single ? 0 : size_t(rank)].get<std::string>();
+        data::SafetensorsFile contents = data::load_safetensors(path);
+        return single ? rank_part(contents, rank) : contents;
+      },
+      state, path, dir, group);
+}
+
+}  // namespace
+
+ShardedLoadReport load_sharded_checkpoint(const std::string& dir, data::TrainingState& state,
+                                          const dist::Group& group) {
+  const char* op = "load_sharded_checkpoint";
+  complete_pending();  // a save still being written is the newest
+  const int rank = group.rank(), size = group.size();
+  WEAVE_CHECK(rank >= 0, op, "this rank is not in group {}", group.str());
+  ShardedLoadReport report;
+  // 1. Local: the index, every file's header, the plan of this rank's reads.
+  json index;
+  std::vector<detail::SavedPart> parts;
+  detail::LoadPlan plan;
+  std::vector<std::string> saved;
+  std::exception_ptr error;
+  try {
+    index = read_index(dir);
+    report.saved_world_size = index["world_size"].get<int>();
+    if (index["format"] != kFormatWithoutPlacements) {
+      const bool single = index.value("single_file", false);
+      const auto& files = index["files"];
+      WEAVE_CHECK(report.saved_world_size > 0 &&
+                      files.size() == (single ? 1u : size_t(report.saved_world_size)),
+                  op, "{}/index.json lists {} files for {} ranks", dir, files.size(),
+                  report.saved_world_size);
+      std::vector<std::shared_ptr<const data::SafetensorsHeader>> headers;
+      for (const json& f : files) {
+        headers.push_back(std::make_shared<data::SafetensorsHeader>(
+            data::read_safetensors_header(dir + "/" + f.get<std::string>())));
+        report.bytes_read += int64_t(headers.back()->bytes_read);
+      }
+      parts = detail::saved_parts(headers, single, report.saved_world_size);
+      plan = detail::plan_load(parts, state, rank, size, dir);
+      saved = detail::saved_globals(parts);
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (!everyone(error == nullptr, group)) {
+    if (error) std::rethrow_exception(error);
+    WEAVE_FAIL(op,
+               "another rank of group {} could not plan its part of {}; nothing was changed "
+               "here",
+               group.str(), dir);
+  }
+  if (index["format"] == kFormatWithoutPlacements) {
+    load_own_parts(index, dir, state, group);
+    return report;
+  }
+  // 2. Every tensor the checkpoint holds must be taken by some rank, or it is another model's
+  // (every rank read the same headers, so all decide alike).
+  Tensor counts = full({2}, double(saved.size()), {.dtype = kInt64});
+  counts.narrow(0, 1, 1).fill_(-double(saved.size()));
+  dist::all_reduce(counts, dist::ReduceOp::Max, group);
+  WEAVE_CHECK(counts.to_vector<int64_t>()[0] == -counts.to_vector<int64_t>()[1], op,
+              "the ranks of group {} read different files in {} (was it replaced meanwhile?); "
+              "nothing was changed",
+              group.str(), dir);
+  Tensor taken = zeros({int64_t(saved.size())}, {.dtype = kInt32});
+  for (size_t i = 0; i < saved.size(); ++i)
+    if (std::binary_search(plan.wanted.begin(), plan.wanted.end(), saved[i]))
+      taken.narrow(0, int64_t(i), 1).fill_(1);
+  dist::all_reduce(taken, dist::ReduceOp::Max, group);
+  const std::vector<int32_t> any = taken.to_vector<int32_t>();
+  for (size_t i = 0; i < saved.size(); ++i)
+    WEAVE_CHECK(any[i] == 1, op,
+                "{} holds '{}', which nothing being restored on any rank takes; nothing was "
+                "changed; hint: is it a checkpoint of this model? pass the same parts (model, "
+                "optimizer) as when saving",
+                dir, saved[i]);
+  // 3. Read (verifying checksums) and restore, all or nothing across the group.
+  restore_everywhere(
+      [&] {
+        report.bytes_read += detail::read_planned(plan);
+        report.bytes_needed = plan.bytes_needed;
+        return std::move(plan.contents);
+      },
+      state, dir, dir, group);
+  return report;
+}
+
+bool resume_from_latest(const std::string& dir, data::TrainingState& state,
+                        const dist::Group& group) {
+  complete_pending();
+  // Group rank 0 decides, so that every rank takes the same branch even while a save's files
+  // appear on a shared file system.
+  Tensor found = full({1}, fs::exists(fs::path(dir) / "index.json") ? 1.0 : 0.0, {.dtype = kInt32});
+  dist::broadcast(found, 0, group);
+  if (found.item<int32_t>() == 0) return false;
+  load_sharded_checkpoint(dir, state, group);
+  return true;
 }
 
 }  // namespace weave::parallel

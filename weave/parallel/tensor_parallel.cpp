@@ -189,6 +189,13 @@ std::map<std::string, int> split_axes(const nn::Module& module) {
   return out;
 }
 
+std::map<std::string, TensorSplit> tensor_splits(const nn::Module& module) {
+  std::map<std::string, TensorSplit> out;
+  for (const auto& [name, split] : splits_of(module))
+    out[name] = {split.axis, split.layer->group().rank(), split.layer->group().size()};
+  return out;
+}
+
 nn::NamedTensors shard_state_dict(const nn::NamedTensors& full, const nn::Module& sharded) {
   const auto splits = splits_of(sharded);
   nn::NamedTensors out;

@@ -136,6 +136,17 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
 /// module.named_parameters()); parameters not listed are replicated.
 std::map<std::string, int> split_axes(const nn::Module& module);
 
+/// How this rank's parameter is cut from the whole: piece `index` of `count` equal pieces
+/// along `axis`.
+struct TensorSplit {
+  int axis = -1;
+  int index = 0;
+  int count = 1;
+};
+/// split_axes with each layer's group: what a sharded checkpoint records of every split
+/// parameter, so that it loads at another tensor-parallel size.
+std::map<std::string, TensorSplit> tensor_splits(const nn::Module& module);
+
 /// This rank's shard of an unsharded state dict (the same names), for load_state_dict on the
 /// sharded module. Collective-free.
 nn::NamedTensors shard_state_dict(const nn::NamedTensors& full, const nn::Module& sharded);

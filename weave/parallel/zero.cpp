@@ -8,6 +8,7 @@
 #include "weave/parallel/flat_buffer.h"
 #include "weave/parallel/join.h"
 #include "weave/parallel/mesh.h"
+#include "weave/parallel/placement.h"
 
 namespace weave::parallel {
 
@@ -49,9 +50,20 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
   shard_grad_ = empty({per_rank}, {.dtype = shard_.dtype(), .device = shard_.device()});
   optimizer_ = make_optimizer({shard_});
   WEAVE_CHECK(optimizer_ != nullptr, op, "the optimizer factory returned null");
+  // Sharded checkpoints describe the shard's optimizer state by the parameters it covers.
+  detail::FlatShard layout{.members = {},
+                           .names = {},
+                           .splits = {},
+                           .offsets = flat_params_->offsets,
+                           .shapes = flat_params_->shapes,
+                           .begin = group_.rank() * per_rank};
+  for (const Tensor& p : params_) layout.members.push_back(p.impl());
+  detail::register_flat_shard(shard_, std::move(layout));
 }
 
-ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() {
+  detail::forget_flat_shard(shard_);
+}
 
 bool ZeroRedundancyOptimizer::step() {
   detail::join_step_begins(this);
