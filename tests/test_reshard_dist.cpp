@@ -286,13 +286,14 @@ TEST_SUITE("reshard") {
           std::make_shared<parallel::ColumnParallelLinear>(5, 8, self), nn::ReLU(),
           std::make_shared<parallel::RowParallelLinear>(8, 4, self)});
       shorter.to(kFloat64);
+      const Tensor first = shorter.parameters()[0].detach().clone();
       data::TrainingState fewer{.model = &shorter};
       const std::string left_over =
           test::error_of([&] { parallel::load_sharded_checkpoint(dir, fewer); });
       CHECK_MESSAGE(left_over.find("holds 'model/4.bias', which nothing being restored on any "
                                    "rank takes") != std::string::npos,
                     left_over);
-      CHECK(equal(shorter.parameters()[0], saved.gathered().at("model/0.weight")) == false);
+      CHECK(equal(shorter.parameters()[0], first));
     }
     SUBCASE("a missing shard") {
       dist::barrier();

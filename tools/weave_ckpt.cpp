@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <set>
 
 #include "weave/parallel/reshard.h"
@@ -81,13 +80,10 @@ int info(const std::string& dir) {
               static_cast<long long>(index.value("generation", int64_t{0})), world,
               single ? "one file" : "a file per rank");
   // Generations still on disk: the committed one, and any a killed save left behind.
-  static const std::regex generation(
-      R"((?:rank-\d{5}-of-\d{5}|all-\d{5}-ranks)\.g(\d+)\.safetensors)");
   std::set<long long> generations;
   for (const auto& entry : fs::directory_iterator(dir)) {
-    std::smatch m;
-    const std::string name = entry.path().filename().string();
-    if (std::regex_match(name, m, generation)) generations.insert(std::stoll(m[1]));
+    const int64_t g = parallel::detail::generation_of(entry.path().filename().string());
+    if (g >= 0) generations.insert(g);
   }
   std::printf("  generations on disk:");
   for (long long g : generations) std::printf(" %lld", g);

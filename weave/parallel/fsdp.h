@@ -124,7 +124,8 @@ class FullyShardedDataParallel {
   /// Module::load_state_dict. Collective (it checks on every rank before changing anything).
   void load_full_state_dict(const nn::NamedTensors& state);
   /// A module whose parameters are this rank's shards (and whose buffers are the model's), for
-  /// data::TrainingState: sharded checkpoints save and load it at the same world size.
+  /// data::TrainingState: sharded checkpoints save it with what each shard holds, and load it
+  /// (or a checkpoint of any other layout of the same model) at any world size.
   nn::Module& sharded_module();
 
   const FSDPStats& stats() const;

@@ -112,32 +112,29 @@ class Describer {
 
 }  // namespace
 
-std::vector<std::optional<Placement>> parameter_placements(const data::TrainingState& state) {
-  std::vector<std::optional<Placement>> out;
-  if (!state.optimizer) return out;
+StatePlacements describe_state(const data::TrainingState& state) {
+  StatePlacements out;
   const Describer describe(state.model);
-  for (const Tensor& p : state.optimizer->params()) out.push_back(describe(p, ""));
+  if (state.model)
+    for (const auto& [name, t] : state.model->state_dict())
+      if (auto placement = describe(t, name))
+        out.model["model/" + name] = with_prefix(*placement, "model/");
+  if (state.optimizer)
+    for (const Tensor& p : state.optimizer->params()) out.params.push_back(describe(p, ""));
   return out;
 }
 
 std::map<std::string, Placement> placements_of(const data::TrainingState& state) {
-  std::map<std::string, Placement> out;
-  if (state.model) {
-    const Describer describe(state.model);
-    for (const auto& [name, t] : state.model->state_dict())
-      if (auto placement = describe(t, name))
-        out["model/" + name] = with_prefix(*placement, "model/");
-  }
-  if (state.optimizer) {
-    const auto params = parameter_placements(state);
+  StatePlacements described = describe_state(state);
+  std::map<std::string, Placement> out = std::move(described.model);
+  if (state.optimizer)
     for (const auto& [name, t] : state.optimizer->state_dict().tensors) {
       const size_t dot = name.rfind('.');
-      const auto& placement = params.at(std::stoul(name.substr(dot + 1)));
+      const auto& placement = described.params.at(std::stoul(name.substr(dot + 1)));
       if (placement)
         out["optimizer/" + name] =
             with_prefix(*placement, "optimizer/" + name.substr(0, dot) + "/");
     }
-  }
   return out;
 }
 

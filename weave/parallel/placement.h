@@ -55,9 +55,14 @@ void forget_flat_shard(const Tensor& shard);
 /// ("model/fc.weight", "optimizer/exp_avg.3"). A tensor with no global meaning (the loader's
 /// order, optimizer state of a tensor outside the model) has none: it belongs to its rank.
 std::map<std::string, Placement> placements_of(const data::TrainingState& state);
-/// The placement of each of the state's optimizer's parameters, by parameter names ("fc.weight",
-/// no prefix); none for a parameter outside the model.
-std::vector<std::optional<Placement>> parameter_placements(const data::TrainingState& state);
+/// What placements_of builds on: the model's tensors by their checkpoint names ("model/<name>"),
+/// and each of the optimizer's parameters by parameter names ("fc.weight", no prefix; none for a
+/// parameter outside the model), which its state of any slot takes.
+struct StatePlacements {
+  std::map<std::string, Placement> model;
+  std::vector<std::optional<Placement>> params;
+};
+StatePlacements describe_state(const data::TrainingState& state);
 
 /// The placements as text (JSON), for a file's metadata, and back; a malformed text raises
 /// naming `source`.

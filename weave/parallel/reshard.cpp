@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 #include <tuple>
 
@@ -34,6 +35,13 @@ std::pair<int, int> saved_split(const SavedPart& part) {
 }
 
 }  // namespace
+
+int64_t generation_of(const std::string& file_name) {
+  static const std::regex pattern(
+      R"((?:rank-\d{5}-of-\d{5}|all-\d{5}-ranks)\.g(\d{1,18})\.safetensors)");
+  std::smatch match;
+  return std::regex_match(file_name, match, pattern) ? std::stoll(match[1]) : -1;
+}
 
 std::vector<SavedPart> saved_parts(
     std::vector<std::shared_ptr<const data::SafetensorsHeader>> files, bool single_file,
@@ -172,11 +180,11 @@ LoadPlan plan_load(const std::vector<SavedPart>& parts, const data::TrainingStat
     add(local, t);
   };
 
-  const std::map<std::string, Placement> placements = placements_of(state);
+  const StatePlacements placements = describe_state(state);
   if (state.model)
     for (const auto& [name, t] : state.model->state_dict()) {
       Tensor target = zeros(t.shape(), {.dtype = t.dtype()});
-      fill(target, placements.at("model/" + name), "model/" + name);
+      fill(target, placements.model.at("model/" + name), "model/" + name);
       add("model/" + name, target);
     }
   if (state.optimizer) {
@@ -186,7 +194,7 @@ LoadPlan plan_load(const std::vector<SavedPart>& parts, const data::TrainingStat
         if (name.rfind("optimizer/", 0) == 0 && name.rfind('.') > 10)
           slots.insert(name.substr(10, name.rfind('.') - 10));
     const std::vector<Tensor>& params = state.optimizer->params();
-    const auto param_placements = parameter_placements(state);
+    const auto& param_placements = placements.params;
     for (const std::string& slot : slots)
       for (size_t k = 0; k < params.size(); ++k) {
         const std::string local = fmt::format("optimizer/{}.{}", slot, k);

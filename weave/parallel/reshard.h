@@ -23,6 +23,10 @@ struct SavedPart {
   std::map<std::string, Placement> placements;
 };
 
+/// The generation in the name of a checkpoint's file ("rank-00001-of-00004.g7.safetensors" or
+/// "all-00004-ranks.g7.safetensors": 7), or -1 for any other name.
+int64_t generation_of(const std::string& file_name);
+
 /// The parts of a checkpoint saved by `saved_size` ranks, from its files' headers (one per rank,
 /// or one for all).
 std::vector<SavedPart> saved_parts(

@@ -55,8 +55,7 @@ std::string shard_name(int rank, int size, int64_t generation) {
 // The names this format writes, and the temporaries of their atomic writes: the only files a
 // save ever deletes (the user's own files in the directory are never touched).
 bool is_generation_file(const std::string& name) {
-  static const std::regex pattern(R"((rank-\d{5}-of-\d{5}|all-\d{5}-ranks)\.g\d+\.safetensors)");
-  return std::regex_match(name, pattern);
+  return detail::generation_of(name) >= 0;
 }
 bool is_our_temporary(const std::string& name) {
   static const std::regex pattern(

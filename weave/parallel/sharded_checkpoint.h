@@ -11,7 +11,7 @@
 // replaced (atomically) only after every rank's file is durable, and the previous generation's
 // files are deleted only then: a crash at any instant leaves a loadable checkpoint. With
 // `single_file`, group rank 0 gathers every rank's contents into one file instead (tensors
-// "rank<r>/<name>"), which loads at the same world size.
+// "rank<r>/<name>").
 //
 // Every file records each tensor's placement: its global name ("model/fc.weight",
 // "optimizer/exp_avg/fc.weight"), global shape, and which elements this rank held (replicated,
