@@ -17,17 +17,23 @@ echo "kill at step $kill_at"
 
 "${mpirun[@]}" -np 2 "$train" --steps $steps --out "$work/reference.txt" >/dev/null
 
-# 1. the same size
-"$weave_run" --mpirun "${mpirun[0]}" --np 2 --max-restarts 2 --retry-wait 0 \
-  --checkpoint-dir "$work/same" "${mpirun[@]:1}" -- \
-  "$train" --steps $steps --out "$work/same.txt" --kill-at $kill_at 2>&1 | tee "$work/same.log"
-grep -q "attempt 1 ended by signal\|attempt 1 failed" "$work/same.log" ||
-  { echo "FAIL: the first attempt did not fail"; exit 1; }
-grep -q "attempt 2 succeeded" "$work/same.log" || { echo "FAIL: no successful restart"; exit 1; }
-grep -q "resumed at step [0-9]* with 2 ranks" "$work/same.log" ||
-  { echo "FAIL: the restart started afresh"; exit 1; }
-cmp "$work/same.txt" "$work/reference.txt" || { echo "FAIL: same size differs"; exit 1; }
-echo "same size: exact"
+# 1. the same size: at the random step, and right after an epoch's last step (4 steps an epoch),
+#    where the resumed loader must start the next epoch
+boundary=$((4 * (1 + RANDOM % 2) + 1))
+for at in $kill_at $boundary; do
+  rm -rf "$work/same"
+  "$weave_run" --mpirun "${mpirun[0]}" --np 2 --max-restarts 2 --retry-wait 0 \
+    --checkpoint-dir "$work/same" "${mpirun[@]:1}" -- \
+    "$train" --steps $steps --out "$work/same.txt" --kill-at $at 2>&1 | tee "$work/same.log"
+  grep -q "attempt 1 ended by signal\|attempt 1 failed" "$work/same.log" ||
+    { echo "FAIL: the first attempt did not fail"; exit 1; }
+  grep -q "attempt 2 succeeded" "$work/same.log" || { echo "FAIL: no successful restart"; exit 1; }
+  grep -q "resumed at step [0-9]* with 2 ranks" "$work/same.log" ||
+    { echo "FAIL: the restart started afresh"; exit 1; }
+  cmp "$work/same.txt" "$work/reference.txt" ||
+    { echo "FAIL: same size differs (killed at step $at)"; exit 1; }
+  echo "same size, killed at step $at: exact"
+done
 
 # 2. a host gone: 2 slots on the first attempt, 1 after
 cat > "$work/hosts.sh" <<HOSTS

@@ -7,7 +7,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
 #include <string>
 
 #include "weave/weave.h"
@@ -57,22 +56,21 @@ int main(int argc, char** argv) {
       std::printf("resumed at step %lld with %d ranks\n", static_cast<long long>(step),
                   dist::world_size());
   }
-  std::optional<data::DataLoader::Iterator> next;
+  // After a resume, begin() stands where the saved run stood.
+  sampler->set_epoch(epoch);
+  data::DataLoader::Iterator next = loader.begin();
   for (; step < steps; ++step) {
-    if (!next || *next == loader.end()) {
-      if (next) ++epoch;
-      sampler->set_epoch(epoch);
-      next = loader.begin();
-    }
-    const data::Example& batch = **next;
+    const data::Example& batch = *next;
     zero.zero_grad();
     cross_entropy(model.forward(batch.input), batch.target).backward();
     zero.step();
-    ++*next;
+    if (++next == loader.end()) {  // the epoch is over: the next step belongs to the next one
+      sampler->set_epoch(++epoch);
+      next = loader.begin();
+    }
     if (first_attempt && step + 1 == kill_at && dist::rank() == dist::world_size() - 1)
       std::raise(SIGKILL);  // before this step's save: the job resumes from the one before
     if (!checkpoint.empty()) {
-      // The epoch the next step belongs to (one that ended rolls over at the next step).
       state.user["step"] = std::to_string(step + 1);
       state.user["epoch"] = std::to_string(epoch);
       parallel::save_sharded_checkpoint(checkpoint, state);

@@ -100,7 +100,9 @@ struct Run {
 
   void save(const std::string& dir, const dist::Group& group) {
     data::TrainingState s = state();
-    s.user["epoch"] = std::to_string(epoch);
+    // The epoch the next step belongs to: the next one once this one's batches are used up.
+    const bool epoch_over = next && *next == loader->end();
+    s.user["epoch"] = std::to_string(epoch + (epoch_over ? 1 : 0));
     parallel::save_sharded_checkpoint(dir, s, group);
   }
   parallel::ShardedLoadReport load(const std::string& dir, const dist::Group& group) {

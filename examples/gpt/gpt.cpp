@@ -457,6 +457,10 @@ int main(int argc, char** argv) try {
   if (f.resume && !f.checkpoint.empty() && fs::exists(fs::path(f.checkpoint) / "index.json")) {
     parallel::load_sharded_checkpoint(f.checkpoint, state);
     step = std::stoll(state.user.at("step"));
+    if (scaler.enabled())  // the loss scale and its growth count resume too
+      scaler.load_state_dict(
+          {{"scale", std::stod(state.user.at("scaler.scale"))},
+           {"growth_tracker", std::stod(state.user.at("scaler.growth_tracker"))}});
     if (dist::rank() == 0) std::printf("resumed at step %lld\n", static_cast<long long>(step));
   }
   if (dist::rank() == 0) {
@@ -528,6 +532,11 @@ int main(int argc, char** argv) try {
     if (!f.checkpoint.empty() &&
         (step % f.checkpoint_every == 0 || step == f.steps || step == f.stop_at)) {
       state.user = {{"step", std::to_string(step)}};
+      for (const auto& [key, value] : scaler.state_dict()) {
+        char text[32];  // %.17g: the double comes back bit for bit
+        std::snprintf(text, sizeof text, "%.17g", value);
+        state.user["scaler." + key] = text;
+      }
       parallel::save_sharded_checkpoint(f.checkpoint, state);
     }
     if (dist::rank() == 0) std::fflush(stdout);

@@ -121,7 +121,9 @@ class DataLoader {
 
   /// Where the loader stands. Saved in the middle of an epoch, the next begin() after
   /// load_state() continues that epoch at the next batch; saved after an epoch, it starts the
-  /// next one with the permutation an uninterrupted run would draw.
+  /// next one with the permutation an uninterrupted run would draw. The epoch number a program
+  /// saves beside it (for Sampler::set_epoch after the load) must be the one the next batch
+  /// belongs to: after an epoch's last batch, the next epoch's number.
   ///
   /// A state saved with another number of replicas (a DistributedSampler over another data-
   /// parallel size) resumes the epoch at the same place in its global order: the examples the
