@@ -1,6 +1,7 @@
 #pragma once
 #include <doctest/doctest.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <string>
 
@@ -34,6 +35,33 @@ std::string error_of(F&& call) {
     return e.what();
   }
   return "";
+}
+
+/// What `call` writes to stderr (the process's file descriptor 2, so C and C++ writes alike).
+template <class F>
+std::string stderr_of(F&& call) {
+  std::fflush(stderr);
+  std::FILE* capture = std::tmpfile();
+  REQUIRE(capture != nullptr);
+  const int saved = ::dup(2);
+  ::dup2(::fileno(capture), 2);
+  try {
+    call();
+  } catch (...) {
+    std::fflush(stderr);
+    ::dup2(saved, 2);
+    ::close(saved);
+    std::fclose(capture);
+    throw;
+  }
+  std::fflush(stderr);
+  ::dup2(saved, 2);
+  ::close(saved);
+  std::string text;
+  std::rewind(capture);
+  for (int c; (c = std::fgetc(capture)) != EOF;) text += char(c);
+  std::fclose(capture);
+  return text;
 }
 
 /// Checks every parameter of `model` against `expected` (float64 training: to 1e-11 relative).

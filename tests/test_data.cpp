@@ -193,6 +193,64 @@ TEST_SUITE("data") {
     CHECK_WEAVE_ERROR(parallel::DistributedSampler(n, 4, 4), "DistributedSampler", "out of range");
   }
 
+  TEST_CASE("DistributedSampler warns once when a pass repeats the last pass's epoch") {
+    const int64_t n = 12;
+    auto dataset = std::make_shared<data::TensorDataset>(arange(double(n), {.dtype = kInt64}),
+                                                         zeros({n}, {.dtype = kInt64}));
+    auto make = [&](parallel::DistributedSamplerOptions options) {
+      auto sampler = std::make_shared<parallel::DistributedSampler>(n, 2, 0, options);
+      return std::make_pair(
+          sampler, std::make_shared<data::DataLoader>(
+                       dataset, data::DataLoaderOptions{.batch_size = 3, .sampler = sampler}));
+    };
+    auto pass = [](data::DataLoader& loader) {
+      return test::stderr_of([&] {
+        for (const data::Example& batch : loader) (void)batch;
+      });
+    };
+    const std::string repeat = "a new pass over epoch";
+    {  // set_epoch before every epoch: silent
+      auto [sampler, loader] = make({.seed = 1});
+      for (int64_t epoch = 0; epoch < 3; ++epoch) {
+        sampler->set_epoch(epoch);
+        CHECK(pass(*loader).empty());
+      }
+    }
+    {  // never set_epoch: the second pass warns, naming the epoch, and only once
+      auto [sampler, loader] = make({.seed = 1});
+      CHECK(pass(*loader).empty());
+      const std::string warning = pass(*loader);
+      CHECK(warning.find(repeat + " 0") != std::string::npos);
+      CHECK(warning.find("hint: call set_epoch(epoch) before each epoch") != std::string::npos);
+      CHECK(pass(*loader).empty());
+    }
+    {  // no shuffle: one order is what was asked for
+      auto [sampler, loader] = make({.shuffle = false});
+      CHECK(pass(*loader).empty());
+      CHECK(pass(*loader).empty());
+    }
+    {  // resumed after epoch 1's last batch: the finished epoch's number again warns, the next
+       // one does not (and the state carries the drawn epoch; an older state text still loads)
+      auto [sampler, loader] = make({.seed = 1});
+      sampler->set_epoch(1);
+      CHECK(pass(*loader).empty());
+      const data::LoaderState saved = loader->state();
+      CHECK(saved.sampler == "epoch 1 seed 1 drawn 1");
+      auto [wrong_sampler, wrong] = make({.seed = 1});
+      wrong->load_state(saved);
+      wrong_sampler->set_epoch(1);
+      CHECK(pass(*wrong).find(repeat + " 1") != std::string::npos);
+      auto [right_sampler, right] = make({.seed = 1});
+      right->load_state(saved);
+      right_sampler->set_epoch(2);
+      CHECK(pass(*right).empty());
+      right_sampler->load_state("epoch 4 seed 1");
+      CHECK(right_sampler->state() == "epoch 4 seed 1 drawn -1");
+      CHECK_WEAVE_ERROR(right_sampler->load_state("epoch 4 seed 1 drawn -2"), "DistributedSampler",
+                        "not a saved sampler state");
+    }
+  }
+
   TEST_CASE("contiguous partitions cover a dataset exactly once") {
     auto dataset = std::make_shared<data::TensorDataset>(arange(10.0, {.dtype = kInt64}),
                                                          zeros({10}, {.dtype = kInt64}));

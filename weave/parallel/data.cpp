@@ -38,30 +38,45 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int replicas, int r
 }
 
 std::string DistributedSampler::state() const {
-  return fmt::format("epoch {} seed {}", epoch_, options_.seed);
+  return fmt::format("epoch {} seed {} drawn {}", epoch_, options_.seed, drawn_epoch_);
 }
 
 void DistributedSampler::load_state(const std::string& state) {
-  long long epoch = -1;
+  long long epoch = -1, drawn = -1;
   unsigned long long seed = options_.seed;
   int consumed = 0;
-  const bool bare = std::sscanf(state.c_str(), "%lld%n", &epoch, &consumed) == 1 &&
-                    size_t(consumed) == state.size();
-  const bool full =
-      !bare &&
-      std::sscanf(state.c_str(), "epoch %lld seed %llu%n", &epoch, &seed, &consumed) == 2 &&
-      size_t(consumed) == state.size();
-  WEAVE_CHECK((bare || full) && epoch >= 0, "DistributedSampler",
-              "'{}' is not a saved sampler state (expected 'epoch <e> seed <s>')", state);
+  auto whole = [&](int fields, int expected) {
+    return fields == expected && size_t(consumed) == state.size();
+  };
+  const bool parsed =
+      whole(std::sscanf(state.c_str(), "%lld%n", &epoch, &consumed), 1) ||
+      whole(std::sscanf(state.c_str(), "epoch %lld seed %llu%n", &epoch, &seed, &consumed), 2) ||
+      whole(std::sscanf(state.c_str(), "epoch %lld seed %llu drawn %lld%n", &epoch, &seed, &drawn,
+                        &consumed),
+            3);
+  WEAVE_CHECK(parsed && epoch >= 0 && drawn >= -1, "DistributedSampler",
+              "'{}' is not a saved sampler state (expected 'epoch <e> seed <s> drawn <d>')", state);
   epoch_ = epoch;
   options_.seed = seed;
+  drawn_epoch_ = drawn;
 }
 
 std::vector<int64_t> DistributedSampler::indices() {
+  if (options_.shuffle && drawn_epoch_ == epoch_ && !warned_repeat_) {
+    warned_repeat_ = true;
+    if (rank_ == 0)
+      std::fprintf(stderr,
+                   "[weave] warning: DistributedSampler: a new pass over epoch %lld, whose order "
+                   "the last pass used too; every epoch repeats one order unless set_epoch "
+                   "changes it; hint: call set_epoch(epoch) before each epoch, and after resuming "
+                   "from a checkpoint saved after an epoch's last batch, the next epoch's number\n",
+                   static_cast<long long>(epoch_));
+  }
   return indices_from(0);
 }
 
 std::vector<int64_t> DistributedSampler::indices_from(int64_t consumed) {
+  drawn_epoch_ = epoch_;
   std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
   for (int64_t i = 0; i < dataset_size_; ++i) order[size_t(i)] = i;
   if (options_.shuffle) {

@@ -38,11 +38,15 @@ class DistributedSampler : public data::Sampler {
   int64_t epoch() const { return epoch_; }
   /// Indices per rank and epoch.
   int64_t size() const override { return per_rank_; }
+  /// A shuffling sampler asked for the order of the epoch whose order it drew last warns once
+  /// (on replica 0): every epoch then repeats one order, the silent result of a missing
+  /// set_epoch, or of a resume that set the finished epoch's number again.
   std::vector<int64_t> indices() override;
-  /// The epoch and the seed, as text (checkpoints): "epoch 3 seed 0". They hold nothing of
-  /// this rank's, so the state is valid on every rank of the group.
+  /// The epoch, the seed and the epoch whose order was drawn last (-1: none), as text
+  /// (checkpoints): "epoch 3 seed 0 drawn 3". They hold nothing of this rank's, so the state is
+  /// valid on every rank of the group.
   std::string state() const override;
-  /// Restores state() (also a bare epoch, as older checkpoints wrote it).
+  /// Restores state() (also without "drawn", or a bare epoch, as older checkpoints wrote it).
   void load_state(const std::string& state) override;
   bool per_rank() const override { return replicas_ > 1; }
   int replicas() const override { return replicas_; }
@@ -57,6 +61,8 @@ class DistributedSampler : public data::Sampler {
   DistributedSamplerOptions options_;
   int64_t per_rank_ = 0;
   int64_t epoch_ = 0;
+  int64_t drawn_epoch_ = -1;
+  bool warned_repeat_ = false;
 };
 
 /// This rank's contiguous block [begin, end) of `size` items split over `replicas` ranks as
