@@ -12,7 +12,7 @@ set -euo pipefail
 weave_run=$1 train=$2
 source "$(dirname "$0")/pretend_hosts.sh"
 partitioner=""
-trap '[ -z "$partitioner" ] || kill "$partitioner" 2>/dev/null; pretend_hosts_cleanup' EXIT
+trap '[ -z "$partitioner" ] || kill "$partitioner" 2>/dev/null || true; pretend_hosts_cleanup' EXIT
 pretend_hosts_up 2
 work="$pretend_work"
 # The guard's timeout is short so that a lost host is noticed within seconds.
@@ -27,7 +27,7 @@ lose_host() {
   local case=$1 steps=$2 resumed
   shift 2
   rm -f "$work/asked"
-  ip -n "${pretend_prefix}_2" link set "${pretend_prefix}h2" up
+  pretend_host_up 2
   cat > "$work/hosts.sh" <<HOSTS
 #!/bin/sh
 if [ -e "$work/asked" ]; then
@@ -70,7 +70,7 @@ echo "== host 2's network down after generation $down_at"
 (
   newest() { grep -so '"generation": *[0-9]*' "$work/partitioned/index.json" | grep -o '[0-9]*$'; }
   until [ "$(newest)" -ge "$down_at" ] 2>/dev/null; do sleep 0.02; done
-  ip -n "${pretend_prefix}_2" link set "${pretend_prefix}h2" down
+  pretend_host_down 2
 ) &
 partitioner=$!
 lose_host partitioned 400

@@ -2,9 +2,9 @@
 # network namespaces joined by veth pairs and a bridge, host i at 10.78.0.i, and writes
 # $PRETEND_MPIRUN, an mpirun that runs in host 1's namespace, starts remote ranks in the
 # others' (instead of ssh) and speaks TCP between them: call it as you would mpirun, with -H or
-# --hostfile naming 10.78.0.i. `pretend_host_down I` takes host I off the network. Both exit 77
-# (reported as skipped) where namespaces cannot be created (not root, no `ip`, a container
-# without CAP_NET_ADMIN). The caller's EXIT trap must call pretend_hosts_cleanup.
+# --hostfile naming 10.78.0.i. `pretend_host_down I` takes host I off the network and
+# `pretend_host_up I` puts it back. pretend_hosts_up exits 77 (reported as skipped) where
+# namespaces cannot be created (not root, no `ip`, a container without CAP_NET_ADMIN). The caller's EXIT trap must call pretend_hosts_cleanup.
 pretend_prefix="wv$$"  # unique per run: parallel tests never share namespaces
 pretend_count=0
 pretend_work=""
@@ -13,6 +13,7 @@ pretend_skip() { echo "skipped: $*"; exit 77; }
 
 pretend_hosts_cleanup() {
   local i
+  set +e  # every step runs, whatever failed before or fails here (a caller's set -e included)
   # A process on an unreachable host outlives its job (as on a real lost host) and would hold
   # the caller's output open.
   for ((i = 1; i <= pretend_count; i++)); do
@@ -61,3 +62,4 @@ MPIRUN
 }
 
 pretend_host_down() { ip -n "${pretend_prefix}_$1" link set "${pretend_prefix}h$1" down; }
+pretend_host_up() { ip -n "${pretend_prefix}_$1" link set "${pretend_prefix}h$1" up; }
