@@ -4,7 +4,8 @@
 # others' (instead of ssh) and speaks TCP between them: call it as you would mpirun, with -H or
 # --hostfile naming 10.78.0.i. `pretend_host_down I` takes host I off the network and
 # `pretend_host_up I` puts it back. pretend_hosts_up exits 77 (reported as skipped) where
-# namespaces cannot be created (not root, no `ip`, a container without CAP_NET_ADMIN). The caller's EXIT trap must call pretend_hosts_cleanup.
+# namespaces cannot be created (not root, no `ip`, a container without CAP_NET_ADMIN). The
+# caller's EXIT trap must call pretend_hosts_cleanup.
 pretend_prefix="wv$$"  # unique per run: parallel tests never share namespaces
 pretend_count=0
 pretend_work=""
