@@ -155,32 +155,12 @@ void restore_checkpoint(const SafetensorsFile& contents, TrainingState& state,
   }
   LoaderState loader;
   if (state.loader) {
-    const json saved = parse_json(required(meta, "loader", name), "loader", name);
-    const bool shaped = saved.is_object() && saved.contains("generator") &&
-                        saved["generator"].is_string() && saved.contains("position") &&
-                        saved["position"].is_number_integer() && saved.contains("sampler") &&
-                        saved["sampler"].is_string();
-    WEAVE_CHECK(shaped, "load_checkpoint", "{}: 'loader' lacks generator, position or sampler",
-                name);
+    loader = parse_loader_metadata(required(meta, "loader", name), name);
     nn::NamedTensors order = under(contents, "loader/");
     WEAVE_CHECK(
         order.size() == 1 && order[0].second.dim() == 1 && order[0].second.dtype() == kInt64,
         "load_checkpoint", "{}: 'loader/order' is missing or not an int64 vector", name);
-    loader = {saved["generator"].get<std::string>(), order[0].second.to_vector<int64_t>(),
-              saved["position"].get<int64_t>(), saved["sampler"].get<std::string>()};
-    const bool split_recorded =
-        saved.contains("batch_size") && saved.contains("replicas") && saved.contains("replica");
-    if (split_recorded) {
-      WEAVE_CHECK(saved["batch_size"].is_number_integer() &&
-                      saved["replicas"].is_number_integer() && saved["replica"].is_number_integer(),
-                  "load_checkpoint",
-                  "{}: 'loader' has a batch_size, replicas or replica that is "
-                  "not an integer",
-                  name);
-      loader.batch_size = saved["batch_size"].get<int64_t>();
-      loader.replicas = saved["replicas"].get<int>();
-      loader.replica = saved["replica"].get<int>();
-    }
+    loader.order = order[0].second.to_vector<int64_t>();
     state.loader->check_state(loader);
     check_owner(meta, loader, *state.loader, name);
   }
@@ -212,6 +192,29 @@ void save_checkpoint(const std::string& path, const TrainingState& state) {
 
 void load_checkpoint(const std::string& path, TrainingState& state) {
   restore_checkpoint(load_safetensors(path), state, path);
+}
+
+LoaderState parse_loader_metadata(const std::string& text, const std::string& name) {
+  const json saved = parse_json(text, "loader", name);
+  const bool shaped = saved.is_object() && saved.contains("generator") &&
+                      saved["generator"].is_string() && saved.contains("position") &&
+                      saved["position"].is_number_integer() && saved.contains("sampler") &&
+                      saved["sampler"].is_string();
+  WEAVE_CHECK(shaped, "load_checkpoint", "{}: 'loader' lacks generator, position or sampler", name);
+  LoaderState loader;
+  loader.generator = saved["generator"].get<std::string>();
+  loader.position = saved["position"].get<int64_t>();
+  loader.sampler = saved["sampler"].get<std::string>();
+  if (saved.contains("batch_size") && saved.contains("replicas") && saved.contains("replica")) {
+    WEAVE_CHECK(saved["batch_size"].is_number_integer() && saved["replicas"].is_number_integer() &&
+                    saved["replica"].is_number_integer(),
+                "load_checkpoint",
+                "{}: 'loader' has a batch_size, replicas or replica that is not an integer", name);
+    loader.batch_size = saved["batch_size"].get<int64_t>();
+    loader.replicas = saved["replicas"].get<int>();
+    loader.replica = saved["replica"].get<int>();
+  }
+  return loader;
 }
 
 }  // namespace weave::data

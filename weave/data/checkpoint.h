@@ -43,4 +43,9 @@ void restore_checkpoint(const SafetensorsFile& contents, TrainingState& state,
                         const std::string& name,
                         const std::function<void()>& before_changes = nullptr);
 
+/// The loader state a checkpoint's "loader" metadata holds, all but the order (a tensor of its
+/// own); the split fields stay -1 where an older checkpoint recorded none. Raises on text that
+/// is not one (`name` names the source).
+LoaderState parse_loader_metadata(const std::string& text, const std::string& name);
+
 }  // namespace weave::data

@@ -16,22 +16,21 @@ using json = nlohmann::json;
 constexpr const char* kOp = "load_sharded_checkpoint";
 constexpr const char* kPlacementKey = "weave.placement";
 
-// A saved piece of a global tensor: which part holds it, in which of its tensors.
+// A saved piece of a global tensor: which part holds it, in which of its tensors, and its
+// elements as runs of global elements.
 struct Source {
   const SavedPart* part;
   const data::SafetensorsEntry* entry;
   Piece piece;
+  std::vector<Run> runs;  // sorted by global element
 };
 
 // The saved sampler split recorded in a part's loader state, or (-1, -1).
 std::pair<int, int> saved_split(const SavedPart& part) {
   auto it = part.metadata.find("loader");
   if (it == part.metadata.end()) return {-1, -1};
-  const json loader = json::parse(it->second, nullptr, false);
-  if (!loader.is_object() || !loader.contains("replicas") || !loader.contains("replica") ||
-      !loader["replicas"].is_number_integer() || !loader["replica"].is_number_integer())
-    return {-1, -1};
-  return {loader["replicas"].get<int>(), loader["replica"].get<int>()};
+  const data::LoaderState loader = data::parse_loader_metadata(it->second, part.header->path);
+  return {loader.replicas, loader.replica};
 }
 
 }  // namespace
@@ -91,14 +90,19 @@ LoadPlan plan_load(const std::vector<SavedPart>& parts, const data::TrainingStat
   // This rank reads from its own part first (at the saved layout it holds everything), then from
   // the next ones: ranks that need the same replica read it from different files.
   const int home = rank % saved;
-  std::vector<const SavedPart*> preferred;
-  for (int k = 0; k < saved; ++k) preferred.push_back(&parts[size_t((home + k) % saved)]);
+  const SavedPart* own = &parts[size_t(home)];
+  auto preference = [&](const SavedPart* part) { return (part->rank - home + saved) % saved; };
 
+  // Every global tensor's saved pieces, in this rank's order of preference.
   std::map<std::string, std::vector<Source>> sources;
   for (const SavedPart& part : parts)
     for (const auto& [name, placement] : part.placements)
       for (const Piece& piece : placement)
-        sources[piece.tensor].push_back({&part, part.entries.at(name), piece});
+        sources[piece.tensor].push_back({&part, part.entries.at(name), piece, runs_of(piece)});
+  for (auto& [global, list] : sources)
+    std::stable_sort(list.begin(), list.end(), [&](const Source& a, const Source& b) {
+      return preference(a.part) < preference(b.part);
+    });
   for (const auto& [global, list] : sources)
     for (const Source& s : list) {
       const Source& first = list.front();
@@ -133,33 +137,32 @@ LoadPlan plan_load(const std::vector<SavedPart>& parts, const data::TrainingStat
                   dir, want.tensor, any.entry->dtype, target.dtype());
       wanted.insert(want.tensor);
       std::vector<Run> missing = runs_of(want);
-      for (const SavedPart* part : preferred)
-        for (const Source& source : found->second) {
-          if (source.part != part || missing.empty()) continue;
-          const std::vector<Run> have = runs_of(source.piece);  // sorted by global element
-          std::vector<Run> still;
-          for (const Run& need : missing) {
-            int64_t at = need.global;
-            const int64_t end = need.global + need.count;
-            auto it = std::upper_bound(have.begin(), have.end(), at, [](int64_t g, const Run& r) {
-              return g < r.global + r.count;
-            });
-            for (; it != have.end() && it->global < end; ++it) {
-              const int64_t from = std::max(at, it->global),
-                            to = std::min(end, it->global + it->count);
-              if (from > at) still.push_back({at, from - at, need.local + (at - need.global)});
-              const uint64_t begin =
-                  source.entry->begin + uint64_t((it->local + from - it->global) * item);
-              reads[part->header.get()].push_back(
-                  {begin, begin + uint64_t((to - from) * item),
-                   base + (need.local + from - need.global) * item});
-              if (part != preferred.front()) read_elsewhere.insert(want.tensor);
-              at = to;
-            }
-            if (at < end) still.push_back({at, end - at, need.local + (at - need.global)});
+      for (const Source& source : found->second) {
+        if (missing.empty()) break;
+        const std::vector<Run>& have = source.runs;
+        std::vector<Run> still;
+        for (const Run& need : missing) {
+          int64_t at = need.global;
+          const int64_t end = need.global + need.count;
+          auto it = std::upper_bound(have.begin(), have.end(), at, [](int64_t g, const Run& r) {
+            return g < r.global + r.count;
+          });
+          for (; it != have.end() && it->global < end; ++it) {
+            const int64_t from = std::max(at, it->global),
+                          to = std::min(end, it->global + it->count);
+            if (from > at) still.push_back({at, from - at, need.local + (at - need.global)});
+            const uint64_t begin =
+                source.entry->begin + uint64_t((it->local + from - it->global) * item);
+            reads[source.part->header.get()].push_back(
+                {begin, begin + uint64_t((to - from) * item),
+                 base + (need.local + from - need.global) * item});
+            if (source.part != own) read_elsewhere.insert(want.tensor);
+            at = to;
           }
-          missing = std::move(still);
+          if (at < end) still.push_back({at, end - at, need.local + (at - need.global)});
         }
+        missing = std::move(still);
+      }
       int64_t count = 0;
       for (const Run& r : missing) count += r.count;
       WEAVE_CHECK(missing.empty(), kOp,
@@ -174,16 +177,16 @@ LoadPlan plan_load(const std::vector<SavedPart>& parts, const data::TrainingStat
   };
   // A tensor that belongs to the rank that saved it: read whole from this rank's own part.
   auto read_own = [&](const std::string& local) {
-    const data::SafetensorsEntry* entry = preferred.front()->entries.at(local);
+    const data::SafetensorsEntry* entry = own->entries.at(local);
     Tensor t = empty(entry->shape, {.dtype = entry->dtype});
-    reads[preferred.front()->header.get()].push_back({entry->begin, entry->end, t.data_ptr()});
+    reads[own->header.get()].push_back({entry->begin, entry->end, t.data_ptr()});
     add(local, t);
   };
 
   const StatePlacements placements = describe_state(state);
   if (state.model)
     for (const auto& [name, t] : state.model->state_dict()) {
-      Tensor target = zeros(t.shape(), {.dtype = t.dtype()});
+      Tensor target = zeros(t.shape(), {.dtype = t.dtype()});  // a flat shard's padding stays 0
       fill(target, placements.model.at("model/" + name), "model/" + name);
       add("model/" + name, target);
     }
@@ -199,7 +202,7 @@ LoadPlan plan_load(const std::vector<SavedPart>& parts, const data::TrainingStat
       for (size_t k = 0; k < params.size(); ++k) {
         const std::string local = fmt::format("optimizer/{}.{}", slot, k);
         if (!param_placements[k]) {
-          if (!preferred.front()->entries.count(local)) continue;
+          if (!own->entries.count(local)) continue;
           WEAVE_CHECK(saved == size, kOp,
                       "{}: '{}' is the state of a tensor outside the model, which belongs to the "
                       "rank that saved it; it loads only at the world size it was saved at ({})",
@@ -223,7 +226,7 @@ LoadPlan plan_load(const std::vector<SavedPart>& parts, const data::TrainingStat
   }
 
   // Metadata (counters, the scheduler, generators, the user's values) is this rank's own part's.
-  plan.contents.metadata = preferred.front()->metadata;
+  plan.contents.metadata = own->metadata;
   if (state.optimizer) {
     auto it = plan.contents.metadata.find("optimizer");
     json scalars =
@@ -239,10 +242,10 @@ LoadPlan plan_load(const std::vector<SavedPart>& parts, const data::TrainingStat
     const auto& sampler = state.loader->options().sampler;
     const std::pair<int, int> mine{sampler ? sampler->replicas() : 1,
                                    sampler ? sampler->replica() : 0};
-    const SavedPart* from = preferred.front();
-    for (const SavedPart* part : preferred)
-      if (saved_split(*part) == mine) {
-        from = part;
+    const SavedPart* from = own;
+    for (int k = 0; k < saved; ++k)  // in order of preference
+      if (const SavedPart& part = parts[size_t((home + k) % saved)]; saved_split(part) == mine) {
+        from = &part;
         break;
       }
     auto loader = from->metadata.find("loader");
