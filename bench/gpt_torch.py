@@ -10,8 +10,12 @@ a causal mask, softmax, and a product with v.
   gpt_torch.py [--layers 4] [--dim 256] [--heads 4] [--context 128] [--batch 16] [--steps 600]
                [--threads 1] [--log-every 20] [--eval-every 100] [--seed 0] [--autocast bf16]
 
---autocast bf16 runs forward and the loss under torch.autocast("cpu", torch.bfloat16), as
+--autocast bf16 runs forward and the loss under torch.autocast(device, torch.bfloat16), as
 examples/gpt does under weave's AutocastGuard.
+
+--device cuda runs on the GPU as PyTorch 2.x users write it: F.scaled_dot_product_attention
+(FlashAttention/cuDNN) and the fused AdamW; --vocab widens the head as examples/gpt's does.
+At the end it prints `peak_memory_mb=` (torch.cuda.max_memory_allocated) on a GPU.
 
 Prints the same lines as the weave example: `step S/N loss L lr R tokens/s T`, and at the end
 `heldout_loss=X.XXXX`.
@@ -71,9 +75,13 @@ class Block(nn.Module):
         hd = d // self.heads
         qkv = self.qkv(self.norm1(x)).view(b, t, self.heads, 3, hd)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
-        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(hd))
-        scores = scores.masked_fill(mask[:t, :t], float("-inf"))
-        y = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, t, d)
+        if x.is_cuda:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(hd))
+            scores = scores.masked_fill(mask[:t, :t], float("-inf"))
+            y = F.softmax(scores, dim=-1) @ v
+        y = y.transpose(1, 2).reshape(b, t, d)
         x = x + self.out(y)
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
@@ -96,7 +104,7 @@ class Gpt(nn.Module):
 
     def forward(self, ids):
         t = ids.shape[1]
-        x = self.tokens(ids) + self.positions(torch.arange(t))
+        x = self.tokens(ids) + self.positions(torch.arange(t, device=ids.device))
         for block in self.blocks:
             x = block(x, self.mask)
         return self.head(self.norm(x))
@@ -113,13 +121,17 @@ def main():
     parser.add_argument("--min-lr", type=float, default=1e-4)
     parser.add_argument("--data", default="/usr/share/games/fortunes")
     parser.add_argument("--autocast", choices=["bf16"], default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--vocab", type=int, default=0)
     a = parser.parse_args()
-    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast == "bf16")
+    autocast = lambda: torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.autocast == "bf16")
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     train, heldout, vocab = load_corpus(a.data)
-    model = Gpt(vocab, a.context, a.dim, a.heads, a.layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+    vocab = max(vocab, (a.vocab + 7) // 8 * 8)
+    model = Gpt(vocab, a.context, a.dim, a.heads, a.layers).to(a.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01,
+                                  **({"fused": True} if a.device == "cuda" else {}))
 
     def lr_at(step):
         if step < a.warmup:
@@ -128,7 +140,7 @@ def main():
         return a.min_lr + 0.5 * (a.lr - a.min_lr) * (1 + math.cos(math.pi * progress))
 
     def windows(tokens, offsets):
-        return torch.stack([tokens[o:o + a.context + 1] for o in offsets])
+        return torch.stack([tokens[o:o + a.context + 1] for o in offsets]).to(a.device)
 
     def heldout_loss():
         model.eval()
@@ -171,6 +183,8 @@ def main():
             started, loss_sum, losses = time.perf_counter(), 0.0, 0
         if done % a.eval_every == 0 and done < a.steps:
             print(f"step {done} heldout_loss {heldout_loss():.4f}", flush=True)
+    if a.device == "cuda":
+        print(f"peak_memory_mb={torch.cuda.max_memory_allocated() / 1e6:.1f}", flush=True)
     print(f"heldout_loss={heldout_loss():.4f}", flush=True)
 
 

@@ -241,7 +241,10 @@ TEST_SUITE("activation_checkpoint") {
     CHECK(after.cached >= (size_t(1) << 19));  // the block waits for reuse
     reset_peak_memory();
     CHECK(memory_stats().peak == after.in_use);
-    CHECK_THROWS_AS(memory_stats(Device::cuda(0)), Error);  // no CUDA device here
+    if (cuda::is_available())  // the device's own counters (cuda_kernels checks them in use)
+      CHECK(memory_stats(Device::cuda(0)).peak >= memory_stats(Device::cuda(0)).in_use);
+    else
+      CHECK_THROWS_AS(memory_stats(Device::cuda(0)), Error);
   }
 
   TEST_CASE("checkpointing every block cuts the step's peak activation memory") {

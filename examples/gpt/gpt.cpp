@@ -4,6 +4,10 @@
 //                    [--checkpoint DIR [--checkpoint-every 100] [--resume] [--stop-at STEP]]
 //                    [--no-sequence-parallel] [--samples 3] [--threads 1] [--seed 0]
 //                    [--autocast bf16|fp16] [--checkpoint-activations]
+//                    [--device cpu|cuda] [--backend mpi|nccl] [--vocab N]
+// --device cuda puts each rank on a GPU (round-robin by local rank) with NCCL between them
+// (--backend mpi: MPI, staging through the host; several ranks may share one GPU). --vocab
+// widens the embedding and output layer past the characters' count (a larger model's head).
 //
 // The text (every fortune file, in name order, `%` separator lines dropped) is split once: the
 // first 90% trains, the last 10% is held out. Each step takes `--batch` windows of context + 1
@@ -55,6 +59,9 @@ struct Flags {
   bool sequence_parallel = true, resume = false, checkpoint_activations = false;
   uint64_t seed = 0;
   std::optional<DType> autocast;
+  std::string device = "cpu", backend;  // backend "": nccl for cuda, mpi for cpu
+  Device placed = kCPU;                 // this rank's device (set once the runtime is up)
+  int64_t vocab = 0;                    // at least the characters' count (a larger head)
 };
 
 Flags parse(int argc, char** argv) {
@@ -107,6 +114,12 @@ Flags parse(int argc, char** argv) {
       f.min_lr = std::stod(value());
     else if (arg == "--seed")
       f.seed = std::stoull(value());
+    else if (arg == "--device")
+      f.device = value();
+    else if (arg == "--backend")
+      f.backend = value();
+    else if (arg == "--vocab")
+      f.vocab = std::stoll(value());
     else if (arg == "--resume")
       f.resume = true;
     else if (arg == "--no-sequence-parallel")
@@ -124,6 +137,10 @@ Flags parse(int argc, char** argv) {
                  "--context, --batch, --steps, --lr, --eval-every, --checkpoint, --resume, ...",
                  arg);
   }
+  WEAVE_CHECK(f.device == "cpu" || f.device == "cuda", "gpt",
+              "--device must be cpu or cuda, found '{}'", f.device);
+  WEAVE_CHECK(f.backend.empty() || f.backend == "mpi" || f.backend == "nccl", "gpt",
+              "--backend must be mpi or nccl, found '{}'", f.backend);
   WEAVE_CHECK(
       f.strategy == "ddp" || f.strategy == "fsdp" || f.strategy == "tp" || f.strategy == "hybrid",
       "gpt", "--strategy must be ddp, fsdp, tp or hybrid, found '{}'", f.strategy);
@@ -213,7 +230,8 @@ class LanguageModel : public nn::Module {
 
 // Token plus position embeddings of ids [B, T] sitting at positions start, start + 1, ...
 Tensor embed_at(nn::Module& tokens, nn::Embedding& positions, const Tensor& ids, int64_t start) {
-  Tensor where = arange(double(start), double(start + ids.size(1)), 1, {.dtype = kInt64});
+  Tensor where = arange(double(start), double(start + ids.size(1)), 1,
+                        {.dtype = kInt64, .device = ids.device()});
   return tokens(ids) + positions(where);
 }
 
@@ -330,8 +348,10 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
   auto whole = std::make_shared<Gpt>(f, vocab);
   initialize(*whole, f.seed);
   whole->checkpoint_activations = f.checkpoint_activations;
+  whole->to(f.placed);
   if (mesh.shape().tensor == 1) return whole;
   auto split = std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), sequence_parallel);
+  split->to(f.placed);
   split->load_state_dict(parallel::shard_state_dict(whole->state_dict(), *split));
   split->checkpoint_activations = f.checkpoint_activations;
   return split;
@@ -349,7 +369,8 @@ double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
   double total = 0;
   for (size_t first = 0; first < mine.size(); first += size_t(f.batch)) {
     const size_t last = std::min(mine.size(), first + size_t(f.batch));
-    Tensor w = windows(corpus.heldout, {mine.begin() + first, mine.begin() + last}, f.context);
+    Tensor w = windows(corpus.heldout, {mine.begin() + first, mine.begin() + last}, f.context)
+                   .to(f.placed);
     Tensor logits = model(w.narrow(1, 0, f.context));
     total += model.loss(logits, w.narrow(1, 1, f.context)).item<double>() * double(last - first);
   }
@@ -371,7 +392,7 @@ void sample(LanguageModel& model, const Flags& f, const Corpus& corpus,
   const int64_t start = newline - corpus.chars.begin();
   std::vector<nn::KVCache> caches;
   for (int64_t i = 0; i < f.layers; ++i) caches.emplace_back(f.context);
-  Tensor ids = full({f.samples, 1}, double(start), {.dtype = kInt64});
+  Tensor ids = full({f.samples, 1}, double(start), {.dtype = kInt64, .device = f.placed});
   std::vector<std::string> text(size_t(f.samples));
   for (int64_t t = 0; t + 1 < f.context; ++t) {
     Tensor logits = model.decode(ids, caches).narrow(1, 0, int64_t(corpus.chars.size()));
@@ -392,8 +413,15 @@ void sample(LanguageModel& model, const Flags& f, const Corpus& corpus,
 }  // namespace
 
 int main(int argc, char** argv) try {
-  const Flags f = parse(argc, argv);
-  dist::InitGuard distributed;
+  Flags f = parse(argc, argv);
+  const bool nccl = f.backend == "nccl" || (f.backend.empty() && f.device == "cuda");
+  dist::InitGuard distributed(nccl ? dist::Backend::NCCL : dist::Backend::MPI);
+  // Under NCCL the runtime assigned this rank's GPU; under MPI ranks take GPUs round-robin too.
+  const Device device = f.device == "cpu" ? kCPU
+                        : nccl
+                            ? dist::device()
+                            : Device::cuda(dist::local_rank() % std::max(1, cuda::device_count()));
+  f.placed = device;
   set_num_threads(f.threads);
   const int world = dist::world_size();
   const bool fully_sharded = f.strategy == "fsdp";
@@ -406,7 +434,8 @@ int main(int argc, char** argv) try {
   WEAVE_CHECK(f.batch % data == 0, "gpt", "--batch {} does not divide among {} data-parallel ranks",
               f.batch, data);
   const bool sequence_parallel = tensor > 1 && f.sequence_parallel;
-  const Corpus corpus = load_corpus(f.data_dir);
+  Corpus corpus = load_corpus(f.data_dir);
+  corpus.vocab = std::max(corpus.vocab, (f.vocab + 7) / 8 * 8);
 
   auto model = build(f, corpus.vocab, mesh, sequence_parallel);
   std::vector<std::pair<std::string, Shape>> model_shapes;  // before fsdp shards the parameters
@@ -485,7 +514,7 @@ int main(int argc, char** argv) try {
     std::vector<int64_t> offsets = train_offsets(f, train_span, step);
     offsets = {offsets.begin() + mesh.data_rank() * local_batch,
                offsets.begin() + (mesh.data_rank() + 1) * local_batch};
-    Tensor w = windows(corpus.train, offsets, f.context);
+    Tensor w = windows(corpus.train, offsets, f.context).to(device);
     Tensor inputs = w.narrow(1, 0, f.context), targets = w.narrow(1, 1, f.context);
     optimizer.zero_grad();
     Tensor loss;
@@ -551,13 +580,14 @@ int main(int argc, char** argv) try {
   const double held = heldout_loss(*evaluated, f, corpus, mesh);
   if (dist::rank() == 0) {
     std::printf("peak tensor memory on rank 0: %.1f MB (memory_stats)\n",
-                double(memory_stats().peak) / 1e6);
+                double(memory_stats(device).peak) / 1e6);
     std::printf("heldout_loss=%.4f\n", held);
   }
   // Decoding appends one position at a time, which sequence parallelism cannot split: the same
   // parameters in a model built without it.
   if (sequence_parallel) {
     auto decoder = std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
+    decoder->to(device);
     decoder->load_state_dict(evaluated->state_dict());
     sample(*decoder, f, corpus, mesh);
   } else {

@@ -51,4 +51,16 @@ WEAVE_BACKEND_KERNELS
 }
 namespace weave::kernels::cuda {
 WEAVE_BACKEND_KERNELS
-}
+/// True where attention on q's device runs on tensor cores in q's own dtype: bfloat16 or
+/// float16 on sm_80 and newer, head size 64 or 128, no mask and no dropout.
+bool attention_on_tensor_cores(const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& mask, const AttentionParams& params);
+/// True where t's rows suit the tensor-core kernels (16-byte aligned, strides multiples of 8).
+bool attention_rows_aligned(const Tensor& t);
+/// The tensor-core attention (attention_on_tensor_cores holds); lse is float32.
+void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                     const AttentionParams& params, const Tensor& out, const Tensor& lse);
+void flash_attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const AttentionParams& params, const Tensor& out, const Tensor& lse,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv);
+}  // namespace weave::kernels::cuda

@@ -180,6 +180,15 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
 
 #undef WEAVE_DISPATCH
 
+bool attention_takes_reduced(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                             const AttentionParams& params) {
+  return on_cuda(q) && cuda::attention_on_tensor_cores(q, k, v, mask, params);
+}
+
+bool attention_rows_aligned(const Tensor& t) {
+  return on_cuda(t) && cuda::attention_rows_aligned(t);
+}
+
 void copy(const Tensor& src, const Tensor& dst) {
   const trace::Scope trace_scope("op", "copy");
   if (src.device() == dst.device()) {

@@ -185,6 +185,13 @@ struct AttentionParams {
 /// to nothing, whose output is 0). Never holds a Tq x Tk tensor.
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                const AttentionParams& params, const Tensor& out, const Tensor& lse);
+/// True where `attention` on q's device computes in q's own bfloat16/float16 (CUDA tensor
+/// cores; no mask, no dropout, head size 64 or 128). The op then passes q, k, v, out and grads
+/// in that dtype, with rows that attention_rows_aligned accepts, and lse in float32.
+bool attention_takes_reduced(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                             const AttentionParams& params);
+/// True where t's rows suit the tensor-core kernels (16-byte aligned, strides multiples of 8).
+bool attention_rows_aligned(const Tensor& t);
 /// dq, dk, dv (shaped like q, k, v, unit inner stride) from the forward's out and lse,
 /// recomputing the scores block by block; dmask (contiguous [B, H, Tq, Tk], or undefined)
 /// gets the gradient of the scores, for an additive mask that requires grad.

@@ -19,6 +19,20 @@ Tensor unit_inner(const Tensor& t, DType dtype) {
   return c.size(-1) <= 1 || c.strides()[3] == 1 ? c : c.contiguous();
 }
 
+bool is_reduced(DType dtype) {
+  return dtype == kBFloat16 || dtype == kFloat16;
+}
+
+/// t as the operand of the kernels: in the computation dtype with unit inner stride, or (for
+/// the tensor-core kernels, which take bfloat16/float16 as it is) with aligned rows.
+Tensor operand(const Tensor& t, DType dtype) {
+  if (!is_reduced(dtype)) return unit_inner(t, dtype);
+  if (kernels::attention_rows_aligned(t)) return t;
+  Tensor packed = empty_on(t.shape(), t.dtype(), t.device());
+  kernels::copy(t, packed);
+  return packed;
+}
+
 /// A [B, H, T, D] tensor stored as [B, T, H, D]: merging heads afterwards is a view.
 Tensor empty_heads_last(int64_t b, int64_t h, int64_t t, int64_t d, DType dtype, Device device) {
   Tensor storage = empty_on({b, t, h, d}, dtype, device);
@@ -63,10 +77,18 @@ Checked check_and_prepare(const Tensor& q, const Tensor& k, const Tensor& v,
   WEAVE_CHECK(std::isfinite(scale), kOp, "scale must be finite, found {}", scale);
   Checked c;
   c.out_dtype = q.dtype();
-  const DType dtype = kernel_dtype(q.dtype());
-  c.q = unit_inner(q, dtype);
-  c.k = unit_inner(k, dtype);
-  c.v = unit_inner(v, dtype);
+  c.params.scale = scale;
+  c.params.causal = options.causal;
+  c.params.dropout_p = options.dropout_p;
+  if (options.dropout_p > 0) c.params.dropout_seed = draw_seed(options.generator);
+  // bfloat16/float16 stay as they are where the device has tensor-core attention for the case;
+  // anything else computes in float32 (float64 in float64).
+  const DType dtype = kernels::attention_takes_reduced(q, k, v, options.mask, c.params)
+                          ? q.dtype()
+                          : kernel_dtype(q.dtype());
+  c.q = operand(q, dtype);
+  c.k = operand(k, dtype);
+  c.v = operand(v, dtype);
   const Shape scores{q.size(0), q.size(1), q.size(2), k.size(2)};
   if (options.mask.defined()) {
     const Tensor& m = options.mask;
@@ -82,10 +104,6 @@ Checked check_and_prepare(const Tensor& q, const Tensor& k, const Tensor& v,
                 m.shape(), scores);
     c.mask = broadcast_view(m.dtype() == kBool ? m : convert(m, dtype), scores);
   }
-  c.params.scale = scale;
-  c.params.causal = options.causal;
-  c.params.dropout_p = options.dropout_p;
-  if (options.dropout_p > 0) c.params.dropout_seed = draw_seed(options.generator);
   return c;
 }
 
@@ -105,7 +123,7 @@ AttentionResult scaled_dot_product_attention_with_lse(const Tensor& q, const Ten
   const int64_t b = q.size(0), h = q.size(1), tq = q.size(2), dv = v.size(3);
   const DType dtype = c.q.dtype();
   Tensor out = empty_heads_last(b, h, tq, dv, dtype, q.device());
-  Tensor lse = empty_on({b, h, tq}, dtype, q.device());
+  Tensor lse = empty_on({b, h, tq}, kernel_dtype(dtype), q.device());
   if (out.numel() > 0 || lse.numel() > 0) {
     if (k.size(2) == 0) {  // no key to attend to: every row is empty
       kernels::fill(out, 0);
@@ -128,7 +146,7 @@ AttentionResult scaled_dot_product_attention_with_lse(const Tensor& q, const Ten
                 ki = InputInfo(k), vi = InputInfo(v),
                 mi = InputInfo(mask_input)](const BackwardArgs& args) -> Grads {
           Tensor qv = qs.unpack(), kv = ks.unpack(), vv = vs.unpack();
-          Tensor g = unit_inner(args.grad(), qv.dtype());
+          Tensor g = operand(args.grad(), qv.dtype());
           Tensor dq = empty_heads_last(qv.size(0), qv.size(1), qv.size(2), qv.size(3), qv.dtype(),
                                        qv.device());
           Tensor dk = empty_heads_last(kv.size(0), kv.size(1), kv.size(2), kv.size(3), kv.dtype(),

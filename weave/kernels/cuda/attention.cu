@@ -2,7 +2,8 @@
 // dq) or key row (dk, dv) keeps its row and accumulators in registers while tiles of the other
 // side stream through shared memory; the forward's online softmax keeps only each row's
 // log-sum-exp, and the backward recomputes the probabilities from it. CUDA cores, no tensor
-// cores yet: the reduced-precision path (issue 18) brings those.
+// cores: bfloat16 and float16 run on them in flash_attention.cu; these kernels serve float32,
+// float64, masks and dropout.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -259,6 +260,12 @@ dim3 grid_for(int64_t rows, int64_t batch_heads) {
 
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                const AttentionParams& params, const Tensor& out, const Tensor& lse) {
+  if (q.dtype() == kBFloat16 || q.dtype() == kFloat16) {
+    WEAVE_CHECK(attention_on_tensor_cores(q, k, v, mask, params), "scaled_dot_product_attention",
+                "bfloat16/float16 attention runs on tensor cores only (no mask or dropout, head "
+                "size 64 or 128, sm_80+); hint: the op computes other cases in float32");
+    return flash_attention(q, k, v, params, out, lse);
+  }
   DeviceGuard guard(q.device().index);
   cudaStream_t s = weave::cuda::stream(q.device().index);
   visit_floating(q.dtype(), "scaled_dot_product_attention", [&](auto tag) {
@@ -278,6 +285,8 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
                         const Tensor& mask, const AttentionParams& params, const Tensor& out,
                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                         const Tensor& dmask) {
+  if (q.dtype() == kBFloat16 || q.dtype() == kFloat16)
+    return flash_attention_backward(grad, q, k, v, params, out, lse, dq, dk, dv);
   DeviceGuard guard(q.device().index);
   cudaStream_t s = weave::cuda::stream(q.device().index);
   Tensor delta = empty(lse.shape(), {.dtype = lse.dtype(), .device = lse.device()});

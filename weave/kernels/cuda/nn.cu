@@ -114,16 +114,48 @@ __global__ void layer_norm_dx_kernel(const T* g, const T* x, const T* w, const T
   }
 }
 
+// dweight and dbias as column sums over rows: block (x, y) sums 32 columns over row chunk y,
+// 8 rows at a time (reads coalesced along the row), into partials [chunks, n] that
+// layer_norm_params_finish_kernel adds up per column in a fixed order (the same bits each run).
+constexpr int kParamColumns = 32, kParamRowGroups = 8;
+
 template <class T>
 __global__ void layer_norm_params_kernel(const T* g, const T* x, const T* mean, const T* rstd,
-                                         T* dweight, T* dbias, int64_t rows, int64_t n) {
-  const int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+                                         T* dweight_part, T* dbias_part, int64_t rows, int64_t n,
+                                         int64_t chunk) {
+  __shared__ T dw_s[kParamRowGroups][kParamColumns], db_s[kParamRowGroups][kParamColumns];
+  const int tx = threadIdx.x % kParamColumns, ty = threadIdx.x / kParamColumns;
+  const int64_t j = int64_t(blockIdx.x) * kParamColumns + tx;
+  const int64_t begin = int64_t(blockIdx.y) * chunk, end = min(rows, begin + chunk);
+  T dw = 0, db = 0;
+  if (j < n)
+    for (int64_t i = begin + ty; i < end; i += kParamRowGroups) {
+      const T gi = g[i * n + j];
+      dw += gi * (x[i * n + j] - (mean ? mean[i] : T(0))) * rstd[i];
+      db += gi;
+    }
+  dw_s[ty][tx] = dw;
+  db_s[ty][tx] = db;
+  __syncthreads();
+  if (ty == 0 && j < n) {
+    for (int r = 1; r < kParamRowGroups; ++r) {
+      dw += dw_s[r][tx];
+      db += db_s[r][tx];
+    }
+    dweight_part[blockIdx.y * n + j] = dw;
+    dbias_part[blockIdx.y * n + j] = db;
+  }
+}
+
+template <class T>
+__global__ void layer_norm_params_finish_kernel(const T* dweight_part, const T* dbias_part,
+                                                int64_t chunks, int64_t n, T* dweight, T* dbias) {
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= n) return;
   T dw = 0, db = 0;
-  for (int64_t i = 0; i < rows; ++i) {
-    const T gi = g[i * n + j];
-    dw += gi * (x[i * n + j] - (mean ? mean[i] : T(0))) * rstd[i];
-    db += gi;
+  for (int64_t c = 0; c < chunks; ++c) {
+    dw += dweight_part[c * n + j];
+    db += dbias_part[c * n + j];
   }
   if (dweight) dweight[j] = dw;
   if (dbias) dbias[j] = db;
@@ -226,12 +258,22 @@ void layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weig
                                                        maybe<T>(weight), maybe<T>(mean),
                                                        maybe<T>(rstd), maybe_mut<T>(dx), n);
       });
-    if ((dweight.defined() || dbias.defined()) && n > 0) {
+    if ((dweight.defined() || dbias.defined()) && n > 0 && rows > 0) {
       DeviceGuard guard(x.device().index);
-      layer_norm_params_kernel<T>
-          <<<blocks_for(n, kThreads), kThreads, 0, weave::cuda::stream(x.device().index)>>>(
-              maybe<T>(grad), maybe<T>(x), maybe<T>(mean), maybe<T>(rstd), maybe_mut<T>(dweight),
-              maybe_mut<T>(dbias), rows, n);
+      cudaStream_t s = weave::cuda::stream(x.device().index);
+      // About 256 rows a block, at most 1024 chunks: enough blocks for any n.
+      const int64_t chunks = std::min<int64_t>(1024, (rows + 255) / 256);
+      const int64_t chunk = (rows + chunks - 1) / chunks;
+      Tensor parts = empty({2, chunks, n}, {.dtype = x.dtype(), .device = x.device()});
+      T* dw_part = static_cast<T*>(parts.data_ptr());
+      T* db_part = dw_part + chunks * n;
+      const dim3 grid(unsigned((n + kParamColumns - 1) / kParamColumns), unsigned(chunks));
+      layer_norm_params_kernel<T><<<grid, kParamColumns * kParamRowGroups, 0, s>>>(
+          maybe<T>(grad), maybe<T>(x), maybe<T>(mean), maybe<T>(rstd), dw_part, db_part, rows, n,
+          chunk);
+      check_launch("layer_norm");
+      layer_norm_params_finish_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, s>>>(
+          dw_part, db_part, chunks, n, maybe_mut<T>(dweight), maybe_mut<T>(dbias));
       check_launch("layer_norm");
     }
   });

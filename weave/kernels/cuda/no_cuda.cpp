@@ -88,6 +88,22 @@ void attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tenso
                         const Tensor&, const Tensor&, const Tensor&) {
   no_cuda("scaled_dot_product_attention");
 }
+bool attention_on_tensor_cores(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                               const AttentionParams&) {
+  return false;
+}
+bool attention_rows_aligned(const Tensor&) {
+  return false;
+}
+void flash_attention(const Tensor&, const Tensor&, const Tensor&, const AttentionParams&,
+                     const Tensor&, const Tensor&) {
+  no_cuda("scaled_dot_product_attention");
+}
+void flash_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                              const AttentionParams&, const Tensor&, const Tensor&, const Tensor&,
+                              const Tensor&, const Tensor&) {
+  no_cuda("scaled_dot_product_attention");
+}
 }  // namespace kernels::cuda
 
 }  // namespace weave

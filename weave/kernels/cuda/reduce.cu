@@ -9,58 +9,184 @@ namespace {
 template <class T>
 using acc_t = std::conditional_t<std::is_floating_point_v<compute_t<T>>, compute_t<T>, int64_t>;
 
-// One block per output element; threads stride over the reduced dimension, then combine in
-// shared memory. ArgMax/ArgMin carry the index along (lowest index wins ties, NaN wins).
-template <class T, class O>
-__global__ void reduce_kernel(ReduceOp op, const T* x, int64_t reduced, int64_t inner, O* out) {
-  using A = acc_t<T>;
-  __shared__ A values[kThreads];
-  __shared__ int64_t indices[kThreads];
-  const int64_t o = blockIdx.x / inner, j = blockIdx.x % inner;
-  const T* base = x + o * reduced * inner + j;
-  const bool sum = op == ReduceOp::Sum;
+/// Folds (v, vi) into (acc, ai): sums add; extrema keep the larger (smaller) value, NaN above
+/// everything, and the lowest index among ties (so ArgMax/ArgMin agree with the CPU).
+template <class A>
+__device__ inline void combine(ReduceOp op, A& acc, int64_t& ai, A v, int64_t vi) {
+  if (op == ReduceOp::Sum) {
+    acc += v;
+    return;
+  }
   const bool want_max = op == ReduceOp::Max || op == ReduceOp::ArgMax;
-  A acc = sum ? A(0) : A(compute_t<T>(base[0]));
-  int64_t best = 0;
-  for (int64_t k = threadIdx.x; k < reduced; k += blockDim.x) {
-    A v = A(compute_t<T>(base[k * inner]));
-    if (sum) {
-      acc += v;
-    } else if (v != v ? !(acc != acc) || k < best
-                      : !(acc != acc) && (want_max ? v > acc : v < acc)) {
-      acc = v;
-      best = k;
-    } else if (!(v != v) && v == acc && k < best) {
-      best = k;
-    }
+  const bool acc_nan = acc != acc, v_nan = v != v;
+  const bool take =
+      acc_nan ? v_nan && vi < ai : v_nan || (want_max ? v > acc : v < acc) || (v == acc && vi < ai);
+  if (take) {
+    acc = v;
+    ai = vi;
   }
-  values[threadIdx.x] = acc;
-  indices[threadIdx.x] = best;
+}
+
+/// Combines (acc, ai) across the block; thread 0 returns the result.
+template <class A>
+__device__ void block_combine(ReduceOp op, A& acc, int64_t& ai) {
+  __shared__ A values[32];
+  __shared__ int64_t indices[32];
+  for (int step = 16; step > 0; step /= 2) {
+    const A v = __shfl_down_sync(0xffffffffu, acc, step);
+    const int64_t vi = __shfl_down_sync(0xffffffffu, ai, step);
+    if (int(threadIdx.x % 32) + step < 32) combine(op, acc, ai, v, vi);
+  }
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (threadIdx.x % 32 == 0) {
+    values[warp] = acc;
+    indices[warp] = ai;
+  }
   __syncthreads();
-  for (int step = blockDim.x / 2; step > 0; step /= 2) {
-    if (threadIdx.x < step) {
-      A a = values[threadIdx.x], b = values[threadIdx.x + step];
-      int64_t ia = indices[threadIdx.x], ib = indices[threadIdx.x + step];
-      if (sum) {
-        values[threadIdx.x] = a + b;
-      } else {
-        bool a_nan = a != a, b_nan = b != b;
-        bool take_b =
-            a_nan ? (b_nan && ib < ia) : b_nan || (want_max ? b > a : b < a) || (b == a && ib < ia);
-        if (take_b) {
-          values[threadIdx.x] = b;
-          indices[threadIdx.x] = ib;
-        }
-      }
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    if constexpr (std::is_same_v<O, int64_t>) {
-      out[blockIdx.x] = indices[0];
+  if (threadIdx.x == 0)
+    for (int w = 1; w < warps; ++w) combine(op, acc, ai, values[w], indices[w]);
+}
+
+/// Where a pass writes: the final output (index or value), or partials for a second pass.
+template <class A, class O>
+struct Sink {
+  O* out;
+  A* values;
+  int64_t* indices;
+  bool want_index;
+  __device__ void put(int64_t at, A value, int64_t index) const {
+    if (values) {
+      values[at] = value;
+      indices[at] = index;
+    } else if constexpr (std::is_same_v<O, int64_t>) {
+      out[at] = want_index ? index : O(value);
     } else {
-      out[blockIdx.x] = O(compute_t<O>(values[0]));
+      out[at] = O(compute_t<O>(value));
     }
+  }
+};
+
+// Rows (inner == 1): block (o, part) reduces part `part` of row o, 4 loads in flight a thread.
+template <class T, class A, class O>
+__global__ void reduce_rows_kernel(ReduceOp op, const T* x, int64_t reduced, int64_t chunk,
+                                   Sink<A, O> sink) {
+  const int64_t o = blockIdx.x, part = blockIdx.y, parts = gridDim.y;
+  const int64_t begin = part * chunk, end = min(reduced, begin + chunk);
+  const T* row = x + o * reduced;
+  A acc = op == ReduceOp::Sum ? A(0) : A(compute_t<T>(row[begin]));
+  int64_t ai = begin;
+  const int64_t stride = blockDim.x;
+  int64_t k = begin + threadIdx.x;
+  for (; k + 3 * stride < end; k += 4 * stride) {
+    const A v0 = A(compute_t<T>(row[k])), v1 = A(compute_t<T>(row[k + stride]));
+    const A v2 = A(compute_t<T>(row[k + 2 * stride])), v3 = A(compute_t<T>(row[k + 3 * stride]));
+    if (op == ReduceOp::Sum) {
+      acc += (v0 + v1) + (v2 + v3);
+    } else {
+      combine(op, acc, ai, v0, k);
+      combine(op, acc, ai, v1, k + stride);
+      combine(op, acc, ai, v2, k + 2 * stride);
+      combine(op, acc, ai, v3, k + 3 * stride);
+    }
+  }
+  for (; k < end; k += stride) combine(op, acc, ai, A(compute_t<T>(row[k])), k);
+  block_combine(op, acc, ai);
+  if (threadIdx.x == 0) sink.put(o * parts + part, acc, ai);
+}
+
+// Columns (inner > 1): a thread per output column (coalesced along inner); blockIdx.y splits
+// the reduced dim into parts when there are too few columns to fill the device.
+template <class T, class A, class O>
+__global__ void reduce_columns_kernel(ReduceOp op, const T* x, int64_t outer, int64_t reduced,
+                                      int64_t inner, int64_t chunk, Sink<A, O> sink) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= outer * inner) return;
+  const int64_t o = c / inner, j = c % inner, part = blockIdx.y, parts = gridDim.y;
+  const int64_t begin = part * chunk, end = min(reduced, begin + chunk);
+  const T* base = x + o * reduced * inner + j;
+  A acc = op == ReduceOp::Sum ? A(0) : A(compute_t<T>(base[begin * inner]));
+  int64_t ai = begin;
+#pragma unroll 4
+  for (int64_t k = begin; k < end; ++k) combine(op, acc, ai, A(compute_t<T>(base[k * inner])), k);
+  sink.put(c * parts + part, acc, ai);
+}
+
+// The second pass: a warp per output over its parts' partial results.
+template <class A, class O>
+__global__ void reduce_parts_kernel(ReduceOp op, const A* values, const int64_t* indices,
+                                    int64_t outputs, int64_t parts, Sink<A, O> sink) {
+  const int64_t o = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (o >= outputs) return;
+  A acc = op == ReduceOp::Sum ? A(0) : values[o * parts];
+  int64_t ai = indices[o * parts];
+  for (int64_t p = lane; p < parts; p += 32)
+    combine(op, acc, ai, values[o * parts + p], indices[o * parts + p]);
+  for (int step = 16; step > 0; step /= 2) {
+    const A v = __shfl_down_sync(0xffffffffu, acc, step);
+    const int64_t vi = __shfl_down_sync(0xffffffffu, ai, step);
+    if (lane + step < 32) combine(op, acc, ai, v, vi);
+  }
+  if (lane == 0) sink.put(o, acc, ai);
+}
+
+int multiprocessors(int device) {
+  static int counts[64] = {};
+  if (counts[device] == 0) {
+    int n = 0;
+    WEAVE_CHECK_CALL(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "reduce");
+    counts[device] = n;
+  }
+  return counts[device];
+}
+
+/// Into how many parts to split each output's reduction so that the launch fills the device
+/// (about 4 blocks of 256 threads per multiprocessor), each part keeping at least min_chunk
+/// elements a block (rows) or a thread (columns).
+int64_t parts_for(int64_t outputs_in_blocks, int64_t reduced, int64_t min_chunk, int device) {
+  const int64_t wanted = int64_t(multiprocessors(device)) * 4;
+  if (outputs_in_blocks >= wanted) return 1;
+  const int64_t by_work = std::max<int64_t>(1, reduced / min_chunk);
+  return std::min<int64_t>({(wanted + outputs_in_blocks - 1) / outputs_in_blocks, by_work, 1024});
+}
+
+template <class T, class O>
+void launch_reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,
+                   O* out, cudaStream_t s) {
+  using A = acc_t<T>;
+  const int device = x.device().index;
+  const T* px = static_cast<const T*>(x.data_ptr());
+  const bool want_index = op == ReduceOp::ArgMax || op == ReduceOp::ArgMin;
+  const int64_t outputs = outer * inner;
+  const int64_t column_blocks = (outputs + kThreads - 1) / kThreads;
+  int64_t parts = inner == 1 ? parts_for(outputs, reduced, 2048, device)
+                             : parts_for(column_blocks, reduced, 64, device);
+  const int64_t chunk = (reduced + parts - 1) / parts;
+  parts = (reduced + chunk - 1) / chunk;  // no part left empty
+  Sink<A, O> final_sink{out, nullptr, nullptr, want_index};
+  Tensor values, indices;
+  Sink<A, O> sink = final_sink;
+  if (parts > 1) {
+    values = empty({outputs * parts * int64_t(sizeof(A))}, {.dtype = kUInt8, .device = x.device()});
+    indices = empty({outputs * parts}, {.dtype = kInt64, .device = x.device()});
+    sink = {out, static_cast<A*>(values.data_ptr()), static_cast<int64_t*>(indices.data_ptr()),
+            want_index};
+  }
+  WEAVE_CHECK(outputs <= 0x7fffffff && column_blocks <= 0x7fffffff, "reduce",
+              "too many outputs ({}) for one launch", outputs);
+  if (inner == 1) {
+    reduce_rows_kernel<T, A, O><<<dim3(unsigned(outputs), unsigned(parts)), kThreads, 0, s>>>(
+        op, px, reduced, chunk, sink);
+  } else {
+    reduce_columns_kernel<T, A, O>
+        <<<dim3(unsigned(column_blocks), unsigned(parts)), kThreads, 0, s>>>(op, px, outer, reduced,
+                                                                             inner, chunk, sink);
+  }
+  check_launch("reduce");
+  if (parts > 1) {
+    reduce_parts_kernel<A, O><<<blocks_for(outputs * 32, kThreads), kThreads, 0, s>>>(
+        op, sink.values, sink.indices, outputs, parts, final_sink);
+    check_launch("reduce");
   }
 }
 
@@ -108,22 +234,16 @@ void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_
     WEAVE_CHECK_CALL(cudaMemsetAsync(out.data_ptr(), 0, outputs * out.itemsize(), s), "reduce");
     return;
   }
-  WEAVE_CHECK(outputs <= 0x7fffffff, "reduce", "too many outputs ({}) for one launch", outputs);
   visit_dtype(x.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (std::is_same_v<T, bool>) {
       WEAVE_FAIL("reduce", "bool tensors are reduced as integers; hint: .to(kInt64)");
     } else {
-      const T* px = static_cast<const T*>(x.data_ptr());
-      const unsigned blocks = static_cast<unsigned>(outputs);
-      if (op == ReduceOp::ArgMax || op == ReduceOp::ArgMin) {
-        reduce_kernel<T, int64_t><<<blocks, kThreads, 0, s>>>(
-            op, px, reduced, inner, static_cast<int64_t*>(out.data_ptr()));
-      } else {
-        reduce_kernel<T, T>
-            <<<blocks, kThreads, 0, s>>>(op, px, reduced, inner, static_cast<T*>(out.data_ptr()));
-      }
-      check_launch("reduce");
+      if (op == ReduceOp::ArgMax || op == ReduceOp::ArgMin)
+        launch_reduce<T, int64_t>(op, x, outer, reduced, inner,
+                                  static_cast<int64_t*>(out.data_ptr()), s);
+      else
+        launch_reduce<T, T>(op, x, outer, reduced, inner, static_cast<T*>(out.data_ptr()), s);
     }
   });
 }

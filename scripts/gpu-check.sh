@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark of weave, on a machine with an NVIDIA GPU, ending in one table:
+#   1. the cuda-labelled tests (op table in every dtype, tensor-core attention, reductions,
+#      norms; NCCL at world size 1 and MPI at 2 ranks sharing the GPU);
+#   2. bench_gpu_kernels against bench/torch_gpu_kernels.py (PyTorch 2.x on the same GPU),
+#      alternating, medians: each kernel as a fraction of the copy bandwidth, SDPA's ratio;
+#   3. the GPT step (examples/gpt --device cuda) against bench/gpt_torch.py --device cuda,
+#      alternating, medians of the per-step times after the first three steps: the 12-layer,
+#      d 768, T 1024, vocab 32768 model in bf16 autocast and float32, and the 4-layer d 256 model.
+#   bash scripts/gpu-check.sh [runs=3] [steps=12] [what=all|tests|kernels|gpt]
+# Programs come from $WEAVE_BIN (default: build/tests, build/bench, build/examples, then PATH);
+# the text from $WEAVE_DATA (default /usr/share/games/fortunes). PyTorch runs as $TORCH_PYTHON
+# (default python3) without weave's LD_LIBRARY_PATH.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+runs=${1:-3}
+steps=${2:-12}
+what=${3:-all}
+data=${WEAVE_DATA:-/usr/share/games/fortunes}
+python=${TORCH_PYTHON:-python3}
+for d in ${WEAVE_BIN:-} build/tests build/bench build/examples; do
+  [ -d "$d" ] && PATH="$(cd "$d" && pwd):$PATH"
+done
+torch() { env -u LD_LIBRARY_PATH "$python" "$@"; }
+median() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
+table=()
+status=0
+
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  echo "== cuda tests"
+  run_test() {  # name, command...
+    local name=$1; shift
+    local start=$SECONDS out
+    out=$("$@" 2>&1); local rc=$?
+    local verdict=passed
+    [ $rc -eq 77 ] && verdict=skipped
+    [ $rc -ne 0 ] && [ $rc -ne 77 ] && { verdict=FAILED; status=1; echo "$out" | tail -40; }
+    echo "test $name: $verdict ($((SECONDS - start)) s)"
+    table+=("test|$name|$verdict")
+  }
+  run_test cuda_op_table weave_tests --test-suite=cuda --require-cuda
+  run_test cuda_kernels weave_tests --test-suite=cuda_kernels --require-cuda
+  run_test activation_checkpoint weave_tests --test-suite=activation_checkpoint
+  run_test nccl_collectives_np1 mpirun -np 1 weave_mpi_tests --test-suite=cuda_collectives \
+    --require-cuda --backend=nccl
+  run_test mpi_cuda_collectives_np2 mpirun -np 2 weave_mpi_tests --test-suite=cuda_collectives \
+    --require-cuda
+fi
+
+if [ "$what" = all ] || [ "$what" = kernels ]; then
+  echo "== kernels (weave, then PyTorch, alternating $runs times)"
+  declare -A w_us t_us w_frac t_frac
+  names=()
+  for ((i = 1; i <= runs; ++i)); do
+    while read -r line; do
+      echo "run $i weave $line"
+      n=$(sed 's/.*kernel=\([^ ]*\).*/\1/' <<<"$line"); u=$(sed 's/.* us=\([^ ]*\).*/\1/' <<<"$line")
+      f=$(grep -o 'copy_fraction=[0-9.]*' <<<"$line" | cut -d= -f2)
+      [ $i -eq 1 ] && names+=("$n")
+      w_us[$n]="${w_us[$n]:-} $u"; w_frac[$n]="${w_frac[$n]:-} ${f:-0}"
+    done < <(bench_gpu_kernels --trials 5 | grep '^kernel=')
+    while read -r line; do
+      echo "run $i torch $line"
+      n=$(sed 's/.*kernel=\([^ ]*\).*/\1/' <<<"$line"); u=$(sed 's/.* us=\([^ ]*\).*/\1/' <<<"$line")
+      f=$(grep -o 'copy_fraction=[0-9.]*' <<<"$line" | cut -d= -f2)
+      t_us[$n]="${t_us[$n]:-} $u"; t_frac[$n]="${t_frac[$n]:-} ${f:-0}"
+    done < <(torch bench/torch_gpu_kernels.py --trials 5 | grep '^kernel=')
+  done
+  for n in "${names[@]}"; do
+    wu=$(median ${w_us[$n]}); tu=$(median ${t_us[$n]:-0})
+    wf=$(median ${w_frac[$n]}); tf=$(median ${t_frac[$n]:-0})
+    table+=("kernel|$n|weave ${wu} us (copy fraction $wf), torch ${tu} us ($tf), weave/torch $(echo "scale=2; $wu / $tu" | bc 2>/dev/null)")
+  done
+fi
+
+if [ "$what" = all ] || [ "$what" = gpt ]; then
+  echo "== GPT step (weave, then PyTorch, alternating $runs times)"
+  big=(--layers 12 --dim 768 --heads 12 --context 1024 --batch 8 --vocab 32768)
+  small=(--layers 4 --dim 256 --heads 4 --context 128 --batch 8 --vocab 1024)
+  step_ms() {  # tokens per step, then the program's output: median step time after 3 steps
+    awk -v tok="$1" '/^step [0-9]+\/[0-9]+ loss/ { split($2, s, "/"); if (s[1] > 3) print 1000 * tok / $NF }' |
+      sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'
+  }
+  gpt_case() {  # label, tokens, then model flags
+    local label=$1 tokens=$2; shift 2
+    local common=("$@" --steps "$steps" --log-every 1 --eval-every 1000000 --eval-windows 8 --data "$data")
+    local ws=() ts=() wm=() tm=() wl tl
+    for ((i = 1; i <= runs; ++i)); do
+      out=$(gpt --device cuda --samples 0 "${common[@]}" 2>&1) || { echo "$out" | tail -20; status=1; }
+      ws+=("$(step_ms "$tokens" <<<"$out")"); wm+=("$(grep -o 'rank 0: [0-9.]*' <<<"$out" | awk '{print $3}')")
+      wl=$(grep -o 'heldout_loss=[0-9.]*' <<<"$out" | cut -d= -f2)
+      out=$(torch bench/gpt_torch.py --device cuda "${common[@]}" 2>&1) || { echo "$out" | tail -20; status=1; }
+      ts+=("$(step_ms "$tokens" <<<"$out")"); tm+=("$(grep -o 'peak_memory_mb=[0-9.]*' <<<"$out" | cut -d= -f2)")
+      tl=$(grep -o 'heldout_loss=[0-9.]*' <<<"$out" | cut -d= -f2)
+      echo "run $i $label: weave ${ws[-1]} ms ${wm[-1]} MB heldout $wl; torch ${ts[-1]} ms ${tm[-1]} MB heldout $tl"
+    done
+    local w t
+    w=$(median "${ws[@]}"); t=$(median "${ts[@]}")
+    table+=("gpt|$label|weave $w ms, torch $t ms, ratio $(echo "scale=2; $w / $t" | bc); peak MB weave $(median "${wm[@]}") torch $(median "${tm[@]}")")
+  }
+  gpt_case "12L d768 T1024 B8 V32768 bf16" $((8 * 1024)) "${big[@]}" --autocast bf16
+  gpt_case "12L d768 T1024 B8 V32768 fp32" $((8 * 1024)) "${big[@]}"
+  gpt_case "4L d256 T128 B8 V1024 fp32" $((8 * 128)) "${small[@]}"
+fi
+
+echo "== gpu-check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
+printf '%s\n' "${table[@]}" | column -t -s '|'
+exit $status

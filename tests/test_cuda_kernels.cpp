@@ -1,0 +1,158 @@
+// The CUDA kernels that the op table's small shapes cannot reach: tensor-core attention against
+// float64 attention on the CPU, reductions split over many blocks, the layer-norm parameter
+// gradients, and the three bugs the first GPU run found. Suite cuda_kernels: `weave_tests
+// --test-suite=cuda_kernels --require-cuda` (skipped without a GPU).
+#include "helpers.h"
+
+using namespace weave;
+
+namespace {
+
+const Device gpu = Device::cuda(0);
+
+/// Largest |a - b| over max(|b|) (b: the float64 reference), both moved to the CPU.
+double relative_error(const Tensor& a, const Tensor& b) {
+  Tensor x = a.detach().cpu().to(kFloat64), y = b.detach().cpu().to(kFloat64);
+  const double scale = std::max(max(abs(y)).item<double>(), 1e-30);
+  return max(abs(x - y)).item<double>() / scale;
+}
+
+struct AttentionCase {
+  int64_t batch, heads, tq, tk, d;
+  bool causal;
+  DType dtype;
+};
+
+/// q, k, v of the case as strided views of one fused [B, T, 3, H, D] projection (as
+/// ParallelAttention makes them), or of separate tensors when tq != tk.
+std::array<Tensor, 3> attention_inputs(const AttentionCase& c, Generator& g) {
+  if (c.tq == c.tk) {
+    Tensor qkv = randn({c.batch, c.tq, 3, c.heads, c.d}, {.dtype = kFloat64}, &g);
+    return {qkv.select(2, 0).transpose(1, 2), qkv.select(2, 1).transpose(1, 2),
+            qkv.select(2, 2).transpose(1, 2)};
+  }
+  return {randn({c.batch, c.heads, c.tq, c.d}, {.dtype = kFloat64}, &g),
+          randn({c.batch, c.heads, c.tk, c.d}, {.dtype = kFloat64}, &g),
+          randn({c.batch, c.heads, c.tk, c.d}, {.dtype = kFloat64}, &g)};
+}
+
+}  // namespace
+
+TEST_SUITE("cuda_kernels") {
+  TEST_CASE("bfloat16/float16 attention on tensor cores matches float64 on the CPU") {
+    const std::vector<AttentionCase> cases = {
+        {2, 3, 128, 128, 64, true, kBFloat16}, {2, 3, 128, 128, 64, false, kBFloat16},
+        {1, 2, 100, 100, 64, true, kBFloat16}, {1, 2, 77, 77, 128, false, kBFloat16},
+        {2, 2, 192, 192, 128, true, kFloat16}, {1, 2, 37, 100, 64, true, kBFloat16},
+        {1, 1, 130, 65, 64, true, kFloat16},   {1, 2, 256, 256, 128, true, kBFloat16},
+    };
+    for (const AttentionCase& c : cases) {
+      CAPTURE(c.tq);
+      CAPTURE(c.tk);
+      CAPTURE(c.d);
+      CAPTURE(c.causal);
+      Generator g(c.tq * 7 + c.d);
+      auto [q64, k64, v64] = attention_inputs(c, g);
+      // Both sides start from the same rounded values, so only the kernel's arithmetic differs.
+      std::array<Tensor, 3> cpu, dev;
+      for (int i = 0; i < 3; ++i) {
+        Tensor rounded = std::array{q64, k64, v64}[i].to(c.dtype).to(kFloat64);
+        cpu[i] = rounded.detach().requires_grad_();
+        dev[i] = rounded.to(c.dtype).to(gpu).requires_grad_();
+      }
+      const AttentionOptions options{.causal = c.causal};
+      AttentionResult want = scaled_dot_product_attention_with_lse(cpu[0], cpu[1], cpu[2], options);
+      AttentionResult got = scaled_dot_product_attention_with_lse(dev[0], dev[1], dev[2], options);
+      REQUIRE(got.output.dtype() == c.dtype);
+      REQUIRE(got.logsumexp.dtype() == kFloat32);
+      CHECK(relative_error(got.output, want.output) < 2e-2);
+      // +inf marks a row that sees no key (tq > tk, causal): equal there, close elsewhere.
+      Tensor finite = isfinite(want.logsumexp);
+      CHECK(equal(finite, isfinite(got.logsumexp.cpu())));
+      Tensor zero = zeros({}, {.dtype = kFloat64});
+      CHECK(relative_error(where(finite, got.logsumexp.cpu().to(kFloat64), zero),
+                           where(finite, want.logsumexp, zero)) < 1e-2);
+      Tensor probe = randn(want.output.shape(), {.dtype = kFloat64}, &g);
+      sum(want.output * probe).backward();
+      sum(got.output * probe.to(c.dtype).to(gpu)).backward();
+      for (int i = 0; i < 3; ++i) {
+        CAPTURE(i);
+        CHECK(relative_error(dev[i].grad(), cpu[i].grad()) < 3e-2);
+      }
+    }
+  }
+
+  TEST_CASE("tensor-core attention gives the same bits on every run") {
+    Generator g(3);
+    Tensor q = randn({2, 4, 200, 64}, {.dtype = kBFloat16, .device = gpu}, &g).requires_grad_();
+    Tensor k = randn({2, 4, 200, 64}, {.dtype = kBFloat16, .device = gpu}, &g).requires_grad_();
+    Tensor v = randn({2, 4, 200, 64}, {.dtype = kBFloat16, .device = gpu}, &g).requires_grad_();
+    std::vector<Tensor> first;
+    for (int run = 0; run < 2; ++run) {
+      for (Tensor* t : {&q, &k, &v}) t->set_grad(Tensor());
+      Tensor out = scaled_dot_product_attention(q, k, v, {.causal = true});
+      sum(out.to(kFloat32) * out.to(kFloat32)).backward();
+      std::vector<Tensor> now{out.cpu(), q.grad().cpu(), k.grad().cpu(), v.grad().cpu()};
+      if (run == 0) first = now;
+      for (size_t i = 0; run == 1 && i < now.size(); ++i) CHECK(equal(now[i], first[i]));
+    }
+  }
+
+  TEST_CASE("reductions split over many blocks match the CPU") {
+    Generator g(11);
+    // A full reduction, long rows, few long columns, many short columns: each launch shape.
+    const std::vector<std::pair<Shape, Dims>> cases = {
+        {{3000017}, {}},     {{4, 1000003}, {1}}, {{1000003, 3}, {0}},
+        {{2048, 2048}, {0}}, {{2048, 2048}, {1}}, {{7, 50001, 5}, {1}},
+    };
+    for (const auto& [shape, dims] : cases) {
+      CAPTURE(shape);
+      Tensor x = randn(shape, {.dtype = kFloat64}, &g);
+      Tensor xg = x.to(gpu);
+      CHECK(relative_error(sum(xg, dims), sum(x, dims)) < 1e-12);
+      CHECK(equal(max(xg, dims).cpu(), max(x, dims)));
+      CHECK(equal(min(xg, dims).cpu(), min(x, dims)));
+      if (dims.size() == 1) {
+        CHECK(equal(argmax(xg, dims[0]).cpu(), argmax(x, dims[0])));
+        CHECK(equal(argmin(xg, dims[0]).cpu(), argmin(x, dims[0])));
+      }
+      Tensor xf = x.to(kFloat32), xfg = xf.to(gpu);
+      CHECK(relative_error(sum(xfg, dims), sum(x, dims)) < 1e-5);
+    }
+    // Ties keep the first index, NaN wins, across block boundaries.
+    Tensor ties = zeros({2000000});
+    Tensor t = ties.to(gpu);
+    CHECK(argmax(t).item<int64_t>() == 0);
+    Tensor with_nan = ones({3000000});
+    with_nan.narrow(0, 2999999, 1).fill_(std::nan(""));
+    with_nan.narrow(0, 1234567, 1).fill_(std::nan(""));
+    CHECK(argmax(with_nan.to(gpu)).item<int64_t>() == 1234567);
+    CHECK(std::isnan(max(with_nan.to(gpu)).item<double>()));
+    Tensor big = ones({5000000}, {.dtype = kInt64});
+    CHECK(sum(big.to(gpu)).item<int64_t>() == 5000000);
+  }
+
+  TEST_CASE("layer norm's weight and bias gradients over many rows match the CPU") {
+    Generator g(5);
+    for (int64_t rows : {1, 255, 4099}) {
+      CAPTURE(rows);
+      Tensor x = randn({rows, 96}, {.dtype = kFloat64}, &g);
+      Tensor w = randn({96}, {.dtype = kFloat64}, &g), b = randn({96}, {.dtype = kFloat64}, &g);
+      Tensor probe = randn({rows, 96}, {.dtype = kFloat64}, &g);
+      std::array<Tensor, 3> cpu{x.detach().requires_grad_(), w.detach().requires_grad_(),
+                                b.detach().requires_grad_()};
+      std::array<Tensor, 3> dev{x.to(gpu).requires_grad_(), w.to(gpu).requires_grad_(),
+                                b.to(gpu).requires_grad_()};
+      sum(layer_norm(cpu[0], {96}, cpu[1], cpu[2]) * probe).backward();
+      sum(layer_norm(dev[0], {96}, dev[1], dev[2]) * probe.to(gpu)).backward();
+      for (int i = 0; i < 3; ++i) CHECK(relative_error(dev[i].grad(), cpu[i].grad()) < 1e-11);
+    }
+  }
+
+  TEST_CASE("memory_stats counts CUDA allocations") {
+    const MemoryStats before = memory_stats(gpu);
+    Tensor t = empty({1 << 20}, {.device = gpu});
+    CHECK(memory_stats(gpu).in_use >= before.in_use + (size_t(4) << 20));
+    CHECK(memory_stats(gpu).peak >= memory_stats(gpu).in_use);
+  }
+}
