@@ -10,9 +10,14 @@
 #   bash scripts/gpu-check.sh [runs=3] [steps=12] [what=all|tests|kernels|gpt]
 # Programs come from $WEAVE_BIN (default: build/tests, build/bench, build/examples, then PATH);
 # the text from $WEAVE_DATA (default /usr/share/games/fortunes). PyTorch runs as $TORCH_PYTHON
-# (default python3) without weave's LD_LIBRARY_PATH.
+# (default python3) without weave's LD_LIBRARY_PATH (the bundle's libraries are weave's, not
+# its); every other variable is the same for both sides.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Images that pin OpenBLAS to older kernels set these; neither side may run with them.
+unset OPENBLAS_CORETYPE OPENBLAS_L2_SIZE
+# Ranks share the machine's GPU (and its cores); root runs Open MPI only when told to.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 runs=${1:-3}
 steps=${2:-12}
 what=${3:-all}
@@ -22,6 +27,7 @@ for d in ${WEAVE_BIN:-} build/tests build/bench build/examples; do
   [ -d "$d" ] && PATH="$(cd "$d" && pwd):$PATH"
 done
 torch() { env -u LD_LIBRARY_PATH "$python" "$@"; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 median() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
 table=()
 status=0
@@ -41,9 +47,9 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   run_test cuda_op_table weave_tests --test-suite=cuda --require-cuda
   run_test cuda_kernels weave_tests --test-suite=cuda_kernels --require-cuda
   run_test activation_checkpoint weave_tests --test-suite=activation_checkpoint
-  run_test nccl_collectives_np1 mpirun -np 1 weave_mpi_tests --test-suite=cuda_collectives \
+  run_test nccl_collectives_np1 mpirun --oversubscribe -np 1 weave_mpi_tests --test-suite=cuda_collectives \
     --require-cuda --backend=nccl
-  run_test mpi_cuda_collectives_np2 mpirun -np 2 weave_mpi_tests --test-suite=cuda_collectives \
+  run_test mpi_cuda_collectives_np2 mpirun --oversubscribe -np 2 weave_mpi_tests --test-suite=cuda_collectives \
     --require-cuda
 fi
 
@@ -69,7 +75,7 @@ if [ "$what" = all ] || [ "$what" = kernels ]; then
   for n in "${names[@]}"; do
     wu=$(median ${w_us[$n]}); tu=$(median ${t_us[$n]:-0})
     wf=$(median ${w_frac[$n]}); tf=$(median ${t_frac[$n]:-0})
-    table+=("kernel|$n|weave ${wu} us (copy fraction $wf), torch ${tu} us ($tf), weave/torch $(echo "scale=2; $wu / $tu" | bc 2>/dev/null)")
+    table+=("kernel|$n|weave ${wu} us (copy fraction $wf), torch ${tu} us ($tf), weave/torch $(ratio "$wu" "$tu")")
   done
 fi
 
@@ -96,7 +102,7 @@ if [ "$what" = all ] || [ "$what" = gpt ]; then
     done
     local w t
     w=$(median "${ws[@]}"); t=$(median "${ts[@]}")
-    table+=("gpt|$label|weave $w ms, torch $t ms, ratio $(echo "scale=2; $w / $t" | bc); peak MB weave $(median "${wm[@]}") torch $(median "${tm[@]}")")
+    table+=("gpt|$label|weave $w ms, torch $t ms, ratio $(ratio "$w" "$t"); peak MB weave $(median "${wm[@]}") torch $(median "${tm[@]}")")
   }
   gpt_case "12L d768 T1024 B8 V32768 bf16" $((8 * 1024)) "${big[@]}" --autocast bf16
   gpt_case "12L d768 T1024 B8 V32768 fp32" $((8 * 1024)) "${big[@]}"

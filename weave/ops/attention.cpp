@@ -19,14 +19,10 @@ Tensor unit_inner(const Tensor& t, DType dtype) {
   return c.size(-1) <= 1 || c.strides()[3] == 1 ? c : c.contiguous();
 }
 
-bool is_reduced(DType dtype) {
-  return dtype == kBFloat16 || dtype == kFloat16;
-}
-
 /// t as the operand of the kernels: in the computation dtype with unit inner stride, or (for
 /// the tensor-core kernels, which take bfloat16/float16 as it is) with aligned rows.
 Tensor operand(const Tensor& t, DType dtype) {
-  if (!is_reduced(dtype)) return unit_inner(t, dtype);
+  if (!is_reduced_float(dtype)) return unit_inner(t, dtype);
   if (kernels::attention_rows_aligned(t)) return t;
   Tensor packed = empty_on(t.shape(), t.dtype(), t.device());
   kernels::copy(t, packed);

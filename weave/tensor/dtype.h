@@ -151,6 +151,10 @@ size_t itemsize(DType dtype);
 /// "float32", "int64", ...
 const char* dtype_name(DType dtype);
 bool is_floating(DType dtype);
+/// True for the 16-bit floating dtypes, bfloat16 and float16.
+inline bool is_reduced_float(DType dtype) {
+  return dtype == DType::BFloat16 || dtype == DType::Float16;
+}
 /// Int32, Int64, UInt8 (not Bool).
 bool is_integral(DType dtype);
 /// The dtype of an arithmetic result with operands a and b (PyTorch's category rules:

@@ -260,7 +260,7 @@ dim3 grid_for(int64_t rows, int64_t batch_heads) {
 
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                const AttentionParams& params, const Tensor& out, const Tensor& lse) {
-  if (q.dtype() == kBFloat16 || q.dtype() == kFloat16) {
+  if (is_reduced_float(q.dtype())) {
     WEAVE_CHECK(attention_on_tensor_cores(q, k, v, mask, params), "scaled_dot_product_attention",
                 "bfloat16/float16 attention runs on tensor cores only (no mask or dropout, head "
                 "size 64 or 128, sm_80+); hint: the op computes other cases in float32");
@@ -285,7 +285,7 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
                         const Tensor& mask, const AttentionParams& params, const Tensor& out,
                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                         const Tensor& dmask) {
-  if (q.dtype() == kBFloat16 || q.dtype() == kFloat16)
+  if (is_reduced_float(q.dtype()))
     return flash_attention_backward(grad, q, k, v, params, out, lse, dq, dk, dv);
   DeviceGuard guard(q.device().index);
   cudaStream_t s = weave::cuda::stream(q.device().index);

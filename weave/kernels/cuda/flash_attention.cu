@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <initializer_list>
+#include <mutex>
 
 #include "weave/kernels/backends.h"
 #include "weave/kernels/cuda/mma.cuh"
@@ -385,12 +387,16 @@ void with_flash_types(const Tensor& q, const Launch& launch) {
   WEAVE_FAIL("scaled_dot_product_attention", "tensor-core attention takes bfloat16 or float16");
 }
 
-/// Launches kernel with `shared` bytes of dynamic shared memory (opting in past 48 KiB).
-template <class Kernel>
-void launch_flash(Kernel kernel, dim3 grid, size_t shared, cudaStream_t s, const FlashParams& p) {
-  WEAVE_CHECK_CALL(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(shared)),
-                   "scaled_dot_product_attention");
+/// Launches kernel with `shared` bytes of dynamic shared memory, opting in past 48 KiB once per
+/// kernel (each kernel always asks for the same size).
+template <auto kernel>
+void launch_flash(dim3 grid, size_t shared, cudaStream_t s, const FlashParams& p) {
+  static std::once_flag opted_in;
+  std::call_once(opted_in, [shared] {
+    WEAVE_CHECK_CALL(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(shared)),
+                     "scaled_dot_product_attention");
+  });
   kernel<<<grid, kBlockThreads, shared, s>>>(p);
   check_launch("scaled_dot_product_attention");
 }
@@ -401,10 +407,11 @@ dim3 flash_grid(int64_t rows, int64_t batch_heads) {
   return dim3(blocks_for(rows, kBlock), unsigned(batch_heads));
 }
 
-bool aligned_rows(const Tensor& t) {
-  const auto& st = t.strides();
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && st[3] == 1 && st[0] % 8 == 0 &&
-         st[1] % 8 == 0 && st[2] % 8 == 0;
+void check_aligned(std::initializer_list<const Tensor*> tensors) {
+  for (const Tensor* t : tensors)
+    WEAVE_CHECK(attention_rows_aligned(*t), "scaled_dot_product_attention",
+                "tensor-core attention needs 16-byte aligned rows and strides that are multiples "
+                "of 8 elements; hint: the op packs its operands, call it rather than the kernel");
 }
 
 }  // namespace
@@ -416,26 +423,18 @@ bool attention_on_tensor_cores(const Tensor& q, const Tensor& k, const Tensor& v
   const int64_t d = q.size(3);
   if ((d != 64 && d != 128) || v.size(3) != d || k.size(3) != d) return false;
   if (q.size(0) * q.size(1) > 65535) return false;
-  int major = 0;
-  DeviceGuard guard(q.device().index);
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index) !=
-      cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return major >= 8;
+  return weave::cuda::device_properties(q.device().index).major >= 8;
 }
 
 bool attention_rows_aligned(const Tensor& t) {
-  return aligned_rows(t);
+  const auto& st = t.strides();
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && st[3] == 1 && st[0] % 8 == 0 &&
+         st[1] % 8 == 0 && st[2] % 8 == 0;
 }
 
 void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                      const AttentionParams& params, const Tensor& out, const Tensor& lse) {
-  for (const Tensor* t : {&q, &k, &v, &out})
-    WEAVE_CHECK(aligned_rows(*t), "scaled_dot_product_attention",
-                "tensor-core attention needs 16-byte aligned rows and strides that are multiples "
-                "of 8 elements");
+  check_aligned({&q, &k, &v, &out});
   DeviceGuard guard(q.device().index);
   cudaStream_t s = weave::cuda::stream(q.device().index);
   FlashParams p = params_of(q, k, v, params);
@@ -444,18 +443,15 @@ void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   with_flash_types(q, [&](auto tag, auto size) {
     using T = decltype(tag);
     constexpr int D = decltype(size)::value;
-    launch_flash(flash_forward_kernel<T, D>, flash_grid(p.tq, q.size(0) * p.heads),
-                 3 * kBlock * D * sizeof(T), s, p);
+    launch_flash<flash_forward_kernel<T, D>>(flash_grid(p.tq, q.size(0) * p.heads),
+                                             3 * kBlock * D * sizeof(T), s, p);
   });
 }
 
 void flash_attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,
                               const AttentionParams& params, const Tensor& out, const Tensor& lse,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv) {
-  for (const Tensor* t : {&grad, &q, &k, &v, &out, &dq, &dk, &dv})
-    WEAVE_CHECK(aligned_rows(*t), "scaled_dot_product_attention",
-                "tensor-core attention needs 16-byte aligned rows and strides that are multiples "
-                "of 8 elements");
+  check_aligned({&grad, &q, &k, &v, &out, &dq, &dk, &dv});
   DeviceGuard guard(q.device().index);
   cudaStream_t s = weave::cuda::stream(q.device().index);
   Tensor delta = empty(lse.shape(), {.dtype = kFloat32, .device = lse.device()});
@@ -473,10 +469,11 @@ void flash_attention_backward(const Tensor& grad, const Tensor& q, const Tensor&
     constexpr int D = decltype(size)::value;
     flash_delta_kernel<T><<<blocks_for(rows * 32, kThreads), kThreads, 0, s>>>(p, rows, D);
     check_launch("scaled_dot_product_attention");
-    launch_flash(flash_dq_kernel<T, D>, flash_grid(p.tq, batch_heads), 4 * kBlock * D * sizeof(T),
-                 s, p);
-    launch_flash(flash_dkv_kernel<T, D>, flash_grid(p.tk, batch_heads),
-                 4 * kBlock * D * sizeof(T) + 2 * kBlock * sizeof(float), s, p);
+    launch_flash<flash_dq_kernel<T, D>>(flash_grid(p.tq, batch_heads), 4 * kBlock * D * sizeof(T),
+                                        s, p);
+    launch_flash<flash_dkv_kernel<T, D>>(flash_grid(p.tk, batch_heads),
+                                         4 * kBlock * D * sizeof(T) + 2 * kBlock * sizeof(float), s,
+                                         p);
   });
 }
 

@@ -130,21 +130,11 @@ __global__ void reduce_parts_kernel(ReduceOp op, const A* values, const int64_t*
   if (lane == 0) sink.put(o, acc, ai);
 }
 
-int multiprocessors(int device) {
-  static int counts[64] = {};
-  if (counts[device] == 0) {
-    int n = 0;
-    WEAVE_CHECK_CALL(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "reduce");
-    counts[device] = n;
-  }
-  return counts[device];
-}
-
 /// Into how many parts to split each output's reduction so that the launch fills the device
 /// (about 4 blocks of 256 threads per multiprocessor), each part keeping at least min_chunk
 /// elements a block (rows) or a thread (columns).
 int64_t parts_for(int64_t outputs_in_blocks, int64_t reduced, int64_t min_chunk, int device) {
-  const int64_t wanted = int64_t(multiprocessors(device)) * 4;
+  const int64_t wanted = int64_t(weave::cuda::device_properties(device).multiProcessorCount) * 4;
   if (outputs_in_blocks >= wanted) return 1;
   const int64_t by_work = std::max<int64_t>(1, reduced / min_chunk);
   return std::min<int64_t>({(wanted + outputs_in_blocks - 1) / outputs_in_blocks, by_work, 1024});

@@ -13,6 +13,9 @@ namespace weave::cuda {
 /// The stream every weave kernel on `device` runs on (created on first use).
 cudaStream_t stream(int device);
 
+/// The device's properties (multiprocessors, compute capability, ...), read once per device.
+const cudaDeviceProp& device_properties(int device);
+
 /// Checks the last launch.
 inline void check_launch(const char* op) {
   WEAVE_CHECK_CALL(cudaGetLastError(), op);

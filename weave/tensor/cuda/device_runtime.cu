@@ -145,6 +145,16 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
   WEAVE_CHECK_CALL(cudaStreamSynchronize(s), "to");
 }
 
+const cudaDeviceProp& device_properties(int device) {
+  static std::once_flag read[kMaxDevices];
+  static cudaDeviceProp properties[kMaxDevices];
+  check_device(device, "cuda");
+  std::call_once(read[device], [device] {
+    WEAVE_CHECK_CALL(cudaGetDeviceProperties(&properties[device], device), "cuda");
+  });
+  return properties[device];
+}
+
 void* stream_handle(int device) {
   return stream(device);
 }
