@@ -1,14 +1,11 @@
 #include "weave/data/safetensors.h"
 
-#include <fcntl.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <zlib.h>
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "weave/tensor/tensor_impl.h"
@@ -140,10 +137,6 @@ bool parse_dtype(const std::string& text, DType* out) {
       return true;
     }
   return false;
-}
-
-[[noreturn]] void fail_io(const char* what, const std::string& path) {
-  WEAVE_FAIL("safetensors", "cannot {} {}: {}", what, path, std::strerror(errno));
 }
 
 using Entry = SafetensorsEntry;
@@ -390,78 +383,6 @@ uint32_t checksum(const Tensor& t) {
   return crc32_of(host.data_ptr(), size_t(host.numel()) * host.itemsize());
 }
 
-void write_file_atomically(const std::string& path, const std::string& bytes) {
-  const std::filesystem::path target(path);
-  std::string temp = path + ".tmp-XXXXXX";
-  const int fd = mkstemp(temp.data());
-  if (fd < 0) fail_io("create a temporary file next to", path);
-  auto give_up = [&](const char* what) {
-    const int saved = errno;
-    ::close(fd);
-    ::unlink(temp.c_str());
-    errno = saved;
-    fail_io(what, path);
-  };
-  // mkstemp creates the file 0600; a checkpoint gets the permissions of the file it replaces,
-  // or those a new file would get under the umask.
-  struct stat existing;
-  mode_t mode = 0;
-  if (::stat(path.c_str(), &existing) == 0) {
-    mode = existing.st_mode & 07777;
-  } else {
-    const mode_t mask = ::umask(0);
-    ::umask(mask);
-    mode = 0666 & ~mask;
-  }
-  if (::fchmod(fd, mode) != 0) give_up("set the permissions of");
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) give_up("write");
-    written += size_t(n);
-  }
-  if (::fsync(fd) != 0) give_up("fsync");
-  if (::close(fd) != 0) {
-    ::unlink(temp.c_str());
-    fail_io("close", path);
-  }
-  if (std::rename(temp.c_str(), path.c_str()) != 0) {
-    const int saved = errno;
-    ::unlink(temp.c_str());
-    errno = saved;
-    fail_io("rename a temporary file onto", path);
-  }
-  // The rename itself is durable only once the directory is.
-  const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dir_fd < 0) fail_io("open the directory of", path);
-  const int synced = ::fsync(dir_fd);
-  ::close(dir_fd);
-  if (synced != 0) fail_io("fsync the directory of", path);
-}
-
-std::string read_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) fail_io("open", path);
-  std::string bytes;
-  char buffer[1 << 16];
-  for (;;) {
-    const ssize_t n = ::read(fd, buffer, sizeof buffer);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int saved = errno;
-      ::close(fd);
-      errno = saved;
-      fail_io("read", path);
-    }
-    if (n == 0) break;
-    bytes.append(buffer, size_t(n));
-  }
-  ::close(fd);
-  return bytes;
-}
-
 void save_safetensors(const std::string& path, const nn::NamedTensors& tensors,
                       const Metadata& metadata) {
   write_file_atomically(path, serialize_safetensors(tensors, metadata));
@@ -472,49 +393,21 @@ SafetensorsFile load_safetensors(const std::string& path) {
   return parse_safetensors(bytes.data(), bytes.size(), path);
 }
 
-namespace {
-
-// Reads exactly `size` bytes at `offset` (a short read is a truncated file).
-void read_at(int fd, void* dest, uint64_t size, uint64_t offset, const std::string& path) {
-  auto* out = static_cast<char*>(dest);
-  while (size > 0) {
-    const ssize_t n = ::pread(fd, out, size, off_t(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail_io("read", path);
-    WEAVE_CHECK(n > 0, "safetensors", "{} is truncated: it ends before byte {}", path, offset);
-    out += n;
-    size -= uint64_t(n);
-    offset += uint64_t(n);
-  }
-}
-
-struct File {
-  int fd;
-  explicit File(const std::string& path) : fd(::open(path.c_str(), O_RDONLY)) {
-    if (fd < 0) fail_io("open", path);
-  }
-  ~File() { ::close(fd); }
-  File(const File&) = delete;
-  File& operator=(const File&) = delete;
-};
-
-}  // namespace
-
 SafetensorsHeader read_safetensors_header(const std::string& path) {
-  File file(path);
+  ReadOnlyFile file(path);
   struct stat info;
   if (::fstat(file.fd, &info) != 0) fail_io("stat", path);
   const uint64_t size = uint64_t(info.st_size);
   unsigned char prefix[8] = {};
   WEAVE_CHECK(size >= 8, "safetensors", "{} is truncated: {} bytes, not even the header length",
               path, size);
-  read_at(file.fd, prefix, 8, 0, path);
+  read_exactly_at(file.fd, prefix, 8, 0, path);
   uint64_t length = 0;
   for (int i = 0; i < 8; ++i) length |= uint64_t{prefix[i]} << (8 * i);
   std::string bytes(reinterpret_cast<const char*>(prefix), 8);
   if (length <= kMaxHeaderBytes && length <= size - 8) {
     bytes.resize(8 + length);
-    read_at(file.fd, bytes.data() + 8, length, 8, path);
+    read_exactly_at(file.fd, bytes.data() + 8, length, 8, path);
   }
   SafetensorsHeader header =
       parse_header(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), size, path);
@@ -538,7 +431,7 @@ uint64_t read_safetensors_ranges(const SafetensorsHeader& header, std::vector<By
   // Each read covers whole checksum blocks (or exactly the range in an unchecked file);
   // ranges that share or touch blocks are read together.
   const uint64_t block = header.checked ? header.block_bytes : 1;
-  File file(path);
+  ReadOnlyFile file(path);
   uint64_t bytes_read = 0;
   std::vector<char> buffer;
   for (size_t i = 0; i < ranges.size();) {
@@ -559,7 +452,7 @@ uint64_t read_safetensors_ranges(const SafetensorsHeader& header, std::vector<By
     for (uint64_t at = start; at < stop; at += piece) {
       const uint64_t end = std::min(stop, at + piece);
       buffer.resize(end - at);
-      read_at(file.fd, buffer.data(), end - at, header.data_start + at, path);
+      read_exactly_at(file.fd, buffer.data(), end - at, header.data_start + at, path);
       bytes_read += end - at;
       if (header.checked)
         for (uint64_t b = at; b < end; b += block) {

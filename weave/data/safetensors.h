@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "weave/data/files.h"
 #include "weave/nn/module.h"
 
 namespace weave::data {
@@ -71,12 +72,5 @@ uint32_t checksum(const Tensor& t);
 void save_safetensors(const std::string& path, const nn::NamedTensors& tensors,
                       const Metadata& metadata = {});
 SafetensorsFile load_safetensors(const std::string& path);
-
-/// Replaces path with `bytes` so that a crash at any instant leaves either the old file or the
-/// new one: write a temporary file in the same directory, fsync it, rename it over path, fsync
-/// the directory.
-void write_file_atomically(const std::string& path, const std::string& bytes);
-/// The whole file; raises naming path if it cannot be read.
-std::string read_file(const std::string& path);
 
 }  // namespace weave::data

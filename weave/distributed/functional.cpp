@@ -6,18 +6,13 @@
 #include <chrono>
 #include <numeric>
 
-#include "weave/autograd/engine.h"
-#include "weave/autograd/grad_mode.h"
-#include "weave/autograd/node.h"
+#include "weave/distributed/functional_support.h"
 #include "weave/ops/ops.h"
 #include "weave/tensor/cuda/device_runtime.h"
 
 namespace weave::dist::functional {
 
-namespace {
-
-using autograd::BackwardArgs;
-using Grads = std::vector<Tensor>;
+namespace detail {
 
 // ---- non-recording building blocks -------------------------------------------------------
 
@@ -182,35 +177,12 @@ Device receiver_device(const Meta& meta, const char* op) {
 // Point-to-point tags: forward values and backward gradients never share a channel.
 constexpr int kForwardTag = 1, kBackwardTag = 2;
 
-// ---- recording -------------------------------------------------------------------------
-
-// Records `output` as produced by a communicating node with one input (x may be undefined),
-// when grad mode is on and `needed` holds. The node is registered with the engine so every
-// rank runs its backward.
-template <class BackwardOrMaker>
-Tensor record(const char* name, const Tensor& x, Tensor output, bool needed,
-              BackwardOrMaker&& backward) {
-  if (!autograd::GradMode::is_enabled() || !needed) return output;
-  auto node = std::make_shared<autograd::FunctionNode>(
-      name, autograd::detail::make_backward(std::forward<BackwardOrMaker>(backward)));
-  autograd::attach(node, {x}, {output});
-  autograd::must_run(node);
-  return output;
-}
+// ---- recording: record and quietly live in functional_support.h ------------------------
 
 bool wants_grad(const Tensor& x) {
   return x.defined() && x.requires_grad();
 }
 
-// Runs `forward` without recording.
-template <class F>
-Tensor quietly(F&& forward) {
-  NoGradGuard no_grad;
-  return forward();
-}
-
-// True for a group of one (the op is the identity there), after checking this rank belongs to
-// the group: a non-member must get the membership error whatever the group's size.
 bool alone_in(const Group& g, const char* op) {
   WEAVE_CHECK(g.rank() >= 0, op,
               "rank {} is not in group {}; hint: only members may call its collectives",
@@ -223,7 +195,9 @@ void check_root(int root, const Group& g, const char* op) {
               root, g.str(), g.size() - 1);
 }
 
-}  // namespace
+}  // namespace detail
+
+using namespace detail;
 
 // ---- all_reduce -----------------------------------------------------------------------------
 
@@ -493,66 +467,6 @@ Tensor remote_recv(int src, const Group& g) {
       return {Tensor()};
     };
   });
-}
-
-// ---- region mappings (replicated loss) -------------------------------------------------------
-
-Tensor copy_to_group(const Tensor& x, const Group& g) {
-  check_input(x, "copy_to_group");
-  if (alone_in(g, "copy_to_group")) return x;
-  Tensor y = make_view(x, x.shape(), x.strides(), x.offset());
-  // identity forward; the replicas' gradients are partial, so they are summed
-  return record("CopyToGroupBackward", x, y, wants_grad(x), [&] {
-    return [g](const BackwardArgs& args) -> Grads {
-      return {raw_all_reduce(args.grad(), ReduceOp::Sum, g)};
-    };
-  });
-}
-
-Tensor reduce_from_group(const Tensor& x, const Group& g) {
-  check_input(x, "reduce_from_group");
-  if (alone_in(g, "reduce_from_group")) return x;
-  Tensor y = quietly([&] { return raw_all_reduce(x, ReduceOp::Sum, g); });
-  // the loss is replicated, so each partial result receives the gradient as is
-  return record("ReduceFromGroupBackward", x, y, wants_grad(x),
-                [&] { return [](const BackwardArgs& args) -> Grads { return {args.grad()}; }; });
-}
-
-Tensor scatter_to_group(const Tensor& x, int64_t axis, const Group& g) {
-  check_input(x, "scatter_to_group");
-  const int a = axis_of(x, axis, "scatter_to_group");
-  check_divisible(x, a, g, "scatter_to_group");
-  if (alone_in(g, "scatter_to_group")) return x;
-  const int64_t piece = x.size(a) / g.size();
-  Tensor y = quietly([&] { return x.narrow(a, g.rank() * piece, piece).contiguous().clone(); });
-  // the pieces' gradients are gathered back into the full tensor on every rank
-  return record("ScatterToGroupBackward", x, y, wants_grad(x), [&] {
-    return
-        [a, g](const BackwardArgs& args) -> Grads { return {raw_all_gather(args.grad(), a, g)}; };
-  });
-}
-
-Tensor gather_from_group(const Tensor& x, int64_t axis, const Group& g) {
-  check_input(x, "gather_from_group");
-  const int a = axis_of(x, axis, "gather_from_group");
-  if (alone_in(g, "gather_from_group")) return x;
-  Tensor y = quietly([&] { return raw_all_gather(x, a, g); });
-  // the loss is replicated: each rank takes its own piece of the gradient
-  return record("GatherFromGroupBackward", x, y, wants_grad(x), [&] {
-    return [a, g, piece = x.size(a)](const BackwardArgs& args) -> Grads {
-      return {args.grad().narrow(a, g.rank() * piece, piece).contiguous()};
-    };
-  });
-}
-
-// The sequence-parallel pair is all_gather / reduce_scatter_sum itself: each is the other's
-// adjoint under either convention, so the names only mark where a sequence region starts and ends.
-Tensor gather_from_sequence_group(const Tensor& x, int64_t axis, const Group& g) {
-  return all_gather(x, axis, g);
-}
-
-Tensor reduce_scatter_to_sequence_group(const Tensor& x, int64_t axis, const Group& g) {
-  return reduce_scatter_sum(x, axis, g);
 }
 
 }  // namespace weave::dist::functional

@@ -1,0 +1,115 @@
+// Atomic writes and exact reads of whole files and ranges (files.h).
+#include "weave/data/files.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include "weave/tensor/error.h"
+
+namespace weave::data {
+
+void fail_io(const char* what, const std::string& path) {
+  WEAVE_FAIL("safetensors", "cannot {} {}: {}", what, path, std::strerror(errno));
+}
+
+ReadOnlyFile::ReadOnlyFile(const std::string& path) : fd(::open(path.c_str(), O_RDONLY)) {
+  if (fd < 0) fail_io("open", path);
+}
+
+ReadOnlyFile::~ReadOnlyFile() {
+  ::close(fd);
+}
+
+void read_exactly_at(int fd, void* dest, uint64_t size, uint64_t offset, const std::string& path) {
+  auto* out = static_cast<char*>(dest);
+  while (size > 0) {
+    const ssize_t n = ::pread(fd, out, size, off_t(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) fail_io("read", path);
+    WEAVE_CHECK(n > 0, "safetensors", "{} is truncated: it ends before byte {}", path, offset);
+    out += n;
+    size -= uint64_t(n);
+    offset += uint64_t(n);
+  }
+}
+
+void write_file_atomically(const std::string& path, const std::string& bytes) {
+  const std::filesystem::path target(path);
+  std::string temp = path + ".tmp-XXXXXX";
+  const int fd = mkstemp(temp.data());
+  if (fd < 0) fail_io("create a temporary file next to", path);
+  auto give_up = [&](const char* what) {
+    const int saved = errno;
+    ::close(fd);
+    ::unlink(temp.c_str());
+    errno = saved;
+    fail_io(what, path);
+  };
+  // mkstemp creates the file 0600; a checkpoint gets the permissions of the file it replaces,
+  // or those a new file would get under the umask.
+  struct stat existing;
+  mode_t mode = 0;
+  if (::stat(path.c_str(), &existing) == 0) {
+    mode = existing.st_mode & 07777;
+  } else {
+    const mode_t mask = ::umask(0);
+    ::umask(mask);
+    mode = 0666 & ~mask;
+  }
+  if (::fchmod(fd, mode) != 0) give_up("set the permissions of");
+  size_t written = 0;
+  while (written < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) give_up("write");
+    written += size_t(n);
+  }
+  if (::fsync(fd) != 0) give_up("fsync");
+  if (::close(fd) != 0) {
+    ::unlink(temp.c_str());
+    fail_io("close", path);
+  }
+  if (std::rename(temp.c_str(), path.c_str()) != 0) {
+    const int saved = errno;
+    ::unlink(temp.c_str());
+    errno = saved;
+    fail_io("rename a temporary file onto", path);
+  }
+  // The rename itself is durable only once the directory is.
+  const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dir_fd < 0) fail_io("open the directory of", path);
+  const int synced = ::fsync(dir_fd);
+  ::close(dir_fd);
+  if (synced != 0) fail_io("fsync the directory of", path);
+}
+
+std::string read_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) fail_io("open", path);
+  std::string bytes;
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int saved = errno;
+      ::close(fd);
+      errno = saved;
+      fail_io("read", path);
+    }
+    if (n == 0) break;
+    bytes.append(buffer, size_t(n));
+  }
+  ::close(fd);
+  return bytes;
+}
+
+}  // namespace weave::data

@@ -1,0 +1,159 @@
+// Point-to-point messages: send, recv, isend and wait_sends, with the guard's header that
+// makes a receive of another dtype or shape raise instead of reading stale bytes.
+#include <array>
+#include <optional>
+
+#include "weave/distributed/staging.h"
+#include "weave/ops/ops.h"
+
+namespace weave::dist {
+
+using namespace detail;
+
+namespace {
+void check_peer(const Call& c, const Group::Impl& g, int peer) {
+  WEAVE_CHECK(peer >= 0 && peer < static_cast<int>(g.ranks.size()) && peer != g.my_rank, c.name,
+              "peer {} must be another rank of group {} (group ranks 0..{}, this is {})", peer,
+              c.group.str(), g.ranks.size() - 1, g.my_rank);
+}
+}  // namespace
+
+namespace {
+
+// The guard of a point-to-point message (CheckMode::Guard and Full): a header with the sender's
+// dtype and shape goes ahead of the payload on the group's host communicator, so a receive
+// that does not match what was sent raises instead of leaving stale or reinterpreted bytes.
+constexpr int kHeaderSize = 2 + kMaxDims;
+using Header = std::array<int64_t, kHeaderSize>;
+
+bool p2p_guarded() {
+  return runtime().check != CheckMode::Off;
+}
+
+Header header_of(const Tensor& t) {
+  Header h{};
+  h[0] = static_cast<int64_t>(t.dtype());
+  h[1] = t.dim();
+  for (int d = 0; d < t.dim(); ++d) h[2 + d] = t.shape()[d];
+  return h;
+}
+
+bool readable(const Header& h) {
+  return h[0] >= 0 && h[0] <= static_cast<int64_t>(kBool) && h[1] >= 0 && h[1] <= kMaxDims;
+}
+
+std::string header_text(const Header& h) {
+  if (!readable(h)) return "an unreadable header";
+  return fmt::format("{} {}", static_cast<DType>(h[0]), Shape(h.data() + 2, int(h[1])));
+}
+
+// Receives the sender's header and checks it against `buffer`; on a mismatch, takes the
+// payload off the wire (so the channel stays in step) and raises.
+void receive_checked(Group::Impl& g, Communicator* route, const Tensor& buffer, int src, int tag) {
+  Header sent{};
+  g.comm->recv(sent.data(), kHeaderSize, kInt64, src, tag);
+  const Header expected = header_of(buffer);
+  if (sent == expected) return;
+  Tensor discard;
+  try {
+    if (readable(sent))
+      discard = empty(Shape(sent.data() + 2, int(sent[1])),
+                      {.dtype = static_cast<DType>(sent[0]), .device = buffer.device()});
+  } catch (const Error&) {  // a shape no tensor can have: nothing sensible to drain
+  }
+  if (discard.defined())
+    route->recv(discard.data_ptr(), discard.numel(), discard.dtype(), src, tag);
+  WEAVE_FAIL("recv",
+             "group rank {} sent {}, but this rank receives {}; hint: the receiving tensor must "
+             "have the sent dtype and shape",
+             src, header_text(sent), header_text(expected));
+}
+
+// An isend's header and payload in flight together; the header's bytes live here.
+class PendingWithHeader final : public PendingSend {
+ public:
+  Header header{};
+  std::unique_ptr<PendingSend> header_send, payload_send;
+  bool done() override {
+    if (header_send && header_send->done()) header_send.reset();
+    if (payload_send && payload_send->done()) payload_send.reset();
+    return !header_send && !payload_send;
+  }
+};
+
+}  // namespace
+
+Work send(const Tensor& tensor, int dst, const Group& group, int tag, bool async_op) {
+  Call c(Op::Send, group);
+  check_tensor(c, tensor, "tensor");
+  Group::Impl& g = member(c);
+  check_peer(c, g, dst);
+  Tensor buffer = staged(tensor);
+  return issue(
+      c, fingerprint(c, 0, &tensor, dst, std::nullopt, false), false,
+      [comm = g.route(buffer), g = &g, buffer, dst, tag, guarded = p2p_guarded()] {
+        if (guarded) {
+          const Header header = header_of(buffer);
+          g->comm->send(header.data(), kHeaderSize, kInt64, dst, tag);
+        }
+        comm->send(buffer.data_ptr(), buffer.numel(), buffer.dtype(), dst, tag);
+      },
+      async_op);
+}
+
+Work recv(const Tensor& tensor, int src, const Group& group, int tag, bool async_op) {
+  Call c(Op::Recv, group);
+  check_tensor(c, tensor, "tensor");
+  Group::Impl& g = member(c);
+  check_peer(c, g, src);
+  Tensor buffer = staging_for(tensor);
+  return issue(
+      c, fingerprint(c, 0, &tensor, src, std::nullopt, false), false,
+      [comm = g.route(buffer), g = &g, buffer, tensor, src, tag, guarded = p2p_guarded()] {
+        if (guarded) receive_checked(*g, comm, buffer, src, tag);
+        comm->recv(buffer.data_ptr(), buffer.numel(), buffer.dtype(), src, tag);
+        land(buffer, tensor);
+      },
+      async_op);
+}
+
+Work isend(const Tensor& tensor, int dst, const Group& group, int tag) {
+  Call c(Op::Send, group);
+  check_tensor(c, tensor, "tensor");
+  Group::Impl& g = member(c);
+  check_peer(c, g, dst);
+  auto state = std::make_shared<Work::State>();
+  state->keep_alive = staged(tensor);
+  issue(
+      c, fingerprint(c, 0, &tensor, dst, std::nullopt, false), false,
+      [comm = g.route(state->keep_alive), g = &g, state, dst, tag, guarded = p2p_guarded()] {
+        const Tensor& buffer = state->keep_alive;
+        std::unique_ptr<PendingSend> pending;
+        if (guarded) {
+          auto both = std::make_unique<PendingWithHeader>();
+          both->header = header_of(buffer);
+          both->header_send =
+              g->comm->start_send(both->header.data(), kHeaderSize, kInt64, dst, tag);
+          both->payload_send =
+              comm->start_send(buffer.data_ptr(), buffer.numel(), buffer.dtype(), dst, tag);
+          if (!both->done()) pending = std::move(both);
+        } else {
+          pending = comm->start_send(buffer.data_ptr(), buffer.numel(), buffer.dtype(), dst, tag);
+        }
+        std::lock_guard lock(state->mutex);
+        state->pending = std::move(pending);
+        if (!state->pending) state->keep_alive = Tensor();
+      },
+      false);
+  state->finish(nullptr);
+  Work work(state);
+  g.track_send(work);
+  return work;
+}
+
+void wait_sends(const Group& group) {
+  Call c(Op::Send, group);
+  member(c).wait_sends();
+}
+
+}  // namespace weave::dist
