@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The fault matrix: rank 1 of a 2-rank job fails in one of five ways while rank 0 waits inside
 # a collective, or a training fault (#16 items 1, 2 and 7: a backward that throws, one batch
-# fewer, a parameter without gradient on one rank, pipeline stages that disagree); each run must
+# fewer, a parameter without gradient on one rank, pipeline stages that disagree; #33: FSDP's
+# forward or backward raising, a rank killed in a reduce_scatter, a background save whose write
+# fails and whose commit finalize() runs); each run must
 # end with a non-zero mpirun exit within WEAVE_TIMEOUT_S + 5 s, except uneven-join (one batch
 # fewer inside parallel::join()), which must train to the end and exit 0.
 #   scripts/fault-matrix.sh [runs per fault = 100] [WEAVE_TIMEOUT_S = 3] [build dir = build]
@@ -19,7 +21,7 @@ limit_ms=$(( (timeout_s + 5) * 1000 ))
 failed=0
 printf '%-19s %9s %-18s %s\n' fault passed "exit codes" "slowest"
 faults=${FAULTS:-exception kill exit skip return-early backward-exception uneven ddp-unused \
-  pipeline-options uneven-join}
+  pipeline-options fsdp-forward fsdp-backward fsdp-kill async-save-fails uneven-join}
 for fault in $faults; do
   passed=0 slowest=0
   declare -A codes=()
@@ -33,7 +35,8 @@ for fault in $faults; do
     (( ms > slowest )) && slowest=$ms
     if [ "$fault" = uneven-join ]; then
       [ "$code" -eq 0 ] && (( ms <= limit_ms )) && passed=$((passed + 1))
-    elif [ "$code" -ne 0 ] && [ "$code" -ne 124 ] && [ "$code" -ne 137 -o "$fault" = kill ] &&
+    elif [ "$code" -ne 0 ] && [ "$code" -ne 124 ] &&
+       [ "$code" -ne 137 -o "$fault" = kill -o "$fault" = fsdp-kill ] &&
        (( ms <= limit_ms )); then
       passed=$((passed + 1))
     fi

@@ -20,12 +20,22 @@
 //   weave_mpi_timeout backward-exception   rank 1's backward throws (uncaught) in step 2
 //   weave_mpi_timeout ddp-unused           rank 1 leaves a parameter without gradient
 //   weave_mpi_timeout pipeline-options     the stages disagree on the number of micro-batches
+//   weave_mpi_timeout fsdp-forward         FSDP training, rank 1's forward raises in step 2
+//   weave_mpi_timeout fsdp-backward        ... its backward raises in step 2
+//   weave_mpi_timeout fsdp-kill            ... it is SIGKILLed in step 2's backward, once its
+//                                          first reduce_scatter is out (the other waits in one)
+// and a checkpoint that must not be lost behind a zero exit:
+//   weave_mpi_timeout async-save-fails     rank 1's background write fails; the commit that
+//                                          finalize() runs fails on every rank: exit non-zero
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <thread>
+
+#include <unistd.h>
 
 #include "weave/weave.h"
 
@@ -143,6 +153,66 @@ int train_with_fault(TrainingFault fault) {
   return 0;
 }
 
+// FSDP on a small model, rank 1 failing in step 2 as `mode` says (uncaught).
+int fsdp_fault(const std::string& mode) {
+  dist::InitGuard guard;
+  manual_seed(1);
+  auto first = std::make_shared<nn::Linear>(4, 8), last = std::make_shared<nn::Linear>(8, 2);
+  nn::Sequential model{first, nn::Tanh(), last};
+  parallel::FullyShardedDataParallel fsdp(model);
+  optim::SGD sgd(fsdp.parameters(), {.lr = 0.1});
+  const bool faulty = dist::rank() == 1;
+  int step = 0;
+  HookHandle pre = last->register_forward_pre_hook([&](nn::Module&, const Tensor&) -> Tensor {
+    if (faulty && step == 2 && mode == "fsdp-forward")
+      WEAVE_FAIL("train", "rank 1's forward failed on purpose in step 2");
+    return Tensor();
+  });
+  // The first layer's gradient comes after the last unit's reduce_scatter was launched.
+  HookHandle post = first->weight.register_post_accumulate_grad_hook([&](Tensor&) {
+    if (!faulty || step != 2) return;
+    if (mode == "fsdp-backward")
+      WEAVE_FAIL("train", "rank 1's backward failed on purpose in step 2");
+    if (mode == "fsdp-kill") std::raise(SIGKILL);
+  });
+  for (; step < 5; ++step) {
+    Generator g(uint64_t(step) * 10 + uint64_t(dist::rank()));
+    Tensor x = randn({6, 4}, {}, &g), y = randn({6, 2}, {}, &g);
+    sgd.zero_grad();
+    mse_loss(fsdp(x), y).backward();
+    sgd.step();
+  }
+  std::printf("rank %d: trained %d steps\n", dist::rank(), step);
+  return 0;
+}
+
+// Rank 1's part of an asynchronous save cannot be written (a directory holds its file's name);
+// main returns, and the InitGuard's finalize() commits the save: it must fail on every rank.
+int failed_async_save() {
+  dist::InitGuard guard;
+  nn::Linear model(4, 4);
+  data::TrainingState state{.model = &model};
+  Tensor id = full({1}, double(getpid()), {.dtype = kInt64});
+  dist::broadcast(id, 0);
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    fmt::format("weave_failed_save_{}", id.item<int64_t>());
+  struct RemoveAtExit {  // a static's destructor: runs at exit() too
+    std::filesystem::path dir;
+    ~RemoveAtExit() {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir, ignored);
+    }
+  };
+  static RemoveAtExit cleanup{dist::rank() == 0 ? dir : std::filesystem::path()};
+  if (dist::rank() == 0)
+    std::filesystem::create_directories(
+        dir / fmt::format("rank-00001-of-{:05d}.g1.safetensors", dist::world_size()));
+  dist::barrier();
+  parallel::save_sharded_checkpoint(dir.string(), state, dist::world(), {.async = true});
+  std::printf("rank %d: save started\n", dist::rank());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -154,6 +224,8 @@ int main(int argc, char** argv) {
   if (mode == "uneven-join") return train_with_fault({.use_join = true});
   if (mode == "backward-exception") return train_with_fault({.throw_in_backward = true});
   if (mode == "ddp-unused") return train_with_fault({.skip_layer = true});
+  if (mode.rfind("fsdp-", 0) == 0) return fsdp_fault(mode);
+  if (mode == "async-save-fails") return failed_async_save();
   if (mode == "pipeline-options") {
     dist::InitGuard guard;
     nn::Sequential model;

@@ -246,6 +246,53 @@ TEST_SUITE("sharded_checkpoint") {
     if (dist::rank() == 0) std::filesystem::remove_all(dir);
   }
 
+  TEST_CASE("a file of another save under the same name is refused on every rank") {
+    for (bool single_file : {false, true}) {
+      CAPTURE(single_file);
+      const std::string dir = shared_dir("mixed_saves"), other = shared_dir("mixed_saves_other");
+      auto model = make_model();
+      data::TrainingState state{.model = model.get()};
+      parallel::save_sharded_checkpoint(dir, state, dist::world(), {.single_file = single_file});
+      model->parameters()[0].detach().add_(1.0);  // the other save holds other values
+      parallel::save_sharded_checkpoint(other, state, dist::world(), {.single_file = single_file});
+      const std::string swapped =
+          single_file ? fmt::format("all-{:05d}-ranks.g1.safetensors", dist::world_size())
+                      : fmt::format("rank-{:05d}-of-{:05d}.g1.safetensors", dist::world_size() - 1,
+                                    dist::world_size());
+      dist::barrier();
+      if (dist::rank() == 0)
+        std::filesystem::copy_file(other + "/" + swapped, dir + "/" + swapped,
+                                   std::filesystem::copy_options::overwrite_existing);
+      dist::barrier();
+      auto fresh = make_model();
+      data::TrainingState into{.model = fresh.get()};
+      const std::string error = error_of([&] { parallel::load_sharded_checkpoint(dir, into); });
+      const bool named = error.find("belongs to another save") != std::string::npos ||
+                         error.find("could not plan its part") != std::string::npos;
+      CHECK_MESSAGE(named, error);
+      dist::barrier();
+      if (dist::rank() == 0) {
+        std::filesystem::remove_all(dir);
+        std::filesystem::remove_all(other);
+      }
+    }
+  }
+
+  TEST_CASE("an empty directory path raises weave::Error on every rank, one rank's or all") {
+    auto model = make_model();
+    data::TrainingState state{.model = model.get()};
+    CHECK_WEAVE_ERROR(parallel::save_sharded_checkpoint("", state), "save_sharded_checkpoint",
+                      "found an empty path");
+    if (dist::world_size() < 2) return;
+    const std::string dir = shared_dir("empty_path");
+    const std::string error =
+        error_of([&] { parallel::save_sharded_checkpoint(dist::rank() == 1 ? "" : dir, state); });
+    CHECK_MESSAGE(error.find("ranks disagree on the checkpoint directory") != std::string::npos,
+                  error);
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  }
+
   TEST_CASE("tensor parallel: each rank's shard comes back to that rank") {
     const std::string dir = shared_dir("tensor_parallel");
     const int n = dist::world_size();

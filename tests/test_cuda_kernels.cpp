@@ -105,7 +105,10 @@ TEST_SUITE("cuda_kernels") {
         {{3000017}, {}},     {{4, 1000003}, {1}}, {{1000003, 3}, {0}},
         {{2048, 2048}, {0}}, {{2048, 2048}, {1}}, {{7, 50001, 5}, {1}},
     };
-    for (const auto& [shape, dims] : cases) {
+    for (const auto& test_case : cases) {
+      // Named members, not a structured binding: clang before 16 cannot capture a binding.
+      const Shape& shape = test_case.first;
+      const Dims& dims = test_case.second;
       CAPTURE(shape);
       Tensor x = randn(shape, {.dtype = kFloat64}, &g);
       Tensor xg = x.to(gpu);

@@ -15,6 +15,7 @@
 
 #include <unistd.h>
 
+#include "fsdp_helpers.h"
 #include "helpers.h"
 #include "weave/weave.h"
 
@@ -22,49 +23,9 @@ using namespace weave;
 using parallel::DistributedDataParallel;
 using parallel::FullyShardedDataParallel;
 
+using namespace weave::test::fsdp;
+
 namespace {
-
-constexpr int64_t kLocalBatch = 4;
-
-// Uneven units: 5 -> 16 -> 9 -> 3 (96, 153 and 30 elements).
-std::shared_ptr<nn::Sequential> make_model(uint64_t seed) {
-  manual_seed(seed);
-  auto model = std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
-      std::make_shared<nn::Linear>(5, 16), nn::Tanh(), std::make_shared<nn::Linear>(16, 9),
-      nn::Tanh(), std::make_shared<nn::Linear>(9, 3)});
-  model->to(kFloat64);
-  return model;
-}
-
-std::pair<Tensor, Tensor> local_batch(int step, int64_t in = 5, int64_t out = 3) {
-  Generator g(777 + uint64_t(step));
-  const int64_t rows = kLocalBatch * dist::world_size();
-  Tensor x = randn({rows, in}, {.dtype = kFloat64}, &g),
-         y = randn({rows, out}, {.dtype = kFloat64}, &g);
-  return {x.narrow(0, dist::rank() * kLocalBatch, kLocalBatch),
-          y.narrow(0, dist::rank() * kLocalBatch, kLocalBatch)};
-}
-
-optim::AdamWOptions adamw_options() {
-  return {.lr = 1e-2, .weight_decay = 0.05};
-}
-
-// The largest |a - b| over the reference's parameters and the FSDP model's gathered ones.
-double max_difference(nn::Module& reference, FullyShardedDataParallel& fsdp) {
-  const nn::NamedTensors full = fsdp.full_state_dict();
-  double worst = 0;
-  for (const auto& entry : reference.named_parameters()) {
-    const std::string& name = entry.first;
-    bool found = false;
-    for (const auto& [n, t] : full)
-      if (n == name) {
-        found = true;
-        worst = std::max(worst, weave::abs(t - entry.second.detach()).max().item<double>());
-      }
-    CHECK_MESSAGE(found, name);
-  }
-  return worst;
-}
 
 // A 6 -> 6 -> 6 -> 5 model whose second and third layers share one weight (they land in the
 // root unit), and a layer that forward never calls.
@@ -278,64 +239,6 @@ TEST_SUITE("fsdp") {
     CHECK(max_difference(*reference, fsdp) <= 1e-10);
   }
 
-  TEST_CASE("a backward that fails or is skipped on one rank: every rank discards the step") {
-    if (dist::world_size() < 2) return;
-    const int failing = dist::world_size() - 1;
-    // Where the failing rank's backward stops in step 1: below layer 1's Tanh (units 2 and 1
-    // done), below layer 3's Tanh (unit 2 done, unit 1's prefetch issued), or not at all: it
-    // skips backward, and settles the step at its next forward.
-    for (int where : {1, 3, -1}) {
-      CAPTURE(where);
-      auto reference = make_model(100), model = make_model(100);
-      DistributedDataParallel ddp(*reference);
-      optim::AdamW reference_opt(reference->parameters(), adamw_options());
-      FullyShardedDataParallel fsdp(*model);
-      optim::AdamW opt(fsdp.parameters(), adamw_options());
-      bool armed = false;
-      HookHandle hook;
-      if (where >= 0)
-        hook = (*model)[size_t(where)].register_forward_hook(
-            [&](nn::Module&, const Tensor&, const Tensor& out) {
-              if (armed && dist::rank() == failing)
-                out.register_hook(
-                    [](const Tensor&) -> Tensor { WEAVE_FAIL("test", "injected failure"); });
-              return Tensor();
-            });
-      for (int step = 0; step < 4; ++step) {
-        CAPTURE(step);
-        auto [x, y] = local_batch(step);
-        opt.zero_grad();
-        armed = step == 1;
-        std::string error;
-        try {
-          Tensor loss = mse_loss(fsdp(x), y);
-          if (!(armed && where < 0 && dist::rank() == failing)) loss.backward();
-        } catch (const Error& e) {
-          error = e.what();
-        }
-        if (step == 1) {
-          // The failing rank reports its own error (none when it skipped); the others name it.
-          const std::string expected = dist::rank() != failing ? "failed in backward in step 1"
-                                       : where >= 0            ? "injected failure"
-                                                               : "";
-          const bool reported =
-              expected.empty() ? error.empty() : error.find(expected) != std::string::npos;
-          CHECK_MESSAGE(reported, error);
-          if (dist::rank() != failing || where >= 0)
-            for (const Tensor& shard : fsdp.parameters()) CHECK_FALSE(shard.grad().defined());
-          continue;  // every rank skips the step, as the reference does
-        }
-        CHECK_MESSAGE(error.empty(), error);
-        reference_opt.zero_grad();
-        mse_loss(ddp(x), y).backward();
-        reference_opt.step();
-        opt.step();
-      }
-      CHECK(fsdp.stats().failed_steps == 1);
-      CHECK(max_difference(*reference, fsdp) <= 1e-10);
-    }
-  }
-
   TEST_CASE("the trace shows unit 1's all_gather starting while unit 0's forward runs") {
     if (dist::world_size() < 2) return;
     // Unit 0 takes 100 ms (a layer that sleeps), so the prefetched gather has time to start.
@@ -383,23 +286,6 @@ TEST_SUITE("fsdp") {
         CHECK(gather1_start < unit0_end);  // in flight while unit 0 computes
       else
         CHECK(gather1_start >= unit0_end);  // only when unit 1's own forward begins
-    }
-  }
-
-  TEST_CASE("bad inputs raise on every rank") {
-    // A unit that names no module.
-    auto model = make_model(1);
-    CHECK_WEAVE_ERROR(FullyShardedDataParallel(*model, {.units = {"0", "fc9"}}),
-                      "FullyShardedDataParallel", "'fc9' names no submodule");
-    // Ranks with different models (rank 1 has an extra layer).
-    if (dist::world_size() > 1) {
-      manual_seed(1);
-      auto other =
-          std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
-              std::make_shared<nn::Linear>(5, 16), nn::Tanh(),
-              std::make_shared<nn::Linear>(16, dist::rank() == 1 ? 8 : 9)});
-      CHECK_WEAVE_ERROR(FullyShardedDataParallel(*other), "DistributedDataParallel",
-                        "ranks disagree on the model");
     }
   }
 

@@ -121,6 +121,75 @@ TEST_SUITE("join") {
       });
       check_params(*model, expected);
     }
+    SUBCASE("FullyShardedDataParallel, both sharding modes") {
+      for (auto sharding :
+           {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp}) {
+        CAPTURE(int(sharding));
+        auto model = make_model(0);
+        parallel::FullyShardedDataParallel fsdp(*model, {.sharding = sharding});
+        optim::AdamW optimizer(fsdp.parameters(), adamw_options());
+        parallel::join({fsdp, optimizer}, [&] {
+          train_my_batches([&](const Tensor& x) { return fsdp(x); },
+                           [&](const Tensor& loss) {
+                             optimizer.zero_grad();
+                             loss.backward();
+                             optimizer.step();
+                           });
+        });
+        const nn::NamedTensors full = fsdp.full_state_dict();
+        REQUIRE(full.size() == expected.size());
+        for (size_t i = 0; i < full.size(); ++i) {
+          CAPTURE(full[i].first);
+          CHECK(allclose(full[i].second, expected[i], 1e-11, 1e-13));
+        }
+      }
+    }
+  }
+
+  TEST_CASE("join(): a rank that raises after its DDP or FSDP forward, or inside backward") {
+    const int n = dist::world_size(), failing = n - 1;
+    for (bool sharded : {false, true})
+      for (bool in_backward : {false, true}) {
+        CAPTURE(sharded);
+        CAPTURE(in_backward);
+        auto model = make_model(0);
+        std::unique_ptr<DistributedDataParallel> ddp;
+        std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
+        if (sharded)
+          fsdp = std::make_unique<parallel::FullyShardedDataParallel>(*model);
+        else
+          ddp = std::make_unique<DistributedDataParallel>(*model);
+        optim::AdamW optimizer(sharded ? fsdp->parameters() : model->parameters(), adamw_options());
+        auto joined = [&]() -> parallel::Joined {
+          if (sharded) return *fsdp;
+          return *ddp;
+        };
+        const std::string message = error_of([&] {
+          parallel::join({joined(), optimizer}, [&] {
+            for (int step = 0; step < 4; ++step) {
+              auto [x, y] = batch(dist::rank(), step);
+              optimizer.zero_grad();
+              Tensor out = sharded ? (*fsdp)(x) : (*ddp)(x);
+              if (dist::rank() == failing && step == 2) {
+                if (!in_backward) WEAVE_FAIL("test", "rank {} fails on purpose", failing);
+                out.register_hook([failing](const Tensor&) -> Tensor {
+                  WEAVE_FAIL("test", "rank {} fails on purpose", failing);
+                });
+              }
+              mse_loss(out, y).backward();
+              optimizer.step();
+            }
+          });
+        });
+        if (dist::rank() == failing)
+          CHECK_MESSAGE(message.find("fails on purpose") != std::string::npos, message);
+        else
+          CHECK_MESSAGE(message.find("in step 2") != std::string::npos, message);
+        // The group is still usable and in step.
+        Tensor t = ones({3});
+        dist::all_reduce(t);
+        CHECK(t.to_vector<float>()[0] == float(n));
+      }
   }
 
   TEST_CASE("join(): a loop that raises on one rank raises on every rank") {

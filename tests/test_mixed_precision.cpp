@@ -255,6 +255,44 @@ TEST_SUITE("mixed_precision") {
     CHECK(equal(restored.params()[0].detach(), mixed.detach()));
   }
 
+  TEST_CASE("float16 and bfloat16 means, variances and losses sum and divide in float32") {
+    Generator g(5);
+    for (DType dtype : {kFloat16, kBFloat16}) {
+      CAPTURE(dtype);
+      // Within one rounding to dtype (plus float32 accumulation) of the float64 result on the
+      // same rounded values.
+      auto check_close = [&](const Tensor& got, const Tensor& want) {
+        REQUIRE(got.dtype() == dtype);
+        const double a = got.to(kFloat64).item<double>(), b = want.item<double>();
+        CHECK_MESSAGE(std::abs(a - b) <= (2 * unit_roundoff(dtype) + 1e-5) * std::abs(b), a, " vs ",
+                      b);
+      };
+      // Sums past float16's largest value (65504): 70,000 ones, 66,000 times 1000.
+      check_close(mean(ones({70000}, {.dtype = dtype})), full({}, 1.0, {.dtype = kFloat64}));
+      Tensor thousands = full({66, 1000}, 1000.0, {.dtype = dtype});
+      check_close(mean(thousands), full({}, 1000.0, {.dtype = kFloat64}));
+      Tensor row_means = mean(thousands, {1});
+      CHECK(row_means.dtype() == dtype);
+      CHECK(equal(row_means.to(kFloat64), full({66}, 1000.0, {.dtype = kFloat64})));
+      // Squares past it: values near 200 (a variance of 40,000).
+      Tensor wide = (randn({70000}, {.dtype = kFloat64}, &g) * 200.0).to(dtype);
+      check_close(var(wide), var(wide.to(kFloat64)));
+      // Losses over 65,536 rows, and one whose differences square past float16's range.
+      Tensor a = (randn({65536, 4}, {.dtype = kFloat64}, &g) * 100.0).to(dtype);
+      Tensor b = randn({65536, 4}, {.dtype = kFloat64}, &g).to(dtype);
+      check_close(mse_loss(a, b), mse_loss(a.to(kFloat64), b.to(kFloat64)));
+      Tensor logits = (randn({65536, 10}, {.dtype = kFloat64}, &g) * 3.0).to(dtype);
+      Tensor target = randint(0, 10, {65536}, {.dtype = kInt64}, &g);
+      Tensor leaf = logits.detach().requires_grad_();
+      Tensor loss = cross_entropy(leaf, target);
+      check_close(loss, cross_entropy(logits.to(kFloat64), target));
+      loss.backward();
+      REQUIRE(leaf.grad().dtype() == dtype);
+      CHECK(all_finite(std::vector<Tensor>{leaf.grad()}));
+      CHECK(cross_entropy(logits, target, Reduction::None).dtype() == dtype);
+    }
+  }
+
   TEST_CASE("all_finite over a list: one verdict, overflowing sums of finite values included") {
     Tensor big = full({2}, 3e38), small = ones({3}, {.dtype = kBFloat16});
     CHECK(all_finite(std::vector<Tensor>{big, Tensor(), small}));  // big's own sum overflows

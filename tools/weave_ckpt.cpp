@@ -2,13 +2,16 @@
 //
 //   weave-ckpt info DIR     generations, world size, layout, every global tensor with its shape
 //                           and how the ranks hold it, counters; then every file read whole and
-//                           its checksums verified (exit status 1 on the first mismatch)
+//                           its checksums verified (exit status 1 on the first mismatch). It
+//                           checks the index as the loader does: "ok" means it loads.
 #include <cstdio>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <system_error>
 
+#include "weave/parallel/checkpoint_index.h"
 #include "weave/parallel/reshard.h"
 
 namespace {
@@ -65,23 +68,19 @@ std::string megabytes(int64_t bytes) {
 }
 
 int info(const std::string& dir) {
-  const std::string index_path = dir + "/index.json";
-  const json index = json::parse(data::read_file(index_path), nullptr, false);
-  if (index.is_discarded() || !index.is_object() || !index.contains("files")) {
-    std::fprintf(stderr, "weave-ckpt: %s is not a weave sharded checkpoint index\n",
-                 index_path.c_str());
-    return 1;
-  }
-  const int world = index.value("world_size", 0);
-  const bool single = index.value("single_file", false);
+  // The loader's own checks: what passes here loads.
+  const parallel::detail::CheckpointIndex index = parallel::detail::read_checkpoint_index(dir);
+  const int world = index.world_size;
+  const bool single = index.single_file;
   std::printf("checkpoint %s\n", dir.c_str());
   std::printf("  format %s, generation %lld (the newest complete), saved by %d ranks, %s\n",
-              index.value("format", "?").c_str(),
-              static_cast<long long>(index.value("generation", int64_t{0})), world,
+              index.format.c_str(), static_cast<long long>(index.generation), world,
               single ? "one file" : "a file per rank");
+  if (!index.save_id.empty()) std::printf("  save id %s\n", index.save_id.c_str());
   // Generations still on disk: the committed one, and any a killed save left behind.
   std::set<long long> generations;
-  for (const auto& entry : fs::directory_iterator(dir)) {
+  std::error_code listing;
+  for (const auto& entry : fs::directory_iterator(dir, listing)) {
     const int64_t g = parallel::detail::generation_of(entry.path().filename().string());
     if (g >= 0) generations.insert(g);
   }
@@ -89,15 +88,15 @@ int info(const std::string& dir) {
   for (long long g : generations) std::printf(" %lld", g);
   std::printf("\n");
 
-  std::vector<std::shared_ptr<const data::SafetensorsHeader>> headers;
+  const auto headers = parallel::detail::read_checkpoint_headers(dir, index);
   int64_t bytes = 0;
-  for (const json& f : index["files"]) {
-    headers.push_back(std::make_shared<data::SafetensorsHeader>(
-        data::read_safetensors_header(dir + "/" + f.get<std::string>())));
-    bytes += int64_t(fs::file_size(dir + "/" + f.get<std::string>()));
+  for (const std::string& name : index.files) {
+    std::error_code ec;
+    const auto size = fs::file_size(dir + "/" + name, ec);
+    bytes += ec ? 0 : int64_t(size);
   }
   std::printf("  files: %zu, %s\n", headers.size(), megabytes(bytes).c_str());
-  if (index.value("format", "") == "weave-sharded-1") {
+  if (!index.has_placements()) {
     std::printf("  (format 1 records no placements: it loads at %d ranks only)\n", world);
   } else {
     const std::vector<SavedPart> parts = parallel::detail::saved_parts(headers, single, world);
@@ -138,9 +137,10 @@ int info(const std::string& dir) {
       if (key.rfind("user.", 0) == 0)
         std::printf("  %s (rank 0): %s\n", key.c_str(), value.c_str());
   }
-  // Every file read whole: each tensor's and the metadata's checksums.
-  for (const json& f : index["files"]) data::load_safetensors(dir + "/" + f.get<std::string>());
-  std::printf("  checksums: ok (every tensor of %zu file%s)\n", headers.size(),
+  // Every file read whole: its CRC-32 against the index, its save id, each tensor's checksum.
+  parallel::detail::verify_checkpoint_files(dir, index);
+  std::printf("  checksums: ok (%s every tensor of %zu file%s)\n",
+              index.checksums.empty() ? "" : "each file whole and", headers.size(),
               headers.size() == 1 ? "" : "s");
   return 0;
 }

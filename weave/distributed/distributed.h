@@ -63,14 +63,16 @@ bool initialized();
 void finalize();
 /// Runs fn at the start of the next finalize(), before any group is drained: work a layer above
 /// left for later that still communicates (a background checkpoint's commit). Hooks run in
-/// reverse order of registration; one that raises is reported as a warning and the rest still
-/// run. Forgotten after that finalize.
+/// reverse order of registration; one that raises does not stop the rest, and once the session
+/// is down finalize() raises weave::Error naming every hook's failure
+/// (InitGuard's destructor prints it and exits with status 1). Forgotten after that finalize.
 void at_finalize(std::function<void()> fn);
 
 /// init() in the constructor, finalize() in the destructor. If an exception leaves the guard's
 /// scope in a job of several ranks, the others may be waiting for this one inside a collective:
 /// instead of finalizing (which would wait for them), it prints the rank and the last error
-/// and aborts the job (MPI_Abort).
+/// and aborts the job (MPI_Abort). If finalize() raises (work left for it failed), the process
+/// prints the error and exits with status 1.
 class InitGuard {
  public:
   explicit InitGuard(Backend backend = Backend::MPI, InitOptions options = {})

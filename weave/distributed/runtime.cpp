@@ -239,7 +239,16 @@ void exit_without_finalize() {
 InitGuard::~InitGuard() {
   if (std::uncaught_exceptions() > unwinding_at_start_)
     abort_if_peers_wait("an exception is leaving the scope of its InitGuard");
-  finalize();
+  const int rank = initialized() ? runtime().rank : -1;
+  try {
+    finalize();
+  } catch (const std::exception& e) {
+    // A destructor cannot raise: the process exits non-zero instead, so a launcher (weave-run,
+    // a scheduler) never counts a lost checkpoint as a success.
+    std::fprintf(stderr, "[weave] rank %d: %s\n", rank, e.what());
+    std::fflush(stderr);
+    std::exit(EXIT_FAILURE);
+  }
 }
 
 void init(Backend backend, InitOptions options) {
@@ -317,11 +326,14 @@ void at_finalize(std::function<void()> fn) {
 void finalize() {
   Runtime& r = runtime();
   if (!r.up) return;
+  // A hook's failure (a checkpoint that could not be committed) is raised once the session is
+  // down: every hook still runs, and the job still leaves in step.
+  std::string hook_errors;
   for (auto hooks = std::exchange(r.finalize_hooks, {}); !hooks.empty(); hooks.pop_back()) {
     try {
       hooks.back()();
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "[weave] rank %d: warning: finalize: %s\n", r.rank, e.what());
+      hook_errors += (hook_errors.empty() ? "" : "; ") + std::string(e.what());
     }
   }
   {
@@ -364,6 +376,10 @@ void finalize() {
   if (r.uses_mpi) detail::mpi::finalize();
   set_process_place({});
   r.up = false;
+  WEAVE_CHECK(hook_errors.empty(), "finalize",
+              "work left for finalize() failed: {}; hint: call parallel::wait_for_checkpoint() "
+              "before finalize() to handle a failed background save where it happens",
+              hook_errors);
 }
 
 int rank() {

@@ -13,16 +13,15 @@ Tensor floating(const Tensor& x) {
   return convert(x, to_floating(x.dtype()));
 }
 
-Tensor apply_reduction(const Tensor& loss, Reduction reduction) {
-  switch (reduction) {
-    case Reduction::Mean:
-      return mean(loss);
-    case Reduction::Sum:
-      return sum(loss);
-    case Reduction::None:
-      return loss;
-  }
-  return loss;
+// A loss reduced to one number: summed (and divided by `count`, or by the element count) in
+// float32 when the losses are float16 or bfloat16, then rounded once to `out_dtype`. In float16
+// the sum of 65,536 ordinary losses is already infinite.
+Tensor reduce_loss(const Tensor& loss, Reduction reduction, DType out_dtype,
+                   std::optional<double> count = std::nullopt) {
+  if (reduction == Reduction::None) return loss.to(out_dtype);
+  Tensor wide = is_reduced_float(loss.dtype()) ? loss.to(kFloat32) : loss;
+  if (reduction == Reduction::Sum) return sum(wide).to(out_dtype);
+  return (sum(wide) / count.value_or(double(loss.numel()))).to(out_dtype);
 }
 
 }  // namespace
@@ -174,7 +173,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
   Tensor loss = empty_on({n}, dtype, logits.device()), lse = empty_on({n}, dtype, logits.device());
   kernels::cross_entropy(rows, t, ignore_index, loss, lse);
   // dlogits = g (softmax(logits) - onehot(target)), recomputed from the saved log-sum-exp
-  loss = autograd::record("CrossEntropyBackward", {logits}, convert(loss, out_dtype), [&] {
+  // The per-row losses stay in the kernel's dtype until reduced (float32 for float16 logits).
+  loss = autograd::record("CrossEntropyBackward", {logits}, loss, [&] {
     return [rs = SavedTensor(rows), t, lse, ignore_index,
             in = InputInfo(logits)](const BackwardArgs& args) -> Grads {
       Tensor rv = rs.unpack();
@@ -185,10 +185,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
     };
   });
   if (!batched) loss = loss.reshape({});
-  if (reduction == Reduction::None) return loss;
-  if (reduction == Reduction::Sum) return sum(loss);
   // The mean over the targets that count (NaN when every one is ignored, as in PyTorch).
-  return sum(loss) / double(counted);
+  return reduce_loss(loss, reduction, out_dtype, double(counted));
 }
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
@@ -201,8 +199,14 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
   }
   WEAVE_CHECK(input.shape() == target.shape(), "mse_loss",
               "input {} and target {} must have the same shape", input.shape(), target.shape());
+  const DType out_dtype = promote_types(to_floating(input.dtype()), target.dtype());
+  if (is_reduced_float(out_dtype) && reduction != Reduction::None) {
+    // The differences and their squares in float32 too: 300 squared is past float16's range.
+    Tensor diff = input.to(kFloat32) - target.to(kFloat32);
+    return reduce_loss(diff * diff, reduction, out_dtype);
+  }
   Tensor diff = floating(input) - target;
-  return apply_reduction(diff * diff, reduction);
+  return reduce_loss(diff * diff, reduction, diff.dtype());
 }
 
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,

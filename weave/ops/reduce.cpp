@@ -156,6 +156,10 @@ Tensor mean(const Tensor& x, const Dims& dims, bool keepdim) {
   int64_t count = 1;
   for (int d = 0; d < x.dim(); ++d)
     if (mask[d]) count *= x.shape()[d];
+  // float16 and bfloat16 are summed and divided in float32, then rounded once: a float16 sum of
+  // 70,000 ones is already infinite.
+  if (is_reduced_float(x.dtype()))
+    return (sum(x.to(kFloat32), dims, keepdim) / static_cast<double>(count)).to(x.dtype());
   Tensor xf = is_floating(x.dtype()) ? x : x.to(kFloat32);
   return sum(xf, dims, keepdim) / static_cast<double>(count);
 }
@@ -183,6 +187,8 @@ Tensor var(const Tensor& x, const Dims& dims, int64_t correction, bool keepdim) 
     if (mask[d]) count *= x.shape()[d];
   WEAVE_CHECK(count - correction > 0, "var",
               "{} elements with correction {} leave no degrees of freedom", count, correction);
+  if (is_reduced_float(x.dtype()))  // squares overflow float16 long before the data does
+    return var(x.to(kFloat32), dims, correction, keepdim).to(x.dtype());
   Tensor xf = is_floating(x.dtype()) ? x : x.to(kFloat32);
   Tensor centered = xf - mean(xf, dims, true);
   return sum(centered * centered, dims, keepdim) / static_cast<double>(count - correction);

@@ -6,6 +6,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/data/safetensors.h"
+#include "weave/nn/module.h"
 
 namespace weave::parallel::detail {
 
@@ -79,6 +80,16 @@ std::vector<int64_t> check_together(const std::function<void()>& checks, const d
               group.str());
   maxima.pop_back();
   return maxima;
+}
+
+void check_same_model(const nn::Module& module, const dist::Group& group, const char* op) {
+  std::vector<std::string> lines;
+  for (const auto& [name, t] : module.named_parameters())
+    lines.push_back(fmt::format("parameter {} {} {}", name, t.dtype(), t.shape()));
+  for (const auto& [name, t] : module.named_buffers())
+    lines.push_back(fmt::format("buffer {} {} {}", name, t.dtype(), t.shape()));
+  check_same_lines(lines, group, op, "the model",
+                   "build the same model (same layers, shapes and dtypes) on every rank");
 }
 
 std::vector<std::string> describe_tensors(const std::vector<Tensor>& tensors) {

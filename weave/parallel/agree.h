@@ -8,6 +8,10 @@
 
 #include "weave/distributed/distributed.h"
 
+namespace weave::nn {
+class Module;
+}
+
 namespace weave::parallel::detail {
 
 /// Raises weave::Error on every rank of the group unless every rank holds the same `lines`:
@@ -15,6 +19,11 @@ namespace weave::parallel::detail {
 /// Collective.
 void check_same_lines(const std::vector<std::string>& lines, const dist::Group& group,
                       const char* op, const std::string& what, const std::string& hint);
+
+/// Raises weave::Error (tagged `op`) on every rank of the group, naming the first difference,
+/// unless every rank's module has the same parameter and buffer names, shapes and dtypes.
+/// Collective.
+void check_same_model(const nn::Module& module, const dist::Group& group, const char* op);
 
 /// Runs this rank's argument `checks`, then agrees on the outcome over the group before anything
 /// else is communicated: a rank whose checks raised re-raises its error, and every other rank

@@ -17,25 +17,9 @@
 
 namespace weave::parallel {
 
-namespace {
-
-// "parameter name float32 [4, 3]" for every parameter, then every buffer.
-std::vector<std::string> describe_model(const nn::Module& module) {
-  std::vector<std::string> lines;
-  for (const auto& [name, t] : module.named_parameters())
-    lines.push_back(fmt::format("parameter {} {} {}", name, t.dtype(), t.shape()));
-  for (const auto& [name, t] : module.named_buffers())
-    lines.push_back(fmt::format("buffer {} {} {}", name, t.dtype(), t.shape()));
-  return lines;
-}
-
-}  // namespace
-
 void check_same_model(const nn::Module& module, const std::optional<dist::Group>& group_option) {
-  detail::check_same_lines(describe_model(module),
-                           detail::data_parallel_group(group_option, "check_same_model"),
-                           "DistributedDataParallel", "the model",
-                           "build the same model (same layers, shapes and dtypes) on every rank");
+  detail::check_same_model(module, detail::data_parallel_group(group_option, "check_same_model"),
+                           "check_same_model");
 }
 
 void broadcast_parameters(nn::Module& module, int root,
@@ -250,7 +234,7 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
   WEAVE_CHECK(s.group.rank() >= 0, "DistributedDataParallel",
               "rank {} is not in group {}; hint: only its members construct the wrapper",
               dist::rank(), s.group.str());
-  check_same_model(module, s.group);
+  detail::check_same_model(module, s.group, "DistributedDataParallel");
   broadcast_parameters(module, s.options.broadcast_from, s.group);
   for (const auto& [name, p] : module.named_parameters()) {
     if (!p.defined() || !p.requires_grad()) continue;
@@ -307,6 +291,10 @@ bool DistributedDataParallel::can_shadow() const {
 
 void DistributedDataParallel::shadow_step() {
   state_->shadow_step(module_);
+}
+
+void DistributedDataParallel::settle_abandoned_step() {
+  state_->readiness->settle_skipped_backward("DistributedDataParallel", state_->stats.steps);
 }
 
 std::vector<std::vector<std::string>> DistributedDataParallel::bucket_names() const {

@@ -124,6 +124,9 @@ class DistributedDataParallel {
   // traced), and that step: the forward's buffer broadcast, then every bucket with zeros.
   bool can_shadow() const;
   void shadow_step();
+  // join(), when this rank's loop raised after a synchronizing forward and before its backward:
+  // settles that step as failed with the group (the peers' backward is waiting for it).
+  void settle_abandoned_step();
 
   nn::Module& module_;
   std::shared_ptr<State> state_;

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/parallel/agree.h"
 #include "weave/parallel/ddp.h"
 #include "weave/parallel/distributed_optimizer.h"
 #include "weave/parallel/flat_buffer.h"
@@ -182,7 +183,7 @@ DecentralizedDataParallel::DecentralizedDataParallel(nn::Module& module,
               dist::rank(), s.group.str());
   s.make_optimizer = std::move(make_optimizer);
   s.phases = topology_phases(s.options.topology, s.group.size(), s.options.local_ranks);
-  check_same_model(module, s.group);
+  detail::check_same_model(module, s.group, op);
   broadcast_parameters(module, 0, s.group);
   // Every rank of the world creates every edge group of every sibling group, in one order
   // (new_group is collective over the world); an edge that recurs is created once.

@@ -150,7 +150,12 @@ void GradReadiness::finish(bool failed) {
 
 bool GradReadiness::begin_forward(const char* owner, int64_t step) {
   const bool synchronizing = autograd::GradMode::is_enabled() && !paused_;
-  if (synchronizing && backward_expected_) {
+  if (synchronizing) settle_skipped_backward(owner, step);
+  return synchronizing;
+}
+
+void GradReadiness::settle_skipped_backward(const char* owner, int64_t step) {
+  if (backward_expected_) {
     std::fprintf(stderr,
                  "[weave] rank %d: %s: step %lld's forward got no backward on this rank; its "
                  "gradients are discarded on every rank; hint: run evaluation under "
@@ -159,7 +164,6 @@ bool GradReadiness::begin_forward(const char* owner, int64_t step) {
     clear();
     finish(/*failed=*/true);
   }
-  return synchronizing;
 }
 
 void GradReadiness::mark_ready(int param) {

@@ -113,6 +113,10 @@ class GradReadiness {
   /// `owner` and `step`, and settles that step first as failed (finish(true)): the owner then
   /// issues what its peers' backward issued, so their collectives pair with this rank's.
   bool begin_forward(const char* owner, int64_t step);
+  /// The part of begin_forward that settles a step whose synchronizing forward got no backward
+  /// on this rank (warning, then finish(true)); nothing when no step is pending. join() calls it
+  /// when the loop raised between a forward and its backward.
+  void settle_skipped_backward(const char* owner, int64_t step);
   /// A synchronizing forward ran: its step is pending until finish() runs for it.
   void expect_backward() { backward_expected_ = true; }
   bool backward_expected() const { return backward_expected_; }

@@ -5,6 +5,8 @@
 #include "weave/parallel/fsdp_state.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <map>
 
 #include "weave/autograd/engine.h"
@@ -12,6 +14,7 @@
 #include "weave/parallel/agree.h"
 #include "weave/parallel/ddp.h"
 #include "weave/parallel/flat_buffer.h"
+#include "weave/parallel/join.h"
 #include "weave/parallel/mesh.h"
 #include "weave/parallel/placement.h"
 #include "weave/parallel/tensor_parallel.h"
@@ -82,6 +85,28 @@ std::vector<std::pair<std::string, std::vector<nn::Module*>>> resolve_units(
   return out;
 }
 
+// The options that shape the collectives, then each unit and its parameters: what every rank
+// must hold alike (units of equal sizes in another order would pair the wrong shards).
+std::vector<std::string> describe_units(
+    const FSDPOptions& options,
+    const std::vector<std::pair<std::string, std::vector<nn::Module*>>>& unit_specs) {
+  std::vector<std::string> lines = {
+      fmt::format("sharding {}",
+                  options.sharding == ShardingStrategy::FullShard ? "FullShard" : "ShardGradOp"),
+      fmt::format("unit_mb {}", options.unit_mb),
+      fmt::format("reshard_after_forward {}", options.reshard_after_forward),
+      fmt::format("prefetch {}", options.prefetch),
+      fmt::format("broadcast_from {}", options.broadcast_from),
+      fmt::format("check_finite {}", options.check_finite)};
+  for (const auto& [name, modules] : unit_specs) {
+    std::string line = fmt::format("unit '{}':", name);
+    for (const nn::Module* m : modules)
+      for (const auto& [n, p] : trainable(*m)) line += fmt::format(" {} {}", n, p.shape());
+    lines.push_back(std::move(line));
+  }
+  return lines;
+}
+
 }  // namespace
 
 FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptions options)
@@ -91,9 +116,22 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
   WEAVE_CHECK(s.group.rank() >= 0, kOp,
               "rank {} is not in group {}; hint: only its members construct the wrapper",
               dist::rank(), s.group.str());
-  check_same_model(module, s.group);
+  detail::check_same_model(module, s.group, kOp);
   std::vector<std::pair<std::string, std::vector<nn::Module*>>> unit_specs;
-  detail::check_together([&] { unit_specs = resolve_units(module, s.options); }, s.group, kOp);
+  detail::check_together(
+      [&] {
+        WEAVE_CHECK(std::isfinite(s.options.unit_mb) && s.options.unit_mb >= 0, kOp,
+                    "unit_mb must be a finite size in MB, 0 or more, found {}", s.options.unit_mb);
+        WEAVE_CHECK(s.options.broadcast_from >= 0 && s.options.broadcast_from < s.group.size(), kOp,
+                    "broadcast_from must be a rank of group {} (0 to {}), found {}", s.group.str(),
+                    s.group.size() - 1, s.options.broadcast_from);
+        unit_specs = resolve_units(module, s.options);
+      },
+      s.group, kOp);
+  detail::check_same_lines(describe_units(s.options, unit_specs), s.group, kOp,
+                           "the options and units",
+                           "construct FullyShardedDataParallel with the same FSDPOptions (units "
+                           "in the same order) on every rank");
   broadcast_parameters(module, s.options.broadcast_from, s.group);
 
   for (const auto& [name, p] : trainable(module)) {
@@ -208,6 +246,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
   s.readiness->set_buckets(buckets);
   for (State::Unit& u : s.units) s.release(u);
   s.backward_began.assign(s.units.size(), 0);
+  s.forward_stage.assign(s.units.size(), 0);
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
@@ -219,10 +258,27 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
 Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   State& s = *state_;
   const bool synchronizing = s.readiness->begin_forward(kOp, s.stats.steps);
-  s.ensure_gathered(s.root());
+  if (synchronizing) {
+    detail::join_step_begins(this);
+    dist::set_step(s.group, s.stats.steps);
+  }
+  s.forward_stage.assign(s.units.size(), 0);
   if (autograd::GradMode::is_enabled()) s.backward_began.assign(s.units.size(), 0);
-  if (synchronizing) s.bind_grads(s.root());
-  Tensor out = module_(input);
+  Tensor out;
+  try {
+    s.ensure_gathered(s.root());
+    if (synchronizing) s.bind_grads(s.root());
+    out = module_(input);
+  } catch (...) {
+    // The peers' forward went on: pair their collectives, then let this rank's error out.
+    try {
+      s.abandon_forward(synchronizing);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[weave] rank %d: %s: settling the failed forward raised too: %s\n",
+                   dist::rank(), kOp, e.what());
+    }
+    throw;
+  }
   if (!s.order_known && !s.forward_order.empty()) s.order_known = true;
   if (!autograd::GradMode::is_enabled() || !out.requires_grad()) {
     for (State::Unit& u : s.units) s.release(u);  // no backward follows
@@ -265,6 +321,22 @@ NoSyncGuard FullyShardedDataParallel::no_sync() {
 
 const FSDPStats& FullyShardedDataParallel::stats() const {
   return state_->stats;
+}
+
+bool FullyShardedDataParallel::can_shadow() const {
+  return state_->order_known;
+}
+
+void FullyShardedDataParallel::shadow_step() {
+  state_->shadow_step();
+}
+
+void FullyShardedDataParallel::settle_abandoned_step() {
+  state_->readiness->settle_skipped_backward(kOp, state_->stats.steps);
+}
+
+bool FullyShardedDataParallel::gradients_finite() const {
+  return state_->finite;
 }
 
 const dist::Group& FullyShardedDataParallel::group() const {

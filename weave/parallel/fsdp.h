@@ -75,6 +75,11 @@ struct FSDPOptions {
   std::optional<dist::Group> group = std::nullopt;
   /// Broadcast the parameters and buffers from this group rank at construction.
   int broadcast_from = 0;
+  /// After each synchronizing backward, check the averaged shard gradients for NaN and
+  /// infinity. Each rank holds other shards, so the ranks agree on one verdict (one small
+  /// all_reduce): every rank raises weave::Error from backward (gradients left as averaged),
+  /// and gradients_finite() says false until the next synchronizing backward.
+  bool check_finite = false;
 };
 
 /// What the wrapper did (for tests and benchmarks).
@@ -129,11 +134,24 @@ class FullyShardedDataParallel {
   nn::Module& sharded_module();
 
   const FSDPStats& stats() const;
+  /// With check_finite: false when the last synchronizing backward averaged a NaN or infinite
+  /// gradient into some rank's shard (the same answer on every rank).
+  bool gradients_finite() const;
   const dist::Group& group() const;
 
   struct State;
 
  private:
+  friend class Joined;
+  // join(): whether this rank can take part in a step with zero gradients (it has run a forward,
+  // so it knows the units' order), and that step: the forward's gathers, then the backward's
+  // gathers and reduce_scatters of zeros.
+  bool can_shadow() const;
+  void shadow_step();
+  // join(), when this rank's loop raised after a synchronizing forward and before its backward:
+  // settles that step as failed with the group (the peers' backward is waiting for it).
+  void settle_abandoned_step();
+
   nn::Module& module_;
   std::shared_ptr<State> state_;
 };

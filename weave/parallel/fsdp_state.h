@@ -58,7 +58,10 @@ struct FullyShardedDataParallel::State {
   std::vector<int> reducing;         // units with reduce_scatters in flight, oldest first
   bool end_queued = false;           // this backward's end-of-backward work is queued
   std::vector<char> backward_began;  // this step's units whose backward began
+  // How far this forward took each unit: 0 not begun, 1 gathered (pre-forward), 2 resharded.
+  std::vector<char> forward_stage;
   FSDPStats stats;
+  bool finite = true;  // the last synchronizing backward's verdict (check_finite)
   std::unique_ptr<nn::Module> shard_module;
 
   explicit State(FSDPOptions o)
@@ -127,6 +130,7 @@ struct FullyShardedDataParallel::State {
     Unit& unit = units[size_t(u)];
     ensure_gathered(unit);
     if (recomputing()) return;
+    forward_stage[size_t(u)] = 1;
     if (!order_known &&
         std::find(forward_order.begin(), forward_order.end(), u) == forward_order.end())
       forward_order.push_back(u);
@@ -140,6 +144,7 @@ struct FullyShardedDataParallel::State {
   Tensor post_forward(int u, const Tensor& output) {
     Unit& unit = units[size_t(u)];
     if (recomputing()) return output;  // its backward follows at once: keep it gathered
+    forward_stage[size_t(u)] = 2;
     if (trace::enabled())
       trace::detail::record("fsdp", fmt::format("forward unit {}", u), unit.forward_start_ns,
                             trace::detail::now_ns(), fmt::format("\"unit\": {}", u));
@@ -176,18 +181,51 @@ struct FullyShardedDataParallel::State {
     }
   }
 
-  // A rank whose backward stopped early issues what the others still issue, in their order: for
-  // each unit whose backward had not begun (last forward first), its gathers, then its
-  // gradients complete (zeros), which launches its reduce_scatter in the fixed order.
-  void replay_rest_of_backward() {
+  // The forward order, completed with the units it lacks in index order (a first forward that
+  // stopped early has seen only some; its peers run the model's children in order).
+  std::vector<int> completed_forward_order() const {
     std::vector<int> order = forward_order;
-    if (order.empty())
-      for (int u = 0; u + 1 < int(units.size()); ++u) order.push_back(u);
+    for (int u = 0; u + 1 < int(units.size()); ++u)
+      if (std::find(order.begin(), order.end(), u) == order.end()) order.push_back(u);
+    return order;
+  }
+
+  // A rank whose backward stopped early issues what the others still issue, in their order: for
+  // each unit whose backward had not begun (last forward first), its gathers, then (when
+  // `reduce`) its gradients complete (zeros), which launches its reduce_scatter in the fixed
+  // order.
+  void replay_rest_of_backward(bool reduce = true) {
+    const std::vector<int> order = completed_forward_order();
     for (auto it = order.rbegin(); it != order.rend(); ++it) {
       if (!backward_began[size_t(*it)]) gather_for_backward(*it);
+      if (!reduce) continue;
       for (const Flat& f : units[size_t(*it)].flats)
         for (int i : f.params) readiness->mark_ready(i);
     }
+  }
+
+  // This rank's forward raised, its peers' did not: issue the gathers the rest of their forward
+  // issues, then what their backward issues (`synchronizing`: the reduce_scatters and the
+  // settling all_reduce too, the step failed; in no_sync, the gathers only), so every
+  // collective still pairs and the next step starts in step. Grad mode off: no backward follows.
+  void abandon_forward(bool synchronizing) {
+    forward_order = completed_forward_order();
+    order_known = true;
+    for (int u : forward_order) {
+      if (forward_stage[size_t(u)] == 0) pre_forward(u);
+      release(units[size_t(u)]);
+    }
+    if (!autograd::GradMode::is_enabled()) {
+      for (Unit& u : units) release(u);
+      return;
+    }
+    if (synchronizing) {
+      readiness->clear();
+      settle(/*failed=*/true);
+      return;
+    }
+    replay_rest_of_backward(/*reduce=*/false);
+    for (Unit& u : units) release(u);
   }
 
   // Whole-gradient buffers for the unit, the parameters' .grad bound into them so backward
@@ -257,6 +295,7 @@ struct FullyShardedDataParallel::State {
     for (int u : reducing) finish_reduce(units[size_t(u)]);
     reducing.clear();
     NoGradGuard no_grad;
+    if (failed_ranks == 0 && options.check_finite) finite = agree_finite();
     if (failed_ranks == 0)
       for (Unit& u : units)
         for (Flat& f : u.flats) {
@@ -270,12 +309,48 @@ struct FullyShardedDataParallel::State {
       release(u);
     }
     if (failed_ranks > 0) ++stats.failed_steps;
+    if (failed_ranks == 0 && !finite)
+      WEAVE_FAIL(kFSDPOp,
+                 "the averaged gradients of step {} hold NaN or infinity; every rank of group {} "
+                 "raises; hint: skip this step on every rank (zero_grad, no optimizer step), or "
+                 "lower the learning rate or loss scale",
+                 step, group.str());
     if (failed_ranks == 0 || failed) return;  // a failed rank's own error is the one to report
     WEAVE_FAIL(kFSDPOp,
-               "{} of the {} ranks of group {} failed in backward in step {} (see their error), so "
+               "{} of the {} ranks of group {} failed in forward or backward in step {} (see their "
+               "error), so "
                "every rank discarded this step's gradients; hint: catch this error and go on to "
                "the next batch on every rank, as the failing rank does",
                failed_ranks, group.size(), group.str(), step);
+  }
+
+  // join(): the step the others take, with zero gradients from this rank, settled with them.
+  void shadow_step() {
+    // Its gradients are this step's average alone, as a training rank's after zero_grad.
+    for (Unit& u : units)
+      for (Flat& f : u.flats) f.shard.set_grad(Tensor());
+    dist::set_step(group, stats.steps);
+    forward_stage.assign(units.size(), 0);
+    backward_began.assign(units.size(), 0);
+    ensure_gathered(root());
+    for (int u : completed_forward_order()) {
+      pre_forward(u);
+      release(units[size_t(u)]);
+    }
+    readiness->clear();
+    replay_rest_of_backward();
+    settle(/*failed=*/false);
+  }
+
+  // Whether every rank's averaged shard gradients are finite: each checks its own, and the
+  // group agrees in one all_reduce.
+  bool agree_finite() {
+    std::vector<Tensor> reduced;
+    for (const Unit& u : units)
+      for (const Flat& f : u.flats) reduced.push_back(f.reduced);
+    Tensor bad = full({1}, all_finite(reduced) ? 0.0 : 1.0, {.dtype = kInt64});
+    dist::all_reduce(bad, dist::ReduceOp::Max, group);
+    return bad.item<int64_t>() == 0;
   }
 
   std::weak_ptr<State> self;

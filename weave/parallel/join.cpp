@@ -66,7 +66,16 @@ Joined::Joined(DistributedDataParallel& ddp)
             "the parameters' values after join()",
             "a rank that ran out of batches did not step its optimizer; list the optimizer "
             "after the DDP wrapper: parallel::join({ddp, optimizer}, ...)");
-      }) {}
+      }),
+      abandon_([&ddp] { ddp.settle_abandoned_step(); }) {}
+
+Joined::Joined(FullyShardedDataParallel& fsdp)
+    : wrapper_(&fsdp),
+      group_(fsdp.group()),
+      can_shadow_([&fsdp] { return fsdp.can_shadow(); }),
+      shadow_([&fsdp] { fsdp.shadow_step(); }),
+      at_end_([] {}),
+      abandon_([&fsdp] { fsdp.settle_abandoned_step(); }) {}
 
 // ZeRO and DistributedOptimizer average the gradients in step() itself: a rank out of inputs
 // steps with none (each takes part with zeros).
@@ -94,11 +103,12 @@ Joined::Joined(optim::Optimizer& optimizer)
 void join(const std::vector<Joined>& joined, const std::function<void()>& loop) {
   const auto first = std::find_if(joined.begin(), joined.end(),
                                   [](const Joined& j) { return j.group_.has_value(); });
-  WEAVE_CHECK(first != joined.end(), "join",
-              "expected a DistributedDataParallel, ZeroRedundancyOptimizer or "
-              "DistributedOptimizer among the {} listed, found none; hint: a local optimizer "
-              "alone has no group to join",
-              joined.size());
+  WEAVE_CHECK(
+      first != joined.end(), "join",
+      "expected a DistributedDataParallel, FullyShardedDataParallel, ZeroRedundancyOptimizer or "
+      "DistributedOptimizer among the {} listed, found none; hint: a local optimizer "
+      "alone has no group to join",
+      joined.size());
   const dist::Group group = *first->group_;
   for (const Joined& j : joined)
     WEAVE_CHECK(!j.group_ || j.group_->ranks() == group.ranks(), "join",
@@ -114,8 +124,14 @@ void join(const std::vector<Joined>& joined, const std::function<void()>& loop) 
   try {
     loop();
   } catch (...) {
-    // The others learn it at their next step (or in their shadow loop) and raise too.
+    // The others learn it at their next step (or in their shadow loop) and raise too. A step
+    // whose forward ran here but whose backward did not is settled first: the peers' backward
+    // is issuing its collectives.
     region.shadowing = true;
+    for (const Joined& j : joined) try {
+        j.abandon_();
+      } catch (...) {  // the loop's own error is the one to report
+      }
     if (!region.failure_counted) try {
         count_ranks(group, /*training=*/false, /*failed=*/true);
       } catch (...) {  // a peer already out of step: the guard raised there as well
@@ -129,9 +145,9 @@ void join(const std::vector<Joined>& joined, const std::function<void()>& loop) 
     const Count count = count_ranks(group, /*training=*/false, /*failed=*/!can_shadow);
     WEAVE_CHECK(can_shadow, "join",
                 "this rank ran out of inputs before its DistributedDataParallel's first "
-                "backward, so it cannot shadow the others' steps (their buckets are traced in "
-                "that backward); every rank of group {} stops; hint: give every rank at least "
-                "one batch",
+                "backward or its FullyShardedDataParallel's first forward, so it cannot shadow "
+                "the others' steps (their buckets and units' order are traced there); every "
+                "rank of group {} stops; hint: give every rank at least one batch",
                 group.str());
     if (count.failed > 0) fail_with_peers(count, group);
     if (count.training == 0) break;

@@ -34,6 +34,7 @@
 
 #include "weave/parallel/ddp.h"
 #include "weave/parallel/distributed_optimizer.h"
+#include "weave/parallel/fsdp.h"
 #include "weave/parallel/zero.h"
 
 namespace weave::parallel {
@@ -42,6 +43,8 @@ namespace weave::parallel {
 class Joined {
  public:
   Joined(DistributedDataParallel& ddp);
+  /// The optimizer of fsdp.parameters() is listed after it, as a local optimizer.
+  Joined(FullyShardedDataParallel& fsdp);
   Joined(ZeroRedundancyOptimizer& zero);
   Joined(DistributedOptimizer& optimizer);
   /// The local optimizer of a DDP model: list it after the wrapper, so the idle rank steps it on
@@ -55,8 +58,9 @@ class Joined {
   const void* wrapper_ = nullptr;
   std::optional<dist::Group> group_;  // none for a local optimizer
   std::function<bool()> can_shadow_;
-  std::function<void()> shadow_;  // one step of the others, with zero gradients
-  std::function<void()> at_end_;  // checks once every rank is done
+  std::function<void()> shadow_;           // one step of the others, with zero gradients
+  std::function<void()> at_end_;           // checks once every rank is done
+  std::function<void()> abandon_ = [] {};  // settles a step the raising loop left pending
 };
 
 /// Runs `loop` (this rank's training loop) with uneven inputs allowed across the group of the

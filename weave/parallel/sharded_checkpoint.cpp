@@ -5,11 +5,12 @@
 #include <filesystem>
 #include <functional>
 #include <mutex>
-#include <nlohmann/json.hpp>
+#include <random>
 #include <regex>
 #include <thread>
 
 #include "weave/parallel/agree.h"
+#include "weave/parallel/checkpoint_index.h"
 #include "weave/parallel/placement.h"
 #include "weave/parallel/reshard.h"
 
@@ -17,13 +18,10 @@ namespace weave::parallel {
 
 namespace {
 
-using json = nlohmann::json;
 namespace fs = std::filesystem;
 
 // Format 2 records each tensor's placement (and loads at any layout); format 1 did not (it loads
 // at the world size it was saved at).
-constexpr const char* kFormat = "weave-sharded-2";
-constexpr const char* kFormatWithoutPlacements = "weave-sharded-1";
 
 // True on every rank iff `ok` holds on every rank of the group (one all_reduce).
 bool everyone(bool ok, const dist::Group& group) {
@@ -63,27 +61,10 @@ bool is_our_temporary(const std::string& name) {
   return std::regex_match(name, pattern);
 }
 
-json read_index(const std::string& dir) {
-  const std::string path = dir + "/index.json";
-  const std::string text = data::read_file(path);
-  json index = json::parse(text, nullptr, false);
-  const bool known = !index.is_discarded() && index.is_object() && index.contains("format") &&
-                     index["format"].is_string() &&
-                     (index["format"] == kFormat || index["format"] == kFormatWithoutPlacements);
-  WEAVE_CHECK(known && index.contains("world_size") && index["world_size"].is_number_integer() &&
-                  index.contains("generation") && index["generation"].is_number_integer() &&
-                  index.contains("files") && index["files"].is_array(),
-              "load_sharded_checkpoint", "{} is not a weave sharded checkpoint index", path);
-  for (const json& f : index["files"])
-    WEAVE_CHECK(f.is_string() && f.get<std::string>().find('/') == std::string::npos,
-                "load_sharded_checkpoint", "{} lists a file name that is not a plain name", path);
-  return index;
-}
-
 int64_t current_generation(const std::string& dir) {
   if (!fs::exists(dir + "/index.json")) return 0;
   try {
-    return read_index(dir)["generation"].get<int64_t>();
+    return detail::read_checkpoint_index(dir).generation;
   } catch (const Error&) {
     return 0;  // an unreadable index is replaced by this save
   }
@@ -105,12 +86,14 @@ struct Save {
   std::string dir;
   dist::Group group;
   int64_t generation = 0;
+  std::string save_id;  // in every file and the index: ties the save's files together
   bool single_file = false;
   std::vector<std::string> files;
   // This rank's part (every rank), or every rank's parts (group rank 0, single_file).
   data::SafetensorsFile contents;
   // Set by the writer: the bytes of this rank's file (-1: it writes none), or its error.
   int64_t written = -1;
+  uint32_t crc = 0;  // of the file's bytes
   std::exception_ptr error;
   std::thread writer;  // an asynchronous save's background writer
 
@@ -139,6 +122,7 @@ void write_files(Save& save) {
         data::serialize_safetensors(save.contents.tensors, save.contents.metadata);
     data::write_file_atomically(save.dir + "/" + name, image);
     save.written = int64_t(image.size());
+    save.crc = data::checksum_bytes(image.data(), image.size());
   } catch (...) {
     save.error = std::current_exception();
   }
@@ -157,15 +141,21 @@ void commit(Save& save) {
                 [&] {
                   if (save.error) std::rethrow_exception(save.error);
                 });
-  Tensor all_sizes = empty({size}, {.dtype = kInt64});
-  dist::all_gather(all_sizes, full({1}, double(save.written), {.dtype = kInt64}), group);
-  std::vector<int64_t> sizes = all_sizes.to_vector<int64_t>();
-  if (save.single_file) sizes.resize(1);
-  const json index = {{"format", kFormat},
-                      {"world_size", size},
-                      {"generation", save.generation},
-                      {"files", save.files},
-                      {"single_file", save.single_file}};
+  // Each rank's file size and CRC-32.
+  Tensor written = empty({2 * size}, {.dtype = kInt64});
+  dist::all_gather(written, from_vector<int64_t>({save.written, int64_t(save.crc)}, {2}), group);
+  const std::vector<int64_t> size_and_crc = written.to_vector<int64_t>();
+  detail::CheckpointIndex index{.world_size = size,
+                                .generation = save.generation,
+                                .single_file = save.single_file,
+                                .files = save.files,
+                                .save_id = save.save_id,
+                                .checksums = {}};
+  std::vector<int64_t> sizes;
+  for (size_t i = 0; i < save.files.size(); ++i) {
+    sizes.push_back(size_and_crc[2 * i]);
+    index.checksums.push_back(uint32_t(size_and_crc[2 * i + 1]));
+  }
   on_every_rank(op, group, "commit the index", [&] {
     if (rank != 0) return;
     for (size_t i = 0; i < save.files.size(); ++i) {
@@ -178,7 +168,7 @@ void commit(Save& save) {
                   save.dir, save.files[i], ec ? "missing" : fmt::format("{} bytes", found),
                   sizes[i]);
     }
-    data::write_file_atomically(save.dir + "/index.json", index.dump(2) + "\n");
+    data::write_file_atomically(save.dir + "/index.json", index.dump());
   });
   // Older generations are garbage now, and so are temporaries that killed saves left behind
   // (every rank's writes of this save are complete: nothing of ours is being written).
@@ -214,6 +204,26 @@ data::SafetensorsFile host_copy(data::SafetensorsFile contents) {
   return contents;
 }
 
+// Group rank 0 prepares the directory and picks the generation and the save id; every rank
+// learns both.
+void prepare_save(Save& save, const char* op) {
+  const std::string& dir = save.dir;
+  Tensor generation_and_id = zeros({2}, {.dtype = kInt64});
+  on_every_rank(op, save.group, "prepare the checkpoint directory", [&] {
+    if (save.group.rank() != 0) return;
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    WEAVE_CHECK(!ec, op, "cannot create {}: {}", dir, ec.message());
+    std::random_device entropy;
+    const int64_t id = (int64_t(entropy()) << 31) ^ int64_t(entropy());
+    generation_and_id.copy_(from_vector<int64_t>({current_generation(dir) + 1, id}, {2}));
+  });
+  dist::broadcast(generation_and_id, 0, save.group);
+  const std::vector<int64_t> generation_id = generation_and_id.to_vector<int64_t>();
+  save.generation = generation_id[0];
+  save.save_id = fmt::format("{:x}-g{}", generation_id[1], save.generation);
+}
+
 }  // namespace
 
 void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& state,
@@ -228,25 +238,23 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
   WEAVE_CHECK(rank >= 0, op, "this rank is not in group {}", group.str());
   // One checkpoint, one directory: ranks that name different ones would each write a part
   // that the other's index does not find.
+  // Every overload here takes an error_code: a path the file system rejects is this check's
+  // business, not a std::filesystem_error's.
   std::error_code path_error;
-  const std::string where = fs::weakly_canonical(fs::absolute(dir), path_error).string();
-  detail::check_same_lines({path_error ? dir : where}, group, op, "the checkpoint directory",
+  fs::path absolute = dir.empty() ? fs::path() : fs::absolute(dir, path_error);
+  if (!path_error) absolute = fs::weakly_canonical(absolute, path_error);
+  const std::string where = dir.empty() ? "(an empty path)" : path_error ? dir : absolute.string();
+  detail::check_same_lines({where}, group, op, "the checkpoint directory",
                            "every rank of the group saves into the same directory (a shared "
                            "file system), with the same path");
-  // Rank 0 prepares the directory and picks the generation; everyone learns both.
-  Tensor generation = zeros({1}, {.dtype = kInt64});
-  on_every_rank(op, group, "prepare the checkpoint directory", [&] {
-    if (rank != 0) return;
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    WEAVE_CHECK(!ec, op, "cannot create {}: {}", dir, ec.message());
-    generation.fill_(static_cast<double>(current_generation(dir) + 1));
-  });
-  dist::broadcast(generation, 0, group);
-  save->generation = generation.item<int64_t>();
+  WEAVE_CHECK(!dir.empty(), op,
+              "expected a directory to save into, found an empty path; hint: pass a path such "
+              "as \"checkpoints/step_1000\"");
+  prepare_save(*save, op);
 
   data::SafetensorsFile mine = data::checkpoint_contents(state);
   mine.metadata["weave.placement"] = detail::placements_text(detail::placements_of(state));
+  mine.metadata[detail::kSaveIdKey] = save->save_id;
   if (!options.single_file) {
     for (int r = 0; r < size; ++r) save->files.push_back(shard_name(r, size, save->generation));
     save->contents = options.async ? host_copy(std::move(mine)) : std::move(mine);
@@ -275,6 +283,7 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
         for (const auto& [key, value] : contents.metadata)
           save->contents.metadata[fmt::format("rank{}/{}", r, key)] = value;
       }
+      save->contents.metadata[detail::kSaveIdKey] = save->save_id;
     });
   }
   if (!options.async) {
@@ -324,21 +333,20 @@ void restore_everywhere(const std::function<data::SafetensorsFile()>& read,
 }
 
 // A checkpoint without placements (format 1): each rank restores its own part whole.
-void load_own_parts(const json& index, const std::string& dir, data::TrainingState& state,
-                    const dist::Group& group) {
+void load_own_parts(const detail::CheckpointIndex& index, const std::string& dir,
+                    data::TrainingState& state, const dist::Group& group) {
   const int rank = group.rank(), size = group.size();
-  const bool single = index.value("single_file", false);
+  const bool single = index.single_file;
   std::string path = dir;  // the file, once the sizes are known to match (names it in errors)
   restore_everywhere(
       [&] {
-        const int saved_size = index["world_size"].get<int>();
-        WEAVE_CHECK(saved_size == size && index["files"].size() == (single ? 1u : size_t(size)),
-                    "load_sharded_checkpoint",
+        const int saved_size = index.world_size;
+        WEAVE_CHECK(saved_size == size, "load_sharded_checkpoint",
                     "{} was saved by {} ranks in format {}, which records no placements, and "
                     "this group has {}; hint: load it at the world size it was saved at and save "
                     "it again",
-                    dir, saved_size, kFormatWithoutPlacements, size);
-        path = dir + "/" + index["files"][single ? 0 : size_t(rank)].get<std::string>();
+                    dir, saved_size, detail::kCheckpointFormatWithoutPlacements, size);
+        path = dir + "/" + index.files[single ? 0 : size_t(rank)];
         data::SafetensorsFile contents = data::load_safetensors(path);
         return single ? rank_part(contents, rank) : contents;
       },
@@ -355,28 +363,18 @@ ShardedLoadReport load_sharded_checkpoint(const std::string& dir, data::Training
   WEAVE_CHECK(rank >= 0, op, "this rank is not in group {}", group.str());
   ShardedLoadReport report;
   // 1. Local: the index, every file's header, the plan of this rank's reads.
-  json index;
+  detail::CheckpointIndex index;
   std::vector<detail::SavedPart> parts;
   detail::LoadPlan plan;
   std::vector<std::string> saved;
   std::exception_ptr error;
   try {
-    index = read_index(dir);
-    report.saved_world_size = index["world_size"].get<int>();
-    if (index["format"] != kFormatWithoutPlacements) {
-      const bool single = index.value("single_file", false);
-      const auto& files = index["files"];
-      WEAVE_CHECK(report.saved_world_size > 0 &&
-                      files.size() == (single ? 1u : size_t(report.saved_world_size)),
-                  op, "{}/index.json lists {} files for {} ranks", dir, files.size(),
-                  report.saved_world_size);
-      std::vector<std::shared_ptr<const data::SafetensorsHeader>> headers;
-      for (const json& f : files) {
-        headers.push_back(std::make_shared<data::SafetensorsHeader>(
-            data::read_safetensors_header(dir + "/" + f.get<std::string>())));
-        report.bytes_read += int64_t(headers.back()->bytes_read);
-      }
-      parts = detail::saved_parts(headers, single, report.saved_world_size);
+    index = detail::read_checkpoint_index(dir);
+    report.saved_world_size = index.world_size;
+    if (index.has_placements()) {
+      const auto headers = detail::read_checkpoint_headers(dir, index);
+      for (const auto& header : headers) report.bytes_read += int64_t(header->bytes_read);
+      parts = detail::saved_parts(headers, index.single_file, report.saved_world_size);
       plan = detail::plan_load(parts, state, rank, size, dir);
       saved = detail::saved_globals(parts);
     }
@@ -390,7 +388,7 @@ ShardedLoadReport load_sharded_checkpoint(const std::string& dir, data::Training
                "here",
                group.str(), dir);
   }
-  if (index["format"] == kFormatWithoutPlacements) {
+  if (!index.has_placements()) {
     load_own_parts(index, dir, state, group);
     return report;
   }
