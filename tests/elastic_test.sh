@@ -62,6 +62,7 @@ printf '\x5a' | dd of="$file" bs=1 seek=$(($(stat -c %s "$file") - 5)) conv=notr
 if "$weave_ckpt" info "$work/same" > "$work/corrupt.txt" 2>&1; then
   echo "FAIL: weave-ckpt accepted a corrupt file"; exit 1
 fi
-grep -q "fails its checksum" "$work/corrupt.txt" || { cat "$work/corrupt.txt"; exit 1; }
+grep -qE "fails its checksum|has CRC-32 [0-9a-f]+, but the index recorded" "$work/corrupt.txt" ||
+  { cat "$work/corrupt.txt"; exit 1; }
 echo "weave-ckpt: described, and refused a flipped byte"
 echo "fewer ranks: resumed at step $resumed at 1 rank, exact"
