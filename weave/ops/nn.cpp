@@ -200,13 +200,10 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
   WEAVE_CHECK(input.shape() == target.shape(), "mse_loss",
               "input {} and target {} must have the same shape", input.shape(), target.shape());
   const DType out_dtype = promote_types(to_floating(input.dtype()), target.dtype());
-  if (is_reduced_float(out_dtype) && reduction != Reduction::None) {
-    // The differences and their squares in float32 too: 300 squared is past float16's range.
-    Tensor diff = input.to(kFloat32) - target.to(kFloat32);
-    return reduce_loss(diff * diff, reduction, out_dtype);
-  }
-  Tensor diff = floating(input) - target;
-  return reduce_loss(diff * diff, reduction, diff.dtype());
+  // Reduced, float16 differences are squared in float32 too: 300 squared is past its range.
+  const bool widen = is_reduced_float(out_dtype) && reduction != Reduction::None;
+  Tensor diff = widen ? input.to(kFloat32) - target.to(kFloat32) : floating(input) - target;
+  return reduce_loss(diff * diff, reduction, out_dtype);
 }
 
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight,

@@ -246,7 +246,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
   s.readiness->set_buckets(buckets);
   for (State::Unit& u : s.units) s.release(u);
   s.backward_began.assign(s.units.size(), 0);
-  s.forward_stage.assign(s.units.size(), 0);
+  s.forward_began.assign(s.units.size(), 0);
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
@@ -262,7 +262,7 @@ Tensor FullyShardedDataParallel::forward(const Tensor& input) {
     detail::join_step_begins(this);
     dist::set_step(s.group, s.stats.steps);
   }
-  s.forward_stage.assign(s.units.size(), 0);
+  s.forward_began.assign(s.units.size(), 0);
   if (autograd::GradMode::is_enabled()) s.backward_began.assign(s.units.size(), 0);
   Tensor out;
   try {

@@ -33,11 +33,14 @@
 // Activation checkpointing (nn::Checkpoint around the units) composes: the recomputation runs
 // inside the unit's backward, while the unit is gathered.
 //
-// Every rank of the group runs the same model code (the collectives pair up by order). A rank
-// whose backward fails part-way still issues what its peers' backward issues, in their order
-// (each remaining unit's gathers, then its reduce_scatter of zeros); a rank that skips backward
-// does so at its next forward, with a warning. One small all_reduce at the end tells every rank,
-// every rank discards the step's gradients, and the ranks that did not fail raise.
+// Every rank of the group runs the same model code (the collectives pair up by order), with the
+// same options and units (checked at construction). A rank whose forward raises still issues
+// what its peers' forward and backward issue, before its error leaves forward; a rank whose
+// backward fails part-way still issues what its peers' backward issues, in their order (each
+// remaining unit's gathers, then its reduce_scatter of zeros); a rank that skips backward does
+// so at its next forward, with a warning. One small all_reduce at the end tells every rank,
+// every rank discards the step's gradients, and the ranks that did not fail raise. Each step is
+// numbered on the group (dist::set_step), so ranks in different steps raise instead of pairing.
 #include <memory>
 #include <optional>
 #include <string>

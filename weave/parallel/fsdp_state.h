@@ -58,8 +58,7 @@ struct FullyShardedDataParallel::State {
   std::vector<int> reducing;         // units with reduce_scatters in flight, oldest first
   bool end_queued = false;           // this backward's end-of-backward work is queued
   std::vector<char> backward_began;  // this step's units whose backward began
-  // How far this forward took each unit: 0 not begun, 1 gathered (pre-forward), 2 resharded.
-  std::vector<char> forward_stage;
+  std::vector<char> forward_began;   // this forward's units whose pre-forward ran
   FSDPStats stats;
   bool finite = true;  // the last synchronizing backward's verdict (check_finite)
   std::unique_ptr<nn::Module> shard_module;
@@ -130,7 +129,7 @@ struct FullyShardedDataParallel::State {
     Unit& unit = units[size_t(u)];
     ensure_gathered(unit);
     if (recomputing()) return;
-    forward_stage[size_t(u)] = 1;
+    forward_began[size_t(u)] = 1;
     if (!order_known &&
         std::find(forward_order.begin(), forward_order.end(), u) == forward_order.end())
       forward_order.push_back(u);
@@ -144,7 +143,6 @@ struct FullyShardedDataParallel::State {
   Tensor post_forward(int u, const Tensor& output) {
     Unit& unit = units[size_t(u)];
     if (recomputing()) return output;  // its backward follows at once: keep it gathered
-    forward_stage[size_t(u)] = 2;
     if (trace::enabled())
       trace::detail::record("fsdp", fmt::format("forward unit {}", u), unit.forward_start_ns,
                             trace::detail::now_ns(), fmt::format("\"unit\": {}", u));
@@ -204,27 +202,29 @@ struct FullyShardedDataParallel::State {
     }
   }
 
-  // This rank's forward raised, its peers' did not: issue the gathers the rest of their forward
-  // issues, then what their backward issues (`synchronizing`: the reduce_scatters and the
-  // settling all_reduce too, the step failed; in no_sync, the gathers only), so every
-  // collective still pairs and the next step starts in step. Grad mode off: no backward follows.
-  void abandon_forward(bool synchronizing) {
+  // What the rest of a forward issues: each unit not begun yet gathers (and prefetches the
+  // next), then every unit is released as its forward would have released it.
+  void replay_rest_of_forward() {
     forward_order = completed_forward_order();
     order_known = true;
     for (int u : forward_order) {
-      if (forward_stage[size_t(u)] == 0) pre_forward(u);
+      if (!forward_began[size_t(u)]) pre_forward(u);
       release(units[size_t(u)]);
     }
-    if (!autograd::GradMode::is_enabled()) {
-      for (Unit& u : units) release(u);
-      return;
-    }
+  }
+
+  // This rank's forward raised, its peers' did not: issue what the rest of their forward and
+  // their backward issue (synchronizing: the reduce_scatters and the settling all_reduce, the
+  // step failed; no_sync: the backward's gathers only; grad mode off: no backward follows), so
+  // every collective still pairs and the next step starts in step.
+  void abandon_forward(bool synchronizing) {
+    replay_rest_of_forward();
     if (synchronizing) {
       readiness->clear();
-      settle(/*failed=*/true);
+      settle(/*failed=*/true);  // releases every unit
       return;
     }
-    replay_rest_of_backward(/*reduce=*/false);
+    if (autograd::GradMode::is_enabled()) replay_rest_of_backward(/*reduce=*/false);
     for (Unit& u : units) release(u);
   }
 
@@ -317,10 +317,9 @@ struct FullyShardedDataParallel::State {
                  step, group.str());
     if (failed_ranks == 0 || failed) return;  // a failed rank's own error is the one to report
     WEAVE_FAIL(kFSDPOp,
-               "{} of the {} ranks of group {} failed in forward or backward in step {} (see their "
-               "error), so "
-               "every rank discarded this step's gradients; hint: catch this error and go on to "
-               "the next batch on every rank, as the failing rank does",
+               "{} of the {} ranks of group {} failed in forward or backward in step {} (see "
+               "their error), so every rank discarded this step's gradients; hint: catch this "
+               "error and go on to the next batch on every rank, as the failing rank does",
                failed_ranks, group.size(), group.str(), step);
   }
 
@@ -330,13 +329,10 @@ struct FullyShardedDataParallel::State {
     for (Unit& u : units)
       for (Flat& f : u.flats) f.shard.set_grad(Tensor());
     dist::set_step(group, stats.steps);
-    forward_stage.assign(units.size(), 0);
+    forward_began.assign(units.size(), 0);
     backward_began.assign(units.size(), 0);
     ensure_gathered(root());
-    for (int u : completed_forward_order()) {
-      pre_forward(u);
-      release(units[size_t(u)]);
-    }
+    replay_rest_of_forward();
     readiness->clear();
     replay_rest_of_backward();
     settle(/*failed=*/false);

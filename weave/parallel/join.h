@@ -15,16 +15,18 @@
 //
 // Each step of the first listed wrapper begins with one small all_reduce that counts the ranks
 // still training. A rank whose loop has returned answers it with zero, then takes part in the
-// step with zero gradients (DDP: the same bucket all_reduces; ZeRO: the same reduce-scatter and
-// all-gather; DistributedOptimizer: the same all_reduces) and steps what it received as the
-// others do, so the replicas stay equal: parameters and optimizer state end where the others'
-// end. Gradients are averaged over the whole group (PyTorch's divide_by_initial_world_size): a
-// rank out of batches contributes zeros. join() returns on every rank once every rank's loop
-// has returned.
+// step with zero gradients (DDP: the same bucket all_reduces; FSDP: the same gathers and
+// reduce-scatters; ZeRO: the same reduce-scatter and all-gather; DistributedOptimizer: the same
+// all_reduces) and steps what it received as the others do, so the replicas stay equal:
+// parameters and optimizer state end where the others' end. Gradients are averaged over the
+// whole group (PyTorch's divide_by_initial_world_size): a rank out of batches contributes
+// zeros. join() returns on every rank once every rank's loop has returned.
 //
 // A loop that raises on one rank makes every other rank raise at its next step (a DDP step that
-// failed on a training rank is skipped by the shadowing ones, as by the training ones). A rank
-// out of batches before its DDP wrapper's first backward cannot shadow it (the buckets are not
+// failed on a training rank is skipped by the shadowing ones, as by the training ones); a DDP or
+// FSDP step whose forward ran on the raising rank but whose backward did not is first settled
+// with the group, as failed. A rank out of batches before its DDP wrapper's first backward (or
+// its FSDP wrapper's first forward) cannot shadow it (the buckets or the units' order are not
 // traced yet): every rank raises. Listing DDP without the optimizer that steps its parameters
 // would leave the idle rank's replica behind: join() compares the replicas' values when it
 // ends and raises on every rank if they differ.

@@ -20,9 +20,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Format 2 records each tensor's placement (and loads at any layout); format 1 did not (it loads
-// at the world size it was saved at).
-
 // True on every rank iff `ok` holds on every rank of the group (one all_reduce).
 bool everyone(bool ok, const dist::Group& group) {
   Tensor flag = full({1}, ok ? 1.0 : 0.0, {.dtype = kInt32});
