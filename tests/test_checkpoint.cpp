@@ -21,6 +21,22 @@ std::filesystem::path scratch_dir() {
   return dir;
 }
 
+// A field of /proc/self/status in kB (VmRSS: resident now, VmHWM: the resident peak).
+int64_t status_kb(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
+  return -1;
+}
+
+// Restarts VmHWM from the resident size now; false where the kernel does not allow it.
+bool reset_peak_resident() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.close();
+  return bool(clear);
+}
+
 std::string little_endian_u64(uint64_t v) {
   std::string out(8, '\0');
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((v >> (8 * i)) & 0xff);
@@ -202,6 +218,18 @@ TEST_SUITE("checkpoint") {
               .find("holds the byte 2") != std::string::npos);
     CHECK(parse(with_header(R"({"__metadata__":{"k":1}})", ""))
               .find("metadata 'k' is not a string") != std::string::npos);
+    CHECK(parse(with_header(R"({"__metadata__":[1]})", "")).find("__metadata__ is not an object") !=
+          std::string::npos);
+    CHECK(parse(with_header(R"({"a":[0,4]})", "")).find("'a' has a header entry that is not") !=
+          std::string::npos);
+    CHECK(parse(with_header(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                            R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                            eight))
+              .find("tensor name 'a' appears twice") != std::string::npos);
+    CHECK(parse(with_header(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],)"
+                            R"("x":{"y":1},"z":[true]}})",
+                            eight.substr(0, 4)))
+              .empty());  // fields weave does not know are skipped, nested or not
     CHECK(parse(with_header(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296,4],)"
                             R"("data_offsets":[0,0]}})",
                             ""))
@@ -271,6 +299,38 @@ TEST_SUITE("checkpoint") {
     CHECK(error_of([&] {
             data::serialize_safetensors({{"a", ones({1})}}, {{"weave.crc32.a", "x"}});
           }).find("is reserved") != std::string::npos);
+  }
+
+  TEST_CASE("safetensors: a header of a million entries reads in memory bounded by its size") {
+    const int n = 1 << 20;
+    std::string header = "{";
+    header.reserve(size_t(n) * 64);
+    for (int i = 0; i < n; ++i)
+      header += fmt::format(R"({}"t{:07}":{{"dtype":"U8","shape":[1],"data_offsets":[{},{}]}})",
+                            i ? "," : "", i, i, i + 1);
+    header += "}";
+    const auto dir = scratch_dir();
+    const std::string path = (dir / "wide.safetensors").string();
+    {
+      std::ofstream out(path, std::ios::binary);
+      out << little_endian_u64(header.size()) << header << std::string(size_t(n), '\0');
+    }
+    const double header_bytes = double(header.size());
+    std::string().swap(header);
+    if (!reset_peak_resident()) {
+      MESSAGE("/proc/self/clear_refs is not writable here; the memory bound is not measured");
+      return;
+    }
+    const int64_t before_kb = status_kb("VmRSS");
+    const data::SafetensorsHeader read = data::read_safetensors_header(path);
+    const double used = double(status_kb("VmHWM") - before_kb) * 1024;
+    CHECK(read.entries.size() == size_t(n));
+    CHECK(read.entries.back().name == "t1048575");
+    // The header's own bytes (read whole) and one compact entry per tensor: a JSON document of
+    // the header, node by node, costs about 16 times its bytes.
+    CHECK_MESSAGE(used < 4 * header_bytes,
+                  "reading a " << header_bytes / 1e6 << " MB header took " << used / 1e6 << " MB");
+    std::filesystem::remove_all(dir);
   }
 
   TEST_CASE("exact resume: 2 epochs, save, 2 more == 4 uninterrupted (SGD and AdamW)") {

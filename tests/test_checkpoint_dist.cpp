@@ -187,7 +187,7 @@ TEST_SUITE("sharded_checkpoint") {
     for (const auto& entry : std::filesystem::directory_iterator(dir))
       names.push_back(entry.path().filename().string());
     std::sort(names.begin(), names.end());
-    std::vector<std::string> expected{"index.json"};
+    std::vector<std::string> expected{".weave-save.lock", "index.json"};
     for (int r = 0; r < n; ++r)
       expected.push_back(fmt::format("rank-{:05d}-of-{:05d}.g2.safetensors", r, n));
     std::sort(expected.begin(), expected.end());
@@ -242,6 +242,51 @@ TEST_SUITE("sharded_checkpoint") {
     data::TrainingState into{.model = fresh.get()};
     parallel::load_sharded_checkpoint(dir, into);  // generation 1, whole
     CHECK(equal(fresh->parameters()[0], model->parameters()[0]));
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("two jobs saving into one directory: the one that comes second gets a clear error") {
+    if (dist::world_size() < 2) return;
+    const std::string dir = shared_dir("two_jobs");
+    const int n = dist::world_size(), half = n / 2;
+    std::vector<int> first_ranks, second_ranks;
+    for (int r = 0; r < n; ++r) (r < half ? first_ranks : second_ranks).push_back(r);
+    // Two groups stand for two jobs: each group's rank 0 takes the directory for its save.
+    const dist::Group first = dist::new_group(first_ranks), second = dist::new_group(second_ranks);
+    const bool in_first = dist::rank() < half;
+    auto model = make_model();
+    data::TrainingState state{.model = model.get()};
+    // The first job's save stays in flight (asynchronous: it holds the directory until its
+    // commit) while the second job tries.
+    if (in_first) parallel::save_sharded_checkpoint(dir, state, first, {.async = true});
+    dist::barrier();
+    if (!in_first) {
+      const std::string error =
+          error_of([&] { parallel::save_sharded_checkpoint(dir, state, second); });
+      if (second.rank() == 0) {
+        CHECK_MESSAGE(error.find("another save into " + dir + " is in progress (process ") !=
+                          std::string::npos,
+                      error);
+        CHECK_MESSAGE(error.find("a checkpoint directory of its own") != std::string::npos, error);
+      } else {
+        CHECK_MESSAGE(error.find("failed to prepare the checkpoint directory") != std::string::npos,
+                      error);
+      }
+    }
+    dist::barrier();
+    if (in_first) parallel::wait_for_checkpoint();  // the commit releases the directory
+    dist::barrier();
+    if (!in_first) {
+      model->parameters()[0].detach().fill_(2.0);
+      parallel::save_sharded_checkpoint(dir, state, second);
+    }
+    dist::barrier();
+    auto fresh = make_model();
+    data::TrainingState into{.model = fresh.get()};
+    const auto report = parallel::load_sharded_checkpoint(dir, into);
+    CHECK(report.saved_world_size == n - half);
+    CHECK(equal(fresh->parameters()[0], full(fresh->parameters()[0].shape(), 2.0)));
     dist::barrier();
     if (dist::rank() == 0) std::filesystem::remove_all(dir);
   }

@@ -158,6 +158,30 @@ TEST_SUITE("robust") {
     }
   }
 
+  TEST_CASE("evaluation forwards in grad mode warn once, are counted, and training goes on") {
+    const int evaluations = 4;
+    const double lr = 0.1;
+    auto model = make_model(0);
+    DistributedDataParallel ddp(*model);
+    optim::SGD sgd(model->parameters(), {.lr = lr});
+    const std::string printed = test::stderr_of([&] {
+      for (int i = 0; i < evaluations; ++i) (void)ddp(mine(global_batch(100 + i).first));
+      auto [x, y] = global_batch(0);  // then one training step, on every rank alike
+      sgd.zero_grad();
+      mse_loss(ddp(mine(x)), mine(y)).backward();
+      sgd.step();
+    });
+    size_t warnings = 0;
+    for (size_t at = printed.find("got no backward"); at != std::string::npos;
+         at = printed.find("got no backward", at + 1))
+      ++warnings;
+    CHECK_MESSAGE(warnings == 1, printed);
+    CHECK_MESSAGE(printed.find("NoGradGuard") != std::string::npos, printed);
+    CHECK_MESSAGE(printed.find("no_sync()") != std::string::npos, printed);
+    CHECK(ddp.stats().failed_steps == evaluations);
+    check_params(*model, reference_params(1, -1, lr));
+  }
+
   TEST_CASE("a parameter without gradient on one rank raises on every rank, not just there") {
     if (dist::world_size() < 2) return;
     struct Branchy : nn::Module {
@@ -299,6 +323,32 @@ TEST_SUITE("robust") {
       });
     });
     CHECK_MESSAGE(value_error.find("values differ") != std::string::npos, value_error);
+  }
+
+  TEST_CASE("bucket sizes of 0, -1 and NaN raise in every bucketed wrapper, on every rank") {
+    auto model = make_model(0);
+    optim::SGD sgd(model->parameters(), {.lr = 0.1});
+    const auto make_sgd = [](std::vector<Tensor> bucket) {
+      return std::make_unique<optim::SGD>(std::move(bucket), optim::SGDOptions{.lr = 0.1});
+    };
+    for (double bad : {0.0, -1.0, std::nan("")}) {
+      CAPTURE(bad);
+      CHECK_WEAVE_ERROR(DistributedDataParallel(*model, {.bucket_mb = bad}),
+                        "DistributedDataParallel", "bucket sizes must be positive");
+      CHECK_WEAVE_ERROR(DistributedDataParallel(*model, {.first_bucket_mb = bad}),
+                        "DistributedDataParallel", "bucket sizes must be positive");
+      CHECK_WEAVE_ERROR(parallel::DecentralizedDataParallel(*model, make_sgd, {.bucket_mb = bad}),
+                        "DecentralizedDataParallel", "bucket sizes must be positive");
+      CHECK_WEAVE_ERROR(
+          parallel::DecentralizedDataParallel(*model, make_sgd, {.first_bucket_mb = bad}),
+          "DecentralizedDataParallel", "bucket sizes must be positive");
+      CHECK_WEAVE_ERROR(parallel::DistributedOptimizer(sgd, {.bucket_mb = bad}),
+                        "DistributedOptimizer", "bucket sizes must be positive");
+    }
+    // The refusals sent nothing: the group still agrees on its next collective.
+    Tensor one = ones({1});
+    dist::all_reduce(one);
+    CHECK(one.item<double>() == double(dist::world_size()));
   }
 
   TEST_CASE("DistributedOptimizer and ZeRO with check_finite skip the step on every rank") {

@@ -2,6 +2,7 @@
 #include "weave/data/files.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -110,6 +111,47 @@ std::string read_file(const std::string& path) {
   }
   ::close(fd);
   return bytes;
+}
+
+std::optional<ExclusiveFileLock> ExclusiveFileLock::try_acquire(const std::string& path,
+                                                                const std::string& owner,
+                                                                std::string* holder) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) fail_io("create the lock file", path);
+  int locked;
+  do {
+    locked = ::flock(fd, LOCK_EX | LOCK_NB);
+  } while (locked != 0 && errno == EINTR);
+  if (locked != 0) {
+    const int why = errno;
+    holder->clear();
+    char buffer[512];
+    const ssize_t n = ::pread(fd, buffer, sizeof buffer, 0);
+    if (n > 0) holder->assign(buffer, size_t(n));
+    ::close(fd);
+    if (why == EWOULDBLOCK) return std::nullopt;
+    errno = why;
+    fail_io("lock", path);
+  }
+  // The record is for the message of whoever fails to take the lock next; losing it to a
+  // failed write costs only that message's detail.
+  const bool recorded =
+      ::ftruncate(fd, 0) == 0 && ::pwrite(fd, owner.data(), owner.size(), 0) == ssize_t(owner.size());
+  (void)recorded;
+  return ExclusiveFileLock(fd);
+}
+
+ExclusiveFileLock& ExclusiveFileLock::operator=(ExclusiveFileLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.fd_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+ExclusiveFileLock::~ExclusiveFileLock() {
+  if (fd_ >= 0) ::close(fd_);  // closing the last descriptor releases the lock
 }
 
 }  // namespace weave::data

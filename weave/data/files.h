@@ -2,6 +2,7 @@
 // Files as checkpoints need them: atomic replacement, whole reads, and exact ranged reads, each
 // raising weave::Error that names the file and the system's reason.
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace weave::data {
@@ -28,5 +29,25 @@ struct ReadOnlyFile {
 /// Reads exactly `size` bytes at `offset` of an open file: a short read means path is
 /// truncated, and raises saying so.
 void read_exactly_at(int fd, void* dest, uint64_t size, uint64_t offset, const std::string& path);
+
+/// An exclusive advisory lock (flock) on a file, held until this object is destroyed or the
+/// process ends (a killed holder leaves no stale lock). Processes that take it on the same
+/// file, on one host or over a shared file system, exclude each other.
+class ExclusiveFileLock {
+ public:
+  /// Takes the lock on path (creating the file) without waiting and records `owner` in the
+  /// file. When another process holds it, returns nothing and sets *holder to what that
+  /// process recorded (empty if it had not yet). Raises if the file cannot be created.
+  static std::optional<ExclusiveFileLock> try_acquire(const std::string& path,
+                                                      const std::string& owner,
+                                                      std::string* holder);
+  ExclusiveFileLock(ExclusiveFileLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  ExclusiveFileLock& operator=(ExclusiveFileLock&& other) noexcept;
+  ~ExclusiveFileLock();
+
+ private:
+  explicit ExclusiveFileLock(int fd) : fd_(fd) {}
+  int fd_ = -1;
+};
 
 }  // namespace weave::data

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "weave/data/safetensors_json.h"
 #include "weave/tensor/tensor_impl.h"
 
 namespace weave::data {
@@ -18,11 +19,6 @@ using json = nlohmann::json;
 
 // The format caps the header at 100 MB; a larger length is a corrupt file, not an allocation.
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
-// A safetensors header is an object of objects holding short arrays: no more nesting, no
-// longer arrays, and at most this many entries, or the file is crafted; checked on the raw
-// bytes before the JSON parser allocates anything.
-constexpr int kMaxHeaderDepth = 3;
-constexpr int64_t kMaxHeaderEntries = int64_t{1} << 20;
 // Metadata keys of the checksums weave writes: one per tensor, one over the user metadata.
 constexpr const char* kChecksumPrefix = "weave.crc32.";
 constexpr const char* kMetadataChecksum = "weave.crc32/metadata";
@@ -66,118 +62,7 @@ uint32_t metadata_checksum(const std::map<std::string, std::string>& metadata) {
   return crc;
 }
 
-// Rejects a header whose nesting, array lengths or entry count no safetensors header has.
-void check_header_layout(const unsigned char* p, uint64_t length, const std::string& name) {
-  int depth = 0;
-  int64_t counts[kMaxHeaderDepth + 1] = {};
-  bool is_array[kMaxHeaderDepth + 1] = {};
-  bool in_string = false, escaped = false;
-  for (uint64_t i = 0; i < length; ++i) {
-    const unsigned char c = p[i];
-    if (in_string) {
-      if (escaped)
-        escaped = false;
-      else if (c == '\\')
-        escaped = true;
-      else if (c == '"')
-        in_string = false;
-      continue;
-    }
-    if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      WEAVE_CHECK(depth < kMaxHeaderDepth, "safetensors",
-                  "{}: the header nests deeper than {} levels at byte {}; a safetensors header "
-                  "never does (corrupt or crafted file)",
-                  name, kMaxHeaderDepth, i + 8);
-      ++depth;
-      counts[depth] = 0;
-      is_array[depth] = c == '[';
-    } else if (c == '}' || c == ']') {
-      if (depth > 0) --depth;
-    } else if (c == ',' && depth > 0) {
-      const int64_t n = ++counts[depth];
-      WEAVE_CHECK(!is_array[depth] || n < kMaxDims, "safetensors",
-                  "{}: the header holds an array of more than {} elements at byte {} (corrupt "
-                  "or crafted file)",
-                  name, kMaxDims, i + 8);
-      WEAVE_CHECK(n < kMaxHeaderEntries, "safetensors",
-                  "{}: the header holds more than {} entries (corrupt or crafted file)", name,
-                  kMaxHeaderEntries);
-    }
-  }
-}
-
-const char* format_dtype(DType dtype) {
-  switch (dtype) {
-    case kFloat32:
-      return "F32";
-    case kFloat64:
-      return "F64";
-    case kBFloat16:
-      return "BF16";
-    case kFloat16:
-      return "F16";
-    case kInt32:
-      return "I32";
-    case kInt64:
-      return "I64";
-    case kUInt8:
-      return "U8";
-    case kBool:
-      return "BOOL";
-  }
-  return "?";
-}
-
-bool parse_dtype(const std::string& text, DType* out) {
-  for (DType d : {kFloat32, kFloat64, kBFloat16, kFloat16, kInt32, kInt64, kUInt8, kBool})
-    if (text == format_dtype(d)) {
-      *out = d;
-      return true;
-    }
-  return false;
-}
-
 using Entry = SafetensorsEntry;
-
-Entry parse_entry(const std::string& key, const json& value, const std::string& name) {
-  auto bad = [&](const std::string& why) {
-    WEAVE_FAIL("safetensors", "{}: tensor '{}' has {}", name, key, why);
-  };
-  if (!value.is_object()) bad("a header entry that is not an object");
-  Entry e{key, kFloat32, {}, 0, 0};
-  auto dtype = value.find("dtype");
-  if (dtype == value.end() || !dtype->is_string()) bad("no dtype");
-  if (!parse_dtype(dtype->get<std::string>(), &e.dtype))
-    bad(fmt::format("dtype '{}', which weave does not read (F32 F64 BF16 F16 I32 I64 U8 BOOL)",
-                    dtype->get<std::string>()));
-  auto shape = value.find("shape");
-  if (shape == value.end() || !shape->is_array() || shape->size() > size_t(kMaxDims))
-    bad(fmt::format("no shape of at most {} dimensions", kMaxDims));
-  for (const json& d : *shape) {
-    if (!d.is_number_unsigned() || d.get<uint64_t>() > uint64_t(INT64_MAX))
-      bad("a size that is not a non-negative integer");
-    e.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
-  }
-  auto offsets = value.find("data_offsets");
-  if (offsets == value.end() || !offsets->is_array() || offsets->size() != 2 ||
-      !(*offsets)[0].is_number_unsigned() || !(*offsets)[1].is_number_unsigned())
-    bad("no data_offsets [begin, end]");
-  e.begin = (*offsets)[0].get<uint64_t>();
-  e.end = (*offsets)[1].get<uint64_t>();
-  if (e.begin > e.end) bad(fmt::format("data_offsets [{}, {}] that run backwards", e.begin, e.end));
-  int64_t bytes = 0;
-  try {
-    bytes = checked_byte_count(e.shape, e.dtype, "safetensors");
-  } catch (const Error&) {
-    bad(fmt::format("shape {}, whose byte count overflows", e.shape));
-  }
-  if (e.end - e.begin != uint64_t(bytes))
-    bad(fmt::format("{} bytes in data_offsets [{}, {}], but {} {} needs {}", e.end - e.begin,
-                    e.begin, e.end, format_dtype(e.dtype), e.shape, bytes));
-  return e;
-}
 
 }  // namespace
 
@@ -196,7 +81,7 @@ std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadat
     WEAVE_CHECK(!header.contains(name), "safetensors", "tensor name '{}' appears twice", name);
     Tensor host = t.detach().cpu().contiguous();
     const uint64_t bytes = uint64_t(host.numel()) * host.itemsize();
-    header[name] = {{"dtype", format_dtype(host.dtype())},
+    header[name] = {{"dtype", detail::format_dtype(host.dtype())},
                     {"shape", host.shape().vec()},
                     {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
@@ -261,24 +146,10 @@ SafetensorsHeader parse_header(const unsigned char* p, uint64_t available, uint6
               length, file_size - 8,
               length > kMaxHeaderBytes ? " (the format's limit is 100 MB)" : "");
   WEAVE_CHECK(available >= 8 + length, "safetensors", "{}: the header was not read whole", name);
-  check_header_layout(p + 8, length, name);
-  const json header = json::parse(p + 8, p + 8 + length, nullptr, false);
-  WEAVE_CHECK(!header.is_discarded() && header.is_object(), "safetensors",
-              "{}: the header is not a JSON object; hint: is this a safetensors file?", name);
   SafetensorsHeader out;
   out.path = name;
   out.data_start = 8 + length;
-  for (const auto& [key, value] : header.items()) {
-    if (key == "__metadata__") {
-      WEAVE_CHECK(value.is_object(), "safetensors", "{}: __metadata__ is not an object", name);
-      for (const auto& [k, v] : value.items()) {
-        WEAVE_CHECK(v.is_string(), "safetensors", "{}: metadata '{}' is not a string", name, k);
-        out.metadata[k] = v.get<std::string>();
-      }
-      continue;
-    }
-    out.entries.push_back(parse_entry(key, value, name));
-  }
+  detail::read_header_json(p + 8, length, name, out.entries, out.metadata);
   // The data must be covered exactly: no overlaps, no holes, nothing after the last tensor.
   std::sort(out.entries.begin(), out.entries.end(), [](const Entry& a, const Entry& b) {
     return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);

@@ -224,9 +224,8 @@ struct DistributedDataParallel::State {
 DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions options)
     : module_(module), state_(std::make_shared<State>(std::move(options))) {
   State& s = *state_;
-  WEAVE_CHECK(s.options.first_bucket_mb > 0 && s.options.bucket_mb > 0, "DistributedDataParallel",
-              "bucket sizes must be positive, found {} and {} MB", s.options.first_bucket_mb,
-              s.options.bucket_mb);
+  detail::check_bucket_sizes("DistributedDataParallel", s.options.first_bucket_mb,
+                             s.options.bucket_mb);
   WEAVE_CHECK(!s.options.compress || *s.options.compress == kBFloat16 ||
                   *s.options.compress == kFloat16 || *s.options.compress == kFloat32,
               "DistributedDataParallel", "compress must be bfloat16, float16 or float32, found {}",

@@ -178,6 +178,7 @@ DecentralizedDataParallel::DecentralizedDataParallel(nn::Module& module,
   State& s = *state_;
   const char* op = "DecentralizedDataParallel";
   WEAVE_CHECK(make_optimizer != nullptr, op, "expected an optimizer factory");
+  detail::check_bucket_sizes(op, s.options.first_bucket_mb, s.options.bucket_mb);
   WEAVE_CHECK(s.group.rank() >= 0, op,
               "rank {} is not in group {}; hint: only its members construct the wrapper",
               dist::rank(), s.group.str());

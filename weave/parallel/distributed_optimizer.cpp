@@ -91,6 +91,7 @@ DistributedOptimizer::DistributedOptimizer(optim::Optimizer& optimizer,
       group_(detail::data_parallel_group(options_.group, "DistributedOptimizer")) {
   WEAVE_CHECK(group_.rank() >= 0, "DistributedOptimizer", "rank {} is not in group {}",
               dist::rank(), group_.str());
+  detail::check_bucket_sizes("DistributedOptimizer", options_.bucket_mb, options_.bucket_mb);
   detail::check_same_lines(detail::describe_tensors(optimizer_.params()), group_,
                            "DistributedOptimizer", "the parameters",
                            "wrap the same parameters in the same order on every rank");

@@ -156,11 +156,16 @@ bool GradReadiness::begin_forward(const char* owner, int64_t step) {
 
 void GradReadiness::settle_skipped_backward(const char* owner, int64_t step) {
   if (backward_expected_) {
-    std::fprintf(stderr,
-                 "[weave] rank %d: %s: step %lld's forward got no backward on this rank; its "
-                 "gradients are discarded on every rank; hint: run evaluation under "
-                 "NoGradGuard\n",
-                 dist::rank(), owner, static_cast<long long>(step));
+    // Once per wrapper: an evaluation loop run in grad mode would otherwise print per batch.
+    if (!warned_skipped_backward_)
+      std::fprintf(stderr,
+                   "[weave] rank %d: %s: step %lld's forward got no backward on this rank; its "
+                   "gradients are discarded on every rank (each such step is counted in "
+                   "stats().failed_steps; this warning is not repeated); hint: run an evaluation "
+                   "pass under NoGradGuard, and a backward that must not synchronize under "
+                   "no_sync()\n",
+                   dist::rank(), owner, static_cast<long long>(step));
+    warned_skipped_backward_ = true;
     clear();
     finish(/*failed=*/true);
   }
@@ -226,6 +231,14 @@ std::vector<int> agree_on_order(std::vector<int> trace, size_t parameters, const
   differs_anywhere = words[0] != 0;
   if (counts) counts->assign(words.begin() + 1, words.end());
   return {adopted.begin(), adopted.end()};
+}
+
+void check_bucket_sizes(const char* op, double first_mb, double mb) {
+  // NaN compares false with everything, so `> 0` refuses it too.
+  WEAVE_CHECK(first_mb > 0 && mb > 0, op,
+              "bucket sizes must be positive megabytes, found {} MB for the first bucket and {} MB "
+              "for the others; hint: bucket_mb defaults to 25",
+              first_mb, mb);
 }
 
 std::vector<std::vector<int>> cut_buckets(const std::vector<int>& order,

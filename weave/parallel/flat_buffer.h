@@ -109,8 +109,8 @@ class GradReadiness {
   void clear();
   /// Called as the owner's forward starts, before it communicates; returns whether this forward
   /// synchronizes (grad mode on, not paused). If the previous synchronizing forward got no
-  /// backward on this rank (it failed before reaching the model, or was skipped), warns, naming
-  /// `owner` and `step`, and settles that step first as failed (finish(true)): the owner then
+  /// backward on this rank (it failed before reaching the model, or was skipped), warns (the
+  /// first time only), naming `owner` and `step`, and settles that step first as failed (finish(true)): the owner then
   /// issues what its peers' backward issued, so their collectives pair with this rank's.
   bool begin_forward(const char* owner, int64_t step);
   /// The part of begin_forward that settles a step whose synchronizing forward got no backward
@@ -143,6 +143,7 @@ class GradReadiness {
   int64_t ready_count_ = 0, ready_at_first_launch_ = -1;
   size_t next_launch_ = 0;
   bool paused_ = false, in_backward_ = false, backward_expected_ = false;
+  bool warned_skipped_backward_ = false;
 };
 
 /// Completes a traced ready order (parameter indices) with the parameters that never became
@@ -152,6 +153,9 @@ class GradReadiness {
 /// the same round (how many ranks set each). Collective.
 std::vector<int> agree_on_order(std::vector<int> trace, size_t parameters, const dist::Group& group,
                                 bool& differs_anywhere, std::vector<int64_t>* counts = nullptr);
+
+/// Raises unless both bucket caps are positive (0, negative and NaN are refused), tagged `op`.
+void check_bucket_sizes(const char* op, double first_mb, double mb);
 
 /// Cuts `order` into buckets of consecutive parameters with one dtype and device, the first
 /// bucket up to first_mb, the others up to mb (a parameter larger than the cap gets its own).

@@ -1,14 +1,19 @@
 #include "weave/parallel/sharded_checkpoint.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <ctime>
 #include <cstring>
 #include <filesystem>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <regex>
 #include <thread>
 
+#include "weave/data/files.h"
 #include "weave/parallel/agree.h"
 #include "weave/parallel/checkpoint_index.h"
 #include "weave/parallel/placement.h"
@@ -52,6 +57,9 @@ std::string shard_name(int rank, int size, int64_t generation) {
 bool is_generation_file(const std::string& name) {
   return detail::generation_of(name) >= 0;
 }
+// Held by a save from its start to its commit (ExclusiveFileLock: released by a killed holder).
+constexpr const char* kSaveLockName = ".weave-save.lock";
+
 bool is_our_temporary(const std::string& name) {
   static const std::regex pattern(
       R"(((rank-\d{5}-of-\d{5}|all-\d{5}-ranks)\.g\d+\.safetensors|index\.json)\.tmp-[A-Za-z0-9]{6})");
@@ -93,6 +101,9 @@ struct Save {
   uint32_t crc = 0;  // of the file's bytes
   std::exception_ptr error;
   std::thread writer;  // an asynchronous save's background writer
+  // Group rank 0 holds the directory from the choice of generation until the commit's end: a
+  // second job saving into it meanwhile gets a clear error, not a file system's.
+  std::optional<data::ExclusiveFileLock> directory_lock;
 
   Save() = default;
   Save(const Save&) = delete;
@@ -201,6 +212,26 @@ data::SafetensorsFile host_copy(data::SafetensorsFile contents) {
   return contents;
 }
 
+// The save lock of `dir`, or an error naming who holds it.
+data::ExclusiveFileLock lock_directory(const std::string& dir, const char* op,
+                                       const std::string& save_id) {
+  char host[256] = "?";
+  ::gethostname(host, sizeof host - 1);
+  const std::time_t now = std::time(nullptr);
+  char when[32] = "?";
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
+  std::string holder;
+  std::optional<data::ExclusiveFileLock> lock = data::ExclusiveFileLock::try_acquire(
+      dir + "/" + kSaveLockName,
+      fmt::format("process {} on {}, save {}, begun {}", ::getpid(), host, save_id, when), &holder);
+  WEAVE_CHECK(lock.has_value(), op,
+              "another save into {} is in progress ({}); two jobs saving into one directory "
+              "would replace each other's checkpoints; hint: give each job a checkpoint "
+              "directory of its own",
+              dir, holder.empty() ? "its holder has not said who it is yet" : holder);
+  return std::move(*lock);
+}
+
 // Group rank 0 prepares the directory and picks the generation and the save id; every rank
 // learns both.
 void prepare_save(Save& save, const char* op) {
@@ -213,6 +244,7 @@ void prepare_save(Save& save, const char* op) {
     WEAVE_CHECK(!ec, op, "cannot create {}: {}", dir, ec.message());
     std::random_device entropy;
     const int64_t id = (int64_t(entropy()) << 31) ^ int64_t(entropy());
+    save.directory_lock = lock_directory(dir, op, fmt::format("{:x}", id));
     generation_and_id.copy_(from_vector<int64_t>({current_generation(dir) + 1, id}, {2}));
   });
   dist::broadcast(generation_and_id, 0, save.group);

@@ -9,7 +9,11 @@
 // On disk: one safetensors file per rank ("rank-00001-of-00004.g7.safetensors", g7 the
 // generation) and "index.json", which names the files of the last complete save. The index is
 // replaced (atomically) only after every rank's file is durable, and the previous generation's
-// files are deleted only then: a crash at any instant leaves a loadable checkpoint. With
+// files are deleted only then: a crash at any instant leaves a loadable checkpoint. From the
+// choice of its generation to its commit, a save holds the directory's lock
+// (".weave-save.lock", an flock the kernel releases if the holder dies): a second job that
+// saves into the same directory meanwhile raises, naming the holder, on every rank of its
+// group, instead of interleaving its files with the first job's. With
 // `single_file`, group rank 0 gathers every rank's contents into one file instead (tensors
 // "rank<r>/<name>").
 //
