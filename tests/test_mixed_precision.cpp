@@ -359,4 +359,51 @@ TEST_SUITE("mixed_precision") {
     CHECK_WEAVE_ERROR(scaler.load_state_dict({{"scale", -1.0}, {"growth_tracker", 0.0}}),
                       "GradScaler.load_state_dict", "finite scale > 0");
   }
+
+  TEST_CASE("GradScaler: a run of skipped steps warns once, after warn_after_skipped of them") {
+    Tensor w = ones({3}).requires_grad_();
+    optim::SGD opt({w}, {.lr = 0.1});
+    parallel::GradScaler scaler({.init_scale = 1024.0, .warn_after_skipped = 5});
+    auto run_step = [&](double factor) {
+      opt.zero_grad();
+      scaler.scale(sum(w * factor)).backward();
+      scaler.step(opt);
+      scaler.update();
+    };
+    auto warnings = [](const std::string& text) {
+      size_t n = 0;
+      for (size_t at = text.find("steps were all skipped"); at != std::string::npos;
+           at = text.find("steps were all skipped", at + 1))
+        ++n;
+      return n;
+    };
+    std::string printed = test::stderr_of([&] {
+      for (int i = 0; i < 4; ++i) run_step(NAN);
+    });
+    CHECK(warnings(printed) == 0);  // 4 of 5: not yet
+    printed = test::stderr_of([&] {
+      for (int i = 0; i < 8; ++i) run_step(NAN);
+    });
+    CHECK_MESSAGE(warnings(printed) == 1, printed);
+    CHECK_MESSAGE(printed.find("the last 5 steps were all skipped") != std::string::npos, printed);
+    CHECK_MESSAGE(printed.find("from 1024 down to 64") != std::string::npos, printed);
+    CHECK(scaler.skipped_in_a_row() == 12);
+    run_step(1.0);  // a clean step ends the run; the next run warns again
+    CHECK(scaler.skipped_in_a_row() == 0);
+    printed = test::stderr_of([&] {
+      for (int i = 0; i < 5; ++i) run_step(NAN);
+    });
+    CHECK_MESSAGE(warnings(printed) == 1, printed);
+    parallel::GradScaler quiet({.warn_after_skipped = 0});
+    opt.zero_grad();
+    printed = test::stderr_of([&] {
+      for (int i = 0; i < 200; ++i) {
+        opt.zero_grad();
+        quiet.scale(sum(w * NAN)).backward();
+        quiet.step(opt);
+        quiet.update();
+      }
+    });
+    CHECK(warnings(printed) == 0);
+  }
 }

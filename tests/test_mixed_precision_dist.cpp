@@ -7,6 +7,7 @@
 #include <cmath>
 #include <memory>
 
+#include "helpers.h"
 #include "weave/weave.h"
 
 using namespace weave;
@@ -191,6 +192,30 @@ TEST_SUITE("mixed_precision_dist") {
     // the rank without gradients names its fault; the others raise with it
     CHECK(message.find(dist::rank() == 0 ? "rejected its arguments" : "no gradients to unscale") !=
           std::string::npos);
+  }
+
+  TEST_CASE("GradScaler: ranks that hold different scales or trackers raise on every rank") {
+    if (dist::world_size() < 2) return;
+    const bool odd = dist::rank() == dist::world_size() - 1;
+    auto model = make_model(1);
+    optim::SGD opt(model->parameters(), {.lr = 0.1});
+    auto [x, y] = global_batch(0);
+    // Built with another init_scale on one rank; then the same scale but another tracker (a
+    // state restored from another rank's checkpoint).
+    for (bool by_tracker : {false, true}) {
+      CAPTURE(by_tracker);
+      parallel::GradScaler scaler({.init_scale = odd && !by_tracker ? 1024.0 : 65536.0});
+      if (by_tracker && odd) scaler.load_state_dict({{"scale", 65536.0}, {"growth_tracker", 7.0}});
+      opt.zero_grad();
+      scaler.scale(mse_loss((*model)(local_rows(x)), local_rows(y))).backward();
+      const Tensor before = model->parameters()[0].detach().clone();
+      const std::string message = test::error_of([&] { scaler.step(opt); });
+      CHECK_MESSAGE(message.find("disagree on the loss scale") != std::string::npos, message);
+      CHECK_MESSAGE(message.find(by_tracker ? "the growth tracker from 0 to 7"
+                                            : "it ranges from 1024 to 65536") != std::string::npos,
+                    message);
+      CHECK(equal(model->parameters()[0].detach(), before));  // no rank stepped
+    }
   }
 
   TEST_CASE("DDP with bfloat16 parameters equals one process on the stacked batch") {

@@ -1,6 +1,8 @@
 #include "weave/parallel/grad_scaler.h"
 
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/parallel/agree.h"
@@ -42,6 +44,43 @@ bool unscale_grads(const std::vector<Tensor>& grads, double scale) {
 
 }  // namespace
 
+bool GradScaler::agree_verdict(bool found_inf, const std::function<void()>& checks,
+                               const char* op) const {
+  // The scale and the growth tracker travel with the verdict, each as x and -x: the maxima
+  // satisfy max(x) == -max(-x) only where every rank holds the same value. A positive double's
+  // bits order as its value does.
+  int64_t bits = 0;
+  std::memcpy(&bits, &scale_, sizeof bits);
+  const std::vector<int64_t> agreed = detail::check_together(
+      checks, *group_, op, {found_inf ? 1 : 0, bits, -bits, growth_tracker_, -growth_tracker_});
+  if (agreed[1] != -agreed[2] || agreed[3] != -agreed[4]) {
+    double lowest = 0, highest = 0;
+    const int64_t low_bits = -agreed[2];
+    std::memcpy(&lowest, &low_bits, sizeof lowest);
+    std::memcpy(&highest, &agreed[1], sizeof highest);
+    WEAVE_FAIL(op,
+               "ranks of group {} disagree on the loss scale: it ranges from {} to {}, the growth "
+               "tracker from {} to {}; their replicas would step differently; hint: build every "
+               "rank's scaler with the same options, and restore each from the same state_dict",
+               group_->str(), lowest, highest, -agreed[4], agreed[3]);
+  }
+  return agreed[0] != 0;
+}
+
+void GradScaler::warn_if_always_skipped() {
+  ++skipped_in_a_row_;
+  const int64_t window = options_.warn_after_skipped;
+  if (window <= 0 || skipped_in_a_row_ != window) return;
+  if (group_ && group_->rank() != 0) return;  // the verdicts are the group's: one warning
+  std::fprintf(stderr,
+               "[weave] GradScaler: the last %lld steps were all skipped: the gradients held inf "
+               "or NaN at every scale from %g down to %g; scaling cannot fix a NaN that the "
+               "data or the model produces; hint: check the inputs and the loss for NaN, and "
+               "lower the learning rate\n",
+               static_cast<long long>(window), scale_before_skips_,
+               scale_ / options_.backoff_factor);
+}
+
 bool GradScaler::unscale_local(const std::vector<Tensor>& grads) {
   if (!options_.enabled) return true;
   const bool finite = unscale_grads(grads, scale_);
@@ -74,7 +113,7 @@ void GradScaler::unscale_(const std::vector<Tensor>& params) {
                 "rank before step()");
   };
   if (group_) {
-    found_inf_ = detail::check_together(checks, *group_, op, {finite ? 0 : 1})[0] != 0;
+    found_inf_ = agree_verdict(!finite, checks, op);
   } else {
     checks();
     found_inf_ = !finite;
@@ -105,14 +144,18 @@ void GradScaler::update() {
   stage_ = Stage::Ready;
   if (!options_.enabled) return;
   if (!agreed_ && group_)  // per-bucket verdicts (decentralized): agree now
-    found_inf_ =
-        detail::check_together([] {}, *group_, "GradScaler.update", {found_inf_ ? 1 : 0})[0] != 0;
+    found_inf_ = agree_verdict(found_inf_, [] {}, "GradScaler.update");
   if (found_inf_) {
+    if (skipped_in_a_row_ == 0) scale_before_skips_ = scale_;
     scale_ *= options_.backoff_factor;
     growth_tracker_ = 0;
-  } else if (++growth_tracker_ == options_.growth_interval) {
-    scale_ *= options_.growth_factor;
-    growth_tracker_ = 0;
+    warn_if_always_skipped();
+  } else {
+    skipped_in_a_row_ = 0;
+    if (++growth_tracker_ == options_.growth_interval) {
+      scale_ *= options_.growth_factor;
+      growth_tracker_ = 0;
+    }
   }
   found_inf_ = false;
   agreed_ = false;

@@ -23,7 +23,10 @@
 // growth_factor. Under data parallelism every rank must skip the same steps and keep the same
 // scale, or the replicas diverge (or a rank waits in a collective its peers skipped): the
 // verdict is agreed over `group` with one all_reduce per step (each rank's "found inf" and
-// "has no gradients" flags, maxed), so one rank's overflow skips the step everywhere.
+// "has no gradients" flags, maxed), so one rank's overflow skips the step everywhere. The same
+// all_reduce compares the scales and growth trackers: ranks that hold different ones (built
+// with other options, restored from different states) raise on every rank. When every step
+// of a long run is skipped, the scale only shrinks; a warning says so.
 //
 // It composes with every data-parallel wrapper, since unscaling (a division) commutes with
 // averaging: DDP (unscale_ checks the averaged gradients after backward), DistributedOptimizer
@@ -50,6 +53,9 @@ struct GradScalerOptions {
   /// false: scale() returns the loss, nothing is checked, step() just steps (one code path
   /// for float32 and float16 runs).
   bool enabled = true;
+  /// Warn (once per run of skips, on the group's rank 0) when this many steps in a row were
+  /// skipped: the gradients are then NaN for a reason no scale fixes. 0: never.
+  int64_t warn_after_skipped = 100;
   /// The ranks that agree on each verdict: every rank whose gradients the step uses (default:
   /// the world when dist::init() ran, else this process alone). Under tensor or pipeline
   /// parallelism keep the world: each shard can overflow on its own.
@@ -80,6 +86,8 @@ class GradScaler {
   double get_scale() const { return scale_; }
   /// Clean steps since the last change of the scale.
   int64_t growth_tracker() const { return growth_tracker_; }
+  /// Steps skipped in a row, up to the last update().
+  int64_t skipped_in_a_row() const { return skipped_in_a_row_; }
   bool enabled() const { return options_.enabled; }
 
   /// For DecentralizedDataParallel: unscales one bucket's local gradients and returns whether
@@ -93,6 +101,10 @@ class GradScaler {
 
  private:
   enum class Stage { Ready, Unscaled, Stepped };
+  // Agrees over the group on whether any rank found inf/NaN (after running `checks`), and
+  // raises on every rank unless all hold the same scale and growth tracker.
+  bool agree_verdict(bool found_inf, const std::function<void()>& checks, const char* op) const;
+  void warn_if_always_skipped();
   GradScalerOptions options_;
   std::optional<dist::Group> group_;
   double scale_;
@@ -100,6 +112,8 @@ class GradScaler {
   Stage stage_ = Stage::Ready;
   bool found_inf_ = false;
   bool agreed_ = false;  // found_inf_ is the group's verdict (else this rank's alone)
+  int64_t skipped_in_a_row_ = 0;
+  double scale_before_skips_ = 0;
 };
 
 }  // namespace weave::parallel
