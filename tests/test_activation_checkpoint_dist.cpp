@@ -122,4 +122,35 @@ TEST_SUITE("activation_checkpoint_dist") {
       }
     }
   }
+
+  TEST_CASE("a recomputation that communicates differently raises, naming both counts") {
+    // The region all_reduces in forward only, as a function that branches on a step counter
+    // instead of its inputs would; the recomputation then issues one collective fewer. (One
+    // rank's collectives are no collectives: nothing to pair.)
+    if (dist::world_size() < 2) return;
+    for (bool fewer : {true, false}) {
+      CAPTURE(fewer);
+      int calls = 0;
+      Tensor x = shared_randn({4}, 5).requires_grad_(true);
+      Tensor out = autograd::checkpoint(
+          [&](const Tensor& in) {
+            const bool communicate = (++calls == 1) == fewer;
+            Tensor h = in * in;
+            return communicate ? dist::functional::all_reduce_sum(h) : h.clone();
+          },
+          x);
+      const std::string error = [&] {
+        try {
+          sum(out).backward();
+        } catch (const Error& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      }();
+      const std::string expected = fewer ? "it issued 0 differentiable collectives, the forward 1"
+                                         : "it issued 1 differentiable collectives, the forward 0";
+      CHECK_MESSAGE(error.find(expected) != std::string::npos, error);
+      autograd::clear_must_run();  // the failed backward left the forward's collective pending
+    }
+  }
 }

@@ -100,6 +100,9 @@ void must_run(std::shared_ptr<Node> node) {
 size_t must_run_pending() {
   return must_run_nodes.size();
 }
+uint64_t must_run_marked() {
+  return next_must_run_id;
+}
 void clear_must_run() {
   must_run_nodes.clear();
 }

@@ -31,6 +31,9 @@ class Node;
 void must_run(std::shared_ptr<Node> node);
 /// Number of marked nodes on this thread that no backward has run yet.
 size_t must_run_pending();
+/// Nodes ever marked on this thread: the differentiable collectives (and other communicating
+/// nodes) recorded so far. A difference over a stretch of code counts what it issued.
+uint64_t must_run_marked();
 /// Forgets them all (a forward whose graph no rank will backpropagate).
 void clear_must_run();
 

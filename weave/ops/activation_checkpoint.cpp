@@ -58,6 +58,10 @@ class CheckpointRegion final : public SavedTensorHooks {
     return std::find(keep_.begin(), keep_.end(), kernel) != keep_.end();
   }
 
+  // The differentiable collectives the region's forward issued, which the recomputation must
+  // issue again one for one.
+  void set_communicated_in_forward(uint64_t count) { communicated_in_forward_ = count; }
+
   int64_t pack(const Tensor& tensor) override {
     slot_meta_.push_back({tensor.shape(), tensor.dtype(), tensor.device()});
     return int64_t(slot_meta_.size() - 1);
@@ -177,7 +181,17 @@ class CheckpointRegion final : public SavedTensorHooks {
       GeneratorReplay generators(*this);
       SavedTensorHooksGuard collect(std::make_shared<Collector>(*this));
       KeepingScope replay(keep_.empty() ? nullptr : this);
+      const uint64_t marked_before = must_run_marked();
       fn_(inputs);
+      const uint64_t communicated = must_run_marked() - marked_before;
+      // Checked first: peers that pair these collectives with their own are the ones that
+      // suffer, so this is the divergence to name.
+      WEAVE_CHECK(communicated == communicated_in_forward_, "checkpoint",
+                  "the recomputation diverged from the forward: it issued {} differentiable "
+                  "collectives, the forward {}, so they no longer pair with the other ranks'; "
+                  "hint: the checkpointed function must communicate the same way given the same "
+                  "inputs (branch on nothing but them, not on a counter or a rank-local flag)",
+                  communicated, communicated_in_forward_);
     }
     WEAVE_CHECK(filled_ == slot_meta_.size(), "checkpoint",
                 "the recomputation diverged from the forward: it saved {} tensors for backward, "
@@ -206,6 +220,7 @@ class CheckpointRegion final : public SavedTensorHooks {
   size_t replayed_ = 0;
   bool forward_done_ = false;  // from the first recomputation on, kept results are handed back
   bool recomputed_ = false;
+  uint64_t communicated_in_forward_ = 0;
 };
 
 CheckpointRegion* keeping_region() {
@@ -266,7 +281,9 @@ std::vector<Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<T
   {
     detail::SavedTensorHooksGuard hooks(region);
     const detail::KeepingScope keep(options.keep.empty() ? nullptr : region.get());
+    const uint64_t marked_before = must_run_marked();
     outputs = fn(inputs);
+    region->set_communicated_in_forward(must_run_marked() - marked_before);
   }
   const bool any_output = std::any_of(outputs.begin(), outputs.end(), [](const Tensor& t) {
     return t.defined() && t.requires_grad();

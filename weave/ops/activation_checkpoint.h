@@ -21,9 +21,9 @@
 //    the recomputation, at the same point of backward on every rank, and leave no pending
 //    backward of their own.
 // `fn` runs again inside backward: whatever it captures must outlive that backward, and it must
-// do the same work given the same inputs (the recomputation checks the saved tensors' count,
-// shapes and dtypes, and that no input was modified in place). Without grad mode, checkpoint just
-// calls fn.
+// do the same work given the same inputs (the recomputation checks the number of
+// differentiable collectives it issued, the saved tensors' count, shapes and dtypes, and that
+// no input was modified in place). Without grad mode, checkpoint just calls fn.
 #include <functional>
 #include <string>
 #include <utility>
