@@ -1,13 +1,20 @@
 // A training program for weave-run's tests: float64, ZeRO-1 over the world, a DistributedSampler
 // with a fixed global batch (12, so any of 1-4 ranks splits it), a sharded checkpoint after every
 // step, and resume_from_latest at the start. It can kill one of its ranks (SIGKILL) at a step on
-// its first attempt, and writes the final parameters (rank 0) as text.
+// its first attempt, or hang there silently (rank 0 sleeps for ever, its peers wait in a
+// collective), take MS milliseconds a step (silently: only weave's heartbeats show it is
+// alive), and writes the final parameters (rank 0) as text.
 //
-//   elastic_train --steps N [--checkpoint DIR] [--out FILE] [--kill-at STEP]
+//   elastic_train --steps N [--checkpoint DIR] [--out FILE] [--kill-at STEP] [--hang-at STEP]
+//                 [--step-ms MS]
+#include <unistd.h>
+
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "weave/weave.h"
 
@@ -15,7 +22,7 @@ using namespace weave;
 
 int main(int argc, char** argv) {
   dist::init(dist::Backend::MPI);
-  int64_t steps = 12, kill_at = -1;
+  int64_t steps = 12, kill_at = -1, hang_at = -1, step_ms = 0;
   std::string checkpoint =
                   std::getenv("WEAVE_CHECKPOINT_DIR") ? std::getenv("WEAVE_CHECKPOINT_DIR") : "",
               out;
@@ -25,6 +32,8 @@ int main(int argc, char** argv) {
     if (flag == "--checkpoint") checkpoint = value;
     if (flag == "--out") out = value;
     if (flag == "--kill-at") kill_at = std::stoll(value);
+    if (flag == "--hang-at") hang_at = std::stoll(value);
+    if (flag == "--step-ms") step_ms = std::stoll(value);
   }
   const char* restart = std::getenv("WEAVE_RESTART_COUNT");
   const bool first_attempt = !restart || std::string(restart) == "0";
@@ -60,6 +69,9 @@ int main(int argc, char** argv) {
   sampler->set_epoch(epoch);
   data::DataLoader::Iterator next = loader.begin();
   for (; step < steps; ++step) {
+    if (first_attempt && step == hang_at && dist::rank() == 0)
+      for (;;) ::pause();  // stuck outside weave's collectives, without a word
+    std::this_thread::sleep_for(std::chrono::milliseconds(step_ms));
     const data::Example& batch = *next;
     zero.zero_grad();
     cross_entropy(model.forward(batch.input), batch.target).backward();

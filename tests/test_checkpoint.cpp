@@ -317,6 +317,22 @@ TEST_SUITE("checkpoint") {
     }
     const double header_bytes = double(header.size());
     std::string().swap(header);
+#if defined(__SANITIZE_ADDRESS__)
+    const bool measurable = false;  // redzones and a quarantine of freed memory: not the library's
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+    const bool measurable = false;
+#else
+    const bool measurable = true;
+#endif
+#else
+    const bool measurable = true;
+#endif
+    if (!measurable) {
+      CHECK(data::read_safetensors_header(path).entries.size() == size_t(n));
+      std::filesystem::remove_all(dir);
+      return;
+    }
     if (!reset_peak_resident()) {
       MESSAGE("/proc/self/clear_refs is not writable here; the memory bound is not measured");
       return;

@@ -135,8 +135,8 @@ std::optional<ExclusiveFileLock> ExclusiveFileLock::try_acquire(const std::strin
   }
   // The record is for the message of whoever fails to take the lock next; losing it to a
   // failed write costs only that message's detail.
-  const bool recorded =
-      ::ftruncate(fd, 0) == 0 && ::pwrite(fd, owner.data(), owner.size(), 0) == ssize_t(owner.size());
+  const bool recorded = ::ftruncate(fd, 0) == 0 &&
+                        ::pwrite(fd, owner.data(), owner.size(), 0) == ssize_t(owner.size());
   (void)recorded;
   return ExclusiveFileLock(fd);
 }

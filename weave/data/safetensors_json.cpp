@@ -136,8 +136,8 @@ class HeaderEvents {
     if (level_ == 1) top_key_ = std::move(k);
     if (level_ == 2 && in_metadata_) meta_key_ = std::move(k);
     if (level_ == 2 && !in_metadata_)
-      field_ = k == "dtype" ? Field::Dtype
-               : k == "shape" ? Field::Shape
+      field_ = k == "dtype"          ? Field::Dtype
+               : k == "shape"        ? Field::Shape
                : k == "data_offsets" ? Field::Offsets
                                      : Field::Other;
     return true;
@@ -151,8 +151,10 @@ class HeaderEvents {
   enum class Field { Dtype, Shape, Offsets, Other };
 
   [[noreturn]] void not_an_object() const {
-    WEAVE_FAIL("safetensors", "{}: the header is not a JSON object; hint: is this a "
-               "safetensors file?", name_);
+    WEAVE_FAIL("safetensors",
+               "{}: the header is not a JSON object; hint: is this a "
+               "safetensors file?",
+               name_);
   }
   // A top-level member whose value is not an object.
   [[noreturn]] void bad_member() const {

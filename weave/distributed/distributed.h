@@ -143,6 +143,13 @@ class Work {
 /// number their steps themselves; a hand-written loop may do the same.
 void set_step(const Group& group, int64_t step);
 
+/// Tells a supervising `weave-run --hang-timeout` that this rank is making progress: a line on
+/// stderr that weave-run recognizes and keeps out of the job's output, at most one per
+/// WEAVE_HEARTBEAT_S seconds (weave-run sets it); nothing when that variable is unset.
+/// set_step() calls it, so data-parallel training beats on its own; call it in long phases
+/// that number no steps (evaluation, data preparation).
+void heartbeat();
+
 /// Returns once every rank of the group has reached it (after the group's earlier collectives).
 void barrier(const Group& group = world());
 

@@ -74,6 +74,7 @@ std::string Group::str() const {
 
 void set_step(const Group& group, int64_t step) {
   group.impl()->step.store(step, std::memory_order_relaxed);
+  heartbeat();
 }
 
 }  // namespace weave::dist

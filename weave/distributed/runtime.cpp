@@ -101,6 +101,20 @@ void abort_if_peers_wait(const std::string& why) {
 
 using namespace detail;
 
+void heartbeat() {
+  Runtime& r = runtime();
+  if (!r.up || r.heartbeat_ns <= 0) return;
+  const int64_t now = now_ns();
+  int64_t last = r.last_heartbeat_ns.load(std::memory_order_relaxed);
+  if (now - last < r.heartbeat_ns ||
+      !r.last_heartbeat_ns.compare_exchange_strong(last, now, std::memory_order_relaxed))
+    return;
+  // One short line in one write: weave-run recognizes it and keeps it out of the job's output.
+  const std::string line = fmt::format("[weave-run heartbeat] rank {}\n", r.rank);
+  std::fwrite(line.data(), 1, line.size(), stderr);
+  std::fflush(stderr);
+}
+
 namespace {
 
 double env_double(const char* name, double fallback) {
@@ -259,6 +273,8 @@ void init(Backend backend, InitOptions options) {
   r.timeout_ns = r.timeout_s >= 9.2e9 ? std::numeric_limits<int64_t>::max()
                                       : static_cast<int64_t>(r.timeout_s * 1e9);
   r.check = options.check ? *options.check : check_mode_from_env();
+  r.heartbeat_ns = static_cast<int64_t>(std::min(env_double("WEAVE_HEARTBEAT_S", 0), 1e9) * 1e9);
+  r.last_heartbeat_ns = 0;
   r.next_group_id = 0;
   r.leaving_polled = 0;
   std::unique_ptr<Communicator> comm;

@@ -21,6 +21,9 @@ struct Runtime {
   /// timeout_s in nanoseconds, saturated: beyond int64 (about 292 years, or inf) means never.
   int64_t timeout_ns = int64_t{300} * 1000000000;
   CheckMode check = CheckMode::Guard;
+  /// heartbeat()'s least interval (WEAVE_HEARTBEAT_S, set by weave-run --hang-timeout); 0: off.
+  int64_t heartbeat_ns = 0;
+  std::atomic<int64_t> last_heartbeat_ns{0};
   int rank = 0, size = 1, local_rank = 0;
   Device device = kCPU;
   std::shared_ptr<Group::Impl> world;

@@ -110,8 +110,9 @@ class GradReadiness {
   /// Called as the owner's forward starts, before it communicates; returns whether this forward
   /// synchronizes (grad mode on, not paused). If the previous synchronizing forward got no
   /// backward on this rank (it failed before reaching the model, or was skipped), warns (the
-  /// first time only), naming `owner` and `step`, and settles that step first as failed (finish(true)): the owner then
-  /// issues what its peers' backward issued, so their collectives pair with this rank's.
+  /// first time only), naming `owner` and `step`, and settles that step first as failed
+  /// (finish(true)): the owner then issues what its peers' backward issued, so their collectives
+  /// pair with this rank's.
   bool begin_forward(const char* owner, int64_t step);
   /// The part of begin_forward that settles a step whose synchronizing forward got no backward
   /// on this rank (warning, then finish(true)); nothing when no step is pending. join() calls it

@@ -143,8 +143,10 @@ void GradScaler::update() {
               "scaler.step(optimizer), scaler.update()");
   stage_ = Stage::Ready;
   if (!options_.enabled) return;
-  if (!agreed_ && group_)  // per-bucket verdicts (decentralized): agree now
-    found_inf_ = agree_verdict(found_inf_, [] {}, "GradScaler.update");
+  if (!agreed_ && group_) {  // per-bucket verdicts (decentralized): agree now
+    const auto no_checks = [] {};
+    found_inf_ = agree_verdict(found_inf_, no_checks, "GradScaler.update");
+  }
   if (found_inf_) {
     if (skipped_in_a_row_ == 0) scale_before_skips_ = scale_;
     scale_ *= options_.backoff_factor;

@@ -3,8 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <ctime>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <functional>
 #include <mutex>

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# weave-run's supervision beyond restarts:
+#   1. --hang-timeout: a job stuck silently at a step is ended and relaunched, and resumes
+#      exactly; a job that trains silently, slower than the timeout, lives on its heartbeats;
+#   2. usage errors are not relaunched: the program's status 2, mpirun's unknown option, a
+#      program that does not exist;
+#   3. a host discovery script that does not finish is cut off by --discovery-timeout;
+#   4. SIGTERM stops the job and weave-run exits 143.
+# usage: weave_run_test.sh WEAVE_RUN ELASTIC_TRAIN MPIRUN...
+set -euo pipefail
+weave_run=$1 train=$2
+shift 2
+mpirun=("$@")
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+run() { "$weave_run" --mpirun "${mpirun[0]}" --retry-wait 0 "$@"; }
+steps=10
+
+"${mpirun[@]}" -np 2 "$train" --steps $steps --out "$work/reference.txt" >/dev/null
+
+# 1. Hung at step 3 on the first attempt; 700 ms a step, silent, against a 3 s hang timeout.
+run --np 2 --max-restarts 1 --hang-timeout 3 --checkpoint-dir "$work/hung" "${mpirun[@]:1}" -- \
+  "$train" --steps $steps --out "$work/hung.txt" --hang-at 3 --step-ms 700 2>&1 |
+  tee "$work/hung.log"
+grep -q "attempt 1: no output and no heartbeat for 3 s" "$work/hung.log" ||
+  fail "the hung attempt was not ended"
+grep -q "attempt 2 succeeded" "$work/hung.log" || fail "no successful relaunch"
+grep -q "resumed at step 3 with 2 ranks" "$work/hung.log" || fail "did not resume at step 3"
+! grep -q "heartbeat\] rank" "$work/hung.log" || fail "heartbeats leaked into the output"
+cmp "$work/hung.txt" "$work/reference.txt" || fail "the relaunched run differs"
+echo "hang: ended after 3 s of silence, relaunched, resumed exactly; the slow run beat on"
+
+# 2. Usage errors end weave-run at once, with their status.
+status=0
+run --np 1 --max-restarts 3 -- bash -c 'echo "unknown flag --lr" >&2; exit 2' \
+  > "$work/usage.log" 2>&1 || status=$?
+[ "$status" -eq 2 ] || fail "status 2 became $status"
+grep -q "a usage error by convention: not restarting" "$work/usage.log" || fail "restarted on 2"
+! grep -q "attempt 2" "$work/usage.log" || fail "a usage error was relaunched"
+for launch in "--no-such-mpirun-option -- true" "-- $work/no-such-program"; do
+  status=0
+  # shellcheck disable=SC2086
+  run --np 1 --max-restarts 3 "${mpirun[@]:1}" $launch > "$work/refused.log" 2>&1 || status=$?
+  [ "$status" -ne 0 ] || fail "'$launch' succeeded"
+  grep -q "mpirun refused the launch" "$work/refused.log" ||
+    { cat "$work/refused.log"; fail "'$launch' was not seen as a usage error"; }
+  ! grep -q "attempt 2" "$work/refused.log" || fail "'$launch' was relaunched"
+done
+echo "usage errors: not relaunched"
+
+# 3. A discovery script that hangs.
+printf '#!/bin/sh\nsleep 60\n' > "$work/slow-hosts.sh"
+chmod +x "$work/slow-hosts.sh"
+start=$SECONDS
+status=0
+run --np 1 --max-restarts 1 --discovery-timeout 1 --host-discovery-script "$work/slow-hosts.sh" \
+  -- true > "$work/discovery.log" 2>&1 || status=$?
+[ "$status" -ne 0 ] || fail "no hosts, yet success"
+grep -q "did not finish in 1 s (--discovery-timeout)" "$work/discovery.log" ||
+  { cat "$work/discovery.log"; fail "the discovery script was not cut off"; }
+[ $((SECONDS - start)) -lt 20 ] || fail "the discovery timeout took $((SECONDS - start)) s"
+echo "discovery: cut off after 1 s"
+
+# 4. SIGTERM: the job stops, weave-run exits 143 and relaunches nothing.
+run --np 1 --max-restarts 3 "${mpirun[@]:1}" -- sleep 60 > "$work/term.log" 2>&1 &
+supervisor=$!
+for _ in $(seq 100); do grep -q "attempt 1 of" "$work/term.log" && break; sleep 0.1; done
+sleep 0.5
+kill -TERM "$supervisor"
+status=0
+wait "$supervisor" || status=$?
+[ "$status" -eq 143 ] || { cat "$work/term.log"; fail "SIGTERM gave status $status, not 143"; }
+! grep -q "attempt 2" "$work/term.log" || fail "relaunched after SIGTERM"
+echo "SIGTERM: stopped with 143"
+echo "PASS: weave-run supervision"
