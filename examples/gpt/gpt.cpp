@@ -431,8 +431,8 @@ int main(int argc, char** argv) try {
     }
     scaler.scale(loss).backward();
     scaler.unscale_(optimizer.params());  // clipping sees the true gradients
-    if (fsdp)  // disjoint shards: the norm sums over the data-parallel group
-      dist::clip_grad_norm_(optimizer.params(), {}, f.clip, mesh.data());
+    if (fsdp)  // the norm over every rank's shard
+      fsdp->clip_grad_norm_(f.clip);
     else if (tensor > 1)
       dist::clip_grad_norm_(sharded, replicated, f.clip, mesh.tensor());
     else

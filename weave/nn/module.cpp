@@ -3,6 +3,7 @@
 #include <set>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/tensor/tensor_impl.h"
 
 namespace weave::nn {
 
@@ -208,8 +209,10 @@ void Module::for_each_tensor(Fn&& fn, std::map<const void*, std::pair<Tensor, Te
     Tensor moved = fn(t);
     if (!moved.is_same(t)) {
       const bool grad = leaf && t.requires_grad();
+      const std::string spread = t.impl()->autograd ? t.impl()->autograd->spread_hint : "";
       t = moved.detach();
       if (grad) t.requires_grad_(true);
+      if (!spread.empty()) t.impl()->meta().spread_hint = spread;
     }
     done.emplace(original.impl(), std::make_pair(original, t));  // keeps the key's tensor alive
   };

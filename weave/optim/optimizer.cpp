@@ -8,6 +8,7 @@
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
 #include "weave/kernels/kernels.h"
+#include "weave/tensor/tensor_impl.h"
 #include "weave/tensor/trace.h"
 
 namespace weave::optim {
@@ -390,6 +391,14 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
                        bool error_if_nonfinite) {
   const char* op = "clip_grad_norm_";
   detail::check_max_norm(max_norm, op);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const AutogradMeta* meta = params[i].defined() ? params[i].impl()->autograd.get() : nullptr;
+    WEAVE_CHECK(meta == nullptr || meta->spread_hint.empty(), op,
+                "parameter {} ({} {}) is this rank's part of a parameter spread over several "
+                "ranks; clipping it by this rank's norm alone would scale each rank's part "
+                "differently, by a norm that is not the model's; hint: {}",
+                i, params[i].dtype(), params[i].shape(), meta ? meta->spread_hint : "");
+  }
   double total = detail::grad_norm_partial(params, norm_type, op);
   if (!std::isinf(norm_type)) total = std::pow(total, 1.0 / norm_type);
   detail::check_finite_norm(total, error_if_nonfinite, op);

@@ -13,12 +13,14 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/parallel/agree.h"
 #include "weave/parallel/ddp.h"
+#include "weave/distributed/clip_grad.h"
 #include "weave/parallel/flat_buffer.h"
 #include "weave/parallel/join.h"
 #include "weave/parallel/mesh.h"
 #include "weave/parallel/placement.h"
 #include "weave/parallel/tensor_parallel.h"
 #include "weave/tensor/trace.h"
+#include "weave/tensor/tensor_impl.h"
 
 namespace weave::parallel {
 
@@ -173,6 +175,10 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
       NoGradGuard no_grad;
       f.shard = f.full.flat.narrow(0, s.group.rank() * per_rank, per_rank).clone().detach();
       f.shard.requires_grad_(true);
+      if (s.group.size() > 1)
+        f.shard.impl()->meta().spread_hint =
+            "it is an FSDP shard: clip with fsdp.clip_grad_norm_(max_norm), which takes the norm "
+            "over every rank's shard";
       f.gathered_version = f.shard.version();
       // Sharded checkpoints describe the shard by the parameters it covers.
       detail::FlatShard layout{.members = {},
@@ -317,6 +323,13 @@ std::vector<std::string> FullyShardedDataParallel::unit_names() const {
 
 NoSyncGuard FullyShardedDataParallel::no_sync() {
   return NoSyncGuard(state_->readiness);
+}
+
+double FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type,
+                                                 bool error_if_nonfinite) {
+  // The shards are disjoint (padding holds zero gradients): their partial norms add up.
+  return dist::clip_grad_norm_(parameters(), {}, max_norm, state_->group, norm_type,
+                               error_if_nonfinite);
 }
 
 const FSDPStats& FullyShardedDataParallel::stats() const {

@@ -136,6 +136,17 @@ class FullyShardedDataParallel {
   /// (or a checkpoint of any other layout of the same model) at any world size.
   nn::Module& sharded_module();
 
+  /// Clips the gradients of this rank's shards so that the norm of the whole model's gradients
+  /// (every rank's shard counted, as FSDP1's clip_grad_norm_) is at most max_norm; returns that
+  /// norm before clipping, the same on every rank. norm_type is any p >= 1 or INFINITY.
+  /// Collective over the group (one all_reduce). optim::clip_grad_norm_ on the shards raises:
+  /// each rank's own norm is not the model's.
+  ///
+  ///   cross_entropy(fsdp(x), y).backward();
+  ///   fsdp.clip_grad_norm_(1.0);
+  ///   adamw.step();
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0, bool error_if_nonfinite = false);
+
   const FSDPStats& stats() const;
   /// With check_finite: false when the last synchronizing backward averaged a NaN or infinite
   /// gradient into some rank's shard (the same answer on every rank).

@@ -5,10 +5,12 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/parallel/agree.h"
+#include "weave/distributed/clip_grad.h"
 #include "weave/parallel/flat_buffer.h"
 #include "weave/parallel/join.h"
 #include "weave/parallel/mesh.h"
 #include "weave/parallel/placement.h"
+#include "weave/tensor/tensor_impl.h"
 
 namespace weave::parallel {
 
@@ -47,6 +49,10 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
   const int64_t per_rank = flat_params_->flat.numel() / n;
   shard_ = flat_params_->flat.narrow(0, group_.rank() * per_rank, per_rank).detach();
   shard_.requires_grad_(true);
+  if (n > 1)
+    shard_.impl()->meta().spread_hint =
+        "it is a ZeRO-1 slice, whose gradient exists only inside zero.step(): clip with "
+        "ZeroOptions::max_grad_norm, which clips the averaged gradients there";
   shard_grad_ = empty({per_rank}, {.dtype = shard_.dtype(), .device = shard_.device()});
   optimizer_ = make_optimizer({shard_});
   WEAVE_CHECK(optimizer_ != nullptr, op, "the optimizer factory returned null");
@@ -92,6 +98,9 @@ bool ZeroRedundancyOptimizer::step() {
     if (mine.narrow(0, per_rank, 1).to(kFloat64).item<double>() != 0) return false;
     shard_.set_grad(mine.narrow(0, 0, per_rank));
   }
+  if (options_.max_grad_norm)  // the slices are disjoint (padding is zero): partial norms add up
+    last_grad_norm_ = dist::clip_grad_norm_({shard_}, {}, *options_.max_grad_norm, group_,
+                                            options_.grad_norm_type);
   optimizer_->step();  // updates shard_, this rank's slice of the parameters, in place
   dist::all_gather(flat_params_->flat, shard_.detach(), group_);
   return true;

@@ -28,6 +28,11 @@ struct ZeroOptions {
   /// verdict travels in the reduce-scatter itself (one extra element per rank), so the check
   /// costs one pass over the local gradients and no extra communication.
   bool check_finite = false;
+  /// Clip inside step(): once the gradients are averaged, scale this rank's slice so that the
+  /// norm of the whole averaged gradient (every rank's slice counted: one more all_reduce of
+  /// one number) is at most this; last_grad_norm() reports it. Unset: no clipping.
+  std::optional<double> max_grad_norm = std::nullopt;
+  double grad_norm_type = 2.0;
 };
 
 class ZeroRedundancyOptimizer {
@@ -59,6 +64,8 @@ class ZeroRedundancyOptimizer {
   /// Elements of the flattened parameters this rank owns: ceil(total / group size).
   int64_t shard_numel() const { return shard_.numel(); }
   const dist::Group& group() const { return group_; }
+  /// With max_grad_norm: the norm of the averaged gradients in the last step, before clipping.
+  double last_grad_norm() const { return last_grad_norm_; }
 
  private:
   std::vector<Tensor> params_;
@@ -68,6 +75,7 @@ class ZeroRedundancyOptimizer {
   std::unique_ptr<detail::FlatBuffer> flat_params_, flat_grads_;
   Tensor shard_;       // this rank's slice of flat_params_, the leaf its optimizer updates
   Tensor shard_grad_;  // the reduce-scatter's output, shard_'s gradient
+  double last_grad_norm_ = 0;
   std::unique_ptr<optim::Optimizer> optimizer_;
   int64_t steps_ = 0;
 };

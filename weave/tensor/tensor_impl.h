@@ -2,6 +2,7 @@
 // What a Tensor handle points at (internal to weave: user code goes through Tensor's methods).
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -20,6 +21,11 @@ struct AutogradMeta {
   std::weak_ptr<autograd::Node> grad_accumulator;
   std::vector<std::pair<uint64_t, GradHook>> leaf_hooks;
   std::vector<std::pair<uint64_t, PostAccumulateGradHook>> post_accumulate_hooks;
+  /// Set on a leaf that is one rank's part of a parameter spread over several ranks (an FSDP
+  /// or ZeRO flat shard, a tensor-parallel slice) by what spread it: how to clip it across the
+  /// ranks. optim::clip_grad_norm_ refuses such a leaf with this as its hint, rather than clip
+  /// it by its own rank's norm. Module::to carries it over.
+  std::string spread_hint;
 };
 
 struct TensorImpl {
