@@ -39,8 +39,8 @@ std::vector<double> reference_run(nn::Module& model, double norm_type) {
 
 TEST_SUITE("clipping") {
   TEST_CASE("FSDP clip_grad_norm_ equals one process clipping the whole model") {
-    for (auto sharding : {parallel::ShardingStrategy::FullShard,
-                          parallel::ShardingStrategy::ShardGradOp}) {
+    for (auto sharding :
+         {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp}) {
       for (double norm_type : {2.0, 1.0, double(INFINITY)}) {
         CAPTURE(int(sharding));
         CAPTURE(norm_type);
@@ -65,12 +65,12 @@ TEST_SUITE("clipping") {
   TEST_CASE("ZeRO's max_grad_norm equals one process clipping the whole model") {
     auto reference = make_model(5), model = make_model(5);
     const std::vector<double> expected = reference_run(*reference, 2.0);
-    parallel::ZeroRedundancyOptimizer zero(
-        model->parameters(),
-        [](std::vector<Tensor> shard) {
-          return std::make_unique<optim::AdamW>(std::move(shard), adamw_options());
-        },
-        std::nullopt, {.max_grad_norm = kMaxNorm});
+    parallel::ZeroRedundancyOptimizer zero(model->parameters(),
+                                           [](std::vector<Tensor> shard) {
+                                             return std::make_unique<optim::AdamW>(std::move(shard),
+                                                                                   adamw_options());
+                                           },
+                                           std::nullopt, {.max_grad_norm = kMaxNorm});
     for (int step = 0; step < kSteps; ++step) {
       auto [x, y] = local_batch(step);
       zero.zero_grad();

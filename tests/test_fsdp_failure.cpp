@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -248,5 +249,60 @@ TEST_SUITE("fsdp") {
       CHECK_WEAVE_ERROR(FullyShardedDataParallel(*fresh, odd ? cases[i].second : cases[i].first),
                         "FullyShardedDataParallel", "ranks disagree on the options and units");
     }
+  }
+
+  TEST_CASE("two forwards and one backward of their sum: no warning, the gradients of both") {
+    for (bool fsdp_wrapped : {true, false}) {
+      CAPTURE(fsdp_wrapped);
+      auto reference = make_model(9), model = make_model(9);
+      // One process: the two batches' losses summed, per step.
+      optim::AdamW want(reference->parameters(), adamw_options());
+      for (int step = 0; step < 3; ++step) {
+        auto [x1, y1] = global_batch(2 * step);
+        auto [x2, y2] = global_batch(2 * step + 1);
+        want.zero_grad();
+        (mse_loss(reference->forward(x1), y1) + mse_loss(reference->forward(x2), y2)).backward();
+        want.step();
+      }
+      std::unique_ptr<FullyShardedDataParallel> fsdp;
+      std::unique_ptr<DistributedDataParallel> ddp;
+      if (fsdp_wrapped)
+        fsdp = std::make_unique<FullyShardedDataParallel>(*model);
+      else
+        ddp = std::make_unique<DistributedDataParallel>(*model);
+      optim::AdamW opt(fsdp ? fsdp->parameters() : model->parameters(), adamw_options());
+      const std::string printed = test::stderr_of([&] {
+        for (int step = 0; step < 3; ++step) {
+          auto [x1, y1] = local_batch(2 * step);
+          auto [x2, y2] = local_batch(2 * step + 1);
+          opt.zero_grad();
+          Tensor first = fsdp ? (*fsdp)(x1) : (*ddp)(x1);
+          Tensor second = fsdp ? (*fsdp)(x2) : (*ddp)(x2);
+          (mse_loss(first, y1) + mse_loss(second, y2)).backward();
+          opt.step();
+        }
+      });
+      CHECK_MESSAGE(printed.find("got no backward") == std::string::npos, printed);
+      if (fsdp) {
+        CHECK(fsdp->stats().failed_steps == 0);
+        CHECK(max_difference(*reference, *fsdp) < 1e-12);
+      } else {
+        CHECK(ddp->stats().failed_steps == 0);
+        const auto got = model->parameters(), expected = reference->parameters();
+        for (size_t i = 0; i < got.size(); ++i) CHECK(allclose(got[i], expected[i], 1e-11, 1e-13));
+      }
+    }
+  }
+
+  TEST_CASE("the wrapped model handed to a checkpoint: the hint names fsdp.sharded_module()") {
+    if (dist::world_size() < 2) return;  // at 1 rank nothing is released
+    auto model = make_model(4);
+    FullyShardedDataParallel fsdp(*model);
+    data::TrainingState state{.model = model.get()};
+    const std::string dir = test::shared_dir("fsdp_wrapped_model");
+    const std::string error = error_of([&] { parallel::save_sharded_checkpoint(dir, state); });
+    CHECK_MESSAGE(error.find("give checkpoints fsdp.sharded_module()") != std::string::npos, error);
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
   }
 }

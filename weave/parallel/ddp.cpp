@@ -265,7 +265,9 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
         s.params[i].set_grad(s.views[i]);
       }
   }
-  return module_(input);
+  Tensor output = module_(input);
+  if (synchronizing) s.readiness->set_forward_output(output);
+  return output;
 }
 
 NoSyncGuard DistributedDataParallel::no_sync() {

@@ -150,8 +150,15 @@ void GradReadiness::finish(bool failed) {
 
 bool GradReadiness::begin_forward(const char* owner, int64_t step) {
   const bool synchronizing = autograd::GradMode::is_enabled() && !paused_;
-  if (synchronizing) settle_skipped_backward(owner, step);
+  // While the pending forward's graph lives, its backward may still come, covering this forward
+  // too (two forwards, one backward of the summed losses): nothing was skipped.
+  const bool may_come = backward_expected_ && !pending_graph_.expired();
+  if (synchronizing && !may_come) settle_skipped_backward(owner, step);
   return synchronizing;
+}
+
+void GradReadiness::set_forward_output(const Tensor& output) {
+  pending_graph_ = output.defined() ? output.grad_fn() : nullptr;
 }
 
 void GradReadiness::settle_skipped_backward(const char* owner, int64_t step) {

@@ -109,10 +109,10 @@ class GradReadiness {
   void clear();
   /// Called as the owner's forward starts, before it communicates; returns whether this forward
   /// synchronizes (grad mode on, not paused). If the previous synchronizing forward got no
-  /// backward on this rank (it failed before reaching the model, or was skipped), warns (the
-  /// first time only), naming `owner` and `step`, and settles that step first as failed
-  /// (finish(true)): the owner then issues what its peers' backward issued, so their collectives
-  /// pair with this rank's.
+  /// backward on this rank (it failed before reaching the model, or was skipped: its output's
+  /// graph is gone), warns (the first time only), naming `owner` and `step`, and settles that step
+  /// first as failed (finish(true)): the owner then issues what its peers' backward issued, so
+  /// their collectives pair with this rank's.
   bool begin_forward(const char* owner, int64_t step);
   /// The part of begin_forward that settles a step whose synchronizing forward got no backward
   /// on this rank (warning, then finish(true)); nothing when no step is pending. join() calls it
@@ -120,6 +120,10 @@ class GradReadiness {
   void settle_skipped_backward(const char* owner, int64_t step);
   /// A synchronizing forward ran: its step is pending until finish() runs for it.
   void expect_backward() { backward_expected_ = true; }
+  /// The pending forward's output. While its graph is alive, a further forward does not settle
+  /// the step as skipped: one backward of both outputs' sum covers both forwards. (A forward
+  /// that raised records none, and the next forward settles its step.)
+  void set_forward_output(const Tensor& output);
   bool backward_expected() const { return backward_expected_; }
   /// Marks parameter i ready without a hook (a rank that shadows a step).
   void mark_ready(int param);
@@ -145,6 +149,7 @@ class GradReadiness {
   size_t next_launch_ = 0;
   bool paused_ = false, in_backward_ = false, backward_expected_ = false;
   bool warned_skipped_backward_ = false;
+  std::weak_ptr<autograd::Node> pending_graph_;
 };
 
 /// Completes a traced ready order (parameter indices) with the parameters that never became

@@ -11,16 +11,16 @@
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
+#include "weave/distributed/clip_grad.h"
 #include "weave/parallel/agree.h"
 #include "weave/parallel/ddp.h"
-#include "weave/distributed/clip_grad.h"
 #include "weave/parallel/flat_buffer.h"
 #include "weave/parallel/join.h"
 #include "weave/parallel/mesh.h"
 #include "weave/parallel/placement.h"
 #include "weave/parallel/tensor_parallel.h"
-#include "weave/tensor/trace.h"
 #include "weave/tensor/tensor_impl.h"
+#include "weave/tensor/trace.h"
 
 namespace weave::parallel {
 
@@ -289,7 +289,10 @@ Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   if (!autograd::GradMode::is_enabled() || !out.requires_grad()) {
     for (State::Unit& u : s.units) s.release(u);  // no backward follows
   } else {
-    if (synchronizing) s.readiness->expect_backward();
+    if (synchronizing) {
+      s.readiness->expect_backward();
+      s.readiness->set_forward_output(out);
+    }
     std::weak_ptr<State> weak = state_;
     out.register_hook([weak](const Tensor&) -> Tensor {
       if (auto alive = weak.lock()) alive->queue_end_of_backward();

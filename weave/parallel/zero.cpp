@@ -4,8 +4,8 @@
 #include <algorithm>
 
 #include "weave/autograd/grad_mode.h"
-#include "weave/parallel/agree.h"
 #include "weave/distributed/clip_grad.h"
+#include "weave/parallel/agree.h"
 #include "weave/parallel/flat_buffer.h"
 #include "weave/parallel/join.h"
 #include "weave/parallel/mesh.h"

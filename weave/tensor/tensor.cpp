@@ -190,8 +190,8 @@ void* Tensor::data_ptr() const {
   const TensorImpl& t = checked(impl_);
   WEAVE_CHECK(!t.storage->released(), "data",
               "the tensor's memory was released (a fully sharded parameter outside its unit's "
-              "forward and backward); hint: read parameters through the wrapper's state_dict(), "
-              "or gather them first");
+              "forward and backward); hint: give checkpoints fsdp.sharded_module() (this "
+              "rank's shards), and read whole parameters through fsdp.full_state_dict()");
   return static_cast<char*>(t.storage->data()) + t.offset * weave::itemsize(t.dtype);
 }
 
