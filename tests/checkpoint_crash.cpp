@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +17,7 @@
 #include <string>
 #include <thread>
 
+#include "weave/parallel/checkpoint_index.h"
 #include "weave/weave.h"
 
 using namespace weave;
@@ -97,7 +99,8 @@ int sharded_crash(int kills) {
 // saved version in every parameter (never the -1 of the training that followed), and never go
 // back to an older version.
 //   weave_checkpoint_crash async [kills = 50]
-// Prints "async kills=K loadable=L mid_write=M versions=A..B".
+// Then one save that nothing follows, killed once it committed in the background: that save
+// must load. Prints "async kills=K loadable=L mid_write=M versions=A..B after_commit=kept".
 int async_crash(int kills) {
   namespace fs = std::filesystem;
   const fs::path dir =
@@ -170,10 +173,43 @@ int async_crash(int kills) {
                   (long long)version);
     }
   }
+  // A save that nothing follows: it commits in the background once written, so a process
+  // killed right after (it never calls weave again) leaves that very save loadable.
+  const int64_t last = version + 1;
+  const int64_t generation_before =
+      parallel::detail::read_checkpoint_index(dir.string()).generation;
+  const pid_t quiet = in_child([&] {
+    nn::Linear model(1024, 1024);
+    data::TrainingState state{.model = &model};
+    fill(model, double(last));
+    state.user["version"] = std::to_string(last);
+    parallel::save_sharded_checkpoint(dir.string(), state, dist::world(), {.async = true});
+    fill(model, -1.0);
+    for (int i = 0; i < 400; ++i) {  // only the save's own thread can move the index
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+      if (parallel::detail::read_checkpoint_index(dir.string()).generation > generation_before)
+        std::raise(SIGKILL);
+    }
+    return 3;  // never committed
+  });
+  waitpid(quiet, &status, 0);
+  const bool killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+  int64_t after_kill = -1;
+  waitpid(in_child([&] {
+            nn::Linear model(1024, 1024);
+            data::TrainingState state{.model = &model};
+            parallel::load_sharded_checkpoint(dir.string(), state);
+            std::ofstream(dir / "seen-version") << state.user.at("version");
+            return 0;
+          }),
+          &status, 0);
+  std::ifstream(dir / "seen-version") >> after_kill;
+  const bool kept = killed && after_kill == last;
   fs::remove_all(dir);
-  std::printf("async kills=%d loadable=%d mid_write=%d versions=%lld..%lld\n", kills, loadable,
-              mid_write, (long long)lowest, (long long)version);
-  return loadable == kills ? 0 : 1;
+  std::printf("async kills=%d loadable=%d mid_write=%d versions=%lld..%lld after_commit=%s\n",
+              kills, loadable, mid_write, (long long)lowest, (long long)version,
+              kept ? "kept" : fmt::format("lost (version {} loads)", after_kill).c_str());
+  return loadable == kills && kept ? 0 : 1;
 }
 
 int main(int argc, char** argv) {

@@ -2,10 +2,14 @@
 // gathered single file, generations, and all-or-nothing loads across the group.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <thread>
 
 #include "helpers.h"
+#include "weave/parallel/checkpoint_index.h"
 
 using namespace weave;
 using test::shared_dir;
@@ -174,6 +178,34 @@ TEST_SUITE("sharded_checkpoint") {
     if (dist::rank() == 0) std::filesystem::remove_all(dir);
   }
 
+  TEST_CASE("an asynchronous save commits in the background once written, with no further call") {
+    const std::string dir = shared_dir("async_commit");
+    auto model = make_model();
+    data::TrainingState state{.model = model.get()};
+    parallel::save_sharded_checkpoint(dir, state);  // generation 1
+    model->parameters()[0].detach().fill_(5.0);
+    parallel::save_sharded_checkpoint(dir, state, dist::world(), {.async = true});
+    // From here on this thread calls nothing of weave until the index moves to generation 2:
+    // only the save's own thread can commit it.
+    bool committed = false;
+    for (int i = 0; i < 400 && !committed; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+      try {
+        committed = parallel::detail::read_checkpoint_index(dir).generation == 2;
+      } catch (const Error&) {
+      }
+    }
+    CHECK(committed);
+    model->parameters()[0].detach().fill_(-1.0);  // training goes on
+    dist::barrier();  // the training thread's collectives beside the commit's: no mix-up
+    auto fresh = make_model();
+    data::TrainingState into{.model = fresh.get()};
+    parallel::load_sharded_checkpoint(dir, into);
+    CHECK(equal(fresh->parameters()[0], full(fresh->parameters()[0].shape(), 5.0)));
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  }
+
   TEST_CASE("a new save replaces the old generation only after its index is committed") {
     const std::string dir = shared_dir("generations");
     auto model = make_model();
@@ -249,25 +281,31 @@ TEST_SUITE("sharded_checkpoint") {
   TEST_CASE("two jobs saving into one directory: the one that comes second gets a clear error") {
     if (dist::world_size() < 2) return;
     const std::string dir = shared_dir("two_jobs");
-    const int n = dist::world_size(), half = n / 2;
-    std::vector<int> first_ranks, second_ranks;
-    for (int r = 0; r < n; ++r) (r < half ? first_ranks : second_ranks).push_back(r);
-    // Two groups stand for two jobs: each group's rank 0 takes the directory for its save.
-    const dist::Group first = dist::new_group(first_ranks), second = dist::new_group(second_ranks);
-    const bool in_first = dist::rank() < half;
+    const int n = dist::world_size();
+    std::vector<int> second_ranks;
+    for (int r = 1; r < n; ++r) second_ranks.push_back(r);
+    const dist::Group second = dist::new_group(second_ranks);
     auto model = make_model();
     data::TrainingState state{.model = model.get()};
-    // The first job's save stays in flight (asynchronous: it holds the directory until its
-    // commit) while the second job tries.
-    if (in_first) parallel::save_sharded_checkpoint(dir, state, first, {.async = true});
+    // Rank 0 stands for the first job, in the middle of its save: it holds the directory's lock
+    // as a save does, from another process than the second job's ranks.
+    std::optional<data::ExclusiveFileLock> first_job;
+    if (dist::rank() == 0) {
+      std::filesystem::create_directories(dir);
+      std::string holder;
+      first_job = data::ExclusiveFileLock::try_acquire(
+          dir + "/.weave-save.lock", "process 4711 on node7, save 1f-g3", &holder);
+      REQUIRE(first_job.has_value());
+    }
     dist::barrier();
-    if (!in_first) {
+    if (dist::rank() != 0) {
       const std::string error =
           error_of([&] { parallel::save_sharded_checkpoint(dir, state, second); });
       if (second.rank() == 0) {
-        CHECK_MESSAGE(error.find("another save into " + dir + " is in progress (process ") !=
-                          std::string::npos,
-                      error);
+        CHECK_MESSAGE(
+            error.find("another save into " + dir +
+                       " is in progress (process 4711 on node7, save 1f-g3)") != std::string::npos,
+            error);
         CHECK_MESSAGE(error.find("a checkpoint directory of its own") != std::string::npos, error);
       } else {
         CHECK_MESSAGE(error.find("failed to prepare the checkpoint directory") != std::string::npos,
@@ -275,9 +313,9 @@ TEST_SUITE("sharded_checkpoint") {
       }
     }
     dist::barrier();
-    if (in_first) parallel::wait_for_checkpoint();  // the commit releases the directory
+    first_job.reset();  // the first job's save is over
     dist::barrier();
-    if (!in_first) {
+    if (dist::rank() != 0) {
       model->parameters()[0].detach().fill_(2.0);
       parallel::save_sharded_checkpoint(dir, state, second);
     }
@@ -285,7 +323,7 @@ TEST_SUITE("sharded_checkpoint") {
     auto fresh = make_model();
     data::TrainingState into{.model = fresh.get()};
     const auto report = parallel::load_sharded_checkpoint(dir, into);
-    CHECK(report.saved_world_size == n - half);
+    CHECK(report.saved_world_size == n - 1);
     CHECK(equal(fresh->parameters()[0], full(fresh->parameters()[0].shape(), 2.0)));
     dist::barrier();
     if (dist::rank() == 0) std::filesystem::remove_all(dir);

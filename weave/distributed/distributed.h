@@ -121,6 +121,10 @@ Group world();
 /// Creates a group from global ranks (unique, in range). Every rank must call it, in the same
 /// order, like the collectives.
 Group new_group(const std::vector<int>& ranks);
+/// A new group of the same ranks in the same order, with communicators of its own: its
+/// collectives never pair with the original's, so a background thread can communicate on it
+/// while the training thread uses the original. Collective over the group (its members only).
+Group duplicate(const Group& group);
 
 /// Completion handle of a collective.
 class Work {

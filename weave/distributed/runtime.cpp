@@ -418,6 +418,33 @@ Group world() {
   return Group(live("world").world);
 }
 
+Group duplicate(const Group& group) {
+  Runtime& r = live("duplicate");
+  Group::Impl* g = group.impl().get();
+  WEAVE_CHECK(g != nullptr && group.rank() >= 0, "duplicate",
+              "rank {} is not in group {}; hint: only its members duplicate it", r.rank,
+              group.str());
+  Call c(Op::NewGroup, group);
+  Fingerprint print;
+  print.op = static_cast<int32_t>(c.op);
+  print.rank = r.rank;
+  // Every member lists all of the group's own ranks: a split that keeps everyone, in order.
+  std::vector<int> everyone(size_t(group.size()));
+  for (int i = 0; i < group.size(); ++i) everyone[size_t(i)] = i;
+  auto host = std::make_shared<std::unique_ptr<Communicator>>();
+  auto device = std::make_shared<std::unique_ptr<Communicator>>();
+  issue(
+      c, print, true,
+      [g, everyone, host, device] {
+        *host = g->comm->split(everyone);
+        if (g->device_comm) *device = g->device_comm->split(everyone);
+      },
+      false);
+  auto impl = make_group(group.ranks(), std::move(*host));
+  impl->device_comm = std::move(*device);
+  return Group(impl);
+}
+
 Group new_group(const std::vector<int>& ranks) {
   Runtime& r = live("new_group");
   WEAVE_CHECK(!ranks.empty(), "new_group", "a group needs at least one rank");

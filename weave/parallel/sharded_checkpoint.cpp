@@ -7,6 +7,7 @@
 #include <ctime>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -90,6 +91,9 @@ data::SafetensorsFile rank_part(const data::SafetensorsFile& all, int rank) {
 struct Save {
   std::string dir;
   dist::Group group;
+  // Where the commit communicates: the group itself (a synchronous save), or a duplicate of it
+  // (an asynchronous save commits on its writer thread, beside the training's collectives).
+  dist::Group commit_group;
   int64_t generation = 0;
   std::string save_id;  // in every file and the index: ties the save's files together
   bool single_file = false;
@@ -100,7 +104,8 @@ struct Save {
   int64_t written = -1;
   uint32_t crc = 0;  // of the file's bytes
   std::exception_ptr error;
-  std::thread writer;  // an asynchronous save's background writer
+  std::exception_ptr commit_error;  // an asynchronous save's commit, raised by whoever joins it
+  std::thread writer;               // an asynchronous save's background writer and committer
   // Group rank 0 holds the directory from the choice of generation until the commit's end: a
   // second job saving into it meanwhile gets a clear error, not a file system's.
   std::optional<data::ExclusiveFileLock> directory_lock;
@@ -114,8 +119,8 @@ struct Save {
   }
 };
 
-// The asynchronous save whose commit is still to come (one per process: the next save, a
-// load, wait_for_checkpoint or finalize completes it first).
+// The asynchronous save still being written or committed (one per process: the next save, a
+// load, wait_for_checkpoint or finalize waits for it and raises its error).
 std::mutex pending_mutex;
 std::unique_ptr<Save> pending;
 
@@ -142,8 +147,7 @@ void write_files(Save& save) {
 // replaces the index atomically; then the older generations are deleted.
 void commit(Save& save) {
   const char* op = "save_sharded_checkpoint";
-  if (save.writer.joinable()) save.writer.join();
-  const dist::Group& group = save.group;
+  const dist::Group& group = save.commit_group;
   const int rank = group.rank(), size = group.size();
   on_every_rank(op, group, save.single_file ? "write the gathered checkpoint" : "write its shard",
                 [&] {
@@ -192,6 +196,18 @@ void commit(Save& save) {
       if (stale) fs::remove(entry.path(), ignored);
     }
   }
+  save.directory_lock.reset();  // committed: another job may take the directory now
+}
+
+// An asynchronous save's thread: its file, then, as soon as every rank's is written, the commit
+// (on the duplicated group), so a crash after that loses nothing of this save.
+void write_and_commit(Save& save) {
+  write_files(save);
+  try {
+    commit(save);
+  } catch (...) {
+    save.commit_error = std::current_exception();
+  }
 }
 
 void complete_pending() {
@@ -200,7 +216,22 @@ void complete_pending() {
     std::lock_guard lock(pending_mutex);
     save = std::move(pending);
   }
-  if (save) commit(*save);
+  if (!save) return;
+  if (save->writer.joinable()) save->writer.join();
+  if (save->commit_error) std::rethrow_exception(save->commit_error);
+}
+
+// The duplicate of each group that asynchronous saves commit on: made once per group (every
+// member makes it in its first asynchronous save, in the same place of the group's order),
+// dropped at finalize.
+std::mutex commit_groups_mutex;
+std::map<std::vector<int>, dist::Group> commit_groups;
+
+dist::Group commit_group_for(const dist::Group& group) {
+  std::lock_guard lock(commit_groups_mutex);
+  auto found = commit_groups.find(group.ranks());
+  if (found != commit_groups.end()) return found->second;
+  return commit_groups.emplace(group.ranks(), dist::duplicate(group)).first->second;
 }
 
 // Deep copies on the host: training may change the live tensors as soon as the save returns.
@@ -262,6 +293,7 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
   auto save = std::make_unique<Save>();
   save->dir = dir;
   save->group = group;
+  save->commit_group = group;
   save->single_file = options.single_file;
   const int rank = group.rank(), size = group.size();
   WEAVE_CHECK(rank >= 0, op, "this rank is not in group {}", group.str());
@@ -320,18 +352,29 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
     commit(*save);
     return;
   }
-  Save* raw = save.get();
-  raw->writer = std::thread([raw] { write_files(*raw); });
-  std::lock_guard lock(pending_mutex);
-  pending = std::move(save);
   static bool hooked_this_init = false;  // reset by the hook itself
   if (!hooked_this_init) {
     hooked_this_init = true;
     dist::at_finalize([] {
       hooked_this_init = false;
-      complete_pending();
+      const auto forget_groups = [] {
+        std::lock_guard lock(commit_groups_mutex);
+        commit_groups.clear();
+      };
+      try {
+        complete_pending();
+      } catch (...) {
+        forget_groups();
+        throw;
+      }
+      forget_groups();
     });
   }
+  save->commit_group = commit_group_for(group);
+  Save* raw = save.get();
+  raw->writer = std::thread([raw] { write_and_commit(*raw); });
+  std::lock_guard lock(pending_mutex);
+  pending = std::move(save);
 }
 
 void wait_for_checkpoint() {

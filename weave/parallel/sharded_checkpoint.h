@@ -40,14 +40,16 @@ struct ShardedCheckpointOptions {
   /// Gather everything into one file on group rank 0 instead of one file per rank.
   bool single_file = false;
   /// Copy the state to host memory and return; a background thread serializes and writes this
-  /// rank's file. The save is committed (its index replaced, the older generation deleted) by
-  /// the next save, a load, wait_for_checkpoint() or finalize(), whichever comes first; until
-  /// then the previous generation is the one that loads, also after a crash.
+  /// rank's file and, as soon as every rank's is written, commits the save (its index
+  /// replaced, the older generation deleted) on a duplicate of the group (dist::duplicate),
+  /// beside the training's collectives. A crash loses at most the save in flight: until the
+  /// commit the previous generation is the one that loads. The next save, a load,
+  /// wait_for_checkpoint() and finalize() wait for it and raise its error on every rank.
   bool async = false;
 };
 
 /// Collective over `group`. Raises on every rank if any rank fails to write (an asynchronous
-/// save's write error is raised by the call that commits it).
+/// save's error is raised by the next call that waits for it).
 ///
 ///   parallel::save_sharded_checkpoint("run/ckpt", state, dist::world(), {.async = true});
 ///   train_more();                        // the write goes on meanwhile
@@ -55,8 +57,8 @@ struct ShardedCheckpointOptions {
 void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& state,
                              const dist::Group& group = dist::world(),
                              ShardedCheckpointOptions options = {});
-/// Waits for this process's asynchronous save, if any, and commits it. Collective over that
-/// save's group.
+/// Waits until this process's asynchronous save, if any, is written and committed, and raises
+/// its error (on every rank of its group alike).
 void wait_for_checkpoint();
 /// What a load read on this rank.
 struct ShardedLoadReport {
