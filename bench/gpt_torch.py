@@ -130,7 +130,16 @@ def main():
     train, heldout, vocab = load_corpus(a.data)
     vocab = max(vocab, (a.vocab + 7) // 8 * 8)
     model = Gpt(vocab, a.context, a.dim, a.heads, a.layers).to(a.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01,
+    # The GPT recipe's groups, as examples/gpt's optim::weight_decay_groups: no decay on biases,
+    # norms and embeddings.
+    exempt = set()
+    for module in model.modules():
+        if isinstance(module, (nn.Embedding, nn.LayerNorm)):
+            exempt.update(id(p) for p in module.parameters(recurse=False))
+    decay = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in exempt]
+    no_decay = [p for p in model.parameters() if p.dim() < 2 or id(p) in exempt]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=a.lr,
                                   **({"fused": True} if a.device == "cuda" else {}))
 
     def lr_at(step):

@@ -336,4 +336,60 @@ TEST_SUITE("fsdp") {
     CHECK(double(ddp_peak) >= state);
     if (n >= 2) CHECK(double(fsdp_peak) < 0.75 * double(ddp_peak));
   }
+
+  TEST_CASE("parameter groups through FSDP and a resharded resume equal one process") {
+    constexpr int kSteps = 6, kSaved = 3;
+    auto reference = make_model(21);
+    optim::AdamW want(optim::weight_decay_groups(*reference, 0.2), adamw_options());
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = global_batch(step);
+      want.zero_grad();
+      mse_loss(reference->forward(x), y).backward();
+      want.step();
+    }
+    for (auto sharding :
+         {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp}) {
+      CAPTURE(int(sharding));
+      const std::string dir = test::shared_dir("fsdp_groups");
+      {
+        auto model = make_model(21);
+        FullyShardedDataParallel fsdp(*model, {.sharding = sharding});
+        optim::AdamW adamw(fsdp.param_groups(optim::weight_decay_groups(*model, 0.2)),
+                           adamw_options());
+        for (int step = 0; step < kSaved; ++step) {
+          auto [x, y] = local_batch(step);
+          adamw.zero_grad();
+          mse_loss(fsdp(x), y).backward();
+          adamw.step();
+        }
+        data::TrainingState state{.model = &fsdp.sharded_module(), .optimizer = &adamw};
+        parallel::save_sharded_checkpoint(dir, state);
+      }
+      // Every rank resumes alone, without FSDP, with the groups of the plain model.
+      auto model = make_model(99);
+      optim::AdamW adamw(optim::weight_decay_groups(*model, 0.2), adamw_options());
+      data::TrainingState state{.model = model.get(), .optimizer = &adamw};
+      parallel::load_sharded_checkpoint(dir, state);
+      for (int step = kSaved; step < kSteps; ++step) {
+        auto [x, y] = global_batch(step);
+        adamw.zero_grad();
+        mse_loss(model->forward(x), y).backward();
+        adamw.step();
+      }
+      const auto got = model->parameters(), expected = reference->parameters();
+      for (size_t i = 0; i < got.size(); ++i) {
+        CAPTURE(i);
+        CHECK(allclose(got[i], expected[i], 1e-11, 1e-13));
+      }
+      dist::barrier();
+      if (dist::rank() == 0) std::filesystem::remove_all(dir);
+    }
+    // The groups must cover the model, once each.
+    auto model = make_model(1);
+    FullyShardedDataParallel fsdp(*model);
+    auto groups = optim::weight_decay_groups(*model, 0.2);
+    groups.pop_back();
+    CHECK_WEAVE_ERROR(fsdp.param_groups(groups), "FullyShardedDataParallel.param_groups",
+                      "is in no group");
+  }
 }

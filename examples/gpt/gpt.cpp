@@ -363,9 +363,10 @@ int main(int argc, char** argv) try {
     replica->load_state_dict(fsdp->full_state_dict());
     return replica;
   };
-  // Under fsdp the optimizer steps this rank's shards only.
-  optim::AdamW optimizer(fsdp ? fsdp->parameters() : model->parameters(),
-                         {.lr = f.lr, .weight_decay = f.weight_decay});
+  // The GPT recipe's groups: no weight decay on biases, norms and embeddings. Under fsdp the
+  // optimizer steps this rank's shards only, each part with its parameter's group.
+  const std::vector<optim::ParamGroup> groups = optim::weight_decay_groups(*model, f.weight_decay);
+  optim::AdamW optimizer(fsdp ? fsdp->param_groups(groups) : groups, {.lr = f.lr});
   // Linear warmup, then cosine to min_lr (the same formula in bench/gpt_torch.py).
   optim::LRScheduler scheduler(optimizer, [f](int64_t step) {
     if (step < f.warmup) return f.lr * double(step + 1) / double(f.warmup);
@@ -431,7 +432,7 @@ int main(int argc, char** argv) try {
     }
     scaler.scale(loss).backward();
     scaler.unscale_(optimizer.params());  // clipping sees the true gradients
-    if (fsdp)  // the norm over every rank's shard
+    if (fsdp)                             // the norm over every rank's shard
       fsdp->clip_grad_norm_(f.clip);
     else if (tensor > 1)
       dist::clip_grad_norm_(sharded, replicated, f.clip, mesh.tensor());

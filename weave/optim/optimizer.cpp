@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <functional>
 #include <unordered_map>
 
 #include "weave/autograd/engine.h"
@@ -29,7 +30,8 @@ TensorOptions state_options(const Tensor& p) {
 
 }  // namespace
 
-Optimizer::Optimizer(std::vector<Tensor> params, double lr) : params_(std::move(params)), lr_(lr) {
+Optimizer::Optimizer(std::vector<Tensor> params, double lr, double weight_decay)
+    : params_(std::move(params)), lr_(lr) {
   WEAVE_CHECK(lr >= 0, "optimizer", "learning rate must be non-negative, found {}", lr);
   std::unordered_map<const TensorImpl*, size_t> seen;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -41,6 +43,7 @@ Optimizer::Optimizer(std::vector<Tensor> params, double lr) : params_(std::move(
                 "step; hint: list each parameter once (a shared weight is one parameter)",
                 it->second, i);
   }
+  for (const Tensor& p : params_) decay_.push_back({{{0, p.numel()}, weight_decay}});
 }
 
 OptimizerState Optimizer::state_dict() const {
@@ -129,12 +132,25 @@ void zero_grad(const std::vector<Tensor>& params, bool set_to_none) {
   }
 }
 
-SGD::SGD(std::vector<Tensor> params, SGDOptions options)
-    : Optimizer(std::move(params), options.lr), options_(options), momentum_(params_.size()) {
+namespace {
+void check_sgd_options(const SGDOptions& options) {
   WEAVE_CHECK(
       !options.nesterov || (options.momentum > 0 && options.dampening == 0), "SGD",
       "Nesterov momentum needs momentum > 0 and dampening 0, found momentum={} dampening={}",
       options.momentum, options.dampening);
+}
+}  // namespace
+
+SGD::SGD(std::vector<Tensor> params, SGDOptions options)
+    : Optimizer(std::move(params), options.lr, options.weight_decay),
+      options_(options),
+      momentum_(params_.size()) {
+  check_sgd_options(options);
+}
+
+SGD::SGD(const std::vector<ParamGroup>& groups, SGDOptions options)
+    : Optimizer(groups, options.lr), options_(options), momentum_(params_.size()) {
+  check_sgd_options(options);
 }
 
 void Optimizer::check_backward_complete() const {
@@ -155,7 +171,10 @@ void SGD::step() {
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
     if (!p.grad().defined()) continue;
-    const Tensor& g = p.grad();
+    // Parts that decay differently (a flat shard of two groups) take their decay here.
+    const std::optional<double> uniform = uniform_decay(i);
+    const double weight_decay = uniform.value_or(0);
+    const Tensor g = uniform ? p.grad() : add_part_decay(i, p.grad());
     if (fuses(p, g)) {
       const bool first = options_.momentum != 0 && !momentum_[i].defined();
       if (first) momentum_[i] = empty(p.shape(), state_options(p));
@@ -163,14 +182,14 @@ void SGD::step() {
                           {.lr = lr_,
                            .momentum = options_.momentum,
                            .dampening = options_.dampening,
-                           .weight_decay = options_.weight_decay,
+                           .weight_decay = weight_decay,
                            .nesterov = options_.nesterov,
                            .first = first});
       p.storage()->bump_version();
       continue;
     }
     Tensor d = g.to(compute_dtype(p.dtype()));
-    if (options_.weight_decay != 0) d = d + p * options_.weight_decay;
+    if (weight_decay != 0) d = d + p * weight_decay;
     if (options_.momentum != 0) {
       Tensor& buf = momentum_[i];
       if (!buf.defined()) {
@@ -202,15 +221,33 @@ std::vector<Tensor> Adam::state() const {
 Adam::Adam(std::vector<Tensor> params, AdamOptions options)
     : Adam(std::move(params), options, false) {}
 
+namespace {
+void check_adam_options(const AdamOptions& options) {
+  WEAVE_CHECK(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1,
+              "Adam", "betas must be in [0, 1), found ({}, {})", options.beta1, options.beta2);
+  WEAVE_CHECK(options.eps >= 0, "Adam", "eps must be non-negative, found {}", options.eps);
+}
+}  // namespace
+
 Adam::Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled)
-    : Optimizer(std::move(params), options.lr),
+    : Optimizer(std::move(params), options.lr, options.weight_decay),
       options_(options),
       decoupled_(decoupled),
       exp_avg_(params_.size()),
       exp_avg_sq_(params_.size()) {
-  WEAVE_CHECK(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1,
-              "Adam", "betas must be in [0, 1), found ({}, {})", options.beta1, options.beta2);
-  WEAVE_CHECK(options.eps >= 0, "Adam", "eps must be non-negative, found {}", options.eps);
+  check_adam_options(options);
+}
+
+Adam::Adam(const std::vector<ParamGroup>& groups, AdamOptions options)
+    : Adam(groups, options, false) {}
+
+Adam::Adam(const std::vector<ParamGroup>& groups, AdamOptions options, bool decoupled)
+    : Optimizer(groups, options.lr),
+      options_(options),
+      decoupled_(decoupled),
+      exp_avg_(params_.size()),
+      exp_avg_sq_(params_.size()) {
+  check_adam_options(options);
 }
 
 void Adam::step() {
@@ -228,13 +265,18 @@ void Adam::step() {
       exp_avg_sq_[i] = zeros(p.shape(), state_options(p));
     }
     Tensor g = p.grad();
+    // Parts that decay differently (a flat shard of two groups) take their decay here.
+    const std::optional<double> uniform = uniform_decay(i);
+    const double weight_decay = uniform.value_or(0);
+    if (!uniform && decoupled_) decay_parts(i, lr_);
+    if (!uniform && !decoupled_) g = add_part_decay(i, g);
     if (fuses(p, g)) {
       kernels::adam_update(p, g, exp_avg_[i], exp_avg_sq_[i],
                            {.lr = lr_,
                             .beta1 = options_.beta1,
                             .beta2 = options_.beta2,
                             .eps = options_.eps,
-                            .weight_decay = options_.weight_decay,
+                            .weight_decay = weight_decay,
                             .correction1 = correction1,
                             .correction2 = correction2,
                             .decoupled = decoupled_});
@@ -242,11 +284,11 @@ void Adam::step() {
       continue;
     }
     g = g.to(exp_avg_[i].dtype());
-    if (options_.weight_decay != 0) {
+    if (weight_decay != 0) {
       if (decoupled_)
-        p.mul_(1 - lr_ * options_.weight_decay);
+        p.mul_(1 - lr_ * weight_decay);
       else
-        g = g + p * options_.weight_decay;
+        g = g + p * weight_decay;
     }
     exp_avg_[i].mul_(options_.beta1).add_(g, 1 - options_.beta1);
     exp_avg_sq_[i].mul_(options_.beta2).add_(g * g, 1 - options_.beta2);
@@ -256,14 +298,21 @@ void Adam::step() {
   }
 }
 
+namespace {
+AdamOptions adam_options_of(const AdamWOptions& options) {
+  return {.lr = options.lr,
+          .beta1 = options.beta1,
+          .beta2 = options.beta2,
+          .eps = options.eps,
+          .weight_decay = options.weight_decay};
+}
+}  // namespace
+
 AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options)
-    : Adam(std::move(params),
-           {.lr = options.lr,
-            .beta1 = options.beta1,
-            .beta2 = options.beta2,
-            .eps = options.eps,
-            .weight_decay = options.weight_decay},
-           true) {}
+    : Adam(std::move(params), adam_options_of(options), true) {}
+
+AdamW::AdamW(const std::vector<ParamGroup>& groups, AdamWOptions options)
+    : Adam(groups, adam_options_of(options), true) {}
 
 MixedPrecision::MixedPrecision(std::vector<Tensor> params, const Factory& make_optimizer)
     : Optimizer(std::move(params), 0), masters_(params_.size()) {

@@ -4,10 +4,12 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "weave/nn/module.h"
 #include "weave/ops/ops.h"
 
 namespace weave::optim {
@@ -20,9 +22,36 @@ struct OptimizerState {
   std::map<std::string, double> scalars;
 };
 
+/// Elements [begin, end) of a parameter, in row-major order.
+struct ElementRange {
+  int64_t begin = 0, end = 0;
+};
+
+/// Parameters that share a weight decay: PyTorch's param_groups, for what training recipes set
+/// per group (a GPT's norms, biases and embeddings take no decay; weight_decay_groups() makes
+/// that split). Each parameter belongs to one group. Only flat shards that hold parts of several
+/// groups (FullyShardedDataParallel::param_groups) list `ranges`: ranges[i] is the part of
+/// params[i] in this group, and the same shard appears in several groups.
+struct ParamGroup {
+  std::vector<Tensor> params;
+  double weight_decay = 0;
+  std::vector<ElementRange> ranges = {};
+};
+
+/// {decay, no decay} for a model: parameters with fewer than two dimensions (biases, norm
+/// scales) and those of modules named "...Embedding" or "...Norm" get none, the others
+/// `weight_decay`. Groups that end up empty are left out.
+///
+///   optim::AdamW adamw(optim::weight_decay_groups(model, 0.1), {.lr = 6e-4});
+std::vector<ParamGroup> weight_decay_groups(const nn::Module& model, double weight_decay);
+
 class Optimizer {
  public:
-  Optimizer(std::vector<Tensor> params, double lr);
+  /// Every parameter with the weight decay `weight_decay`.
+  Optimizer(std::vector<Tensor> params, double lr, double weight_decay = 0);
+  /// The parameters of every group (a parameter listed with ranges in several groups once),
+  /// each element with its group's weight decay.
+  Optimizer(const std::vector<ParamGroup>& groups, double lr);
   virtual ~Optimizer() = default;
   /// Applies one update using the parameters' current gradients (parameters without a
   /// gradient are skipped). Outside backward, raises if communicating autograd nodes (a
@@ -54,8 +83,20 @@ class Optimizer {
   /// Counters beyond lr (Adam's step count), and setting them from a checked state.
   virtual std::map<std::string, double> counters() const { return {}; }
   virtual void set_counters(const std::map<std::string, double>&) {}
+  /// Parameter i's weight decay when it is one number for all its elements (the fused path).
+  std::optional<double> uniform_decay(size_t i) const;
+  /// L2 decay for a parameter whose parts decay differently: the gradient plus each part's
+  /// weight decay times its values (a copy). Decoupled decay: scales each part of p in place.
+  Tensor add_part_decay(size_t i, const Tensor& grad) const;
+  void decay_parts(size_t i, double lr) const;
+
   std::vector<Tensor> params_;
   double lr_;
+  struct DecayPart {
+    ElementRange range;
+    double weight_decay;
+  };
+  std::vector<std::vector<DecayPart>> decay_;  // per parameter, its parts in element order
 
   friend class MixedPrecision;  // reaches the wrapped optimizer's state slots and counters
 };
@@ -73,6 +114,8 @@ struct SGDOptions {
 class SGD : public Optimizer {
  public:
   SGD(std::vector<Tensor> params, SGDOptions options);
+  /// Each group's weight_decay instead of options.weight_decay.
+  SGD(const std::vector<ParamGroup>& groups, SGDOptions options);
   void step() override;
   std::vector<Tensor> state() const override;
 
@@ -98,11 +141,14 @@ struct AdamOptions {
 class Adam : public Optimizer {
  public:
   Adam(std::vector<Tensor> params, AdamOptions options);
+  /// Each group's weight_decay instead of options.weight_decay.
+  Adam(const std::vector<ParamGroup>& groups, AdamOptions options);
   void step() override;
   std::vector<Tensor> state() const override;
 
  protected:
   Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled);
+  Adam(const std::vector<ParamGroup>& groups, AdamOptions options, bool decoupled);
   std::vector<std::pair<std::string, std::vector<Tensor>*>> state_slots() override {
     return {{"exp_avg", &exp_avg_}, {"exp_avg_sq", &exp_avg_sq_}};
   }
@@ -134,6 +180,8 @@ struct AdamWOptions {
 class AdamW : public Adam {
  public:
   explicit AdamW(std::vector<Tensor> params, AdamWOptions options = {});
+  /// Each group's weight_decay instead of options.weight_decay.
+  AdamW(const std::vector<ParamGroup>& groups, AdamWOptions options = {});
 };
 
 /// Float32 master weights for bfloat16 / float16 parameters. The wrapped optimizer steps float32

@@ -48,6 +48,7 @@
 
 #include "weave/distributed/distributed.h"
 #include "weave/nn/module.h"
+#include "weave/optim/optimizer.h"
 #include "weave/parallel/no_sync.h"
 
 namespace weave::parallel {
@@ -131,6 +132,14 @@ class FullyShardedDataParallel {
   /// Loads whole parameters (each rank keeps its slices) and buffers; strict as
   /// Module::load_state_dict. Collective (it checks on every rank before changing anything).
   void load_full_state_dict(const nn::NamedTensors& state);
+  /// The optimizer's parameter groups for the shards. `groups` list the model's own parameters
+  /// (optim::weight_decay_groups(model, wd) makes the usual split); each shard joins the groups
+  /// of the parameters it holds elements of, for those elements. Every parameter of the model
+  /// must be in one group, or this raises naming it.
+  ///
+  ///   optim::AdamW adamw(fsdp.param_groups(optim::weight_decay_groups(model, 0.1)), {...});
+  std::vector<optim::ParamGroup> param_groups(const std::vector<optim::ParamGroup>& groups) const;
+
   /// A module whose parameters are this rank's shards (and whose buffers are the model's), for
   /// data::TrainingState: sharded checkpoints save it with what each shard holds, and load it
   /// (or a checkpoint of any other layout of the same model) at any world size.

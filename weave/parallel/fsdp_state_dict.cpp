@@ -1,6 +1,8 @@
-// FullyShardedDataParallel's state dicts: the full one (gathered on every rank) and the module
-// of this rank's shards that sharded checkpoints save.
+// FullyShardedDataParallel's views of its state: the full state dict (gathered on every rank),
+// the module of this rank's shards that sharded checkpoints save, and the optimizer's parameter
+// groups over the shards.
 #include <map>
+#include <unordered_map>
 
 #include "weave/parallel/fsdp_state.h"
 
@@ -73,6 +75,58 @@ nn::Module& FullyShardedDataParallel::sharded_module() {
     state_->shard_module = std::make_unique<ShardModule>(named, module_.named_buffers());
   }
   return *state_->shard_module;
+}
+
+std::vector<optim::ParamGroup> FullyShardedDataParallel::param_groups(
+    const std::vector<optim::ParamGroup>& groups) const {
+  const State& s = *state_;
+  const char* op = "FullyShardedDataParallel.param_groups";
+  // Which group each of the model's parameters is in.
+  std::unordered_map<const TensorImpl*, size_t> index;
+  for (size_t i = 0; i < s.params.size(); ++i) index.emplace(s.params[i].impl(), i);
+  std::vector<int> group_of(s.params.size(), -1);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    WEAVE_CHECK(groups[g].ranges.empty(), op,
+                "group {} lists element ranges; hint: give the model's whole parameters", g);
+    for (const Tensor& p : groups[g].params) {
+      auto found = p.defined() ? index.find(p.impl()) : index.end();
+      WEAVE_CHECK(found != index.end(), op,
+                  "group {} holds a tensor {} that is not a parameter of the wrapped model; hint: "
+                  "build the groups from the model (optim::weight_decay_groups(model, ...))",
+                  g, p.defined() ? p.shape().str() : "(undefined)");
+      int& mine = group_of[found->second];
+      WEAVE_CHECK(mine < 0, op, "parameter '{}' is in groups {} and {}", s.names[found->second],
+                  mine, g);
+      mine = int(g);
+    }
+  }
+  for (size_t i = 0; i < s.params.size(); ++i)
+    WEAVE_CHECK(group_of[i] >= 0, op,
+                "parameter '{}' is in no group; hint: every parameter of the model belongs to "
+                "one group",
+                s.names[i]);
+  // Each member's elements in its flat buffer, cut to this rank's shard.
+  std::vector<optim::ParamGroup> out(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) out[g].weight_decay = groups[g].weight_decay;
+  for (const State::Unit& unit : s.units)
+    for (const State::Flat& f : unit.flats) {
+      const int64_t per_rank = f.shard.numel(), first = s.group.rank() * per_rank;
+      bool listed = false;
+      for (size_t k = 0; k < f.params.size(); ++k) {
+        const int64_t begin = f.full.offsets[k], end = begin + f.full.shapes[k].numel();
+        const int64_t lo = std::max(begin, first), hi = std::min(end, first + per_rank);
+        if (lo >= hi) continue;
+        optim::ParamGroup& group = out[size_t(group_of[size_t(f.params[k])])];
+        group.params.push_back(f.shard);
+        group.ranges.push_back({lo - first, hi - first});
+        listed = true;
+      }
+      if (!listed && !out.empty()) {  // padding only: stepped like every shard, never decayed
+        out[0].params.push_back(f.shard);
+        out[0].ranges.push_back({0, 0});
+      }
+    }
+  return out;
 }
 
 }  // namespace weave::parallel
