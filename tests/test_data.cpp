@@ -264,4 +264,62 @@ TEST_SUITE("data") {
     CHECK(all == std::vector<int64_t>{0, 3, 4, 6, 7, 9});
     CHECK(parallel::contiguous_range(2, 4, 3) == std::pair<int64_t, int64_t>{2, 2});
   }
+
+  TEST_CASE("DataLoader with worker threads: the same batches, state and errors as without") {
+    manual_seed(5);
+    auto dataset = std::make_shared<data::TensorDataset>(randn({53, 3}), arange(53.0));
+    auto batches = [&](int workers, int prefetch) {
+      data::DataLoader loader(dataset, {.batch_size = 4,
+                                        .shuffle = true,
+                                        .seed = 9,
+                                        .num_workers = workers,
+                                        .prefetch = prefetch});
+      std::vector<Tensor> seen;
+      for (int epoch = 0; epoch < 3; ++epoch)
+        for (const data::Example& batch : loader) seen.push_back(batch.target);
+      return seen;
+    };
+    const std::vector<Tensor> plain = batches(0, 0);
+    for (auto [workers, prefetch] : {std::pair{1, 0}, std::pair{2, 2}, std::pair{3, 7}}) {
+      CAPTURE(workers);
+      CAPTURE(prefetch);
+      const std::vector<Tensor> threaded = batches(workers, prefetch);
+      REQUIRE(threaded.size() == plain.size());
+      for (size_t i = 0; i < plain.size(); ++i) CHECK(equal(threaded[i], plain[i]));
+    }
+    // Stopped mid-epoch (batches loaded ahead are not counted), saved, resumed with workers.
+    data::DataLoader first(dataset,
+                           {.batch_size = 4, .shuffle = true, .seed = 9, .num_workers = 2});
+    data::DataLoader::Iterator it = first.begin();
+    for (int i = 0; i < 5; ++i) ++it, (void)*it;
+    const data::LoaderState state = first.state();
+    CHECK(state.position == 6);
+    data::DataLoader second(dataset,
+                            {.batch_size = 4, .shuffle = true, .seed = 9, .num_workers = 3});
+    second.load_state(state);
+    std::vector<Tensor> rest;
+    for (const data::Example& batch : second) rest.push_back(batch.target);
+    REQUIRE(rest.size() == 14 - 6);
+    for (size_t i = 0; i < rest.size(); ++i) CHECK(equal(rest[i], plain[6 + i]));
+    // A worker's exception is raised where the loop takes that batch, and not before.
+    struct Failing : data::Dataset {
+      int64_t size() const override { return 20; }
+      data::Example get(int64_t index) const override {
+        if (index == 13) throw Error("[test] example 13 is corrupt");
+        return {full({2}, double(index)), full({1}, double(index))};
+      }
+    };
+    data::DataLoader failing(std::make_shared<Failing>(),
+                             {.batch_size = 2, .num_workers = 2, .prefetch = 4});
+    int taken = 0;
+    const std::string error = test::error_of([&] {
+      for (const data::Example& batch : failing) {
+        (void)batch;
+        ++taken;
+      }
+    });
+    CHECK(taken == 6);  // batch 6 holds examples 12 and 13
+    CHECK(error == "[test] example 13 is corrupt");
+    CHECK_WEAVE_ERROR(data::DataLoader(dataset, {.num_workers = -1}), "DataLoader", "num_workers");
+  }
 }

@@ -1,8 +1,15 @@
 #include "weave/data/dataloader.h"
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <sstream>
+#include <thread>
+
+#include "weave/autograd/grad_mode.h"
 
 namespace weave::data {
 
@@ -42,6 +49,60 @@ Example TensorDataset::get_batch(const std::vector<int64_t>& indices) const {
   return {index_select(inputs_, 0, idx), index_select(targets_, 0, idx.to(targets_.device()))};
 }
 
+// Loader threads. Each task carries its batch's indices, copied when it is scheduled, so a new
+// epoch's order never races a load; results are kept by (epoch, batch) and a new epoch drops
+// the old one's.
+struct DataLoader::Workers {
+  struct Result {
+    bool ready = false;
+    Example example;
+    std::exception_ptr error;
+  };
+  struct Task {
+    int64_t epoch, batch;
+    std::vector<int64_t> indices;
+  };
+  std::shared_ptr<const Dataset> dataset;
+  std::mutex mutex;
+  std::condition_variable work, done;
+  std::deque<Task> queue;
+  std::map<int64_t, Result> results;  // this epoch's batches, scheduled or loaded
+  int64_t epoch = 0;
+  bool stop = false;
+  std::vector<std::thread> threads;
+
+  void run() {
+    for (;;) {
+      Task task;
+      {
+        std::unique_lock lock(mutex);
+        work.wait(lock, [&] { return stop || !queue.empty(); });
+        if (stop) return;
+        task = std::move(queue.front());
+        queue.pop_front();
+      }
+      Result result{.ready = true, .example = {}, .error = nullptr};
+      try {
+        NoGradGuard no_grad;
+        result.example = dataset->get_batch(task.indices);
+      } catch (...) {
+        result.error = std::current_exception();
+      }
+      std::lock_guard lock(mutex);
+      auto slot = results.find(task.batch);
+      if (task.epoch == epoch && slot != results.end()) slot->second = std::move(result);
+      done.notify_all();
+    }
+  }
+  // A new epoch: what was queued or loaded for the last one is dropped.
+  void restart() {
+    std::lock_guard lock(mutex);
+    ++epoch;
+    queue.clear();
+    results.clear();
+  }
+};
+
 DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, DataLoaderOptions options)
     : dataset_(std::move(dataset)), options_(options), engine_(options.seed) {
   WEAVE_CHECK(dataset_ != nullptr, "DataLoader", "dataset is null");
@@ -49,8 +110,17 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, DataLoaderOptions
               options.batch_size);
   WEAVE_CHECK(!(options.sampler && options.shuffle), "DataLoader",
               "shuffle and a sampler exclude each other; hint: let the sampler shuffle");
+  WEAVE_CHECK(options.num_workers >= 0 && options.prefetch >= 0, "DataLoader",
+              "num_workers and prefetch must be >= 0, found {} and {}", options.num_workers,
+              options.prefetch);
   order_.resize(options.sampler ? options.sampler->size() : dataset_->size());
   std::iota(order_.begin(), order_.end(), 0);
+  if (options.num_workers > 0) {
+    workers_ = std::make_unique<Workers>();
+    workers_->dataset = dataset_;
+    for (int i = 0; i < options.num_workers; ++i)
+      workers_->threads.emplace_back([w = workers_.get()] { w->run(); });
+  }
 }
 
 int64_t DataLoader::size() const {
@@ -59,6 +129,7 @@ int64_t DataLoader::size() const {
 }
 
 DataLoader::Iterator DataLoader::begin() {
+  if (workers_) workers_->restart();
   if (resume_) {
     resume_ = false;
     return Iterator(this, position_);
@@ -133,6 +204,7 @@ void DataLoader::check_state(const LoaderState& state) const {
 
 void DataLoader::load_state(const LoaderState& state) {
   check_state(state);
+  if (workers_) workers_->restart();
   if (options_.sampler) options_.sampler->load_state(state.sampler);
   engine_ = parse_generator(state.generator);
   if (resplits(state)) {
@@ -149,16 +221,47 @@ void DataLoader::load_state(const LoaderState& state) {
   resume_ = position_ < size();
 }
 
-Example DataLoader::load(int64_t batch) const {
+std::vector<int64_t> DataLoader::indices_of(int64_t batch) const {
   const int64_t start = batch * options_.batch_size;
   const int64_t stop = std::min<int64_t>(start + options_.batch_size, order_.size());
-  return dataset_->get_batch({order_.begin() + start, order_.begin() + stop});
+  return {order_.begin() + start, order_.begin() + stop};
+}
+
+Example DataLoader::load(int64_t batch) const {
+  return dataset_->get_batch(indices_of(batch));
+}
+
+DataLoader::~DataLoader() {
+  if (!workers_) return;
+  {
+    std::lock_guard lock(workers_->mutex);
+    workers_->stop = true;
+  }
+  workers_->work.notify_all();
+  for (std::thread& t : workers_->threads) t.join();
+}
+
+Example DataLoader::take(int64_t batch) const {
+  if (!workers_) return load(batch);
+  Workers& w = *workers_;
+  std::unique_lock lock(w.mutex);
+  const int64_t last = std::min<int64_t>(size(), batch + 1 + options_.prefetch);
+  for (int64_t b = batch; b < last; ++b)
+    if (w.results.emplace(b, Workers::Result{}).second)
+      w.queue.push_back({w.epoch, b, indices_of(b)});
+  w.work.notify_all();
+  w.done.wait(lock, [&] { return w.results.at(batch).ready; });
+  Workers::Result result = std::move(w.results.at(batch));
+  w.results.erase(w.results.begin(), w.results.upper_bound(batch));  // skipped ones too
+  lock.unlock();
+  if (result.error) std::rethrow_exception(result.error);
+  return std::move(result.example);
 }
 
 const Example& DataLoader::Iterator::operator*() {
   if (!loaded_) {
     loader_->position_ = batch_ + 1;
-    current_ = loader_->load(batch_);
+    current_ = loader_->take(batch_);
     loaded_ = true;
   }
   return current_;

@@ -86,6 +86,14 @@ struct DataLoaderOptions {
   uint64_t seed = 0;  // shuffle seed: each pass over the data draws the next permutation
   /// Where the indices come from instead of shuffle (e.g. parallel::DistributedSampler).
   std::shared_ptr<Sampler> sampler = nullptr;
+  /// Threads that load batches ahead of the training loop (0: each batch is loaded when the
+  /// loop asks for it). The batches, their order and the loader's state in checkpoints are the
+  /// same either way; an exception a worker meets is raised where the loop takes that batch.
+  /// The dataset's get_batch then runs on several threads at once: it must be safe to (a
+  /// const method that only reads, as TensorDataset's).
+  int num_workers = 0;
+  /// Batches loaded ahead while the loop works on the current one (with workers).
+  int prefetch = 2;
 };
 
 /// Iterates over batches: `for (const Example& batch : loader)`. Every begin() starts a new
@@ -93,6 +101,9 @@ struct DataLoaderOptions {
 class DataLoader {
  public:
   DataLoader(std::shared_ptr<const Dataset> dataset, DataLoaderOptions options);
+  ~DataLoader();
+  DataLoader(const DataLoader&) = delete;
+  DataLoader& operator=(const DataLoader&) = delete;
   /// Number of batches per epoch.
   int64_t size() const;
   const DataLoaderOptions& options() const { return options_; }
@@ -138,7 +149,13 @@ class DataLoader {
 
  private:
   Example load(int64_t batch) const;
+  // Batch `batch` of this epoch: loaded now, or taken from the workers (which are asked for the
+  // next `prefetch` batches at the same time).
+  Example take(int64_t batch) const;
+  std::vector<int64_t> indices_of(int64_t batch) const;
   std::shared_ptr<const Dataset> dataset_;
+  struct Workers;
+  std::unique_ptr<Workers> workers_;
   DataLoaderOptions options_;
   std::mt19937_64 engine_;
   std::vector<int64_t> order_;
