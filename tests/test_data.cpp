@@ -5,6 +5,10 @@
 
 #include "helpers.h"
 
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
 using namespace weave;
 
 namespace {
@@ -321,5 +325,45 @@ TEST_SUITE("data") {
     CHECK(taken == 6);  // batch 6 holds examples 12 and 13
     CHECK(error == "[test] example 13 is corrupt");
     CHECK_WEAVE_ERROR(data::DataLoader(dataset, {.num_workers = -1}), "DataLoader", "num_workers");
+  }
+
+  TEST_CASE("MetricsLogger: one JSON object per record, the documented fields, none invented") {
+    const std::string path =
+        (std::filesystem::temp_directory_path() / ("weave_metrics_" + std::to_string(getpid())))
+            .string();
+    {
+      data::MetricsLogger metrics({.path = path, .total_steps = 4, .progress = false});
+      metrics.log_step({.step = 1, .loss = 2.5, .lr = 1e-3, .tokens = 512});
+      metrics.log_step({.step = 2, .loss = 2.25, .grad_norm = 0.75});  // no lr, no tokens
+      metrics.log_eval(2, "heldout_loss", 2.4);
+    }
+    std::ifstream in(path);
+    std::vector<nlohmann::json> records;
+    for (std::string line; std::getline(in, line);) records.push_back(nlohmann::json::parse(line));
+    REQUIRE(records.size() == 3);
+    CHECK(records[0]["kind"] == "train");
+    CHECK(records[0]["step"] == 1);
+    CHECK(records[0]["loss"] == 2.5);
+    CHECK(records[0]["lr"] == 1e-3);
+    CHECK(records[0]["tokens_per_s"].get<double>() > 0);
+    CHECK(records[0]["eta_s"].get<double>() >= 0);
+    CHECK(records[0].contains("peak_mb"));
+    CHECK_FALSE(records[0].contains("grad_norm"));
+    CHECK(records[1]["grad_norm"] == 0.75);
+    CHECK_FALSE(records[1].contains("lr"));
+    CHECK_FALSE(records[1].contains("tokens_per_s"));
+    CHECK(records[2] == nlohmann::json({{"kind", "eval"},
+                                        {"step", 2},
+                                        {"name", "heldout_loss"},
+                                        {"value", 2.4},
+                                        {"elapsed_s", records[2]["elapsed_s"]}}));
+    std::filesystem::remove(path);
+    {
+      data::MetricsLogger quiet({.path = path, .enabled = false});  // another rank's
+      quiet.log_step({.step = 1, .loss = 1.0});
+    }
+    CHECK_FALSE(std::filesystem::exists(path));
+    CHECK_WEAVE_ERROR(data::MetricsLogger({.path = "/nonexistent/dir/m.jsonl"}), "MetricsLogger",
+                      "cannot open");
   }
 }

@@ -5,6 +5,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/data/checkpoint.h"
 #include "weave/data/dataloader.h"
+#include "weave/data/metrics.h"
 #include "weave/data/fashion_mnist.h"
 #include "weave/data/safetensors.h"
 #include "weave/distributed/clip_grad.h"

@@ -10,7 +10,7 @@ namespace gpt {
 using namespace weave;
 
 struct Flags {
-  std::string strategy = "ddp", data_dir = "/usr/share/games/fortunes", checkpoint;
+  std::string strategy = "ddp", data_dir = "/usr/share/games/fortunes", checkpoint, log;
   int tp = 2, threads = 1, samples = 3;
   int64_t layers = 4, dim = 256, heads = 4, context = 128, batch = 16, steps = 600,
           eval_every = 100, eval_windows = 64, checkpoint_every = 100, stop_at = -1, log_every = 20;
@@ -38,6 +38,8 @@ inline Flags parse(int argc, char** argv) {
       f.data_dir = value();
     else if (arg == "--checkpoint")
       f.checkpoint = value();
+    else if (arg == "--log")
+      f.log = value();
     else if (arg == "--tp")
       f.tp = std::stoi(value());
     else if (arg == "--threads")

@@ -4,7 +4,7 @@
 //                    [--checkpoint DIR [--checkpoint-every 100] [--resume] [--stop-at STEP]]
 //                    [--no-sequence-parallel] [--samples 3] [--threads 1] [--seed 0]
 //                    [--autocast bf16|fp16] [--checkpoint-activations]
-//                    [--device cpu|cuda] [--backend mpi|nccl] [--vocab N]
+//                    [--device cpu|cuda] [--backend mpi|nccl] [--vocab N] [--log FILE]
 // --device cuda puts each rank on a GPU (round-robin by local rank) with NCCL between them
 // (--backend mpi: MPI, staging through the host; several ranks may share one GPU). --vocab
 // widens the embedding and output layer past the characters' count (a larger model's head).
@@ -27,8 +27,10 @@
 // Every strategy starts from the same weights (the whole model is initialized on every rank
 // with the seed, then split), so all of them follow one process step for step.
 //
-// Rank 0 prints step, loss and tokens/s every --log-every (20) steps, the held-out loss every
-// --eval-every steps, and at the end `heldout_loss=X.XXXX` followed by a few sampled lines.
+// Rank 0 prints (on stderr, data::MetricsLogger) step, loss, lr, tokens/s, the gradient norm,
+// peak memory and the ETA every --log-every (20) steps and the held-out loss every --eval-every
+// steps, and at the end `heldout_loss=X.XXXX` (stdout) followed by a few sampled lines. --log
+// FILE also writes them as JSON Lines, which `weave-plot FILE -o curves.png` draws.
 #include <weave/weave.h>
 
 #include "flags.h"
@@ -413,7 +415,13 @@ int main(int argc, char** argv) try {
 
   const int64_t local_batch = f.batch / data;
   const int64_t train_span = int64_t(corpus.train.size());
-  auto window_start = std::chrono::steady_clock::now();
+  // Progress on stderr (rank 0), and with --log the metrics file for tools/weave-plot.
+  data::MetricsLogger metrics(
+      {.path = f.log,
+       .enabled = dist::rank() == 0,
+       .total_steps = f.steps,
+       .start_step = step,
+       .device = device});
   double loss_sum = 0;
   int64_t losses = 0, tokens = 0;
   while (step < f.steps) {
@@ -432,12 +440,10 @@ int main(int argc, char** argv) try {
     }
     scaler.scale(loss).backward();
     scaler.unscale_(optimizer.params());  // clipping sees the true gradients
-    if (fsdp)                             // the norm over every rank's shard
-      fsdp->clip_grad_norm_(f.clip);
-    else if (tensor > 1)
-      dist::clip_grad_norm_(sharded, replicated, f.clip, mesh.tensor());
-    else
-      optim::clip_grad_norm_(model->parameters(), f.clip);
+    const double grad_norm =
+        fsdp         ? fsdp->clip_grad_norm_(f.clip)  // the norm over every rank's shard
+        : tensor > 1 ? dist::clip_grad_norm_(sharded, replicated, f.clip, mesh.tensor())
+                     : optim::clip_grad_norm_(model->parameters(), f.clip);
     scaler.step(optimizer);
     scaler.update();
     scheduler.step();
@@ -446,23 +452,19 @@ int main(int argc, char** argv) try {
     ++losses;
     tokens += f.batch * f.context;
     if (step % f.log_every == 0 || step == f.steps) {
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - window_start).count();
       Tensor mean = full({1}, loss_sum / double(losses), {.dtype = kFloat64});
       dist::all_reduce(mean, dist::ReduceOp::Sum, mesh.data());
-      if (dist::rank() == 0)
-        std::printf("step %lld/%lld loss %.4f lr %.2e tokens/s %.0f\n",
-                    static_cast<long long>(step), static_cast<long long>(f.steps),
-                    mean.item<double>() / data, scheduler.lr(), double(tokens) / seconds);
+      metrics.log_step({.step = step,
+                        .loss = mean.item<double>() / data,
+                        .lr = scheduler.lr(),
+                        .tokens = tokens,
+                        .grad_norm = grad_norm});
       loss_sum = 0, losses = 0, tokens = 0;
-      window_start = std::chrono::steady_clock::now();
     }
     if (step % f.eval_every == 0 && step < f.steps) {
       std::optional<AutocastGuard> autocast;
       if (f.autocast) autocast.emplace(*f.autocast);
-      const double held = heldout_loss(*whole_model(), f, corpus, mesh);
-      if (dist::rank() == 0)
-        std::printf("step %lld heldout_loss %.4f\n", static_cast<long long>(step), held);
+      metrics.log_eval(step, "heldout_loss", heldout_loss(*whole_model(), f, corpus, mesh));
     }
     if (!f.checkpoint.empty() &&
         (step % f.checkpoint_every == 0 || step == f.steps || step == f.stop_at)) {
@@ -484,6 +486,7 @@ int main(int argc, char** argv) try {
   if (f.autocast) autocast.emplace(*f.autocast);
   const std::shared_ptr<LanguageModel> evaluated = whole_model();
   const double held = heldout_loss(*evaluated, f, corpus, mesh);
+  metrics.log_eval(f.steps, "heldout_loss", held);
   if (dist::rank() == 0) {
     std::printf("peak tensor memory on rank 0: %.1f MB (memory_stats)\n",
                 double(memory_stats(device).peak) / 1e6);

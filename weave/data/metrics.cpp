@@ -1,0 +1,111 @@
+// Progress lines and the JSON Lines metrics file (metrics.h).
+#include "weave/data/metrics.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "weave/tensor/error.h"
+#include "weave/tensor/storage.h"
+
+namespace weave::data {
+
+namespace {
+
+using json = nlohmann::json;
+
+// "1h02m", "3m05s", "42s".
+std::string duration_text(double seconds) {
+  const int64_t s = int64_t(std::llround(std::max(0.0, seconds)));
+  if (s >= 3600) return fmt::format("{}h{:02}m", s / 3600, (s % 3600) / 60);
+  if (s >= 60) return fmt::format("{}m{:02}s", s / 60, s % 60);
+  return fmt::format("{}s", s);
+}
+
+void put(json& record, const char* key, double value) {
+  if (std::isfinite(value)) record[key] = value;
+}
+
+}  // namespace
+
+MetricsLogger::MetricsLogger(MetricsOptions options)
+    : options_(std::move(options)),
+      start_(std::chrono::steady_clock::now()),
+      last_(start_) {
+  if (!options_.enabled) return;
+  terminal_ = options_.progress && ::isatty(STDERR_FILENO) == 1;
+  if (!options_.path.empty()) {
+    file_ = std::fopen(options_.path.c_str(), "w");
+    WEAVE_CHECK(file_ != nullptr, "MetricsLogger", "cannot open {} for writing: {}",
+                options_.path, std::strerror(errno));
+  }
+}
+
+MetricsLogger::~MetricsLogger() {
+  if (line_open_) std::fputc('\n', stderr);
+  if (file_) std::fclose(file_);
+}
+
+void MetricsLogger::write(const std::string& record) {
+  if (!file_) return;
+  std::fputs(record.c_str(), file_);
+  std::fputc('\n', file_);
+  std::fflush(file_);  // a killed run keeps what it logged
+}
+
+void MetricsLogger::log_step(const StepMetrics& m) {
+  if (!options_.enabled) return;
+  const auto now = std::chrono::steady_clock::now();
+  const double elapsed = std::chrono::duration<double>(now - start_).count();
+  const double since = std::chrono::duration<double>(now - last_).count();
+  last_ = now;
+  const double throughput = m.tokens > 0 && since > 0 ? double(m.tokens) / since : NAN;
+  const int64_t done = m.step - options_.start_step, total = options_.total_steps;
+  const double eta = total > 0 && done > 0 ? elapsed / double(done) * double(total - m.step) : NAN;
+  const double peak_mb = double(memory_stats(options_.device).peak) / 1e6;
+  json record = {{"kind", "train"}, {"step", m.step}};
+  put(record, "loss", m.loss);
+  put(record, "lr", m.lr);
+  put(record, "tokens_per_s", throughput);
+  put(record, "grad_norm", m.grad_norm);
+  put(record, "peak_mb", peak_mb);
+  put(record, "elapsed_s", elapsed);
+  put(record, "eta_s", eta);
+  write(record.dump());
+  if (!options_.progress) return;
+  std::string line = total > 0 ? fmt::format("step {}/{}", m.step, total) : fmt::format("step {}", m.step);
+  if (std::isfinite(m.loss)) line += fmt::format(" loss {:.4f}", m.loss);
+  if (std::isfinite(m.lr)) line += fmt::format(" lr {:.2e}", m.lr);
+  if (std::isfinite(throughput)) line += fmt::format(" tokens/s {:.0f}", throughput);
+  if (std::isfinite(m.grad_norm)) line += fmt::format(" grad_norm {:.3f}", m.grad_norm);
+  line += fmt::format(" peak {:.0f} MB", peak_mb);
+  if (std::isfinite(eta)) line += " eta " + duration_text(eta);
+  if (terminal_ && total > 0) {
+    const int width = 24, filled = int(width * std::min<int64_t>(m.step, total) / total);
+    std::fprintf(stderr, "\r[%s%s] %s\033[K", std::string(size_t(filled), '#').c_str(),
+                 std::string(size_t(width - filled), '.').c_str(), line.c_str());
+    line_open_ = true;
+  } else {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+  std::fflush(stderr);
+}
+
+void MetricsLogger::log_eval(int64_t step, const std::string& name, double value) {
+  if (!options_.enabled) return;
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  json record = {{"kind", "eval"}, {"step", step}, {"name", name}};
+  put(record, "value", value);
+  put(record, "elapsed_s", elapsed);
+  write(record.dump());
+  if (!options_.progress) return;
+  if (line_open_) std::fputc('\n', stderr);
+  line_open_ = false;
+  std::fprintf(stderr, "step %lld %s %.4f\n", static_cast<long long>(step), name.c_str(), value);
+  std::fflush(stderr);
+}
+
+}  // namespace weave::data

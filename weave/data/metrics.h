@@ -1,0 +1,78 @@
+#pragma once
+// Progress and metrics for a training loop: a human line per logged step on stderr (a bar with
+// the ETA, rewritten in place, when stderr is a terminal; plain lines when it is not, as in a
+// log file) and a JSON Lines file with one record per logged step or evaluation, for plots
+// (tools/weave-plot) and for other programs.
+//
+//   data::MetricsLogger metrics({.path = "run/metrics.jsonl", .enabled = dist::rank() == 0,
+//                                .total_steps = steps});
+//   for (int64_t step = 1; step <= steps; ++step) {
+//     ...
+//     metrics.log_step({.step = step, .loss = loss, .lr = lr, .tokens = batch_tokens,
+//                       .grad_norm = norm});
+//     if (step % 100 == 0) metrics.log_eval(step, "heldout_loss", heldout);
+//   }
+//
+// The file's schema, one JSON object per line (fields that were not given are left out):
+//   {"kind": "train", "step": 120, "loss": 2.314, "lr": 0.0008, "tokens_per_s": 12345.6,
+//    "grad_norm": 0.93, "peak_mb": 123.4, "elapsed_s": 61.2, "eta_s": 244.8}
+//   {"kind": "eval", "step": 100, "name": "heldout_loss", "value": 2.41, "elapsed_s": 50.1}
+// "loss" is what the caller passes (typically the mean over the steps since the last record),
+// tokens_per_s counts the tokens passed since the last record over the time since then, and
+// peak_mb is memory_stats(device).peak. The file is replaced when the logger opens it, and each
+// record is flushed as it is written.
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "weave/tensor/device.h"
+
+namespace weave::data {
+
+struct MetricsOptions {
+  /// The JSON Lines file ("": none).
+  std::string path;
+  /// Log on this process: pass `dist::rank() == 0` so that one rank speaks for the job.
+  bool enabled = true;
+  /// For the bar and the ETA (0: unknown).
+  int64_t total_steps = 0;
+  /// The step this run starts after (a resumed run's), for the ETA's pace.
+  int64_t start_step = 0;
+  /// Print the human line (on stderr).
+  bool progress = true;
+  /// Whose peak memory the records report.
+  Device device = kCPU;
+};
+
+/// One logged step. Leave a field at its default to leave it out.
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = NAN;
+  double lr = NAN;
+  /// Tokens (or examples) processed since the previous record, for the throughput.
+  int64_t tokens = 0;
+  double grad_norm = NAN;
+};
+
+class MetricsLogger {
+ public:
+  explicit MetricsLogger(MetricsOptions options);
+  ~MetricsLogger();
+  MetricsLogger(const MetricsLogger&) = delete;
+  MetricsLogger& operator=(const MetricsLogger&) = delete;
+
+  void log_step(const StepMetrics& metrics);
+  void log_eval(int64_t step, const std::string& name, double value);
+
+ private:
+  void write(const std::string& record);
+  MetricsOptions options_;
+  std::FILE* file_ = nullptr;
+  bool terminal_ = false;
+  bool line_open_ = false;  // a bar is on the terminal's last line
+  std::chrono::steady_clock::time_point start_, last_;
+};
+
+}  // namespace weave::data
