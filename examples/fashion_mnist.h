@@ -14,6 +14,9 @@
 // epoch from a DistributedSampler. Rank 0 prints one line per epoch, then exactly
 // `test_accuracy=0.XXXX`, then its peak tensor memory (memory_stats).
 #include <weave/weave.h>
+
+#include "cli.h"
+
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -43,60 +46,46 @@ struct Flags {
 
 inline Flags parse(int argc, char** argv, const char* program) {
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      WEAVE_CHECK(i + 1 < argc, program, "{} needs a value", arg);
-      return argv[++i];
-    };
-    if (arg == "--epochs") {
-      f.epochs = std::stoi(value());
-    } else if (arg == "--batch-size") {
-      f.batch_size = std::stoll(value());
-    } else if (arg == "--lr") {
-      f.lr = std::stod(value());
-    } else if (arg == "--seed") {
-      f.seed = std::stoull(value());
-    } else if (arg == "--data") {
-      f.data = value();
-    } else if (arg == "--threads") {
-      f.threads = std::stoi(value());
-    } else if (arg == "--strategy") {
-      f.strategy = value();
-      const bool decentralized = f.strategy.rfind("decentralized:", 0) == 0;
-      WEAVE_CHECK(f.strategy == "ddp" || f.strategy == "dist-opt" || f.strategy == "zero1" ||
-                      f.strategy == "fsdp" || f.strategy == "fsdp-zero2" || decentralized,
-                  program,
-                  "unknown strategy '{}'; expected ddp, dist-opt, zero1, fsdp, fsdp-zero2 or "
-                  "decentralized:NAME "
-                  "(NAME: {})",
-                  f.strategy, parallel::topology_names());
-    } else if (arg == "--schedule") {
-      f.schedule = parallel::schedule_from_name(value());
-    } else if (arg == "--microbatches") {
-      f.microbatches = std::stoi(value());
-    } else if (arg == "--tensor") {
-      f.tensor = std::stoi(value());
-    } else if (arg == "--recipe") {
-      const std::string r = value();
-      WEAVE_CHECK(r == "small", program, "unknown recipe '{}'; expected small", r);
-      f.small_recipe = true;
-    } else if (arg == "--compress" || arg == "--autocast") {
-      const std::string c = value();
-      WEAVE_CHECK(c == "bf16" || c == "fp16", program,
-                  "unknown {} dtype '{}'; expected bf16 or fp16", arg, c);
-      (arg == "--compress" ? f.compress : f.autocast) = c == "bf16" ? kBFloat16 : kFloat16;
-    } else {
-      WEAVE_FAIL(
-          program,
-          "unknown flag '{}'; expected --epochs, --batch-size, --lr, --seed, --data, "
-          "--threads, --strategy, --compress, --autocast, --recipe, --schedule, --microbatches, "
-          "--tensor",
-          arg);
-    }
-  }
-  WEAVE_CHECK(f.epochs > 0 && f.batch_size > 0 && f.lr > 0, program,
-              "--epochs, --batch-size and --lr must be positive");
+  CLI::App app("Fashion-MNIST MLP training (examples/fashion_mnist.h).", program);
+  app.option_defaults()->always_capture_default();
+  app.add_option("--epochs", f.epochs)->check(examples::positive());
+  app.add_option("--batch-size", f.batch_size, "global batch, split across the ranks")
+      ->check(examples::positive());
+  app.add_option("--lr", f.lr)->check(examples::positive());
+  app.add_option("--seed", f.seed);
+  app.add_option("--data", f.data, "directory of the IDX files");
+  app.add_option("--threads", f.threads, "compute threads (0: the library's default)")
+      ->check(examples::non_negative());
+  app.add_option("--strategy", f.strategy,
+                 "ddp, dist-opt, zero1, fsdp, fsdp-zero2 or decentralized:TOPOLOGY")
+      ->check(
+          [](const std::string& s) -> std::string {
+            const bool known = s == "ddp" || s == "dist-opt" || s == "zero1" || s == "fsdp" ||
+                               s == "fsdp-zero2" || s.rfind("decentralized:", 0) == 0;
+            return known ? ""
+                         : fmt::format(
+                               "expected ddp, dist-opt, zero1, fsdp, fsdp-zero2 or "
+                               "decentralized:NAME (NAME: {})",
+                               fmt::join(parallel::topology_names(), ", "));
+          },
+          "STRATEGY");
+  std::string schedule, compress, autocast, recipe;
+  app.add_option("--schedule", schedule, "pipeline schedule")
+      ->check(CLI::IsMember({"gpipe", "1f1b"}));
+  app.add_option("--microbatches", f.microbatches)->check(examples::positive());
+  app.add_option("--tensor", f.tensor, "tensor-parallel group size")
+      ->check(examples::non_negative());
+  app.add_option("--recipe", recipe, "small: 784-256-128-10, Adam at a constant lr")
+      ->check(CLI::IsMember({"small"}));
+  app.add_option("--compress", compress, "gradient communication dtype")
+      ->check(CLI::IsMember({"bf16", "fp16"}));
+  app.add_option("--autocast", autocast, "reduced-precision forward")
+      ->check(CLI::IsMember({"bf16", "fp16"}));
+  examples::parse_or_exit(app, argc, argv);
+  if (!schedule.empty()) f.schedule = parallel::schedule_from_name(schedule);
+  if (!compress.empty()) f.compress = compress == "bf16" ? kBFloat16 : kFloat16;
+  if (!autocast.empty()) f.autocast = autocast == "bf16" ? kBFloat16 : kFloat16;
+  f.small_recipe = recipe == "small";
   return f;
 }
 

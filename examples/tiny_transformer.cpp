@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <string>
 
+#include "cli.h"
+
 using namespace weave;
 
 namespace {
@@ -92,22 +94,13 @@ int main(int argc, char** argv) try {
   int epochs = 8, steps = 100;
   double lr = 3e-3;
   uint64_t seed = 0;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    WEAVE_CHECK(i + 1 < argc, "tiny_transformer", "{} needs a value", arg);
-    const std::string value = argv[++i];
-    if (arg == "--epochs")
-      epochs = std::stoi(value);
-    else if (arg == "--steps")
-      steps = std::stoi(value);
-    else if (arg == "--lr")
-      lr = std::stod(value);
-    else if (arg == "--seed")
-      seed = std::stoull(value);
-    else
-      WEAVE_FAIL("tiny_transformer", "unknown flag '{}'; expected --epochs, --steps, --lr, --seed",
-                 arg);
-  }
+  CLI::App app("A tensor-parallel decoder that learns to sort digits.", "tiny_transformer");
+  app.option_defaults()->always_capture_default();
+  app.add_option("--epochs", epochs)->check(examples::positive());
+  app.add_option("--steps", steps, "steps per epoch")->check(examples::positive());
+  app.add_option("--lr", lr)->check(examples::positive());
+  app.add_option("--seed", seed);
+  examples::parse_or_exit(app, argc, argv);
   dist::InitGuard distributed;
   set_num_threads(1);
   const dist::Group tp = dist::world();

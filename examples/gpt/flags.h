@@ -2,6 +2,8 @@
 // examples/gpt's command line (gpt.cpp's header comment lists the flags).
 #include <weave/weave.h>
 
+#include "../cli.h"
+
 #include <optional>
 #include <string>
 
@@ -26,86 +28,50 @@ struct Flags {
 
 inline Flags parse(int argc, char** argv) {
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    auto value = [&]() -> std::string {
-      WEAVE_CHECK(i + 1 < argc, "gpt", "{} needs a value", arg);
-      return argv[++i];
-    };
-    if (arg == "--strategy")
-      f.strategy = value();
-    else if (arg == "--data")
-      f.data_dir = value();
-    else if (arg == "--checkpoint")
-      f.checkpoint = value();
-    else if (arg == "--log")
-      f.log = value();
-    else if (arg == "--tp")
-      f.tp = std::stoi(value());
-    else if (arg == "--threads")
-      f.threads = std::stoi(value());
-    else if (arg == "--samples")
-      f.samples = std::stoi(value());
-    else if (arg == "--layers")
-      f.layers = std::stoll(value());
-    else if (arg == "--dim")
-      f.dim = std::stoll(value());
-    else if (arg == "--heads")
-      f.heads = std::stoll(value());
-    else if (arg == "--context")
-      f.context = std::stoll(value());
-    else if (arg == "--batch")
-      f.batch = std::stoll(value());
-    else if (arg == "--steps")
-      f.steps = std::stoll(value());
-    else if (arg == "--warmup")
-      f.warmup = std::stoll(value());
-    else if (arg == "--log-every")
-      f.log_every = std::stoll(value());
-    else if (arg == "--eval-every")
-      f.eval_every = std::stoll(value());
-    else if (arg == "--eval-windows")
-      f.eval_windows = std::stoll(value());
-    else if (arg == "--checkpoint-every")
-      f.checkpoint_every = std::stoll(value());
-    else if (arg == "--stop-at")
-      f.stop_at = std::stoll(value());
-    else if (arg == "--lr")
-      f.lr = std::stod(value());
-    else if (arg == "--min-lr")
-      f.min_lr = std::stod(value());
-    else if (arg == "--seed")
-      f.seed = std::stoull(value());
-    else if (arg == "--device")
-      f.device = value();
-    else if (arg == "--backend")
-      f.backend = value();
-    else if (arg == "--vocab")
-      f.vocab = std::stoll(value());
-    else if (arg == "--resume")
-      f.resume = true;
-    else if (arg == "--no-sequence-parallel")
-      f.sequence_parallel = false;
-    else if (arg == "--checkpoint-activations")
-      f.checkpoint_activations = true;
-    else if (arg == "--autocast") {
-      const std::string dtype = value();
-      WEAVE_CHECK(dtype == "bf16" || dtype == "fp16", "gpt",
-                  "--autocast must be bf16 or fp16, found '{}'", dtype);
-      f.autocast = dtype == "bf16" ? kBFloat16 : kFloat16;
-    } else
-      WEAVE_FAIL("gpt",
-                 "unknown flag '{}'; expected --strategy, --tp, --layers, --dim, --heads, "
-                 "--context, --batch, --steps, --lr, --eval-every, --checkpoint, --resume, ...",
-                 arg);
-  }
-  WEAVE_CHECK(f.device == "cpu" || f.device == "cuda", "gpt",
-              "--device must be cpu or cuda, found '{}'", f.device);
-  WEAVE_CHECK(f.backend.empty() || f.backend == "mpi" || f.backend == "nccl", "gpt",
-              "--backend must be mpi or nccl, found '{}'", f.backend);
-  WEAVE_CHECK(
-      f.strategy == "ddp" || f.strategy == "fsdp" || f.strategy == "tp" || f.strategy == "hybrid",
-      "gpt", "--strategy must be ddp, fsdp, tp or hybrid, found '{}'", f.strategy);
+  CLI::App app("A character-level GPT trained on the fortunes text (examples/gpt).", "gpt");
+  app.option_defaults()->always_capture_default();
+  app.add_option("--strategy", f.strategy, "data, model or hybrid parallelism")
+      ->check(CLI::IsMember({"ddp", "fsdp", "tp", "hybrid"}));
+  app.add_option("--tp", f.tp, "tensor-parallel group size (hybrid)")->check(examples::positive());
+  app.add_option("--data", f.data_dir, "directory of fortune files");
+  app.add_option("--layers", f.layers)->check(examples::positive());
+  app.add_option("--dim", f.dim)->check(examples::positive());
+  app.add_option("--heads", f.heads)->check(examples::positive());
+  app.add_option("--context", f.context)->check(examples::positive());
+  app.add_option("--batch", f.batch, "global batch, in windows")->check(examples::positive());
+  app.add_option("--steps", f.steps)->check(examples::positive());
+  app.add_option("--warmup", f.warmup, "linear warmup steps")->check(examples::non_negative());
+  app.add_option("--lr", f.lr, "peak learning rate")->check(examples::positive());
+  app.add_option("--min-lr", f.min_lr, "learning rate at the end of the cosine")
+      ->check(examples::non_negative());
+  app.add_option("--seed", f.seed);
+  app.add_option("--log-every", f.log_every, "steps between progress lines")
+      ->check(examples::positive());
+  app.add_option("--log", f.log, "also write the metrics as JSON Lines (for weave-plot)");
+  app.add_option("--eval-every", f.eval_every, "steps between held-out evaluations")
+      ->check(examples::positive());
+  app.add_option("--eval-windows", f.eval_windows)->check(examples::positive());
+  app.add_option("--checkpoint", f.checkpoint, "sharded checkpoint directory");
+  app.add_option("--checkpoint-every", f.checkpoint_every)->check(examples::positive());
+  app.add_flag("--resume", f.resume, "resume from --checkpoint if it holds a save");
+  app.add_option("--stop-at", f.stop_at, "stop after this step (a resume test)");
+  app.add_flag("!--no-sequence-parallel", f.sequence_parallel,
+               "tp/hybrid without sequence parallelism");
+  app.add_flag("--checkpoint-activations", f.checkpoint_activations,
+               "recompute each block in backward");
+  app.add_option("--samples", f.samples, "lines sampled at the end")
+      ->check(examples::non_negative());
+  app.add_option("--threads", f.threads, "compute threads per rank")->check(examples::positive());
+  std::string autocast;
+  app.add_option("--autocast", autocast, "reduced-precision forward")
+      ->check(CLI::IsMember({"bf16", "fp16"}));
+  app.add_option("--device", f.device)->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--backend", f.backend, "default: nccl for cuda, mpi for cpu")
+      ->check(CLI::IsMember({"mpi", "nccl"}));
+  app.add_option("--vocab", f.vocab, "widen the head past the characters' count")
+      ->check(examples::non_negative());
+  examples::parse_or_exit(app, argc, argv);
+  if (!autocast.empty()) f.autocast = autocast == "bf16" ? kBFloat16 : kFloat16;
   return f;
 }
 

@@ -416,12 +416,11 @@ int main(int argc, char** argv) try {
   const int64_t local_batch = f.batch / data;
   const int64_t train_span = int64_t(corpus.train.size());
   // Progress on stderr (rank 0), and with --log the metrics file for tools/weave-plot.
-  data::MetricsLogger metrics(
-      {.path = f.log,
-       .enabled = dist::rank() == 0,
-       .total_steps = f.steps,
-       .start_step = step,
-       .device = device});
+  data::MetricsLogger metrics({.path = f.log,
+                               .enabled = dist::rank() == 0,
+                               .total_steps = f.steps,
+                               .start_step = step,
+                               .device = device});
   double loss_sum = 0;
   int64_t losses = 0, tokens = 0;
   while (step < f.steps) {

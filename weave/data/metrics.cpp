@@ -31,15 +31,13 @@ void put(json& record, const char* key, double value) {
 }  // namespace
 
 MetricsLogger::MetricsLogger(MetricsOptions options)
-    : options_(std::move(options)),
-      start_(std::chrono::steady_clock::now()),
-      last_(start_) {
+    : options_(std::move(options)), start_(std::chrono::steady_clock::now()), last_(start_) {
   if (!options_.enabled) return;
   terminal_ = options_.progress && ::isatty(STDERR_FILENO) == 1;
   if (!options_.path.empty()) {
     file_ = std::fopen(options_.path.c_str(), "w");
-    WEAVE_CHECK(file_ != nullptr, "MetricsLogger", "cannot open {} for writing: {}",
-                options_.path, std::strerror(errno));
+    WEAVE_CHECK(file_ != nullptr, "MetricsLogger", "cannot open {} for writing: {}", options_.path,
+                std::strerror(errno));
   }
 }
 
@@ -75,7 +73,8 @@ void MetricsLogger::log_step(const StepMetrics& m) {
   put(record, "eta_s", eta);
   write(record.dump());
   if (!options_.progress) return;
-  std::string line = total > 0 ? fmt::format("step {}/{}", m.step, total) : fmt::format("step {}", m.step);
+  std::string line =
+      total > 0 ? fmt::format("step {}/{}", m.step, total) : fmt::format("step {}", m.step);
   if (std::isfinite(m.loss)) line += fmt::format(" loss {:.4f}", m.loss);
   if (std::isfinite(m.lr)) line += fmt::format(" lr {:.2e}", m.lr);
   if (std::isfinite(throughput)) line += fmt::format(" tokens/s {:.0f}", throughput);

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The examples' command lines (CLI11): a mistyped flag, a malformed value and a value out of
+# range each exit 2 with an error that names the flag; --help lists the flags with their
+# defaults and exits 0.
+# usage: cli_test.sh GPT FASHION_MNIST_DDP
+set -uo pipefail
+gpt=$1 fashion=$2
+fail() { echo "FAIL: $*"; exit 1; }
+expect_usage_error() {  # what it must say, then the command
+  local want=$1 out status
+  shift
+  out=$("$@" 2>&1)
+  status=$?
+  [ "$status" -eq 2 ] || fail "'$*' exited $status, expected 2: $out"
+  printf '%s\n' "$out" | grep -qF -- "$want" || fail "'$*' did not say '$want': $out"
+  echo "ok: $* -> $(printf '%s\n' "$out" | head -1)"
+}
+expect_usage_error "--stepz" "$gpt" --stepz 5
+expect_usage_error "--steps: must be above 0, found -3" "$gpt" --steps -3
+expect_usage_error "--lr: expected a number, found '1e-'" "$gpt" --lr 1e-
+
+expect_usage_error "--strategy" "$gpt" --strategy zero9
+expect_usage_error "--strategy: expected ddp, dist-opt" "$fashion" --strategy foo
+expect_usage_error "--epochs" "$fashion" --epochs
+help=$("$gpt" --help) || fail "--help exited $?"
+printf '%s\n' "$help" | grep -q -- "--steps INT:POSITIVE=600" || fail "--help lacks --steps: $help"
+echo "PASS: command lines checked"
