@@ -3,6 +3,7 @@
 // model, and a training loop whose gradient averaging is a data-parallel strategy.
 //
 //   [--epochs 10] [--batch-size 128] [--lr 0.001] [--seed 0] [--data DIR] [--threads N]
+//   [--log FILE]   (a metrics record per epoch, JSON Lines: weave-plot FILE -o curves.png)
 //   [--strategy ddp|dist-opt|zero1|fsdp|fsdp-zero2|decentralized:TOPOLOGY] [--compress bf16|fp16]
 //   [--autocast bf16|fp16]   (forward under AutocastGuard; fp16 adds a GradScaler, agreed over
 //                             the ranks; decentralized steps inside backward, without one)
@@ -41,7 +42,8 @@ struct Flags {
   bool small_recipe = false;
   parallel::Schedule schedule = parallel::Schedule::OneFOneB;
   int microbatches = 4;
-  int tensor = 0;  // tensor-parallel group size (0: the example's default)
+  int tensor = 0;   // tensor-parallel group size (0: the example's default)
+  std::string log;  // metrics file (JSON Lines), "" for none
 };
 
 inline Flags parse(int argc, char** argv, const char* program) {
@@ -54,6 +56,7 @@ inline Flags parse(int argc, char** argv, const char* program) {
   app.add_option("--lr", f.lr)->check(examples::positive());
   app.add_option("--seed", f.seed);
   app.add_option("--data", f.data, "directory of the IDX files");
+  app.add_option("--log", f.log, "write a metrics record per epoch (JSON Lines, for weave-plot)");
   app.add_option("--threads", f.threads, "compute threads (0: the library's default)")
       ->check(examples::non_negative());
   app.add_option("--strategy", f.strategy,
@@ -223,6 +226,11 @@ inline int run(const Flags& flags) {
   int64_t step = 0;
 
   double test_accuracy = 0;
+  // With --log: a record per epoch (its mean loss, the examples it took), and the test accuracy.
+  data::MetricsLogger metrics({.path = flags.log,
+                               .enabled = rank == 0 && !flags.log.empty(),
+                               .total_steps = flags.epochs,
+                               .progress = false});
   for (int epoch = 1; epoch <= flags.epochs; ++epoch) {
     auto start = std::chrono::steady_clock::now();
     sampler->set_epoch(epoch);
@@ -272,6 +280,11 @@ inline int run(const Flags& flags) {
     test_accuracy = accuracy(model, test_x, d.test_y);
     report_epoch(epoch, flags, totals[0] / totals[2], totals[1] / totals[2], test_accuracy, seconds,
                  ranks);
+    metrics.log_step({.step = epoch,
+                      .loss = totals[0] / totals[2],
+                      .lr = lr_at(step - 1),
+                      .tokens = int64_t(totals[2])});
+    metrics.log_eval(epoch, "test_accuracy", test_accuracy);
   }
   if (rank == 0) {
     std::printf("test_accuracy=%.4f\n", test_accuracy);

@@ -392,4 +392,28 @@ TEST_SUITE("fsdp") {
     CHECK_WEAVE_ERROR(fsdp.param_groups(groups), "FullyShardedDataParallel.param_groups",
                       "is in no group");
   }
+
+  TEST_CASE("ZeRO-1 with parameter groups equals one process with them") {
+    auto reference = make_model(22), model = make_model(22);
+    optim::AdamW want(optim::weight_decay_groups(*reference, 0.2), adamw_options());
+    parallel::ZeroRedundancyOptimizer zero(
+        optim::weight_decay_groups(*model, 0.2), [](std::vector<optim::ParamGroup> groups) {
+          return std::make_unique<optim::AdamW>(groups, adamw_options());
+        });
+    for (int step = 0; step < 5; ++step) {
+      auto [gx, gy] = global_batch(step);
+      want.zero_grad();
+      mse_loss(reference->forward(gx), gy).backward();
+      want.step();
+      auto [x, y] = local_batch(step);
+      zero.zero_grad();
+      mse_loss(model->forward(x), y).backward();
+      zero.step();
+    }
+    const auto got = model->parameters(), expected = reference->parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      CAPTURE(i);
+      CHECK(allclose(got[i], expected[i], 1e-11, 1e-13));
+    }
+  }
 }

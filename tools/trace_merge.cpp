@@ -4,6 +4,7 @@
 // stderr: one line per file, "FILE: N events (op A, backward B, optimizer C, collective D,
 // E bytes)". Exits 1 if a file is not a valid trace; with --require-collectives, also if a
 // file has no collective event (the check CTest runs).
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
@@ -11,26 +12,29 @@
 #include <iostream>
 #include <map>
 #include <string>
+#include <vector>
 
 int main(int argc, char** argv) {
   bool require_collectives = false;
+  std::vector<std::string> paths;
+  CLI::App app(
+      "Merges the per-rank traces that WEAVE_TRACE=trace.json writes (trace.rank0.json,\n"
+      "trace.rank1.json, ...) into one Chrome trace / Perfetto timeline on stdout, and prints\n"
+      "one summary line per file on stderr. Exits 1 if a file is not a valid trace, or, with\n"
+      "--require-collectives, holds no collective event.",
+      "weave_trace_merge");
+  app.add_flag("--require-collectives", require_collectives,
+               "fail on a file without collective events");
+  app.add_option("traces", paths, "the per-rank trace files")->required()->check(CLI::ExistingFile);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
   nlohmann::json merged = {{"displayTimeUnit", "ms"}, {"traceEvents", nlohmann::json::array()}};
   int files = 0;
-  for (int i = 1; i < argc; ++i) {
-    const std::string path = argv[i];
-    if (path == "--help" || path == "-h") {
-      std::printf(
-          "usage: weave_trace_merge [--require-collectives] TRACE.json... > merged.json\n"
-          "Merges the per-rank traces that WEAVE_TRACE=trace.json writes (trace.rank0.json,\n"
-          "trace.rank1.json, ...) into one Chrome trace / Perfetto timeline on stdout, and\n"
-          "prints one summary line per file on stderr. Exits 1 if a file is not a valid trace,\n"
-          "or, with --require-collectives, holds no collective event.\n");
-      return 0;
-    }
-    if (path == "--require-collectives") {
-      require_collectives = true;
-      continue;
-    }
+  for (const std::string& path : paths) {
     std::ifstream in(path);
     nlohmann::json trace;
     try {

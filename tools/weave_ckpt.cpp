@@ -4,6 +4,7 @@
 //                           and how the ranks hold it, counters; then every file read whole and
 //                           its checksums verified (exit status 1 on the first mismatch). It
 //                           checks the index as the loader does: "ok" means it loads.
+#include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -21,11 +22,6 @@ using json = nlohmann::json;
 namespace fs = std::filesystem;
 using parallel::detail::Piece;
 using parallel::detail::SavedPart;
-
-int usage() {
-  std::fprintf(stderr, "usage: weave-ckpt info DIR\n");
-  return 2;
-}
 
 struct Holding {
   std::set<int> ranks;
@@ -148,9 +144,22 @@ int info(const std::string& dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3 || std::string(argv[1]) != "info") return usage();
+  CLI::App app("Inspects a sharded checkpoint with the loader's own checks.", "weave-ckpt");
+  std::string dir;
+  CLI::App* describe = app.add_subcommand(
+      "info",
+      "the generations on disk, the layout, every global tensor, the counters and the loader's "
+      "position; every file read whole against its checksums (exit 1 on a mismatch)");
+  describe->add_option("dir", dir, "the checkpoint directory")->required();
+  app.require_subcommand(1);
   try {
-    return info(argv[2]);
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : 2;
+  }
+  try {
+    return info(dir);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "weave-ckpt: %s\n", e.what());
     return 1;

@@ -67,6 +67,63 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
   detail::register_flat_shard(shard_, std::move(layout));
 }
 
+namespace {
+
+// The groups' parameters in order, each once and whole.
+std::vector<Tensor> params_of(const std::vector<optim::ParamGroup>& groups) {
+  std::vector<Tensor> params;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    WEAVE_CHECK(groups[g].ranges.empty(), "ZeroRedundancyOptimizer",
+                "group {} lists element ranges; hint: give whole parameters", g);
+    for (const Tensor& p : groups[g].params) {
+      for (const Tensor& q : params)
+        WEAVE_CHECK(!q.is_same(p), "ZeroRedundancyOptimizer",
+                    "a parameter {} is listed twice; hint: each parameter belongs to one group",
+                    p.shape());
+      params.push_back(p);
+    }
+  }
+  return params;
+}
+
+}  // namespace
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(const std::vector<optim::ParamGroup>& groups,
+                                                 const GroupedOptimizerFactory& make_optimizer,
+                                                 const std::optional<dist::Group>& group,
+                                                 ZeroOptions options)
+    // The factory runs once the flat buffer exists, which slice_groups reads.
+    : ZeroRedundancyOptimizer(
+          params_of(groups),
+          [this, &groups, &make_optimizer](std::vector<Tensor>) {
+            return make_optimizer(slice_groups(groups));
+          },
+          group, options) {}
+
+std::vector<optim::ParamGroup> ZeroRedundancyOptimizer::slice_groups(
+    const std::vector<optim::ParamGroup>& groups) const {
+  std::vector<optim::ParamGroup> out(groups.size());
+  const int64_t per_rank = shard_.numel(), first = group_.rank() * per_rank;
+  size_t k = 0;  // params_ is the groups' parameters in order
+  bool listed = false;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    out[g].weight_decay = groups[g].weight_decay;
+    for (size_t i = 0; i < groups[g].params.size(); ++i, ++k) {
+      const int64_t begin = flat_params_->offsets[k], end = begin + params_[k].numel();
+      const int64_t lo = std::max(begin, first), hi = std::min(end, first + per_rank);
+      if (lo >= hi) continue;
+      out[g].params.push_back(shard_);
+      out[g].ranges.push_back({lo - first, hi - first});
+      listed = true;
+    }
+  }
+  if (!listed && !out.empty()) {  // padding only: stepped, never decayed
+    out[0].params.push_back(shard_);
+    out[0].ranges.push_back({0, 0});
+  }
+  return out;
+}
+
 ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() {
   detail::forget_flat_shard(shard_);
 }

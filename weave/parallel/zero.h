@@ -22,6 +22,11 @@ struct FlatBuffer;
 /// Builds the optimizer of this rank's slice (one flat tensor), e.g.
 /// `[](std::vector<Tensor> shard) { return std::make_unique<optim::Adam>(shard, {...}); }`.
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::vector<Tensor>)>;
+/// Builds the optimizer of this rank's slice from parameter groups over it (each part of the
+/// slice in its parameter's group), e.g.
+/// `[](std::vector<optim::ParamGroup> g) { return std::make_unique<optim::AdamW>(g, {...}); }`.
+using GroupedOptimizerFactory =
+    std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
 
 struct ZeroOptions {
   /// Skip the step on every rank when any rank's gradients hold NaN or infinity: each rank's
@@ -43,6 +48,13 @@ class ZeroRedundancyOptimizer {
   /// parallel::broadcast_parameters); otherwise every rank raises, naming the first parameter that
   /// differs.
   ZeroRedundancyOptimizer(std::vector<Tensor> params, const OptimizerFactory& make_optimizer,
+                          const std::optional<dist::Group>& group = std::nullopt,
+                          ZeroOptions options = {});
+  /// The parameters of `groups` (whole ones, each in one group; the flat order is the groups'
+  /// order), with each element of this rank's slice stepped under its parameter's group
+  /// (optim::weight_decay_groups(model, wd): no decay on biases, norms and embeddings).
+  ZeroRedundancyOptimizer(const std::vector<optim::ParamGroup>& groups,
+                          const GroupedOptimizerFactory& make_optimizer,
                           const std::optional<dist::Group>& group = std::nullopt,
                           ZeroOptions options = {});
   ~ZeroRedundancyOptimizer();
@@ -68,6 +80,8 @@ class ZeroRedundancyOptimizer {
   double last_grad_norm() const { return last_grad_norm_; }
 
  private:
+  // `groups` cut to this rank's slice of the flat parameters.
+  std::vector<optim::ParamGroup> slice_groups(const std::vector<optim::ParamGroup>& groups) const;
   std::vector<Tensor> params_;
   dist::Group group_;
   ZeroOptions options_;
