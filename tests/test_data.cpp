@@ -284,10 +284,13 @@ TEST_SUITE("data") {
       return seen;
     };
     const std::vector<Tensor> plain = batches(0, 0);
-    for (auto [workers, prefetch] : {std::pair{1, 0}, std::pair{2, 2}, std::pair{3, 7}}) {
-      CAPTURE(workers);
-      CAPTURE(prefetch);
-      const std::vector<Tensor> threaded = batches(workers, prefetch);
+    struct Setting {
+      int workers, prefetch;  // named: clang before 16 cannot capture a structured binding
+    };
+    for (const Setting& setting : {Setting{1, 0}, Setting{2, 2}, Setting{3, 7}}) {
+      CAPTURE(setting.workers);
+      CAPTURE(setting.prefetch);
+      const std::vector<Tensor> threaded = batches(setting.workers, setting.prefetch);
       REQUIRE(threaded.size() == plain.size());
       for (size_t i = 0; i < plain.size(); ++i) CHECK(equal(threaded[i], plain[i]));
     }
