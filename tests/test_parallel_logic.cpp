@@ -92,4 +92,51 @@ TEST_SUITE("parallel_logic") {
     CHECK_WEAVE_ERROR(parallel::detail::check_bucket_sizes("test", 1, 0), "test",
                       "bucket sizes must be positive");
   }
+
+  TEST_CASE("GradReadiness: the traced order, buckets launched in order, held back, failed") {
+    std::vector<Tensor> params;
+    for (int i = 0; i < 4; ++i) params.push_back(full({2}, double(i + 1)).requires_grad_());
+    // Used in order 0..3: the engine replays the forward in reverse, so 3 is ready first.
+    auto loss = [&] {
+      Tensor total = sum(params[0] * params[0]);
+      for (int i = 1; i < 4; ++i) total = total + sum(params[size_t(i)] * params[size_t(i)]);
+      return total;
+    };
+    std::vector<int> launched, finished;
+    auto readiness = parallel::detail::GradReadiness::create(
+        params, {.ready = {},
+                 .launch = [&](int b) { launched.push_back(b); },
+                 .finish = [&](bool failed) { finished.push_back(failed ? 1 : 0); }});
+    loss().backward();  // no buckets yet: the first backward traces
+    CHECK(readiness->take_trace() == std::vector<int>{3, 2, 1, 0});
+    CHECK(launched.empty());
+    CHECK(finished == std::vector<int>{0});
+    readiness->set_buckets({{3, 2}, {1, 0}});
+    loss().backward();
+    CHECK(launched == std::vector<int>{0, 1});
+    CHECK(finished == std::vector<int>{0, 0});
+    // The last bucket held back: only launch_rest() launches it.
+    launched.clear();
+    readiness->set_buckets({{3, 2}, {1, 0}}, /*held_back=*/1);
+    loss().backward();
+    CHECK(launched == std::vector<int>{0});
+    readiness->launch_rest();
+    CHECK(launched == std::vector<int>{0, 1});
+    // Paused (no_sync): the hooks do nothing.
+    launched.clear();
+    readiness->set_buckets({{3, 2}, {1, 0}});
+    readiness->set_paused(true);
+    loss().backward();
+    readiness->set_paused(false);
+    CHECK(launched.empty());
+    // A backward that raises part-way still finishes, as failed; only the complete bucket went.
+    finished.clear();
+    HookHandle hook = params[1].register_hook([](const Tensor&) -> Tensor {
+      throw Error("[test] parameter 1's hook failed on purpose");
+    });
+    CHECK_THROWS_AS(loss().backward(), Error);
+    hook.remove();
+    CHECK(launched == std::vector<int>{0});
+    CHECK(finished == std::vector<int>{1});
+  }
 }
