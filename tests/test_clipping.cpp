@@ -79,8 +79,7 @@ TEST_SUITE("clipping") {
       zero.step();
       CHECK(zero.last_grad_norm() == doctest::Approx(expected[size_t(step)]).epsilon(1e-12));
     }
-    const auto got = model->parameters(), want = reference->parameters();
-    for (size_t i = 0; i < got.size(); ++i) CHECK(allclose(got[i], want[i], 1e-11, 1e-13));
+    test::check_params(*model, reference->parameters());
   }
 
   TEST_CASE("optim::clip_grad_norm_ refuses a rank's part of a spread parameter, naming the call") {

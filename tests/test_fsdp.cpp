@@ -376,11 +376,7 @@ TEST_SUITE("fsdp") {
         mse_loss(model->forward(x), y).backward();
         adamw.step();
       }
-      const auto got = model->parameters(), expected = reference->parameters();
-      for (size_t i = 0; i < got.size(); ++i) {
-        CAPTURE(i);
-        CHECK(allclose(got[i], expected[i], 1e-11, 1e-13));
-      }
+      test::check_params(*model, reference->parameters());
       dist::barrier();
       if (dist::rank() == 0) std::filesystem::remove_all(dir);
     }
@@ -410,10 +406,6 @@ TEST_SUITE("fsdp") {
       mse_loss(model->forward(x), y).backward();
       zero.step();
     }
-    const auto got = model->parameters(), expected = reference->parameters();
-    for (size_t i = 0; i < got.size(); ++i) {
-      CAPTURE(i);
-      CHECK(allclose(got[i], expected[i], 1e-11, 1e-13));
-    }
+    test::check_params(*model, reference->parameters());
   }
 }

@@ -139,4 +139,34 @@ TEST_SUITE("parallel_logic") {
     CHECK(launched == std::vector<int>{0});
     CHECK(finished == std::vector<int>{1});
   }
+
+  TEST_CASE("add_shard_to_groups: each member's part of a shard in its group, padding in none") {
+    // Members of 3, 5 and 2 elements at offsets 0, 3, 8, padded to 12 for 4 ranks of 3.
+    const auto flat =
+        parallel::detail::FlatBuffer::like({zeros({3}), zeros({5}), zeros({2})}, /*pad_to=*/4);
+    REQUIRE(flat.offsets == std::vector<int64_t>{0, 3, 8});
+    const std::vector<int> group_of = {0, 1, 0};  // the middle member in group 1
+    auto parts = [&](int rank) {
+      std::vector<optim::ParamGroup> groups(2);
+      Tensor shard = zeros({3});
+      flat.add_shard_to_groups(groups, shard, 3 * rank, group_of);
+      std::vector<std::vector<std::pair<int64_t, int64_t>>> out(2);
+      for (size_t g = 0; g < 2; ++g) {
+        REQUIRE(groups[g].params.size() == groups[g].ranges.size());
+        for (const optim::ElementRange& r : groups[g].ranges) out[g].push_back({r.begin, r.end});
+      }
+      return out;
+    };
+    using Parts = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
+    CHECK(parts(0) == Parts{{{0, 3}}, {}});        // elements 0-2: member 0
+    CHECK(parts(1) == Parts{{}, {{0, 3}}});        // 3-5: member 1
+    CHECK(parts(2) == Parts{{{2, 3}}, {{0, 2}}});  // 6-7: member 1, 8: member 2
+    CHECK(parts(3) == Parts{{{0, 1}}, {}});        // 9: member 2, 10-11: padding
+    const auto lone = parallel::detail::FlatBuffer::like({zeros({2})}, /*pad_to=*/4);
+    std::vector<optim::ParamGroup> groups(2);
+    lone.add_shard_to_groups(groups, zeros({2}), 2, {1});  // padding alone
+    REQUIRE(groups[0].ranges.size() == 1);
+    CHECK(groups[0].ranges[0].begin == groups[0].ranges[0].end);
+    CHECK(groups[1].params.empty());
+  }
 }

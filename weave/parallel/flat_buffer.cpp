@@ -240,6 +240,24 @@ std::vector<int> agree_on_order(std::vector<int> trace, size_t parameters, const
   return {adopted.begin(), adopted.end()};
 }
 
+void FlatBuffer::add_shard_to_groups(std::vector<optim::ParamGroup>& groups, const Tensor& shard,
+                                     int64_t first, const std::vector<int>& group_of) const {
+  bool listed = false;
+  for (size_t k = 0; k < size(); ++k) {
+    const int64_t begin = offsets[k], end = begin + shapes[k].numel();
+    const int64_t lo = std::max(begin, first), hi = std::min(end, first + shard.numel());
+    if (lo >= hi) continue;
+    optim::ParamGroup& group = groups[size_t(group_of[k])];
+    group.params.push_back(shard);
+    group.ranges.push_back({lo - first, hi - first});
+    listed = true;
+  }
+  if (!listed && !groups.empty()) {
+    groups[0].params.push_back(shard);
+    groups[0].ranges.push_back({0, 0});
+  }
+}
+
 void check_bucket_sizes(const char* op, double first_mb, double mb) {
   // NaN compares false with everything, so `> 0` refuses it too.
   WEAVE_CHECK(first_mb > 0 && mb > 0, op,

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "weave/distributed/distributed.h"
+#include "weave/optim/optimizer.h"
 
 namespace weave::parallel::detail {
 
@@ -39,6 +40,13 @@ struct FlatBuffer {
   /// Member k's slice of another tensor laid out like `flat` (a gathered copy, a wire buffer).
   Tensor view_in(const Tensor& buffer, size_t k) const;
   size_t size() const { return shapes.size(); }
+  /// Adds a shard of this buffer to the optimizer's `groups` (one per parameter group, their
+  /// weight decays set): `shard` holds elements [first, first + shard.numel()), and member k
+  /// belongs to group group_of[k]. Each member's elements in the shard join its group as a
+  /// range of the shard; a shard of padding alone joins group 0 with no elements (stepped like
+  /// every shard, never decayed). FSDP's and ZeRO-1's parameter groups.
+  void add_shard_to_groups(std::vector<optim::ParamGroup>& groups, const Tensor& shard,
+                           int64_t first, const std::vector<int>& group_of) const;
 };
 
 /// A flat gradient buffer averaged over a group in one asynchronous all_reduce, optionally in a

@@ -105,26 +105,13 @@ std::vector<optim::ParamGroup> FullyShardedDataParallel::param_groups(
                 "parameter '{}' is in no group; hint: every parameter of the model belongs to "
                 "one group",
                 s.names[i]);
-  // Each member's elements in its flat buffer, cut to this rank's shard.
   std::vector<optim::ParamGroup> out(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) out[g].weight_decay = groups[g].weight_decay;
   for (const State::Unit& unit : s.units)
     for (const State::Flat& f : unit.flats) {
-      const int64_t per_rank = f.shard.numel(), first = s.group.rank() * per_rank;
-      bool listed = false;
-      for (size_t k = 0; k < f.params.size(); ++k) {
-        const int64_t begin = f.full.offsets[k], end = begin + f.full.shapes[k].numel();
-        const int64_t lo = std::max(begin, first), hi = std::min(end, first + per_rank);
-        if (lo >= hi) continue;
-        optim::ParamGroup& group = out[size_t(group_of[size_t(f.params[k])])];
-        group.params.push_back(f.shard);
-        group.ranges.push_back({lo - first, hi - first});
-        listed = true;
-      }
-      if (!listed && !out.empty()) {  // padding only: stepped like every shard, never decayed
-        out[0].params.push_back(f.shard);
-        out[0].ranges.push_back({0, 0});
-      }
+      std::vector<int> member_groups;
+      for (int i : f.params) member_groups.push_back(group_of[size_t(i)]);
+      f.full.add_shard_to_groups(out, f.shard, s.group.rank() * f.shard.numel(), member_groups);
     }
   return out;
 }

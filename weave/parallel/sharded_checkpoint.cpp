@@ -357,17 +357,14 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
     hooked_this_init = true;
     dist::at_finalize([] {
       hooked_this_init = false;
-      const auto forget_groups = [] {
+      // Dropped as the hook ends, whether the commit raised or not (a pending save holds its
+      // own handle to the group it commits on).
+      std::map<std::vector<int>, dist::Group> groups;
+      {
         std::lock_guard lock(commit_groups_mutex);
-        commit_groups.clear();
-      };
-      try {
-        complete_pending();
-      } catch (...) {
-        forget_groups();
-        throw;
+        groups.swap(commit_groups);
       }
-      forget_groups();
+      complete_pending();
     });
   }
   save->commit_group = commit_group_for(group);

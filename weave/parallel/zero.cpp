@@ -2,6 +2,7 @@
 #include "weave/parallel/zero.h"
 
 #include <algorithm>
+#include <unordered_set>
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/clip_grad.h"
@@ -72,14 +73,14 @@ namespace {
 // The groups' parameters in order, each once and whole.
 std::vector<Tensor> params_of(const std::vector<optim::ParamGroup>& groups) {
   std::vector<Tensor> params;
+  std::unordered_set<const TensorImpl*> seen;
   for (size_t g = 0; g < groups.size(); ++g) {
     WEAVE_CHECK(groups[g].ranges.empty(), "ZeroRedundancyOptimizer",
                 "group {} lists element ranges; hint: give whole parameters", g);
     for (const Tensor& p : groups[g].params) {
-      for (const Tensor& q : params)
-        WEAVE_CHECK(!q.is_same(p), "ZeroRedundancyOptimizer",
-                    "a parameter {} is listed twice; hint: each parameter belongs to one group",
-                    p.shape());
+      WEAVE_CHECK(!p.defined() || seen.insert(p.impl()).second, "ZeroRedundancyOptimizer",
+                  "a parameter {} is listed twice; hint: each parameter belongs to one group",
+                  p.shape());
       params.push_back(p);
     }
   }
@@ -103,24 +104,12 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(const std::vector<optim::ParamG
 std::vector<optim::ParamGroup> ZeroRedundancyOptimizer::slice_groups(
     const std::vector<optim::ParamGroup>& groups) const {
   std::vector<optim::ParamGroup> out(groups.size());
-  const int64_t per_rank = shard_.numel(), first = group_.rank() * per_rank;
-  size_t k = 0;  // params_ is the groups' parameters in order
-  bool listed = false;
+  std::vector<int> member_groups;  // params_ is the groups' parameters in order
   for (size_t g = 0; g < groups.size(); ++g) {
     out[g].weight_decay = groups[g].weight_decay;
-    for (size_t i = 0; i < groups[g].params.size(); ++i, ++k) {
-      const int64_t begin = flat_params_->offsets[k], end = begin + params_[k].numel();
-      const int64_t lo = std::max(begin, first), hi = std::min(end, first + per_rank);
-      if (lo >= hi) continue;
-      out[g].params.push_back(shard_);
-      out[g].ranges.push_back({lo - first, hi - first});
-      listed = true;
-    }
+    member_groups.insert(member_groups.end(), groups[g].params.size(), int(g));
   }
-  if (!listed && !out.empty()) {  // padding only: stepped, never decayed
-    out[0].params.push_back(shard_);
-    out[0].ranges.push_back({0, 0});
-  }
+  flat_params_->add_shard_to_groups(out, shard_, group_.rank() * shard_.numel(), member_groups);
   return out;
 }
 
