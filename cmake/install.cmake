@@ -11,8 +11,11 @@ install(TARGETS weave EXPORT weaveTargets
 # The public headers: weave/weave.h and every weave header it includes, transitively. The rest
 # (kernels, backends, the communication runtime, the flat-buffer layer) stay inside the build.
 # Configuration re-runs when one of them changes, so a new #include is installed too.
+# The headers left at weave/parallel/*.h only forward to their new floors for one release
+# (docs/design.md); they are installed so that code including the old paths still builds.
 function(weave_public_headers out)
-  set(pending weave/weave.h)
+  file(GLOB forwarding RELATIVE ${PROJECT_SOURCE_DIR} ${PROJECT_SOURCE_DIR}/weave/parallel/*.h)
+  set(pending weave/weave.h ${forwarding})
   set(found)
   while(pending)
     list(POP_FRONT pending header)

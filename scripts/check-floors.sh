@@ -5,6 +5,19 @@ floors=(tensor kernels autograd ops "nn optim data" distributed parallel)
 # The communication backends (distributed/mpi, distributed/nccl) stand on tensor/ alone, plus
 # the backend interface they implement.
 backend_allowed='^weave/(tensor/|distributed/(communicator|types)\.h)'
+# parallel/ has floors of its own: core/ first, then three folders side by side that include
+# core/ and themselves only. In the strategy folders no strategy includes another (a file
+# <s>_*.h or .cpp belongs to strategy <s> when <s>.h is beside it), except these pairs. The
+# headers left at weave/parallel/*.h only forward to their new places for one release.
+parallel_floors=(core "data_parallel model_parallel checkpoint")
+strategy_folders="data_parallel model_parallel"
+sideways_allowed=(decentralized:topology decentralized:grad_scaler
+                  parallel_transformer:tensor_parallel)
+# Functions in these folders are at most this long (signature to closing brace); every source
+# file of the project is at most file_limit lines.
+function_limit=80
+function_folders=(weave tools)
+file_limit=550
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,7 +26,53 @@ for i in "${!floors[@]}"; do
   for name in ${floors[$i]}; do level[$name]=$i; done
 done
 
+declare -A sub_level
+for i in "${!parallel_floors[@]}"; do
+  for name in ${parallel_floors[$i]}; do sub_level[$name]=$i; done
+done
+
+# The strategy a file of a strategy folder belongs to.
+strategy_of() {
+  local file=$1 stem prefix="" words word
+  stem=$(basename "${file%.*}")
+  IFS=_ read -ra words <<<"$stem"
+  for word in "${words[@]:0:${#words[@]}-1}"; do
+    prefix=${prefix:+${prefix}_}$word
+    [[ -f $(dirname "$file")/$prefix.h ]] && { echo "$prefix"; return; }
+  done
+  echo "$stem"
+}
+
+# Checks one include inside parallel/: sub-floors, no sideways includes, no forwarders.
+check_parallel_include() {
+  local file=$1 line=$2 target=$3
+  local from=${file#weave/parallel/} to=${target#weave/parallel/}
+  if [[ $from != */* ]]; then  # a forwarding header
+    return
+  fi
+  if [[ $to != */* ]]; then
+    echo "$file:$line includes $target, which only forwards: include its new path"; bad=1; return
+  fi
+  local from_floor=${from%%/*} to_floor=${to%%/*}
+  [[ -n ${sub_level[$from_floor]+x} ]] || { echo "$file: folder parallel/$from_floor is not a floor of parallel/"; bad=1; return; }
+  [[ -n ${sub_level[$to_floor]+x} ]] || { echo "$file:$line includes $target, in no floor of parallel/"; bad=1; return; }
+  if ((sub_level[$to_floor] > sub_level[$from_floor])); then
+    echo "$file:$line includes $target: parallel/$to_floor/ is above parallel/$from_floor/"; bad=1
+  elif ((sub_level[$to_floor] == sub_level[$from_floor])) && [[ $to_floor != "$from_floor" ]]; then
+    echo "$file:$line includes $target: parallel/$from_floor/ and parallel/$to_floor/ stand side by side"; bad=1
+  elif [[ $to_floor == "$from_floor" && " $strategy_folders " == *" $from_floor "* ]]; then
+    local mine theirs
+    mine=$(strategy_of "$file")
+    theirs=$(strategy_of "$target")
+    if [[ $mine != "$theirs" && " ${sideways_allowed[*]} " != *" $mine:$theirs "* ]]; then
+      echo "$file:$line includes $target: strategy '$mine' includes strategy '$theirs' (allowed pairs: ${sideways_allowed[*]})"; bad=1
+    fi
+  fi
+}
+
 bad=0
+edges=$(mktemp)
+trap 'rm -f "$edges"' EXIT
 while IFS= read -r file; do
   floor=${file#weave/}
   floor=${floor%%/*}
@@ -27,12 +86,33 @@ while IFS= read -r file; do
       echo "$file:$line includes $target: $target_floor/ is above $floor/"; bad=1
     elif [[ $file =~ ^weave/distributed/(mpi|nccl)/ && ! $target =~ $backend_allowed ]]; then
       echo "$file:$line includes $target: backends may include only tensor/ and the backend interface"; bad=1
+    elif [[ $floor == parallel && $target_floor == parallel ]]; then
+      check_parallel_include "$file" "$line" "$target"
     fi
+    echo "$file $target" >>"$edges"
   done < <(grep -noE '^#include "weave/[^"]+"' "$file" | sed -E 's/#include "([^"]+)"/\1/')
 done < <(git ls-files 'weave/*/*' | grep -E '\.(h|cpp|cu|cuh)$')
 
+# No circle of includes anywhere (tsort names the files of one).
+if ! tsort "$edges" >/dev/null 2>"$edges.loop"; then
+  echo "includes form a circle:"; sed 's/^/  /' "$edges.loop"; bad=1
+fi
+rm -f "$edges.loop"
+
+if ! python3 scripts/check-function-length.py --limit "$function_limit" \
+    $(git ls-files "${function_folders[@]/%//*}" | grep -E '\.(h|cpp|cu|cuh)$'); then
+  echo "functions longer than $function_limit lines: split them"; bad=1
+fi
+
+while read -r lines file; do
+  [[ $file == total ]] && continue
+  ((lines <= file_limit)) || { echo "$file: $lines lines (limit $file_limit): split it by role"; bad=1; }
+done < <(git ls-files | grep -E '\.(h|cpp|cu|cuh|sh|py)$' | xargs wc -l)
+
 if ((bad)); then
-  echo "floor check: FAILED (floors, lowest first: ${floors[*]})"
+  echo "floor check: FAILED (floors, lowest first: ${floors[*]}; parallel/: ${parallel_floors[*]})"
   exit 1
 fi
-echo "floor check: every include points down (${floors[*]})"
+echo "floor check: every include points down (${floors[*]}; parallel/: core, then" \
+  "${parallel_floors[1]} side by side), no strategy includes another, no circle, no function" \
+  "over $function_limit lines, no file over $file_limit"

@@ -24,7 +24,8 @@ for header in $(find "$prefix/include" -name '*.h'); do
     test -f "$prefix/include/$included" || { echo "$header includes $included, not installed" >&2; exit 1; }
   done
 done
-for internal in weave/kernels/kernels.h weave/distributed/runtime.h weave/parallel/flat_buffer.h; do
+for internal in weave/kernels/kernels.h weave/distributed/runtime.h weave/parallel/core/flat_buffer.h \
+    weave/parallel/core/readiness.h weave/parallel/core/agree.h weave/parallel/checkpoint/reshard.h; do
   if test -e "$prefix/include/$internal"; then echo "internal header $internal installed" >&2; exit 1; fi
 done
 
@@ -46,4 +47,11 @@ export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"
 c++ -Iexamples/consumer examples/consumer/main.cpp -o "$work/consumer-pc" \
   $(pkg-config --cflags weave) $(pkg-config --libs --static weave)
 "$work/consumer-pc"
+
+echo "== the forwarding headers of weave/parallel/ (0.2) still compile, each alone"
+for header in "$prefix"/include/weave/parallel/*.h; do
+  echo "#include \"weave/parallel/$(basename "$header")\"" >"$work/forward.cpp"
+  # shellcheck disable=SC2046
+  c++ -std=c++20 -fsyntax-only "$work/forward.cpp" $(pkg-config --cflags weave)
+done
 echo "install check: find_package and pkg-config consumers built and ran"

@@ -17,7 +17,7 @@
 #include <string>
 #include <thread>
 
-#include "weave/parallel/checkpoint_index.h"
+#include "weave/parallel/checkpoint/checkpoint_index.h"
 #include "weave/weave.h"
 
 using namespace weave;

@@ -121,6 +121,36 @@ TEST_SUITE("join") {
       });
       check_params(*model, expected);
     }
+    SUBCASE("DecentralizedDataParallel: an idle rank mixes without stepping") {
+      // Reference without join(): every rank takes every step, a rank out of batches with a
+      // zero loss (plain SGD then leaves its parameters as they are, and it still mixes).
+      int steps = 0;
+      for (int r = 0; r < dist::world_size(); ++r) steps = std::max(steps, batches_of(r));
+      auto sgd = [](std::vector<Tensor> bucket) {
+        return std::make_unique<optim::SGD>(std::move(bucket), optim::SGDOptions{.lr = 0.1});
+      };
+      const parallel::DecentralizedOptions options{
+          .topology = dist::world_size() % 2 == 0 ? "ring" : "complete", .bucket_mb = 1e-9};
+      auto reference = make_model(0);
+      {
+        parallel::DecentralizedDataParallel dec(*reference, sgd, options);
+        for (int step = 0; step < steps; ++step) {
+          auto [x, y] = batch(dist::rank(), step);
+          Tensor loss = mse_loss(dec(x), y);
+          (step < batches_of(dist::rank()) ? loss : loss * 0.0).backward();
+        }
+        dec.wait();
+      }
+      auto model = make_model(0);
+      parallel::DecentralizedDataParallel dec(*model, sgd, options);
+      parallel::join({dec}, [&] {
+        train_my_batches([&](const Tensor& x) { return dec(x); },
+                         [&](const Tensor& loss) { loss.backward(); });
+      });
+      dec.wait();
+      CHECK(dec.steps() == steps);
+      check_params(*model, reference->parameters());
+    }
     SUBCASE("FullyShardedDataParallel, both sharding modes") {
       for (auto sharding :
            {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp}) {

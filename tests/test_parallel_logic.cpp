@@ -8,8 +8,10 @@
 #include <vector>
 
 #include "helpers.h"
-#include "weave/parallel/flat_buffer.h"
-#include "weave/parallel/placement.h"
+#include "weave/parallel/checkpoint/placement.h"
+#include "weave/parallel/checkpoint/reshard.h"
+#include "weave/parallel/core/flat_buffer.h"
+#include "weave/parallel/core/readiness.h"
 
 using namespace weave;
 using parallel::detail::Piece;
@@ -32,6 +34,27 @@ int64_t global_index(const Piece& piece, int64_t e) {
   return global;
 }
 
+// A random piece of a tensor of `shape`: a random box (cut along a random axis, or whole), a
+// random range of its elements, stored from a random offset on.
+template <class Pick>
+Piece random_piece(const Shape& shape, Pick&& pick) {
+  Piece piece;
+  piece.shape = shape;
+  const int dims = int(shape.size());
+  piece.axis = int(pick(-1, dims - 1));
+  int64_t box = shape.numel();
+  if (piece.axis >= 0) {
+    const int64_t size = shape[piece.axis];
+    piece.begin = pick(0, size - 1);
+    piece.length = pick(1, size - piece.begin);
+    box = box / size * piece.length;
+  }
+  piece.first = pick(0, box);
+  piece.count = pick(0, box - piece.first);
+  piece.offset = pick(0, 7);
+  return piece;
+}
+
 }  // namespace
 
 TEST_SUITE("parallel_logic") {
@@ -41,20 +64,10 @@ TEST_SUITE("parallel_logic") {
       return lo + int64_t(rng() % uint64_t(hi - lo + 1));
     };
     for (int trial = 0; trial < 2000; ++trial) {
-      Piece piece;
+      Shape shape;
       const int dims = int(pick(1, 4));
-      for (int d = 0; d < dims; ++d) piece.shape.push_back(pick(1, 5));
-      piece.axis = int(pick(-1, dims - 1));
-      int64_t box = piece.shape.numel();
-      if (piece.axis >= 0) {
-        const int64_t size = piece.shape[piece.axis];
-        piece.begin = pick(0, size - 1);
-        piece.length = pick(1, size - piece.begin);
-        box = box / size * piece.length;
-      }
-      piece.first = pick(0, box);
-      piece.count = pick(0, box - piece.first);
-      piece.offset = pick(0, 7);
+      for (int d = 0; d < dims; ++d) shape.push_back(pick(1, 5));
+      const Piece piece = random_piece(shape, pick);
       CAPTURE(trial);
       std::map<int64_t, int64_t> got;  // local element -> global element
       int64_t covered = 0, last_local = -1;
@@ -71,6 +84,60 @@ TEST_SUITE("parallel_logic") {
         want[piece.offset + e - piece.first] = global_index(piece, e);
       CHECK(got == want);
     }
+  }
+
+  TEST_CASE("plan_tensor reads each wanted element from the first saved piece holding it") {
+    // Against a brute force over 2000 random cases: a wanted piece and 1 to 4 saved pieces of
+    // one global tensor, in order of preference.
+    std::mt19937 rng(36);
+    auto pick = [&](int64_t lo, int64_t hi) { return lo + int64_t(rng() % uint64_t(hi - lo + 1)); };
+    int64_t planned = 0, missing_total = 0;
+    for (int trial = 0; trial < 2000; ++trial) {
+      Shape shape;
+      const int dims = int(pick(1, 3));
+      for (int d = 0; d < dims; ++d) shape.push_back(pick(1, 5));
+      const Piece want = random_piece(shape, pick);
+      std::vector<std::vector<parallel::detail::Run>> sources;
+      // global element -> (source, its stored element), the first source holding it
+      std::map<int64_t, std::pair<size_t, int64_t>> holder;
+      const int saved = int(pick(1, 4));
+      for (int k = 0; k < saved; ++k) {
+        const Piece piece = random_piece(shape, pick);
+        for (int64_t e = piece.first; e < piece.first + piece.count; ++e)
+          holder.try_emplace(global_index(piece, e),
+                             std::make_pair(size_t(k), piece.offset + e - piece.first));
+        sources.push_back(parallel::detail::runs_of(piece));
+      }
+      CAPTURE(trial);
+      const parallel::detail::TensorPlan plan = parallel::detail::plan_tensor(want, sources);
+      // Every wanted element (by its stored index in the target) is read once or missing once.
+      std::map<int64_t, std::pair<size_t, int64_t>> read;  // target element -> source, element
+      for (const auto& r : plan.reads) {
+        CHECK(r.count > 0);
+        for (int64_t j = 0; j < r.count; ++j)
+          CHECK(read.emplace(r.local + j, std::make_pair(r.source, r.source_element + j)).second);
+      }
+      std::map<int64_t, int64_t> missing;  // target element -> global element
+      for (const auto& run : plan.missing)
+        for (int64_t j = 0; j < run.count; ++j) missing[run.local + j] = run.global + j;
+      std::map<int64_t, std::pair<size_t, int64_t>> want_read;
+      std::map<int64_t, int64_t> want_missing;
+      for (int64_t e = want.first; e < want.first + want.count; ++e) {
+        const int64_t local = want.offset + e - want.first, global = global_index(want, e);
+        auto it = holder.find(global);
+        if (it == holder.end())
+          want_missing[local] = global;
+        else
+          want_read[local] = it->second;
+      }
+      CHECK(read == want_read);
+      CHECK(missing == want_missing);
+      planned += int64_t(read.size());
+      missing_total += int64_t(missing.size());
+    }
+    // Both outcomes occur often enough to matter.
+    CHECK(planned > 1000);
+    CHECK(missing_total > 1000);
   }
 
   TEST_CASE("cut_buckets: caps in bytes, the first bucket's own cap, a dtype change cuts") {

@@ -12,8 +12,8 @@
 #include <set>
 #include <system_error>
 
-#include "weave/parallel/checkpoint_index.h"
-#include "weave/parallel/reshard.h"
+#include "weave/parallel/checkpoint/checkpoint_index.h"
+#include "weave/parallel/checkpoint/reshard.h"
 
 namespace {
 

@@ -132,31 +132,13 @@ std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadat
 
 namespace {
 
-// The header of a file of `file_size` bytes whose first `available` bytes (at least the length
-// and the header) are at p: every check that needs no tensor data. The checksums stay in
-// `checksums` and `block_checksums`, out of the metadata.
-SafetensorsHeader parse_header(const unsigned char* p, uint64_t available, uint64_t file_size,
-                               const std::string& name) {
-  WEAVE_CHECK(file_size >= 8 && available >= 8, "safetensors",
-              "{} is truncated: {} bytes, not even the header length", name, file_size);
-  uint64_t length = 0;
-  for (int i = 0; i < 8; ++i) length |= uint64_t{p[i]} << (8 * i);
-  WEAVE_CHECK(length <= kMaxHeaderBytes && length <= file_size - 8, "safetensors",
-              "{} declares a {}-byte header, but the file holds {} bytes after the length{}", name,
-              length, file_size - 8,
-              length > kMaxHeaderBytes ? " (the format's limit is 100 MB)" : "");
-  WEAVE_CHECK(available >= 8 + length, "safetensors", "{}: the header was not read whole", name);
-  SafetensorsHeader out;
-  out.path = name;
-  out.data_start = 8 + length;
-  detail::read_header_json(p + 8, length, name, out.entries, out.metadata);
-  // The data must be covered exactly: no overlaps, no holes, nothing after the last tensor.
-  std::sort(out.entries.begin(), out.entries.end(), [](const Entry& a, const Entry& b) {
+// The data must be covered exactly: no overlaps, no holes, nothing after the last tensor.
+void check_coverage(std::vector<Entry>& entries, uint64_t data_size, const std::string& name) {
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
     return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
   });
-  const uint64_t data_size = file_size - 8 - length;
   uint64_t expected = 0;
-  for (const Entry& e : out.entries) {
+  for (const Entry& e : entries) {
     WEAVE_CHECK(e.begin == expected, "safetensors",
                 "{}: tensor '{}' starts at byte {} of the data, expected {} (the tensors must "
                 "cover the data without overlaps or holes)",
@@ -170,11 +152,33 @@ SafetensorsHeader parse_header(const unsigned char* p, uint64_t available, uint6
               "{} holds {} bytes of data after its tensors end at {}: corrupt or truncated "
               "header",
               name, data_size - expected, expected);
-  // Files weave wrote carry a CRC-32 of every tensor's bytes and of the user metadata: a
-  // flipped bit anywhere is an error, not a silently different model. (Files from other
-  // writers have none and load as they are.)
-  // Any key of weave's checksum namespace marks the file as checked, so a flipped bit in one of
-  // those keys cannot turn the checking off.
+}
+
+// "<block bytes> <crc><crc>...": one CRC per block of the data, the last one possibly short.
+void read_block_checksums(SafetensorsHeader& out, const std::string& text, uint64_t data_size,
+                          const std::string& name) {
+  const size_t space = text.find(' ');
+  const std::string size_text = text.substr(0, space);
+  const bool digits = !size_text.empty() && size_text.size() < 12 &&
+                      std::all_of(size_text.begin(), size_text.end(), ::isdigit);
+  const uint64_t block = digits ? std::stoull(size_text) : 0;
+  const uint64_t count = block == 0 ? 0 : (data_size + block - 1) / block;
+  bool fits = block > 0 && space != std::string::npos && text.size() - space - 1 == count * 8;
+  for (uint64_t i = 0; fits && i < count; ++i) {
+    uint32_t crc = 0;
+    fits = parse_hex32(text.substr(space + 1 + i * 8, 8), &crc);
+    out.block_checksums.push_back(crc);
+  }
+  WEAVE_CHECK(fits, "safetensors",
+              "{}: the block checksums do not fit the data: the file is corrupt", name);
+  out.block_bytes = block;
+}
+
+// Files weave wrote carry a CRC-32 of every tensor's bytes and of the user metadata: a flipped
+// bit anywhere is an error, not a silently different model. (Files from other writers have none
+// and load as they are.) Any key of weave's checksum namespace marks the file as checked, so a
+// flipped bit in one of those keys cannot turn the checking off.
+void read_checksums(SafetensorsHeader& out, uint64_t data_size, const std::string& name) {
   for (const auto& [key, value] : out.metadata)
     out.checked = out.checked || key.rfind("weave.crc32", 0) == 0;
   if (out.checked) {
@@ -197,28 +201,33 @@ SafetensorsHeader parse_header(const unsigned char* p, uint64_t available, uint6
                   e.name);
     }
     auto blocks = meta.find(kBlockChecksums);
-    if (blocks != meta.end()) {
-      // "<block bytes> <crc><crc>...": one CRC per block, the last one possibly short.
-      const std::string& text = blocks->second;
-      const size_t space = text.find(' ');
-      const std::string size_text = text.substr(0, space);
-      const bool digits = !size_text.empty() && size_text.size() < 12 &&
-                          std::all_of(size_text.begin(), size_text.end(), ::isdigit);
-      const uint64_t block = digits ? std::stoull(size_text) : 0;
-      const uint64_t count = block == 0 ? 0 : (data_size + block - 1) / block;
-      bool fits = block > 0 && space != std::string::npos && text.size() - space - 1 == count * 8;
-      for (uint64_t i = 0; fits && i < count; ++i) {
-        uint32_t crc = 0;
-        fits = parse_hex32(text.substr(space + 1 + i * 8, 8), &crc);
-        out.block_checksums.push_back(crc);
-      }
-      WEAVE_CHECK(fits, "safetensors",
-                  "{}: the block checksums do not fit the data: the file is corrupt", name);
-      out.block_bytes = block;
-    }
+    if (blocks != meta.end()) read_block_checksums(out, blocks->second, data_size, name);
   }
   std::erase_if(out.metadata,
                 [](const auto& item) { return item.first.rfind("weave.crc32", 0) == 0; });
+}
+
+// The header of a file of `file_size` bytes whose first `available` bytes (at least the length
+// and the header) are at p: every check that needs no tensor data. The checksums stay in
+// `checksums` and `block_checksums`, out of the metadata.
+SafetensorsHeader parse_header(const unsigned char* p, uint64_t available, uint64_t file_size,
+                               const std::string& name) {
+  WEAVE_CHECK(file_size >= 8 && available >= 8, "safetensors",
+              "{} is truncated: {} bytes, not even the header length", name, file_size);
+  uint64_t length = 0;
+  for (int i = 0; i < 8; ++i) length |= uint64_t{p[i]} << (8 * i);
+  WEAVE_CHECK(length <= kMaxHeaderBytes && length <= file_size - 8, "safetensors",
+              "{} declares a {}-byte header, but the file holds {} bytes after the length{}", name,
+              length, file_size - 8,
+              length > kMaxHeaderBytes ? " (the format's limit is 100 MB)" : "");
+  WEAVE_CHECK(available >= 8 + length, "safetensors", "{}: the header was not read whole", name);
+  SafetensorsHeader out;
+  out.path = name;
+  out.data_start = 8 + length;
+  detail::read_header_json(p + 8, length, name, out.entries, out.metadata);
+  const uint64_t data_size = file_size - 8 - length;
+  check_coverage(out.entries, data_size, name);
+  read_checksums(out, data_size, name);
   return out;
 }
 

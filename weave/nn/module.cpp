@@ -209,10 +209,13 @@ void Module::for_each_tensor(Fn&& fn, std::map<const void*, std::pair<Tensor, Te
     Tensor moved = fn(t);
     if (!moved.is_same(t)) {
       const bool grad = leaf && t.requires_grad();
-      const std::string spread = t.impl()->autograd ? t.impl()->autograd->spread_hint : "";
+      const AutogradMeta* meta = t.impl()->autograd.get();
+      const std::string spread = meta ? meta->spread_hint : "";
+      const std::shared_ptr<const SpreadLayout> layout = meta ? meta->spread_layout : nullptr;
       t = moved.detach();
       if (grad) t.requires_grad_(true);
       if (!spread.empty()) t.impl()->meta().spread_hint = spread;
+      if (layout) t.impl()->meta().spread_layout = layout;
     }
     done.emplace(original.impl(), std::make_pair(original, t));  // keeps the key's tensor alive
   };

@@ -1,32 +1,5 @@
 #pragma once
-// What a data-parallel wrapper's no_sync() returns: while the guard lives, that wrapper's backward
-// accumulates gradients locally without communicating (gradient accumulation over
-// micro-batches); the first backward after it communicates everything accumulated.
-//
-//   {
-//     auto guard = ddp.no_sync();
-//     loss_of(micro_batch_1).backward();   // local only
-//   }
-//   loss_of(micro_batch_2).backward();     // averages both
-#include <memory>
-
-namespace weave::parallel {
-
-namespace detail {
-class GradReadiness;
-}
-
-class NoSyncGuard {
- public:
-  /// Made by the wrappers' no_sync().
-  explicit NoSyncGuard(std::shared_ptr<detail::GradReadiness> readiness);
-  ~NoSyncGuard();
-  NoSyncGuard(const NoSyncGuard&) = delete;
-  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-
- private:
-  std::shared_ptr<detail::GradReadiness> readiness_;
-  bool previous_;
-};
-
-}  // namespace weave::parallel
+// Moved: weave 0.2 placed this header at weave/parallel/core/no_sync.h, when parallel/ gained its
+// floors (core, data_parallel, model_parallel, checkpoint). This one only forwards there, for
+// the 0.2 release; it goes away after it. Include the new path, or weave/weave.h.
+#include "weave/parallel/core/no_sync.h"

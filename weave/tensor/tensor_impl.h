@@ -10,6 +10,12 @@
 
 namespace weave {
 
+/// Base of what parallel/ records on a leaf about how it is cut from whole tensors (a flat
+/// shard's members and offsets); opaque below parallel/.
+struct SpreadLayout {
+  virtual ~SpreadLayout() = default;
+};
+
 /// Autograd state of a tensor; created on first use.
 struct AutogradMeta {
   bool requires_grad = false;
@@ -26,6 +32,9 @@ struct AutogradMeta {
   /// ranks. optim::clip_grad_norm_ refuses such a leaf with this as its hint, rather than clip
   /// it by its own rank's norm. Module::to carries it over.
   std::string spread_hint;
+  /// Set with spread_hint where the leaf is a flat shard: which elements of which tensors it
+  /// holds, for sharded checkpoints (parallel/core/layout.h). Module::to carries it over.
+  std::shared_ptr<const SpreadLayout> spread_layout;
 };
 
 struct TensorImpl {

@@ -1,0 +1,34 @@
+#pragma once
+// What the model-parallel suites (tensor-parallel layers, pipelines) share: float64 values
+// built alike on every rank and compared tightly.
+#include "weave/weave.h"
+
+namespace weave_test {
+
+using namespace weave;
+
+inline bool close(const Tensor& got, const Tensor& expected, double rtol = 1e-10) {
+  return got.defined() && got.shape() == expected.shape() && allclose(got, expected, rtol, 1e-13);
+}
+
+// This rank's slice along axis of a tensor split over the group.
+inline Tensor piece(const Tensor& full, int axis, const dist::Group& g) {
+  const int64_t n = full.size(axis) / g.size();
+  return full.narrow(axis, g.rank() * n, n);
+}
+
+// The same values on every rank.
+inline Tensor shared_randn(const Shape& shape, uint64_t seed) {
+  Generator g(seed);
+  return randn(shape, {.dtype = kFloat64}, &g);
+}
+
+inline Tensor leaf(const Tensor& t) {
+  return t.detach().contiguous().clone().requires_grad_(true);
+}
+
+inline Tensor mse(const Tensor& out, const Tensor& target) {
+  return mse_loss(out, target);
+}
+
+}  // namespace weave_test

@@ -1,0 +1,238 @@
+// Pipeline parallelism against one process: GPipe, 1F1B and interleaved schedules give the
+// whole batch's gradients; the bubble is what theory says; communication left pending and
+// forgotten backward passes are errors on every rank; isend does not deadlock.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "model_parallel_helpers.h"
+#include "weave/weave.h"
+
+using namespace weave;
+using namespace weave_test;
+using autograd::FunctionContext;
+
+namespace {
+
+// 5 -> w -> w -> w -> 3 with tanh between: seven children to cut into stages.
+std::shared_ptr<nn::Sequential> pipeline_model(int64_t width) {
+  manual_seed(3);
+  auto model = std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+      std::make_shared<nn::Linear>(5, width), nn::Tanh(),
+      std::make_shared<nn::Linear>(width, width), nn::Tanh(),
+      std::make_shared<nn::Linear>(width, width), nn::Tanh(),
+      std::make_shared<nn::Linear>(width, 3)});
+  model->to(kFloat64);
+  return model;
+}
+
+// A pipeline's stages together hold every gradient of the whole model, each on exactly one
+// rank, equal to the reference's.
+void check_stage_grads(const nn::Module& model, const nn::Module& reference) {
+  const auto params = model.parameters(), expected = reference.parameters();
+  int64_t mine = 0;
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].grad().defined()) {
+      ++mine;
+      CHECK(close(params[i].grad(), expected[i].grad()));
+    }
+  Tensor count = full({1}, double(mine), {.dtype = kInt64});
+  dist::all_reduce(count);
+  CHECK(count.item<int64_t>() == int64_t(params.size()));
+}
+
+// A stage of fixed duration: sleeps in forward and twice as long in backward.
+constexpr auto kForwardDelay = std::chrono::milliseconds(40);
+struct Delay : autograd::Function<Delay> {
+  static constexpr const char* name = "DelayBackward";
+  static Tensor forward(FunctionContext&, const Tensor& x) {
+    std::this_thread::sleep_for(kForwardDelay);
+    return x * 1.0;
+  }
+  static std::vector<Tensor> backward(FunctionContext&, const std::vector<Tensor>& grads) {
+    std::this_thread::sleep_for(2 * kForwardDelay);
+    return {grads[0]};
+  }
+};
+class DelayStage : public nn::Module {
+ public:
+  DelayStage() : nn::Module("DelayStage"), scale(register_parameter("scale", ones({1}))) {}
+  Tensor forward(const Tensor& x) override { return Delay::apply(x * scale); }
+  Tensor& scale;
+};
+
+}  // namespace
+
+TEST_SUITE("pipeline") {
+  TEST_CASE("GPipe and 1F1B give one process's gradients on the whole batch") {
+    const int n = dist::world_size(), me = dist::rank();
+    for (parallel::Schedule schedule : {parallel::Schedule::GPipe, parallel::Schedule::OneFOneB})
+      for (int m : {1, 4, 8})
+        for (int64_t width : {int64_t{8}, int64_t{1024}}) {
+          if (width > 8 && m != 4) continue;  // large messages: one case is enough
+          CAPTURE(int(schedule));
+          CAPTURE(m);
+          CAPTURE(width);
+          auto model = pipeline_model(width);
+          auto stage = parallel::pipeline_stage(*model, me, n);
+          parallel::Pipeline pipe(*stage, {.schedule = schedule, .microbatches = m});
+          Tensor x = shared_randn({8, 5}, 31), y = shared_randn({8, 3}, 32);
+          for (int step = 0; step < 2; ++step) {  // twice: nothing left over between steps
+            model->zero_grad();
+            Tensor loss = pipe.train_step(x, y, mse);
+            auto reference = pipeline_model(width);
+            Tensor ref_loss = mse((*reference)(x), y);
+            ref_loss.backward();
+            if (pipe.is_last())
+              CHECK(close(loss, ref_loss));
+            else
+              CHECK(!loss.defined());
+            check_stage_grads(*model, *reference);
+            const int expected_live =
+                schedule == parallel::Schedule::GPipe ? m : std::min(n - me, m);
+            CHECK(pipe.stats().peak_live_microbatches == expected_live);
+            CHECK(autograd::must_run_pending() == 0);
+          }
+          Tensor predicted = pipe.predict(x);
+          if (pipe.is_last()) CHECK(close(predicted, (*pipeline_model(width))(x)));
+        }
+  }
+
+  TEST_CASE("interleaved virtual stages give one process's gradients") {
+    const int p = dist::world_size(), me = dist::rank(), v = 2;
+    if (p < 2) return;
+    auto make = [&] {  // 2 p v children: every virtual stage gets a Linear and a Tanh
+      manual_seed(17);
+      auto model = std::make_shared<nn::Sequential>();
+      for (int i = 0; i < p * v; ++i) {
+        model->push_back(std::make_shared<nn::Linear>(i == 0 ? 5 : 6, 6));
+        model->push_back(nn::Tanh());
+      }
+      model->to(kFloat64);
+      return model;
+    };
+    for (parallel::Schedule schedule : {parallel::Schedule::GPipe, parallel::Schedule::OneFOneB})
+      for (int m : {p, 2 * p}) {
+        CAPTURE(int(schedule));
+        CAPTURE(m);
+        auto model = make();
+        auto chunks = parallel::pipeline_chunks(*model, me, p, v);
+        REQUIRE(chunks.size() == size_t(v));
+        for (const auto& chunk : chunks) CHECK(chunk->size() == 2);
+        parallel::Pipeline pipe({chunks[0].get(), chunks[1].get()},
+                                {.schedule = schedule, .microbatches = m});
+        Tensor x = shared_randn({2 * m, 5}, 41), y = shared_randn({2 * m, 6}, 42);
+        Tensor loss = pipe.train_step(x, y, mse);
+        auto reference = make();
+        Tensor ref_loss = mse((*reference)(x), y);
+        ref_loss.backward();
+        if (pipe.is_last()) CHECK(close(loss, ref_loss));
+        check_stage_grads(*model, *reference);
+        if (schedule == parallel::Schedule::GPipe)
+          CHECK(pipe.stats().peak_live_microbatches == m * v);
+        else  // Megatron-LM's warm-up, then one forward and one backward in turn
+          CHECK(pipe.stats().peak_live_microbatches ==
+                std::min(std::min((p - me - 1) * 2 + (v - 1) * p, m * v) + 1, m * v));
+        Tensor predicted = pipe.predict(x);
+        if (pipe.is_last()) CHECK(close(predicted, (*make())(x)));
+      }
+    CHECK_THROWS_WITH_AS(parallel::Pipeline({nullptr}, {}), doctest::Contains("null pointer"),
+                         Error);
+  }
+
+  TEST_CASE("a balanced pipeline idles (p - 1) / (m + p - 1) of the step") {
+    const int p = dist::world_size(), me = dist::rank();
+    nn::Sequential model;
+    for (int i = 0; i < p; ++i) model.push_back(std::make_shared<DelayStage>());
+    auto stage = parallel::pipeline_stage(model, me, p);
+    REQUIRE(stage->size() == 1);
+    for (parallel::Schedule schedule : {parallel::Schedule::GPipe, parallel::Schedule::OneFOneB})
+      for (int m : {4, 8}) {
+        CAPTURE(int(schedule));
+        CAPTURE(m);
+        parallel::Pipeline pipe(*stage, {.schedule = schedule, .microbatches = m});
+        Tensor x = ones({m, 4}), y = zeros({m, 4});
+        pipe.train_step(x, y, mse);  // warm up
+        // the median of three steps: a descheduled rank shows up as idle time on its peers
+        std::vector<double> idles;
+        for (int trial = 0; trial < 3; ++trial) {
+          dist::barrier();
+          const auto start = std::chrono::steady_clock::now();
+          pipe.train_step(x, y, mse);
+          dist::barrier();
+          const double wall =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          const double busy = pipe.stats().step_s - pipe.stats().waiting_s;
+          idles.push_back(1.0 - busy / wall);
+        }
+        std::sort(idles.begin(), idles.end());
+        const double idle = idles[1], expected = double(p - 1) / (m + p - 1);
+        CAPTURE(idle);
+        CAPTURE(expected);
+        CHECK(std::abs(idle - expected) <= 0.05);
+        model.zero_grad();
+      }
+  }
+
+  TEST_CASE("a step that starts with communication left pending is an error on every rank") {
+    if (dist::world_size() < 2) return;
+    auto model = pipeline_model(8);
+    auto stage = parallel::pipeline_stage(*model, dist::rank(), dist::world_size());
+    parallel::Pipeline pipe(*stage, {.microbatches = 2});
+    Tensor forgotten = dist::functional::all_reduce_sum(leaf(ones({2})));
+    Tensor x = shared_randn({4, 5}, 1), y = shared_randn({4, 3}, 2);
+    CHECK_THROWS_WITH_AS(pipe.train_step(x, y, mse), doctest::Contains("never ran backward"),
+                         Error);
+    autograd::clear_must_run();
+    CHECK_NOTHROW(pipe.train_step(x, y, mse));
+    // the first and last stages hold the batch and check it (a middle stage cannot: it would
+    // wait for the watchdog)
+    if (dist::world_size() == 2)
+      CHECK_THROWS_WITH_AS(parallel::Pipeline(*stage, {.microbatches = 3}).train_step(x, y, mse),
+                           doctest::Contains("micro-batches"), Error);
+  }
+
+  TEST_CASE("a send-only stage that forgets its backward cannot step") {
+    const int me = dist::rank();
+    if (dist::world_size() < 2 || me > 1) return;
+    manual_seed(1);
+    nn::Linear layer(4, 4);
+    layer.to(kFloat64);
+    optim::SGD opt(layer.parameters(), {.lr = 0.1});
+    Tensor x = shared_randn({3, 4}, 7);
+    if (me == 0) {
+      dist::functional::remote_send(layer(x), 1);  // no loss here: the gradient comes back
+      CHECK_THROWS_WITH_AS(opt.step(), doctest::Contains("have not run backward"), Error);
+      autograd::backward({});  // receives it
+      REQUIRE(layer.weight.grad().defined());
+      CHECK_NOTHROW(opt.step());
+    } else {
+      Tensor received = dist::functional::remote_recv(0);
+      sum(layer(received)).backward();
+      CHECK_NOTHROW(opt.step());
+    }
+    dist::wait_sends();
+  }
+
+  TEST_CASE("isend: neighbours send large tensors to each other before either receives") {
+    const int n = dist::world_size(), me = dist::rank();
+    if (n < 2) return;
+    const int next = (me + 1) % n, previous = (me + n - 1) % n;
+    Tensor to_next = full({1 << 17}, double(me)), to_previous = full({1 << 17}, 100.0 + me);
+    auto a = dist::isend(to_next, next, dist::world(), 5);
+    auto b = dist::isend(to_previous, previous, dist::world(), 6);
+    Tensor from_previous = empty({1 << 17}), from_next = empty({1 << 17});
+    dist::recv(from_previous, previous, dist::world(), 5);
+    dist::recv(from_next, next, dist::world(), 6);
+    dist::wait_sends();
+    CHECK(a.is_completed());
+    CHECK(b.is_completed());
+    CHECK(equal(from_previous, full({1 << 17}, double(previous))));
+    CHECK(equal(from_next, full({1 << 17}, 100.0 + next)));
+  }
+}

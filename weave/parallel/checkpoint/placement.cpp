@@ -1,0 +1,193 @@
+// Placements of saved tensors: the description of a TrainingState through the layouts its
+// tensors carry, and pieces as runs of global elements.
+#include "weave/parallel/checkpoint/placement.h"
+
+#include <nlohmann/json.hpp>
+#include <optional>
+
+namespace weave::parallel::detail {
+
+namespace {
+
+using json = nlohmann::json;
+
+// The one piece of a parameter saved whole (cut by its tensor-parallel split, if any).
+Piece whole(const std::string& name, const Shape& local, const TensorSplit& split) {
+  Piece piece{name, local, -1, 0, 0, 0, local.numel(), 0};
+  if (split.axis >= 0 && split.count > 1) {
+    piece.axis = split.axis;
+    piece.length = local[split.axis];
+    piece.begin = split.index * piece.length;
+    piece.shape[split.axis] = piece.length * split.count;
+  }
+  return piece;
+}
+
+Placement with_prefix(Placement placement, const std::string& prefix) {
+  for (Piece& piece : placement) piece.tensor = prefix + piece.tensor;
+  return placement;
+}
+
+// Describes tensors of a TrainingState by the names of its model's parameters.
+class Describer {
+ public:
+  explicit Describer(const nn::Module* model) {
+    if (!model) return;
+    splits_ = tensor_splits(*model);
+    for (const auto& [name, p] : model->named_parameters()) names_[p.impl()] = name;
+  }
+
+  // The pieces of `t` by parameter name (`name`, or found by identity); none if a name is missing.
+  std::optional<Placement> operator()(const Tensor& t, std::string name) const {
+    if (const std::optional<FlatShard> flat = flat_shard_of(t)) {
+      Placement out;
+      const int64_t begin = flat->begin, end = begin + t.numel();
+      for (size_t m = 0; m < flat->members.size(); ++m) {
+        const int64_t from = flat->offsets[m], to = from + flat->shapes[m].numel();
+        if (std::max(from, begin) >= std::min(to, end)) continue;
+        std::string member = flat->names.empty() ? "" : flat->names[m];
+        if (member.empty()) {
+          auto it = names_.find(flat->members[m]);
+          if (it == names_.end()) return std::nullopt;
+          member = it->second;
+        }
+        Piece piece = whole(member, flat->shapes[m],
+                            flat->splits.empty() ? split_of(member) : flat->splits[m]);
+        piece.first = std::max(from, begin) - from;
+        piece.count = std::min(to, end) - std::max(from, begin);
+        piece.offset = std::max(from, begin) - begin;
+        out.push_back(std::move(piece));
+      }
+      return out;
+    }
+    if (name.empty()) {
+      auto it = names_.find(t.impl());
+      if (it == names_.end()) return std::nullopt;
+      name = it->second;
+    }
+    return Placement{whole(name, t.shape(), split_of(name))};
+  }
+
+ private:
+  TensorSplit split_of(const std::string& name) const {
+    auto it = splits_.find(name);
+    return it == splits_.end() ? TensorSplit{} : it->second;
+  }
+  std::map<const void*, std::string> names_;  // the model's parameters by identity
+  std::map<std::string, TensorSplit> splits_;
+};
+
+}  // namespace
+
+StatePlacements describe_state(const data::TrainingState& state) {
+  StatePlacements out;
+  const Describer describe(state.model);
+  if (state.model)
+    for (const auto& [name, t] : state.model->state_dict())
+      if (auto placement = describe(t, name))
+        out.model["model/" + name] = with_prefix(*placement, "model/");
+  if (state.optimizer)
+    for (const Tensor& p : state.optimizer->params()) out.params.push_back(describe(p, ""));
+  return out;
+}
+
+std::map<std::string, Placement> placements_of(const data::TrainingState& state) {
+  StatePlacements described = describe_state(state);
+  std::map<std::string, Placement> out = std::move(described.model);
+  if (state.optimizer)
+    for (const auto& [name, t] : state.optimizer->state_dict().tensors) {
+      const size_t dot = name.rfind('.');
+      const auto& placement = described.params.at(std::stoul(name.substr(dot + 1)));
+      if (placement)
+        out["optimizer/" + name] =
+            with_prefix(*placement, "optimizer/" + name.substr(0, dot) + "/");
+    }
+  return out;
+}
+
+std::string placements_text(const std::map<std::string, Placement>& placements) {
+  json out = json::object();
+  for (const auto& [name, placement] : placements) {
+    json pieces = json::array();
+    for (const Piece& p : placement)
+      pieces.push_back({{"tensor", p.tensor},
+                        {"shape", p.shape.vec()},
+                        {"axis", p.axis},
+                        {"begin", p.begin},
+                        {"length", p.length},
+                        {"first", p.first},
+                        {"count", p.count},
+                        {"offset", p.offset}});
+    out[name] = pieces;
+  }
+  return out.dump();
+}
+
+std::map<std::string, Placement> parse_placements(const std::string& text,
+                                                  const std::string& source) {
+  const json parsed = json::parse(text, nullptr, false);
+  auto bad = [&](const std::string& why) {
+    WEAVE_FAIL("load_sharded_checkpoint", "{}: its placements (weave.placement) {}", source, why);
+  };
+  if (parsed.is_discarded() || !parsed.is_object()) bad("are not a JSON object");
+  std::map<std::string, Placement> out;
+  for (const auto& [name, pieces] : parsed.items()) {
+    if (!pieces.is_array()) bad(fmt::format("of '{}' are not a list", name));
+    Placement& placement = out[name];
+    for (const json& p : pieces) {
+      const bool shaped = p.is_object() && p.contains("tensor") && p["tensor"].is_string() &&
+                          p.contains("shape") && p["shape"].is_array() &&
+                          p["shape"].size() <= size_t(kMaxDims);
+      if (!shaped) bad(fmt::format("of '{}' lack a tensor name or shape", name));
+      Piece piece;
+      piece.tensor = p["tensor"].get<std::string>();
+      for (const json& d : p["shape"]) {
+        if (!d.is_number_integer() || d.get<int64_t>() < 0)
+          bad(fmt::format("of '{}' hold a size that is not a non-negative integer", name));
+        piece.shape.push_back(d.get<int64_t>());
+      }
+      for (const char* key : {"axis", "begin", "length", "first", "count", "offset"})
+        if (!p.contains(key) || !p[key].is_number_integer())
+          bad(fmt::format("of '{}' lack an integer '{}'", name, key));
+      piece.axis = p["axis"].get<int>();
+      piece.begin = p["begin"].get<int64_t>();
+      piece.length = p["length"].get<int64_t>();
+      piece.first = p["first"].get<int64_t>();
+      piece.count = p["count"].get<int64_t>();
+      piece.offset = p["offset"].get<int64_t>();
+      // The box must lie in the tensor and the piece in the box.
+      const int64_t numel = piece.shape.numel();
+      int64_t box = numel;
+      if (piece.axis != -1) {
+        if (piece.axis < 0 || piece.axis >= int(piece.shape.size()) || piece.begin < 0 ||
+            piece.length <= 0 || piece.begin + piece.length > piece.shape[piece.axis])
+          bad(fmt::format("of '{}' cut {} along an axis it does not have", name, piece.tensor));
+        box = numel / piece.shape[piece.axis] * piece.length;
+      }
+      if (piece.first < 0 || piece.count < 0 || piece.first + piece.count > box || piece.offset < 0)
+        bad(fmt::format("of '{}' name elements outside {}", name, piece.tensor));
+      placement.push_back(std::move(piece));
+    }
+  }
+  return out;
+}
+
+std::vector<Run> runs_of(const Piece& piece) {
+  std::vector<Run> out;
+  if (piece.count == 0) return out;
+  if (piece.axis == -1) return {{piece.first, piece.count, piece.offset}};
+  // The box is `outer` runs of `length * inner` elements, one per index of the axes before.
+  int64_t inner = 1;
+  for (int d = piece.axis + 1; d < int(piece.shape.size()); ++d) inner *= piece.shape[d];
+  const int64_t row = piece.length * inner, stride = piece.shape[piece.axis] * inner;
+  for (int64_t e = piece.first; e < piece.first + piece.count;) {
+    const int64_t outer = e / row, within = e % row;
+    const int64_t take = std::min(row - within, piece.first + piece.count - e);
+    out.push_back(
+        {outer * stride + piece.begin * inner + within, take, piece.offset + e - piece.first});
+    e += take;
+  }
+  return out;
+}
+
+}  // namespace weave::parallel::detail

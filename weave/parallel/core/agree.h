@@ -1,0 +1,76 @@
+#pragma once
+// How the ranks of a group agree (internal to parallel/): every "do all ranks agree?" and every
+// exchange of bytes between ranks in parallel/ goes through these functions, so that a failure
+// on one rank becomes an error on every rank, never a hang.
+//
+//   question                                   function         cost
+//   did this hold on every rank?               all_agree        one all_reduce of one word
+//   run a step; did it succeed everywhere?     run_together     the step, then all_agree
+//   check my arguments, and do the ranks       check_together   the checks, then one all_reduce
+//     agree on these numbers?                                     of 2n + 1 words
+//   the lowest and highest of each number      value_range      one all_reduce of 2n words
+//   every rank's bytes, everywhere             all_gather_bytes an all_gather of the lengths,
+//                                                                 then of the bytes
+//   root's bytes, everywhere                   broadcast_bytes  two broadcasts
+//   every rank's bytes, at root                gather_bytes     an all_gather, then sends
+//   do the ranks hold the same lines?          check_same_lines all_gather_bytes
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+
+namespace weave::nn {
+class Module;
+}
+
+namespace weave::parallel::detail {
+
+/// True on every rank iff `mine` is true on every rank of the group. Collective.
+bool all_agree(bool mine, const dist::Group& group);
+
+/// Runs `step` on this rank, then learns whether it succeeded on every rank: a rank whose step
+/// raised (anything: weave::Error, bad_alloc, a filesystem error) re-raises its own error, and
+/// every other rank raises "[op] another rank of group G failed to <what>; see its error".
+/// Collective: one all_reduce after the step.
+void run_together(const char* op, const dist::Group& group, const std::string& what,
+                  const std::function<void()>& step);
+
+/// The lowest and the highest of each value over the group's ranks: all ranks passed the same
+/// values iff lowest == highest.
+struct ValueRange {
+  std::vector<int64_t> lowest, highest;
+  bool same(size_t i) const { return lowest[i] == highest[i]; }
+};
+/// Collective: one all_reduce (the maxima of the values and of their negations).
+ValueRange value_range(const std::vector<int64_t>& values, const dist::Group& group);
+
+/// Runs this rank's argument `checks`, then agrees on the outcome over the group before anything
+/// else is communicated: a rank whose checks raised re-raises its error, and every other rank
+/// raises too ("a rank of group ... rejected its arguments"), so none waits for a peer that
+/// gave up. `values` travel in the same all_reduce; their range over the group is returned.
+/// Values must be greater than INT64_MIN. Collective: one all_reduce.
+ValueRange check_together(const std::function<void()>& checks, const dist::Group& group,
+                          const char* op, const std::vector<int64_t>& values = {});
+
+/// Every rank's `mine`, in group-rank order, on every rank. Collective.
+std::vector<std::string> all_gather_bytes(const std::string& mine, const dist::Group& group);
+/// Group rank `root`'s `bytes` (ignored elsewhere), on every rank. Collective.
+std::string broadcast_bytes(const std::string& bytes, int root, const dist::Group& group);
+/// Every rank's `mine`, in group-rank order, at group rank `root`; nothing elsewhere. Every
+/// rank's bytes are received before the function returns, so the root may fail afterwards
+/// without leaving a sender waiting. Collective.
+std::vector<std::string> gather_bytes(const std::string& mine, int root, const dist::Group& group);
+
+/// Raises weave::Error on every rank of the group unless every rank holds the same `lines`:
+/// "[op] ranks disagree on <what>: entry 3 is '...' on rank 0 but '...' on rank 2; hint: <hint>".
+/// Collective.
+void check_same_lines(const std::vector<std::string>& lines, const dist::Group& group,
+                      const char* op, const std::string& what, const std::string& hint);
+
+/// "parameter 3 float32 [4, 5]" for each tensor.
+std::vector<std::string> describe_tensors(const std::vector<Tensor>& tensors);
+/// "parameter 3 crc32 1a2b3c4d": each tensor's values, as a checksum of its bytes.
+std::vector<std::string> describe_values(const std::vector<Tensor>& tensors);
+
+}  // namespace weave::parallel::detail

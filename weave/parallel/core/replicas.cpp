@@ -1,0 +1,133 @@
+// Replicas: model agreement, and the bucketed broadcast and averaging both strategies and users
+// call.
+#include "weave/parallel/core/replicas.h"
+
+#include "weave/autograd/grad_mode.h"
+#include "weave/ops/ops.h"
+#include "weave/parallel/core/agree.h"
+#include "weave/parallel/core/mesh.h"
+
+namespace weave::parallel {
+
+namespace {
+
+constexpr double kBroadcastBucketMb = 25.0;
+
+// One flat bucket: consecutive tensors of one dtype and device, packed.
+struct Packed {
+  std::vector<Tensor> members;
+  Tensor flat, wire;  // wire: what travels (flat, or flat narrowed to a compressed dtype)
+  dist::Work work;
+};
+
+std::vector<Packed> pack(const std::vector<Tensor>& tensors, double bucket_mb) {
+  std::vector<Packed> buckets;
+  const double cap = bucket_mb * 1024 * 1024;
+  double bytes = 0;
+  for (const Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    const double size = double(t.numel()) * double(t.itemsize());
+    if (buckets.empty() || buckets.back().members.front().dtype() != t.dtype() ||
+        buckets.back().members.front().device() != t.device() || bytes + size > cap) {
+      buckets.emplace_back();
+      bytes = 0;
+    }
+    buckets.back().members.push_back(t);
+    bytes += size;
+  }
+  for (Packed& b : buckets) {
+    std::vector<Tensor> pieces;
+    for (const Tensor& t : b.members) pieces.push_back(t.reshape({-1}));
+    b.flat = cat(pieces);
+  }
+  return buckets;
+}
+
+// Launches `collective` on every bucket before waiting for any, then writes the results back.
+void run_packed(const std::vector<Tensor>& tensors, double bucket_mb,
+                const std::function<void(Packed&)>& collective) {
+  NoGradGuard no_grad;
+  std::vector<Packed> buckets = pack(tensors, bucket_mb);
+  for (Packed& b : buckets) collective(b);
+  for (Packed& b : buckets) {
+    b.work.wait();
+    if (!b.wire.is_same(b.flat)) b.flat.copy_(b.wire);
+    int64_t offset = 0;
+    for (Tensor& t : b.members) {
+      t.copy_(b.flat.narrow(0, offset, t.numel()).reshape(t.shape()));
+      offset += t.numel();
+    }
+  }
+}
+
+}  // namespace
+
+void broadcast_parameters(nn::Module& module, int root,
+                          const std::optional<dist::Group>& group_option) {
+  const dist::Group group = detail::data_parallel_group(group_option, "broadcast_parameters");
+  std::vector<Tensor> tensors = module.parameters();
+  for (const Tensor& b : module.buffers()) tensors.push_back(b);
+  run_packed(tensors, kBroadcastBucketMb, [&](Packed& b) {
+    b.wire = b.flat;
+    b.work = dist::broadcast(b.wire, root, group, /*async_op=*/true);
+  });
+}
+
+void check_same_model(const nn::Module& module, const std::optional<dist::Group>& group_option) {
+  detail::check_same_model(module, detail::data_parallel_group(group_option, "check_same_model"),
+                           "check_same_model");
+}
+
+void broadcast_optimizer_state(optim::Optimizer& optimizer, int root,
+                               const std::optional<dist::Group>& group_option) {
+  const dist::Group group = detail::data_parallel_group(group_option, "broadcast_optimizer_state");
+  NoGradGuard no_grad;
+  std::vector<Tensor> state = optimizer.state();
+  // Same number of state tensors everywhere, or the broadcasts below would not pair up.
+  const detail::ValueRange counts = detail::value_range({int64_t(state.size())}, group);
+  WEAVE_CHECK(counts.same(0), "broadcast_optimizer_state",
+              "ranks hold different optimizer states ({} to {} state tensors); hint: broadcast "
+              "before the first step, or after the same number of steps everywhere",
+              counts.lowest[0], counts.highest[0]);
+  for (const Tensor& t : state) dist::broadcast(t, root, group);
+  Tensor lr = full({1}, optimizer.lr(), {.dtype = kFloat64});
+  dist::broadcast(lr, root, group);
+  optimizer.set_lr(lr.item<double>());
+}
+
+void average_gradients(const std::vector<Tensor>& params, const dist::Group& group,
+                       double bucket_mb, std::optional<DType> compress) {
+  NoGradGuard no_grad;
+  std::vector<Tensor> grads;
+  for (const Tensor& p : params) {
+    if (!p.defined() || !p.requires_grad()) continue;
+    if (!p.grad().defined()) p.set_grad(zeros_like(p));
+    grads.push_back(p.grad());
+  }
+  average_tensors(grads, group, bucket_mb, compress);
+}
+
+void average_tensors(const std::vector<Tensor>& tensors, const dist::Group& group, double bucket_mb,
+                     std::optional<DType> compress) {
+  WEAVE_CHECK(bucket_mb > 0, "average_tensors", "bucket_mb must be positive, found {}", bucket_mb);
+  run_packed(tensors, bucket_mb, [&](Packed& b) {
+    b.wire = compress && *compress != b.flat.dtype() ? b.flat.to(*compress) : b.flat;
+    b.work = dist::all_reduce(b.wire, dist::ReduceOp::Avg, group, /*async_op=*/true);
+  });
+}
+
+namespace detail {
+
+void check_same_model(const nn::Module& module, const dist::Group& group, const char* op) {
+  std::vector<std::string> lines;
+  for (const auto& [name, t] : module.named_parameters())
+    lines.push_back(fmt::format("parameter {} {} {}", name, t.dtype(), t.shape()));
+  for (const auto& [name, t] : module.named_buffers())
+    lines.push_back(fmt::format("buffer {} {} {}", name, t.dtype(), t.shape()));
+  check_same_lines(lines, group, op, "the model",
+                   "build the same model (same layers, shapes and dtypes) on every rank");
+}
+
+}  // namespace detail
+
+}  // namespace weave::parallel

@@ -1,0 +1,51 @@
+#pragma once
+// Keeping replicas equal: what every data-parallel strategy does to the copies of a model (or of
+// an optimizer's state) that the ranks of a group hold.
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+#include "weave/nn/module.h"
+#include "weave/optim/optimizer.h"
+
+namespace weave::parallel {
+
+/// Builds the optimizer of a strategy's own tensors (a rank's flat slice, a replica's
+/// parameters), e.g.
+/// `[](std::vector<Tensor> shard) { return std::make_unique<optim::Adam>(shard, {...}); }`.
+using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::vector<Tensor>)>;
+
+/// Broadcasts a module's parameters and buffers from group rank `root` (Horovod's
+/// broadcast_parameters), so every replica starts equal. Collective over the group: the tensors
+/// travel packed in flat buckets of at most 25 MB (per dtype and device), all in flight at once.
+void broadcast_parameters(nn::Module& module, int root = 0,
+                          const std::optional<dist::Group>& group = std::nullopt);
+
+/// Raises weave::Error on every rank of the group, naming the first difference, unless every
+/// rank's module has the same parameter and buffer names, shapes and dtypes. Collective.
+void check_same_model(const nn::Module& module,
+                      const std::optional<dist::Group>& group = std::nullopt);
+
+/// Broadcasts an optimizer's state tensors and learning rate from group rank `root`, so a
+/// restarted or late replica continues exactly like the others. Every rank's optimizer must
+/// have created the same state so far (raises on every rank otherwise). Collective.
+void broadcast_optimizer_state(optim::Optimizer& optimizer, int root = 0,
+                               const std::optional<dist::Group>& group = std::nullopt);
+
+/// Averages the gradients of `params` over the group in buckets of at most bucket_mb, as
+/// DistributedOptimizer::average_gradients does. Collective.
+void average_gradients(const std::vector<Tensor>& params, const dist::Group& group,
+                       double bucket_mb = 25.0, std::optional<DType> compress = std::nullopt);
+/// Replaces each tensor by its average over the group, in place, packed into flat buckets of
+/// at most bucket_mb whose all_reduces are all in flight at once. Collective.
+void average_tensors(const std::vector<Tensor>& tensors, const dist::Group& group,
+                     double bucket_mb = 25.0, std::optional<DType> compress = std::nullopt);
+
+namespace detail {
+/// check_same_model over `group`, with errors tagged `op`.
+void check_same_model(const nn::Module& module, const dist::Group& group, const char* op);
+}  // namespace detail
+
+}  // namespace weave::parallel

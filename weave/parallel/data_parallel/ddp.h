@@ -1,0 +1,138 @@
+#pragma once
+// Data parallelism: every rank holds the whole model, trains on its own share of each batch,
+// and averages gradients during backward.
+//
+//   nn::Sequential model{...};
+//   parallel::DistributedDataParallel ddp(model);         // broadcasts rank 0's parameters
+//   optim::AdamW opt(model.parameters());
+//   for (auto& batch : loader) {
+//     Tensor loss = cross_entropy(ddp(batch.input), batch.target);
+//     opt.zero_grad(/*set_to_none=*/false);                 // keeps gradients in the buckets
+//     loss.backward();                                      // returns with averaged gradients
+//     opt.step();
+//   }
+//
+// Gradients are gathered into buckets (the first about 1 MB, later ones about 25 MB) in the
+// order backward produces them, traced in the first backward and checked to be identical on
+// every rank. As soon as a bucket's last gradient is accumulated, its averaging all_reduce is
+// launched asynchronously while backward goes on; the end of backward waits for the rest.
+// Gradients live as views of the bucket buffers, so nothing is copied in or out (with
+// zero_grad(set_to_none = true) a gradient arrives in a fresh buffer and is copied in once).
+//
+// Every synchronizing step ends the same way on every rank of the group. The last bucket carries
+// two status words (this rank's backward failed; this rank has parameters without gradient), so
+// what one rank knows every rank learns in the same all_reduce:
+//  - an exception that unwinds one rank's backward (a hook, a custom Function, an allocation)
+//    still completes that rank's share of the all_reduces; every rank discards the step's
+//    gradients (zeroes them), the failing rank's error propagates, and every other rank raises
+//    "... failed or skipped backward in step N". A loop that catches the error and goes on to
+//    the next batch (after zero_grad) trains as if every rank had skipped that batch.
+//  - a rank whose synchronizing forward is followed by another forward instead of a backward
+//    (it skipped the backward) settles the step at that next forward, as failed, the same way.
+//  - a parameter without gradient on any rank (without find_unused_parameters) raises on every
+//    rank, each naming its own.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+#include "weave/nn/module.h"
+#include "weave/parallel/core/joinable.h"
+#include "weave/parallel/core/no_sync.h"
+#include "weave/parallel/core/replicas.h"
+
+namespace weave::parallel {
+
+struct DDPOptions {
+  /// Size cap of the first bucket (launched earliest, so communication starts soon).
+  double first_bucket_mb = 1.0;
+  /// Size cap of the later buckets.
+  double bucket_mb = 25.0;
+  /// Allow parameters that get no gradient in a step (their share of the bucket reduces
+  /// zeros). Without it, such a parameter is an error naming it, raised at the end of
+  /// backward after the communication completed (so no peer is left waiting).
+  bool find_unused_parameters = false;
+  /// Communicate gradients in kBFloat16 or kFloat16 (averaged, then widened back into the
+  /// parameters' dtype), or in kFloat32 (bfloat16/float16 parameters averaged in float32,
+  /// then rounded once). Unset: the parameters' own dtype.
+  std::optional<DType> compress = std::nullopt;
+  /// The ranks that share the model (default: the world).
+  std::optional<dist::Group> group = std::nullopt;
+  /// Broadcast the parameters and buffers from this group rank at construction.
+  int broadcast_from = 0;
+  /// Broadcast the module's buffers (running statistics and the like, which forward may update
+  /// differently on each rank) from broadcast_from before every synchronizing forward, as
+  /// PyTorch does. Costs nothing for a module without buffers.
+  bool broadcast_buffers = true;
+  /// After averaging, check the gradients for NaN and infinity. The averaged gradients are the
+  /// same on every rank, so every rank reaches the same verdict without communicating: each
+  /// raises weave::Error from backward (gradients left as averaged), and
+  /// gradients_finite() says false until the next synchronizing backward.
+  bool check_finite = false;
+};
+
+/// What the last synchronizing backward did (for tests and benchmarks).
+struct DDPStats {
+  int buckets = 0;
+  /// Gradients accumulated in that backward before the first bucket was launched, out of
+  /// `parameters`: below `parameters` means communication overlapped the rest of backward.
+  int64_t ready_before_first_launch = 0;
+  int64_t parameters = 0;
+  /// Parameters that got no gradient.
+  std::vector<std::string> unused;
+  /// Synchronizing backward passes settled so far (finished, failed or skipped).
+  int64_t steps = 0;
+  /// Of those, steps whose gradients were discarded because some rank's backward failed or
+  /// was skipped.
+  int64_t failed_steps = 0;
+};
+
+class DistributedDataParallel : public Joinable {
+ public:
+  /// Checks that every rank of the group has the same parameter names, shapes and dtypes
+  /// (raising weave::Error on every rank, naming the first difference), then broadcasts the
+  /// parameters and buffers from options.broadcast_from. Every rank of the group must
+  /// construct it, with the module it will train (which must outlive this object).
+  explicit DistributedDataParallel(nn::Module& module, DDPOptions options = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  /// The module's forward.
+  Tensor forward(const Tensor& input);
+  Tensor operator()(const Tensor& input) { return forward(input); }
+  nn::Module& module() { return module_; }
+
+  /// While the guard lives, backward accumulates gradients locally without communicating
+  /// (gradient accumulation); the first backward after it averages everything accumulated.
+  NoSyncGuard no_sync();
+
+  const DDPStats& stats() const;
+  /// With check_finite: false when the last synchronizing backward averaged a NaN or infinite
+  /// gradient (the same answer on every rank). A mixed-precision loss scaler reads this.
+  bool gradients_finite() const;
+  /// Parameter names of each bucket, in launch order (empty before the first backward).
+  std::vector<std::vector<std::string>> bucket_names() const;
+  /// The ranks that share the model.
+  const dist::Group& group() const;
+
+  struct State;
+
+ private:
+  // join(): this rank can take part in a step with zero gradients once the buckets are traced;
+  // that step is the forward's buffer broadcast, then every bucket with zeros. At the end the
+  // replicas' values are compared (an optimizer left out of join() leaves the idle rank's
+  // behind). A step whose forward ran here but whose backward will not is settled as failed.
+  const dist::Group& join_group() const override { return group(); }
+  bool can_shadow_join_step() const override;
+  void shadow_join_step() override;
+  void check_join_ended() override;
+  void abandon_join_step() override;
+
+  nn::Module& module_;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace weave::parallel

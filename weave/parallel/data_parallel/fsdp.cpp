@@ -1,0 +1,342 @@
+// FullyShardedDataParallel: units of flat, padded, sharded parameters; gathers around each
+// unit's forward and backward (prefetched), reduce-scatters launched as a unit's gradients are
+// accumulated, and the step settled with the group at the end of backward.
+#include "weave/parallel/data_parallel/fsdp.h"
+#include "weave/parallel/data_parallel/fsdp_state.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+
+#include "weave/autograd/engine.h"
+#include "weave/autograd/grad_mode.h"
+#include "weave/distributed/clip_grad.h"
+#include "weave/parallel/core/agree.h"
+#include "weave/parallel/core/flat_buffer.h"
+#include "weave/parallel/core/layout.h"
+#include "weave/parallel/core/mesh.h"
+#include "weave/parallel/core/readiness.h"
+#include "weave/parallel/core/replicas.h"
+#include "weave/tensor/tensor_impl.h"
+#include "weave/tensor/trace.h"
+
+namespace weave::parallel {
+
+namespace {
+constexpr const char* kOp = kFSDPOp;
+
+// Module `name` ("blocks.0") under `root`, or null.
+nn::Module* find_module(nn::Module& root, const std::string& name, const std::string& prefix = "") {
+  for (const auto& [child_name, child] : root.named_children()) {
+    const std::string full = nn::member_prefix(prefix, child_name);
+    const std::string bare = full.empty() ? full : full.substr(0, full.size() - 1);
+    if (bare == name) return child.get();
+    if (name.rfind(full, 0) == 0 && !full.empty())
+      if (nn::Module* found = find_module(*child, name, full)) return found;
+  }
+  return nullptr;
+}
+
+// Parameters that require grad (named_parameters lists a tied one once).
+nn::NamedTensors trainable(const nn::Module& module) {
+  nn::NamedTensors out;
+  for (const auto& [name, p] : module.named_parameters())
+    if (p.requires_grad()) out.emplace_back(name, p);
+  return out;
+}
+
+}  // namespace
+
+namespace {
+
+using UnitSpecs = std::vector<std::pair<std::string, std::vector<nn::Module*>>>;
+using State = FullyShardedDataParallel::State;
+
+// Each unit: a name and its modules.
+UnitSpecs resolve_units(nn::Module& module, const FSDPOptions& options) {
+  std::vector<std::pair<std::string, std::vector<nn::Module*>>> out;
+  if (!options.units.empty()) {
+    for (const std::string& name : options.units) {
+      nn::Module* found = find_module(module, name);
+      WEAVE_CHECK(found != nullptr, kOp,
+                  "unit '{}' names no submodule; expected one of the module's children by "
+                  "their parameter prefix (for example '{}'); hint: list the names with "
+                  "named_children()",
+                  name, module.named_children().empty() ? "" : module.named_children()[0].first);
+      out.push_back({name, {found}});
+    }
+    for (size_t a = 0; a < out.size(); ++a)
+      for (size_t b = 0; b < out.size(); ++b)
+        WEAVE_CHECK(a == b || out[b].first.rfind(out[a].first + ".", 0) != 0, kOp,
+                    "unit '{}' lies inside unit '{}'; units must not nest", out[b].first,
+                    out[a].first);
+    return out;
+  }
+  double bytes = 0;
+  for (const auto& [name, child] : module.named_children()) {
+    double child_bytes = 0;
+    for (const auto& [n, p] : trainable(*child)) child_bytes += double(p.numel() * p.itemsize());
+    if (child_bytes == 0 && (out.empty() || options.unit_mb == 0)) continue;
+    if (out.empty() || options.unit_mb == 0 || bytes >= options.unit_mb * 1024 * 1024) {
+      out.push_back({name, {}});
+      bytes = 0;
+    }
+    out.back().second.push_back(child.get());
+    bytes += child_bytes;
+  }
+  return out;
+}
+
+// The options that shape the collectives, then each unit and its parameters: what every rank
+// must hold alike (units of equal sizes in another order would pair the wrong shards).
+std::vector<std::string> describe_units(
+    const FSDPOptions& options,
+    const std::vector<std::pair<std::string, std::vector<nn::Module*>>>& unit_specs) {
+  std::vector<std::string> lines = {
+      fmt::format("sharding {}",
+                  options.sharding == ShardingStrategy::FullShard ? "FullShard" : "ShardGradOp"),
+      fmt::format("unit_mb {}", options.unit_mb),
+      fmt::format("reshard_after_forward {}", options.reshard_after_forward),
+      fmt::format("prefetch {}", options.prefetch),
+      fmt::format("broadcast_from {}", options.broadcast_from),
+      fmt::format("check_finite {}", options.check_finite)};
+  for (const auto& [name, modules] : unit_specs) {
+    std::string line = fmt::format("unit '{}':", name);
+    for (const nn::Module* m : modules)
+      for (const auto& [n, p] : trainable(*m)) line += fmt::format(" {} {}", n, p.shape());
+    lines.push_back(std::move(line));
+  }
+  return lines;
+}
+
+// Every rank agrees on the model, the options and the units before anything is sharded; then
+// the replicas start equal.
+UnitSpecs agree_on_units(nn::Module& module, State& s) {
+  WEAVE_CHECK(s.group.rank() >= 0, kOp,
+              "rank {} is not in group {}; hint: only its members construct the wrapper",
+              dist::rank(), s.group.str());
+  detail::check_same_model(module, s.group, kOp);
+  UnitSpecs unit_specs;
+  detail::check_together(
+      [&] {
+        WEAVE_CHECK(std::isfinite(s.options.unit_mb) && s.options.unit_mb >= 0, kOp,
+                    "unit_mb must be a finite size in MB, 0 or more, found {}", s.options.unit_mb);
+        WEAVE_CHECK(s.options.broadcast_from >= 0 && s.options.broadcast_from < s.group.size(), kOp,
+                    "broadcast_from must be a rank of group {} (0 to {}), found {}", s.group.str(),
+                    s.group.size() - 1, s.options.broadcast_from);
+        unit_specs = resolve_units(module, s.options);
+      },
+      s.group, kOp);
+  detail::check_same_lines(describe_units(s.options, unit_specs), s.group, kOp,
+                           "the options and units",
+                           "construct FullyShardedDataParallel with the same FSDPOptions (units "
+                           "in the same order) on every rank");
+  broadcast_parameters(module, s.options.broadcast_from, s.group);
+  return unit_specs;
+}
+
+// The units, each over the parameters it owns: a parameter belongs to the one unit that uses
+// it; one in several units, or in none, to the root unit (last, possibly empty).
+void build_units(nn::Module& module, State& s, const UnitSpecs& unit_specs) {
+  for (const auto& [name, p] : trainable(module)) {
+    WEAVE_CHECK(is_floating(p.dtype()), kOp,
+                "parameter {} has dtype {}; gradients need a floating dtype", name, p.dtype());
+    s.names.push_back(name);
+    s.params.push_back(p);
+  }
+  std::map<const void*, int> index;
+  for (size_t i = 0; i < s.params.size(); ++i) index[s.params[i].impl()] = int(i);
+  std::vector<int> owners(s.params.size(), -1);
+  for (size_t u = 0; u < unit_specs.size(); ++u)
+    for (nn::Module* m : unit_specs[u].second)
+      for (const auto& [n, p] : trainable(*m)) {
+        int& owner = owners[size_t(index.at(p.impl()))];
+        owner = owner == -1 || owner == int(u) ? int(u) : -2;
+      }
+  const std::map<std::string, TensorSplit> splits = tensor_splits(module);
+  auto owned_by = [&](auto&& owns) {
+    std::vector<int> members;
+    for (size_t i = 0; i < s.params.size(); ++i)
+      if (owns(owners[i])) members.push_back(int(i));
+    return members;
+  };
+  for (size_t u = 0; u < unit_specs.size(); ++u) {
+    const std::vector<int> members = owned_by([u](int owner) { return owner == int(u); });
+    if (!members.empty())
+      s.units.emplace_back(unit_specs[u].first, unit_specs[u].second, /*root=*/false, members,
+                           s.params, s.names, splits, s.group);
+  }
+  s.units.emplace_back("", std::vector<nn::Module*>{}, /*root=*/true,
+                       owned_by([](int owner) { return owner < 0; }), s.params, s.names, splits,
+                       s.group);
+  s.unit_of.assign(s.params.size(), -1);
+  for (size_t u = 0; u < s.units.size(); ++u)
+    for (const State::Flat& f : s.units[u].flats())
+      for (int i : f.params) s.unit_of[size_t(i)] = int(u);
+}
+
+// A unit gathers before its first module's forward and reshards after its last's.
+void install_module_hooks(const std::shared_ptr<State>& state) {
+  State& s = *state;
+  for (size_t u = 0; u + 1 < s.units.size(); ++u) {
+    std::weak_ptr<State> weak = state;
+    const int unit = int(u);
+    nn::Module* last = s.units[u].modules().back();
+    for (nn::Module* m : s.units[u].modules())
+      s.module_hooks.push_back(
+          m->register_forward_pre_hook([weak, unit](nn::Module&, const Tensor&) {
+            if (auto alive = weak.lock()) alive->pre_forward(unit);
+            return Tensor();
+          }));
+    s.module_hooks.push_back(
+        last->register_forward_hook([weak, unit](nn::Module&, const Tensor&, const Tensor& out) {
+          if (auto alive = weak.lock()) return alive->post_forward(unit, out);
+          return Tensor();
+        }));
+  }
+}
+
+// Reduce-scatters go out in reverse unit order (backward's usual order), the root last.
+void install_readiness(State& s) {
+  std::vector<std::vector<int>> buckets;
+  auto add_bucket = [&](const State::Unit& unit) {
+    buckets.emplace_back();
+    for (const State::Flat& f : unit.flats())
+      buckets.back().insert(buckets.back().end(), f.params.begin(), f.params.end());
+  };
+  for (int u = int(s.units.size()) - 2; u >= 0; --u) add_bucket(s.units[size_t(u)]);
+  add_bucket(s.root());
+  const int unit_count = int(s.units.size());
+  State* raw = &s;
+  s.readiness = detail::GradReadiness::create(
+      s.params,
+      {.ready = [raw](int i) { raw->bind_grads(raw->units[size_t(raw->unit_of[size_t(i)])]); },
+       .launch = [raw, unit_count](
+                     int b) { raw->launch_reduce(b + 1 == unit_count ? b : unit_count - 2 - b); },
+       .finish = [raw](bool failed) { raw->settle(failed); }});
+  std::erase_if(buckets, [](const std::vector<int>& b) { return b.empty(); });
+  s.readiness->set_buckets(buckets);
+}
+
+}  // namespace
+
+FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptions options)
+    : module_(module), state_(std::make_shared<State>(std::move(options))) {
+  State& s = *state_;
+  s.self = state_;
+  const UnitSpecs unit_specs = agree_on_units(module, s);
+  build_units(module, s, unit_specs);
+  install_module_hooks(state_);
+  install_readiness(s);
+  for (State::Unit& u : s.units) s.release(u);
+  s.backward_began.assign(s.units.size(), 0);
+  s.forward_began.assign(s.units.size(), 0);
+  s.forward_start_ns.assign(s.units.size(), 0);
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() {
+  for (HookHandle& hook : state_->module_hooks) hook.remove();
+  for (const State::Unit& u : state_->units)
+    for (const State::Flat& f : u.flats()) detail::forget_flat_shard(f.shard);
+}
+
+Tensor FullyShardedDataParallel::forward(const Tensor& input) {
+  State& s = *state_;
+  const bool synchronizing = s.readiness->begin_forward(kOp, s.stats.steps);
+  if (synchronizing) {
+    detail::join_step_begins(this);
+    dist::set_step(s.group, s.stats.steps);
+  }
+  s.forward_began.assign(s.units.size(), 0);
+  if (autograd::GradMode::is_enabled()) s.backward_began.assign(s.units.size(), 0);
+  Tensor out;
+  try {
+    s.ensure_gathered(s.root());
+    if (synchronizing) s.bind_grads(s.root());
+    out = module_(input);
+  } catch (...) {
+    // The peers' forward went on: pair their collectives, then let this rank's error out.
+    try {
+      s.abandon_forward(synchronizing);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[weave] rank %d: %s: settling the failed forward raised too: %s\n",
+                   dist::rank(), kOp, e.what());
+    }
+    throw;
+  }
+  if (!s.order_known && !s.forward_order.empty()) s.order_known = true;
+  if (!autograd::GradMode::is_enabled() || !out.requires_grad()) {
+    for (State::Unit& u : s.units) s.release(u);  // no backward follows
+  } else {
+    if (synchronizing) {
+      s.readiness->expect_backward();
+      s.readiness->set_forward_output(out);
+    }
+    std::weak_ptr<State> weak = state_;
+    out.register_hook([weak](const Tensor&) -> Tensor {
+      if (auto alive = weak.lock()) alive->queue_end_of_backward();
+      return {};
+    });
+  }
+  return out;
+}
+
+std::vector<Tensor> FullyShardedDataParallel::parameters() const {
+  std::vector<Tensor> out;
+  for (const State::Unit& u : state_->units)
+    for (const State::Flat& f : u.flats()) out.push_back(f.shard);
+  return out;
+}
+
+std::vector<std::string> FullyShardedDataParallel::shard_names() const {
+  std::vector<std::string> out;
+  for (size_t u = 0; u < state_->units.size(); ++u)
+    for (const State::Flat& f : state_->units[u].flats())
+      out.push_back(fmt::format("unit{}_{}", u, dtype_name(f.shard.dtype())));
+  return out;
+}
+
+std::vector<std::string> FullyShardedDataParallel::unit_names() const {
+  std::vector<std::string> out;
+  for (const State::Unit& u : state_->units)
+    if (!u.flats().empty()) out.push_back(u.name());
+  return out;
+}
+
+NoSyncGuard FullyShardedDataParallel::no_sync() {
+  return NoSyncGuard(state_->readiness);
+}
+
+double FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type,
+                                                 bool error_if_nonfinite) {
+  // The shards are disjoint (padding holds zero gradients): their partial norms add up.
+  return dist::clip_grad_norm_(parameters(), {}, max_norm, state_->group, norm_type,
+                               error_if_nonfinite);
+}
+
+const FSDPStats& FullyShardedDataParallel::stats() const {
+  return state_->stats;
+}
+
+bool FullyShardedDataParallel::can_shadow_join_step() const {
+  return state_->order_known;
+}
+
+void FullyShardedDataParallel::shadow_join_step() {
+  state_->shadow_step();
+}
+
+void FullyShardedDataParallel::abandon_join_step() {
+  state_->readiness->settle_skipped_backward(kOp, state_->stats.steps);
+}
+
+bool FullyShardedDataParallel::gradients_finite() const {
+  return state_->finite;
+}
+
+const dist::Group& FullyShardedDataParallel::group() const {
+  return state_->group;
+}
+
+}  // namespace weave::parallel

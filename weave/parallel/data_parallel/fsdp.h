@@ -1,0 +1,182 @@
+#pragma once
+// Fully sharded data parallelism (PyTorch's FSDP, DeepSpeed's ZeRO-2 and ZeRO-3): each of the N
+// ranks of the group keeps 1/N of the parameters, of their gradients and of the optimizer state,
+// and sees whole parameters only while a unit of the model runs.
+//
+//   parallel::FullyShardedDataParallel fsdp(model);       // units: the model's children
+//   optim::AdamW adamw(fsdp.parameters(), {.lr = 1e-3});  // steps this rank's shards only
+//   for (auto& batch : loader) {
+//     adamw.zero_grad();
+//     cross_entropy(fsdp(batch.input), batch.target).backward();  // averaged, sharded grads
+//     adamw.step();
+//   }
+//
+// Units. The model is cut into units (each direct child with parameters, named submodules, or
+// children grouped up to a size). A unit's parameters, per dtype, are flattened and padded to a
+// multiple of N; rank r keeps slice r, a leaf of its own: parameters() lists these shards, and
+// the optimizer steps them. Parameters of no unit, and parameters shared by several units, form
+// the root unit, gathered for the whole forward and backward.
+//
+// A step, for unit i (ZeRO-3, FullShard):
+//   forward   all_gather unit i (already in flight: it was prefetched while unit i-1 ran), and
+//             start unit i+1's all_gather; run unit i; release unit i's gathered memory
+//             (reshard_after_forward)
+//   backward  at unit i's output: all_gather unit i again (prefetched at unit i+1's), start unit
+//             i-1's; as unit i's last gradient is accumulated, reduce_scatter its gradients
+//             (averaged) into the shards' .grad and release the gathered parameters and the
+//             full gradients
+// With ShardGradOp (ZeRO-2) the gathered parameters stay (they are gathered again only after
+// the optimizer changed the shards); gradients and optimizer state are sharded the same way.
+//
+// Memory per rank (ZeRO-3): (parameters + gradients + optimizer state) / N, plus the gathered
+// parameters and gradients of the units in flight (two with prefetch), plus activations.
+// Activation checkpointing (nn::Checkpoint around the units) composes: the recomputation runs
+// inside the unit's backward, while the unit is gathered.
+//
+// Every rank of the group runs the same model code (the collectives pair up by order), with the
+// same options and units (checked at construction). A rank whose forward raises still issues
+// what its peers' forward and backward issue, before its error leaves forward; a rank whose
+// backward fails part-way still issues what its peers' backward issues, in their order (each
+// remaining unit's gathers, then its reduce_scatter of zeros); a rank that skips backward does
+// so at its next forward, with a warning. One small all_reduce at the end tells every rank,
+// every rank discards the step's gradients, and the ranks that did not fail raise. Each step is
+// numbered on the group (dist::set_step), so ranks in different steps raise instead of pairing.
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+#include "weave/nn/module.h"
+#include "weave/optim/optimizer.h"
+#include "weave/parallel/core/joinable.h"
+#include "weave/parallel/core/no_sync.h"
+
+namespace weave::parallel {
+
+enum class ShardingStrategy {
+  /// ZeRO-3: parameters, gradients and optimizer state sharded.
+  FullShard,
+  /// ZeRO-2: gradients and optimizer state sharded; every rank keeps the whole parameters.
+  ShardGradOp,
+};
+
+struct FSDPOptions {
+  ShardingStrategy sharding = ShardingStrategy::FullShard;
+  /// Submodules to make units, by name ("blocks.0", as parameter names prefix them). Empty:
+  /// every direct child of the module that has parameters (grouped by unit_mb when set).
+  /// Named units must not contain one another.
+  std::vector<std::string> units = {};
+  /// With no units named: consecutive direct children are grouped into one unit until their
+  /// parameters reach this many MB (0: one unit per child).
+  double unit_mb = 0;
+  /// FullShard: release a unit's gathered parameters after its forward (gathered again in
+  /// backward). Off trades memory for one all_gather per unit and step.
+  bool reshard_after_forward = true;
+  /// Start the all_gather of the next unit (forward) or previous unit (backward) while this one
+  /// computes.
+  bool prefetch = true;
+  /// The ranks that shard the model (default: the world; under a ProcessMesh, mesh.data()).
+  std::optional<dist::Group> group = std::nullopt;
+  /// Broadcast the parameters and buffers from this group rank at construction.
+  int broadcast_from = 0;
+  /// After each synchronizing backward, check the averaged shard gradients for NaN and
+  /// infinity. Each rank holds other shards, so the ranks agree on one verdict (one small
+  /// all_reduce): every rank raises weave::Error from backward (gradients left as averaged),
+  /// and gradients_finite() says false until the next synchronizing backward.
+  bool check_finite = false;
+};
+
+/// What the wrapper did (for tests and benchmarks).
+struct FSDPStats {
+  /// all_gathers and reduce_scatters issued so far, over all units.
+  int64_t gathers = 0;
+  int64_t reduce_scatters = 0;
+  /// Of the gathers, those started ahead of need (prefetches).
+  int64_t prefetches = 0;
+  /// Synchronizing backward passes settled so far, and those discarded because a rank failed.
+  int64_t steps = 0;
+  int64_t failed_steps = 0;
+};
+
+class FullyShardedDataParallel : public Joinable {
+ public:
+  /// Checks that every rank of the group has the same model (raising on every rank, naming the
+  /// first difference) and the same units, broadcasts the parameters and buffers from
+  /// options.broadcast_from, then shards them: from here on the module's parameters hold their
+  /// values only while their unit runs (FullShard). Collective over the group. The module must
+  /// outlive this object.
+  explicit FullyShardedDataParallel(nn::Module& module, FSDPOptions options = {});
+  ~FullyShardedDataParallel();
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  Tensor forward(const Tensor& input);
+  Tensor operator()(const Tensor& input) { return forward(input); }
+  nn::Module& module() { return module_; }
+
+  /// This rank's shards (one flat leaf per unit and dtype): what the optimizer steps.
+  std::vector<Tensor> parameters() const;
+  /// "unit0_float32" for each of parameters(): unit index (unit_names() order) and dtype; the
+  /// parameter names of sharded_module().
+  std::vector<std::string> shard_names() const;
+  /// Unit names, in order ("" for the root unit).
+  std::vector<std::string> unit_names() const;
+
+  /// While the guard lives, backward accumulates whole gradients locally (no reduce_scatter);
+  /// the first backward after it reduces everything accumulated.
+  NoSyncGuard no_sync();
+
+  /// The whole model's parameters and buffers, by the module's names, gathered on every rank
+  /// (copies). Collective.
+  nn::NamedTensors full_state_dict();
+  /// Loads whole parameters (each rank keeps its slices) and buffers; strict as
+  /// Module::load_state_dict. Collective (it checks on every rank before changing anything).
+  void load_full_state_dict(const nn::NamedTensors& state);
+  /// The optimizer's parameter groups for the shards. `groups` list the model's own parameters
+  /// (optim::weight_decay_groups(model, wd) makes the usual split); each shard joins the groups
+  /// of the parameters it holds elements of, for those elements. Every parameter of the model
+  /// must be in one group, or this raises naming it.
+  ///
+  ///   optim::AdamW adamw(fsdp.param_groups(optim::weight_decay_groups(model, 0.1)), {...});
+  std::vector<optim::ParamGroup> param_groups(const std::vector<optim::ParamGroup>& groups) const;
+
+  /// A module whose parameters are this rank's shards (and whose buffers are the model's), for
+  /// data::TrainingState: sharded checkpoints save it with what each shard holds, and load it
+  /// (or a checkpoint of any other layout of the same model) at any world size.
+  nn::Module& sharded_module();
+
+  /// Clips the gradients of this rank's shards so that the norm of the whole model's gradients
+  /// (every rank's shard counted, as FSDP1's clip_grad_norm_) is at most max_norm; returns that
+  /// norm before clipping, the same on every rank. norm_type is any p >= 1 or INFINITY.
+  /// Collective over the group (one all_reduce). optim::clip_grad_norm_ on the shards raises:
+  /// each rank's own norm is not the model's.
+  ///
+  ///   cross_entropy(fsdp(x), y).backward();
+  ///   fsdp.clip_grad_norm_(1.0);
+  ///   adamw.step();
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0, bool error_if_nonfinite = false);
+
+  const FSDPStats& stats() const;
+  /// With check_finite: false when the last synchronizing backward averaged a NaN or infinite
+  /// gradient into some rank's shard (the same answer on every rank).
+  bool gradients_finite() const;
+  const dist::Group& group() const;
+
+  struct State;
+
+ private:
+  // join(): this rank can take part in a step with zero gradients once it has run a forward
+  // (it knows the units' order); that step is the forward's gathers, then the backward's
+  // gathers and reduce_scatters of zeros. A step whose forward ran here but whose backward
+  // will not is settled as failed with the group.
+  const dist::Group& join_group() const override { return group(); }
+  bool can_shadow_join_step() const override;
+  void shadow_join_step() override;
+  void abandon_join_step() override;
+
+  nn::Module& module_;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace weave::parallel

@@ -1,0 +1,162 @@
+// An FSDP unit's flat buffers and the collectives of its life cycle.
+#include "weave/parallel/data_parallel/fsdp_unit.h"
+
+#include <algorithm>
+
+#include "weave/autograd/grad_mode.h"
+#include "weave/ops/ops.h"
+#include "weave/tensor/tensor_impl.h"
+
+namespace weave::parallel::detail {
+
+namespace {
+
+FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
+                   const std::vector<std::string>& names,
+                   const std::map<std::string, TensorSplit>& splits, const dist::Group& group) {
+  FSDPFlat f;
+  f.params = std::move(indices);
+  const int64_t n = group.size();
+  f.full = FlatBuffer::adopt(FSDPUnit::members(f, params), n);
+  const int64_t per_rank = f.full.flat.numel() / n;
+  NoGradGuard no_grad;
+  f.shard = f.full.flat.narrow(0, group.rank() * per_rank, per_rank).clone().detach();
+  f.shard.requires_grad_(true);
+  if (n > 1)
+    f.shard.impl()->meta().spread_hint =
+        "it is an FSDP shard: clip with fsdp.clip_grad_norm_(max_norm), which takes the norm "
+        "over every rank's shard";
+  f.gathered_version = f.shard.version();
+  // Sharded checkpoints describe the shard by the parameters it covers.
+  FlatShard layout{.members = {},
+                   .names = {},
+                   .splits = {},
+                   .offsets = f.full.offsets,
+                   .shapes = f.full.shapes,
+                   .begin = group.rank() * per_rank};
+  for (int i : f.params) {
+    layout.members.push_back(params[size_t(i)].impl());
+    layout.names.push_back(names[size_t(i)]);
+    auto split = splits.find(names[size_t(i)]);
+    layout.splits.push_back(split == splits.end() ? TensorSplit{} : split->second);
+  }
+  attach_flat_shard(f.shard, std::move(layout));
+  return f;
+}
+
+bool needs_gather(const FSDPFlat& f) {
+  return f.full.flat.storage()->released() || f.gathered_version != f.shard.version();
+}
+
+}  // namespace
+
+FSDPUnit::FSDPUnit(std::string name, std::vector<nn::Module*> modules, bool root,
+                   const std::vector<int>& members, const std::vector<Tensor>& params,
+                   const std::vector<std::string>& names,
+                   const std::map<std::string, TensorSplit>& splits, const dist::Group& group)
+    : name_(std::move(name)), modules_(std::move(modules)), root_(root) {
+  std::vector<std::pair<DType, Device>> kinds;
+  for (int i : members) {
+    const auto kind = std::make_pair(params[size_t(i)].dtype(), params[size_t(i)].device());
+    if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(kind);
+  }
+  for (const auto& [dtype, device] : kinds) {
+    std::vector<int> of_kind;
+    for (int i : members)
+      if (params[size_t(i)].dtype() == dtype && params[size_t(i)].device() == device)
+        of_kind.push_back(i);
+    flats_.push_back(make_flat(std::move(of_kind), params, names, splits, group));
+  }
+}
+
+std::vector<Tensor> FSDPUnit::members(const FSDPFlat& f, const std::vector<Tensor>& params) {
+  std::vector<Tensor> out;
+  for (int i : f.params) out.push_back(params[size_t(i)]);
+  return out;
+}
+
+void FSDPUnit::launch_gather(const dist::Group& group, FSDPStats& stats, bool prefetch) {
+  if (params_ == Params::Gathering) return;
+  for (FSDPFlat& f : flats_) {
+    if (!needs_gather(f)) continue;
+    if (f.gathered_version == f.shard.version())
+      f.refill_version = f.full.flat.storage()->version();
+    f.full.flat.storage()->allocate_again();
+    f.gathered_version = f.shard.version();
+    NoGradGuard no_grad;
+    f.gather = dist::all_gather(f.full.flat, f.shard.detach(), group, /*async_op=*/true);
+    ++stats.gathers;
+    if (prefetch) ++stats.prefetches;
+  }
+  params_ = Params::Gathering;
+}
+
+void FSDPUnit::wait_gather() {
+  if (params_ != Params::Gathering) return;
+  params_ = Params::Gathered;
+  for (FSDPFlat& f : flats_) {
+    if (!f.gather) continue;
+    const dist::Work work = *std::exchange(f.gather, std::nullopt);
+    work.wait();
+    if (f.refill_version) f.full.flat.storage()->restore_version(*f.refill_version);
+    f.refill_version.reset();
+  }
+}
+
+void FSDPUnit::ensure_gathered(const dist::Group& group, FSDPStats& stats) {
+  launch_gather(group, stats, /*prefetch=*/false);
+  wait_gather();
+}
+
+void FSDPUnit::release(bool full_shard) {
+  if (!full_shard) return;
+  wait_gather();
+  for (FSDPFlat& f : flats_) f.full.flat.storage()->release();
+  params_ = Params::Sharded;
+}
+
+void FSDPUnit::bind_grads(const std::vector<Tensor>& params, const dist::Group& group) {
+  for (FSDPFlat& f : flats_) {
+    if (!f.grads.flat.defined()) f.grads = FlatBuffer::like(members(f, params), group.size());
+    for (size_t k = 0; k < f.params.size(); ++k)
+      bind_grad(params[size_t(f.params[k])], f.grads.view(k));
+  }
+  if (grads_ == Grads::Idle) grads_ = Grads::Accumulating;
+}
+
+void FSDPUnit::launch_reduce(const std::vector<Tensor>& params, const dist::Group& group,
+                             FSDPStats& stats) {
+  bind_grads(params, group);  // parameters without a gradient contribute zeros
+  NoGradGuard no_grad;
+  for (FSDPFlat& f : flats_) {
+    f.reduced = empty(f.shard.shape(), {.dtype = f.shard.dtype(), .device = f.shard.device()});
+    f.reduce = dist::reduce_scatter(f.reduced, f.grads.flat, dist::ReduceOp::Avg, group,
+                                    /*async_op=*/true);
+    ++stats.reduce_scatters;
+  }
+  grads_ = Grads::Reducing;
+}
+
+void FSDPUnit::finish_reduce(const std::vector<Tensor>& params) {
+  if (grads_ != Grads::Reducing) return;
+  for (FSDPFlat& f : flats_) {
+    std::exchange(f.reduce, std::nullopt)->wait();
+    for (int i : f.params) params[size_t(i)].set_grad(Tensor());
+    f.grads = {};
+  }
+  grads_ = Grads::Idle;
+}
+
+void FSDPUnit::settle_reduced(bool keep) {
+  for (FSDPFlat& f : flats_) {
+    if (keep && f.reduced.defined()) {
+      if (f.shard.grad().defined())
+        f.shard.grad().add_(f.reduced);
+      else
+        f.shard.set_grad(f.reduced);
+    }
+    f.reduced = Tensor();
+  }
+}
+
+}  // namespace weave::parallel::detail

@@ -1,0 +1,94 @@
+#pragma once
+// One FSDP unit (internal; PyTorch FSDP2's FSDPParamGroup): the modules whose parameters are
+// gathered together, their parameters in flat buffers (one per dtype and device), and the
+// collectives that move them. The unit's memory life cycle, over one training step:
+//
+//   params   Sharded --launch_gather--> Gathering --wait_gather--> Gathered --release--> Sharded
+//            (only this rank's shard is    (all_gather in flight,    (the whole parameters,
+//             allocated)                    the memory allocated)     what forward/backward read)
+//   grads    Idle --bind_grads--> Accumulating --launch_reduce--> Reducing --finish_reduce--> Idle
+//                  (whole gradient buffers;        (reduce_scatter in      (this rank's averaged
+//                   backward accumulates there)     flight)                 shard in `reduced`)
+//
+// Under ShardGradOp the parameters are never released: they stay Gathered between uses and are
+// gathered again only after the optimizer changed the shard.
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+#include "weave/nn/module.h"
+#include "weave/parallel/core/flat_buffer.h"
+#include "weave/parallel/core/layout.h"
+#include "weave/parallel/data_parallel/fsdp.h"
+
+namespace weave::parallel::detail {
+
+/// One dtype's (and device's) parameters of a unit, flat.
+struct FSDPFlat {
+  std::vector<int> params;  // indices into the wrapper's parameter list
+  FlatBuffer full;          // the gathered parameters (the params' memory); released between uses
+  Tensor shard;             // this rank's slice, a leaf of its own: what the optimizer steps
+  uint64_t gathered_version = ~uint64_t{0};  // shard's version when `full` was last gathered
+  std::optional<dist::Work> gather;          // in flight
+  // Set while a gather refills released memory with unchanged values: it puts the storage's
+  // version back, so the tensors autograd saved from the parameters in forward stay valid.
+  std::optional<uint64_t> refill_version;
+  FlatBuffer grads;  // whole gradients while Accumulating or Reducing
+  Tensor reduced;    // this step's averaged shard gradient, added to shard.grad at the end
+  std::optional<dist::Work> reduce;  // in flight
+};
+
+class FSDPUnit {
+ public:
+  enum class Params { Sharded, Gathering, Gathered };
+  enum class Grads { Idle, Accumulating, Reducing };
+
+  /// A unit of `modules` (none for the root unit, which holds every parameter no other unit
+  /// owns) over `members`, indices into `params` (named `names`, split as `splits` says),
+  /// sharded over `group`: each rank keeps a 1/n slice of every flat buffer.
+  FSDPUnit(std::string name, std::vector<nn::Module*> modules, bool root,
+           const std::vector<int>& members, const std::vector<Tensor>& params,
+           const std::vector<std::string>& names, const std::map<std::string, TensorSplit>& splits,
+           const dist::Group& group);
+
+  const std::string& name() const { return name_; }
+  const std::vector<nn::Module*>& modules() const { return modules_; }
+  bool root() const { return root_; }
+  std::vector<FSDPFlat>& flats() { return flats_; }
+  const std::vector<FSDPFlat>& flats() const { return flats_; }
+  Params params_phase() const { return params_; }
+  Grads grads_phase() const { return grads_; }
+
+  /// Starts the all_gathers of the flats whose gathered parameters are missing or stale.
+  void launch_gather(const dist::Group& group, FSDPStats& stats, bool prefetch);
+  void wait_gather();
+  void ensure_gathered(const dist::Group& group, FSDPStats& stats);
+  /// Frees the gathered parameters (FullShard only; a pending gather completes first).
+  void release(bool full_shard);
+
+  /// Whole-gradient buffers, the parameters' .grad bound into them so backward accumulates in
+  /// place (what no_sync micro-batches accumulated is kept).
+  void bind_grads(const std::vector<Tensor>& params, const dist::Group& group);
+  /// Starts the reduce_scatters (averages) of the whole gradients into `reduced`.
+  void launch_reduce(const std::vector<Tensor>& params, const dist::Group& group, FSDPStats& stats);
+  /// Completes the reduce_scatters and drops the whole gradients.
+  void finish_reduce(const std::vector<Tensor>& params);
+  /// Adds `reduced` to the shards' gradients (when `keep`), then drops it.
+  void settle_reduced(bool keep);
+
+  /// The parameters of one flat, as the model holds them.
+  static std::vector<Tensor> members(const FSDPFlat& f, const std::vector<Tensor>& params);
+
+ private:
+  std::string name_;
+  std::vector<nn::Module*> modules_;
+  bool root_;
+  std::vector<FSDPFlat> flats_;
+  Params params_ = Params::Gathered;  // the parameters are the model's until the first release
+  Grads grads_ = Grads::Idle;
+};
+
+}  // namespace weave::parallel::detail

@@ -1,0 +1,116 @@
+#include "weave/parallel/model_parallel/parallel_transformer.h"
+
+namespace weave::parallel {
+
+ParallelAttention::ParallelAttention(int64_t dim, int64_t heads, dist::Group group,
+                                     ParallelAttentionOptions options)
+    : nn::Module("ParallelAttention"), dim_(dim), options_(options), group_(std::move(group)) {
+  WEAVE_CHECK(heads > 0 && dim > 0 && dim % heads == 0, "ParallelAttention",
+              "dim {} must be a positive multiple of heads {}", dim, heads);
+  WEAVE_CHECK(heads % group_.size() == 0, "ParallelAttention",
+              "{} heads do not divide among the {} ranks of group {}; hint: use a tensor-parallel "
+              "size that divides the number of heads",
+              heads, group_.size(), group_.str());
+  local_heads_ = heads / group_.size();
+  qkv = register_module("qkv",
+                        std::make_shared<ColumnParallelLinear>(
+                            dim, 3 * dim, group_,
+                            ColumnParallelOptions{.bias = options.bias,
+                                                  .sequence_parallel = options.sequence_parallel,
+                                                  .generator = options.generator}));
+  out =
+      register_module("out", std::make_shared<RowParallelLinear>(
+                                 dim, dim, group_,
+                                 RowParallelOptions{.bias = options.bias,
+                                                    .sequence_parallel = options.sequence_parallel,
+                                                    .generator = options.generator}));
+}
+
+Tensor ParallelAttention::forward(const Tensor& x) {
+  return attend(x, nullptr);
+}
+
+Tensor ParallelAttention::forward(const Tensor& x, nn::KVCache& cache) {
+  WEAVE_CHECK(!options_.sequence_parallel, "ParallelAttention",
+              "decoding with a KV cache needs the whole sequence on every rank, found "
+              "sequence_parallel; hint: build the decoding model without sequence parallelism "
+              "(the parameters are the same)");
+  return attend(x, &cache);
+}
+
+Tensor ParallelAttention::attend(const Tensor& x, nn::KVCache* cache) {
+  WEAVE_CHECK(x.dim() == 3 && x.size(2) == dim_, "ParallelAttention",
+              "expected input [T, B, {}] (sequence first), found {}", dim_, x.shape());
+  const double p = is_training() ? options_.dropout : 0.0;
+  // [T, B, 3 dim / n] seen as [B, T, ...] (a view), attention on the local heads.
+  Tensor y = nn::fused_qkv_attention(
+      (*qkv)(x).transpose(0, 1), local_heads_,
+      {.causal = options_.causal, .dropout_p = p, .generator = options_.generator}, cache);
+  return (*out)(y.transpose(0, 1));
+}
+
+ParallelMLP::ParallelMLP(int64_t dim, int64_t hidden, dist::Group group, ParallelMLPOptions options)
+    : nn::Module("ParallelMLP"), tanh_gelu_(options.tanh_gelu) {
+  fc1 = register_module("fc1",
+                        std::make_shared<ColumnParallelLinear>(
+                            dim, hidden, group,
+                            ColumnParallelOptions{.bias = options.bias,
+                                                  .sequence_parallel = options.sequence_parallel,
+                                                  .skip_bias_add = true,
+                                                  .generator = options.generator}));
+  fc2 =
+      register_module("fc2", std::make_shared<RowParallelLinear>(
+                                 hidden, dim, group,
+                                 RowParallelOptions{.bias = options.bias,
+                                                    .sequence_parallel = options.sequence_parallel,
+                                                    .generator = options.generator}));
+}
+
+Tensor ParallelMLP::forward(const Tensor& x) {
+  return (*fc2)(bias_gelu((*fc1)(x), fc1->bias, tanh_gelu_));
+}
+
+ParallelTransformerBlock::ParallelTransformerBlock(int64_t dim, int64_t heads, dist::Group group,
+                                                   ParallelTransformerBlockOptions options)
+    : nn::Module("ParallelTransformerBlock") {
+  auto norm = [&]() -> std::shared_ptr<nn::Module> {
+    if (options.sequence_parallel)
+      return std::make_shared<SequenceParallelLayerNorm>(Shape{dim}, group);
+    return std::make_shared<nn::LayerNorm>(Shape{dim});
+  };
+  norm1 = register_module("norm1", norm());
+  attention = register_module(
+      "attention", std::make_shared<ParallelAttention>(
+                       dim, heads, group,
+                       ParallelAttentionOptions{.bias = options.bias,
+                                                .causal = options.causal,
+                                                .dropout = options.dropout,
+                                                .sequence_parallel = options.sequence_parallel,
+                                                .generator = options.generator}));
+  norm2 = register_module("norm2", norm());
+  mlp =
+      register_module("mlp", std::make_shared<ParallelMLP>(
+                                 dim, options.hidden > 0 ? options.hidden : 4 * dim, group,
+                                 ParallelMLPOptions{.bias = options.bias,
+                                                    .tanh_gelu = options.tanh_gelu,
+                                                    .sequence_parallel = options.sequence_parallel,
+                                                    .generator = options.generator}));
+  dropout_ =
+      register_module("dropout", std::make_shared<nn::Dropout>(options.dropout, options.generator));
+}
+
+Tensor ParallelTransformerBlock::forward(const Tensor& x) {
+  return run(x, nullptr);
+}
+
+Tensor ParallelTransformerBlock::forward(const Tensor& x, nn::KVCache& cache) {
+  return run(x, &cache);
+}
+
+Tensor ParallelTransformerBlock::run(const Tensor& x, nn::KVCache* cache) {
+  Tensor normed = (*norm1)(x);
+  Tensor h = x + (*dropout_)(cache ? attention->forward(normed, *cache) : (*attention)(normed));
+  return h + (*dropout_)((*mlp)((*norm2)(h)));
+}
+
+}  // namespace weave::parallel

@@ -1,0 +1,106 @@
+#pragma once
+// Tensor-parallel transformer layers (Megatron-LM): attention heads and MLP hidden units split
+// over a tensor-parallel group, optionally with sequence parallelism.
+//
+//   dist::Group tp = mesh.tensor();
+//   parallel::ParallelTransformerBlock block(384, 6, tp, {.sequence_parallel = true});
+//   Tensor y = block(x);     // x [T / n, B, 384]: this rank's slice of the sequence
+//
+// Layout: sequence first, [T, B, dim] (Megatron's), so that a rank's slice of the sequence is
+// contiguous and sequence parallelism's gathers and scatters move whole blocks. Without
+// sequence parallelism every rank passes the whole [T, B, dim] and gets the whole output.
+//
+// Each layer is its unsharded counterpart split: built with the same seed on every rank it
+// holds the slices of nn::MultiheadAttention, nn::MLP or nn::TransformerBlock (same parameter
+// names), so shard_state_dict / gather_state_dict convert between them.
+#include "weave/nn/transformer.h"
+#include "weave/parallel/model_parallel/tensor_parallel.h"
+
+namespace weave::parallel {
+
+struct ParallelAttentionOptions {
+  bool bias = true;
+  bool causal = false;
+  /// Dropout on the attention probabilities, in training mode (drawn from `generator` on every
+  /// rank: in lockstep when every rank seeds it alike).
+  double dropout = 0.0;
+  /// Input and output [T / n, B, dim], split along the sequence.
+  bool sequence_parallel = false;
+  Generator* generator = nullptr;
+};
+
+/// Self-attention with heads / n heads per rank: the fused q/k/v projection is one
+/// ColumnParallelLinear [3 dim / n, dim] (rows head-major, so each rank's rows are whole heads),
+/// attention runs on the local heads, and the output projection is a RowParallelLinear that
+/// sums (or, with sequence parallelism, reduce-scatters) the heads' contributions.
+class ParallelAttention : public nn::Module {
+ public:
+  ParallelAttention(int64_t dim, int64_t heads, dist::Group group,
+                    ParallelAttentionOptions options = {});
+  /// x [T, B, dim] ([T / n, B, dim] with sequence parallelism) -> the same shape.
+  Tensor forward(const Tensor& x) override;
+  /// Decoding: attends also to the positions in `cache` (this rank's heads) and appends this
+  /// call's. Not with sequence parallelism (one new position cannot be split).
+  Tensor forward(const Tensor& x, nn::KVCache& cache);
+  int64_t local_heads() const { return local_heads_; }
+  std::shared_ptr<ColumnParallelLinear> qkv;
+  std::shared_ptr<RowParallelLinear> out;
+
+ private:
+  Tensor attend(const Tensor& x, nn::KVCache* cache);
+  int64_t dim_, local_heads_;
+  ParallelAttentionOptions options_;
+  dist::Group group_;
+};
+
+struct ParallelMLPOptions {
+  bool bias = true;
+  bool tanh_gelu = false;
+  bool sequence_parallel = false;
+  Generator* generator = nullptr;
+};
+
+/// nn::MLP with its hidden units split: fc1 column-parallel (its bias fused into the GELU),
+/// fc2 row-parallel.
+class ParallelMLP : public nn::Module {
+ public:
+  ParallelMLP(int64_t dim, int64_t hidden, dist::Group group, ParallelMLPOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  std::shared_ptr<ColumnParallelLinear> fc1;
+  std::shared_ptr<RowParallelLinear> fc2;
+
+ private:
+  bool tanh_gelu_;
+};
+
+struct ParallelTransformerBlockOptions {
+  /// The MLP's hidden width; 4 dim when 0.
+  int64_t hidden = 0;
+  bool causal = true;
+  double dropout = 0.0;
+  bool bias = true;
+  bool tanh_gelu = false;
+  /// LayerNorms, residuals and dropout run on [T / n, B, dim] sequence slices (their
+  /// activations 1/n the size); the norms' gradients are summed over the group.
+  bool sequence_parallel = false;
+  Generator* generator = nullptr;
+};
+
+/// nn::TransformerBlock split over a tensor-parallel group (pre-LayerNorm, attention + MLP).
+class ParallelTransformerBlock : public nn::Module {
+ public:
+  ParallelTransformerBlock(int64_t dim, int64_t heads, dist::Group group,
+                           ParallelTransformerBlockOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  Tensor forward(const Tensor& x, nn::KVCache& cache);
+  /// nn::LayerNorm, or SequenceParallelLayerNorm with sequence parallelism.
+  std::shared_ptr<nn::Module> norm1, norm2;
+  std::shared_ptr<ParallelAttention> attention;
+  std::shared_ptr<ParallelMLP> mlp;
+
+ private:
+  Tensor run(const Tensor& x, nn::KVCache* cache);
+  std::shared_ptr<nn::Dropout> dropout_;
+};
+
+}  // namespace weave::parallel

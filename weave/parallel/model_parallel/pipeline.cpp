@@ -1,0 +1,275 @@
+// Pipeline schedules: the order of micro-batch forwards and backwards on each stage; the
+// point-to-point traffic is dist::functional's remote_send / remote_recv.
+#include "weave/parallel/model_parallel/pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "weave/autograd/engine.h"
+#include "weave/autograd/grad_mode.h"
+#include "weave/distributed/functional.h"
+#include "weave/parallel/core/agree.h"
+
+namespace weave::parallel {
+
+namespace F = dist::functional;
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::vector<Tensor> microbatches_of(const Tensor& batch, int m, const char* what) {
+  WEAVE_CHECK(batch.defined() && batch.dim() >= 1, "Pipeline",
+              "the {} needs a batch dimension, found {}", what,
+              batch.defined() ? fmt::format("shape {}", batch.shape()) : "an undefined tensor");
+  WEAVE_CHECK(batch.size(0) % m == 0, "Pipeline",
+              "the {} has batch size {}, which does not divide into {} micro-batches; hint: "
+              "choose microbatches dividing the batch size",
+              what, batch.size(0), m);
+  return chunk(batch, m, 0);
+}
+
+}  // namespace
+
+Schedule schedule_from_name(const std::string& name) {
+  if (name == "gpipe") return Schedule::GPipe;
+  if (name == "1f1b") return Schedule::OneFOneB;
+  WEAVE_FAIL("Pipeline", "unknown schedule '{}'; expected gpipe or 1f1b", name);
+}
+
+Pipeline::Pipeline(nn::Module& stage, PipelineOptions options)
+    : Pipeline(std::vector<nn::Module*>{&stage}, options) {}
+
+Pipeline::Pipeline(std::vector<nn::Module*> chunks, PipelineOptions options)
+    : chunks_(std::move(chunks)),
+      options_(options),
+      group_(options.group ? *options.group : dist::world()) {
+  WEAVE_CHECK(group_.rank() >= 0, "Pipeline",
+              "rank {} is not in the pipeline group {}; hint: pass the mesh's pipeline group",
+              dist::rank(), group_.str());
+  // Every stage learns of a bad argument on any stage, and the stages must agree on the
+  // schedule: they raise together here rather than wait for each other's messages later.
+  const int64_t m = options.microbatches, v = int64_t(chunks_.size()),
+                schedule = static_cast<int64_t>(options.schedule);
+  const detail::ValueRange agreed = detail::check_together(
+      [&] {
+        WEAVE_CHECK(options.microbatches >= 1, "Pipeline",
+                    "microbatches must be at least 1, found {}", options.microbatches);
+        WEAVE_CHECK(!chunks_.empty(), "Pipeline", "expected at least one chunk, found none");
+        for (nn::Module* chunk : chunks_)
+          WEAVE_CHECK(chunk != nullptr, "Pipeline", "a chunk is a null pointer");
+        if (chunks_.size() > 1) {
+          WEAVE_CHECK(stages() > 1, "Pipeline",
+                      "{} virtual stages on a pipeline of one rank; hint: pass them as one "
+                      "Sequential",
+                      chunks_.size());
+          WEAVE_CHECK(options.microbatches % stages() == 0, "Pipeline",
+                      "interleaving {} virtual stages needs micro-batches in multiples of the {} "
+                      "ranks, found {}",
+                      chunks_.size(), stages(), options.microbatches);
+        }
+      },
+      group_, "Pipeline", {m, v, schedule});
+  const char* hint = "hint: every stage constructs its Pipeline with the same options";
+  WEAVE_CHECK(agreed.same(0), "Pipeline",
+              "the stages of group {} disagree on microbatches (from {} to {}; this stage: {}); {}",
+              group_.str(), agreed.lowest[0], agreed.highest[0], m, hint);
+  WEAVE_CHECK(agreed.same(1), "Pipeline",
+              "the stages of group {} hold different numbers of chunks (from {} to {}; this "
+              "stage: {}); {}",
+              group_.str(), agreed.lowest[1], agreed.highest[1], v, hint);
+  WEAVE_CHECK(agreed.same(2), "Pipeline", "the stages of group {} use different schedules; {}",
+              group_.str(), hint);
+}
+
+Tensor Pipeline::run_chunk(int chunk, const Tensor& input) {
+  const int p = stages();
+  Tensor x = is_first() && chunk == 0 ? input : F::remote_recv((stage() + p - 1) % p, group_);
+  return (*chunks_[chunk])(x);
+}
+
+Tensor Pipeline::send_on(const Tensor& y) {
+  return F::remote_send(y, (stage() + 1) % stages(), group_);
+}
+
+Tensor Pipeline::forward_microbatch(int chunk, const Tensor& input, const Tensor& target,
+                                    const PipelineLoss& loss) {
+  Tensor y = run_chunk(chunk, input);
+  if (holds_last_stage(chunk)) return loss(y, target) / double(options_.microbatches);
+  return send_on(y);
+}
+
+namespace {
+
+// The k-th forward of a rank: (micro-batch, chunk). Interleaved, micro-batches go in groups of
+// p, each group through chunk 0, then chunk 1, ... (Megatron-LM's order); backwards visit the
+// chunks in reverse.
+std::pair<int, int> forward_unit(int k, int p, int v) {
+  if (v == 1) return {k, 0};
+  const int group = k / (p * v), within = k % (p * v);
+  return {group * p + within % p, within / p};
+}
+std::pair<int, int> backward_unit(int k, int p, int v) {
+  auto [micro, chunk] = forward_unit(k, p, v);
+  return {micro, v - 1 - chunk};
+}
+
+}  // namespace
+
+Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const PipelineLoss& loss) {
+  const int m = options_.microbatches, p = stages(), s = stage(), v = int(chunks_.size());
+  const int units = m * v;
+  std::vector<Tensor> in, target;
+  // Every stage checks its own arguments and learns the others' verdict (and the batch sizes of
+  // the first stage's inputs and the last stage's targets) before the first send.
+  constexpr int64_t kNone = -1;  // below every batch size: the maxima are the stages' sizes
+  auto batch_of = [&](const Tensor& t, bool mine) {
+    return mine && t.defined() && t.dim() >= 1 ? t.size(0) : kNone;
+  };
+  const std::vector<int64_t> batch =
+      detail::check_together(
+          [&] {
+            WEAVE_CHECK(
+                autograd::must_run_pending() == 0, "Pipeline",
+                "{} communicating autograd nodes from an earlier forward never ran backward, "
+                "so peers may still wait for them; hint: finish that step's backward on "
+                "every rank, or wrap forward-only passes in autograd::ForwardOnlyGuard",
+                autograd::must_run_pending());
+            if (is_first()) in = microbatches_of(inputs, m, "input");
+            if (is_last()) {
+              WEAVE_CHECK(static_cast<bool>(loss), "Pipeline",
+                          "the last stage needs a loss function, found none");
+              target = microbatches_of(targets, m, "target");
+            }
+          },
+          group_, "Pipeline", {batch_of(inputs, is_first()), batch_of(targets, is_last())})
+          .highest;
+  WEAVE_CHECK(batch[0] == batch[1], "Pipeline",
+              "the first stage's inputs have batch size {} but the last stage's targets {}; hint: "
+              "pass the same batch's inputs and targets",
+              batch[0], batch[1]);
+  stats_ = {};
+  const double start = now_s(), received_before = F::receive_wait_seconds();
+  Tensor total;
+  std::map<std::pair<int, int>, Tensor> live;  // roots whose backward is still to run
+  int forwards = 0, backwards = 0;
+  auto forward = [&] {
+    const auto [micro, chunk] = forward_unit(forwards++, p, v);
+    const bool last = holds_last_stage(chunk);
+    Tensor root = forward_microbatch(chunk, is_first() && chunk == 0 ? in[micro] : Tensor(),
+                                     last ? target[micro] : Tensor(), loss);
+    if (last) total = total.defined() ? total + root.detach() : root.detach();
+    live[{micro, chunk}] = root;
+    stats_.peak_live_microbatches =
+        std::max(stats_.peak_live_microbatches, static_cast<int>(live.size()));
+  };
+  auto backward = [&] {
+    auto node = live.extract(backward_unit(backwards++, p, v));
+    WEAVE_CHECK(!node.empty(), "Pipeline", "internal: backward before its forward");
+    autograd::backward({node.mapped()}, {}, /*retain_graph=*/false,
+                       /*run_must_run_nodes=*/false);
+  };
+  if (options_.schedule == Schedule::GPipe) {
+    for (int k = 0; k < units; ++k) forward();
+    for (int k = 0; k < units; ++k) backward();
+  } else {
+    const int warmup =
+        v == 1 ? std::min(p - s - 1, m) : std::min((p - s - 1) * 2 + (v - 1) * p, units);
+    for (int k = 0; k < warmup; ++k) forward();
+    for (int k = warmup; k < units; ++k) {
+      forward();
+      backward();
+    }
+    while (backwards < units) backward();
+  }
+  const double sends_start = now_s();
+  dist::wait_sends(group_);
+  // idle: receiving activations and gradients, and the last sends' completion
+  stats_.waiting_s = F::receive_wait_seconds() - received_before + (now_s() - sends_start);
+  stats_.step_s = now_s() - start;
+  return total;
+}
+
+Tensor Pipeline::predict(const Tensor& inputs) {
+  NoGradGuard no_grad;
+  const int m = options_.microbatches, p = stages(), v = int(chunks_.size());
+  std::vector<Tensor> in;
+  if (is_first()) in = microbatches_of(inputs, m, "input");
+  std::vector<Tensor> outputs;
+  for (int k = 0; k < m * v; ++k) {
+    const auto [micro, chunk] = forward_unit(k, p, v);
+    Tensor y = run_chunk(chunk, is_first() && chunk == 0 ? in[micro] : Tensor());
+    if (holds_last_stage(chunk))
+      outputs.push_back(y);
+    else
+      send_on(y);
+  }
+  dist::wait_sends(group_);
+  return is_last() ? cat(outputs, 0) : Tensor();
+}
+
+std::shared_ptr<nn::Sequential> pipeline_stage(const nn::Sequential& model, int stage, int stages,
+                                               const std::vector<size_t>& boundaries) {
+  auto children = model.named_children();
+  const size_t n = children.size();
+  WEAVE_CHECK(stages >= 1 && stage >= 0 && stage < stages, "pipeline_stage",
+              "stage {} of {} is out of range", stage, stages);
+  WEAVE_CHECK(n >= size_t(stages), "pipeline_stage",
+              "the model has {} layers, fewer than the {} stages; hint: use fewer stages", n,
+              stages);
+  std::vector<size_t> cuts;  // cuts[j]: first child of stage j + 1
+  if (!boundaries.empty()) {
+    WEAVE_CHECK(boundaries.size() == size_t(stages - 1), "pipeline_stage",
+                "expected {} boundaries for {} stages, found {}", stages - 1, stages,
+                boundaries.size());
+    for (size_t j = 0; j < boundaries.size(); ++j)
+      WEAVE_CHECK(boundaries[j] > (j ? boundaries[j - 1] : 0) && boundaries[j] < n,
+                  "pipeline_stage",
+                  "boundaries must increase strictly within (0, {}), found {} at position {}", n,
+                  boundaries[j], j);
+    cuts = boundaries;
+  } else {
+    // balance parameter counts: cut where the running count is nearest to j / stages of it
+    std::vector<double> prefix{0};
+    for (const auto& [name, child] : children) {
+      double count = 0;
+      for (const Tensor& t : child->parameters()) count += double(t.numel());
+      prefix.push_back(prefix.back() + count);
+    }
+    size_t previous = 0;
+    for (int j = 1; j < stages; ++j) {
+      const double goal = prefix.back() * j / stages;
+      size_t best = previous + 1;
+      for (size_t i = previous + 1; i + (stages - j) <= n; ++i)
+        if (std::abs(prefix[i] - goal) <= std::abs(prefix[best] - goal)) best = i;
+      cuts.push_back(best);
+      previous = best;
+    }
+  }
+  const size_t first = stage == 0 ? 0 : cuts[stage - 1];
+  const size_t last = stage == stages - 1 ? n : cuts[stage];
+  auto part = std::make_shared<nn::Sequential>();
+  for (size_t i = first; i < last; ++i) part->push_back(children[i].second);
+  return part;
+}
+
+}  // namespace weave::parallel
+
+namespace weave::parallel {
+
+std::vector<std::shared_ptr<nn::Sequential>> pipeline_chunks(const nn::Sequential& model, int rank,
+                                                             int ranks, int virtual_stages) {
+  WEAVE_CHECK(ranks >= 1 && virtual_stages >= 1 && rank >= 0 && rank < ranks, "pipeline_chunks",
+              "rank {} of {} with {} virtual stages is out of range", rank, ranks, virtual_stages);
+  std::vector<std::shared_ptr<nn::Sequential>> chunks;
+  for (int c = 0; c < virtual_stages; ++c)
+    chunks.push_back(pipeline_stage(model, c * ranks + rank, ranks * virtual_stages));
+  return chunks;
+}
+
+}  // namespace weave::parallel

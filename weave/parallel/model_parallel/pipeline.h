@@ -1,0 +1,121 @@
+#pragma once
+// Pipeline parallelism: consecutive layers on consecutive ranks (stages); a batch is cut into
+// micro-batches that flow through the stages, activations forward and gradients back over
+// dist::functional::remote_send / remote_recv.
+//
+//   nn::Sequential model{...};                               // the whole model, every rank
+//   auto stage = parallel::pipeline_stage(model, dist::rank(), dist::world_size());
+//   parallel::Pipeline pipe(*stage, {.schedule = parallel::Schedule::OneFOneB,
+//                                    .microbatches = 8});
+//   optim::Adam opt(stage->parameters());
+//   opt.zero_grad();
+//   Tensor loss = pipe.train_step(x, y, [](const Tensor& out, const Tensor& target) {
+//     return cross_entropy(out, target);
+//   });                                                     // defined on the last stage
+//   opt.step();
+//
+// Schedules (p stages, m micro-batches; a stage idles (p - 1) / (m + p - 1) of a step when
+// the stages are balanced):
+//   GPipe: every forward, then every backward; m micro-batches of activations alive.
+//   1F1B:  p - s - 1 warm-up forwards on stage s, then one forward and one backward in turn;
+//          at most p - s micro-batches of activations alive.
+// Interleaved (virtual stages, Megatron-LM): each rank holds v chunks of the model, chunk c of
+// rank r being stage c p + r of v p, so a micro-batch visits every rank v times; with 1F1B the
+// bubble shrinks to (p - 1) / (v m + p - 1). Pass the chunks to the vector constructor
+// (pipeline_chunks cuts them); m must then divide by p.
+// Every stage runs every micro-batch's backward (a stage with no loss too), in the same order,
+// with that micro-batch's token as the root and pending-node replay off. Sends do not wait for
+// the receiver, so a stage may send an activation and then wait for a gradient from the same
+// peer. Shapes travel with the data: a stage need not know its input shape.
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+#include "weave/nn/layers.h"
+
+namespace weave::parallel {
+
+enum class Schedule { GPipe, OneFOneB };
+
+/// "gpipe" or "1f1b" (an error names the choices otherwise).
+Schedule schedule_from_name(const std::string& name);
+
+struct PipelineOptions {
+  Schedule schedule = Schedule::OneFOneB;
+  /// Micro-batches per step; the batch size must divide by it.
+  int microbatches = 1;
+  /// The stages in order (stage s is group rank s); unset: the world.
+  std::optional<dist::Group> group = std::nullopt;
+};
+
+/// The loss of one micro-batch's output on the last stage (a scalar).
+using PipelineLoss = std::function<Tensor(const Tensor& output, const Tensor& target)>;
+
+/// What the last train_step did on this stage.
+struct PipelineStats {
+  /// Most micro-batches whose forward had run and backward had not (their graphs alive).
+  int peak_live_microbatches = 0;
+  /// Seconds of the step, and seconds spent waiting to receive activations or gradients.
+  double step_s = 0, waiting_s = 0;
+  double idle_fraction() const { return step_s > 0 ? waiting_s / step_s : 0; }
+};
+
+class Pipeline {
+ public:
+  /// `stage` is this rank's part of the model (it must outlive the pipeline). Every stage of
+  /// the group constructs one with the same options.
+  Pipeline(nn::Module& stage, PipelineOptions options = {});
+  /// Interleaved: this rank's chunks in model order (chunk c is virtual stage c p + r); every
+  /// rank passes the same number.
+  Pipeline(std::vector<nn::Module*> chunks, PipelineOptions options = {});
+
+  /// Forward and backward of every micro-batch. inputs [B, ...] matter on the first stage,
+  /// targets [B, ...] on the last (others may pass undefined tensors). Gradients accumulate
+  /// into the stage's parameters, averaged over micro-batches (the loss is the mean of the
+  /// micro-batch losses). Returns that mean loss on the last stage, undefined elsewhere.
+  /// Returns once this stage's sends are complete.
+  Tensor train_step(const Tensor& inputs, const Tensor& targets, const PipelineLoss& loss);
+
+  /// Forward only, without a graph: the outputs [B, ...] on the last stage, undefined
+  /// elsewhere (evaluation; in micro-batches of the same size).
+  Tensor predict(const Tensor& inputs);
+
+  /// This rank's place in the pipeline group, and the group's size.
+  int stage() const { return group_.rank(); }
+  int stages() const { return group_.size(); }
+  /// Whether this rank feeds the inputs / computes the loss.
+  bool is_first() const { return stage() == 0; }
+  bool is_last() const { return stage() == stages() - 1; }
+  const PipelineStats& stats() const { return stats_; }
+
+ private:
+  // One micro-batch's forward through chunk c: the root its backward starts from (the loss on
+  // the last virtual stage, the send's token elsewhere).
+  Tensor forward_microbatch(int chunk, const Tensor& input, const Tensor& target,
+                            const PipelineLoss& loss);
+  // Chunk c's output for one micro-batch: its input is `input` on the first virtual stage,
+  // else received from the previous rank.
+  Tensor run_chunk(int chunk, const Tensor& input);
+  // Sends y to the next rank's chunk; returns the send's token.
+  Tensor send_on(const Tensor& y);
+  bool holds_last_stage(int chunk) const { return is_last() && chunk == int(chunks_.size()) - 1; }
+
+  std::vector<nn::Module*> chunks_;
+  PipelineOptions options_;
+  dist::Group group_;
+  PipelineStats stats_;
+};
+
+/// Stage `stage` of `stages` of a Sequential, as a Sequential sharing its layers: contiguous
+/// slices balanced by parameter count, or cut before the given child indices (stages - 1
+/// increasing boundaries).
+std::shared_ptr<nn::Sequential> pipeline_stage(const nn::Sequential& model, int stage, int stages,
+                                               const std::vector<size_t>& boundaries = {});
+
+/// Rank `rank`'s chunks of an interleaved pipeline of `ranks` ranks with `virtual_stages`
+/// chunks each: stages rank, rank + ranks, rank + 2 ranks, ... of ranks * virtual_stages.
+std::vector<std::shared_ptr<nn::Sequential>> pipeline_chunks(const nn::Sequential& model, int rank,
+                                                             int ranks, int virtual_stages);
+
+}  // namespace weave::parallel

@@ -1,0 +1,199 @@
+// Tensor-parallel layers: each is the unsharded layer's math with the region mappings of
+// dist::functional placed where the split changes (Megatron-LM's f and g operators).
+#include "weave/parallel/model_parallel/tensor_parallel.h"
+
+#include <functional>
+
+#include "weave/autograd/grad_mode.h"
+#include "weave/distributed/functional.h"
+#include "weave/tensor/tensor_impl.h"
+
+namespace weave::parallel {
+
+namespace F = dist::functional;
+
+namespace {
+
+int64_t piece_of(int64_t size, const dist::Group& group, const char* layer, const char* what) {
+  WEAVE_CHECK(size % group.size() == 0, layer,
+              "{} is {}, which does not divide among the {} ranks of group {}; hint: pad it to a "
+              "multiple of the group size",
+              what, size, group.size(), group.str());
+  return size / group.size();
+}
+
+// This rank's slice along axis of a full (unsharded) tensor, as a fresh leaf.
+Tensor my_slice(const Tensor& full, int axis, const dist::Group& group) {
+  if (!full.defined()) return {};
+  NoGradGuard no_grad;
+  const int64_t piece = full.size(axis) / group.size();
+  Tensor slice = full.detach().narrow(axis, group.rank() * piece, piece).contiguous().clone();
+  if (group.size() > 1)
+    slice.impl()->meta().spread_hint =
+        "it is a tensor-parallel slice: clip with dist::clip_grad_norm_(split, replicated, "
+        "max_norm, group), split and replicated as parallel::split_axes(model) tells";
+  return slice;
+}
+
+}  // namespace
+
+ColumnParallelLinear::ColumnParallelLinear(int64_t in_features, int64_t out_features,
+                                           dist::Group group, ColumnParallelOptions options)
+    : ShardedModule("ColumnParallelLinear", std::move(group)),
+      weight(register_parameter("weight", Tensor())),
+      bias(register_parameter("bias", Tensor())),
+      options_(options) {
+  piece_of(out_features, this->group(), "ColumnParallelLinear", "out_features");
+  WEAVE_CHECK(!(options.skip_bias_add && options.gather_output), "ColumnParallelLinear",
+              "skip_bias_add leaves the bias to the caller, which gather_output would then add "
+              "to a gathered output it cannot align; hint: use one of them");
+  nn::Linear full(in_features, out_features, options.bias, options.generator);
+  weight = my_slice(full.weight, 0, this->group());
+  weight.requires_grad_(true);
+  if (options.bias) {
+    bias = my_slice(full.bias, 0, this->group());
+    bias.requires_grad_(true);
+  }
+}
+
+Tensor ColumnParallelLinear::forward(const Tensor& x) {
+  const dist::Group& g = group();
+  Tensor input =
+      options_.sequence_parallel ? F::gather_from_sequence_group(x, 0, g) : F::copy_to_group(x, g);
+  Tensor y = linear(input, weight, options_.skip_bias_add ? Tensor() : bias);
+  return options_.gather_output ? F::gather_from_group(y, -1, g) : y;
+}
+
+RowParallelLinear::RowParallelLinear(int64_t in_features, int64_t out_features, dist::Group group,
+                                     RowParallelOptions options)
+    : ShardedModule("RowParallelLinear", std::move(group)),
+      weight(register_parameter("weight", Tensor())),
+      bias(register_parameter("bias", Tensor())),
+      options_(options) {
+  piece_of(in_features, this->group(), "RowParallelLinear", "in_features");
+  nn::Linear full(in_features, out_features, options.bias, options.generator);
+  weight = my_slice(full.weight, 1, this->group());
+  weight.requires_grad_(true);
+  if (options.bias) {
+    NoGradGuard no_grad;
+    bias = full.bias.detach().clone();
+    bias.requires_grad_(true);
+  }
+}
+
+Tensor RowParallelLinear::forward(const Tensor& x) {
+  const dist::Group& g = group();
+  Tensor input = options_.input_is_parallel ? x : F::scatter_to_group(x, -1, g);
+  Tensor partial = linear(input, weight);
+  if (options_.sequence_parallel) {
+    Tensor y = F::reduce_scatter_to_sequence_group(partial, 0, g);
+    // each rank adds the bias to its own rows only: the gradients are summed over the group
+    return bias.defined() ? y + F::copy_to_group(bias, g) : y;
+  }
+  Tensor y = F::reduce_from_group(partial, g);
+  return bias.defined() ? y + bias : y;
+}
+
+VocabParallelEmbedding::VocabParallelEmbedding(int64_t vocab, int64_t dim, dist::Group group,
+                                               Generator* generator)
+    : ShardedModule("VocabParallelEmbedding", std::move(group)),
+      weight(register_parameter("weight", Tensor())),
+      vocab_(vocab) {
+  piece_of(vocab, this->group(), "VocabParallelEmbedding", "vocab");
+  nn::Embedding full(vocab, dim, generator);
+  weight = my_slice(full.weight, 0, this->group());
+  weight.requires_grad_(true);
+}
+
+Tensor VocabParallelEmbedding::forward(const Tensor& ids) {
+  const dist::Group& g = group();
+  const int64_t rows = weight.size(0), start = g.rank() * rows;
+  Tensor mine, local;
+  {
+    NoGradGuard no_grad;
+    WEAVE_CHECK(ids.numel() == 0 ||
+                    (min(ids).item<double>() >= 0 && max(ids).item<double>() < double(vocab_)),
+                "VocabParallelEmbedding", "ids must lie in [0, {}), found [{}, {}]", vocab_,
+                ids.numel() ? min(ids).item<double>() : 0,
+                ids.numel() ? max(ids).item<double>() : 0);
+    Tensor shifted = ids.to(kInt64) - double(start);
+    Tensor inside = ge(shifted, zeros_like(shifted)).to(kInt64) *
+                    lt(shifted, full_like(shifted, double(rows))).to(kInt64);
+    mine = ne(inside, zeros_like(inside));
+    local = where(mine, shifted, zeros_like(shifted));
+  }
+  Tensor rows_here = embedding(weight, local) * unsqueeze(mine, -1).to(weight.dtype());
+  return F::reduce_from_group(rows_here, g);
+}
+
+SequenceParallelLayerNorm::SequenceParallelLayerNorm(const Shape& normalized_shape,
+                                                     dist::Group group, double eps)
+    : ShardedModule("SequenceParallelLayerNorm", std::move(group)),
+      weight(register_parameter("weight", ones(normalized_shape))),
+      bias(register_parameter("bias", zeros(normalized_shape))),
+      shape_(normalized_shape),
+      eps_(eps) {}
+
+Tensor SequenceParallelLayerNorm::forward(const Tensor& x) {
+  return layer_norm(x, shape_, F::copy_to_group(weight, group()), F::copy_to_group(bias, group()),
+                    eps_);
+}
+
+Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
+                                    const dist::Group& group, bool mean) {
+  WEAVE_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
+              "vocab_parallel_cross_entropy",
+              "expected logits [N, V/n] and targets [N], found {} and {}", logits.shape(),
+              targets.shape());
+  WEAVE_CHECK(!is_floating(targets.dtype()), "vocab_parallel_cross_entropy",
+              "targets must be integer class ids, found {}", targets.dtype());
+  const int64_t piece = logits.size(1), start = group.rank() * piece;
+  Tensor global_max, target_here;
+  {
+    // the shift only keeps exp() finite: any constant per row gives the same loss and
+    // gradient, so it is taken out of the graph
+    NoGradGuard no_grad;
+    global_max = max(logits.detach(), {1}, true).contiguous();
+    if (group.size() > 1) dist::all_reduce(global_max, dist::ReduceOp::Max, group);
+    Tensor columns = arange(double(start), double(start + piece), 1.0, {.dtype = kInt64});
+    target_here = eq(unsqueeze(targets.to(kInt64), 1), unsqueeze(columns, 0)).to(logits.dtype());
+  }
+  Tensor shifted = logits - global_max;
+  Tensor sum_exp = F::reduce_from_group(sum(exp(shifted), {1}), group);
+  Tensor target_logit = F::reduce_from_group(sum(shifted * target_here, {1}), group);
+  Tensor losses = log(sum_exp) - target_logit;
+  return mean ? losses.mean() : losses.sum();
+}
+
+nn::NamedTensors shard_state_dict(const nn::NamedTensors& full, const nn::Module& sharded) {
+  const auto splits = detail::split_parameters(sharded);
+  nn::NamedTensors out;
+  for (const auto& [name, t] : full) {
+    auto it = splits.find(name);
+    if (it == splits.end()) {
+      out.emplace_back(name, t);
+      continue;
+    }
+    const dist::Group& g = it->second.layer->group();
+    piece_of(t.size(it->second.axis), g, "shard_state_dict", name.c_str());
+    out.emplace_back(name, my_slice(t, it->second.axis, g));
+  }
+  return out;
+}
+
+nn::NamedTensors gather_state_dict(const nn::Module& sharded) {
+  const auto splits = detail::split_parameters(sharded);
+  NoGradGuard no_grad;
+  nn::NamedTensors out;
+  for (const auto& [name, t] : sharded.state_dict()) {
+    auto it = splits.find(name);
+    if (it == splits.end()) {
+      out.emplace_back(name, t.detach().clone());
+      continue;
+    }
+    out.emplace_back(name, F::all_gather(t.detach(), it->second.axis, it->second.layer->group()));
+  }
+  return out;
+}
+
+}  // namespace weave::parallel

@@ -1,0 +1,131 @@
+#pragma once
+// Tensor parallelism (Megatron-LM): layers whose weights are split across the ranks of a
+// tensor-parallel group, so each rank stores and multiplies 1/n of them.
+//
+//   dist::Group tp = mesh.tensor();
+//   parallel::ColumnParallelLinear fc1(784, 256, tp);        // output features split
+//   parallel::RowParallelLinear fc2(256, 10, tp);            // input features split, summed
+//   Tensor logits = fc2(relu(fc1(x)));                       // the same on every rank of tp
+//   cross_entropy(logits, y).backward();
+//
+// Convention: inside a tensor-parallel region the loss is replicated (every rank of the group
+// computes the same loss, counted once), so a parameter that is not split gets the same
+// gradient on every rank. Layers are built from the unsharded layer's initialization: with
+// the same seed on every rank, the sharded model equals nn::Linear / nn::Embedding built with
+// that seed, split (tests rely on it; so can users comparing against one process).
+//
+// Sequence parallelism (ColumnParallelOptions::sequence_parallel and friends): activations
+// outside the tensor-parallel matmuls are split along the sequence axis (axis 0, the
+// [sequence, batch, hidden] layout), a column layer all_gathers its input and a row layer
+// reduce_scatters its output; parameters applied to sequence shards (the row layer's bias,
+// SequenceParallelLayerNorm) sum their gradients over the group in backward.
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "weave/distributed/distributed.h"
+#include "weave/nn/layers.h"
+#include "weave/parallel/core/layout.h"
+
+namespace weave::parallel {
+
+struct ColumnParallelOptions {
+  bool bias = true;
+  /// all_gather the output pieces along the last axis (the full output on every rank).
+  bool gather_output = false;
+  /// Input split along axis 0 (the sequence), all_gathered before the matmul.
+  bool sequence_parallel = false;
+  /// Leave the bias out of forward's result, for the caller to fuse it with what follows
+  /// (bias_gelu); the bias is still this layer's parameter.
+  bool skip_bias_add = false;
+  Generator* generator = nullptr;
+};
+
+/// y = x W^T + b with W [out, in] split by rows (output features): rank r holds rows
+/// [r out/n, (r+1) out/n) and computes that slice of y. out must divide by the group size.
+class ColumnParallelLinear : public ShardedModule {
+ public:
+  ColumnParallelLinear(int64_t in_features, int64_t out_features, dist::Group group,
+                       ColumnParallelOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  int split_axis(const std::string&) const override { return 0; }
+  Tensor& weight;  // [out / n, in]
+  Tensor& bias;    // [out / n], undefined without bias
+
+ private:
+  ColumnParallelOptions options_;
+};
+
+struct RowParallelOptions {
+  bool bias = true;
+  /// The input's last axis is already split (the output of a ColumnParallelLinear); otherwise
+  /// each rank keeps its slice of the full input.
+  bool input_is_parallel = true;
+  /// reduce_scatter the output along axis 0 (the sequence) instead of all_reducing it.
+  bool sequence_parallel = false;
+  Generator* generator = nullptr;
+};
+
+/// y = x W^T + b with W [out, in] split by columns (input features): rank r multiplies its
+/// slice of x by its columns and the partial products are summed over the group. The bias is
+/// replicated and added once, after the sum. in must divide by the group size.
+class RowParallelLinear : public ShardedModule {
+ public:
+  RowParallelLinear(int64_t in_features, int64_t out_features, dist::Group group,
+                    RowParallelOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  int split_axis(const std::string& name) const override { return name == "weight" ? 1 : -1; }
+  Tensor& weight;  // [out, in / n]
+  Tensor& bias;    // [out], replicated
+
+ private:
+  RowParallelOptions options_;
+};
+
+/// An embedding table [vocab, dim] split by rows: rank r looks up the ids in its range and the
+/// group sums the rows (every id lives on exactly one rank). vocab must divide by the group size.
+class VocabParallelEmbedding : public ShardedModule {
+ public:
+  VocabParallelEmbedding(int64_t vocab, int64_t dim, dist::Group group,
+                         Generator* generator = nullptr);
+  /// ids: integer tensor of any shape -> [..., dim], the same on every rank.
+  Tensor forward(const Tensor& ids) override;
+  int split_axis(const std::string&) const override { return 0; }
+  Tensor& weight;  // [vocab / n, dim]
+
+ private:
+  int64_t vocab_;
+};
+
+/// LayerNorm applied to sequence shards: its weight and bias gradients are summed over the
+/// group in backward (each rank saw only its part of the sequence).
+class SequenceParallelLayerNorm : public ShardedModule {
+ public:
+  SequenceParallelLayerNorm(const Shape& normalized_shape, dist::Group group, double eps = 1e-5);
+  Tensor forward(const Tensor& x) override;
+  int split_axis(const std::string&) const override { return -1; }
+  Tensor& weight;
+  Tensor& bias;
+
+ private:
+  Shape shape_;
+  double eps_;
+};
+
+/// Cross-entropy of logits split along the last (vocabulary) axis, without gathering them:
+/// the maximum, the sum of exponentials and the target's logit are reduced over the group.
+/// logits [N, V / n] (rank r holds classes [r V/n, (r+1) V/n)), targets [N] int64 (the same
+/// on every rank). The result (mean or sum over N) is the same on every rank, with exact
+/// gradients for the local logits.
+Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
+                                    const dist::Group& group, bool mean = true);
+
+/// This rank's shard of an unsharded state dict (the same names), for load_state_dict on the
+/// sharded module. Collective-free.
+nn::NamedTensors shard_state_dict(const nn::NamedTensors& full, const nn::Module& sharded);
+
+/// The unsharded state dict of a sharded module, on every rank (all_gathers the split
+/// parameters over their layers' groups; every rank of those groups must call it).
+nn::NamedTensors gather_state_dict(const nn::Module& sharded);
+
+}  // namespace weave::parallel
