@@ -33,6 +33,7 @@
 #include "weave/parallel/data_parallel/sampler.h"
 #include "weave/parallel/data_parallel/topology.h"
 #include "weave/parallel/data_parallel/zero.h"
+#include "weave/parallel/model_parallel/context_parallel.h"
 #include "weave/parallel/model_parallel/parallel_transformer.h"
 #include "weave/parallel/model_parallel/pipeline.h"
 #include "weave/parallel/model_parallel/tensor_parallel.h"

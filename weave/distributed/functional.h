@@ -18,6 +18,8 @@
 // | gather(root, axis)           | scatter(root, axis)                                    |
 // | scatter(root, axis)          | gather(root, axis); other ranks' inputs get zero       |
 // | all_to_all(split, concat)    | all_to_all(concat, split)                              |
+// | all_to_all(input_splits)     | all_to_all with the input and output splits swapped    |
+// | send_recv(to, from)          | send_recv(from, to) of the gradient                    |
 // | remote_send(dst)             | recv of the gradient from dst                          |
 // | remote_recv(src)             | send of the gradient to src                            |
 //
@@ -54,6 +56,18 @@ Tensor scatter(const Tensor& x, int root = 0, int64_t axis = 0, const Group& gro
 /// concat_axis in rank order.
 Tensor all_to_all(const Tensor& x, int64_t split_axis = 0, int64_t concat_axis = 0,
                   const Group& group = world());
+/// Uneven splits along axis 0: input_splits[j] rows of x go to group rank j (one entry per rank,
+/// zeros allowed, adding up to x's rows); returns the rows every rank sent this one,
+/// concatenated in rank order, and their counts in *output_splits when given. One small
+/// all_gather of every rank's splits comes first: splits that do not add up, or dtypes or row
+/// shapes that differ, raise on every rank before any data moves.
+Tensor all_to_all(const Tensor& x, const std::vector<int64_t>& input_splits,
+                  const Group& group = world(), std::vector<int64_t>* output_splits = nullptr);
+/// A shift (JAX's ppermute): sends x to group rank `to` and returns what rank `from` sent, in
+/// one exchange. Every rank of the group calls it with a tensor of one shape and dtype, and the
+/// `to`s form a permutation whose inverse is the `from`s (a ring: to = r + 1, from = r - 1, mod
+/// n); otherwise every rank raises, naming the first rank that does not pair up.
+Tensor send_recv(const Tensor& x, int to, int from, const Group& group = world());
 /// Sends x to group rank dst without waiting for dst to receive (dist::isend: x must not be
 /// written until dist::wait_sends(group)); returns a token (keep it or let backward find it).
 /// Its backward receives the gradient from dst.

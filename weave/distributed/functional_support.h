@@ -25,6 +25,10 @@ void check_divisible(const Tensor& x, int axis, const Group& g, const char* op);
 Tensor raw_all_reduce(const Tensor& x, ReduceOp op, const Group& g);
 /// all_gather along axis into a new tensor, recording nothing.
 Tensor raw_all_gather(const Tensor& x, int axis, const Group& g);
+/// s with dimension `axis` set to `size`.
+Shape with_dim(Shape s, int axis, int64_t size);
+/// The dtype and device of x, for a new tensor.
+TensorOptions like(const Tensor& x);
 /// True where x takes part in autograd.
 bool wants_grad(const Tensor& x);
 /// True for a group of one (the op is the identity there), after checking this rank belongs to

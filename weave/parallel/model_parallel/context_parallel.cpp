@@ -1,0 +1,347 @@
+// Context parallelism: ring attention (one autograd node whose forward and backward run the ring
+// with the fused attention kernels) and all-to-all attention (composed of differentiable ops).
+#include "weave/parallel/model_parallel/context_parallel.h"
+
+#include <chrono>
+#include <cmath>
+#include <vector>
+
+#include "weave/autograd/engine.h"
+#include "weave/autograd/grad_mode.h"
+#include "weave/autograd/node.h"
+#include "weave/distributed/functional.h"
+#include "weave/kernels/kernels.h"
+#include "weave/ops/ops.h"
+#include "weave/parallel/core/agree.h"
+
+namespace weave::parallel {
+
+namespace {
+
+namespace F = dist::functional;
+constexpr int kKeyValueTag = 7101, kGradTag = 7102;
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The chunks of the whole sequence rank r holds, in its order: one of n (Contiguous) or two of
+// 2n (ZigZag).
+std::vector<int64_t> chunks_of(int r, int n, SequenceLayout layout) {
+  if (layout == SequenceLayout::Contiguous) return {r};
+  return {r, 2 * int64_t(n) - 1 - r};
+}
+
+int64_t chunk_count(int n, SequenceLayout layout) {
+  return layout == SequenceLayout::Contiguous ? n : 2 * int64_t(n);
+}
+
+// How query chunk a attends to key chunk b.
+enum class Pair { Skip, Full, Diagonal };
+Pair pair_of(int64_t a, int64_t b, bool causal) {
+  if (!causal || a > b) return Pair::Full;
+  return a == b ? Pair::Diagonal : Pair::Skip;
+}
+
+// Arguments every rank checks, then agrees on (shapes and options alike on every rank).
+void check_arguments(const Tensor& q, const Tensor& k, const Tensor& v, const dist::Group& group,
+                     const ContextParallelOptions& options, const char* op) {
+  WEAVE_CHECK(group.rank() >= 0, op, "rank {} is not in group {}", dist::rank(), group.str());
+  std::vector<int64_t> facts(8, 0);
+  const detail::ValueRange agreed = detail::check_together(
+      [&] {
+        WEAVE_CHECK(q.defined() && k.defined() && v.defined(), op, "q, k and v must be defined");
+        WEAVE_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op,
+                    "expected q, k, v of shape [B, H, T, D], found {}, {} and {}", q.shape(),
+                    k.shape(), v.shape());
+        WEAVE_CHECK(q.size(2) == k.size(2) && k.size(2) == v.size(2), op,
+                    "q {}, k {} and v {} must hold the same positions of the sequence", q.shape(),
+                    k.shape(), v.shape());
+        WEAVE_CHECK(options.layout != SequenceLayout::ZigZag || q.size(2) % 2 == 0, op,
+                    "the zig-zag layout holds two equal chunks per rank, but this rank holds {} "
+                    "positions; hint: the sequence must divide by twice the group size",
+                    q.size(2));
+        facts = {q.size(0),
+                 q.size(1),
+                 q.size(2),
+                 q.size(3),
+                 v.size(3),
+                 int64_t(q.dtype()),
+                 options.causal ? 1 : 0,
+                 int64_t(options.layout)};
+      },
+      group, op, facts);
+  const char* names[] = {"batch",           "heads", "local sequence length", "head size",
+                         "value head size", "dtype", "causal flag",           "layout"};
+  for (size_t i = 0; i < facts.size(); ++i)
+    WEAVE_CHECK(agreed.same(i), op,
+                "the ranks of group {} pass different {} (from {} to {}); hint: every rank "
+                "holds an equal part of one sequence, with the same options",
+                group.str(), names[i], agreed.lowest[i], agreed.highest[i]);
+}
+
+// A buffer on its way to the next rank of the ring, and the one arriving from the previous.
+struct Shift {
+  Tensor incoming;
+  dist::Work send, receive;
+  Tensor wait() {
+    receive.wait();
+    send.wait();
+    return incoming;
+  }
+};
+
+Shift shift_to_next(const Tensor& buffer, const dist::Group& g, int tag) {
+  const int n = g.size(), r = g.rank();
+  Shift s;
+  s.incoming = empty(buffer.shape(), {.dtype = buffer.dtype(), .device = buffer.device()});
+  s.send = dist::isend(buffer, (r + 1) % n, g, tag);
+  s.receive = dist::recv(s.incoming, (r + n - 1) % n, g, tag, /*async_op=*/true);
+  return s;
+}
+
+Tensor pack(const Tensor& k, const Tensor& v) {
+  return cat({k.reshape({-1}), v.reshape({-1})});
+}
+
+// The ring's shared state: shapes, chunks and the compute dtype.
+struct Ring {
+  dist::Group group;
+  SequenceLayout layout;
+  bool causal;
+  double scale;
+  Shape k_shape, v_shape;
+  int64_t chunk = 0;  // positions per chunk
+  std::vector<int64_t> mine;
+
+  Tensor key(const Tensor& packed) const {
+    return packed.narrow(0, 0, k_shape.numel()).reshape(k_shape);
+  }
+  Tensor value(const Tensor& packed) const {
+    return packed.narrow(0, k_shape.numel(), v_shape.numel()).reshape(v_shape);
+  }
+  Tensor part(const Tensor& t, size_t index) const {
+    return t.narrow(2, int64_t(index) * chunk, chunk);
+  }
+  // Calls f(query chunk index, key chunk index, pair) for every pair the block of `owner` adds.
+  template <class Fn>
+  void for_each_pair(int owner, Fn&& f) const {
+    const std::vector<int64_t> theirs = chunks_of(owner, group.size(), layout);
+    for (size_t a = 0; a < mine.size(); ++a)
+      for (size_t b = 0; b < theirs.size(); ++b) {
+        const Pair pair = pair_of(mine[a], theirs[b], causal);
+        if (pair != Pair::Skip) f(a, b, pair);
+      }
+  }
+  kernels::AttentionParams params(Pair pair) const {
+    return {.scale = scale, .causal = pair == Pair::Diagonal, .dropout_p = 0, .dropout_seed = 0};
+  }
+};
+
+// Folds a block's normalized output o and log-sum-exp l into the running (out, lse) in place:
+// out = (out e^(lse - m) + o e^(l - m)) / s, lse = m + log s. The kernel's +inf (a row that saw
+// no key) counts as -inf here.
+void merge(Tensor out, Tensor lse, const Tensor& o, const Tensor& l) {
+  const TensorOptions options{.dtype = l.dtype(), .device = l.device()};
+  const Tensor none = full({}, -INFINITY, options), zero = full({}, 0.0, options),
+               one = full({}, 1.0, options);
+  const Tensor block = where(isinf(l), none, l);
+  const Tensor m = maximum(lse, block);
+  const Tensor shift = where(isfinite(m), m, zero);
+  const Tensor was = exp(lse - shift), add = exp(block - shift), total = was + add;
+  const Tensor denominator = where(gt(total, zero), total, one);
+  out.copy_((out * unsqueeze(was, -1) + o * unsqueeze(add, -1)) / unsqueeze(denominator, -1));
+  lse.copy_(shift + log(total));
+}
+
+// Forward: this rank's queries against every rank's K/V block as it passes by.
+std::pair<Tensor, Tensor> ring_forward(const Ring& ring, const Tensor& q, const Tensor& k,
+                                       const Tensor& v, RingAttentionStats& stats) {
+  const int n = ring.group.size(), r = ring.group.rank();
+  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), dv = v.size(3);
+  const TensorOptions options{.dtype = q.dtype(), .device = q.device()};
+  Tensor out = zeros({b, h, t, dv}, options), lse = full({b, h, t}, -INFINITY, options);
+  Tensor o = empty({b, h, ring.chunk, dv}, options), l = empty({b, h, ring.chunk}, options);
+  Tensor current = pack(k, v);
+  for (int s = 0; s < n; ++s) {
+    Shift next;
+    if (s + 1 < n) next = shift_to_next(current, ring.group, kKeyValueTag);
+    const double start = now_s();
+    const Tensor kb = ring.key(current), vb = ring.value(current);
+    ring.for_each_pair((r + n - s) % n, [&](size_t a, size_t c, Pair pair) {
+      kernels::attention(ring.part(q, a), ring.part(kb, c), ring.part(vb, c), Tensor(),
+                         ring.params(pair), o, l);
+      merge(ring.part(out, a), lse.narrow(2, int64_t(a) * ring.chunk, ring.chunk), o, l);
+      const int64_t len = ring.chunk;
+      stats.score_elements += b * h * (pair == Pair::Full ? len * len : len * (len + 1) / 2);
+    });
+    stats.compute_s += now_s() - start;
+    if (s + 1 < n) {
+      const double waited = now_s();
+      current = next.wait();
+      stats.exchange_wait_s += now_s() - waited;
+    }
+  }
+  // The kernels' convention for backward: +inf for a row that attends to nothing.
+  lse.copy_(where(isinf(lse), full({}, INFINITY, options), lse));
+  return {out, lse};
+}
+
+// Backward: dq stays here; each block's dK/dV accumulate as they travel with the block, and
+// arrive back at their owner after one more step.
+std::vector<Tensor> ring_backward(const Ring& ring, const Tensor& grad, const Tensor& q,
+                                  const Tensor& k, const Tensor& v, const Tensor& out,
+                                  const Tensor& lse) {
+  const int n = ring.group.size(), r = ring.group.rank();
+  Tensor dq = zeros_like(q);
+  Tensor dq_part = zeros_like(ring.part(q, 0)), dk_part = zeros_like(ring.part(k, 0)),
+         dv_part = zeros_like(ring.part(v, 0));
+  Tensor current = pack(k, v);
+  Shift arriving;  // the dK/dV accumulated so far for the block held at this step
+  for (int s = 0; s < n; ++s) {
+    Shift next;
+    if (s + 1 < n) next = shift_to_next(current, ring.group, kKeyValueTag);
+    const Tensor kb = ring.key(current), vb = ring.value(current);
+    Tensor local = zeros({current.numel()}, {.dtype = q.dtype(), .device = q.device()});
+    const Tensor dk = ring.key(local), dv = ring.value(local);
+    ring.for_each_pair((r + n - s) % n, [&](size_t a, size_t c, Pair pair) {
+      const int64_t from = int64_t(a) * ring.chunk;
+      kernels::attention_backward(ring.part(grad, a), ring.part(q, a), ring.part(kb, c),
+                                  ring.part(vb, c), Tensor(), ring.params(pair), ring.part(out, a),
+                                  lse.narrow(2, from, ring.chunk).contiguous(), dq_part, dk_part,
+                                  dv_part, Tensor());
+      ring.part(dq, a).add_(dq_part);
+      ring.part(dk, c).add_(dk_part);
+      ring.part(dv, c).add_(dv_part);
+    });
+    const Tensor accumulated = s == 0 ? local : arriving.wait() + local;
+    arriving = shift_to_next(accumulated, ring.group, kGradTag);
+    if (s + 1 < n) current = next.wait();
+  }
+  const Tensor mine = arriving.wait();
+  return {dq, ring.key(mine).clone(), ring.value(mine).clone()};
+}
+
+}  // namespace
+
+Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const dist::Group& group,
+                      const ContextParallelOptions& options) {
+  const char* op = "ring_attention";
+  check_arguments(q, k, v, group, options, op);
+  if (options.stats) *options.stats = {};
+  if (group.size() == 1) {  // the whole sequence here, in order under either layout
+    const int64_t t = q.size(2);
+    if (options.stats)
+      options.stats->score_elements =
+          q.size(0) * q.size(1) * (options.causal ? t * (t + 1) / 2 : t * t);
+    return scaled_dot_product_attention(q, k, v,
+                                        {.causal = options.causal, .scale = options.scale});
+  }
+  const DType dtype = compute_dtype(q.dtype());
+  Tensor qc = q.to(dtype).contiguous(), kc = k.to(dtype).contiguous(),
+         vc = v.to(dtype).contiguous();
+  Ring ring{
+      .group = group,
+      .layout = options.layout,
+      .causal = options.causal,
+      .scale = options.scale.value_or(1.0 / std::sqrt(double(std::max<int64_t>(q.size(3), 1)))),
+      .k_shape = kc.shape(),
+      .v_shape = vc.shape(),
+      .chunk = q.size(2) / int64_t(chunks_of(0, group.size(), options.layout).size()),
+      .mine = chunks_of(group.rank(), group.size(), options.layout)};
+  RingAttentionStats stats;
+  const std::pair<Tensor, Tensor> forward = [&] {
+    NoGradGuard no_grad;
+    return ring_forward(ring, qc, kc, vc, stats);
+  }();
+  const Tensor out = forward.first, lse = forward.second;
+  if (options.stats) *options.stats = stats;
+  Tensor result = out.to(q.dtype());
+  if (!autograd::should_record({q, k, v})) return result;
+  auto node = std::make_shared<autograd::FunctionNode>(
+      "RingAttentionBackward",
+      [ring, qs = autograd::SavedTensor(qc), ks = autograd::SavedTensor(kc),
+       vs = autograd::SavedTensor(vc), out, lse, q_dtype = q.dtype(), k_dtype = k.dtype(),
+       v_dtype = v.dtype()](const autograd::BackwardArgs& args) -> std::vector<Tensor> {
+        NoGradGuard no_grad;
+        const Tensor qv = qs.unpack();
+        const Tensor grad =
+            args.grad().defined() ? args.grad().to(qv.dtype()).contiguous() : zeros_like(out);
+        std::vector<Tensor> grads =
+            ring_backward(ring, grad, qv, ks.unpack(), vs.unpack(), out, lse);
+        return {grads[0].to(q_dtype), grads[1].to(k_dtype), grads[2].to(v_dtype)};
+      });
+  autograd::attach(node, {q, k, v}, {result});
+  autograd::must_run(node);  // its backward communicates: every rank runs it
+  return result;
+}
+
+namespace {
+
+// Positions of the all-gathered sequence (chunks in rank order, each rank's in its layout) in
+// natural order, and back.
+Tensor natural_order(int n, int64_t chunk, bool inverse, Device device) {
+  std::vector<int64_t> gathered;  // chunk index at each gathered position
+  for (int r = 0; r < n; ++r)
+    for (int64_t c : chunks_of(r, n, SequenceLayout::ZigZag)) gathered.push_back(c);
+  std::vector<int64_t> index(gathered.size() * size_t(chunk));
+  for (size_t p = 0; p < gathered.size(); ++p)
+    for (int64_t e = 0; e < chunk; ++e) {
+      const int64_t at_gathered = int64_t(p) * chunk + e, natural = gathered[p] * chunk + e;
+      index[size_t(inverse ? at_gathered : natural)] = inverse ? natural : at_gathered;
+    }
+  return from_vector(index).to(device);
+}
+
+Tensor reorder(const Tensor& x, int64_t axis, int n, SequenceLayout layout, bool to_natural) {
+  if (layout == SequenceLayout::Contiguous) return x;
+  const int64_t chunk = x.size(int(axis)) / chunk_count(n, layout);
+  return index_select(x, axis, natural_order(n, chunk, !to_natural, x.device()));
+}
+
+}  // namespace
+
+Tensor all_to_all_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                            const dist::Group& group, const ContextParallelOptions& options) {
+  const char* op = "all_to_all_attention";
+  check_arguments(q, k, v, group, options, op);
+  const int n = group.size();
+  WEAVE_CHECK(q.size(1) % n == 0, op,
+              "{} heads do not divide over the {} ranks of group {}; hint: use ring_attention, "
+              "or a context group whose size divides the heads",
+              q.size(1), n, group.str());
+  if (options.stats) *options.stats = {};
+  // [B, H, T / n, D] -> [B, H / n, T, D]: heads split, sequence gathered (in rank order).
+  auto to_heads = [&](const Tensor& x) {
+    return reorder(F::all_to_all(x, 1, 2, group), 2, n, options.layout, /*to_natural=*/true);
+  };
+  Tensor y = scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v),
+                                          {.causal = options.causal, .scale = options.scale});
+  return F::all_to_all(reorder(y, 2, n, options.layout, /*to_natural=*/false), 2, 1, group);
+}
+
+Tensor shard_sequence(const Tensor& whole, int64_t axis, const dist::Group& group,
+                      SequenceLayout layout) {
+  const char* op = "shard_sequence";
+  WEAVE_CHECK(group.rank() >= 0, op, "rank {} is not in group {}", dist::rank(), group.str());
+  const int64_t dim = normalize_dim(axis, whole.dim(), op);
+  const int64_t chunks = chunk_count(group.size(), layout);
+  WEAVE_CHECK(whole.size(int(dim)) % chunks == 0, op,
+              "a sequence of {} positions does not divide into {} equal chunks ({} ranks{}); "
+              "hint: pad the sequence to a multiple of {}",
+              whole.size(int(dim)), chunks, group.size(),
+              layout == SequenceLayout::ZigZag ? ", two chunks each under ZigZag" : "", chunks);
+  const int64_t chunk = whole.size(int(dim)) / chunks;
+  std::vector<Tensor> parts;
+  for (int64_t c : chunks_of(group.rank(), group.size(), layout))
+    parts.push_back(whole.narrow(int(dim), c * chunk, chunk));
+  return parts.size() == 1 ? parts[0] : cat(parts, dim);
+}
+
+Tensor gather_sequence(const Tensor& part, int64_t axis, const dist::Group& group,
+                       SequenceLayout layout) {
+  const int64_t dim = normalize_dim(axis, part.dim(), "gather_sequence");
+  return reorder(F::all_gather(part, dim, group), dim, group.size(), layout, /*to_natural=*/true);
+}
+
+}  // namespace weave::parallel

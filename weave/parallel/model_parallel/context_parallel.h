@@ -1,0 +1,73 @@
+#pragma once
+// Context parallelism: attention over a sequence split across the ranks of a context group, for
+// contexts whose attention does not fit on one device. Each rank holds its part of q, k and v
+// ([B, H, T / n, D]) and gets its part of the output; values and gradients equal
+// scaled_dot_product_attention on the whole sequence.
+//
+//   dist::Group cp = ...;                                          // the context group
+//   Tensor q_part = parallel::shard_sequence(q, 2, cp, layout);    // this rank's positions
+//   Tensor y_part = parallel::ring_attention(q_part, k_part, v_part, cp,
+//                                            {.causal = true, .layout = layout});
+//
+// Two modes:
+//   ring_attention          K/V blocks travel around the ring, each block's exchange overlapping
+//                           the attention of the block before it; partial results merge by
+//                           their log-sum-exp; in backward dK/dV travel around the ring back to
+//                           their owners. Memory per rank: O(T / n).
+//   all_to_all_attention    (DeepSpeed-Ulysses) one all_to_all from sequence-sharded to
+//                           head-sharded, attention over the whole sequence on H / n heads, one
+//                           all_to_all back. Heads must divide by n.
+//
+// Layouts (where rank r's positions are): Contiguous holds chunk r of n; ZigZag cuts the
+// sequence into 2n chunks and holds chunks r and 2n - 1 - r, so that under a causal mask every
+// rank does the same attention work.
+#include <cstdint>
+#include <optional>
+
+#include "weave/distributed/distributed.h"
+
+namespace weave::parallel {
+
+enum class SequenceLayout { Contiguous, ZigZag };
+
+/// What the last ring_attention on this thread did: its share of the attention work and the
+/// time its compute waited for K/V blocks (the exchange that compute did not hide).
+struct RingAttentionStats {
+  /// Query-key scores computed by this rank in forward (a causal diagonal block counts its
+  /// lower triangle).
+  int64_t score_elements = 0;
+  /// Seconds forward's compute waited for the next K/V block.
+  double exchange_wait_s = 0;
+  /// Seconds forward spent computing attention blocks.
+  double compute_s = 0;
+};
+
+struct ContextParallelOptions {
+  bool causal = false;
+  SequenceLayout layout = SequenceLayout::Contiguous;
+  /// Multiplies q k^T; 1 / sqrt(head size) when unset.
+  std::optional<double> scale = std::nullopt;
+  /// Filled by ring_attention when set.
+  RingAttentionStats* stats = nullptr;
+};
+
+/// Attention over the whole sequence, from this rank's parts of q [B, H, Tq, D], k [B, H, Tk, D]
+/// and v [B, H, Tk, Dv] (Tq == Tk, the same on every rank; even under ZigZag). Collective over
+/// the group: every rank calls it with the same shapes and options (or every rank raises).
+Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const dist::Group& group,
+                      const ContextParallelOptions& options = {});
+
+/// The same result through two all_to_alls (heads must divide by the group size).
+Tensor all_to_all_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                            const dist::Group& group, const ContextParallelOptions& options = {});
+
+/// This rank's part of a whole sequence along `axis` (its length must divide by the group size,
+/// by twice that under ZigZag). Differentiable: the gradient lands in this rank's positions.
+Tensor shard_sequence(const Tensor& whole, int64_t axis, const dist::Group& group,
+                      SequenceLayout layout = SequenceLayout::Contiguous);
+/// The whole sequence from every rank's part (an all_gather, reordered for ZigZag).
+/// Differentiable: each rank's part gets the sum of the gradients of its positions.
+Tensor gather_sequence(const Tensor& part, int64_t axis, const dist::Group& group,
+                       SequenceLayout layout = SequenceLayout::Contiguous);
+
+}  // namespace weave::parallel
