@@ -1,0 +1,187 @@
+// Mixture of experts: top-k routing with capacity, the auxiliary losses, and the dispatch and
+// combine that every layout of the experts shares.
+#include "weave/nn/moe.h"
+
+#include <cmath>
+
+#include "weave/autograd/grad_mode.h"
+#include "weave/nn/layers.h"
+#include "weave/ops/ops.h"
+
+namespace weave::nn {
+
+namespace {
+
+constexpr const char* kRouter = "TopKRouter";
+
+void check_router(int64_t hidden, const RouterOptions& o) {
+  WEAVE_CHECK(hidden >= 1, kRouter, "hidden must be at least 1, found {}", hidden);
+  WEAVE_CHECK(o.experts >= 1, kRouter, "experts must be at least 1, found {}", o.experts);
+  WEAVE_CHECK(o.top_k >= 1 && o.top_k <= o.experts, kRouter,
+              "top_k is {}, but it must be from 1 to the number of experts ({}); hint: top_k "
+              "counts the experts each token goes to",
+              o.top_k, o.experts);
+  WEAVE_CHECK(std::isfinite(o.capacity_factor) && o.capacity_factor >= 0, kRouter,
+              "capacity_factor must be 0 (no limit) or positive, found {}", o.capacity_factor);
+  WEAVE_CHECK(o.aux_loss_coef >= 0 && o.z_loss_coef >= 0, kRouter,
+              "loss coefficients must be 0 or positive, found {} and {}", o.aux_loss_coef,
+              o.z_loss_coef);
+}
+
+// Which assignments fit their expert's capacity: first choices first, each in token order.
+std::vector<char> within_capacity(const std::vector<int64_t>& expert, int64_t tokens, int64_t k,
+                                  int64_t experts, int64_t capacity) {
+  std::vector<char> kept(expert.size(), 1);
+  if (capacity == 0) return kept;
+  std::vector<int64_t> taken(size_t(experts), 0);
+  for (int64_t j = 0; j < k; ++j)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const size_t slot = size_t(t * k + j);
+      kept[slot] = taken[size_t(expert[slot])]++ < capacity;
+    }
+  return kept;
+}
+
+// Switch's load-balancing loss, experts * sum_e f_e P_e, plus the z-loss, coefficients applied.
+Tensor auxiliary_loss(const Tensor& logits, const Tensor& probs, const std::vector<int64_t>& expert,
+                      const RouterOptions& o) {
+  const TensorOptions like{.dtype = logits.dtype(), .device = logits.device()};
+  Tensor loss = zeros({}, like);
+  const int64_t tokens = logits.size(0);
+  if (tokens == 0) return loss;
+  if (o.aux_loss_coef > 0) {
+    std::vector<double> share(size_t(o.experts), 0.0);
+    for (int64_t e : expert) share[size_t(e)] += 1.0 / double(expert.size());
+    const Tensor f = from_vector(share).to(logits.dtype()).to(logits.device());
+    loss = loss + sum(mean(probs, {0}) * f) * (double(o.experts) * o.aux_loss_coef);
+  }
+  if (o.z_loss_coef > 0) {
+    const Tensor shift = max(logits.detach(), {1}, true);
+    const Tensor lse = log(sum(exp(logits - shift), {1})) + squeeze(shift, 1);
+    loss = loss + mean(lse * lse) * o.z_loss_coef;
+  }
+  return loss;
+}
+
+}  // namespace
+
+TopKRouter::TopKRouter(int64_t hidden, RouterOptions options, Generator* generator)
+    : Module("TopKRouter"),
+      weight(register_module("gate", (check_router(hidden, options),
+                                      std::make_shared<Linear>(hidden, options.experts,
+                                                               /*bias=*/false, generator)))
+                 ->weight),
+      options_(options) {}
+
+Tensor TopKRouter::forward(const Tensor& tokens) {
+  return linear(tokens, weight);
+}
+
+Routing TopKRouter::route(const Tensor& tokens) const {
+  WEAVE_CHECK(tokens.dim() == 2 && tokens.size(1) == weight.size(1), kRouter,
+              "expected tokens [T, {}], found {}", weight.size(1), tokens.shape());
+  const RouterOptions& o = options_;
+  const int64_t t = tokens.size(0), k = o.top_k;
+  const Tensor logits = linear(tokens, weight);
+  Tensor probs, gates;
+  if (o.gate == Gate::Softmax) {
+    probs = softmax(logits, -1);
+    gates = probs;
+  } else {
+    gates = sigmoid(logits);
+    probs = gates / sum(gates, {1}, true);
+  }
+  const TopK top = topk(gates, k, -1);
+  Tensor weights = top.values;
+  if (o.gate == Gate::Sigmoid || (o.renormalize && k > 1))
+    weights = weights / sum(weights, {1}, true);
+  Routing r;
+  r.expert = top.indices;
+  const std::vector<int64_t> expert = top.indices.to_vector<int64_t>();
+  r.capacity = o.capacity_factor > 0
+                   ? int64_t(std::ceil(o.capacity_factor * double(t * k) / double(o.experts)))
+                   : 0;
+  const std::vector<char> kept = within_capacity(expert, t, k, o.experts, r.capacity);
+  std::vector<uint8_t> mask(kept.begin(), kept.end());
+  r.kept = from_vector(mask).reshape({t, k}).to(kBool).to(tokens.device());
+  for (char c : kept) r.dropped += c ? 0 : 1;
+  r.weight = r.dropped ? weights * r.kept.to(weights.dtype()) : weights;
+  r.aux_loss = auxiliary_loss(logits, probs, expert, o);
+  return r;
+}
+
+std::shared_ptr<Module> make_expert(int64_t hidden, int64_t ffn, uint64_t seed, int64_t index) {
+  Generator g(seed * 1000003 + uint64_t(index) + 1);
+  return std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<Module>>{
+      std::make_shared<Linear>(hidden, ffn, true, &g), GELU(),
+      std::make_shared<Linear>(ffn, hidden, true, &g)});
+}
+
+MoE::MoE(MoEOptions options) : Module("MoE"), options_(options) {
+  WEAVE_CHECK(options.ffn >= 1, "MoE", "ffn must be at least 1, found {}", options.ffn);
+  Generator g(options.seed);
+  router_ =
+      register_module("router", std::make_shared<TopKRouter>(options.hidden, options.router, &g));
+  for (int64_t e = 0; e < options.router.experts; ++e)
+    experts_.push_back(register_module(fmt::format("expert{}", e),
+                                       make_expert(options.hidden, options.ffn, options.seed, e)));
+}
+
+Tensor MoE::forward(const Tensor& x) {
+  const Shape shape = x.shape();
+  const Tensor tokens = x.reshape({-1, options_.hidden});
+  const Routing routing = router_->route(tokens);
+  aux_loss_ = routing.aux_loss;
+  stats_ = {tokens.size(0), tokens.size(0) * options_.router.top_k, routing.dropped};
+  const detail::Dispatch dispatch = detail::plan_dispatch(routing, options_.router.experts);
+  const Tensor rows = detail::dispatch_rows(tokens, dispatch);
+  std::vector<Tensor> outputs;
+  int64_t offset = 0;
+  for (size_t e = 0; e < experts_.size(); ++e) {
+    const int64_t count = dispatch.per_expert[e];
+    if (count > 0) outputs.push_back((*experts_[e])(rows.narrow(0, offset, count)));
+    offset += count;
+  }
+  const Tensor outs = outputs.empty() ? rows : cat(outputs);
+  return detail::combine(outs, dispatch, routing.weight).reshape(shape);
+}
+
+namespace detail {
+
+Dispatch plan_dispatch(const Routing& routing, int64_t experts) {
+  const int64_t k = routing.expert.size(1);
+  const std::vector<int64_t> expert = routing.expert.to_vector<int64_t>();
+  const std::vector<uint8_t> kept = routing.kept.to(kUInt8).to_vector<uint8_t>();
+  std::vector<std::vector<int64_t>> slots(static_cast<size_t>(experts));
+  for (size_t slot = 0; slot < expert.size(); ++slot)
+    if (kept[slot]) slots[size_t(expert[slot])].push_back(int64_t(slot));
+  Dispatch d;
+  d.row_of_slot.assign(expert.size(), -1);
+  for (const std::vector<int64_t>& list : slots) {
+    d.per_expert.push_back(int64_t(list.size()));
+    for (int64_t slot : list) {
+      d.row_of_slot[size_t(slot)] = int64_t(d.token.size());
+      d.token.push_back(slot / k);
+    }
+  }
+  return d;
+}
+
+Tensor dispatch_rows(const Tensor& tokens, const Dispatch& dispatch) {
+  return index_select(tokens, 0, from_vector(dispatch.token).to(tokens.device()));
+}
+
+Tensor combine(const Tensor& rows, const Dispatch& dispatch, const Tensor& weight) {
+  const int64_t tokens = weight.size(0), k = weight.size(1), hidden = rows.size(1);
+  const Tensor padded =
+      cat({rows, zeros({1, hidden}, {.dtype = rows.dtype(), .device = rows.device()})});
+  std::vector<int64_t> index = dispatch.row_of_slot;
+  for (int64_t& i : index)
+    if (i < 0) i = rows.size(0);  // the zero row
+  const Tensor picked = index_select(padded, 0, from_vector(index).to(rows.device()));
+  return sum(picked.reshape({tokens, k, hidden}) * unsqueeze(weight.to(rows.dtype()), -1), {1});
+}
+
+}  // namespace detail
+
+}  // namespace weave::nn
