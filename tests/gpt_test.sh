@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # gpt_test.sh GPT MPIRUN...: a short GPT run on the fortunes text at 2 ranks under ddp, fsdp (also
-# stopped and resumed) and tp (with and without sequence parallelism), at 4 ranks hybrid, and stopped then resumed from its
-# checkpoint, and with activation checkpointing (ddp, and tp with sequence parallelism), must each
-# end at the held-out loss of one process on the same global batch (float32: within 1e-3
-# relative). Exits 77 (skipped) without the fortunes package.
+# stopped and resumed) and tp (with and without sequence parallelism), at 4 ranks hybrid, and
+# stopped then resumed from its checkpoint, with activation checkpointing (ddp, and tp with
+# sequence parallelism), with context parallelism (ring and all-to-all; with data parallelism at
+# 4 ranks) and with experts spread over ranks (with data parallelism at 4 ranks), must each end
+# at the held-out loss of one process on the same global batch (float32: within 1e-3 relative).
+# Exits 77 (skipped) without the fortunes package.
 set -u
 gpt=$1
 shift
@@ -40,5 +42,24 @@ resumed=$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --checkpoint "$
 echo "$resumed" | grep -q "resumed at step 15" || { echo "FAIL: no resume from step 15"; status=1; }
 check "tp np2 stopped at 15, resumed" "$(echo "$resumed" | held)"
 echo "$resumed" | grep -q "^samples:" || { echo "FAIL: no samples"; status=1; }
+# Context parallelism: each sequence split over 2 ranks (zig-zag parts), ring and all-to-all
+# attention, alone and with data parallelism.
+check "context-parallel np2 (ring)" \
+  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --context-parallel 2 | held)"
+check "context-parallel np2 (all-to-all)" \
+  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --context-parallel 2 --cp-mode all-to-all | held)"
+check "context-parallel 2 x data 2 np4" \
+  "$("${mpirun[@]}" -np 4 "$gpt" "${args[@]}" --context-parallel 2 | held)"
+# Mixture of experts: the dense layer on one process is the reference; experts spread over 2
+# ranks, and over 2 ranks with data parallelism across 2 such pairs.
+reference=$("$gpt" "${args[@]}" --experts 4 | held)
+echo "one process, 4 experts: heldout_loss=$reference"
+tolerance=$(awk -v b="$reference" 'BEGIN { print 1e-3 * b }')
+check "experts 4, expert-parallel 2, np2" \
+  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --experts 4 --expert-parallel 2 | held)"
+check "experts 4, expert-parallel 2 x data 2, np4" \
+  "$("${mpirun[@]}" -np 4 "$gpt" "${args[@]}" --experts 4 --expert-parallel 2 | held)"
+check "experts 4 on 2 data-parallel ranks" \
+  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --experts 4 | held)"
 [ $status -eq 0 ] && echo "PASS: every strategy equals one process"
 exit $status

@@ -83,6 +83,37 @@ TEST_SUITE("experts") {
     }
   }
 
+  TEST_CASE(
+      "with global load balancing the ranks together equal one process on the stacked batch") {
+    const int n = dist::world_size(), me = dist::rank();
+    const nn::MoEOptions o = options(2 * n, 0);
+    std::vector<Tensor> batches;
+    for (int r = 0; r < n; ++r) batches.push_back(tokens_of(r));
+    nn::MoE dense(o);
+    dense.to(kFloat64);
+    const Tensor y = dense(cat(batches));
+    // sum_r aux_r = n aux(stacked): each rank's shares are the stacked batch's.
+    const std::vector<Tensor> weights(size_t(n), tokens_of(0, 200));
+    ((y * cat(weights)).sum() + dense.aux_loss() * double(n)).backward();
+
+    parallel::ExpertParallelMoE moe(o, dist::world(), dist::world());
+    moe.to(kFloat64);
+    const Tensor mine = moe(tokens_of(me));
+    CHECK(near(mine, y.detach().narrow(0, 7 * me, 7)));
+    Tensor aux = moe.aux_loss().detach().reshape({1}).clone();
+    dist::all_reduce(aux, dist::ReduceOp::Avg);
+    CHECK(near(aux.reshape({}), dense.aux_loss().detach()));
+    ((mine * tokens_of(0, 200)).sum() + moe.aux_loss()).backward();
+    for (int64_t le = 0; le < moe.local_experts(); ++le) {
+      const auto p = moe.expert(le).parameters();
+      const auto q = dense.expert(moe.first_expert() + le).parameters();
+      for (size_t i = 0; i < p.size(); ++i) CHECK(near(p[i].grad(), q[i].grad()));
+    }
+    Tensor router_grad = moe.router().weight.grad().clone();
+    dist::all_reduce(router_grad);
+    CHECK(near(router_grad, dense.router().weight.grad()));
+  }
+
   TEST_CASE("the distributed gradcheck passes through dispatch and combine") {
     const int n = dist::world_size(), me = dist::rank();
     parallel::ExpertParallelMoE moe(options(2 * n, 0.75), dist::world());

@@ -67,31 +67,41 @@ TEST_SUITE("model_parallel") {
   TEST_CASE("every mesh layout puts each rank in exactly one group of each kind") {
     const int n = dist::world_size(), me = dist::rank();
     for (int d : divisors(n))
-      for (int t : divisors(n / d)) {
-        const int p = n / (d * t);
-        CAPTURE(d);
-        CAPTURE(t);
-        parallel::ProcessMesh mesh({.data = d, .tensor = t, .pipeline = p});
-        CHECK(mesh.data().size() == d);
-        CHECK(mesh.tensor().size() == t);
-        CHECK(mesh.pipeline().size() == p);
-        const int dr = mesh.data_rank(), tr = mesh.tensor_rank(), pr = mesh.pipeline_rank();
-        CHECK(mesh.rank_at(dr, tr, pr) == me);
-        for (int i = 0; i < t; ++i) CHECK(mesh.tensor().global_rank(i) == mesh.rank_at(dr, i, pr));
-        for (int i = 0; i < d; ++i) CHECK(mesh.data().global_rank(i) == mesh.rank_at(i, tr, pr));
-        for (int i = 0; i < p; ++i)
-          CHECK(mesh.pipeline().global_rank(i) == mesh.rank_at(dr, tr, i));
-        // Every rank names its group of each kind by the group's first rank: each group is
-        // named by exactly its members.
-        for (const dist::Group* g : {&mesh.data(), &mesh.tensor(), &mesh.pipeline()}) {
-          Tensor members = zeros({n}, {.dtype = kInt64});
-          members.narrow(0, g->global_rank(0), 1).fill_(1);
-          dist::all_reduce(members);
-          CHECK(members.to_vector<int64_t>()[g->global_rank(0)] == g->size());
-          CHECK(sum(members).item<int64_t>() == n);
+      for (int t : divisors(n / d))
+        for (int c : divisors(n / (d * t))) {
+          const int p = n / (d * t * c);
+          CAPTURE(d);
+          CAPTURE(t);
+          CAPTURE(c);
+          parallel::ProcessMesh mesh({.data = d, .tensor = t, .pipeline = p, .context = c});
+          CHECK(mesh.data().size() == d);
+          CHECK(mesh.tensor().size() == t);
+          CHECK(mesh.pipeline().size() == p);
+          CHECK(mesh.context().size() == c);
+          CHECK(mesh.data_and_context().size() == d * c);
+          const int dr = mesh.data_rank(), tr = mesh.tensor_rank(), pr = mesh.pipeline_rank(),
+                    cr = mesh.context_rank();
+          CHECK(mesh.rank_at(dr, tr, pr, cr) == me);
+          for (int i = 0; i < t; ++i)
+            CHECK(mesh.tensor().global_rank(i) == mesh.rank_at(dr, i, pr, cr));
+          for (int i = 0; i < d; ++i)
+            CHECK(mesh.data().global_rank(i) == mesh.rank_at(i, tr, pr, cr));
+          for (int i = 0; i < p; ++i)
+            CHECK(mesh.pipeline().global_rank(i) == mesh.rank_at(dr, tr, i, cr));
+          for (int i = 0; i < c; ++i)
+            CHECK(mesh.context().global_rank(i) == mesh.rank_at(dr, tr, pr, i));
+          // Every rank names its group of each kind by the group's first rank: each group is
+          // named by exactly its members.
+          for (const dist::Group* g : {&mesh.data(), &mesh.tensor(), &mesh.pipeline(),
+                                       &mesh.context(), &mesh.data_and_context()}) {
+            Tensor members = zeros({n}, {.dtype = kInt64});
+            members.narrow(0, g->global_rank(0), 1).fill_(1);
+            dist::all_reduce(members);
+            CHECK(members.to_vector<int64_t>()[g->global_rank(0)] == g->size());
+            CHECK(sum(members).item<int64_t>() == n);
+          }
+          CHECK(mesh.str().find("tensor=" + std::to_string(t)) != std::string::npos);
         }
-        CHECK(mesh.str().find("tensor=" + std::to_string(t)) != std::string::npos);
-      }
     CHECK_THROWS_WITH_AS(parallel::ProcessMesh({.data = n + 1}),
                          doctest::Contains("ranks, but the world has"), Error);
   }

@@ -14,6 +14,9 @@ using namespace weave;
 struct Flags {
   std::string strategy = "ddp", data_dir = "/usr/share/games/fortunes", checkpoint, log;
   int tp = 2, threads = 1, samples = 3;
+  int context_parallel = 1, expert_parallel = 1;
+  int64_t experts = 0, top_k = 2;
+  std::string cp_mode = "ring";
   int64_t layers = 4, dim = 256, heads = 4, context = 128, batch = 16, steps = 600,
           eval_every = 100, eval_windows = 64, checkpoint_every = 100, stop_at = -1, log_every = 20;
   double lr = 1e-3, min_lr = 1e-4, weight_decay = 0.01, clip = 1.0;
@@ -70,6 +73,16 @@ inline Flags parse(int argc, char** argv) {
       ->check(CLI::IsMember({"mpi", "nccl"}));
   app.add_option("--vocab", f.vocab, "widen the head past the characters' count")
       ->check(examples::non_negative());
+  app.add_option("--context-parallel", f.context_parallel,
+                 "ranks that split each sequence (ddp only; zig-zag parts)")
+      ->check(examples::positive());
+  app.add_option("--cp-mode", f.cp_mode, "attention across the context group")
+      ->check(CLI::IsMember({"ring", "all-to-all"}));
+  app.add_option("--experts", f.experts, "experts in each block's MLP (0: a dense MLP)")
+      ->check(examples::non_negative());
+  app.add_option("--expert-parallel", f.expert_parallel, "ranks the experts are spread over")
+      ->check(examples::positive());
+  app.add_option("--top-k", f.top_k, "experts each token goes to")->check(examples::positive());
   examples::parse_or_exit(app, argc, argv);
   if (!autocast.empty()) f.autocast = autocast == "bf16" ? kBFloat16 : kFloat16;
   return f;

@@ -5,6 +5,8 @@
 //                    [--no-sequence-parallel] [--samples 3] [--threads 1] [--seed 0]
 //                    [--autocast bf16|fp16] [--checkpoint-activations]
 //                    [--device cpu|cuda] [--backend mpi|nccl] [--vocab N] [--log FILE]
+//                    [--context-parallel N [--cp-mode ring|all-to-all]]
+//                    [--experts E [--expert-parallel N] [--top-k K]]
 // --device cuda puts each rank on a GPU (round-robin by local rank) with NCCL between them
 // (--backend mpi: MPI, staging through the host; several ranks may share one GPU). --vocab
 // widens the embedding and output layer past the characters' count (a larger model's head).
@@ -19,6 +21,15 @@
 //   tp      every rank takes all of them; heads, MLP units and vocabulary split over the ranks,
 //           with sequence parallelism unless --no-sequence-parallel;
 //   hybrid  tensor-parallel groups of --tp ranks, data parallel across them.
+// With ddp, two more axes:
+//   --context-parallel N   groups of N ranks split every sequence (zig-zag parts, balanced under
+//                          the causal mask); attention runs across the group by ring attention
+//                          (K/V blocks passed around) or all-to-all (heads split instead);
+//                          data parallel across the groups;
+//   --experts E            every block's MLP becomes E experts (each a 4 dim / K MLP, so a
+//                          token costs the dense MLP's compute), top --top-k per token, with the
+//                          load-balancing loss over the whole step's batch; --expert-parallel N
+//                          spreads them over groups of N data-parallel ranks.
 // --autocast runs forward, the loss and the held-out evaluation under AutocastGuard (matrix
 // products and attention in bfloat16/float16, float32 parameters); fp16 adds a GradScaler
 // whose overflow verdict the data-parallel ranks agree on.
@@ -34,6 +45,7 @@
 #include <weave/weave.h>
 
 #include "flags.h"
+#include "models.h"
 
 #include <algorithm>
 #include <array>
@@ -50,7 +62,10 @@
 
 using namespace weave;
 using gpt::Flags;
-namespace F = dist::functional;
+using gpt::Gpt;
+using gpt::LanguageModel;
+using gpt::MoeGpt;
+using gpt::ParallelGpt;
 
 namespace {
 
@@ -115,127 +130,6 @@ std::vector<int64_t> train_offsets(const Flags& f, int64_t text_size, int64_t st
   return offsets;
 }
 
-// ---- models ------------------------------------------------------------------------------
-
-/// A GPT however it is split: logits from ids, the loss of those logits, and decoding.
-class LanguageModel : public nn::Module {
- public:
-  using nn::Module::Module;
-  /// Mean cross-entropy of forward(ids)'s logits against targets [B, T].
-  virtual Tensor loss(const Tensor& logits, const Tensor& targets) = 0;
-  /// The next token's logits [B, vocab] on every rank, extending one cache per block.
-  virtual Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) = 0;
-  /// Recompute each block in backward instead of keeping its activations.
-  bool checkpoint_activations = false;
-
- protected:
-  Tensor run_block(nn::Module& block, const Tensor& x) {
-    if (!checkpoint_activations) return block(x);
-    return autograd::checkpoint([&block](const Tensor& h) { return block(h); }, x);
-  }
-};
-
-// Token plus position embeddings of ids [B, T] sitting at positions start, start + 1, ...
-Tensor embed_at(nn::Module& tokens, nn::Embedding& positions, const Tensor& ids, int64_t start) {
-  Tensor where = arange(double(start), double(start + ids.size(1)), 1,
-                        {.dtype = kInt64, .device = ids.device()});
-  return tokens(ids) + positions(where);
-}
-
-/// One process's GPT (also each DDP replica): [B, T] ids -> [B, T, vocab] logits.
-class Gpt : public LanguageModel {
- public:
-  Gpt(const Flags& f, int64_t vocab) : LanguageModel("Gpt") {
-    tokens = register_module("tokens", std::make_shared<nn::Embedding>(vocab, f.dim));
-    positions = register_module("positions", std::make_shared<nn::Embedding>(f.context, f.dim));
-    for (int64_t i = 0; i < f.layers; ++i)
-      blocks.push_back(register_module("block" + std::to_string(i),
-                                       std::make_shared<nn::TransformerBlock>(f.dim, f.heads)));
-    norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{f.dim}));
-    head = register_module("head", std::make_shared<nn::Linear>(f.dim, vocab));
-  }
-  Tensor forward(const Tensor& ids) override {
-    Tensor x = embed(ids, 0);
-    for (auto& block : blocks) x = run_block(*block, x);
-    return (*head)((*norm)(x));
-  }
-  Tensor loss(const Tensor& logits, const Tensor& targets) override {
-    return cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
-  }
-  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
-    Tensor x = embed(ids, caches[0].length());
-    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->forward(x, caches[i]);
-    return (*head)((*norm)(x.select(1, x.size(1) - 1)));
-  }
-  std::shared_ptr<nn::Embedding> tokens, positions;
-  std::vector<std::shared_ptr<nn::TransformerBlock>> blocks;
-  std::shared_ptr<nn::LayerNorm> norm;
-  std::shared_ptr<nn::Linear> head;
-
- private:
-  Tensor embed(const Tensor& ids, int64_t start) {
-    return embed_at(*tokens, *positions, ids, start);
-  }
-};
-
-/// The same GPT split over a tensor-parallel group: the vocabulary of the embedding and of the
-/// output layer, the heads and MLP units of every block. Sequence first inside; with sequence
-/// parallelism the norms and residuals hold 1/n of the sequence. Same parameter names as Gpt.
-class ParallelGpt : public LanguageModel {
- public:
-  ParallelGpt(const Flags& f, int64_t vocab, const dist::Group& tp, bool sequence_parallel)
-      : LanguageModel("ParallelGpt"), tp_(tp), sequence_parallel_(sequence_parallel) {
-    tokens = register_module("tokens",
-                             std::make_shared<parallel::VocabParallelEmbedding>(vocab, f.dim, tp));
-    positions = register_module("positions", std::make_shared<nn::Embedding>(f.context, f.dim));
-    for (int64_t i = 0; i < f.layers; ++i)
-      blocks.push_back(register_module(
-          "block" + std::to_string(i),
-          std::make_shared<parallel::ParallelTransformerBlock>(
-              f.dim, f.heads, tp,
-              parallel::ParallelTransformerBlockOptions{.sequence_parallel = sequence_parallel})));
-    if (sequence_parallel)
-      norm = register_module(
-          "norm", std::make_shared<parallel::SequenceParallelLayerNorm>(Shape{f.dim}, tp));
-    else
-      norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{f.dim}));
-    head = register_module(
-        "head", std::make_shared<parallel::ColumnParallelLinear>(
-                    f.dim, vocab, tp,
-                    parallel::ColumnParallelOptions{.sequence_parallel = sequence_parallel}));
-  }
-  /// ids [B, T] -> this rank's vocabulary slice of the logits, [T, B, vocab / n].
-  Tensor forward(const Tensor& ids) override {
-    Tensor x = embed(ids, 0);
-    if (sequence_parallel_) x = F::scatter_to_group(x, 0, tp_);  // this rank's positions
-    for (auto& block : blocks) x = run_block(*block, x);
-    return (*head)((*norm)(x));
-  }
-  Tensor loss(const Tensor& logits, const Tensor& targets) override {
-    return parallel::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                  targets.transpose(0, 1).reshape({-1}), tp_);
-  }
-  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
-    Tensor x = embed(ids, caches[0].length());
-    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->forward(x, caches[i]);
-    Tensor local = (*head)((*norm)(x.select(0, x.size(0) - 1)));  // [B, vocab / n]
-    return F::all_gather(local, -1, tp_);
-  }
-  std::shared_ptr<parallel::VocabParallelEmbedding> tokens;
-  std::shared_ptr<nn::Embedding> positions;
-  std::vector<std::shared_ptr<parallel::ParallelTransformerBlock>> blocks;
-  std::shared_ptr<nn::Module> norm;
-  std::shared_ptr<parallel::ColumnParallelLinear> head;
-
- private:
-  // [B, T] ids -> [T, B, dim]
-  Tensor embed(const Tensor& ids, int64_t start) {
-    return embed_at(*tokens, *positions, ids, start).transpose(0, 1).contiguous();
-  }
-  dist::Group tp_;
-  bool sequence_parallel_;
-};
-
 // GPT-2's initialization: weights N(0, 0.02), biases 0, norms 1 (the same on every rank that
 // uses the same seed).
 void initialize(nn::Module& model, uint64_t seed) {
@@ -250,18 +144,81 @@ void initialize(nn::Module& model, uint64_t seed) {
   }
 }
 
+// The groups of expert parallelism among the data-parallel ranks: blocks of --expert-parallel
+// consecutive ranks hold all the experts between them; the ranks at one place in every block
+// hold the same experts (replicas). Collective.
+struct ExpertGroups {
+  std::optional<dist::Group> experts, replicas;
+};
+ExpertGroups expert_groups(const Flags& f, const parallel::ProcessMesh& mesh) {
+  ExpertGroups out;
+  if (f.experts == 0 || f.expert_parallel == 1) return out;
+  const dist::Group& data = mesh.data();
+  const int n = f.expert_parallel, blocks = data.size() / n;
+  for (int b = 0; b < blocks; ++b) {
+    std::vector<int> ranks;
+    for (int i = 0; i < n; ++i) ranks.push_back(data.global_rank(b * n + i));
+    dist::Group g = dist::new_group(ranks);
+    if (g.rank() >= 0) out.experts = g;
+  }
+  for (int i = 0; i < n; ++i) {
+    std::vector<int> ranks;
+    for (int b = 0; b < blocks; ++b) ranks.push_back(data.global_rank(b * n + i));
+    dist::Group g = dist::new_group(ranks);
+    if (g.rank() >= 0) out.replicas = g;
+  }
+  return out;
+}
+
+// The model of this rank, built from the whole model's initialization (on every rank alike).
 std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
-                                     const parallel::ProcessMesh& mesh, bool sequence_parallel) {
-  auto whole = std::make_shared<Gpt>(f, vocab);
+                                     const parallel::ProcessMesh& mesh, bool sequence_parallel,
+                                     const ExpertGroups& groups = {}) {
+  std::shared_ptr<LanguageModel> whole;
+  if (f.experts > 0)
+    whole = std::make_shared<MoeGpt>(f, vocab, std::nullopt, mesh.data());
+  else
+    whole = std::make_shared<Gpt>(f, vocab);
   initialize(*whole, f.seed);
   whole->checkpoint_activations = f.checkpoint_activations;
   whole->to(f.placed);
-  if (mesh.shape().tensor == 1) return whole;
-  auto split = std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), sequence_parallel);
+  std::shared_ptr<LanguageModel> split;
+  if (groups.experts)
+    split = std::make_shared<MoeGpt>(f, vocab, groups.experts, mesh.data());
+  else if (mesh.shape().context > 1)
+    split = std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), false, mesh.context());
+  else if (mesh.shape().tensor > 1)
+    split = std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), sequence_parallel);
+  else
+    return whole;
   split->to(f.placed);
-  split->load_state_dict(parallel::shard_state_dict(whole->state_dict(), *split));
+  nn::NamedTensors state = parallel::shard_state_dict(whole->state_dict(), *split);
+  if (groups.experts) {  // this rank's experts only
+    const auto names = split->state_dict();
+    std::erase_if(state, [&](const auto& entry) {
+      return std::none_of(names.begin(), names.end(),
+                          [&](const auto& mine) { return mine.first == entry.first; });
+    });
+  }
+  split->load_state_dict(state);
   split->checkpoint_activations = f.checkpoint_activations;
   return split;
+}
+
+// Averages the gradients of a model trained without a data-parallel wrapper (context or expert
+// parallelism): replicated parameters over data and context; an expert over its replicas,
+// divided by the expert group's size (its gradient already sums that group's batches).
+void average_gradients(LanguageModel& model, const parallel::ProcessMesh& mesh,
+                       const ExpertGroups& groups) {
+  std::vector<Tensor> replicated, experts;
+  for (const auto& [name, p] : model.named_parameters())
+    (groups.experts && name.find(".moe.expert") != std::string::npos ? experts : replicated)
+        .push_back(p);
+  parallel::average_gradients(replicated, mesh.data_and_context());
+  if (experts.empty()) return;
+  parallel::average_gradients(experts, *groups.replicas);
+  NoGradGuard no_grad;
+  for (Tensor& p : experts) p.grad().mul_(1.0 / double(groups.experts->size()));
 }
 
 // Mean loss over the held-out windows: each data-parallel rank evaluates its share.
@@ -281,10 +238,11 @@ double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
     Tensor logits = model(w.narrow(1, 0, f.context));
     total += model.loss(logits, w.narrow(1, 1, f.context)).item<double>() * double(last - first);
   }
+  // Under context parallelism each rank's loss covers its part of the positions.
   Tensor sum = full({1}, total, {.dtype = kFloat64});
-  dist::all_reduce(sum, dist::ReduceOp::Sum, mesh.data());
+  dist::all_reduce(sum, dist::ReduceOp::Sum, mesh.data_and_context());
   model.train();
-  return sum.item<double>() / double(f.eval_windows);
+  return sum.item<double>() / double(f.eval_windows * mesh.shape().context);
 }
 
 // Lines sampled from a newline, temperature 0.8, on the ranks of data-parallel group 0 (the
@@ -336,15 +294,32 @@ int main(int argc, char** argv) try {
   WEAVE_CHECK(tensor > 0 && world % tensor == 0, "gpt",
               "--tp {} does not divide the {} ranks; hint: run a multiple of --tp ranks", tensor,
               world);
-  const parallel::ProcessMesh mesh({.data = world / tensor, .tensor = tensor});
+  const int context = f.context_parallel;
+  WEAVE_CHECK((context == 1 && f.experts == 0) || (tensor == 1 && !fully_sharded), "gpt",
+              "--context-parallel and --experts run with --strategy ddp");
+  WEAVE_CHECK(context == 1 || f.experts == 0, "gpt",
+              "--context-parallel with --experts is not supported; hint: use one of them");
+  WEAVE_CHECK(world % (tensor * context) == 0, "gpt",
+              "--context-parallel {} does not divide the {} ranks", context, world);
+  const parallel::ProcessMesh mesh(
+      {.data = world / (tensor * context), .tensor = tensor, .context = context});
   const int data = mesh.shape().data;
+  WEAVE_CHECK(f.experts == 0 || (data % f.expert_parallel == 0 && f.eval_windows % data == 0 &&
+                                 f.experts % f.expert_parallel == 0 && f.top_k <= f.experts),
+              "gpt",
+              "--expert-parallel {} must divide the {} data-parallel ranks and the {} experts, "
+              "--top-k {} be at most the experts, and --eval-windows {} divide among the ranks",
+              f.expert_parallel, data, f.experts, f.top_k, f.eval_windows);
+  const ExpertGroups expert_group = expert_groups(f, mesh);
+  // Context and expert parallelism average the gradients themselves (average_gradients).
+  const bool wrapped = context == 1 && f.experts == 0;
   WEAVE_CHECK(f.batch % data == 0, "gpt", "--batch {} does not divide among {} data-parallel ranks",
               f.batch, data);
   const bool sequence_parallel = tensor > 1 && f.sequence_parallel;
   Corpus corpus = load_corpus(f.data_dir);
   corpus.vocab = std::max(corpus.vocab, (f.vocab + 7) / 8 * 8);
 
-  auto model = build(f, corpus.vocab, mesh, sequence_parallel);
+  auto model = build(f, corpus.vocab, mesh, sequence_parallel, expert_group);
   std::vector<std::pair<std::string, Shape>> model_shapes;  // before fsdp shards the parameters
   for (const auto& [name, p] : model->named_parameters())
     model_shapes.emplace_back(name, p.shape());
@@ -353,7 +328,7 @@ int main(int argc, char** argv) try {
   if (fully_sharded)
     fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
         *model, parallel::FSDPOptions{.group = mesh.data()});
-  else if (data > 1)
+  else if (data > 1 && wrapped)
     ddp = std::make_unique<parallel::DistributedDataParallel>(
         *model, parallel::DDPOptions{.group = mesh.data()});
   // Evaluation and sampling run on whole parameters: under fsdp, on a replica loaded from the
@@ -380,7 +355,10 @@ int main(int argc, char** argv) try {
   std::vector<Tensor> sharded, replicated;
   const auto split = parallel::split_axes(*model);
   for (const auto& [name, p] : model->named_parameters())
-    (split.count(name) ? sharded : replicated).push_back(p);
+    (split.count(name) || (expert_group.experts && name.find(".moe.expert") != std::string::npos)
+         ? sharded
+         : replicated)
+        .push_back(p);
 
   // float16's range needs loss scaling; bfloat16 has float32's range and needs none. Every
   // rank agrees on skipping (the world: tensor-parallel shards overflow separately).
@@ -438,11 +416,15 @@ int main(int argc, char** argv) try {
       loss = model->loss(logits, targets);
     }
     scaler.scale(loss).backward();
+    if (!wrapped && mesh.data_and_context().size() > 1)
+      average_gradients(*model, mesh, expert_group);
     scaler.unscale_(optimizer.params());  // clipping sees the true gradients
     const double grad_norm =
         fsdp         ? fsdp->clip_grad_norm_(f.clip)  // the norm over every rank's shard
         : tensor > 1 ? dist::clip_grad_norm_(sharded, replicated, f.clip, mesh.tensor())
-                     : optim::clip_grad_norm_(model->parameters(), f.clip);
+        : expert_group.experts
+            ? dist::clip_grad_norm_(sharded, replicated, f.clip, *expert_group.experts)
+            : optim::clip_grad_norm_(model->parameters(), f.clip);
     scaler.step(optimizer);
     scaler.update();
     scheduler.step();
@@ -452,9 +434,9 @@ int main(int argc, char** argv) try {
     tokens += f.batch * f.context;
     if (step % f.log_every == 0 || step == f.steps) {
       Tensor mean = full({1}, loss_sum / double(losses), {.dtype = kFloat64});
-      dist::all_reduce(mean, dist::ReduceOp::Sum, mesh.data());
+      dist::all_reduce(mean, dist::ReduceOp::Avg, mesh.data_and_context());
       metrics.log_step({.step = step,
-                        .loss = mean.item<double>() / data,
+                        .loss = mean.item<double>(),
                         .lr = scheduler.lr(),
                         .tokens = tokens,
                         .grad_norm = grad_norm});
@@ -493,7 +475,9 @@ int main(int argc, char** argv) try {
   }
   // Decoding appends one position at a time, which sequence parallelism cannot split: the same
   // parameters in a model built without it.
-  if (sequence_parallel) {
+  if (expert_group.experts) {
+    if (dist::rank() == 0) std::printf("samples: none (the experts are spread over ranks)\n");
+  } else if (sequence_parallel || context > 1) {
     auto decoder = std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
     decoder->to(device);
     decoder->load_state_dict(evaluated->state_dict());

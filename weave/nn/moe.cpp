@@ -44,7 +44,7 @@ std::vector<char> within_capacity(const std::vector<int64_t>& expert, int64_t to
 
 // Switch's load-balancing loss, experts * sum_e f_e P_e, plus the z-loss, coefficients applied.
 Tensor auxiliary_loss(const Tensor& logits, const Tensor& probs, const std::vector<int64_t>& expert,
-                      const RouterOptions& o) {
+                      const RouterOptions& o, const ShareReduction& reduce) {
   const TensorOptions like{.dtype = logits.dtype(), .device = logits.device()};
   Tensor loss = zeros({}, like);
   const int64_t tokens = logits.size(0);
@@ -52,6 +52,7 @@ Tensor auxiliary_loss(const Tensor& logits, const Tensor& probs, const std::vect
   if (o.aux_loss_coef > 0) {
     std::vector<double> share(size_t(o.experts), 0.0);
     for (int64_t e : expert) share[size_t(e)] += 1.0 / double(expert.size());
+    if (reduce) share = reduce(share);
     const Tensor f = from_vector(share).to(logits.dtype()).to(logits.device());
     loss = loss + sum(mean(probs, {0}) * f) * (double(o.experts) * o.aux_loss_coef);
   }
@@ -77,7 +78,7 @@ Tensor TopKRouter::forward(const Tensor& tokens) {
   return linear(tokens, weight);
 }
 
-Routing TopKRouter::route(const Tensor& tokens) const {
+Routing TopKRouter::route(const Tensor& tokens, const ShareReduction& shares) const {
   WEAVE_CHECK(tokens.dim() == 2 && tokens.size(1) == weight.size(1), kRouter,
               "expected tokens [T, {}], found {}", weight.size(1), tokens.shape());
   const RouterOptions& o = options_;
@@ -106,7 +107,7 @@ Routing TopKRouter::route(const Tensor& tokens) const {
   r.kept = from_vector(mask).reshape({t, k}).to(kBool).to(tokens.device());
   for (char c : kept) r.dropped += c ? 0 : 1;
   r.weight = r.dropped ? weights * r.kept.to(weights.dtype()) : weights;
-  r.aux_loss = auxiliary_loss(logits, probs, expert, o);
+  r.aux_loss = auxiliary_loss(logits, probs, expert, o, shares);
   return r;
 }
 
@@ -130,7 +131,8 @@ MoE::MoE(MoEOptions options) : Module("MoE"), options_(options) {
 Tensor MoE::forward(const Tensor& x) {
   const Shape shape = x.shape();
   const Tensor tokens = x.reshape({-1, options_.hidden});
-  const Routing routing = router_->route(tokens);
+  // The shares matter to the loss only in training (evaluation may run on some ranks alone).
+  const Routing routing = router_->route(tokens, is_training() ? reduce_shares : nullptr);
   aux_loss_ = routing.aux_loss;
   stats_ = {tokens.size(0), tokens.size(0) * options_.router.top_k, routing.dropped};
   const detail::Dispatch dispatch = detail::plan_dispatch(routing, options_.router.experts);

@@ -11,6 +11,7 @@
 // Experts are built from `seed` and their index alone, so every layout of the same experts
 // (this dense layer, or parallel::ExpertParallelMoE spread over ranks) starts equal.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -51,12 +52,18 @@ struct Routing {
   int64_t capacity = 0;  // per expert; 0 without a limit
 };
 
+/// Turns this batch's share of assignments per expert into the shares over every batch the loss
+/// averages over (data-parallel ranks: an all_reduce of the shares, divided by their count), so
+/// that the load-balancing loss equals one process's on the stacked batches (Megatron's global
+/// load balancing). Null: this batch's own.
+using ShareReduction = std::function<std::vector<double>(const std::vector<double>&)>;
+
 class TopKRouter : public Module {
  public:
   /// Checks the options (top_k from 1 to experts, capacity_factor 0 or positive).
   TopKRouter(int64_t hidden, RouterOptions options, Generator* generator = nullptr);
   /// tokens [T, hidden].
-  Routing route(const Tensor& tokens) const;
+  Routing route(const Tensor& tokens, const ShareReduction& shares = nullptr) const;
   /// The logits [T, experts].
   Tensor forward(const Tensor& tokens) override;
   const RouterOptions& options() const { return options_; }
@@ -93,6 +100,9 @@ class MoE : public Module {
   const MoEStats& stats() const { return stats_; }
   TopKRouter& router() { return *router_; }
   Module& expert(int64_t index) { return *experts_[size_t(index)]; }
+  /// Applied to the load-balancing shares of every forward in training mode (see
+  /// ShareReduction); evaluation uses its own batch's.
+  ShareReduction reduce_shares = nullptr;
 
  private:
   MoEOptions options_;

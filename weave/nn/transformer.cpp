@@ -37,6 +37,15 @@ std::pair<Tensor, Tensor> KVCache::append(const Tensor& k, const Tensor& v) {
 
 Tensor fused_qkv_attention(const Tensor& qkv, int64_t heads, const AttentionOptions& options,
                            KVCache* cache) {
+  return fused_qkv_attention(qkv, heads, [&](const Tensor& q, Tensor k, Tensor v) {
+    if (cache) std::tie(k, v) = cache->append(k, v);
+    return scaled_dot_product_attention(q, k, v, options);
+  });
+}
+
+Tensor fused_qkv_attention(
+    const Tensor& qkv, int64_t heads,
+    const std::function<Tensor(const Tensor& q, const Tensor& k, const Tensor& v)>& attend) {
   WEAVE_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0, "fused_qkv_attention",
               "expected qkv [B, T, heads * 3 * head_dim] with {} heads, found {}", heads,
               qkv.shape());
@@ -46,8 +55,7 @@ Tensor fused_qkv_attention(const Tensor& qkv, int64_t heads, const AttentionOpti
   Tensor q = projected.select(3, 0).transpose(1, 2);
   Tensor k = projected.select(3, 1).transpose(1, 2);
   Tensor v = projected.select(3, 2).transpose(1, 2);
-  if (cache) std::tie(k, v) = cache->append(k, v);
-  Tensor y = scaled_dot_product_attention(q, k, v, options);
+  Tensor y = attend(q, k, v);
   return y.transpose(1, 2).reshape({b, t, heads * head_dim});
 }
 

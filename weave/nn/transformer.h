@@ -39,6 +39,12 @@ class KVCache {
 /// when one is given. Returns [B, T, heads * head_dim], a view of contiguous memory.
 Tensor fused_qkv_attention(const Tensor& qkv, int64_t heads, const AttentionOptions& options,
                            KVCache* cache = nullptr);
+/// The same split of qkv into heads, with `attend` (q, k, v [B, heads, T, head_dim] -> [B, heads,
+/// T, head_dim]) in place of scaled_dot_product_attention: context-parallel attention plugs in
+/// here.
+Tensor fused_qkv_attention(
+    const Tensor& qkv, int64_t heads,
+    const std::function<Tensor(const Tensor& q, const Tensor& k, const Tensor& v)>& attend);
 
 struct MultiheadAttentionOptions {
   bool bias = true;

@@ -1,12 +1,16 @@
 #pragma once
-// Process meshes: a world of data x tensor x pipeline ranks, with one group of each kind per
-// rank (Megatron's layout: tensor-parallel ranks adjacent, then data, then pipeline).
+// Process meshes: a world of data x context x tensor x pipeline ranks, with one group of each
+// kind per rank (Megatron's layout: tensor-parallel ranks adjacent, then context, then data, then
+// pipeline).
 //
 //   parallel::ProcessMesh mesh({.data = 2, .tensor = 2});   // 4 ranks
 //   parallel::ColumnParallelLinear fc(784, 256, mesh.tensor());
 //   parallel::DistributedDataParallel ddp(model, {.group = mesh.data()});
 //
-// Rank r sits at tensor index r % T, data index (r / T) % D, pipeline index r / (T * D).
+// Rank r sits at tensor index r % T, context index (r / T) % C, data index (r / (T C)) % D,
+// pipeline index r / (T C D). Context ranks hold parts of one sequence
+// (parallel::ring_attention): they read the same batch, and the replicated parameters' gradients
+// are averaged over data and context together (mesh.data_and_context()).
 // Every rank must construct the mesh (it creates groups, a collective step).
 #include <memory>
 #include <optional>
@@ -20,11 +24,12 @@ struct MeshShape {
   int data = 1;
   int tensor = 1;
   int pipeline = 1;
+  int context = 1;
 };
 
 class ProcessMesh {
  public:
-  /// Splits the world; data * tensor * pipeline must equal the world size.
+  /// Splits the world; data * context * tensor * pipeline must equal the world size.
   explicit ProcessMesh(MeshShape shape);
 
   const MeshShape& shape() const { return shape_; }
@@ -32,25 +37,31 @@ class ProcessMesh {
   const dist::Group& data() const { return data_; }
   const dist::Group& tensor() const { return tensor_; }
   const dist::Group& pipeline() const { return pipeline_; }
+  const dist::Group& context() const { return context_; }
+  /// The ranks that differ from this one in data or context coordinates: where the gradients of
+  /// parameters replicated over both are averaged.
+  const dist::Group& data_and_context() const { return data_and_context_; }
   /// This rank's coordinates.
   int data_rank() const { return data_.rank(); }
   int tensor_rank() const { return tensor_.rank(); }
   int pipeline_rank() const { return pipeline_.rank(); }
+  int context_rank() const { return context_.rank(); }
   /// The global rank at the given coordinates.
-  int rank_at(int data, int tensor, int pipeline) const;
-  /// "mesh data=2 tensor=2 pipeline=1; rank 3: data [1, 3] tensor [2, 3] pipeline [3]".
+  int rank_at(int data, int tensor, int pipeline, int context = 0) const;
+  /// "mesh data=2 tensor=2 pipeline=1; rank 3: data [1, 3] tensor [2, 3] pipeline [3]" (with
+  /// the context axis when it has more than one rank).
   std::string str() const;
 
  private:
   MeshShape shape_;
-  dist::Group data_, tensor_, pipeline_;
+  dist::Group data_, tensor_, pipeline_, context_, data_and_context_;
   std::shared_ptr<const MeshShape> registered_;  // alive while a copy of this mesh is
 };
 
 namespace detail {
 /// The group of a data-parallel wrapper or sampler: `group` when given, else the world, except
-/// while a ProcessMesh with tensor or pipeline ranks is alive: the world then spans those too
-/// (the ranks of one tensor group would read different batches, or average different shards),
+/// while a ProcessMesh with tensor, pipeline or context ranks is alive: the world then spans those
+/// too (the ranks of one tensor group would read different batches, or average different shards),
 /// so leaving the group unset raises, naming mesh.data(). `op` names the caller in the error.
 dist::Group data_parallel_group(const std::optional<dist::Group>& group, const char* op);
 }  // namespace detail

@@ -29,6 +29,7 @@
 namespace weave::parallel {
 
 enum class SequenceLayout { Contiguous, ZigZag };
+enum class ContextParallelMode { Ring, AllToAll };
 
 /// What the last ring_attention on this thread did: its share of the attention work and the
 /// time its compute waited for K/V blocks (the exchange that compute did not hide).

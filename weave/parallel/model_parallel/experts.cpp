@@ -14,8 +14,20 @@ constexpr const char* kOp = "ExpertParallelMoE";
 
 }  // namespace
 
-ExpertParallelMoE::ExpertParallelMoE(nn::MoEOptions options, dist::Group group)
-    : nn::Module("ExpertParallelMoE"), options_(options), group_(std::move(group)) {
+nn::ShareReduction shares_over(const dist::Group& group) {
+  return [group](const std::vector<double>& mine) {
+    Tensor shares = from_vector(mine);
+    dist::all_reduce(shares, dist::ReduceOp::Avg, group);
+    return shares.to_vector<double>();
+  };
+}
+
+ExpertParallelMoE::ExpertParallelMoE(nn::MoEOptions options, dist::Group group,
+                                     std::optional<dist::Group> balance_group)
+    : nn::Module("ExpertParallelMoE"),
+      options_(options),
+      group_(std::move(group)),
+      balance_group_(std::move(balance_group)) {
   WEAVE_CHECK(group_.rank() >= 0, kOp, "rank {} is not in group {}", dist::rank(), group_.str());
   const int n = group_.size();
   const int64_t experts = options.router.experts;
@@ -48,7 +60,8 @@ Tensor ExpertParallelMoE::forward(const Tensor& x) {
   const int64_t experts = options_.router.experts, local = experts / n, hidden = options_.hidden;
   const Shape shape = x.shape();
   const Tensor tokens = x.reshape({-1, hidden});
-  const nn::Routing routing = router_->route(tokens);
+  const nn::Routing routing = router_->route(
+      tokens, balance_group_ && is_training() ? shares_over(*balance_group_) : nullptr);
   aux_loss_ = routing.aux_loss;
   const nn::detail::Dispatch dispatch = nn::detail::plan_dispatch(routing, experts);
   // Each rank learns how many rows of each of its experts every rank sends.

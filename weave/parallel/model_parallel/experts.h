@@ -14,6 +14,7 @@
 // The router is replicated: keep it equal across the group (as data parallelism does).
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "weave/distributed/distributed.h"
@@ -31,11 +32,18 @@ struct ExpertParallelStats {
   int64_t bytes_exchanged = 0;
 };
 
+/// The ShareReduction of a data-parallel group: the mean of the ranks' shares (collective; for
+/// nn::MoE::reduce_shares under data parallelism).
+nn::ShareReduction shares_over(const dist::Group& group);
+
 class ExpertParallelMoE : public nn::Module {
  public:
   /// Collective over the group: every rank passes the same options; the experts must divide
-  /// over the group (or every rank raises).
-  ExpertParallelMoE(nn::MoEOptions options, dist::Group group);
+  /// over the group (or every rank raises). With `balance_group` (the data-parallel ranks whose
+  /// batches one step trains on, the expert group among them) the load-balancing loss counts
+  /// their assignments together, so the layer equals one process on their stacked batches.
+  ExpertParallelMoE(nn::MoEOptions options, dist::Group group,
+                    std::optional<dist::Group> balance_group = std::nullopt);
   /// x [..., hidden] -> [..., hidden]: this rank's tokens. Collective over the group.
   Tensor forward(const Tensor& x) override;
   const Tensor& aux_loss() const { return aux_loss_; }
@@ -53,6 +61,7 @@ class ExpertParallelMoE : public nn::Module {
 
   nn::MoEOptions options_;
   dist::Group group_;
+  std::optional<dist::Group> balance_group_;
   int64_t first_ = 0;
   std::shared_ptr<nn::TopKRouter> router_;
   std::vector<std::shared_ptr<nn::Module>> experts_;

@@ -42,6 +42,20 @@ Tensor ParallelAttention::attend(const Tensor& x, nn::KVCache* cache) {
   WEAVE_CHECK(x.dim() == 3 && x.size(2) == dim_, "ParallelAttention",
               "expected input [T, B, {}] (sequence first), found {}", dim_, x.shape());
   const double p = is_training() ? options_.dropout : 0.0;
+  if (options_.context_group) {
+    WEAVE_CHECK(p == 0 && cache == nullptr, "ParallelAttention",
+                "context parallelism runs without attention dropout and without a KV cache; "
+                "hint: decode with a model built without context_group (the same parameters)");
+    const ContextParallelOptions cp{.causal = options_.causal, .layout = options_.context_layout};
+    const dist::Group& group = *options_.context_group;
+    const bool ring = options_.context_mode == ContextParallelMode::Ring;
+    Tensor y = nn::fused_qkv_attention((*qkv)(x).transpose(0, 1), local_heads_,
+                                       [&](const Tensor& q, const Tensor& k, const Tensor& v) {
+                                         return ring ? ring_attention(q, k, v, group, cp)
+                                                     : all_to_all_attention(q, k, v, group, cp);
+                                       });
+    return (*out)(y.transpose(0, 1));
+  }
   // [T, B, 3 dim / n] seen as [B, T, ...] (a view), attention on the local heads.
   Tensor y = nn::fused_qkv_attention(
       (*qkv)(x).transpose(0, 1), local_heads_,
@@ -86,7 +100,10 @@ ParallelTransformerBlock::ParallelTransformerBlock(int64_t dim, int64_t heads, d
                                                 .causal = options.causal,
                                                 .dropout = options.dropout,
                                                 .sequence_parallel = options.sequence_parallel,
-                                                .generator = options.generator}));
+                                                .generator = options.generator,
+                                                .context_group = options.context_group,
+                                                .context_mode = options.context_mode,
+                                                .context_layout = options.context_layout}));
   norm2 = register_module("norm2", norm());
   mlp =
       register_module("mlp", std::make_shared<ParallelMLP>(

@@ -14,6 +14,7 @@
 // holds the slices of nn::MultiheadAttention, nn::MLP or nn::TransformerBlock (same parameter
 // names), so shard_state_dict / gather_state_dict convert between them.
 #include "weave/nn/transformer.h"
+#include "weave/parallel/model_parallel/context_parallel.h"
 #include "weave/parallel/model_parallel/tensor_parallel.h"
 
 namespace weave::parallel {
@@ -27,6 +28,12 @@ struct ParallelAttentionOptions {
   /// Input and output [T / n, B, dim], split along the sequence.
   bool sequence_parallel = false;
   Generator* generator = nullptr;
+  /// Context parallelism: the input holds this rank's positions of a sequence split over this
+  /// group (in context_layout), and attention runs over the whole sequence
+  /// (parallel::ring_attention, or all_to_all_attention). Not with dropout or a KV cache.
+  std::optional<dist::Group> context_group = std::nullopt;
+  ContextParallelMode context_mode = ContextParallelMode::Ring;
+  SequenceLayout context_layout = SequenceLayout::ZigZag;
 };
 
 /// Self-attention with heads / n heads per rank: the fused q/k/v projection is one
@@ -84,6 +91,10 @@ struct ParallelTransformerBlockOptions {
   /// activations 1/n the size); the norms' gradients are summed over the group.
   bool sequence_parallel = false;
   Generator* generator = nullptr;
+  /// Context parallelism for the attention (ParallelAttentionOptions::context_group).
+  std::optional<dist::Group> context_group = std::nullopt;
+  ContextParallelMode context_mode = ContextParallelMode::Ring;
+  SequenceLayout context_layout = SequenceLayout::ZigZag;
 };
 
 /// nn::TransformerBlock split over a tensor-parallel group (pre-LayerNorm, attention + MLP).

@@ -1,0 +1,240 @@
+#pragma once
+// examples/gpt's models: one process's GPT (each data-parallel replica), the same GPT split over
+// a tensor-parallel group or a context group, and the GPT whose MLPs are mixtures of experts.
+// Every variant has the parameter names of the whole model it splits, so one initialization
+// (on the whole model, by name order) starts them all equal.
+#include <weave/weave.h>
+
+#include "flags.h"
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace gpt {
+
+namespace F = dist::functional;
+
+/// A GPT however it is split: logits from ids, the loss of those logits, and decoding.
+class LanguageModel : public nn::Module {
+ public:
+  using nn::Module::Module;
+  /// Mean cross-entropy of forward(ids)'s logits against targets [B, T].
+  virtual Tensor loss(const Tensor& logits, const Tensor& targets) = 0;
+  /// The next token's logits [B, vocab] on every rank, extending one cache per block.
+  virtual Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) = 0;
+  /// Recompute each block in backward instead of keeping its activations.
+  bool checkpoint_activations = false;
+
+ protected:
+  Tensor run_block(nn::Module& block, const Tensor& x) {
+    if (!checkpoint_activations) return block(x);
+    return autograd::checkpoint([&block](const Tensor& h) { return block(h); }, x);
+  }
+};
+
+// Token plus position embeddings of ids [B, T] sitting at positions start, start + 1, ...
+Tensor embed_at(nn::Module& tokens, nn::Embedding& positions, const Tensor& ids, int64_t start) {
+  Tensor where = arange(double(start), double(start + ids.size(1)), 1,
+                        {.dtype = kInt64, .device = ids.device()});
+  return tokens(ids) + positions(where);
+}
+
+/// One process's GPT (also each DDP replica): [B, T] ids -> [B, T, vocab] logits.
+class Gpt : public LanguageModel {
+ public:
+  Gpt(const Flags& f, int64_t vocab) : LanguageModel("Gpt") {
+    tokens = register_module("tokens", std::make_shared<nn::Embedding>(vocab, f.dim));
+    positions = register_module("positions", std::make_shared<nn::Embedding>(f.context, f.dim));
+    for (int64_t i = 0; i < f.layers; ++i)
+      blocks.push_back(register_module("block" + std::to_string(i),
+                                       std::make_shared<nn::TransformerBlock>(f.dim, f.heads)));
+    norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{f.dim}));
+    head = register_module("head", std::make_shared<nn::Linear>(f.dim, vocab));
+  }
+  Tensor forward(const Tensor& ids) override {
+    Tensor x = embed(ids, 0);
+    for (auto& block : blocks) x = run_block(*block, x);
+    return (*head)((*norm)(x));
+  }
+  Tensor loss(const Tensor& logits, const Tensor& targets) override {
+    return cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+  }
+  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
+    Tensor x = embed(ids, caches[0].length());
+    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->forward(x, caches[i]);
+    return (*head)((*norm)(x.select(1, x.size(1) - 1)));
+  }
+  std::shared_ptr<nn::Embedding> tokens, positions;
+  std::vector<std::shared_ptr<nn::TransformerBlock>> blocks;
+  std::shared_ptr<nn::LayerNorm> norm;
+  std::shared_ptr<nn::Linear> head;
+
+ private:
+  Tensor embed(const Tensor& ids, int64_t start) {
+    return embed_at(*tokens, *positions, ids, start);
+  }
+};
+
+/// The same GPT split over a tensor-parallel group: the vocabulary of the embedding and of the
+/// output layer, the heads and MLP units of every block. Sequence first inside; with sequence
+/// parallelism the norms and residuals hold 1/n of the sequence. Same parameter names as Gpt.
+class ParallelGpt : public LanguageModel {
+ public:
+  /// With `context`, each rank of that group holds its zig-zag part of every sequence
+  /// (parallel::ring_attention or all_to_all_attention, per --cp-mode); tp is then one rank.
+  ParallelGpt(const Flags& f, int64_t vocab, const dist::Group& tp, bool sequence_parallel,
+              std::optional<dist::Group> context = std::nullopt)
+      : LanguageModel("ParallelGpt"),
+        tp_(tp),
+        sequence_parallel_(sequence_parallel),
+        context_(std::move(context)) {
+    tokens = register_module("tokens",
+                             std::make_shared<parallel::VocabParallelEmbedding>(vocab, f.dim, tp));
+    positions = register_module("positions", std::make_shared<nn::Embedding>(f.context, f.dim));
+    for (int64_t i = 0; i < f.layers; ++i)
+      blocks.push_back(register_module(
+          "block" + std::to_string(i),
+          std::make_shared<parallel::ParallelTransformerBlock>(
+              f.dim, f.heads, tp,
+              parallel::ParallelTransformerBlockOptions{
+                  .sequence_parallel = sequence_parallel,
+                  .context_group = context_,
+                  .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
+                                                      : parallel::ContextParallelMode::AllToAll})));
+    if (sequence_parallel)
+      norm = register_module(
+          "norm", std::make_shared<parallel::SequenceParallelLayerNorm>(Shape{f.dim}, tp));
+    else
+      norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{f.dim}));
+    head = register_module(
+        "head", std::make_shared<parallel::ColumnParallelLinear>(
+                    f.dim, vocab, tp,
+                    parallel::ColumnParallelOptions{.sequence_parallel = sequence_parallel}));
+  }
+  /// ids [B, T] -> this rank's vocabulary slice of the logits, [T, B, vocab / n].
+  Tensor forward(const Tensor& ids) override {
+    Tensor x = embed(ids, 0);
+    if (sequence_parallel_) x = F::scatter_to_group(x, 0, tp_);  // this rank's positions
+    for (auto& block : blocks) x = run_block(*block, x);
+    return (*head)((*norm)(x));
+  }
+  Tensor loss(const Tensor& logits, const Tensor& targets) override {
+    const Tensor mine = context_ ? part(targets) : targets;  // this rank's positions
+    return parallel::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                  mine.transpose(0, 1).reshape({-1}), tp_);
+  }
+  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
+    Tensor x = embed(ids, caches[0].length());
+    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->forward(x, caches[i]);
+    Tensor local = (*head)((*norm)(x.select(0, x.size(0) - 1)));  // [B, vocab / n]
+    return F::all_gather(local, -1, tp_);
+  }
+  std::shared_ptr<parallel::VocabParallelEmbedding> tokens;
+  std::shared_ptr<nn::Embedding> positions;
+  std::vector<std::shared_ptr<parallel::ParallelTransformerBlock>> blocks;
+  std::shared_ptr<nn::Module> norm;
+  std::shared_ptr<parallel::ColumnParallelLinear> head;
+
+ private:
+  // [B, T] ids -> [T, B, dim] (this rank's positions only, under context parallelism)
+  Tensor embed(const Tensor& ids, int64_t start) {
+    if (!context_) return embed_at(*tokens, *positions, ids, start).transpose(0, 1).contiguous();
+    const Tensor where = part(arange(double(start), double(start + ids.size(1)), 1,
+                                     {.dtype = kInt64, .device = ids.device()})
+                                  .unsqueeze(0));
+    return ((*tokens)(part(ids)) + (*positions)(where.squeeze(0))).transpose(0, 1).contiguous();
+  }
+  // This rank's zig-zag part of a [B, T] tensor, along T.
+  Tensor part(const Tensor& x) const {
+    return parallel::shard_sequence(x, 1, *context_, parallel::SequenceLayout::ZigZag);
+  }
+  dist::Group tp_;
+  bool sequence_parallel_;
+  std::optional<dist::Group> context_;
+};
+
+/// A pre-LayerNorm block whose MLP is a mixture of experts (nn::MoE on one rank, or
+/// parallel::ExpertParallelMoE over an expert group): the same parameter names either way.
+class MoeBlock : public nn::Module {
+ public:
+  MoeBlock(const Flags& f, std::shared_ptr<nn::Module> experts, std::function<Tensor()> aux)
+      : nn::Module("MoeBlock"), aux_loss(std::move(aux)) {
+    norm1 = register_module("norm1", std::make_shared<nn::LayerNorm>(Shape{f.dim}));
+    attention = register_module("attention",
+                                std::make_shared<nn::MultiheadAttention>(
+                                    f.dim, f.heads, nn::MultiheadAttentionOptions{.causal = true}));
+    norm2 = register_module("norm2", std::make_shared<nn::LayerNorm>(Shape{f.dim}));
+    moe = register_module("moe", std::move(experts));
+  }
+  Tensor forward(const Tensor& x) override { return run(x, nullptr); }
+  Tensor run(const Tensor& x, nn::KVCache* cache) {
+    const Tensor normed = (*norm1)(x);
+    const Tensor h = x + (cache ? attention->forward(normed, *cache) : (*attention)(normed));
+    return h + (*moe)((*norm2)(h));
+  }
+  std::shared_ptr<nn::LayerNorm> norm1, norm2;
+  std::shared_ptr<nn::MultiheadAttention> attention;
+  std::shared_ptr<nn::Module> moe;
+  std::function<Tensor()> aux_loss;  // the last forward's load-balancing and z-loss
+};
+
+/// Gpt with --experts experts in every block's MLP, top --top-k; over `experts` (an expert
+/// group of the data-parallel ranks) when it has more than one rank. The load-balancing loss
+/// counts the assignments of the whole step's batch (`balance`: the data-parallel ranks).
+class MoeGpt : public LanguageModel {
+ public:
+  MoeGpt(const Flags& f, int64_t vocab, std::optional<dist::Group> experts,
+         std::optional<dist::Group> balance)
+      : LanguageModel("MoeGpt") {
+    tokens = register_module("tokens", std::make_shared<nn::Embedding>(vocab, f.dim));
+    positions = register_module("positions", std::make_shared<nn::Embedding>(f.context, f.dim));
+    for (int64_t i = 0; i < f.layers; ++i) {
+      const nn::MoEOptions o{.hidden = f.dim,
+                             .ffn = 4 * f.dim / f.top_k,  // the dense MLP's compute per token
+                             .router = {.experts = f.experts, .top_k = f.top_k},
+                             .seed = f.seed + uint64_t(i)};
+      std::shared_ptr<nn::Module> layer;
+      std::function<Tensor()> aux;
+      if (experts && experts->size() > 1) {
+        auto ep = std::make_shared<parallel::ExpertParallelMoE>(o, *experts, balance);
+        aux = [raw = ep.get()] { return raw->aux_loss(); };
+        layer = ep;
+      } else {
+        auto dense = std::make_shared<nn::MoE>(o);
+        if (balance && balance->size() > 1) dense->reduce_shares = parallel::shares_over(*balance);
+        aux = [raw = dense.get()] { return raw->aux_loss(); };
+        layer = dense;
+      }
+      blocks.push_back(
+          register_module("block" + std::to_string(i), std::make_shared<MoeBlock>(f, layer, aux)));
+    }
+    norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{f.dim}));
+    head = register_module("head", std::make_shared<nn::Linear>(f.dim, vocab));
+  }
+  Tensor forward(const Tensor& ids) override {
+    Tensor x = embed_at(*tokens, *positions, ids, 0);
+    for (auto& block : blocks) x = run_block(*block, x);
+    return (*head)((*norm)(x));
+  }
+  /// Cross-entropy plus every block's auxiliary loss.
+  Tensor loss(const Tensor& logits, const Tensor& targets) override {
+    Tensor total = cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+    if (is_training())
+      for (auto& block : blocks) total = total + block->aux_loss();
+    return total;
+  }
+  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
+    Tensor x = embed_at(*tokens, *positions, ids, caches[0].length());
+    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->run(x, &caches[i]);
+    return (*head)((*norm)(x.select(1, x.size(1) - 1)));
+  }
+  std::shared_ptr<nn::Embedding> tokens, positions;
+  std::vector<std::shared_ptr<MoeBlock>> blocks;
+  std::shared_ptr<nn::LayerNorm> norm;
+  std::shared_ptr<nn::Linear> head;
+};
+
+}  // namespace gpt
