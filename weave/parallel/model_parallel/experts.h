@@ -27,7 +27,8 @@ struct ExpertParallelStats {
   /// Assignments beyond an expert's capacity, on this rank's tokens.
   int64_t dropped = 0;
   /// Rows this rank sent to other ranks' experts, and received for its own, in the forward's
-  /// dispatch (the combine moves as many back); bytes counts both exchanges, both ways.
+  /// dispatch (the combine moves as many back); bytes counts forward's dispatch and combine,
+  /// sent and received.
   int64_t rows_sent = 0, rows_received = 0;
   int64_t bytes_exchanged = 0;
 };
