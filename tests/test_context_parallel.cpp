@@ -67,22 +67,15 @@ std::vector<int64_t> work_per_rank(bool causal, SequenceLayout layout) {
 }  // namespace
 
 TEST_SUITE("context_parallel") {
-  TEST_CASE("ring attention equals attention on the whole sequence, values and gradients") {
-    for (bool causal : {false, true})
-      for (SequenceLayout layout : {SequenceLayout::Contiguous, SequenceLayout::ZigZag}) {
-        CAPTURE(causal);
-        CAPTURE(int(layout));
-        check_against_whole(&parallel::ring_attention, causal, layout);
-      }
-  }
-
-  TEST_CASE("all-to-all attention equals attention on the whole sequence") {
-    for (bool causal : {false, true})
-      for (SequenceLayout layout : {SequenceLayout::Contiguous, SequenceLayout::ZigZag}) {
-        CAPTURE(causal);
-        CAPTURE(int(layout));
-        check_against_whole(&parallel::all_to_all_attention, causal, layout);
-      }
+  TEST_CASE("ring and all-to-all attention equal attention on the whole sequence") {
+    for (Attention attention : {&parallel::ring_attention, &parallel::all_to_all_attention})
+      for (bool causal : {false, true})
+        for (SequenceLayout layout : {SequenceLayout::Contiguous, SequenceLayout::ZigZag}) {
+          CAPTURE(attention == &parallel::ring_attention);
+          CAPTURE(causal);
+          CAPTURE(int(layout));
+          check_against_whole(attention, causal, layout);
+        }
   }
 
   TEST_CASE("ring attention passes the distributed gradcheck") {
