@@ -107,6 +107,24 @@ TEST_SUITE("exchange") {
     }
   }
 
+  TEST_CASE("with both splits known, the reverse exchange returns every row home") {
+    const int n = dist::world_size(), me = dist::rank();
+    Tensor x = input_of(me, total(splits_of(me, n))).requires_grad_();
+    std::vector<int64_t> received;
+    const Tensor y = F::all_to_all(x, splits_of(me, n), dist::world(), &received);
+    // Rows come back where they started; the gradient of sum(back * w) is w on x.
+    const Tensor back = F::all_to_all(y * 2.0, received, splits_of(me, n));
+    CHECK(test::close(back, x.detach() * 2.0, 1e-15, 0));
+    const Tensor w = input_of(me, x.size(0), 3);
+    (back * w).sum().backward();
+    CHECK(test::close(x.grad(), w * 2.0, 1e-15, 0));
+    // A 0-d tensor on rank 0 only: every rank raises, and the group stays in step.
+    const Tensor bad = me == 0 ? full({}, 1.0, {.dtype = kFloat64}) : x.detach();
+    CHECK_WEAVE_ERROR(F::all_to_all(bad, splits_of(me, n), received), "all_to_all",
+                      me == 0 || n == 1 ? "at least 1 dimension" : "rejected its arguments");
+    CHECK(F::all_to_all(x.detach(), splits_of(me, n)).size(0) == total(received));
+  }
+
   TEST_CASE("empty exchanges: a rank that sends nothing and receives nothing") {
     const int n = dist::world_size(), me = dist::rank();
     std::vector<int64_t> nothing(size_t(n), 0);

@@ -149,6 +149,10 @@ void initialize(nn::Module& model, uint64_t seed) {
 // hold the same experts (replicas). Collective.
 struct ExpertGroups {
   std::optional<dist::Group> experts, replicas;
+  /// Whether parameter `name` is an expert's held by this rank only (not the whole group).
+  bool spread(const std::string& name) const {
+    return experts && name.find(".moe.expert") != std::string::npos;
+  }
 };
 ExpertGroups expert_groups(const Flags& f, const parallel::ProcessMesh& mesh) {
   ExpertGroups out;
@@ -212,8 +216,7 @@ void average_gradients(LanguageModel& model, const parallel::ProcessMesh& mesh,
                        const ExpertGroups& groups) {
   std::vector<Tensor> replicated, experts;
   for (const auto& [name, p] : model.named_parameters())
-    (groups.experts && name.find(".moe.expert") != std::string::npos ? experts : replicated)
-        .push_back(p);
+    (groups.spread(name) ? experts : replicated).push_back(p);
   parallel::average_gradients(replicated, mesh.data_and_context());
   if (experts.empty()) return;
   parallel::average_gradients(experts, *groups.replicas);
@@ -355,10 +358,7 @@ int main(int argc, char** argv) try {
   std::vector<Tensor> sharded, replicated;
   const auto split = parallel::split_axes(*model);
   for (const auto& [name, p] : model->named_parameters())
-    (split.count(name) || (expert_group.experts && name.find(".moe.expert") != std::string::npos)
-         ? sharded
-         : replicated)
-        .push_back(p);
+    (split.count(name) || expert_group.spread(name) ? sharded : replicated).push_back(p);
 
   // float16's range needs loss scaling; bfloat16 has float32's range and needs none. Every
   // rank agrees on skipping (the world: tensor-parallel shards overflow separately).

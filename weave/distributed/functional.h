@@ -63,6 +63,12 @@ Tensor all_to_all(const Tensor& x, int64_t split_axis = 0, int64_t concat_axis =
 /// shapes that differ, raise on every rank before any data moves.
 Tensor all_to_all(const Tensor& x, const std::vector<int64_t>& input_splits,
                   const Group& group = world(), std::vector<int64_t>* output_splits = nullptr);
+/// The same with both splits known (an exchange's reverse, or splits the ranks exchanged
+/// themselves): no plan is gathered. Each rank's own splits are checked (rows, non-negative) and
+/// a failure raises on every rank; whether the ranks' splits pair up is checked in full check
+/// mode only (WEAVE_CHECK_COLLECTIVES=full).
+Tensor all_to_all(const Tensor& x, const std::vector<int64_t>& input_splits,
+                  const std::vector<int64_t>& output_splits, const Group& group = world());
 /// A shift (JAX's ppermute): sends x to group rank `to` and returns what rank `from` sent, in
 /// one exchange. Every rank of the group calls it with a tensor of one shape and dtype, and the
 /// `to`s form a permutation whose inverse is the `from`s (a ring: to = r + 1, from = r - 1, mod

@@ -2,11 +2,13 @@
 // send_recv (every rank's tensor shifted to another rank, JAX's ppermute). Both run on the
 // uneven dist::all_to_all after one small all_gather of every rank's plan, which every rank
 // checks alike: a bad argument on one rank raises on every rank before any data moves.
+#include <numeric>
 #include <optional>
 #include <string>
 
 #include "weave/distributed/functional.h"
 #include "weave/distributed/functional_support.h"
+#include "weave/distributed/runtime.h"
 #include "weave/ops/ops.h"
 
 namespace weave::dist::functional {
@@ -86,17 +88,13 @@ std::vector<int64_t> agree_on_plans(const Plan& mine, const Group& g, const char
   return incoming;
 }
 
-int64_t sum_of(const std::vector<int64_t>& v) {
-  int64_t s = 0;
-  for (int64_t x : v) s += x;
-  return s;
-}
-
 // The exchange itself, recording nothing: rows of x go out by `out_splits`, arrive by
 // `in_splits`, concatenated in rank order.
 Tensor raw_uneven(const Tensor& x, const std::vector<int64_t>& out_splits,
                   const std::vector<int64_t>& in_splits, const Group& g) {
-  Tensor out = empty(with_dim(x.shape(), 0, sum_of(in_splits)), like(x));
+  Tensor out =
+      empty(with_dim(x.shape(), 0, std::accumulate(in_splits.begin(), in_splits.end(), int64_t{0})),
+            like(x));
   dist::all_to_all(out, x.contiguous(), in_splits, out_splits, g);
   return out;
 }
@@ -111,11 +109,12 @@ std::optional<std::string> split_error(const Tensor& x, const std::vector<int64_
                        g.size(), splits.size());
   for (int64_t s : splits)
     if (s < 0) return fmt::format("split sizes must be non-negative, found {}", splits);
-  if (sum_of(splits) != x.size(0))
+  const int64_t rows = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+  if (rows != x.size(0))
     return fmt::format(
         "the split sizes {} add up to {}, but the input has {} rows along axis 0; hint: split "
         "sizes count rows of axis 0, one entry per rank",
-        splits, sum_of(splits), x.size(0));
+        splits, rows, x.size(0));
   return std::nullopt;
 }
 
@@ -144,10 +143,23 @@ Tensor all_to_all(const Tensor& x, const std::vector<int64_t>& input_splits, con
   const std::vector<int64_t> incoming =
       agree_on_plans(plan, g, op, "dtypes or row shapes (beyond axis 0)");
   if (output_splits) *output_splits = incoming;
-  Tensor y = quietly([&] { return raw_uneven(x, input_splits, incoming, g); });
+  return all_to_all(x, input_splits, incoming, g);
+}
+
+Tensor all_to_all(const Tensor& x, const std::vector<int64_t>& input_splits,
+                  const std::vector<int64_t>& output_splits, const Group& g) {
+  if (alone_in(g, "all_to_all")) return all_to_all(x, input_splits, g);
+  {
+    // A bad tensor raises on every rank: this call still takes its turn, flagged as failed.
+    const dist::detail::Call turn(dist::detail::Op::AllToAllV, g);
+    check_input(x, "all_to_all");
+    WEAVE_CHECK(x.dim() >= 1, "all_to_all",
+                "expected a tensor with at least 1 dimension, found a 0-d one");
+  }
+  Tensor y = quietly([&] { return raw_uneven(x, input_splits, output_splits, g); });
   // adjoint: the same exchange backwards (what arrived goes back where it came from)
   return record("AllToAllUnevenBackward", x, y, wants_grad(x), [&] {
-    return [out = input_splits, in = incoming, g](const BackwardArgs& args) -> Grads {
+    return [out = input_splits, in = output_splits, g](const BackwardArgs& args) -> Grads {
       return {raw_uneven(args.grad(), in, out, g)};
     };
   });

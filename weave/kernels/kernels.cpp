@@ -165,8 +165,19 @@ void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, c
   WEAVE_DISPATCH(unary_name(op), bias_activation_backward(op, grad, x, bias, out));
 }
 
+namespace {
+// Every backend indexes lse as a contiguous [B, H, Tq] block; a strided view would be read as
+// another row's values.
+void check_lse(const Tensor& lse, const char* op) {
+  WEAVE_CHECK(lse.is_contiguous(), op,
+              "internal: lse {} must be contiguous, found strides {}; hint: pass .contiguous()",
+              lse.shape(), lse.strides());
+}
+}  // namespace
+
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                const AttentionParams& params, const Tensor& out, const Tensor& lse) {
+  check_lse(lse, "attention");
   WEAVE_DISPATCH("attention", attention(q, k, v, mask, params, out, lse));
 }
 
@@ -174,6 +185,7 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
                         const Tensor& mask, const AttentionParams& params, const Tensor& out,
                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                         const Tensor& dmask) {
+  check_lse(lse, "attention_backward");
   WEAVE_DISPATCH("attention_backward",
                  attention_backward(grad, q, k, v, mask, params, out, lse, dq, dk, dv, dmask));
 }

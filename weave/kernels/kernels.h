@@ -192,7 +192,8 @@ bool attention_takes_reduced(const Tensor& q, const Tensor& k, const Tensor& v, 
                              const AttentionParams& params);
 /// True where t's rows suit the tensor-core kernels (16-byte aligned, strides multiples of 8).
 bool attention_rows_aligned(const Tensor& t);
-/// dq, dk, dv (shaped like q, k, v, unit inner stride) from the forward's out and lse,
+/// dq, dk, dv (shaped like q, k, v, unit inner stride) from the forward's out and lse
+/// (contiguous, as forward wrote it),
 /// recomputing the scores block by block; dmask (contiguous [B, H, Tq, Tk], or undefined)
 /// gets the gradient of the scores, for an additive mask that requires grad.
 void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,

@@ -175,12 +175,14 @@ Tensor dispatch_rows(const Tensor& tokens, const Dispatch& dispatch) {
 
 Tensor combine(const Tensor& rows, const Dispatch& dispatch, const Tensor& weight) {
   const int64_t tokens = weight.size(0), k = weight.size(1), hidden = rows.size(1);
-  const Tensor padded =
-      cat({rows, zeros({1, hidden}, {.dtype = rows.dtype(), .device = rows.device()})});
+  // A dropped slot's gate is 0 (the router multiplied it by its kept mask, so its gradient is 0
+  // too): it may read any row, so it reads row 0 (a zero row when nothing was dispatched).
+  const Tensor source = rows.size(0) > 0
+                            ? rows
+                            : zeros({1, hidden}, {.dtype = rows.dtype(), .device = rows.device()});
   std::vector<int64_t> index = dispatch.row_of_slot;
-  for (int64_t& i : index)
-    if (i < 0) i = rows.size(0);  // the zero row
-  const Tensor picked = index_select(padded, 0, from_vector(index).to(rows.device()));
+  for (int64_t& i : index) i = std::max<int64_t>(i, 0);
+  const Tensor picked = index_select(source, 0, from_vector(index).to(rows.device()));
   return sum(picked.reshape({tokens, k, hidden}) * unsqueeze(weight.to(rows.dtype()), -1), {1});
 }
 

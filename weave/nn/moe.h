@@ -125,7 +125,8 @@ Dispatch plan_dispatch(const Routing& routing, int64_t experts);
 /// The tokens' rows in dispatch order (differentiable).
 Tensor dispatch_rows(const Tensor& tokens, const Dispatch& dispatch);
 /// output[t] = sum_j weight[t, j] rows[row_of_slot[t * top_k + j]] (differentiable in rows and
-/// weight); rows holds the experts' outputs in dispatch order.
+/// weight); rows holds the experts' outputs in dispatch order, and weight is 0 at dropped slots
+/// (as Routing::weight is).
 Tensor combine(const Tensor& rows, const Dispatch& dispatch, const Tensor& weight);
 
 }  // namespace detail

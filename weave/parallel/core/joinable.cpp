@@ -21,10 +21,6 @@ JoinRegion::~JoinRegion() {
   active_region = nullptr;
 }
 
-bool JoinRegion::active() {
-  return active_region != nullptr;
-}
-
 JoinCount JoinRegion::count(bool training, bool failed) {
   NoGradGuard no_grad;
   Tensor flags = from_vector<int64_t>({training ? 1 : 0, failed ? 1 : 0}, {2});

@@ -55,7 +55,6 @@ class JoinRegion {
   /// Whether a round already told every rank that some rank failed.
   bool failure_counted() const { return failure_counted_; }
   [[noreturn]] void fail_with_peers(const JoinCount& count);
-  static bool active();
 
  private:
   friend void join_step_begins(const Joinable* wrapper);

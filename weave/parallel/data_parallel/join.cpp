@@ -9,9 +9,9 @@ namespace weave::parallel {
 namespace {
 
 // The wrappers' and the local optimizers' parts of one shadowed step, in the listed order.
-void shadow_step(const std::vector<Joined>& joined, const std::vector<Joinable*>& wrappers,
+void shadow_step(const std::vector<Joinable*>& wrappers,
                  const std::vector<optim::Optimizer*>& optimizers) {
-  for (size_t i = 0; i < joined.size(); ++i) {
+  for (size_t i = 0; i < wrappers.size(); ++i) {
     if (wrappers[i])
       wrappers[i]->shadow_join_step();
     else
@@ -73,7 +73,7 @@ void join(const std::vector<Joined>& joined, const std::function<void()>& loop) 
     if (count.failed > 0) region.fail_with_peers(count);
     if (count.training == 0) break;
     try {
-      shadow_step(joined, wrappers, optimizers);
+      shadow_step(wrappers, optimizers);
     } catch (const Error&) {
       // Raised on every rank alike (a step some rank failed, non-finite gradients): the
       // training ranks skip the step's remaining work, and so does this one.

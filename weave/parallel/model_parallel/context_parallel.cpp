@@ -2,7 +2,6 @@
 // with the fused attention kernels) and all-to-all attention (composed of differentiable ops).
 #include "weave/parallel/model_parallel/context_parallel.h"
 
-#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -13,6 +12,7 @@
 #include "weave/kernels/kernels.h"
 #include "weave/ops/ops.h"
 #include "weave/parallel/core/agree.h"
+#include "weave/tensor/trace.h"
 
 namespace weave::parallel {
 
@@ -20,10 +20,6 @@ namespace {
 
 namespace F = dist::functional;
 constexpr int kKeyValueTag = 7101, kGradTag = 7102;
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // The chunks of the whole sequence rank r holds, in its order: one of n (Contiguous) or two of
 // 2n (ZigZag).
@@ -166,20 +162,18 @@ std::pair<Tensor, Tensor> ring_forward(const Ring& ring, const Tensor& q, const 
   for (int s = 0; s < n; ++s) {
     Shift next;
     if (s + 1 < n) next = shift_to_next(current, ring.group, kKeyValueTag);
-    const double start = now_s();
     const Tensor kb = ring.key(current), vb = ring.value(current);
     ring.for_each_pair((r + n - s) % n, [&](size_t a, size_t c, Pair pair) {
       kernels::attention(ring.part(q, a), ring.part(kb, c), ring.part(vb, c), Tensor(),
                          ring.params(pair), o, l);
-      merge(ring.part(out, a), lse.narrow(2, int64_t(a) * ring.chunk, ring.chunk), o, l);
+      merge(ring.part(out, a), ring.part(lse, a), o, l);
       const int64_t len = ring.chunk;
       stats.score_elements += b * h * (pair == Pair::Full ? len * len : len * (len + 1) / 2);
     });
-    stats.compute_s += now_s() - start;
     if (s + 1 < n) {
-      const double waited = now_s();
+      const int64_t waited = trace::detail::now_ns();
       current = next.wait();
-      stats.exchange_wait_s += now_s() - waited;
+      stats.exchange_wait_s += double(trace::detail::now_ns() - waited) * 1e-9;
     }
   }
   // The kernels' convention for backward: +inf for a row that attends to nothing.
@@ -196,6 +190,8 @@ std::vector<Tensor> ring_backward(const Ring& ring, const Tensor& grad, const Te
   Tensor dq = zeros_like(q);
   Tensor dq_part = zeros_like(ring.part(q, 0)), dk_part = zeros_like(ring.part(k, 0)),
          dv_part = zeros_like(ring.part(v, 0));
+  std::vector<Tensor> lse_parts;  // the kernel reads each query chunk's lse contiguous
+  for (size_t a = 0; a < ring.mine.size(); ++a) lse_parts.push_back(ring.part(lse, a).contiguous());
   Tensor current = pack(k, v);
   Shift arriving;  // the dK/dV accumulated so far for the block held at this step
   for (int s = 0; s < n; ++s) {
@@ -205,11 +201,9 @@ std::vector<Tensor> ring_backward(const Ring& ring, const Tensor& grad, const Te
     Tensor local = zeros({current.numel()}, {.dtype = q.dtype(), .device = q.device()});
     const Tensor dk = ring.key(local), dv = ring.value(local);
     ring.for_each_pair((r + n - s) % n, [&](size_t a, size_t c, Pair pair) {
-      const int64_t from = int64_t(a) * ring.chunk;
       kernels::attention_backward(ring.part(grad, a), ring.part(q, a), ring.part(kb, c),
                                   ring.part(vb, c), Tensor(), ring.params(pair), ring.part(out, a),
-                                  lse.narrow(2, from, ring.chunk).contiguous(), dq_part, dk_part,
-                                  dv_part, Tensor());
+                                  lse_parts[a], dq_part, dk_part, dv_part, Tensor());
       ring.part(dq, a).add_(dq_part);
       ring.part(dk, c).add_(dk_part);
       ring.part(dv, c).add_(dv_part);

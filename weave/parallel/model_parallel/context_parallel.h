@@ -39,8 +39,6 @@ struct RingAttentionStats {
   int64_t score_elements = 0;
   /// Seconds forward's compute waited for the next K/V block.
   double exchange_wait_s = 0;
-  /// Seconds forward spent computing attention blocks.
-  double compute_s = 0;
 };
 
 struct ContextParallelOptions {

@@ -27,7 +27,7 @@ ExpertParallelMoE::ExpertParallelMoE(nn::MoEOptions options, dist::Group group,
     : nn::Module("ExpertParallelMoE"),
       options_(options),
       group_(std::move(group)),
-      balance_group_(std::move(balance_group)) {
+      reduce_shares_(balance_group ? shares_over(*balance_group) : nullptr) {
   WEAVE_CHECK(group_.rank() >= 0, kOp, "rank {} is not in group {}", dist::rank(), group_.str());
   const int n = group_.size();
   const int64_t experts = options.router.experts;
@@ -60,8 +60,7 @@ Tensor ExpertParallelMoE::forward(const Tensor& x) {
   const int64_t experts = options_.router.experts, local = experts / n, hidden = options_.hidden;
   const Shape shape = x.shape();
   const Tensor tokens = x.reshape({-1, hidden});
-  const nn::Routing routing = router_->route(
-      tokens, balance_group_ && is_training() ? shares_over(*balance_group_) : nullptr);
+  const nn::Routing routing = router_->route(tokens, is_training() ? reduce_shares_ : nullptr);
   aux_loss_ = routing.aux_loss;
   const nn::detail::Dispatch dispatch = nn::detail::plan_dispatch(routing, experts);
   // Each rank learns how many rows of each of its experts every rank sends.
@@ -69,11 +68,14 @@ Tensor ExpertParallelMoE::forward(const Tensor& x) {
   dist::all_to_all(counts, from_vector(dispatch.per_expert), group_);
   std::vector<int64_t> send(size_t(n), 0);
   for (int64_t e = 0; e < experts; ++e) send[size_t(e / local)] += dispatch.per_expert[size_t(e)];
-  std::vector<int64_t> receive;
+  // The counts say what every rank sends: the exchanges need no plan of their own.
+  const std::vector<int64_t> from_each = counts.to_vector<int64_t>();
+  std::vector<int64_t> receive(size_t(n), 0);
+  for (int64_t i = 0; i < experts; ++i) receive[size_t(i / local)] += from_each[size_t(i)];
   const Tensor received =
-      F::all_to_all(nn::detail::dispatch_rows(tokens, dispatch), send, group_, &receive);
-  const Tensor processed = run_experts(received, counts.to_vector<int64_t>());
-  const Tensor returned = F::all_to_all(processed, receive, group_);
+      F::all_to_all(nn::detail::dispatch_rows(tokens, dispatch), send, receive, group_);
+  const Tensor processed = run_experts(received, from_each);
+  const Tensor returned = F::all_to_all(processed, receive, send, group_);
   stats_ = {.tokens = tokens.size(0),
             .assignments = tokens.size(0) * options_.router.top_k,
             .dropped = routing.dropped,

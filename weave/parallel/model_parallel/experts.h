@@ -62,7 +62,7 @@ class ExpertParallelMoE : public nn::Module {
 
   nn::MoEOptions options_;
   dist::Group group_;
-  std::optional<dist::Group> balance_group_;
+  nn::ShareReduction reduce_shares_;  // over the balance group, if one was given
   int64_t first_ = 0;
   std::shared_ptr<nn::TopKRouter> router_;
   std::vector<std::shared_ptr<nn::Module>> experts_;
