@@ -1,9 +1,12 @@
 // weave collectives vs raw MPI on the same buffers, same run: sizes 8 B .. 64 MB, alternating
 // trials, medians of >= 7 repetitions. Run under mpirun (2+ ranks):
 //   mpirun -np 2 bench_collectives [repetitions=7] [op]
-// One line per case:
-// op= bytes= ranks= weave_us= mpi_us= ratio= busbw_GBps=  (ratio = weave / mpi; busbw as
-// nccl-tests defines it, from weave's time).
+// Two lines per case, weave as shipped and weave with its agreement check off (the same calls
+// after dist::set_check_mode(Off), timed in the same alternation), each against the same MPI:
+// op= check=guard bytes= ranks= weave_us= mpi_us= ratio= busbw_GBps= guard_us=
+// op= check=off bytes= ranks= weave_us= mpi_us= ratio=
+// (ratio = weave / mpi; busbw as nccl-tests defines it, from weave's time; guard_us = what
+// the guard adds per call, guarded minus unguarded median.)
 #include <mpi.h>
 
 #include <cstdio>
@@ -141,24 +144,36 @@ int main(int argc, char** argv) {
     if (!only.empty() && c.op != only) continue;
     for (int64_t bytes : sizes) {
       auto [weave_fn, mpi_fn] = c.make(bytes);
-      const int iterations = int(std::clamp<int64_t>((int64_t{8} << 20) / bytes, 1, 2000));
+      // About 32 MB moved per timing (at least 16 ms at 2 MB): shorter timings of the large
+      // sizes wandered by 5-10% between repetitions on the 2-core machine.
+      const int iterations = int(std::clamp<int64_t>((int64_t{32} << 20) / bytes, 1, 2000));
       weave_fn();
       mpi_fn();
-      std::vector<double> tw, tm;
-      for (int r = 0; r < reps; ++r) {
-        tw.push_back(per_call(weave_fn, iterations));
-        tm.push_back(per_call(mpi_fn, iterations));
-      }
-      double w = bench::median(tw), m = bench::median(tm);
-      if (c.op == "send_recv") {  // a ping-pong is two messages
-        w /= 2;
-        m /= 2;
-      }
-      if (me == 0)
+      // Three contenders, each repetition starting with another: weave as shipped (the
+      // guard), weave with the guard off (set_check_mode on every rank, outside the timing),
+      // raw MPI.
+      std::vector<double> times[3];
+      for (int r = 0; r < reps; ++r)
+        for (int k = 0; k < 3; ++k) {
+          const int who = (r + k) % 3;
+          if (who < 2)
+            dist::set_check_mode(who == 0 ? dist::CheckMode::Guard : dist::CheckMode::Off);
+          times[who].push_back(per_call(who < 2 ? weave_fn : mpi_fn, iterations));
+        }
+      dist::set_check_mode(dist::CheckMode::Guard);
+      const double per_message = c.op == "send_recv" ? 0.5 : 1.0;  // a ping-pong is two
+      const double guarded = bench::median(times[0]) * per_message,
+                   unguarded = bench::median(times[1]) * per_message,
+                   mpi = bench::median(times[2]) * per_message;
+      if (me == 0) {
         std::printf(
-            "op=%s bytes=%ld ranks=%d weave_us=%.2f mpi_us=%.2f ratio=%.3f busbw_GBps=%.3f\n",
-            c.op.c_str(), long(bytes), n, w * 1e6, m * 1e6, w / m,
-            double(bytes) / w * c.bus_factor * 1e-9);
+            "op=%s check=guard bytes=%ld ranks=%d weave_us=%.2f mpi_us=%.2f ratio=%.3f "
+            "busbw_GBps=%.3f guard_us=%.2f\n",
+            c.op.c_str(), long(bytes), n, guarded * 1e6, mpi * 1e6, guarded / mpi,
+            double(bytes) / guarded * c.bus_factor * 1e-9, (guarded - unguarded) * 1e6);
+        std::printf("op=%s check=off bytes=%ld ranks=%d weave_us=%.2f mpi_us=%.2f ratio=%.3f\n",
+                    c.op.c_str(), long(bytes), n, unguarded * 1e6, mpi * 1e6, unguarded / mpi);
+      }
     }
   }
   std::fflush(stdout);

@@ -1,6 +1,8 @@
 // Mismatched calls across ranks, and arguments only one rank can judge: under the default
-// guard and under full check mode, every rank involved raises (none hangs, none gets a silent
-// wrong result), the message names the difference, and the group stays usable.
+// guard (its rounds on the shared-memory board, and as all_reduces) and under full check mode,
+// every rank involved raises (none hangs, none gets a silent wrong result), the message names
+// the difference, and the group stays usable. set_check_mode switches every rank together, or
+// none.
 #include <doctest/doctest.h>
 
 #include <chrono>
@@ -18,21 +20,39 @@ using weave::test::error_of;
 
 namespace {
 
-// Switches the check mode on every rank for one test (all ranks run the tests in step).
-class ScopedCheckMode {
+// How the ranks check: the guard's rounds on the board their shared memory holds (the default
+// on one machine), or as all_reduces (ranks on several machines), or in full.
+struct Variant {
+  CheckMode mode;
+  bool board;
+  const char* name;
+};
+const Variant kVariants[] = {{CheckMode::Guard, true, "guard on the board"},
+                             {CheckMode::Guard, false, "guard by all_reduce"},
+                             {CheckMode::Full, true, "full"}};
+
+std::unique_ptr<dist::detail::AgreementBoard>& world_board() {
+  return dist::world().impl()->board;
+}
+
+// Switches every rank to a variant for one test (all ranks run the tests in step).
+class ScopedVariant {
  public:
-  explicit ScopedCheckMode(CheckMode mode) : saved_(dist::detail::runtime().check) {
-    dist::detail::runtime().check = mode;
+  explicit ScopedVariant(const Variant& v) : saved_(dist::check_mode()) {
+    dist::set_check_mode(v.mode);
+    if (!v.board) parked_ = std::move(world_board());
   }
-  ~ScopedCheckMode() { dist::detail::runtime().check = saved_; }
+  ~ScopedVariant() {
+    if (parked_) world_board() = std::move(parked_);
+    dist::set_check_mode(saved_);
+  }
+  ScopedVariant(const ScopedVariant&) = delete;
+  ScopedVariant& operator=(const ScopedVariant&) = delete;
 
  private:
   CheckMode saved_;
+  std::unique_ptr<dist::detail::AgreementBoard> parked_;
 };
-
-const char* name(CheckMode mode) {
-  return mode == CheckMode::Guard ? "guard" : "full";
-}
 
 // After an error the group must still work: an all_reduce of ones gives the world size.
 void check_group_still_works() {
@@ -77,10 +97,10 @@ TEST_SUITE("guard") {
          },
          "op"},
     };
-    for (CheckMode mode : {CheckMode::Guard, CheckMode::Full}) {
-      ScopedCheckMode scoped(mode);
+    for (const Variant& variant : kVariants) {
+      ScopedVariant scoped(variant);
       for (const Case& c : cases) {
-        CAPTURE(name(mode));
+        CAPTURE(variant.name);
         CAPTURE(c.what);
         const std::string message = error_of(c.call);
         CHECK_MESSAGE(contains(message, "collective mismatch"), message);
@@ -94,9 +114,9 @@ TEST_SUITE("guard") {
     const int n = dist::world_size();
     if (n < 2) return;
     const int r = dist::rank();
-    for (CheckMode mode : {CheckMode::Guard, CheckMode::Full}) {
-      ScopedCheckMode scoped(mode);
-      CAPTURE(name(mode));
+    for (const Variant& variant : kVariants) {
+      ScopedVariant scoped(variant);
+      CAPTURE(variant.name);
       // scatter: only the root holds the input; here it has the wrong number of rows
       std::string message = error_of([&] {
         Tensor out = zeros({2});
@@ -138,9 +158,9 @@ TEST_SUITE("guard") {
   TEST_CASE("a receive that does not match the send raises, and the channel stays in step") {
     if (dist::world_size() < 2) return;
     const int r = dist::rank();
-    for (CheckMode mode : {CheckMode::Guard, CheckMode::Full}) {
-      ScopedCheckMode scoped(mode);
-      CAPTURE(name(mode));
+    for (const Variant& variant : kVariants) {
+      ScopedVariant scoped(variant);
+      CAPTURE(variant.name);
       struct Case {
         Tensor sent, received;
         const char* part;
@@ -213,6 +233,62 @@ TEST_SUITE("guard") {
       Tensor t = ones({2});
       dist::all_reduce(t, ReduceOp::Sum, world);
     }
+    check_group_still_works();
+  }
+
+  TEST_CASE("ranks on one machine meet on a board; a group of one needs none") {
+    const int n = dist::world_size();
+    // every rank of these tests runs on this machine, with /dev/shm: no board is a regression
+    // to the all_reduce, which costs 3-10x more per collective
+    CHECK((world_board() != nullptr) == (n >= 2));
+    if (n >= 2) {
+      const dist::Group pair = dist::new_group({n - 1, 0});
+      if (dist::rank() == 0 || dist::rank() == n - 1) CHECK(pair.impl()->board != nullptr);
+    }
+    const dist::Group alone = dist::new_group({0});
+    if (dist::rank() == 0) CHECK(alone.impl()->board == nullptr);
+  }
+
+  TEST_CASE("set_check_mode switches every rank, or raises on every rank and switches none") {
+    const int n = dist::world_size(), r = dist::rank();
+    const CheckMode before = dist::check_mode();
+    for (CheckMode mode : {CheckMode::Off, CheckMode::Full, CheckMode::Guard, before}) {
+      dist::set_check_mode(mode);
+      CHECK(dist::check_mode() == mode);
+      check_group_still_works();
+      if (n < 2) continue;
+      if (r == 0) dist::send(full({2}, 5.0), 1);  // with a header, or without, on both sides
+      if (r == 1) {
+        Tensor t = zeros({2});
+        dist::recv(t, 0);
+        CHECK(t.to_vector<float>() == std::vector<float>(2, 5.0f));
+      }
+    }
+    if (n < 2) return;
+    std::string message =
+        error_of([&] { dist::set_check_mode(r == 0 ? CheckMode::Full : CheckMode::Off); });
+    CHECK_MESSAGE(contains(message, "the ranks asked for different check modes"), message);
+    CHECK(dist::check_mode() == before);
+    check_group_still_works();
+    // a message sent before the switch and received after it would cross modes: refused
+    if (r == 0) {
+      dist::isend(full({3}, 2.0), 1);
+      dist::wait_sends();
+    }
+    message = error_of([&] { dist::set_check_mode(CheckMode::Off); });
+    if (r == 1)
+      CHECK_MESSAGE(contains(message, "ranks [0] sent this rank point-to-point messages"), message);
+    else
+      CHECK_MESSAGE(contains(message, "a point-to-point message to rank 1 is in flight"), message);
+    CHECK(dist::check_mode() == before);
+    if (r == 1) {  // received under the mode it was sent with
+      Tensor t = zeros({3});
+      dist::recv(t, 0);
+      CHECK(t.to_vector<float>() == std::vector<float>(3, 2.0f));
+    }
+    dist::set_check_mode(CheckMode::Off);  // nothing in flight now
+    CHECK(dist::check_mode() == CheckMode::Off);
+    dist::set_check_mode(before);
     check_group_still_works();
   }
 }

@@ -37,8 +37,10 @@ namespace weave::dist {
 enum class CheckMode {
   /// Nothing is checked: a mismatch may hang or give wrong values. For measuring the guard.
   Off,
-  /// The default: one 24-byte all_reduce before each collective (the full comparison runs only
-  /// when it finds a difference) and a small header ahead of each point-to-point message.
+  /// The default: the maximum of 24 bytes over the group before each collective (in memory
+  /// the ranks share when they run on one machine, else one all_reduce; the full comparison
+  /// runs only when it finds a difference) and a small header ahead of each point-to-point
+  /// message.
   Guard,
   /// Also all-gathers every call's whole description and checks that all_to_all splits pair up.
   Full,
@@ -56,6 +58,17 @@ struct InitOptions {
 /// Starts the communication layer (MPI_Init when launched by mpirun). Raises if already up.
 void init(Backend backend = Backend::MPI, InitOptions options = {});
 bool initialized();
+
+/// The check mode in force (InitOptions::check, WEAVE_CHECK_COLLECTIVES or set_check_mode).
+CheckMode check_mode();
+/// Switches the check mode for every call issued after it; calls issued before keep theirs.
+/// Collective over the world: every rank calls it at the same point of its program, with the
+/// same mode, while no other thread issues collectives. It raises on every rank, and changes
+/// nothing, when the ranks ask for different modes or a point-to-point message sent before it
+/// is not yet received (its receive, issued after, would expect the other kind of message).
+/// For a job that checks its first steps in full and then runs guarded, or a benchmark that
+/// measures the guard on the same calls.
+void set_check_mode(CheckMode mode);
 /// Waits for outstanding work and for every rank to reach finalize, then shuts down
 /// (MPI_Finalize). A rank that waits longer than WEAVE_TIMEOUT_S for the others (they are stuck,
 /// or a rank left early) aborts the job instead of hanging. Groups created before it are

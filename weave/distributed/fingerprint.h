@@ -1,13 +1,15 @@
 #pragma once
 // The agreement check before every collective. By default (the guard) the ranks of the group
-// all-reduce 24 bytes: a hash of each rank's call in a form whose maximum shows whether all are
-// equal, and a flag raised by a rank whose own call failed its argument checks. Only when that
-// shows a difference do they all-gather the whole fingerprints for a message naming each rank's
-// call. Full check mode (WEAVE_CHECK_COLLECTIVES=1) always all-gathers them.
+// take the maximum of 24 bytes (agreement_board.h, or an all_reduce): a hash of each rank's call in
+// a form whose maximum shows whether all are equal, and a flag raised by a rank whose own call
+// failed its argument checks. Only when that shows a difference do they all-gather the whole
+// fingerprints for a message naming each rank's call. Full check mode (WEAVE_CHECK_COLLECTIVES=1)
+// always all-gathers them.
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "weave/distributed/agreement_board.h"
 #include "weave/distributed/communicator.h"
 #include "weave/tensor/device.h"
 #include "weave/tensor/shape.h"
@@ -28,7 +30,8 @@ enum class Op : int32_t {
   Barrier,
   NewGroup,
   Send,
-  Recv
+  Recv,
+  SetCheckMode
 };
 /// "all_reduce", "broadcast", ...
 const char* op_name(Op op);
@@ -65,8 +68,10 @@ bool same_call(const Fingerprint& a, const Fingerprint& b);
 /// group's host communicator); raises weave::Error on every rank, naming each rank's call and
 /// the fields that differ, if any differs or a rank's call failed.
 void verify(Communicator& host, const std::vector<int>& ranks, const Fingerprint& mine);
-/// The default check: one all_reduce of 3 int64 over `host`; calls verify() (on every rank
-/// alike) only when the calls differ or a rank's call failed.
-void guard(Communicator& host, const std::vector<int>& ranks, const Fingerprint& mine);
+/// The default check: the maximum of 3 int64 over the ranks, on `board` when the group has one,
+/// else by an all_reduce over `host`; calls verify() (on every rank alike) only when the calls
+/// differ or a rank's call failed.
+void guard(Communicator& host, AgreementBoard* board, const std::vector<int>& ranks,
+           const Fingerprint& mine);
 
 }  // namespace weave::dist::detail

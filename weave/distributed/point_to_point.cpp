@@ -30,6 +30,12 @@ bool p2p_guarded() {
   return runtime().check != CheckMode::Off;
 }
 
+// One more message to or from group rank `peer` (set_check_mode's count of those in flight).
+void count_message(const std::unique_ptr<std::atomic<int64_t>[]>& counts, const Group::Impl& g,
+                   int peer) {
+  counts[size_t(g.ranks[size_t(peer)])].fetch_add(1, std::memory_order_relaxed);
+}
+
 Header header_of(const Tensor& t) {
   Header h{};
   h[0] = static_cast<int64_t>(t.dtype());
@@ -89,6 +95,7 @@ Work send(const Tensor& tensor, int dst, const Group& group, int tag, bool async
   Group::Impl& g = member(c);
   check_peer(c, g, dst);
   Tensor buffer = staged(tensor);
+  count_message(runtime().sent_to, g, dst);
   return issue(
       c, fingerprint(c, 0, &tensor, dst, std::nullopt, false), false,
       [comm = g.route(buffer), g = &g, buffer, dst, tag, guarded = p2p_guarded()] {
@@ -107,6 +114,7 @@ Work recv(const Tensor& tensor, int src, const Group& group, int tag, bool async
   Group::Impl& g = member(c);
   check_peer(c, g, src);
   Tensor buffer = staging_for(tensor);
+  count_message(runtime().received_from, g, src);
   return issue(
       c, fingerprint(c, 0, &tensor, src, std::nullopt, false), false,
       [comm = g.route(buffer), g = &g, buffer, tensor, src, tag, guarded = p2p_guarded()] {
@@ -124,6 +132,7 @@ Work isend(const Tensor& tensor, int dst, const Group& group, int tag) {
   check_peer(c, g, dst);
   auto state = std::make_shared<Work::State>();
   state->keep_alive = staged(tensor);
+  count_message(runtime().sent_to, g, dst);
   issue(
       c, fingerprint(c, 0, &tensor, dst, std::nullopt, false), false,
       [comm = g.route(state->keep_alive), g = &g, state, dst, tag, guarded = p2p_guarded()] {

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <thread>
 
+#include "weave/distributed/agreement_board.h"
 #include "weave/distributed/communicator.h"
 #include "weave/distributed/distributed.h"
 #include "weave/distributed/fingerprint.h"
@@ -66,6 +67,8 @@ struct Group::Impl {
   int my_rank = -1;
   std::unique_ptr<detail::Communicator> comm;         // host (MPI or local); null on non-members
   std::unique_ptr<detail::Communicator> device_comm;  // NCCL, for CUDA tensors; null otherwise
+  /// Where the guard's rounds meet when the ranks share a machine (null: over `comm`).
+  std::unique_ptr<detail::AgreementBoard> board;
 
   /// Where a tensor's bytes travel: NCCL for CUDA tensors when there is one, else the host.
   detail::Communicator* route(const Tensor& t) const {

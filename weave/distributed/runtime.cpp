@@ -37,6 +37,7 @@ std::shared_ptr<Group::Impl> make_group(std::vector<int> ranks,
   auto it = std::find(impl->ranks.begin(), impl->ranks.end(), r.rank);
   impl->my_rank = it == impl->ranks.end() ? -1 : static_cast<int>(it - impl->ranks.begin());
   impl->comm = std::move(comm);
+  if (impl->comm) impl->board = AgreementBoard::connect(*impl->comm);  // members, together
   impl->id = r.next_group_id++;
   std::lock_guard lock(r.groups_mutex);
   r.groups.push_back(impl);
@@ -65,7 +66,7 @@ void agree(Group::Impl& g, const Fingerprint& print, CheckMode mode) {
   if (mode == CheckMode::Full)
     verify(*g.comm, g.ranks, print);
   else
-    guard(*g.comm, g.ranks, print);
+    guard(*g.comm, g.board.get(), g.ranks, print);
 }
 
 void report_failure(const Call& c) noexcept {
@@ -125,19 +126,6 @@ double env_double(const char* name, double fallback) {
   WEAVE_CHECK(end != v && *end == '\0' && d > 0, "init", "{}='{}' is not a positive number", name,
               v);
   return d;
-}
-
-CheckMode check_mode_from_env() {
-  const char* v = std::getenv("WEAVE_CHECK_COLLECTIVES");
-  if (v == nullptr || *v == '\0') return CheckMode::Guard;
-  const std::string s = v;
-  if (s == "0" || s == "off") return CheckMode::Off;
-  if (s == "guard") return CheckMode::Guard;
-  if (s == "1" || s == "full") return CheckMode::Full;
-  WEAVE_FAIL("init",
-             "WEAVE_CHECK_COLLECTIVES='{}' is not a check mode; hint: use 0/off, guard "
-             "(the default) or 1/full",
-             s);
 }
 
 constexpr const char* kUnevenHint =
@@ -288,8 +276,10 @@ void init(Backend backend, InitOptions options) {
   }
   r.rank = comm->rank();
   r.size = comm->size();
+  r.sent_to = std::make_unique<std::atomic<int64_t>[]>(size_t(r.size));
+  r.received_from = std::make_unique<std::atomic<int64_t>[]>(size_t(r.size));
   if (r.size > 1) {  // the checks add messages of their own: every rank must send the same ones
-    const auto mode = static_cast<int64_t>(r.check);
+    const auto mode = static_cast<int64_t>(r.check.load());
     int64_t extremes[2] = {mode, -mode};
     comm->all_reduce(extremes, extremes, 2, kInt64, ReduceOp::Max);
     WEAVE_CHECK(extremes[0] == -extremes[1], "init",

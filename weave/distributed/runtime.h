@@ -20,7 +20,10 @@ struct Runtime {
   double timeout_s = 300;
   /// timeout_s in nanoseconds, saturated: beyond int64 (about 292 years, or inf) means never.
   int64_t timeout_ns = int64_t{300} * 1000000000;
-  CheckMode check = CheckMode::Guard;
+  std::atomic<CheckMode> check{CheckMode::Guard};
+  /// Point-to-point messages this rank issued to, and receives it issued from, each world
+  /// rank: set_check_mode refuses to switch while one is in flight.
+  std::unique_ptr<std::atomic<int64_t>[]> sent_to, received_from;
   /// heartbeat()'s least interval (WEAVE_HEARTBEAT_S, set by weave-run --hang-timeout); 0: off.
   int64_t heartbeat_ns = 0;
   std::atomic<int64_t> last_heartbeat_ns{0};
@@ -38,6 +41,8 @@ struct Runtime {
 
 /// The process-wide state (never destroyed: worker threads may outlive statics).
 Runtime& runtime();
+/// WEAVE_CHECK_COLLECTIVES's mode (the guard when unset); raises for an unknown value.
+CheckMode check_mode_from_env();
 /// runtime(), after checking that init() ran; `op` names the caller in the error.
 Runtime& live(const char* op);
 /// Reports on stderr that `what` did not complete within the timeout and aborts the whole job

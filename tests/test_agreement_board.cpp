@@ -1,0 +1,76 @@
+// The guard's shared-memory board, with threads of one process playing the ranks: every
+// round gives every rank the element-wise maximum over all ranks' values of that round (what
+// all_reduce(Max) gives), whatever order and delays the ranks arrive with; and a board opens
+// only with its creator's name, size and nonce.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <random>
+#include <thread>
+
+#include "weave/distributed/agreement_board.h"
+
+using weave::dist::detail::AgreementBoard;
+
+namespace {
+
+// Rank `rank`'s value k in round `round`: spread over the whole int64 range, negative too.
+int64_t value_of(int rank, uint64_t round, int k) {
+  uint64_t h = (round * 0x9e3779b97f4a7c15ull) ^ (uint64_t(rank) << 20) ^ uint64_t(k);
+  h ^= h >> 31;
+  h *= 0xbf58476d1ce4e5b9ull;
+  h ^= h >> 29;
+  return int64_t(h);
+}
+
+}  // namespace
+
+TEST_SUITE("agreement_board") {
+  TEST_CASE("every round gives every rank the maximum of that round's values") {
+    for (int ranks : {2, 3, 5}) {
+      CAPTURE(ranks);
+      std::vector<std::unique_ptr<AgreementBoard>> boards(static_cast<size_t>(ranks));
+      boards[0] = AgreementBoard::create(ranks);
+      REQUIRE(boards[0] != nullptr);
+      for (int r = 1; r < ranks; ++r) {
+        boards[size_t(r)] = AgreementBoard::open(boards[0]->name(), boards[0]->nonce(), ranks, r);
+        REQUIRE(boards[size_t(r)] != nullptr);
+      }
+      boards[0]->unlink();
+      constexpr uint64_t kRounds = 3000;
+      std::vector<int64_t> wrong(size_t(ranks), 0);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < ranks; ++r)
+        threads.emplace_back([&, r] {
+          std::mt19937 random(unsigned(r + 1));
+          for (uint64_t round = 1; round <= kRounds; ++round) {
+            // now and then a rank is late, so the others wait, spin out and yield, and a rank
+            // that is not late runs a round ahead on the other parity's slot
+            if (random() % 97 == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+            int64_t values[3], expected[3];
+            for (int k = 0; k < 3; ++k) {
+              values[k] = value_of(r, round, k);
+              expected[k] = value_of(0, round, k);
+              for (int other = 1; other < ranks; ++other)
+                expected[k] = std::max(expected[k], value_of(other, round, k));
+            }
+            boards[size_t(r)]->max(values);
+            for (int k = 0; k < 3; ++k) wrong[size_t(r)] += values[k] != expected[k];
+          }
+        });
+      for (auto& t : threads) t.join();
+      for (int r = 0; r < ranks; ++r) CHECK(wrong[size_t(r)] == 0);
+    }
+  }
+
+  TEST_CASE("a board opens only by its own name, size and nonce") {
+    auto board = AgreementBoard::create(2);
+    REQUIRE(board != nullptr);
+    CHECK(AgreementBoard::open(board->name(), board->nonce() + 1, 2, 1) == nullptr);
+    CHECK(AgreementBoard::open(board->name(), board->nonce(), 3, 1) == nullptr);
+    CHECK(AgreementBoard::open(board->name() + "-other", board->nonce(), 2, 1) == nullptr);
+    CHECK(AgreementBoard::open(board->name(), board->nonce(), 2, 1) != nullptr);
+    board->unlink();  // the name is gone; mapped boards live on
+    CHECK(AgreementBoard::open(board->name(), board->nonce(), 2, 1) == nullptr);
+  }
+}

@@ -1,0 +1,88 @@
+// The check mode: read from the environment at init, switched together by set_check_mode.
+#include <cstdlib>
+#include <string>
+
+#include "weave/distributed/runtime.h"
+
+namespace weave::dist {
+
+namespace detail {
+
+CheckMode check_mode_from_env() {
+  const char* v = std::getenv("WEAVE_CHECK_COLLECTIVES");
+  if (v == nullptr || *v == '\0') return CheckMode::Guard;
+  const std::string s = v;
+  if (s == "0" || s == "off") return CheckMode::Off;
+  if (s == "guard") return CheckMode::Guard;
+  if (s == "1" || s == "full") return CheckMode::Full;
+  WEAVE_FAIL("init",
+             "WEAVE_CHECK_COLLECTIVES='{}' is not a check mode; hint: use 0/off, guard "
+             "(the default) or 1/full",
+             s);
+}
+
+}  // namespace detail
+
+namespace {
+
+using namespace detail;
+
+const char* mode_name(CheckMode mode) {
+  return mode == CheckMode::Off ? "off" : mode == CheckMode::Guard ? "guard" : "full";
+}
+
+// The world ranks that sent this rank more messages than it has issued receives for: their
+// messages would be received under the new mode (an all_to_all of the counts).
+std::vector<int> senders_ahead(Communicator& world) {
+  const Runtime& r = runtime();
+  std::vector<int64_t> sent(size_t(r.size)), told(size_t(r.size));
+  for (int p = 0; p < r.size; ++p) sent[size_t(p)] = r.sent_to[size_t(p)].load();
+  world.all_to_all(sent.data(), told.data(), 1, kInt64);
+  std::vector<int> ahead;
+  for (int p = 0; p < r.size; ++p)
+    if (told[size_t(p)] != r.received_from[size_t(p)].load()) ahead.push_back(p);
+  return ahead;
+}
+
+}  // namespace
+
+CheckMode check_mode() {
+  return runtime().check;
+}
+
+void set_check_mode(CheckMode mode) {
+  Runtime& r = live("set_check_mode");
+  const Group world_group = world();
+  Call c(Op::SetCheckMode, world_group);
+  Fingerprint print;
+  print.op = static_cast<int32_t>(c.op);
+  print.rank = r.rank;
+  issue(
+      c, print, true,
+      [&r, mode] {
+        Communicator& world = *r.world->comm;
+        const std::vector<int> ahead = senders_ahead(world);
+        // [mode, -mode]: equal maxima mean one mode; then the highest rank with a message in
+        // flight to it, plus one (0: none).
+        const auto wanted = static_cast<int64_t>(mode);
+        int64_t v[3] = {wanted, -wanted, ahead.empty() ? 0 : r.rank + 1};
+        world.all_reduce(v, v, 3, kInt64, ReduceOp::Max);
+        WEAVE_CHECK(v[0] == -v[1], "set_check_mode",
+                    "the ranks asked for different check modes (this rank: {}); hint: every rank "
+                    "must call set_check_mode with the same mode",
+                    mode_name(mode));
+        WEAVE_CHECK(ahead.empty(), "set_check_mode",
+                    "ranks {} sent this rank point-to-point messages that no receive issued "
+                    "before set_check_mode takes; a receive issued after it would expect the "
+                    "other mode's message; hint: receive every message before switching",
+                    ahead);
+        WEAVE_CHECK(v[2] == 0, "set_check_mode",
+                    "a point-to-point message to rank {} is in flight across set_check_mode (see "
+                    "that rank's error); hint: receive every message before switching",
+                    v[2] - 1);
+      },
+      false);
+  r.check = mode;
+}
+
+}  // namespace weave::dist
