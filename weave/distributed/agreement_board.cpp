@@ -47,11 +47,13 @@ void cpu_relax() {
 #endif
 }
 
-// Spins about a microsecond (ranks arriving together meet here), then yields the core to
-// whoever else runs on it (oversubscribed ranks: spinning longer was 50x slower at 4 ranks on
-// 2 cores), then, after 5 ms, sleeps 50 µs at a time: a rank that waits that long waits for a
-// peer's computation, not for a message, and need not burn a core meanwhile.
-void wait_for_round(uint64_t& posted, uint64_t round) {
+// Ranks with a core each spin, as MPI's own waits do: yielding to a compute thread on the same
+// core (DDP's backward, beside the queue's worker) delays the round by a scheduler slice, 7 ms
+// of a 45 ms step. Ranks that share cores yield after about a microsecond instead, as Open MPI
+// does when oversubscribed: spinning there made a round 50x slower at 4 ranks on 2 cores.
+// After 5 ms both sleep 50 µs at a time: a rank that waits that long waits for a peer's
+// computation, not for a message, and need not burn a core meanwhile.
+void wait_for_round(uint64_t& posted, uint64_t round, bool cores_shared) {
   constexpr int kSpins = 64;
   for (int spin = 0; spin < kSpins; ++spin) {
     if (load(posted) == round) return;
@@ -64,8 +66,10 @@ void wait_for_round(uint64_t& posted, uint64_t round) {
       slow = std::chrono::steady_clock::now() - start > std::chrono::milliseconds(5);
     if (slow)
       std::this_thread::sleep_for(std::chrono::microseconds(50));
-    else
+    else if (cores_shared)
       std::this_thread::yield();
+    else
+      cpu_relax();
   }
 }
 
@@ -145,7 +149,7 @@ std::unique_ptr<AgreementBoard> AgreementBoard::open(const std::string& name, ui
   return board;
 }
 
-std::unique_ptr<AgreementBoard> AgreementBoard::connect(Communicator& host) {
+std::unique_ptr<AgreementBoard> AgreementBoard::connect(Communicator& host, bool cores_shared) {
   const int ranks = host.size(), me = host.rank();
   if (ranks < 2 || ranks > kMaxRanks) return nullptr;  // the same verdict on every rank
   struct Offer {
@@ -168,6 +172,7 @@ std::unique_ptr<AgreementBoard> AgreementBoard::connect(Communicator& host) {
   host.all_reduce(&missing, &missing, 1, kInt64, ReduceOp::Max);
   if (board) board->unlink();  // every rank has opened it, or given up
   if (missing) return nullptr;
+  board->cores_shared_ = cores_shared;
   return board;
 }
 
@@ -185,7 +190,7 @@ void AgreementBoard::max(int64_t (&values)[3]) {
   for (int rank = 0; rank < ranks_; ++rank) {
     if (rank == me_) continue;
     uint64_t* theirs = slot(round, rank);
-    wait_for_round(theirs[0], round);
+    wait_for_round(theirs[0], round, cores_shared_);
     for (int i = 0; i < 3; ++i)
       values[i] = std::max(
           values[i],

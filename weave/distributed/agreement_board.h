@@ -26,8 +26,9 @@ class AgreementBoard {
 
   /// Collective over `host`: a board that every rank of it mapped, or null on every rank when
   /// one could not (the ranks then agree through host.all_reduce). Never raises for a board
-  /// that cannot be made, only for a failing host communicator.
-  static std::unique_ptr<AgreementBoard> connect(Communicator& host);
+  /// that cannot be made, only for a failing host communicator. `cores_shared`: the machine
+  /// runs more ranks than it has cores, so a waiting rank yields its core (see max()).
+  static std::unique_ptr<AgreementBoard> connect(Communicator& host, bool cores_shared);
 
   /// The parts connect() is made of, for a test that plays every rank in one process: `ranks`
   /// slots in a new shared-memory segment (null if none can be made; name() and nonce() open
@@ -41,10 +42,12 @@ class AgreementBoard {
   AgreementBoard& operator=(const AgreementBoard&) = delete;
 
   /// The element-wise maximum of `values` over every rank's values of this round, as
-  /// all_reduce(Max) would give. Blocks until every rank posted them: spinning briefly, then
-  /// yielding (oversubscribed ranks), then, after 5 ms, sleeping 50 µs at a time. A rank that
-  /// never comes is the watchdog's to report, as in any collective.
+  /// all_reduce(Max) would give. Blocks until every rank posted them: spinning (yielding after
+  /// a microsecond when cores are shared), then, after 5 ms, sleeping 50 µs at a time. A rank
+  /// that never comes is the watchdog's to report, as in any collective.
   void max(int64_t (&values)[3]);
+  /// Yield while waiting (ranks that share cores) instead of spinning; connect() sets it.
+  void set_cores_shared(bool shared) { cores_shared_ = shared; }
 
   const std::string& name() const { return name_; }
   uint64_t nonce() const { return nonce_; }
@@ -61,6 +64,7 @@ class AgreementBoard {
   int ranks_ = 0, me_ = 0;
   uint64_t nonce_ = 0;
   uint64_t round_ = 0;
+  bool cores_shared_ = false;
 };
 
 }  // namespace weave::dist::detail

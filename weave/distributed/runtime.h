@@ -28,6 +28,8 @@ struct Runtime {
   int64_t heartbeat_ns = 0;
   std::atomic<int64_t> last_heartbeat_ns{0};
   int rank = 0, size = 1, local_rank = 0;
+  /// More ranks run on this machine than it has cores: waits yield the core (agreement_board).
+  bool cores_shared = false;
   Device device = kCPU;
   std::shared_ptr<Group::Impl> world;
   std::mutex groups_mutex;

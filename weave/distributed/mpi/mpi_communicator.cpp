@@ -288,7 +288,7 @@ class MpiCommunicator final : public Communicator {
 };
 
 bool we_initialized = false;
-int local = 0;
+int local = 0, local_ranks = 1;
 MPI_Comm control = MPI_COMM_NULL;  // the world again, for finalize's farewell barrier only
 
 }  // namespace
@@ -323,6 +323,7 @@ std::unique_ptr<Communicator> init_world() {
   WEAVE_CHECK_CALL(MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
                    "init");
   MPI_Comm_rank(node, &local);
+  MPI_Comm_size(node, &local_ranks);
   MPI_Comm_free(&node);
   if (control == MPI_COMM_NULL) WEAVE_CHECK_CALL(MPI_Comm_dup(MPI_COMM_WORLD, &control), "init");
   return std::make_unique<MpiCommunicator>(world);
@@ -330,6 +331,10 @@ std::unique_ptr<Communicator> init_world() {
 
 int local_rank() {
   return local;
+}
+
+int local_size() {
+  return local_ranks;
 }
 
 // Tags on the control communicator (only farewell's barrier and these messages use it).
