@@ -31,8 +31,7 @@ def read(paths):
 def main(paths):
     table = read(paths)
     median = {k: {n: statistics.median(v) for n, v in f.items()} for k, f in table.items()}
-    ops = sorted({k[0] for k in median}, key=lambda op: min(
-        i for i, k in enumerate(median) if k[0] == op))
+    ops = list(dict.fromkeys(op for op, _, _ in median))  # in the order they ran
     print(f"{len(paths)} runs; medians per line")
     print("op | added at <=1KB, guard (us) | added at <=1KB, off (us) | guard's own (us) "
           "| worst ratio >=64KB, guard (at) | worst ratio >=64KB, off")

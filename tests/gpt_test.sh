@@ -16,26 +16,27 @@ trap 'rm -rf "$work"' EXIT
 args=(--layers 2 --dim 64 --heads 4 --context 32 --batch 8 --steps 30 --warmup 5
       --eval-every 10 --eval-windows 16 --samples 2)
 source "$(dirname "$0")/heldout_check.sh"
+check_run() {  # name, ranks, then the run's flags beyond args: its held-out loss, checked
+  local name=$1 ranks=$2
+  shift 2
+  check "$name" "$("${mpirun[@]}" -np "$ranks" "$gpt" "${args[@]}" "$@" | held)"
+}
 reference=$("$gpt" "${args[@]}" | held)
 [ -n "$reference" ] || { echo "FAIL: one process printed no heldout_loss"; exit 1; }
 echo "one process: heldout_loss=$reference"
 tolerance=$(awk -v b="$reference" 'BEGIN { print 1e-3 * b }')  # float32: 1e-3 relative
-check "ddp np2" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy ddp | held)"
-check "tp np2" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp | held)"
-check "tp np2 without sequence parallelism" \
-  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --no-sequence-parallel | held)"
-check "ddp np2 with activation checkpointing" \
-  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy ddp --checkpoint-activations | held)"
-check "tp np2 with activation checkpointing" \
-  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --checkpoint-activations | held)"
-check "fsdp np2 (ZeRO-3)" "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy fsdp | held)"
-check "fsdp np2 with activation checkpointing" \
-  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy fsdp --checkpoint-activations | held)"
+check_run "ddp np2" 2 --strategy ddp
+check_run "tp np2" 2 --strategy tp
+check_run "tp np2 without sequence parallelism" 2 --strategy tp --no-sequence-parallel
+check_run "ddp np2 with activation checkpointing" 2 --strategy ddp --checkpoint-activations
+check_run "tp np2 with activation checkpointing" 2 --strategy tp --checkpoint-activations
+check_run "fsdp np2 (ZeRO-3)" 2 --strategy fsdp
+check_run "fsdp np2 with activation checkpointing" 2 --strategy fsdp --checkpoint-activations
 "${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy fsdp --checkpoint "$work/fsdp" --stop-at 15 \
   | grep -q "stopped at step 15" || { echo "FAIL: the fsdp run did not stop at step 15"; status=1; }
-check "fsdp np2 stopped at 15, resumed from its sharded checkpoint" \
-  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy fsdp --checkpoint "$work/fsdp" --resume | held)"
-check "hybrid np4 (2 x 2)" "$("${mpirun[@]}" -np 4 "$gpt" "${args[@]}" --strategy hybrid --tp 2 | held)"
+check_run "fsdp np2 stopped at 15, resumed from its sharded checkpoint" 2 --strategy fsdp \
+  --checkpoint "$work/fsdp" --resume
+check_run "hybrid np4 (2 x 2)" 4 --strategy hybrid --tp 2
 "${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --checkpoint "$work/ckpt" --stop-at 15 \
   | grep -q "stopped at step 15" || { echo "FAIL: the run did not stop at step 15"; status=1; }
 resumed=$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --checkpoint "$work/ckpt" --resume)
@@ -44,22 +45,16 @@ check "tp np2 stopped at 15, resumed" "$(echo "$resumed" | held)"
 echo "$resumed" | grep -q "^samples:" || { echo "FAIL: no samples"; status=1; }
 # Context parallelism: each sequence split over 2 ranks (zig-zag parts), ring and all-to-all
 # attention, alone and with data parallelism.
-check "context-parallel np2 (ring)" \
-  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --context-parallel 2 | held)"
-check "context-parallel np2 (all-to-all)" \
-  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --context-parallel 2 --cp-mode all-to-all | held)"
-check "context-parallel 2 x data 2 np4" \
-  "$("${mpirun[@]}" -np 4 "$gpt" "${args[@]}" --context-parallel 2 | held)"
+check_run "context-parallel np2 (ring)" 2 --context-parallel 2
+check_run "context-parallel np2 (all-to-all)" 2 --context-parallel 2 --cp-mode all-to-all
+check_run "context-parallel 2 x data 2 np4" 4 --context-parallel 2
 # Mixture of experts: the dense layer on one process is the reference; experts spread over 2
 # ranks, and over 2 ranks with data parallelism across 2 such pairs.
 reference=$("$gpt" "${args[@]}" --experts 4 | held)
 echo "one process, 4 experts: heldout_loss=$reference"
 tolerance=$(awk -v b="$reference" 'BEGIN { print 1e-3 * b }')
-check "experts 4, expert-parallel 2, np2" \
-  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --experts 4 --expert-parallel 2 | held)"
-check "experts 4, expert-parallel 2 x data 2, np4" \
-  "$("${mpirun[@]}" -np 4 "$gpt" "${args[@]}" --experts 4 --expert-parallel 2 | held)"
-check "experts 4 on 2 data-parallel ranks" \
-  "$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --experts 4 | held)"
+check_run "experts 4, expert-parallel 2, np2" 2 --experts 4 --expert-parallel 2
+check_run "experts 4, expert-parallel 2 x data 2, np4" 4 --experts 4 --expert-parallel 2
+check_run "experts 4 on 2 data-parallel ranks" 2 --experts 4
 [ $status -eq 0 ] && echo "PASS: every strategy equals one process"
 exit $status

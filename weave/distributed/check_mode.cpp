@@ -46,6 +46,27 @@ std::vector<int> senders_ahead(Communicator& world) {
 
 }  // namespace
 
+void detail::agree_on_check_mode(Communicator& world, CheckMode mode, const char* op,
+                                 const char* hint) {
+  const std::vector<int> ahead = senders_ahead(world);
+  // [mode, -mode]: equal maxima mean one mode; then the highest rank with a message in flight
+  // to it, plus one (0: none).
+  const auto wanted = static_cast<int64_t>(mode);
+  int64_t v[3] = {wanted, -wanted, ahead.empty() ? 0 : runtime().rank + 1};
+  world.all_reduce(v, v, 3, kInt64, ReduceOp::Max);
+  WEAVE_CHECK(v[0] == -v[1], op, "the ranks use different check modes (this rank: {}); hint: {}",
+              mode_name(mode), hint);
+  WEAVE_CHECK(ahead.empty(), op,
+              "ranks {} sent this rank point-to-point messages that no receive issued before {} "
+              "takes; a receive issued after it would expect the other mode's message; hint: "
+              "receive every message before switching",
+              ahead, op);
+  WEAVE_CHECK(v[2] == 0, op,
+              "a point-to-point message to rank {} is in flight across {} (see that rank's "
+              "error); hint: receive every message before switching",
+              v[2] - 1, op);
+}
+
 CheckMode check_mode() {
   return runtime().check;
 }
@@ -60,26 +81,8 @@ void set_check_mode(CheckMode mode) {
   issue(
       c, print, true,
       [&r, mode] {
-        Communicator& world = *r.world->comm;
-        const std::vector<int> ahead = senders_ahead(world);
-        // [mode, -mode]: equal maxima mean one mode; then the highest rank with a message in
-        // flight to it, plus one (0: none).
-        const auto wanted = static_cast<int64_t>(mode);
-        int64_t v[3] = {wanted, -wanted, ahead.empty() ? 0 : r.rank + 1};
-        world.all_reduce(v, v, 3, kInt64, ReduceOp::Max);
-        WEAVE_CHECK(v[0] == -v[1], "set_check_mode",
-                    "the ranks asked for different check modes (this rank: {}); hint: every rank "
-                    "must call set_check_mode with the same mode",
-                    mode_name(mode));
-        WEAVE_CHECK(ahead.empty(), "set_check_mode",
-                    "ranks {} sent this rank point-to-point messages that no receive issued "
-                    "before set_check_mode takes; a receive issued after it would expect the "
-                    "other mode's message; hint: receive every message before switching",
-                    ahead);
-        WEAVE_CHECK(v[2] == 0, "set_check_mode",
-                    "a point-to-point message to rank {} is in flight across set_check_mode (see "
-                    "that rank's error); hint: receive every message before switching",
-                    v[2] - 1);
+        agree_on_check_mode(*r.world->comm, mode, "set_check_mode",
+                            "every rank must call set_check_mode with the same mode");
       },
       false);
   r.check = mode;

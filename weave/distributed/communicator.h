@@ -76,8 +76,8 @@ bool launched();
 /// MPI_Init (thread multiple) and a duplicate of MPI_COMM_WORLD.
 std::unique_ptr<Communicator> init_world();
 int local_rank();
-/// The number of ranks on this machine (1 without MPI).
-int local_size();
+/// More ranks run on this machine than it has cores (waits should yield theirs).
+bool cores_shared();
 void finalize();
 /// Tears the whole job down (MPI_Abort).
 [[noreturn]] void abort_job(int code);

@@ -38,7 +38,7 @@ std::shared_ptr<Group::Impl> make_group(std::vector<int> ranks,
   impl->my_rank = it == impl->ranks.end() ? -1 : static_cast<int>(it - impl->ranks.begin());
   impl->comm = std::move(comm);
   if (impl->comm)  // members, together
-    impl->board = AgreementBoard::connect(*impl->comm, r.cores_shared);
+    impl->board = AgreementBoard::connect(*impl->comm, mpi::cores_shared());
   impl->id = r.next_group_id++;
   std::lock_guard lock(r.groups_mutex);
   r.groups.push_back(impl);
@@ -127,16 +127,6 @@ double env_double(const char* name, double fallback) {
   WEAVE_CHECK(end != v && *end == '\0' && d > 0, "init", "{}='{}' is not a positive number", name,
               v);
   return d;
-}
-
-// More ranks on this machine than it has cores, or Open MPI says so (it sets these for a job
-// it runs oversubscribed, and yields in its own waits then): waits must give the core away.
-bool ranks_share_cores(int local_ranks) {
-  for (const char* flag : {"OMPI_MCA_mpi_yield_when_idle", "OMPI_MCA_mpi_oversubscribe"}) {
-    const char* v = std::getenv(flag);
-    if (v != nullptr && (std::strcmp(v, "1") == 0 || std::strcmp(v, "true") == 0)) return true;
-  }
-  return local_ranks > int(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 constexpr const char* kUnevenHint =
@@ -281,25 +271,16 @@ void init(Backend backend, InitOptions options) {
   if (r.uses_mpi) {
     comm = detail::mpi::init_world();
     r.local_rank = detail::mpi::local_rank();
-    r.cores_shared = ranks_share_cores(detail::mpi::local_size());
   } else {
     comm = make_local_communicator();
     r.local_rank = 0;
-    r.cores_shared = false;
   }
   r.rank = comm->rank();
   r.size = comm->size();
   r.sent_to = std::make_unique<std::atomic<int64_t>[]>(size_t(r.size));
   r.received_from = std::make_unique<std::atomic<int64_t>[]>(size_t(r.size));
-  if (r.size > 1) {  // the checks add messages of their own: every rank must send the same ones
-    const auto mode = static_cast<int64_t>(r.check.load());
-    int64_t extremes[2] = {mode, -mode};
-    comm->all_reduce(extremes, extremes, 2, kInt64, ReduceOp::Max);
-    WEAVE_CHECK(extremes[0] == -extremes[1], "init",
-                "the ranks use different check modes (this rank: {}); hint: give every rank the "
-                "same WEAVE_CHECK_COLLECTIVES",
-                mode);
-  }
+  // the checks add messages of their own: every rank must send the same ones
+  agree_on_check_mode(*comm, r.check, "init", "give every rank the same WEAVE_CHECK_COLLECTIVES");
   r.device = kCPU;
   if (backend == Backend::NCCL) {
     WEAVE_CHECK(detail::nccl::available(), "init",

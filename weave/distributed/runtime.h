@@ -28,8 +28,6 @@ struct Runtime {
   int64_t heartbeat_ns = 0;
   std::atomic<int64_t> last_heartbeat_ns{0};
   int rank = 0, size = 1, local_rank = 0;
-  /// More ranks run on this machine than it has cores: waits yield the core (agreement_board).
-  bool cores_shared = false;
   Device device = kCPU;
   std::shared_ptr<Group::Impl> world;
   std::mutex groups_mutex;
@@ -45,6 +43,10 @@ struct Runtime {
 Runtime& runtime();
 /// WEAVE_CHECK_COLLECTIVES's mode (the guard when unset); raises for an unknown value.
 CheckMode check_mode_from_env();
+/// Collective over `world`: raises on every rank, naming `op` and ending with `hint`, unless
+/// every rank passes the same mode and no point-to-point message is in flight (sent before
+/// this call, with no receive issued before it).
+void agree_on_check_mode(Communicator& world, CheckMode mode, const char* op, const char* hint);
 /// runtime(), after checking that init() ran; `op` names the caller in the error.
 Runtime& live(const char* op);
 /// Reports on stderr that `what` did not complete within the timeout and aborts the whole job

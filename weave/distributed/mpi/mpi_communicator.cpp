@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -333,8 +334,13 @@ int local_rank() {
   return local;
 }
 
-int local_size() {
-  return local_ranks;
+bool cores_shared() {
+  // Open MPI sets these for a job it runs oversubscribed (and yields in its own waits then).
+  for (const char* flag : {"OMPI_MCA_mpi_yield_when_idle", "OMPI_MCA_mpi_oversubscribe"}) {
+    const char* v = std::getenv(flag);
+    if (v != nullptr && (std::strcmp(v, "1") == 0 || std::strcmp(v, "true") == 0)) return true;
+  }
+  return local_ranks > int(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 // Tags on the control communicator (only farewell's barrier and these messages use it).
