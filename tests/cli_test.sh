@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The examples' command lines (CLI11): a mistyped flag, a malformed value and a value out of
 # range each exit 2 with an error that names the flag; --help lists the flags with their
-# defaults and exits 0.
+# defaults and exits 0; values the run cannot use (a context longer than the text, absurd thread
+# counts) exit 1 with weave's error.
 # usage: cli_test.sh GPT FASHION_MNIST_DDP
 set -uo pipefail
 gpt=$1 fashion=$2
@@ -22,6 +23,18 @@ expect_usage_error "--lr: expected a number, found '1e-'" "$gpt" --lr 1e-
 expect_usage_error "--strategy" "$gpt" --strategy zero9
 expect_usage_error "--strategy: expected ddp, dist-opt" "$fashion" --strategy foo
 expect_usage_error "--epochs" "$fashion" --epochs
+# Values the parser accepts but the run cannot: exit 1 with weave's error, not a crash.
+expect_run_error() {  # what it must say, then the command
+  local want=$1 out status
+  shift
+  out=$("$@" 2>&1)
+  status=$?
+  [ "$status" -eq 1 ] || fail "'$*' exited $status, expected 1: $out"
+  printf '%s\n' "$out" | grep -qF -- "$want" || fail "'$*' did not say '$want': $out"
+  echo "ok: $* -> $(printf '%s\n' "$out" | grep -F -- "$want" | head -1)"
+}
+expect_run_error "--context 100000000 needs more text" "$gpt" --context 100000000 --steps 1
+expect_run_error "[set_num_threads] expected 1 to" "$gpt" --threads 100000 --steps 1
 help=$("$gpt" --help) || fail "--help exited $?"
 printf '%s\n' "$help" | grep -q -- "--steps INT:POSITIVE=600" || fail "--help lacks --steps: $help"
 echo "PASS: command lines checked"

@@ -5,7 +5,9 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
+#include <regex>
 #include <thread>
 
 #include "helpers.h"
@@ -228,6 +230,39 @@ TEST_SUITE("sharded_checkpoint") {
     data::TrainingState into{.model = fresh.get()};
     parallel::load_sharded_checkpoint(dir, into);
     CHECK(equal(fresh->parameters()[0], full(fresh->parameters()[0].shape(), 3.0)));
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("a save after the last generation an int64 numbers raises; the checkpoint stays") {
+    const std::string dir = shared_dir("last_generation");
+    auto model = make_model();
+    data::TrainingState state{.model = model.get()};
+    parallel::save_sharded_checkpoint(dir, state);
+    dist::barrier();
+    const int64_t last = std::numeric_limits<int64_t>::max();
+    if (dist::rank() == 0) {  // the same save, renumbered as the last generation
+      parallel::detail::CheckpointIndex index = parallel::detail::read_checkpoint_index(dir);
+      for (std::string& file : index.files) {
+        const std::string renamed =
+            std::regex_replace(file, std::regex(R"(\.g1\.)"), fmt::format(".g{}.", last));
+        std::filesystem::rename(dir + "/" + file, dir + "/" + renamed);
+        file = renamed;
+      }
+      index.generation = last;
+      std::ofstream(dir + "/index.json") << index.dump();
+    }
+    dist::barrier();
+    model->parameters()[0].detach().fill_(5.0);
+    const std::string error = error_of([&] { parallel::save_sharded_checkpoint(dir, state); });
+    CHECK_MESSAGE(error.find(dist::rank() == 0 ? "the last an int64 can number"
+                                               : "failed to prepare the checkpoint directory") !=
+                      std::string::npos,
+                  error);
+    auto fresh = make_model();
+    data::TrainingState into{.model = fresh.get()};
+    parallel::load_sharded_checkpoint(dir, into);
+    CHECK(equal(fresh->parameters()[0], make_model()->parameters()[0]));
     dist::barrier();
     if (dist::rank() == 0) std::filesystem::remove_all(dir);
   }

@@ -138,6 +138,28 @@ TEST_SUITE("context_parallel") {
       CHECK_WEAVE_ERROR(parallel::all_to_all_attention(x, x, x, world), "all_to_all_attention",
                         "do not divide");
     }
+    // Different scales, or a scale on some ranks only: every rank raises.
+    if (n > 1) {
+      Tensor x = shared({1, 2, 4, 4}, 11);
+      CHECK_WEAVE_ERROR(parallel::ring_attention(x, x, x, world, {.scale = me == 0 ? 0.5 : 0.25}),
+                        "ring_attention", "different scale (from 0.25 to 0.5)");
+      parallel::ContextParallelOptions only_rank_0;
+      if (me == 0) only_rank_0.scale = 0.5;
+      CHECK_WEAVE_ERROR(parallel::all_to_all_attention(x, x, x, world, only_rank_0),
+                        "all_to_all_attention", "different scale (set or not)");
+    }
+    // Parts of odd length cannot be zig-zag parts: gathering them raises instead of scrambling.
+    CHECK_WEAVE_ERROR(
+        parallel::gather_sequence(shared({1, 1, 3, 2}, 12), 2, world, SequenceLayout::ZigZag),
+        "gather_sequence", "two equal chunks");
+    // An empty sequence: empty parts, empty gradients, as attention on the whole gives.
+    for (auto layout : {SequenceLayout::Contiguous, SequenceLayout::ZigZag}) {
+      Tensor e = shared({1, 2, 0, 4}, 13).requires_grad_();
+      Tensor y = parallel::ring_attention(e, e, e, world, {.causal = true, .layout = layout});
+      CHECK(y.shape() == e.shape());
+      y.sum().backward();
+      CHECK(e.grad().shape() == e.shape());
+    }
     // Still in step afterwards.
     Tensor x = shared({1, 2, 4, 4}, 10);
     CHECK(parallel::ring_attention(x, x, x, world).shape() == x.shape());

@@ -1,5 +1,8 @@
 #include <zlib.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <set>
 
@@ -42,6 +45,36 @@ std::vector<unsigned char> idx(unsigned char rank, std::vector<int> dims, int pa
 }  // namespace
 
 TEST_SUITE("data") {
+  TEST_CASE("a lock file is never opened through a link and must be the user's regular file") {
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::temp_directory_path() / fmt::format("weave_lock_{}", ::getpid());
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    const std::string victim = (dir / "victim").string(),
+                      lock = (dir / ".weave-save.lock").string();
+    std::ofstream(victim) << "precious";
+    std::string holder;
+    fs::create_symlink(victim, lock);  // planted by whoever can write into the directory
+    CHECK_WEAVE_ERROR(data::ExclusiveFileLock::try_acquire(lock, "job", &holder), "lock",
+                      "is a symbolic link");
+    std::ifstream kept(victim);
+    CHECK(std::string(std::istreambuf_iterator<char>(kept), {}) == "precious");
+    fs::remove(lock);
+    REQUIRE(::mkfifo(lock.c_str(), 0600) == 0);
+    CHECK_WEAVE_ERROR(data::ExclusiveFileLock::try_acquire(lock, "job", &holder), "lock",
+                      "found not a regular file");
+    fs::remove(lock);
+    if (::geteuid() == 0) {  // root can hand the file to another user
+      std::ofstream(lock) << "";
+      REQUIRE(::chown(lock.c_str(), 1, 1) == 0);
+      CHECK_WEAVE_ERROR(data::ExclusiveFileLock::try_acquire(lock, "job", &holder), "lock",
+                        "found a file owned by uid 1");
+      fs::remove(lock);
+    }
+    CHECK(data::ExclusiveFileLock::try_acquire(lock, "job", &holder).has_value());
+    fs::remove_all(dir);
+  }
+
   TEST_CASE("DataLoader batches, shuffles reproducibly and drops the last batch on request") {
     auto dataset = std::make_shared<data::TensorDataset>(arange(10).reshape({10, 1}),
                                                          arange(10, {.dtype = kInt64}));
@@ -328,6 +361,9 @@ TEST_SUITE("data") {
     CHECK(taken == 6);  // batch 6 holds examples 12 and 13
     CHECK(error == "[test] example 13 is corrupt");
     CHECK_WEAVE_ERROR(data::DataLoader(dataset, {.num_workers = -1}), "DataLoader", "num_workers");
+    // Far more workers than threads the system gives: refused before any starts.
+    CHECK_WEAVE_ERROR(data::DataLoader(dataset, {.num_workers = 100000}), "DataLoader",
+                      "num_workers must be at most 1024");
   }
 
   TEST_CASE("MetricsLogger: one JSON object per record, the documented fields, none invented") {
@@ -368,5 +404,35 @@ TEST_SUITE("data") {
     CHECK_FALSE(std::filesystem::exists(path));
     CHECK_WEAVE_ERROR(data::MetricsLogger({.path = "/nonexistent/dir/m.jsonl"}), "MetricsLogger",
                       "cannot open");
+  }
+
+  TEST_CASE("MetricsLogger: a diverged loss shows, a full disk and a bad name raise") {
+    const std::string path =
+        (std::filesystem::temp_directory_path() / ("weave_metrics_nan_" + std::to_string(getpid())))
+            .string();
+    std::string progress;
+    {
+      data::MetricsLogger metrics({.path = path, .total_steps = 4});
+      progress = test::stderr_of([&] {
+        metrics.log_step({.step = 1, .loss = NAN, .grad_norm = INFINITY});
+        metrics.log_eval(1, "heldout_loss", -INFINITY);
+      });
+      CHECK_WEAVE_ERROR(metrics.log_eval(2, "bad\xff", 1.0), "MetricsLogger", "valid UTF-8");
+    }
+    CHECK(progress.find("step 1/4 loss nan") != std::string::npos);
+    CHECK(progress.find("grad_norm inf") != std::string::npos);
+    std::ifstream in(path);
+    std::vector<nlohmann::json> records;
+    for (std::string line; std::getline(in, line);) records.push_back(nlohmann::json::parse(line));
+    REQUIRE(records.size() == 2);  // the record with the bad name was not written
+    CHECK(records[0]["loss"] == "nan");
+    CHECK(records[0]["grad_norm"] == "inf");
+    CHECK(records[1]["value"] == "-inf");
+    std::filesystem::remove(path);
+    if (std::filesystem::exists("/dev/full")) {  // every write fails with "no space"
+      data::MetricsLogger full({.path = "/dev/full", .progress = false});
+      CHECK_WEAVE_ERROR(full.log_step({.step = 1, .loss = 1.0}), "MetricsLogger",
+                        "cannot write to /dev/full: No space left on device; this record is lost");
+    }
   }
 }

@@ -321,6 +321,10 @@ int main(int argc, char** argv) try {
   const bool sequence_parallel = tensor > 1 && f.sequence_parallel;
   Corpus corpus = load_corpus(f.data_dir);
   corpus.vocab = std::max(corpus.vocab, (f.vocab + 7) / 8 * 8);
+  WEAVE_CHECK(int64_t(corpus.heldout.size()) > f.context + 1, "gpt",
+              "--context {} needs more text: the held-out tenth of {} holds {} characters "
+              "(train {}); hint: a shorter --context or more text",
+              f.context, f.data_dir, corpus.heldout.size(), corpus.train.size());
 
   auto model = build(f, corpus.vocab, mesh, sequence_parallel, expert_group);
   std::vector<std::pair<std::string, Shape>> model_shapes;  // before fsdp shards the parameters

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <numeric>
 #include <sstream>
+#include <system_error>
 #include <thread>
 
 #include "weave/autograd/grad_mode.h"
@@ -94,6 +95,15 @@ struct DataLoader::Workers {
       done.notify_all();
     }
   }
+  void stop_and_join() {
+    {
+      std::lock_guard lock(mutex);
+      stop = true;
+    }
+    work.notify_all();
+    for (std::thread& t : threads) t.join();
+    threads.clear();
+  }
   // A new epoch: what was queued or loaded for the last one is dropped.
   void restart() {
     std::lock_guard lock(mutex);
@@ -113,13 +123,27 @@ DataLoader::DataLoader(std::shared_ptr<const Dataset> dataset, DataLoaderOptions
   WEAVE_CHECK(options.num_workers >= 0 && options.prefetch >= 0, "DataLoader",
               "num_workers and prefetch must be >= 0, found {} and {}", options.num_workers,
               options.prefetch);
+  WEAVE_CHECK(options.num_workers <= kMaxWorkers, "DataLoader",
+              "num_workers must be at most {}, found {}; hint: a few workers per core keep any "
+              "model fed, more only contend for the cores",
+              kMaxWorkers, options.num_workers);
   order_.resize(options.sampler ? options.sampler->size() : dataset_->size());
   std::iota(order_.begin(), order_.end(), 0);
   if (options.num_workers > 0) {
     workers_ = std::make_unique<Workers>();
     workers_->dataset = dataset_;
-    for (int i = 0; i < options.num_workers; ++i)
-      workers_->threads.emplace_back([w = workers_.get()] { w->run(); });
+    try {
+      for (int i = 0; i < options.num_workers; ++i)
+        workers_->threads.emplace_back([w = workers_.get()] { w->run(); });
+    } catch (const std::system_error& e) {
+      // The threads made so far must be joined before they are destroyed (else: terminate).
+      const size_t started = workers_->threads.size();
+      workers_->stop_and_join();
+      WEAVE_FAIL("DataLoader",
+                 "could not start worker thread {} of num_workers = {} ({}); hint: use fewer "
+                 "workers (a few per core is plenty)",
+                 started + 1, options.num_workers, e.what());
+    }
   }
 }
 
@@ -232,13 +256,7 @@ Example DataLoader::load(int64_t batch) const {
 }
 
 DataLoader::~DataLoader() {
-  if (!workers_) return;
-  {
-    std::lock_guard lock(workers_->mutex);
-    workers_->stop = true;
-  }
-  workers_->work.notify_all();
-  for (std::thread& t : workers_->threads) t.join();
+  if (workers_) workers_->stop_and_join();
 }
 
 Example DataLoader::take(int64_t batch) const {

@@ -79,6 +79,9 @@ struct LoaderState {
   int replica = -1;
 };
 
+/// The most worker threads a DataLoader starts.
+inline constexpr int kMaxWorkers = 1024;
+
 struct DataLoaderOptions {
   int64_t batch_size = 64;
   bool shuffle = false;
@@ -90,7 +93,7 @@ struct DataLoaderOptions {
   /// loop asks for it). The batches, their order and the loader's state in checkpoints are the
   /// same either way; an exception a worker meets is raised where the loop takes that batch.
   /// The dataset's get_batch then runs on several threads at once: it must be safe to (a
-  /// const method that only reads, as TensorDataset's).
+  /// const method that only reads, as TensorDataset's). At most kMaxWorkers.
   int num_workers = 0;
   /// Batches loaded ahead while the loop works on the current one (with workers).
   int prefetch = 2;

@@ -116,8 +116,29 @@ std::string read_file(const std::string& path) {
 std::optional<ExclusiveFileLock> ExclusiveFileLock::try_acquire(const std::string& path,
                                                                 const std::string& owner,
                                                                 std::string* holder) {
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // Never through a link: whoever can add entries to the directory could point the lock at any
+  // file this job may write, which the owner record below would overwrite.
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+  WEAVE_CHECK(fd >= 0 || errno != ELOOP, "lock",
+              "{} is a symbolic link; a lock file is never opened through one (the job would "
+              "overwrite the file it names); hint: remove the link, and keep checkpoint "
+              "directories writable by the job's user only",
+              path);
   if (fd < 0) fail_io("create the lock file", path);
+  struct stat st {};
+  const bool stated = ::fstat(fd, &st) == 0;
+  if (!stated || !S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
+    ::close(fd);
+    WEAVE_FAIL("lock",
+               "{} must be a regular file owned by this job's user (uid {}), found {} owned by "
+               "uid {}; hint: remove it, and keep checkpoint directories writable by the job's "
+               "user only",
+               path, ::geteuid(),
+               !stated               ? "nothing readable"
+               : S_ISREG(st.st_mode) ? "a file"
+                                     : "not a regular file",
+               stated ? int64_t(st.st_uid) : int64_t(-1));
+  }
   int locked;
   do {
     locked = ::flock(fd, LOCK_EX | LOCK_NB);

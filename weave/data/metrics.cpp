@@ -24,8 +24,33 @@ std::string duration_text(double seconds) {
   return fmt::format("{}s", s);
 }
 
+// A derived value (throughput, ETA) only when known.
 void put(json& record, const char* key, double value) {
   if (std::isfinite(value)) record[key] = value;
+}
+
+// A value the caller gave: JSON has no NaN or infinity, so those go in as strings.
+void put(json& record, const char* key, const std::optional<double>& value) {
+  if (!value) return;
+  if (std::isfinite(*value))
+    record[key] = *value;
+  else
+    record[key] = std::isnan(*value) ? "nan" : *value > 0 ? "inf" : "-inf";
+}
+
+// The record's line; a name that is not valid UTF-8 raises weave::Error.
+std::string dumped(const json& record) {
+  try {
+    return record.dump();
+  } catch (const json::exception& e) {
+    WEAVE_FAIL("MetricsLogger",
+               "cannot write the record of step {}: {}; hint: metric names must be valid UTF-8",
+               record.value("step", int64_t(-1)), e.what());
+  }
+}
+
+std::string shown(const char* name, const std::optional<double>& value, const char* format) {
+  return value ? fmt::format(" {} ", name) + fmt::format(fmt::runtime(format), *value) : "";
 }
 
 }  // namespace
@@ -47,10 +72,20 @@ MetricsLogger::~MetricsLogger() {
 }
 
 void MetricsLogger::write(const std::string& record) {
+  const std::string line = record + "\n";
   if (!file_) return;
-  std::fputs(record.c_str(), file_);
-  std::fputc('\n', file_);
-  std::fflush(file_);  // a killed run keeps what it logged
+  const long before = std::ftell(file_);
+  // Flushed per record: a killed run keeps what it logged.
+  const bool written =
+      std::fwrite(line.data(), 1, line.size(), file_) == line.size() && std::fflush(file_) == 0;
+  if (written) return;
+  const int why = errno;
+  // Whole lines only: what part of this record reached the file is cut back off.
+  std::clearerr(file_);
+  const bool cut = before >= 0 && ::ftruncate(::fileno(file_), before) == 0 &&
+                   std::fseek(file_, before, SEEK_SET) == 0;
+  WEAVE_FAIL("MetricsLogger", "cannot write to {}: {}; this record is lost{}; hint: free space",
+             options_.path, std::strerror(why), cut ? "" : " and the last line may be cut");
 }
 
 void MetricsLogger::log_step(const StepMetrics& m) {
@@ -71,14 +106,13 @@ void MetricsLogger::log_step(const StepMetrics& m) {
   put(record, "peak_mb", peak_mb);
   put(record, "elapsed_s", elapsed);
   put(record, "eta_s", eta);
-  write(record.dump());
+  write(dumped(record));
   if (!options_.progress) return;
   std::string line =
       total > 0 ? fmt::format("step {}/{}", m.step, total) : fmt::format("step {}", m.step);
-  if (std::isfinite(m.loss)) line += fmt::format(" loss {:.4f}", m.loss);
-  if (std::isfinite(m.lr)) line += fmt::format(" lr {:.2e}", m.lr);
+  line += shown("loss", m.loss, "{:.4f}") + shown("lr", m.lr, "{:.2e}");
   if (std::isfinite(throughput)) line += fmt::format(" tokens/s {:.0f}", throughput);
-  if (std::isfinite(m.grad_norm)) line += fmt::format(" grad_norm {:.3f}", m.grad_norm);
+  line += shown("grad_norm", m.grad_norm, "{:.3f}");
   line += fmt::format(" peak {:.0f} MB", peak_mb);
   if (std::isfinite(eta)) line += " eta " + duration_text(eta);
   if (terminal_ && total > 0) {
@@ -97,9 +131,9 @@ void MetricsLogger::log_eval(int64_t step, const std::string& name, double value
   const double elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   json record = {{"kind", "eval"}, {"step", step}, {"name", name}};
-  put(record, "value", value);
+  put(record, "value", std::optional<double>(value));
   put(record, "elapsed_s", elapsed);
-  write(record.dump());
+  write(dumped(record));
   if (!options_.progress) return;
   if (line_open_) std::fputc('\n', stderr);
   line_open_ = false;

@@ -20,11 +20,14 @@
 // "loss" is what the caller passes (typically the mean over the steps since the last record),
 // tokens_per_s counts the tokens passed since the last record over the time since then, and
 // peak_mb is memory_stats(device).peak. The file is replaced when the logger opens it, and each
-// record is flushed as it is written.
+// record is flushed as it is written. A record that cannot be written whole (a full disk) is
+// cut back off the file, which keeps only whole lines, and the call raises weave::Error; so
+// does a metric name that is not valid UTF-8.
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "weave/tensor/device.h"
@@ -46,14 +49,15 @@ struct MetricsOptions {
   Device device = kCPU;
 };
 
-/// One logged step. Leave a field at its default to leave it out.
+/// One logged step. Leave a field unset to leave it out; a NaN or infinite value is recorded as
+/// "nan", "inf" or "-inf" (a diverging run shows in the file and on the line).
 struct StepMetrics {
   int64_t step = 0;
-  double loss = NAN;
-  double lr = NAN;
+  std::optional<double> loss = std::nullopt;
+  std::optional<double> lr = std::nullopt;
   /// Tokens (or examples) processed since the previous record, for the throughput.
   int64_t tokens = 0;
-  double grad_norm = NAN;
+  std::optional<double> grad_norm = std::nullopt;
 };
 
 class MetricsLogger {

@@ -2,6 +2,7 @@
 #include <omp.h>
 #include <cmath>
 #include <functional>
+#include <thread>
 #include "weave/kernels/cpu/eigen.h"
 
 #include "weave/autograd/grad_mode.h"
@@ -453,7 +454,11 @@ Tensor Tensor::relu() const {
 // ---- threads ----------------------------------------------------------------------------
 
 void set_num_threads(int threads) {
-  WEAVE_CHECK(threads >= 1, "set_num_threads", "expected at least 1 thread, found {}", threads);
+  // OpenMP's team start crashes long before this many threads; a few per core is the useful most.
+  const int most = std::max(1024, 4 * int(std::thread::hardware_concurrency()));
+  WEAVE_CHECK(threads >= 1 && threads <= most, "set_num_threads",
+              "expected 1 to {} threads, found {}; hint: one thread per core ({} here)", most,
+              threads, std::thread::hardware_concurrency());
   omp_set_num_threads(threads);
   Eigen::setNbThreads(threads);
   kernels::set_max_threads(threads);

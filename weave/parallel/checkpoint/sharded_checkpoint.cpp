@@ -7,6 +7,7 @@
 #include <ctime>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -253,7 +254,13 @@ void prepare_save(Save& save, const char* op) {
     std::random_device entropy;
     const int64_t id = (int64_t(entropy()) << 31) ^ int64_t(entropy());
     save.directory_lock = lock_directory(dir, op, fmt::format("{:x}", id));
-    generation_and_id.copy_(from_vector<int64_t>({current_generation(dir) + 1, id}, {2}));
+    const int64_t current = current_generation(dir);
+    WEAVE_CHECK(current < std::numeric_limits<int64_t>::max(), op,
+                "the checkpoint in {} is at generation {}, the last an int64 can number; a save "
+                "would overwrite it with an unreadable one; nothing was changed; hint: copy the "
+                "checkpoint's files to a new directory (they load from there) and save there",
+                dir, current);
+    generation_and_id.copy_(from_vector<int64_t>({current + 1, id}, {2}));
   });
   dist::broadcast(generation_and_id, 0, save.group);
   const std::vector<int64_t> generation_id = generation_and_id.to_vector<int64_t>();

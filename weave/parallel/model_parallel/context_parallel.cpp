@@ -2,6 +2,7 @@
 // with the fused attention kernels) and all-to-all attention (composed of differentiable ops).
 #include "weave/parallel/model_parallel/context_parallel.h"
 
+#include <bit>
 #include <cmath>
 #include <vector>
 
@@ -43,7 +44,10 @@ Pair pair_of(int64_t a, int64_t b, bool causal) {
 void check_arguments(const Tensor& q, const Tensor& k, const Tensor& v, const dist::Group& group,
                      const ContextParallelOptions& options, const char* op) {
   WEAVE_CHECK(group.rank() >= 0, op, "rank {} is not in group {}", dist::rank(), group.str());
-  std::vector<int64_t> facts(8, 0);
+  // The scale travels as its bits (-0.0 as 0.0: they scale alike), so differing scales raise.
+  const double scale = options.scale.value_or(0.0);
+  const int64_t scale_bits = scale == 0 ? 0 : std::bit_cast<int64_t>(scale);
+  std::vector<int64_t> facts(10, 0);
   const detail::ValueRange agreed = detail::check_together(
       [&] {
         WEAVE_CHECK(q.defined() && k.defined() && v.defined(), op, "q, k and v must be defined");
@@ -64,16 +68,22 @@ void check_arguments(const Tensor& q, const Tensor& k, const Tensor& v, const di
                  v.size(3),
                  int64_t(q.dtype()),
                  options.causal ? 1 : 0,
-                 int64_t(options.layout)};
+                 int64_t(options.layout),
+                 options.scale.has_value() ? 1 : 0,
+                 scale_bits};
       },
       group, op, facts);
-  const char* names[] = {"batch",           "heads", "local sequence length", "head size",
-                         "value head size", "dtype", "causal flag",           "layout"};
+  const char* names[] = {
+      "batch",       "heads",  "local sequence length", "head size", "value head size", "dtype",
+      "causal flag", "layout", "scale (set or not)",    "scale"};
+  auto shown = [&](size_t i, int64_t value) {  // the scale's bits as the number they hold
+    return i == 9 ? fmt::format("{}", std::bit_cast<double>(value)) : std::to_string(value);
+  };
   for (size_t i = 0; i < facts.size(); ++i)
     WEAVE_CHECK(agreed.same(i), op,
                 "the ranks of group {} pass different {} (from {} to {}); hint: every rank "
                 "holds an equal part of one sequence, with the same options",
-                group.str(), names[i], agreed.lowest[i], agreed.highest[i]);
+                group.str(), names[i], shown(i, agreed.lowest[i]), shown(i, agreed.highest[i]));
 }
 
 // A buffer on its way to the next rank of the ring, and the one arriving from the previous.
@@ -223,7 +233,9 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const d
   const char* op = "ring_attention";
   check_arguments(q, k, v, group, options, op);
   if (options.stats) *options.stats = {};
-  if (group.size() == 1) {  // the whole sequence here, in order under either layout
+  // One rank holds the whole sequence, in order under either layout; an empty sequence (on
+  // every rank: the lengths were agreed) has nothing to exchange.
+  if (group.size() == 1 || q.size(2) == 0) {
     const int64_t t = q.size(2);
     if (options.stats)
       options.stats->score_elements =
@@ -335,7 +347,15 @@ Tensor shard_sequence(const Tensor& whole, int64_t axis, const dist::Group& grou
 Tensor gather_sequence(const Tensor& part, int64_t axis, const dist::Group& group,
                        SequenceLayout layout) {
   const int64_t dim = normalize_dim(axis, part.dim(), "gather_sequence");
-  return reorder(F::all_gather(part, dim, group), dim, group.size(), layout, /*to_natural=*/true);
+  // After the all_gather, which raises on every rank for parts of different shapes, every rank
+  // holds the same length here and raises alike.
+  Tensor whole = F::all_gather(part, dim, group);
+  WEAVE_CHECK(layout != SequenceLayout::ZigZag || part.size(int(dim)) % 2 == 0, "gather_sequence",
+              "the zig-zag layout holds two equal chunks per rank, but the parts hold {} "
+              "positions; hint: shard_sequence makes parts of even length from a sequence that "
+              "divides by twice the group size",
+              part.size(int(dim)));
+  return reorder(whole, dim, group.size(), layout, /*to_natural=*/true);
 }
 
 }  // namespace weave::parallel
