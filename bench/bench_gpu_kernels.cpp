@@ -66,7 +66,7 @@ int main(int argc, char** argv) try {
   Tensor targets = randint(0, 32768, {4096}, {.dtype = kInt64, .device = gpu}, &g);
   Tensor act = randn({8192, 3072}, {.dtype = kBFloat16, .device = gpu}, &g);
   Tensor act_bias = randn({3072}, {.dtype = kBFloat16, .device = gpu}, &g);
-  Tensor param = randn({int64_t(124) << 20}, {.device = gpu}, &g);
+  Tensor param = randn({int64_t(124) << 20}, {.device = gpu}, &g).requires_grad_();
   param.set_grad(randn({int64_t(124) << 20}, {.device = gpu}, &g));
   optim::AdamW adam({param}, {.lr = 1e-4});
 

@@ -7,7 +7,9 @@
 #   3. the GPT step (examples/gpt --device cuda) against bench/gpt_torch.py --device cuda,
 #      alternating, medians of the per-step times after the first three steps: the 12-layer,
 #      d 768, T 1024, vocab 32768 model in bf16 autocast and float32, and the 4-layer d 256 model.
-#   bash scripts/gpu-check.sh [runs=3] [steps=12] [what=all|tests|kernels|gpt]
+#   4. compute-sanitizer memcheck of the cuda suites; 5. examples/gpt --device cuda at 1 rank
+#      (NCCL) and 2 ranks (MPI) against the CPU run's held-out loss ($HELDOUT_REFERENCE).
+#   bash scripts/gpu-check.sh [runs=3] [steps=12] [what=all|tests,kernels,gpt,heldout,sanitize,profile]
 # Programs come from $WEAVE_BIN (default: build/tests, build/bench, build/examples, then PATH);
 # the text from $WEAVE_DATA (default /usr/share/games/fortunes). PyTorch runs as $TORCH_PYTHON
 # (default python3) without weave's LD_LIBRARY_PATH (the bundle's libraries are weave's, not
@@ -30,14 +32,16 @@ torch() { env -u LD_LIBRARY_PATH "$python" "$@"; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 median() { printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'; }
 table=()
+# Sections: "all" (every one but profile) or a comma-separated list.
+want() { [ "$what" = all ] || [[ ",$what," == *,$1,* ]]; }
 status=0
 
-if [ "$what" = all ] || [ "$what" = tests ]; then
+if want tests; then
   echo "== cuda tests"
   run_test() {  # name, command...
     local name=$1; shift
     local start=$SECONDS out
-    out=$("$@" 2>&1); local rc=$?
+    out=$(timeout "${TEST_TIMEOUT_S:-300}" "$@" 2>&1); local rc=$?
     local verdict=passed
     [ $rc -eq 77 ] && verdict=skipped
     [ $rc -ne 0 ] && [ $rc -ne 77 ] && { verdict=FAILED; status=1; echo "$out" | tail -40; }
@@ -51,9 +55,13 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     --require-cuda --backend=nccl
   run_test mpi_cuda_collectives_np2 mpirun --oversubscribe -np 2 weave_mpi_tests --test-suite=cuda_collectives \
     --require-cuda
+  run_test nccl_parallel_np1 mpirun --oversubscribe -np 1 weave_mpi_tests --test-suite=cuda_parallel \
+    --require-cuda --backend=nccl
+  run_test mpi_cuda_parallel_np2 mpirun --oversubscribe -np 2 weave_mpi_tests --test-suite=cuda_parallel \
+    --require-cuda
 fi
 
-if [ "$what" = all ] || [ "$what" = kernels ]; then
+if want kernels; then
   echo "== kernels (weave, then PyTorch, alternating $runs times)"
   declare -A w_us t_us w_frac t_frac
   names=()
@@ -79,12 +87,15 @@ if [ "$what" = all ] || [ "$what" = kernels ]; then
   done
 fi
 
-if [ "$what" = all ] || [ "$what" = gpt ]; then
+if want gpt; then
   echo "== GPT step (weave, then PyTorch, alternating $runs times)"
   big=(--layers 12 --dim 768 --heads 12 --context 1024 --batch 8 --vocab 32768)
   small=(--layers 4 --dim 256 --heads 4 --context 128 --batch 8 --vocab 1024)
   step_ms() {  # tokens per step, then the program's output: median step time after 3 steps
-    awk -v tok="$1" '/^step [0-9]+\/[0-9]+ loss/ { split($2, s, "/"); if (s[1] > 3) print 1000 * tok / $NF }' |
+    awk -v tok="$1" '/^step [0-9]+\/[0-9]+ loss/ {
+      split($2, s, "/"); r = 0
+      for (i = 1; i < NF; ++i) if ($i == "tokens/s") r = $(i + 1)
+      if (s[1] > 3 && r > 0) print 1000 * tok / r }' |
       sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'
   }
   gpt_case() {  # label, tokens, then model flags
@@ -93,7 +104,7 @@ if [ "$what" = all ] || [ "$what" = gpt ]; then
     local ws=() ts=() wm=() tm=() wl tl
     for ((i = 1; i <= runs; ++i)); do
       out=$(gpt --device cuda --samples 0 "${common[@]}" 2>&1) || { echo "$out" | tail -20; status=1; }
-      ws+=("$(step_ms "$tokens" <<<"$out")"); wm+=("$(grep -o 'rank 0: [0-9.]*' <<<"$out" | awk '{print $3}')")
+      ws+=("$(step_ms "$tokens" <<<"$out")"); wm+=("$(grep -o 'memory on rank 0: [0-9.]*' <<<"$out" | awk '{print $5}')")
       wl=$(grep -o 'heldout_loss=[0-9.]*' <<<"$out" | cut -d= -f2)
       out=$(torch bench/gpt_torch.py --device cuda "${common[@]}" 2>&1) || { echo "$out" | tail -20; status=1; }
       ts+=("$(step_ms "$tokens" <<<"$out")"); tm+=("$(grep -o 'peak_memory_mb=[0-9.]*' <<<"$out" | cut -d= -f2)")
@@ -109,6 +120,44 @@ if [ "$what" = all ] || [ "$what" = gpt ]; then
   gpt_case "4L d256 T128 B8 V1024 fp32" $((8 * 128)) "${small[@]}"
 fi
 
+if want sanitize; then
+  echo "== compute-sanitizer memcheck of the cuda suites"
+  for suite in cuda cuda_kernels; do
+    out=$(timeout "${SANITIZE_TIMEOUT_S:-600}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+      weave_tests --test-suite=$suite --require-cuda 2>&1); rc=$?
+    summary=$(grep -o 'ERROR SUMMARY: [0-9]* error' <<<"$out" | tail -1)
+    [ $rc -ne 0 ] && { echo "$out" | tail -30; status=1; }
+    echo "memcheck $suite: rc=$rc ${summary:-no summary}"
+    table+=("memcheck|$suite|rc=$rc ${summary:-no summary}")
+  done
+fi
+
+if want heldout; then
+  # The example trains the same small model on the GPU at 1 rank (NCCL) and at 2 ranks sharing
+  # the GPU (MPI); $HELDOUT_REFERENCE is the CPU run's held-out loss (same flags, --device cpu).
+  echo "== examples/gpt --device cuda: held-out loss against the CPU run"
+  small_run=(--layers 2 --dim 64 --heads 4 --context 64 --batch 8 --steps 200 --eval-every 1000000
+             --eval-windows 32 --log-every 50 --samples 0 --data "$data")
+  for mode in "1 nccl" "2 mpi"; do
+    set -- $mode
+    out=$(mpirun --oversubscribe -np "$1" gpt --device cuda --backend "$2" "${small_run[@]}" 2>&1) ||
+      { echo "$out" | tail -20; status=1; }
+    held=$(grep -o 'heldout_loss=[0-9.]*' <<<"$out" | cut -d= -f2)
+    echo "gpt cuda np$1 $2: heldout_loss=$held (CPU: ${HELDOUT_REFERENCE:-unknown})"
+    table+=("heldout|np$1 $2|gpu $held cpu ${HELDOUT_REFERENCE:-unknown}")
+  done
+fi
+
+if [[ ",$what," == *,profile,* ]]; then
+  # Per-kernel GPU time of two steps of the first model in bf16 (Nsight Compute, one metric).
+  echo "== ncu: per-kernel time of the GPT step"
+  timeout "${PROFILE_TIMEOUT_S:-180}" ncu --metrics gpu__time_duration.sum --print-summary per-kernel \
+    --csv gpt --device cuda --samples 0 --layers 12 --dim 768 --heads 12 --context 1024 --batch 8 \
+    --vocab 32768 --autocast bf16 --steps 2 --log-every 1 --eval-every 1000000 --eval-windows 8 \
+    --data "$data" >"${PROFILE_CSV:-gpt_profile.csv}" 2>&1
+  echo "ncu rc=$? -> ${PROFILE_CSV:-gpt_profile.csv}"
+fi
+
 echo "== gpu-check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
-printf '%s\n' "${table[@]}" | column -t -s '|'
+printf '%s\n' "${table[@]}" | awk -F'|' '{ printf "%-9s %-32s %s\n", $1, $2, $3 }'
 exit $status

@@ -147,7 +147,9 @@ TEST_SUITE("mixed_precision") {
       CHECK(mean(h).dtype() == kFloat32);
       CHECK(pow(h, 2.0).dtype() == kFloat32);
       CHECK(mse_loss(h, zeros({4, 6})).dtype() == kFloat32);
-      CHECK(relu(h).dtype() == kBFloat16);                                   // follows its input
+      CHECK(relu(h).dtype() == kBFloat16);  // follows its input
+      Tensor act = bias_gelu(h, bias);      // linear's epilogue: its float32 bias is cast too
+      CHECK(act.dtype() == kBFloat16);
       CHECK((h + zeros({4, 6})).dtype() == kFloat32);                        // follows: promotion
       CHECK(x.to(kFloat64).matmul(x.t().to(kFloat64)).dtype() == kFloat64);  // never autocast
       Tensor n = layer_norm(h, {6}, norm_w);
@@ -160,7 +162,8 @@ TEST_SUITE("mixed_precision") {
         CHECK(linear(x, w).dtype() == kFloat32);
       }
       CHECK(autocast_dtype() == kBFloat16);
-      Tensor loss = cross_entropy(h, randint(0, 6, {4}, {.dtype = kInt64}, &gen)) + sum(n * n);
+      Tensor loss =
+          cross_entropy(h, randint(0, 6, {4}, {.dtype = kInt64}, &gen)) + sum(n * n) + sum(act);
       CHECK(loss.dtype() == kFloat32);
       loss.backward();
     }

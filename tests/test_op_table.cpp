@@ -1,32 +1,18 @@
 // One table of every differentiable op. On CPU each case is gradient-checked against central
-// finite differences in float64; on a CUDA machine each case's values and gradients are also
-// compared with the CPU's.
+// finite differences in float64 (tests/test_op_table_cuda.cpp compares each case on a GPU with
+// the CPU).
 #include <cmath>
 #include <functional>
 #include <set>
 
 #include "helpers.h"
+#include "op_table.h"
 #include "weave/kernels/functors.h"
 
 using namespace weave;
-using Inputs = std::vector<Tensor>;
+using namespace weave::test;
 
 namespace {
-
-enum class Domain { Any, Positive, Unit };
-
-struct Input {
-  Shape shape;
-  Domain domain = Domain::Any;
-  bool transposed = false;  // a non-contiguous leaf (transposed storage) of this shape
-};
-
-struct OpCase {
-  std::string op;
-  std::vector<Input> inputs;
-  std::function<Tensor(const Inputs&)> fn;
-  double eps = 1e-6;  // finite-difference step (larger where the op rounds to float32)
-};
 
 Input any(Shape s) {
   return {s};
@@ -38,7 +24,9 @@ Input tr(Shape s) {
   return {s, Domain::Any, true};
 }
 
-std::vector<OpCase> cases() {
+}  // namespace
+
+std::vector<OpCase> weave::test::op_cases() {
   auto unary = [](std::string name, Tensor (*f)(const Tensor&), Domain d) {
     std::vector<OpCase> out;
     out.push_back({name, {{{}, d}}, [f](const Inputs& x) { return f(x[0]); }});
@@ -262,6 +250,9 @@ std::vector<OpCase> cases() {
                    return scaled_dot_product_attention(
                        x[0], x[1], x[2], {.causal = true, .dropout_p = 0.3, .generator = &g});
                  }});
+  all.push_back({"packed_qkv_attention", {any({2, 3, 2, 3, 4})}, [](const Inputs& x) {
+                   return packed_qkv_attention(x[0], {.causal = true, .scale = 0.8});
+                 }});
   all.push_back({"tril", {any({3, 4})}, [](const Inputs& x) { return tril(x[0]).exp(); }});
   all.push_back({"tril", {tr({2, 4})}, [](const Inputs& x) { return tril(x[0], 1).exp(); }});
   all.push_back({"triu", {any({2, 3, 3})}, [](const Inputs& x) { return triu(x[0], -1).exp(); }});
@@ -328,7 +319,8 @@ std::vector<bool> to_vector_bool(const Tensor& t) {
   return out;
 }
 
-std::vector<Tensor> make_inputs(const std::vector<Input>& specs, Generator& generator) {
+std::vector<Tensor> weave::test::make_inputs(const std::vector<Input>& specs,
+                                             Generator& generator) {
   std::vector<Tensor> inputs;
   for (const Input& spec : specs) {
     Shape storage_shape = spec.shape;
@@ -342,13 +334,11 @@ std::vector<Tensor> make_inputs(const std::vector<Input>& specs, Generator& gene
   return inputs;
 }
 
-}  // namespace
-
 TEST_SUITE("op_table") {
   TEST_CASE("every differentiable op matches finite differences") {
     std::set<std::string> ops;
     int index = 0;
-    for (const OpCase& c : cases()) {
+    for (const OpCase& c : op_cases()) {
       Generator generator(1000 + index++);
       std::vector<Tensor> inputs = make_inputs(c.inputs, generator);
       bool any_transposed = false;
@@ -369,7 +359,7 @@ TEST_SUITE("op_table") {
 
   TEST_CASE("every listed differentiable op has a row") {
     std::set<std::string> rows;
-    for (const OpCase& c : cases()) rows.insert(c.op);
+    for (const OpCase& c : op_cases()) rows.insert(c.op);
     std::vector<std::string> listed;
 #define WEAVE_LISTED_UNARY(Name, Functor, function) listed.push_back(#function);
     WEAVE_UNARY_OPS(WEAVE_LISTED_UNARY)
@@ -469,34 +459,5 @@ TEST_SUITE("op_table") {
         autograd::gradcheck([](const Inputs& in) { return WrongSquare::apply(in[0]); }, {x});
     CHECK_FALSE(result.ok);
     CHECK(result.report.find("analytic") != std::string::npos);
-  }
-}
-
-TEST_SUITE("cuda") {
-  TEST_CASE("every op on CUDA matches CPU, values and gradients") {
-    const Device gpu = Device::cuda(0);
-    int index = 0, compared = 0;
-    for (const OpCase& c : cases()) {
-      Generator generator(1000 + index++);
-      std::vector<Tensor> cpu_inputs = make_inputs(c.inputs, generator);
-      std::vector<Tensor> gpu_inputs;
-      for (const Tensor& t : cpu_inputs) gpu_inputs.push_back(t.detach().to(gpu).requires_grad_());
-      Tensor cpu_out = c.fn(cpu_inputs), gpu_out = c.fn(gpu_inputs);
-      REQUIRE_MESSAGE(gpu_out.device() == gpu, c.op);
-      CHECK_MESSAGE(test::close(cpu_out, gpu_out.cpu(), 1e-9, 1e-9), c.op, " values differ");
-      Generator seed(5);
-      Tensor probe = randn(cpu_out.shape(), {.dtype = kFloat64}, &seed);
-      sum(cpu_out * probe).backward();
-      sum(gpu_out * probe.to(gpu)).backward();
-      for (size_t i = 0; i < cpu_inputs.size(); ++i) {
-        Tensor a = cpu_inputs[i].grad(), b = gpu_inputs[i].grad();
-        REQUIRE_MESSAGE(a.defined() == b.defined(), c.op);
-        if (a.defined())
-          CHECK_MESSAGE(test::close(a, b.cpu(), 1e-9, 1e-9), c.op, " gradient ", i, " differs");
-      }
-      ++compared;
-    }
-    fmt::print("cuda table compared {} cases with CPU\n", compared);
-    CHECK(compared > 0);
   }
 }

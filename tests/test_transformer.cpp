@@ -6,6 +6,7 @@
 #include <set>
 
 #include "helpers.h"
+#include "weave/ops/attention_blocks.h"
 
 using namespace weave;
 using Inputs = std::vector<Tensor>;
@@ -141,6 +142,38 @@ TEST_SUITE("transformer") {
              {"dropout + causal + strided", 1, 2, 33, 33, 6, 6, true, 0, 0.5, true},
          })
       check_against_reference(c);
+  }
+
+  TEST_CASE("attention by blocks of heads (CUDA's float32/float64 path) equals the reference") {
+    struct Everywhere {  // the blocked path on the CPU too, while the test runs
+      explicit Everywhere(int64_t block_bytes) {
+        detail::set_attention_by_blocks_everywhere(true, block_bytes);
+      }
+      ~Everywhere() { detail::set_attention_by_blocks_everywhere(false); }
+    };
+    Tensor q = zeros({1, 2, 3, 4}, {.dtype = kFloat64}),
+           k = zeros({1, 2, 5, 4}, {.dtype = kFloat64});
+    for (int64_t block_bytes : {int64_t(1), int64_t(0)}) {  // one head per block; the default
+      CAPTURE(block_bytes);
+      Everywhere on(block_bytes);
+      REQUIRE(detail::attention_by_blocks(q, k, Tensor(), {.causal = true}));
+      CHECK(!detail::attention_by_blocks(k, q, Tensor(), {.causal = true}));  // a row sees none
+      for (const Case& c : std::vector<Case>{
+               {"plain", 2, 3, 17, 17, 8, 8},
+               {"causal", 2, 2, 70, 70, 16, 16, true},
+               {"T = 1, causal", 1, 1, 1, 1, 4, 4, true},
+               {"Tq < Tk, causal (decoding)", 1, 2, 3, 131, 8, 8, true},
+               {"Tq > Tk", 1, 2, 67, 9, 8, 6},
+               {"strided [B, T, H, D] views", 2, 3, 70, 70, 8, 8, true, 0, 0.0, true},
+           })
+        check_against_reference(c);
+      Generator g(3);  // the log-sum-exp that ring attention merges by
+      Tensor a = randn({1, 2, 5, 4}, {.dtype = kFloat64}, &g);
+      Tensor b = randn({1, 2, 6, 4}, {.dtype = kFloat64}, &g);
+      Tensor lse = log(sum(exp(matmul(a, b.transpose(-1, -2)) * 0.5), {-1}));
+      CHECK(relative_error(scaled_dot_product_attention_with_lse(a, b, b).logsumexp, lse) <= 1e-12);
+    }
+    CHECK(!detail::attention_by_blocks(q, k, Tensor(), {}));  // off again: CPU uses the kernels
   }
 
   TEST_CASE("attention: the log-sum-exp, a row with nothing to attend to, and the output layout") {

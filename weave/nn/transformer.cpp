@@ -35,10 +35,30 @@ std::pair<Tensor, Tensor> KVCache::append(const Tensor& k, const Tensor& v) {
   return {keys_.narrow(2, 0, length_), values_.narrow(2, 0, length_)};
 }
 
+namespace {
+
+/// qkv [B, T, heads * 3 * head_dim] as [B, T, H, 3, hd] (checked): q, k and v are
+/// [B, H, T, hd] views of it.
+Tensor packed_heads(const Tensor& qkv, int64_t heads) {
+  WEAVE_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0, "fused_qkv_attention",
+              "expected qkv [B, T, heads * 3 * head_dim] with {} heads, found {}", heads,
+              qkv.shape());
+  return qkv.reshape({qkv.size(0), qkv.size(1), heads, 3, qkv.size(2) / (3 * heads)});
+}
+
+/// Attention's [B, H, T, hd] output as [B, T, H * hd] (a view: it is stored heads-last).
+Tensor merge_heads(const Tensor& y) {
+  return y.transpose(1, 2).reshape({y.size(0), y.size(2), y.size(1) * y.size(3)});
+}
+
+}  // namespace
+
 Tensor fused_qkv_attention(const Tensor& qkv, int64_t heads, const AttentionOptions& options,
                            KVCache* cache) {
+  // Without a cache, one attention node over the packed projection: one gradient buffer.
+  if (!cache) return merge_heads(packed_qkv_attention(packed_heads(qkv, heads), options));
   return fused_qkv_attention(qkv, heads, [&](const Tensor& q, Tensor k, Tensor v) {
-    if (cache) std::tie(k, v) = cache->append(k, v);
+    std::tie(k, v) = cache->append(k, v);
     return scaled_dot_product_attention(q, k, v, options);
   });
 }
@@ -46,17 +66,11 @@ Tensor fused_qkv_attention(const Tensor& qkv, int64_t heads, const AttentionOpti
 Tensor fused_qkv_attention(
     const Tensor& qkv, int64_t heads,
     const std::function<Tensor(const Tensor& q, const Tensor& k, const Tensor& v)>& attend) {
-  WEAVE_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0, "fused_qkv_attention",
-              "expected qkv [B, T, heads * 3 * head_dim] with {} heads, found {}", heads,
-              qkv.shape());
-  const int64_t b = qkv.size(0), t = qkv.size(1), head_dim = qkv.size(2) / (3 * heads);
-  // [B, T, H, 3, hd]: q, k and v are [B, H, T, hd] views of it.
-  Tensor projected = qkv.reshape({b, t, heads, 3, head_dim});
+  Tensor projected = packed_heads(qkv, heads);
   Tensor q = projected.select(3, 0).transpose(1, 2);
   Tensor k = projected.select(3, 1).transpose(1, 2);
   Tensor v = projected.select(3, 2).transpose(1, 2);
-  Tensor y = attend(q, k, v);
-  return y.transpose(1, 2).reshape({b, t, heads * head_dim});
+  return merge_heads(attend(q, k, v));
 }
 
 MultiheadAttention::MultiheadAttention(int64_t dim, int64_t heads,

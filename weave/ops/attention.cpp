@@ -2,6 +2,7 @@
 // kernels (kernels/cpu/attention.cpp, kernels/cuda/attention.cu).
 #include <cmath>
 
+#include "weave/ops/attention_blocks.h"
 #include "weave/ops/autocast.h"
 #include "weave/ops/internal.h"
 
@@ -105,65 +106,127 @@ Checked check_and_prepare(const Tensor& q, const Tensor& k, const Tensor& v,
 
 }  // namespace
 
+namespace {
+
+/// The forward's kernels: `out` heads-last in the computation dtype, `lse` [B, H, Tq].
+struct Forward {
+  Checked c;
+  Tensor out, lse;
+};
+
+Forward attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                          const AttentionOptions& options) {
+  Forward f{check_and_prepare(q, k, v, options), {}, {}};
+  const DType dtype = f.c.q.dtype();
+  f.out = empty_heads_last(q.size(0), q.size(1), q.size(2), v.size(3), dtype, q.device());
+  f.lse = empty_on({q.size(0), q.size(1), q.size(2)}, kernel_dtype(dtype), q.device());
+  if (f.out.numel() > 0 || f.lse.numel() > 0) {
+    if (k.size(2) == 0) {  // no key to attend to: every row is empty
+      kernels::fill(f.out, 0);
+      kernels::fill(f.lse, INFINITY);
+    } else if (attention_by_blocks(f.c.q, f.c.k, f.c.mask, f.c.params)) {
+      blocked_attention(f.c.q, f.c.k, f.c.v, f.c.params, f.out, f.lse);
+    } else {
+      kernels::attention(f.c.q, f.c.k, f.c.v, f.c.mask, f.c.params, f.out, f.lse);
+    }
+  }
+  return f;
+}
+
+/// What backward keeps of a forward: its operands, output and log-sum-exp.
+struct Saved {
+  SavedTensor q, k, v, out;
+  Tensor lse, mask;
+  kernels::AttentionParams params;
+};
+
+/// P = softmax(S), S = scale q k^T:  dv = P^T g,  dS = P (g v^T - rowsum(g o)),
+/// dq = scale dS k,  dk = scale dS^T q  (dropout's mask regenerated from its seed), written
+/// into dq, dk, dv (any strides with a unit inner one) and dmask when defined.
+void attention_grads(const Saved& s, const Tensor& grad, const Tensor& dq, const Tensor& dk,
+                     const Tensor& dv, const Tensor& dmask) {
+  Tensor qv = s.q.unpack(), kv = s.k.unpack(), vv = s.v.unpack();
+  Tensor g = operand(grad, qv.dtype());
+  if (kv.size(2) == 0) {
+    for (const Tensor& t : {dq, dk, dv}) kernels::fill(t, 0);
+    if (dmask.defined()) kernels::fill(dmask, 0);
+  } else if (dq.numel() == 0 && dk.numel() == 0) {
+    return;
+  } else if (!dmask.defined() && attention_by_blocks(qv, kv, s.mask, s.params)) {
+    blocked_attention_backward(g, qv, kv, vv, s.params, s.out.unpack(), s.lse, dq, dk, dv);
+  } else {
+    kernels::attention_backward(g, qv, kv, vv, s.mask, s.params, s.out.unpack(), s.lse, dq, dk, dv,
+                                dmask);
+  }
+}
+
+Tensor empty_like_heads_last(const Tensor& t) {
+  return empty_heads_last(t.size(0), t.size(1), t.size(2), t.size(3), t.dtype(), t.device());
+}
+
+}  // namespace
+
 AttentionResult scaled_dot_product_attention_with_lse(const Tensor& q, const Tensor& k,
                                                       const Tensor& v,
                                                       const AttentionOptions& options) {
   if (autocast_dtype()) {
-    const char* op = "scaled_dot_product_attention";
-    Tensor qc = autocast_input(q, op, "q"), kc = autocast_input(k, op, "k");
-    Tensor vc = autocast_input(v, op, "v");
+    Tensor qc = autocast_input(q, kOp, "q"), kc = autocast_input(k, kOp, "k");
+    Tensor vc = autocast_input(v, kOp, "v");
     if (!qc.is_same(q) || !kc.is_same(k) || !vc.is_same(v))
       return scaled_dot_product_attention_with_lse(qc, kc, vc, options);
   }
-  Checked c = check_and_prepare(q, k, v, options);
-  const int64_t b = q.size(0), h = q.size(1), tq = q.size(2), dv = v.size(3);
-  const DType dtype = c.q.dtype();
-  Tensor out = empty_heads_last(b, h, tq, dv, dtype, q.device());
-  Tensor lse = empty_on({b, h, tq}, kernel_dtype(dtype), q.device());
-  if (out.numel() > 0 || lse.numel() > 0) {
-    if (k.size(2) == 0) {  // no key to attend to: every row is empty
-      kernels::fill(out, 0);
-      kernels::fill(lse, INFINITY);
-    } else {
-      kernels::attention(c.q, c.k, c.v, c.mask, c.params, out, lse);
-    }
-  }
-  // P = softmax(S), S = scale q k^T:  dv = P^T g,  dS = P (g v^T - rowsum(g o)),
-  // dq = scale dS k,  dk = scale dS^T q  (dropout's mask regenerated from its seed)
+  Forward f = attention_forward(q, k, v, options);
   // An additive mask that requires grad (a learned position bias) gets dS, summed over the
   // dims it was broadcast along; only then is a Tq x Tk gradient formed.
   const Tensor& mask_input = options.mask;
   const bool mask_grad = mask_input.defined() && mask_input.dtype() != kBool;
   Tensor output = autograd::record(
       "ScaledDotProductAttentionBackward", {q, k, v, mask_grad ? mask_input : Tensor()},
-      convert(out, c.out_dtype), [&] {
-        return [qs = SavedTensor(c.q), ks = SavedTensor(c.k), vs = SavedTensor(c.v),
-                os = SavedTensor(out), lse, mask = c.mask, params = c.params, qi = InputInfo(q),
-                ki = InputInfo(k), vi = InputInfo(v),
+      convert(f.out, f.c.out_dtype), [&] {
+        return [s = Saved{SavedTensor(f.c.q), SavedTensor(f.c.k), SavedTensor(f.c.v),
+                          SavedTensor(f.out), f.lse, f.c.mask, f.c.params},
+                qi = InputInfo(q), ki = InputInfo(k), vi = InputInfo(v),
                 mi = InputInfo(mask_input)](const BackwardArgs& args) -> Grads {
-          Tensor qv = qs.unpack(), kv = ks.unpack(), vv = vs.unpack();
-          Tensor g = operand(args.grad(), qv.dtype());
-          Tensor dq = empty_heads_last(qv.size(0), qv.size(1), qv.size(2), qv.size(3), qv.dtype(),
-                                       qv.device());
-          Tensor dk = empty_heads_last(kv.size(0), kv.size(1), kv.size(2), kv.size(3), kv.dtype(),
-                                       kv.device());
-          Tensor dvv = empty_heads_last(vv.size(0), vv.size(1), vv.size(2), vv.size(3), vv.dtype(),
-                                        vv.device());
+          Tensor qv = s.q.unpack(), kv = s.k.unpack();
+          Tensor dq = empty_like_heads_last(qv), dk = empty_like_heads_last(kv);
+          Tensor dv = empty_like_heads_last(s.v.unpack());
           Tensor dmask = args.needs(3) ? empty_on({qv.size(0), qv.size(1), qv.size(2), kv.size(2)},
                                                   qv.dtype(), qv.device())
                                        : Tensor();
-          if (kv.size(2) == 0) {
-            for (const Tensor& t : {dq, dk, dvv}) kernels::fill(t, 0);
-            if (dmask.defined()) kernels::fill(dmask, 0);
-          } else if (dq.numel() > 0 || dk.numel() > 0) {
-            kernels::attention_backward(g, qv, kv, vv, mask, params, os.unpack(), lse, dq, dk, dvv,
-                                        dmask);
-          }
-          return {convert(dq, qi.dtype), convert(dk, ki.dtype), convert(dvv, vi.dtype),
+          attention_grads(s, args.grad(), dq, dk, dv, dmask);
+          return {convert(dq, qi.dtype), convert(dk, ki.dtype), convert(dv, vi.dtype),
                   dmask.defined() ? reduce_grad(dmask, mi) : Tensor()};
         };
       });
-  return {output, lse};
+  return {output, f.lse};
+}
+
+Tensor packed_qkv_attention(const Tensor& qkv, const AttentionOptions& options) {
+  check_defined(qkv, kOp, "qkv");
+  WEAVE_CHECK(qkv.dim() == 5 && qkv.size(3) == 3, kOp,
+              "expected packed qkv [B, T, H, 3, D], found {}; hint: a fused projection's output "
+              "[B, T, H * 3 * D] reshapes to it",
+              qkv.shape());
+  if (Tensor c = autocast_input(qkv, kOp, "qkv"); !c.is_same(qkv))
+    return packed_qkv_attention(c, options);
+  auto part = [](const Tensor& packed, int64_t i) { return packed.select(3, i).transpose(1, 2); };
+  if (options.mask.defined() && options.mask.requires_grad())  // dS goes to the mask as well
+    return scaled_dot_product_attention(part(qkv, 0), part(qkv, 1), part(qkv, 2), options);
+  const Tensor values = qkv.detach();
+  Forward f = attention_forward(part(values, 0), part(values, 1), part(values, 2), options);
+  // One node for the three views: their gradients land in one packed buffer, written once,
+  // instead of three zero-filled buffers of qkv's size summed by the engine.
+  return autograd::record("PackedQKVAttentionBackward", {qkv}, convert(f.out, f.c.out_dtype), [&] {
+    return [s = Saved{SavedTensor(f.c.q), SavedTensor(f.c.k), SavedTensor(f.c.v),
+                      SavedTensor(f.out), f.lse, f.c.mask, f.c.params},
+            in = InputInfo(qkv), part](const BackwardArgs& args) -> Grads {
+      Tensor qv = s.q.unpack();
+      Shape packed = in.shape;
+      Tensor dqkv = empty_on(packed, qv.dtype(), qv.device());
+      attention_grads(s, args.grad(), part(dqkv, 0), part(dqkv, 1), part(dqkv, 2), Tensor());
+      return {convert(dqkv, in.dtype)};
+    };
+  });
 }
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -21,6 +21,7 @@ constexpr PolicyRow kPolicy[] = {
     {"matmul", AutocastPolicy::LowPrecision},
     {"linear", AutocastPolicy::LowPrecision},
     {"scaled_dot_product_attention", AutocastPolicy::LowPrecision},
+    {"bias_gelu", AutocastPolicy::LowPrecision},
     {"softmax", AutocastPolicy::Float32},
     {"log_softmax", AutocastPolicy::Float32},
     {"layer_norm", AutocastPolicy::Float32},

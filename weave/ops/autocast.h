@@ -17,11 +17,14 @@
 //
 //   | policy        | ops                                                                    |
 //   |---------------|------------------------------------------------------------------------|
-//   | low precision | matmul, linear, scaled_dot_product_attention                           |
+//   | low precision | matmul, linear, scaled_dot_product_attention, bias_gelu                |
 //   | float32       | softmax, log_softmax, layer_norm, rms_norm, cross_entropy, mse_loss,   |
 //   |               | sum, mean, var, exp, log, pow                                          |
 //   | follow inputs | everything else                                                        |
 //
+// bias_gelu is linear's bias epilogue: under autocast it runs in the linear's reduced dtype, as
+// a bias inside a low-precision linear would (a float32 bias would otherwise promote the whole
+// activation to float32, three passes over the largest tensor of an MLP instead of one).
 // Only floating tensors are cast. A low-precision op given an integer tensor raises (autocast
 // would round integers above 256 in bfloat16 silently); convert it first. The state is per
 // thread; guards nest (the innermost wins; AutocastGuard(dtype, false) turns it off inside).

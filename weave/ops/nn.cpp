@@ -218,6 +218,11 @@ Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& we
 Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approximation) {
   check_defined(x, "bias_gelu");
   if (!bias.defined()) return tanh_approximation ? gelu_tanh(x) : gelu(x);
+  if (autocast_dtype()) {
+    Tensor xc = autocast_input(x, "bias_gelu", "input");
+    Tensor bc = autocast_input(bias, "bias_gelu", "bias");
+    if (!xc.is_same(x) || !bc.is_same(bias)) return bias_gelu(xc, bc, tanh_approximation);
+  }
   check_same_device(x, bias, "bias_gelu");
   WEAVE_CHECK(x.dim() >= 1 && bias.dim() == 1 && bias.size(0) == x.size(-1), "bias_gelu",
               "expected a bias of shape [{}] for input {}, found {}", x.dim() ? x.size(-1) : 0,

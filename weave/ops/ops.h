@@ -239,6 +239,12 @@ struct AttentionOptions {
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const AttentionOptions& options = {});
 
+/// scaled_dot_product_attention of q, k and v packed in one tensor qkv [B, T, H, 3, D] (a fused
+/// projection's output, reshaped): the same values and gradients as attention on its views
+/// qkv.select(3, i).transpose(1, 2), with one gradient buffer for the three instead of one per
+/// view. Returns [B, H, T, D].
+Tensor packed_qkv_attention(const Tensor& qkv, const AttentionOptions& options = {});
+
 struct AttentionResult {
   Tensor output;
   /// [B, H, Tq] in the computation dtype: log sum_j exp(scores_ij) (+inf for a row that
@@ -294,6 +300,7 @@ Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement = 
   X(expand) X(squeeze) X(unsqueeze) X(cat) X(stack) X(split) X(chunk) X(index_select)      \
   X(softmax) X(log_softmax) X(cross_entropy) X(mse_loss) X(layer_norm) X(rms_norm)          \
   X(bias_gelu) X(embedding) X(dropout) X(scaled_dot_product_attention) X(tril) X(triu)      \
+  X(packed_qkv_attention)                                                                   \
   X(masked_fill) X(topk) X(clone) X(contiguous) X(to_dtype) X(add_) X(mul_) X(copy_)
 // clang-format on
 

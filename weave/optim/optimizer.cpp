@@ -395,6 +395,9 @@ double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, co
   NoGradGuard no_grad;
   WEAVE_CHECK(norm_type >= 1, op, "norm_type must be >= 1, found {}", norm_type);
   double partial = 0;
+  // Finite norms add up on the device, read once: a read per parameter would stall the host on
+  // each one (a GPU step would wait for every gradient in turn).
+  Tensor total;
   for (const Tensor& p : params) {
     if (!p.grad().defined()) continue;
     const Tensor g = p.grad().to(kFloat64);
@@ -402,13 +405,13 @@ double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, co
       const double m = g.numel() > 0 ? max(abs(g)).item<double>() : 0.0;
       if (std::isnan(m) || m > partial) partial = m;  // std::max would drop a NaN
       if (std::isnan(partial)) break;
-    } else if (norm_type == 2) {
-      partial += sum(g * g).item<double>();  // pow is several times slower than a multiply
-    } else {
-      partial += sum(pow(abs(g), norm_type)).item<double>();
+      continue;
     }
+    // pow is several times slower than a multiply
+    Tensor part = norm_type == 2 ? sum(g * g) : sum(pow(abs(g), norm_type));
+    total = total.defined() ? total + part.to(total.device()) : part;
   }
-  return partial;
+  return total.defined() ? total.item<double>() : partial;
 }
 
 void check_max_norm(double max_norm, const char* op) {

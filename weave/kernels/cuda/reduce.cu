@@ -1,4 +1,7 @@
 // CUDA reductions over the middle of [outer, reduced, inner], and index gathers/scatters.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "weave/kernels/backends.h"
 #include "weave/tensor/cuda/common.cuh"
 
@@ -202,6 +205,10 @@ __global__ void index_add_kernel(T* dst, int64_t outer, int64_t n, int64_t inner
     if constexpr (std::is_same_v<T, int64_t>) {
       atomicAdd(reinterpret_cast<unsigned long long*>(target),
                 static_cast<unsigned long long>(src[i]));
+    } else if constexpr (std::is_same_v<T, BFloat16>) {
+      atomicAdd(reinterpret_cast<__nv_bfloat16*>(target), __float2bfloat16(float(src[i])));
+    } else if constexpr (std::is_same_v<T, Half>) {
+      atomicAdd(reinterpret_cast<__half*>(target), __float2half(float(src[i])));
     } else {
       atomicAdd(target, src[i]);
     }
@@ -277,8 +284,15 @@ void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const
     case kInt64:
       return launch(static_cast<int64_t*>(dst.data_ptr()),
                     static_cast<const int64_t*>(src.data_ptr()));
+    case kBFloat16:
+      return launch(static_cast<BFloat16*>(dst.data_ptr()),
+                    static_cast<const BFloat16*>(src.data_ptr()));
+    case kFloat16:
+      return launch(static_cast<Half*>(dst.data_ptr()), static_cast<const Half*>(src.data_ptr()));
     default:
-      WEAVE_FAIL("index_add", "CUDA index_add supports float32, float64, int32 and int64, found {}",
+      WEAVE_FAIL("index_add",
+                 "CUDA index_add supports float32, float64, bfloat16, float16, int32 and int64, "
+                 "found {}",
                  dst.dtype());
   }
 }
