@@ -134,6 +134,26 @@ TEST_SUITE("experts") {
         test::error_of([&] { parallel::ExpertParallelMoE(too_many, dist::world()); });
     CHECK_MESSAGE(error.find("must be from 1 to the number of experts") != std::string::npos,
                   error);
+    // Any of the router's options differing on rank 0: every rank raises, naming it.
+    if (n > 1) {
+      const bool first = dist::rank() == 0;
+      for (int which = 0; which < 5; ++which) {
+        nn::MoEOptions o = options(2 * n, 0);
+        if (first && which == 0) o.router.gate = nn::Gate::Sigmoid;
+        if (first && which == 1) o.router.renormalize = false;
+        if (first && which == 2) o.router.capacity_factor = 1.5;
+        if (first && which == 3) o.router.aux_loss_coef = 0.2;
+        if (first && which == 4) o.router.z_loss_coef = 0.02;
+        const char* names[] = {"gate", "renormalize", "capacity_factor", "aux_loss_coef",
+                               "z_loss_coef"};
+        CAPTURE(names[which]);
+        const std::string differs =
+            test::error_of([&] { parallel::ExpertParallelMoE(o, dist::world()); });
+        CHECK_MESSAGE(differs.find("disagree on the router's options") != std::string::npos,
+                      differs);
+        CHECK_MESSAGE(differs.find(names[which]) != std::string::npos, differs);
+      }
+    }
     // Still in step.
     parallel::ExpertParallelMoE moe(options(2 * n, 0), dist::world());
     CHECK(moe(tokens_of(0)).shape() == Shape{7, 4});

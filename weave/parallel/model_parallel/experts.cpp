@@ -48,6 +48,16 @@ ExpertParallelMoE::ExpertParallelMoE(nn::MoEOptions options, dist::Group group,
                 "the ranks of group {} pass different options (hidden, ffn, experts, top_k, "
                 "seed: entry {} from {} to {})",
                 group_.str(), i, agreed.lowest[i], agreed.highest[i]);
+  // The router's float options too: a rank with another capacity or coefficient would drop
+  // other tokens or train toward another loss, silently.
+  const nn::RouterOptions& r = options.router;
+  detail::check_same_lines(
+      {fmt::format("gate {}", int(r.gate)), fmt::format("renormalize {}", r.renormalize),
+       fmt::format("capacity_factor {:.17g}", r.capacity_factor),
+       fmt::format("aux_loss_coef {:.17g}", r.aux_loss_coef),
+       fmt::format("z_loss_coef {:.17g}", r.z_loss_coef)},
+      group_, kOp, "the router's options",
+      "build the layer from the same MoEOptions on every rank");
   const int64_t local = experts / n;
   first_ = group_.rank() * local;
   for (int64_t e = first_; e < first_ + local; ++e)
