@@ -5,7 +5,8 @@
 # sequence parallelism), with context parallelism (ring and all-to-all; with data parallelism at
 # 4 ranks) and with experts spread over ranks (with data parallelism at 4 ranks), must each end
 # at the held-out loss of one process on the same global batch (float32: within 1e-3 relative).
-# Exits 77 (skipped) without the fortunes package.
+# Ranks started with different flags are refused. Exits 77 (skipped) without the fortunes
+# package.
 set -u
 gpt=$1
 shift
@@ -56,5 +57,15 @@ tolerance=$(awk -v b="$reference" 'BEGIN { print 1e-3 * b }')
 check_run "experts 4, expert-parallel 2, np2" 2 --experts 4 --expert-parallel 2
 check_run "experts 4, expert-parallel 2 x data 2, np4" 4 --experts 4 --expert-parallel 2
 check_run "experts 4 on 2 data-parallel ranks" 2 --experts 4
+# Ranks started with different flags (--lr on one): every rank raises, none trains (the first
+# rank to leave aborts the job, so the other's message may not make it out).
+out=$("${mpirun[@]}" -np 1 "$gpt" "${args[@]}" --lr 1e-3 : -np 1 "$gpt" "${args[@]}" --lr 2e-3 2>&1)
+if ! grep -q "the ranks were started with different flags" <<<"$out" ||
+   grep -q "heldout_loss=" <<<"$out"; then
+  echo "FAIL: ranks with different flags were not refused: $out"
+  status=1
+else
+  echo "ok: ranks with different flags refused"
+fi
 [ $status -eq 0 ] && echo "PASS: every strategy equals one process"
 exit $status

@@ -280,10 +280,34 @@ void sample(LanguageModel& model, const Flags& f, const Corpus& corpus,
 
 }  // namespace
 
+// Every rank must train the same model: a flag that differs on one rank (--lr, --batch, --seed)
+// would train another one there, silently. The command lines meet as a hash (FNV-1a over the
+// arguments, each ended by its 0 byte): one all_reduce of its maximum and its negation.
+void check_same_command_line(int argc, char** argv) {
+  uint64_t hash = 1469598103934665603ULL;
+  std::string line;
+  for (int i = 1; i < argc; ++i) {
+    for (const char* c = argv[i];; ++c) {
+      hash = (hash ^ uint8_t(*c)) * 1099511628211ULL;
+      if (*c == 0) break;
+    }
+    line += std::string(i > 1 ? " " : "") + argv[i];
+  }
+  const int64_t mine = int64_t(hash >> 2);
+  Tensor range = from_vector<int64_t>({mine, -mine}, {2});
+  dist::all_reduce(range, dist::ReduceOp::Max);
+  const std::vector<int64_t> r = range.to_vector<int64_t>();
+  WEAVE_CHECK(r[0] == -r[1], "gpt",
+              "the ranks were started with different flags (rank {}'s: '{}'); hint: launch every "
+              "rank with the same command line",
+              dist::rank(), line);
+}
+
 int main(int argc, char** argv) try {
   Flags f = gpt::parse(argc, argv);
   const bool nccl = f.backend == "nccl" || (f.backend.empty() && f.device == "cuda");
   dist::InitGuard distributed(nccl ? dist::Backend::NCCL : dist::Backend::MPI);
+  check_same_command_line(argc, argv);
   // Under NCCL the runtime assigned this rank's GPU; under MPI ranks take GPUs round-robin too.
   const Device device = f.device == "cpu" ? kCPU
                         : nccl
