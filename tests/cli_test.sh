@@ -7,15 +7,18 @@
 set -uo pipefail
 gpt=$1 fashion=$2
 fail() { echo "FAIL: $*"; exit 1; }
-expect_usage_error() {  # what it must say, then the command
-  local want=$1 out status
-  shift
+expect_exit() {  # the exit status, what it must say, then the command
+  local want_status=$1 want=$2 out status
+  shift 2
   out=$("$@" 2>&1)
   status=$?
-  [ "$status" -eq 2 ] || fail "'$*' exited $status, expected 2: $out"
+  [ "$status" -eq "$want_status" ] || fail "'$*' exited $status, expected $want_status: $out"
   printf '%s\n' "$out" | grep -qF -- "$want" || fail "'$*' did not say '$want': $out"
-  echo "ok: $* -> $(printf '%s\n' "$out" | head -1)"
+  echo "ok: $* -> $(printf '%s\n' "$out" | grep -F -- "$want" | head -1)"
 }
+expect_usage_error() { expect_exit 2 "$@"; }
+# Values the parser accepts but the run cannot: exit 1 with weave's error, not a crash.
+expect_run_error() { expect_exit 1 "$@"; }
 expect_usage_error "--stepz" "$gpt" --stepz 5
 expect_usage_error "--steps: must be above 0, found -3" "$gpt" --steps -3
 expect_usage_error "--lr: expected a number, found '1e-'" "$gpt" --lr 1e-
@@ -23,16 +26,6 @@ expect_usage_error "--lr: expected a number, found '1e-'" "$gpt" --lr 1e-
 expect_usage_error "--strategy" "$gpt" --strategy zero9
 expect_usage_error "--strategy: expected ddp, dist-opt" "$fashion" --strategy foo
 expect_usage_error "--epochs" "$fashion" --epochs
-# Values the parser accepts but the run cannot: exit 1 with weave's error, not a crash.
-expect_run_error() {  # what it must say, then the command
-  local want=$1 out status
-  shift
-  out=$("$@" 2>&1)
-  status=$?
-  [ "$status" -eq 1 ] || fail "'$*' exited $status, expected 1: $out"
-  printf '%s\n' "$out" | grep -qF -- "$want" || fail "'$*' did not say '$want': $out"
-  echo "ok: $* -> $(printf '%s\n' "$out" | grep -F -- "$want" | head -1)"
-}
 expect_run_error "--context 100000000 needs more text" "$gpt" --context 100000000 --steps 1
 expect_run_error "[set_num_threads] expected 1 to" "$gpt" --threads 100000 --steps 1
 help=$("$gpt" --help) || fail "--help exited $?"
