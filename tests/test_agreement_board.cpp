@@ -3,12 +3,21 @@
 // all_reduce(Max) gives), whatever order and delays the ranks arrive with; and a board opens
 // only with its creator's name, size and nonce.
 #include <doctest/doctest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <random>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "weave/distributed/agreement_board.h"
+#include "weave/tensor/error.h"
 
 using weave::dist::detail::AgreementBoard;
 
@@ -76,5 +85,37 @@ TEST_SUITE("agreement_board") {
     CHECK(AgreementBoard::open(board->name(), board->nonce(), 2, 1) != nullptr);
     board->unlink();  // the name is gone; mapped boards live on
     CHECK(AgreementBoard::open(board->name(), board->nonce(), 2, 1) == nullptr);
+  }
+
+  TEST_CASE("board names cannot be taken ahead, and dead jobs' boards are swept") {
+    // Another user takes the names this process's next boards had under the old scheme.
+    std::vector<std::string> squatted;
+    for (int n = 0; n < 64; ++n) {
+      squatted.push_back(fmt::format("/weave-agree-{}-{}", ::getpid(), n));
+      const int fd = shm_open(squatted.back().c_str(), O_CREAT | O_RDWR, 0600);
+      if (fd >= 0) ::close(fd);
+    }
+    auto first = AgreementBoard::create(2), second = AgreementBoard::create(2);
+    REQUIRE(first != nullptr);
+    REQUIRE(second != nullptr);
+    CHECK(first->name().size() > squatted[0].size() + 16);  // 64 random bits in the name
+    CHECK(first->name() != second->name());
+    for (const std::string& name : squatted) shm_unlink(name.c_str());
+    // A board left by a job that was killed: its creator's pid is gone.
+    const pid_t child = ::fork();
+    if (child == 0) std::_Exit(0);
+    REQUIRE(child > 0);
+    REQUIRE(::waitpid(child, nullptr, 0) == child);
+    const std::string stale = fmt::format("weave-agree-{}-0-00000000deadbeef", child);
+    const std::string live = fmt::format("weave-agree-{}-9-00000000deadbeef", ::getpid());
+    for (const std::string& name : {stale, live}) {
+      const int fd = shm_open(("/" + name).c_str(), O_CREAT | O_RDWR, 0600);
+      REQUIRE(fd >= 0);
+      ::close(fd);
+    }
+    AgreementBoard::sweep_dead_segments();
+    CHECK_FALSE(std::filesystem::exists("/dev/shm/" + stale));
+    CHECK(std::filesystem::exists("/dev/shm/" + live));  // this process is alive
+    shm_unlink(("/" + live).c_str());
   }
 }

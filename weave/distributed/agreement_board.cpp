@@ -8,8 +8,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <csignal>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <random>
 #include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -105,10 +110,31 @@ uint64_t* AgreementBoard::slot(uint64_t round, int rank) const {
   return static_cast<uint64_t*>(memory_) + line * kWords;
 }
 
+void AgreementBoard::sweep_dead_segments() {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string file = entry.path().filename().string();
+    long long pid = 0;
+    // A killed job leaves its board's name behind: its creator's pid tells whether it is dead.
+    if (std::sscanf(file.c_str(), "weave-agree-%lld-", &pid) != 1 || pid <= 0) continue;
+    if (::kill(pid_t(pid), 0) == 0 || errno != ESRCH) continue;
+    shm_unlink(("/" + file).c_str());
+  }
+}
+
 std::unique_ptr<AgreementBoard> AgreementBoard::create(int ranks) {
   static std::atomic<int> boards_made{0};
-  const std::string name = fmt::format("/weave-agree-{}-{}", getpid(), boards_made++);
-  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  sweep_dead_segments();
+  // Unpredictable: a name another local user could guess and take first would deny the board
+  // to the job; the pid stays in it for the sweep.
+  std::random_device entropy;
+  std::string name;
+  int fd = -1;
+  for (int attempt = 0; attempt < 4 && fd < 0; ++attempt) {
+    const uint64_t random = (uint64_t(entropy()) << 32) ^ entropy();
+    name = fmt::format("/weave-agree-{}-{}-{:016x}", getpid(), boards_made++, random);
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  }
   if (fd < 0) return nullptr;
   void* memory = nullptr;
   if (ftruncate(fd, off_t(segment_bytes(ranks))) == 0)
@@ -171,6 +197,13 @@ std::unique_ptr<AgreementBoard> AgreementBoard::connect(Communicator& host, bool
   int64_t missing = board ? 0 : 1;
   host.all_reduce(&missing, &missing, 1, kInt64, ReduceOp::Max);
   if (board) board->unlink();  // every rank has opened it, or given up
+  // Ranks on other machines never share a board; ranks on one that could not make one say so
+  // once (the guard then agrees through an all_reduce, a few tenths of a microsecond slower).
+  static std::atomic<bool> warned{false};
+  if (missing && me == 0 && offer.name[0] == '\0' && !warned.exchange(true))
+    std::fprintf(stderr,
+                 "[weave] warning: no shared-memory agreement board could be made in /dev/shm; "
+                 "the collective guard agrees through an all_reduce instead\n");
   if (missing) return nullptr;
   board->cores_shared_ = cores_shared;
   return board;

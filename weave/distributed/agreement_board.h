@@ -33,9 +33,14 @@ class AgreementBoard {
   /// The parts connect() is made of, for a test that plays every rank in one process: `ranks`
   /// slots in a new shared-memory segment (null if none can be made; name() and nonce() open
   /// it), and the same segment mapped by rank `me`, if it exists and carries `nonce`.
+  /// The name is /weave-agree-<pid>-<n>-<64 random bits>: no other local user can guess it and
+  /// take it first. Segments that killed jobs left behind are swept first (sweep_dead_segments).
   static std::unique_ptr<AgreementBoard> create(int ranks);
   static std::unique_ptr<AgreementBoard> open(const std::string& name, uint64_t nonce, int ranks,
                                               int me);
+
+  /// Unlinks the boards in /dev/shm whose creating process no longer exists.
+  static void sweep_dead_segments();
 
   ~AgreementBoard();
   AgreementBoard(const AgreementBoard&) = delete;
