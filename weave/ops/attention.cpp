@@ -104,10 +104,6 @@ Checked check_and_prepare(const Tensor& q, const Tensor& k, const Tensor& v,
   return c;
 }
 
-}  // namespace
-
-namespace {
-
 /// The forward's kernels: `out` heads-last in the computation dtype, `lse` [B, H, Tq].
 struct Forward {
   Checked c;
@@ -221,8 +217,7 @@ Tensor packed_qkv_attention(const Tensor& qkv, const AttentionOptions& options) 
                       SavedTensor(f.out), f.lse, f.c.mask, f.c.params},
             in = InputInfo(qkv), part](const BackwardArgs& args) -> Grads {
       Tensor qv = s.q.unpack();
-      Shape packed = in.shape;
-      Tensor dqkv = empty_on(packed, qv.dtype(), qv.device());
+      Tensor dqkv = empty_on(in.shape, qv.dtype(), qv.device());
       attention_grads(s, args.grad(), part(dqkv, 0), part(dqkv, 1), part(dqkv, 2), Tensor());
       return {convert(dqkv, in.dtype)};
     };

@@ -394,24 +394,19 @@ namespace detail {
 double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, const char* op) {
   NoGradGuard no_grad;
   WEAVE_CHECK(norm_type >= 1, op, "norm_type must be >= 1, found {}", norm_type);
-  double partial = 0;
-  // Finite norms add up on the device, read once: a read per parameter would stall the host on
-  // each one (a GPU step would wait for every gradient in turn).
+  // The parts meet on the device and are read once: a read per parameter would stall the host
+  // on each one (a GPU step would wait for every gradient in turn). maximum keeps a NaN.
+  const bool largest = std::isinf(norm_type);
   Tensor total;
   for (const Tensor& p : params) {
-    if (!p.grad().defined()) continue;
+    if (!p.grad().defined() || p.grad().numel() == 0) continue;
     const Tensor g = p.grad().to(kFloat64);
-    if (std::isinf(norm_type)) {
-      const double m = g.numel() > 0 ? max(abs(g)).item<double>() : 0.0;
-      if (std::isnan(m) || m > partial) partial = m;  // std::max would drop a NaN
-      if (std::isnan(partial)) break;
-      continue;
-    }
     // pow is several times slower than a multiply
-    Tensor part = norm_type == 2 ? sum(g * g) : sum(pow(abs(g), norm_type));
-    total = total.defined() ? total + part.to(total.device()) : part;
+    Tensor part = largest ? max(abs(g)) : norm_type == 2 ? sum(g * g) : sum(pow(abs(g), norm_type));
+    if (total.defined()) part = part.to(total.device());
+    total = !total.defined() ? part : largest ? maximum(total, part) : total + part;
   }
-  return total.defined() ? total.item<double>() : partial;
+  return total.defined() ? total.item<double>() : 0.0;
 }
 
 void check_max_norm(double max_norm, const char* op) {
