@@ -4,7 +4,8 @@
 # own allocations outlive MPI_Finalize) and the fuzzers (scripts/fuzz.sh); a ThreadSanitizer
 # build runs the communication-queue suites (async collectives, isend, the guard, the one-
 # thread-per-group check), the data-parallel wrappers (DDP, ZeRO, decentralized, the failure
-# paths), the pipeline schedules and the sharded checkpoints at 2 ranks. Any report fails the job.
+# paths, FSDP's realignment), the pipeline schedules and the sharded checkpoints at 2 ranks. Any
+# report fails the job.
 #   scripts/sanitize.sh [fuzz seconds per target = 60]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,4 +53,8 @@ echo "== TSan: communication-queue, data-parallel, pipeline and checkpoint suite
 OMPI_MCA_btl=self,vader \
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/tests/tsan.supp" \
   $mpirun -np 2 build-tsan/tests/weave_mpi_tests --test-suite=collectives,guard,ddp,robust,join,model_parallel,pipeline,sharded_checkpoint,exchange,context_parallel,experts | tail -2
+echo "== TSan: an FSDP rank whose forward skips a unit (the failure path realigns), 20 runs"
+OMPI_MCA_btl=self,vader \
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/tests/tsan.supp" \
+  $mpirun -np 2 build-tsan/tests/weave_mpi_tests --test-case='*skips a unit*' | tail -2
 echo "sanitizer job: no reports"

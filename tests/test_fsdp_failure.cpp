@@ -293,6 +293,100 @@ TEST_SUITE("fsdp") {
     }
   }
 
+  TEST_CASE("a forward that skips a unit on one rank: every rank raises, realigns, goes on") {
+    if (dist::world_size() < 2) return;
+    // Rank 1's forward leaves out the middle unit in step 2 (a data-dependent branch): the
+    // ranks' gathers stop pairing. Every rank must raise in that step, and the steps after it
+    // must equal a run that never took it: nothing of the failed step may leak into them.
+    struct Branchy : nn::Module {
+      std::shared_ptr<nn::Linear> a, b, c;
+      bool skip = false;
+      Branchy() {
+        manual_seed(5);
+        a = register_module("a", std::make_shared<nn::Linear>(5, 7));
+        b = register_module("b", std::make_shared<nn::Linear>(7, 7));
+        c = register_module("c", std::make_shared<nn::Linear>(7, 3));
+        to(kFloat64);
+      }
+      Tensor forward(const Tensor& x) override {
+        Tensor h = tanh((*a)(x));
+        if (!skip) h = tanh((*b)(h));
+        return (*c)(h);
+      }
+    };
+    constexpr int kSteps = 5, kSkipped = 2;
+    auto run = [&](FullyShardedDataParallel& fsdp, Branchy& model,
+                   std::vector<std::string>& errors) {
+      optim::AdamW opt(fsdp.parameters(), adamw_options());
+      for (int step = 0; step < kSteps; ++step) {
+        auto [x, y] = local_batch(step);
+        model.skip = step == kSkipped && dist::rank() == 1;
+        errors.push_back(error_of([&] {
+          opt.zero_grad();
+          mse_loss(fsdp(x), y).backward();
+          opt.step();
+        }));
+      }
+    };
+    // FullShard: the skipping rank's gathers differ, so every rank raises in step 2, and the
+    // rest equals a run without step 2, bitwise.
+    const FSDPOptions full{.units = {"a", "b", "c"}};
+    Branchy clean;
+    FullyShardedDataParallel clean_fsdp(clean, full);
+    optim::AdamW clean_opt(clean_fsdp.parameters(), adamw_options());
+    for (int step = 0; step < kSteps; ++step) {
+      if (step == kSkipped) continue;
+      auto [x, y] = local_batch(step);
+      clean_opt.zero_grad();
+      mse_loss(clean_fsdp(x), y).backward();
+      clean_opt.step();
+    }
+    for (int attempt = 0; attempt < 20; ++attempt) {
+      CAPTURE(attempt);
+      Branchy model;
+      FullyShardedDataParallel fsdp(model, full);
+      std::vector<std::string> errors;
+      run(fsdp, model, errors);
+      for (int step = 0; step < kSteps; ++step) {
+        CAPTURE(step);
+        if (step == kSkipped)
+          CHECK_MESSAGE(errors[step].find("collective mismatch") != std::string::npos,
+                        errors[step]);
+        else
+          CHECK_MESSAGE(errors[step].empty(), errors[step]);
+      }
+      CHECK(fsdp.stats().failed_steps == 1);
+      check_bitwise_equal(fsdp.full_state_dict(), clean_fsdp.full_state_dict());
+    }
+    // ShardGradOp keeps the parameters gathered: the collectives pair, and the skipped unit's
+    // gradient on rank 1 is zero, as it is in one process that runs both ranks' batches.
+    Branchy reference;
+    optim::AdamW reference_opt(reference.parameters(), adamw_options());
+    for (int step = 0; step < kSteps; ++step) {
+      auto [x, y] = global_batch(step);
+      reference_opt.zero_grad();
+      Tensor loss;
+      for (int r = 0; r < dist::world_size(); ++r) {
+        reference.skip = step == kSkipped && r == 1;
+        Tensor part = mse_loss(reference(x.narrow(0, r * kLocalBatch, kLocalBatch)),
+                               y.narrow(0, r * kLocalBatch, kLocalBatch));
+        loss = loss.defined() ? loss + part : part;
+      }
+      (loss / double(dist::world_size())).backward();
+      reference_opt.step();
+    }
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      CAPTURE(attempt);
+      Branchy model;
+      FullyShardedDataParallel fsdp(
+          model, {.sharding = ShardingStrategy::ShardGradOp, .units = {"a", "b", "c"}});
+      std::vector<std::string> errors;
+      run(fsdp, model, errors);
+      for (const std::string& error : errors) CHECK_MESSAGE(error.empty(), error);
+      CHECK(max_difference(reference, fsdp) <= 1e-12);
+    }
+  }
+
   TEST_CASE("the wrapped model handed to a checkpoint: the hint names fsdp.sharded_module()") {
     if (dist::world_size() < 2) return;  // at 1 rank nothing is released
     auto model = make_model(4);

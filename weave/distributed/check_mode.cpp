@@ -1,4 +1,5 @@
-// The check mode: read from the environment at init, switched together by set_check_mode.
+// The check mode: read from the environment at init, switched together by set_check_mode; and
+// realign, which brings a group's ranks back in step after the check raised.
 #include <cstdlib>
 #include <string>
 
@@ -86,6 +87,41 @@ void set_check_mode(CheckMode mode) {
       },
       false);
   r.check = mode;
+}
+
+void realign(const Group& group) {
+  Call c(Op::Realign, group);
+  Group::Impl& g = member(c);
+  c.issued = true;  // its rounds are its peers' news: nothing to report on a failure
+  IssuingThread one_thread(g, c);
+  g.drain();  // this rank's calls behind the mismatch fail against the peers' rounds, or pair
+  const CheckMode mode = runtime().check;
+  if (mode == CheckMode::Off) return;  // nothing was checked, so nothing is out of step
+  Fingerprint round;  // sequence 0 and no step: every rank's round is the same call
+  round.op = static_cast<int32_t>(Op::Realign);
+  round.rank = runtime().rank;
+  for (;;) {
+    try {
+      g.submit(
+          round,
+          [&g, round, mode] {
+            agree(g, round, mode);
+            // Calls the others issued and this rank did not (or the reverse) took numbers.
+            auto next = static_cast<int64_t>(g.next_sequence.load());
+            g.comm->all_reduce(&next, &next, 1, kInt64, ReduceOp::Max);
+            g.next_sequence.store(static_cast<uint64_t>(next));
+          },
+          false);
+      return;
+    } catch (const Error&) {
+      // This round met a peer's call that was issued before that peer reached realign (it
+      // fails there too): meet again until every rank is realigning.
+    }
+  }
+}
+
+uint64_t disagreements(const Group& group) {
+  return group.impl()->disagreements.load(std::memory_order_relaxed);
 }
 
 }  // namespace weave::dist

@@ -163,12 +163,39 @@ void set_step(const Group& group, int64_t step);
 /// Tells a supervising `weave-run --hang-timeout` that this rank is making progress: a line on
 /// stderr that weave-run recognizes and keeps out of the job's output, at most one per
 /// WEAVE_HEARTBEAT_S seconds (weave-run sets it); nothing when that variable is unset.
-/// set_step() calls it, so data-parallel training beats on its own; call it in long phases
-/// that number no steps (evaluation, data preparation).
+/// Every completed collective or point-to-point call beats, so training on any axis beats on
+/// its own; a long phase without communication needs a KeepAlive (or calls to this).
 void heartbeat();
+/// Beats for this rank while it lives, from weave's watchdog thread: for long local work with
+/// no communication (a checkpoint's save or load, which hold one, or an evaluation on one
+/// rank). It holds back while one of this rank's calls has run longer than a beat interval, so
+/// a rank stuck in a collective still looks hung to weave-run. Scopes nest.
+///
+///   { weave::dist::KeepAlive alive; run_long_evaluation(); }
+class KeepAlive {
+ public:
+  KeepAlive();
+  ~KeepAlive();
+  KeepAlive(const KeepAlive&) = delete;
+  KeepAlive& operator=(const KeepAlive&) = delete;
+};
 
 /// Returns once every rank of the group has reached it (after the group's earlier collectives).
 void barrier(const Group& group = world());
+/// Brings a group's ranks back in step after a collective mismatch (or a peer's failed call).
+/// The check raises on every rank of the group at the same call, but the ranks may stand at
+/// different points of their programs, some with calls queued behind it that can never pair.
+/// Every rank of the group calls realign() once it has caught the error: it waits for this
+/// rank's queued calls on the group (their errors stay in their Works), then meets its peers in
+/// rounds. A round that meets a peer's late call fails it (so that peer raises and realigns as
+/// well); the rounds end together once every rank is realigning, and the group's calls pair
+/// again from the next one. Collective over the group. Under CheckMode::Off it only waits for
+/// the queue: nothing is checked, so no mismatch is ever reported.
+void realign(const Group& group = world());
+/// How many calls on the group raised in the agreement step on this rank (a mismatch, or a
+/// peer's failed call); the same count on every rank. Compared across a step, it tells whether
+/// the step needs realign().
+uint64_t disagreements(const Group& group = world());
 
 // ---- collectives (tensors of any dtype; CPU tensors, or CUDA under NCCL / staged over MPI) --
 

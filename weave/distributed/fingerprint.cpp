@@ -12,7 +12,8 @@ const char* op_name(Op op) {
   static const char* names[] = {
       "all_reduce",     "broadcast", "reduce",  "all_gather", "all_gather_uneven",
       "reduce_scatter", "gather",    "scatter", "all_to_all", "all_to_all",
-      "barrier",        "new_group", "send",    "recv",       "set_check_mode"};
+      "barrier",        "new_group", "send",    "recv",       "set_check_mode",
+      "realign"};
   return names[static_cast<int>(op)];
 }
 

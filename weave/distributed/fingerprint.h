@@ -31,7 +31,8 @@ enum class Op : int32_t {
   NewGroup,
   Send,
   Recv,
-  SetCheckMode
+  SetCheckMode,
+  Realign
 };
 /// "all_reduce", "broadcast", ...
 const char* op_name(Op op);

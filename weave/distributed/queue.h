@@ -80,6 +80,9 @@ struct Group::Impl {
   std::atomic<int64_t> step{-1};           // dist::set_step's number, copied into each call
   std::atomic<uint64_t> next_sequence{0};  // collectives issued (caller side, program order)
   std::atomic<std::thread::id> issuer{};   // the thread inside issue() now, if any
+  /// Agreement steps that raised on this rank (a mismatch, or a peer's failed call): the same
+  /// count on every rank, since every rank of the group raises at the same call.
+  std::atomic<uint64_t> disagreements{0};
 
   std::mutex sends_mutex;
   std::vector<Work> sends_in_flight;  // isend's Works not yet seen complete
@@ -136,6 +139,7 @@ struct Group::Impl {
       busy = false;
     }
     cv.notify_all();
+    heartbeat();  // a call completed: the rank makes progress, on whichever axis it is
   }
 
   void worker_loop() {

@@ -64,10 +64,15 @@ void tear_down_after_timeout(const std::string& what) {
 }
 
 void agree(Group::Impl& g, const Fingerprint& print, CheckMode mode) {
-  if (mode == CheckMode::Full)
-    verify(*g.comm, g.ranks, print);
-  else
-    guard(*g.comm, g.board.get(), g.ranks, print);
+  try {
+    if (mode == CheckMode::Full)
+      verify(*g.comm, g.ranks, print);
+    else
+      guard(*g.comm, g.board.get(), g.ranks, print);
+  } catch (...) {
+    g.disagreements.fetch_add(1, std::memory_order_relaxed);
+    throw;
+  }
 }
 
 void report_failure(const Call& c) noexcept {
@@ -115,6 +120,13 @@ void heartbeat() {
   const std::string line = fmt::format("[weave-run heartbeat] rank {}\n", r.rank);
   std::fwrite(line.data(), 1, line.size(), stderr);
   std::fflush(stderr);
+}
+
+KeepAlive::KeepAlive() {
+  runtime().keep_alive_scopes.fetch_add(1);
+}
+KeepAlive::~KeepAlive() {
+  runtime().keep_alive_scopes.fetch_sub(1);
 }
 
 namespace {
@@ -196,11 +208,13 @@ void watchdog_loop() {
         r.leaving_polled.fetch_add(1);
       }
     std::lock_guard lock(r.groups_mutex);
+    bool stalled = false;  // a call has run longer than a beat interval: no beat on its behalf
     for (auto& weak : r.groups) {
       auto group = weak.lock();
       if (!group) continue;
       int64_t since = group->running_since.load(std::memory_order_acquire);
       if (since == 0) continue;
+      stalled = stalled || now_ns() - since >= r.heartbeat_ns;
       for (const Leaver& leaver : leavers) check_waits_for(leaver, *group);
       if (now_ns() - since < limit) continue;
       std::string what;
@@ -211,6 +225,7 @@ void watchdog_loop() {
       }
       tear_down_after_timeout(what);
     }
+    if (r.keep_alive_scopes.load() > 0 && !stalled) heartbeat();
   }
 }
 

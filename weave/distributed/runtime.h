@@ -27,6 +27,8 @@ struct Runtime {
   /// heartbeat()'s least interval (WEAVE_HEARTBEAT_S, set by weave-run --hang-timeout); 0: off.
   int64_t heartbeat_ns = 0;
   std::atomic<int64_t> last_heartbeat_ns{0};
+  /// Live KeepAlive scopes: the watchdog beats for the rank while there is one.
+  std::atomic<int> keep_alive_scopes{0};
   int rank = 0, size = 1, local_rank = 0;
   Device device = kCPU;
   std::shared_ptr<Group::Impl> world;

@@ -195,6 +195,7 @@ void complete_pending() {
     save = std::move(pending);
   }
   if (!save) return;
+  const dist::KeepAlive alive;  // the writes may outlast weave-run's --hang-timeout
   if (save->writer.joinable()) save->writer.join();
   if (save->commit_error) std::rethrow_exception(save->commit_error);
 }
@@ -334,6 +335,7 @@ void write_in_background(std::unique_ptr<Save> save) {
 void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& state,
                              const dist::Group& group, ShardedCheckpointOptions options) {
   const char* op = "save_sharded_checkpoint";
+  const dist::KeepAlive alive;  // a synchronous save's writes may outlast --hang-timeout
   complete_pending();
   auto save = std::make_unique<Save>();
   save->dir = dir;
@@ -416,7 +418,8 @@ void load_own_parts(const detail::CheckpointIndex& index, const std::string& dir
 ShardedLoadReport load_sharded_checkpoint(const std::string& dir, data::TrainingState& state,
                                           const dist::Group& group) {
   const char* op = "load_sharded_checkpoint";
-  complete_pending();  // a save still being written is the newest
+  const dist::KeepAlive alive;  // its reads may outlast --hang-timeout
+  complete_pending();           // a save still being written is the newest
   const int rank = group.rank(), size = group.size();
   WEAVE_CHECK(rank >= 0, op, "this rank is not in group {}", group.str());
   ShardedLoadReport report;

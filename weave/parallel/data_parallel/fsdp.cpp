@@ -247,6 +247,7 @@ Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   if (synchronizing) {
     detail::join_step_begins(this);
     dist::set_step(s.group, s.stats.steps);
+    s.disagreements_seen = dist::disagreements(s.group);  // the step starts in step
   }
   s.forward_began.assign(s.units.size(), 0);
   if (autograd::GradMode::is_enabled()) s.backward_began.assign(s.units.size(), 0);

@@ -144,22 +144,65 @@ void FullyShardedDataParallel::State::end_of_backward() {
   for (Unit& u : units) release(u);
 }
 
+bool FullyShardedDataParallel::State::diverged() const {
+  return dist::disagreements(group) != disagreements_seen;
+}
+
+bool FullyShardedDataParallel::State::finish_step_collectives(bool failed) {
+  // Once a call of the group failed its check, the ranks stand at different calls: what is
+  // left to issue could only fail too.
+  auto unless_diverged = [this](auto&& issue) {
+    if (diverged()) return;
+    try {
+      issue();
+    } catch (const Error&) {
+      if (!diverged()) throw;
+    }
+  };
+  if (failed) unless_diverged([&] { replay_rest_of_backward(); });
+  unless_diverged([&] { readiness->launch_rest(); });
+  for (int u : reducing) unless_diverged([&] { finish_reduce(units[size_t(u)]); });
+  reducing.clear();
+  return diverged();
+}
+
+int64_t FullyShardedDataParallel::State::count_failed_ranks(bool failed) {
+  for (;;) {
+    if (diverged()) {
+      dist::realign(group);
+      disagreements_seen = dist::disagreements(group);
+      failed = true;
+    }
+    Tensor flag = full({1}, failed ? 1.0 : 0.0, {.dtype = kInt64});
+    try {
+      dist::all_reduce(flag, dist::ReduceOp::Sum, group);
+      return flag.item<int64_t>();
+    } catch (const Error&) {
+      if (!diverged()) throw;  // a peer is realigning: meet it there
+    }
+  }
+}
+
 void FullyShardedDataParallel::State::settle(bool failed) {
   const int64_t step = stats.steps++;
-  if (failed) replay_rest_of_backward();
-  readiness->launch_rest();
-  Tensor flag = full({1}, failed ? 1.0 : 0.0, {.dtype = kInt64});
-  dist::all_reduce(flag, dist::ReduceOp::Sum, group);
-  const int64_t failed_ranks = flag.item<int64_t>();
-  for (int u : reducing) finish_reduce(units[size_t(u)]);
-  reducing.clear();
+  const bool diverged_here = finish_step_collectives(failed);
+  const int64_t failed_ranks = count_failed_ranks(failed || diverged_here);
   NoGradGuard no_grad;
   if (failed_ranks == 0 && options.check_finite) finite = agree_finite();
   for (Unit& u : units) {
+    if (failed_ranks > 0) u.discard_step(params);
     u.settle_reduced(/*keep=*/failed_ranks == 0);
     release(u);
   }
   if (failed_ranks > 0) ++stats.failed_steps;
+  if (diverged_here && !failed)
+    WEAVE_FAIL(kFSDPOp,
+               "the collectives of step {} did not pair across the ranks of group {} (a rank's "
+               "forward or backward took another path through the units; see the mismatch "
+               "reported above or by the other ranks), so every rank discarded the step and "
+               "the group was realigned; hint: every rank must run the same units in the same "
+               "order in each step",
+               step, group.str());
   if (failed_ranks == 0 && !finite)
     WEAVE_FAIL(kFSDPOp,
                "the averaged gradients of step {} hold NaN or infinity; every rank of group {} "

@@ -37,6 +37,8 @@ struct FullyShardedDataParallel::State {
   std::vector<int64_t> forward_start_ns;  // each unit's forward began (for the trace)
   FSDPStats stats;
   bool finite = true;  // the last synchronizing backward's verdict (check_finite)
+  /// dist::disagreements(group) when the group was last known to be in step.
+  uint64_t disagreements_seen = 0;
   std::unique_ptr<nn::Module> shard_module;  // state_dict's view of the shards, made on demand
   std::weak_ptr<State> self;
 
@@ -90,6 +92,14 @@ struct FullyShardedDataParallel::State {
   /// Whether every rank's averaged shard gradients are finite: each checks its own, and the
   /// group agrees in one all_reduce.
   bool agree_finite();
+  /// A call on the group failed its agreement check since it was last in step.
+  bool diverged() const;
+  /// What the step still issues (a failed rank's replay, the buckets not launched, the waits on
+  /// the reduce_scatters in flight), unless the group diverged; returns whether it did.
+  bool finish_step_collectives(bool failed);
+  /// The ranks that failed the step, summed in one all_reduce; a diverged group realigns
+  /// first, and every rank of it counts as failed.
+  int64_t count_failed_ranks(bool failed);
   void finish_reduce(Unit& u) { u.finish_reduce(params); }
 };
 

@@ -94,13 +94,21 @@ void FSDPUnit::launch_gather(const dist::Group& group, FSDPStats& stats, bool pr
 void FSDPUnit::wait_gather() {
   if (params_ != Params::Gathering) return;
   params_ = Params::Gathered;
+  std::exception_ptr first_error;
   for (FSDPFlat& f : flats_) {
     if (!f.gather) continue;
     const dist::Work work = *std::exchange(f.gather, std::nullopt);
-    work.wait();
-    if (f.refill_version) f.full.flat.storage()->restore_version(*f.refill_version);
+    try {
+      work.wait();
+      if (f.refill_version) f.full.flat.storage()->restore_version(*f.refill_version);
+    } catch (...) {
+      // The peers never ran it (the check raised): what `full` holds is no gather.
+      f.gathered_version = ~uint64_t{0};
+      if (!first_error) first_error = std::current_exception();
+    }
     f.refill_version.reset();
   }
+  if (first_error) std::rethrow_exception(first_error);
 }
 
 void FSDPUnit::ensure_gathered(const dist::Group& group, FSDPStats& stats) {
@@ -109,8 +117,8 @@ void FSDPUnit::ensure_gathered(const dist::Group& group, FSDPStats& stats) {
 }
 
 void FSDPUnit::release(bool full_shard) {
+  wait_gather();  // a prefetch whose unit did not run (a skipped branch) still completes here
   if (!full_shard) return;
-  wait_gather();
   for (FSDPFlat& f : flats_) f.full.flat.storage()->release();
   params_ = Params::Sharded;
 }
@@ -128,21 +136,46 @@ void FSDPUnit::launch_reduce(const std::vector<Tensor>& params, const dist::Grou
                              FSDPStats& stats) {
   bind_grads(params, group);  // parameters without a gradient contribute zeros
   NoGradGuard no_grad;
+  grads_ = Grads::Reducing;  // before the calls: finish_reduce waits for the ones that started
   for (FSDPFlat& f : flats_) {
     f.reduced = empty(f.shard.shape(), {.dtype = f.shard.dtype(), .device = f.shard.device()});
     f.reduce = dist::reduce_scatter(f.reduced, f.grads.flat, dist::ReduceOp::Avg, group,
                                     /*async_op=*/true);
     ++stats.reduce_scatters;
   }
-  grads_ = Grads::Reducing;
 }
 
 void FSDPUnit::finish_reduce(const std::vector<Tensor>& params) {
   if (grads_ != Grads::Reducing) return;
+  grads_ = Grads::Idle;
+  std::exception_ptr first_error;
   for (FSDPFlat& f : flats_) {
-    std::exchange(f.reduce, std::nullopt)->wait();
+    if (f.reduce) try {
+        std::exchange(f.reduce, std::nullopt)->wait();
+      } catch (...) {
+        f.reduced = Tensor();  // it never ran: no average to keep
+        if (!first_error) first_error = std::current_exception();
+      }
     for (int i : f.params) params[size_t(i)].set_grad(Tensor());
     f.grads = {};
+  }
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+void FSDPUnit::discard_step(const std::vector<Tensor>& params) {
+  try {
+    wait_gather();
+  } catch (const Error&) {  // the step failed already; the gather is redone when next needed
+  }
+  for (FSDPFlat& f : flats_) {
+    if (f.reduce) try {
+        std::exchange(f.reduce, std::nullopt)->wait();
+      } catch (const Error&) {  // likewise: the step's error is reported
+      }
+    if (grads_ != Grads::Idle)
+      for (int i : f.params) params[size_t(i)].set_grad(Tensor());
+    f.grads = {};
+    f.reduced = Tensor();
   }
   grads_ = Grads::Idle;
 }

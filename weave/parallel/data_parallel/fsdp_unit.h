@@ -66,7 +66,7 @@ class FSDPUnit {
   void launch_gather(const dist::Group& group, FSDPStats& stats, bool prefetch);
   void wait_gather();
   void ensure_gathered(const dist::Group& group, FSDPStats& stats);
-  /// Frees the gathered parameters (FullShard only; a pending gather completes first).
+  /// Completes a pending gather, then frees the gathered parameters (FullShard only).
   void release(bool full_shard);
 
   /// Whole-gradient buffers, the parameters' .grad bound into them so backward accumulates in
@@ -74,8 +74,14 @@ class FSDPUnit {
   void bind_grads(const std::vector<Tensor>& params, const dist::Group& group);
   /// Starts the reduce_scatters (averages) of the whole gradients into `reduced`.
   void launch_reduce(const std::vector<Tensor>& params, const dist::Group& group, FSDPStats& stats);
-  /// Completes the reduce_scatters and drops the whole gradients.
+  /// Completes the reduce_scatters and drops the whole gradients. A reduce_scatter that raised
+  /// (its agreement check failed) leaves no average; the first such error is rethrown after
+  /// every flat is back to Idle.
   void finish_reduce(const std::vector<Tensor>& params);
+  /// A step every rank discards: waits for what is in flight (dropping its errors, which the
+  /// step already reported), unbinds and drops the whole gradients, Accumulating ones included,
+  /// and the averages.
+  void discard_step(const std::vector<Tensor>& params);
   /// Adds `reduced` to the shards' gradients (when `keep`), then drops it.
   void settle_reduced(bool keep);
 
