@@ -24,6 +24,9 @@
 //   weave_mpi_timeout fsdp-backward        ... its backward raises in step 2
 //   weave_mpi_timeout fsdp-kill            ... it is SIGKILLed in step 2's backward, once its
 //                                          first reduce_scatter is out (the other waits in one)
+// and the roll call (with the flight recorder), at 4 ranks:
+//   weave_mpi_timeout late-rank            rank 2 sleeps before all_reduce #12: every waiting
+//                                          rank names it and its last call (#11)
 // and a checkpoint that must not be lost behind a zero exit:
 //   weave_mpi_timeout async-save-fails     rank 1's background write fails; the commit that
 //                                          finalize() runs fails on every rank: exit non-zero
@@ -240,6 +243,20 @@ int main(int argc, char** argv) {
     if (dist::rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
     dist::barrier();
     if (dist::rank() == 0) std::printf("slow-peer: done\n");
+    return 0;
+  }
+  if (mode == "late-rank") {  // rank 2 sleeps before all_reduce #12: the roll call names it
+    Tensor t = ones({4});
+    for (int i = 0; i < 12; ++i) dist::all_reduce(t);
+    if (dist::rank() == 2) std::this_thread::sleep_for(std::chrono::seconds(60));
+    if (dist::rank() == 0) {
+      const auto since_epoch = std::chrono::system_clock::now().time_since_epoch();
+      std::printf("late-rank: waits from %lld ms\n",
+                  static_cast<long long>(
+                      std::chrono::duration_cast<std::chrono::milliseconds>(since_epoch).count()));
+      std::fflush(stdout);
+    }
+    dist::all_reduce(t);
     return 0;
   }
   if (mode == "pipeline-throw") pipeline_with_a_failing_stage();

@@ -96,6 +96,13 @@ std::optional<std::pair<int, std::vector<int64_t>>> poll_leaving();
 void finish_leaving(int polled);
 /// Tells leaving rank `rank` why this rank waits for it (what farewell() reports there).
 void report_waiting(int rank, const std::string& report);
+/// The watchdogs' messages to each other (roll_call.cpp): a rank whose call timed out asks its
+/// peers what they last issued on that group, and they answer.
+enum class Control { RollCall, RollAnswer };
+/// Sends `bytes` to world rank `rank` on the control communicator, without waiting.
+void send_control(int rank, Control kind, std::string bytes);
+/// A message of that kind from any rank, if one has arrived: the sender and the bytes.
+std::optional<std::pair<int, std::string>> poll_control(Control kind);
 }  // namespace mpi
 
 /// What the NCCL backend (or its stub) provides.

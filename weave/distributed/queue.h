@@ -26,6 +26,7 @@
 #include "weave/distributed/communicator.h"
 #include "weave/distributed/distributed.h"
 #include "weave/distributed/fingerprint.h"
+#include "weave/distributed/flight_recorder.h"
 #include "weave/tensor/trace.h"
 
 namespace weave::dist {
@@ -58,6 +59,7 @@ struct Task {
   std::function<void()> run;
   std::shared_ptr<Work::State> state;
   Fingerprint print;
+  std::shared_ptr<FlightRecord> record;  // null unless the flight recorder is on
 };
 
 }  // namespace detail
@@ -112,7 +114,11 @@ struct Group::Impl {
 
   // Read by the watchdog: when the running op started (0: none) and what it is.
   std::atomic<int64_t> running_since{0};
-  detail::Fingerprint running;  // guarded by mutex
+  detail::Fingerprint running;                           // guarded by mutex
+  std::shared_ptr<detail::FlightRecord> running_record;  // guarded by mutex
+  // The last call this rank issued on the group and when (0: none): a roll call's answer.
+  detail::Fingerprint last_issued;  // guarded by mutex
+  int64_t last_issued_ns = 0;       // guarded by mutex
 
   ~Impl() { stop(); }
 
@@ -127,16 +133,25 @@ struct Group::Impl {
 
   // Marks the op started (caller holds the lock); the watchdog formats its description only
   // if it ever has to report it, so the latency path formats nothing.
-  void start_running(const detail::Fingerprint& print) {
+  void start_running(const detail::Fingerprint& print,
+                     std::shared_ptr<detail::FlightRecord> record) {
     busy = true;
     running = print;
-    running_since.store(detail::now_ns(), std::memory_order_release);
+    const int64_t now = detail::now_ns();
+    running_since.store(now, std::memory_order_release);
+    if (record) record->started_ns.store(now);
+    running_record = std::move(record);
   }
-  void finish_running() {
+  void finish_running(bool failed) {
     running_since.store(0, std::memory_order_release);
     {
       std::lock_guard lock(mutex);
       busy = false;
+      if (running_record) {
+        running_record->failed.store(failed);
+        running_record->ended_ns.store(detail::now_ns());
+        running_record.reset();
+      }
     }
     cv.notify_all();
     heartbeat();  // a call completed: the rank makes progress, on whichever axis it is
@@ -151,7 +166,7 @@ struct Group::Impl {
         if (tasks.empty()) return;  // stopping, queue drained
         task = std::move(tasks.front());
         tasks.pop_front();
-        start_running(task.print);
+        start_running(task.print, std::move(task.record));
       }
       std::exception_ptr error;
       try {
@@ -159,7 +174,7 @@ struct Group::Impl {
       } catch (...) {
         error = std::current_exception();
       }
-      finish_running();
+      finish_running(error != nullptr);
       task.state->finish(error);
     }
   }
@@ -176,14 +191,17 @@ struct Group::Impl {
   // hand-off, no allocation on the latency path), else on the worker thread.
   template <class Body>
   Work submit(const detail::Fingerprint& print, Body&& body, bool async_op) {
+    auto record = detail::record_flight(id, ranks, print);
     if (!async_op) {
       std::unique_lock lock(mutex);
+      note_issued(print);
       if (tasks.empty() && !busy) {
-        start_running(print);
+        start_running(print, std::move(record));
         lock.unlock();
         struct Finish {
           Impl* self;
-          ~Finish() { self->finish_running(); }
+          int unwinding = std::uncaught_exceptions();
+          ~Finish() { self->finish_running(std::uncaught_exceptions() > unwinding); }
         } finish{this};
         run_traced(print, body);
         return Work();
@@ -192,13 +210,21 @@ struct Group::Impl {
     auto state = std::make_shared<Work::State>();
     {
       std::lock_guard lock(mutex);
-      tasks.push_back({std::function<void()>(std::forward<Body>(body)), state, print});
+      if (async_op) note_issued(print);
+      tasks.push_back(
+          {std::function<void()>(std::forward<Body>(body)), state, print, std::move(record)});
       if (!worker.joinable()) worker = std::thread([this] { worker_loop(); });
     }
     cv.notify_all();
     Work work(state);
     if (!async_op) work.wait();
     return work;
+  }
+
+  // Caller holds the lock.
+  void note_issued(const detail::Fingerprint& print) {
+    last_issued = print;
+    last_issued_ns = detail::now_ns();
   }
 
   // Waits until everything issued so far has run.

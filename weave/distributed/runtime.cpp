@@ -51,6 +51,7 @@ void report(const std::string& what) {
 }
 
 void tear_down(const std::string& why) {
+  dump_flight_recorder(why);
   report(fmt::format("{}; tearing the job down", why));
   if (runtime().uses_mpi) detail::mpi::abort_job(1);
   std::_Exit(1);
@@ -101,6 +102,7 @@ void abort_if_peers_wait(const std::string& why) {
                r.rank, why.c_str(),
                error.empty() ? "" : ". Last error on this rank: ", error.c_str());
   std::fflush(stderr);
+  dump_flight_recorder(why);
   detail::mpi::abort_job(1);
 }
 
@@ -207,24 +209,29 @@ void watchdog_loop() {
         leavers.push_back({notice->first, std::move(notice->second)});
         r.leaving_polled.fetch_add(1);
       }
-    std::lock_guard lock(r.groups_mutex);
+    // A peer that timed out asks what this rank last issued; if this rank waits in a call of
+    // that group too, it tells its own story now, before the peer tears the job down.
+    const std::vector<int64_t> asked = r.uses_mpi ? serve_roll_calls() : std::vector<int64_t>{};
+    std::shared_ptr<Group::Impl> timed_out;
+    bool by_peer = false;
     bool stalled = false;  // a call has run longer than a beat interval: no beat on its behalf
-    for (auto& weak : r.groups) {
-      auto group = weak.lock();
-      if (!group) continue;
-      int64_t since = group->running_since.load(std::memory_order_acquire);
-      if (since == 0) continue;
-      stalled = stalled || now_ns() - since >= r.heartbeat_ns;
-      for (const Leaver& leaver : leavers) check_waits_for(leaver, *group);
-      if (now_ns() - since < limit) continue;
-      std::string what;
-      {
-        std::lock_guard group_lock(group->mutex);
-        what = fmt::format("{} on group [{}]", describe(group->running),
-                           fmt::join(group->ranks, ", "));
+    {
+      std::lock_guard lock(r.groups_mutex);
+      for (auto& weak : r.groups) {
+        auto group = weak.lock();
+        if (!group) continue;
+        int64_t since = group->running_since.load(std::memory_order_acquire);
+        if (since == 0) continue;
+        stalled = stalled || now_ns() - since >= r.heartbeat_ns;
+        for (const Leaver& leaver : leavers) check_waits_for(leaver, *group);
+        by_peer = std::find(asked.begin(), asked.end(), group->id) != asked.end();
+        if (now_ns() - since < limit && !by_peer) continue;
+        by_peer = by_peer && now_ns() - since < limit;
+        timed_out = group;
+        break;
       }
-      tear_down_after_timeout(what);
     }
+    if (timed_out) time_out(*timed_out, by_peer);
     if (r.keep_alive_scopes.load() > 0 && !stalled) heartbeat();
   }
 }
@@ -292,6 +299,7 @@ void init(Backend backend, InitOptions options) {
   }
   r.rank = comm->rank();
   r.size = comm->size();
+  configure_flight_recorder(r.rank);
   r.sent_to = std::make_unique<std::atomic<int64_t>[]>(size_t(r.size));
   r.received_from = std::make_unique<std::atomic<int64_t>[]>(size_t(r.size));
   // the checks add messages of their own: every rank must send the same ones

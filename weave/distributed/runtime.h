@@ -54,6 +54,12 @@ Runtime& live(const char* op);
 /// Reports on stderr that `what` did not complete within the timeout and aborts the whole job
 /// (the watchdog's verdict; also used by waits that poll instead of blocking in a call).
 [[noreturn]] void tear_down_after_timeout(const std::string& what);
+/// Answers the roll calls other ranks' watchdogs sent this rank (roll_call.cpp); returns the ids
+/// of the groups they asked about.
+std::vector<int64_t> serve_roll_calls();
+/// A call of `g` timed out on this rank (or a peer timed out in it: `asked_by_peer`): holds the
+/// roll call, writes the flight recorder, reports, and tears the job down.
+[[noreturn]] void time_out(Group::Impl& g, bool asked_by_peer);
 /// Prints "[weave] rank r: <what>" on stderr.
 void report(const std::string& what);
 /// Prints "[weave] rank r: <why>; tearing the job down" on stderr and aborts the whole job.

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -434,7 +435,50 @@ void report_waiting(int rank, const std::string& report) {
   MPI_Request_free(&request);
 }
 
+namespace {
+constexpr int kRollCallTag = 3, kRollAnswerTag = 4;
+int tag_of(Control kind) {
+  return kind == Control::RollCall ? kRollCallTag : kRollAnswerTag;
+}
+// Sends in flight, each with its bytes (a deque keeps both where MPI was told they are).
+std::mutex control_sends_mutex;
+std::deque<std::pair<MPI_Request, std::string>> control_sends;
+}  // namespace
+
+void send_control(int rank, Control kind, std::string bytes) {
+  if (control == MPI_COMM_NULL) return;
+  std::lock_guard lock(control_sends_mutex);
+  while (!control_sends.empty()) {
+    int done = 0;
+    MPI_Test(&control_sends.front().first, &done, MPI_STATUS_IGNORE);
+    if (!done) break;
+    control_sends.pop_front();
+  }
+  auto& [request, kept] = control_sends.emplace_back(MPI_REQUEST_NULL, std::move(bytes));
+  MPI_Isend(kept.data(), static_cast<int>(kept.size()), MPI_BYTE, rank, tag_of(kind), control,
+            &request);
+}
+
+std::optional<std::pair<int, std::string>> poll_control(Control kind) {
+  if (control == MPI_COMM_NULL) return std::nullopt;
+  int arrived = 0;
+  MPI_Status status;
+  MPI_Iprobe(MPI_ANY_SOURCE, tag_of(kind), control, &arrived, &status);
+  if (!arrived) return std::nullopt;
+  int length = 0;
+  MPI_Get_count(&status, MPI_BYTE, &length);
+  std::string bytes(static_cast<size_t>(std::max(length, 0)), '\0');
+  MPI_Recv(bytes.data(), length, MPI_BYTE, status.MPI_SOURCE, tag_of(kind), control,
+           MPI_STATUS_IGNORE);
+  return std::make_pair(status.MPI_SOURCE, std::move(bytes));
+}
+
 void finalize() {
+  {
+    std::lock_guard lock(control_sends_mutex);
+    for (auto& [request, bytes] : control_sends) MPI_Request_free(&request);
+    control_sends.clear();
+  }
   if (control != MPI_COMM_NULL) MPI_Comm_free(&control);
   if (!we_initialized) return;  // whoever started MPI finishes it
   MPI_Finalize();

@@ -34,5 +34,9 @@ std::optional<std::pair<int, std::vector<int64_t>>> poll_leaving() {
 }
 void finish_leaving(int) {}
 void report_waiting(int, const std::string&) {}
+void send_control(int, Control, std::string) {}
+std::optional<std::pair<int, std::string>> poll_control(Control) {
+  return std::nullopt;
+}
 
 }  // namespace weave::dist::detail::mpi
