@@ -319,7 +319,8 @@ TEST_SUITE("fsdp") {
                    std::vector<std::string>& errors) {
       optim::AdamW opt(fsdp.parameters(), adamw_options());
       for (int step = 0; step < kSteps; ++step) {
-        auto [x, y] = local_batch(step);
+        auto [batch_x, batch_y] = local_batch(step);
+        Tensor x = batch_x, y = batch_y;  // named: clang before 16 cannot capture a binding
         model.skip = step == kSkipped && dist::rank() == 1;
         errors.push_back(error_of([&] {
           opt.zero_grad();
