@@ -3,12 +3,13 @@
 // mistyped or malformed flag, and value ranges checked before anything runs.
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <cstdlib>
 #include <string>
 
 namespace examples {
 
-/// A number above `floor` (or at least it, with `inclusive`), with an error that says so.
+/// A finite number above `floor` (or at least it, with `inclusive`), with an error that says so.
 inline CLI::Validator number_from(double floor, bool inclusive, const char* name) {
   return CLI::Validator(
       [floor, inclusive](std::string& text) -> std::string {
@@ -19,6 +20,7 @@ inline CLI::Validator number_from(double floor, bool inclusive, const char* name
         } catch (const std::exception&) {
         }
         if (used != text.size() || text.empty()) return "expected a number, found '" + text + "'";
+        if (!std::isfinite(value)) return "expected a finite number, found " + text;
         const bool ok = inclusive ? value >= floor : value > floor;
         return ok ? ""
                   : std::string(inclusive ? "must be at least " : "must be above ") +

@@ -22,6 +22,9 @@ expect_run_error() { expect_exit 1 "$@"; }
 expect_usage_error "--stepz" "$gpt" --stepz 5
 expect_usage_error "--steps: must be above 0, found -3" "$gpt" --steps -3
 expect_usage_error "--lr: expected a number, found '1e-'" "$gpt" --lr 1e-
+expect_usage_error "--lr: expected a finite number, found inf" "$gpt" --lr inf
+expect_usage_error "--min-lr: expected a finite number, found nan" "$gpt" --min-lr nan
+expect_usage_error "--steps: Value 99999999999999 not in range 1 to 1000000000" "$gpt" --steps 99999999999999
 
 expect_usage_error "--strategy" "$gpt" --strategy zero9
 expect_usage_error "--strategy: expected ddp, dist-opt" "$fashion" --strategy foo
@@ -29,5 +32,5 @@ expect_usage_error "--epochs" "$fashion" --epochs
 expect_run_error "--context 100000000 needs more text" "$gpt" --context 100000000 --steps 1
 expect_run_error "[set_num_threads] expected 1 to" "$gpt" --threads 100000 --steps 1
 help=$("$gpt" --help) || fail "--help exited $?"
-printf '%s\n' "$help" | grep -q -- "--steps INT:POSITIVE=600" || fail "--help lacks --steps: $help"
+printf "%s\n" "$help" | grep -q -- "--steps INT:POSITIVE:INT in \[1 - 1000000000\]=600" || fail "--help lacks --steps: $help"
 echo "PASS: command lines checked"

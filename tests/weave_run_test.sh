@@ -5,7 +5,9 @@
 #   2. usage errors are not relaunched: the program's status 2, mpirun's unknown option, a
 #      program that does not exist;
 #   3. a host discovery script that does not finish is cut off by --discovery-timeout;
-#   4. SIGTERM stops the job and weave-run exits 143.
+#   4. SIGTERM stops the job and weave-run exits 143;
+#   5. SIGKILL of weave-run itself still ends the job (no unsupervised ranks left);
+#   6. --retry-wait and --mpirun are checked before anything runs.
 # usage: weave_run_test.sh WEAVE_RUN ELASTIC_TRAIN MPIRUN...
 set -euo pipefail
 weave_run=$1 train=$2
@@ -73,4 +75,33 @@ wait "$supervisor" || status=$?
 [ "$status" -eq 143 ] || { cat "$work/term.log"; fail "SIGTERM gave status $status, not 143"; }
 ! grep -q "attempt 2" "$work/term.log" || fail "relaunched after SIGTERM"
 echo "SIGTERM: stopped with 143"
+
+# 5. SIGKILL: no trap runs, yet the job must not outlive weave-run.
+running() {  # whether a process runs with this exact command line
+  local cmdline
+  for cmdline in /proc/[0-9]*/cmdline; do
+    [ "$( { tr '\0' ' ' < "$cmdline"; } 2>/dev/null)" = "$1 " ] && return 0
+  done
+  return 1
+}
+marker="sleep 61.25"
+"$weave_run" --mpirun "${mpirun[0]}" --np 1 --max-restarts 3 "${mpirun[@]:1}" -- $marker \
+  > "$work/kill.log" 2>&1 &
+supervisor=$!
+for _ in $(seq 100); do running "$marker" && break; sleep 0.1; done
+running "$marker" || { cat "$work/kill.log"; fail "the job did not start"; }
+kill -KILL "$supervisor"
+for _ in $(seq 100); do running "$marker" || break; sleep 0.1; done
+! running "$marker" || fail "the job outlived weave-run's SIGKILL by 10 s"
+echo "SIGKILL of weave-run: the job ended with it"
+
+# 6. Bad values of weave-run's own options.
+for bad in "--retry-wait soon" "--retry-wait -1" "--mpirun $work/no-such-mpirun"; do
+  status=0
+  # shellcheck disable=SC2086
+  run --np 1 $bad -- true > "$work/bad.log" 2>&1 || status=$?
+  [ "$status" -eq 2 ] && grep -q -- "${bad%% *} .*must be\|is not a program" "$work/bad.log" ||
+    { cat "$work/bad.log"; fail "'$bad' was not refused with status 2"; }
+done
+echo "bad option values: refused"
 echo "PASS: weave-run supervision"

@@ -42,7 +42,9 @@ inline Flags parse(int argc, char** argv) {
   app.add_option("--heads", f.heads)->check(examples::positive());
   app.add_option("--context", f.context)->check(examples::positive());
   app.add_option("--batch", f.batch, "global batch, in windows")->check(examples::positive());
-  app.add_option("--steps", f.steps)->check(examples::positive());
+  app.add_option("--steps", f.steps)
+      ->check(examples::positive())
+      ->check(CLI::Range(int64_t{1}, int64_t{1000000000}));  // beyond: a typo, not a plan
   app.add_option("--warmup", f.warmup, "linear warmup steps")->check(examples::non_negative());
   app.add_option("--lr", f.lr, "peak learning rate")->check(examples::positive());
   app.add_option("--min-lr", f.min_lr, "learning rate at the end of the cosine")
