@@ -435,4 +435,26 @@ TEST_SUITE("data") {
                         "cannot write to /dev/full: No space left on device; this record is lost");
     }
   }
+
+  TEST_CASE(
+      "MetricsLogger: a second writer of the same file is refused, the first's records kept") {
+    const std::string path = (std::filesystem::temp_directory_path() /
+                              ("weave_metrics_two_" + std::to_string(getpid()) + ".jsonl"))
+                                 .string();
+    {
+      data::MetricsLogger first({.path = path, .progress = false});
+      first.log_step({.step = 1, .loss = 2.5});
+      CHECK_WEAVE_ERROR(data::MetricsLogger({.path = path, .progress = false}), "MetricsLogger",
+                        "is being written by another MetricsLogger");
+      first.log_step({.step = 2, .loss = 2.0});
+    }
+    std::ifstream in(path);
+    std::vector<nlohmann::json> records;
+    for (std::string line; std::getline(in, line);) records.push_back(nlohmann::json::parse(line));
+    REQUIRE(records.size() == 2);
+    CHECK(records[0]["step"] == 1);
+    CHECK(records[1]["step"] == 2);
+    data::MetricsLogger again({.path = path, .progress = false});  // free once the first is gone
+    std::filesystem::remove(path);
+  }
 }

@@ -291,4 +291,55 @@ TEST_SUITE("guard") {
     dist::set_check_mode(before);
     check_group_still_works();
   }
+
+  TEST_CASE("set_check_mode refuses a mode that is none, and a switch while another thread calls") {
+    const CheckMode before = dist::check_mode();
+    std::string message = error_of([] { dist::set_check_mode(static_cast<CheckMode>(7)); });
+    CHECK_MESSAGE(contains(message, "CheckMode(7) is not a check mode"), message);
+    CHECK(dist::check_mode() == before);
+    check_group_still_works();
+    if (dist::world_size() < 2) return;
+    // Rank 0's second thread waits in a barrier on a group of its own that rank 1 joins only
+    // after the switch was tried: every rank must raise at once, not wait for the timeout.
+    dist::Group side = dist::duplicate(dist::world());
+    std::thread other;
+    if (dist::rank() == 0) other = std::thread([&] { dist::barrier(side); });
+    if (dist::rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const auto start = std::chrono::steady_clock::now();
+    message = error_of([] { dist::set_check_mode(CheckMode::Full); });
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (dist::rank() == 0)
+      CHECK_MESSAGE(contains(message, "another thread of this rank is inside a call on group"),
+                    message);
+    else
+      CHECK_MESSAGE(contains(message, "rejected its arguments to set_check_mode"), message);
+    CHECK(waited < 2.0);
+    CHECK(dist::check_mode() == before);
+    if (dist::rank() != 0) dist::barrier(side);
+    if (other.joinable()) other.join();
+    check_group_still_works();
+  }
+
+  TEST_CASE("realign: a mismatch with calls queued behind it, then the group pairs again") {
+    const int n = dist::world_size(), r = dist::rank();
+    if (n < 2) return;
+    const uint64_t disagreements = dist::disagreements();
+    // Rank 0 issues four asynchronous all_reduces, the others one of another shape: the first
+    // pair mismatches, and rank 0's other three can never pair.
+    std::vector<dist::Work> works;
+    const int64_t length = r == 0 ? 4 : 3;
+    for (int i = 0; i < (r == 0 ? 4 : 1); ++i)
+      works.push_back(dist::all_reduce(ones({length}), ReduceOp::Sum, dist::world(), true));
+    std::string message = error_of([&] { works.front().wait(); });
+    CHECK_MESSAGE(contains(message, "collective mismatch"), message);
+    CHECK(dist::disagreements() > disagreements);
+    dist::realign();
+    for (size_t i = 1; i < works.size(); ++i)
+      CHECK_FALSE(error_of([&] { works[i].wait(); }).empty());
+    Tensor t = full({5}, double(r + 1));
+    dist::all_reduce(t);
+    CHECK(t.to_vector<float>() == std::vector<float>(5, float(n * (n + 1) / 2)));
+    check_group_still_works();
+  }
 }

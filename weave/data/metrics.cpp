@@ -1,6 +1,9 @@
 // Progress lines and the JSON Lines metrics file (metrics.h).
 #include "weave/data/metrics.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -59,10 +62,27 @@ MetricsLogger::MetricsLogger(MetricsOptions options)
     : options_(std::move(options)), start_(std::chrono::steady_clock::now()), last_(start_) {
   if (!options_.enabled) return;
   terminal_ = options_.progress && ::isatty(STDERR_FILENO) == 1;
-  if (!options_.path.empty()) {
-    file_ = std::fopen(options_.path.c_str(), "w");
-    WEAVE_CHECK(file_ != nullptr, "MetricsLogger", "cannot open {} for writing: {}", options_.path,
-                std::strerror(errno));
+  if (options_.path.empty()) return;
+  // Locked before it is emptied: a second writer of the same file must not wipe the first's
+  // records, nor interleave its lines with them.
+  const int fd = ::open(options_.path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
+  WEAVE_CHECK(fd >= 0, "MetricsLogger", "cannot open {} for writing: {}", options_.path,
+              std::strerror(errno));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    WEAVE_FAIL("MetricsLogger",
+               "{} is being written by another MetricsLogger (in this process or another); "
+               "hint: one writer per file: enable the logger on one rank only, or give each "
+               "run its own path",
+               options_.path);
+  }
+  struct stat info;
+  const bool regular = ::fstat(fd, &info) == 0 && S_ISREG(info.st_mode);  // not /dev/full
+  if ((regular && ::ftruncate(fd, 0) != 0) || (file_ = ::fdopen(fd, "w")) == nullptr) {
+    const int saved = errno;
+    ::close(fd);
+    WEAVE_FAIL("MetricsLogger", "cannot open {} for writing: {}", options_.path,
+               std::strerror(saved));
   }
 }
 

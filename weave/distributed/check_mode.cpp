@@ -32,6 +32,21 @@ const char* mode_name(CheckMode mode) {
   return mode == CheckMode::Off ? "off" : mode == CheckMode::Guard ? "guard" : "full";
 }
 
+// The groups on which another thread of this rank is inside a call now.
+std::vector<std::string> groups_busy_elsewhere() {
+  Runtime& r = runtime();
+  std::vector<std::string> busy;
+  std::lock_guard lock(r.groups_mutex);
+  for (auto& weak : r.groups) {
+    auto g = weak.lock();
+    if (!g) continue;
+    const std::thread::id issuer = g->issuer.load();
+    if (issuer != std::thread::id() && issuer != std::this_thread::get_id())
+      busy.push_back(fmt::format("[{}]", fmt::join(g->ranks, ", ")));
+  }
+  return busy;
+}
+
 // The world ranks that sent this rank more messages than it has issued receives for: their
 // messages would be received under the new mode (an all_to_all of the counts).
 std::vector<int> senders_ahead(Communicator& world) {
@@ -72,10 +87,24 @@ CheckMode check_mode() {
   return runtime().check;
 }
 
+void detail::check_is_mode(CheckMode mode, const char* op) {
+  WEAVE_CHECK(mode == CheckMode::Off || mode == CheckMode::Guard || mode == CheckMode::Full, op,
+              "CheckMode({}) is not a check mode; hint: CheckMode::Off, Guard or Full",
+              static_cast<int>(mode));
+}
+
 void set_check_mode(CheckMode mode) {
   Runtime& r = live("set_check_mode");
   const Group world_group = world();
   Call c(Op::SetCheckMode, world_group);
+  // A refusal here still takes the call's turn (Call's destructor): the peers raise too.
+  check_is_mode(mode, "set_check_mode");
+  const std::vector<std::string> busy = groups_busy_elsewhere();
+  WEAVE_CHECK(busy.empty(), "set_check_mode",
+              "another thread of this rank is inside a call on group {} now; a switch would "
+              "apply to some of its calls and not to the peers' same calls; hint: switch while "
+              "no other thread communicates (join or pause it first)",
+              fmt::join(busy, ", "));
   Fingerprint print;
   print.op = static_cast<int32_t>(c.op);
   print.rank = r.rank;

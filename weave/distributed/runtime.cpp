@@ -283,6 +283,7 @@ void init(Backend backend, InitOptions options) {
   r.timeout_s = options.timeout_s > 0 ? options.timeout_s : env_double("WEAVE_TIMEOUT_S", 300);
   r.timeout_ns = r.timeout_s >= 9.2e9 ? std::numeric_limits<int64_t>::max()
                                       : static_cast<int64_t>(r.timeout_s * 1e9);
+  if (options.check) check_is_mode(*options.check, "init");
   r.check = options.check ? *options.check : check_mode_from_env();
   r.heartbeat_ns = static_cast<int64_t>(std::min(env_double("WEAVE_HEARTBEAT_S", 0), 1e9) * 1e9);
   r.last_heartbeat_ns = 0;

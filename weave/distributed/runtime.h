@@ -45,6 +45,8 @@ struct Runtime {
 Runtime& runtime();
 /// WEAVE_CHECK_COLLECTIVES's mode (the guard when unset); raises for an unknown value.
 CheckMode check_mode_from_env();
+/// Raises, tagged `op`, unless `mode` is one of the three check modes.
+void check_is_mode(CheckMode mode, const char* op);
 /// Collective over `world`: raises on every rank, naming `op` and ending with `hint`, unless
 /// every rank passes the same mode and no point-to-point message is in flight (sent before
 /// this call, with no receive issued before it).
