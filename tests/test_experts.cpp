@@ -158,4 +158,22 @@ TEST_SUITE("experts") {
     parallel::ExpertParallelMoE moe(options(2 * n, 0), dist::world());
     CHECK(moe(tokens_of(0)).shape() == Shape{7, 4});
   }
+
+  TEST_CASE("inside join() every rank raises at the first forward, and the group stays usable") {
+    if (dist::world_size() < 2) return;
+    parallel::ExpertParallelMoE moe(options(2 * dist::world_size(), 0), dist::world());
+    // A wrapper join() can shadow, over the same ranks: a one-parameter DDP.
+    nn::Linear scale(4, 4);
+    scale.to(kFloat64);
+    parallel::DistributedDataParallel ddp(scale);
+    const std::string error = test::error_of([&] {
+      parallel::join({ddp}, [&] {
+        for (int step = 0; step < 2; ++step)
+          moe.forward(ddp(tokens_of(dist::rank()))).sum().backward();
+      });
+    });
+    CHECK_MESSAGE(error.find("cannot run inside parallel::join()") != std::string::npos, error);
+    Tensor out = moe.forward(tokens_of(dist::rank()));  // outside join() it runs
+    CHECK(out.shape() == Shape{7, 4});
+  }
 }

@@ -21,6 +21,10 @@ JoinRegion::~JoinRegion() {
   active_region = nullptr;
 }
 
+bool in_join_region() {
+  return active_region != nullptr;
+}
+
 JoinCount JoinRegion::count(bool training, bool failed) {
   NoGradGuard no_grad;
   Tensor flags = from_vector<int64_t>({training ? 1 : 0, failed ? 1 : 0}, {2});

@@ -64,6 +64,10 @@ class JoinRegion {
   bool failure_counted_ = false;
 };
 
+/// Whether this thread is inside join(): a layer whose collectives span ranks with different
+/// batches (expert parallelism's all_to_all) and that no wrapper can shadow refuses to run there.
+bool in_join_region();
+
 /// Called by a Joinable as one of its steps begins (before it numbers the step): inside a join
 /// region, the first listed wrapper's steps count the ranks still training. Collective over
 /// the region's group then; nothing otherwise.

@@ -4,6 +4,7 @@
 #include "weave/distributed/functional.h"
 #include "weave/ops/ops.h"
 #include "weave/parallel/core/agree.h"
+#include "weave/parallel/core/joinable.h"
 
 namespace weave::parallel {
 
@@ -67,6 +68,13 @@ ExpertParallelMoE::ExpertParallelMoE(nn::MoEOptions options, dist::Group group,
 
 Tensor ExpertParallelMoE::forward(const Tensor& x) {
   const int n = group_.size(), me = group_.rank();
+  // Every rank reaches its first forward in the region (none has run out yet), so all raise.
+  WEAVE_CHECK(n == 1 || !detail::in_join_region(), "ExpertParallelMoE",
+              "it cannot run inside parallel::join(): a rank out of inputs cannot shadow its "
+              "token exchange (all_to_all) over group {}, whose ranks train on different "
+              "batches; hint: give every rank the same number of batches (DistributedSampler "
+              "pads or drops to equal shares) and train without join()",
+              group_.str());
   const int64_t experts = options_.router.experts, local = experts / n, hidden = options_.hidden;
   const Shape shape = x.shape();
   const Tensor tokens = x.reshape({-1, hidden});
