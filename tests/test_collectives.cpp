@@ -6,6 +6,7 @@
 #include <chrono>
 #include <numeric>
 
+#include "helpers.h"
 #include "weave/distributed/distributed.h"
 #include "weave/distributed/fingerprint.h"
 #include "weave/weave.h"
@@ -385,5 +386,37 @@ TEST_SUITE("collectives") {
         expect([&] { dist::all_reduce(ones({1}), ReduceOp::Sum, skip); }, "all_reduce",
                "not in group");
     }
+  }
+}
+
+// Point-to-point that holds on every backend, run again by CTest with sends that wait for their
+// receive (WEAVE_MPI_SEND=synchronous, as NCCL's).
+TEST_SUITE("point_to_point") {
+  TEST_CASE("send_recv: a ring of grouped exchanges, blocking and not; a wrong receive raises") {
+    // Every rank sends right and receives from the left at once: with sends that wait for their
+    // receive (NCCL, WEAVE_MPI_SEND=synchronous) only a grouped exchange gets through.
+    const int n = dist::world_size(), me = dist::rank();
+    if (n < 2) return;
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    Tensor out = value({5, 4}, kFloat64, me), in = empty({5, 4}, {.dtype = kFloat64});
+    dist::send_recv(out, next, in, prev);
+    CHECK(equal(in, value({5, 4}, kFloat64, prev)));
+    Tensor back = empty({5, 4}, {.dtype = kFloat64});
+    dist::Work w = dist::send_recv(in, prev, back, next, dist::world(), 3, /*async_op=*/true);
+    w.wait();
+    CHECK(equal(back, value({5, 4}, kFloat64, me)));
+    if (dist::check_mode() == dist::CheckMode::Off) return;
+    // Rank 0 receives into a tensor of the wrong shape: it raises, naming both; the bytes sent
+    // still cross, so the next exchange is clean.
+    Tensor wrong = empty({me == 0 ? 3 : 5, 4}, {.dtype = kFloat64});
+    const std::string error = test::error_of([&] { dist::send_recv(out, next, wrong, prev); });
+    if (me == 0)
+      CHECK_MESSAGE(error.find("sent float64 [5, 4], but this rank receives float64 [3, 4]") !=
+                        std::string::npos,
+                    error);
+    else
+      CHECK_MESSAGE(error.empty(), error);
+    dist::send_recv(out, next, in.zero_(), prev);
+    CHECK(equal(in, value({5, 4}, kFloat64, prev)));
   }
 }

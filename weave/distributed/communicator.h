@@ -51,8 +51,15 @@ class Communicator {
   virtual void all_to_all(const void* in, void* out, int64_t count, DType dtype) = 0;
   virtual void all_to_all_v(const void* in, const std::vector<int64_t>& send_counts, void* out,
                             const std::vector<int64_t>& recv_counts, DType dtype) = 0;
+  /// A send alone may complete only once its receive is posted (NCCL's ncclSend, MPI under
+  /// WEAVE_MPI_SEND=synchronous): two ranks that send to each other before receiving deadlock.
   virtual void send(const void* buffer, int64_t count, DType dtype, int dst, int tag) = 0;
   virtual void recv(void* buffer, int64_t count, DType dtype, int src, int tag) = 0;
+  /// Sends `send_count` elements to dst and receives `recv_count` from src as one grouped
+  /// operation (MPI_Sendrecv; ncclGroupStart, ncclSend, ncclRecv, ncclGroupEnd): neither part
+  /// waits for the other rank to post first, so a ring of exchanges cannot deadlock.
+  virtual void send_recv(const void* send_buffer, int64_t send_count, int dst, void* recv_buffer,
+                         int64_t recv_count, int src, DType dtype, int tag) = 0;
   /// Starts a send that needs no matching receive to return; null when it already completed
   /// (the default: backends without a non-blocking send block in send()).
   virtual std::unique_ptr<PendingSend> start_send(const void* buffer, int64_t count, DType dtype,

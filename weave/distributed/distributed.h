@@ -243,6 +243,12 @@ Work recv(const Tensor& tensor, int src, const Group& group = world(), int tag =
 /// modified again; until then tensor must not be written. Sends to one peer arrive in order.
 /// The group also keeps the Work: wait_sends() (or finalize) waits for what is still in flight.
 Work isend(const Tensor& tensor, int dst, const Group& group = world(), int tag = 0);
+/// Sends to_send to group rank dst and receives to_receive from group rank src as one grouped
+/// exchange: neither waits for the peer to post first, on any backend. A ring of these (every
+/// rank sends right, receives from the left) cannot deadlock, where isend then recv can on NCCL,
+/// whose send alone completes only once it is matched. The peers' exchanges pair by order.
+Work send_recv(const Tensor& to_send, int dst, const Tensor& to_receive, int src,
+               const Group& group = world(), int tag = 0, bool async_op = false);
 /// Waits for every isend this rank started on the group (a pipeline schedule's step end).
 void wait_sends(const Group& group = world());
 /// Broadcasts every tensor from root, in place (a model's parameters and buffers).

@@ -32,7 +32,9 @@ std::string describe(const Fingerprint& f) {
       dims.push_back(f.dims[i] < 0 ? "*" : std::to_string(f.dims[i]));
     text += fmt::format("({} [{}]", dtype_name(static_cast<DType>(f.dtype)), fmt::join(dims, ", "));
     if (f.reduce_op >= 0) text += fmt::format(", {}", reduce_op_name(f.reduce_op));
-    if (f.root >= 0) text += fmt::format(", root {}", f.root);
+    const auto op = static_cast<Op>(f.op);
+    const char* peer = op == Op::Send ? "to" : op == Op::Recv ? "from" : "root";
+    if (f.root >= 0) text += fmt::format(", {} {}", peer, f.root);
     if (f.wire == static_cast<int32_t>(DeviceType::CUDA)) text += ", via NCCL";
     text += ")";
   }

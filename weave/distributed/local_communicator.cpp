@@ -40,6 +40,9 @@ class LocalCommunicator final : public Communicator {
   void recv(void*, int64_t, DType, int, int) override {
     WEAVE_FAIL("recv", "a world of one process has no peer to receive from");
   }
+  void send_recv(const void*, int64_t, int, void*, int64_t, int, DType, int) override {
+    WEAVE_FAIL("send_recv", "a world of one process has no peer to exchange with");
+  }
   void barrier() override {}
   std::unique_ptr<Communicator> split(const std::vector<int>&) override {
     return std::make_unique<LocalCommunicator>();

@@ -1,5 +1,5 @@
-// Point-to-point messages: send, recv, isend and wait_sends, with the guard's header that
-// makes a receive of another dtype or shape raise instead of reading stale bytes.
+// Point-to-point messages: send, recv, isend, send_recv and wait_sends, with the guard's header
+// that makes a receive of another dtype or shape raise instead of reading stale bytes.
 #include <array>
 #include <optional>
 
@@ -70,6 +70,36 @@ void receive_checked(Group::Impl& g, Communicator* route, const Tensor& buffer, 
   if (discard.defined())
     route->recv(discard.data_ptr(), discard.numel(), discard.dtype(), src, tag);
   WEAVE_FAIL("recv",
+             "group rank {} sent {}, but this rank receives {}; hint: the receiving tensor must "
+             "have the sent dtype and shape",
+             src, header_text(sent), header_text(expected));
+}
+
+// The payloads cross as bytes: a receive of another dtype (drained after a mismatch) still pairs.
+void exchange_bytes(Communicator* route, const Tensor& outgoing, int dst, const Tensor& incoming,
+                    int src, int tag) {
+  route->send_recv(outgoing.data_ptr(), outgoing.numel() * int64_t(outgoing.itemsize()), dst,
+                   incoming.data_ptr(), incoming.numel() * int64_t(incoming.itemsize()), src,
+                   kUInt8, tag);
+}
+
+// An exchange's headers go first, grouped as the payloads are; on a mismatch the payloads still
+// cross (into a buffer of the sent shape), so both channels stay in step, and this rank raises.
+void exchange_checked(Group::Impl& g, Communicator* route, const Tensor& outgoing, int dst,
+                      const Tensor& incoming, int src, int tag) {
+  const Header mine = header_of(outgoing), expected = header_of(incoming);
+  Header sent{};
+  g.comm->send_recv(mine.data(), kHeaderSize, dst, sent.data(), kHeaderSize, src, kInt64, tag);
+  if (sent == expected) return;
+  Tensor discard;
+  try {
+    if (readable(sent))
+      discard = empty(Shape(sent.data() + 2, int(sent[1])),
+                      {.dtype = static_cast<DType>(sent[0]), .device = incoming.device()});
+  } catch (const Error&) {
+  }
+  if (discard.defined()) exchange_bytes(route, outgoing, dst, discard, src, tag);
+  WEAVE_FAIL("send_recv",
              "group rank {} sent {}, but this rank receives {}; hint: the receiving tensor must "
              "have the sent dtype and shape",
              src, header_text(sent), header_text(expected));
@@ -158,6 +188,31 @@ Work isend(const Tensor& tensor, int dst, const Group& group, int tag) {
   Work work(state);
   g.track_send(work);
   return work;
+}
+
+Work send_recv(const Tensor& to_send, int dst, const Tensor& to_receive, int src,
+               const Group& group, int tag, bool async_op) {
+  Call c(Op::Send, group);
+  check_tensor(c, to_send, "to_send");
+  check_tensor(c, to_receive, "to_receive");
+  Group::Impl& g = member(c);
+  check_peer(c, g, dst);
+  check_peer(c, g, src);
+  WEAVE_CHECK(to_send.device().type == to_receive.device().type, c.name,
+              "to_send is on {} but to_receive is on {}; hint: exchange tensors of one device type",
+              to_send.device(), to_receive.device());
+  Tensor outgoing = staged(to_send), incoming = staging_for(to_receive);
+  count_message(runtime().sent_to, g, dst);
+  count_message(runtime().received_from, g, src);
+  return issue(
+      c, fingerprint(c, 0, &to_send, dst, std::nullopt, false), false,
+      [comm = g.route(outgoing), g = &g, outgoing, incoming, to_receive, dst, src, tag,
+       guarded = p2p_guarded()] {
+        if (guarded) exchange_checked(*g, comm, outgoing, dst, incoming, src, tag);
+        exchange_bytes(comm, outgoing, dst, incoming, src, tag);
+        land(incoming, to_receive);
+      },
+      async_op);
 }
 
 void wait_sends(const Group& group) {

@@ -31,6 +31,10 @@ namespace weave::dist::detail {
 
 namespace {
 
+// WEAVE_MPI_SEND=synchronous: a send alone returns only once its receive is posted (MPI_Ssend),
+// as NCCL's ungrouped send does, so that CPU tests catch the orders that would deadlock there.
+bool synchronous_sends = false;
+
 int as_int(int64_t n, const char* op) {
   WEAVE_CHECK(n >= 0 && n <= 0x7fffffff, op, "count {} does not fit MPI's int", n);
   return static_cast<int>(n);
@@ -239,7 +243,17 @@ class MpiCommunicator final : public Communicator {
                      "all_to_all");
   }
   void send(const void* buffer, int64_t n, DType t, int dst, int tag) override {
-    WEAVE_CHECK_CALL(MPI_Send(buffer, as_int(n, "send"), mpi_type(t), dst, tag, comm_), "send");
+    if (synchronous_sends)
+      WEAVE_CHECK_CALL(MPI_Ssend(buffer, as_int(n, "send"), mpi_type(t), dst, tag, comm_), "send");
+    else
+      WEAVE_CHECK_CALL(MPI_Send(buffer, as_int(n, "send"), mpi_type(t), dst, tag, comm_), "send");
+  }
+  void send_recv(const void* send_buffer, int64_t send_n, int dst, void* recv_buffer,
+                 int64_t recv_n, int src, DType t, int tag) override {
+    WEAVE_CHECK_CALL(
+        MPI_Sendrecv(send_buffer, as_int(send_n, "send_recv"), mpi_type(t), dst, tag, recv_buffer,
+                     as_int(recv_n, "send_recv"), mpi_type(t), src, tag, comm_, MPI_STATUS_IGNORE),
+        "send_recv");
   }
   void recv(void* buffer, int64_t n, DType t, int src, int tag) override {
     WEAVE_CHECK_CALL(
@@ -248,6 +262,10 @@ class MpiCommunicator final : public Communicator {
   }
   std::unique_ptr<PendingSend> start_send(const void* buffer, int64_t n, DType t, int dst,
                                           int tag) override {
+    if (synchronous_sends) {  // as NCCL's ungrouped send: returns once it is matched
+      send(buffer, n, t, dst, tag);
+      return nullptr;
+    }
     MPI_Request request = MPI_REQUEST_NULL;
     WEAVE_CHECK_CALL(MPI_Isend(buffer, as_int(n, "send"), mpi_type(t), dst, tag, comm_, &request),
                      "send");
@@ -320,6 +338,13 @@ std::unique_ptr<Communicator> init_world() {
                 provided, int(MPI_THREAD_MULTIPLE));
   }
   if (half_type == MPI_DATATYPE_NULL) create_16bit_types();
+  const char* sends = std::getenv("WEAVE_MPI_SEND");
+  const std::string send_mode = sends != nullptr ? sends : "";
+  WEAVE_CHECK(send_mode.empty() || send_mode == "buffered" || send_mode == "synchronous", "init",
+              "WEAVE_MPI_SEND='{}' is not a send mode; hint: buffered (the default) or "
+              "synchronous (as NCCL's sends: for tests)",
+              send_mode);
+  synchronous_sends = send_mode == "synchronous";
   MPI_Comm world = MPI_COMM_NULL, node = MPI_COMM_NULL;
   WEAVE_CHECK_CALL(MPI_Comm_dup(MPI_COMM_WORLD, &world), "init");
   WEAVE_CHECK_CALL(MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),

@@ -89,20 +89,21 @@ void check_arguments(const Tensor& q, const Tensor& k, const Tensor& v, const di
 // A buffer on its way to the next rank of the ring, and the one arriving from the previous.
 struct Shift {
   Tensor incoming;
-  dist::Work send, receive;
+  dist::Work exchange;
   Tensor wait() {
-    receive.wait();
-    send.wait();
+    exchange.wait();
     return incoming;
   }
 };
 
+// One grouped exchange in flight while the block is computed: a send alone would wait for its
+// receive on NCCL, and a ring of such sends deadlocks.
 Shift shift_to_next(const Tensor& buffer, const dist::Group& g, int tag) {
   const int n = g.size(), r = g.rank();
   Shift s;
   s.incoming = empty(buffer.shape(), {.dtype = buffer.dtype(), .device = buffer.device()});
-  s.send = dist::isend(buffer, (r + 1) % n, g, tag);
-  s.receive = dist::recv(s.incoming, (r + n - 1) % n, g, tag, /*async_op=*/true);
+  s.exchange = dist::send_recv(buffer, (r + 1) % n, s.incoming, (r + n - 1) % n, g, tag,
+                               /*async_op=*/true);
   return s;
 }
 
