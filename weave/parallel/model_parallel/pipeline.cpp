@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <map>
 
@@ -12,6 +13,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
 #include "weave/parallel/core/agree.h"
+#include "weave/parallel/model_parallel/stage_link.h"
 
 namespace weave::parallel {
 
@@ -122,8 +124,7 @@ std::pair<int, int> backward_unit(int k, int p, int v) {
 }  // namespace
 
 Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const PipelineLoss& loss) {
-  const int m = options_.microbatches, p = stages(), s = stage(), v = int(chunks_.size());
-  const int units = m * v;
+  const int m = options_.microbatches;
   std::vector<Tensor> in, target;
   // Every stage checks its own arguments and learns the others' verdict (and the batch sizes of
   // the first stage's inputs and the last stage's targets) before the first send.
@@ -154,6 +155,79 @@ Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const P
               "pass the same batch's inputs and targets",
               batch[0], batch[1]);
   stats_ = {};
+  return chunks_.size() == 1 ? train_linked(in, target, loss) : train_interleaved(in, target, loss);
+}
+
+Tensor Pipeline::train_linked(const std::vector<Tensor>& in, const std::vector<Tensor>& target,
+                              const PipelineLoss& loss) {
+  const int m = options_.microbatches, p = stages(), s = stage();
+  const double start = now_s();
+  detail::StageLink link(group_, s, p);
+  struct InFlight {
+    Tensor x, y;  // the received input (a leaf) and the output: the loss on the last stage
+  };
+  std::deque<InFlight> live;
+  Tensor total;
+  int forwards = 0;
+  auto forward = [&](const Tensor& received) {
+    const int micro = forwards++;
+    Tensor x = is_first() ? in[size_t(micro)] : received;
+    Tensor y = (*chunks_[0])(x);
+    if (is_last()) {
+      y = loss(y, target[size_t(micro)]) / double(m);
+      total = total.defined() ? total + y.detach() : y.detach();
+    }
+    live.push_back({x, y});
+    stats_.peak_live_microbatches =
+        std::max(stats_.peak_live_microbatches, static_cast<int>(live.size()));
+    return y;
+  };
+  // The oldest micro-batch's backward from its output's gradient; returns its input's.
+  auto backward = [&](const Tensor& grad_y) {
+    const InFlight unit = live.front();
+    live.pop_front();
+    if (unit.y.requires_grad())
+      autograd::backward({unit.y}, is_last() ? std::vector<Tensor>{} : std::vector<Tensor>{grad_y},
+                         /*retain_graph=*/false, /*run_must_run_nodes=*/false);
+    if (is_first()) return Tensor();
+    return unit.x.grad().defined() ? unit.x.grad() : zeros_like(unit.x);
+  };
+  auto receive = [&] { return is_first() ? Tensor() : link.recv_forward(); };
+  auto forward_alone = [&] {
+    const Tensor y = forward(receive());
+    if (!is_last()) link.send_forward(y);
+  };
+  auto backward_alone = [&] {
+    const Tensor grad_x = backward(is_last() ? Tensor() : link.recv_backward(live.front().y));
+    if (!is_first()) link.send_backward(grad_x);
+  };
+  // GPipe: every forward, then every backward. 1F1B: p - s - 1 forwards, then one forward and
+  // one backward at a time, each boundary's send paired with the receive from the same peer.
+  const int warmup = options_.schedule == Schedule::GPipe ? m : std::min(p - s - 1, m);
+  for (int k = 0; k < warmup; ++k) forward_alone();
+  Tensor x = warmup < m ? receive() : Tensor();
+  for (int k = warmup; k < m; ++k) {
+    const Tensor y = forward(x);
+    const Tensor grad_y = is_last() ? Tensor() : link.send_forward_recv_backward(y, live.front().y);
+    const Tensor grad_x = backward(grad_y);
+    if (is_first()) continue;
+    if (k + 1 == m)
+      link.send_backward(grad_x);
+    else
+      x = link.send_backward_recv_forward(grad_x);
+  }
+  while (!live.empty()) backward_alone();
+  const double sends_start = now_s();
+  dist::wait_sends(group_);
+  stats_.waiting_s = link.waiting_s() + (now_s() - sends_start);
+  stats_.step_s = now_s() - start;
+  return total;
+}
+
+Tensor Pipeline::train_interleaved(const std::vector<Tensor>& in, const std::vector<Tensor>& target,
+                                   const PipelineLoss& loss) {
+  const int m = options_.microbatches, p = stages(), s = stage(), v = int(chunks_.size());
+  const int units = m * v;
   const double start = now_s(), received_before = F::receive_wait_seconds();
   Tensor total;
   std::map<std::pair<int, int>, Tensor> live;  // roots whose backward is still to run

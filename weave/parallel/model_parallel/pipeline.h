@@ -99,6 +99,13 @@ class Pipeline {
   Tensor run_chunk(int chunk, const Tensor& input);
   // Sends y to the next rank's chunk; returns the send's token.
   Tensor send_on(const Tensor& y);
+  // One chunk per rank: each boundary's send paired with the receive from the same peer
+  // (detail::StageLink), safe where a send alone waits for its receive (NCCL).
+  Tensor train_linked(const std::vector<Tensor>& in, const std::vector<Tensor>& target,
+                      const PipelineLoss& loss);
+  // Virtual stages (Megatron-LM's interleaving), over remote_send / remote_recv.
+  Tensor train_interleaved(const std::vector<Tensor>& in, const std::vector<Tensor>& target,
+                           const PipelineLoss& loss);
   bool holds_last_stage(int chunk) const { return is_last() && chunk == int(chunks_.size()) - 1; }
 
   std::vector<nn::Module*> chunks_;
