@@ -13,7 +13,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
 #include "weave/parallel/core/agree.h"
-#include "weave/parallel/model_parallel/stage_link.h"
+#include "weave/parallel/model_parallel/pipeline_link.h"
 
 namespace weave::parallel {
 

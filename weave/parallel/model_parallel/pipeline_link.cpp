@@ -1,6 +1,6 @@
 // A pipeline stage's point-to-point with its neighbours: standalone messages with their shapes,
 // and grouped exchanges where a step goes both ways.
-#include "weave/parallel/model_parallel/stage_link.h"
+#include "weave/parallel/model_parallel/pipeline_link.h"
 
 #include <chrono>
 
