@@ -53,26 +53,37 @@ std::string header_text(const Header& h) {
   return fmt::format("{} {}", static_cast<DType>(h[0]), Shape(h.data() + 2, int(h[1])));
 }
 
-// Receives the sender's header and checks it against `buffer`; on a mismatch, takes the
-// payload off the wire (so the channel stays in step) and raises.
+// A tensor of what the sender described, to take its payload off the wire after a mismatch (so
+// the channel stays in step); undefined for a shape no tensor can have.
+Tensor drain_for(const Header& sent, Device device) {
+  try {
+    if (readable(sent))
+      return empty(Shape(sent.data() + 2, int(sent[1])),
+                   {.dtype = static_cast<DType>(sent[0]), .device = device});
+  } catch (const Error&) {
+  }
+  return Tensor();
+}
+
+[[noreturn]] void fail_mismatch(const char* op, int src, const Header& sent,
+                                const Header& expected) {
+  WEAVE_FAIL(op,
+             "group rank {} sent {}, but this rank receives {}; hint: the receiving tensor must "
+             "have the sent dtype and shape",
+             src, header_text(sent), header_text(expected));
+}
+
+// Receives the sender's header and checks it against `buffer`; on a mismatch, drains the
+// payload and raises.
 void receive_checked(Group::Impl& g, Communicator* route, const Tensor& buffer, int src, int tag) {
   Header sent{};
   g.comm->recv(sent.data(), kHeaderSize, kInt64, src, tag);
   const Header expected = header_of(buffer);
   if (sent == expected) return;
-  Tensor discard;
-  try {
-    if (readable(sent))
-      discard = empty(Shape(sent.data() + 2, int(sent[1])),
-                      {.dtype = static_cast<DType>(sent[0]), .device = buffer.device()});
-  } catch (const Error&) {  // a shape no tensor can have: nothing sensible to drain
-  }
+  const Tensor discard = drain_for(sent, buffer.device());
   if (discard.defined())
     route->recv(discard.data_ptr(), discard.numel(), discard.dtype(), src, tag);
-  WEAVE_FAIL("recv",
-             "group rank {} sent {}, but this rank receives {}; hint: the receiving tensor must "
-             "have the sent dtype and shape",
-             src, header_text(sent), header_text(expected));
+  fail_mismatch("recv", src, sent, expected);
 }
 
 // The payloads cross as bytes: a receive of another dtype (drained after a mismatch) still pairs.
@@ -91,18 +102,9 @@ void exchange_checked(Group::Impl& g, Communicator* route, const Tensor& outgoin
   Header sent{};
   g.comm->send_recv(mine.data(), kHeaderSize, dst, sent.data(), kHeaderSize, src, kInt64, tag);
   if (sent == expected) return;
-  Tensor discard;
-  try {
-    if (readable(sent))
-      discard = empty(Shape(sent.data() + 2, int(sent[1])),
-                      {.dtype = static_cast<DType>(sent[0]), .device = incoming.device()});
-  } catch (const Error&) {
-  }
+  const Tensor discard = drain_for(sent, incoming.device());
   if (discard.defined()) exchange_bytes(route, outgoing, dst, discard, src, tag);
-  WEAVE_FAIL("send_recv",
-             "group rank {} sent {}, but this rank receives {}; hint: the receiving tensor must "
-             "have the sent dtype and shape",
-             src, header_text(sent), header_text(expected));
+  fail_mismatch("send_recv", src, sent, expected);
 }
 
 // An isend's header and payload in flight together; the header's bytes live here.
