@@ -24,14 +24,14 @@ supervised() {  # name, ranks, then the program and its arguments; stdout silenc
   echo "$name: ran $((SECONDS - start)) s silently under --hang-timeout $hang"
 }
 if [ -d /usr/share/games/fortunes ]; then
-  # Each runs silently for about twice a 3 s hang timeout on a 2-core machine.
+  # Each runs silently for about twice a 5 s hang timeout on a 2-core machine.
   gpt_args=(--layers 2 --dim 64 --heads 4 --context 32 --batch 8 --warmup 5 --samples 0
             --eval-every 100000 --log-every 100000 --eval-windows 16)
-  supervised "gpt ddp" 2 "$gpt" "${gpt_args[@]}" --steps 1200 --strategy ddp
-  supervised "gpt fsdp" 2 "$gpt" "${gpt_args[@]}" --steps 800 --strategy fsdp
-  supervised "gpt tp" 2 "$gpt" "${gpt_args[@]}" --steps 700 --strategy tp
-  supervised "gpt context-parallel" 2 "$gpt" "${gpt_args[@]}" --steps 600 --context-parallel 2
-  supervised "gpt experts" 2 "$gpt" "${gpt_args[@]}" --steps 600 --experts 4 --expert-parallel 2
+  supervised "gpt ddp" 2 "$gpt" "${gpt_args[@]}" --steps 2000 --strategy ddp
+  supervised "gpt fsdp" 2 "$gpt" "${gpt_args[@]}" --steps 1300 --strategy fsdp
+  supervised "gpt tp" 2 "$gpt" "${gpt_args[@]}" --steps 1100 --strategy tp
+  supervised "gpt context-parallel" 2 "$gpt" "${gpt_args[@]}" --steps 1000 --context-parallel 2
+  supervised "gpt experts" 2 "$gpt" "${gpt_args[@]}" --steps 1000 --experts 4 --expert-parallel 2
 else
   echo "no /usr/share/games/fortunes: the gpt runs are skipped"
 fi
