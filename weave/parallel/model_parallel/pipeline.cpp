@@ -1,5 +1,6 @@
 // Pipeline schedules: the order of micro-batch forwards and backwards on each stage; the
-// point-to-point traffic is dist::functional's remote_send / remote_recv.
+// point-to-point traffic is detail::StageLink's (one chunk per rank) or dist::functional's
+// remote_send / remote_recv (interleaved).
 #include "weave/parallel/model_parallel/pipeline.h"
 
 #include <algorithm>

@@ -1,7 +1,9 @@
 #pragma once
 // Pipeline parallelism: consecutive layers on consecutive ranks (stages); a batch is cut into
-// micro-batches that flow through the stages, activations forward and gradients back over
-// dist::functional::remote_send / remote_recv.
+// micro-batches that flow through the stages, activations forward and gradients back. With one
+// chunk per rank (GPipe, 1F1B) each boundary's send is paired with the receive from the same
+// peer in one grouped exchange (pipeline_link.h), which holds on NCCL too; interleaved virtual
+// stages still use dist::functional::remote_send / remote_recv, safe on MPI only.
 //
 //   nn::Sequential model{...};                               // the whole model, every rank
 //   auto stage = parallel::pipeline_stage(model, dist::rank(), dist::world_size());
