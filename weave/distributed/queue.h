@@ -133,11 +133,10 @@ struct Group::Impl {
 
   // Marks the op started (caller holds the lock); the watchdog formats its description only
   // if it ever has to report it, so the latency path formats nothing.
-  void start_running(const detail::Fingerprint& print,
-                     std::shared_ptr<detail::FlightRecord> record) {
+  void start_running(const detail::Fingerprint& print, std::shared_ptr<detail::FlightRecord> record,
+                     int64_t now) {
     busy = true;
     running = print;
-    const int64_t now = detail::now_ns();
     running_since.store(now, std::memory_order_release);
     if (record) record->started_ns.store(now);
     running_record = std::move(record);
@@ -166,7 +165,7 @@ struct Group::Impl {
         if (tasks.empty()) return;  // stopping, queue drained
         task = std::move(tasks.front());
         tasks.pop_front();
-        start_running(task.print, std::move(task.record));
+        start_running(task.print, std::move(task.record), detail::now_ns());
       }
       std::exception_ptr error;
       try {
@@ -194,9 +193,10 @@ struct Group::Impl {
     auto record = detail::record_flight(id, ranks, print);
     if (!async_op) {
       std::unique_lock lock(mutex);
-      note_issued(print);
+      const int64_t now = detail::now_ns();  // one clock read for both on the latency path
+      note_issued(print, now);
       if (tasks.empty() && !busy) {
-        start_running(print, std::move(record));
+        start_running(print, std::move(record), now);
         lock.unlock();
         struct Finish {
           Impl* self;
@@ -210,7 +210,7 @@ struct Group::Impl {
     auto state = std::make_shared<Work::State>();
     {
       std::lock_guard lock(mutex);
-      if (async_op) note_issued(print);
+      if (async_op) note_issued(print, detail::now_ns());
       tasks.push_back(
           {std::function<void()>(std::forward<Body>(body)), state, print, std::move(record)});
       if (!worker.joinable()) worker = std::thread([this] { worker_loop(); });
@@ -222,9 +222,9 @@ struct Group::Impl {
   }
 
   // Caller holds the lock.
-  void note_issued(const detail::Fingerprint& print) {
+  void note_issued(const detail::Fingerprint& print, int64_t now) {
     last_issued = print;
-    last_issued_ns = detail::now_ns();
+    last_issued_ns = now;
   }
 
   // Waits until everything issued so far has run.
