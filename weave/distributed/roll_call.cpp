@@ -96,8 +96,10 @@ std::string roll_call(const Group::Impl& g, const Fingerprint& running) {
       absent.push_back(v);
   }
   std::sort(waiting.begin(), waiting.end());
-  return fmt::format("; roll call: {}{}; ranks [{}] are in this call", fmt::join(absent, "; "),
-                     absent.empty() ? "every rank is in this call" : "", fmt::join(waiting, ", "));
+  if (absent.empty())  // every rank waits in it: a peer stuck inside the library, or a network
+    return "; roll call: every rank of the group is in this call";
+  return fmt::format("; roll call: {}; ranks [{}] are in this call", fmt::join(absent, "; "),
+                     fmt::join(waiting, ", "));
 }
 
 }  // namespace
