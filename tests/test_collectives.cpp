@@ -420,3 +420,42 @@ TEST_SUITE("point_to_point") {
     CHECK(equal(in, value({5, 4}, kFloat64, prev)));
   }
 }
+
+TEST_SUITE("point_to_point") {
+  TEST_CASE("exchange: both neighbours at once, shapes and dtypes learned from the senders") {
+    // Each rank sends a float64 [me + 1, 3] right and an int64 [2, me + 2] left and receives
+    // from both sides in one call; at two ranks both go to the one peer, in the order given.
+    const int n = dist::world_size(), me = dist::rank();
+    if (n < 2) return;
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    auto right = [](int r) { return value({r + 1, 3}, kFloat64, 10 * r + 1); };
+    auto left = [](int r) { return value({2, r + 2}, kInt64, 10 * r + 2); };
+    for (int round = 0; round < 3; ++round) {  // the pairs stay in step from call to call
+      const std::vector<Tensor> got =
+          dist::exchange({right(me), left(me)}, {next, prev}, {prev, next});
+      REQUIRE(got.size() == 2);
+      CHECK(equal(got[0], right(prev)));
+      CHECK(equal(got[1], left(next)));
+    }
+    // A rank with nothing to do in a round passes empty lists; its neighbours expect nothing.
+    const bool idle = me == 0;
+    std::vector<Tensor> sends;
+    std::vector<int> to, from;
+    if (!idle && next != 0) {
+      sends.push_back(right(me));
+      to.push_back(next);
+    }
+    if (prev != 0 && !idle) from.push_back(prev);
+    const std::vector<Tensor> got = dist::exchange(sends, to, from);
+    CHECK(got.size() == from.size());
+    if (!from.empty()) CHECK(equal(got[0], right(prev)));
+    // Bad arguments raise on the rank that passed them, before anything is sent.
+    CHECK_THROWS_WITH_AS(dist::exchange({right(me)}, {}, {}),
+                         doctest::Contains("one destination per tensor to send"), Error);
+    CHECK_THROWS_WITH_AS(dist::exchange({right(me)}, {me}, {}),
+                         doctest::Contains("must be another rank of group"), Error);
+    CHECK_THROWS_WITH_AS(dist::exchange({}, {}, {n}), doctest::Contains("must be another rank"),
+                         Error);
+    dist::barrier();
+  }
+}

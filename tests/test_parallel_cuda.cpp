@@ -198,6 +198,31 @@ TEST_SUITE("cuda_parallel") {
     }
   }
 
+  TEST_CASE("interleaved pipelines and grouped exchanges on CUDA tensors equal the CPU run") {
+    const int n = dist::world_size(), me = dist::rank();
+    if (n != 2) return;  // two virtual stages per rank: the model's 5 children cut into 2 n
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    check_same_on_gpu([&](Device d) {
+      auto model = mlp(15, d);
+      auto chunks = parallel::pipeline_chunks(*model, me, n, 2);
+      parallel::Pipeline pipe({chunks[0].get(), chunks[1].get()},
+                              {.schedule = parallel::Schedule::OneFOneB, .microbatches = 2 * n});
+      Tensor x = shared({4 * n, 5}, 26, d), y = shared({4 * n, 3}, 27, d);
+      std::vector<Tensor> out;
+      Tensor loss =
+          pipe.train_step(x, y, [](const Tensor& o, const Tensor& t) { return mse_loss(o, t); });
+      if (pipe.is_last()) out.push_back(loss.detach());
+      for (const Tensor& gr : grads(model->parameters())) out.push_back(gr);
+      Tensor predicted = pipe.predict(x);
+      if (pipe.is_last()) out.push_back(predicted);
+      for (const Tensor& got : dist::exchange(
+               {shared({3, 2}, 30 + uint64_t(me), d), shared({2, 4}, 40 + uint64_t(me), d)},
+               {next, prev}, {prev, next}))
+        out.push_back(got);
+      return out;
+    });
+  }
+
   TEST_CASE("activation checkpointing under DDP on CUDA tensors equals the CPU run") {
     check_same_on_gpu([](Device d) {
       manual_seed(15);

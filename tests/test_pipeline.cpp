@@ -81,7 +81,9 @@ TEST_SUITE("pipeline") {
           auto model = pipeline_model(width);
           auto stage = parallel::pipeline_stage(*model, me, n);
           parallel::Pipeline pipe(*stage, {.schedule = schedule, .microbatches = m});
-          Tensor x = shared_randn({8, 5}, 31), y = shared_randn({8, 3}, 32);
+          // 64 KB activations per micro-batch in the large case (8 rows of 1024 doubles)
+          const int64_t batch = width > 8 ? 8 * m : 8;
+          Tensor x = shared_randn({batch, 5}, 31), y = shared_randn({batch, 3}, 32);
           for (int step = 0; step < 2; ++step) {  // twice: nothing left over between steps
             model->zero_grad();
             Tensor loss = pipe.train_step(x, y, mse);
@@ -106,41 +108,49 @@ TEST_SUITE("pipeline") {
   TEST_CASE("interleaved virtual stages give one process's gradients") {
     const int p = dist::world_size(), me = dist::rank(), v = 2;
     if (p < 2) return;
-    auto make = [&] {  // 2 p v children: every virtual stage gets a Linear and a Tanh
+    // 2 p v children, every virtual stage a Linear and a Tanh of equal size (balanced cuts)
+    auto inputs_of = [](int64_t width) { return width > 6 ? width : int64_t{5}; };
+    auto make = [&](int64_t width) {
       manual_seed(17);
       auto model = std::make_shared<nn::Sequential>();
       for (int i = 0; i < p * v; ++i) {
-        model->push_back(std::make_shared<nn::Linear>(i == 0 ? 5 : 6, 6));
+        model->push_back(std::make_shared<nn::Linear>(i == 0 ? inputs_of(width) : width, width));
         model->push_back(nn::Tanh());
       }
       model->to(kFloat64);
       return model;
     };
     for (parallel::Schedule schedule : {parallel::Schedule::GPipe, parallel::Schedule::OneFOneB})
-      for (int m : {p, 2 * p}) {
-        CAPTURE(int(schedule));
-        CAPTURE(m);
-        auto model = make();
-        auto chunks = parallel::pipeline_chunks(*model, me, p, v);
-        REQUIRE(chunks.size() == size_t(v));
-        for (const auto& chunk : chunks) CHECK(chunk->size() == 2);
-        parallel::Pipeline pipe({chunks[0].get(), chunks[1].get()},
-                                {.schedule = schedule, .microbatches = m});
-        Tensor x = shared_randn({2 * m, 5}, 41), y = shared_randn({2 * m, 6}, 42);
-        Tensor loss = pipe.train_step(x, y, mse);
-        auto reference = make();
-        Tensor ref_loss = mse((*reference)(x), y);
-        ref_loss.backward();
-        if (pipe.is_last()) CHECK(close(loss, ref_loss));
-        check_stage_grads(*model, *reference);
-        if (schedule == parallel::Schedule::GPipe)
-          CHECK(pipe.stats().peak_live_microbatches == m * v);
-        else  // Megatron-LM's warm-up, then one forward and one backward in turn
-          CHECK(pipe.stats().peak_live_microbatches ==
-                std::min(std::min((p - me - 1) * 2 + (v - 1) * p, m * v) + 1, m * v));
-        Tensor predicted = pipe.predict(x);
-        if (pipe.is_last()) CHECK(close(predicted, (*make())(x)));
-      }
+      for (int m : {p, 2 * p, 3 * p})
+        for (int64_t width : {int64_t{6}, int64_t{1024}}) {
+          if (width > 6 && m != 2 * p) continue;  // large messages: one case per schedule
+          CAPTURE(int(schedule));
+          CAPTURE(m);
+          CAPTURE(width);
+          auto model = make(width);
+          auto chunks = parallel::pipeline_chunks(*model, me, p, v);
+          REQUIRE(chunks.size() == size_t(v));
+          for (const auto& chunk : chunks) CHECK(chunk->size() == 2);
+          parallel::Pipeline pipe({chunks[0].get(), chunks[1].get()},
+                                  {.schedule = schedule, .microbatches = m});
+          // 64 KB activations per micro-batch in the large case (8 rows of 1024 doubles)
+          const int64_t rows = width > 6 ? 8 : 2;
+          Tensor x = shared_randn({rows * m, inputs_of(width)}, 41),
+                 y = shared_randn({rows * m, width}, 42);
+          Tensor loss = pipe.train_step(x, y, mse);
+          auto reference = make(width);
+          Tensor ref_loss = mse((*reference)(x), y);
+          ref_loss.backward();
+          if (pipe.is_last()) CHECK(close(loss, ref_loss));
+          check_stage_grads(*model, *reference);
+          if (schedule == parallel::Schedule::GPipe)
+            CHECK(pipe.stats().peak_live_microbatches == m * v);
+          else  // Megatron-LM's warm-up, then one forward and one backward in turn
+            CHECK(pipe.stats().peak_live_microbatches ==
+                  std::min(std::min((p - me - 1) * 2 + (v - 1) * p, m * v) + 1, m * v));
+          Tensor predicted = pipe.predict(x);
+          if (pipe.is_last()) CHECK(close(predicted, (*make(width))(x)));
+        }
     CHECK_THROWS_WITH_AS(parallel::Pipeline({nullptr}, {}), doctest::Contains("null pointer"),
                          Error);
   }

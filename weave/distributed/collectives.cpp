@@ -7,6 +7,7 @@
 #include "weave/distributed/staging.h"
 #include "weave/kernels/kernels.h"
 #include "weave/ops/ops.h"
+#include "weave/tensor/cuda/device_runtime.h"
 #include "weave/tensor/tensor_impl.h"
 
 namespace weave::dist {
@@ -57,6 +58,14 @@ Tensor staging_for(const Tensor& t) {
 void land(const Tensor& stage, const Tensor& target) {
   if (!stage.is_same(target)) kernels::copy(stage, target);
   target.storage()->bump_version();
+}
+Device receiving_device(DeviceType sent_from, const char* op) {
+  if (sent_from == DeviceType::CPU) return kCPU;
+  if (dist::device().is_cuda()) return dist::device();  // Backend::NCCL: this rank's GPU
+  WEAVE_CHECK(cuda::is_available(), op,
+              "the sending rank's tensor is on CUDA, but this rank has no CUDA device; hint: send "
+              "a CPU tensor (.cpu()), or give every rank a GPU");
+  return Device::cuda(dist::local_rank() % cuda::device_count());
 }
 
 Fingerprint fingerprint(const Call& c, uint64_t sequence, const Tensor* shape_of, int root,

@@ -55,11 +55,25 @@ class Communicator {
   /// WEAVE_MPI_SEND=synchronous): two ranks that send to each other before receiving deadlock.
   virtual void send(const void* buffer, int64_t count, DType dtype, int dst, int tag) = 0;
   virtual void recv(void* buffer, int64_t count, DType dtype, int src, int tag) = 0;
-  /// Sends `send_count` elements to dst and receives `recv_count` from src as one grouped
-  /// operation (MPI_Sendrecv; ncclGroupStart, ncclSend, ncclRecv, ncclGroupEnd): neither part
-  /// waits for the other rank to post first, so a ring of exchanges cannot deadlock.
-  virtual void send_recv(const void* send_buffer, int64_t send_count, int dst, void* recv_buffer,
-                         int64_t recv_count, int src, DType dtype, int tag) = 0;
+  /// One part of an exchange: bytes to send to, or receive from, a peer.
+  struct Part {
+    bool send;
+    void* bytes;
+    int64_t size;
+    int peer;
+  };
+  /// Every part at once, as one grouped operation (nonblocking sends and receives, then a wait
+  /// for all; ncclGroupStart ... ncclGroupEnd): no part waits for a peer to post first, so a
+  /// ring of exchanges cannot deadlock.
+  virtual void exchange(const std::vector<Part>& parts, int tag) = 0;
+  /// One send and one receive, grouped.
+  void send_recv(const void* send_buffer, int64_t send_count, int dst, void* recv_buffer,
+                 int64_t recv_count, int src, DType dtype, int tag) {
+    const auto bytes = [dtype](int64_t count) { return count * int64_t(itemsize(dtype)); };
+    exchange({{true, const_cast<void*>(send_buffer), bytes(send_count), dst},
+              {false, recv_buffer, bytes(recv_count), src}},
+             tag);
+  }
   /// Starts a send that needs no matching receive to return; null when it already completed
   /// (the default: backends without a non-blocking send block in send()).
   virtual std::unique_ptr<PendingSend> start_send(const void* buffer, int64_t count, DType dtype,

@@ -249,6 +249,20 @@ Work isend(const Tensor& tensor, int dst, const Group& group = world(), int tag 
 /// whose send alone completes only once it is matched. The peers' exchanges pair by order.
 Work send_recv(const Tensor& to_send, int dst, const Tensor& to_receive, int src,
                const Group& group = world(), int tag = 0, bool async_op = false);
+/// Sends each of `sends` to the group rank in `to` (same order) and receives one tensor from
+/// each rank in `from`, all as one grouped exchange (blocking): no part waits for a peer to post
+/// first, on any backend, so steps that go both ways around a ring (an interleaved pipeline's
+/// activations forward and gradients back) cannot wait on each other in a circle. What arrives
+/// takes the dtype and shape its sender sent, on the CPU for a CPU tensor, else on this rank's
+/// GPU. A peer's call pairs with this one when it lists this rank once per tensor going each
+/// way, in the same order (two tensors to one peer arrive in the order sent). Empty lists: a
+/// no-op.
+//
+//   // ring: an activation right, a gradient left, and the neighbours' in one call
+//   auto got = dist::exchange({activation, grad}, {next, prev}, {prev, next});
+std::vector<Tensor> exchange(const std::vector<Tensor>& sends, const std::vector<int>& to,
+                             const std::vector<int>& from, const Group& group = world(),
+                             int tag = 0);
 /// Waits for every isend this rank started on the group (a pipeline schedule's step end).
 void wait_sends(const Group& group = world());
 /// Broadcasts every tensor from root, in place (a model's parameters and buffers).

@@ -7,8 +7,8 @@
 #include <numeric>
 
 #include "weave/distributed/functional_support.h"
+#include "weave/distributed/staging.h"
 #include "weave/ops/ops.h"
-#include "weave/tensor/cuda/device_runtime.h"
 
 namespace weave::dist::functional {
 
@@ -166,12 +166,7 @@ Meta meta_of(const Tensor& x) {
 // so both ends route the bytes the same way (a CUDA receiver of a CPU sender under NCCL would
 // call NCCL while the sender calls MPI, and both would wait forever).
 Device receiver_device(const Meta& meta, const char* op) {
-  if (meta.device_type == DeviceType::CPU) return kCPU;
-  if (dist::device().is_cuda()) return dist::device();  // Backend::NCCL: this rank's GPU
-  WEAVE_CHECK(cuda::is_available(), op,
-              "the sending rank's tensor is on CUDA, but this rank has no CUDA device; hint: send "
-              "a CPU tensor (.cpu()), or give every rank a GPU");
-  return Device::cuda(dist::local_rank() % cuda::device_count());
+  return dist::detail::receiving_device(meta.device_type, op);
 }
 
 // Point-to-point tags: forward values and backward gradients never share a channel.

@@ -40,8 +40,8 @@ class LocalCommunicator final : public Communicator {
   void recv(void*, int64_t, DType, int, int) override {
     WEAVE_FAIL("recv", "a world of one process has no peer to receive from");
   }
-  void send_recv(const void*, int64_t, int, void*, int64_t, int, DType, int) override {
-    WEAVE_FAIL("send_recv", "a world of one process has no peer to exchange with");
+  void exchange(const std::vector<Part>&, int) override {
+    WEAVE_FAIL("exchange", "a world of one process has no peer to exchange with");
   }
   void barrier() override {}
   std::unique_ptr<Communicator> split(const std::vector<int>&) override {

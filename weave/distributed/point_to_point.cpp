@@ -217,6 +217,87 @@ Work send_recv(const Tensor& to_send, int dst, const Tensor& to_receive, int src
       async_op);
 }
 
+namespace {
+
+// An exchange's description of one tensor: the guard's header and the sender's device type, so
+// the receiver allocates what arrives (a CPU tensor stays on the CPU).
+using ExchangeHeader = std::array<int64_t, kHeaderSize + 1>;
+
+// The payloads of one exchange, grouped by the communicator that moves them (the host's, and
+// NCCL's for CUDA tensors): a pair of ranks puts each tensor on the same one, since the receiver
+// allocates on the sender's device type, and every rank runs the host group first.
+void exchange_payloads(Group::Impl& g, const std::vector<Tensor>& outgoing,
+                       const std::vector<int>& to, const std::vector<Tensor>& incoming,
+                       const std::vector<int>& from, int tag) {
+  for (Communicator* route : {g.comm.get(), g.device_comm.get()}) {
+    if (route == nullptr) continue;
+    std::vector<Communicator::Part> parts;
+    auto add = [&](bool send, const Tensor& t, int peer) {
+      if (g.route(t) == route)
+        parts.push_back({send, t.data_ptr(), t.numel() * int64_t(t.itemsize()), peer});
+    };
+    for (size_t i = 0; i < outgoing.size(); ++i) add(true, outgoing[i], to[i]);
+    for (size_t i = 0; i < incoming.size(); ++i) add(false, incoming[i], from[i]);
+    if (!parts.empty()) route->exchange(parts, tag);
+  }
+}
+
+}  // namespace
+
+std::vector<Tensor> exchange(const std::vector<Tensor>& sends, const std::vector<int>& to,
+                             const std::vector<int>& from, const Group& group, int tag) {
+  Call c(Op::Send, group);
+  Group::Impl& g = member(c);
+  WEAVE_CHECK(sends.size() == to.size(), c.name,
+              "expected one destination per tensor to send, found {} tensors and {} "
+              "destinations",
+              sends.size(), to.size());
+  std::vector<Tensor> outgoing;
+  for (size_t i = 0; i < sends.size(); ++i) {
+    check_tensor(c, sends[i], "a tensor to send");
+    check_peer(c, g, to[i]);
+    outgoing.push_back(staged(sends[i]));
+  }
+  for (int src : from) check_peer(c, g, src);
+  for (int dst : to) count_message(runtime().sent_to, g, dst);
+  for (int src : from) count_message(runtime().received_from, g, src);
+  std::vector<Tensor> received(from.size());
+  if (sends.empty() && from.empty()) return received;
+  issue(
+      c, fingerprint(c, 0, sends.empty() ? nullptr : &sends.front(), -1, std::nullopt, false),
+      false,
+      [&] {
+        // First what each tensor is, as one grouped exchange on the host, then the payloads:
+        // the receivers learn dtypes and shapes. Pairs of ranks meet in both, in that order.
+        std::vector<ExchangeHeader> described(outgoing.size()), arriving(from.size());
+        std::vector<Communicator::Part> parts;
+        for (size_t i = 0; i < outgoing.size(); ++i) {
+          std::copy_n(header_of(outgoing[i]).begin(), kHeaderSize, described[i].begin());
+          described[i][kHeaderSize] = static_cast<int64_t>(sends[i].device().type);
+          parts.push_back({true, described[i].data(), int64_t(sizeof(ExchangeHeader)), to[i]});
+        }
+        for (size_t i = 0; i < from.size(); ++i)
+          parts.push_back({false, arriving[i].data(), int64_t(sizeof(ExchangeHeader)), from[i]});
+        g.comm->exchange(parts, tag);
+        std::vector<Tensor> incoming(from.size());
+        for (size_t i = 0; i < from.size(); ++i) {
+          Header sent{};
+          std::copy_n(arriving[i].begin(), kHeaderSize, sent.begin());
+          const auto type = static_cast<DeviceType>(arriving[i][kHeaderSize]);
+          received[i] = drain_for(sent, receiving_device(type, "exchange"));
+          WEAVE_CHECK(received[i].defined(), "exchange",
+                      "group rank {} sent an unreadable description of its tensor; hint: every "
+                      "send and receive of an exchange pairs with one of the peer's exchange",
+                      from[i]);
+          incoming[i] = staging_for(received[i]);
+        }
+        exchange_payloads(g, outgoing, to, incoming, from, tag);
+        for (size_t i = 0; i < from.size(); ++i) land(incoming[i], received[i]);
+      },
+      false);
+  return received;
+}
+
 void wait_sends(const Group& group) {
   Call c(Op::Send, group);
   member(c).wait_sends();

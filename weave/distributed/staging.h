@@ -24,6 +24,10 @@ Tensor staging_for(const Tensor& t);
 /// Copies a staged result into target (unless it is target) and bumps target's version.
 void land(const Tensor& stage, const Tensor& target);
 
+/// Where a receiver puts a tensor sent from a device of type `sent_from`: the CPU for a CPU
+/// tensor, else this rank's GPU (raises on a rank without one).
+Device receiving_device(DeviceType sent_from, const char* op);
+
 /// What the guard compares across ranks for this call.
 Fingerprint fingerprint(const Call& c, uint64_t sequence, const Tensor* shape_of, int root,
                         std::optional<ReduceOp> reduce_op, bool uneven_first_dim);

@@ -248,12 +248,24 @@ class MpiCommunicator final : public Communicator {
     else
       WEAVE_CHECK_CALL(MPI_Send(buffer, as_int(n, "send"), mpi_type(t), dst, tag, comm_), "send");
   }
-  void send_recv(const void* send_buffer, int64_t send_n, int dst, void* recv_buffer,
-                 int64_t recv_n, int src, DType t, int tag) override {
+  void exchange(const std::vector<Part>& parts, int tag) override {
+    std::vector<MPI_Request> requests(parts.size(), MPI_REQUEST_NULL);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const Part& part = parts[i];
+      const int n = as_int(part.size, "exchange");
+      if (!part.send)
+        WEAVE_CHECK_CALL(MPI_Irecv(part.bytes, n, MPI_BYTE, part.peer, tag, comm_, &requests[i]),
+                         "exchange");
+      else if (synchronous_sends)
+        WEAVE_CHECK_CALL(MPI_Issend(part.bytes, n, MPI_BYTE, part.peer, tag, comm_, &requests[i]),
+                         "exchange");
+      else
+        WEAVE_CHECK_CALL(MPI_Isend(part.bytes, n, MPI_BYTE, part.peer, tag, comm_, &requests[i]),
+                         "exchange");
+    }
     WEAVE_CHECK_CALL(
-        MPI_Sendrecv(send_buffer, as_int(send_n, "send_recv"), mpi_type(t), dst, tag, recv_buffer,
-                     as_int(recv_n, "send_recv"), mpi_type(t), src, tag, comm_, MPI_STATUS_IGNORE),
-        "send_recv");
+        MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
+        "exchange");
   }
   void recv(void* buffer, int64_t n, DType t, int src, int tag) override {
     WEAVE_CHECK_CALL(

@@ -166,15 +166,18 @@ class NcclCommunicator final : public Communicator {
   void recv(void* buffer, int64_t n, DType t, int src, int) override {
     run("recv", [&] { return ncclRecv(buffer, size_t(n), nccl_type(t), src, comm_, stream_); });
   }
-  void send_recv(const void* send_buffer, int64_t send_n, int dst, void* recv_buffer,
-                 int64_t recv_n, int src, DType t, int) override {
-    run("send_recv", [&] {
+  void exchange(const std::vector<Part>& parts, int) override {
+    run("exchange", [&] {
       const ncclResult_t started = ncclGroupStart();
       if (started != ncclSuccess) return started;
-      ncclResult_t result =
-          ncclSend(send_buffer, size_t(send_n), nccl_type(t), dst, comm_, stream_);
-      if (result == ncclSuccess)
-        result = ncclRecv(recv_buffer, size_t(recv_n), nccl_type(t), src, comm_, stream_);
+      ncclResult_t result = ncclSuccess;
+      for (const Part& part : parts) {
+        result =
+            part.send
+                ? ncclSend(part.bytes, size_t(part.size), ncclUint8, part.peer, comm_, stream_)
+                : ncclRecv(part.bytes, size_t(part.size), ncclUint8, part.peer, comm_, stream_);
+        if (result != ncclSuccess) break;
+      }
       const ncclResult_t ended = ncclGroupEnd();
       return result != ncclSuccess ? result : ended;
     });

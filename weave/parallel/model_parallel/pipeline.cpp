@@ -1,6 +1,5 @@
 // Pipeline schedules: the order of micro-batch forwards and backwards on each stage; the
-// point-to-point traffic is detail::StageLink's (one chunk per rank) or dist::functional's
-// remote_send / remote_recv (interleaved).
+// point-to-point traffic is detail::StageLink's (pipeline_link.h).
 #include "weave/parallel/model_parallel/pipeline.h"
 
 #include <algorithm>
@@ -12,13 +11,10 @@
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
-#include "weave/distributed/functional.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/model_parallel/pipeline_link.h"
 
 namespace weave::parallel {
-
-namespace F = dist::functional;
 
 namespace {
 
@@ -90,23 +86,6 @@ Pipeline::Pipeline(std::vector<nn::Module*> chunks, PipelineOptions options)
               group_.str(), hint);
 }
 
-Tensor Pipeline::run_chunk(int chunk, const Tensor& input) {
-  const int p = stages();
-  Tensor x = is_first() && chunk == 0 ? input : F::remote_recv((stage() + p - 1) % p, group_);
-  return (*chunks_[chunk])(x);
-}
-
-Tensor Pipeline::send_on(const Tensor& y) {
-  return F::remote_send(y, (stage() + 1) % stages(), group_);
-}
-
-Tensor Pipeline::forward_microbatch(int chunk, const Tensor& input, const Tensor& target,
-                                    const PipelineLoss& loss) {
-  Tensor y = run_chunk(chunk, input);
-  if (holds_last_stage(chunk)) return loss(y, target) / double(options_.microbatches);
-  return send_on(y);
-}
-
 namespace {
 
 // The k-th forward of a rank: (micro-batch, chunk). Interleaved, micro-batches go in groups of
@@ -121,6 +100,48 @@ std::pair<int, int> backward_unit(int k, int p, int v) {
   auto [micro, chunk] = forward_unit(k, p, v);
   return {micro, v - 1 - chunk};
 }
+
+// The interleaved schedule on a clock every stage keeps: at tick t, stage q runs forward unit
+// t - q and backward unit t - q - lead(q) where they exist, then exchanges with both neighbours
+// what each produced at that tick, as one grouped exchange. A tick's exchange pairs only with the
+// neighbours' exchanges of the same tick, so the exchanges cannot wait on each other in a circle
+// even where a send waits for its receive (NCCL), and what arrives at tick t is used at t + 1 or
+// later. lead(q) = 2 (p - 1 - q) + base keeps each gradient a tick ahead of its use; base
+// (v - 1) p is Megatron-LM's interleaved warm-up, base m v runs every forward first (GPipe).
+// What a unit needs, taken out of the map it arrived in (an internal error if it never came).
+template <typename Value>
+Value take(std::map<std::pair<int, int>, Value>& arrived, std::pair<int, int> unit,
+           const char* what) {
+  auto node = arrived.extract(unit);
+  WEAVE_CHECK(!node.empty(), "Pipeline", "internal: micro-batch {} of chunk {} has no {}",
+              unit.first, unit.second, what);
+  return std::move(node.mapped());
+}
+
+class Clock {
+ public:
+  Clock(int p, int v, int units, int base, bool backwards = true)
+      : p_(p), v_(v), units_(units), base_(base), backwards_(backwards) {}
+  int ticks() const { return backwards_ ? lead(0) + units_ : p_ - 1 + units_; }
+  /// Stage q's forward (backward) unit at tick t, or -1.
+  int forward_at(int q, int t) const { return in_range(t - q); }
+  int backward_at(int q, int t) const { return backwards_ ? in_range(t - q - lead(q)) : -1; }
+  /// Whether stage q sends an activation to the next stage (a gradient to the previous) at t.
+  bool sends_forward(int q, int t) const {
+    const int k = forward_at(q, t);
+    return k >= 0 && !(q == p_ - 1 && forward_unit(k, p_, v_).second == v_ - 1);
+  }
+  bool sends_backward(int q, int t) const {
+    const int k = backward_at(q, t);
+    return k >= 0 && !(q == 0 && backward_unit(k, p_, v_).second == 0);
+  }
+
+ private:
+  int lead(int q) const { return 2 * (p_ - 1 - q) + base_; }
+  int in_range(int k) const { return k >= 0 && k < units_ ? k : -1; }
+  int p_, v_, units_, base_;
+  bool backwards_;
+};
 
 }  // namespace
 
@@ -229,62 +250,90 @@ Tensor Pipeline::train_interleaved(const std::vector<Tensor>& in, const std::vec
                                    const PipelineLoss& loss) {
   const int m = options_.microbatches, p = stages(), s = stage(), v = int(chunks_.size());
   const int units = m * v;
-  const double start = now_s(), received_before = F::receive_wait_seconds();
+  const double start = now_s();
+  const Clock clock(p, v, units, options_.schedule == Schedule::GPipe ? units : (v - 1) * p);
+  detail::StageLink link(group_, s, p);
   Tensor total;
-  std::map<std::pair<int, int>, Tensor> live;  // roots whose backward is still to run
-  int forwards = 0, backwards = 0;
-  auto forward = [&] {
-    const auto [micro, chunk] = forward_unit(forwards++, p, v);
-    const bool last = holds_last_stage(chunk);
-    Tensor root = forward_microbatch(chunk, is_first() && chunk == 0 ? in[micro] : Tensor(),
-                                     last ? target[micro] : Tensor(), loss);
-    if (last) total = total.defined() ? total + root.detach() : root.detach();
-    live[{micro, chunk}] = root;
+  struct InFlight {
+    Tensor x, y;
+  };
+  using Unit = std::pair<int, int>;  // (micro-batch, chunk)
+  std::map<Unit, InFlight> live;
+  std::map<Unit, Tensor> inputs, grads;  // received a tick or more before their unit runs
+  auto forward = [&](int k) {
+    const auto [micro, chunk] = forward_unit(k, p, v);
+    const Tensor x =
+        is_first() && chunk == 0 ? in[size_t(micro)] : take(inputs, {micro, chunk}, "input");
+    Tensor y = (*chunks_[size_t(chunk)])(x);
+    if (holds_last_stage(chunk)) {
+      y = loss(y, target[size_t(micro)]) / double(m);
+      total = total.defined() ? total + y.detach() : y.detach();
+    }
+    live[{micro, chunk}] = {x, y};
     stats_.peak_live_microbatches =
         std::max(stats_.peak_live_microbatches, static_cast<int>(live.size()));
+    return holds_last_stage(chunk) ? Tensor() : y;  // what goes to the next stage
   };
-  auto backward = [&] {
-    auto node = live.extract(backward_unit(backwards++, p, v));
-    WEAVE_CHECK(!node.empty(), "Pipeline", "internal: backward before its forward");
-    autograd::backward({node.mapped()}, {}, /*retain_graph=*/false,
-                       /*run_must_run_nodes=*/false);
+  auto backward = [&](int k) {
+    const auto [micro, chunk] = backward_unit(k, p, v);
+    const InFlight unit = take(live, {micro, chunk}, "forward");
+    std::vector<Tensor> grad_y;  // none for the loss
+    if (!holds_last_stage(chunk)) grad_y.push_back(take(grads, {micro, chunk}, "gradient"));
+    if (unit.y.requires_grad())
+      autograd::backward({unit.y}, grad_y, /*retain_graph=*/false, /*run_must_run_nodes=*/false);
+    if (is_first() && chunk == 0) return Tensor();  // what goes to the previous stage
+    return unit.x.grad().defined() ? unit.x.grad() : zeros_like(unit.x);
   };
-  if (options_.schedule == Schedule::GPipe) {
-    for (int k = 0; k < units; ++k) forward();
-    for (int k = 0; k < units; ++k) backward();
-  } else {
-    const int warmup =
-        v == 1 ? std::min(p - s - 1, m) : std::min((p - s - 1) * 2 + (v - 1) * p, units);
-    for (int k = 0; k < warmup; ++k) forward();
-    for (int k = warmup; k < units; ++k) {
-      forward();
-      backward();
+  const int previous = (s + p - 1) % p, next = (s + 1) % p;
+  for (int t = 0; t < clock.ticks(); ++t) {
+    const int f = clock.forward_at(s, t), b = clock.backward_at(s, t);
+    const Tensor y = f >= 0 ? forward(f) : Tensor();
+    const Tensor grad_x = b >= 0 ? backward(b) : Tensor();
+    const bool from_previous = clock.sends_forward(previous, t),
+               from_next = clock.sends_backward(next, t);
+    auto [x, grad] = link.step(y, grad_x, from_previous, from_next);
+    // The previous rank's unit (micro, c) feeds this rank's (micro, c), or (micro, c + 1) where
+    // the last rank feeds the first; gradients go the other way.
+    if (from_previous) {
+      const auto [micro, chunk] = forward_unit(clock.forward_at(previous, t), p, v);
+      inputs[{micro, s == 0 ? chunk + 1 : chunk}] = x;
     }
-    while (backwards < units) backward();
+    if (from_next) {
+      const auto [micro, chunk] = backward_unit(clock.backward_at(next, t), p, v);
+      grads[{micro, s == p - 1 ? chunk - 1 : chunk}] = grad;
+    }
   }
-  const double sends_start = now_s();
-  dist::wait_sends(group_);
-  // idle: receiving activations and gradients, and the last sends' completion
-  stats_.waiting_s = F::receive_wait_seconds() - received_before + (now_s() - sends_start);
+  stats_.waiting_s = link.waiting_s();
   stats_.step_s = now_s() - start;
   return total;
 }
 
 Tensor Pipeline::predict(const Tensor& inputs) {
   NoGradGuard no_grad;
-  const int m = options_.microbatches, p = stages(), v = int(chunks_.size());
+  const int m = options_.microbatches, p = stages(), s = stage(), v = int(chunks_.size());
   std::vector<Tensor> in;
   if (is_first()) in = microbatches_of(inputs, m, "input");
+  const Clock clock(p, v, m * v, 0, /*backwards=*/false);
+  detail::StageLink link(group_, s, p);
+  std::map<std::pair<int, int>, Tensor> received;
   std::vector<Tensor> outputs;
-  for (int k = 0; k < m * v; ++k) {
-    const auto [micro, chunk] = forward_unit(k, p, v);
-    Tensor y = run_chunk(chunk, is_first() && chunk == 0 ? in[micro] : Tensor());
-    if (holds_last_stage(chunk))
-      outputs.push_back(y);
-    else
-      send_on(y);
+  const int previous = (s + p - 1) % p;
+  for (int t = 0; t < clock.ticks(); ++t) {
+    Tensor to_next;
+    if (const int f = clock.forward_at(s, t); f >= 0) {
+      const auto [micro, chunk] = forward_unit(f, p, v);
+      const Tensor x =
+          is_first() && chunk == 0 ? in[size_t(micro)] : take(received, {micro, chunk}, "input");
+      Tensor y = (*chunks_[size_t(chunk)])(x);
+      (holds_last_stage(chunk) ? outputs.emplace_back() : to_next) = y;
+    }
+    const bool from_previous = clock.sends_forward(previous, t);
+    const Tensor x = link.step(to_next, Tensor(), from_previous, false).first;
+    if (from_previous) {
+      const auto [micro, chunk] = forward_unit(clock.forward_at(previous, t), p, v);
+      received[{micro, s == 0 ? chunk + 1 : chunk}] = x;
+    }
   }
-  dist::wait_sends(group_);
   return is_last() ? cat(outputs, 0) : Tensor();
 }
 

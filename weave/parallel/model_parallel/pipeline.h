@@ -1,9 +1,9 @@
 #pragma once
 // Pipeline parallelism: consecutive layers on consecutive ranks (stages); a batch is cut into
-// micro-batches that flow through the stages, activations forward and gradients back. With one
-// chunk per rank (GPipe, 1F1B) each boundary's send is paired with the receive from the same
-// peer in one grouped exchange (pipeline_link.h), which holds on NCCL too; interleaved virtual
-// stages still use dist::functional::remote_send / remote_recv, safe on MPI only.
+// micro-batches that flow through the stages, activations forward and gradients back. Where a
+// schedule step sends to a peer and receives from one, the two go as one grouped exchange
+// (pipeline_link.h), so no schedule waits in a circle of sends: it holds on NCCL, whose send
+// alone completes only once it is matched, as on MPI.
 //
 //   nn::Sequential model{...};                               // the whole model, every rank
 //   auto stage = parallel::pipeline_stage(model, dist::rank(), dist::world_size());
@@ -23,12 +23,14 @@
 //          at most p - s micro-batches of activations alive.
 // Interleaved (virtual stages, Megatron-LM): each rank holds v chunks of the model, chunk c of
 // rank r being stage c p + r of v p, so a micro-batch visits every rank v times; with 1F1B the
-// bubble shrinks to (p - 1) / (v m + p - 1). Pass the chunks to the vector constructor
-// (pipeline_chunks cuts them); m must then divide by p.
+// bubble shrinks to (p - 1) / (v m + p - 1), with 2 (p - s - 1) + (v - 1) p warm-up forwards
+// on stage s. Pass the chunks to the vector constructor (pipeline_chunks cuts them); m must then
+// divide by p. The interleaved schedules, and predict, run on a clock all stages keep: each tick
+// every stage runs its units and exchanges with both neighbours what they produced at that tick,
+// so every exchange pairs with ones of the same tick.
 // Every stage runs every micro-batch's backward (a stage with no loss too), in the same order,
-// with that micro-batch's token as the root and pending-node replay off. Sends do not wait for
-// the receiver, so a stage may send an activation and then wait for a gradient from the same
-// peer. Shapes travel with the data: a stage need not know its input shape.
+// with pending-node replay off. Shapes travel with the data: a stage need not know its input
+// shape.
 #include <functional>
 #include <memory>
 #include <vector>
@@ -92,20 +94,12 @@ class Pipeline {
   const PipelineStats& stats() const { return stats_; }
 
  private:
-  // One micro-batch's forward through chunk c: the root its backward starts from (the loss on
-  // the last virtual stage, the send's token elsewhere).
-  Tensor forward_microbatch(int chunk, const Tensor& input, const Tensor& target,
-                            const PipelineLoss& loss);
-  // Chunk c's output for one micro-batch: its input is `input` on the first virtual stage,
-  // else received from the previous rank.
-  Tensor run_chunk(int chunk, const Tensor& input);
-  // Sends y to the next rank's chunk; returns the send's token.
-  Tensor send_on(const Tensor& y);
   // One chunk per rank: each boundary's send paired with the receive from the same peer
   // (detail::StageLink), safe where a send alone waits for its receive (NCCL).
   Tensor train_linked(const std::vector<Tensor>& in, const std::vector<Tensor>& target,
                       const PipelineLoss& loss);
-  // Virtual stages (Megatron-LM's interleaving), over remote_send / remote_recv.
+  // Virtual stages (Megatron-LM's interleaving): each step's sends and receives, both ways, as
+  // one grouped exchange.
   Tensor train_interleaved(const std::vector<Tensor>& in, const std::vector<Tensor>& target,
                            const PipelineLoss& loss);
   bool holds_last_stage(int chunk) const { return is_last() && chunk == int(chunks_.size()) - 1; }

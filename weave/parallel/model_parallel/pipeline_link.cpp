@@ -16,7 +16,7 @@ namespace F = dist::functional;
 
 // Tags of the gradients sent alone and of the exchanges (activations sent alone travel as
 // functional::remote_send's messages, with their description).
-constexpr int kGradientTag = 32, kExchangeTag = 33;
+constexpr int kGradientTag = 32, kExchangeTag = 33, kStepTag = 34;
 
 Tensor blank_like(const Tensor& t) {
   return empty(t.shape(), {.dtype = t.dtype(), .device = t.device()});
@@ -88,6 +88,28 @@ Tensor StageLink::send_backward_recv_forward(const Tensor& grad) {
   Tensor activation = blank_like(activation_like_);
   dist::send_recv(grad.contiguous(), previous_, activation, previous_, group_, kExchangeTag);
   return received_leaf(activation);
+}
+
+std::pair<Tensor, Tensor> StageLink::step(const Tensor& to_next, const Tensor& to_previous,
+                                          bool from_previous, bool from_next) {
+  const Timer timer(waiting_s_);
+  std::vector<Tensor> sends;
+  std::vector<int> to, from;
+  if (to_next.defined()) {
+    sends.push_back(to_next.detach().contiguous());
+    to.push_back(next_);
+  }
+  if (to_previous.defined()) {
+    sends.push_back(to_previous.contiguous());
+    to.push_back(previous_);
+  }
+  if (from_previous) from.push_back(previous_);
+  if (from_next) from.push_back(next_);
+  if (sends.empty() && from.empty()) return {};
+  const std::vector<Tensor> got = dist::exchange(sends, to, from, group_, kStepTag);
+  Tensor activation = from_previous ? received_leaf(got.front()) : Tensor();
+  Tensor grad = from_next ? got.back() : Tensor();
+  return {activation, grad};
 }
 
 }  // namespace weave::parallel::detail

@@ -6,6 +6,8 @@
 // stages that each send first would wait for each other. An activation sent alone carries its
 // dtype and shape (functional::remote_send), so a stage learns what its neighbour sends; the
 // exchanges that follow carry tensors of the shapes learned (micro-batches are equal).
+#include <utility>
+
 #include "weave/distributed/distributed.h"
 
 namespace weave::parallel::detail {
@@ -26,6 +28,12 @@ class StageLink {
   Tensor send_forward_recv_backward(const Tensor& y, const Tensor& awaited);
   /// Sends a gradient to the previous stage and receives its next activation, together.
   Tensor send_backward_recv_forward(const Tensor& grad);
+  /// One step of a schedule that may go both ways at once (the interleaved one): sends
+  /// `to_next` and `to_previous` where defined, and receives an activation from the previous
+  /// stage and a gradient from the next where asked, all as one grouped exchange. Returns the
+  /// activation (a leaf collecting its gradient) and the gradient, undefined where not asked.
+  std::pair<Tensor, Tensor> step(const Tensor& to_next, const Tensor& to_previous,
+                                 bool from_previous, bool from_next);
   /// Seconds spent waiting in receives and exchanges since construction.
   double waiting_s() const { return waiting_s_; }
 
