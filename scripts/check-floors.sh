@@ -109,10 +109,16 @@ while read -r lines file; do
   ((lines <= file_limit)) || { echo "$file: $lines lines (limit $file_limit): split it by role"; bad=1; }
 done < <(git ls-files | grep -E '\.(h|cpp|cu|cuh|sh|py)$' | xargs wc -l)
 
+# Examples compose the library's axes; building process groups by hand is the library's job
+# (ProcessMesh: its axes and group(axes)).
+while IFS=: read -r file line _; do
+  echo "$file:$line calls new_group: examples take their groups from parallel::ProcessMesh"; bad=1
+done < <(git ls-files 'examples/*' | grep -E '\.(h|cpp)$' | xargs grep -nE '\bnew_group\(' || true)
+
 if ((bad)); then
   echo "floor check: FAILED (floors, lowest first: ${floors[*]}; parallel/: ${parallel_floors[*]})"
   exit 1
 fi
 echo "floor check: every include points down (${floors[*]}; parallel/: core, then" \
   "${parallel_floors[1]} side by side), no strategy includes another, no circle, no function" \
-  "over $function_limit lines, no file over $file_limit"
+  "over $function_limit lines, no file over $file_limit, no new_group in examples/"

@@ -110,6 +110,6 @@ TEST_SUITE("clipping") {
     mse_loss(column(ones({3, 4}, {.dtype = kFloat64})), zeros({3, 2}, {.dtype = kFloat64}))
         .backward();
     CHECK_WEAVE_ERROR(optim::clip_grad_norm_(column.parameters(), 1.0), "clip_grad_norm_",
-                      "dist::clip_grad_norm_(split, replicated, max_norm, group)");
+                      "parallel::clip_grad_norm_(params, max_norm)");
   }
 }

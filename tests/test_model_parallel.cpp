@@ -106,6 +106,40 @@ TEST_SUITE("model_parallel") {
                          doctest::Contains("ranks, but the world has"), Error);
   }
 
+  TEST_CASE("experts spread over a sub-axis of data x context: expert and expert-data groups") {
+    const int n = dist::world_size();
+    for (int d : divisors(n))
+      for (int c : divisors(n / d))
+        for (int e : divisors(d * c)) {
+          const int t = n / (d * c);
+          CAPTURE(d);
+          CAPTURE(c);
+          CAPTURE(e);
+          parallel::ProcessMesh mesh({.data = d, .tensor = t, .context = c, .expert = e});
+          using parallel::Axis;
+          const dist::Group& experts = mesh.expert();
+          const dist::Group& replicas = mesh.group({Axis::ExpertData});
+          REQUIRE(experts.size() == e);
+          REQUIRE(replicas.size() == d * c / e);
+          // i = context + C data numbers the data x context ranks; expert i % e, replica i / e.
+          const int i = mesh.context_rank() + c * mesh.data_rank(), tr = mesh.tensor_rank();
+          auto rank_of = [&](int index) { return mesh.rank_at(index / c, tr, 0, index % c); };
+          CHECK(mesh.expert_rank() == i % e);
+          for (int k = 0; k < e; ++k) CHECK(experts.global_rank(k) == rank_of(i / e * e + k));
+          for (int j = 0; j < d * c / e; ++j)
+            CHECK(replicas.global_rank(j) == rank_of(j * e + i % e));
+          CHECK(mesh.group({Axis::Expert, Axis::ExpertData}).ranks() ==
+                mesh.data_and_context().ranks());
+          CHECK(mesh.group({Axis::Data, Axis::Tensor}).size() == d * t);
+          CHECK(mesh.group({Axis::Tensor}).ranks() == mesh.tensor().ranks());
+          CHECK_THROWS_WITH_AS(mesh.group({Axis::Data, Axis::Expert}),
+                               doctest::Contains("mixes two ways"), Error);
+          if (e > 1) CHECK(mesh.str().find("expert=" + std::to_string(e)) != std::string::npos);
+        }
+    CHECK_THROWS_WITH_AS(parallel::ProcessMesh({.data = n, .expert = n + 1}),
+                         doctest::Contains("must divide data="), Error);
+  }
+
   TEST_CASE("tensor-parallel MLP equals one process: values, gradients, 5 Adam steps") {
     const dist::Group tp = dist::world();
     TensorParallelMlp sharded(11, tp);

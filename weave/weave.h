@@ -25,6 +25,7 @@
 #include "weave/optim/schedule.h"
 #include "weave/parallel/checkpoint/sharded_checkpoint.h"
 #include "weave/parallel/core/mesh.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/parallel/data_parallel/ddp.h"
 #include "weave/parallel/data_parallel/decentralized.h"
 #include "weave/parallel/data_parallel/distributed_optimizer.h"

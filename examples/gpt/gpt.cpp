@@ -144,34 +144,23 @@ void initialize(nn::Module& model, uint64_t seed) {
   }
 }
 
-// The groups of expert parallelism among the data-parallel ranks: blocks of --expert-parallel
-// consecutive ranks hold all the experts between them; the ranks at one place in every block
-// hold the same experts (replicas). Collective.
+// The groups of expert parallelism, from the mesh's expert axis: the ranks of mesh.expert() hold
+// all the experts between them; group({ExpertData}) holds the same experts (replicas).
 struct ExpertGroups {
   std::optional<dist::Group> experts, replicas;
-  /// Whether parameter `name` is an expert's held by this rank only (not the whole group).
-  bool spread(const std::string& name) const {
-    return experts && name.find(".moe.expert") != std::string::npos;
-  }
 };
-ExpertGroups expert_groups(const Flags& f, const parallel::ProcessMesh& mesh) {
-  ExpertGroups out;
-  if (f.experts == 0 || f.expert_parallel == 1) return out;
-  const dist::Group& data = mesh.data();
-  const int n = f.expert_parallel, blocks = data.size() / n;
-  for (int b = 0; b < blocks; ++b) {
-    std::vector<int> ranks;
-    for (int i = 0; i < n; ++i) ranks.push_back(data.global_rank(b * n + i));
-    dist::Group g = dist::new_group(ranks);
-    if (g.rank() >= 0) out.experts = g;
-  }
-  for (int i = 0; i < n; ++i) {
-    std::vector<int> ranks;
-    for (int b = 0; b < blocks; ++b) ranks.push_back(data.global_rank(b * n + i));
-    dist::Group g = dist::new_group(ranks);
-    if (g.rank() >= 0) out.replicas = g;
-  }
-  return out;
+ExpertGroups expert_groups(const parallel::ProcessMesh& mesh) {
+  if (mesh.shape().expert == 1) return {};
+  return {mesh.expert(), mesh.group({parallel::Axis::ExpertData})};
+}
+
+// Whether p is an expert's parameter held by this rank only: its placement says so.
+bool spread_expert(const Tensor& p) {
+  const parallel::Placement* placement = parallel::placement_of(p);
+  if (placement == nullptr) return false;
+  return std::any_of(placement->cuts.begin(), placement->cuts.end(), [](const parallel::Cut& c) {
+    return c.kind == parallel::Cut::Kind::Experts && c.group.size() > 1;
+  });
 }
 
 // The model of this rank, built from the whole model's initialization (on every rank alike).
@@ -215,8 +204,7 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
 void average_gradients(LanguageModel& model, const parallel::ProcessMesh& mesh,
                        const ExpertGroups& groups) {
   std::vector<Tensor> replicated, experts;
-  for (const auto& [name, p] : model.named_parameters())
-    (groups.spread(name) ? experts : replicated).push_back(p);
+  for (const Tensor& p : model.parameters()) (spread_expert(p) ? experts : replicated).push_back(p);
   parallel::average_gradients(replicated, mesh.data_and_context());
   if (experts.empty()) return;
   parallel::average_gradients(experts, *groups.replicas);
@@ -328,16 +316,18 @@ int main(int argc, char** argv) try {
               "--context-parallel with --experts is not supported; hint: use one of them");
   WEAVE_CHECK(world % (tensor * context) == 0, "gpt",
               "--context-parallel {} does not divide the {} ranks", context, world);
-  const parallel::ProcessMesh mesh(
-      {.data = world / (tensor * context), .tensor = tensor, .context = context});
-  const int data = mesh.shape().data;
+  const int data = world / (tensor * context);
   WEAVE_CHECK(f.experts == 0 || (data % f.expert_parallel == 0 && f.eval_windows % data == 0 &&
                                  f.experts % f.expert_parallel == 0 && f.top_k <= f.experts),
               "gpt",
               "--expert-parallel {} must divide the {} data-parallel ranks and the {} experts, "
               "--top-k {} be at most the experts, and --eval-windows {} divide among the ranks",
               f.expert_parallel, data, f.experts, f.top_k, f.eval_windows);
-  const ExpertGroups expert_group = expert_groups(f, mesh);
+  const parallel::ProcessMesh mesh({.data = data,
+                                    .tensor = tensor,
+                                    .context = context,
+                                    .expert = f.experts > 0 ? f.expert_parallel : 1});
+  const ExpertGroups expert_group = expert_groups(mesh);
   // Context and expert parallelism average the gradients themselves (average_gradients).
   const bool wrapped = context == 1 && f.experts == 0;
   WEAVE_CHECK(f.batch % data == 0, "gpt", "--batch {} does not divide among {} data-parallel ranks",
@@ -382,12 +372,6 @@ int main(int argc, char** argv) try {
         std::min(1.0, double(step - f.warmup) / double(std::max<int64_t>(1, f.steps - f.warmup)));
     return f.min_lr + 0.5 * (f.lr - f.min_lr) * (1 + std::cos(M_PI * progress));
   });
-  // Gradient clipping over the whole model: shards counted on every rank, replicas once.
-  std::vector<Tensor> sharded, replicated;
-  const auto split = parallel::split_axes(*model);
-  for (const auto& [name, p] : model->named_parameters())
-    (split.count(name) || expert_group.spread(name) ? sharded : replicated).push_back(p);
-
   // float16's range needs loss scaling; bfloat16 has float32's range and needs none. Every
   // rank agrees on skipping (the world: tensor-parallel shards overflow separately).
   parallel::GradScaler scaler({.enabled = f.autocast == kFloat16});
@@ -447,12 +431,8 @@ int main(int argc, char** argv) try {
     if (!wrapped && mesh.data_and_context().size() > 1)
       average_gradients(*model, mesh, expert_group);
     scaler.unscale_(optimizer.params());  // clipping sees the true gradients
-    const double grad_norm =
-        fsdp         ? fsdp->clip_grad_norm_(f.clip)  // the norm over every rank's shard
-        : tensor > 1 ? dist::clip_grad_norm_(sharded, replicated, f.clip, mesh.tensor())
-        : expert_group.experts
-            ? dist::clip_grad_norm_(sharded, replicated, f.clip, *expert_group.experts)
-            : optim::clip_grad_norm_(model->parameters(), f.clip);
+    // The whole model's norm: each parameter's placement says how many ranks hold its piece.
+    const double grad_norm = parallel::clip_grad_norm_(optimizer.params(), f.clip);
     scaler.step(optimizer);
     scaler.update();
     scheduler.step();

@@ -440,11 +440,12 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
   detail::check_max_norm(max_norm, op);
   for (size_t i = 0; i < params.size(); ++i) {
     const AutogradMeta* meta = params[i].defined() ? params[i].impl()->autograd.get() : nullptr;
-    WEAVE_CHECK(meta == nullptr || meta->spread_hint.empty(), op,
+    const PlacementRecord* placement = meta ? meta->placement.get() : nullptr;
+    WEAVE_CHECK(placement == nullptr || !placement->spread(), op,
                 "parameter {} ({} {}) is this rank's part of a parameter spread over several "
-                "ranks; clipping it by this rank's norm alone would scale each rank's part "
-                "differently, by a norm that is not the model's; hint: {}",
-                i, params[i].dtype(), params[i].shape(), meta ? meta->spread_hint : "");
+                "ranks ({}); clipping it by this rank's norm alone would scale each rank's part "
+                "differently, by a norm that is not the model's",
+                i, params[i].dtype(), params[i].shape(), placement ? placement->describe() : "");
   }
   double total = detail::grad_norm_partial(params, norm_type, op);
   if (!std::isinf(norm_type)) total = std::pow(total, 1.0 / norm_type);

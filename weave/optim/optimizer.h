@@ -222,9 +222,10 @@ void zero_grad(const std::vector<Tensor>& params, bool set_to_none = true);
 /// Scales all gradients so their joint norm is at most max_norm (>= 0; INFINITY only measures);
 /// returns the norm before clipping. norm_type may be any p >= 1 or INFINITY. A NaN or infinite
 /// norm (a non-finite gradient) raises with error_if_nonfinite; without it, as in PyTorch, the
-/// gradients are scaled by NaN or 0 and the returned norm is not finite: check it. Under model
-/// parallelism, where each rank holds part of the parameters, use dist::clip_grad_norm_
-/// (distributed/clip_grad.h).
+/// gradients are scaled by NaN or 0 and the returned norm is not finite: check it. A parameter
+/// that ranks hold in different pieces (a tensor-parallel slice, a shard, an expert spread over
+/// ranks, a pipeline stage's) raises: clip those with parallel::clip_grad_norm_, which reads
+/// each parameter's placement (parallel/core/placement.h).
 double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
                        bool error_if_nonfinite = false);
 

@@ -16,6 +16,18 @@ struct SpreadLayout {
   virtual ~SpreadLayout() = default;
 };
 
+/// Base of what parallel/ records on a parameter about where it lives across ranks: its
+/// placement (parallel/core/placement.h). Below parallel/ only these two questions are asked,
+/// by optim::clip_grad_norm_, which refuses a spread parameter.
+struct PlacementRecord {
+  virtual ~PlacementRecord() = default;
+  /// Whether ranks hold different pieces of the parameter (not only identical copies).
+  virtual bool spread() const = 0;
+  /// Where it lives and how to treat it, for an error message: "split along axis 0 over group
+  /// [0, 1]; hint: ...".
+  virtual std::string describe() const = 0;
+};
+
 /// Autograd state of a tensor; created on first use.
 struct AutogradMeta {
   bool requires_grad = false;
@@ -28,11 +40,10 @@ struct AutogradMeta {
   std::vector<std::pair<uint64_t, GradHook>> leaf_hooks;
   std::vector<std::pair<uint64_t, PostAccumulateGradHook>> post_accumulate_hooks;
   /// Set on a leaf that is one rank's part of a parameter spread over several ranks (an FSDP
-  /// or ZeRO flat shard, a tensor-parallel slice) by what spread it: how to clip it across the
-  /// ranks. optim::clip_grad_norm_ refuses such a leaf with this as its hint, rather than clip
-  /// it by its own rank's norm. Module::to carries it over.
-  std::string spread_hint;
-  /// Set with spread_hint where the leaf is a flat shard: which elements of which tensors it
+  /// or ZeRO flat shard, a tensor-parallel slice, a range of experts, a pipeline stage) by what
+  /// spread it. Module::to carries it over.
+  std::shared_ptr<const PlacementRecord> placement;
+  /// Set with the placement where the leaf is a flat shard: which elements of which tensors it
   /// holds, for sharded checkpoints (parallel/core/layout.h). Module::to carries it over.
   std::shared_ptr<const SpreadLayout> spread_layout;
 };

@@ -47,32 +47,69 @@ dist::Group data_parallel_group(const std::optional<dist::Group>& group, const c
 
 namespace {
 
-// A rank's coordinates, in the order of MeshShape's fields' significance (tensor fastest).
+// A rank's coordinates, in the order of MeshShape's fields' significance (tensor fastest), and
+// its place among the experts: i = context + C data, expert i % E, expert replica i / E.
 struct Coordinates {
-  int data, tensor, pipeline, context;
+  int data, tensor, pipeline, context, expert, expert_data;
+  int of(Axis axis) const {
+    switch (axis) {
+      case Axis::Data:
+        return data;
+      case Axis::Tensor:
+        return tensor;
+      case Axis::Pipeline:
+        return pipeline;
+      case Axis::Context:
+        return context;
+      case Axis::Expert:
+        return expert;
+      case Axis::ExpertData:
+        return expert_data;
+    }
+    return 0;
+  }
 };
 
 Coordinates coordinates_of(int rank, const MeshShape& s) {
-  return {(rank / (s.tensor * s.context)) % s.data, rank % s.tensor,
-          rank / (s.tensor * s.context * s.data), (rank / s.tensor) % s.context};
+  const int data = (rank / (s.tensor * s.context)) % s.data,
+            context = (rank / s.tensor) % s.context;
+  const int among = context + s.context * data;
+  return {data,    rank % s.tensor,  rank / (s.tensor * s.context * s.data),
+          context, among % s.expert, among / s.expert};
 }
 
-// This rank's group of the ranks that share every coordinate `same` keeps equal. Every rank
-// creates every such group, in rank order of their first member.
-dist::Group group_where(const MeshShape& s, int world,
-                        bool (*same)(const Coordinates&, const Coordinates&)) {
+constexpr unsigned bit(Axis axis) {
+  return 1u << static_cast<unsigned>(axis);
+}
+constexpr unsigned kExpertAxes = bit(Axis::Expert) | bit(Axis::ExpertData);
+constexpr unsigned kDenseAxes = bit(Axis::Data) | bit(Axis::Context);
+
+// The partition of the world into groups of ranks that differ only in the axes of `mask`: they
+// agree on every other coordinate of the mask's basis (data, context, tensor, pipeline; or
+// expert, expert replica, tensor, pipeline). Groups in rank order of their first member.
+std::vector<std::vector<int>> partition(const MeshShape& s, int world, unsigned mask) {
+  const bool experts = (mask & kExpertAxes) != 0;
+  const std::vector<Axis> basis =
+      experts ? std::vector<Axis>{Axis::Expert, Axis::ExpertData, Axis::Tensor, Axis::Pipeline}
+              : std::vector<Axis>{Axis::Data, Axis::Context, Axis::Tensor, Axis::Pipeline};
+  auto same = [&](int a, int b) {
+    const Coordinates x = coordinates_of(a, s), y = coordinates_of(b, s);
+    for (Axis axis : basis)
+      if (!(mask & bit(axis)) && x.of(axis) != y.of(axis)) return false;
+    return true;
+  };
   std::vector<std::vector<int>> groups;
-  std::vector<int> group_of(size_t(world), -1);
+  std::vector<bool> placed(size_t(world), false);
   for (int r = 0; r < world; ++r) {
-    if (group_of[size_t(r)] >= 0) continue;
+    if (placed[size_t(r)]) continue;
     groups.emplace_back();
     for (int q = r; q < world; ++q)
-      if (group_of[size_t(q)] < 0 && same(coordinates_of(r, s), coordinates_of(q, s))) {
-        group_of[size_t(q)] = int(groups.size()) - 1;
+      if (!placed[size_t(q)] && same(r, q)) {
+        placed[size_t(q)] = true;
         groups.back().push_back(q);
       }
   }
-  return groups_of(int(groups.size()), [&](int i) { return groups[size_t(i)]; });
+  return groups;
 }
 
 }  // namespace
@@ -88,26 +125,43 @@ ProcessMesh::ProcessMesh(MeshShape shape) : shape_(shape) {
               "data={} x tensor={} x pipeline={} x context={} is {} ranks, but the world has {}; "
               "hint: launch with mpirun -np {} or change the mesh",
               shape.data, shape.tensor, shape.pipeline, shape.context, size, world, size);
-  using C = const Coordinates&;
-  tensor_ = group_where(shape, world, [](C a, C b) {
-    return a.data == b.data && a.pipeline == b.pipeline && a.context == b.context;
-  });
-  data_ = group_where(shape, world, [](C a, C b) {
-    return a.tensor == b.tensor && a.pipeline == b.pipeline && a.context == b.context;
-  });
-  pipeline_ = group_where(shape, world, [](C a, C b) {
-    return a.data == b.data && a.tensor == b.tensor && a.context == b.context;
-  });
-  context_ = group_where(shape, world, [](C a, C b) {
-    return a.data == b.data && a.tensor == b.tensor && a.pipeline == b.pipeline;
-  });
-  data_and_context_ = group_where(
-      shape, world, [](C a, C b) { return a.tensor == b.tensor && a.pipeline == b.pipeline; });
-  if (shape.tensor * shape.pipeline * shape.context > 1) {
+  WEAVE_CHECK(shape.expert >= 1 && (shape.data * shape.context) % shape.expert == 0, "ProcessMesh",
+              "expert={} must divide data={} x context={} = {}: experts are spread over a "
+              "sub-axis of data x context; hint: choose an expert size dividing {}",
+              shape.expert, shape.data, shape.context, shape.data * shape.context,
+              shape.data * shape.context);
+  // Every set of axes, in one order on every rank; a partition met before is not created again.
+  std::map<std::vector<std::vector<int>>, dist::Group> created;
+  for (unsigned mask = 1; mask < (1u << 6); ++mask) {
+    if ((mask & kExpertAxes) && (mask & kDenseAxes)) continue;
+    std::vector<std::vector<int>> groups = partition(shape, world, mask);
+    auto found = created.find(groups);
+    if (found == created.end())
+      found = created
+                  .emplace(groups,
+                           groups_of(int(groups.size()), [&](int i) { return groups[size_t(i)]; }))
+                  .first;
+    groups_.emplace(mask, found->second);
+  }
+  tensor_ = group({Axis::Tensor});
+  data_ = group({Axis::Data});
+  pipeline_ = group({Axis::Pipeline});
+  context_ = group({Axis::Context});
+  if (shape.tensor * shape.pipeline * shape.context * shape.expert > 1) {
     registered_ = std::make_shared<const MeshShape>(shape);
     std::lock_guard lock(meshes_mutex);
     meshes.push_back(registered_);
   }
+}
+
+const dist::Group& ProcessMesh::group(std::initializer_list<Axis> axes) const {
+  unsigned mask = 0;
+  for (Axis axis : axes) mask |= bit(axis);
+  WEAVE_CHECK(!((mask & kExpertAxes) && (mask & kDenseAxes)), "ProcessMesh",
+              "a group over Expert or ExpertData and Data or Context mixes two ways of cutting "
+              "data x context; hint: Expert and ExpertData together span data x context");
+  WEAVE_CHECK(mask != 0, "ProcessMesh", "expected at least one axis, found none");
+  return groups_.at(mask);
 }
 
 int ProcessMesh::rank_at(int data, int tensor, int pipeline, int context) const {
@@ -121,6 +175,12 @@ int ProcessMesh::rank_at(int data, int tensor, int pipeline, int context) const 
 }
 
 std::string ProcessMesh::str() const {
+  if (shape_.expert > 1)
+    return fmt::format(
+        "mesh data={} tensor={} pipeline={} context={} expert={}; rank {}: data {} tensor {} "
+        "pipeline {} context {} expert {}",
+        shape_.data, shape_.tensor, shape_.pipeline, shape_.context, shape_.expert, dist::rank(),
+        data_.str(), tensor_.str(), pipeline_.str(), context_.str(), expert().str());
   if (shape_.context > 1)
     return fmt::format(
         "mesh data={} tensor={} pipeline={} context={}; rank {}: data {} tensor {} pipeline {} "

@@ -2,10 +2,15 @@
 // call.
 #include "weave/parallel/core/replicas.h"
 
+#include <fmt/ranges.h>
+
+#include <map>
+
 #include "weave/autograd/grad_mode.h"
 #include "weave/ops/ops.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/mesh.h"
+#include "weave/parallel/core/placement.h"
 
 namespace weave::parallel {
 
@@ -114,6 +119,64 @@ void average_tensors(const std::vector<Tensor>& tensors, const dist::Group& grou
     b.wire = compress && *compress != b.flat.dtype() ? b.flat.to(*compress) : b.flat;
     b.work = dist::all_reduce(b.wire, dist::ReduceOp::Avg, group, /*async_op=*/true);
   });
+}
+
+namespace {
+
+// 64-bit FNV-1a of a tensor's bytes (on the host, contiguous): equal values, equal sums.
+uint64_t checksum(const Tensor& t) {
+  const Tensor host = t.detach().cpu().contiguous();
+  const auto* bytes = static_cast<const unsigned char*>(host.data_ptr());
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t i = 0; i < host.numel() * int64_t(host.itemsize()); ++i)
+    h = (h ^ bytes[i]) * 1099511628211ull;
+  return h;
+}
+
+// "<name>@<place in each cut group>": the same on the ranks that hold copies of one piece.
+std::string piece_key(const std::string& name, const Tensor& p) {
+  std::string key = name + "@";
+  if (const Placement* placement = placement_of(p))
+    for (const Cut& cut : placement->cuts)
+      key += fmt::format("{}:{},", static_cast<int>(cut.kind), cut.group.rank());
+  return key;
+}
+
+}  // namespace
+
+int64_t check_replicas(const nn::Module& module, const dist::Group& group) {
+  const char* op = "check_replicas";
+  WEAVE_CHECK(group.rank() >= 0, op, "rank {} is not in group {}", dist::rank(), group.str());
+  std::string mine;
+  for (const auto& [name, p] : module.named_parameters())
+    if (p.defined()) mine += fmt::format("{} {:016x}\n", piece_key(name, p), checksum(p));
+  // piece -> checksum -> global ranks holding that value
+  std::map<std::string, std::map<std::string, std::vector<int>>> copies;
+  const std::vector<std::string> all = detail::all_gather_bytes(mine, group);
+  for (int r = 0; r < group.size(); ++r)
+    for (size_t start = 0; start < all[size_t(r)].size();) {
+      const size_t end = all[size_t(r)].find('\n', start), space = all[size_t(r)].rfind(' ', end);
+      copies[all[size_t(r)].substr(start, space - start)]
+            [all[size_t(r)].substr(space + 1, end - space - 1)]
+                .push_back(group.global_rank(r));
+      start = end + 1;
+    }
+  int64_t checked = 0;
+  for (const auto& [key, values] : copies) {
+    size_t holders = 0;
+    for (const auto& [sum, ranks] : values) holders += ranks.size();
+    if (holders > 1) ++checked;
+    if (values.size() == 1) continue;
+    std::string sides;
+    for (const auto& [sum, ranks] : values)
+      sides += fmt::format("{}ranks {} hold checksum {}", sides.empty() ? "" : "; ", ranks, sum);
+    WEAVE_FAIL(op,
+               "parameter '{}' differs across the ranks that should hold copies of it ({}); hint: "
+               "a replica clipped, scaled or stepped on its own (a local clip_grad_norm_ on a "
+               "spread parameter, a step skipped on one rank), or a placement is declared wrongly",
+               key.substr(0, key.find('@')), sides);
+  }
+  return checked;
 }
 
 namespace detail {

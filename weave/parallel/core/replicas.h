@@ -43,6 +43,16 @@ void average_gradients(const std::vector<Tensor>& params, const dist::Group& gro
 void average_tensors(const std::vector<Tensor>& tensors, const dist::Group& group,
                      double bucket_mb = 25.0, std::optional<DType> compress = std::nullopt);
 
+/// The net under every layout: raises weave::Error on every rank of the group, naming the
+/// parameter and the ranks on each side, unless every copy of each parameter piece is equal to
+/// the bit. Which ranks hold copies of the same piece comes from each parameter's placement
+/// (placement.h): ranks at the same place in every cut group (the same tensor-parallel slice,
+/// experts, shard, pipeline stage) of a parameter of the same name. Returns how many pieces
+/// had copies on two or more ranks. Collective: one all_gather of a checksum per parameter.
+///
+///   if (step % 100 == 0) parallel::check_replicas(model);  // replicas drifted? say which
+int64_t check_replicas(const nn::Module& module, const dist::Group& group = dist::world());
+
 namespace detail {
 /// check_same_model over `group`, with errors tagged `op`.
 void check_same_model(const nn::Module& module, const dist::Group& group, const char* op);

@@ -5,6 +5,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/ops/ops.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/tensor/tensor_impl.h"
 
 namespace weave::parallel::detail {
@@ -22,10 +23,9 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
   NoGradGuard no_grad;
   f.shard = f.full.flat.narrow(0, group.rank() * per_rank, per_rank).clone().detach();
   f.shard.requires_grad_(true);
-  if (n > 1)
-    f.shard.impl()->meta().spread_hint =
-        "it is an FSDP shard: clip with fsdp.clip_grad_norm_(max_norm), which takes the norm "
-        "over every rank's shard";
+  add_cut(f.shard, {.kind = Cut::Kind::FlatShard, .group = group},
+          "clip with fsdp.clip_grad_norm_(max_norm), or parallel::clip_grad_norm_, which take "
+          "the norm over every rank's shard");
   f.gathered_version = f.shard.version();
   // Sharded checkpoints describe the shard by the parameters it covers.
   FlatShard layout{.members = {},

@@ -10,6 +10,7 @@
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/layout.h"
 #include "weave/parallel/core/mesh.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/tensor/tensor_impl.h"
 
 namespace weave::parallel {
@@ -49,10 +50,9 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
   const int64_t per_rank = flat_params_->flat.numel() / n;
   shard_ = flat_params_->flat.narrow(0, group_.rank() * per_rank, per_rank).detach();
   shard_.requires_grad_(true);
-  if (n > 1)
-    shard_.impl()->meta().spread_hint =
-        "it is a ZeRO-1 slice, whose gradient exists only inside zero.step(): clip with "
-        "ZeroOptions::max_grad_norm, which clips the averaged gradients there";
+  add_cut(shard_, {.kind = Cut::Kind::FlatShard, .group = group_},
+          "a ZeRO-1 slice's gradient exists only inside zero.step(): clip with "
+          "ZeroOptions::max_grad_norm, which clips the averaged gradients there");
   shard_grad_ = empty({per_rank}, {.dtype = shard_.dtype(), .device = shard_.device()});
   optimizer_ = make_optimizer({shard_});
   WEAVE_CHECK(optimizer_ != nullptr, op, "the optimizer factory returned null");

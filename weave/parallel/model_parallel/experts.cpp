@@ -5,6 +5,7 @@
 #include "weave/ops/ops.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/joinable.h"
+#include "weave/parallel/core/placement.h"
 
 namespace weave::parallel {
 
@@ -64,6 +65,15 @@ ExpertParallelMoE::ExpertParallelMoE(nn::MoEOptions options, dist::Group group,
   for (int64_t e = first_; e < first_ + local; ++e)
     experts_.push_back(register_module(
         fmt::format("expert{}", e), nn::make_expert(options.hidden, options.ffn, options.seed, e)));
+  // Each rank's experts are its own: their norms add up over the group, and nothing that
+  // treats parameters as replicas (a local clip, a replica check) may take them for ones.
+  for (const auto& expert : experts_)
+    for (const Tensor& p : expert->parameters())
+      add_cut(p, {.kind = Cut::Kind::Experts,
+                  .group = group_,
+                  .first = first_,
+                  .count = local,
+                  .total = experts});
 }
 
 Tensor ExpertParallelMoE::forward(const Tensor& x) {

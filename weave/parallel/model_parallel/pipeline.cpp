@@ -12,6 +12,7 @@
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
 #include "weave/parallel/core/agree.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/parallel/model_parallel/pipeline_link.h"
 
 namespace weave::parallel {
@@ -84,6 +85,10 @@ Pipeline::Pipeline(std::vector<nn::Module*> chunks, PipelineOptions options)
               group_.str(), agreed.lowest[1], agreed.highest[1], v, hint);
   WEAVE_CHECK(agreed.same(2), "Pipeline", "the stages of group {} use different schedules; {}",
               group_.str(), hint);
+  // The other stages hold other parameters: norms over the model add up over the group.
+  for (nn::Module* chunk : chunks_)
+    for (const Tensor& p : chunk->parameters())
+      add_cut(p, {.kind = Cut::Kind::Stage, .group = group_});
 }
 
 namespace {

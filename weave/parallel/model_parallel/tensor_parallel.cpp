@@ -6,6 +6,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/tensor/tensor_impl.h"
 
 namespace weave::parallel {
@@ -28,10 +29,7 @@ Tensor my_slice(const Tensor& full, int axis, const dist::Group& group) {
   NoGradGuard no_grad;
   const int64_t piece = full.size(axis) / group.size();
   Tensor slice = full.detach().narrow(axis, group.rank() * piece, piece).contiguous().clone();
-  if (group.size() > 1)
-    slice.impl()->meta().spread_hint =
-        "it is a tensor-parallel slice: clip with dist::clip_grad_norm_(split, replicated, "
-        "max_norm, group), split and replicated as parallel::split_axes(model) tells";
+  add_cut(slice, {.kind = Cut::Kind::Split, .group = group, .axis = axis});
   return slice;
 }
 

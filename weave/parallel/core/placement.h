@@ -1,0 +1,74 @@
+#pragma once
+// Where a parameter lives across ranks: its placement, one typed fact per parameter, written by
+// whatever cuts it and read by whatever must treat its pieces together (clipping, for now).
+//
+// A placement is a list of cuts. Each cut says that, over one group, the ranks hold different
+// pieces of the parameter:
+//   Split      a tensor-parallel layer's slice along an axis (ColumnParallelLinear, ...);
+//   FlatShard  a ZeRO-1 or FSDP shard of a flat buffer of several parameters;
+//   Experts    ExpertParallelMoE's own range of the experts (each expert is whole on its rank);
+//   Stage      a pipeline stage's parameters (the other stages hold others).
+// Over every other rank of the world that holds the parameter at all, the copies are identical:
+// a parameter without cuts is replicated wherever it exists. So the ranks of a group of size n
+// hold each piece n / (product of the cut groups' sizes) times.
+//
+//   parallel::ColumnParallelLinear fc(784, 256, mesh.tensor());
+//   parallel::placement_of(fc.weight)->str();   // "split along axis 0 over group [0, 1]"
+//   double norm = parallel::clip_grad_norm_(model.parameters(), 1.0);  // the whole model's
+//
+// optim::clip_grad_norm_ refuses a parameter with cuts (its rank's norm is not the model's).
+#include <string>
+#include <vector>
+
+#include "weave/distributed/distributed.h"
+#include "weave/tensor/tensor_impl.h"
+
+namespace weave::parallel {
+
+/// Over `group`, the ranks hold different pieces of a parameter.
+struct Cut {
+  enum class Kind { Split, FlatShard, Experts, Stage };
+  Kind kind = Kind::Split;
+  dist::Group group;
+  /// Split: the axis cut into group.size() equal pieces, piece group.rank() here.
+  int axis = -1;
+  /// Experts: this rank holds experts [first, first + count) of `total`.
+  int64_t first = 0, count = 0, total = 0;
+  /// "split along axis 1 over group [0, 1]", "experts 2..3 of 4 over group [0, 2]", ...
+  std::string str() const;
+};
+
+/// Every cut of one parameter, with the advice its writer gives for clipping it.
+class Placement final : public PlacementRecord {
+ public:
+  std::vector<Cut> cuts;
+  /// How to clip a parameter so placed (the writer's hint, for optim::clip_grad_norm_'s error).
+  std::string hint;
+
+  bool spread() const override;
+  std::string describe() const override;
+  /// The cuts, "; "-separated ("replicated" without any).
+  std::string str() const;
+  /// How many ranks of `group` hold the same piece as this one (group.size() over the product
+  /// of the cut groups' sizes); raises unless that product divides the group's size.
+  int copies_in(const dist::Group& group) const;
+};
+
+/// t's placement, or null when nothing cut it (replicated wherever it exists).
+const Placement* placement_of(const Tensor& t);
+/// Records `cut` on t (a leaf, usually a parameter), beside the cuts recorded before; a cut of
+/// the same kind over the same ranks replaces the earlier one. `hint`, when given, replaces
+/// the clipping advice.
+void add_cut(const Tensor& t, Cut cut, const std::string& hint = "");
+
+/// Scales the gradients of `params` (this rank's: its slices, shards, experts and stage) so that
+/// the norm of the whole model's gradient, over every rank of `group`, is at most max_norm;
+/// returns that norm before clipping, the same on every rank. Each parameter's placement says
+/// how many ranks of the group hold the same piece, so each piece counts once whatever the mix
+/// of data, tensor, expert, pipeline and sharded parameters (one all_reduce). norm_type is any
+/// p >= 1 or INFINITY; with error_if_nonfinite a NaN or infinite norm raises on every rank.
+/// Collective over `group` (default: the world), whose ranks together hold the whole model.
+double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
+                       const dist::Group& group = dist::world(), bool error_if_nonfinite = false);
+
+}  // namespace weave::parallel
