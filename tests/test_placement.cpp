@@ -239,4 +239,22 @@ TEST_SUITE("placement") {
       CHECK_WEAVE_ERROR(parallel::check_replicas(column), "check_replicas", "'weight' differs");
     }
   }
+
+  TEST_CASE("DDP and FSDP around experts spread over ranks raise at construction, on every rank") {
+    const int n = dist::world_size();
+    if (n < 2) return;
+    // Over the world (the experts differ by rank), and over the ranks holding the same experts
+    // (the same names everywhere: before, this trained without error, off by the 1/E scale).
+    const int e = n % 2 == 0 ? 2 : n;
+    parallel::ProcessMesh mesh({.data = n, .expert = e});
+    for (const dist::Group& group : {dist::world(), mesh.group({parallel::Axis::ExpertData})}) {
+      if (group.size() < 2) continue;
+      CAPTURE(group.str());
+      parallel::ExpertParallelMoE moe(moe_options(2 * e), mesh.expert());
+      CHECK_WEAVE_ERROR(parallel::DistributedDataParallel(moe, {.group = group}),
+                        "DistributedDataParallel", "its gradient already sums the batches");
+      CHECK_WEAVE_ERROR(parallel::FullyShardedDataParallel(moe, {.group = group}),
+                        "FullyShardedDataParallel", "leaves out the group's scale 1/");
+    }
+  }
 }

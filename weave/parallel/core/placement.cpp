@@ -5,6 +5,7 @@
 #include <map>
 
 #include "weave/optim/optimizer.h"
+#include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/layout.h"
 
 namespace weave::parallel {
@@ -126,5 +127,29 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
   optim::detail::scale_grads_to(params, max_norm, total);
   return total;
 }
+
+namespace detail {
+
+void refuse_spread_experts(const nn::Module& module, const dist::Group& group, const char* op) {
+  check_together(
+      [&] {
+        for (const auto& [name, p] : module.named_parameters()) {
+          const Placement* placement = placement_of(p);
+          if (placement == nullptr) continue;
+          for (const Cut& cut : placement->cuts)
+            WEAVE_CHECK(cut.kind != Cut::Kind::Experts || cut.group.size() == 1, op,
+                        "parameter '{}' is one of {}: its gradient already sums the batches of "
+                        "that expert group, and averaging it over group {} leaves out the "
+                        "group's scale 1/{}, so training would be silently off; hint: wrap the "
+                        "dense part only, and average the experts' gradients over "
+                        "mesh.group({{Axis::ExpertData}}) times 1/{} until the wrappers read "
+                        "placements",
+                        name, cut.str(), group.str(), cut.group.size(), cut.group.size());
+        }
+      },
+      group, op);
+}
+
+}  // namespace detail
 
 }  // namespace weave::parallel

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "weave/distributed/distributed.h"
+#include "weave/nn/module.h"
 #include "weave/tensor/tensor_impl.h"
 
 namespace weave::parallel {
@@ -70,5 +71,12 @@ void add_cut(const Tensor& t, Cut cut, const std::string& hint = "");
 /// Collective over `group` (default: the world), whose ranks together hold the whole model.
 double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
                        const dist::Group& group = dist::world(), bool error_if_nonfinite = false);
+
+namespace detail {
+/// Raises on every rank of `group` when `module` holds experts spread over ranks (an Experts cut
+/// over more than one rank): a data-parallel wrapper `op` over `group` would average their
+/// gradients without the expert group's scale, silently off. Collective: one all_reduce.
+void refuse_spread_experts(const nn::Module& module, const dist::Group& group, const char* op);
+}  // namespace detail
 
 }  // namespace weave::parallel

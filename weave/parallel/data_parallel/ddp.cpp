@@ -13,6 +13,7 @@
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/mesh.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/parallel/core/readiness.h"
 
 namespace weave::parallel {
@@ -218,6 +219,7 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
   WEAVE_CHECK(s.group.rank() >= 0, "DistributedDataParallel",
               "rank {} is not in group {}; hint: only its members construct the wrapper",
               dist::rank(), s.group.str());
+  detail::refuse_spread_experts(module, s.group, "DistributedDataParallel");
   detail::check_same_model(module, s.group, "DistributedDataParallel");
   broadcast_parameters(module, s.options.broadcast_from, s.group);
   for (const auto& [name, p] : module.named_parameters()) {

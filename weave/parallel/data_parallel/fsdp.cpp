@@ -16,6 +16,7 @@
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/layout.h"
 #include "weave/parallel/core/mesh.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/parallel/core/readiness.h"
 #include "weave/parallel/core/replicas.h"
 #include "weave/tensor/tensor_impl.h"
@@ -116,6 +117,7 @@ UnitSpecs agree_on_units(nn::Module& module, State& s) {
   WEAVE_CHECK(s.group.rank() >= 0, kOp,
               "rank {} is not in group {}; hint: only its members construct the wrapper",
               dist::rank(), s.group.str());
+  detail::refuse_spread_experts(module, s.group, kOp);
   detail::check_same_model(module, s.group, kOp);
   UnitSpecs unit_specs;
   detail::check_together(
