@@ -63,9 +63,8 @@ void add_cut(const Tensor& t, Cut cut, const std::string& hint) {
   WEAVE_CHECK(t.defined(), "add_cut", "expected a tensor, found an undefined one");
   auto placement = std::make_shared<Placement>();
   if (const Placement* before = placement_of(t)) *placement = *before;
-  std::erase_if(placement->cuts, [&](const Cut& c) {
-    return c.kind == cut.kind && c.group.ranks() == cut.group.ranks();
-  });
+  // One cut of each kind: a pipeline rebuilt over other ranks moves its stage, say.
+  std::erase_if(placement->cuts, [&](const Cut& c) { return c.kind == cut.kind; });
   placement->cuts.push_back(std::move(cut));
   if (!hint.empty()) placement->hint = hint;
   t.impl()->meta().placement = std::move(placement);

@@ -57,9 +57,9 @@ class Placement final : public PlacementRecord {
 
 /// t's placement, or null when nothing cut it (replicated wherever it exists).
 const Placement* placement_of(const Tensor& t);
-/// Records `cut` on t (a leaf, usually a parameter), beside the cuts recorded before; a cut of
-/// the same kind over the same ranks replaces the earlier one. `hint`, when given, replaces
-/// the clipping advice.
+/// Records `cut` on t (a leaf, usually a parameter), beside the cuts of other kinds recorded
+/// before; it replaces an earlier cut of its kind (a pipeline rebuilt over other ranks moves
+/// its stage). `hint`, when given, replaces the clipping advice.
 void add_cut(const Tensor& t, Cut cut, const std::string& hint = "");
 
 /// Scales the gradients of `params` (this rank's: its slices, shards, experts and stage) so that
