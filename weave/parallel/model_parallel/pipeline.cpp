@@ -289,7 +289,7 @@ Tensor Pipeline::train_interleaved(const std::vector<Tensor>& in, const std::vec
     if (is_first() && chunk == 0) return Tensor();  // what goes to the previous stage
     return unit.x.grad().defined() ? unit.x.grad() : zeros_like(unit.x);
   };
-  const int previous = (s + p - 1) % p, next = (s + 1) % p;
+  const int previous = link.previous(), next = link.next();
   for (int t = 0; t < clock.ticks(); ++t) {
     const int f = clock.forward_at(s, t), b = clock.backward_at(s, t);
     const Tensor y = f >= 0 ? forward(f) : Tensor();
@@ -322,7 +322,7 @@ Tensor Pipeline::predict(const Tensor& inputs) {
   detail::StageLink link(group_, s, p);
   std::map<std::pair<int, int>, Tensor> received;
   std::vector<Tensor> outputs;
-  const int previous = (s + p - 1) % p;
+  const int previous = link.previous();
   for (int t = 0; t < clock.ticks(); ++t) {
     Tensor to_next;
     if (const int f = clock.forward_at(s, t); f >= 0) {

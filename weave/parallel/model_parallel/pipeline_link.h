@@ -34,6 +34,9 @@ class StageLink {
   /// activation (a leaf collecting its gradient) and the gradient, undefined where not asked.
   std::pair<Tensor, Tensor> step(const Tensor& to_next, const Tensor& to_previous,
                                  bool from_previous, bool from_next);
+  /// The group ranks of the neighbours: the next stage (activations go there) and the previous.
+  int next() const { return next_; }
+  int previous() const { return previous_; }
   /// Seconds spent waiting in receives and exchanges since construction.
   double waiting_s() const { return waiting_s_; }
 
