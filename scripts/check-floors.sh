@@ -12,7 +12,8 @@ backend_allowed='^weave/(tensor/|distributed/(communicator|types)\.h)'
 parallel_floors=(core "data_parallel model_parallel checkpoint")
 strategy_folders="data_parallel model_parallel"
 sideways_allowed=(decentralized:topology decentralized:grad_scaler
-                  parallel_transformer:tensor_parallel parallel_transformer:context_parallel)
+                  parallel_transformer:tensor_parallel parallel_transformer:context_parallel
+                  parallel_transformer:experts)
 # Functions in these folders are at most this long (signature to closing brace); every source
 # file of the project is at most file_limit lines.
 function_limit=80

@@ -311,6 +311,37 @@ TEST_SUITE("collectives") {
     dist::barrier();
   }
 
+  TEST_CASE("split_group: subgroups of a group, made by its members alone") {
+    const int n = dist::world_size();
+    if (n < 2) return;
+    // The world's odd and even ranks, in descending order; then the evens split again by
+    // halves, the odd ranks taking no part (new_group would need them).
+    std::vector<int> odd, even;
+    for (int r = n - 1; r >= 0; --r) (r % 2 ? odd : even).push_back(r);
+    const Group parity = dist::split_group(dist::world(), {odd, even});
+    const std::vector<int>& mine = dist::rank() % 2 ? odd : even;
+    CHECK(parity.ranks() == mine);
+    Tensor t = full({2}, double(dist::rank()), {.dtype = kFloat64});
+    dist::all_reduce(t, ReduceOp::Sum, parity);
+    double expected = 0;
+    for (int r : mine) expected += r;
+    CHECK(t.to_vector<double>() == std::vector<double>(2, expected));
+    if (dist::rank() % 2 == 0 && even.size() >= 2) {
+      const std::vector<int> first(even.begin(), even.begin() + 1),
+          rest(even.begin() + 1, even.end());
+      const Group part = dist::split_group(parity, {rest});  // the first even rank is left out
+      const auto at = std::find(rest.begin(), rest.end(), dist::rank());
+      CHECK(part.rank() == (at == rest.end() ? -1 : int(at - rest.begin())));
+      if (part.rank() >= 0) {
+        Tensor one = ones({1}, {.dtype = kFloat64});
+        dist::all_reduce(one, ReduceOp::Sum, part);
+        CHECK(one.item<double>() == double(rest.size()));
+      }
+      CHECK_WEAVE_ERROR(dist::split_group(parity, {first, first}), "split_group", "twice");
+    }
+    CHECK_WEAVE_ERROR(dist::split_group(dist::world(), {{n}}), "split_group", "is not in group");
+  }
+
   TEST_CASE("the fingerprint tells the routes apart") {
     // Two ranks whose tensors take different routes (one through NCCL, one through MPI) would
     // call different libraries and wait forever: check mode must see them as different calls.

@@ -3,6 +3,7 @@
 // against their formulas, gradients by finite differences, and bad options.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -63,6 +64,25 @@ TEST_SUITE("moe") {
         CHECK(moe.stats().dropped == dropped);
         CHECK((capacity == 0.0) == (dropped == 0));
       }
+  }
+
+  TEST_CASE("an expert routed no token gets a zero gradient, not none") {
+    nn::MoEOptions o = options(0.0);
+    o.router.experts = 8;
+    o.router.top_k = 1;
+    nn::MoE moe(o);
+    moe.to(kFloat64);
+    const Tensor x = tokens(2, 4, 9);  // two tokens: at most two of the eight experts
+    moe(x).sum().backward();
+    const auto chosen = moe.router().route(x).expert.to_vector<int64_t>();
+    for (int64_t e = 0; e < 8; ++e) {
+      CAPTURE(e);
+      const bool used = std::find(chosen.begin(), chosen.end(), e) != chosen.end();
+      for (const Tensor& p : moe.expert(e).parameters()) {
+        REQUIRE(p.grad().defined());
+        CHECK((max(abs(p.grad())).item<double>() == 0.0) == !used);
+      }
+    }
   }
 
   TEST_CASE("capacity keeps first choices first, each in token order") {

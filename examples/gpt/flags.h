@@ -13,7 +13,7 @@ using namespace weave;
 
 struct Flags {
   std::string strategy = "ddp", data_dir = "/usr/share/games/fortunes", checkpoint, log;
-  int tp = 2, threads = 1, samples = 3;
+  int tp = 0, threads = 1, samples = 3;
   int context_parallel = 1, expert_parallel = 1;
   int64_t experts = 0, top_k = 2;
   std::string cp_mode = "ring";
@@ -35,7 +35,8 @@ inline Flags parse(int argc, char** argv) {
   app.option_defaults()->always_capture_default();
   app.add_option("--strategy", f.strategy, "data, model or hybrid parallelism")
       ->check(CLI::IsMember({"ddp", "fsdp", "tp", "hybrid"}));
-  app.add_option("--tp", f.tp, "tensor-parallel group size (hybrid)")->check(examples::positive());
+  app.add_option("--tp", f.tp, "tensor-parallel group size (0: 2 under hybrid, else 1)")
+      ->check(examples::non_negative());
   app.add_option("--data", f.data_dir, "directory of fortune files");
   app.add_option("--layers", f.layers)->check(examples::positive());
   app.add_option("--dim", f.dim)->check(examples::positive());
@@ -76,7 +77,7 @@ inline Flags parse(int argc, char** argv) {
   app.add_option("--vocab", f.vocab, "widen the head past the characters' count")
       ->check(examples::non_negative());
   app.add_option("--context-parallel", f.context_parallel,
-                 "ranks that split each sequence (ddp only; zig-zag parts)")
+                 "ranks that split each sequence (zig-zag parts)")
       ->check(examples::positive());
   app.add_option("--cp-mode", f.cp_mode, "attention across the context group")
       ->check(CLI::IsMember({"ring", "all-to-all"}));

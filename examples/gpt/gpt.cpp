@@ -21,7 +21,8 @@
 //   tp      every rank takes all of them; heads, MLP units and vocabulary split over the ranks,
 //           with sequence parallelism unless --no-sequence-parallel;
 //   hybrid  tensor-parallel groups of --tp ranks, data parallel across them.
-// With ddp, two more axes:
+// ddp and fsdp also take --tp N (tensor-parallel groups of N ranks inside each replica), and two
+// more axes; any product of the axes equal to the world size trains:
 //   --context-parallel N   groups of N ranks split every sequence (zig-zag parts, balanced under
 //                          the causal mask); attention runs across the group by ring attention
 //                          (K/V blocks passed around) or all-to-all (heads split instead);
@@ -29,7 +30,9 @@
 //   --experts E            every block's MLP becomes E experts (each a 4 dim / K MLP, so a
 //                          token costs the dense MLP's compute), top --top-k per token, with the
 //                          load-balancing loss over the whole step's batch; --expert-parallel N
-//                          spreads them over groups of N data-parallel ranks.
+//                          spreads them over groups of N of the data x context ranks.
+// The wrappers read where each parameter lives (its placement): experts average over the ranks
+// holding them, with the expert scale; the gradient norm counts every piece once.
 // --autocast runs forward, the loss and the held-out evaluation under AutocastGuard (matrix
 // products and attention in bfloat16/float16, float32 parameters); fp16 adds a GradScaler
 // whose overflow verdict the data-parallel ranks agree on.
@@ -144,49 +147,26 @@ void initialize(nn::Module& model, uint64_t seed) {
   }
 }
 
-// The groups of expert parallelism, from the mesh's expert axis: the ranks of mesh.expert() hold
-// all the experts between them; group({ExpertData}) holds the same experts (replicas).
-struct ExpertGroups {
-  std::optional<dist::Group> experts, replicas;
-};
-ExpertGroups expert_groups(const parallel::ProcessMesh& mesh) {
-  if (mesh.shape().expert == 1) return {};
-  return {mesh.expert(), mesh.group({parallel::Axis::ExpertData})};
-}
-
-// Whether p is an expert's parameter held by this rank only: its placement says so.
-bool spread_expert(const Tensor& p) {
-  const parallel::Placement* placement = parallel::placement_of(p);
-  if (placement == nullptr) return false;
-  return std::any_of(placement->cuts.begin(), placement->cuts.end(), [](const parallel::Cut& c) {
-    return c.kind == parallel::Cut::Kind::Experts && c.group.size() > 1;
-  });
-}
-
 // The model of this rank, built from the whole model's initialization (on every rank alike).
 std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
                                      const parallel::ProcessMesh& mesh, bool sequence_parallel,
-                                     const ExpertGroups& groups = {}) {
+                                     std::optional<dist::Group> experts = std::nullopt) {
   std::shared_ptr<LanguageModel> whole;
   if (f.experts > 0)
-    whole = std::make_shared<MoeGpt>(f, vocab, std::nullopt, mesh.data());
+    whole = std::make_shared<MoeGpt>(f, vocab, mesh.data_and_context());
   else
     whole = std::make_shared<Gpt>(f, vocab);
   initialize(*whole, f.seed);
   whole->checkpoint_activations = f.checkpoint_activations;
   whole->to(f.placed);
-  std::shared_ptr<LanguageModel> split;
-  if (groups.experts)
-    split = std::make_shared<MoeGpt>(f, vocab, groups.experts, mesh.data());
-  else if (mesh.shape().context > 1)
-    split = std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), false, mesh.context());
-  else if (mesh.shape().tensor > 1)
-    split = std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), sequence_parallel);
-  else
-    return whole;
+  if (!experts && mesh.shape().context == 1 && mesh.shape().tensor == 1) return whole;
+  const std::optional<dist::Group> context =
+      mesh.shape().context > 1 ? std::optional(mesh.context()) : std::nullopt;
+  std::shared_ptr<LanguageModel> split = std::make_shared<ParallelGpt>(
+      f, vocab, mesh.tensor(), sequence_parallel, context, experts, mesh.data_and_context());
   split->to(f.placed);
   nn::NamedTensors state = parallel::shard_state_dict(whole->state_dict(), *split);
-  if (groups.experts) {  // this rank's experts only
+  if (experts) {  // this rank's experts only
     const auto names = split->state_dict();
     std::erase_if(state, [&](const auto& entry) {
       return std::none_of(names.begin(), names.end(),
@@ -196,20 +176,6 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
   split->load_state_dict(state);
   split->checkpoint_activations = f.checkpoint_activations;
   return split;
-}
-
-// Averages the gradients of a model trained without a data-parallel wrapper (context or expert
-// parallelism): replicated parameters over data and context; an expert over its replicas,
-// divided by the expert group's size (its gradient already sums that group's batches).
-void average_gradients(LanguageModel& model, const parallel::ProcessMesh& mesh,
-                       const ExpertGroups& groups) {
-  std::vector<Tensor> replicated, experts;
-  for (const Tensor& p : model.parameters()) (spread_expert(p) ? experts : replicated).push_back(p);
-  parallel::average_gradients(replicated, mesh.data_and_context());
-  if (experts.empty()) return;
-  parallel::average_gradients(experts, *groups.replicas);
-  NoGradGuard no_grad;
-  for (Tensor& p : experts) p.grad().mul_(1.0 / double(groups.experts->size()));
 }
 
 // Mean loss over the held-out windows: each data-parallel rank evaluates its share.
@@ -305,34 +271,35 @@ int main(int argc, char** argv) try {
   set_num_threads(f.threads);
   const int world = dist::world_size();
   const bool fully_sharded = f.strategy == "fsdp";
-  const int tensor = f.strategy == "ddp" || fully_sharded ? 1 : f.strategy == "tp" ? world : f.tp;
-  WEAVE_CHECK(tensor > 0 && world % tensor == 0, "gpt",
-              "--tp {} does not divide the {} ranks; hint: run a multiple of --tp ranks", tensor,
-              world);
+  // Tensor-parallel ranks: every rank under tp; --tp (2 unless given) under hybrid; --tp when
+  // given with ddp or fsdp.
+  const int tensor = f.strategy == "tp" ? world : f.tp > 0 ? f.tp : f.strategy == "hybrid" ? 2 : 1;
   const int context = f.context_parallel;
-  WEAVE_CHECK((context == 1 && f.experts == 0) || (tensor == 1 && !fully_sharded), "gpt",
-              "--context-parallel and --experts run with --strategy ddp");
-  WEAVE_CHECK(context == 1 || f.experts == 0, "gpt",
-              "--context-parallel with --experts is not supported; hint: use one of them");
   WEAVE_CHECK(world % (tensor * context) == 0, "gpt",
-              "--context-parallel {} does not divide the {} ranks", context, world);
+              "--tp {} times --context-parallel {} does not divide the {} ranks; hint: run a "
+              "multiple of their product",
+              tensor, context, world);
   const int data = world / (tensor * context);
-  WEAVE_CHECK(f.experts == 0 || (data % f.expert_parallel == 0 && f.eval_windows % data == 0 &&
-                                 f.experts % f.expert_parallel == 0 && f.top_k <= f.experts),
-              "gpt",
-              "--expert-parallel {} must divide the {} data-parallel ranks and the {} experts, "
-              "--top-k {} be at most the experts, and --eval-windows {} divide among the ranks",
-              f.expert_parallel, data, f.experts, f.top_k, f.eval_windows);
+  WEAVE_CHECK(
+      f.experts == 0 || ((data * context) % f.expert_parallel == 0 && f.eval_windows % data == 0 &&
+                         f.experts % f.expert_parallel == 0 && f.top_k <= f.experts),
+      "gpt",
+      "--expert-parallel {} must divide the {} data x context ranks and the {} experts, "
+      "--top-k {} be at most the experts, and --eval-windows {} divide among the {} "
+      "data-parallel ranks",
+      f.expert_parallel, data * context, f.experts, f.top_k, f.eval_windows, data);
   const parallel::ProcessMesh mesh({.data = data,
                                     .tensor = tensor,
                                     .context = context,
                                     .expert = f.experts > 0 ? f.expert_parallel : 1});
-  const ExpertGroups expert_group = expert_groups(mesh);
-  // Context and expert parallelism average the gradients themselves (average_gradients).
-  const bool wrapped = context == 1 && f.experts == 0;
+  // The ranks that hold every expert between them (mesh.expert()), when experts are spread.
+  const std::optional<dist::Group> experts =
+      mesh.shape().expert > 1 ? std::optional(mesh.expert()) : std::nullopt;
   WEAVE_CHECK(f.batch % data == 0, "gpt", "--batch {} does not divide among {} data-parallel ranks",
               f.batch, data);
-  const bool sequence_parallel = tensor > 1 && f.sequence_parallel;
+  // Sequence parallelism splits what experts and context parallelism need whole.
+  const bool sequence_parallel =
+      tensor > 1 && f.sequence_parallel && f.experts == 0 && context == 1;
   Corpus corpus = load_corpus(f.data_dir);
   corpus.vocab = std::max(corpus.vocab, (f.vocab + 7) / 8 * 8);
   WEAVE_CHECK(int64_t(corpus.heldout.size()) > f.context + 1, "gpt",
@@ -340,24 +307,24 @@ int main(int argc, char** argv) try {
               "(train {}); hint: a shorter --context or more text",
               f.context, f.data_dir, corpus.heldout.size(), corpus.train.size());
 
-  auto model = build(f, corpus.vocab, mesh, sequence_parallel, expert_group);
+  auto model = build(f, corpus.vocab, mesh, sequence_parallel, experts);
   std::vector<std::pair<std::string, Shape>> model_shapes;  // before fsdp shards the parameters
   for (const auto& [name, p] : model->named_parameters())
     model_shapes.emplace_back(name, p.shape());
   std::unique_ptr<parallel::DistributedDataParallel> ddp;
   std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
-  if (fully_sharded)
+  if (fully_sharded)  // each parameter sharded over the ranks holding copies of it
     fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
-        *model, parallel::FSDPOptions{.group = mesh.data()});
-  else if (data > 1 && wrapped)
+        *model, parallel::FSDPOptions{.group = mesh.data_and_context()});
+  else if (data * context > 1)  // each parameter averaged where its placement says
     ddp = std::make_unique<parallel::DistributedDataParallel>(
-        *model, parallel::DDPOptions{.group = mesh.data()});
+        *model, parallel::DDPOptions{.group = mesh.data_and_context()});
   // Evaluation and sampling run on whole parameters: under fsdp, on a replica loaded from the
   // gathered state (the sharded model's forward would gather on every data-parallel rank, but
   // only one group samples). Collective under fsdp.
   auto whole_model = [&]() -> std::shared_ptr<LanguageModel> {
     if (!fsdp) return model;
-    auto replica = build(f, corpus.vocab, mesh, sequence_parallel);
+    auto replica = build(f, corpus.vocab, mesh, sequence_parallel, experts);
     replica->load_state_dict(fsdp->full_state_dict());
     return replica;
   };
@@ -428,8 +395,6 @@ int main(int argc, char** argv) try {
       loss = model->loss(logits, targets);
     }
     scaler.scale(loss).backward();
-    if (!wrapped && mesh.data_and_context().size() > 1)
-      average_gradients(*model, mesh, expert_group);
     scaler.unscale_(optimizer.params());  // clipping sees the true gradients
     // The whole model's norm: each parameter's placement says how many ranks hold its piece.
     const double grad_norm = parallel::clip_grad_norm_(optimizer.params(), f.clip);
@@ -483,7 +448,7 @@ int main(int argc, char** argv) try {
   }
   // Decoding appends one position at a time, which sequence parallelism cannot split: the same
   // parameters in a model built without it.
-  if (expert_group.experts) {
+  if (experts) {
     if (dist::rank() == 0) std::printf("samples: none (the experts are spread over ranks)\n");
   } else if (sequence_parallel || context > 1) {
     auto decoder = std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);

@@ -78,15 +78,28 @@ class Gpt : public LanguageModel {
   }
 };
 
+/// Block i's mixture of experts: --experts of them, each a 4 dim / K MLP (a token costs the dense
+/// MLP's compute), top --top-k.
+inline nn::MoEOptions moe_options(const Flags& f, int64_t i) {
+  return {.hidden = f.dim,
+          .ffn = 4 * f.dim / f.top_k,
+          .router = {.experts = f.experts, .top_k = f.top_k},
+          .seed = f.seed + uint64_t(i)};
+}
+
 /// The same GPT split over a tensor-parallel group: the vocabulary of the embedding and of the
 /// output layer, the heads and MLP units of every block. Sequence first inside; with sequence
 /// parallelism the norms and residuals hold 1/n of the sequence. Same parameter names as Gpt.
 class ParallelGpt : public LanguageModel {
  public:
   /// With `context`, each rank of that group holds its zig-zag part of every sequence
-  /// (parallel::ring_attention or all_to_all_attention, per --cp-mode); tp is then one rank.
+  /// (parallel::ring_attention or all_to_all_attention, per --cp-mode). With --experts, every
+  /// block's MLP is a mixture of experts (as MoeGpt's), spread over `experts` when it has
+  /// several ranks, its load-balancing loss over `balance` (the data x context ranks).
   ParallelGpt(const Flags& f, int64_t vocab, const dist::Group& tp, bool sequence_parallel,
-              std::optional<dist::Group> context = std::nullopt)
+              std::optional<dist::Group> context = std::nullopt,
+              std::optional<dist::Group> experts = std::nullopt,
+              std::optional<dist::Group> balance = std::nullopt)
       : LanguageModel("ParallelGpt"),
         tp_(tp),
         sequence_parallel_(sequence_parallel),
@@ -103,7 +116,10 @@ class ParallelGpt : public LanguageModel {
                   .sequence_parallel = sequence_parallel,
                   .context_group = context_,
                   .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
-                                                      : parallel::ContextParallelMode::AllToAll})));
+                                                      : parallel::ContextParallelMode::AllToAll,
+                  .moe = f.experts > 0 ? std::optional(moe_options(f, i)) : std::nullopt,
+                  .expert_group = experts,
+                  .balance_group = balance})));
     if (sequence_parallel)
       norm = register_module(
           "norm", std::make_shared<parallel::SequenceParallelLayerNorm>(Shape{f.dim}, tp));
@@ -121,10 +137,15 @@ class ParallelGpt : public LanguageModel {
     for (auto& block : blocks) x = run_block(*block, x);
     return (*head)((*norm)(x));
   }
+  /// Cross-entropy, plus every block's auxiliary loss with experts.
   Tensor loss(const Tensor& logits, const Tensor& targets) override {
     const Tensor mine = context_ ? part(targets) : targets;  // this rank's positions
-    return parallel::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                  mine.transpose(0, 1).reshape({-1}), tp_);
+    Tensor total = parallel::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                          mine.transpose(0, 1).reshape({-1}), tp_);
+    if (is_training())
+      for (auto& block : blocks)
+        if (block->moe) total = total + block->aux_loss();
+    return total;
   }
   Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
     Tensor x = embed(ids, caches[0].length());
@@ -181,33 +202,21 @@ class MoeBlock : public nn::Module {
   std::function<Tensor()> aux_loss;  // the last forward's load-balancing and z-loss
 };
 
-/// Gpt with --experts experts in every block's MLP, top --top-k; over `experts` (an expert
-/// group of the data-parallel ranks) when it has more than one rank. The load-balancing loss
-/// counts the assignments of the whole step's batch (`balance`: the data-parallel ranks).
+/// Gpt with --experts experts in every block's MLP, top --top-k, on one rank (each data-parallel
+/// replica; ParallelGpt spreads them). The load-balancing loss counts the assignments of the
+/// whole step's batch (`balance`: the data-parallel ranks).
 class MoeGpt : public LanguageModel {
  public:
-  MoeGpt(const Flags& f, int64_t vocab, std::optional<dist::Group> experts,
-         std::optional<dist::Group> balance)
+  MoeGpt(const Flags& f, int64_t vocab, std::optional<dist::Group> balance)
       : LanguageModel("MoeGpt") {
     tokens = register_module("tokens", std::make_shared<nn::Embedding>(vocab, f.dim));
     positions = register_module("positions", std::make_shared<nn::Embedding>(f.context, f.dim));
     for (int64_t i = 0; i < f.layers; ++i) {
-      const nn::MoEOptions o{.hidden = f.dim,
-                             .ffn = 4 * f.dim / f.top_k,  // the dense MLP's compute per token
-                             .router = {.experts = f.experts, .top_k = f.top_k},
-                             .seed = f.seed + uint64_t(i)};
-      std::shared_ptr<nn::Module> layer;
-      std::function<Tensor()> aux;
-      if (experts && experts->size() > 1) {
-        auto ep = std::make_shared<parallel::ExpertParallelMoE>(o, *experts, balance);
-        aux = [raw = ep.get()] { return raw->aux_loss(); };
-        layer = ep;
-      } else {
-        auto dense = std::make_shared<nn::MoE>(o);
-        if (balance && balance->size() > 1) dense->reduce_shares = parallel::shares_over(*balance);
-        aux = [raw = dense.get()] { return raw->aux_loss(); };
-        layer = dense;
-      }
+      const nn::MoEOptions o = moe_options(f, i);
+      auto dense = std::make_shared<nn::MoE>(o);
+      if (balance && balance->size() > 1) dense->reduce_shares = parallel::shares_over(*balance);
+      std::function<Tensor()> aux = [raw = dense.get()] { return raw->aux_loss(); };
+      std::shared_ptr<nn::Module> layer = dense;
       blocks.push_back(
           register_module("block" + std::to_string(i), std::make_shared<MoeBlock>(f, layer, aux)));
     }

@@ -134,6 +134,11 @@ Group world();
 /// Creates a group from global ranks (unique, in range). Every rank must call it, in the same
 /// order, like the collectives.
 Group new_group(const std::vector<int>& ranks);
+/// Splits `parent` into disjoint subgroups (lists of its global ranks, each in its group order)
+/// and returns the one that lists this rank; a rank listed in none gets a group it is not in
+/// (rank() == -1). Collective over parent only: every member passes the same lists. Unlike
+/// new_group, the rest of the world takes no part (a wrapper over a sub-axis can split it).
+Group split_group(const Group& parent, const std::vector<std::vector<int>>& subgroups);
 /// A new group of the same ranks in the same order, with communicators of its own: its
 /// collectives never pair with the original's, so a background thread can communicate on it
 /// while the training thread uses the original. Collective over the group (its members only).

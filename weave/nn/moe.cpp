@@ -139,12 +139,15 @@ Tensor MoE::forward(const Tensor& x) {
   const Tensor rows = detail::dispatch_rows(tokens, dispatch);
   std::vector<Tensor> outputs;
   int64_t offset = 0;
+  // Every expert runs, on no rows when none were routed to it: its gradient is then zero, not
+  // missing, so the step treats every expert alike on every rank (an optimizer decays it, a
+  // data-parallel wrapper finds it ready at the same point of backward everywhere).
   for (size_t e = 0; e < experts_.size(); ++e) {
     const int64_t count = dispatch.per_expert[e];
-    if (count > 0) outputs.push_back((*experts_[e])(rows.narrow(0, offset, count)));
+    outputs.push_back((*experts_[e])(rows.narrow(0, offset, count)));
     offset += count;
   }
-  const Tensor outs = outputs.empty() ? rows : cat(outputs);
+  const Tensor outs = cat(outputs);
   return detail::combine(outs, dispatch, routing.weight).reshape(shape);
 }
 

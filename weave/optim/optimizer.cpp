@@ -392,15 +392,21 @@ void MixedPrecision::set_counters(const std::map<std::string, double>& counters)
 namespace detail {
 
 double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, const char* op) {
+  std::vector<Tensor> grads;
+  for (const Tensor& p : params) grads.push_back(p.grad());
+  return norm_partial(grads, norm_type, op);
+}
+
+double norm_partial(const std::vector<Tensor>& grads, double norm_type, const char* op) {
   NoGradGuard no_grad;
   WEAVE_CHECK(norm_type >= 1, op, "norm_type must be >= 1, found {}", norm_type);
   // The parts meet on the device and are read once: a read per parameter would stall the host
   // on each one (a GPU step would wait for every gradient in turn). maximum keeps a NaN.
   const bool largest = std::isinf(norm_type);
   Tensor total;
-  for (const Tensor& p : params) {
-    if (!p.grad().defined() || p.grad().numel() == 0) continue;
-    const Tensor g = p.grad().to(kFloat64);
+  for (const Tensor& grad : grads) {
+    if (!grad.defined() || grad.numel() == 0) continue;
+    const Tensor g = grad.to(kFloat64);
     // pow is several times slower than a multiply
     Tensor part = largest ? max(abs(g)) : norm_type == 2 ? sum(g * g) : sum(pow(abs(g), norm_type));
     if (total.defined()) part = part.to(total.device());

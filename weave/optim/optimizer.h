@@ -233,6 +233,8 @@ namespace detail {
 /// The pieces clip_grad_norm_ is made of, for norms that span processes: the partial norm of
 /// the gradients (sum of |g|^p, or max |g| for p = INFINITY), and the scaling step.
 double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, const char* op);
+/// The same over gradient tensors themselves (undefined ones skipped).
+double norm_partial(const std::vector<Tensor>& grads, double norm_type, const char* op);
 /// Raises unless max_norm is a number >= 0 (INFINITY allowed).
 void check_max_norm(double max_norm, const char* op);
 /// Raises when error_if_nonfinite is set and total_norm is NaN or infinite.

@@ -20,8 +20,10 @@ FlatBuffer FlatBuffer::like(const std::vector<Tensor>& tensors, int64_t pad_to, 
     buffer.used += t.numel();
   }
   const int64_t padded = (buffer.used + pad_to - 1) / pad_to * pad_to;
-  buffer.flat =
-      zeros({padded + extra}, {.dtype = tensors[0].dtype(), .device = tensors[0].device()});
+  buffer.flat = zeros(
+      {padded + extra},
+      tensors.empty() ? TensorOptions{.dtype = kFloat32}
+                      : TensorOptions{.dtype = tensors[0].dtype(), .device = tensors[0].device()});
   return buffer;
 }
 
@@ -54,6 +56,7 @@ void GradBucket::launch_average(const dist::Group& group) {
 void GradBucket::wait() {
   work.wait();
   if (!wire.is_same(grads.flat)) grads.flat.copy_(wire);
+  if (scale != 1.0) grads.flat.mul_(scale);
 }
 
 void bind_data(const Tensor& tensor, Tensor view) {

@@ -54,12 +54,15 @@ struct GradBucket {
   FlatBuffer grads;
   Tensor wire;  // what travels: grads.flat itself, or its copy in the compressed dtype
   dist::Work work;
+  /// What the average is multiplied by once it arrived (an expert's 1 / expert group size).
+  double scale = 1.0;
 
-  /// Room for the gradients of `params` (one dtype and device), plus `extra` trailing elements.
+  /// Room for the gradients of `params` (one dtype and device; none: `extra` float32 elements
+  /// on the host alone), plus `extra` trailing elements.
   static GradBucket allocate(const std::vector<Tensor>& params, std::optional<DType> compress,
                              int64_t extra = 0);
   void launch_average(const dist::Group& group);
-  /// Waits for the average and widens it back into grads.flat.
+  /// Waits for the average, widens it back into grads.flat and applies `scale`.
   void wait();
 };
 

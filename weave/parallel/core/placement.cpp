@@ -1,8 +1,12 @@
 // Placements: the cuts recorded on a parameter, and the clipping that reads them.
 #include "weave/parallel/core/placement.h"
 
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <string>
 
 #include "weave/optim/optimizer.h"
 #include "weave/parallel/core/agree.h"
@@ -72,28 +76,48 @@ void add_cut(const Tensor& t, Cut cut, const std::string& hint) {
 
 namespace {
 
+// Adds the gradient of a flat shard over `group` to `by_copies`, member by member: a member that
+// is a tensor-parallel slice has fewer copies than the shard (FSDP around tensor parallelism).
+void add_flat_shard(const Tensor& shard, const Placement& placement,
+                    const detail::FlatShard& layout, const dist::Group& group,
+                    std::map<int, std::vector<Tensor>>& by_copies) {
+  const int copies = placement.copies_in(group);
+  const Tensor grad = shard.grad();
+  if (!grad.defined()) return;
+  const int64_t end = layout.begin + grad.numel();
+  for (size_t k = 0; k < layout.offsets.size(); ++k) {
+    const int64_t lo = std::max(layout.begin, layout.offsets[k]);
+    const int64_t hi = std::min(end, layout.offsets[k] + layout.shapes[k].numel());
+    if (lo >= hi) continue;
+    const int count = k < layout.splits.size() ? layout.splits[k].count : 1;
+    WEAVE_CHECK(copies % count == 0, "clip_grad_norm_",
+                "a flat shard ({}) holds a member split {} ways, which does not divide its {} "
+                "copies in group {}",
+                placement.str(), count, copies, group.str());
+    by_copies[copies / count].push_back(grad.reshape({-1}).narrow(0, lo - layout.begin, hi - lo));
+  }
+}
+
 // The sum of |g|^p (max |g| for p = INFINITY) over the distinct pieces of the model this rank
 // holds, each weighted by 1 / its copies in the group, so the group's sum counts it once.
 double weighted_partial(const std::vector<Tensor>& params, double norm_type,
                         const dist::Group& group, const char* op) {
-  std::map<int, std::vector<Tensor>> by_copies;
+  std::map<int, std::vector<Tensor>> by_copies;  // copies -> gradients
   for (const Tensor& p : params) {
     if (!p.defined()) continue;
     const Placement* placement = placement_of(p);
-    if (placement != nullptr)
-      if (const auto layout = detail::flat_shard_of(p))
-        for (const TensorSplit& split : layout->splits)
-          WEAVE_CHECK(split.count == 1, op,
-                      "a flat shard ({}) holds tensor-parallel slices, whose copies differ from "
-                      "the shard's; clipping such a mix is not supported yet; hint: clip the "
-                      "FSDP model with fsdp.clip_grad_norm_",
-                      placement->str());
-    by_copies[placement ? placement->copies_in(group) : group.size()].push_back(p);
+    if (placement == nullptr) {
+      by_copies[group.size()].push_back(p.grad());
+    } else if (const auto layout = detail::flat_shard_of(p)) {
+      add_flat_shard(p, *placement, *layout, group, by_copies);
+    } else {
+      by_copies[placement->copies_in(group)].push_back(p.grad());
+    }
   }
   const bool inf = std::isinf(norm_type);
   double total = 0;
-  for (const auto& [copies, members] : by_copies) {
-    const double part = optim::detail::grad_norm_partial(members, norm_type, op);
+  for (const auto& [copies, grads] : by_copies) {
+    const double part = optim::detail::norm_partial(grads, norm_type, op);
     total = inf ? (std::isnan(part) ? part : std::max(total, part)) : total + part / copies;
   }
   return total;
@@ -129,24 +153,102 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
 
 namespace detail {
 
-void refuse_spread_experts(const nn::Module& module, const dist::Group& group, const char* op) {
+double ReplicaGroups::scale(int k) const {
+  return double(groups[size_t(k)].size()) / double(groups[0].size());
+}
+
+std::vector<Tensor> ReplicaGroups::members(const std::vector<Tensor>& params, int k) const {
+  std::vector<Tensor> out;
+  for (size_t i = 0; i < params.size(); ++i)
+    if (of[i] == k) out.push_back(params[i]);
+  return out;
+}
+
+namespace {
+
+// Which experts this rank holds of parameter `p` spread inside `group` (the first one), or -1
+// when every rank of `group` holding it holds the same piece. Raises for a cut that splits the
+// same batch's gradient across ranks of `group`.
+int64_t experts_inside(const std::string& name, const Tensor& p, const dist::Group& group,
+                       const char* op) {
+  const Placement* placement = placement_of(p);
+  if (placement == nullptr) return -1;
+  int64_t first = -1;
+  for (const Cut& cut : placement->cuts) {
+    int64_t shared = 0;
+    for (int r : cut.group.ranks()) shared += group.contains(r) ? 1 : 0;
+    const bool experts = cut.kind == Cut::Kind::Experts && cut.group.size() > 1;
+    // Expert ranks read different batches: a data-parallel group must take them in.
+    WEAVE_CHECK(!experts || shared > 1, op,
+                "parameter '{}' is one of {}, outside group {}: its gradient sums the batches "
+                "of that expert group, which the group's average would leave out (off by the "
+                "expert scale 1/{}); hint: wrap over every rank that reads a different batch, "
+                "e.g. mesh.group({{Axis::Data, Axis::Context}}), which takes the experts in",
+                name, cut.str(), group.str(), cut.group.size());
+    if (shared <= 1) continue;  // the cut runs across the group: every rank of it holds its piece
+    WEAVE_CHECK(experts, op,
+                "parameter '{}' is {}, which shares ranks with group {}: those ranks hold "
+                "different pieces of one batch's gradient, not replicas; hint: wrap over the "
+                "ranks that read different batches, e.g. mesh.group({{Axis::Data, "
+                "Axis::Context}})",
+                name, cut.str(), group.str());
+    WEAVE_CHECK(shared == cut.group.size(), op,
+                "parameter '{}' is {}, partly outside group {}; hint: spread the experts over "
+                "a sub-axis of the data-parallel ranks (mesh.expert())",
+                name, cut.str(), group.str());
+    first = cut.first;
+  }
+  return first;
+}
+
+}  // namespace
+
+ReplicaGroups replica_groups(const std::vector<std::string>& names,
+                             const std::vector<Tensor>& params, const dist::Group& group,
+                             const char* op) {
+  std::string mine;
   check_together(
       [&] {
-        for (const auto& [name, p] : module.named_parameters()) {
-          const Placement* placement = placement_of(p);
-          if (placement == nullptr) continue;
-          for (const Cut& cut : placement->cuts)
-            WEAVE_CHECK(cut.kind != Cut::Kind::Experts || cut.group.size() == 1, op,
-                        "parameter '{}' is one of {}: its gradient already sums the batches of "
-                        "that expert group, and averaging it over group {} leaves out the "
-                        "group's scale 1/{}, so training would be silently off; hint: wrap the "
-                        "dense part only, and average the experts' gradients over "
-                        "mesh.group({{Axis::ExpertData}}) times 1/{} until the wrappers read "
-                        "placements",
-                        name, cut.str(), group.str(), cut.group.size(), cut.group.size());
-        }
+        for (size_t i = 0; i < params.size(); ++i)
+          mine += fmt::format("{},", experts_inside(names[i], params[i], group, op));
       },
       group, op);
+  const std::vector<std::string> all = all_gather_bytes(mine, group);
+  ReplicaGroups out{.groups = {group}, .of = std::vector<int>(params.size(), 0)};
+  std::vector<std::vector<std::vector<int>>> partitions = {{group.ranks()}};
+  std::vector<size_t> at(all.size(), 0);  // parse position in each rank's list
+  for (size_t i = 0; i < params.size(); ++i) {
+    std::map<int64_t, std::vector<int>> holders;  // first expert -> global ranks
+    for (size_t r = 0; r < all.size(); ++r) {
+      const size_t comma = all[r].find(',', at[r]);
+      holders[std::stoll(all[r].substr(at[r], comma - at[r]))].push_back(group.global_rank(int(r)));
+      at[r] = comma + 1;
+    }
+    if (holders.size() == 1 && holders.begin()->first == -1) continue;
+    WEAVE_CHECK(!holders.contains(-1), op,
+                "parameter '{}' is spread as experts on some ranks of group {} and not on ranks "
+                "{}; hint: build the same model on every rank",
+                names[i], group.str(), holders[-1]);
+    std::vector<std::vector<int>> partition;
+    for (auto& [first, ranks] : holders) partition.push_back(std::move(ranks));
+    auto found = std::find(partitions.begin(), partitions.end(), partition);
+    if (found == partitions.end()) {
+      out.groups.push_back(dist::split_group(group, partition));
+      found = partitions.insert(partitions.end(), std::move(partition));
+    }
+    out.of[i] = int(found - partitions.begin());
+  }
+  return out;
+}
+
+bool spread_expert_in(const Tensor& p, const dist::Group& group) {
+  const Placement* placement = placement_of(p);
+  if (placement == nullptr) return false;
+  for (const Cut& cut : placement->cuts)
+    if (cut.kind == Cut::Kind::Experts && cut.group.size() > 1 &&
+        group.contains(cut.group.global_rank(0)))
+      return true;
+  return false;
 }
 
 }  // namespace detail

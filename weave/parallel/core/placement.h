@@ -73,10 +73,35 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
                        const dist::Group& group = dist::world(), bool error_if_nonfinite = false);
 
 namespace detail {
-/// Raises on every rank of `group` when `module` holds experts spread over ranks (an Experts cut
-/// over more than one rank): a data-parallel wrapper `op` over `group` would average their
-/// gradients without the expert group's scale, silently off. Collective: one all_reduce.
-void refuse_spread_experts(const nn::Module& module, const dist::Group& group, const char* op);
+/// Where a data-parallel wrapper over `group` (ranks that read different batches) reduces each
+/// parameter's gradient, read from the placements. A parameter without cuts inside `group` is
+/// averaged over all of it; an expert spread over ranks of `group` (an Experts cut within it) is
+/// summed over the ranks holding the same experts (its expert-data group) and divided by
+/// group.size(): its gradient already sums the tokens of its expert group, so this is the
+/// average over the expert-data group times 1 / (expert group size), Megatron's expert scale.
+struct ReplicaGroups {
+  /// groups[0] is the wrapper's group; the others are its expert-data groups.
+  std::vector<dist::Group> groups;
+  /// Per parameter, its entry in `groups`.
+  std::vector<int> of;
+  /// What an average over groups[k] is multiplied by: groups[k].size() / groups[0].size().
+  double scale(int k) const;
+  /// The parameters of `params` (the list `of` describes) averaged over groups[k].
+  std::vector<Tensor> members(const std::vector<Tensor>& params, int k) const;
+};
+/// Reads the placements of `params` (named `names`, the same on every rank) and creates the
+/// expert-data groups (split_group of `group`, one per distinct way experts are spread). Raises
+/// on every rank, tagged `op`, when a parameter is cut by a tensor-parallel split, a flat shard
+/// or a pipeline stage across ranks of `group` (those ranks hold different pieces of the same
+/// batch's gradient: the group must be the data-parallel one), or by experts spread partly
+/// outside it. Collective over `group`.
+ReplicaGroups replica_groups(const std::vector<std::string>& names,
+                             const std::vector<Tensor>& params, const dist::Group& group,
+                             const char* op);
+
+/// Whether p is one of the experts spread over ranks of `group` (an Experts cut of more than one
+/// rank, inside the group): its copies on the group's ranks differ, and so does its name.
+bool spread_expert_in(const Tensor& p, const dist::Group& group);
 }  // namespace detail
 
 }  // namespace weave::parallel

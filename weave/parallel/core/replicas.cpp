@@ -72,10 +72,7 @@ void broadcast_parameters(nn::Module& module, int root,
   const dist::Group group = detail::data_parallel_group(group_option, "broadcast_parameters");
   std::vector<Tensor> tensors = module.parameters();
   for (const Tensor& b : module.buffers()) tensors.push_back(b);
-  run_packed(tensors, kBroadcastBucketMb, [&](Packed& b) {
-    b.wire = b.flat;
-    b.work = dist::broadcast(b.wire, root, group, /*async_op=*/true);
-  });
+  detail::broadcast_packed(tensors, root, group);
 }
 
 void check_same_model(const nn::Module& module, const std::optional<dist::Group>& group_option) {
@@ -181,10 +178,32 @@ int64_t check_replicas(const nn::Module& module, const dist::Group& group) {
 
 namespace detail {
 
+void broadcast_packed(const std::vector<Tensor>& tensors, int root, const dist::Group& group) {
+  run_packed(tensors, kBroadcastBucketMb, [&](Packed& b) {
+    b.wire = b.flat;
+    b.work = dist::broadcast(b.wire, root, group, /*async_op=*/true);
+  });
+}
+
+void broadcast_replicas(nn::Module& module, const std::vector<Tensor>& params,
+                        const ReplicaGroups& replicas, int root) {
+  const dist::Group& group = replicas.groups[0];
+  std::vector<Tensor> dense = module.buffers();
+  for (const Tensor& p : module.parameters())
+    if (!spread_expert_in(p, group)) dense.push_back(p);
+  broadcast_packed(dense, root, group);
+  for (size_t k = 1; k < replicas.groups.size(); ++k)
+    broadcast_packed(replicas.members(params, int(k)), 0, replicas.groups[k]);
+}
+
 void check_same_model(const nn::Module& module, const dist::Group& group, const char* op) {
   std::vector<std::string> lines;
-  for (const auto& [name, t] : module.named_parameters())
-    lines.push_back(fmt::format("parameter {} {} {}", name, t.dtype(), t.shape()));
+  for (const auto& [name, t] : module.named_parameters()) {
+    // Experts spread over ranks of the group are named by their global index, which differs.
+    const bool spread_here = spread_expert_in(t, group);
+    lines.push_back(fmt::format("parameter {} {} {}", spread_here ? "(one of the experts)" : name,
+                                t.dtype(), t.shape()));
+  }
   for (const auto& [name, t] : module.named_buffers())
     lines.push_back(fmt::format("buffer {} {} {}", name, t.dtype(), t.shape()));
   check_same_lines(lines, group, op, "the model",

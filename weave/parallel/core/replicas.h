@@ -9,6 +9,7 @@
 #include "weave/distributed/distributed.h"
 #include "weave/nn/module.h"
 #include "weave/optim/optimizer.h"
+#include "weave/parallel/core/placement.h"
 
 namespace weave::parallel {
 
@@ -54,6 +55,14 @@ void average_tensors(const std::vector<Tensor>& tensors, const dist::Group& grou
 int64_t check_replicas(const nn::Module& module, const dist::Group& group = dist::world());
 
 namespace detail {
+/// Broadcasts `tensors` from group rank `root` in flat buckets of at most 25 MB, all in flight
+/// at once (broadcast_parameters' transport). Collective.
+void broadcast_packed(const std::vector<Tensor>& tensors, int root, const dist::Group& group);
+/// Makes every replica equal, reading placements: from group rank `root` of replicas.groups[0]
+/// the module's buffers and every parameter but the spread experts (frozen ones too); each
+/// spread expert of `params` from the first rank of its expert-data group. Collective.
+void broadcast_replicas(nn::Module& module, const std::vector<Tensor>& params,
+                        const ReplicaGroups& replicas, int root);
 /// check_same_model over `group`, with errors tagged `op`.
 void check_same_model(const nn::Module& module, const dist::Group& group, const char* op);
 }  // namespace detail

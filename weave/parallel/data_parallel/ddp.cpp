@@ -37,6 +37,8 @@ struct DistributedDataParallel::State {
   std::vector<Tensor> params;
   std::vector<Tensor> views;  // params[i]'s gradient inside its bucket
   std::vector<Bucket> buckets;
+  std::vector<int> bucket_group;   // each bucket's entry in replicas.groups
+  detail::ReplicaGroups replicas;  // where each parameter's gradient is averaged, and its scale
   std::shared_ptr<detail::GradReadiness> readiness;
   bool finite = true;
   DDPStats stats;
@@ -47,27 +49,62 @@ struct DistributedDataParallel::State {
 
   void watch() {
     readiness = detail::GradReadiness::create(
-        params, {.ready = [this](int i) { detail::bind_grad(params[i], views[i]); },
-                 .launch = [this](int b) { buckets[size_t(b)].launch_average(group); },
-                 .finish = [this](bool failed) { settle(failed); }});
+        params,
+        {.ready = [this](int i) { detail::bind_grad(params[i], views[i]); },
+         .launch =
+             [this](int b) {
+               buckets[size_t(b)].launch_average(replicas.groups[size_t(bucket_group[size_t(b)])]);
+             },
+         .finish = [this](bool failed) { settle(failed); }});
   }
 
-  // The last bucket, which carries the status words, is held back until the end of backward,
-  // when this rank's status is known.
+  // Each bucket holds parameters of one replica group (experts apart from the dense ones), cut
+  // from the traced order; buckets launch in the order their last gradient arrives. The last
+  // bucket, a dense one that carries the status words (alone when nothing is dense), is held
+  // back until the end of backward, when this rank's status is known.
   void build_buckets(const std::vector<int>& order) {
-    std::vector<std::vector<int>> members =
-        detail::cut_buckets(order, params, options.first_bucket_mb, options.bucket_mb);
+    std::vector<std::pair<size_t, int>> ends;  // (position of its last member in order, group)
+    std::vector<std::vector<int>> members;
+    for (size_t k = 0; k < replicas.groups.size(); ++k) {
+      std::vector<int> mine;
+      for (int i : order)
+        if (replicas.of[size_t(i)] == int(k)) mine.push_back(i);
+      for (std::vector<int>& bucket :
+           detail::cut_buckets(mine, params, options.first_bucket_mb, options.bucket_mb)) {
+        const auto last = std::find(order.begin(), order.end(), bucket.back());
+        ends.push_back({size_t(last - order.begin()), int(k)});
+        members.push_back(std::move(bucket));
+      }
+    }
+    std::vector<size_t> by_end(members.size());
+    for (size_t b = 0; b < by_end.size(); ++b) by_end[b] = b;
+    std::stable_sort(by_end.begin(), by_end.end(),
+                     [&](size_t a, size_t b) { return ends[a].first < ends[b].first; });
+    // The last dense bucket goes last (or an empty one is added): it carries the status words.
+    auto dense =
+        std::find_if(by_end.rbegin(), by_end.rend(), [&](size_t b) { return ends[b].second == 0; });
+    if (dense == by_end.rend()) {
+      members.emplace_back();
+      ends.push_back({order.size(), 0});
+      by_end.push_back(members.size() - 1);
+    } else {
+      std::rotate(dense.base() - 1, dense.base(), by_end.end());
+    }
+    std::vector<std::vector<int>> launch_order;
     views.assign(params.size(), Tensor());
-    for (size_t b = 0; b < members.size(); ++b) {
+    for (size_t b : by_end) {
       std::vector<Tensor> bucket_params;
       for (int i : members[b]) bucket_params.push_back(params[size_t(i)]);
-      Bucket bucket = Bucket::allocate(bucket_params, options.compress,
-                                       b + 1 == members.size() ? kStatusWords : 0);
+      Bucket bucket =
+          Bucket::allocate(bucket_params, options.compress, b == by_end.back() ? kStatusWords : 0);
+      bucket.scale = replicas.scale(ends[b].second);
       for (size_t k = 0; k < members[b].size(); ++k)
         views[size_t(members[b][k])] = bucket.grads.view(k);
       buckets.push_back(std::move(bucket));
+      bucket_group.push_back(ends[b].second);
+      launch_order.push_back(std::move(members[b]));
     }
-    readiness->set_buckets(std::move(members), /*held_back=*/1);
+    readiness->set_buckets(std::move(launch_order), /*held_back=*/1);
     stats.buckets = int(buckets.size());
   }
 
@@ -150,6 +187,8 @@ struct DistributedDataParallel::State {
   // shadows it): the step's number on the group, then the buffers.
   void start_step(nn::Module& module) {
     dist::set_step(group, stats.steps);
+    const int64_t every = options.check_replicas_every;
+    if (every > 0 && stats.steps > 0 && stats.steps % every == 0) check_replicas(module, group);
     if (!options.broadcast_buffers) return;
     NoGradGuard no_grad;
     std::vector<dist::Work> works;
@@ -219,9 +258,10 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
   WEAVE_CHECK(s.group.rank() >= 0, "DistributedDataParallel",
               "rank {} is not in group {}; hint: only its members construct the wrapper",
               dist::rank(), s.group.str());
-  detail::refuse_spread_experts(module, s.group, "DistributedDataParallel");
+  WEAVE_CHECK(s.options.check_replicas_every >= 0, "DistributedDataParallel",
+              "check_replicas_every must be 0 (never) or a number of steps, found {}",
+              s.options.check_replicas_every);
   detail::check_same_model(module, s.group, "DistributedDataParallel");
-  broadcast_parameters(module, s.options.broadcast_from, s.group);
   for (const auto& [name, p] : module.named_parameters()) {
     if (!p.defined() || !p.requires_grad()) continue;
     WEAVE_CHECK(is_floating(p.dtype()), "DistributedDataParallel",
@@ -229,6 +269,8 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
     s.names.push_back(name);
     s.params.push_back(p);
   }
+  s.replicas = detail::replica_groups(s.names, s.params, s.group, "DistributedDataParallel");
+  detail::broadcast_replicas(module, s.params, s.replicas, s.options.broadcast_from);
   s.watch();
 }
 
@@ -286,11 +328,13 @@ void DistributedDataParallel::abandon_join_step() {
 }
 
 void DistributedDataParallel::check_join_ended() {
-  detail::check_same_lines(
-      detail::describe_values(module_.parameters()), group(), "join",
-      "the parameters' values after join()",
-      "a rank that ran out of batches did not step its optimizer; list the "
-      "optimizer after the DDP wrapper: parallel::join({ddp, optimizer}, ...)");
+  const detail::ReplicaGroups& replicas = state_->replicas;
+  for (size_t k = 0; k < replicas.groups.size(); ++k)
+    detail::check_same_lines(
+        detail::describe_values(replicas.members(state_->params, int(k))), replicas.groups[k],
+        "join", "the parameters' values after join()",
+        "a rank that ran out of batches did not step its optimizer; list the "
+        "optimizer after the DDP wrapper: parallel::join({ddp, optimizer}, ...)");
 }
 
 std::vector<std::vector<std::string>> DistributedDataParallel::bucket_names() const {

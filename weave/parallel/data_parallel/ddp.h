@@ -19,6 +19,20 @@
 // Gradients live as views of the bucket buffers, so nothing is copied in or out (with
 // zero_grad(set_to_none = true) a gradient arrives in a fresh buffer and is copied in once).
 //
+// Each parameter is averaged where its placement (placement.h) says its copies are. The group is
+// the ranks that read different batches: mesh.group({Axis::Data, Axis::Context}) under context
+// parallelism, where the replicated parameters' gradients average over both. Experts spread over
+// a sub-axis of it (ExpertParallelMoE over mesh.expert()) are averaged apart, in buckets of their
+// own, over the ranks holding the same experts, times 1 / (expert group size): their gradient
+// already sums the tokens of the whole expert group (Megatron's expert-data groups and expert
+// scale). Tensor-parallel slices, flat shards and pipeline stages must lie across the group
+// (one piece per rank of it), or construction raises on every rank.
+//
+//   parallel::ProcessMesh mesh({.data = 2, .context = 2, .expert = 2});   // 4 ranks
+//   parallel::ExpertParallelMoE moe(options, mesh.expert(), mesh.data_and_context());
+//   parallel::DistributedDataParallel ddp(model, {.find_unused_parameters = true,  // routing
+//                                                 .group = mesh.data_and_context()});
+//
 // Every synchronizing step ends the same way on every rank of the group. The last bucket carries
 // two status words (this rank's backward failed; this rank has parameters without gradient), so
 // what one rank knows every rank learns in the same all_reduce:
@@ -71,6 +85,11 @@ struct DDPOptions {
   /// raises weave::Error from backward (gradients left as averaged), and
   /// gradients_finite() says false until the next synchronizing backward.
   bool check_finite = false;
+  /// Every this many synchronizing steps (0: never), the forward first compares a checksum of
+  /// every parameter across the ranks that should hold equal copies of it (check_replicas over
+  /// the group, reading placements), raising on every rank with the parameter and the ranks on
+  /// each side: the net under a replica stepped, clipped or scaled on its own.
+  int64_t check_replicas_every = 0;
 };
 
 /// What the last synchronizing backward did (for tests and benchmarks).
@@ -92,8 +111,9 @@ struct DDPStats {
 class DistributedDataParallel : public Joinable {
  public:
   /// Checks that every rank of the group has the same parameter names, shapes and dtypes
-  /// (raising weave::Error on every rank, naming the first difference), then broadcasts the
-  /// parameters and buffers from options.broadcast_from. Every rank of the group must
+  /// (raising weave::Error on every rank, naming the first difference; spread experts match by
+  /// shape), then broadcasts the parameters and buffers from options.broadcast_from (each
+  /// spread expert from the first rank holding it). Every rank of the group must
   /// construct it, with the module it will train (which must outlive this object).
   explicit DistributedDataParallel(nn::Module& module, DDPOptions options = {});
   ~DistributedDataParallel();

@@ -11,7 +11,6 @@
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
-#include "weave/distributed/clip_grad.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/layout.h"
@@ -93,7 +92,8 @@ UnitSpecs resolve_units(nn::Module& module, const FSDPOptions& options) {
 // must hold alike (units of equal sizes in another order would pair the wrong shards).
 std::vector<std::string> describe_units(
     const FSDPOptions& options,
-    const std::vector<std::pair<std::string, std::vector<nn::Module*>>>& unit_specs) {
+    const std::vector<std::pair<std::string, std::vector<nn::Module*>>>& unit_specs,
+    const dist::Group& group) {
   std::vector<std::string> lines = {
       fmt::format("sharding {}",
                   options.sharding == ShardingStrategy::FullShard ? "FullShard" : "ShardGradOp"),
@@ -105,7 +105,9 @@ std::vector<std::string> describe_units(
   for (const auto& [name, modules] : unit_specs) {
     std::string line = fmt::format("unit '{}':", name);
     for (const nn::Module* m : modules)
-      for (const auto& [n, p] : trainable(*m)) line += fmt::format(" {} {}", n, p.shape());
+      for (const auto& [n, p] : trainable(*m))  // spread experts' names differ by rank
+        line +=
+            fmt::format(" {} {}", detail::spread_expert_in(p, group) ? "(expert)" : n, p.shape());
     lines.push_back(std::move(line));
   }
   return lines;
@@ -117,7 +119,6 @@ UnitSpecs agree_on_units(nn::Module& module, State& s) {
   WEAVE_CHECK(s.group.rank() >= 0, kOp,
               "rank {} is not in group {}; hint: only its members construct the wrapper",
               dist::rank(), s.group.str());
-  detail::refuse_spread_experts(module, s.group, kOp);
   detail::check_same_model(module, s.group, kOp);
   UnitSpecs unit_specs;
   detail::check_together(
@@ -130,23 +131,26 @@ UnitSpecs agree_on_units(nn::Module& module, State& s) {
         unit_specs = resolve_units(module, s.options);
       },
       s.group, kOp);
-  detail::check_same_lines(describe_units(s.options, unit_specs), s.group, kOp,
+  detail::check_same_lines(describe_units(s.options, unit_specs, s.group), s.group, kOp,
                            "the options and units",
                            "construct FullyShardedDataParallel with the same FSDPOptions (units "
                            "in the same order) on every rank");
-  broadcast_parameters(module, s.options.broadcast_from, s.group);
+  for (const auto& [name, p] : trainable(module)) {
+    s.names.push_back(name);
+    s.params.push_back(p);
+  }
+  s.replicas = detail::replica_groups(s.names, s.params, s.group, kOp);
+  detail::broadcast_replicas(module, s.params, s.replicas, s.options.broadcast_from);
   return unit_specs;
 }
 
 // The units, each over the parameters it owns: a parameter belongs to the one unit that uses
 // it; one in several units, or in none, to the root unit (last, possibly empty).
 void build_units(nn::Module& module, State& s, const UnitSpecs& unit_specs) {
-  for (const auto& [name, p] : trainable(module)) {
-    WEAVE_CHECK(is_floating(p.dtype()), kOp,
-                "parameter {} has dtype {}; gradients need a floating dtype", name, p.dtype());
-    s.names.push_back(name);
-    s.params.push_back(p);
-  }
+  for (size_t i = 0; i < s.params.size(); ++i)
+    WEAVE_CHECK(is_floating(s.params[i].dtype()), kOp,
+                "parameter {} has dtype {}; gradients need a floating dtype", s.names[i],
+                s.params[i].dtype());
   std::map<const void*, int> index;
   for (size_t i = 0; i < s.params.size(); ++i) index[s.params[i].impl()] = int(i);
   std::vector<int> owners(s.params.size(), -1);
@@ -167,11 +171,11 @@ void build_units(nn::Module& module, State& s, const UnitSpecs& unit_specs) {
     const std::vector<int> members = owned_by([u](int owner) { return owner == int(u); });
     if (!members.empty())
       s.units.emplace_back(unit_specs[u].first, unit_specs[u].second, /*root=*/false, members,
-                           s.params, s.names, splits, s.group);
+                           s.params, s.names, splits, s.replicas);
   }
   s.units.emplace_back("", std::vector<nn::Module*>{}, /*root=*/true,
                        owned_by([](int owner) { return owner < 0; }), s.params, s.names, splits,
-                       s.group);
+                       s.replicas);
   s.unit_of.assign(s.params.size(), -1);
   for (size_t u = 0; u < s.units.size(); ++u)
     for (const State::Flat& f : s.units[u].flats())
@@ -296,7 +300,7 @@ std::vector<std::string> FullyShardedDataParallel::shard_names() const {
   std::vector<std::string> out;
   for (size_t u = 0; u < state_->units.size(); ++u)
     for (const State::Flat& f : state_->units[u].flats())
-      out.push_back(fmt::format("unit{}_{}", u, dtype_name(f.shard.dtype())));
+      out.push_back(fmt::format("unit{}_{}{}", u, dtype_name(f.shard.dtype()), f.suffix));
   return out;
 }
 
@@ -313,9 +317,9 @@ NoSyncGuard FullyShardedDataParallel::no_sync() {
 
 double FullyShardedDataParallel::clip_grad_norm_(double max_norm, double norm_type,
                                                  bool error_if_nonfinite) {
-  // The shards are disjoint (padding holds zero gradients): their partial norms add up.
-  return dist::clip_grad_norm_(parameters(), {}, max_norm, state_->group, norm_type,
-                               error_if_nonfinite);
+  // The shards' placements say how many ranks hold each (padding holds zero gradients).
+  return parallel::clip_grad_norm_(parameters(), max_norm, norm_type, state_->group,
+                                   error_if_nonfinite);
 }
 
 const FSDPStats& FullyShardedDataParallel::stats() const {

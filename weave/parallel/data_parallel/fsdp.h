@@ -11,6 +11,12 @@
 //     adamw.step();
 //   }
 //
+// The group is the ranks that read different batches (mesh.data_and_context() under context
+// parallelism). Experts spread over a sub-axis of it (ExpertParallelMoE over mesh.expert()) are
+// flattened apart, sharded over the ranks holding the same experts, and their averaged gradient
+// scaled by 1 / (expert group size), as DDP does (placement.h). Tensor-parallel layers inside
+// compose: each rank shards its slices over the group.
+//
 // Units. The model is cut into units (each direct child with parameters, named submodules, or
 // children grouped up to a size). A unit's parameters, per dtype, are flattened and padded to a
 // multiple of N; rank r keeps slice r, a leaf of its own: parameters() lists these shards, and
@@ -117,8 +123,8 @@ class FullyShardedDataParallel : public Joinable {
 
   /// This rank's shards (one flat leaf per unit and dtype): what the optimizer steps.
   std::vector<Tensor> parameters() const;
-  /// "unit0_float32" for each of parameters(): unit index (unit_names() order) and dtype; the
-  /// parameter names of sharded_module().
+  /// "unit0_float32" for each of parameters(): unit index (unit_names() order) and dtype, with
+  /// "_experts" for a unit's spread experts; the parameter names of sharded_module().
   std::vector<std::string> shard_names() const;
   /// Unit names, in order ("" for the root unit).
   std::vector<std::string> unit_names() const;
@@ -147,10 +153,12 @@ class FullyShardedDataParallel : public Joinable {
   nn::Module& sharded_module();
 
   /// Clips the gradients of this rank's shards so that the norm of the whole model's gradients
-  /// (every rank's shard counted, as FSDP1's clip_grad_norm_) is at most max_norm; returns that
-  /// norm before clipping, the same on every rank. norm_type is any p >= 1 or INFINITY.
-  /// Collective over the group (one all_reduce). optim::clip_grad_norm_ on the shards raises:
-  /// each rank's own norm is not the model's.
+  /// (every rank's shard counted once, as FSDP1's clip_grad_norm_) is at most max_norm; returns
+  /// that norm before clipping, the same on every rank. norm_type is any p >= 1 or INFINITY.
+  /// Collective over the group (one all_reduce): parallel::clip_grad_norm_(parameters(), ...)
+  /// over the group, which must hold the whole model; around tensor-parallel layers call that
+  /// over the world instead. optim::clip_grad_norm_ on the shards raises: each rank's own norm
+  /// is not the model's.
   ///
   ///   cross_entropy(fsdp(x), y).backward();
   ///   fsdp.clip_grad_norm_(1.0);

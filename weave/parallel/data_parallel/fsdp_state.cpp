@@ -43,7 +43,7 @@ void FullyShardedDataParallel::State::pre_forward(int u) {
     forward_order.push_back(u);
   if (options.prefetch) {
     const int next = next_in_forward(u, +1);
-    if (next >= 0) units[size_t(next)].launch_gather(group, stats, /*prefetch=*/true);
+    if (next >= 0) units[size_t(next)].launch_gather(stats, /*prefetch=*/true);
   }
   if (trace::enabled()) forward_start_ns[size_t(u)] = trace::detail::now_ns();
 }
@@ -76,7 +76,7 @@ void FullyShardedDataParallel::State::gather_for_backward(int u) {
   ensure_gathered(units[size_t(u)]);
   if (options.prefetch) {
     const int previous = next_in_forward(u, -1);
-    if (previous >= 0) units[size_t(previous)].launch_gather(group, stats, /*prefetch=*/true);
+    if (previous >= 0) units[size_t(previous)].launch_gather(stats, /*prefetch=*/true);
   }
 }
 
@@ -121,7 +121,7 @@ void FullyShardedDataParallel::State::abandon_forward(bool synchronizing) {
 
 void FullyShardedDataParallel::State::launch_reduce(int u) {
   Unit& unit = units[size_t(u)];
-  unit.launch_reduce(params, group, stats);
+  unit.launch_reduce(params, stats);
   // At most two units' whole gradients are alive: the one just launched, and the one before
   // while its reduce-scatter completes (it overlapped this unit's backward).
   for (int earlier : reducing) finish_reduce(units[size_t(earlier)]);

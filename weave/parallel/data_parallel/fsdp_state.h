@@ -25,7 +25,8 @@ struct FullyShardedDataParallel::State {
   std::vector<std::string> names;
   std::vector<Tensor> params;
   std::vector<int> unit_of;
-  std::vector<Unit> units;  // the root unit last
+  detail::ReplicaGroups replicas;  // where each parameter is sharded: experts apart
+  std::vector<Unit> units;         // the root unit last
   std::vector<int> forward_order;
   bool order_known = false;  // forward_order is complete (a synchronizing forward ran)
   std::vector<HookHandle> module_hooks;
@@ -46,9 +47,9 @@ struct FullyShardedDataParallel::State {
 
   bool full_shard() const { return options.sharding == ShardingStrategy::FullShard; }
   Unit& root() { return units.back(); }
-  void ensure_gathered(Unit& u) { u.ensure_gathered(group, stats); }
+  void ensure_gathered(Unit& u) { u.ensure_gathered(stats); }
   void release(Unit& u) { u.release(full_shard()); }
-  void bind_grads(Unit& u) { u.bind_grads(params, group); }
+  void bind_grads(Unit& u) { u.bind_grads(params); }
 
   // ---- forward: the module hooks ---------------------------------------------------------------
   /// The unit after (direction +1) or before (-1) u in forward order, or -1.

@@ -36,7 +36,7 @@ nn::NamedTensors FullyShardedDataParallel::full_state_dict() {
     for (State::Flat& f : u.flats()) {
       Tensor whole =
           empty(f.full.flat.shape(), {.dtype = f.shard.dtype(), .device = f.shard.device()});
-      dist::all_gather(whole, f.shard.detach(), s.group);
+      dist::all_gather(whole, f.shard.detach(), f.group);
       for (size_t k = 0; k < f.params.size(); ++k)
         values[s.params[size_t(f.params[k])].impl()] = f.full.view_in(whole, k).clone();
     }
@@ -61,7 +61,7 @@ void FullyShardedDataParallel::load_full_state_dict(const nn::NamedTensors& stat
           zeros(f.full.flat.shape(), {.dtype = f.shard.dtype(), .device = f.shard.device()});
       for (size_t k = 0; k < f.params.size(); ++k)
         f.full.view_in(whole, k).copy_(by_name.at(s.names[size_t(f.params[k])]));
-      f.shard.detach().copy_(whole.narrow(0, s.group.rank() * f.shard.numel(), f.shard.numel()));
+      f.shard.detach().copy_(whole.narrow(0, f.group.rank() * f.shard.numel(), f.shard.numel()));
     }
   for (auto& [name, b] : module_.named_buffers()) {
     Tensor target = b;

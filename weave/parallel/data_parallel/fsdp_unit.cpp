@@ -2,6 +2,7 @@
 #include "weave/parallel/data_parallel/fsdp_unit.h"
 
 #include <algorithm>
+#include <tuple>
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/ops/ops.h"
@@ -14,9 +15,14 @@ namespace {
 
 FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
                    const std::vector<std::string>& names,
-                   const std::map<std::string, TensorSplit>& splits, const dist::Group& group) {
+                   const std::map<std::string, TensorSplit>& splits, const ReplicaGroups& replicas,
+                   int replica) {
   FSDPFlat f;
   f.params = std::move(indices);
+  f.group = replicas.groups[size_t(replica)];
+  f.scale = replicas.scale(replica);
+  f.suffix = replica == 0 ? "" : replica == 1 ? "_experts" : fmt::format("_experts{}", replica);
+  const dist::Group& group = f.group;
   const int64_t n = group.size();
   f.full = FlatBuffer::adopt(FSDPUnit::members(f, params), n);
   const int64_t per_rank = f.full.flat.numel() / n;
@@ -26,6 +32,9 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
   add_cut(f.shard, {.kind = Cut::Kind::FlatShard, .group = group},
           "clip with fsdp.clip_grad_norm_(max_norm), or parallel::clip_grad_norm_, which take "
           "the norm over every rank's shard");
+  if (replica > 0)  // experts: which ones this rank's shard covers, as its members say
+    for (const Cut& cut : placement_of(params[size_t(f.params[0])])->cuts)
+      if (cut.kind == Cut::Kind::Experts) add_cut(f.shard, cut);
   f.gathered_version = f.shard.version();
   // Sharded checkpoints describe the shard by the parameters it covers.
   FlatShard layout{.members = {},
@@ -53,19 +62,22 @@ bool needs_gather(const FSDPFlat& f) {
 FSDPUnit::FSDPUnit(std::string name, std::vector<nn::Module*> modules, bool root,
                    const std::vector<int>& members, const std::vector<Tensor>& params,
                    const std::vector<std::string>& names,
-                   const std::map<std::string, TensorSplit>& splits, const dist::Group& group)
+                   const std::map<std::string, TensorSplit>& splits, const ReplicaGroups& replicas)
     : name_(std::move(name)), modules_(std::move(modules)), root_(root) {
-  std::vector<std::pair<DType, Device>> kinds;
-  for (int i : members) {
-    const auto kind = std::make_pair(params[size_t(i)].dtype(), params[size_t(i)].device());
-    if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(kind);
-  }
-  for (const auto& [dtype, device] : kinds) {
+  using Kind = std::tuple<int, DType, Device>;  // replica group, dtype, device
+  auto kind_of = [&](int i) {
+    return Kind{replicas.of[size_t(i)], params[size_t(i)].dtype(), params[size_t(i)].device()};
+  };
+  std::vector<Kind> kinds;
+  for (int i : members)
+    if (std::find(kinds.begin(), kinds.end(), kind_of(i)) == kinds.end())
+      kinds.push_back(kind_of(i));
+  for (const Kind& kind : kinds) {
     std::vector<int> of_kind;
     for (int i : members)
-      if (params[size_t(i)].dtype() == dtype && params[size_t(i)].device() == device)
-        of_kind.push_back(i);
-    flats_.push_back(make_flat(std::move(of_kind), params, names, splits, group));
+      if (kind_of(i) == kind) of_kind.push_back(i);
+    flats_.push_back(
+        make_flat(std::move(of_kind), params, names, splits, replicas, std::get<0>(kind)));
   }
 }
 
@@ -75,7 +87,7 @@ std::vector<Tensor> FSDPUnit::members(const FSDPFlat& f, const std::vector<Tenso
   return out;
 }
 
-void FSDPUnit::launch_gather(const dist::Group& group, FSDPStats& stats, bool prefetch) {
+void FSDPUnit::launch_gather(FSDPStats& stats, bool prefetch) {
   if (params_ == Params::Gathering) return;
   for (FSDPFlat& f : flats_) {
     if (!needs_gather(f)) continue;
@@ -84,7 +96,7 @@ void FSDPUnit::launch_gather(const dist::Group& group, FSDPStats& stats, bool pr
     f.full.flat.storage()->allocate_again();
     f.gathered_version = f.shard.version();
     NoGradGuard no_grad;
-    f.gather = dist::all_gather(f.full.flat, f.shard.detach(), group, /*async_op=*/true);
+    f.gather = dist::all_gather(f.full.flat, f.shard.detach(), f.group, /*async_op=*/true);
     ++stats.gathers;
     if (prefetch) ++stats.prefetches;
   }
@@ -111,8 +123,8 @@ void FSDPUnit::wait_gather() {
   if (first_error) std::rethrow_exception(first_error);
 }
 
-void FSDPUnit::ensure_gathered(const dist::Group& group, FSDPStats& stats) {
-  launch_gather(group, stats, /*prefetch=*/false);
+void FSDPUnit::ensure_gathered(FSDPStats& stats) {
+  launch_gather(stats, /*prefetch=*/false);
   wait_gather();
 }
 
@@ -123,23 +135,22 @@ void FSDPUnit::release(bool full_shard) {
   params_ = Params::Sharded;
 }
 
-void FSDPUnit::bind_grads(const std::vector<Tensor>& params, const dist::Group& group) {
+void FSDPUnit::bind_grads(const std::vector<Tensor>& params) {
   for (FSDPFlat& f : flats_) {
-    if (!f.grads.flat.defined()) f.grads = FlatBuffer::like(members(f, params), group.size());
+    if (!f.grads.flat.defined()) f.grads = FlatBuffer::like(members(f, params), f.group.size());
     for (size_t k = 0; k < f.params.size(); ++k)
       bind_grad(params[size_t(f.params[k])], f.grads.view(k));
   }
   if (grads_ == Grads::Idle) grads_ = Grads::Accumulating;
 }
 
-void FSDPUnit::launch_reduce(const std::vector<Tensor>& params, const dist::Group& group,
-                             FSDPStats& stats) {
-  bind_grads(params, group);  // parameters without a gradient contribute zeros
+void FSDPUnit::launch_reduce(const std::vector<Tensor>& params, FSDPStats& stats) {
+  bind_grads(params);  // parameters without a gradient contribute zeros
   NoGradGuard no_grad;
   grads_ = Grads::Reducing;  // before the calls: finish_reduce waits for the ones that started
   for (FSDPFlat& f : flats_) {
     f.reduced = empty(f.shard.shape(), {.dtype = f.shard.dtype(), .device = f.shard.device()});
-    f.reduce = dist::reduce_scatter(f.reduced, f.grads.flat, dist::ReduceOp::Avg, group,
+    f.reduce = dist::reduce_scatter(f.reduced, f.grads.flat, dist::ReduceOp::Avg, f.group,
                                     /*async_op=*/true);
     ++stats.reduce_scatters;
   }
@@ -152,6 +163,7 @@ void FSDPUnit::finish_reduce(const std::vector<Tensor>& params) {
   for (FSDPFlat& f : flats_) {
     if (f.reduce) try {
         std::exchange(f.reduce, std::nullopt)->wait();
+        if (f.scale != 1.0) f.reduced.mul_(f.scale);
       } catch (...) {
         f.reduced = Tensor();  // it never ran: no average to keep
         if (!first_error) first_error = std::current_exception();

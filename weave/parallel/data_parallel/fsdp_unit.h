@@ -22,13 +22,18 @@
 #include "weave/nn/module.h"
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/layout.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/parallel/data_parallel/fsdp.h"
 
 namespace weave::parallel::detail {
 
-/// One dtype's (and device's) parameters of a unit, flat.
+/// One dtype's (and device's) parameters of a unit, flat, sharded over the ranks that hold
+/// copies of them: the wrapper's group, or for spread experts their expert-data group.
 struct FSDPFlat {
   std::vector<int> params;  // indices into the wrapper's parameter list
+  dist::Group group;        // the ranks sharing this buffer
+  double scale = 1.0;       // what the average is multiplied by (an expert's 1 / expert group)
+  std::string suffix;       // "" for the wrapper's group, "_experts", "_experts2", ...
   FlatBuffer full;          // the gathered parameters (the params' memory); released between uses
   Tensor shard;             // this rank's slice, a leaf of its own: what the optimizer steps
   uint64_t gathered_version = ~uint64_t{0};  // shard's version when `full` was last gathered
@@ -47,12 +52,12 @@ class FSDPUnit {
   enum class Grads { Idle, Accumulating, Reducing };
 
   /// A unit of `modules` (none for the root unit, which holds every parameter no other unit
-  /// owns) over `members`, indices into `params` (named `names`, split as `splits` says),
-  /// sharded over `group`: each rank keeps a 1/n slice of every flat buffer.
+  /// owns) over `members`, indices into `params` (named `names`, split as `splits` says), each
+  /// sharded over its replica group: each rank keeps a 1/n slice of every flat buffer.
   FSDPUnit(std::string name, std::vector<nn::Module*> modules, bool root,
            const std::vector<int>& members, const std::vector<Tensor>& params,
            const std::vector<std::string>& names, const std::map<std::string, TensorSplit>& splits,
-           const dist::Group& group);
+           const ReplicaGroups& replicas);
 
   const std::string& name() const { return name_; }
   const std::vector<nn::Module*>& modules() const { return modules_; }
@@ -63,17 +68,17 @@ class FSDPUnit {
   Grads grads_phase() const { return grads_; }
 
   /// Starts the all_gathers of the flats whose gathered parameters are missing or stale.
-  void launch_gather(const dist::Group& group, FSDPStats& stats, bool prefetch);
+  void launch_gather(FSDPStats& stats, bool prefetch);
   void wait_gather();
-  void ensure_gathered(const dist::Group& group, FSDPStats& stats);
+  void ensure_gathered(FSDPStats& stats);
   /// Completes a pending gather, then frees the gathered parameters (FullShard only).
   void release(bool full_shard);
 
   /// Whole-gradient buffers, the parameters' .grad bound into them so backward accumulates in
   /// place (what no_sync micro-batches accumulated is kept).
-  void bind_grads(const std::vector<Tensor>& params, const dist::Group& group);
+  void bind_grads(const std::vector<Tensor>& params);
   /// Starts the reduce_scatters (averages) of the whole gradients into `reduced`.
-  void launch_reduce(const std::vector<Tensor>& params, const dist::Group& group, FSDPStats& stats);
+  void launch_reduce(const std::vector<Tensor>& params, FSDPStats& stats);
   /// Completes the reduce_scatters and drops the whole gradients. A reduce_scatter that raised
   /// (its agreement check failed) leaves no average; the first such error is rethrown after
   /// every flat is back to Idle.

@@ -134,13 +134,11 @@ Tensor ExpertParallelMoE::run_experts(const Tensor& received, const std::vector<
   std::vector<int64_t> arrival_to_expert_order(static_cast<size_t>(at));
   int64_t position = 0;
   for (int64_t le = 0; le < local; ++le) {
-    const std::vector<int64_t>& rows = rows_of[size_t(le)];
-    if (rows.empty()) continue;
+    const std::vector<int64_t>& rows = rows_of[size_t(le)];  // none: a zero gradient (nn::MoE)
     for (int64_t r : rows) arrival_to_expert_order[size_t(r)] = position++;
     const Tensor index = from_vector(rows).to(received.device());
     outputs.push_back((*experts_[size_t(le)])(index_select(received, 0, index)));
   }
-  if (outputs.empty()) return received;
   return index_select(cat(outputs), 0, from_vector(arrival_to_expert_order).to(received.device()));
 }
 

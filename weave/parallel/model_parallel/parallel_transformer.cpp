@@ -105,15 +105,43 @@ ParallelTransformerBlock::ParallelTransformerBlock(int64_t dim, int64_t heads, d
                                                 .context_mode = options.context_mode,
                                                 .context_layout = options.context_layout}));
   norm2 = register_module("norm2", norm());
-  mlp =
-      register_module("mlp", std::make_shared<ParallelMLP>(
-                                 dim, options.hidden > 0 ? options.hidden : 4 * dim, group,
-                                 ParallelMLPOptions{.bias = options.bias,
-                                                    .tanh_gelu = options.tanh_gelu,
-                                                    .sequence_parallel = options.sequence_parallel,
-                                                    .generator = options.generator}));
+  if (options.moe)
+    add_experts(dim, options);
+  else
+    mlp = register_module("mlp",
+                          std::make_shared<ParallelMLP>(
+                              dim, options.hidden > 0 ? options.hidden : 4 * dim, group,
+                              ParallelMLPOptions{.bias = options.bias,
+                                                 .tanh_gelu = options.tanh_gelu,
+                                                 .sequence_parallel = options.sequence_parallel,
+                                                 .generator = options.generator}));
   dropout_ =
       register_module("dropout", std::make_shared<nn::Dropout>(options.dropout, options.generator));
+}
+
+void ParallelTransformerBlock::add_experts(int64_t dim,
+                                           const ParallelTransformerBlockOptions& options) {
+  WEAVE_CHECK(!options.sequence_parallel && options.moe->hidden == dim, "ParallelTransformerBlock",
+              "experts need the whole sequence on every tensor-parallel rank and moe.hidden == "
+              "dim {}, found sequence_parallel {} and moe.hidden {}; hint: build the block "
+              "without sequence parallelism",
+              dim, options.sequence_parallel, options.moe->hidden);
+  if (options.expert_group && options.expert_group->size() > 1) {
+    auto spread = std::make_shared<ExpertParallelMoE>(*options.moe, *options.expert_group,
+                                                      options.balance_group);
+    aux_loss_ = [raw = spread.get()] { return raw->aux_loss(); };
+    moe = register_module("moe", std::shared_ptr<nn::Module>(spread));
+    return;
+  }
+  auto dense = std::make_shared<nn::MoE>(*options.moe);
+  if (options.balance_group && options.balance_group->size() > 1)
+    dense->reduce_shares = shares_over(*options.balance_group);
+  aux_loss_ = [raw = dense.get()] { return raw->aux_loss(); };
+  moe = register_module("moe", std::shared_ptr<nn::Module>(dense));
+}
+
+Tensor ParallelTransformerBlock::aux_loss() const {
+  return aux_loss_ ? aux_loss_() : Tensor();
 }
 
 Tensor ParallelTransformerBlock::forward(const Tensor& x) {
@@ -127,7 +155,7 @@ Tensor ParallelTransformerBlock::forward(const Tensor& x, nn::KVCache& cache) {
 Tensor ParallelTransformerBlock::run(const Tensor& x, nn::KVCache* cache) {
   Tensor normed = (*norm1)(x);
   Tensor h = x + (*dropout_)(cache ? attention->forward(normed, *cache) : (*attention)(normed));
-  return h + (*dropout_)((*mlp)((*norm2)(h)));
+  return h + (*dropout_)(mlp ? (*mlp)((*norm2)(h)) : (*moe)((*norm2)(h)));
 }
 
 }  // namespace weave::parallel

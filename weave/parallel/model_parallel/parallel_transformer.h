@@ -13,8 +13,14 @@
 // Each layer is its unsharded counterpart split: built with the same seed on every rank it
 // holds the slices of nn::MultiheadAttention, nn::MLP or nn::TransformerBlock (same parameter
 // names), so shard_state_dict / gather_state_dict convert between them.
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include "weave/nn/moe.h"
 #include "weave/nn/transformer.h"
 #include "weave/parallel/model_parallel/context_parallel.h"
+#include "weave/parallel/model_parallel/experts.h"
 #include "weave/parallel/model_parallel/tensor_parallel.h"
 
 namespace weave::parallel {
@@ -95,6 +101,15 @@ struct ParallelTransformerBlockOptions {
   std::optional<dist::Group> context_group = std::nullopt;
   ContextParallelMode context_mode = ContextParallelMode::Ring;
   SequenceLayout context_layout = SequenceLayout::ZigZag;
+  /// A mixture of experts in place of the MLP (moe->hidden is dim), registered as "moe": spread
+  /// over expert_group (ExpertParallelMoE, Megatron's expert parallelism) when it has several
+  /// ranks, else nn::MoE. The ranks of the tensor group hold the same experts and route the same
+  /// tokens. Not with sequence parallelism.
+  std::optional<nn::MoEOptions> moe = std::nullopt;
+  std::optional<dist::Group> expert_group = std::nullopt;
+  /// The ranks whose batches one step trains on together (data x context): the load-balancing
+  /// loss counts their assignments, so the block equals one process on the stacked batch.
+  std::optional<dist::Group> balance_group = std::nullopt;
 };
 
 /// nn::TransformerBlock split over a tensor-parallel group (pre-LayerNorm, attention + MLP).
@@ -107,10 +122,16 @@ class ParallelTransformerBlock : public nn::Module {
   /// nn::LayerNorm, or SequenceParallelLayerNorm with sequence parallelism.
   std::shared_ptr<nn::Module> norm1, norm2;
   std::shared_ptr<ParallelAttention> attention;
+  /// The MLP, or (with options.moe) null and `moe` the mixture of experts.
   std::shared_ptr<ParallelMLP> mlp;
+  std::shared_ptr<nn::Module> moe;
+  /// The last forward's load-balancing and z-loss (zero without experts): add it to the loss.
+  Tensor aux_loss() const;
 
  private:
+  std::function<Tensor()> aux_loss_;
   Tensor run(const Tensor& x, nn::KVCache* cache);
+  void add_experts(int64_t dim, const ParallelTransformerBlockOptions& options);
   std::shared_ptr<nn::Dropout> dropout_;
 };
 
