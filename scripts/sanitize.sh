@@ -52,7 +52,7 @@ echo "== TSan: communication-queue, data-parallel, pipeline and checkpoint suite
 # the lock orders TSan infers inside Open MPI (tests/tsan.supp); shared memory only (no TCP).
 OMPI_MCA_btl=self,vader \
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/tests/tsan.supp" \
-  $mpirun -np 2 build-tsan/tests/weave_mpi_tests --test-suite=collectives,guard,ddp,robust,join,model_parallel,pipeline,sharded_checkpoint,exchange,context_parallel,experts | tail -2
+  $mpirun -np 2 build-tsan/tests/weave_mpi_tests --test-suite=collectives,guard,ddp,robust,join,model_parallel,pipeline,sharded_checkpoint,exchange,context_parallel,experts,compose | tail -2
 echo "== TSan: an FSDP rank whose forward skips a unit (the failure path realigns), 20 runs"
 OMPI_MCA_btl=self,vader \
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/tests/tsan.supp" \

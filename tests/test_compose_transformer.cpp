@@ -1,8 +1,9 @@
 // A tensor-parallel transformer block (heads and MLP units split over the tensor axis; experts in
 // place of the MLP) with context parallelism (ring attention over zig-zag parts) and DDP over
 // data x context, on whatever mesh the world allows (at 8 ranks: tensor 2 x context 2 x data 2).
+// Two such blocks also run as two pipeline stages (at 8 ranks: pipeline 2 x tensor 2 x data 2).
 // 3 AdamW steps with clipping in float64 end within 1e-10 of one process that trains the same
-// block, built from the same seed on a group of one rank, on the stacked batch.
+// blocks, built from the same seeds on a group of one rank, on the stacked batch.
 #include <doctest/doctest.h>
 
 #include <map>
@@ -111,9 +112,91 @@ void check_against_one_process(const parallel::MeshShape& shape, bool with_exper
   CHECK(compared >= 8);
 }
 
+// A block on batch-first [B, T, dim] (the pipeline cuts micro-batches along dim 0).
+class BatchFirst : public nn::Module {
+ public:
+  explicit BatchFirst(std::shared_ptr<parallel::ParallelTransformerBlock> block)
+      : nn::Module("BatchFirst"), block_(register_module("block", std::move(block))) {}
+  Tensor forward(const Tensor& x) override {
+    return (*block_)(x.transpose(0, 1)).transpose(0, 1).contiguous();
+  }
+
+ private:
+  std::shared_ptr<parallel::ParallelTransformerBlock> block_;
+};
+
+// Two blocks as two pipeline stages (1F1B, 2 micro-batches), each split over the tensor axis,
+// data parallel across: the gradients of each stage averaged over the data axis after the step,
+// the norm clipped over the world.
+void check_pipeline_against_one_process(const parallel::MeshShape& shape) {
+  CAPTURE(shape.data);
+  CAPTURE(shape.tensor);
+  const int n = dist::world_size();
+  std::vector<std::vector<int>> alone;
+  for (int r = 0; r < n; ++r) alone.push_back({r});
+  const dist::Group self = dist::split_group(dist::world(), alone);
+  std::vector<std::shared_ptr<parallel::ParallelTransformerBlock>> reference;
+  for (int s = 0; s < 2; ++s) {
+    manual_seed(40 + uint64_t(s));
+    reference.push_back(std::make_shared<parallel::ParallelTransformerBlock>(kDim, kHeads, self));
+    reference.back()->to(kFloat64);
+  }
+  parallel::ProcessMesh mesh(shape);
+  manual_seed(40 + uint64_t(mesh.pipeline_rank()));
+  auto mine = std::make_shared<parallel::ParallelTransformerBlock>(kDim, kHeads, mesh.tensor());
+  mine->to(kFloat64);
+  BatchFirst stage(mine);
+  parallel::Pipeline pipe(stage, {.microbatches = 2, .group = mesh.pipeline()});
+  std::vector<Tensor> ref_params;
+  for (auto& block : reference)
+    for (const Tensor& p : block->parameters()) ref_params.push_back(p);
+  optim::AdamW opt(stage.parameters(), kAdamW);
+  optim::AdamW ref_opt(ref_params, kAdamW);
+  auto loss = [](const Tensor& y, const Tensor& w) {
+    return (y * w).sum() / double(y.numel() / kDim);
+  };
+  for (int step = 0; step < 3; ++step) {
+    const Tensor x = whole(100 + uint64_t(step), shape.data).transpose(0, 1).contiguous();
+    const Tensor w = whole(200 + uint64_t(step), shape.data).transpose(0, 1).contiguous();
+    ref_opt.zero_grad();
+    Tensor h = x.transpose(0, 1);
+    for (auto& block : reference) h = (*block)(h);
+    loss(h.transpose(0, 1), w).backward();
+    const double expected = optim::clip_grad_norm_(ref_params, kMaxNorm);
+    ref_opt.step();
+    opt.zero_grad();
+    pipe.train_step(x.narrow(0, mesh.data_rank() * kBatch, kBatch),  // 2 micro-batches
+                    w.narrow(0, mesh.data_rank() * kBatch, kBatch), loss);
+    parallel::average_gradients(stage.parameters(), mesh.data());
+    CHECK(parallel::clip_grad_norm_(stage.parameters(), kMaxNorm) ==
+          doctest::Approx(expected).epsilon(1e-12));
+    opt.step();
+  }
+  std::map<std::string, Tensor> pieces;
+  for (const auto& [name, t] :
+       parallel::shard_state_dict(reference[size_t(mesh.pipeline_rank())]->state_dict(), *mine))
+    pieces[name] = t;
+  for (const auto& [name, t] : mine->named_parameters()) {
+    CAPTURE(name);
+    REQUIRE(pieces.contains(name));
+    CHECK(weave_test::close(t, pieces.at(name), 1e-10));
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("compose_transformer") {
+  TEST_CASE("pipeline x tensor x data: two stages of tensor-parallel blocks equal one process") {
+    const int n = dist::world_size();
+    if (n % 2 != 0) return;
+    if (n % 8 == 0)
+      check_pipeline_against_one_process({.data = n / 8 * 2, .tensor = 2, .pipeline = 2});
+    else if (n % 4 == 0)
+      check_pipeline_against_one_process({.data = n / 4, .tensor = 2, .pipeline = 2});
+    else
+      check_pipeline_against_one_process({.data = n / 2, .pipeline = 2});
+  }
+
   TEST_CASE("tensor x context x data parallel transformer blocks equal one process") {
     const int n = dist::world_size();
     if (n % 4 == 0) {
