@@ -4,8 +4,8 @@
 # stopped then resumed from its checkpoint, with activation checkpointing (ddp, and tp with
 # sequence parallelism), with context parallelism (ring and all-to-all; with data parallelism at
 # 4 ranks), with experts spread over ranks (with data parallelism at 4 ranks), and composed at 4
-# ranks (fsdp x tensor, fsdp x context, context x experts, tensor x experts; fsdp x experts at 2),
-# must each end
+# ranks (fsdp x tensor, fsdp x context, context x experts, tensor x experts; fsdp x experts at 2)
+# and at 8 (data x tensor x context; fsdp x tensor x context with experts), must each end
 # at the held-out loss of one process on the same global batch (float32: within 1e-3 relative).
 # Ranks started with different flags are refused. Exits 77 (skipped) without the fortunes
 # package.
@@ -54,6 +54,7 @@ check_run "context-parallel 2 x data 2 np4" 4 --context-parallel 2
 # The axes composed: each wrapper reads where every parameter lives.
 check_run "fsdp 2 x tensor 2 np4" 4 --strategy fsdp --tp 2
 check_run "fsdp 2 x context 2 np4" 4 --strategy fsdp --context-parallel 2
+check_run "data 2 x tensor 2 x context 2 np8" 8 --tp 2 --context-parallel 2
 # Mixture of experts: the dense layer on one process is the reference; experts spread over 2
 # ranks, and over 2 ranks with data parallelism across 2 such pairs.
 reference=$("$gpt" "${args[@]}" --experts 4 | held)
@@ -66,6 +67,8 @@ check_run "context 2 x experts 2 (data 2) np4" 4 --context-parallel 2 --experts 
   --expert-parallel 2
 check_run "tensor 2 x experts 2 (data 2) np4" 4 --tp 2 --experts 4 --expert-parallel 2
 check_run "fsdp 2 x experts 2 np2" 2 --strategy fsdp --experts 4 --expert-parallel 2
+check_run "fsdp 2 x tensor 2 x context 2, experts over 4, np8" 8 --strategy fsdp --tp 2 \
+  --context-parallel 2 --experts 4 --expert-parallel 4
 # Ranks started with different flags (--lr on one): every rank raises, none trains (the first
 # rank to leave aborts the job, so the other's message may not make it out).
 out=$("${mpirun[@]}" -np 1 "$gpt" "${args[@]}" --lr 1e-3 : -np 1 "$gpt" "${args[@]}" --lr 2e-3 2>&1)

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -97,6 +98,10 @@ struct Reference {
   void step(int step, int data) {
     opt->zero_grad();
     objective(*block, (*block)(whole_input(step, data)), whole_target(step, data)).backward();
+    // The 1- and infinity norms (max_norm INFINITY: measured, nothing scaled), then the 2-norm,
+    // which clips.
+    for (double p : {1.0, double(INFINITY)})
+      norms.push_back(optim::clip_grad_norm_(block->parameters(), INFINITY, p));
     norms.push_back(optim::clip_grad_norm_(block->parameters(), kMaxNorm));
     opt->step();
   }
@@ -147,14 +152,17 @@ class Composed {
   int64_t experts() const { return run_.experts_per_rank * run_.shape.expert; }
 
   // Returns the norm clipping measured.
-  double step(int step) {
+  std::vector<double> step(int step) {
     opt_->zero_grad(/*set_to_none=*/false);
     const Tensor x = share(whole_input(step, run_.shape.data), mesh_);
     const Tensor y = fsdp_ ? (*fsdp_)(x) : (*ddp_)(x);
     objective(*block_, y, share(whole_target(step, run_.shape.data), mesh_)).backward();
-    const double norm = parallel::clip_grad_norm_(params_, kMaxNorm);
+    std::vector<double> norms;  // as Reference::step measures them
+    for (double p : {1.0, double(INFINITY)})
+      norms.push_back(parallel::clip_grad_norm_(params_, INFINITY, p));
+    norms.push_back(parallel::clip_grad_norm_(params_, kMaxNorm));
     opt_->step();
-    return norm;
+    return norms;
   }
 
   // Every parameter this rank holds (its experts only) equals one process's of that name.
@@ -163,7 +171,8 @@ class Composed {
     for (const auto& [name, t] : ref.block->named_parameters()) whole[name] = t;
     int64_t compared = 0;
     for (const auto& [name, t] : fsdp_ ? fsdp_->full_state_dict() : block_->named_parameters()) {
-      CAPTURE(name);
+      const std::string& key = name;  // a lambda cannot capture a binding
+      CAPTURE(key);
       REQUIRE(whole.contains(name));
       CHECK(close(t, whole.at(name)));
       ++compared;
@@ -195,7 +204,11 @@ parallel::DDPStats check_against_one_process(const ComposedRun& run) {
   Reference ref(composed.experts());
   for (int step = 0; step < 3; ++step) {
     ref.step(step, run.shape.data);
-    CHECK(composed.step(step) == doctest::Approx(ref.norms.back()).epsilon(1e-12));
+    const std::vector<double> norms = composed.step(step);
+    for (size_t k = 0; k < norms.size(); ++k) {
+      CAPTURE(k);  // the 1-, infinity and 2-norm
+      CHECK(norms[k] == doctest::Approx(ref.norms[ref.norms.size() - 3 + k]).epsilon(1e-12));
+    }
   }
   composed.check_equal(ref);
   return composed.stats();
@@ -238,6 +251,10 @@ void check_fsdp_around_tensor_parallelism(int tensor) {
     const int64_t first = kRows * mesh.data_rank();
     mse_loss(fsdp(x.narrow(0, first, kRows)), y.narrow(0, first, kRows)).backward();
     mse_loss((*reference)(x), y).backward();
+    for (double p : {1.0, double(INFINITY)})
+      CHECK(parallel::clip_grad_norm_(fsdp.parameters(), INFINITY, p) ==
+            doctest::Approx(optim::clip_grad_norm_(reference->parameters(), INFINITY, p))
+                .epsilon(1e-12));
     const double norm = parallel::clip_grad_norm_(fsdp.parameters(), kMaxNorm);
     CHECK(
         norm ==
@@ -317,10 +334,11 @@ TEST_SUITE("compose") {
       parallel::load_sharded_checkpoint(dir, into, dist::split_group(dist::world(), {{0}}));
       alone.step(kBefore, 4);
       for (const auto& [name, t] : alone.block->named_parameters()) {
-        CAPTURE(name);
+        const std::string& key = name;  // a lambda cannot capture a binding
+        CAPTURE(key);
         const auto whole = ref.block->named_parameters();
         const auto at = std::find_if(whole.begin(), whole.end(),
-                                     [&](const auto& entry) { return entry.first == name; });
+                                     [&](const auto& entry) { return entry.first == key; });
         REQUIRE(at != whole.end());
         CHECK(close(t, at->second));
       }

@@ -1,7 +1,10 @@
 #pragma once
 // Gradient clipping when the parameters are spread over the ranks of a group (tensor or
 // pipeline parallelism): the norm is that of the whole model, so every rank scales by the same
-// factor and replicas stay identical.
+// factor and replicas stay identical. This is the primitive for a layout declared by hand (the
+// caller says which tensors are sharded and which replicated); a model whose layers, wrappers and
+// pipelines recorded where each parameter lives clips with parallel::clip_grad_norm_(params,
+// max_norm), which reads those placements (ZeRO-1 and FSDP clip through it).
 #include <cmath>
 #include <vector>
 

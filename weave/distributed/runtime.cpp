@@ -464,12 +464,12 @@ Group split_into(const Group& parent, const std::vector<std::vector<int>>& paren
 }
 
 int64_t fingerprint_of(const std::vector<std::vector<int>>& lists) {
-  int64_t value = 0;
+  uint64_t value = 0;  // unsigned: the products wrap around, defined
   for (const std::vector<int>& list : lists) {
-    for (int v : list) value = value * 1000003 + v + 1;  // same lists, same value
+    for (int v : list) value = value * 1000003 + uint64_t(v) + 1;  // same lists, same value
     value = value * 1000003 + 7;
   }
-  return value;
+  return static_cast<int64_t>(value >> 1);
 }
 
 }  // namespace

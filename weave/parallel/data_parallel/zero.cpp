@@ -5,7 +5,6 @@
 #include <unordered_set>
 
 #include "weave/autograd/grad_mode.h"
-#include "weave/distributed/clip_grad.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/layout.h"
@@ -143,9 +142,9 @@ bool ZeroRedundancyOptimizer::step() {
     if (mine.narrow(0, per_rank, 1).to(kFloat64).item<double>() != 0) return false;
     shard_.set_grad(mine.narrow(0, 0, per_rank));
   }
-  if (options_.max_grad_norm)  // the slices are disjoint (padding is zero): partial norms add up
-    last_grad_norm_ = dist::clip_grad_norm_({shard_}, {}, *options_.max_grad_norm, group_,
-                                            options_.grad_norm_type);
+  if (options_.max_grad_norm)  // the shard's placement says who else holds it (padding is zero)
+    last_grad_norm_ = parallel::clip_grad_norm_({shard_}, *options_.max_grad_norm,
+                                                options_.grad_norm_type, group_);
   optimizer_->step();  // updates shard_, this rank's slice of the parameters, in place
   dist::all_gather(flat_params_->flat, shard_.detach(), group_);
   return true;
