@@ -4,10 +4,15 @@
 // model's norm. Each case runs 3 AdamW steps with clipping in float64 and ends within 1e-10 of
 // one process that trains the same block on the stacked batch and the whole sequence.
 #include <doctest/doctest.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
@@ -185,6 +190,7 @@ class Composed {
     return {.model = fsdp_ ? &fsdp_->sharded_module() : block_.get(), .optimizer = opt_.get()};
   }
   parallel::DDPStats stats() const { return ddp_ ? ddp_->stats() : parallel::DDPStats{}; }
+  const parallel::ProcessMesh& mesh() const { return mesh_; }
 
  private:
   ComposedRun run_;
@@ -358,6 +364,38 @@ TEST_SUITE("compose") {
     }
     dist::barrier();
     if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("the trace shows the experts' bucket all_reduces starting before backward ends") {
+    const int n = dist::world_size();
+    if (n % 4 != 0) return;  // an expert-data group of 2 ranks or more
+    // Buckets of one parameter each: each launches the moment its gradient is in.
+    Composed composed(
+        {.shape = {.data = n, .expert = 2}, .ddp = {.first_bucket_mb = 1e-9, .bucket_mb = 1e-9}});
+    composed.step(0);  // the first backward traces the bucket order
+    trace::start((std::filesystem::temp_directory_path() /
+                  fmt::format("weave_compose_trace_{}_{{rank}}.json", getpid()))
+                     .string());
+    composed.step(1);
+    const std::string path = trace::stop();
+    nlohmann::json events = nlohmann::json::parse(std::ifstream(path))["traceEvents"];
+    std::filesystem::remove(path);
+    const dist::Group& replicas = composed.mesh().group({parallel::Axis::ExpertData});
+    const std::string expert_data = fmt::format("[{}]", fmt::join(replicas.ranks(), ", "));
+    double backward_end = 0, first_expert_reduce = INFINITY;
+    int64_t expert_reduces = 0;
+    for (const auto& e : events) {
+      if (e["ph"] != "X") continue;
+      if (e["cat"] == "backward")
+        backward_end = std::max(backward_end, e["ts"].get<double>() + e["dur"].get<double>());
+      if (e["cat"] == "collective" && e["name"] == "all_reduce" &&
+          e["args"]["group"] == expert_data) {
+        first_expert_reduce = std::min(first_expert_reduce, e["ts"].get<double>());
+        ++expert_reduces;
+      }
+    }
+    CHECK(expert_reduces == 8);  // 2 experts on this rank, each 2 weights and 2 biases
+    CHECK(first_expert_reduce < backward_end);
   }
 
   TEST_CASE("DDP overlaps the experts' buckets with backward, apart from the dense ones") {
