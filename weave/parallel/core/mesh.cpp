@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <array>
 #include <mutex>
 #include <vector>
 
@@ -47,35 +48,22 @@ dist::Group data_parallel_group(const std::optional<dist::Group>& group, const c
 
 namespace {
 
-// A rank's coordinates, in the order of MeshShape's fields' significance (tensor fastest), and
-// its place among the experts: i = context + C data, expert i % E, expert replica i / E.
-struct Coordinates {
-  int data, tensor, pipeline, context, expert, expert_data;
-  int of(Axis axis) const {
-    switch (axis) {
-      case Axis::Data:
-        return data;
-      case Axis::Tensor:
-        return tensor;
-      case Axis::Pipeline:
-        return pipeline;
-      case Axis::Context:
-        return context;
-      case Axis::Expert:
-        return expert;
-      case Axis::ExpertData:
-        return expert_data;
-    }
-    return 0;
-  }
-};
+// A rank's coordinate on each axis, indexed by Axis (tensor fastest), and its place among the
+// experts: i = context + C data, expert i % E, expert replica i / E.
+using Coordinates = std::array<int, 6>;
 
 Coordinates coordinates_of(int rank, const MeshShape& s) {
   const int data = (rank / (s.tensor * s.context)) % s.data,
             context = (rank / s.tensor) % s.context;
   const int among = context + s.context * data;
-  return {data,    rank % s.tensor,  rank / (s.tensor * s.context * s.data),
-          context, among % s.expert, among / s.expert};
+  Coordinates at{};
+  at[size_t(Axis::Data)] = data;
+  at[size_t(Axis::Tensor)] = rank % s.tensor;
+  at[size_t(Axis::Pipeline)] = rank / (s.tensor * s.context * s.data);
+  at[size_t(Axis::Context)] = context;
+  at[size_t(Axis::Expert)] = among % s.expert;
+  at[size_t(Axis::ExpertData)] = among / s.expert;
+  return at;
 }
 
 constexpr unsigned bit(Axis axis) {
@@ -95,7 +83,7 @@ std::vector<std::vector<int>> partition(const MeshShape& s, int world, unsigned 
   auto same = [&](int a, int b) {
     const Coordinates x = coordinates_of(a, s), y = coordinates_of(b, s);
     for (Axis axis : basis)
-      if (!(mask & bit(axis)) && x.of(axis) != y.of(axis)) return false;
+      if (!(mask & bit(axis)) && x[size_t(axis)] != y[size_t(axis)]) return false;
     return true;
   };
   std::vector<std::vector<int>> groups;

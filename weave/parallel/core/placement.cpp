@@ -84,6 +84,9 @@ void add_flat_shard(const Tensor& shard, const Placement& placement,
   const int copies = placement.copies_in(group);
   const Tensor grad = shard.grad();
   if (!grad.defined()) return;
+  if (std::all_of(layout.splits.begin(), layout.splits.end(),
+                  [](const TensorSplit& split) { return split.count == 1; }))
+    return by_copies[copies].push_back(grad);  // one partial norm for the whole shard
   const int64_t end = layout.begin + grad.numel();
   for (size_t k = 0; k < layout.offsets.size(); ++k) {
     const int64_t lo = std::max(layout.begin, layout.offsets[k]);
