@@ -136,8 +136,9 @@ class BatchFirst : public nn::Module {
 };
 
 // Two blocks as two pipeline stages (1F1B, 2 micro-batches), each split over the tensor axis,
-// data parallel across: the gradients of each stage averaged over the data axis after the step,
-// the norm clipped over the world.
+// each stage under DDP over the data axis (the pipeline runs its micro-batches through it, the
+// last one synchronizing, its buckets launched during that backward), the norm clipped over the
+// world.
 void check_pipeline_against_one_process(const parallel::MeshShape& shape) {
   CAPTURE(shape.data);
   CAPTURE(shape.tensor);
@@ -156,7 +157,8 @@ void check_pipeline_against_one_process(const parallel::MeshShape& shape) {
   auto mine = std::make_shared<parallel::ParallelTransformerBlock>(kDim, kHeads, mesh.tensor());
   mine->to(kFloat64);
   BatchFirst stage(mine);
-  parallel::Pipeline pipe(stage, {.microbatches = 2, .group = mesh.pipeline()});
+  parallel::DistributedDataParallel ddp(stage, {.first_bucket_mb = 1e-4, .group = mesh.data()});
+  parallel::Pipeline pipe(ddp, {.microbatches = 2, .group = mesh.pipeline()});
   std::vector<Tensor> ref_params;
   for (auto& block : reference)
     for (const Tensor& p : block->parameters()) ref_params.push_back(p);
@@ -175,11 +177,14 @@ void check_pipeline_against_one_process(const parallel::MeshShape& shape) {
     opt.zero_grad();
     pipe.train_step(x.narrow(0, mesh.data_rank() * kBatch, kBatch),  // 2 micro-batches
                     w.narrow(0, mesh.data_rank() * kBatch, kBatch), loss);
-    parallel::average_gradients(stage.parameters(), mesh.data());
     check_norms(stage.parameters(), ref_params);
     ref_opt.step();
     opt.step();
   }
+  // One synchronizing backward per step, overlapped: the first bucket left before the rest of
+  // that backward's gradients were in.
+  CHECK(ddp.stats().steps == 3);
+  CHECK(ddp.stats().ready_before_first_launch < ddp.stats().parameters);
   std::map<std::string, Tensor> pieces;
   for (const auto& [name, t] :
        parallel::shard_state_dict(reference[size_t(mesh.pipeline_rank())]->state_dict(), *mine))
@@ -204,6 +209,18 @@ TEST_SUITE("compose_transformer") {
       check_pipeline_against_one_process({.data = n / 4, .tensor = 2, .pipeline = 2});
     else
       check_pipeline_against_one_process({.data = n / 2, .pipeline = 2});
+  }
+
+  TEST_CASE("a stage's data-parallel wrapper over ranks of other stages raises on every rank") {
+    const int n = dist::world_size();
+    if (n % 2 != 0) return;
+    parallel::ProcessMesh mesh({.data = n / 2, .pipeline = 2});
+    manual_seed(40);
+    BatchFirst stage(
+        std::make_shared<parallel::ParallelTransformerBlock>(kDim, kHeads, mesh.tensor()));
+    parallel::DistributedDataParallel ddp(stage, {.group = dist::world()});
+    CHECK_THROWS_WITH_AS(parallel::Pipeline(ddp, {.microbatches = 2, .group = mesh.pipeline()}),
+                         doctest::Contains("shares ranks"), Error);
   }
 
   TEST_CASE("tensor x context x data parallel transformer blocks equal one process") {

@@ -14,7 +14,7 @@ using namespace weave;
 struct Flags {
   std::string strategy = "ddp", data_dir = "/usr/share/games/fortunes", checkpoint, log;
   int tp = 0, threads = 1, samples = 3;
-  int context_parallel = 1, expert_parallel = 1;
+  int context_parallel = 1, expert_parallel = 1, pipeline = 1, microbatches = 0;
   int64_t experts = 0, top_k = 2;
   std::string cp_mode = "ring";
   int64_t layers = 4, dim = 256, heads = 4, context = 128, batch = 16, steps = 600,
@@ -86,6 +86,11 @@ inline Flags parse(int argc, char** argv) {
   app.add_option("--expert-parallel", f.expert_parallel, "ranks the experts are spread over")
       ->check(examples::positive());
   app.add_option("--top-k", f.top_k, "experts each token goes to")->check(examples::positive());
+  app.add_option("--pipeline", f.pipeline, "pipeline stages (consecutive blocks, 1F1B)")
+      ->check(examples::positive());
+  app.add_option("--microbatches", f.microbatches,
+                 "micro-batches per step and data-parallel rank (0: twice --pipeline)")
+      ->check(examples::non_negative());
   examples::parse_or_exit(app, argc, argv);
   if (!autocast.empty()) f.autocast = autocast == "bf16" ? kBFloat16 : kFloat16;
   return f;

@@ -7,6 +7,7 @@
 //                    [--device cpu|cuda] [--backend mpi|nccl] [--vocab N] [--log FILE]
 //                    [--context-parallel N [--cp-mode ring|all-to-all]]
 //                    [--experts E [--expert-parallel N] [--top-k K]]
+//                    [--pipeline N [--microbatches M]]
 // --device cuda puts each rank on a GPU (round-robin by local rank) with NCCL between them
 // (--backend mpi: MPI, staging through the host; several ranks may share one GPU). --vocab
 // widens the embedding and output layer past the characters' count (a larger model's head).
@@ -30,7 +31,11 @@
 //   --experts E            every block's MLP becomes E experts (each a 4 dim / K MLP, so a
 //                          token costs the dense MLP's compute), top --top-k per token, with the
 //                          load-balancing loss over the whole step's batch; --expert-parallel N
-//                          spreads them over groups of N of the data x context ranks.
+//                          spreads them over groups of N of the data x context ranks;
+//   --pipeline N           N stages of consecutive blocks (the embeddings on the first, the
+//                          head on the last), each split over the tensor axis and under DDP over
+//                          data x context; 1F1B over --microbatches (2 N) micro-batches, the
+//                          last one's backward averaging the gradients of all of them.
 // The wrappers read where each parameter lives (its placement): experts average over the ranks
 // holding them, with the expert scale; the gradient norm counts every piece once.
 // --autocast runs forward, the loss and the held-out evaluation under AutocastGuard (matrix
@@ -147,10 +152,12 @@ void initialize(nn::Module& model, uint64_t seed) {
   }
 }
 
-// The model of this rank, built from the whole model's initialization (on every rank alike).
+// The model of this rank (its pipeline stage's part), built from the whole model's
+// initialization (on every rank alike).
 std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
                                      const parallel::ProcessMesh& mesh, bool sequence_parallel,
                                      std::optional<dist::Group> experts = std::nullopt) {
+  const int stages = mesh.shape().pipeline;
   std::shared_ptr<LanguageModel> whole;
   if (f.experts > 0)
     whole = std::make_shared<MoeGpt>(f, vocab, mesh.data_and_context());
@@ -159,28 +166,29 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
   initialize(*whole, f.seed);
   whole->checkpoint_activations = f.checkpoint_activations;
   whole->to(f.placed);
-  if (!experts && mesh.shape().context == 1 && mesh.shape().tensor == 1) return whole;
+  if (!experts && mesh.shape().context == 1 && mesh.shape().tensor == 1 && stages == 1)
+    return whole;
   const std::optional<dist::Group> context =
       mesh.shape().context > 1 ? std::optional(mesh.context()) : std::nullopt;
   std::shared_ptr<LanguageModel> split = std::make_shared<ParallelGpt>(
-      f, vocab, mesh.tensor(), sequence_parallel, context, experts, mesh.data_and_context());
+      f, vocab, mesh.tensor(), sequence_parallel, context, experts, mesh.data_and_context(),
+      gpt::stage_range(f.layers, mesh.pipeline_rank(), stages));
   split->to(f.placed);
   nn::NamedTensors state = parallel::shard_state_dict(whole->state_dict(), *split);
-  if (experts) {  // this rank's experts only
-    const auto names = split->state_dict();
-    std::erase_if(state, [&](const auto& entry) {
-      return std::none_of(names.begin(), names.end(),
-                          [&](const auto& mine) { return mine.first == entry.first; });
-    });
-  }
+  const auto names = split->state_dict();  // this rank's experts and stage only
+  std::erase_if(state, [&](const auto& entry) {
+    return std::none_of(names.begin(), names.end(),
+                        [&](const auto& mine) { return mine.first == entry.first; });
+  });
   split->load_state_dict(state);
   split->checkpoint_activations = f.checkpoint_activations;
   return split;
 }
 
-// Mean loss over the held-out windows: each data-parallel rank evaluates its share.
+// Mean loss over the held-out windows: each data-parallel rank evaluates its share (through the
+// pipeline's stages when there is one, the loss on the last).
 double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
-                    const parallel::ProcessMesh& mesh) {
+                    const parallel::ProcessMesh& mesh, parallel::Pipeline* pipe = nullptr) {
   NoGradGuard no_grad;
   model.eval();
   const int64_t span = int64_t(corpus.heldout.size()) - f.context - 1;
@@ -188,16 +196,21 @@ double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
   for (int64_t i = mesh.data_rank(); i < f.eval_windows; i += mesh.shape().data)
     mine.push_back(i * span / f.eval_windows);
   double total = 0;
-  for (size_t first = 0; first < mine.size(); first += size_t(f.batch)) {
-    const size_t last = std::min(mine.size(), first + size_t(f.batch));
+  const size_t per_batch = size_t(pipe ? f.batch / mesh.shape().data : f.batch);
+  for (size_t first = 0; first < mine.size(); first += per_batch) {
+    const size_t last = std::min(mine.size(), first + per_batch);
     Tensor w = windows(corpus.heldout, {mine.begin() + first, mine.begin() + last}, f.context)
                    .to(f.placed);
-    Tensor logits = model(w.narrow(1, 0, f.context));
-    total += model.loss(logits, w.narrow(1, 1, f.context)).item<double>() * double(last - first);
+    const Tensor ids = w.narrow(1, 0, f.context);
+    Tensor logits = pipe ? pipe->predict(ids, /*sequence first*/ 1) : model(ids);
+    if (logits.defined())  // the last stage's
+      total += model.loss(logits, w.narrow(1, 1, f.context)).item<double>() * double(last - first);
   }
   // Under context parallelism each rank's loss covers its part of the positions.
   Tensor sum = full({1}, total, {.dtype = kFloat64});
-  dist::all_reduce(sum, dist::ReduceOp::Sum, mesh.data_and_context());
+  using parallel::Axis;
+  dist::all_reduce(sum, dist::ReduceOp::Sum,
+                   mesh.group({Axis::Data, Axis::Context, Axis::Pipeline}));
   model.train();
   return sum.item<double>() / double(f.eval_windows * mesh.shape().context);
 }
@@ -271,15 +284,29 @@ int main(int argc, char** argv) try {
   set_num_threads(f.threads);
   const int world = dist::world_size();
   const bool fully_sharded = f.strategy == "fsdp";
-  // Tensor-parallel ranks: every rank under tp; --tp (2 unless given) under hybrid; --tp when
-  // given with ddp or fsdp.
-  const int tensor = f.strategy == "tp" ? world : f.tp > 0 ? f.tp : f.strategy == "hybrid" ? 2 : 1;
-  const int context = f.context_parallel;
-  WEAVE_CHECK(world % (tensor * context) == 0, "gpt",
-              "--tp {} times --context-parallel {} does not divide the {} ranks; hint: run a "
-              "multiple of their product",
-              tensor, context, world);
-  const int data = world / (tensor * context);
+  // Tensor-parallel ranks: every rank of a stage (and context group) under tp; --tp (2 unless
+  // given) under hybrid; --tp when given with ddp or fsdp.
+  const int context = f.context_parallel, pipeline = f.pipeline;
+  const int tensor = f.strategy == "tp"       ? std::max(1, world / (context * pipeline))
+                     : f.tp > 0               ? f.tp
+                     : f.strategy == "hybrid" ? 2
+                                              : 1;
+  WEAVE_CHECK(world % (tensor * context * pipeline) == 0, "gpt",
+              "--tp {} times --context-parallel {} times --pipeline {} does not divide the {} "
+              "ranks; hint: run a multiple of their product",
+              tensor, context, pipeline, world);
+  const int data = world / (tensor * context * pipeline);
+  const int microbatches = f.microbatches > 0 ? f.microbatches : 2 * pipeline;
+  WEAVE_CHECK(pipeline == 1 || (f.experts == 0 && !fully_sharded && f.autocast != kFloat16 &&
+                                f.layers >= pipeline && f.batch % (data * microbatches) == 0 &&
+                                f.eval_windows % (data * microbatches) == 0),
+              "gpt",
+              "--pipeline {} takes a dense model under ddp without fp16 (found --experts {}, "
+              "--strategy {}{}), at least one block per stage (--layers {}), and --batch {} and "
+              "--eval-windows {} in multiples of the {} data-parallel ranks times {} "
+              "micro-batches",
+              pipeline, f.experts, f.strategy, f.autocast == kFloat16 ? ", --autocast fp16" : "",
+              f.layers, f.batch, f.eval_windows, data, microbatches);
   WEAVE_CHECK(
       f.experts == 0 || ((data * context) % f.expert_parallel == 0 && f.eval_windows % data == 0 &&
                          f.experts % f.expert_parallel == 0 && f.top_k <= f.experts),
@@ -290,6 +317,7 @@ int main(int argc, char** argv) try {
       f.expert_parallel, data * context, f.experts, f.top_k, f.eval_windows, data);
   const parallel::ProcessMesh mesh({.data = data,
                                     .tensor = tensor,
+                                    .pipeline = pipeline,
                                     .context = context,
                                     .expert = f.experts > 0 ? f.expert_parallel : 1});
   // The ranks that hold every expert between them (mesh.expert()), when experts are spread.
@@ -319,6 +347,14 @@ int main(int argc, char** argv) try {
   else if (data * context > 1)  // each parameter averaged where its placement says
     ddp = std::make_unique<parallel::DistributedDataParallel>(
         *model, parallel::DDPOptions{.group = mesh.data_and_context()});
+  // The stages pass activations forward and gradients back; each stage's DDP synchronizes on
+  // the step's last micro-batch.
+  std::unique_ptr<parallel::Pipeline> pipe;
+  if (pipeline > 1) {
+    const parallel::PipelineOptions options{.microbatches = microbatches, .group = mesh.pipeline()};
+    pipe = ddp ? std::make_unique<parallel::Pipeline>(*ddp, options)
+               : std::make_unique<parallel::Pipeline>(*model, options);
+  }
   // Evaluation and sampling run on whole parameters: under fsdp, on a replica loaded from the
   // gathered state (the sharded model's forward would gather on every data-parallel rank, but
   // only one group samples). Collective under fsdp.
@@ -388,13 +424,21 @@ int main(int argc, char** argv) try {
     Tensor inputs = w.narrow(1, 0, f.context), targets = w.narrow(1, 1, f.context);
     optimizer.zero_grad();
     Tensor loss;
-    {
+    if (pipe) {  // forward and backward of every micro-batch; the loss on the last stage
       std::optional<AutocastGuard> autocast;
       if (f.autocast) autocast.emplace(*f.autocast);
-      Tensor logits = ddp ? (*ddp)(inputs) : fsdp ? (*fsdp)(inputs) : (*model)(inputs);
-      loss = model->loss(logits, targets);
+      loss = pipe->train_step(inputs, targets, [&](const Tensor& logits, const Tensor& target) {
+        return model->loss(logits, target);
+      });
+    } else {
+      {
+        std::optional<AutocastGuard> autocast;
+        if (f.autocast) autocast.emplace(*f.autocast);
+        Tensor logits = ddp ? (*ddp)(inputs) : fsdp ? (*fsdp)(inputs) : (*model)(inputs);
+        loss = model->loss(logits, targets);
+      }
+      scaler.scale(loss).backward();
     }
-    scaler.scale(loss).backward();
     scaler.unscale_(optimizer.params());  // clipping sees the true gradients
     // The whole model's norm: each parameter's placement says how many ranks hold its piece.
     const double grad_norm = parallel::clip_grad_norm_(optimizer.params(), f.clip);
@@ -402,12 +446,14 @@ int main(int argc, char** argv) try {
     scaler.update();
     scheduler.step();
     ++step;
-    loss_sum += loss.item<double>();
+    loss_sum += loss.defined() ? loss.item<double>() : 0;  // the last stage's
     ++losses;
     tokens += f.batch * f.context;
     if (step % f.log_every == 0 || step == f.steps) {
-      Tensor mean = full({1}, loss_sum / double(losses), {.dtype = kFloat64});
-      dist::all_reduce(mean, dist::ReduceOp::Avg, mesh.data_and_context());
+      Tensor mean = full({1}, loss_sum / double(losses * data * context), {.dtype = kFloat64});
+      dist::all_reduce(
+          mean, dist::ReduceOp::Sum,
+          mesh.group({parallel::Axis::Data, parallel::Axis::Context, parallel::Axis::Pipeline}));
       metrics.log_step({.step = step,
                         .loss = mean.item<double>(),
                         .lr = scheduler.lr(),
@@ -418,7 +464,8 @@ int main(int argc, char** argv) try {
     if (step % f.eval_every == 0 && step < f.steps) {
       std::optional<AutocastGuard> autocast;
       if (f.autocast) autocast.emplace(*f.autocast);
-      metrics.log_eval(step, "heldout_loss", heldout_loss(*whole_model(), f, corpus, mesh));
+      metrics.log_eval(step, "heldout_loss",
+                       heldout_loss(*whole_model(), f, corpus, mesh, pipe.get()));
     }
     if (!f.checkpoint.empty() &&
         (step % f.checkpoint_every == 0 || step == f.steps || step == f.stop_at)) {
@@ -439,7 +486,7 @@ int main(int argc, char** argv) try {
   std::optional<AutocastGuard> autocast;
   if (f.autocast) autocast.emplace(*f.autocast);
   const std::shared_ptr<LanguageModel> evaluated = whole_model();
-  const double held = heldout_loss(*evaluated, f, corpus, mesh);
+  const double held = heldout_loss(*evaluated, f, corpus, mesh, pipe.get());
   metrics.log_eval(f.steps, "heldout_loss", held);
   if (dist::rank() == 0) {
     std::printf("peak tensor memory on rank 0: %.1f MB (memory_stats)\n",
@@ -448,8 +495,10 @@ int main(int argc, char** argv) try {
   }
   // Decoding appends one position at a time, which sequence parallelism cannot split: the same
   // parameters in a model built without it.
-  if (experts) {
-    if (dist::rank() == 0) std::printf("samples: none (the experts are spread over ranks)\n");
+  if (experts || pipe) {
+    if (dist::rank() == 0)
+      std::printf("samples: none (the %s)\n",
+                  pipe ? "blocks are cut into pipeline stages" : "experts are spread over ranks");
   } else if (sequence_parallel || context > 1) {
     auto decoder = std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
     decoder->to(device);

@@ -87,6 +87,23 @@ inline nn::MoEOptions moe_options(const Flags& f, int64_t i) {
           .seed = f.seed + uint64_t(i)};
 }
 
+/// The part of the model a pipeline stage holds: blocks [first, last), the embeddings on the
+/// first stage, the final norm and the head on the last (the whole model by default).
+struct StageRange {
+  int64_t first = 0, last = -1;  // -1: every block
+  bool embeds = true, heads = true;
+};
+
+/// Stage `stage` of `stages`: an equal share of the blocks (the first stages take one more when
+/// they do not divide).
+inline StageRange stage_range(int64_t layers, int stage, int stages) {
+  auto start = [&](int s) { return layers * s / stages; };
+  return {.first = start(stage),
+          .last = start(stage + 1),
+          .embeds = stage == 0,
+          .heads = stage == stages - 1};
+}
+
 /// The same GPT split over a tensor-parallel group: the vocabulary of the embedding and of the
 /// output layer, the heads and MLP units of every block. Sequence first inside; with sequence
 /// parallelism the norms and residuals hold 1/n of the sequence. Same parameter names as Gpt.
@@ -95,19 +112,25 @@ class ParallelGpt : public LanguageModel {
   /// With `context`, each rank of that group holds its zig-zag part of every sequence
   /// (parallel::ring_attention or all_to_all_attention, per --cp-mode). With --experts, every
   /// block's MLP is a mixture of experts (as MoeGpt's), spread over `experts` when it has
-  /// several ranks, its load-balancing loss over `balance` (the data x context ranks).
+  /// several ranks, its load-balancing loss over `balance` (the data x context ranks). With a
+  /// `range`, only that pipeline stage's part: forward then maps what the previous stage sent
+  /// (ids on the first) to what the next one takes (logits on the last).
   ParallelGpt(const Flags& f, int64_t vocab, const dist::Group& tp, bool sequence_parallel,
               std::optional<dist::Group> context = std::nullopt,
               std::optional<dist::Group> experts = std::nullopt,
-              std::optional<dist::Group> balance = std::nullopt)
+              std::optional<dist::Group> balance = std::nullopt, StageRange range = {})
       : LanguageModel("ParallelGpt"),
         tp_(tp),
         sequence_parallel_(sequence_parallel),
-        context_(std::move(context)) {
-    tokens = register_module("tokens",
-                             std::make_shared<parallel::VocabParallelEmbedding>(vocab, f.dim, tp));
-    positions = register_module("positions", std::make_shared<nn::Embedding>(f.context, f.dim));
-    for (int64_t i = 0; i < f.layers; ++i)
+        context_(std::move(context)),
+        range_(range) {
+    if (range_.last < 0) range_.last = f.layers;
+    if (range_.embeds) {
+      tokens = register_module(
+          "tokens", std::make_shared<parallel::VocabParallelEmbedding>(vocab, f.dim, tp));
+      positions = register_module("positions", std::make_shared<nn::Embedding>(f.context, f.dim));
+    }
+    for (int64_t i = range_.first; i < range_.last; ++i)
       blocks.push_back(register_module(
           "block" + std::to_string(i),
           std::make_shared<parallel::ParallelTransformerBlock>(
@@ -120,6 +143,7 @@ class ParallelGpt : public LanguageModel {
                   .moe = f.experts > 0 ? std::optional(moe_options(f, i)) : std::nullopt,
                   .expert_group = experts,
                   .balance_group = balance})));
+    if (!range_.heads) return;
     if (sequence_parallel)
       norm = register_module(
           "norm", std::make_shared<parallel::SequenceParallelLayerNorm>(Shape{f.dim}, tp));
@@ -130,12 +154,16 @@ class ParallelGpt : public LanguageModel {
                     f.dim, vocab, tp,
                     parallel::ColumnParallelOptions{.sequence_parallel = sequence_parallel}));
   }
-  /// ids [B, T] -> this rank's vocabulary slice of the logits, [T, B, vocab / n].
-  Tensor forward(const Tensor& ids) override {
-    Tensor x = embed(ids, 0);
-    if (sequence_parallel_) x = F::scatter_to_group(x, 0, tp_);  // this rank's positions
+  /// ids [B, T] -> this rank's vocabulary slice of the logits, [T, B, vocab / n]; a pipeline
+  /// stage maps its input (ids or hidden states [T, B, dim]) to its output likewise.
+  Tensor forward(const Tensor& input) override {
+    Tensor x = input;
+    if (range_.embeds) {
+      x = embed(input, 0);
+      if (sequence_parallel_) x = F::scatter_to_group(x, 0, tp_);  // this rank's positions
+    }
     for (auto& block : blocks) x = run_block(*block, x);
-    return (*head)((*norm)(x));
+    return range_.heads ? (*head)((*norm)(x)) : x;
   }
   /// Cross-entropy, plus every block's auxiliary loss with experts.
   Tensor loss(const Tensor& logits, const Tensor& targets) override {
@@ -175,6 +203,7 @@ class ParallelGpt : public LanguageModel {
   dist::Group tp_;
   bool sequence_parallel_;
   std::optional<dist::Group> context_;
+  StageRange range_;
 };
 
 /// A pre-LayerNorm block whose MLP is a mixture of experts (nn::MoE on one rank, or

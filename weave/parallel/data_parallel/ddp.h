@@ -33,6 +33,9 @@
 //   parallel::DistributedDataParallel ddp(model, {.find_unused_parameters = true,  // routing
 //                                                 .group = mesh.data_and_context()});
 //
+// A pipeline stage under DDP: pass the wrapper to parallel::Pipeline in place of the stage (it
+// is a DataParallelWrapper); the pipeline runs every micro-batch but the last under no_sync().
+//
 // Every synchronizing step ends the same way on every rank of the group. The last bucket carries
 // two status words (this rank's backward failed; this rank has parameters without gradient), so
 // what one rank knows every rank learns in the same all_reduce:
@@ -53,6 +56,7 @@
 
 #include "weave/distributed/distributed.h"
 #include "weave/nn/module.h"
+#include "weave/parallel/core/data_parallel_wrapper.h"
 #include "weave/parallel/core/joinable.h"
 #include "weave/parallel/core/no_sync.h"
 #include "weave/parallel/core/replicas.h"
@@ -108,7 +112,7 @@ struct DDPStats {
   int64_t failed_steps = 0;
 };
 
-class DistributedDataParallel : public Joinable {
+class DistributedDataParallel : public Joinable, public DataParallelWrapper {
  public:
   /// Checks that every rank of the group has the same parameter names, shapes and dtypes
   /// (raising weave::Error on every rank, naming the first difference; spread experts match by
@@ -121,13 +125,13 @@ class DistributedDataParallel : public Joinable {
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
   /// The module's forward.
-  Tensor forward(const Tensor& input);
+  Tensor forward(const Tensor& input) override;
   Tensor operator()(const Tensor& input) { return forward(input); }
-  nn::Module& module() { return module_; }
+  nn::Module& module() override { return module_; }
 
   /// While the guard lives, backward accumulates gradients locally without communicating
   /// (gradient accumulation); the first backward after it averages everything accumulated.
-  NoSyncGuard no_sync();
+  NoSyncGuard no_sync() override;
 
   const DDPStats& stats() const;
   /// With check_finite: false when the last synchronizing backward averaged a NaN or infinite
@@ -136,7 +140,7 @@ class DistributedDataParallel : public Joinable {
   /// Parameter names of each bucket, in launch order (empty before the first backward).
   std::vector<std::vector<std::string>> bucket_names() const;
   /// The ranks that share the model.
-  const dist::Group& group() const;
+  const dist::Group& group() const override;
 
   struct State;
 

@@ -34,6 +34,20 @@ std::vector<Tensor> microbatches_of(const Tensor& batch, int m, const char* what
   return chunk(batch, m, 0);
 }
 
+// A stage's data-parallel wrapper averages over ranks that hold the same stage: its group may
+// share no rank but this one with the pipeline group.
+void check_wrapper_group(const DataParallelWrapper& wrapper, const dist::Group& pipeline,
+                         size_t chunk) {
+  std::vector<int> shared;
+  for (int r : wrapper.group().ranks())
+    if (r != dist::rank() && pipeline.contains(r)) shared.push_back(r);
+  WEAVE_CHECK(shared.empty(), "Pipeline",
+              "the data-parallel wrapper of chunk {} averages over group {}, which shares ranks "
+              "{} with the pipeline group {}: those hold other stages; hint: wrap each stage "
+              "over the ranks holding the same stage (the mesh's data group)",
+              chunk, wrapper.group().str(), fmt::join(shared, ", "), pipeline.str());
+}
+
 }  // namespace
 
 Schedule schedule_from_name(const std::string& name) {
@@ -43,10 +57,18 @@ Schedule schedule_from_name(const std::string& name) {
 }
 
 Pipeline::Pipeline(nn::Module& stage, PipelineOptions options)
-    : Pipeline(std::vector<nn::Module*>{&stage}, options) {}
+    : Pipeline(std::vector<nn::Module*>{&stage}, {nullptr}, options) {}
 
 Pipeline::Pipeline(std::vector<nn::Module*> chunks, PipelineOptions options)
+    : Pipeline(chunks, std::vector<DataParallelWrapper*>(chunks.size(), nullptr), options) {}
+
+Pipeline::Pipeline(DataParallelWrapper& stage, PipelineOptions options)
+    : Pipeline(std::vector<nn::Module*>{&stage.module()}, {&stage}, options) {}
+
+Pipeline::Pipeline(std::vector<nn::Module*> chunks, std::vector<DataParallelWrapper*> wrappers,
+                   PipelineOptions options)
     : chunks_(std::move(chunks)),
+      wrappers_(std::move(wrappers)),
       options_(options),
       group_(options.group ? *options.group : dist::world()) {
   WEAVE_CHECK(group_.rank() >= 0, "Pipeline",
@@ -63,6 +85,8 @@ Pipeline::Pipeline(std::vector<nn::Module*> chunks, PipelineOptions options)
         WEAVE_CHECK(!chunks_.empty(), "Pipeline", "expected at least one chunk, found none");
         for (nn::Module* chunk : chunks_)
           WEAVE_CHECK(chunk != nullptr, "Pipeline", "a chunk is a null pointer");
+        for (size_t c = 0; c < wrappers_.size(); ++c)
+          if (wrappers_[c]) check_wrapper_group(*wrappers_[c], group_, c);
         if (chunks_.size() > 1) {
           WEAVE_CHECK(stages() > 1, "Pipeline",
                       "{} virtual stages on a pipeline of one rank; hint: pass them as one "
@@ -185,6 +209,28 @@ Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const P
   return chunks_.size() == 1 ? train_linked(in, target, loss) : train_interleaved(in, target, loss);
 }
 
+// Under a wrapper, micro-batch m - 1's forward is the step's synchronizing one, and its backward,
+// the chunk's last, launches the wrapper's buckets: the others accumulate under no_sync().
+Tensor Pipeline::forward_chunk(int chunk, int micro, const Tensor& x) {
+  DataParallelWrapper* wrapper = wrappers_[size_t(chunk)];
+  if (!wrapper) return (*chunks_[size_t(chunk)])(x);
+  if (micro == options_.microbatches - 1) return wrapper->forward(x);
+  NoSyncGuard quiet = wrapper->no_sync();
+  return wrapper->forward(x);
+}
+
+void Pipeline::backward_chunk(int chunk, int micro, const Tensor& y,
+                              const std::vector<Tensor>& grad_y) {
+  if (!y.requires_grad()) return;
+  auto run = [&] {
+    autograd::backward({y}, grad_y, /*retain_graph=*/false, /*run_must_run_nodes=*/false);
+  };
+  DataParallelWrapper* wrapper = wrappers_[size_t(chunk)];
+  if (!wrapper || micro == options_.microbatches - 1) return run();
+  NoSyncGuard quiet = wrapper->no_sync();
+  run();
+}
+
 Tensor Pipeline::train_linked(const std::vector<Tensor>& in, const std::vector<Tensor>& target,
                               const PipelineLoss& loss) {
   const int m = options_.microbatches, p = stages(), s = stage();
@@ -199,7 +245,7 @@ Tensor Pipeline::train_linked(const std::vector<Tensor>& in, const std::vector<T
   auto forward = [&](const Tensor& received) {
     const int micro = forwards++;
     Tensor x = is_first() ? in[size_t(micro)] : received;
-    Tensor y = (*chunks_[0])(x);
+    Tensor y = forward_chunk(0, micro, x);
     if (is_last()) {
       y = loss(y, target[size_t(micro)]) / double(m);
       total = total.defined() ? total + y.detach() : y.detach();
@@ -210,12 +256,12 @@ Tensor Pipeline::train_linked(const std::vector<Tensor>& in, const std::vector<T
     return y;
   };
   // The oldest micro-batch's backward from its output's gradient; returns its input's.
+  int backwards = 0;
   auto backward = [&](const Tensor& grad_y) {
     const InFlight unit = live.front();
     live.pop_front();
-    if (unit.y.requires_grad())
-      autograd::backward({unit.y}, is_last() ? std::vector<Tensor>{} : std::vector<Tensor>{grad_y},
-                         /*retain_graph=*/false, /*run_must_run_nodes=*/false);
+    backward_chunk(0, backwards++, unit.y,
+                   is_last() ? std::vector<Tensor>{} : std::vector<Tensor>{grad_y});
     if (is_first()) return Tensor();
     return unit.x.grad().defined() ? unit.x.grad() : zeros_like(unit.x);
   };
@@ -269,7 +315,7 @@ Tensor Pipeline::train_interleaved(const std::vector<Tensor>& in, const std::vec
     const auto [micro, chunk] = forward_unit(k, p, v);
     const Tensor x =
         is_first() && chunk == 0 ? in[size_t(micro)] : take(inputs, {micro, chunk}, "input");
-    Tensor y = (*chunks_[size_t(chunk)])(x);
+    Tensor y = forward_chunk(chunk, micro, x);
     if (holds_last_stage(chunk)) {
       y = loss(y, target[size_t(micro)]) / double(m);
       total = total.defined() ? total + y.detach() : y.detach();
@@ -284,8 +330,7 @@ Tensor Pipeline::train_interleaved(const std::vector<Tensor>& in, const std::vec
     const InFlight unit = take(live, {micro, chunk}, "forward");
     std::vector<Tensor> grad_y;  // none for the loss
     if (!holds_last_stage(chunk)) grad_y.push_back(take(grads, {micro, chunk}, "gradient"));
-    if (unit.y.requires_grad())
-      autograd::backward({unit.y}, grad_y, /*retain_graph=*/false, /*run_must_run_nodes=*/false);
+    backward_chunk(chunk, micro, unit.y, grad_y);
     if (is_first() && chunk == 0) return Tensor();  // what goes to the previous stage
     return unit.x.grad().defined() ? unit.x.grad() : zeros_like(unit.x);
   };
@@ -313,7 +358,7 @@ Tensor Pipeline::train_interleaved(const std::vector<Tensor>& in, const std::vec
   return total;
 }
 
-Tensor Pipeline::predict(const Tensor& inputs) {
+Tensor Pipeline::predict(const Tensor& inputs, int output_batch_dim) {
   NoGradGuard no_grad;
   const int m = options_.microbatches, p = stages(), s = stage(), v = int(chunks_.size());
   std::vector<Tensor> in;
@@ -339,7 +384,7 @@ Tensor Pipeline::predict(const Tensor& inputs) {
       received[{micro, s == 0 ? chunk + 1 : chunk}] = x;
     }
   }
-  return is_last() ? cat(outputs, 0) : Tensor();
+  return is_last() ? cat(outputs, output_batch_dim) : Tensor();
 }
 
 std::shared_ptr<nn::Sequential> pipeline_stage(const nn::Sequential& model, int stage, int stages,

@@ -31,12 +31,24 @@
 // Every stage runs every micro-batch's backward (a stage with no loss too), in the same order,
 // with pending-node replay off. Shapes travel with the data: a stage need not know its input
 // shape.
+//
+// Data parallelism inside each stage: pass the stage's data-parallel wrapper (DDP over the ranks
+// holding the same stage, e.g. mesh.data()) instead of the stage. Every micro-batch but the
+// last runs under its no_sync(); the last one's backward averages what all of them accumulated,
+// the wrapper's buckets launched while that backward goes on (Megatron-LM's overlap):
+//
+//   parallel::ProcessMesh mesh({.data = 2, .tensor = 2, .pipeline = 2});    // 8 ranks
+//   parallel::DistributedDataParallel ddp(*stage, {.group = mesh.data()});
+//   parallel::Pipeline pipe(ddp, {.microbatches = 4, .group = mesh.pipeline()});
+//   pipe.train_step(x, y, loss);                  // gradients averaged over mesh.data()
+//   parallel::clip_grad_norm_(stage->parameters(), 1.0);   // the whole model's norm
 #include <functional>
 #include <memory>
 #include <vector>
 
 #include "weave/distributed/distributed.h"
 #include "weave/nn/layers.h"
+#include "weave/parallel/core/data_parallel_wrapper.h"
 
 namespace weave::parallel {
 
@@ -73,6 +85,10 @@ class Pipeline {
   /// Interleaved: this rank's chunks in model order (chunk c is virtual stage c p + r); every
   /// rank passes the same number.
   Pipeline(std::vector<nn::Module*> chunks, PipelineOptions options = {});
+  /// The stage wrapped for data parallelism: the wrapper's group must meet the pipeline group
+  /// in this rank alone (it holds this stage on other data-parallel ranks), or construction
+  /// raises on every stage.
+  Pipeline(DataParallelWrapper& stage, PipelineOptions options = {});
 
   /// Forward and backward of every micro-batch. inputs [B, ...] matter on the first stage,
   /// targets [B, ...] on the last (others may pass undefined tensors). Gradients accumulate
@@ -82,8 +98,9 @@ class Pipeline {
   Tensor train_step(const Tensor& inputs, const Tensor& targets, const PipelineLoss& loss);
 
   /// Forward only, without a graph: the outputs [B, ...] on the last stage, undefined
-  /// elsewhere (evaluation; in micro-batches of the same size).
-  Tensor predict(const Tensor& inputs);
+  /// elsewhere (evaluation; in micro-batches of the same size). The micro-batches' outputs are
+  /// joined along `output_batch_dim` (1 for a sequence-first model's [T, B, ...]).
+  Tensor predict(const Tensor& inputs, int output_batch_dim = 0);
 
   /// This rank's place in the pipeline group, and the group's size.
   int stage() const { return group_.rank(); }
@@ -103,8 +120,15 @@ class Pipeline {
   Tensor train_interleaved(const std::vector<Tensor>& in, const std::vector<Tensor>& target,
                            const PipelineLoss& loss);
   bool holds_last_stage(int chunk) const { return is_last() && chunk == int(chunks_.size()) - 1; }
+  Pipeline(std::vector<nn::Module*> chunks, std::vector<DataParallelWrapper*> wrappers,
+           PipelineOptions options);
+  // A micro-batch's forward and backward on one chunk; through the chunk's data-parallel
+  // wrapper if it has one, all but the last micro-batch without synchronizing.
+  Tensor forward_chunk(int chunk, int micro, const Tensor& x);
+  void backward_chunk(int chunk, int micro, const Tensor& y, const std::vector<Tensor>& grad_y);
 
   std::vector<nn::Module*> chunks_;
+  std::vector<DataParallelWrapper*> wrappers_;  // per chunk, null without one
   PipelineOptions options_;
   dist::Group group_;
   PipelineStats stats_;
