@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "helpers.h"
-#include "weave/parallel/checkpoint/placement.h"
 #include "weave/parallel/checkpoint/reshard.h"
+#include "weave/parallel/checkpoint/saved_pieces.h"
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/readiness.h"
 

@@ -99,8 +99,8 @@ int info(const std::string& dir) {
     std::map<std::string, std::vector<std::pair<int, Piece>>> globals;
     std::map<std::string, DType> dtypes;
     for (const SavedPart& part : parts)
-      for (const auto& [name, placement] : part.placements)
-        for (const Piece& piece : placement) {
+      for (const auto& [name, pieces] : part.pieces)
+        for (const Piece& piece : pieces) {
           globals[piece.tensor].push_back({part.rank, piece});
           dtypes[piece.tensor] = part.entries.at(name)->dtype;
         }

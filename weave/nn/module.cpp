@@ -211,11 +211,9 @@ void Module::for_each_tensor(Fn&& fn, std::map<const void*, std::pair<Tensor, Te
       const bool grad = leaf && t.requires_grad();
       const AutogradMeta* meta = t.impl()->autograd.get();
       const std::shared_ptr<const PlacementRecord> placement = meta ? meta->placement : nullptr;
-      const std::shared_ptr<const SpreadLayout> layout = meta ? meta->spread_layout : nullptr;
       t = moved.detach();
       if (grad) t.requires_grad_(true);
       if (placement) t.impl()->meta().placement = placement;
-      if (layout) t.impl()->meta().spread_layout = layout;
     }
     done.emplace(original.impl(), std::make_pair(original, t));  // keeps the key's tensor alive
   };

@@ -10,12 +10,6 @@
 
 namespace weave {
 
-/// Base of what parallel/ records on a leaf about how it is cut from whole tensors (a flat
-/// shard's members and offsets); opaque below parallel/.
-struct SpreadLayout {
-  virtual ~SpreadLayout() = default;
-};
-
 /// Base of what parallel/ records on a parameter about where it lives across ranks: its
 /// placement (parallel/core/placement.h). Below parallel/ only these two questions are asked,
 /// by optim::clip_grad_norm_, which refuses a spread parameter.
@@ -43,9 +37,6 @@ struct AutogradMeta {
   /// or ZeRO flat shard, a tensor-parallel slice, a range of experts, a pipeline stage) by what
   /// spread it. Module::to carries it over.
   std::shared_ptr<const PlacementRecord> placement;
-  /// Set with the placement where the leaf is a flat shard: which elements of which tensors it
-  /// holds, for sharded checkpoints (parallel/core/layout.h). Module::to carries it over.
-  std::shared_ptr<const SpreadLayout> spread_layout;
 };
 
 struct TensorImpl {

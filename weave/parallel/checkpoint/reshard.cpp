@@ -59,17 +59,18 @@ std::vector<SavedPart> saved_parts(
         single_file ? fmt::format("{} (rank {})", part.header->path, r) : part.header->path;
     auto text = part.metadata.find(kPlacementKey);
     WEAVE_CHECK(text != part.metadata.end(), kOp,
-                "{} records no placements; hint: is it a part of a weave sharded checkpoint?",
+                "{} records no saved pieces (weave.placement); hint: is it a part of a weave "
+                "sharded checkpoint?",
                 source);
-    part.placements = parse_placements(text->second, source);
+    part.pieces = parse_pieces(text->second, source);
     part.metadata.erase(text);
-    for (const auto& [name, placement] : part.placements) {
+    for (const auto& [name, pieces] : part.pieces) {
       auto entry = part.entries.find(name);
       WEAVE_CHECK(entry != part.entries.end(), kOp, "{} places tensor '{}', which it does not hold",
                   source, name);
-      for (const Piece& piece : placement)
+      for (const Piece& piece : pieces)
         WEAVE_CHECK(piece.offset + piece.count <= entry->second->shape.numel(), kOp,
-                    "{}: the placement of '{}' runs past its {} elements", source, name,
+                    "{}: the saved pieces of '{}' run past its {} elements", source, name,
                     entry->second->shape.numel());
     }
   }
@@ -79,8 +80,8 @@ std::vector<SavedPart> saved_parts(
 std::vector<std::string> saved_globals(const std::vector<SavedPart>& parts) {
   std::set<std::string> out;
   for (const SavedPart& part : parts)
-    for (const auto& [name, placement] : part.placements)
-      for (const Piece& piece : placement) out.insert(piece.tensor);
+    for (const auto& [name, pieces] : part.pieces)
+      for (const Piece& piece : pieces) out.insert(piece.tensor);
   return {out.begin(), out.end()};
 }
 
@@ -127,14 +128,14 @@ class Planner {
 
   LoadPlan run() {
     collect_sources();
-    const StatePlacements placements = describe_state(state_);
+    const StatePieces pieces = describe_state(state_);
     if (state_.model)
       for (const auto& [name, t] : state_.model->state_dict()) {
         Tensor target = zeros(t.shape(), {.dtype = t.dtype()});  // a flat shard's padding stays 0
-        fill(target, placements.model.at("model/" + name), "model/" + name);
+        fill(target, pieces.model.at("model/" + name), "model/" + name);
         add("model/" + name, target);
       }
-    if (state_.optimizer) plan_optimizer(placements.params);
+    if (state_.optimizer) plan_optimizer(pieces.params);
     plan_metadata();
     if (state_.loader) plan_loader();
     check_copies_agree();
@@ -151,8 +152,8 @@ class Planner {
   // Every global tensor's saved pieces, in this rank's order of preference.
   void collect_sources() {
     for (const SavedPart& part : parts_)
-      for (const auto& [name, placement] : part.placements)
-        for (const Piece& piece : placement)
+      for (const auto& [name, pieces] : part.pieces)
+        for (const Piece& piece : pieces)
           sources_[piece.tensor].push_back({&part, part.entries.at(name), piece, runs_of(piece)});
     for (auto& [global, list] : sources_) {
       std::stable_sort(list.begin(), list.end(), [&](const Source& a, const Source& b) {
@@ -189,10 +190,10 @@ class Planner {
   }
 
   // Plans `target`'s elements as `placement` places them.
-  void fill(Tensor& target, const Placement& placement, const std::string& local) {
+  void fill(Tensor& target, const Pieces& pieces, const std::string& local) {
     auto* base = static_cast<char*>(target.data_ptr());
     const int64_t item = int64_t(target.itemsize());
-    for (const Piece& want : placement) {
+    for (const Piece& want : pieces) {
       const std::vector<Source>& sources = sources_of(want, target, local);
       wanted_.insert(want.tensor);
       std::vector<std::vector<Run>> runs;
@@ -228,7 +229,7 @@ class Planner {
     add(local, t);
   }
 
-  void plan_optimizer(const std::vector<std::optional<Placement>>& param_placements) {
+  void plan_optimizer(const std::vector<std::optional<Pieces>>& param_pieces) {
     std::set<std::string> slots;
     for (const SavedPart& part : parts_)
       for (const auto& [name, entry] : part.entries)
@@ -238,7 +239,7 @@ class Planner {
     for (const std::string& slot : slots)
       for (size_t k = 0; k < params.size(); ++k) {
         const std::string local = fmt::format("optimizer/{}.{}", slot, k);
-        if (!param_placements[k]) {  // the state of a tensor outside the model: the saver's own
+        if (!param_pieces[k]) {  // the state of a tensor outside the model: the saver's own
           if (!own_->entries.count(local)) continue;
           WEAVE_CHECK(saved_ == size_, kOp,
                       "{}: '{}' is the state of a tensor outside the model, which belongs to the "
@@ -249,8 +250,8 @@ class Planner {
         }
         // The members whose state the checkpoint holds (a parameter that never had a gradient
         // has none; its elements of a flat shard stay zero, as they would have).
-        Placement present;
-        for (Piece piece : *param_placements[k]) {
+        Pieces present;
+        for (Piece piece : *param_pieces[k]) {
           piece.tensor = "optimizer/" + slot + "/" + piece.tensor;
           if (sources_.count(piece.tensor)) present.push_back(std::move(piece));
         }

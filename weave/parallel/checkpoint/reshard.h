@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "weave/data/checkpoint.h"
-#include "weave/parallel/checkpoint/placement.h"
+#include "weave/parallel/checkpoint/saved_pieces.h"
 
 namespace weave::parallel::detail {
 
@@ -20,7 +20,7 @@ struct SavedPart {
   std::string prefix;
   std::map<std::string, const data::SafetensorsEntry*> entries;  // by name, prefix removed
   data::Metadata metadata;                                       // prefix removed
-  std::map<std::string, Placement> placements;
+  std::map<std::string, Pieces> pieces;
 };
 
 /// The generation in the name of a checkpoint's file ("rank-00001-of-00004.g7.safetensors" or

@@ -17,8 +17,8 @@
 
 #include "weave/data/files.h"
 #include "weave/parallel/checkpoint/checkpoint_index.h"
-#include "weave/parallel/checkpoint/placement.h"
 #include "weave/parallel/checkpoint/reshard.h"
+#include "weave/parallel/checkpoint/saved_pieces.h"
 #include "weave/parallel/core/agree.h"
 
 namespace weave::parallel {
@@ -348,7 +348,7 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
   prepare_save(*save, op);
 
   data::SafetensorsFile mine = data::checkpoint_contents(state);
-  mine.metadata["weave.placement"] = detail::placements_text(detail::placements_of(state));
+  mine.metadata["weave.placement"] = detail::pieces_text(detail::pieces_of(state));
   mine.metadata[detail::kSaveIdKey] = save->save_id;
   if (!options.single_file) {
     for (int r = 0; r < size; ++r) save->files.push_back(shard_name(r, size, save->generation));

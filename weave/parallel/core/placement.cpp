@@ -10,7 +10,6 @@
 
 #include "weave/optim/optimizer.h"
 #include "weave/parallel/core/agree.h"
-#include "weave/parallel/core/layout.h"
 
 namespace weave::parallel {
 
@@ -73,6 +72,47 @@ void add_cut(const Tensor& t, Cut cut, const std::string& hint) {
   if (!hint.empty()) placement->hint = hint;
   t.impl()->meta().placement = std::move(placement);
 }
+
+std::map<std::string, int> split_axes(const nn::Module& module) {
+  std::map<std::string, int> out;
+  for (const auto& [name, split] : detail::split_parameters(module)) out[name] = split.axis;
+  return out;
+}
+
+std::map<std::string, TensorSplit> tensor_splits(const nn::Module& module) {
+  std::map<std::string, TensorSplit> out;
+  for (const auto& [name, split] : detail::split_parameters(module))
+    out[name] = {split.axis, split.group.rank(), split.group.size()};
+  return out;
+}
+
+namespace detail {
+
+std::map<std::string, SplitParameter> split_parameters(const nn::Module& module) {
+  std::map<std::string, SplitParameter> out;
+  for (const auto& [name, p] : module.named_parameters())
+    if (const Placement* placement = placement_of(p))
+      for (const Cut& cut : placement->cuts)
+        if (cut.kind == Cut::Kind::Split) out.emplace(name, SplitParameter{cut.axis, cut.group});
+  return out;
+}
+
+std::optional<FlatShard> flat_shard_of(const Tensor& t) {
+  if (const Placement* placement = placement_of(t))
+    for (const Cut& cut : placement->cuts)
+      if (cut.kind == Cut::Kind::FlatShard && cut.layout) return *cut.layout;
+  return std::nullopt;
+}
+
+void remove_cut(const Tensor& t, Cut::Kind kind) {
+  const Placement* before = placement_of(t);
+  if (before == nullptr) return;
+  auto placement = std::make_shared<Placement>(*before);
+  std::erase_if(placement->cuts, [&](const Cut& c) { return c.kind == kind; });
+  t.impl()->meta().placement = std::move(placement);
+}
+
+}  // namespace detail
 
 namespace {
 

@@ -1,6 +1,8 @@
 #pragma once
 // Where a parameter lives across ranks: its placement, one typed fact per parameter, written by
-// whatever cuts it and read by whatever must treat its pieces together (clipping, for now).
+// whatever cuts it and read by whatever must treat its pieces together: clipping, the
+// data-parallel wrappers (which ranks average it), sharded checkpoints (which elements of which
+// whole tensor it holds) and shard_state_dict (which slice of a whole tensor a rank takes).
 //
 // A placement is a list of cuts. Each cut says that, over one group, the ranks hold different
 // pieces of the parameter:
@@ -17,11 +19,15 @@
 //   double norm = parallel::clip_grad_norm_(model.parameters(), 1.0);  // the whole model's
 //
 // optim::clip_grad_norm_ refuses a parameter with cuts (its rank's norm is not the model's).
+#include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "weave/distributed/distributed.h"
 #include "weave/nn/module.h"
+#include "weave/parallel/core/layout.h"
 #include "weave/tensor/tensor_impl.h"
 
 namespace weave::parallel {
@@ -35,6 +41,9 @@ struct Cut {
   int axis = -1;
   /// Experts: this rank holds experts [first, first + count) of `total`.
   int64_t first = 0, count = 0, total = 0;
+  /// FlatShard: which elements of which members the shard holds (for sharded checkpoints, and
+  /// for clipping a shard with tensor-parallel members); null where its writer gives none.
+  std::shared_ptr<const detail::FlatShard> layout = nullptr;
   /// "split along axis 1 over group [0, 1]", "experts 2..3 of 4 over group [0, 2]", ...
   std::string str() const;
 };
@@ -62,6 +71,13 @@ const Placement* placement_of(const Tensor& t);
 /// its stage). `hint`, when given, replaces the clipping advice.
 void add_cut(const Tensor& t, Cut cut, const std::string& hint = "");
 
+/// Parameter name -> split axis of every parameter of `module` with a Split cut (names as in
+/// module.named_parameters()); parameters not listed are not split.
+std::map<std::string, int> split_axes(const nn::Module& module);
+/// The same with each split's piece and count: what a sharded checkpoint records of every split
+/// parameter, so that it loads at another tensor-parallel size.
+std::map<std::string, TensorSplit> tensor_splits(const nn::Module& module);
+
 /// Scales the gradients of `params` (this rank's: its slices, shards, experts and stage) so that
 /// the norm of the whole model's gradient, over every rank of `group`, is at most max_norm;
 /// returns that norm before clipping, the same on every rank. Each parameter's placement says
@@ -73,6 +89,13 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
                        const dist::Group& group = dist::world(), bool error_if_nonfinite = false);
 
 namespace detail {
+/// Every parameter of `module` with a Split cut, by its name in module.named_parameters().
+std::map<std::string, SplitParameter> split_parameters(const nn::Module& module);
+/// The layout of t's FlatShard cut, if it has one with a layout.
+std::optional<FlatShard> flat_shard_of(const Tensor& t);
+/// Drops t's cut of `kind` (a wrapper going away takes its shard's record with it).
+void remove_cut(const Tensor& t, Cut::Kind kind);
+
 /// Where a data-parallel wrapper over `group` (ranks that read different batches) reduces each
 /// parameter's gradient, read from the placements. A parameter without cuts inside `group` is
 /// averaged over all of it; an expert spread over ranks of `group` (an Experts cut within it) is

@@ -244,7 +244,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
 FullyShardedDataParallel::~FullyShardedDataParallel() {
   for (HookHandle& hook : state_->module_hooks) hook.remove();
   for (const State::Unit& u : state_->units)
-    for (const State::Flat& f : u.flats()) detail::forget_flat_shard(f.shard);
+    for (const State::Flat& f : u.flats()) detail::remove_cut(f.shard, Cut::Kind::FlatShard);
 }
 
 Tensor FullyShardedDataParallel::forward(const Tensor& input) {

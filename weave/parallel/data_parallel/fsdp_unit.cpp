@@ -29,27 +29,26 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
   NoGradGuard no_grad;
   f.shard = f.full.flat.narrow(0, group.rank() * per_rank, per_rank).clone().detach();
   f.shard.requires_grad_(true);
-  add_cut(f.shard, {.kind = Cut::Kind::FlatShard, .group = group},
+  // Sharded checkpoints describe the shard by the parameters it covers.
+  auto layout = std::make_shared<FlatShard>(FlatShard{.members = {},
+                                                      .names = {},
+                                                      .splits = {},
+                                                      .offsets = f.full.offsets,
+                                                      .shapes = f.full.shapes,
+                                                      .begin = group.rank() * per_rank});
+  for (int i : f.params) {
+    layout->members.push_back(params[size_t(i)].impl());
+    layout->names.push_back(names[size_t(i)]);
+    auto split = splits.find(names[size_t(i)]);
+    layout->splits.push_back(split == splits.end() ? TensorSplit{} : split->second);
+  }
+  add_cut(f.shard, {.kind = Cut::Kind::FlatShard, .group = group, .layout = std::move(layout)},
           "clip with fsdp.clip_grad_norm_(max_norm), or parallel::clip_grad_norm_, which take "
           "the norm over every rank's shard");
   if (replica > 0)  // experts: which ones this rank's shard covers, as its members say
     for (const Cut& cut : placement_of(params[size_t(f.params[0])])->cuts)
       if (cut.kind == Cut::Kind::Experts) add_cut(f.shard, cut);
   f.gathered_version = f.shard.version();
-  // Sharded checkpoints describe the shard by the parameters it covers.
-  FlatShard layout{.members = {},
-                   .names = {},
-                   .splits = {},
-                   .offsets = f.full.offsets,
-                   .shapes = f.full.shapes,
-                   .begin = group.rank() * per_rank};
-  for (int i : f.params) {
-    layout.members.push_back(params[size_t(i)].impl());
-    layout.names.push_back(names[size_t(i)]);
-    auto split = splits.find(names[size_t(i)]);
-    layout.splits.push_back(split == splits.end() ? TensorSplit{} : split->second);
-  }
-  attach_flat_shard(f.shard, std::move(layout));
   return f;
 }
 

@@ -49,21 +49,21 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
   const int64_t per_rank = flat_params_->flat.numel() / n;
   shard_ = flat_params_->flat.narrow(0, group_.rank() * per_rank, per_rank).detach();
   shard_.requires_grad_(true);
-  add_cut(shard_, {.kind = Cut::Kind::FlatShard, .group = group_},
-          "a ZeRO-1 slice's gradient exists only inside zero.step(): clip with "
-          "ZeroOptions::max_grad_norm, which clips the averaged gradients there");
   shard_grad_ = empty({per_rank}, {.dtype = shard_.dtype(), .device = shard_.device()});
   optimizer_ = make_optimizer({shard_});
   WEAVE_CHECK(optimizer_ != nullptr, op, "the optimizer factory returned null");
   // Sharded checkpoints describe the shard's optimizer state by the parameters it covers.
-  detail::FlatShard layout{.members = {},
-                           .names = {},
-                           .splits = {},
-                           .offsets = flat_params_->offsets,
-                           .shapes = flat_params_->shapes,
-                           .begin = group_.rank() * per_rank};
-  for (const Tensor& p : params_) layout.members.push_back(p.impl());
-  detail::attach_flat_shard(shard_, std::move(layout));
+  auto layout =
+      std::make_shared<detail::FlatShard>(detail::FlatShard{.members = {},
+                                                            .names = {},
+                                                            .splits = {},
+                                                            .offsets = flat_params_->offsets,
+                                                            .shapes = flat_params_->shapes,
+                                                            .begin = group_.rank() * per_rank});
+  for (const Tensor& p : params_) layout->members.push_back(p.impl());
+  add_cut(shard_, {.kind = Cut::Kind::FlatShard, .group = group_, .layout = std::move(layout)},
+          "a ZeRO-1 slice's gradient exists only inside zero.step(): clip with "
+          "ZeroOptions::max_grad_norm, which clips the averaged gradients there");
 }
 
 namespace {
@@ -112,7 +112,7 @@ std::vector<optim::ParamGroup> ZeroRedundancyOptimizer::slice_groups(
 }
 
 ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() {
-  detail::forget_flat_shard(shard_);
+  detail::remove_cut(shard_, Cut::Kind::FlatShard);
 }
 
 bool ZeroRedundancyOptimizer::step() {

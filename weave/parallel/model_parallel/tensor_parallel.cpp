@@ -172,7 +172,7 @@ nn::NamedTensors shard_state_dict(const nn::NamedTensors& full, const nn::Module
       out.emplace_back(name, t);
       continue;
     }
-    const dist::Group& g = it->second.layer->group();
+    const dist::Group& g = it->second.group;
     piece_of(t.size(it->second.axis), g, "shard_state_dict", name.c_str());
     out.emplace_back(name, my_slice(t, it->second.axis, g));
   }
@@ -189,7 +189,7 @@ nn::NamedTensors gather_state_dict(const nn::Module& sharded) {
       out.emplace_back(name, t.detach().clone());
       continue;
     }
-    out.emplace_back(name, F::all_gather(t.detach(), it->second.axis, it->second.layer->group()));
+    out.emplace_back(name, F::all_gather(t.detach(), it->second.axis, it->second.group));
   }
   return out;
 }

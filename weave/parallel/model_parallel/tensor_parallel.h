@@ -48,7 +48,6 @@ class ColumnParallelLinear : public ShardedModule {
   ColumnParallelLinear(int64_t in_features, int64_t out_features, dist::Group group,
                        ColumnParallelOptions options = {});
   Tensor forward(const Tensor& x) override;
-  int split_axis(const std::string&) const override { return 0; }
   Tensor& weight;  // [out / n, in]
   Tensor& bias;    // [out / n], undefined without bias
 
@@ -74,7 +73,6 @@ class RowParallelLinear : public ShardedModule {
   RowParallelLinear(int64_t in_features, int64_t out_features, dist::Group group,
                     RowParallelOptions options = {});
   Tensor forward(const Tensor& x) override;
-  int split_axis(const std::string& name) const override { return name == "weight" ? 1 : -1; }
   Tensor& weight;  // [out, in / n]
   Tensor& bias;    // [out], replicated
 
@@ -90,7 +88,6 @@ class VocabParallelEmbedding : public ShardedModule {
                          Generator* generator = nullptr);
   /// ids: integer tensor of any shape -> [..., dim], the same on every rank.
   Tensor forward(const Tensor& ids) override;
-  int split_axis(const std::string&) const override { return 0; }
   Tensor& weight;  // [vocab / n, dim]
 
  private:
@@ -103,7 +100,6 @@ class SequenceParallelLayerNorm : public ShardedModule {
  public:
   SequenceParallelLayerNorm(const Shape& normalized_shape, dist::Group group, double eps = 1e-5);
   Tensor forward(const Tensor& x) override;
-  int split_axis(const std::string&) const override { return -1; }
   Tensor& weight;
   Tensor& bias;
 

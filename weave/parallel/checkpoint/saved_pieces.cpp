@@ -1,6 +1,8 @@
-// Placements of saved tensors: the description of a TrainingState through the layouts its
-// tensors carry, and pieces as runs of global elements.
-#include "weave/parallel/checkpoint/placement.h"
+// Saved pieces: a TrainingState described through the placements its tensors carry (their
+// Split cuts and flat-shard layouts), and pieces as runs of global elements.
+#include "weave/parallel/checkpoint/saved_pieces.h"
+
+#include "weave/parallel/core/placement.h"
 
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -23,9 +25,9 @@ Piece whole(const std::string& name, const Shape& local, const TensorSplit& spli
   return piece;
 }
 
-Placement with_prefix(Placement placement, const std::string& prefix) {
-  for (Piece& piece : placement) piece.tensor = prefix + piece.tensor;
-  return placement;
+Pieces with_prefix(Pieces pieces, const std::string& prefix) {
+  for (Piece& piece : pieces) piece.tensor = prefix + piece.tensor;
+  return pieces;
 }
 
 // Describes tensors of a TrainingState by the names of its model's parameters.
@@ -38,9 +40,9 @@ class Describer {
   }
 
   // The pieces of `t` by parameter name (`name`, or found by identity); none if a name is missing.
-  std::optional<Placement> operator()(const Tensor& t, std::string name) const {
+  std::optional<Pieces> operator()(const Tensor& t, std::string name) const {
     if (const std::optional<FlatShard> flat = flat_shard_of(t)) {
-      Placement out;
+      Pieces out;
       const int64_t begin = flat->begin, end = begin + t.numel();
       for (size_t m = 0; m < flat->members.size(); ++m) {
         const int64_t from = flat->offsets[m], to = from + flat->shapes[m].numel();
@@ -65,7 +67,7 @@ class Describer {
       if (it == names_.end()) return std::nullopt;
       name = it->second;
     }
-    return Placement{whole(name, t.shape(), split_of(name))};
+    return Pieces{whole(name, t.shape(), split_of(name))};
   }
 
  private:
@@ -79,62 +81,60 @@ class Describer {
 
 }  // namespace
 
-StatePlacements describe_state(const data::TrainingState& state) {
-  StatePlacements out;
+StatePieces describe_state(const data::TrainingState& state) {
+  StatePieces out;
   const Describer describe(state.model);
   if (state.model)
     for (const auto& [name, t] : state.model->state_dict())
-      if (auto placement = describe(t, name))
-        out.model["model/" + name] = with_prefix(*placement, "model/");
+      if (auto pieces = describe(t, name))
+        out.model["model/" + name] = with_prefix(*pieces, "model/");
   if (state.optimizer)
     for (const Tensor& p : state.optimizer->params()) out.params.push_back(describe(p, ""));
   return out;
 }
 
-std::map<std::string, Placement> placements_of(const data::TrainingState& state) {
-  StatePlacements described = describe_state(state);
-  std::map<std::string, Placement> out = std::move(described.model);
+std::map<std::string, Pieces> pieces_of(const data::TrainingState& state) {
+  StatePieces described = describe_state(state);
+  std::map<std::string, Pieces> out = std::move(described.model);
   if (state.optimizer)
     for (const auto& [name, t] : state.optimizer->state_dict().tensors) {
       const size_t dot = name.rfind('.');
-      const auto& placement = described.params.at(std::stoul(name.substr(dot + 1)));
-      if (placement)
-        out["optimizer/" + name] =
-            with_prefix(*placement, "optimizer/" + name.substr(0, dot) + "/");
+      const auto& pieces = described.params.at(std::stoul(name.substr(dot + 1)));
+      if (pieces)
+        out["optimizer/" + name] = with_prefix(*pieces, "optimizer/" + name.substr(0, dot) + "/");
     }
   return out;
 }
 
-std::string placements_text(const std::map<std::string, Placement>& placements) {
+std::string pieces_text(const std::map<std::string, Pieces>& saved) {
   json out = json::object();
-  for (const auto& [name, placement] : placements) {
-    json pieces = json::array();
-    for (const Piece& p : placement)
-      pieces.push_back({{"tensor", p.tensor},
-                        {"shape", p.shape.vec()},
-                        {"axis", p.axis},
-                        {"begin", p.begin},
-                        {"length", p.length},
-                        {"first", p.first},
-                        {"count", p.count},
-                        {"offset", p.offset}});
-    out[name] = pieces;
+  for (const auto& [name, pieces] : saved) {
+    json list = json::array();
+    for (const Piece& p : pieces)
+      list.push_back({{"tensor", p.tensor},
+                      {"shape", p.shape.vec()},
+                      {"axis", p.axis},
+                      {"begin", p.begin},
+                      {"length", p.length},
+                      {"first", p.first},
+                      {"count", p.count},
+                      {"offset", p.offset}});
+    out[name] = list;
   }
   return out.dump();
 }
 
-std::map<std::string, Placement> parse_placements(const std::string& text,
-                                                  const std::string& source) {
+std::map<std::string, Pieces> parse_pieces(const std::string& text, const std::string& source) {
   const json parsed = json::parse(text, nullptr, false);
   auto bad = [&](const std::string& why) {
-    WEAVE_FAIL("load_sharded_checkpoint", "{}: its placements (weave.placement) {}", source, why);
+    WEAVE_FAIL("load_sharded_checkpoint", "{}: its saved pieces (weave.placement) {}", source, why);
   };
   if (parsed.is_discarded() || !parsed.is_object()) bad("are not a JSON object");
-  std::map<std::string, Placement> out;
-  for (const auto& [name, pieces] : parsed.items()) {
-    if (!pieces.is_array()) bad(fmt::format("of '{}' are not a list", name));
-    Placement& placement = out[name];
-    for (const json& p : pieces) {
+  std::map<std::string, Pieces> out;
+  for (const auto& [name, list] : parsed.items()) {
+    if (!list.is_array()) bad(fmt::format("of '{}' are not a list", name));
+    Pieces& pieces = out[name];
+    for (const json& p : list) {
       const bool shaped = p.is_object() && p.contains("tensor") && p["tensor"].is_string() &&
                           p.contains("shape") && p["shape"].is_array() &&
                           p["shape"].size() <= size_t(kMaxDims);
@@ -166,7 +166,7 @@ std::map<std::string, Placement> parse_placements(const std::string& text,
       }
       if (piece.first < 0 || piece.count < 0 || piece.first + piece.count > box || piece.offset < 0)
         bad(fmt::format("of '{}' name elements outside {}", name, piece.tensor));
-      placement.push_back(std::move(piece));
+      pieces.push_back(std::move(piece));
     }
   }
   return out;

@@ -34,26 +34,25 @@ struct Piece {
   int64_t offset = 0;
 };
 /// A saved tensor's pieces, in the order of its elements.
-using Placement = std::vector<Piece>;
+using Pieces = std::vector<Piece>;
 
-/// The placements of the tensors data::checkpoint_contents(state) holds, by their names there
+/// The pieces of the tensors data::checkpoint_contents(state) holds, by their names there
 /// ("model/fc.weight", "optimizer/exp_avg.3"). A tensor with no global meaning (the loader's
 /// order, optimizer state of a tensor outside the model) has none: it belongs to its rank.
-std::map<std::string, Placement> placements_of(const data::TrainingState& state);
-/// What placements_of builds on: the model's tensors by their checkpoint names ("model/<name>"),
+std::map<std::string, Pieces> pieces_of(const data::TrainingState& state);
+/// What pieces_of builds on: the model's tensors by their checkpoint names ("model/<name>"),
 /// and each of the optimizer's parameters by parameter names ("fc.weight", no prefix; none for a
 /// parameter outside the model), which its state of any slot takes.
-struct StatePlacements {
-  std::map<std::string, Placement> model;
-  std::vector<std::optional<Placement>> params;
+struct StatePieces {
+  std::map<std::string, Pieces> model;
+  std::vector<std::optional<Pieces>> params;
 };
-StatePlacements describe_state(const data::TrainingState& state);
+StatePieces describe_state(const data::TrainingState& state);
 
-/// The placements as text (JSON), for a file's metadata, and back; a malformed text raises
-/// naming `source`.
-std::string placements_text(const std::map<std::string, Placement>& placements);
-std::map<std::string, Placement> parse_placements(const std::string& text,
-                                                  const std::string& source);
+/// The pieces as text (JSON, the files' "weave.placement" metadata), and back; a malformed text
+/// raises naming `source`.
+std::string pieces_text(const std::map<std::string, Pieces>& pieces);
+std::map<std::string, Pieces> parse_pieces(const std::string& text, const std::string& source);
 
 /// `count` consecutive elements of a global tensor (row-major) from element `global`, held from
 /// element `local` of the saved tensor on.
