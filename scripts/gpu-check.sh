@@ -48,16 +48,16 @@ if want tests; then
     echo "test $name: $verdict ($((SECONDS - start)) s)"
     table+=("test|$name|$verdict")
   }
-  run_test cuda_op_table weave_tests --test-suite=cuda --require-cuda
-  run_test cuda_kernels weave_tests --test-suite=cuda_kernels --require-cuda
-  run_test activation_checkpoint weave_tests --test-suite=activation_checkpoint
-  run_test nccl_collectives_np1 mpirun --oversubscribe -np 1 weave_mpi_tests --test-suite=cuda_collectives \
+  run_test cuda_op_table weave_cuda_tests --test-suite=cuda --require-cuda
+  run_test cuda_kernels weave_cuda_tests --test-suite=cuda_kernels --require-cuda
+  run_test activation_checkpoint weave_cuda_tests --test-suite=activation_checkpoint
+  run_test nccl_collectives_np1 mpirun --oversubscribe -np 1 weave_mpi_cuda_tests --test-suite=cuda_collectives \
     --require-cuda --backend=nccl
-  run_test mpi_cuda_collectives_np2 mpirun --oversubscribe -np 2 weave_mpi_tests --test-suite=cuda_collectives \
+  run_test mpi_cuda_collectives_np2 mpirun --oversubscribe -np 2 weave_mpi_cuda_tests --test-suite=cuda_collectives \
     --require-cuda
-  run_test nccl_parallel_np1 mpirun --oversubscribe -np 1 weave_mpi_tests --test-suite=cuda_parallel \
+  run_test nccl_parallel_np1 mpirun --oversubscribe -np 1 weave_mpi_cuda_tests --test-suite=cuda_parallel \
     --require-cuda --backend=nccl
-  run_test mpi_cuda_parallel_np2 mpirun --oversubscribe -np 2 weave_mpi_tests --test-suite=cuda_parallel \
+  run_test mpi_cuda_parallel_np2 mpirun --oversubscribe -np 2 weave_mpi_cuda_tests --test-suite=cuda_parallel \
     --require-cuda
 fi
 
@@ -124,7 +124,7 @@ if want sanitize; then
   echo "== compute-sanitizer memcheck of the cuda suites"
   for suite in cuda cuda_kernels; do
     out=$(timeout "${SANITIZE_TIMEOUT_S:-600}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-      weave_tests --test-suite=$suite --require-cuda 2>&1); rc=$?
+      weave_cuda_tests --test-suite=$suite --require-cuda 2>&1); rc=$?
     summary=$(grep -o 'ERROR SUMMARY: [0-9]* error' <<<"$out" | tail -1)
     [ $rc -ne 0 ] && { echo "$out" | tail -30; status=1; }
     echo "memcheck $suite: rc=$rc ${summary:-no summary}"

@@ -18,7 +18,7 @@ mpirun="mpirun --oversubscribe --bind-to none"
 configure() {  # build dir, sanitizers, extra cmake args...
   local dir=$1 sanitizers=$2
   shift 2
-  CC=clang CXX=clang++ cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS="-O1 -g" \
+  CC=clang CXX=clang++ cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS="-O1 -gline-tables-only" \
     -DWEAVE_SANITIZE="$sanitizers" -DWEAVE_BUILD_TESTS=ON -DWEAVE_BUILD_EXAMPLES=OFF \
     -DWEAVE_BUILD_BENCH=OFF "$@" >/dev/null
 }
