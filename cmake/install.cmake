@@ -15,7 +15,8 @@ install(TARGETS weave EXPORT weaveTargets
 # (docs/design.md); they are installed so that code including the old paths still builds.
 function(weave_public_headers out)
   file(GLOB forwarding RELATIVE ${PROJECT_SOURCE_DIR} ${PROJECT_SOURCE_DIR}/weave/parallel/*.h)
-  set(pending weave/weave.h ${forwarding})
+  # weave/util/cli.h is public too, outside weave.h: it needs CLI11, which only its users need.
+  set(pending weave/weave.h weave/util/cli.h ${forwarding})
   set(found)
   while(pending)
     list(POP_FRONT pending header)

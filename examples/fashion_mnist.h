@@ -16,7 +16,7 @@
 // `test_accuracy=0.XXXX`, then its peak tensor memory (memory_stats).
 #include <weave/weave.h>
 
-#include "cli.h"
+#include <weave/util/cli.h>
 
 #include <chrono>
 #include <cstdio>
@@ -50,15 +50,15 @@ inline Flags parse(int argc, char** argv, const char* program) {
   Flags f;
   CLI::App app("Fashion-MNIST MLP training (examples/fashion_mnist.h).", program);
   app.option_defaults()->always_capture_default();
-  app.add_option("--epochs", f.epochs)->check(examples::positive());
+  app.add_option("--epochs", f.epochs)->check(weave::cli::positive());
   app.add_option("--batch-size", f.batch_size, "global batch, split across the ranks")
-      ->check(examples::positive());
-  app.add_option("--lr", f.lr)->check(examples::positive());
+      ->check(weave::cli::positive());
+  app.add_option("--lr", f.lr)->check(weave::cli::positive());
   app.add_option("--seed", f.seed);
   app.add_option("--data", f.data, "directory of the IDX files");
   app.add_option("--log", f.log, "write a metrics record per epoch (JSON Lines, for weave-plot)");
   app.add_option("--threads", f.threads, "compute threads (0: the library's default)")
-      ->check(examples::non_negative());
+      ->check(weave::cli::non_negative());
   app.add_option("--strategy", f.strategy,
                  "ddp, dist-opt, zero1, fsdp, fsdp-zero2 or decentralized:TOPOLOGY")
       ->check(
@@ -75,16 +75,16 @@ inline Flags parse(int argc, char** argv, const char* program) {
   std::string schedule, compress, autocast, recipe;
   app.add_option("--schedule", schedule, "pipeline schedule")
       ->check(CLI::IsMember({"gpipe", "1f1b"}));
-  app.add_option("--microbatches", f.microbatches)->check(examples::positive());
+  app.add_option("--microbatches", f.microbatches)->check(weave::cli::positive());
   app.add_option("--tensor", f.tensor, "tensor-parallel group size")
-      ->check(examples::non_negative());
+      ->check(weave::cli::non_negative());
   app.add_option("--recipe", recipe, "small: 784-256-128-10, Adam at a constant lr")
       ->check(CLI::IsMember({"small"}));
   app.add_option("--compress", compress, "gradient communication dtype")
       ->check(CLI::IsMember({"bf16", "fp16"}));
   app.add_option("--autocast", autocast, "reduced-precision forward")
       ->check(CLI::IsMember({"bf16", "fp16"}));
-  examples::parse_or_exit(app, argc, argv);
+  weave::cli::parse_or_exit(app, argc, argv);
   if (!schedule.empty()) f.schedule = parallel::schedule_from_name(schedule);
   if (!compress.empty()) f.compress = compress == "bf16" ? kBFloat16 : kFloat16;
   if (!autocast.empty()) f.autocast = autocast == "bf16" ? kBFloat16 : kFloat16;

@@ -16,7 +16,7 @@
 #include <cstdio>
 #include <string>
 
-#include "cli.h"
+#include <weave/util/cli.h>
 
 using namespace weave;
 
@@ -96,11 +96,11 @@ int main(int argc, char** argv) try {
   uint64_t seed = 0;
   CLI::App app("A tensor-parallel decoder that learns to sort digits.", "tiny_transformer");
   app.option_defaults()->always_capture_default();
-  app.add_option("--epochs", epochs)->check(examples::positive());
-  app.add_option("--steps", steps, "steps per epoch")->check(examples::positive());
-  app.add_option("--lr", lr)->check(examples::positive());
+  app.add_option("--epochs", epochs)->check(weave::cli::positive());
+  app.add_option("--steps", steps, "steps per epoch")->check(weave::cli::positive());
+  app.add_option("--lr", lr)->check(weave::cli::positive());
   app.add_option("--seed", seed);
-  examples::parse_or_exit(app, argc, argv);
+  weave::cli::parse_or_exit(app, argc, argv);
   dist::InitGuard distributed;
   set_num_threads(1);
   const dist::Group tp = dist::world();

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks weave's layering: a source under weave/<floor>/ may include only headers of its own
 # floor or of floors below it. The floors, lowest first (the one place they are listed):
-floors=(tensor kernels autograd ops "nn optim data" distributed parallel)
+floors=(tensor kernels autograd ops "nn optim data" distributed parallel util)
 # The communication backends (distributed/mpi, distributed/nccl) stand on tensor/ alone, plus
 # the backend interface they implement.
 backend_allowed='^weave/(tensor/|distributed/(communicator|types)\.h)'

@@ -40,6 +40,11 @@ fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 "$work/cmake/consumer"
 mpirun --oversubscribe --bind-to none -np 2 "$work/cmake/consumer" | grep -c "consumer ok" | grep -qx 2
+# The installed weave/util/cli.h: a flag out of range is a usage error (status 2), named.
+status=0
+"$work/cmake/consumer" --steps -1 2> "$work/usage.txt" || status=$?
+[ "$status" -eq 2 ] && grep -q "must be above" "$work/usage.txt" ||
+  { echo "consumer --steps -1: status $status, $(cat "$work/usage.txt")" >&2; exit 1; }
 
 echo "== consumer through pkg-config"
 export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"

@@ -24,7 +24,8 @@ configure() {  # build dir, sanitizers, extra cmake args...
 }
 
 echo "== ASan + UBSan build"
-configure build-sanitize address,undefined -DWEAVE_FUZZ=ON
+# The library at -O1; the test programs' code, instrumented alike, at -O0 (half its compile).
+configure build-sanitize address,undefined -DWEAVE_FUZZ=ON -DWEAVE_TEST_COMPILE_OPTIONS=-O0
 build() {  # build dir, targets...: quiet unless it fails
   local dir=$1
   shift
@@ -45,7 +46,7 @@ echo "== fuzzing"
 bash scripts/fuzz.sh "$fuzz_seconds" build-sanitize
 
 echo "== TSan build"
-configure build-tsan thread
+configure build-tsan thread -DWEAVE_TEST_COMPILE_OPTIONS=-O0
 build build-tsan weave_mpi_tests
 echo "== TSan: communication-queue, data-parallel, pipeline and checkpoint suites at 2 ranks"
 # Open MPI and libomp are not instrumented: ignore what they do through intercepted calls, and

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # examples/gpt at 2 ranks with --log: the metrics file holds a record per logged step and per
 # evaluation, every line one JSON object of the documented fields, and weave-plot draws it as a
-# PNG. Exit 77 (skipped) without gnuplot.
+# PNG, also beside a spaced copy of itself in one plot, and refuses a file that is not JSON.
+# Exit 77 (skipped) without gnuplot.
 # usage: metrics_plot_test.sh WEAVE_PLOT GPT MPIRUN...
 set -euo pipefail
 weave_plot=$1 gpt=$2
@@ -29,4 +30,15 @@ grep -q "step 30/30 loss [0-9.]* lr" "$work/out.txt" || { echo "FAIL: no progres
 [ "$(head -c 8 "$work/curves.png" | od -An -tx1 | tr -d ' \n')" = "89504e470d0a1a0a" ] ||
   { echo "FAIL: weave-plot wrote no PNG"; exit 1; }
 [ "$(stat -c %s "$work/curves.png")" -gt 10000 ] || { echo "FAIL: the PNG is nearly empty"; exit 1; }
+# Any JSON Lines, spaced as people and other tools write it, and two runs in one plot.
+sed 's/":/": /g; s/,"/, "/g' "$work/metrics.jsonl" > "$work/spaced.jsonl"
+"$weave_plot" "$work/metrics.jsonl" "$work/spaced.jsonl" -o "$work/two.png" --label compact \
+  --label spaced
+[ "$(head -c 8 "$work/two.png" | od -An -tx1 | tr -d ' \n')" = "89504e470d0a1a0a" ] ||
+  { echo "FAIL: weave-plot drew no PNG of two files"; exit 1; }
+echo 'not json' > "$work/bad.jsonl"
+if "$weave_plot" "$work/bad.jsonl" -o "$work/bad.png" 2> "$work/bad.txt" ||
+   ! grep -q "is not JSON Lines" "$work/bad.txt"; then
+  echo "FAIL: a file that is not JSON Lines was not refused"; exit 1
+fi
 echo "PASS: metrics file and plot"

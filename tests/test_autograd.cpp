@@ -208,6 +208,25 @@ TEST_SUITE("autograd") {
     CHECK_MESSAGE(result.ok, result.report);
   }
 
+  TEST_CASE("gradcheck refuses to check nothing") {
+    // A backward that is plainly wrong: with nothing requiring grad it would never be compared.
+    auto wrong = [](const std::vector<Tensor>& in) {
+      return ScaledSquare::apply(in[0], 0.5) * 7.0;
+    };
+    CHECK_WEAVE_ERROR(autograd::gradcheck(wrong, {randn({4}, {.dtype = kFloat64})}), "gradcheck",
+                      "nothing to check");
+    CHECK_WEAVE_ERROR(
+        autograd::gradcheck(wrong, {zeros({0}, {.dtype = kFloat64}).requires_grad_()}), "gradcheck",
+        "nothing to check");
+    CHECK_WEAVE_ERROR(autograd::gradcheck(wrong, {}), "gradcheck", "none of the 0 inputs");
+    // One input requiring grad is enough: the others pass through unchecked.
+    auto product = [](const std::vector<Tensor>& in) { return in[0] * in[1]; };
+    auto result = autograd::gradcheck(product, {randn({3}, {.dtype = kFloat64}).requires_grad_(),
+                                                randn({3}, {.dtype = kFloat64})});
+    CHECK_MESSAGE(result.ok, result.report);
+    CHECK(result.checked == 3);
+  }
+
   TEST_CASE("gradients flow through a small network end to end") {
     Generator g(11);
     Tensor w1 = randn({8, 4}, {.dtype = kFloat64}, &g).requires_grad_();

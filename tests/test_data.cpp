@@ -406,6 +406,49 @@ TEST_SUITE("data") {
                       "cannot open");
   }
 
+  TEST_CASE("MetricsLogger: a run killed and resumed leaves the uninterrupted run's records") {
+    const auto temp = std::filesystem::temp_directory_path();
+    const std::string pid = std::to_string(getpid());
+    const std::string whole = (temp / ("weave_metrics_whole_" + pid)).string(),
+                      resumed = (temp / ("weave_metrics_resumed_" + pid)).string();
+    // Steps start + 1 .. stop of a 6-step run, an evaluation every 2 steps.
+    auto run = [](const std::string& path, int64_t start, int64_t stop, bool replace = false) {
+      data::MetricsLogger metrics({.path = path,
+                                   .total_steps = 6,
+                                   .start_step = start,
+                                   .replace = replace,
+                                   .progress = false});
+      for (int64_t step = start + 1; step <= stop; ++step) {
+        metrics.log_step({.step = step, .loss = 1.0 / double(step), .lr = 1e-3, .tokens = 8});
+        if (step % 2 == 0) metrics.log_eval(step, "heldout_loss", 2.0 / double(step));
+      }
+    };
+    // The records without what depends on the clock.
+    auto records_of = [](const std::string& path) {
+      std::ifstream in(path);
+      std::vector<nlohmann::json> records;
+      for (std::string line; std::getline(in, line);) {
+        nlohmann::json record = nlohmann::json::parse(line);
+        for (const char* timing : {"elapsed_s", "eta_s", "tokens_per_s", "peak_mb"})
+          record.erase(timing);
+        records.push_back(record);
+      }
+      return records;
+    };
+    run(whole, 0, 6);
+    run(resumed, 0, 5);  // killed after step 5; the last checkpoint was at step 2
+    { std::ofstream(resumed, std::ios::app) << "{\"kind\": \"tra"; }  // a line cut by the kill
+    run(resumed, 2, 4);  // resumed at 2, killed after 4 (a checkpoint at 4)
+    run(resumed, 4, 6);
+    const std::vector<nlohmann::json> expected = records_of(whole);
+    REQUIRE(expected.size() == 9);  // 6 steps, 3 evaluations
+    CHECK(records_of(resumed) == expected);
+    run(resumed, 4, 6, /*replace=*/true);  // asked to: only this run's records
+    CHECK(records_of(resumed).size() == 3);
+    std::filesystem::remove(whole);
+    std::filesystem::remove(resumed);
+  }
+
   TEST_CASE("MetricsLogger: a diverged loss shows, a full disk and a bad name raise") {
     const std::string path =
         (std::filesystem::temp_directory_path() / ("weave_metrics_nan_" + std::to_string(getpid())))

@@ -49,9 +49,39 @@ Shape shape_4d(int axis, int n) {
   return s;
 }
 
+// A user's communicating op: sums x over the world in forward and its gradient in backward.
+struct SumOverRanks : autograd::Function<SumOverRanks> {
+  static constexpr const char* name = "SumOverRanksBackward";
+  static constexpr bool communicates = true;
+  static Tensor forward(autograd::FunctionContext&, const Tensor& x) {
+    Tensor y = x.clone();
+    dist::all_reduce(y);
+    return y;
+  }
+  static std::vector<Tensor> backward(autograd::FunctionContext&, const std::vector<Tensor>& g) {
+    Tensor dx = g[0].clone();
+    dist::all_reduce(dx);
+    return {dx};
+  }
+};
+
 }  // namespace
 
 TEST_SUITE("functional") {
+  TEST_CASE("a custom function that communicates runs in every rank's backward") {
+    // Rank 0's loss uses the sum; the others' losses ignore it. Their backward still runs the
+    // node (with a zero gradient), so rank 0's all_reduce in backward has its partners:
+    // L = sum(y) + sum_{r > 0} sum(x_r), so dL/dx_r = 1 + (r > 0).
+    Tensor x = from_vector<double>({1, 2, 3}).requires_grad_();
+    Tensor y = SumOverRanks::apply(x);
+    CHECK(y.to_vector<double>()[0] == doctest::Approx(dist::world_size()));
+    Tensor loss = dist::rank() == 0 ? y.sum() : x.sum();
+    loss.backward();
+    const double expected = dist::rank() == 0 ? 1.0 : 2.0;
+    CHECK(x.grad().to_vector<double>() == std::vector<double>(3, expected));
+    CHECK(autograd::must_run_pending() == 0);
+  }
+
   TEST_CASE("all_reduce family: gradients across ranks") {
     for (const Group& g : groups()) {
       if (g.rank() < 0) continue;
@@ -69,6 +99,18 @@ TEST_SUITE("functional") {
                                 {leaf({5}, me)}, {}, g),
                 "all_reduce_min " + g.str());
     }
+  }
+
+  TEST_CASE("gradcheck with no rank checking anything raises on every rank") {
+    namespace F = dist::functional;
+    auto reduce = [](const std::vector<Tensor>& in) { return F::all_reduce_sum(in[0]); };
+    CHECK_THROWS_WITH_AS(dist::gradcheck(reduce, {randn({3}, {.dtype = kFloat64})}),
+                         doctest::Contains("nothing to check"), Error);
+    // With the input requiring grad on every rank the same call checks every element.
+    const dist::DistGradcheckResult result =
+        dist::gradcheck(reduce, {randn({3}, {.dtype = kFloat64}).requires_grad_()});
+    CHECK_MESSAGE(result.ok, result.report);
+    CHECK(result.checked == 3 * dist::world_size());
   }
 
   TEST_CASE("max and min with ties share the gradient equally") {

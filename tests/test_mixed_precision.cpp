@@ -161,6 +161,12 @@ TEST_SUITE("mixed_precision") {
         CHECK(!autocast_dtype());
         CHECK(linear(x, w).dtype() == kFloat32);
       }
+      {
+        // Disabled, any dtype does (AutocastGuard(kFloat32, use_amp) with use_amp false).
+        AutocastGuard off(kFloat32, false);
+        CHECK(!autocast_dtype());
+        CHECK(linear(x, w).dtype() == kFloat32);
+      }
       CHECK(autocast_dtype() == kBFloat16);
       Tensor loss =
           cross_entropy(h, randint(0, 6, {4}, {.dtype = kInt64}, &gen)) + sum(n * n) + sum(act);

@@ -163,6 +163,23 @@ std::vector<OpCase> weave::test::op_cases() {
   all.push_back({"index_select", {tr({3, 5})}, [](const Inputs& x) {
                    return index_select(x[0], 1, from_vector<int32_t>({1, -1}, {}, x[0].device()));
                  }});
+  // Repeated picks: their gradients add up in one place.
+  all.push_back(
+      {"gather", {any({3, 4})}, [](const Inputs& x) {
+         return gather(x[0], 1, from_vector<int64_t>({0, 3, 3, 1, -1, 2}, {3, 2}, x[0].device()));
+       }});
+  all.push_back(
+      {"gather", {tr({4, 3})}, [](const Inputs& x) {
+         return gather(x[0], 0, from_vector<int32_t>({3, 0, 1, 1, 2, 0}, {2, 3}, x[0].device()));
+       }});
+  all.push_back(
+      {"take_along_dim", {any({3, 5})}, [](const Inputs& x) {  // one column per row
+         return take_along_dim(x[0], from_vector<int64_t>({4, 0, 2}, {3, 1}, x[0].device()), 1);
+       }});
+  all.push_back(
+      {"take_along_dim", {any({2, 5})}, [](const Inputs& x) {  // indices broadcast
+         return take_along_dim(x[0], from_vector<int64_t>({1, 4}, {1, 2}, x[0].device()), -1);
+       }});
 
   all.push_back({"softmax", {any({3, 5})}, [](const Inputs& x) { return softmax(x[0], -1); }});
   all.push_back({"softmax", {tr({3, 5})}, [](const Inputs& x) { return softmax(x[0], 0); }});
@@ -441,6 +458,30 @@ TEST_SUITE("op_table") {
     CHECK_WEAVE_ERROR(clamp(x, 1.0, -1.0), "clamp", "min 1 is above max -1");
     CHECK_WEAVE_ERROR(clamp(x, std::nan("")), "clamp", "a bound is NaN");
     CHECK_WEAVE_ERROR(clamp(x, std::nullopt, std::nullopt), "clamp", "found neither");
+  }
+
+  TEST_CASE("gather, take_along_dim and square give PyTorch's values and refuse bad indices") {
+    const Tensor x = from_vector<double>({1, 2, 3, 4, 5, 6}, {2, 3});
+    // torch.gather(x, 1, [[0, 0], [2, 1]]) and torch.gather(x, 0, [[1, 0, 1]])
+    CHECK(gather(x, 1, from_vector<int64_t>({0, 0, 2, 1}, {2, 2})).to_vector<double>() ==
+          std::vector<double>{1, 1, 6, 5});
+    CHECK(gather(x, 0, from_vector<int64_t>({1, 0, 1}, {1, 3})).to_vector<double>() ==
+          std::vector<double>{4, 2, 6});
+    CHECK(gather(x, -1, from_vector<int32_t>({-1, -3}, {2, 1})).to_vector<double>() ==
+          std::vector<double>{3, 4});
+    const Tensor best = take_along_dim(x, argmax(x, 1, true), 1);  // each row's largest
+    CHECK(best.shape() == Shape{2, 1});
+    CHECK(best.to_vector<double>() == std::vector<double>{3, 6});
+    CHECK(square(from_vector<int64_t>({-3, 0, 2})).to_vector<int64_t>() ==
+          std::vector<int64_t>{9, 0, 4});
+    CHECK_WEAVE_ERROR(gather(x, 1, from_vector<int64_t>({3}, {1, 1})), "gather",
+                      "index out of range for dimension 1 of size 3: found [3, 3]");
+    CHECK_WEAVE_ERROR(gather(x, 1, from_vector<int64_t>({0, 1})), "gather", "x's 2 dims");
+    CHECK_WEAVE_ERROR(gather(x, 1, zeros({3, 1}, {.dtype = kInt64})), "gather",
+                      "exceeds x's shape");
+    CHECK_WEAVE_ERROR(gather(x, 1, zeros({2, 1})), "gather", "int32 or int64");
+    CHECK_WEAVE_ERROR(take_along_dim(x, zeros({3, 1}, {.dtype = kInt64}), 1), "take_along_dim",
+                      "broadcast");
   }
 
   TEST_CASE("gradcheck catches a wrong derivative") {

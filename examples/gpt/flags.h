@@ -2,7 +2,7 @@
 // examples/gpt's command line (gpt.cpp's header comment lists the flags).
 #include <weave/weave.h>
 
-#include "../cli.h"
+#include <weave/util/cli.h>
 
 #include <optional>
 #include <string>
@@ -36,29 +36,29 @@ inline Flags parse(int argc, char** argv) {
   app.add_option("--strategy", f.strategy, "data, model or hybrid parallelism")
       ->check(CLI::IsMember({"ddp", "fsdp", "tp", "hybrid"}));
   app.add_option("--tp", f.tp, "tensor-parallel group size (0: 2 under hybrid, else 1)")
-      ->check(examples::non_negative());
+      ->check(weave::cli::non_negative());
   app.add_option("--data", f.data_dir, "directory of fortune files");
-  app.add_option("--layers", f.layers)->check(examples::positive());
-  app.add_option("--dim", f.dim)->check(examples::positive());
-  app.add_option("--heads", f.heads)->check(examples::positive());
-  app.add_option("--context", f.context)->check(examples::positive());
-  app.add_option("--batch", f.batch, "global batch, in windows")->check(examples::positive());
+  app.add_option("--layers", f.layers)->check(weave::cli::positive());
+  app.add_option("--dim", f.dim)->check(weave::cli::positive());
+  app.add_option("--heads", f.heads)->check(weave::cli::positive());
+  app.add_option("--context", f.context)->check(weave::cli::positive());
+  app.add_option("--batch", f.batch, "global batch, in windows")->check(weave::cli::positive());
   app.add_option("--steps", f.steps)
-      ->check(examples::positive())
+      ->check(weave::cli::positive())
       ->check(CLI::Range(int64_t{1}, int64_t{1000000000}));  // beyond: a typo, not a plan
-  app.add_option("--warmup", f.warmup, "linear warmup steps")->check(examples::non_negative());
-  app.add_option("--lr", f.lr, "peak learning rate")->check(examples::positive());
+  app.add_option("--warmup", f.warmup, "linear warmup steps")->check(weave::cli::non_negative());
+  app.add_option("--lr", f.lr, "peak learning rate")->check(weave::cli::positive());
   app.add_option("--min-lr", f.min_lr, "learning rate at the end of the cosine")
-      ->check(examples::non_negative());
+      ->check(weave::cli::non_negative());
   app.add_option("--seed", f.seed);
   app.add_option("--log-every", f.log_every, "steps between progress lines")
-      ->check(examples::positive());
+      ->check(weave::cli::positive());
   app.add_option("--log", f.log, "also write the metrics as JSON Lines (for weave-plot)");
   app.add_option("--eval-every", f.eval_every, "steps between held-out evaluations")
-      ->check(examples::positive());
-  app.add_option("--eval-windows", f.eval_windows)->check(examples::positive());
+      ->check(weave::cli::positive());
+  app.add_option("--eval-windows", f.eval_windows)->check(weave::cli::positive());
   app.add_option("--checkpoint", f.checkpoint, "sharded checkpoint directory");
-  app.add_option("--checkpoint-every", f.checkpoint_every)->check(examples::positive());
+  app.add_option("--checkpoint-every", f.checkpoint_every)->check(weave::cli::positive());
   app.add_flag("--resume", f.resume, "resume from --checkpoint if it holds a save");
   app.add_option("--stop-at", f.stop_at, "stop after this step (a resume test)");
   app.add_flag("!--no-sequence-parallel", f.sequence_parallel,
@@ -66,8 +66,8 @@ inline Flags parse(int argc, char** argv) {
   app.add_flag("--checkpoint-activations", f.checkpoint_activations,
                "recompute each block in backward");
   app.add_option("--samples", f.samples, "lines sampled at the end")
-      ->check(examples::non_negative());
-  app.add_option("--threads", f.threads, "compute threads per rank")->check(examples::positive());
+      ->check(weave::cli::non_negative());
+  app.add_option("--threads", f.threads, "compute threads per rank")->check(weave::cli::positive());
   std::string autocast;
   app.add_option("--autocast", autocast, "reduced-precision forward")
       ->check(CLI::IsMember({"bf16", "fp16"}));
@@ -75,23 +75,23 @@ inline Flags parse(int argc, char** argv) {
   app.add_option("--backend", f.backend, "default: nccl for cuda, mpi for cpu")
       ->check(CLI::IsMember({"mpi", "nccl"}));
   app.add_option("--vocab", f.vocab, "widen the head past the characters' count")
-      ->check(examples::non_negative());
+      ->check(weave::cli::non_negative());
   app.add_option("--context-parallel", f.context_parallel,
                  "ranks that split each sequence (zig-zag parts)")
-      ->check(examples::positive());
+      ->check(weave::cli::positive());
   app.add_option("--cp-mode", f.cp_mode, "attention across the context group")
       ->check(CLI::IsMember({"ring", "all-to-all"}));
   app.add_option("--experts", f.experts, "experts in each block's MLP (0: a dense MLP)")
-      ->check(examples::non_negative());
+      ->check(weave::cli::non_negative());
   app.add_option("--expert-parallel", f.expert_parallel, "ranks the experts are spread over")
-      ->check(examples::positive());
-  app.add_option("--top-k", f.top_k, "experts each token goes to")->check(examples::positive());
+      ->check(weave::cli::positive());
+  app.add_option("--top-k", f.top_k, "experts each token goes to")->check(weave::cli::positive());
   app.add_option("--pipeline", f.pipeline, "pipeline stages (consecutive blocks, 1F1B)")
-      ->check(examples::positive());
+      ->check(weave::cli::positive());
   app.add_option("--microbatches", f.microbatches,
                  "micro-batches per step and data-parallel rank (0: twice --pipeline)")
-      ->check(examples::non_negative());
-  examples::parse_or_exit(app, argc, argv);
+      ->check(weave::cli::non_negative());
+  weave::cli::parse_or_exit(app, argc, argv);
   if (!autocast.empty()) f.autocast = autocast == "bf16" ? kBFloat16 : kFloat16;
   return f;
 }

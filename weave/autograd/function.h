@@ -16,12 +16,35 @@
 //
 // forward runs without recording; backward receives one gradient per output (zeros where an
 // output got none) and returns one per Tensor argument (undefined = no gradient).
+//
+// A function whose backward communicates (a collective or a send over the ranks) declares it:
+//
+//   struct SumOverRanks : weave::autograd::Function<SumOverRanks> {
+//     static constexpr bool communicates = true;
+//     static Tensor forward(FunctionContext&, const Tensor& x) {
+//       Tensor y = x.clone();
+//       weave::dist::all_reduce(y);
+//       return y;
+//     }
+//     static std::vector<Tensor> backward(FunctionContext&, const std::vector<Tensor>& g) {
+//       Tensor dx = g[0].clone();
+//       weave::dist::all_reduce(dx);
+//       return {dx};
+//     }
+//   };
+//
+// Its node is then marked must-run (engine.h): every rank's backward runs it, with a zero
+// gradient where that rank's loss does not use the output, so the peers' collective in backward
+// always has its partner. Without it, a rank whose loss ignores the output skips the node and
+// the others wait for it. Every rank must record the node (an input requiring grad on every
+// rank), as for the built-in collectives.
 #include <any>
 #include <map>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
 #include "weave/autograd/node.h"
 
@@ -110,6 +133,8 @@ struct Function {
           name, ctx,
           [](FunctionContext& c, const std::vector<Tensor>& g) { return Derived::backward(c, g); });
       attach(node, inputs, outputs);
+      if constexpr (requires { Derived::communicates; })
+        if (Derived::communicates) must_run(node);
     }
     if constexpr (std::is_same_v<Result, Tensor>) {
       return outputs[0];

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "weave/tensor/error.h"
 #include "weave/tensor/storage.h"
@@ -52,6 +53,27 @@ std::string dumped(const json& record) {
   }
 }
 
+// The whole lines of the file at fd (read from its start) that a run resumed after `step` keeps:
+// those of records at or before it. A line that does not parse (cut by a kill) goes too.
+std::string records_up_to(int fd, int64_t step) {
+  std::string text;
+  char buffer[65536];
+  for (ssize_t got; (got = ::pread(fd, buffer, sizeof buffer, off_t(text.size()))) > 0;)
+    text.append(buffer, size_t(got));
+  std::string kept;
+  for (size_t begin = 0, end; begin < text.size(); begin = end + 1) {
+    end = text.find('\n', begin);
+    if (end == std::string::npos) break;  // the last line was cut
+    const std::string line = text.substr(begin, end - begin);
+    const json record = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (record.is_discarded() || !record.is_object()) continue;
+    const auto at = record.find("step");
+    if (at == record.end() || !at->is_number_integer() || at->get<int64_t>() <= step)
+      kept += line + "\n";
+  }
+  return kept;
+}
+
 std::string shown(const char* name, const std::optional<double>& value, const char* format) {
   return value ? fmt::format(" {} ", name) + fmt::format(fmt::runtime(format), *value) : "";
 }
@@ -65,7 +87,7 @@ MetricsLogger::MetricsLogger(MetricsOptions options)
   if (options_.path.empty()) return;
   // Locked before it is emptied: a second writer of the same file must not wipe the first's
   // records, nor interleave its lines with them.
-  const int fd = ::open(options_.path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
+  const int fd = ::open(options_.path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
   WEAVE_CHECK(fd >= 0, "MetricsLogger", "cannot open {} for writing: {}", options_.path,
               std::strerror(errno));
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
@@ -78,11 +100,25 @@ MetricsLogger::MetricsLogger(MetricsOptions options)
   }
   struct stat info;
   const bool regular = ::fstat(fd, &info) == 0 && S_ISREG(info.st_mode);  // not /dev/full
+  const std::string kept = regular && options_.start_step > 0 && !options_.replace
+                               ? records_up_to(fd, options_.start_step)
+                               : std::string();
   if ((regular && ::ftruncate(fd, 0) != 0) || (file_ = ::fdopen(fd, "w")) == nullptr) {
     const int saved = errno;
     ::close(fd);
     WEAVE_FAIL("MetricsLogger", "cannot open {} for writing: {}", options_.path,
                std::strerror(saved));
+  }
+  if (!kept.empty()) {
+    const bool written =
+        std::fwrite(kept.data(), 1, kept.size(), file_) == kept.size() && std::fflush(file_) == 0;
+    if (!written) {
+      const int saved = errno;
+      std::fclose(std::exchange(file_, nullptr));
+      WEAVE_FAIL("MetricsLogger",
+                 "cannot write the {} bytes of records a resumed run keeps to {}: {}", kept.size(),
+                 options_.path, std::strerror(saved));
+    }
   }
 }
 

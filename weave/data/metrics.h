@@ -19,8 +19,11 @@
 //   {"kind": "eval", "step": 100, "name": "heldout_loss", "value": 2.41, "elapsed_s": 50.1}
 // "loss" is what the caller passes (typically the mean over the steps since the last record),
 // tokens_per_s counts the tokens passed since the last record over the time since then, and
-// peak_mb is memory_stats(device).peak. The file is replaced when the logger opens it, and each
-// record is flushed as it is written. A record that cannot be written whole (a full disk) is
+// peak_mb is memory_stats(device).peak. A fresh run (start_step 0) replaces the file; a resumed
+// run (start_step > 0) keeps its records up to start_step, drops the later ones (logged after
+// the checkpoint it resumed from, by the run that died), and appends, so that the file of a
+// run killed and resumed any number of times reads as one run's. Each record is flushed as it
+// is written. A record that cannot be written whole (a full disk) is
 // cut back off the file, which keeps only whole lines, and the call raises weave::Error; so
 // does a metric name that is not valid UTF-8.
 #include <chrono>
@@ -41,8 +44,11 @@ struct MetricsOptions {
   bool enabled = true;
   /// For the bar and the ETA (0: unknown).
   int64_t total_steps = 0;
-  /// The step this run starts after (a resumed run's), for the ETA's pace.
+  /// The step this run starts after (a resumed run's): for the ETA's pace, and, above 0, the
+  /// last step whose records the file keeps.
   int64_t start_step = 0;
+  /// Replace the file even when start_step > 0.
+  bool replace = false;
   /// Print the human line (on stderr).
   bool progress = true;
   /// Whose peak memory the records report.

@@ -4,6 +4,7 @@
 #include <numeric>
 #include <optional>
 
+#include "weave/autograd/engine.h"
 #include "weave/distributed/staging.h"
 #include "weave/kernels/kernels.h"
 #include "weave/ops/ops.h"
@@ -76,6 +77,7 @@ Fingerprint fingerprint(const Call& c, uint64_t sequence, const Tensor* shape_of
   f.rank = runtime().rank;
   f.root = root;
   f.reduce_op = reduce_op ? static_cast<int32_t>(*reduce_op) : -1;
+  f.from_backward = autograd::in_backward() ? 1 : 0;
   if (shape_of) {
     f.dtype = static_cast<int32_t>(shape_of->dtype());
     f.ndim = shape_of->dim();

@@ -120,13 +120,25 @@ void verify(Communicator& host, const std::vector<int>& ranks, const Fingerprint
       if (std::find(fields.begin(), fields.end(), field) == fields.end()) fields.push_back(field);
   if (fields.empty()) return;
   std::vector<std::string> calls;
-  for (const Fingerprint& f : all)
+  std::vector<int> from_backward;
+  for (const Fingerprint& f : all) {
     calls.push_back(fmt::format("rank {} called {}", f.rank, describe(f)));
+    if (f.from_backward) from_backward.push_back(f.rank);
+  }
+  // Some ranks in backward and some not: a communicating node one rank's backward skipped.
+  const std::string skipped =
+      from_backward.empty() || from_backward.size() == all.size()
+          ? ""
+          : fmt::format(
+                "; rank(s) {} issued theirs from backward: if the others' backward skipped a "
+                "node that communicates (a custom autograd::Function whose output their loss "
+                "does not use), declare it with `static constexpr bool communicates = true`",
+                fmt::join(from_backward, ", "));
   WEAVE_FAIL(name,
              "collective mismatch in group [{}]: {} (they differ in {}); hint: every rank of a "
              "group must issue the same collectives, with the same dtypes, shapes, roots and "
-             "reduce ops, in the same order",
-             fmt::join(ranks, ", "), fmt::join(calls, ", "), fmt::join(fields, ", "));
+             "reduce ops, in the same order{}",
+             fmt::join(ranks, ", "), fmt::join(calls, ", "), fmt::join(fields, ", "), skipped);
 }
 
 void guard(Communicator& host, AgreementBoard* board, const std::vector<int>& ranks,

@@ -57,6 +57,9 @@ struct Fingerprint {
   /// The training step the group is in on this rank (dist::set_step; -1: not numbered). Two
   /// steps' collectives of equal shapes would otherwise pair silently across iterations.
   int64_t step = -1;
+  /// 1 when this rank issued the call from inside a backward pass (for the teardown's hint:
+  /// not part of the match, since ranks may issue one call from backward and from join()).
+  int32_t from_backward = 0;
 };
 
 /// "all_reduce(float32 [4, 5]) #3"; "broadcast(float32 [8], root 0, via NCCL) #4 in step 7"

@@ -23,20 +23,29 @@ namespace {
 using Function = std::function<Tensor(const std::vector<Tensor>&)>;
 
 // Every rank checks float64 leaves, as many as every other rank (both bounds of the count
-// travel, so every rank raises on a mismatch, not only the ranks below the largest count).
+// travel, so every rank raises on a mismatch, not only the ranks below the largest count), and
+// some rank has an element to check.
 void check_inputs(const std::vector<Tensor>& inputs, const Group& group) {
   WEAVE_CHECK(group.rank() >= 0, "gradcheck", "this rank is not in group {}", group.str());
+  int64_t checkable = 0;
   for (size_t i = 0; i < inputs.size(); ++i)
-    if (inputs[i].defined() && inputs[i].requires_grad())
+    if (inputs[i].defined() && inputs[i].requires_grad()) {
       WEAVE_CHECK(inputs[i].dtype() == kFloat64 && inputs[i].is_leaf(), "gradcheck",
                   "input {} must be a float64 leaf, found {}", i, inputs[i].dtype());
+      checkable += inputs[i].numel();
+    }
   const int64_t mine = int64_t(inputs.size());
-  Tensor count = from_vector<int64_t>({mine, -mine}, {2});
+  Tensor count = from_vector<int64_t>({mine, -mine, checkable > 0 ? 1 : 0}, {3});
   all_reduce(count, ReduceOp::Max, group);
   const std::vector<int64_t> bounds = count.to_vector<int64_t>();
   WEAVE_CHECK(bounds[0] == -bounds[1], "gradcheck",
               "ranks pass different numbers of inputs (from {} to {}; this rank {})", -bounds[1],
               bounds[0], mine);
+  WEAVE_CHECK(bounds[2] == 1, "gradcheck",
+              "nothing to check: no rank of group {} has an input that requires grad with any "
+              "element, so no gradient would be compared; hint: x.requires_grad_() on the inputs "
+              "whose gradient to check",
+              group.str());
 }
 
 // The rank's largest error over the elements it owns, and its description.

@@ -17,7 +17,10 @@ struct DistGradcheckResult {
 };
 
 /// Checks fn against finite differences under the sum-of-losses convention. Every rank of the
-/// group calls it with its own float64 inputs (the same number of inputs on every rank). The
+/// group calls it with its own inputs (the same number of inputs on every rank); only those
+/// that require grad are checked (each a float64 leaf), the others are passed as they are. A
+/// rank may check none, but when no rank has an input requiring grad with an element, every rank
+/// raises: the check would compare nothing, and a wrong backward would pass. The
 /// loss is L = sum_r sum(fn_r(inputs_r) * V_r) with a fixed random V_r per rank; one backward
 /// on every rank gives dL/dx. Then, for each rank r and each element i of r's inputs, all ranks
 /// evaluate L with that element moved by +-eps and rank r compares the central difference with

@@ -147,6 +147,14 @@ constexpr const char* kUnevenHint =
     "hint: every rank must run the same number of steps: give each rank as many batches as the "
     "others (DistributedSampler pads or drops to equal shares), or run the training loop in "
     "parallel::join(...), which shadows the missing steps";
+// The waiting call came from a backward: the likelier cause is a communicating node the other
+// rank's backward never ran.
+constexpr const char* kBackwardHint =
+    "hint: the waiting call was issued from backward, so the likely cause is a collective inside "
+    "a backward that not every rank ran: a custom autograd::Function that communicates must "
+    "declare `static constexpr bool communicates = true` (every rank's backward then runs it, "
+    "even where its loss does not use the output); otherwise every rank must run the same number "
+    "of steps (DistributedSampler, or parallel::join(...))";
 
 // A rank's leaving notice: [groups, then (id, collectives issued, step) per group].
 std::vector<int64_t> leaving_notice(const std::vector<std::shared_ptr<Group::Impl>>& groups) {
@@ -185,14 +193,15 @@ void check_waits_for(const Leaver& leaver, Group::Impl& group) {
                                                  : fmt::format("after {} collectives", issued);
     const std::string ranks = fmt::format("[{}]", fmt::join(group.ranks, ", "));
     const int me = runtime().rank;
+    const char* hint = running.from_backward ? kBackwardHint : kUnevenHint;
     report(
         fmt::format("rank {} called finalize() {} on group {}, while this rank waits for it in "
                     "{}; {}; tearing the job down",
-                    leaver.rank, left_after, ranks, describe(running), kUnevenHint));
+                    leaver.rank, left_after, ranks, describe(running), hint));
     detail::mpi::report_waiting(
         leaver.rank, fmt::format("rank {} waits for this rank in {} on group {}, which this rank "
                                  "never issued: it called finalize() {} on that group; {}",
-                                 me, describe(running), ranks, left_after, kUnevenHint));
+                                 me, describe(running), ranks, left_after, hint));
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // lets the leaver report too
     detail::mpi::abort_job(1);
   }

@@ -283,6 +283,18 @@ struct Relu {  // d/dx max(x, 0) = [x > 0]; NaN propagates (x != x only for NaN)
     return x != x ? x : x > T(0) ? T(1) : T(0);
   }
 };
+struct Square {  // d/dx x^2 = 2x
+  static constexpr bool integral = true;
+  static constexpr Reads reads = Reads::Input;
+  template <class T>
+  WEAVE_HD T operator()(T x) const {
+    return x * x;
+  }
+  template <class T>
+  WEAVE_HD T grad(T x, T) const {
+    return x + x;
+  }
+};
 struct Sign {  // sign(x) in {-1, 0, 1}, NaN for NaN;  d/dx = 0
   static constexpr bool integral = true;
   static constexpr Reads reads = Reads::Nothing;
@@ -354,6 +366,7 @@ struct Silu {  // silu(x) = x s(x);  d/dx = s(x) (1 + x (1 - s(x)))
   X(Sigmoid, ::weave::functors::Sigmoid, sigmoid)     \
   X(Relu, ::weave::functors::Relu, relu)              \
   X(Sign, ::weave::functors::Sign, sign)              \
+  X(Square, ::weave::functors::Square, square)        \
   X(Gelu, ::weave::functors::Gelu, gelu)              \
   X(GeluTanh, ::weave::functors::GeluTanh, gelu_tanh) \
   X(Silu, ::weave::functors::Silu, silu)

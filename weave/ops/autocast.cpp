@@ -49,7 +49,8 @@ std::optional<DType> autocast_dtype() {
 }
 
 AutocastGuard::AutocastGuard(DType dtype, bool enabled) : previous_(autocast_state) {
-  WEAVE_CHECK(dtype == kBFloat16 || dtype == kFloat16, "autocast",
+  // A disabled guard casts nothing, so any dtype will do (AutocastGuard(kFloat32, use_amp)).
+  WEAVE_CHECK(!enabled || dtype == kBFloat16 || dtype == kFloat16, "autocast",
               "expected kBFloat16 or kFloat16, found {}; hint: autocast picks the reduced "
               "precision of the low-precision ops; float32 ops stay float32 by themselves",
               dtype);

@@ -44,7 +44,8 @@ AutocastPolicy autocast_policy(const char* op);
 std::optional<DType> autocast_dtype();
 
 /// While alive, ops on this thread follow the autocast policy with `dtype` (kBFloat16 or
-/// kFloat16; anything else raises). enabled = false turns autocast off in its scope.
+/// kFloat16; anything else raises). enabled = false turns autocast off in its scope, whatever
+/// the dtype (AutocastGuard(kFloat32, use_amp) is a no-op when use_amp is false).
 class AutocastGuard {
  public:
   explicit AutocastGuard(DType dtype, bool enabled = true);

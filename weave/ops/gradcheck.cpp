@@ -10,12 +10,20 @@ namespace weave::autograd {
 
 GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
                           const std::vector<Tensor>& inputs, GradcheckOptions options) {
+  int64_t checkable = 0;
   for (size_t i = 0; i < inputs.size(); ++i)
-    if (inputs[i].defined() && inputs[i].requires_grad())
+    if (inputs[i].defined() && inputs[i].requires_grad()) {
       WEAVE_CHECK(inputs[i].dtype() == kFloat64 && inputs[i].is_leaf(), "gradcheck",
                   "input {} must be a float64 leaf, found {} {}; hint: "
                   "x.to(kFloat64).detach().requires_grad_()",
                   i, inputs[i].dtype(), inputs[i].is_leaf() ? "leaf" : "non-leaf");
+      checkable += inputs[i].numel();
+    }
+  WEAVE_CHECK(checkable > 0, "gradcheck",
+              "nothing to check: none of the {} inputs requires grad with any element, so no "
+              "gradient would be compared; hint: x.requires_grad_() on the inputs whose gradient "
+              "to check",
+              inputs.size());
 
   Tensor probe;  // the fixed projection V
   auto loss = [&](const std::vector<Tensor>& xs) {

@@ -23,9 +23,12 @@ struct GradcheckResult {
   std::string report;
 };
 
-/// Checks the gradient of fn at inputs (float64 tensors; those requiring grad are checked).
-/// The output is reduced to L = sum(fn(inputs) * V) with a fixed random V, so one backward
-/// gives dL/dx, which is compared with (L(x + eps) - L(x - eps)) / 2 eps element by element.
+/// Checks the gradient of fn at inputs. Only the inputs that require grad are checked (each a
+/// float64 leaf); the others are passed to fn as they are. Raises when no input requiring grad
+/// has an element, because the check would then compare nothing (a backward that is wrong, or
+/// missing, would pass). The output is reduced to L = sum(fn(inputs) * V) with a fixed random
+/// V, so one backward gives dL/dx, which is compared with (L(x + eps) - L(x - eps)) / 2 eps
+/// element by element.
 GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
                           const std::vector<Tensor>& inputs, GradcheckOptions options = {});
 

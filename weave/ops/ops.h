@@ -66,6 +66,8 @@ Tensor gelu_tanh(const Tensor& x);
 Tensor silu(const Tensor& x);
 /// -1, 0 or 1 by the sign of x (NaN stays NaN); its gradient is zero.
 Tensor sign(const Tensor& x);
+/// x * x, in one pass (its gradient 2x).
+Tensor square(const Tensor& x);
 /// x limited to [min, max] (either bound may be left out); NaN stays NaN. The gradient passes
 /// where min <= x <= max, as in PyTorch. A NaN bound, or min > max, raises.
 Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max = std::nullopt);
@@ -172,6 +174,14 @@ std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, in
 std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim = 0);
 /// Picks entries along dim by an int32/int64 index vector.
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
+/// out[i][j][k] = x[index[i][j][k]][j][k] for dim 0 (likewise for the others), PyTorch's gather:
+/// index (int32/int64, negative counts from the end) has x's rank, and no dimension but dim
+/// larger than x's. The gradient adds into the picked places (repeats add up).
+Tensor gather(const Tensor& x, int64_t dim, const Tensor& index);
+/// gather with the dimensions other than dim broadcast between x and indices (both of one
+/// rank), NumPy's take_along_axis: take_along_dim(x, topk(x, k).indices, -1), or one index per
+/// row, [B, 1], picked from [B, C].
+Tensor take_along_dim(const Tensor& x, const Tensor& indices, int64_t dim);
 
 // ---- neural-network ops -----------------------------------------------------------------
 
@@ -298,6 +308,7 @@ Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement = 
   X(matmul) X(linear)                                                                       \
   X(reshape) X(view) X(flatten) X(permute) X(transpose) X(narrow) X(slice) X(select)       \
   X(expand) X(squeeze) X(unsqueeze) X(cat) X(stack) X(split) X(chunk) X(index_select)      \
+  X(gather) X(take_along_dim)                                                               \
   X(softmax) X(log_softmax) X(cross_entropy) X(mse_loss) X(layer_norm) X(rms_norm)          \
   X(bias_gelu) X(embedding) X(dropout) X(scaled_dot_product_attention) X(tril) X(triu)      \
   X(packed_qkv_attention)                                                                   \

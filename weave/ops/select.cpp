@@ -1,7 +1,8 @@
-// Masking and sampling: tril/triu, masked_fill, topk, multinomial. The masks are built from
-// index comparisons and applied by `where` (so they differentiate like it); topk and
-// multinomial decide on the host, and topk's values are gathered by a differentiable
-// index_select.
+// Masking, selection and sampling: tril/triu, masked_fill, gather/take_along_dim, topk,
+// multinomial. The masks are built from index comparisons and applied by `where` (so they
+// differentiate like it); gather and topk pick their values with a differentiable index_select
+// of flat positions (its backward adds into the picked places, on any device); topk and
+// multinomial decide on the host.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -86,6 +87,65 @@ TopK topk(const Tensor& x, int64_t k, int64_t dim, bool largest) {
   Tensor indices = from_vector(local, out_shape).to(x.device());
   if (x.dim() == 0) return {values.reshape({}), indices.reshape({})};
   return {values.transpose(d, -1), indices.transpose(d, -1)};
+}
+
+Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
+  check_defined(x, "gather");
+  check_defined(index, "gather", "index");
+  check_same_device(x, index, "gather");
+  WEAVE_CHECK(index.dtype() == kInt64 || index.dtype() == kInt32, "gather",
+              "expected an int32 or int64 index, found {}", index.dtype());
+  WEAVE_CHECK(index.dim() == x.dim(), "gather",
+              "expected an index with x's {} dims, found shape {} for x of shape {}; hint: "
+              "unsqueeze the index, or use take_along_dim, which broadcasts",
+              x.dim(), index.shape(), x.shape());
+  if (x.dim() == 0) return gather(x.reshape({1}), 0, index.reshape({1})).reshape({});
+  const int d = normalize_dim(dim, x.dim(), "gather");
+  for (int k = 0; k < x.dim(); ++k)
+    WEAVE_CHECK(k == d || index.size(k) <= x.size(k), "gather",
+                "index shape {} exceeds x's shape {} in dimension {} (only dimension {} may be "
+                "larger)",
+                index.shape(), x.shape(), k, d);
+  const int64_t n = x.size(d);
+  Tensor idx = convert(index, kInt64);
+  if (idx.numel() > 0) {
+    const int64_t lo = min(idx).item<int64_t>(), hi = max(idx).item<int64_t>();
+    WEAVE_CHECK(lo >= -n && hi < n, "gather",
+                "index out of range for dimension {} of size {}: found [{}, {}]", d, n, lo, hi);
+    if (lo < 0) idx = where(lt(idx, wrap_scalar(0, idx)), idx + wrap_scalar(double(n), idx), idx);
+  }
+  // The flat position in contiguous x of every index element: its own coordinates, with the
+  // index value along d.
+  std::vector<int64_t> stride(size_t(x.dim()), 1);  // of contiguous x
+  for (int k = x.dim() - 2; k >= 0; --k) stride[size_t(k)] = stride[size_t(k + 1)] * x.size(k + 1);
+  Tensor flat = idx * wrap_scalar(double(stride[size_t(d)]), idx);
+  for (int k = 0; k < x.dim(); ++k) {
+    if (k == d) continue;
+    Shape along = Shape::filled(x.dim(), 1);
+    along[k] = index.size(k);
+    const Tensor at = arange(double(index.size(k)), {.dtype = kInt64, .device = x.device()});
+    flat = flat + at.reshape(along) * wrap_scalar(double(stride[size_t(k)]), idx);
+  }
+  return index_select(x.contiguous().reshape({-1}), 0, flat.contiguous().reshape({-1}))
+      .reshape(index.shape());
+}
+
+Tensor take_along_dim(const Tensor& x, const Tensor& indices, int64_t dim) {
+  check_defined(x, "take_along_dim");
+  check_defined(indices, "take_along_dim", "indices");
+  WEAVE_CHECK(indices.dim() == x.dim(), "take_along_dim",
+              "expected indices with x's {} dims, found shape {} for x of shape {}", x.dim(),
+              indices.shape(), x.shape());
+  if (x.dim() == 0) return gather(x, 0, indices);
+  const int d = normalize_dim(dim, x.dim(), "take_along_dim");
+  // Broadcast every dimension but d; along d, x keeps its size and indices theirs.
+  Shape x_shape = x.shape(), index_shape = indices.shape();
+  x_shape[d] = index_shape[d] = 1;
+  const Shape both = broadcast_shapes(x_shape, index_shape, "take_along_dim");
+  x_shape = index_shape = both;
+  x_shape[d] = x.size(d);
+  index_shape[d] = indices.size(d);
+  return gather(x.expand(x_shape), d, indices.expand(index_shape));
 }
 
 Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement,

@@ -1,13 +1,23 @@
 #pragma once
-// The examples' command lines, through CLI11: a generated --help, an error that names a
-// mistyped or malformed flag, and value ranges checked before anything runs.
+// Command lines for training programs, through CLI11 (header-only; Debian: libcli11-dev): a
+// generated --help, an error that names a mistyped or malformed flag, and value ranges checked
+// before anything runs. Optional: weave.h does not include it, so only a program that does
+// needs CLI11.
+//
+//   #include <weave/util/cli.h>
+//   CLI::App app("Trains a model.", "train");
+//   int64_t steps = 1000;
+//   double lr = 1e-3;
+//   app.add_option("--steps", steps)->check(weave::cli::positive());
+//   app.add_option("--lr", lr, "peak learning rate")->check(weave::cli::positive());
+//   weave::cli::parse_or_exit(app, argc, argv);   // --help: exit 0; a bad flag: exit 2
 #include <CLI/CLI.hpp>
 
 #include <cmath>
 #include <cstdlib>
 #include <string>
 
-namespace examples {
+namespace weave::cli {
 
 /// A finite number above `floor` (or at least it, with `inclusive`), with an error that says so.
 inline CLI::Validator number_from(double floor, bool inclusive, const char* name) {
@@ -47,4 +57,4 @@ inline void parse_or_exit(CLI::App& app, int argc, char** argv) {
   }
 }
 
-}  // namespace examples
+}  // namespace weave::cli
