@@ -43,6 +43,20 @@ inline void check_same_device(const Tensor& a, const Tensor& b, const char* op) 
               a.device(), b.device());
 }
 
+/// What every op that picks by an index tensor requires: x and an int32/int64 index, both
+/// defined, on one device.
+inline void check_index_args(const Tensor& x, const Tensor& index, const char* op) {
+  check_defined(x, op);
+  check_defined(index, op, "index");
+  check_same_device(x, index, op);
+  WEAVE_CHECK(index.dtype() == kInt64 || index.dtype() == kInt32, op,
+              "expected an int32 or int64 index, found {}", index.dtype());
+}
+
+/// index as int64 with its negative entries counted from the end of a dimension of size n;
+/// raises, naming op and dimension d, when an entry is outside [-n, n).
+Tensor wrapped_index(const Tensor& index, int64_t n, int d, const char* op);
+
 /// Shape and dtype of an input whose values backward does not need.
 struct InputInfo {
   Shape shape;

@@ -90,11 +90,7 @@ TopK topk(const Tensor& x, int64_t k, int64_t dim, bool largest) {
 }
 
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
-  check_defined(x, "gather");
-  check_defined(index, "gather", "index");
-  check_same_device(x, index, "gather");
-  WEAVE_CHECK(index.dtype() == kInt64 || index.dtype() == kInt32, "gather",
-              "expected an int32 or int64 index, found {}", index.dtype());
+  check_index_args(x, index, "gather");
   WEAVE_CHECK(index.dim() == x.dim(), "gather",
               "expected an index with x's {} dims, found shape {} for x of shape {}; hint: "
               "unsqueeze the index, or use take_along_dim, which broadcasts",
@@ -107,13 +103,7 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
                 "larger)",
                 index.shape(), x.shape(), k, d);
   const int64_t n = x.size(d);
-  Tensor idx = convert(index, kInt64);
-  if (idx.numel() > 0) {
-    const int64_t lo = min(idx).item<int64_t>(), hi = max(idx).item<int64_t>();
-    WEAVE_CHECK(lo >= -n && hi < n, "gather",
-                "index out of range for dimension {} of size {}: found [{}, {}]", d, n, lo, hi);
-    if (lo < 0) idx = where(lt(idx, wrap_scalar(0, idx)), idx + wrap_scalar(double(n), idx), idx);
-  }
+  const Tensor idx = wrapped_index(index, n, d, "gather");
   // The flat position in contiguous x of every index element: its own coordinates, with the
   // index value along d.
   std::vector<int64_t> stride(size_t(x.dim()), 1);  // of contiguous x

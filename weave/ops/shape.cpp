@@ -346,23 +346,23 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
   return split(x, std::max<int64_t>((total + chunks - 1) / chunks, 1), dim);
 }
 
+Tensor detail::wrapped_index(const Tensor& index, int64_t n, int d, const char* op) {
+  Tensor idx = convert(index, kInt64);
+  if (idx.numel() == 0) return idx;
+  const int64_t lo = min(idx).item<int64_t>(), hi = max(idx).item<int64_t>();
+  WEAVE_CHECK(lo >= -n && hi < n, op,
+              "index out of range for dimension {} of size {}: found [{}, {}]", d, n, lo, hi);
+  if (lo >= 0) return idx;
+  return where(lt(idx, wrap_scalar(0, idx)), idx + wrap_scalar(double(n), idx), idx);
+}
+
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
-  check_defined(x, "index_select");
-  check_defined(index, "index_select", "index");
-  check_same_device(x, index, "index_select");
-  WEAVE_CHECK(index.dtype() == kInt64 || index.dtype() == kInt32, "index_select",
-              "expected an int32 or int64 index, found {}", index.dtype());
+  check_index_args(x, index, "index_select");
   WEAVE_CHECK(index.dim() <= 1, "index_select", "expected a 0-d or 1-d index, found shape {}",
               index.shape());
   int d = normalize_dim(dim, x.dim(), "index_select");
   const int64_t n = x.dim() == 0 ? 1 : x.shape()[d];
-  Tensor idx = convert(index, kInt64).contiguous();
-  if (idx.numel() > 0) {
-    int64_t lo = min(idx).item<int64_t>(), hi = max(idx).item<int64_t>();
-    WEAVE_CHECK(lo >= -n && hi < n, "index_select",
-                "index out of range for dimension {} of size {}: found [{}, {}]", d, n, lo, hi);
-    if (lo < 0) idx = where(lt(idx, wrap_scalar(0, idx)), idx + static_cast<double>(n), idx);
-  }
+  const Tensor idx = wrapped_index(index, n, d, "index_select").contiguous();
   Tensor src = x.contiguous();
   int64_t outer = 1, inner = 1;
   for (int k = 0; k < d; ++k) outer *= x.shape()[k];
