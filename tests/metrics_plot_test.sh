@@ -2,12 +2,14 @@
 # examples/gpt at 2 ranks with --log: the metrics file holds a record per logged step and per
 # evaluation, every line one JSON object of the documented fields, and weave-plot draws it as a
 # PNG, also beside a spaced copy of itself in one plot, and refuses a file that is not JSON.
-# Exit 77 (skipped) without gnuplot.
+# Exit 77 (skipped) without gnuplot or jq.
 # usage: metrics_plot_test.sh WEAVE_PLOT GPT MPIRUN...
 set -euo pipefail
 weave_plot=$1 gpt=$2
 shift 2
-command -v gnuplot >/dev/null || { echo "no gnuplot: skipped"; exit 77; }
+for tool in gnuplot jq; do  # weave-plot's two (scripts/install-deps.sh installs both)
+  command -v $tool >/dev/null || { echo "no $tool: skipped"; exit 77; }
+done
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$@" -np 2 "$gpt" --layers 1 --dim 32 --heads 2 --context 32 --steps 30 --log-every 10 \

@@ -41,7 +41,7 @@ class Describer {
 
   // The pieces of `t` by parameter name (`name`, or found by identity); none if a name is missing.
   std::optional<Pieces> operator()(const Tensor& t, std::string name) const {
-    if (const std::optional<FlatShard> flat = flat_shard_of(t)) {
+    if (const std::shared_ptr<const FlatShard> flat = flat_shard_of(t)) {
       Pieces out;
       const int64_t begin = flat->begin, end = begin + t.numel();
       for (size_t m = 0; m < flat->members.size(); ++m) {

@@ -97,11 +97,11 @@ std::map<std::string, SplitParameter> split_parameters(const nn::Module& module)
   return out;
 }
 
-std::optional<FlatShard> flat_shard_of(const Tensor& t) {
+std::shared_ptr<const FlatShard> flat_shard_of(const Tensor& t) {
   if (const Placement* placement = placement_of(t))
     for (const Cut& cut : placement->cuts)
-      if (cut.kind == Cut::Kind::FlatShard && cut.layout) return *cut.layout;
-  return std::nullopt;
+      if (cut.kind == Cut::Kind::FlatShard) return cut.layout;
+  return nullptr;
 }
 
 void remove_cut(const Tensor& t, Cut::Kind kind) {

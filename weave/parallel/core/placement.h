@@ -91,8 +91,9 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
 namespace detail {
 /// Every parameter of `module` with a Split cut, by its name in module.named_parameters().
 std::map<std::string, SplitParameter> split_parameters(const nn::Module& module);
-/// The layout of t's FlatShard cut, if it has one with a layout.
-std::optional<FlatShard> flat_shard_of(const Tensor& t);
+/// The layout of t's FlatShard cut, or null when it has none (shared, not copied: clipping
+/// reads it every step).
+std::shared_ptr<const FlatShard> flat_shard_of(const Tensor& t);
 /// Drops t's cut of `kind` (a wrapper going away takes its shard's record with it).
 void remove_cut(const Tensor& t, Cut::Kind kind);
 

@@ -209,26 +209,33 @@ Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const P
   return chunks_.size() == 1 ? train_linked(in, target, loss) : train_interleaved(in, target, loss);
 }
 
+namespace {
+
 // Under a wrapper, micro-batch m - 1's forward is the step's synchronizing one, and its backward,
-// the chunk's last, launches the wrapper's buckets: the others accumulate under no_sync().
+// the chunk's last, launches the wrapper's buckets: the others run under no_sync() and
+// accumulate.
+template <class Step>
+auto quiet_unless_last(DataParallelWrapper* wrapper, bool last, const Step& step) {
+  if (!wrapper || last) return step();
+  NoSyncGuard quiet = wrapper->no_sync();
+  return step();
+}
+
+}  // namespace
+
 Tensor Pipeline::forward_chunk(int chunk, int micro, const Tensor& x) {
   DataParallelWrapper* wrapper = wrappers_[size_t(chunk)];
-  if (!wrapper) return (*chunks_[size_t(chunk)])(x);
-  if (micro == options_.microbatches - 1) return wrapper->forward(x);
-  NoSyncGuard quiet = wrapper->no_sync();
-  return wrapper->forward(x);
+  return quiet_unless_last(wrapper, micro == options_.microbatches - 1, [&] {
+    return wrapper ? wrapper->forward(x) : (*chunks_[size_t(chunk)])(x);
+  });
 }
 
 void Pipeline::backward_chunk(int chunk, int micro, const Tensor& y,
                               const std::vector<Tensor>& grad_y) {
   if (!y.requires_grad()) return;
-  auto run = [&] {
+  quiet_unless_last(wrappers_[size_t(chunk)], micro == options_.microbatches - 1, [&] {
     autograd::backward({y}, grad_y, /*retain_graph=*/false, /*run_must_run_nodes=*/false);
-  };
-  DataParallelWrapper* wrapper = wrappers_[size_t(chunk)];
-  if (!wrapper || micro == options_.microbatches - 1) return run();
-  NoSyncGuard quiet = wrapper->no_sync();
-  run();
+  });
 }
 
 Tensor Pipeline::train_linked(const std::vector<Tensor>& in, const std::vector<Tensor>& target,
