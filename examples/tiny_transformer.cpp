@@ -90,18 +90,8 @@ Tensor sorted_half_loss(Decoder& model, const Tensor& sequences, const dist::Gro
 
 }  // namespace
 
-int main(int argc, char** argv) try {
-  int epochs = 8, steps = 100;
-  double lr = 3e-3;
-  uint64_t seed = 0;
-  CLI::App app("A tensor-parallel decoder that learns to sort digits.", "tiny_transformer");
-  app.option_defaults()->always_capture_default();
-  app.add_option("--epochs", epochs)->check(weave::cli::positive());
-  app.add_option("--steps", steps, "steps per epoch")->check(weave::cli::positive());
-  app.add_option("--lr", lr)->check(weave::cli::positive());
-  app.add_option("--seed", seed);
-  weave::cli::parse_or_exit(app, argc, argv);
-  dist::InitGuard distributed;
+// Trains and evaluates on every rank of the world.
+int train(int epochs, int steps, double lr, uint64_t seed) {
   set_num_threads(1);
   const dist::Group tp = dist::world();
   manual_seed(seed);  // the same on every rank: each keeps its slice of one model
@@ -144,7 +134,23 @@ int main(int argc, char** argv) try {
     std::printf("final_loss=%.4f uniform=%.4f ratio=%.3f\n", held_out_loss, uniform,
                 held_out_loss / uniform);
   return 0;
-} catch (const std::exception& e) {
-  std::fprintf(stderr, "error: %s\n", e.what());
-  return 1;
+}
+
+int main(int argc, char** argv) {
+  int epochs = 8, steps = 100;
+  double lr = 3e-3;
+  uint64_t seed = 0;
+  CLI::App app("A tensor-parallel decoder that learns to sort digits.", "tiny_transformer");
+  app.option_defaults()->always_capture_default();
+  app.add_option("--epochs", epochs)->check(weave::cli::positive());
+  app.add_option("--steps", steps, "steps per epoch")->check(weave::cli::positive());
+  app.add_option("--lr", lr)->check(weave::cli::positive());
+  app.add_option("--seed", seed);
+  weave::cli::parse_or_exit(app, argc, argv);
+  dist::InitGuard distributed;
+  try {
+    return train(epochs, steps, lr, seed);
+  } catch (const std::exception& e) {
+    dist::exit_with_error(e);  // the error once for the whole job, with the ranks that raised it
+  }
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark of weave, on a machine with an NVIDIA GPU, ending in one table:
 #   1. the cuda-labelled tests (op table in every dtype, tensor-core attention, reductions,
-#      norms; NCCL at world size 1 and MPI at 2 ranks sharing the GPU);
+#      norms; NCCL at world size 1 and MPI at 2 ranks sharing the GPU), side by side on the GPU
+#      (each one's output kept in $LOG_DIR/test-NAME.log when LOG_DIR is set);
 #   2. bench_gpu_kernels against bench/torch_gpu_kernels.py (PyTorch 2.x on the same GPU),
 #      alternating, medians: each kernel as a fraction of the copy bandwidth, SDPA's ratio;
 #   3. the GPT step (examples/gpt --device cuda) against bench/gpt_torch.py --device cuda,
@@ -38,15 +39,15 @@ status=0
 
 if want tests; then
   echo "== cuda tests"
+  # The suites are independent and share the GPU, so they run side by side; each one's output
+  # goes to its own file, read back once all have ended.
+  logs=$(mktemp -d)
+  names=()
   run_test() {  # name, command...
     local name=$1; shift
-    local start=$SECONDS out
-    out=$(timeout "${TEST_TIMEOUT_S:-300}" "$@" 2>&1); local rc=$?
-    local verdict=passed
-    [ $rc -eq 77 ] && verdict=skipped
-    [ $rc -ne 0 ] && [ $rc -ne 77 ] && { verdict=FAILED; status=1; echo "$out" | tail -40; }
-    echo "test $name: $verdict ($((SECONDS - start)) s)"
-    table+=("test|$name|$verdict")
+    names+=("$name")
+    ( start=$SECONDS; timeout "${TEST_TIMEOUT_S:-300}" "$@" >"$logs/$name.out" 2>&1
+      echo "$? $((SECONDS - start))" >"$logs/$name.rc" ) &
   }
   run_test cuda_op_table weave_cuda_tests --test-suite=cuda --require-cuda
   run_test cuda_kernels weave_cuda_tests --test-suite=cuda_kernels --require-cuda
@@ -59,6 +60,17 @@ if want tests; then
     --require-cuda --backend=nccl
   run_test mpi_cuda_parallel_np2 mpirun --oversubscribe -np 2 weave_mpi_cuda_tests --test-suite=cuda_parallel \
     --require-cuda
+  wait
+  for name in "${names[@]}"; do
+    read -r rc secs <"$logs/$name.rc"
+    verdict=passed
+    [ "$rc" -eq 77 ] && verdict=skipped
+    [ "$rc" -ne 0 ] && [ "$rc" -ne 77 ] && { verdict="FAILED (rc $rc)"; status=1; tail -60 "$logs/$name.out"; }
+    [ -n "${LOG_DIR:-}" ] && cp "$logs/$name.out" "$LOG_DIR/test-$name.log"
+    echo "test $name: $verdict ($secs s)"
+    table+=("test|$name|$verdict")
+  done
+  rm -rf "$logs"
 fi
 
 if want kernels; then

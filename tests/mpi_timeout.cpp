@@ -27,6 +27,11 @@
 // and the roll call (with the flight recorder), at 4 ranks:
 //   weave_mpi_timeout late-rank            rank 2 sleeps before all_reduce #12: every waiting
 //                                          rank names it and its last call (#11)
+// and errors that main catches with its InitGuard alive, ended by dist::exit_with_error, which
+// prints each distinct message once for the job (error_report_test.sh, at 4 ranks):
+//   weave_mpi_timeout same-error           every rank raises one refusal
+//   weave_mpi_timeout distinct-error       ... but rank 2 raises another
+//   weave_mpi_timeout one-rank-error       rank 1 alone raises; the others wait in a collective
 // and a checkpoint that must not be lost behind a zero exit:
 //   weave_mpi_timeout async-save-fails     rank 1's background write fails; the commit that
 //                                          finalize() runs fails on every rank: exit non-zero
@@ -216,6 +221,25 @@ int failed_async_save() {
   return 0;
 }
 
+// Every rank (or rank 1 alone) raises; main catches and ends the job with exit_with_error.
+int caught_error(const std::string& mode) {
+  dist::InitGuard guard;
+  try {
+    Tensor t = ones({4});
+    dist::all_reduce(t);
+    if (mode == "one-rank-error" && dist::rank() != 1) {
+      dist::all_reduce(t);  // waits for rank 1, which never comes
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+      return 0;
+    }
+    const bool distinct = mode == "distinct-error" && dist::rank() == 2;
+    WEAVE_CHECK(distinct, "train", "expected a batch of 8 rows, found 7; hint: drop_last");
+    WEAVE_FAIL("train", "rank 2 has no shard of the data");
+  } catch (const std::exception& e) {
+    dist::exit_with_error(e);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -229,6 +253,8 @@ int main(int argc, char** argv) {
   if (mode == "ddp-unused") return train_with_fault({.skip_layer = true});
   if (mode.rfind("fsdp-", 0) == 0) return fsdp_fault(mode);
   if (mode == "async-save-fails") return failed_async_save();
+  if (mode == "same-error" || mode == "distinct-error" || mode == "one-rank-error")
+    return caught_error(mode);
   if (mode == "pipeline-options") {
     dist::InitGuard guard;
     nn::Sequential model;

@@ -1,7 +1,8 @@
 // The CUDA kernels that the op table's small shapes cannot reach: tensor-core attention against
 // float64 attention on the CPU, reductions split over many blocks, the layer-norm parameter
-// gradients, and the three bugs the first GPU run found. Suite cuda_kernels: `weave_tests
-// --test-suite=cuda_kernels --require-cuda` (skipped without a GPU).
+// gradients, the multi-tensor clipping and Adam kernels, and the bugs GPU runs found. Suite
+// cuda_kernels: `weave_cuda_tests --test-suite=cuda_kernels --require-cuda` (skipped without a
+// GPU).
 #include "helpers.h"
 
 using namespace weave;
@@ -150,6 +151,59 @@ TEST_SUITE("cuda_kernels") {
       sum(layer_norm(dev[0], {96}, dev[1], dev[2]) * probe.to(gpu)).backward();
       for (int i = 0; i < 3; ++i) CHECK(relative_error(dev[i].grad(), cpu[i].grad()) < 1e-11);
     }
+  }
+
+  TEST_CASE("clipping and the Adam step over many parameters match the CPU, in one launch each") {
+    // Sizes on both sides of a block's chunk, more tensors than one launch's table, three
+    // dtypes, two decay groups: the GPU's multi-tensor kernels against the CPU's loops.
+    Generator g(5);
+    const DType dtypes[] = {kFloat32, kBFloat16, kFloat64};
+    const int64_t sizes[] = {1, 8191, 8192, 8193, 70001};
+    std::vector<Tensor> cpu_params, gpu_params;
+    for (int i = 0; i < 40; ++i) {
+      const int64_t n = i < 5 ? sizes[i] : 17 * i;
+      Tensor p = randn({n}, {.dtype = dtypes[i % 3]}, &g);
+      cpu_params.push_back(p.clone().requires_grad_());
+      gpu_params.push_back(p.to(gpu).requires_grad_());
+    }
+    auto groups = [](const std::vector<Tensor>& ps) {
+      std::vector<optim::ParamGroup> out(2);
+      for (size_t i = 0; i < ps.size(); ++i) out[i % 2].params.push_back(ps[i]);
+      out[0].weight_decay = 0.1;
+      return out;
+    };
+    optim::AdamW on_cpu(groups(cpu_params), {.lr = 0.01});
+    optim::AdamW on_gpu(groups(gpu_params), {.lr = 0.01});
+    for (int step = 0; step < 3; ++step) {
+      for (size_t i = 0; i < cpu_params.size(); ++i) {
+        Tensor grad = randn(cpu_params[i].shape(), {.dtype = cpu_params[i].dtype()}, &g);
+        cpu_params[i].set_grad(grad);
+        gpu_params[i].set_grad(grad.to(gpu));
+      }
+      for (double norm_type : {2.0, 1.0, double(INFINITY)}) {
+        CAPTURE(norm_type);
+        const double want = optim::clip_grad_norm_(cpu_params, INFINITY, norm_type);
+        const double got = optim::clip_grad_norm_(gpu_params, INFINITY, norm_type);
+        CHECK(got == doctest::Approx(want).epsilon(1e-12));
+        CHECK(optim::clip_grad_norm_(gpu_params, INFINITY, norm_type) == got);  // same bits
+      }
+      const double want = optim::clip_grad_norm_(cpu_params, 1.0);
+      CHECK(optim::clip_grad_norm_(gpu_params, 1.0) == doctest::Approx(want).epsilon(1e-12));
+      for (size_t i = 0; i < cpu_params.size(); ++i) {
+        CAPTURE(i);
+        CHECK(relative_error(gpu_params[i].grad(), cpu_params[i].grad()) <= 1e-7);
+      }
+      on_cpu.step();
+      on_gpu.step();
+    }
+    for (size_t i = 0; i < cpu_params.size(); ++i) {
+      CAPTURE(i);
+      CHECK(relative_error(gpu_params[i], cpu_params[i]) <= 1e-6);
+    }
+    // A NaN anywhere makes every norm NaN, the largest-element norm included.
+    gpu_params[7].grad().fill_(std::nan(""));
+    for (double norm_type : {2.0, double(INFINITY)})
+      CHECK(std::isnan(optim::clip_grad_norm_(gpu_params, INFINITY, norm_type)));
   }
 
   TEST_CASE("memory_stats counts CUDA allocations") {

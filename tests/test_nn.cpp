@@ -240,6 +240,38 @@ TEST_SUITE("nn") {
     CHECK(optim::clip_grad_norm_({a, b}, 10.0, INFINITY) == doctest::Approx(0.8).epsilon(1e-4));
   }
 
+  TEST_CASE("clip_grad_norm_ over many parameters of several dtypes equals the norm by hand") {
+    // More parameters than one multi-tensor launch takes, in three dtypes, some empty.
+    Generator g(11);
+    const DType dtypes[] = {kFloat32, kBFloat16, kFloat64};
+    std::vector<Tensor> params;
+    for (int i = 0; i < 45; ++i) {
+      Tensor p = zeros({i % 7 == 0 ? 0 : 3 + i * 5}, {.dtype = dtypes[i % 3]}).requires_grad_();
+      p.set_grad(randn(p.shape(), {.dtype = p.dtype()}, &g));
+      params.push_back(p);
+    }
+    for (double norm_type : {1.0, 2.0, 3.0, double(INFINITY)}) {
+      CAPTURE(norm_type);
+      std::vector<Tensor> before;
+      double expected = 0;
+      for (const Tensor& p : params) {
+        before.push_back(p.grad().clone());
+        for (double v : p.grad().to(kFloat64).to_vector<double>())
+          expected = std::isinf(norm_type) ? std::max(expected, std::abs(v))
+                                           : expected + std::pow(std::abs(v), norm_type);
+      }
+      if (!std::isinf(norm_type)) expected = std::pow(expected, 1 / norm_type);
+      const double max_norm = 0.5;
+      const double norm = optim::clip_grad_norm_(params, max_norm, norm_type);
+      CHECK(norm == doctest::Approx(expected).epsilon(1e-12));
+      const double scale = max_norm / (expected + 1e-6);
+      for (size_t i = 0; i < params.size(); ++i)
+        CHECK(allclose(params[i].grad().to(kFloat64), before[i].to(kFloat64) * scale,
+                       params[i].dtype() == kBFloat16 ? 1e-2 : 1e-6, 0));
+      for (size_t i = 0; i < params.size(); ++i) params[i].set_grad(before[i]);
+    }
+  }
+
   TEST_CASE("clip_grad_norm_ rejects a bad max_norm and reports non-finite gradients") {
     Tensor a = zeros({2}).requires_grad_();
     a.set_grad(from_vector<float>({3, 4}));

@@ -270,10 +270,13 @@ void check_same_command_line(int argc, char** argv) {
               dist::rank(), line);
 }
 
-int main(int argc, char** argv) try {
-  Flags f = gpt::parse(argc, argv);
-  const bool nccl = f.backend == "nccl" || (f.backend.empty() && f.device == "cuda");
-  dist::InitGuard distributed(nccl ? dist::Backend::NCCL : dist::Backend::MPI);
+bool uses_nccl(const Flags& f) {
+  return f.backend == "nccl" || (f.backend.empty() && f.device == "cuda");
+}
+
+// Everything after init: builds, trains, evaluates and samples on every rank.
+int train_and_sample(Flags& f, int argc, char** argv) {
+  const bool nccl = uses_nccl(f);
   check_same_command_line(argc, argv);
   // Under NCCL the runtime assigned this rank's GPU; under MPI ranks take GPUs round-robin too.
   const Device device = f.device == "cpu" ? kCPU
@@ -508,7 +511,20 @@ int main(int argc, char** argv) try {
     sample(*evaluated, f, corpus, mesh);
   }
   return 0;
-} catch (const std::exception& e) {
-  std::fprintf(stderr, "error: %s\n", e.what());
-  return 1;
+}
+
+int main(int argc, char** argv) {
+  Flags f;
+  try {
+    f = gpt::parse(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  dist::InitGuard distributed(uses_nccl(f) ? dist::Backend::NCCL : dist::Backend::MPI);
+  try {
+    return train_and_sample(f, argc, argv);
+  } catch (const std::exception& e) {
+    dist::exit_with_error(e);  // the error once for the whole job, with the ranks that raised it
+  }
 }

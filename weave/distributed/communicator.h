@@ -118,8 +118,9 @@ void finish_leaving(int polled);
 /// Tells leaving rank `rank` why this rank waits for it (what farewell() reports there).
 void report_waiting(int rank, const std::string& report);
 /// The watchdogs' messages to each other (roll_call.cpp): a rank whose call timed out asks its
-/// peers what they last issued on that group, and they answer.
-enum class Control { RollCall, RollAnswer };
+/// peers what they last issued on that group, and they answer. And a failing rank's error, sent
+/// to rank 0, with rank 0's verdict back (error_report.cpp).
+enum class Control { RollCall, RollAnswer, ErrorReport, ErrorVerdict };
 /// Sends `bytes` to world rank `rank` on the control communicator, without waiting.
 void send_control(int rank, Control kind, std::string bytes);
 /// A message of that kind from any rank, if one has arrived: the sender and the bytes.

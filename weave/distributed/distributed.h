@@ -83,9 +83,10 @@ void at_finalize(std::function<void()> fn);
 
 /// init() in the constructor, finalize() in the destructor. If an exception leaves the guard's
 /// scope in a job of several ranks, the others may be waiting for this one inside a collective:
-/// instead of finalizing (which would wait for them), it prints the rank and the last error
-/// and aborts the job (MPI_Abort). If finalize() raises (work left for it failed), the process
-/// prints the error and exits with status 1.
+/// instead of finalizing (which would wait for them), it ends the job as exit_with_error does,
+/// with the last error (the exception never reaches a catch outside the guard: catch it inside,
+/// below). If finalize() raises (work left for it failed), the process prints the error and
+/// exits with status 1.
 class InitGuard {
  public:
   explicit InitGuard(Backend backend = Backend::MPI, InitOptions options = {})
@@ -99,6 +100,26 @@ class InitGuard {
  private:
   int unwinding_at_start_;
 };
+
+/// Ends the job after an error that main caught while its InitGuard is alive, printing the
+/// error once for the whole job rather than once per rank:
+///
+///   int main() {
+///     dist::InitGuard guard;
+///     try {
+///       train();
+///     } catch (const std::exception& e) {
+///       dist::exit_with_error(e);  // never returns
+///     }
+///   }
+///
+/// Every rank that fails reports its message to rank 0, which waits until no new report has
+/// come for WEAVE_ERROR_WAIT_S (default 2 s), then prints each distinct message once, with the
+/// ranks that raised it: "[weave] ranks 0-3 (every rank): train: ...", "[weave] rank 2: ...".
+/// When every rank failed, each finalizes (work left for finalize runs) and exits with status 1;
+/// otherwise the ranks that raised nothing may wait for the others inside a collective, the
+/// fold says which, and the job is aborted. A world of one prints the error and exits with 1.
+[[noreturn]] void exit_with_error(const std::exception& error);
 
 int rank();
 int world_size();

@@ -221,6 +221,7 @@ void watchdog_loop() {
     // A peer that timed out asks what this rank last issued; if this rank waits in a call of
     // that group too, it tells its own story now, before the peer tears the job down.
     const std::vector<int64_t> asked = r.uses_mpi ? serve_roll_calls() : std::vector<int64_t>{};
+    serve_error_reports();
     std::shared_ptr<Group::Impl> timed_out;
     bool by_peer = false;
     bool stalled = false;  // a call has run longer than a beat interval: no beat on its behalf
@@ -271,8 +272,14 @@ void exit_without_finalize() {
 }  // namespace
 
 InitGuard::~InitGuard() {
-  if (std::uncaught_exceptions() > unwinding_at_start_)
-    abort_if_peers_wait("an exception is leaving the scope of its InitGuard");
+  const Runtime& r = runtime();
+  if (std::uncaught_exceptions() > unwinding_at_start_ && r.up && r.uses_mpi && r.size > 1) {
+    // The others may wait for this rank inside a collective: instead of finalizing, the job
+    // ends with every failing rank's error printed once.
+    const std::string error = last_error_message();
+    end_job_with_error("an exception is leaving the scope of its InitGuard" +
+                       (error.empty() ? std::string() : ": " + error));
+  }
   const int rank = initialized() ? runtime().rank : -1;
   try {
     finalize();

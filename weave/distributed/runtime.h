@@ -56,6 +56,12 @@ Runtime& live(const char* op);
 /// Reports on stderr that `what` did not complete within the timeout and aborts the whole job
 /// (the watchdog's verdict; also used by waits that poll instead of blocking in a call).
 [[noreturn]] void tear_down_after_timeout(const std::string& what);
+/// Rank 0's watchdog: collects the errors failing ranks report (error_report.cpp) and, once they
+/// stop coming while rank 0 itself has raised none, prints them once and aborts the job.
+void serve_error_reports();
+/// Ends the job for `message`, this rank's error, printed once for the whole job (rank 0 folds
+/// every failing rank's report); a world of one prints it and exits with status 1.
+[[noreturn]] void end_job_with_error(const std::string& message);
 /// Answers the roll calls other ranks' watchdogs sent this rank (roll_call.cpp); returns the ids
 /// of the groups they asked about.
 std::vector<int64_t> serve_roll_calls();

@@ -22,6 +22,12 @@
                    const Tensor& exp_avg_sq, const AdamStep& step);                                \
   void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,          \
                   const SgdStep& step);                                                            \
+  void adam_update_many(const std::vector<AdamTensors>& tensors, const AdamStep& step);            \
+  void norm_power_sum(const std::vector<Tensor>& xs, double p, const Tensor& out);                 \
+  void scale_many(const std::vector<Tensor>& xs, double scale);                                    \
+  void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse);           \
+  void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse);             \
+  void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale); \
   void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,    \
                const Tensor& out);                                                                 \
   void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out);              \

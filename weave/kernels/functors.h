@@ -86,8 +86,9 @@ WEAVE_HD inline void adam_element(T& p, T g, T& m, T& v, const AdamConstants<T>&
 }
 
 template <class T>
-AdamConstants<T> adam_constants(double lr, double beta1, double beta2, double eps, double wd,
-                                double correction1, double correction2, bool decoupled) {
+WEAVE_HD AdamConstants<T> adam_constants(double lr, double beta1, double beta2, double eps,
+                                         double wd, double correction1, double correction2,
+                                         bool decoupled) {
   return {T(lr / correction1), T(beta1), T(1 - beta1), T(beta2),       T(1 - beta2),
           T(correction2),      T(eps),   T(wd),        T(1 - lr * wd), decoupled};
 }

@@ -120,6 +120,37 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
   WEAVE_DISPATCH("sgd_update", sgd_update(param, grad, momentum_buffer, step));
 }
 
+void adam_update_many(const std::vector<AdamTensors>& tensors, const AdamStep& step) {
+  if (tensors.empty()) return;
+  const Tensor& out = tensors.front().param;
+  WEAVE_DISPATCH("adam_update", adam_update_many(tensors, step));
+}
+
+void norm_power_sum(const std::vector<Tensor>& xs, double p, const Tensor& out) {
+  WEAVE_DISPATCH("norm_power_sum", norm_power_sum(xs, p, out));
+}
+
+void scale_many(const std::vector<Tensor>& xs, double scale) {
+  if (xs.empty()) return;
+  const Tensor& out = xs.front();
+  WEAVE_DISPATCH("scale_many", scale_many(xs, scale));
+}
+
+void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+  const Tensor& out = s;
+  WEAVE_DISPATCH("attention_softmax", attention_softmax(s, scale, causal, lse));
+}
+
+void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+  const Tensor& out = s;
+  WEAVE_DISPATCH("attention_probs", attention_probs(s, scale, causal, lse));
+}
+
+void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale) {
+  const Tensor& out = dp;
+  WEAVE_DISPATCH("attention_score_grad", attention_score_grad(dp, p, delta, scale));
+}
+
 void softmax(const Tensor& x, const Tensor& out, bool log) {
   WEAVE_DISPATCH(log ? "log_softmax" : "softmax", softmax(x, out, log));
 }

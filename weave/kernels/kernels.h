@@ -3,6 +3,7 @@
 // Callers (the op front ends) have already checked arguments, allocated `out`, broadcast the
 // inputs to out's shape (stride-0 views) and converted them to the computation dtype.
 #include <cstdint>
+#include <vector>
 
 #include "weave/kernels/functors.h"
 #include "weave/tensor/tensor.h"
@@ -201,6 +202,20 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                         const Tensor& dmask);
 
+// Blocked attention's row passes (ops/attention_blocks.cpp), over the scores s [n, Tq, Tk]
+// (contiguous) of one block of heads; query i sees keys [0, Tk) or, causal, [0, i + 1 + Tk - Tq)
+// (at least one key: the caller sends no row that sees none). lse and delta are [n, Tq],
+// contiguous, in s's dtype.
+
+/// s = softmax(scale s) over the keys each row sees (0 elsewhere), in place; lse gets each row's
+/// log-sum-exp of the scaled scores.
+void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse);
+/// s = exp(scale s - lse) where the row sees the key, 0 elsewhere, in place (the forward's
+/// probabilities again).
+void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse);
+/// dp = scale p (dp - delta) in place: the scores' gradient, scaled for dq and dk.
+void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale);
+
 /// The constants of one Adam/AdamW step (correction1/2: 1 - beta1^t, 1 - beta2^t).
 struct AdamStep {
   double lr, beta1, beta2, eps, weight_decay, correction1, correction2;
@@ -212,6 +227,24 @@ struct AdamStep {
 /// p -= lr / c1 * m / (sqrt(v / c2) + eps).
 void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                  const Tensor& exp_avg_sq, const AdamStep& step);
+
+/// One parameter's tensors for adam_update_many (as adam_update takes them) and its decay.
+struct AdamTensors {
+  Tensor param, grad, exp_avg, exp_avg_sq;
+  double weight_decay = 0;
+};
+/// adam_update for every entry (all on one device), each with its own weight decay
+/// (step.weight_decay is not read); CUDA updates many parameters per launch.
+void adam_update_many(const std::vector<AdamTensors>& tensors, const AdamStep& step);
+
+/// Over every element of every tensor in xs (contiguous, floating, all on out's device): the
+/// sum of |x|^p accumulated in float64, or with p infinite the largest |x| (NaN where any is),
+/// into the float64 scalar `out`. CUDA reads many tensors per launch and folds the parts in a
+/// fixed order, so a result has the same bits on every run.
+void norm_power_sum(const std::vector<Tensor>& xs, double p, const Tensor& out);
+/// x *= scale in place (in x's compute dtype) for every tensor in xs (contiguous, floating,
+/// one device); CUDA scales many tensors per launch.
+void scale_many(const std::vector<Tensor>& xs, double scale);
 
 struct SgdStep {
   double lr, momentum, dampening, weight_decay;

@@ -1,8 +1,8 @@
 // Attention over blocks of heads through matrix products (see attention_blocks.h).
-//   forward   S = scale q k^T (masked causally), P = softmax(S), out = P v,
-//             lse = max S - log max P (the row's log-sum-exp without another pass over exp)
-//   backward  P again from S, dv = P^T g, dP = g v^T, dS = P (dP - rowsum(g o)),
-//             dq = scale dS k, dk = scale dS^T q
+//   forward   S = q k^T, P = softmax(scale S masked causally) with each row's log-sum-exp in
+//             one row pass (kernels::attention_softmax), out = P v
+//   backward  P = exp(scale S - lse) in one pass, dv = P^T g, dP = g v^T,
+//             dS' = scale P (dP - rowsum(g o)) in one pass, dq = dS' k, dk = dS'^T q
 #include "weave/ops/attention_blocks.h"
 
 #include <algorithm>
@@ -39,19 +39,9 @@ void for_each_block(const Tensor& q, const Tensor& k, const Body& body) {
       body(b, h0, std::min(per_block, q.size(1) - h0));
 }
 
-/// [Tq, Tk] true where a causal query may not see the key (bottom-right aligned), or undefined.
-Tensor hidden_keys(const Tensor& q, const Tensor& k, bool causal) {
-  if (!causal) return Tensor();
-  const int64_t tq = q.size(2), tk = k.size(2);
-  Tensor ones_mask = ones({tq, tk}, {.dtype = kFloat32, .device = q.device()});
-  return gt(triu(ones_mask, 1 + tk - tq), scalar_tensor(0.5, {.device = q.device()}));
-}
-
-/// The block's scores, masked.
-Tensor block_scores(const Tensor& qb, const Tensor& kb, const kernels::AttentionParams& params,
-                    const Tensor& hidden) {
-  Tensor s = matmul(qb, kb.transpose(1, 2)) * params.scale;
-  return hidden.defined() ? masked_fill(s, hidden, -INFINITY) : s;
+/// The block's raw scores q k^T [n, Tq, Tk] (contiguous, scaled and masked by the row passes).
+Tensor block_scores(const Tensor& qb, const Tensor& kb) {
+  return matmul(qb, kb.transpose(1, 2));
 }
 
 }  // namespace
@@ -74,13 +64,10 @@ void blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& lse) {
   NoGradGuard no_grad;
   AutocastGuard exact(kBFloat16, false);  // the products stay in the operands' dtype
-  const Tensor hidden = hidden_keys(q, k, params.causal);
   for_each_block(q, k, [&](int64_t b, int64_t h0, int64_t n) {
-    Tensor s = block_scores(heads(q, b, h0, n), heads(k, b, h0, n), params, hidden);
-    Tensor row_max = max(s, {-1});
-    Tensor p = softmax(s, -1);
+    Tensor p = block_scores(heads(q, b, h0, n), heads(k, b, h0, n));
+    kernels::attention_softmax(p, params.scale, params.causal, lse.select(0, b).narrow(0, h0, n));
     heads(out, b, h0, n).copy_(matmul(p, heads(v, b, h0, n)));
-    lse.select(0, b).narrow(0, h0, n).copy_(row_max - log(max(p, {-1})));
   });
 }
 
@@ -90,17 +77,17 @@ void blocked_attention_backward(const Tensor& grad, const Tensor& q, const Tenso
                                 const Tensor& dk, const Tensor& dv) {
   NoGradGuard no_grad;
   AutocastGuard exact(kBFloat16, false);
-  const Tensor hidden = hidden_keys(q, k, params.causal);
   for_each_block(q, k, [&](int64_t b, int64_t h0, int64_t n) {
     Tensor qb = heads(q, b, h0, n), kb = heads(k, b, h0, n), vb = heads(v, b, h0, n);
     Tensor gb = heads(grad, b, h0, n);
-    Tensor row_lse = lse.select(0, b).narrow(0, h0, n).unsqueeze(-1);
-    Tensor p = exp(block_scores(qb, kb, params, hidden) - row_lse);
+    Tensor p = block_scores(qb, kb);
+    kernels::attention_probs(p, params.scale, params.causal, lse.select(0, b).narrow(0, h0, n));
     heads(dv, b, h0, n).copy_(matmul(p.transpose(1, 2), gb));
-    Tensor delta = sum(gb * heads(out, b, h0, n), {-1}, true);
-    Tensor ds = p * (matmul(gb, vb.transpose(1, 2)) - delta);
-    heads(dq, b, h0, n).copy_(matmul(ds, kb) * params.scale);
-    heads(dk, b, h0, n).copy_(matmul(ds.transpose(1, 2), qb) * params.scale);
+    Tensor delta = sum(gb * heads(out, b, h0, n), {-1}).contiguous();
+    Tensor ds = matmul(gb, vb.transpose(1, 2));
+    kernels::attention_score_grad(ds, p, delta, params.scale);  // scale dS: dq, dk follow
+    heads(dq, b, h0, n).copy_(matmul(ds, kb));
+    heads(dk, b, h0, n).copy_(matmul(ds.transpose(1, 2), qb));
   });
 }
 

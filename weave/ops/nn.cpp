@@ -228,8 +228,10 @@ Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approximation) {
               "expected a bias of shape [{}] for input {}, found {}", x.dim() ? x.size(-1) : 0,
               x.shape(), bias.shape());
   const auto op = tanh_approximation ? kernels::UnaryOp::GeluTanh : kernels::UnaryOp::Gelu;
+  // The kernel reads and writes the dtype itself (computing in float32): no conversion passes
+  // over the largest activation of an MLP.
   const DType out_dtype = to_floating(promote_types(x.dtype(), bias.dtype()));
-  const DType dtype = kernel_dtype(out_dtype);
+  const DType dtype = out_dtype;
   Tensor xc = convert(x, dtype), bc = convert(bias, dtype);
   Tensor y = empty_on(x.shape(), dtype, x.device());
   kernels::bias_activation(op, xc, broadcast_view(bc, x.shape()), y);

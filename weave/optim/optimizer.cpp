@@ -257,6 +257,7 @@ void Adam::step() {
   ++steps_;
   const double correction1 = 1 - std::pow(options_.beta1, static_cast<double>(steps_));
   const double correction2 = 1 - std::pow(options_.beta2, static_cast<double>(steps_));
+  std::vector<kernels::AdamTensors> fused;
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
     if (!p.grad().defined()) continue;
@@ -270,17 +271,8 @@ void Adam::step() {
     const double weight_decay = uniform.value_or(0);
     if (!uniform && decoupled_) decay_parts(i, lr_);
     if (!uniform && !decoupled_) g = add_part_decay(i, g);
-    if (fuses(p, g)) {
-      kernels::adam_update(p, g, exp_avg_[i], exp_avg_sq_[i],
-                           {.lr = lr_,
-                            .beta1 = options_.beta1,
-                            .beta2 = options_.beta2,
-                            .eps = options_.eps,
-                            .weight_decay = weight_decay,
-                            .correction1 = correction1,
-                            .correction2 = correction2,
-                            .decoupled = decoupled_});
-      p.storage()->bump_version();
+    if (fuses(p, g)) {  // updated together below, many parameters per launch
+      fused.push_back({p, g, exp_avg_[i], exp_avg_sq_[i], weight_decay});
       continue;
     }
     g = g.to(exp_avg_[i].dtype());
@@ -295,6 +287,22 @@ void Adam::step() {
     // p -= lr * m_hat / (sqrt(v_hat) + eps), with m_hat = m / c1 and v_hat = v / c2
     Tensor denom = sqrt(exp_avg_sq_[i] / correction2) + options_.eps;
     p.add_(exp_avg_[i] / denom, -lr_ / correction1);
+  }
+  const kernels::AdamStep step{.lr = lr_,
+                               .beta1 = options_.beta1,
+                               .beta2 = options_.beta2,
+                               .eps = options_.eps,
+                               .weight_decay = 0,
+                               .correction1 = correction1,
+                               .correction2 = correction2,
+                               .decoupled = decoupled_};
+  while (!fused.empty()) {  // one call per device
+    const Device device = fused.front().param.device();
+    std::vector<kernels::AdamTensors> here, rest;
+    for (kernels::AdamTensors& t : fused) (t.param.device() == device ? here : rest).push_back(t);
+    kernels::adam_update_many(here, step);
+    for (const kernels::AdamTensors& t : here) t.param.storage()->bump_version();
+    fused = std::move(rest);
   }
 }
 
@@ -397,22 +405,38 @@ double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, co
   return norm_partial(grads, norm_type, op);
 }
 
+namespace {
+/// The defined, non-empty tensors of `tensors`, grouped by device in order of first appearance.
+std::vector<std::pair<Device, std::vector<Tensor>>> by_device(const std::vector<Tensor>& tensors) {
+  std::vector<std::pair<Device, std::vector<Tensor>>> groups;
+  for (const Tensor& t : tensors) {
+    if (!t.defined() || t.numel() == 0) continue;
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const auto& group) { return group.first == t.device(); });
+    if (it == groups.end()) it = groups.insert(groups.end(), {t.device(), {}});
+    it->second.push_back(t);
+  }
+  return groups;
+}
+}  // namespace
+
 double norm_partial(const std::vector<Tensor>& grads, double norm_type, const char* op) {
   NoGradGuard no_grad;
   WEAVE_CHECK(norm_type >= 1, op, "norm_type must be >= 1, found {}", norm_type);
-  // The parts meet on the device and are read once: a read per parameter would stall the host
-  // on each one (a GPU step would wait for every gradient in turn). maximum keeps a NaN.
+  // One fused pass per device, read once: a read per parameter would stall the host on each
+  // one (a GPU step would wait for every gradient in turn).
   const bool largest = std::isinf(norm_type);
-  Tensor total;
-  for (const Tensor& grad : grads) {
-    if (!grad.defined() || grad.numel() == 0) continue;
-    const Tensor g = grad.to(kFloat64);
-    // pow is several times slower than a multiply
-    Tensor part = largest ? max(abs(g)) : norm_type == 2 ? sum(g * g) : sum(pow(abs(g), norm_type));
-    if (total.defined()) part = part.to(total.device());
-    total = !total.defined() ? part : largest ? maximum(total, part) : total + part;
+  double total = 0;
+  for (auto& [device, list] : by_device(grads)) {
+    for (Tensor& grad : list) grad = grad.contiguous();
+    Tensor part = empty({}, {.dtype = kFloat64, .device = device});
+    kernels::norm_power_sum(list, norm_type, part);
+    const double value = part.item<double>();
+    total = !largest                                   ? total + value
+            : (std::isnan(total) || std::isnan(value)) ? NAN
+                                                       : std::max(total, value);
   }
-  return total.defined() ? total.item<double>() : 0.0;
+  return total;
 }
 
 void check_max_norm(double max_norm, const char* op) {
@@ -433,9 +457,19 @@ void check_finite_norm(double total_norm, bool error_if_nonfinite, const char* o
 void scale_grads_to(const std::vector<Tensor>& params, double max_norm, double total_norm) {
   NoGradGuard no_grad;
   const double scale = max_norm / (total_norm + 1e-6);
-  if (!(scale >= 1))  // NaN too: as in PyTorch, a NaN norm makes every gradient NaN
-    for (const Tensor& p : params)
-      if (p.grad().defined()) p.grad().mul_(scale);
+  if (scale >= 1) return;  // NaN goes on: as in PyTorch, a NaN norm makes every gradient NaN
+  std::vector<Tensor> contiguous;
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (g.defined() && g.is_contiguous())
+      contiguous.push_back(g);
+    else if (g.defined())
+      g.mul_(scale);
+  }
+  for (const auto& [device, grads] : by_device(contiguous)) {
+    kernels::scale_many(grads, scale);
+    for (const Tensor& g : grads) g.storage()->bump_version();
+  }
 }
 
 }  // namespace detail

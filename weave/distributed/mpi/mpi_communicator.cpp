@@ -473,9 +473,9 @@ void report_waiting(int rank, const std::string& report) {
 }
 
 namespace {
-constexpr int kRollCallTag = 3, kRollAnswerTag = 4;
+constexpr int kRollCallTag = 3;  // then one tag per kind, in Control's order
 int tag_of(Control kind) {
-  return kind == Control::RollCall ? kRollCallTag : kRollAnswerTag;
+  return kRollCallTag + static_cast<int>(kind);
 }
 // Sends in flight, each with its bytes (a deque keeps both where MPI was told they are).
 std::mutex control_sends_mutex;

@@ -253,4 +253,56 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
   });
 }
 
+namespace {
+/// Keys [0, end) that query i of tq sees among tk.
+int64_t seen_keys(int64_t i, int64_t tq, int64_t tk, bool causal) {
+  return causal ? std::clamp<int64_t>(i + 1 + tk - tq, 0, tk) : tk;
+}
+}  // namespace
+
+void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+  visit_floating(s.dtype(), "attention_softmax", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const int64_t tq = s.size(1), tk = s.size(2), rows = s.numel() / std::max<int64_t>(tk, 1);
+    T* data = s.data<T>();
+    T* out_lse = lse.data<T>();
+    for (int64_t r = 0; r < rows; ++r) {
+      T* row = data + r * tk;
+      const int64_t end = seen_keys(r % tq, tq, tk, causal);
+      T m = -INFINITY, sum = 0;
+      for (int64_t j = 0; j < end; ++j) m = std::max(m, row[j] * T(scale));
+      for (int64_t j = 0; j < end; ++j) sum += std::exp(row[j] * T(scale) - m);
+      for (int64_t j = 0; j < tk; ++j)
+        row[j] = j < end ? std::exp(row[j] * T(scale) - m) / sum : T(0);
+      out_lse[r] = m + std::log(sum);
+    }
+  });
+}
+
+void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+  visit_floating(s.dtype(), "attention_probs", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const int64_t tq = s.size(1), tk = s.size(2), rows = s.numel() / std::max<int64_t>(tk, 1);
+    T* data = s.data<T>();
+    const T* row_lse = lse.data<T>();
+    for (int64_t r = 0; r < rows; ++r) {
+      T* row = data + r * tk;
+      const int64_t end = seen_keys(r % tq, tq, tk, causal);
+      for (int64_t j = 0; j < tk; ++j)
+        row[j] = j < end ? std::exp(row[j] * T(scale) - row_lse[r]) : T(0);
+    }
+  });
+}
+
+void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale) {
+  visit_floating(dp.dtype(), "attention_score_grad", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const int64_t tk = dp.size(2), n = dp.numel();
+    T* d = dp.data<T>();
+    const T* probs = p.data<T>();
+    const T* row_delta = delta.data<T>();
+    for (int64_t e = 0; e < n; ++e) d[e] = T(scale) * probs[e] * (d[e] - row_delta[e / tk]);
+  });
+}
+
 }  // namespace weave::kernels::cpu

@@ -1,4 +1,7 @@
-// Fused optimizer updates on the CPU: one pass over the parameter and its state.
+// Fused optimizer updates on the CPU: one pass over the parameter and its state; the norm and
+// scaling of many gradients at once (clipping).
+#include <cmath>
+
 #include "weave/kernels/backends.h"
 #include "weave/kernels/cpu/loops.h"
 
@@ -76,6 +79,59 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
     });
   };
   visit_param_dtype(param.dtype(), "adam_update", run);
+}
+
+void adam_update_many(const std::vector<AdamTensors>& tensors, const AdamStep& step) {
+  for (const AdamTensors& t : tensors) {
+    AdamStep own = step;
+    own.weight_decay = t.weight_decay;
+    cpu::adam_update(t.param, t.grad, t.exp_avg, t.exp_avg_sq, own);
+  }
+}
+
+void norm_power_sum(const std::vector<Tensor>& xs, double p, const Tensor& out) {
+  const bool largest = std::isinf(p);
+  double total = 0;
+  for (const Tensor& x : xs) {
+    visit_param_dtype(x.dtype(), "norm_power_sum", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      const T* data = x.data<T>();
+      const int64_t n = x.numel();
+      double acc = 0;
+      if (largest) {
+        for (int64_t i = 0; i < n; ++i) {
+          const double v = std::abs(double(compute_t<T>(data[i])));
+          acc = (std::isnan(acc) || std::isnan(v)) ? NAN : std::max(acc, v);
+        }
+        total = (std::isnan(total) || std::isnan(acc)) ? NAN : std::max(total, acc);
+      } else if (p == 2) {
+#pragma omp simd reduction(+ : acc)
+        for (int64_t i = 0; i < n; ++i) {
+          const double v = double(compute_t<T>(data[i]));
+          acc += v * v;
+        }
+        total += acc;
+      } else {
+        for (int64_t i = 0; i < n; ++i) acc += std::pow(std::abs(double(compute_t<T>(data[i]))), p);
+        total += acc;
+      }
+    });
+  }
+  *out.data<double>() = total;
+}
+
+void scale_many(const std::vector<Tensor>& xs, double scale) {
+  for (const Tensor& x : xs) {
+    visit_param_dtype(x.dtype(), "scale_many", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      using C = compute_t<T>;
+      T* data = x.data<T>();
+      const C s = C(scale);
+      for_ranges(x.numel(), [&](int64_t begin, int64_t count) {
+        for (int64_t i = begin; i < begin + count; ++i) data[i] = T(C(data[i]) * s);
+      });
+    });
+  }
 }
 
 }  // namespace weave::kernels::cpu

@@ -3,8 +3,10 @@
 // stream through shared memory (cp.async, the next K tile in flight during the product with V);
 // the online softmax runs on the accumulator fragments, which feed the next product directly.
 // Only each row's log-sum-exp is kept. The backward recomputes the probabilities in two
-// kernels, one per key block (dK, dV) and one per query block (dQ), so no gradient is added by
-// atomics and every result is written once, in order: the same bits on every run.
+// kernels, one per key block (dK, dV) and one per query block (dQ), each loading its next tiles
+// while it computes on the current ones, so no gradient is added by atomics and every result
+// is written once, in order: the same bits on every run. Under a causal mask the query blocks
+// that see the most keys are started first.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -132,6 +134,8 @@ __device__ inline float to_float(T x) {
 template <int D>
 __device__ void online_softmax(float (&s)[8][4], float (&o)[D / 8][4], float* m_run, float* l_run,
                                int64_t n0, const int64_t* ends, int t, float scale_log2) {
+  // Tiles that both rows see whole (most of them) skip the per-element mask.
+  const bool whole = n0 + kBlock <= ends[0] && n0 + kBlock <= ends[1];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
@@ -140,7 +144,7 @@ __device__ void online_softmax(float (&s)[8][4], float (&o)[D / 8][4], float* m_
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         float& x = s[nt][2 * r + c];
-        x = n0 + nt * 8 + 2 * t + c < ends[r] ? x * scale_log2 : -INFINITY;
+        x = whole || n0 + nt * 8 + 2 * t + c < ends[r] ? x * scale_log2 : -INFINITY;
         mx = fmaxf(mx, x);
       }
     const float m_new = fmaxf(m_run[r], quad_max(mx));
@@ -181,6 +185,12 @@ __device__ void store_rows(const float (&acc)[D / 8][4], T* base, int64_t row_st
   }
 }
 
+/// The query block this block takes: with a causal mask the last blocks see the most keys, so
+/// they start first and the short ones fill the tail of the launch.
+__device__ inline int64_t heavy_first(const FlashParams& p) {
+  return p.causal ? int64_t(gridDim.x) - 1 - blockIdx.x : int64_t(blockIdx.x);
+}
+
 template <class T, int D>
 __global__ void __launch_bounds__(kBlockThreads) flash_forward_kernel(FlashParams p) {
   extern __shared__ __align__(128) unsigned char shared[];
@@ -189,7 +199,7 @@ __global__ void __launch_bounds__(kBlockThreads) flash_forward_kernel(FlashParam
   T* v_tile = k_tile + kBlock * D;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   const int64_t b = blockIdx.y / p.heads, h = blockIdx.y % p.heads;
-  const int64_t m0 = int64_t(blockIdx.x) * kBlock;
+  const int64_t m0 = heavy_first(p) * kBlock;
   const T *q = p.q.at<T>(b, h), *k = p.k.at<T>(b, h), *v = p.v.at<T>(b, h);
   const int64_t keys = p.key_end(min(m0 + kBlock, p.tq) - 1);
   load_tile<D>(q_tile, q, p.q.row, m0, p.tq);
@@ -243,20 +253,23 @@ __global__ void flash_delta_kernel(FlashParams p, int64_t rows, int d) {
   if (lane == 0) p.delta[r] = sum;
 }
 
-// A block of 64 queries: dQ = scale sum_j dS_ij k_j, dS = P o (dO V^T - delta).
+// A block of 64 queries: dQ = scale sum_j dS_ij k_j, dS = P o (dO V^T - delta). The next K and
+// V tiles load while this pair is in use (two of each in shared memory).
 template <class T, int D>
 __global__ void __launch_bounds__(kBlockThreads) flash_dq_kernel(FlashParams p) {
   extern __shared__ __align__(128) unsigned char shared[];
   T* q_tile = reinterpret_cast<T*>(shared);
   T* g_tile = q_tile + kBlock * D;
-  T* k_tile = g_tile + kBlock * D;
-  T* v_tile = k_tile + kBlock * D;
+  T* kv_tiles = g_tile + kBlock * D;  // [2][K, V]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   const int64_t b = blockIdx.y / p.heads, h = blockIdx.y % p.heads;
-  const int64_t m0 = int64_t(blockIdx.x) * kBlock;
+  const int64_t m0 = heavy_first(p) * kBlock;
   const int64_t keys = p.key_end(min(m0 + kBlock, p.tq) - 1);
+  const T *k = p.k.at<T>(b, h), *v = p.v.at<T>(b, h);
   load_tile<D>(q_tile, p.q.at<T>(b, h), p.q.row, m0, p.tq);
   load_tile<D>(g_tile, p.grad.at<T>(b, h), p.grad.row, m0, p.tq);
+  load_tile<D>(kv_tiles, k, p.k.row, 0, p.tk);
+  load_tile<D>(kv_tiles + kBlock * D, v, p.v.row, 0, p.tk);
   mma::copy_async_commit();
   const int64_t rows[2] = {m0 + warp * 16 + lane / 4, m0 + warp * 16 + lane / 4 + 8};
   int64_t ends[2];
@@ -269,26 +282,32 @@ __global__ void __launch_bounds__(kBlockThreads) flash_dq_kernel(FlashParams p) 
     delta[r] = real ? p.delta[blockIdx.y * p.tq + rows[r]] : 0.f;
   }
   float dq[D / 8][4] = {};
-  for (int64_t n0 = 0; n0 < keys; n0 += kBlock) {
-    load_tile<D>(k_tile, p.k.at<T>(b, h), p.k.row, n0, p.tk);
-    load_tile<D>(v_tile, p.v.at<T>(b, h), p.v.row, n0, p.tk);
+  for (int64_t n0 = 0, buffer = 0; n0 < keys; n0 += kBlock, buffer ^= 1) {
+    if (n0 + kBlock < keys) {
+      T* next = kv_tiles + (buffer ^ 1) * 2 * kBlock * D;
+      load_tile<D>(next, k, p.k.row, n0 + kBlock, p.tk);
+      load_tile<D>(next + kBlock * D, v, p.v.row, n0 + kBlock, p.tk);
+    }
     mma::copy_async_commit();
-    mma::copy_async_wait<0>();
+    mma::copy_async_wait<1>();  // everything but the next pair
     __syncthreads();
+    const T* k_tile = kv_tiles + buffer * 2 * kBlock * D;
+    const T* v_tile = k_tile + kBlock * D;
     float s[8][4] = {}, dp[8][4] = {};
     rows_times_rows<D>(s, q_tile, warp * 16, k_tile, lane);
     rows_times_rows<D>(dp, g_tile, warp * 16, v_tile, lane);
+    const bool whole = n0 + kBlock <= ends[0] && n0 + kBlock <= ends[1];  // no mask to apply
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e / 2;
         const int64_t key = n0 + nt * 8 + 2 * t + (e & 1);
-        const float prob = key < ends[r] ? exp2f(s[nt][e] * p.scale_log2 - lse2[r]) : 0.f;
+        const float prob = whole || key < ends[r] ? exp2f(s[nt][e] * p.scale_log2 - lse2[r]) : 0.f;
         s[nt][e] = prob * (dp[nt][e] - delta[r]);
       }
     probs_times_tile<D>(dq, s, k_tile, lane);
-    __syncthreads();
+    __syncthreads();  // every warp is done with this pair before it is refilled
   }
   mma::copy_async_wait<0>();
   const float scale[2] = {p.scale, p.scale};
@@ -296,55 +315,68 @@ __global__ void __launch_bounds__(kBlockThreads) flash_dq_kernel(FlashParams p) 
 }
 
 // A block of 64 keys: dV = sum_i P_ij dO_i, dK = scale sum_i dS_ij q_i, over the queries that
-// see them, from the transposed products S^T = K Q^T and dP^T = V dO^T.
+// see them, from the transposed products S^T = K Q^T and dP^T = V dO^T. The next tiles of Q,
+// dO and their rows' statistics load while these are in use (two of each in shared memory).
 template <class T, int D>
 __global__ void __launch_bounds__(kBlockThreads) flash_dkv_kernel(FlashParams p) {
   extern __shared__ __align__(128) unsigned char shared[];
   T* k_tile = reinterpret_cast<T*>(shared);
   T* v_tile = k_tile + kBlock * D;
-  T* q_tile = v_tile + kBlock * D;
-  T* g_tile = q_tile + kBlock * D;
-  float* lse2_s = reinterpret_cast<float*>(g_tile + kBlock * D);
-  float* delta_s = lse2_s + kBlock;
+  T* qg_tiles = v_tile + kBlock * D;                                   // [2][Q, dO]
+  float* stats = reinterpret_cast<float*>(qg_tiles + 4 * kBlock * D);  // [2][lse2, delta]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   const int64_t b = blockIdx.y / p.heads, h = blockIdx.y % p.heads;
-  const int64_t n0 = int64_t(blockIdx.x) * kBlock;
-  load_tile<D>(k_tile, p.k.at<T>(b, h), p.k.row, n0, p.tk);
-  load_tile<D>(v_tile, p.v.at<T>(b, h), p.v.row, n0, p.tk);
-  mma::copy_async_commit();
-  const int64_t keys[2] = {n0 + warp * 16 + lane / 4, n0 + warp * 16 + lane / 4 + 8};
+  const int64_t n0 = int64_t(blockIdx.x) * kBlock;  // the first key blocks see the most queries
+  const T *q = p.q.at<T>(b, h), *g = p.grad.at<T>(b, h);
   // The first query that sees key n0 (causal); the tiles before it see none of this block.
   int64_t first = p.causal ? n0 - (p.tk - p.tq) : 0;
   first = first < 0 ? 0 : first / kBlock * kBlock;
-  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  for (int64_t m0 = first; m0 < p.tq; m0 += kBlock) {
-    load_tile<D>(q_tile, p.q.at<T>(b, h), p.q.row, m0, p.tq);
-    load_tile<D>(g_tile, p.grad.at<T>(b, h), p.grad.row, m0, p.tq);
-    mma::copy_async_commit();
+  auto load_queries = [&](int64_t m0, int buffer) {
+    T* tiles = qg_tiles + buffer * 2 * kBlock * D;
+    load_tile<D>(tiles, q, p.q.row, m0, p.tq);
+    load_tile<D>(tiles + kBlock * D, g, p.grad.row, m0, p.tq);
+    float* st = stats + buffer * 2 * kBlock;
     for (int i = threadIdx.x; i < kBlock; i += blockDim.x) {
       const bool real = m0 + i < p.tq;
-      lse2_s[i] = real ? p.lse[blockIdx.y * p.tq + m0 + i] * kLog2e : 0.f;
-      delta_s[i] = real ? p.delta[blockIdx.y * p.tq + m0 + i] : 0.f;
+      st[i] = real ? p.lse[blockIdx.y * p.tq + m0 + i] * kLog2e : 0.f;
+      st[kBlock + i] = real ? p.delta[blockIdx.y * p.tq + m0 + i] : 0.f;
     }
-    mma::copy_async_wait<0>();
+  };
+  load_tile<D>(k_tile, p.k.at<T>(b, h), p.k.row, n0, p.tk);
+  load_tile<D>(v_tile, p.v.at<T>(b, h), p.v.row, n0, p.tk);
+  if (first < p.tq) load_queries(first, 0);
+  mma::copy_async_commit();
+  const int64_t keys[2] = {n0 + warp * 16 + lane / 4, n0 + warp * 16 + lane / 4 + 8};
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  int buffer = 0;
+  for (int64_t m0 = first; m0 < p.tq; m0 += kBlock, buffer ^= 1) {
+    if (m0 + kBlock < p.tq) load_queries(m0 + kBlock, buffer ^ 1);
+    mma::copy_async_commit();
+    mma::copy_async_wait<1>();  // everything but the next tiles
     __syncthreads();
+    const T* q_tile = qg_tiles + buffer * 2 * kBlock * D;
+    const T* g_tile = q_tile + kBlock * D;
+    const float* lse2_s = stats + buffer * 2 * kBlock;
+    const float* delta_s = lse2_s + kBlock;
     float s[8][4] = {}, dp[8][4] = {};
     rows_times_rows<D>(s, k_tile, warp * 16, q_tile, lane);
     rows_times_rows<D>(dp, v_tile, warp * 16, g_tile, lane);
+    // Every query of the tile sees every key of the block (the usual case): no mask to apply.
+    const bool whole = m0 + kBlock <= p.tq && (!p.causal || p.key_end(m0) >= n0 + kBlock);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = nt * 8 + 2 * t + (e & 1);
         const int64_t query = m0 + c;
-        const bool seen = query < p.tq && keys[e / 2] < p.key_end(query);
+        const bool seen = whole || (query < p.tq && keys[e / 2] < p.key_end(query));
         const float prob = seen ? exp2f(s[nt][e] * p.scale_log2 - lse2_s[c]) : 0.f;
         s[nt][e] = prob;
         dp[nt][e] = prob * (dp[nt][e] - delta_s[c]);
       }
     probs_times_tile<D>(dv, s, g_tile, lane);
     probs_times_tile<D>(dk, dp, q_tile, lane);
-    __syncthreads();
+    __syncthreads();  // every warp is done with these tiles before they are refilled
   }
   mma::copy_async_wait<0>();
   const float one[2] = {1.f, 1.f}, scale[2] = {p.scale, p.scale};
@@ -469,10 +501,10 @@ void flash_attention_backward(const Tensor& grad, const Tensor& q, const Tensor&
     constexpr int D = decltype(size)::value;
     flash_delta_kernel<T><<<blocks_for(rows * 32, kThreads), kThreads, 0, s>>>(p, rows, D);
     check_launch("scaled_dot_product_attention");
-    launch_flash<flash_dq_kernel<T, D>>(flash_grid(p.tq, batch_heads), 4 * kBlock * D * sizeof(T),
+    launch_flash<flash_dq_kernel<T, D>>(flash_grid(p.tq, batch_heads), 6 * kBlock * D * sizeof(T),
                                         s, p);
     launch_flash<flash_dkv_kernel<T, D>>(flash_grid(p.tk, batch_heads),
-                                         4 * kBlock * D * sizeof(T) + 2 * kBlock * sizeof(float), s,
+                                         6 * kBlock * D * sizeof(T) + 4 * kBlock * sizeof(float), s,
                                          p);
   });
 }

@@ -1,6 +1,7 @@
 // CUDA kernels of the fused neural-network ops: one block per row for softmax, layer/RMS norm
-// and cross-entropy, the row's sums combined in shared memory (bias + activation lives with the
-// elementwise launcher, in elementwise.cu).
+// and cross-entropy, the row's sums combined by warp shuffles, then across warps in shared
+// memory; layer norm of rows up to 1024 wide takes a warp per row, the row in registers (bias +
+// activation lives with the elementwise launcher, in elementwise.cu).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -14,21 +15,31 @@ namespace {
 
 enum class Combine { Sum, Max };
 
-/// Combines one value per thread across the block; every thread gets the result.
+template <class T>
+__device__ inline T combine(T a, T b, Combine how) {
+  return how == Combine::Sum ? a + b : (b > a || b != b ? b : a);  // a NaN wins the max
+}
+
+/// Combines one value per lane across the warp (a butterfly: every lane gets the same result,
+/// since each pairing is symmetric).
+template <class T>
+__device__ T warp_reduce(T value, Combine how) {
+  for (int step = 16; step > 0; step /= 2)
+    value = combine(value, __shfl_xor_sync(0xffffffffu, value, step), how);
+  return value;
+}
+
+/// Combines one value per thread across the block; every thread gets the result. The warps
+/// reduce by shuffles, then every thread folds the warps' results in order.
 template <class T>
 __device__ T block_reduce(T value, Combine how) {
-  __shared__ T shared[kThreads];
-  shared[threadIdx.x] = value;
+  __shared__ T warps[32];
+  value = warp_reduce(value, how);
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = value;
   __syncthreads();
-  for (int step = blockDim.x / 2; step > 0; step /= 2) {
-    if (threadIdx.x < step) {
-      T a = shared[threadIdx.x], b = shared[threadIdx.x + step];
-      shared[threadIdx.x] = how == Combine::Sum ? a + b : (b > a || b != b ? b : a);
-    }
-    __syncthreads();
-  }
-  T result = shared[0];
-  __syncthreads();  // shared is reused by the next call
+  T result = warps[0];
+  for (int w = 1; w < int(blockDim.x / 32); ++w) result = combine(result, warps[w], how);
+  __syncthreads();  // warps is reused by the next call
   return result;
 }
 
@@ -90,6 +101,73 @@ __global__ void layer_norm_kernel(const T* x, const T* w, const T* b, T eps, boo
     if (w) v *= w[j];
     if (b) v += b[j];
     out[blockIdx.x * n + j] = v;
+  }
+}
+
+// Rows of at most kWarpRow elements: a warp per row, the row held in registers (one read of x,
+// shuffles only), kRowsPerBlock rows a block.
+constexpr int kWarpRow = 1024, kRowsPerBlock = kThreads / 32;
+
+template <class T>
+__global__ void layer_norm_warp_kernel(const T* x, const T* w, const T* b, T eps, bool rms, T* out,
+                                       T* mean, T* rstd, int64_t rows, int n) {
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  if (row >= rows) return;  // the whole warp
+  const int lane = threadIdx.x % 32;
+  const T* xi = x + row * n;
+  T v[kWarpRow / 32], sum = 0;
+#pragma unroll
+  for (int k = 0; k < kWarpRow / 32; ++k) {
+    const int j = lane + 32 * k;
+    v[k] = j < n ? xi[j] : T(0);
+    sum += v[k];
+  }
+  const T mu = rms ? T(0) : warp_reduce(sum, Combine::Sum) / T(n);
+  T squares = 0;
+#pragma unroll
+  for (int k = 0; k < kWarpRow / 32; ++k)
+    if (lane + 32 * k < n) squares += (v[k] - mu) * (v[k] - mu);
+  const T r = T(1) / sqrt(warp_reduce(squares, Combine::Sum) / T(n) + eps);
+  if (lane == 0) {
+    if (mean) mean[row] = mu;
+    rstd[row] = r;
+  }
+#pragma unroll
+  for (int k = 0; k < kWarpRow / 32; ++k) {
+    const int j = lane + 32 * k;
+    if (j >= n) continue;
+    T o = (v[k] - mu) * r;
+    if (w) o *= w[j];
+    if (b) o += b[j];
+    out[row * n + j] = o;
+  }
+}
+
+template <class T>
+__global__ void layer_norm_dx_warp_kernel(const T* g, const T* x, const T* w, const T* mean,
+                                          const T* rstd, T* dx, int64_t rows, int n) {
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  if (row >= rows) return;  // the whole warp
+  const int lane = threadIdx.x % 32;
+  const int64_t base = row * n;
+  const T mu = mean ? mean[row] : T(0), r = rstd[row];
+  T gw[kWarpRow / 32], xhat[kWarpRow / 32], sum_g = 0, sum_gx = 0;
+#pragma unroll
+  for (int k = 0; k < kWarpRow / 32; ++k) {
+    const int j = lane + 32 * k;
+    const bool in = j < n;
+    gw[k] = in ? (w ? g[base + j] * w[j] : g[base + j]) : T(0);
+    xhat[k] = in ? (x[base + j] - mu) * r : T(0);
+    sum_g += gw[k];
+    sum_gx += gw[k] * xhat[k];
+  }
+  sum_g = warp_reduce(sum_g, Combine::Sum);
+  sum_gx = warp_reduce(sum_gx, Combine::Sum);
+  const T mean_g = mean ? sum_g / T(n) : T(0), mean_gx = sum_gx / T(n);
+#pragma unroll
+  for (int k = 0; k < kWarpRow / 32; ++k) {
+    const int j = lane + 32 * k;
+    if (j < n) dx[base + j] = r * (gw[k] - mean_g - xhat[k] * mean_gx);
   }
 }
 
@@ -187,6 +265,51 @@ __global__ void cross_entropy_backward_kernel(const T* grad, int64_t grad_stride
     dlogits[row * n + j] = g * (exp(logits[row * n + j] - e) - (j == t ? T(1) : T(0)));
 }
 
+// Blocked attention's row passes (kernels.h): a block per row of scores for the softmax, a
+// grid-stride pass for the elementwise ones.
+__device__ inline int64_t seen_keys(int64_t i, int64_t tq, int64_t tk, bool causal) {
+  return causal ? min(max(i + 1 + tk - tq, int64_t(0)), tk) : tk;
+}
+
+template <class T>
+__global__ void attention_softmax_kernel(T* s, T* lse, int64_t tq, int64_t tk, T scale,
+                                         bool causal) {
+  T* row = s + int64_t(blockIdx.x) * tk;
+  const int64_t end = seen_keys(blockIdx.x % tq, tq, tk, causal);
+  T m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < end; j += blockDim.x) m = max(m, row[j] * scale);
+  m = block_reduce(m, Combine::Max);
+  T sum = 0;
+  for (int64_t j = threadIdx.x; j < end; j += blockDim.x) sum += exp(row[j] * scale - m);
+  sum = block_reduce(sum, Combine::Sum);
+  const T inverse = T(1) / sum;
+  for (int64_t j = threadIdx.x; j < tk; j += blockDim.x)
+    row[j] = j < end ? exp(row[j] * scale - m) * inverse : T(0);
+  if (threadIdx.x == 0) lse[blockIdx.x] = m + log(sum);
+}
+
+template <class T>
+__global__ void attention_probs_kernel(T* s, const T* lse, int64_t n, int64_t tq, int64_t tk,
+                                       T scale, bool causal) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e / tk, j = e % tk;
+    s[e] = j < seen_keys(r % tq, tq, tk, causal) ? exp(s[e] * scale - lse[r]) : T(0);
+  }
+}
+
+template <class T>
+__global__ void attention_score_grad_kernel(T* dp, const T* p, const T* delta, int64_t n,
+                                            int64_t tk, T scale) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x)
+    dp[e] = scale * p[e] * (dp[e] - delta[e / tk]);
+}
+
+unsigned elementwise_grid(int64_t n) {
+  return std::min<unsigned>(blocks_for(n, kThreads), 65535u * 8);
+}
+
 int64_t rows_of(const Tensor& t, int64_t n) {
   return n == 0 ? 0 : t.numel() / n;
 }
@@ -238,10 +361,20 @@ void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, doubl
   const int64_t n = x.size(-1);
   visit_floating(x.dtype(), "layer_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    per_row(x, rows_of(x, n), "layer_norm", [&](unsigned rows, cudaStream_t s) {
-      layer_norm_kernel<T><<<rows, kThreads, 0, s>>>(maybe<T>(x), maybe<T>(weight), maybe<T>(bias),
-                                                     T(eps), rms, maybe_mut<T>(out),
-                                                     maybe_mut<T>(mean), maybe_mut<T>(rstd), n);
+    const int64_t rows = rows_of(x, n);
+    if (n <= kWarpRow && rows > 0) {
+      DeviceGuard guard(x.device().index);
+      layer_norm_warp_kernel<T>
+          <<<blocks_for(rows, kRowsPerBlock), kThreads, 0, weave::cuda::stream(x.device().index)>>>(
+              maybe<T>(x), maybe<T>(weight), maybe<T>(bias), T(eps), rms, maybe_mut<T>(out),
+              maybe_mut<T>(mean), maybe_mut<T>(rstd), rows, int(n));
+      check_launch("layer_norm");
+      return;
+    }
+    per_row(x, rows, "layer_norm", [&](unsigned blocks, cudaStream_t s) {
+      layer_norm_kernel<T><<<blocks, kThreads, 0, s>>>(
+          maybe<T>(x), maybe<T>(weight), maybe<T>(bias), T(eps), rms, maybe_mut<T>(out),
+          maybe_mut<T>(mean), maybe_mut<T>(rstd), n);
     });
   });
 }
@@ -252,12 +385,20 @@ void layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weig
   const int64_t n = x.size(-1), rows = rows_of(x, n);
   visit_floating(x.dtype(), "layer_norm", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if (dx.defined())
+    if (dx.defined() && n <= kWarpRow && rows > 0) {
+      DeviceGuard guard(x.device().index);
+      layer_norm_dx_warp_kernel<T>
+          <<<blocks_for(rows, kRowsPerBlock), kThreads, 0, weave::cuda::stream(x.device().index)>>>(
+              maybe<T>(grad), maybe<T>(x), maybe<T>(weight), maybe<T>(mean), maybe<T>(rstd),
+              maybe_mut<T>(dx), rows, int(n));
+      check_launch("layer_norm");
+    } else if (dx.defined()) {
       per_row(x, rows, "layer_norm", [&](unsigned r, cudaStream_t s) {
         layer_norm_dx_kernel<T><<<r, kThreads, 0, s>>>(maybe<T>(grad), maybe<T>(x),
                                                        maybe<T>(weight), maybe<T>(mean),
                                                        maybe<T>(rstd), maybe_mut<T>(dx), n);
       });
+    }
     if ((dweight.defined() || dbias.defined()) && n > 0 && rows > 0) {
       DeviceGuard guard(x.device().index);
       cudaStream_t s = weave::cuda::stream(x.device().index);
@@ -303,6 +444,43 @@ void cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tens
           ignore_index, maybe<T>(lse), maybe_mut<T>(dlogits), n);
     });
   });
+}
+
+void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+  const int64_t tq = s.size(1), tk = s.size(2);
+  visit_floating(s.dtype(), "attention_softmax", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    per_row(s, rows_of(s, tk), "attention_softmax", [&](unsigned rows, cudaStream_t st) {
+      attention_softmax_kernel<T>
+          <<<rows, kThreads, 0, st>>>(maybe_mut<T>(s), maybe_mut<T>(lse), tq, tk, T(scale), causal);
+    });
+  });
+}
+
+void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+  const int64_t n = s.numel();
+  if (n == 0) return;
+  DeviceGuard guard(s.device().index);
+  visit_floating(s.dtype(), "attention_probs", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    attention_probs_kernel<T>
+        <<<elementwise_grid(n), kThreads, 0, weave::cuda::stream(s.device().index)>>>(
+            maybe_mut<T>(s), maybe<T>(lse), n, s.size(1), s.size(2), T(scale), causal);
+  });
+  check_launch("attention_probs");
+}
+
+void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale) {
+  const int64_t n = dp.numel();
+  if (n == 0) return;
+  DeviceGuard guard(dp.device().index);
+  visit_floating(dp.dtype(), "attention_score_grad", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    attention_score_grad_kernel<T>
+        <<<elementwise_grid(n), kThreads, 0, weave::cuda::stream(dp.device().index)>>>(
+            maybe_mut<T>(dp), maybe<T>(p), maybe<T>(delta), n, dp.size(2), T(scale));
+  });
+  check_launch("attention_score_grad");
 }
 
 }  // namespace weave::kernels::cuda

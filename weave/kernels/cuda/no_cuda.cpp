@@ -52,6 +52,24 @@ void sgd_update(const Tensor&, const Tensor&, const Tensor&, const SgdStep&) {
 void adam_update(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const AdamStep&) {
   no_cuda("adam_update");
 }
+void adam_update_many(const std::vector<AdamTensors>&, const AdamStep&) {
+  no_cuda("adam_update");
+}
+void norm_power_sum(const std::vector<Tensor>&, double, const Tensor&) {
+  no_cuda("norm_power_sum");
+}
+void scale_many(const std::vector<Tensor>&, double) {
+  no_cuda("scale_many");
+}
+void attention_softmax(const Tensor&, double, bool, const Tensor&) {
+  no_cuda("attention_softmax");
+}
+void attention_probs(const Tensor&, double, bool, const Tensor&) {
+  no_cuda("attention_probs");
+}
+void attention_score_grad(const Tensor&, const Tensor&, const Tensor&, double) {
+  no_cuda("attention_score_grad");
+}
 void softmax(const Tensor&, const Tensor&, bool) {
   no_cuda("softmax");
 }
