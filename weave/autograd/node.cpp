@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
 #include "weave/kernels/kernels.h"
 #include "weave/tensor/tensor_impl.h"
@@ -167,5 +168,16 @@ void attach(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs
     meta.output_nr = node->add_output(output);
   }
 }
+
+namespace detail {
+bool grad_mode_enabled() {
+  return GradMode::is_enabled();
+}
+void attach_must_run(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
+                     const std::vector<Tensor>& outputs) {
+  attach(node, inputs, outputs);
+  must_run(node);
+}
+}  // namespace detail
 
 }  // namespace weave::autograd

@@ -232,6 +232,29 @@ std::vector<Tensor> record(const char* name, std::initializer_list<Tensor> input
   return outputs;
 }
 
+namespace detail {
+bool grad_mode_enabled();
+/// attach(), then must_run(node) (engine.h).
+void attach_must_run(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
+                     const std::vector<Tensor>& outputs);
+}  // namespace detail
+
+/// Records a node whose backward communicates (a collective, a ring exchange): every rank of
+/// the exchange must run its backward, so the node is marked must-run (engine.h), and it is
+/// recorded when grad mode is on and `needed` holds, a condition every rank of the exchange
+/// evaluates alike, rather than when this rank's inputs require grad (a rank may hold none that
+/// do, yet its peers wait for its part of the backward). Inputs may be undefined.
+template <class BackwardOrMaker>
+std::vector<Tensor> record_communicating(const char* name, const std::vector<Tensor>& inputs,
+                                         std::vector<Tensor> outputs, bool needed,
+                                         BackwardOrMaker&& backward) {
+  if (!needed || !detail::grad_mode_enabled()) return outputs;
+  detail::attach_must_run(std::make_shared<FunctionNode>(
+                              name, detail::make_backward(std::forward<BackwardOrMaker>(backward))),
+                          inputs, outputs);
+  return outputs;
+}
+
 /// Name of the node the engine is running on this thread ("" outside backward).
 const std::string& current_node_name();
 

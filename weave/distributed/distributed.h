@@ -143,6 +143,7 @@ class Group {
   /// Global rank of group rank r.
   int global_rank(int group_rank) const;
   std::string str() const;
+  /// The group's state: its communicators, queue and worker (distributed/queue.h, internal).
   struct Impl;
   const std::shared_ptr<Impl>& impl() const { return impl_; }
   explicit Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -41,12 +41,9 @@ bool alone_in(const Group& g, const char* op);
 template <class BackwardOrMaker>
 Tensor record(const char* name, const Tensor& x, Tensor output, bool needed,
               BackwardOrMaker&& backward) {
-  if (!autograd::GradMode::is_enabled() || !needed) return output;
-  auto node = std::make_shared<autograd::FunctionNode>(
-      name, autograd::detail::make_backward(std::forward<BackwardOrMaker>(backward)));
-  autograd::attach(node, {x}, {output});
-  autograd::must_run(node);
-  return output;
+  return autograd::record_communicating(name, {x}, {std::move(output)}, needed,
+                                        std::forward<BackwardOrMaker>(backward))
+      .front();
 }
 
 /// Runs `forward` without recording.

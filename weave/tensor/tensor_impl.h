@@ -1,5 +1,7 @@
 #pragma once
-// What a Tensor handle points at (internal to weave: user code goes through Tensor's methods).
+// What a Tensor handle points at: storage, view geometry and autograd metadata. The library's
+// floors above tensor/ (autograd, ops, distributed, parallel) reach these through it; weave.h
+// does not include it, and user code goes through Tensor's methods.
 #include <cstdint>
 #include <memory>
 #include <string>

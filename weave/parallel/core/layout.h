@@ -1,6 +1,7 @@
 #pragma once
 // How a rank's tensors are cut from the whole model: the data a placement (placement.h) carries
-// for the two cuts that sharded checkpoints must undo. Two kinds of cut exist:
+// for the two of its four kinds of cut (Split, FlatShard, Experts, Stage) that sharded
+// checkpoints must undo:
 //
 //   a split parameter       a tensor-parallel layer (a ShardedModule) holds piece `index` of
 //                           `count` equal pieces of it along one axis (TensorSplit: the

@@ -264,23 +264,21 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const d
   const Tensor out = forward.first, lse = forward.second;
   if (options.stats) *options.stats = stats;
   Tensor result = out.to(q.dtype());
-  if (!autograd::should_record({q, k, v})) return result;
-  auto node = std::make_shared<autograd::FunctionNode>(
-      "RingAttentionBackward",
-      [ring, qs = autograd::SavedTensor(qc), ks = autograd::SavedTensor(kc),
-       vs = autograd::SavedTensor(vc), out, lse, q_dtype = q.dtype(), k_dtype = k.dtype(),
-       v_dtype = v.dtype()](const autograd::BackwardArgs& args) -> std::vector<Tensor> {
-        NoGradGuard no_grad;
-        const Tensor qv = qs.unpack();
-        const Tensor grad =
-            args.grad().defined() ? args.grad().to(qv.dtype()).contiguous() : zeros_like(out);
-        std::vector<Tensor> grads =
-            ring_backward(ring, grad, qv, ks.unpack(), vs.unpack(), out, lse);
-        return {grads[0].to(q_dtype), grads[1].to(k_dtype), grads[2].to(v_dtype)};
-      });
-  autograd::attach(node, {q, k, v}, {result});
-  autograd::must_run(node);  // its backward communicates: every rank runs it
-  return result;
+  // Its backward communicates: every rank runs it.
+  return autograd::record_communicating(
+             "RingAttentionBackward", {q, k, v}, {result}, autograd::should_record({q, k, v}),
+             [ring, qs = autograd::SavedTensor(qc), ks = autograd::SavedTensor(kc),
+              vs = autograd::SavedTensor(vc), out, lse, q_dtype = q.dtype(), k_dtype = k.dtype(),
+              v_dtype = v.dtype()](const autograd::BackwardArgs& args) -> std::vector<Tensor> {
+               NoGradGuard no_grad;
+               const Tensor qv = qs.unpack();
+               const Tensor grad = args.grad().defined() ? args.grad().to(qv.dtype()).contiguous()
+                                                         : zeros_like(out);
+               std::vector<Tensor> grads =
+                   ring_backward(ring, grad, qv, ks.unpack(), vs.unpack(), out, lse);
+               return {grads[0].to(q_dtype), grads[1].to(k_dtype), grads[2].to(v_dtype)};
+             })
+      .front();
 }
 
 namespace {
