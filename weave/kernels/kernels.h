@@ -66,6 +66,18 @@ void visit_unary(DType dtype, const char* op, Fn&& fn) {
   });
 }
 
+/// bias_activation's dtypes for activation Functor: the GELUs (bias_gelu, a linear's epilogue)
+/// in every floating dtype, so that autocast's bfloat16 takes no conversion pass; any other
+/// activation in float32 and float64 only (a kernel per dtype and activation otherwise).
+template <class Functor, class Fn>
+void visit_bias_activation(DType dtype, const char* op, Fn&& fn) {
+  if constexpr (std::is_same_v<Functor, functors::Gelu> ||
+                std::is_same_v<Functor, functors::GeluTanh>)
+    visit_param_dtype(dtype, op, fn);
+  else
+    visit_floating(dtype, op, fn);
+}
+
 /// Calls fn(type_tag<Functor>{}, name) with the functor that implements a unary op.
 template <class Fn>
 void visit_unary_op(UnaryOp op, Fn&& fn) {

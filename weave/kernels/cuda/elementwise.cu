@@ -239,7 +239,7 @@ void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
 void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tensor& out) {
   visit_unary_op(op, [&](auto functor, const char* name) {
     using F = typename decltype(functor)::type;
-    visit_param_dtype(x.dtype(), name, [&](auto tag) {
+    visit_bias_activation<F>(x.dtype(), name, [&](auto tag) {
       using T = typename decltype(tag)::type;
       map<T, T, T>(functors::BiasApply<F>{}, out, x, bias);
     });
@@ -250,7 +250,7 @@ void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, c
                               const Tensor& out) {
   visit_unary_op(op, [&](auto functor, const char* name) {
     using F = typename decltype(functor)::type;
-    visit_param_dtype(x.dtype(), name, [&](auto tag) {
+    visit_bias_activation<F>(x.dtype(), name, [&](auto tag) {
       using T = typename decltype(tag)::type;
       map<T, T, T, T>(functors::BiasApplyGrad<F>{}, out, grad, x, bias);
     });
