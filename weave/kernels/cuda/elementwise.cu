@@ -132,7 +132,7 @@ bool map_vectorized(F f, const Tensor& out, const Ts&... ins) {
   (admit(ins, sizeof(TI)), ...);
   if (!ok) return false;
   const int64_t groups = n / E;
-  const unsigned blocks = std::min<unsigned>(blocks_for(groups, kThreads), 65535u * 8);
+  const unsigned blocks = grid_stride_blocks(groups);
   map_vec_kernel<E, F, TO, TI...><<<blocks, kThreads, 0, weave::cuda::stream(out.device().index)>>>(
       f, groups, cols, layouts, static_cast<TO*>(out.data_ptr()),
       static_cast<const TI*>(ins.data_ptr())...);
@@ -153,7 +153,7 @@ void map(F f, const Tensor& out, const typename TensorFor<TI>::type&... ins) {
   DeviceGuard guard(out.device().index);
   if (map_vectorized<TO, TI...>(f, out, ins...)) return;
   auto ix = make_indexer<1 + sizeof...(TI)>({&out, &ins...});
-  const unsigned blocks = std::min<unsigned>(blocks_for(n, kThreads), 65535u * 8);
+  const unsigned blocks = grid_stride_blocks(n);
   map_kernel<F, TO, TI...><<<blocks, kThreads, 0, weave::cuda::stream(out.device().index)>>>(
       f, n, ix, static_cast<TO*>(out.data_ptr()), static_cast<const TI*>(ins.data_ptr())...);
   check_launch("cuda elementwise");

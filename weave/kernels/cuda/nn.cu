@@ -306,10 +306,6 @@ __global__ void attention_score_grad_kernel(T* dp, const T* p, const T* delta, i
     dp[e] = scale * p[e] * (dp[e] - delta[e / tk]);
 }
 
-unsigned elementwise_grid(int64_t n) {
-  return std::min<unsigned>(blocks_for(n, kThreads), 65535u * 8);
-}
-
 int64_t rows_of(const Tensor& t, int64_t n) {
   return n == 0 ? 0 : t.numel() / n;
 }
@@ -457,30 +453,34 @@ void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor&
   });
 }
 
-void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse) {
-  const int64_t n = s.numel();
-  if (n == 0) return;
-  DeviceGuard guard(s.device().index);
-  visit_floating(s.dtype(), "attention_probs", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    attention_probs_kernel<T>
-        <<<elementwise_grid(n), kThreads, 0, weave::cuda::stream(s.device().index)>>>(
-            maybe_mut<T>(s), maybe<T>(lse), n, s.size(1), s.size(2), T(scale), causal);
+namespace {
+/// Runs launch(type_tag, blocks, stream) for t's floating dtype, a grid-stride pass over its
+/// elements on its device (nothing for none).
+template <class Launch>
+void over_elements(const Tensor& t, const char* op, const Launch& launch) {
+  if (t.numel() == 0) return;
+  DeviceGuard guard(t.device().index);
+  visit_floating(t.dtype(), op, [&](auto tag) {
+    launch(tag, grid_stride_blocks(t.numel()), weave::cuda::stream(t.device().index));
   });
-  check_launch("attention_probs");
+  check_launch(op);
+}
+}  // namespace
+
+void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+  over_elements(s, "attention_probs", [&](auto tag, unsigned blocks, cudaStream_t st) {
+    using T = typename decltype(tag)::type;
+    attention_probs_kernel<T><<<blocks, kThreads, 0, st>>>(
+        maybe_mut<T>(s), maybe<T>(lse), s.numel(), s.size(1), s.size(2), T(scale), causal);
+  });
 }
 
 void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale) {
-  const int64_t n = dp.numel();
-  if (n == 0) return;
-  DeviceGuard guard(dp.device().index);
-  visit_floating(dp.dtype(), "attention_score_grad", [&](auto tag) {
+  over_elements(dp, "attention_score_grad", [&](auto tag, unsigned blocks, cudaStream_t st) {
     using T = typename decltype(tag)::type;
-    attention_score_grad_kernel<T>
-        <<<elementwise_grid(n), kThreads, 0, weave::cuda::stream(dp.device().index)>>>(
-            maybe_mut<T>(dp), maybe<T>(p), maybe<T>(delta), n, dp.size(2), T(scale));
+    attention_score_grad_kernel<T><<<blocks, kThreads, 0, st>>>(
+        maybe_mut<T>(dp), maybe<T>(p), maybe<T>(delta), dp.numel(), dp.size(2), T(scale));
   });
-  check_launch("attention_score_grad");
 }
 
 }  // namespace weave::kernels::cuda

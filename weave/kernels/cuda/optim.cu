@@ -34,7 +34,7 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
   DeviceGuard guard(param.device().index);
   const int64_t n = param.numel();
   if (n == 0) return;
-  const unsigned blocks = std::min<unsigned>(blocks_for(n, kThreads), 65535u * 8);
+  const unsigned blocks = grid_stride_blocks(n);
   auto launch = [&](auto tag) {
     using P = typename decltype(tag)::type;
     using T = compute_t<P>;
@@ -53,7 +53,7 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
   DeviceGuard guard(param.device().index);
   const int64_t n = param.numel();
   if (n == 0) return;
-  const unsigned blocks = std::min<unsigned>(blocks_for(n, kThreads), 65535u * 8);
+  const unsigned blocks = grid_stride_blocks(n);
   auto launch = [&](auto tag) {
     using P = typename decltype(tag)::type;
     using T = compute_t<P>;

@@ -215,10 +215,6 @@ __global__ void index_add_kernel(T* dst, int64_t outer, int64_t n, int64_t inner
   }
 }
 
-unsigned grid_for(int64_t n) {
-  return std::min<unsigned>(blocks_for(n, kThreads), 65535u * 8);
-}
-
 }  // namespace
 
 void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,
@@ -253,7 +249,7 @@ void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner, co
   visit_dtype(src.dtype(), [&](auto tag) {
     using T = typename decltype(tag)::type;
     index_select_kernel<T>
-        <<<grid_for(total), kThreads, 0, weave::cuda::stream(src.device().index)>>>(
+        <<<grid_stride_blocks(total), kThreads, 0, weave::cuda::stream(src.device().index)>>>(
             static_cast<const T*>(src.data_ptr()), outer, n, inner, index.data<int64_t>(),
             index.numel(), static_cast<T*>(out.data_ptr()));
     check_launch("index_select");
@@ -268,7 +264,7 @@ void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const
   cudaStream_t s = weave::cuda::stream(dst.device().index);
   auto launch = [&](auto* d, const auto* from) {
     using T = std::remove_pointer_t<decltype(d)>;
-    index_add_kernel<T><<<grid_for(total), kThreads, 0, s>>>(
+    index_add_kernel<T><<<grid_stride_blocks(total), kThreads, 0, s>>>(
         d, outer, n, inner, index.data<int64_t>(), index.numel(), from);
     check_launch("index_add");
   };

@@ -33,4 +33,9 @@ using weave::cuda::check_launch;
 using weave::cuda::DeviceGuard;
 /// Threads per block for weave's kernels.
 inline constexpr int kThreads = 256;
+/// Blocks of kThreads for a grid-stride loop over n elements: one per kThreads, capped where
+/// more would only queue (the loop covers the rest).
+inline unsigned grid_stride_blocks(int64_t n) {
+  return std::min<unsigned>(blocks_for(n, kThreads), 65535u * 8);
+}
 }  // namespace weave::kernels::cuda
