@@ -1,6 +1,16 @@
 #!/usr/bin/env bash
-# Checks weave's layering: a source under weave/<floor>/ may include only headers of its own
-# floor or of floors below it. The floors, lowest first (the one place they are listed):
+# weave's house rules, as named checks (`scripts/check-floors.sh --list` names them; give names
+# to run only those, all by default):
+#   includes       a source under weave/<floor>/ includes only its own floor or floors below,
+#                  parallel/'s sub-floors likewise, and no strategy includes another
+#   no-circle      no circle of includes anywhere
+#   functions      no function over function_limit lines
+#   files          no source file over file_limit lines
+#   examples-mesh  examples take their process groups from parallel::ProcessMesh
+#   autograd-nodes no file outside autograd/ builds a FunctionNode (autograd::record_* do)
+#   one-agreement  no code outside distributed/agreement.cpp agrees on int64 words with an
+#                  all_reduce of its own (dist::agree_max is the one way)
+# The floors, lowest first (the one place they are listed):
 floors=(tensor kernels autograd ops "nn optim data" distributed parallel util)
 # The communication backends (distributed/mpi, distributed/nccl) stand on tensor/ alone, plus
 # the backend interface they implement.
@@ -52,74 +62,121 @@ check_parallel_include() {
     return
   fi
   if [[ $to != */* ]]; then
-    echo "$file:$line includes $target, which only forwards: include its new path"; bad=1; return
+    echo "$file:$line includes $target, which only forwards: include its new path"; return 1
   fi
   local from_floor=${from%%/*} to_floor=${to%%/*}
-  [[ -n ${sub_level[$from_floor]+x} ]] || { echo "$file: folder parallel/$from_floor is not a floor of parallel/"; bad=1; return; }
-  [[ -n ${sub_level[$to_floor]+x} ]] || { echo "$file:$line includes $target, in no floor of parallel/"; bad=1; return; }
+  [[ -n ${sub_level[$from_floor]+x} ]] || { echo "$file: folder parallel/$from_floor is not a floor of parallel/"; return 1; }
+  [[ -n ${sub_level[$to_floor]+x} ]] || { echo "$file:$line includes $target, in no floor of parallel/"; return 1; }
   if ((sub_level[$to_floor] > sub_level[$from_floor])); then
-    echo "$file:$line includes $target: parallel/$to_floor/ is above parallel/$from_floor/"; bad=1
+    echo "$file:$line includes $target: parallel/$to_floor/ is above parallel/$from_floor/"; return 1
   elif ((sub_level[$to_floor] == sub_level[$from_floor])) && [[ $to_floor != "$from_floor" ]]; then
-    echo "$file:$line includes $target: parallel/$from_floor/ and parallel/$to_floor/ stand side by side"; bad=1
+    echo "$file:$line includes $target: parallel/$from_floor/ and parallel/$to_floor/ stand side by side"; return 1
   elif [[ $to_floor == "$from_floor" && " $strategy_folders " == *" $from_floor "* ]]; then
     local mine theirs
     mine=$(strategy_of "$file")
     theirs=$(strategy_of "$target")
     if [[ $mine != "$theirs" && " ${sideways_allowed[*]} " != *" $mine:$theirs "* ]]; then
-      echo "$file:$line includes $target: strategy '$mine' includes strategy '$theirs' (allowed pairs: ${sideways_allowed[*]})"; bad=1
+      echo "$file:$line includes $target: strategy '$mine' includes strategy '$theirs' (allowed pairs: ${sideways_allowed[*]})"; return 1
     fi
   fi
 }
 
-bad=0
-edges=$(mktemp)
-trap 'rm -f "$edges"' EXIT
-while IFS= read -r file; do
-  floor=${file#weave/}
-  floor=${floor%%/*}
-  [[ -n ${level[$floor]+x} ]] || { echo "$file: folder '$floor' is not a floor in scripts/check-floors.sh"; bad=1; continue; }
-  while IFS=: read -r line target; do
-    target_floor=${target#weave/}
-    target_floor=${target_floor%%/*}
-    if [[ -z ${level[$target_floor]+x} ]]; then
-      echo "$file:$line includes $target, which is in no floor"; bad=1
-    elif ((level[$target_floor] > level[$floor])); then
-      echo "$file:$line includes $target: $target_floor/ is above $floor/"; bad=1
-    elif [[ $file =~ ^weave/distributed/(mpi|nccl)/ && ! $target =~ $backend_allowed ]]; then
-      echo "$file:$line includes $target: backends may include only tensor/ and the backend interface"; bad=1
-    elif [[ $floor == parallel && $target_floor == parallel ]]; then
-      check_parallel_include "$file" "$line" "$target"
-    fi
-    echo "$file $target" >>"$edges"
-  done < <(grep -noE '^#include "weave/[^"]+"' "$file" | sed -E 's/#include "([^"]+)"/\1/')
-done < <(git ls-files 'weave/*/*' | grep -E '\.(h|cpp|cu|cuh)$')
+# ---- the checks (each prints what it finds and returns 1 on a finding) ----------------------
 
-# No circle of includes anywhere (tsort names the files of one).
-if ! tsort "$edges" >/dev/null 2>"$edges.loop"; then
-  echo "includes form a circle:"; sed 's/^/  /' "$edges.loop"; bad=1
-fi
-rm -f "$edges.loop"
+check_includes() {
+  local bad=0 file floor line target target_floor
+  : >"$edges"
+  while IFS= read -r file; do
+    floor=${file#weave/}
+    floor=${floor%%/*}
+    [[ -n ${level[$floor]+x} ]] || { echo "$file: folder '$floor' is not a floor in scripts/check-floors.sh"; bad=1; continue; }
+    while IFS=: read -r line target; do
+      target_floor=${target#weave/}
+      target_floor=${target_floor%%/*}
+      if [[ -z ${level[$target_floor]+x} ]]; then
+        echo "$file:$line includes $target, which is in no floor"; bad=1
+      elif ((level[$target_floor] > level[$floor])); then
+        echo "$file:$line includes $target: $target_floor/ is above $floor/"; bad=1
+      elif [[ $file =~ ^weave/distributed/(mpi|nccl)/ && ! $target =~ $backend_allowed ]]; then
+        echo "$file:$line includes $target: backends may include only tensor/ and the backend interface"; bad=1
+      elif [[ $floor == parallel && $target_floor == parallel ]]; then
+        check_parallel_include "$file" "$line" "$target" || bad=1
+      fi
+      echo "$file $target" >>"$edges"
+    done < <(grep -noE '^#include "weave/[^"]+"' "$file" | sed -E 's/#include "([^"]+)"/\1/')
+  done < <(git ls-files 'weave/*/*' | grep -E '\.(h|cpp|cu|cuh)$')
+  return $bad
+}
 
-if ! python3 scripts/check-function-length.py --limit "$function_limit" \
-    $(git ls-files "${function_folders[@]/%//*}" | grep -E '\.(h|cpp|cu|cuh)$'); then
-  echo "functions longer than $function_limit lines: split them"; bad=1
-fi
+check_no_circle() {
+  [[ -s $edges ]] || check_includes >/dev/null || true
+  if ! tsort "$edges" >/dev/null 2>"$edges.loop"; then
+    echo "includes form a circle:"; sed 's/^/  /' "$edges.loop"; rm -f "$edges.loop"; return 1
+  fi
+  rm -f "$edges.loop"
+}
 
-while read -r lines file; do
-  [[ $file == total ]] && continue
-  ((lines <= file_limit)) || { echo "$file: $lines lines (limit $file_limit): split it by role"; bad=1; }
-done < <(git ls-files | grep -E '\.(h|cpp|cu|cuh|sh|py)$' | xargs wc -l)
+check_functions() {
+  # shellcheck disable=SC2046
+  python3 scripts/check-function-length.py --limit "$function_limit" \
+    $(git ls-files "${function_folders[@]/%//*}" | grep -E '\.(h|cpp|cu|cuh)$') ||
+    { echo "functions longer than $function_limit lines: split them"; return 1; }
+}
+
+check_files() {
+  local bad=0 lines file
+  while read -r lines file; do
+    [[ $file == total ]] && continue
+    ((lines <= file_limit)) || { echo "$file: $lines lines (limit $file_limit): split it by role"; bad=1; }
+  done < <(git ls-files | grep -E '\.(h|cpp|cu|cuh|sh|py)$' | xargs wc -l)
+  return $bad
+}
 
 # Examples compose the library's axes; building process groups by hand is the library's job
 # (ProcessMesh: its axes and group(axes)).
-while IFS=: read -r file line _; do
-  echo "$file:$line calls new_group: examples take their groups from parallel::ProcessMesh"; bad=1
-done < <(git ls-files 'examples/*' | grep -E '\.(h|cpp)$' | xargs grep -nE '\bnew_group\(' || true)
+check_examples_mesh() {
+  local bad=0 file line
+  while IFS=: read -r file line _; do
+    echo "$file:$line calls new_group: examples take their groups from parallel::ProcessMesh"; bad=1
+  done < <(git ls-files 'examples/*' | grep -E '\.(h|cpp)$' | xargs grep -nE '\bnew_group\(' || true)
+  return $bad
+}
 
-if ((bad)); then
-  echo "floor check: FAILED (floors, lowest first: ${floors[*]}; parallel/: ${parallel_floors[*]})"
+check_autograd_nodes() {
+  local found
+  found=$(git ls-files 'weave/*' | grep -E '\.(h|cpp|cu)$' | grep -v '^weave/autograd/' |
+          xargs grep -nE '\bFunctionNode\b' || true)
+  [[ -z $found ]] && return 0
+  echo "$found" | sed 's/$/  <- builds a FunctionNode outside autograd\/ (use autograd::record_*)/'
+  return 1
+}
+
+check_one_agreement() {
+  local found
+  found=$(git ls-files 'weave/*' | grep -E '\.(h|cpp|cu)$' | grep -v '^weave/distributed/agreement\.cpp$' |
+          xargs grep -nE 'all_reduce\(.*(kInt64.*ReduceOp::Max|ReduceOp::Max.*kInt64)' || true)
+  [[ -z $found ]] && return 0
+  echo "$found" | sed 's/$/  <- agrees with an all_reduce of its own (use dist::agree_max)/'
+  return 1
+}
+
+all_checks=(includes no-circle functions files examples-mesh autograd-nodes one-agreement)
+if [[ ${1:-} == --list ]]; then printf '%s\n' "${all_checks[@]}"; exit 0; fi
+wanted=("$@")
+((${#wanted[@]})) || wanted=("${all_checks[@]}")
+edges=$(mktemp)
+trap 'rm -f "$edges"' EXIT
+failed=()
+for name in "${wanted[@]}"; do
+  [[ " ${all_checks[*]} " == *" $name "* ]] || { echo "unknown check '$name' (--list names them)"; exit 2; }
+  if "check_${name//-/_}"; then
+    echo "ok      $name"
+  else
+    echo "FAILED  $name"; failed+=("$name")
+  fi
+done
+if ((${#failed[@]})); then
+  echo "house rules: FAILED ${failed[*]} (floors, lowest first: ${floors[*]}; parallel/: ${parallel_floors[*]})"
   exit 1
 fi
-echo "floor check: every include points down (${floors[*]}; parallel/: core, then" \
-  "${parallel_floors[1]} side by side), no strategy includes another, no circle, no function" \
-  "over $function_limit lines, no file over $file_limit, no new_group in examples/"
+echo "house rules: ${wanted[*]} hold"

@@ -9,7 +9,7 @@
 #   scripts/fault-matrix.sh [runs per fault = 100] [WEAVE_TIMEOUT_S = 3] [build dir = build]
 # (FAULTS="uneven uneven-join" runs only those.)
 # Prints one line per fault (passes, exit codes seen, slowest run) and exits non-zero if any
-# run failed. The program is tests/mpi_timeout.cpp (built as weave_mpi_timeout).
+# run failed. The program is tests/jobs/mpi_timeout.cpp (built as weave_mpi_timeout).
 set -u
 runs=${1:-100} timeout_s=${2:-3} build=${3:-build}
 program=$build/tests/weave_mpi_timeout

@@ -3,9 +3,9 @@
 #   1. the cuda-labelled tests (op table in every dtype, tensor-core attention, reductions,
 #      norms; NCCL at world size 1 and MPI at 2 ranks sharing the GPU), side by side on the GPU
 #      (each one's output kept in $LOG_DIR/test-NAME.log when LOG_DIR is set);
-#   2. bench_gpu_kernels against bench/torch_gpu_kernels.py (PyTorch 2.x on the same GPU),
+#   2. bench_gpu_kernels against bench/kernels/torch_gpu_kernels.py (PyTorch 2.x on the same GPU),
 #      alternating, medians: each kernel as a fraction of the copy bandwidth, SDPA's ratio;
-#   3. the GPT step (examples/gpt --device cuda) against bench/gpt_torch.py --device cuda,
+#   3. the GPT step (examples/gpt --device cuda) against bench/training/gpt_torch.py --device cuda,
 #      alternating, medians of the per-step times after the first three steps: the 12-layer,
 #      d 768, T 1024, vocab 32768 model in bf16 autocast and float32, and the 4-layer d 256 model.
 #   4. compute-sanitizer memcheck of the cuda suites; 5. examples/gpt --device cuda at 1 rank
@@ -90,7 +90,7 @@ if want kernels; then
       n=$(sed 's/.*kernel=\([^ ]*\).*/\1/' <<<"$line"); u=$(sed 's/.* us=\([^ ]*\).*/\1/' <<<"$line")
       f=$(grep -o 'copy_fraction=[0-9.]*' <<<"$line" | cut -d= -f2)
       t_us[$n]="${t_us[$n]:-} $u"; t_frac[$n]="${t_frac[$n]:-} ${f:-0}"
-    done < <(torch bench/torch_gpu_kernels.py --trials 5 | grep '^kernel=')
+    done < <(torch bench/kernels/torch_gpu_kernels.py --trials 5 | grep '^kernel=')
   done
   for n in "${names[@]}"; do
     wu=$(median ${w_us[$n]}); tu=$(median ${t_us[$n]:-0})
@@ -118,7 +118,7 @@ if want gpt; then
       out=$(gpt --device cuda --samples 0 "${common[@]}" 2>&1) || { echo "$out" | tail -20; status=1; }
       ws+=("$(step_ms "$tokens" <<<"$out")"); wm+=("$(grep -o 'memory on rank 0: [0-9.]*' <<<"$out" | awk '{print $5}')")
       wl=$(grep -o 'heldout_loss=[0-9.]*' <<<"$out" | cut -d= -f2)
-      out=$(torch bench/gpt_torch.py --device cuda "${common[@]}" 2>&1) || { echo "$out" | tail -20; status=1; }
+      out=$(torch bench/training/gpt_torch.py --device cuda "${common[@]}" 2>&1) || { echo "$out" | tail -20; status=1; }
       ts+=("$(step_ms "$tokens" <<<"$out")"); tm+=("$(grep -o 'peak_memory_mb=[0-9.]*' <<<"$out" | cut -d= -f2)")
       tl=$(grep -o 'heldout_loss=[0-9.]*' <<<"$out" | cut -d= -f2)
       echo "run $i $label: weave ${ws[-1]} ms ${wm[-1]} MB heldout $wl; torch ${ts[-1]} ms ${tm[-1]} MB heldout $tl"

@@ -50,12 +50,12 @@ configure build-tsan thread -DWEAVE_TEST_COMPILE_OPTIONS=-O0
 build build-tsan weave_mpi_tests
 echo "== TSan: communication-queue, data-parallel, pipeline and checkpoint suites at 2 ranks"
 # Open MPI and libomp are not instrumented: ignore what they do through intercepted calls, and
-# the lock orders TSan infers inside Open MPI (tests/tsan.supp); shared memory only (no TCP).
+# the lock orders TSan infers inside Open MPI (tests/support/tsan.supp); shared memory only (no TCP).
 OMPI_MCA_btl=self,vader \
-  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/tests/tsan.supp" \
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/tests/support/tsan.supp" \
   $mpirun -np 2 build-tsan/tests/weave_mpi_tests --test-suite=collectives,guard,ddp,robust,join,model_parallel,pipeline,sharded_checkpoint,exchange,context_parallel,experts,compose | tail -2
 echo "== TSan: an FSDP rank whose forward skips a unit (the failure path realigns), 20 runs"
 OMPI_MCA_btl=self,vader \
-  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/tests/tsan.supp" \
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/tests/support/tsan.supp" \
   $mpirun -np 2 build-tsan/tests/weave_mpi_tests --test-case='*skips a unit*' | tail -2
 echo "sanitizer job: no reports"

@@ -112,7 +112,8 @@ Corpus load_corpus(const std::string& dir) {
   return corpus;
 }
 
-// The same in bench/gpt_torch.py: window offsets from (seed, step, index), on every process.
+// The same in bench/training/gpt_torch.py: window offsets from (seed, step, index), on every
+// process.
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -371,7 +372,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   // optimizer steps this rank's shards only, each part with its parameter's group.
   const std::vector<optim::ParamGroup> groups = optim::weight_decay_groups(*model, f.weight_decay);
   optim::AdamW optimizer(fsdp ? fsdp->param_groups(groups) : groups, {.lr = f.lr});
-  // Linear warmup, then cosine to min_lr (the same formula in bench/gpt_torch.py).
+  // Linear warmup, then cosine to min_lr (the same formula in bench/training/gpt_torch.py).
   optim::LRScheduler scheduler(optimizer, [f](int64_t step) {
     if (step < f.warmup) return f.lr * double(step + 1) / double(f.warmup);
     const double progress =

@@ -241,9 +241,9 @@ class MoeGpt : public LanguageModel {
     tokens = register_module("tokens", std::make_shared<nn::Embedding>(vocab, f.dim));
     positions = register_module("positions", std::make_shared<nn::Embedding>(f.context, f.dim));
     for (int64_t i = 0; i < f.layers; ++i) {
-      const nn::MoEOptions o = moe_options(f, i);
+      nn::MoEOptions o = moe_options(f, i);
+      if (balance && balance->size() > 1) o.reduce_shares = parallel::shares_over(*balance);
       auto dense = std::make_shared<nn::MoE>(o);
-      if (balance && balance->size() > 1) dense->reduce_shares = parallel::shares_over(*balance);
       std::function<Tensor()> aux = [raw = dense.get()] { return raw->aux_loss(); };
       std::shared_ptr<nn::Module> layer = dense;
       blocks.push_back(

@@ -258,15 +258,6 @@ SafetensorsFile parse_safetensors(const void* bytes, size_t size, const std::str
   return file;
 }
 
-uint32_t checksum_bytes(const void* data, size_t size) {
-  return crc32_of(data, size);
-}
-
-uint32_t checksum(const Tensor& t) {
-  const Tensor host = t.detach().cpu().contiguous();
-  return crc32_of(host.data_ptr(), size_t(host.numel()) * host.itemsize());
-}
-
 void save_safetensors(const std::string& path, const nn::NamedTensors& tensors,
                       const Metadata& metadata) {
   write_file_atomically(path, serialize_safetensors(tensors, metadata));

@@ -65,11 +65,6 @@ struct ByteRange {
 /// the bytes read.
 uint64_t read_safetensors_ranges(const SafetensorsHeader& header, std::vector<ByteRange> ranges);
 
-/// CRC-32 (zlib's) of a tensor's values as stored: its elements' bytes in row-major order.
-uint32_t checksum(const Tensor& t);
-/// CRC-32 (zlib's) of `size` bytes.
-uint32_t checksum_bytes(const void* data, size_t size);
-
 /// Writes path atomically (see write_file_atomically): a crash leaves the old file or the new.
 void save_safetensors(const std::string& path, const nn::NamedTensors& tensors,
                       const Metadata& metadata = {});

@@ -1,6 +1,8 @@
 // The agreement board: a POSIX shared-memory segment of cache lines, one pair per rank.
 #include "weave/distributed/agreement_board.h"
 
+#include "weave/distributed/agreement.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -25,10 +27,11 @@ namespace weave::dist::detail {
 
 namespace {
 
-// A slot is [round, value 0, value 1, value 2] on a line of its own: 128 bytes, because x86
+// A slot is [round, value 0, ..., value 14] on a line of its own: 128 bytes, because x86
 // prefetches lines in adjacent pairs, and two ranks' slots on one pair would bounce.
 constexpr size_t kLine = 128;
 constexpr size_t kWords = kLine / sizeof(uint64_t);
+static_assert(AgreementBoard::kRoundWords + 1 == kWords, "a round fills its slot's line");
 static_assert(std::atomic_ref<uint64_t>::is_always_lock_free,
               "the board's words are shared between processes: they must be lock-free");
 
@@ -195,8 +198,8 @@ std::unique_ptr<AgreementBoard> AgreementBoard::connect(Communicator& host, bool
       machine.compare(0, sizeof(offer.machine) - 1, offer.machine) == 0)
     board = open(offer.name, offer.nonce, ranks, me);
   int64_t missing = board ? 0 : 1;
-  host.all_reduce(&missing, &missing, 1, kInt64, ReduceOp::Max);
-  if (board) board->unlink();  // every rank has opened it, or given up
+  max_words(host, nullptr, std::span(&missing, 1));  // no board yet: over the host
+  if (board) board->unlink();                        // every rank has opened it, or given up
   // Ranks on other machines never share a board; ranks on one that could not make one say so
   // once (the guard then agrees through an all_reduce, a few tenths of a microsecond slower).
   static std::atomic<bool> warned{false};
@@ -215,16 +218,17 @@ void AgreementBoard::unlink() {
   named_ = false;
 }
 
-void AgreementBoard::max(int64_t (&values)[3]) {
+void AgreementBoard::max(std::span<int64_t, kRoundWords> values) {
   const uint64_t round = ++round_;
   uint64_t* mine = slot(round, me_);
-  for (int i = 0; i < 3; ++i) store(mine[1 + i], uint64_t(values[i]), std::memory_order_relaxed);
+  for (size_t i = 0; i < kRoundWords; ++i)
+    store(mine[1 + i], uint64_t(values[i]), std::memory_order_relaxed);
   store(mine[0], round, std::memory_order_release);
   for (int rank = 0; rank < ranks_; ++rank) {
     if (rank == me_) continue;
     uint64_t* theirs = slot(round, rank);
     wait_for_round(theirs[0], round, cores_shared_);
-    for (int i = 0; i < 3; ++i)
+    for (size_t i = 0; i < kRoundWords; ++i)
       values[i] = std::max(
           values[i],
           int64_t(std::atomic_ref<uint64_t>(theirs[1 + i]).load(std::memory_order_relaxed)));

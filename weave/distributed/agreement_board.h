@@ -1,9 +1,9 @@
 #pragma once
-// The guard's meeting place when a group's ranks share a machine (internal). Each agreement
-// round (fingerprint.h's guard: the maximum of three int64 over the ranks) is a message
-// exchange in MPI: an all_reduce of 24 bytes, 0.25-0.6 µs at two ranks over shared memory. On a
-// board of cache lines that every rank maps, a round is one store and one load per peer (about
-// 0.04 µs), and gives the same maximum. Groups whose ranks cannot map one board (other
+// Where agreement rounds meet when a group's ranks share a machine (internal). Each round
+// (agreement.h: the maximum of kRoundWords int64 over the ranks) is a message exchange in MPI:
+// an all_reduce of 120 bytes, 0.25-0.6 µs at two ranks over shared memory. On a board of cache
+// lines that every rank maps, a round is one store and one load per peer (about 0.04 µs), and
+// gives the same maximum. Groups whose ranks cannot map one board (other
 // machines or network namespaces, no /dev/shm, more than kMaxRanks ranks) keep the all_reduce.
 //
 // Each rank owns two slots, one for odd rounds and one for even: a rank can be at most one
@@ -12,6 +12,7 @@
 // every peer read it.
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "weave/distributed/communicator.h"
@@ -23,6 +24,8 @@ class AgreementBoard {
   /// Larger groups keep the all_reduce: each round reads every peer's slot, which grows
   /// linearly where the all_reduce grows with log2 of the ranks.
   static constexpr int kMaxRanks = 32;
+  /// The words of one round: a slot is one 128-byte line, its first word the round number.
+  static constexpr size_t kRoundWords = 15;
 
   /// Collective over `host`: a board that every rank of it mapped, or null on every rank when
   /// one could not (the ranks then agree through host.all_reduce). Never raises for a board
@@ -50,7 +53,7 @@ class AgreementBoard {
   /// all_reduce(Max) would give. Blocks until every rank posted them: spinning (yielding after
   /// a microsecond when cores are shared), then, after 5 ms, sleeping 50 µs at a time. A rank
   /// that never comes is the watchdog's to report, as in any collective.
-  void max(int64_t (&values)[3]);
+  void max(std::span<int64_t, kRoundWords> values);
   /// Yield while waiting (ranks that share cores) instead of spinning; connect() sets it.
   void set_cores_shared(bool shared) { cores_shared_ = shared; }
 

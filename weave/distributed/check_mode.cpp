@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "weave/distributed/agreement.h"
 #include "weave/distributed/runtime.h"
 
 namespace weave::dist {
@@ -62,14 +63,14 @@ std::vector<int> senders_ahead(Communicator& world) {
 
 }  // namespace
 
-void detail::agree_on_check_mode(Communicator& world, CheckMode mode, const char* op,
-                                 const char* hint) {
+void detail::agree_on_check_mode(Communicator& world, AgreementBoard* board, CheckMode mode,
+                                 const char* op, const char* hint) {
   const std::vector<int> ahead = senders_ahead(world);
   // [mode, -mode]: equal maxima mean one mode; then the highest rank with a message in flight
   // to it, plus one (0: none).
   const auto wanted = static_cast<int64_t>(mode);
   int64_t v[3] = {wanted, -wanted, ahead.empty() ? 0 : runtime().rank + 1};
-  world.all_reduce(v, v, 3, kInt64, ReduceOp::Max);
+  max_words(world, board, v);
   WEAVE_CHECK(v[0] == -v[1], op, "the ranks use different check modes (this rank: {}); hint: {}",
               mode_name(mode), hint);
   WEAVE_CHECK(ahead.empty(), op,
@@ -111,7 +112,7 @@ void set_check_mode(CheckMode mode) {
   issue(
       c, print, true,
       [&r, mode] {
-        agree_on_check_mode(*r.world->comm, mode, "set_check_mode",
+        agree_on_check_mode(*r.world->comm, r.world->board.get(), mode, "set_check_mode",
                             "every rank must call set_check_mode with the same mode");
       },
       false);
@@ -137,7 +138,7 @@ void realign(const Group& group) {
             agree(g, round, mode);
             // Calls the others issued and this rank did not (or the reverse) took numbers.
             auto next = static_cast<int64_t>(g.next_sequence.load());
-            g.comm->all_reduce(&next, &next, 1, kInt64, ReduceOp::Max);
+            max_words(*g.comm, g.board.get(), std::span(&next, 1));
             g.next_sequence.store(static_cast<uint64_t>(next));
           },
           false);

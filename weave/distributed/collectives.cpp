@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "weave/autograd/engine.h"
+#include "weave/distributed/agreement.h"
 #include "weave/distributed/staging.h"
 #include "weave/kernels/kernels.h"
 #include "weave/ops/ops.h"
@@ -401,7 +402,7 @@ Work all_to_all(const Tensor& output, const Tensor& input,
           std::vector<int64_t> ones(input_splits.size(), 1), told(input_splits.size());
           g->comm->all_to_all_v(input_splits.data(), ones, told.data(), ones, kInt64);
           int64_t bad = told != output_splits;
-          g->comm->all_reduce(&bad, &bad, 1, kInt64, ReduceOp::Max);
+          max_words(*g->comm, g->board.get(), std::span(&bad, 1));
           WEAVE_CHECK(
               !bad, "all_to_all",
               "the splits in group {} do not pair up: rank r's output_splits[j] must equal rank "

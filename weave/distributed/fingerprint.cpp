@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "weave/distributed/agreement.h"
 #include "weave/tensor/dtype.h"
 #include "weave/tensor/error.h"
 
@@ -13,7 +14,7 @@ const char* op_name(Op op) {
       "all_reduce",     "broadcast", "reduce",  "all_gather", "all_gather_uneven",
       "reduce_scatter", "gather",    "scatter", "all_to_all", "all_to_all",
       "barrier",        "new_group", "send",    "recv",       "set_check_mode",
-      "realign"};
+      "realign",        "agree_max"};
   return names[static_cast<int>(op)];
 }
 
@@ -142,20 +143,24 @@ void verify(Communicator& host, const std::vector<int>& ranks, const Fingerprint
 }
 
 void guard(Communicator& host, AgreementBoard* board, const std::vector<int>& ranks,
-           const Fingerprint& mine) {
+           const Fingerprint& mine, std::span<int64_t> words) {
   // max(h) == h and max(~h) == ~h on a rank means h is both the largest and the smallest hash:
   // every rank reaches the same verdict without a second round.
   const auto h = static_cast<int64_t>(call_hash(mine));
-  int64_t v[3] = {h, ~h, mine.failed};
-  if (board != nullptr)
-    board->max(v);
-  else
-    host.all_reduce(v, v, 3, kInt64, ReduceOp::Max);
-  if (v[0] == h && v[1] == ~h && v[2] == 0) return;
-  verify(host, ranks, mine);  // every rank gets here: the full comparison names the difference
-  WEAVE_FAIL(op_name(static_cast<Op>(mine.op)),
-             "the ranks of group [{}] disagree about {} (their call hashes differ)",
-             fmt::join(ranks, ", "), describe(mine));
+  int64_t round[kRoundWords] = {h, ~h, mine.failed};
+  constexpr size_t kGuardWords = 3;
+  const size_t riding = std::min(words.size(), kRoundWords - kGuardWords);
+  std::copy_n(words.begin(), riding, round + kGuardWords);
+  max_round(host, board, round);
+  if (round[0] != h || round[1] != ~h || round[2] != 0) {
+    verify(host, ranks, mine);  // every rank gets here: the full comparison names the difference
+    WEAVE_FAIL(op_name(static_cast<Op>(mine.op)),
+               "the ranks of group [{}] disagree about {} (their call hashes differ)",
+               fmt::join(ranks, ", "), describe(mine));
+  }
+  // The calls agree, so every rank holds as many words: the rest take the same rounds.
+  std::copy_n(round + kGuardWords, riding, words.begin());
+  max_words(host, board, words.subspan(riding));
 }
 
 }  // namespace weave::dist::detail

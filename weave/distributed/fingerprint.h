@@ -1,11 +1,12 @@
 #pragma once
 // The agreement check before every collective. By default (the guard) the ranks of the group
-// take the maximum of 24 bytes (agreement_board.h, or an all_reduce): a hash of each rank's call in
-// a form whose maximum shows whether all are equal, and a flag raised by a rank whose own call
-// failed its argument checks. Only when that shows a difference do they all-gather the whole
+// take the maximum of 3 words (agreement.h: on the board, or an all_reduce): a hash of each rank's
+// call in a form whose maximum shows whether all are equal, and a flag raised by a rank whose own
+// call failed its argument checks. Only when that shows a difference do they all-gather the whole
 // fingerprints for a message naming each rank's call. Full check mode (WEAVE_CHECK_COLLECTIVES=1)
 // always all-gathers them.
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -32,7 +33,8 @@ enum class Op : int32_t {
   Send,
   Recv,
   SetCheckMode,
-  Realign
+  Realign,
+  Agree
 };
 /// "all_reduce", "broadcast", ...
 const char* op_name(Op op);
@@ -72,10 +74,11 @@ bool same_call(const Fingerprint& a, const Fingerprint& b);
 /// group's host communicator); raises weave::Error on every rank, naming each rank's call and
 /// the fields that differ, if any differs or a rank's call failed.
 void verify(Communicator& host, const std::vector<int>& ranks, const Fingerprint& mine);
-/// The default check: the maximum of 3 int64 over the ranks, on `board` when the group has one,
-/// else by an all_reduce over `host`; calls verify() (on every rank alike) only when the calls
-/// differ or a rank's call failed.
+/// The default check: one agreement round (agreement.h) of 3 words, a hash of the call in a
+/// form whose maximum shows whether every rank's is equal and the failed flag; calls verify()
+/// (on every rank alike) only when the calls differ or a rank's call failed. `words`, a call's
+/// own agreement (dist::agree_max), ride in the same round and any further ones.
 void guard(Communicator& host, AgreementBoard* board, const std::vector<int>& ranks,
-           const Fingerprint& mine);
+           const Fingerprint& mine, std::span<int64_t> words = {});
 
 }  // namespace weave::dist::detail

@@ -8,6 +8,7 @@
 
 #include "weave/distributed/functional_support.h"
 #include "weave/distributed/staging.h"
+#include "weave/distributed/tags.h"
 #include "weave/ops/ops.h"
 
 namespace weave::dist::functional {
@@ -169,8 +170,8 @@ Device receiver_device(const Meta& meta, const char* op) {
   return dist::detail::receiving_device(meta.device_type, op);
 }
 
-// Point-to-point tags: forward values and backward gradients never share a channel.
-constexpr int kForwardTag = 1, kBackwardTag = 2;
+// Forward values and backward gradients never share a channel.
+constexpr int kForwardTag = tags::kRemoteForward, kBackwardTag = tags::kRemoteBackward;
 
 // ---- recording: record and quietly live in functional_support.h ------------------------
 

@@ -1,9 +1,11 @@
 // Differentiable exchanges with uneven splits: all_to_all with per-rank split sizes, and
 // send_recv (every rank's tensor shifted to another rank, JAX's ppermute). Both run on the
-// uneven dist::all_to_all after one small all_gather of every rank's plan, which every rank
-// checks alike: a bad argument on one rank raises on every rank before any data moves.
+// uneven dist::all_to_all after one agreement on every rank's plan (dist::agree_max), which
+// every rank checks alike: a bad argument on one rank raises on every rank before any data moves.
+#include <limits>
 #include <numeric>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "weave/distributed/functional.h"
@@ -40,9 +42,10 @@ std::vector<std::vector<int64_t>> gather_plans(const Plan& mine, const Group& g)
   for (int d = 0; d < mine.signature.size(); ++d) words[size_t(4 + d)] = mine.signature[d];
   if (!mine.error)
     for (int j = 0; j < n; ++j) words[size_t(kHeader + j)] = mine.splits[size_t(j)];
-  Tensor all = empty({width * n}, {.dtype = kInt64});
-  dist::all_gather(all, from_vector(words), g);
-  const std::vector<int64_t> flat = all.to_vector<int64_t>();
+  // Every rank fills its own row, the lowest word elsewhere: the maximum is every rank's row.
+  std::vector<int64_t> flat(size_t(width * n), std::numeric_limits<int64_t>::min());
+  std::copy(words.begin(), words.end(), flat.begin() + g.rank() * width);
+  agree_max(std::span<int64_t>(flat), g);
   std::vector<std::vector<int64_t>> rows;
   for (int r = 0; r < n; ++r)
     rows.emplace_back(flat.begin() + r * width, flat.begin() + (r + 1) * width);

@@ -35,9 +35,7 @@ void check_inputs(const std::vector<Tensor>& inputs, const Group& group) {
       checkable += inputs[i].numel();
     }
   const int64_t mine = int64_t(inputs.size());
-  Tensor count = from_vector<int64_t>({mine, -mine, checkable > 0 ? 1 : 0}, {3});
-  all_reduce(count, ReduceOp::Max, group);
-  const std::vector<int64_t> bounds = count.to_vector<int64_t>();
+  const std::vector<int64_t> bounds = agree_max({mine, -mine, checkable > 0 ? 1 : 0}, group);
   WEAVE_CHECK(bounds[0] == -bounds[1], "gradcheck",
               "ranks pass different numbers of inputs (from {} to {}; this rank {})", -bounds[1],
               bounds[0], mine);

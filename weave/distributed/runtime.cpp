@@ -2,6 +2,8 @@
 // clear job-wide failure.
 #include "weave/distributed/runtime.h"
 
+#include "weave/distributed/agreement.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -64,12 +66,14 @@ void tear_down_after_timeout(const std::string& what) {
                   what, runtime().timeout_s));
 }
 
-void agree(Group::Impl& g, const Fingerprint& print, CheckMode mode) {
+void agree(Group::Impl& g, const Fingerprint& print, CheckMode mode, std::span<int64_t> words) {
   try {
-    if (mode == CheckMode::Full)
-      verify(*g.comm, g.ranks, print);
-    else
-      guard(*g.comm, g.board.get(), g.ranks, print);
+    if (mode == CheckMode::Guard) {
+      guard(*g.comm, g.board.get(), g.ranks, print, words);
+      return;
+    }
+    if (mode == CheckMode::Full) verify(*g.comm, g.ranks, print);
+    max_words(*g.comm, g.board.get(), words);
   } catch (...) {
     g.disagreements.fetch_add(1, std::memory_order_relaxed);
     throw;
@@ -320,7 +324,8 @@ void init(Backend backend, InitOptions options) {
   r.sent_to = std::make_unique<std::atomic<int64_t>[]>(size_t(r.size));
   r.received_from = std::make_unique<std::atomic<int64_t>[]>(size_t(r.size));
   // the checks add messages of their own: every rank must send the same ones
-  agree_on_check_mode(*comm, r.check, "init", "give every rank the same WEAVE_CHECK_COLLECTIVES");
+  agree_on_check_mode(*comm, nullptr, r.check, "init",
+                      "give every rank the same WEAVE_CHECK_COLLECTIVES");
   r.device = kCPU;
   if (backend == Backend::NCCL) {
     WEAVE_CHECK(detail::nccl::available(), "init",

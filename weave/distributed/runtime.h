@@ -5,6 +5,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -50,7 +51,8 @@ void check_is_mode(CheckMode mode, const char* op);
 /// Collective over `world`: raises on every rank, naming `op` and ending with `hint`, unless
 /// every rank passes the same mode and no point-to-point message is in flight (sent before
 /// this call, with no receive issued before it).
-void agree_on_check_mode(Communicator& world, CheckMode mode, const char* op, const char* hint);
+void agree_on_check_mode(Communicator& world, AgreementBoard* board, CheckMode mode, const char* op,
+                         const char* hint);
 /// runtime(), after checking that init() ran; `op` names the caller in the error.
 Runtime& live(const char* op);
 /// Reports on stderr that `what` did not complete within the timeout and aborts the whole job
@@ -120,8 +122,9 @@ inline Group::Impl& member(const Call& c) {
   return g;
 }
 
-/// The agreement step before a collective runs (see CheckMode).
-void agree(Group::Impl& g, const Fingerprint& print, CheckMode mode);
+/// The agreement step before a collective runs (see CheckMode); `words` (agree_max's) become
+/// their maximum over the group in the same step, whatever the mode.
+void agree(Group::Impl& g, const Fingerprint& print, CheckMode mode, std::span<int64_t> words = {});
 
 // One thread issues on a group at a time: the ranks must see the same order, and two threads'
 // calls on one rank have none. A second thread arriving while one is inside issue() (which, for
@@ -151,10 +154,12 @@ class IssuingThread {
   bool owned_ = false;
 };
 
-// Runs `body` on the group in program order, after the agreement step (CheckMode). Point-to-
-// point calls (collective = false) take no sequence number; their check travels with them.
+// Runs `body` on the group in program order, after the agreement step (CheckMode), which also
+// takes the maximum of `words` (blocking calls only: the span is the caller's). Point-to-point
+// calls (collective = false) take no sequence number; their check travels with them.
 template <class Body>
-Work issue(const Call& c, Fingerprint print, bool collective, Body&& body, bool async_op) {
+Work issue(const Call& c, Fingerprint print, bool collective, Body&& body, bool async_op,
+           std::span<int64_t> words = {}) {
   Group::Impl& g = member(c);
   c.issued = true;
   IssuingThread one_thread(g, c);
@@ -163,12 +168,12 @@ Work issue(const Call& c, Fingerprint print, bool collective, Body&& body, bool 
     print.sequence = g.next_sequence.fetch_add(1, std::memory_order_relaxed);
     print.step = g.step.load(std::memory_order_relaxed);
   }
-  if (!collective || mode == CheckMode::Off)
+  if (!collective || (mode == CheckMode::Off && words.empty()))
     return g.submit(print, std::forward<Body>(body), async_op);
   return g.submit(
       print,
-      [&g, print, mode, body = std::forward<Body>(body)] {
-        agree(g, print, mode);
+      [&g, print, mode, words, body = std::forward<Body>(body)] {
+        agree(g, print, mode, words);
         body();
       },
       async_op);

@@ -118,40 +118,15 @@ std::shared_ptr<Module> make_expert(int64_t hidden, int64_t ffn, uint64_t seed, 
       std::make_shared<Linear>(ffn, hidden, true, &g)});
 }
 
-MoE::MoE(MoEOptions options) : Module("MoE"), options_(options) {
-  WEAVE_CHECK(options.ffn >= 1, "MoE", "ffn must be at least 1, found {}", options.ffn);
-  Generator g(options.seed);
-  router_ =
-      register_module("router", std::make_shared<TopKRouter>(options.hidden, options.router, &g));
-  for (int64_t e = 0; e < options.router.experts; ++e)
-    experts_.push_back(register_module(fmt::format("expert{}", e),
-                                       make_expert(options.hidden, options.ffn, options.seed, e)));
-}
-
-Tensor MoE::forward(const Tensor& x) {
-  const Shape shape = x.shape();
-  const Tensor tokens = x.reshape({-1, options_.hidden});
-  // The shares matter to the loss only in training (evaluation may run on some ranks alone).
-  const Routing routing = router_->route(tokens, is_training() ? reduce_shares : nullptr);
-  aux_loss_ = routing.aux_loss;
-  stats_ = {tokens.size(0), tokens.size(0) * options_.router.top_k, routing.dropped};
-  const detail::Dispatch dispatch = detail::plan_dispatch(routing, options_.router.experts);
-  const Tensor rows = detail::dispatch_rows(tokens, dispatch);
-  std::vector<Tensor> outputs;
-  int64_t offset = 0;
-  // Every expert runs, on no rows when none were routed to it: its gradient is then zero, not
-  // missing, so the step treats every expert alike on every rank (an optimizer decays it, a
-  // data-parallel wrapper finds it ready at the same point of backward everywhere).
-  for (size_t e = 0; e < experts_.size(); ++e) {
-    const int64_t count = dispatch.per_expert[e];
-    outputs.push_back((*experts_[e])(rows.narrow(0, offset, count)));
-    offset += count;
-  }
-  const Tensor outs = cat(outputs);
-  return detail::combine(outs, dispatch, routing.weight).reshape(shape);
-}
-
 namespace detail {
+
+// The rows an MoE layer sends to its experts: every kept assignment, expert by expert (within
+// an expert in token order), so each expert's rows are contiguous.
+struct Dispatch {
+  std::vector<int64_t> token;        // the token of each dispatched row
+  std::vector<int64_t> per_expert;   // rows of each expert
+  std::vector<int64_t> row_of_slot;  // slot t * top_k + j -> its dispatched row, or -1 (dropped)
+};
 
 Dispatch plan_dispatch(const Routing& routing, int64_t experts) {
   const int64_t k = routing.expert.size(1);
@@ -190,5 +165,65 @@ Tensor combine(const Tensor& rows, const Dispatch& dispatch, const Tensor& weigh
 }
 
 }  // namespace detail
+
+void check_moe_options(const MoEOptions& options) {
+  check_router(options.hidden, options.router);
+  WEAVE_CHECK(options.ffn >= 1, "MoE", "ffn must be at least 1, found {}", options.ffn);
+}
+
+Tensor LocalDispatcher::dispatch(const Tensor& rows, const std::vector<int64_t>& per_expert,
+                                 const std::function<Tensor(int64_t, const Tensor&)>& run,
+                                 MoEStats&) {
+  std::vector<Tensor> outputs;
+  int64_t offset = 0;
+  for (size_t e = 0; e < per_expert.size(); ++e) {
+    outputs.push_back(run(int64_t(e), rows.narrow(0, offset, per_expert[e])));
+    offset += per_expert[e];
+  }
+  return cat(outputs);
+}
+
+MoE::MoE(MoEOptions options, std::shared_ptr<TokenDispatcher> dispatcher)
+    : Module("MoE"),
+      options_(std::move(options)),
+      dispatcher_(dispatcher ? std::move(dispatcher) : std::make_shared<LocalDispatcher>()) {
+  check_moe_options(options_);
+  Generator g(options_.seed);
+  router_ =
+      register_module("router", std::make_shared<TopKRouter>(options_.hidden, options_.router, &g));
+  const auto [first, count] = dispatcher_->held_experts(options_.router.experts);
+  first_ = first;
+  for (int64_t e = first; e < first + count; ++e)
+    experts_.push_back(register_module(
+        fmt::format("expert{}", e), make_expert(options_.hidden, options_.ffn, options_.seed, e)));
+}
+
+Module& MoE::expert(int64_t index) {
+  WEAVE_CHECK(index >= first_ && index < first_ + local_experts(), "MoE",
+              "expert {} is not held on this rank, which holds experts {} to {}", index, first_,
+              first_ + local_experts() - 1);
+  return *experts_[size_t(index - first_)];
+}
+
+Tensor MoE::forward(const Tensor& x) {
+  dispatcher_->check_forward();
+  const Shape shape = x.shape();
+  const Tensor tokens = x.reshape({-1, options_.hidden});
+  const Routing routing =
+      router_->route(tokens, is_training() ? options_.reduce_shares : ShareReduction());
+  aux_loss_ = routing.aux_loss;
+  stats_ = {.tokens = tokens.size(0),
+            .assignments = tokens.size(0) * options_.router.top_k,
+            .dropped = routing.dropped};
+  const detail::Dispatch dispatch = detail::plan_dispatch(routing, options_.router.experts);
+  // Every held expert runs, on no rows when none were routed to it: its gradient is then zero,
+  // not missing, so the step treats every expert alike on every rank (an optimizer decays it,
+  // a data-parallel wrapper finds it ready at the same point of backward everywhere).
+  const Tensor outputs = dispatcher_->dispatch(
+      detail::dispatch_rows(tokens, dispatch), dispatch.per_expert,
+      [this](int64_t e, const Tensor& rows) { return (*experts_[size_t(e - first_)])(rows); },
+      stats_);
+  return detail::combine(outputs, dispatch, routing.weight).reshape(shape);
+}
 
 }  // namespace weave::nn

@@ -8,11 +8,15 @@
 //   Tensor y = moe(x);                              // x [..., 64] -> [..., 64]
 //   Tensor loss = cross_entropy(head(y), targets) + moe.aux_loss();
 //
-// Experts are built from `seed` and their index alone, so every layout of the same experts
-// (this dense layer, or parallel::ExpertParallelMoE spread over ranks) starts equal.
+// One layer for every layout of the experts, as Megatron's: a token dispatcher moves the routed
+// rows to the experts and back. The local one (the default) runs every expert on this rank;
+// parallel::ExpertParallelMoE is this layer with the expert-parallel dispatcher (each rank holds
+// a range of the experts, and rows travel by all_to_all). Experts are built from `seed` and
+// their index alone, so every layout of the same experts starts equal.
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "weave/nn/module.h"
@@ -52,10 +56,7 @@ struct Routing {
   int64_t capacity = 0;  // per expert; 0 without a limit
 };
 
-/// Turns this batch's share of assignments per expert into the shares over every batch the loss
-/// averages over (data-parallel ranks: an all_reduce of the shares, divided by their count), so
-/// that the load-balancing loss equals one process's on the stacked batches (Megatron's global
-/// load balancing). Null: this batch's own.
+/// The load-balancing shares over every batch the loss averages over (MoEOptions::reduce_shares).
 using ShareReduction = std::function<std::vector<double>(const std::vector<double>&)>;
 
 class TopKRouter : public Module {
@@ -78,7 +79,16 @@ struct MoEOptions {
   int64_t ffn = 0;
   RouterOptions router{};
   uint64_t seed = 0;
+  /// Turns each training forward's shares of assignments per expert into the shares over every
+  /// batch the loss averages over (the data-parallel ranks: parallel::shares_over(group)), so
+  /// that the load-balancing loss equals one process's on the stacked batches (Megatron's
+  /// global load balancing). Null: the batch's own. Evaluation always uses its own batch's (it
+  /// may run on some ranks alone).
+  ShareReduction reduce_shares = nullptr;
 };
+
+/// Raises unless the options make a layer (hidden, ffn and the router's options).
+void check_moe_options(const MoEOptions& options);
 
 /// Expert `index` of a layer built from `seed`: hidden -> ffn -> GELU -> hidden.
 std::shared_ptr<Module> make_expert(int64_t hidden, int64_t ffn, uint64_t seed, int64_t index);
@@ -87,48 +97,64 @@ struct MoEStats {
   int64_t tokens = 0;       // of the last forward
   int64_t assignments = 0;  // tokens * top_k
   int64_t dropped = 0;      // assignments beyond an expert's capacity
+  /// Rows this rank sent to other ranks' experts, and received for its own, in the forward's
+  /// dispatch (the combine moves as many back); bytes counts the dispatch and the combine, sent
+  /// and received. Zero under the local dispatcher.
+  int64_t rows_sent = 0, rows_received = 0;
+  int64_t bytes_exchanged = 0;
 };
 
-/// Every expert on this rank.
+/// Moves an MoE layer's routed rows to its experts and their outputs back (Megatron's token
+/// dispatcher). A dispatcher serves one layer.
+class TokenDispatcher {
+ public:
+  virtual ~TokenDispatcher() = default;
+  /// The first of the experts this rank holds, and how many, of a layer of `experts`.
+  virtual std::pair<int64_t, int64_t> held_experts(int64_t experts) const = 0;
+  /// Runs before routing: raises where this forward cannot be served.
+  virtual void check_forward() const {}
+  /// `rows` [R, hidden] in dispatch order (per_expert[e] rows for each expert e of the layer,
+  /// expert by expert) -> the experts' outputs, in the same order. `run(e, rows)` runs held
+  /// expert e. Fills the stats of the exchange.
+  virtual Tensor dispatch(const Tensor& rows, const std::vector<int64_t>& per_expert,
+                          const std::function<Tensor(int64_t, const Tensor&)>& run,
+                          MoEStats& stats) = 0;
+};
+
+/// Every expert on this rank: each runs on its rows where they lie.
+class LocalDispatcher : public TokenDispatcher {
+ public:
+  std::pair<int64_t, int64_t> held_experts(int64_t experts) const override { return {0, experts}; }
+  Tensor dispatch(const Tensor& rows, const std::vector<int64_t>& per_expert,
+                  const std::function<Tensor(int64_t, const Tensor&)>& run,
+                  MoEStats& stats) override;
+};
+
 class MoE : public Module {
  public:
-  explicit MoE(MoEOptions options);
+  /// The experts the dispatcher says this rank holds (LocalDispatcher when null: all of them).
+  explicit MoE(MoEOptions options, std::shared_ptr<TokenDispatcher> dispatcher = nullptr);
   /// x [..., hidden] -> [..., hidden].
   Tensor forward(const Tensor& x) override;
   /// The last forward's auxiliary loss (add it to the training loss).
   const Tensor& aux_loss() const { return aux_loss_; }
   const MoEStats& stats() const { return stats_; }
   TopKRouter& router() { return *router_; }
-  Module& expert(int64_t index) { return *experts_[size_t(index)]; }
-  /// Applied to the load-balancing shares of every forward in training mode (see
-  /// ShareReduction); evaluation uses its own batch's.
-  ShareReduction reduce_shares = nullptr;
+  /// The experts this rank holds: global indices [first_expert(), first_expert() +
+  /// local_experts()).
+  int64_t first_expert() const { return first_; }
+  int64_t local_experts() const { return int64_t(experts_.size()); }
+  /// Expert `index` (a global index, of an expert this rank holds).
+  Module& expert(int64_t index);
 
  private:
   MoEOptions options_;
+  std::shared_ptr<TokenDispatcher> dispatcher_;
+  int64_t first_ = 0;
   std::shared_ptr<TopKRouter> router_;
   std::vector<std::shared_ptr<Module>> experts_;
   Tensor aux_loss_;
   MoEStats stats_;
 };
-
-namespace detail {
-
-/// The rows an MoE layer sends to its experts: every kept assignment, expert by expert (within
-/// an expert in token order), so each expert's rows are contiguous.
-struct Dispatch {
-  std::vector<int64_t> token;        // the token of each dispatched row
-  std::vector<int64_t> per_expert;   // rows of each expert
-  std::vector<int64_t> row_of_slot;  // slot t * top_k + j -> its dispatched row, or -1 (dropped)
-};
-Dispatch plan_dispatch(const Routing& routing, int64_t experts);
-/// The tokens' rows in dispatch order (differentiable).
-Tensor dispatch_rows(const Tensor& tokens, const Dispatch& dispatch);
-/// output[t] = sum_j weight[t, j] rows[row_of_slot[t * top_k + j]] (differentiable in rows and
-/// weight); rows holds the experts' outputs in dispatch order, and weight is 0 at dropped slots
-/// (as Routing::weight is).
-Tensor combine(const Tensor& rows, const Dispatch& dispatch, const Tensor& weight);
-
-}  // namespace detail
 
 }  // namespace weave::nn

@@ -1,6 +1,7 @@
 // scaled_dot_product_attention: checks, layouts and the autograd record around the fused
 // kernels (kernels/cpu/attention.cpp, kernels/cuda/attention.cu).
 #include <cmath>
+#include <tuple>
 
 #include "weave/ops/attention_blocks.h"
 #include "weave/ops/autocast.h"
@@ -195,6 +196,40 @@ AttentionResult scaled_dot_product_attention_with_lse(const Tensor& q, const Ten
         };
       });
   return {output, f.lse};
+}
+
+AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad, const Tensor& q,
+                                                     const Tensor& k, const Tensor& v,
+                                                     const Tensor& output, const Tensor& logsumexp,
+                                                     const AttentionOptions& options) {
+  constexpr const char* op = "scaled_dot_product_attention_backward";
+  WEAVE_CHECK(options.dropout_p == 0, op,
+              "dropout_p is {}, but a dropout mask is regenerated only inside the op's own "
+              "backward; hint: call scaled_dot_product_attention and let autograd differentiate",
+              options.dropout_p);
+  const Checked c = check_and_prepare(q, k, v, options);
+  const Shape rows{q.size(0), q.size(1), q.size(2)},
+      out_shape{rows[0], rows[1], rows[2], v.size(3)};
+  for (const auto& [t, what, want] :
+       {std::tuple{&grad, "grad", out_shape}, std::tuple{&output, "output", out_shape},
+        std::tuple{&logsumexp, "logsumexp", rows}}) {
+    check_defined(*t, op, what);
+    check_same_device(q, *t, op);
+    WEAVE_CHECK(t->shape() == want, op, "expected {} of shape {}, found {}", what, want,
+                t->shape());
+  }
+  const DType dtype = c.q.dtype();
+  const Saved s{SavedTensor(c.q),
+                SavedTensor(c.k),
+                SavedTensor(c.v),
+                SavedTensor(operand(output, dtype)),
+                convert(logsumexp, kernel_dtype(dtype)).contiguous(),
+                c.mask,
+                c.params};
+  Tensor dq = empty_like_heads_last(c.q), dk = empty_like_heads_last(c.k);
+  Tensor dv = empty_like_heads_last(c.v);
+  attention_grads(s, grad, dq, dk, dv, Tensor());
+  return {convert(dq, q.dtype()), convert(dk, k.dtype()), convert(dv, v.dtype())};
 }
 
 Tensor packed_qkv_attention(const Tensor& qkv, const AttentionOptions& options) {

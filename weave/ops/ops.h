@@ -267,6 +267,19 @@ AttentionResult scaled_dot_product_attention_with_lse(const Tensor& q, const Ten
                                                       const Tensor& v,
                                                       const AttentionOptions& options = {});
 
+struct AttentionGrads {
+  Tensor q, k, v;
+};
+/// The gradients of scaled_dot_product_attention_with_lse with respect to q, k and v, given
+/// `grad` (of the output), the output and its log-sum-exp: for code that computes attention
+/// block by block and merges the blocks by their log-sum-exps (ring attention), where no
+/// autograd record covers a block. The options are the forward's; a mask is allowed, dropout
+/// is not (its mask cannot be regenerated outside the op's own record). Records nothing.
+AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad, const Tensor& q,
+                                                     const Tensor& k, const Tensor& v,
+                                                     const Tensor& output, const Tensor& logsumexp,
+                                                     const AttentionOptions& options = {});
+
 /// The keep-mask (bool [B, H, Tq, Tk]) that attention dropout with probability p applies when
 /// called with `generator` in the same state (it takes the same one draw from it): to
 /// reproduce a run, or to check the fused op against the composed one.

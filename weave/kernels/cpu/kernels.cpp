@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "weave/kernels/backends.h"
+#include "weave/kernels/common/elementwise.h"
 #include "weave/kernels/cpu/eigen.h"
 #include "weave/kernels/cpu/loops.h"
 #include "weave/kernels/cpu/vector_math.h"
@@ -16,63 +17,7 @@ constexpr bool kEigenScalar = std::is_same_v<T, float> || std::is_same_v<T, doub
 
 }  // namespace
 
-void unary(UnaryOp op, const Tensor& x, const Tensor& out) {
-  visit_unary_op(op, [&](auto functor, const char* name) {
-    using F = typename decltype(functor)::type;
-    visit_unary<F>(x.dtype(), name, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      map<T, T>([](auto v) { return F{}(v); }, out, x);
-    });
-  });
-}
-
-void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
-                    const Tensor& out) {
-  visit_unary_op(op, [&](auto functor, const char* name) {
-    using F = typename decltype(functor)::type;
-    visit_unary<F>(x.dtype(), name, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      map<T, T, T, T>([](auto g, auto a, auto b) { return g * F{}.grad(a, b); }, out, grad, x, y);
-    });
-  });
-}
-
-void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
-  visit_binary_op(op, [&](auto functor, const char* name) {
-    using F = typename decltype(functor)::type;
-    auto body = [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      using Out = std::conditional_t<kComparison<F>, bool, T>;
-      map<Out, T, T>([](auto u, auto v) { return F{}(u, v); }, out, a, b);
-    };
-    if constexpr (kComparison<F>)
-      visit_dtype(a.dtype(), body);
-    else
-      visit_arithmetic(a.dtype(), name, body);
-  });
-}
-
-void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,
-             const Tensor& out) {
-  visit_floating(out.dtype(), divide ? "addcdiv_" : "addcmul_", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    map<T, T, T, T>(functors::AddCMulDiv{value, divide}, out, self, a, b);
-  });
-}
-
-void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out) {
-  visit_floating(out.dtype(), "lerp_", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    map<T, T, T>(functors::Lerp{weight}, out, self, end);
-  });
-}
-
-void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
-  visit_dtype(a.dtype(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    map<T, bool, T, T>([](bool c, auto u, auto v) { return c ? u : v; }, out, cond, a, b);
-  });
-}
+WEAVE_SHARED_ELEMENTWISE_KERNELS(LoopMap)
 
 void copy(const Tensor& src, const Tensor& dst) {
   if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous() &&

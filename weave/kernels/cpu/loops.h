@@ -150,4 +150,12 @@ void map(const F& f, const Tensor& out, const typename TensorFor<TI>::type&... i
   });
 }
 
+/// The strided loops as common/elementwise.h's Map.
+struct LoopMap {
+  template <class TO, class... TI, class F>
+  static void run(const F& f, const Tensor& out, const typename TensorFor<TI>::type&... ins) {
+    map<TO, TI...>(f, out, ins...);
+  }
+};
+
 }  // namespace weave::kernels::cpu

@@ -187,25 +187,4 @@ void cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tens
   });
 }
 
-void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tensor& out) {
-  visit_unary_op(op, [&](auto functor, const char* name) {
-    using F = typename decltype(functor)::type;
-    visit_bias_activation<F>(x.dtype(), name, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      map<T, T, T>(functors::BiasApply<F>{}, out, x, bias);
-    });
-  });
-}
-
-void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& bias,
-                              const Tensor& out) {
-  visit_unary_op(op, [&](auto functor, const char* name) {
-    using F = typename decltype(functor)::type;
-    visit_bias_activation<F>(x.dtype(), name, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      map<T, T, T, T>(functors::BiasApplyGrad<F>{}, out, grad, x, bias);
-    });
-  });
-}
-
 }  // namespace weave::kernels::cpu

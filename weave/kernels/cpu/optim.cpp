@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "weave/kernels/backends.h"
+#include "weave/kernels/common/optim.h"
 #include "weave/kernels/cpu/loops.h"
 
 namespace weave::kernels::cpu {
@@ -50,8 +51,7 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
   auto run = [&](auto tag) {
     using P = typename decltype(tag)::type;
     using T = compute_t<P>;
-    const auto c = functors::sgd_constants<T>(step.lr, step.momentum, step.dampening,
-                                              step.weight_decay, step.nesterov, step.first);
+    const auto c = common::sgd_constants<T>(step);
     P* p = param.data<P>();
     const P* g = grad.data<P>();
     T* buffer = step.momentum != 0 ? momentum_buffer.data<T>() : nullptr;
@@ -67,9 +67,7 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
   auto run = [&](auto tag) {
     using P = typename decltype(tag)::type;
     using T = compute_t<P>;
-    const auto c =
-        functors::adam_constants<T>(step.lr, step.beta1, step.beta2, step.eps, step.weight_decay,
-                                    step.correction1, step.correction2, step.decoupled);
+    const auto c = common::adam_constants<T>(step);
     P* p = param.data<P>();
     const P* g = grad.data<P>();
     T* m = exp_avg.data<T>();

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "weave/kernels/backends.h"
+#include "weave/kernels/common/elementwise.h"
 #include "weave/tensor/cuda/common.cuh"
 
 namespace weave::kernels::cuda {
@@ -159,33 +160,14 @@ void map(F f, const Tensor& out, const typename TensorFor<TI>::type&... ins) {
   check_launch("cuda elementwise");
 }
 
-template <class Functor>
-struct Apply {
-  template <class T>
-  __device__ T operator()(T x) const {
-    return Functor{}(x);
+/// The kernels as common/elementwise.h's Map.
+struct KernelMap {
+  template <class TO, class... TI, class F>
+  static void run(F f, const Tensor& out, const typename TensorFor<TI>::type&... ins) {
+    map<TO, TI...>(f, out, ins...);
   }
 };
-template <class Functor>
-struct ApplyGrad {
-  template <class T>
-  __device__ T operator()(T g, T x, T y) const {
-    return g * Functor{}.grad(x, y);
-  }
-};
-template <class Functor>
-struct ApplyBinary {
-  template <class T>
-  __device__ auto operator()(T a, T b) const {
-    return Functor{}(a, b);
-  }
-};
-struct Select {
-  template <class T>
-  __device__ T operator()(bool c, T a, T b) const {
-    return c ? a : b;
-  }
-};
+
 struct Identity {
   template <class T>
   __device__ T operator()(T x) const {
@@ -200,84 +182,7 @@ struct Constant {
 
 }  // namespace
 
-void unary(UnaryOp op, const Tensor& x, const Tensor& out) {
-  visit_unary_op(op, [&](auto functor, const char* name) {
-    using F = typename decltype(functor)::type;
-    visit_unary<F>(x.dtype(), name, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      map<T, T>(Apply<F>{}, out, x);
-    });
-  });
-}
-
-void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,
-                    const Tensor& out) {
-  visit_unary_op(op, [&](auto functor, const char* name) {
-    using F = typename decltype(functor)::type;
-    visit_unary<F>(x.dtype(), name, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      map<T, T, T, T>(ApplyGrad<F>{}, out, grad, x, y);
-    });
-  });
-}
-
-void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
-  visit_binary_op(op, [&](auto functor, const char* name) {
-    using F = typename decltype(functor)::type;
-    auto body = [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      using Out = std::conditional_t<kComparison<F>, bool, T>;
-      map<Out, T, T>(ApplyBinary<F>{}, out, a, b);
-    };
-    if constexpr (kComparison<F>)
-      visit_dtype(a.dtype(), body);
-    else
-      visit_arithmetic(a.dtype(), name, body);
-  });
-}
-
-void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tensor& out) {
-  visit_unary_op(op, [&](auto functor, const char* name) {
-    using F = typename decltype(functor)::type;
-    visit_bias_activation<F>(x.dtype(), name, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      map<T, T, T>(functors::BiasApply<F>{}, out, x, bias);
-    });
-  });
-}
-
-void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& bias,
-                              const Tensor& out) {
-  visit_unary_op(op, [&](auto functor, const char* name) {
-    using F = typename decltype(functor)::type;
-    visit_bias_activation<F>(x.dtype(), name, [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      map<T, T, T, T>(functors::BiasApplyGrad<F>{}, out, grad, x, bias);
-    });
-  });
-}
-
-void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,
-             const Tensor& out) {
-  visit_floating(out.dtype(), divide ? "addcdiv_" : "addcmul_", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    map<T, T, T, T>(functors::AddCMulDiv{value, divide}, out, self, a, b);
-  });
-}
-
-void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out) {
-  visit_floating(out.dtype(), "lerp_", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    map<T, T, T>(functors::Lerp{weight}, out, self, end);
-  });
-}
-
-void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {
-  visit_dtype(a.dtype(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    map<T, bool, T, T>(Select{}, out, cond, a, b);
-  });
-}
+WEAVE_SHARED_ELEMENTWISE_KERNELS(KernelMap)
 
 void copy(const Tensor& src, const Tensor& dst) {
   if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous()) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "weave/kernels/backends.h"
+#include "weave/kernels/common/optim.h"
 #include "weave/tensor/cuda/common.cuh"
 
 namespace weave::kernels::cuda {
@@ -140,9 +141,7 @@ __global__ void adam_many_kernel(TensorList<4> list, AdamStep step) {
   const P* g = static_cast<const P*>(list.data[1][r.tensor]);
   T* m = static_cast<T*>(list.data[2][r.tensor]);
   T* v = static_cast<T*>(list.data[3][r.tensor]);
-  const auto c = functors::adam_constants<T>(step.lr, step.beta1, step.beta2, step.eps,
-                                             list.weight_decay[r.tensor], step.correction1,
-                                             step.correction2, step.decoupled);
+  const auto c = common::adam_constants<T>(step, list.weight_decay[r.tensor]);
   for (int64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
     T value = T(p[i]);
     functors::adam_element(value, T(g[i]), m[i], v[i], c);

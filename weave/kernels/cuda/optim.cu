@@ -1,5 +1,6 @@
 // Fused optimizer updates on CUDA: one grid-stride pass over the parameter and its state.
 #include "weave/kernels/backends.h"
+#include "weave/kernels/common/optim.h"
 #include "weave/tensor/cuda/common.cuh"
 
 namespace weave::kernels::cuda {
@@ -38,8 +39,7 @@ void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_
   auto launch = [&](auto tag) {
     using P = typename decltype(tag)::type;
     using T = compute_t<P>;
-    const auto c = functors::sgd_constants<T>(step.lr, step.momentum, step.dampening,
-                                              step.weight_decay, step.nesterov, step.first);
+    const auto c = common::sgd_constants<T>(step);
     sgd_kernel<P><<<blocks, kThreads, 0, weave::cuda::stream(param.device().index)>>>(
         static_cast<P*>(param.data_ptr()), static_cast<const P*>(grad.data_ptr()),
         step.momentum != 0 ? static_cast<T*>(momentum_buffer.data_ptr()) : nullptr, n, c);
@@ -57,9 +57,7 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
   auto launch = [&](auto tag) {
     using P = typename decltype(tag)::type;
     using T = compute_t<P>;
-    const auto c =
-        functors::adam_constants<T>(step.lr, step.beta1, step.beta2, step.eps, step.weight_decay,
-                                    step.correction1, step.correction2, step.decoupled);
+    const auto c = common::adam_constants<T>(step);
     adam_kernel<P><<<blocks, kThreads, 0, weave::cuda::stream(param.device().index)>>>(
         static_cast<P*>(param.data_ptr()), static_cast<const P*>(grad.data_ptr()),
         static_cast<T*>(exp_avg.data_ptr()), static_cast<T*>(exp_avg_sq.data_ptr()), n, c);

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "weave/data/files.h"
+#include "weave/tensor/checksum.h"
 
 namespace weave::parallel::detail {
 
@@ -116,7 +117,7 @@ int64_t verify_checkpoint_files(const std::string& dir, const CheckpointIndex& i
     const std::string image = data::read_file(path);
     bytes += int64_t(image.size());
     if (!index.checksums.empty()) {
-      const uint32_t found = data::checksum_bytes(image.data(), image.size());
+      const uint32_t found = checksum_bytes(image.data(), image.size());
       WEAVE_CHECK(found == index.checksums[i], kOp,
                   "{} has CRC-32 {:08x}, but the index recorded {:08x}: the file changed or "
                   "belongs to another save",

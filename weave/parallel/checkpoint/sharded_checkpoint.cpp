@@ -20,6 +20,7 @@
 #include "weave/parallel/checkpoint/reshard.h"
 #include "weave/parallel/checkpoint/saved_pieces.h"
 #include "weave/parallel/core/agree.h"
+#include "weave/tensor/checksum.h"
 
 namespace weave::parallel {
 
@@ -113,7 +114,7 @@ void write_files(Save& save) {
         data::serialize_safetensors(save.contents.tensors, save.contents.metadata);
     data::write_file_atomically(save.dir + "/" + name, image);
     save.written = int64_t(image.size());
-    save.crc = data::checksum_bytes(image.data(), image.size());
+    save.crc = checksum_bytes(image.data(), image.size());
   } catch (...) {
     save.error = std::current_exception();
   }
@@ -449,12 +450,10 @@ ShardedLoadReport load_sharded_checkpoint(const std::string& dir, data::Training
               "the ranks of group {} read different files in {} (was it replaced meanwhile?); "
               "nothing was changed",
               group.str(), dir);
-  Tensor taken = zeros({int64_t(saved.size())}, {.dtype = kInt32});
+  std::vector<int64_t> any(saved.size(), 0);
   for (size_t i = 0; i < saved.size(); ++i)
-    if (std::binary_search(plan.wanted.begin(), plan.wanted.end(), saved[i]))
-      taken.narrow(0, int64_t(i), 1).fill_(1);
-  dist::all_reduce(taken, dist::ReduceOp::Max, group);
-  const std::vector<int32_t> any = taken.to_vector<int32_t>();
+    any[i] = std::binary_search(plan.wanted.begin(), plan.wanted.end(), saved[i]) ? 1 : 0;
+  any = dist::agree_max(std::move(any), group);
   for (size_t i = 0; i < saved.size(); ++i)
     WEAVE_CHECK(any[i] == 1, op,
                 "{} holds '{}', which nothing being restored on any rank takes; nothing was "

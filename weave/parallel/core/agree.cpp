@@ -1,25 +1,17 @@
-// Agreement over a group: every question is answered by one max all_reduce over int64 words,
-// and every byte exchange moves its lengths first.
+// Agreement over a group: every question is answered by dist::agree_max over int64 words, and
+// every byte exchange moves its lengths first.
 #include "weave/parallel/core/agree.h"
 
 #include <algorithm>
 #include <cstring>
 
 #include "weave/autograd/grad_mode.h"
-#include "weave/data/safetensors.h"
 #include "weave/ops/ops.h"
+#include "weave/tensor/checksum.h"
 
 namespace weave::parallel::detail {
 
 namespace {
-
-// The elementwise maximum of `words` over the group.
-std::vector<int64_t> max_over(const std::vector<int64_t>& words, const dist::Group& group) {
-  NoGradGuard no_grad;
-  Tensor packed = from_vector<int64_t>(words, {int64_t(words.size())});
-  dist::all_reduce(packed, dist::ReduceOp::Max, group);
-  return packed.to_vector<int64_t>();
-}
 
 // `values` then their negations: the maxima of both give the range.
 std::vector<int64_t> with_negations(const std::vector<int64_t>& values) {
@@ -35,6 +27,27 @@ ValueRange range_of(const std::vector<int64_t>& maxima, size_t n) {
     range.lowest.push_back(-maxima[n + i]);
   }
   return range;
+}
+
+// The one skeleton of "do this, then learn whether every rank did": runs `work` (catching
+// anything: the peers must learn of a failure whatever its type), then takes the maxima of
+// `values` (as `work` left them) and of their negations, with the failure flag, in one
+// agreement; re-raises this rank's own error, or calls `peer_failed` (which raises) when
+// another rank's work failed. Returns the range of the values.
+ValueRange together(const std::function<void()>& work, const std::vector<int64_t>& values,
+                    const dist::Group& group, const std::function<void()>& peer_failed) {
+  std::exception_ptr mine;
+  try {
+    work();
+  } catch (...) {
+    mine = std::current_exception();
+  }
+  std::vector<int64_t> words = with_negations(values);
+  words.push_back(mine ? 1 : 0);  // last: whether any rank's work raised
+  words = dist::agree_max(std::move(words), group);
+  if (mine) std::rethrow_exception(mine);
+  if (words.back() != 0) peer_failed();
+  return range_of(words, values.size());
 }
 
 Tensor bytes_tensor(const std::string& bytes) {
@@ -57,44 +70,42 @@ std::vector<int64_t> all_lengths(const std::string& mine, const dist::Group& gro
 }  // namespace
 
 bool all_agree(bool mine, const dist::Group& group) {
-  return max_over({mine ? 0 : 1}, group)[0] == 0;
+  return dist::agree_max({mine ? 0 : 1}, group)[0] == 0;
 }
 
 void run_together(const char* op, const dist::Group& group, const std::string& what,
                   const std::function<void()>& step) {
-  std::exception_ptr error;
-  try {
-    step();
-  } catch (...) {  // any type: the peers must learn of it all the same
-    error = std::current_exception();
-  }
-  const bool everywhere = all_agree(error == nullptr, group);
-  if (error) std::rethrow_exception(error);
-  WEAVE_CHECK(everywhere, op, "another rank of group {} failed to {}; see its error", group.str(),
-              what);
+  together(step, {}, group, [&] {
+    WEAVE_FAIL(op, "another rank of group {} failed to {}; see its error", group.str(), what);
+  });
 }
 
 ValueRange value_range(const std::vector<int64_t>& values, const dist::Group& group) {
-  return range_of(max_over(with_negations(values), group), values.size());
+  return range_of(dist::agree_max(with_negations(values), group), values.size());
 }
 
 ValueRange check_together(const std::function<void()>& checks, const dist::Group& group,
                           const char* op, const std::vector<int64_t>& values) {
-  std::exception_ptr mine;
-  try {
-    checks();
-  } catch (...) {  // any type: the peers must learn of it all the same
-    mine = std::current_exception();
-  }
-  std::vector<int64_t> words = with_negations(values);
-  words.push_back(mine ? 1 : 0);  // last: whether any rank's checks raised
-  const std::vector<int64_t> maxima = max_over(words, group);
-  if (mine) std::rethrow_exception(mine);
-  WEAVE_CHECK(maxima.back() == 0, op,
-              "a rank of group {} rejected its arguments (see its error), so every rank raises "
-              "before anything is sent",
-              group.str());
-  return range_of(maxima, values.size());
+  return together(checks, values, group, [&] {
+    WEAVE_FAIL(op,
+               "a rank of group {} rejected its arguments (see its error), so every rank raises "
+               "before anything is sent",
+               group.str());
+  });
+}
+
+std::vector<std::vector<int>> ranks_where(const std::vector<bool>& facts,
+                                          const dist::Group& group) {
+  // One word per fact and rank, each rank setting its own: the maximum marks every rank's.
+  const size_t n = size_t(group.size()), me = size_t(group.rank());
+  std::vector<int64_t> words(facts.size() * n, 0);
+  for (size_t f = 0; f < facts.size(); ++f) words[f * n + me] = facts[f] ? 1 : 0;
+  words = dist::agree_max(std::move(words), group);
+  std::vector<std::vector<int>> ranks(facts.size());
+  for (size_t f = 0; f < facts.size(); ++f)
+    for (size_t r = 0; r < n; ++r)
+      if (words[f * n + r] != 0) ranks[f].push_back(int(r));
+  return ranks;
 }
 
 std::vector<std::string> all_gather_bytes(const std::string& mine, const dist::Group& group) {
@@ -179,7 +190,7 @@ std::vector<std::string> describe_values(const std::vector<Tensor>& tensors) {
   std::vector<std::string> lines;
   for (size_t i = 0; i < tensors.size(); ++i)
     lines.push_back(fmt::format("parameter {} crc32 {:08x}", i,
-                                tensors[i].defined() ? data::checksum(tensors[i]) : 0u));
+                                tensors[i].defined() ? checksum(tensors[i]) : 0u));
   return lines;
 }
 

@@ -3,12 +3,16 @@
 // exchange of bytes between ranks in parallel/ goes through these functions, so that a failure
 // on one rank becomes an error on every rank, never a hang.
 //
+// The questions answered by a maximum go through dist::agree_max (one board round per 15 words
+// when the ranks share a machine, else one all_reduce; the collective guard rides along):
+//
 //   question                                   function         cost
-//   did this hold on every rank?               all_agree        one all_reduce of one word
+//   did this hold on every rank?               all_agree        agree_max of one word
 //   run a step; did it succeed everywhere?     run_together     the step, then all_agree
-//   check my arguments, and do the ranks       check_together   the checks, then one all_reduce
+//   check my arguments, and do the ranks       check_together   the checks, then agree_max
 //     agree on these numbers?                                     of 2n + 1 words
-//   the lowest and highest of each number      value_range      one all_reduce of 2n words
+//   the lowest and highest of each number      value_range      agree_max of 2n words
+//   on which ranks does each fact hold?        ranks_where      agree_max of facts x ranks words
 //   every rank's bytes, everywhere             all_gather_bytes an all_gather of the lengths,
 //                                                                 then of the bytes
 //   root's bytes, everywhere                   broadcast_bytes  two broadcasts
@@ -32,7 +36,7 @@ bool all_agree(bool mine, const dist::Group& group);
 /// Runs `step` on this rank, then learns whether it succeeded on every rank: a rank whose step
 /// raised (anything: weave::Error, bad_alloc, a filesystem error) re-raises its own error, and
 /// every other rank raises "[op] another rank of group G failed to <what>; see its error".
-/// Collective: one all_reduce after the step.
+/// Collective: one agreement after the step.
 void run_together(const char* op, const dist::Group& group, const std::string& what,
                   const std::function<void()>& step);
 
@@ -42,16 +46,22 @@ struct ValueRange {
   std::vector<int64_t> lowest, highest;
   bool same(size_t i) const { return lowest[i] == highest[i]; }
 };
-/// Collective: one all_reduce (the maxima of the values and of their negations).
+/// Collective: one agreement (the maxima of the values and of their negations).
 ValueRange value_range(const std::vector<int64_t>& values, const dist::Group& group);
 
 /// Runs this rank's argument `checks`, then agrees on the outcome over the group before anything
 /// else is communicated: a rank whose checks raised re-raises its error, and every other rank
 /// raises too ("a rank of group ... rejected its arguments"), so none waits for a peer that
-/// gave up. `values` travel in the same all_reduce; their range over the group is returned.
-/// Values must be greater than INT64_MIN. Collective: one all_reduce.
+/// gave up. `values` travel in the same agreement, read after the checks ran (which may fill
+/// them); their range over the group is returned.
+/// Values must be greater than INT64_MIN. Collective: one agreement.
 ValueRange check_together(const std::function<void()>& checks, const dist::Group& group,
                           const char* op, const std::vector<int64_t>& values = {});
+
+/// For each of this rank's `facts`, the group ranks on which it holds (ascending): counts and
+/// names of the ranks that failed, or still train. Collective: one agreement of one word per
+/// fact and rank.
+std::vector<std::vector<int>> ranks_where(const std::vector<bool>& facts, const dist::Group& group);
 
 /// Every rank's `mine`, in group-rank order, on every rank. Collective.
 std::vector<std::string> all_gather_bytes(const std::string& mine, const dist::Group& group);

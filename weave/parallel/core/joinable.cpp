@@ -2,8 +2,7 @@
 // steps.
 #include "weave/parallel/core/joinable.h"
 
-#include "weave/autograd/grad_mode.h"
-#include "weave/ops/ops.h"
+#include "weave/parallel/core/agree.h"
 
 namespace weave::parallel::detail {
 
@@ -26,11 +25,8 @@ bool in_join_region() {
 }
 
 JoinCount JoinRegion::count(bool training, bool failed) {
-  NoGradGuard no_grad;
-  Tensor flags = from_vector<int64_t>({training ? 1 : 0, failed ? 1 : 0}, {2});
-  dist::all_reduce(flags, dist::ReduceOp::Sum, group_);
-  const std::vector<int64_t> sums = flags.to_vector<int64_t>();
-  const JoinCount result{sums[0], sums[1]};
+  const std::vector<std::vector<int>> ranks = ranks_where({training, failed}, group_);
+  const JoinCount result{int64_t(ranks[0].size()), int64_t(ranks[1].size())};
   if (result.failed > 0) failure_counted_ = true;
   return result;
 }

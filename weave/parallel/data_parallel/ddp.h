@@ -29,7 +29,8 @@
 // (one piece per rank of it), or construction raises on every rank.
 //
 //   parallel::ProcessMesh mesh({.data = 2, .context = 2, .expert = 2});   // 4 ranks
-//   parallel::ExpertParallelMoE moe(options, mesh.expert(), mesh.data_and_context());
+//   options.reduce_shares = parallel::shares_over(mesh.data_and_context());
+//   parallel::ExpertParallelMoE moe(options, mesh.expert());
 //   parallel::DistributedDataParallel ddp(model, {.find_unused_parameters = true,  // routing
 //                                                 .group = mesh.data_and_context()});
 //

@@ -203,25 +203,40 @@ void install_module_hooks(const std::shared_ptr<State>& state) {
   }
 }
 
-// Reduce-scatters go out in reverse unit order (backward's usual order), the root last.
-void install_readiness(State& s) {
+// Reduce-scatters go out in reverse unit order (backward's usual order), the root last: one
+// bucket per unit with parameters, built with the unit it launches.
+void install_readiness(const std::shared_ptr<State>& state) {
+  State& s = *state;
+  std::vector<int> reduce_order;
+  for (int u = int(s.units.size()) - 2; u >= 0; --u) reduce_order.push_back(u);
+  reduce_order.push_back(int(s.units.size()) - 1);
   std::vector<std::vector<int>> buckets;
-  auto add_bucket = [&](const State::Unit& unit) {
-    buckets.emplace_back();
-    for (const State::Flat& f : unit.flats())
-      buckets.back().insert(buckets.back().end(), f.params.begin(), f.params.end());
-  };
-  for (int u = int(s.units.size()) - 2; u >= 0; --u) add_bucket(s.units[size_t(u)]);
-  add_bucket(s.root());
-  const int unit_count = int(s.units.size());
-  State* raw = &s;
+  std::vector<int> unit_of_bucket;
+  for (int u : reduce_order) {
+    std::vector<int> members;
+    for (const State::Flat& f : s.units[size_t(u)].flats())
+      members.insert(members.end(), f.params.begin(), f.params.end());
+    if (members.empty()) continue;  // an empty root unit has nothing to reduce
+    buckets.push_back(std::move(members));
+    unit_of_bucket.push_back(u);
+  }
+  // The same capture as every other hook: the wrapper may be gone when a callback runs.
+  std::weak_ptr<State> weak = state;
   s.readiness = detail::GradReadiness::create(
-      s.params,
-      {.ready = [raw](int i) { raw->bind_grads(raw->units[size_t(raw->unit_of[size_t(i)])]); },
-       .launch = [raw, unit_count](
-                     int b) { raw->launch_reduce(b + 1 == unit_count ? b : unit_count - 2 - b); },
-       .finish = [raw](bool failed) { raw->settle(failed); }});
-  std::erase_if(buckets, [](const std::vector<int>& b) { return b.empty(); });
+      s.params, {.ready =
+                     [weak](int i) {
+                       if (auto alive = weak.lock())
+                         alive->bind_grads(alive->units[size_t(alive->unit_of[size_t(i)])]);
+                     },
+                 .launch =
+                     [weak, unit_of_bucket](int b) {
+                       if (auto alive = weak.lock())
+                         alive->launch_reduce(unit_of_bucket[size_t(b)]);
+                     },
+                 .finish =
+                     [weak](bool failed) {
+                       if (auto alive = weak.lock()) alive->settle(failed);
+                     }});
   s.readiness->set_buckets(buckets);
 }
 
@@ -234,11 +249,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
   const UnitSpecs unit_specs = agree_on_units(module, s);
   build_units(module, s, unit_specs);
   install_module_hooks(state_);
-  install_readiness(s);
+  install_readiness(state_);
   for (State::Unit& u : s.units) s.release(u);
-  s.backward_began.assign(s.units.size(), 0);
-  s.forward_began.assign(s.units.size(), 0);
-  s.forward_start_ns.assign(s.units.size(), 0);
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
@@ -255,8 +267,7 @@ Tensor FullyShardedDataParallel::forward(const Tensor& input) {
     dist::set_step(s.group, s.stats.steps);
     s.disagreements_seen = dist::disagreements(s.group);  // the step starts in step
   }
-  s.forward_began.assign(s.units.size(), 0);
-  if (autograd::GradMode::is_enabled()) s.backward_began.assign(s.units.size(), 0);
+  s.new_forward(/*with_backward=*/autograd::GradMode::is_enabled());
   Tensor out;
   try {
     s.ensure_gathered(s.root());

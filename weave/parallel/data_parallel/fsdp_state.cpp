@@ -37,7 +37,7 @@ void FullyShardedDataParallel::State::pre_forward(int u) {
   Unit& unit = units[size_t(u)];
   ensure_gathered(unit);
   if (recomputing()) return;
-  forward_began[size_t(u)] = 1;
+  unit.marks().forward_began = true;
   if (!order_known &&
       std::find(forward_order.begin(), forward_order.end(), u) == forward_order.end())
     forward_order.push_back(u);
@@ -45,14 +45,14 @@ void FullyShardedDataParallel::State::pre_forward(int u) {
     const int next = next_in_forward(u, +1);
     if (next >= 0) units[size_t(next)].launch_gather(stats, /*prefetch=*/true);
   }
-  if (trace::enabled()) forward_start_ns[size_t(u)] = trace::detail::now_ns();
+  if (trace::enabled()) unit.marks().forward_start_ns = trace::detail::now_ns();
 }
 
 Tensor FullyShardedDataParallel::State::post_forward(int u, const Tensor& output) {
   Unit& unit = units[size_t(u)];
   if (recomputing()) return output;  // its backward follows at once: keep it gathered
   if (trace::enabled())
-    trace::detail::record("fsdp", fmt::format("forward unit {}", u), forward_start_ns[size_t(u)],
+    trace::detail::record("fsdp", fmt::format("forward unit {}", u), unit.marks().forward_start_ns,
                           trace::detail::now_ns(), fmt::format("\"unit\": {}", u));
   if (autograd::GradMode::is_enabled() && output.defined() && output.requires_grad()) {
     std::weak_ptr<State> weak = self;
@@ -72,8 +72,9 @@ void FullyShardedDataParallel::State::pre_backward(int u) {
 }
 
 void FullyShardedDataParallel::State::gather_for_backward(int u) {
-  backward_began[size_t(u)] = 1;
-  ensure_gathered(units[size_t(u)]);
+  Unit& unit = units[size_t(u)];
+  unit.marks().backward_began = true;
+  ensure_gathered(unit);
   if (options.prefetch) {
     const int previous = next_in_forward(u, -1);
     if (previous >= 0) units[size_t(previous)].launch_gather(stats, /*prefetch=*/true);
@@ -90,7 +91,7 @@ std::vector<int> FullyShardedDataParallel::State::completed_forward_order() cons
 void FullyShardedDataParallel::State::replay_rest_of_backward(bool reduce) {
   const std::vector<int> order = completed_forward_order();
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
-    if (!backward_began[size_t(*it)]) gather_for_backward(*it);
+    if (!units[size_t(*it)].marks().backward_began) gather_for_backward(*it);
     if (!reduce) continue;
     for (const Flat& f : units[size_t(*it)].flats())
       for (int i : f.params) readiness->mark_ready(i);
@@ -101,7 +102,7 @@ void FullyShardedDataParallel::State::replay_rest_of_forward() {
   forward_order = completed_forward_order();
   order_known = true;
   for (int u : forward_order) {
-    if (!forward_began[size_t(u)]) pre_forward(u);
+    if (!units[size_t(u)].marks().forward_began) pre_forward(u);
     release(units[size_t(u)]);
   }
 }
@@ -173,10 +174,8 @@ int64_t FullyShardedDataParallel::State::count_failed_ranks(bool failed) {
       disagreements_seen = dist::disagreements(group);
       failed = true;
     }
-    Tensor flag = full({1}, failed ? 1.0 : 0.0, {.dtype = kInt64});
     try {
-      dist::all_reduce(flag, dist::ReduceOp::Sum, group);
-      return flag.item<int64_t>();
+      return int64_t(detail::ranks_where({failed}, group)[0].size());
     } catch (const Error&) {
       if (!diverged()) throw;  // a peer is realigning: meet it there
     }
@@ -222,8 +221,7 @@ void FullyShardedDataParallel::State::shadow_step() {
   for (Unit& u : units)
     for (Flat& f : u.flats()) f.shard.set_grad(Tensor());
   dist::set_step(group, stats.steps);
-  forward_began.assign(units.size(), 0);
-  backward_began.assign(units.size(), 0);
+  new_forward(/*with_backward=*/true);
   ensure_gathered(root());
   replay_rest_of_forward();
   readiness->clear();

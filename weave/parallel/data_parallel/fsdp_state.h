@@ -24,18 +24,15 @@ struct FullyShardedDataParallel::State {
   dist::Group group;
   std::vector<std::string> names;
   std::vector<Tensor> params;
-  std::vector<int> unit_of;
+  std::vector<int> unit_of;        // each parameter's unit
   detail::ReplicaGroups replicas;  // where each parameter is sharded: experts apart
   std::vector<Unit> units;         // the root unit last
   std::vector<int> forward_order;
   bool order_known = false;  // forward_order is complete (a synchronizing forward ran)
   std::vector<HookHandle> module_hooks;
   std::shared_ptr<detail::GradReadiness> readiness;
-  std::vector<int> reducing;              // units with reduce_scatters in flight, oldest first
-  bool end_queued = false;                // this backward's end-of-backward work is queued
-  std::vector<char> backward_began;       // this step's units whose backward began
-  std::vector<char> forward_began;        // this forward's units whose pre-forward ran
-  std::vector<int64_t> forward_start_ns;  // each unit's forward began (for the trace)
+  std::vector<int> reducing;  // units with reduce_scatters in flight, oldest first
+  bool end_queued = false;    // this backward's end-of-backward work is queued
   FSDPStats stats;
   bool finite = true;  // the last synchronizing backward's verdict (check_finite)
   /// dist::disagreements(group) when the group was last known to be in step.
@@ -47,6 +44,10 @@ struct FullyShardedDataParallel::State {
 
   bool full_shard() const { return options.sharding == ShardingStrategy::FullShard; }
   Unit& root() { return units.back(); }
+  /// Every unit starts a new forward (and, `with_backward`, a new step's backward).
+  void new_forward(bool with_backward) {
+    for (Unit& u : units) u.new_forward(with_backward);
+  }
   void ensure_gathered(Unit& u) { u.ensure_gathered(stats); }
   void release(Unit& u) { u.release(full_shard()); }
   void bind_grads(Unit& u) { u.bind_grads(params); }

@@ -67,6 +67,20 @@ class FSDPUnit {
   Params params_phase() const { return params_; }
   Grads grads_phase() const { return grads_; }
 
+  /// Where this unit stands in the current step: what its hooks did so far, so that a rank
+  /// that stops early can replay the rest (FSDP's State reads and resets them).
+  struct StepMarks {
+    bool forward_began = false;    // this forward's pre-forward ran
+    bool backward_began = false;   // this step's backward gathered it
+    int64_t forward_start_ns = 0;  // when its forward began (for the trace)
+  };
+  StepMarks& marks() { return marks_; }
+  /// A new forward; `with_backward` (grad mode on): a new step's backward follows it.
+  void new_forward(bool with_backward) {
+    marks_.forward_began = false;
+    if (with_backward) marks_.backward_began = false;
+  }
+
   /// Starts the all_gathers of the flats whose gathered parameters are missing or stale.
   void launch_gather(FSDPStats& stats, bool prefetch);
   void wait_gather();
@@ -100,6 +114,7 @@ class FSDPUnit {
   std::vector<FSDPFlat> flats_;
   Params params_ = Params::Gathered;  // the parameters are the model's until the first release
   Grads grads_ = Grads::Idle;
+  StepMarks marks_;
 };
 
 }  // namespace weave::parallel::detail

@@ -10,7 +10,8 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/autograd/node.h"
 #include "weave/distributed/functional.h"
-#include "weave/kernels/kernels.h"
+#include "weave/distributed/tags.h"
+#include "weave/ops/autocast.h"
 #include "weave/ops/ops.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/tensor/trace.h"
@@ -20,7 +21,7 @@ namespace weave::parallel {
 namespace {
 
 namespace F = dist::functional;
-constexpr int kKeyValueTag = 7101, kGradTag = 7102;
+constexpr int kKeyValueTag = dist::tags::kRingKeyValue, kGradTag = dist::tags::kRingGradient;
 
 // The chunks of the whole sequence rank r holds, in its order: one of n (Contiguous) or two of
 // 2n (ZigZag).
@@ -140,8 +141,9 @@ struct Ring {
         if (pair != Pair::Skip) f(a, b, pair);
       }
   }
-  kernels::AttentionParams params(Pair pair) const {
-    return {.scale = scale, .causal = pair == Pair::Diagonal, .dropout_p = 0, .dropout_seed = 0};
+  // A block's options: the chunks of a pair on the diagonal mask causally among themselves.
+  AttentionOptions options(Pair pair) const {
+    return {.causal = pair == Pair::Diagonal, .scale = scale};
   }
 };
 
@@ -168,16 +170,15 @@ std::pair<Tensor, Tensor> ring_forward(const Ring& ring, const Tensor& q, const 
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), dv = v.size(3);
   const TensorOptions options{.dtype = q.dtype(), .device = q.device()};
   Tensor out = zeros({b, h, t, dv}, options), lse = full({b, h, t}, -INFINITY, options);
-  Tensor o = empty({b, h, ring.chunk, dv}, options), l = empty({b, h, ring.chunk}, options);
   Tensor current = pack(k, v);
   for (int s = 0; s < n; ++s) {
     Shift next;
     if (s + 1 < n) next = shift_to_next(current, ring.group, kKeyValueTag);
     const Tensor kb = ring.key(current), vb = ring.value(current);
     ring.for_each_pair((r + n - s) % n, [&](size_t a, size_t c, Pair pair) {
-      kernels::attention(ring.part(q, a), ring.part(kb, c), ring.part(vb, c), Tensor(),
-                         ring.params(pair), o, l);
-      merge(ring.part(out, a), ring.part(lse, a), o, l);
+      const AttentionResult block = scaled_dot_product_attention_with_lse(
+          ring.part(q, a), ring.part(kb, c), ring.part(vb, c), ring.options(pair));
+      merge(ring.part(out, a), ring.part(lse, a), block.output, block.logsumexp);
       const int64_t len = ring.chunk;
       stats.score_elements += b * h * (pair == Pair::Full ? len * len : len * (len + 1) / 2);
     });
@@ -199,9 +200,7 @@ std::vector<Tensor> ring_backward(const Ring& ring, const Tensor& grad, const Te
                                   const Tensor& lse) {
   const int n = ring.group.size(), r = ring.group.rank();
   Tensor dq = zeros_like(q);
-  Tensor dq_part = zeros_like(ring.part(q, 0)), dk_part = zeros_like(ring.part(k, 0)),
-         dv_part = zeros_like(ring.part(v, 0));
-  std::vector<Tensor> lse_parts;  // the kernel reads each query chunk's lse contiguous
+  std::vector<Tensor> lse_parts;  // each query chunk's lse, contiguous
   for (size_t a = 0; a < ring.mine.size(); ++a) lse_parts.push_back(ring.part(lse, a).contiguous());
   Tensor current = pack(k, v);
   Shift arriving;  // the dK/dV accumulated so far for the block held at this step
@@ -212,12 +211,12 @@ std::vector<Tensor> ring_backward(const Ring& ring, const Tensor& grad, const Te
     Tensor local = zeros({current.numel()}, {.dtype = q.dtype(), .device = q.device()});
     const Tensor dk = ring.key(local), dv = ring.value(local);
     ring.for_each_pair((r + n - s) % n, [&](size_t a, size_t c, Pair pair) {
-      kernels::attention_backward(ring.part(grad, a), ring.part(q, a), ring.part(kb, c),
-                                  ring.part(vb, c), Tensor(), ring.params(pair), ring.part(out, a),
-                                  lse_parts[a], dq_part, dk_part, dv_part, Tensor());
-      ring.part(dq, a).add_(dq_part);
-      ring.part(dk, c).add_(dk_part);
-      ring.part(dv, c).add_(dv_part);
+      const AttentionGrads block = scaled_dot_product_attention_backward(
+          ring.part(grad, a), ring.part(q, a), ring.part(kb, c), ring.part(vb, c),
+          ring.part(out, a), lse_parts[a], ring.options(pair));
+      ring.part(dq, a).add_(block.q);
+      ring.part(dk, c).add_(block.k);
+      ring.part(dv, c).add_(block.v);
     });
     const Tensor accumulated = s == 0 ? local : arriving.wait() + local;
     arriving = shift_to_next(accumulated, ring.group, kGradTag);
@@ -232,6 +231,15 @@ std::vector<Tensor> ring_backward(const Ring& ring, const Tensor& grad, const Te
 Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const dist::Group& group,
                       const ContextParallelOptions& options) {
   const char* op = "ring_attention";
+  // Autocast as the attention op does (every rank alike): the blocks then run on the cast inputs.
+  if (autocast_dtype()) {
+    constexpr const char* attention = "scaled_dot_product_attention";
+    const Tensor qa = weave::detail::autocast_input(q, attention, "q"),
+                 ka = weave::detail::autocast_input(k, attention, "k"),
+                 va = weave::detail::autocast_input(v, attention, "v");
+    if (!qa.is_same(q) || !ka.is_same(k) || !va.is_same(v))
+      return ring_attention(qa, ka, va, group, options);
+  }
   check_arguments(q, k, v, group, options, op);
   if (options.stats) *options.stats = {};
   // One rank holds the whole sequence, in order under either layout; an empty sequence (on
@@ -259,6 +267,7 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const d
   RingAttentionStats stats;
   const std::pair<Tensor, Tensor> forward = [&] {
     NoGradGuard no_grad;
+    AutocastGuard blocks_as_they_are(kBFloat16, /*enabled=*/false);  // cast once, above
     return ring_forward(ring, qc, kc, vc, stats);
   }();
   const Tensor out = forward.first, lse = forward.second;

@@ -1,20 +1,21 @@
 #pragma once
-// Expert parallelism: an MoE layer whose experts are spread over the ranks of an expert group
+// Expert parallelism: nn::MoE with its experts spread over the ranks of an expert group
 // (GShard, Megatron-core). Each rank routes its own tokens, sends each kept assignment to the
 // rank that holds its expert (an all_to_all with uneven splits), runs its own experts on what
 // arrives, and sends the results back (the same exchange backwards) to be weighted by the gates.
 //
-//   parallel::ExpertParallelMoE moe({.hidden = 64, .ffn = 256,
-//                                    .router = {.experts = 8, .top_k = 2}}, mesh.expert());
+//   nn::MoEOptions options{.hidden = 64, .ffn = 256, .router = {.experts = 8, .top_k = 2}};
+//   options.reduce_shares = parallel::shares_over(mesh.data());   // balance over the step's batch
+//   parallel::ExpertParallelMoE moe(options, mesh.expert());
 //   Tensor y = moe(x);                                  // this rank's tokens
 //   Tensor loss = cross_entropy(head(y), targets) + moe.aux_loss();
 //
-// Rank r of n holds experts [r E / n, (r + 1) E / n), built from the same seed as nn::MoE's, so
-// for the same tokens the layer equals nn::MoE in values, gradients and the auxiliary loss.
-// The router is replicated: keep it equal across the group (as data parallelism does).
+// Rank r of n holds experts [r E / n, (r + 1) E / n), built from the same seed as a local
+// nn::MoE's, so for the same tokens the layer equals the local one in values, gradients and the
+// auxiliary loss. The router is replicated: keep it equal across the group (as data
+// parallelism does).
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <vector>
 
 #include "weave/distributed/distributed.h"
@@ -22,52 +23,35 @@
 
 namespace weave::parallel {
 
-struct ExpertParallelStats {
-  int64_t tokens = 0, assignments = 0;
-  /// Assignments beyond an expert's capacity, on this rank's tokens.
-  int64_t dropped = 0;
-  /// Rows this rank sent to other ranks' experts, and received for its own, in the forward's
-  /// dispatch (the combine moves as many back); bytes counts forward's dispatch and combine,
-  /// sent and received.
-  int64_t rows_sent = 0, rows_received = 0;
-  int64_t bytes_exchanged = 0;
-};
-
-/// The ShareReduction of a data-parallel group: the mean of the ranks' shares (collective; for
-/// nn::MoE::reduce_shares under data parallelism).
+/// The mean of the ranks' load-balancing shares over `group` (collective): for
+/// nn::MoEOptions::reduce_shares under data parallelism.
 nn::ShareReduction shares_over(const dist::Group& group);
 
-class ExpertParallelMoE : public nn::Module {
+/// The token dispatcher of an expert group: rows to the rank holding their expert by an uneven
+/// all_to_all, and back the same way. Collective over the group at every forward.
+class ExpertParallelDispatcher : public nn::TokenDispatcher {
  public:
-  /// Collective over the group: every rank passes the same options; the experts must divide
-  /// over the group (or every rank raises). With `balance_group` (the data-parallel ranks whose
-  /// batches one step trains on, the expert group among them) the load-balancing loss counts
-  /// their assignments together, so the layer equals one process on their stacked batches.
-  ExpertParallelMoE(nn::MoEOptions options, dist::Group group,
-                    std::optional<dist::Group> balance_group = std::nullopt);
-  /// x [..., hidden] -> [..., hidden]: this rank's tokens. Collective over the group.
-  Tensor forward(const Tensor& x) override;
-  const Tensor& aux_loss() const { return aux_loss_; }
-  const ExpertParallelStats& stats() const { return stats_; }
-  nn::TopKRouter& router() { return *router_; }
-  /// The experts this rank holds: global indices [first_expert(), first_expert() + local).
-  int64_t first_expert() const { return first_; }
-  int64_t local_experts() const { return int64_t(experts_.size()); }
-  nn::Module& expert(int64_t local) { return *experts_[size_t(local)]; }
+  explicit ExpertParallelDispatcher(dist::Group group) : group_(std::move(group)) {}
+  std::pair<int64_t, int64_t> held_experts(int64_t experts) const override;
+  void check_forward() const override;
+  Tensor dispatch(const Tensor& rows, const std::vector<int64_t>& per_expert,
+                  const std::function<Tensor(int64_t, const Tensor&)>& run,
+                  nn::MoEStats& stats) override;
   const dist::Group& group() const { return group_; }
 
  private:
-  // What arrives for this rank's experts, run expert by expert, back in arrival order.
-  Tensor run_experts(const Tensor& received, const std::vector<int64_t>& counts);
-
-  nn::MoEOptions options_;
   dist::Group group_;
-  nn::ShareReduction reduce_shares_;  // over the balance group, if one was given
-  int64_t first_ = 0;
-  std::shared_ptr<nn::TopKRouter> router_;
-  std::vector<std::shared_ptr<nn::Module>> experts_;
-  Tensor aux_loss_;
-  ExpertParallelStats stats_;
+};
+
+/// nn::MoE over an expert group. Collective over the group: every rank passes the same options;
+/// the experts must divide over the group (or every rank raises).
+class ExpertParallelMoE : public nn::MoE {
+ public:
+  ExpertParallelMoE(nn::MoEOptions options, dist::Group group);
+  const dist::Group& group() const { return group_; }
+
+ private:
+  dist::Group group_;
 };
 
 }  // namespace weave::parallel

@@ -126,16 +126,13 @@ void ParallelTransformerBlock::add_experts(int64_t dim,
               "dim {}, found sequence_parallel {} and moe.hidden {}; hint: build the block "
               "without sequence parallelism",
               dim, options.sequence_parallel, options.moe->hidden);
-  if (options.expert_group && options.expert_group->size() > 1) {
-    auto spread = std::make_shared<ExpertParallelMoE>(*options.moe, *options.expert_group,
-                                                      options.balance_group);
-    aux_loss_ = [raw = spread.get()] { return raw->aux_loss(); };
-    moe = register_module("moe", std::shared_ptr<nn::Module>(spread));
-    return;
-  }
-  auto dense = std::make_shared<nn::MoE>(*options.moe);
+  nn::MoEOptions moe_options = *options.moe;
   if (options.balance_group && options.balance_group->size() > 1)
-    dense->reduce_shares = shares_over(*options.balance_group);
+    moe_options.reduce_shares = shares_over(*options.balance_group);
+  std::shared_ptr<nn::MoE> dense =
+      options.expert_group && options.expert_group->size() > 1
+          ? std::make_shared<ExpertParallelMoE>(moe_options, *options.expert_group)
+          : std::make_shared<nn::MoE>(moe_options);
   aux_loss_ = [raw = dense.get()] { return raw->aux_loss(); };
   moe = register_module("moe", std::shared_ptr<nn::Module>(dense));
 }

@@ -6,6 +6,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
+#include "weave/distributed/tags.h"
 #include "weave/ops/ops.h"
 
 namespace weave::parallel::detail {
@@ -16,7 +17,9 @@ namespace F = dist::functional;
 
 // Tags of the gradients sent alone and of the exchanges (activations sent alone travel as
 // functional::remote_send's messages, with their description).
-constexpr int kGradientTag = 32, kExchangeTag = 33, kStepTag = 34;
+constexpr int kGradientTag = dist::tags::kPipelineGradient;
+constexpr int kExchangeTag = dist::tags::kPipelineExchange;
+constexpr int kStepTag = dist::tags::kPipelineStep;
 
 Tensor blank_like(const Tensor& t) {
   return empty(t.shape(), {.dtype = t.dtype(), .device = t.device()});

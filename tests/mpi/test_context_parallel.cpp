@@ -1,0 +1,193 @@
+// Context parallelism against one process: ring attention and all-to-all attention, causal and
+// not, contiguous and zig-zag, give every rank its part of scaled_dot_product_attention on the
+// whole sequence (values, and q, k, v gradients) to 1e-10 in float64; the zig-zag layout
+// balances causal work; bad sequences raise on every rank.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "helpers.h"
+#include "weave/weave.h"
+
+using namespace weave;
+using parallel::SequenceLayout;
+
+namespace {
+
+// The same tensor on every rank.
+Tensor shared(const Shape& shape, uint64_t seed) {
+  Generator g(seed);
+  return randn(shape, {.dtype = kFloat64}, &g);
+}
+
+bool near(const Tensor& got, const Tensor& expected) {
+  return got.shape() == expected.shape() && allclose(got, expected, 1e-10, 1e-12);
+}
+
+using Attention = Tensor (*)(const Tensor&, const Tensor&, const Tensor&, const dist::Group&,
+                             const parallel::ContextParallelOptions&);
+
+// One process on the whole sequence against the context-parallel parts of every rank.
+void check_against_whole(Attention attention, bool causal, SequenceLayout layout) {
+  const int n = dist::world_size();
+  const dist::Group world = dist::world();
+  const int64_t b = 2, h = 12, t = 4 * n, d = 4;
+  Tensor q = shared({b, h, t, d}, 1).requires_grad_(), k = shared({b, h, t, d}, 2).requires_grad_(),
+         v = shared({b, h, t, d}, 3).requires_grad_(), w = shared({b, h, t, d}, 4);
+  // The objective is sum_r sum(y_r * w_r) = sum(y * w) over the whole sequence.
+  Tensor y = scaled_dot_product_attention(q, k, v, {.causal = causal});
+  (y * w).sum().backward();
+  auto part = [&](const Tensor& x) { return parallel::shard_sequence(x, 2, world, layout); };
+  Tensor qp = part(q.detach()).contiguous().requires_grad_(),
+         kp = part(k.detach()).contiguous().requires_grad_(),
+         vp = part(v.detach()).contiguous().requires_grad_();
+  Tensor yp = attention(qp, kp, vp, world, {.causal = causal, .layout = layout});
+  CHECK(near(yp, part(y.detach())));
+  (yp * part(w)).sum().backward();
+  CHECK(near(qp.grad(), part(q.grad())));
+  CHECK(near(kp.grad(), part(k.grad())));
+  CHECK(near(vp.grad(), part(v.grad())));
+}
+
+// Every rank's score count, gathered.
+std::vector<int64_t> work_per_rank(bool causal, SequenceLayout layout) {
+  const int n = dist::world_size();
+  const dist::Group world = dist::world();
+  Tensor x = shared({1, 2, 8 * n, 4}, 5);
+  Tensor p = parallel::shard_sequence(x, 2, world, layout);
+  parallel::RingAttentionStats stats;
+  parallel::ring_attention(p, p, p, world, {.causal = causal, .layout = layout, .stats = &stats});
+  Tensor all = empty({n}, {.dtype = kInt64});
+  dist::all_gather(all, full({1}, double(stats.score_elements), {.dtype = kInt64}));
+  return all.to_vector<int64_t>();
+}
+
+}  // namespace
+
+TEST_SUITE("context_parallel") {
+  TEST_CASE("ring and all-to-all attention equal attention on the whole sequence") {
+    for (Attention attention : {&parallel::ring_attention, &parallel::all_to_all_attention})
+      for (bool causal : {false, true})
+        for (SequenceLayout layout : {SequenceLayout::Contiguous, SequenceLayout::ZigZag}) {
+          CAPTURE(attention == &parallel::ring_attention);
+          CAPTURE(causal);
+          CAPTURE(int(layout));
+          check_against_whole(attention, causal, layout);
+        }
+  }
+
+  TEST_CASE("under autocast, ring attention casts as attention does and follows it") {
+    const dist::Group world = dist::world();
+    const int n = dist::world_size();
+    const SequenceLayout layout = SequenceLayout::ZigZag;
+    auto part = [&](const Tensor& x) { return parallel::shard_sequence(x, 2, world, layout); };
+    Tensor q = shared({1, 4, 8 * n, 8}, 21).to(kFloat32),
+           k = shared({1, 4, 8 * n, 8}, 22).to(kFloat32),
+           v = shared({1, 4, 8 * n, 8}, 23).to(kFloat32);
+    Tensor whole, mine;
+    Tensor qp = part(q).contiguous().requires_grad_();
+    {
+      AutocastGuard autocast(kBFloat16);
+      whole = scaled_dot_product_attention(q, k, v, {.causal = true});
+      mine = parallel::ring_attention(qp, part(k).contiguous(), part(v).contiguous(), world,
+                                      {.causal = true, .layout = layout});
+    }
+    CHECK(whole.dtype() == kBFloat16);
+    CHECK(mine.dtype() == kBFloat16);  // as the op under autocast: low precision out
+    // The same bfloat16 inputs, merged in float32 instead of attended at once: within a few
+    // bfloat16 roundings of the output.
+    CHECK(max(abs(mine.to(kFloat32) - part(whole).to(kFloat32))).item<double>() < 2e-2);
+    mine.to(kFloat32).sum().backward();
+    CHECK(qp.grad().dtype() == kFloat32);  // the cast is recorded: the gradient comes back
+    CHECK(all_finite(qp.grad()));
+  }
+
+  TEST_CASE("ring attention passes the distributed gradcheck") {
+    const dist::Group world = dist::world();
+    const int me = dist::rank();
+    Generator g(100 + uint64_t(me));
+    std::vector<Tensor> inputs;
+    for (int i = 0; i < 3; ++i)
+      inputs.push_back(randn({1, 1, 2, 2}, {.dtype = kFloat64}, &g).requires_grad_());
+    auto result = dist::gradcheck(
+        [&](const std::vector<Tensor>& x) {
+          return parallel::ring_attention(x[0], x[1], x[2], world,
+                                          {.causal = true, .layout = SequenceLayout::ZigZag});
+        },
+        inputs);
+    CHECK_MESSAGE(result.ok, result.report);
+    CHECK(result.checked == 12 * dist::world_size());
+  }
+
+  TEST_CASE("under a causal mask the zig-zag layout balances the work, the contiguous does not") {
+    const std::vector<int64_t> zigzag = work_per_rank(true, SequenceLayout::ZigZag);
+    const auto [low, high] = std::minmax_element(zigzag.begin(), zigzag.end());
+    CAPTURE(zigzag);
+    CHECK(double(*high) < 1.1 * double(*low));
+    if (dist::world_size() > 1) {
+      const std::vector<int64_t> contiguous = work_per_rank(true, SequenceLayout::Contiguous);
+      const auto [clow, chigh] = std::minmax_element(contiguous.begin(), contiguous.end());
+      CAPTURE(contiguous);
+      CHECK(double(*chigh) > 2.0 * double(*clow));
+      // Without a mask every rank computes every score once.
+      const std::vector<int64_t> full = work_per_rank(false, SequenceLayout::Contiguous);
+      CHECK(std::all_of(full.begin(), full.end(), [&](int64_t x) { return x == full[0]; }));
+    }
+  }
+
+  TEST_CASE("bad sequences raise on every rank") {
+    const int n = dist::world_size(), me = dist::rank();
+    const dist::Group world = dist::world();
+    // A sequence that does not divide over the group (every rank holds the same whole).
+    if (n > 1)
+      CHECK_WEAVE_ERROR(parallel::shard_sequence(shared({1, 1, 2 * n + 1, 2}, 6), 2, world),
+                        "shard_sequence", "does not divide");
+    CHECK_WEAVE_ERROR(
+        parallel::shard_sequence(shared({1, 1, 3 * n, 2}, 6), 2, world, SequenceLayout::ZigZag),
+        "shard_sequence", "two chunks each");
+    // Ranks holding different lengths.
+    if (n > 1) {
+      Tensor x = shared({1, 2, me == 1 ? 4 : 2, 4}, 7);
+      CHECK_WEAVE_ERROR(parallel::ring_attention(x, x, x, world), "ring_attention",
+                        "different local sequence length");
+    }
+    // An odd length under zig-zag on rank 0 only.
+    Tensor odd = shared({1, 2, me == 0 ? 3 : 4, 4}, 8);
+    CHECK_WEAVE_ERROR(
+        parallel::ring_attention(odd, odd, odd, world, {.layout = SequenceLayout::ZigZag}),
+        "ring_attention", me == 0 || n == 1 ? "two equal chunks" : "rejected its arguments");
+    // Heads that do not divide over the group.
+    if (n > 1) {
+      Tensor x = shared({1, 2 * n + 1, 4, 4}, 9);
+      CHECK_WEAVE_ERROR(parallel::all_to_all_attention(x, x, x, world), "all_to_all_attention",
+                        "do not divide");
+    }
+    // Different scales, or a scale on some ranks only: every rank raises.
+    if (n > 1) {
+      Tensor x = shared({1, 2, 4, 4}, 11);
+      CHECK_WEAVE_ERROR(parallel::ring_attention(x, x, x, world, {.scale = me == 0 ? 0.5 : 0.25}),
+                        "ring_attention", "different scale (from 0.25 to 0.5)");
+      parallel::ContextParallelOptions only_rank_0;
+      if (me == 0) only_rank_0.scale = 0.5;
+      CHECK_WEAVE_ERROR(parallel::all_to_all_attention(x, x, x, world, only_rank_0),
+                        "all_to_all_attention", "different scale (set or not)");
+    }
+    // Parts of odd length cannot be zig-zag parts: gathering them raises instead of scrambling.
+    CHECK_WEAVE_ERROR(
+        parallel::gather_sequence(shared({1, 1, 3, 2}, 12), 2, world, SequenceLayout::ZigZag),
+        "gather_sequence", "two equal chunks");
+    // An empty sequence: empty parts, empty gradients, as attention on the whole gives.
+    for (auto layout : {SequenceLayout::Contiguous, SequenceLayout::ZigZag}) {
+      Tensor e = shared({1, 2, 0, 4}, 13).requires_grad_();
+      Tensor y = parallel::ring_attention(e, e, e, world, {.causal = true, .layout = layout});
+      CHECK(y.shape() == e.shape());
+      y.sum().backward();
+      CHECK(e.grad().shape() == e.shape());
+    }
+    // Still in step afterwards.
+    Tensor x = shared({1, 2, 4, 4}, 10);
+    CHECK(parallel::ring_attention(x, x, x, world).shape() == x.shape());
+  }
+}

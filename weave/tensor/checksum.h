@@ -1,0 +1,17 @@
+#pragma once
+// CRC-32 checksums (zlib's polynomial), for whatever must tell whether bytes changed: a file's
+// contents (checkpoints), or whether ranks hold the same parameter values.
+#include <cstddef>
+#include <cstdint>
+
+#include "weave/tensor/tensor.h"
+
+namespace weave {
+
+/// CRC-32 of `size` bytes.
+uint32_t checksum_bytes(const void* data, size_t size);
+/// CRC-32 of a tensor's values as stored: its elements' bytes in row-major order, wherever the
+/// tensor lives (a CUDA tensor is copied to the host first).
+uint32_t checksum(const Tensor& t);
+
+}  // namespace weave
