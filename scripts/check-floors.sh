@@ -142,22 +142,25 @@ check_examples_mesh() {
   return $bad
 }
 
-check_autograd_nodes() {
-  local found
-  found=$(git ls-files 'weave/*' | grep -E '\.(h|cpp|cu)$' | grep -v '^weave/autograd/' |
-          xargs grep -nE '\bFunctionNode\b' || true)
+# Fails, listing each line with `why`, where a tracked source of weave/ other than those matching
+# `allowed` has a line matching `pattern`.
+forbid_in_weave() {
+  local pattern=$1 allowed=$2 why=$3 found
+  found=$(git ls-files 'weave/*' | grep -E '\.(h|cpp|cu)$' | grep -vE "$allowed" |
+          xargs grep -nE "$pattern" || true)
   [[ -z $found ]] && return 0
-  echo "$found" | sed 's/$/  <- builds a FunctionNode outside autograd\/ (use autograd::record_*)/'
+  echo "$found" | sed "s|\$|  <- $why|"
   return 1
 }
 
+check_autograd_nodes() {
+  forbid_in_weave '\bFunctionNode\b' '^weave/autograd/' \
+    'builds a FunctionNode outside autograd/ (use autograd::record_*)'
+}
+
 check_one_agreement() {
-  local found
-  found=$(git ls-files 'weave/*' | grep -E '\.(h|cpp|cu)$' | grep -v '^weave/distributed/agreement\.cpp$' |
-          xargs grep -nE 'all_reduce\(.*(kInt64.*ReduceOp::Max|ReduceOp::Max.*kInt64)' || true)
-  [[ -z $found ]] && return 0
-  echo "$found" | sed 's/$/  <- agrees with an all_reduce of its own (use dist::agree_max)/'
-  return 1
+  forbid_in_weave 'all_reduce\(.*(kInt64.*ReduceOp::Max|ReduceOp::Max.*kInt64)' \
+    '^weave/distributed/agreement\.cpp$' 'agrees with an all_reduce of its own (use dist::agree_max)'
 }
 
 all_checks=(includes no-circle functions files examples-mesh autograd-nodes one-agreement)
