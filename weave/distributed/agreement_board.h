@@ -1,10 +1,11 @@
 #pragma once
 // Where agreement rounds meet when a group's ranks share a machine (internal). Each round
 // (agreement.h: the maximum of kRoundWords int64 over the ranks) is a message exchange in MPI:
-// an all_reduce of 120 bytes, 0.25-0.6 µs at two ranks over shared memory. On a board of cache
-// lines that every rank maps, a round is one store and one load per peer (about 0.04 µs), and
-// gives the same maximum. Groups whose ranks cannot map one board (other
-// machines or network namespaces, no /dev/shm, more than kMaxRanks ranks) keep the all_reduce.
+// an all_reduce of 120 bytes. On a board of cache lines that every rank maps, a round is one
+// store and one load per peer, no message, and gives the same maximum (the whole guard, hash
+// and round, measured 0.3-0.5 µs per call at two ranks by bench_collectives on 2026-11-27).
+// Groups whose ranks cannot map one board (other machines or network namespaces, no /dev/shm,
+// more than kMaxRanks ranks) keep the all_reduce.
 //
 // Each rank owns two slots, one for odd rounds and one for even: a rank can be at most one
 // round ahead of the slowest (it cannot finish round r + 1 before every rank posted r + 1,

@@ -233,8 +233,9 @@ uint64_t disagreements(const Group& group = world());
 /// (the maximum of failure flags is 0). Did every rank pass the same value? (the maxima of v
 /// and -v are v and -v). What is every rank's small plan? (each rank fills its own row, zeros
 /// elsewhere). Every rank passes as many words. Its transport is the collective guard's own:
-/// when the group's ranks share a machine, rounds of 15 words on a shared-memory board (about
-/// 0.05 µs each, the guard riding in the first), else one all_reduce. Collective, blocking.
+/// when the group's ranks share a machine, rounds of 15 words on a shared-memory board (one
+/// store and one load per peer, the guard riding in the first), else one all_reduce.
+/// Collective, blocking.
 ///
 ///   int64_t ok[1] = {loaded ? 0 : 1};
 ///   weave::dist::agree_max(ok, group);   // ok[0] == 0: every rank loaded
