@@ -303,6 +303,40 @@ TEST_SUITE("collectives") {
     CHECK(t.to_vector<float>() == std::vector<float>(3, float(dist::world_size())));
   }
 
+  // Strided views go through staging buffers. An asynchronous call must keep its stages (and
+  // the views it lands in) alive after the caller drops every handle but the views' bases; a
+  // blocking call queued behind them hands its stages by reference and must still find them
+  // when the worker runs it.
+  TEST_CASE("staged buffers outlive their callers: asynchronous and queued blocking calls") {
+    const int n = dist::world_size(), me = dist::rank();
+    std::vector<Tensor> exchanged, reduced;  // the bases of the views the calls land in
+    std::vector<dist::Work> works;
+    for (int k = 0; k < 4; ++k) {
+      exchanged.push_back(zeros({6, 2 * n}));
+      reduced.push_back(value({6, 2 * n}, kFloat32, me, k));
+      // [2n, 6] views of [6, 2n] bases: strided, so both calls stage in and land back.
+      works.push_back(dist::all_to_all(exchanged.back().transpose(0, 1),
+                                       value({2 * n, 6}, kFloat32, me, k), dist::world(), true));
+      works.push_back(
+          dist::all_reduce(reduced.back().transpose(0, 1), ReduceOp::Sum, dist::world(), true));
+    }
+    Tensor blocking = zeros({5, 3});
+    dist::all_reduce(blocking.transpose(0, 1).fill_(double(me + 1)));  // queued behind them
+    CHECK(equal(blocking, full({5, 3}, n * (n + 1) / 2.0)));
+    for (auto& w : works) w.wait();
+    for (int k = 0; k < 4; ++k) {
+      // Rank me receives rows [2 me, 2 me + 2) of every rank's input, in rank order.
+      std::vector<Tensor> rows;
+      Tensor sum = zeros({6, 2 * n});
+      for (int j = 0; j < n; ++j) {
+        rows.push_back(value({2 * n, 6}, kFloat32, j, k).narrow(0, 2 * me, 2));
+        sum = sum + value({6, 2 * n}, kFloat32, j, k);
+      }
+      CHECK(equal(exchanged[k].transpose(0, 1), cat(rows, 0)));
+      CHECK(equal(reduced[k], sum));
+    }
+  }
+
   TEST_CASE("broadcast_tensors and barrier") {
     Tensor a = value({3}, kFloat32, dist::rank()), b = value({2, 2}, kInt64, dist::rank());
     dist::broadcast_tensors({a, b}, 0);

@@ -47,15 +47,23 @@ void check_same(const Call& c, const Tensor& a, const Tensor& b) {
 Device wire_device(const Tensor& t) {
   return t.device().is_cuda() && runtime().backend == Backend::NCCL ? t.device() : kCPU;
 }
-Tensor staged(const Tensor& t) {
+const Tensor& staging_for(const Tensor& t, Tensor& stage) {
   if (t.device() == wire_device(t) && t.is_contiguous()) return t;
-  Tensor stage = empty(t.shape(), {.dtype = t.dtype(), .device = wire_device(t)});
-  kernels::copy(t, stage);
+  stage = empty(t.shape(), {.dtype = t.dtype(), .device = wire_device(t)});
   return stage;
 }
+const Tensor& staged(const Tensor& t, Tensor& stage) {
+  const Tensor& wire = staging_for(t, stage);
+  if (!wire.is_same(t)) kernels::copy(t, stage);
+  return wire;
+}
+Tensor staged(const Tensor& t) {
+  Tensor stage;
+  return staged(t, stage);
+}
 Tensor staging_for(const Tensor& t) {
-  if (t.device() == wire_device(t) && t.is_contiguous()) return t;
-  return empty(t.shape(), {.dtype = t.dtype(), .device = wire_device(t)});
+  Tensor stage;
+  return staging_for(t, stage);
 }
 void land(const Tensor& stage, const Tensor& target) {
   if (!stage.is_same(target)) kernels::copy(stage, target);
@@ -171,19 +179,20 @@ Work all_reduce(const Tensor& input, const Tensor& output, ReduceOp op, const Gr
   WEAVE_CHECK(input.shape() == output.shape(), c.name, "input {} and output {} differ in shape",
               input.shape(), output.shape());
   check_reduce_op(c, op, input.dtype());
-  Tensor in = staged(input);
-  Tensor out = input.is_same(output) ? in : staging_for(output);
+  Tensor in_stage, out_stage;
+  const Tensor& in = staged(input, in_stage);
+  const Tensor& out = input.is_same(output) ? in : staging_for(output, out_stage);
   Group::Impl* g = group.impl().get();
-  return issue(
-      c, fingerprint(c, 0, &input, -1, op, false), true,
-      [comm = g->route(in), g, in, out, output, op] {
+  return issue_on(
+      c, fingerprint(c, 0, &input, -1, op, false), async_op,
+      [comm = g->route(in), op](const Tensor& in, const Tensor& out, const Tensor& output) {
         if (op == ReduceOp::Avg)
           all_reduce_avg(comm, in, out);
         else
           comm->all_reduce(in.data_ptr(), out.data_ptr(), in.numel(), in.dtype(), op);
         land(out, output);
       },
-      async_op);
+      in, out, output);
 }
 
 Work broadcast(const Tensor& tensor, int root, const Group& group, bool async_op) {
@@ -191,14 +200,15 @@ Work broadcast(const Tensor& tensor, int root, const Group& group, bool async_op
   check_tensor(c, tensor, "tensor");
   Group::Impl& g = member(c);
   check_root(c, root);
-  Tensor buffer = g.my_rank == root ? staged(tensor) : staging_for(tensor);
-  return issue(
-      c, fingerprint(c, 0, &tensor, root, std::nullopt, false), true,
-      [comm = g.route(buffer), g = &g, buffer, tensor, root] {
+  Tensor stage;
+  const Tensor& buffer = g.my_rank == root ? staged(tensor, stage) : staging_for(tensor, stage);
+  return issue_on(
+      c, fingerprint(c, 0, &tensor, root, std::nullopt, false), async_op,
+      [comm = g.route(buffer), g = &g, root](const Tensor& buffer, const Tensor& tensor) {
         comm->broadcast(buffer.data_ptr(), buffer.numel(), buffer.dtype(), root);
         if (g->my_rank != root) land(buffer, tensor);
       },
-      async_op);
+      buffer, tensor);
 }
 
 Work reduce(const Tensor& tensor, ReduceOp op, int root, const Group& group, bool async_op) {
@@ -208,16 +218,16 @@ Work reduce(const Tensor& tensor, ReduceOp op, int root, const Group& group, boo
   check_root(c, root);
   check_reduce_op(c, op, tensor.dtype());
   Tensor buffer = staged(tensor);
-  return issue(
-      c, fingerprint(c, 0, &tensor, root, op, false), true,
-      [comm = g.route(buffer), g = &g, buffer, tensor, root, op] {
+  return issue_on(
+      c, fingerprint(c, 0, &tensor, root, op, false), async_op,
+      [comm = g.route(buffer), g = &g, root, op](const Tensor& buffer, const Tensor& tensor) {
         comm->reduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(), buffer.dtype(),
                      wire_op(op), root);
         if (g->my_rank != root) return;
         if (op == ReduceOp::Avg) scale_to_mean(buffer, comm->size());
         land(buffer, tensor);
       },
-      async_op);
+      buffer, tensor);
 }
 
 Work all_gather(const Tensor& output, const Tensor& input, const Group& group, bool async_op) {
@@ -227,14 +237,15 @@ Work all_gather(const Tensor& output, const Tensor& input, const Group& group, b
   check_same(c, input, output);
   Group::Impl& g = member(c);
   check_stacked(c, output, input, group.size(), "output", "input");
-  Tensor in = staged(input), out = staging_for(output);
-  return issue(
-      c, fingerprint(c, 0, &input, -1, std::nullopt, false), true,
-      [comm = g.route(in), g = &g, in, out, output] {
+  Tensor in_stage, out_stage;
+  const Tensor &in = staged(input, in_stage), &out = staging_for(output, out_stage);
+  return issue_on(
+      c, fingerprint(c, 0, &input, -1, std::nullopt, false), async_op,
+      [comm = g.route(in)](const Tensor& in, const Tensor& out, const Tensor& output) {
         comm->all_gather(in.data_ptr(), out.data_ptr(), in.numel(), in.dtype());
         land(out, output);
       },
-      async_op);
+      in, out, output);
 }
 
 Tensor all_gather_uneven(const Tensor& input, const Group& group) {
@@ -256,12 +267,12 @@ Tensor all_gather_uneven(const Tensor& input, const Group& group) {
   }
   Tensor in = staged(input),
          out = empty(shape, {.dtype = input.dtype(), .device = wire_device(input)});
-  issue(
-      c, fingerprint(c, 0, &input, -1, std::nullopt, true), true,
-      [comm = g.route(in), g = &g, in, out, counts] {
+  issue_on(
+      c, fingerprint(c, 0, &input, -1, std::nullopt, true), false,
+      [comm = g.route(in), &counts](const Tensor& in, const Tensor& out) {
         comm->all_gather_v(in.data_ptr(), out.data_ptr(), counts, in.dtype());
       },
-      false);
+      in, out);
   return input.device().is_cpu() ? out : out.to(input.device());
 }
 
@@ -274,15 +285,16 @@ Work reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, cons
   Group::Impl& g = member(c);
   check_stacked(c, input, output, group.size(), "input", "output");
   check_reduce_op(c, op, input.dtype());
-  Tensor in = staged(input), out = staging_for(output);
-  return issue(
-      c, fingerprint(c, 0, &input, -1, op, false), true,
-      [comm = g.route(in), g = &g, in, out, output, op] {
+  Tensor in_stage, out_stage;
+  const Tensor &in = staged(input, in_stage), &out = staging_for(output, out_stage);
+  return issue_on(
+      c, fingerprint(c, 0, &input, -1, op, false), async_op,
+      [comm = g.route(in), op](const Tensor& in, const Tensor& out, const Tensor& output) {
         comm->reduce_scatter(in.data_ptr(), out.data_ptr(), out.numel(), in.dtype(), wire_op(op));
         if (op == ReduceOp::Avg) scale_to_mean(out, comm->size());
         land(out, output);
       },
-      async_op);
+      in, out, output);
 }
 
 Work gather(const Tensor& output, const Tensor& input, int root, const Group& group,
@@ -300,14 +312,15 @@ Work gather(const Tensor& output, const Tensor& input, int root, const Group& gr
     out = staging_for(output);
   }
   Tensor in = staged(input);
-  return issue(
-      c, fingerprint(c, 0, &input, root, std::nullopt, false), true,
-      [comm = g.route(in), g = &g, in, out, output, root, is_root] {
+  return issue_on(
+      c, fingerprint(c, 0, &input, root, std::nullopt, false), async_op,
+      [comm = g.route(in), root, is_root](const Tensor& in, const Tensor& out,
+                                          const Tensor& output) {
         comm->gather(in.data_ptr(), is_root ? out.data_ptr() : nullptr, in.numel(), in.dtype(),
                      root);
         if (is_root) land(out, output);
       },
-      async_op);
+      in, out, output);
 }
 
 Work scatter(const Tensor& output, const Tensor& input, int root, const Group& group,
@@ -325,14 +338,15 @@ Work scatter(const Tensor& output, const Tensor& input, int root, const Group& g
     in = staged(input);
   }
   Tensor out = staging_for(output);
-  return issue(
-      c, fingerprint(c, 0, &output, root, std::nullopt, false), true,
-      [comm = g.route(out), g = &g, in, out, output, root, is_root] {
+  return issue_on(
+      c, fingerprint(c, 0, &output, root, std::nullopt, false), async_op,
+      [comm = g.route(out), root, is_root](const Tensor& in, const Tensor& out,
+                                           const Tensor& output) {
         comm->scatter(is_root ? in.data_ptr() : nullptr, out.data_ptr(), out.numel(), out.dtype(),
                       root);
         land(out, output);
       },
-      async_op);
+      in, out, output);
 }
 
 Work all_to_all(const Tensor& output, const Tensor& input, const Group& group, bool async_op) {
@@ -346,14 +360,15 @@ Work all_to_all(const Tensor& output, const Tensor& input, const Group& group, b
   WEAVE_CHECK(output.shape() == input.shape(), c.name, "output {} must have the input's shape {}",
               output.shape(), input.shape());
   Group::Impl& g = member(c);
-  Tensor in = staged(input), out = staging_for(output);
-  return issue(
-      c, fingerprint(c, 0, &input, -1, std::nullopt, false), true,
-      [comm = g.route(in), g = &g, in, out, output] {
+  Tensor in_stage, out_stage;
+  const Tensor &in = staged(input, in_stage), &out = staging_for(output, out_stage);
+  return issue_on(
+      c, fingerprint(c, 0, &input, -1, std::nullopt, false), async_op,
+      [comm = g.route(in)](const Tensor& in, const Tensor& out, const Tensor& output) {
         comm->all_to_all(in.data_ptr(), out.data_ptr(), in.numel() / comm->size(), in.dtype());
         land(out, output);
       },
-      async_op);
+      in, out, output);
 }
 
 Work all_to_all(const Tensor& output, const Tensor& input,
@@ -391,13 +406,14 @@ Work all_to_all(const Tensor& output, const Tensor& input,
     send_counts.push_back(input_splits[j] * row);
     recv_counts.push_back(output_splits[j] * row);
   }
-  Tensor in = staged(input), out = staging_for(output);
+  Tensor in_stage, out_stage;
+  const Tensor &in = staged(input, in_stage), &out = staging_for(output, out_stage);
   const bool check = runtime().check == CheckMode::Full;
   const std::string group_text = group.str();
-  return issue(
-      c, fingerprint(c, 0, &input, -1, std::nullopt, true), true,
-      [comm = g.route(in), g = &g, in, out, output, send_counts, recv_counts, input_splits,
-       output_splits, check, group_text] {
+  return issue_on(
+      c, fingerprint(c, 0, &input, -1, std::nullopt, true), async_op,
+      [comm = g.route(in), g = &g, send_counts, recv_counts, input_splits, output_splits, check,
+       group_text](const Tensor& in, const Tensor& out, const Tensor& output) {
         if (check) {  // do the ranks' splits pair up? everyone learns the answer
           std::vector<int64_t> ones(input_splits.size(), 1), told(input_splits.size());
           g->comm->all_to_all_v(input_splits.data(), ones, told.data(), ones, kInt64);
@@ -412,7 +428,7 @@ Work all_to_all(const Tensor& output, const Tensor& input,
         comm->all_to_all_v(in.data_ptr(), send_counts, out.data_ptr(), recv_counts, in.dtype());
         land(out, output);
       },
-      async_op);
+      in, out, output);
 }
 
 void barrier(const Group& group) {

@@ -5,6 +5,8 @@
 #include <chrono>
 #include <thread>
 
+#include <time.h>
+
 #include "weave/distributed/runtime.h"
 
 namespace weave::dist {
@@ -13,6 +15,12 @@ int64_t detail::now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+int64_t detail::coarse_now_ns() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &now);  // steady_clock's clock, read at its last tick
+  return int64_t(now.tv_sec) * 1000000000 + now.tv_nsec;
 }
 
 namespace {

@@ -17,9 +17,12 @@ void check_same(const Call& c, const Tensor& a, const Tensor& b);
 
 /// The device a backend moves t's bytes from: t's own under NCCL, else the host.
 Device wire_device(const Tensor& t);
-/// t itself when it already is a contiguous wire buffer, else a copy on the wire device.
+/// t itself when it already is a contiguous wire buffer, else `stage`, made a copy of t on the
+/// wire device. The reference form spares the latency path a handle copy.
+const Tensor& staged(const Tensor& t, Tensor& stage);
 Tensor staged(const Tensor& t);
-/// Like staged, for an output: a buffer only, nothing copied in.
+/// Like staged, for an output: `stage` is a buffer only, nothing copied in.
+const Tensor& staging_for(const Tensor& t, Tensor& stage);
 Tensor staging_for(const Tensor& t);
 /// Copies a staged result into target (unless it is target) and bumps target's version.
 void land(const Tensor& stage, const Tensor& target);
