@@ -51,6 +51,19 @@ void check_against_whole(Attention attention, bool causal, SequenceLayout layout
   CHECK(near(vp.grad(), part(v.grad())));
 }
 
+// Calls check(attention, causal, layout) for both modes, causal or not, and both layouts.
+template <class Check>
+void for_each_case(const Check& check) {
+  for (Attention attention : {&parallel::ring_attention, &parallel::all_to_all_attention})
+    for (bool causal : {false, true})
+      for (SequenceLayout layout : {SequenceLayout::Contiguous, SequenceLayout::ZigZag}) {
+        CAPTURE(attention == &parallel::ring_attention);
+        CAPTURE(causal);
+        CAPTURE(int(layout));
+        check(attention, causal, layout);
+      }
+}
+
 // Every rank's score count, gathered.
 std::vector<int64_t> work_per_rank(bool causal, SequenceLayout layout) {
   const int n = dist::world_size();
@@ -68,14 +81,7 @@ std::vector<int64_t> work_per_rank(bool causal, SequenceLayout layout) {
 
 TEST_SUITE("context_parallel") {
   TEST_CASE("ring and all-to-all attention equal attention on the whole sequence") {
-    for (Attention attention : {&parallel::ring_attention, &parallel::all_to_all_attention})
-      for (bool causal : {false, true})
-        for (SequenceLayout layout : {SequenceLayout::Contiguous, SequenceLayout::ZigZag}) {
-          CAPTURE(attention == &parallel::ring_attention);
-          CAPTURE(causal);
-          CAPTURE(int(layout));
-          check_against_whole(attention, causal, layout);
-        }
+    for_each_case(check_against_whole);
   }
 
   TEST_CASE("under autocast, ring attention casts as attention does and follows it") {
@@ -119,6 +125,33 @@ TEST_SUITE("context_parallel") {
         inputs);
     CHECK_MESSAGE(result.ok, result.report);
     CHECK(result.checked == 12 * dist::world_size());
+  }
+
+  // Rotary embeddings at each rank's own positions (zig-zag: two runs of them), then ring
+  // attention: the chain a context-parallel Llama runs, checked against finite differences of
+  // the whole job's objective.
+  TEST_CASE("rotary embeddings and ring attention pass the distributed gradcheck") {
+    const dist::Group world = dist::world();
+    const int me = dist::rank(), n = dist::world_size();
+    std::vector<int64_t> all_positions(static_cast<size_t>(4 * n));
+    for (size_t i = 0; i < all_positions.size(); ++i) all_positions[i] = int64_t(i);
+    const Tensor positions = parallel::shard_sequence(from_vector(all_positions, {4 * n}), 0, world,
+                                                      SequenceLayout::ZigZag);
+    Generator g(200 + uint64_t(me));
+    std::vector<Tensor> inputs;  // q, k, v parts [B, T / n, H, D]
+    for (int i = 0; i < 3; ++i)
+      inputs.push_back(randn({1, 4, 1, 4}, {.dtype = kFloat64}, &g).requires_grad_());
+    auto result = dist::gradcheck(
+        [&](const std::vector<Tensor>& x) {
+          const RotaryOptions rope{.base = 100};
+          Tensor q = rotary_embedding(x[0], positions, rope).transpose(1, 2);
+          Tensor k = rotary_embedding(x[1], positions, rope).transpose(1, 2);
+          return parallel::ring_attention(q, k, x[2].transpose(1, 2), world,
+                                          {.causal = true, .layout = SequenceLayout::ZigZag});
+        },
+        inputs);
+    CHECK_MESSAGE(result.ok, result.report);
+    CHECK(result.checked == 48 * n);
   }
 
   TEST_CASE("under a causal mask the zig-zag layout balances the work, the contiguous does not") {
@@ -189,5 +222,80 @@ TEST_SUITE("context_parallel") {
     // Still in step afterwards.
     Tensor x = shared({1, 2, 4, 4}, 10);
     CHECK(parallel::ring_attention(x, x, x, world).shape() == x.shape());
+  }
+
+  // Packed documents that straddle ranks, with grouped-query heads: every rank's part of
+  // attention with document ids on the whole sequence, values and gradients.
+  TEST_CASE("ring and all-to-all attention over packed documents equal one rank") {
+    const int n = dist::world_size();
+    const dist::Group world = dist::world();
+    const int64_t b = 2, t = 6 * n, d = 4;
+    // Document lengths cycling 1, 5, 2, 7 (batch row 0) and 4, 1, 9 (row 1), cut at t.
+    std::vector<int64_t> ids;
+    for (const std::vector<int64_t>& lengths : {std::vector<int64_t>{1, 5, 2, 7}, {4, 1, 9}}) {
+      int64_t doc = 0, left = lengths[0];
+      for (int64_t i = 0; i < t; ++i) {
+        if (left == 0) left = lengths[size_t(++doc) % lengths.size()];
+        ids.push_back(doc);
+        --left;
+      }
+    }
+    const Tensor documents = from_vector(ids, {b, t});
+    for_each_case([&](Attention attention, bool causal, SequenceLayout layout) {
+      const bool ring = attention == &parallel::ring_attention;
+      // Ring: 6 query heads share 2 key/value heads (3, at 3 ranks: any count works);
+      // all-to-all: 2n query and n key/value heads, so both divide over the ranks.
+      const int64_t h = ring ? 6 : 2 * n, kv = ring ? (n == 3 ? 3 : 2) : n;
+      Tensor q = shared({b, h, t, d}, 21).requires_grad_(),
+             k = shared({b, kv, t, d}, 22).requires_grad_(),
+             v = shared({b, kv, t, d}, 23).requires_grad_(), w = shared({b, h, t, d}, 24);
+      Tensor y =
+          scaled_dot_product_attention(q, k, v, {.causal = causal, .document_ids = documents});
+      (y * w).sum().backward();
+      auto part = [&](const Tensor& x) { return parallel::shard_sequence(x, 2, world, layout); };
+      Tensor qp = part(q.detach()).contiguous().requires_grad_(),
+             kp = part(k.detach()).contiguous().requires_grad_(),
+             vp = part(v.detach()).contiguous().requires_grad_();
+      const Tensor my_ids = parallel::shard_sequence(documents, 1, world, layout);
+      Tensor yp = attention(qp, kp, vp, world,
+                            {.causal = causal, .layout = layout, .document_ids = my_ids});
+      CHECK(near(yp, part(y.detach())));
+      (yp * part(w)).sum().backward();
+      CHECK(near(qp.grad(), part(q.grad())));
+      CHECK(near(kp.grad(), part(k.grad())));
+      CHECK(near(vp.grad(), part(v.grad())));
+    });
+  }
+
+  // huggingface/trl#6843's probe: perturbing one token of document 1 must change document 1's
+  // outputs (under a causal mask, only from that token on) and nothing else.
+  TEST_CASE("a perturbed token changes only its own document's outputs") {
+    const dist::Group world = dist::world();
+    const int n = dist::world_size();
+    const int64_t t = 8 * n, d = 4, first = 3 * n, last = 6 * n;  // document 1: [3n, 6n)
+    std::vector<int64_t> ids(static_cast<size_t>(t));
+    for (int64_t i = 0; i < t; ++i) ids[size_t(i)] = i < first ? 0 : (i < last ? 1 : 2);
+    const Tensor documents = from_vector(ids, {t});
+    const int64_t token = first + 2;
+    for_each_case([&](Attention attention, bool causal, SequenceLayout layout) {
+      Tensor x = shared({1, 2 * n, t, d}, 31), bumped = x.clone();
+      bumped.narrow(2, token, 1).add_(full({}, 0.5, {.dtype = kFloat64}));
+      auto run = [&](const Tensor& input) {
+        const Tensor p = parallel::shard_sequence(input, 2, world, layout).contiguous();
+        const Tensor y =
+            attention(p, p, p, world,
+                      {.causal = causal,
+                       .layout = layout,
+                       .document_ids = parallel::shard_sequence(documents, 0, world, layout)});
+        return parallel::gather_sequence(y, 2, world, layout);
+      };
+      const std::vector<double> change =  // per position
+          max(abs(run(bumped) - run(x)), {0, 1, 3}).to_vector<double>();
+      for (int64_t i = 0; i < t; ++i) {
+        CAPTURE(i);
+        const bool should = i >= first && i < last && (!causal || i >= token);
+        CHECK((change[size_t(i)] > 1e-9) == should);
+      }
+    });
   }
 }

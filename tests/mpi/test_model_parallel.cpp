@@ -321,6 +321,46 @@ TEST_SUITE("model_parallel") {
     CHECK(close(cat(steps, 0), ref_out.detach().transpose(0, 1)));
   }
 
+  // The gated MLP's gate and up rows split alike (column-parallel, one GEMM), down row-parallel:
+  // built from the same seed it equals nn::GatedMLP, with and without sequence parallelism, and
+  // gather_state_dict gives back the unsharded one's state.
+  TEST_CASE("ParallelGatedMLP equals GatedMLP") {
+    const dist::Group tp = dist::world();
+    const int n = tp.size();
+    const int64_t dim = 10, hidden = 6 * n, t = 2 * n, b = 3;
+    for (const bool sequence_parallel : {false, true}) {
+      for (const auto activation : {nn::GatedActivation::SiLU, nn::GatedActivation::GELUTanh}) {
+        CAPTURE(sequence_parallel);
+        manual_seed(61);
+        nn::GatedMLP ref(dim, hidden, {.activation = activation, .bias = true});
+        manual_seed(61);
+        parallel::ParallelGatedMLP mlp(
+            dim, hidden, tp,
+            {.activation = activation, .bias = true, .sequence_parallel = sequence_parallel});
+        ref.to(kFloat64);
+        mlp.to(kFloat64);
+        check_state_equal(parallel::gather_state_dict(mlp), ref.state_dict(), 0);
+        const Tensor x = shared_randn({t, b, dim}, 62), w = shared_randn({t, b, dim}, 63);
+        Tensor ref_x = leaf(x);
+        Tensor ref_y = ref(ref_x);
+        sum(ref_y * w).backward();
+        Tensor my_x = leaf(sequence_parallel ? piece(x, 0, tp) : x);
+        Tensor y = mlp(my_x);
+        CHECK(close(y, sequence_parallel ? piece(ref_y.detach(), 0, tp) : ref_y.detach(), 1e-12));
+        sum(y * (sequence_parallel ? piece(w, 0, tp) : w)).backward();
+        CHECK(close(my_x.grad(), sequence_parallel ? piece(ref_x.grad(), 0, tp) : ref_x.grad(),
+                    1e-12));
+        CHECK(close(mlp.gate_up.grad(), piece(ref.gate_up.grad(), 1, tp), 1e-12));
+        CHECK(close(mlp.gate_up_bias.grad(), piece(ref.gate_up_bias.grad(), 1, tp), 1e-12));
+        CHECK(close(mlp.down->weight.grad(), piece(ref.down->weight.grad(), 1, tp), 1e-12));
+        CHECK(close(mlp.down->bias.grad(), ref.down->bias.grad(), 1e-12));
+      }
+    }
+    if (n > 1)
+      CHECK_THROWS_WITH_AS(parallel::ParallelGatedMLP(dim, 2 * n + 1, tp),
+                           doctest::Contains("does not divide among the"), Error);
+  }
+
   TEST_CASE("ParallelAttention and ParallelMLP alone; bad shapes fail on every rank") {
     const dist::Group tp = dist::world();
     const int n = tp.size();

@@ -218,6 +218,10 @@ std::vector<OpCase> weave::test::op_cases() {
                    return rms_norm(x[0], {5}, x[1]);
                  }});
   all.push_back({"rms_norm", {tr({4, 3})}, [](const Inputs& x) { return rms_norm(x[0], {3}); }});
+  all.push_back({"swiglu", {any({3, 6})}, [](const Inputs& x) { return swiglu(x[0]); }});
+  all.push_back({"swiglu", {tr({4, 2})}, [](const Inputs& x) { return swiglu(x[0]); }});
+  all.push_back({"geglu", {any({2, 3, 4})}, [](const Inputs& x) { return geglu(x[0]); }});
+  all.push_back({"geglu", {any({3, 4})}, [](const Inputs& x) { return geglu(x[0], true); }});
   all.push_back({"bias_gelu", {any({3, 5}), any({5})}, [](const Inputs& x) {
                    return bias_gelu(x[0], x[1]);
                  }});
@@ -247,6 +251,19 @@ std::vector<OpCase> weave::test::op_cases() {
                                                        x[2].transpose(1, 2),
                                                        {.causal = true, .scale = 0.7});
                  }});
+  all.push_back(
+      {"scaled_dot_product_attention",  // packed documents, grouped queries, causal
+       {any({2, 4, 5, 2}), any({2, 2, 5, 2}), any({2, 2, 5, 3})},
+       [](const Inputs& x) {
+         Tensor ids = from_vector<int64_t>({0, 0, 1, 1, 1, 3, 4, 4, 4, 4}, {2, 5}, x[0].device());
+         return scaled_dot_product_attention(x[0], x[1], x[2],
+                                             {.causal = true, .document_ids = ids});
+       }});
+  all.push_back({"scaled_dot_product_attention",  // grouped queries: 4 query heads, 2 k/v heads
+                 {any({1, 4, 3, 2}), any({1, 2, 4, 2}), any({1, 2, 4, 3})},
+                 [](const Inputs& x) {
+                   return scaled_dot_product_attention(x[0], x[1], x[2], {.causal = true});
+                 }});
   all.push_back({"scaled_dot_product_attention",
                  {any({2, 1, 3, 2}), any({2, 1, 4, 2}), any({2, 1, 4, 3}), any({3, 4})},
                  [](const Inputs& x) {  // an additive mask, differentiated (broadcast over B, H)
@@ -266,6 +283,20 @@ std::vector<OpCase> weave::test::op_cases() {
                    Generator g(11);  // the same dropout mask at every perturbation
                    return scaled_dot_product_attention(
                        x[0], x[1], x[2], {.causal = true, .dropout_p = 0.3, .generator = &g});
+                 }});
+  // Rotary: both pair layouts, positions [T] and [B, T], a partial head, a strided view.
+  all.push_back({"rotary_embedding", {any({2, 3, 2, 4})}, [](const Inputs& x) {
+                   Tensor at = from_vector<int64_t>({5, 0, 2}, {3}, x[0].device());
+                   return rotary_embedding(x[0], at);
+                 }});
+  all.push_back({"rotary_embedding", {any({2, 3, 1, 6})}, [](const Inputs& x) {
+                   Tensor at = from_vector<int64_t>({0, 1, 2, 7, 0, 1}, {2, 3}, x[0].device());
+                   return rotary_embedding(x[0], at,
+                                           {.base = 100, .interleaved = true, .rotary_dim = 4});
+                 }});
+  all.push_back({"rotary_embedding", {any({1, 2, 4, 4})}, [](const Inputs& x) {
+                   Tensor at = from_vector<int64_t>({3, 9, 1, 4}, {4}, x[0].device());
+                   return rotary_embedding(x[0].transpose(1, 2), at, {.base = 50});
                  }});
   all.push_back({"packed_qkv_attention", {any({2, 3, 2, 3, 4})}, [](const Inputs& x) {
                    return packed_qkv_attention(x[0], {.causal = true, .scale = 0.8});

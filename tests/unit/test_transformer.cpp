@@ -398,7 +398,9 @@ TEST_SUITE("transformer") {
     CHECK_WEAVE_ERROR(scaled_dot_product_attention(q, randn({1, 2, 5, 4}), v), op,
                       "differ in head size");
     CHECK_WEAVE_ERROR(scaled_dot_product_attention(q, randn({1, 3, 5, 8}), v), op,
-                      "differ in batch or heads");
+                      "k and v need one head count that divides q's");
+    CHECK_WEAVE_ERROR(scaled_dot_product_attention(q, randn({2, 2, 5, 8}), v), op,
+                      "differ in batch size");
     CHECK_WEAVE_ERROR(scaled_dot_product_attention(q.reshape({2, 4, 8}), k, v), op,
                       "expected q, k, v of shape [B, H, T, D]");
     CHECK_WEAVE_ERROR(

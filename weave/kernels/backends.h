@@ -45,12 +45,17 @@
   void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tensor& out);        \
   void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x,                   \
                                 const Tensor& bias, const Tensor& out);                            \
+  void gated_activation(UnaryOp op, const Tensor& gate, const Tensor& up, const Tensor& out);      \
+  void gated_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& gate,               \
+                                 const Tensor& up, const Tensor& dgate, const Tensor& dup);        \
   void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,            \
                  const AttentionParams& params, const Tensor& out, const Tensor& lse);             \
   void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,   \
                           const Tensor& mask, const AttentionParams& params, const Tensor& out,    \
                           const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv, \
-                          const Tensor& dmask);
+                          const Tensor& dmask);                                                    \
+  void rotary(const Tensor& x, const Tensor& positions, const Tensor& frequencies,                 \
+              bool interleaved, bool inverse, const Tensor& out);
 
 namespace weave::kernels::cpu {
 WEAVE_BACKEND_KERNELS

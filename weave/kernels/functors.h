@@ -393,6 +393,34 @@ struct BiasApplyGrad {
   }
 };
 
+/// A gated activation's output op(gate) up (SwiGLU with silu, GeGLU with gelu).
+template <class Functor>
+struct GateApply {
+  template <class T>
+  WEAVE_HD T operator()(T gate, T up) const {
+    return Functor{}(gate)*up;
+  }
+};
+/// Its gradient for the gate: g up op'(gate).
+template <class Functor>
+struct GateApplyGradGate {
+  template <class T>
+  WEAVE_HD T operator()(T g, T gate, T up) const {
+    if constexpr (Functor::reads == Reads::Output)
+      return g * up * Functor{}.grad(gate, Functor{}(gate));
+    else
+      return g * up * Functor{}.grad(gate, gate);
+  }
+};
+/// Its gradient for up: g op(gate).
+template <class Functor>
+struct GateApplyGradUp {
+  template <class T>
+  WEAVE_HD T operator()(T g, T gate) const {
+    return g * Functor{}(gate);
+  }
+};
+
 // ---- dropout inside fused kernels ----------------------------------------------------------
 
 /// Whether element `index` survives dropout with probability p under `seed`: a counter-based

@@ -196,6 +196,16 @@ void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, c
   WEAVE_DISPATCH(unary_name(op), bias_activation_backward(op, grad, x, bias, out));
 }
 
+void gated_activation(UnaryOp op, const Tensor& gate, const Tensor& up, const Tensor& out) {
+  WEAVE_DISPATCH(unary_name(op), gated_activation(op, gate, up, out));
+}
+
+void gated_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                               const Tensor& dgate, const Tensor& dup) {
+  const Tensor& out = dgate;
+  WEAVE_DISPATCH(unary_name(op), gated_activation_backward(op, grad, gate, up, dgate, dup));
+}
+
 namespace {
 // Every backend indexes lse as a contiguous [B, H, Tq] block; a strided view would be read as
 // another row's values.
@@ -219,6 +229,12 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
   check_lse(lse, "attention_backward");
   WEAVE_DISPATCH("attention_backward",
                  attention_backward(grad, q, k, v, mask, params, out, lse, dq, dk, dv, dmask));
+}
+
+void rotary(const Tensor& x, const Tensor& positions, const Tensor& frequencies, bool interleaved,
+            bool inverse, const Tensor& out) {
+  WEAVE_DISPATCH(inverse ? "rotary_backward" : "rotary",
+                 rotary(x, positions, frequencies, interleaved, inverse, out));
 }
 
 #undef WEAVE_DISPATCH

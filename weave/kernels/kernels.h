@@ -181,6 +181,11 @@ void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tens
 /// out = grad op'(x + bias), recomputing op(x + bias) where the derivative needs it.
 void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& bias,
                               const Tensor& out);
+/// out = op(gate) up elementwise in one pass (gate and up: views of one fused projection).
+void gated_activation(UnaryOp op, const Tensor& gate, const Tensor& up, const Tensor& out);
+/// dgate = grad up op'(gate), dup = grad op(gate) (two passes, into views of one buffer).
+void gated_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                               const Tensor& dgate, const Tensor& dup);
 
 /// Fused attention's settings. Causal masking is aligned to the bottom right: query i of Tq
 /// sits at position i + Tk - Tq and sees keys up to there (the usual rule for cached decoding;
@@ -190,9 +195,13 @@ struct AttentionParams {
   bool causal = false;
   double dropout_p = 0.0;
   uint64_t dropout_seed = 0;  // functors::dropout_keep's seed for this call
+  /// Packed sequences (both or neither): int64 [B, Tq] and [B, Tk] contiguous on q's device;
+  /// query i sees key j only where their documents are equal.
+  Tensor query_documents{}, key_documents{};
 };
-/// out [B, H, Tq, Dv] = softmax(scale q k^T + mask) v for q [B, H, Tq, D], k [B, H, Tk, D],
-/// v [B, H, Tk, Dv], each with unit stride in its last dim and any other strides; mask is
+/// out [B, H, Tq, Dv] = softmax(scale q k^T + mask) v for q [B, H, Tq, D], k [B, Hkv, Tk, D],
+/// v [B, Hkv, Tk, Dv] (query head h reads key/value head h / (H / Hkv)), each with unit stride
+/// in its last dim and any other strides; mask is
 /// undefined or a broadcast view [B, H, Tq, Tk] (bool: true attends; else additive, q's
 /// dtype). lse [B, H, Tq] contiguous gets each row's log-sum-exp (+inf for a row that attends
 /// to nothing, whose output is 0). Never holds a Tq x Tk tensor.
@@ -213,6 +222,14 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
                         const Tensor& mask, const AttentionParams& params, const Tensor& out,
                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                         const Tensor& dmask);
+
+/// out [B, T, H, D] = x [B, T, H, D] with each dim pair turned by position * frequency
+/// (interleaved: pairs (2i, 2i + 1), else (i, i + R / 2)), or by minus that when `inverse` (the
+/// backward); dims from R = 2 * frequencies.numel() on are copied. x and out have unit stride
+/// in D and any others, and may be the same tensor; positions is int64 [B, T] (any strides),
+/// frequencies float64 [R / 2] contiguous, both on x's device.
+void rotary(const Tensor& x, const Tensor& positions, const Tensor& frequencies, bool interleaved,
+            bool inverse, const Tensor& out);
 
 // Blocked attention's row passes (ops/attention_blocks.cpp), over the scores s [n, Tq, Tk]
 // (contiguous) of one block of heads; query i sees keys [0, Tk) or, causal, [0, i + 1 + Tk - Tq)

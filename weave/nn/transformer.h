@@ -95,6 +95,36 @@ class MLP : public Module {
   bool tanh_gelu_;
 };
 
+/// The activation of a gated MLP: silu (SwiGLU: Llama, Mistral, Qwen) or gelu (GeGLU: Gemma).
+enum class GatedActivation { SiLU, GELU, GELUTanh };
+
+/// act(gate) * up for gate_up [..., 2F] (the gate in its first half): swiglu or geglu.
+Tensor gated_activation(const Tensor& gate_up, GatedActivation activation);
+
+struct GatedMLPOptions {
+  GatedActivation activation = GatedActivation::SiLU;
+  /// Llama's projections have no bias.
+  bool bias = false;
+  Generator* generator = nullptr;
+};
+
+/// A gated feed-forward network: down(act(x Wg^T) * (x Wu^T)). The gate and up weights are one
+/// parameter gate_up [2, hidden, dim] (gate_up[0] is Wg, gate_up[1] is Wu), so both
+/// projections take one GEMM and the product one pass (swiglu/geglu); a tensor-parallel
+/// version splits it along hidden (parallel::ParallelGatedMLP).
+class GatedMLP : public Module {
+ public:
+  GatedMLP(int64_t dim, int64_t hidden, GatedMLPOptions options = {});
+  /// x [..., dim] -> [..., dim].
+  Tensor forward(const Tensor& x) override;
+  Tensor& gate_up;               // [2, hidden, dim]
+  Tensor& gate_up_bias;          // [2, hidden], undefined without bias
+  std::shared_ptr<Linear> down;  // [dim, hidden]
+
+ private:
+  GatedActivation activation_;
+};
+
 struct TransformerBlockOptions {
   /// The MLP's hidden width; 4 dim when 0.
   int64_t hidden = 0;

@@ -42,6 +42,40 @@ uint64_t draw_seed(Generator* generator) {
   return g.engine()();
 }
 
+/// Documents as the kernels take them, int64 [B, length] contiguous, from ids [B, length] or
+/// [length].
+Tensor documents(const Tensor& ids, int64_t batch, int64_t length, const Tensor& q,
+                 const char* what) {
+  check_same_device(q, ids, kOp);
+  WEAVE_CHECK(ids.dtype() == kInt64 || ids.dtype() == kInt32, kOp,
+              "expected int32 or int64 {}, found {}", what, ids.dtype());
+  WEAVE_CHECK((ids.dim() == 1 && ids.size(0) == length) ||
+                  (ids.dim() == 2 && ids.size(0) == batch && ids.size(1) == length),
+              kOp, "expected {} [{}] or [{}, {}] (one per position), found {}", what, length, batch,
+              length, ids.shape());
+  return broadcast_view(convert(ids, kInt64), {batch, length}).contiguous();
+}
+
+/// The queries' and keys' documents of a packed batch into params (see AttentionOptions).
+void prepare_documents(const Tensor& q, const Tensor& k, const AttentionOptions& options,
+                       kernels::AttentionParams& params) {
+  WEAVE_CHECK(options.document_ids.defined(), kOp,
+              "query_document_ids is set but document_ids (the keys') is not; hint: pass both, "
+              "or document_ids alone when the queries are the keys' last positions");
+  const int64_t batch = q.size(0), tq = q.size(2), tk = k.size(2);
+  params.key_documents = documents(options.document_ids, batch, tk, q, "document_ids");
+  if (options.query_document_ids.defined()) {
+    params.query_documents =
+        documents(options.query_document_ids, batch, tq, q, "query_document_ids");
+    return;
+  }
+  WEAVE_CHECK(tq <= tk, kOp,
+              "{} queries but {} keys: the queries' documents are the keys' last Tq only when Tq "
+              "<= Tk; hint: pass query_document_ids",
+              tq, tk);
+  params.query_documents = params.key_documents.narrow(1, tk - tq, tq).contiguous();
+}
+
 struct Checked {
   Tensor q, k, v, mask;
   kernels::AttentionParams params;
@@ -59,9 +93,13 @@ Checked check_and_prepare(const Tensor& q, const Tensor& k, const Tensor& v,
               "expected q, k, v of shape [B, H, T, D], found {}, {} and {}; hint: a [B, T, H, D] "
               "projection becomes [B, H, T, D] with .transpose(1, 2)",
               q.shape(), k.shape(), v.shape());
-  WEAVE_CHECK(q.size(0) == k.size(0) && q.size(0) == v.size(0) && q.size(1) == k.size(1) &&
-                  q.size(1) == v.size(1),
-              kOp, "q {}, k {} and v {} differ in batch or heads", q.shape(), k.shape(), v.shape());
+  WEAVE_CHECK(q.size(0) == k.size(0) && q.size(0) == v.size(0), kOp,
+              "q {}, k {} and v {} differ in batch size", q.shape(), k.shape(), v.shape());
+  WEAVE_CHECK(k.size(1) == v.size(1) && k.size(1) > 0 && q.size(1) % k.size(1) == 0, kOp,
+              "q {} has {} heads, k {} and v {} have {} and {}: k and v need one head count "
+              "that divides q's (grouped-query attention shares each key/value head among "
+              "q.size(1) / k.size(1) query heads)",
+              q.shape(), q.size(1), k.shape(), v.shape(), k.size(1), v.size(1));
   WEAVE_CHECK(k.size(2) == v.size(2), kOp, "k {} and v {} differ in length", k.shape(), v.shape());
   WEAVE_CHECK(q.size(3) == k.size(3), kOp, "q {} and k {} differ in head size", q.shape(),
               k.shape());
@@ -79,6 +117,8 @@ Checked check_and_prepare(const Tensor& q, const Tensor& k, const Tensor& v,
   c.params.causal = options.causal;
   c.params.dropout_p = options.dropout_p;
   if (options.dropout_p > 0) c.params.dropout_seed = draw_seed(options.generator);
+  if (options.document_ids.defined() || options.query_document_ids.defined())
+    prepare_documents(q, k, options, c.params);
   // bfloat16/float16 stay as they are where the device has tensor-core attention for the case;
   // anything else computes in float32 (float64 in float64).
   const DType dtype = kernels::attention_takes_reduced(q, k, v, options.mask, c.params)

@@ -56,7 +56,9 @@ bool attention_by_blocks(const Tensor& q, const Tensor& k, const Tensor& mask,
   if (!everywhere.load() && !q.device().is_cuda()) return false;
   const bool float_operands = q.dtype() == kFloat32 || q.dtype() == kFloat64;
   const bool rows_see_keys = k.size(2) > 0 && (!params.causal || k.size(2) >= q.size(2));
-  return float_operands && rows_see_keys && !mask.defined() && params.dropout_p == 0;
+  const bool one_kv_head_each = k.size(1) == q.size(1);  // grouped queries: the fused kernels
+  return float_operands && rows_see_keys && one_kv_head_each && !mask.defined() &&
+         params.dropout_p == 0 && !params.query_documents.defined();
 }
 
 void blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -249,6 +249,51 @@ Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approximation) {
   });
 }
 
+namespace {
+
+// Half i (0: the gate, 1: up) of gate_up's last dim, as a view for the kernels (unrecorded).
+Tensor half_of(const Tensor& gate_up, int64_t i) {
+  Shape shape = gate_up.shape();
+  const int64_t f = shape.back() / 2;
+  shape[shape.size() - 1] = f;
+  return make_view(gate_up, shape, gate_up.strides(),
+                   gate_up.offset() + i * f * gate_up.strides().back());
+}
+
+// op(gate) * up over the two halves of one fused projection's output, in one pass each way.
+Tensor gated(const Tensor& gate_up, kernels::UnaryOp op, const char* name) {
+  check_defined(gate_up, name, "gate_up");
+  WEAVE_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, name,
+              "expected gate_up [..., 2F], the gate in its first half and up in its second, "
+              "found {}; hint: one projection to 2F features, as Linear(d, 2 * F) gives",
+              gate_up.shape());
+  const DType out_dtype = to_floating(gate_up.dtype()), dtype = kernel_dtype(out_dtype);
+  Tensor xc = convert(gate_up, dtype);
+  Tensor y = empty_on(half_of(xc, 0).shape(), dtype, xc.device());
+  kernels::gated_activation(op, half_of(xc, 0), half_of(xc, 1), y);
+  return autograd::record("GatedActivationBackward", {gate_up}, convert(y, out_dtype), [&] {
+    return [xs = SavedTensor(xc), op, in = InputInfo(gate_up)](const BackwardArgs& args) -> Grads {
+      Tensor xv = xs.unpack();
+      Tensor g = convert(args.grad(), xv.dtype());
+      Tensor d = empty_on(xv.shape(), xv.dtype(), xv.device());  // [dgate | dup], one buffer
+      kernels::gated_activation_backward(op, g, half_of(xv, 0), half_of(xv, 1), half_of(d, 0),
+                                         half_of(d, 1));
+      return {convert(d, in.dtype)};
+    };
+  });
+}
+
+}  // namespace
+
+Tensor swiglu(const Tensor& gate_up) {
+  return gated(gate_up, kernels::UnaryOp::Silu, "swiglu");
+}
+
+Tensor geglu(const Tensor& gate_up, bool tanh_approximation) {
+  return gated(gate_up, tanh_approximation ? kernels::UnaryOp::GeluTanh : kernels::UnaryOp::Gelu,
+               "geglu");
+}
+
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
   check_defined(weight, "embedding", "weight");
   check_defined(indices, "embedding", "indices");

@@ -213,6 +213,12 @@ Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& we
 /// never stored); tanh_approximation picks gelu_tanh. An undefined bias (a layer without one)
 /// is plain gelu / gelu_tanh.
 Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approximation = false);
+/// The gated MLP activations of Llama-class models: silu(gate) * up (SwiGLU) and gelu(gate) *
+/// up (GeGLU) for gate_up [..., 2F] holding the gate in its first half and up in its second
+/// (the output of one fused projection, so gate and up take one GEMM); returns [..., F]. One
+/// pass forward and one per half backward, into one gradient buffer.
+Tensor swiglu(const Tensor& gate_up);
+Tensor geglu(const Tensor& gate_up, bool tanh_approximation = false);
 /// Rows of weight [num, dim] picked by integer indices (any shape) -> [..., dim].
 Tensor embedding(const Tensor& weight, const Tensor& indices);
 /// In training, zeroes each element with probability p and scales the rest by 1 / (1 - p).
@@ -234,9 +240,20 @@ struct AttentionOptions {
   /// generator when null) and regenerated in backward, never stored.
   double dropout_p = 0.0;
   Generator* generator = nullptr;
+  /// Packed sequences: the document of every key position, int32 or int64, [B, Tk] (or [Tk]
+  /// for the whole batch). A query attends only to keys of its own document (on top of the
+  /// causal rule and the mask); queries sit at the last Tq positions, as for causal. Key blocks
+  /// that share no document with a query block are skipped, not masked, and no Tq x Tk tensor
+  /// is formed: the memory of attention without documents.
+  Tensor document_ids{};
+  /// The queries' documents ([B, Tq] or [Tq]) where they are not the keys' last Tq (context
+  /// parallelism's blocks, whose queries and keys come from different parts of the sequence).
+  Tensor query_document_ids{};
 };
 
-/// softmax(scale q k^T + mask) v for q [B, H, Tq, D], k [B, H, Tk, D], v [B, H, Tk, Dv].
+/// softmax(scale q k^T + mask) v for q [B, H, Tq, D], k [B, Hkv, Tk, D], v [B, Hkv, Tk, Dv].
+/// Hkv may be any divisor of H (grouped-query attention; 1 is multi-query attention): query
+/// head h reads key/value head h / (H / Hkv) where it is, with no repeated copy.
 /// Inputs may be strided views, such as a [B, T, H, D] projection transposed to [B, H, T, D]:
 /// no copy is made while each has unit stride in its last dim. Fused: it never holds a
 /// Tq x Tk tensor (forward keeps each row's log-sum-exp; backward recomputes the scores block
@@ -285,6 +302,47 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad, const T
 /// reproduce a run, or to check the fused op against the composed one.
 Tensor attention_dropout_mask(const Shape& scores_shape, double p, Generator* generator = nullptr);
 
+// ---- rotary position embeddings -----------------------------------------------------------
+
+/// Llama 3.1's long-context frequency scaling ("rope_scaling": {"rope_type": "llama3"} in a
+/// Hugging Face config): frequencies whose wavelength exceeds original_max_position /
+/// low_freq_factor are divided by factor, those below original_max_position /
+/// high_freq_factor are kept, and the band between is interpolated.
+struct Llama3RopeScaling {
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position = 8192;
+};
+
+struct RotaryOptions {
+  /// Frequencies base^(-2i / rotary_dim) for i < rotary_dim / 2 (Llama 2: 10000, Llama 3:
+  /// 500000).
+  double base = 10000.0;
+  /// Which dims turn together: false pairs dim i with i + rotary_dim / 2 (the "rotate_half"
+  /// layout of Hugging Face's Llama code and checkpoints); true pairs 2i with 2i + 1 (Meta's
+  /// original Llama code, GPT-J).
+  bool interleaved = false;
+  /// How many leading dims of each head turn (even); the rest pass through unchanged (GPT-NeoX's
+  /// partial rotary). 0: all of them.
+  int64_t rotary_dim = 0;
+  std::optional<Llama3RopeScaling> llama3_scaling{};
+};
+
+/// Rotary position embeddings of x [B, T, H, D] at integer positions, [T] or [B, T] (a window
+/// packed with several documents restarts its positions at each one): the pair (a, b) with
+/// frequency f_i turns by the angle p f_i, to (a cos - b sin, b cos + a sin). Fused: one pass
+/// forward and one backward (the inverse turn); x may be a strided view with unit stride in
+/// its last dim, such as a fused projection's q before the heads move ahead of T. Angles are
+/// formed in float64 whatever x's dtype, so large positions keep their precision.
+///
+///   Tensor qkv = linear(x, w_qkv).reshape({B, T, 3, H, D});
+///   Tensor q = rotary_embedding(qkv.select(2, 0), positions, {.base = 500000}).transpose(1, 2);
+Tensor rotary_embedding(const Tensor& x, const Tensor& positions,
+                        const RotaryOptions& options = {});
+/// The frequencies f_i (float64 [rotary_dim / 2]) that rotary_embedding turns pair i by.
+Tensor rotary_frequencies(int64_t rotary_dim, const RotaryOptions& options = {});
+
 // ---- masking and sampling ---------------------------------------------------------------
 
 /// The lower (tril) or upper (triu) triangle of the last two dims: elements with
@@ -324,7 +382,7 @@ Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement = 
   X(gather) X(take_along_dim)                                                               \
   X(softmax) X(log_softmax) X(cross_entropy) X(mse_loss) X(layer_norm) X(rms_norm)          \
   X(bias_gelu) X(embedding) X(dropout) X(scaled_dot_product_attention) X(tril) X(triu)      \
-  X(packed_qkv_attention)                                                                   \
+  X(packed_qkv_attention) X(rotary_embedding) X(swiglu) X(geglu)                           \
   X(masked_fill) X(topk) X(clone) X(contiguous) X(to_dtype) X(add_) X(mul_) X(copy_)
 // clang-format on
 

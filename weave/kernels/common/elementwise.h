@@ -82,6 +82,17 @@ void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x, c
 }
 
 template <class Map>
+void gated_activation(UnaryOp op, const Tensor& gate, const Tensor& up, const Tensor& out) {
+  activation<Map, true, functors::GateApply>(op, gate.dtype(), out, gate, up);
+}
+template <class Map>
+void gated_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& gate, const Tensor& up,
+                               const Tensor& dgate, const Tensor& dup) {
+  activation<Map, true, functors::GateApplyGradGate>(op, gate.dtype(), dgate, grad, gate, up);
+  activation<Map, true, functors::GateApplyGradUp>(op, gate.dtype(), dup, grad, gate);
+}
+
+template <class Map>
 void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
   visit_binary_op(op, [&](auto functor, const char* name) {
     using F = typename decltype(functor)::type;
@@ -140,6 +151,13 @@ void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& o
   void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x,                \
                                 const Tensor& bias, const Tensor& out) {                        \
     common::bias_activation_backward<Map>(op, grad, x, bias, out);                              \
+  }                                                                                             \
+  void gated_activation(UnaryOp op, const Tensor& gate, const Tensor& up, const Tensor& out) {  \
+    common::gated_activation<Map>(op, gate, up, out);                                           \
+  }                                                                                             \
+  void gated_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& gate,            \
+                                 const Tensor& up, const Tensor& dgate, const Tensor& dup) {    \
+    common::gated_activation_backward<Map>(op, grad, gate, up, dgate, dup);                     \
   }                                                                                             \
   void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {               \
     common::binary<Map>(op, a, b, out);                                                         \

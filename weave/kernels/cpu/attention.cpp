@@ -1,7 +1,9 @@
 // Fused attention on the CPU, blocked like FlashAttention-2: per (batch, head, query block) the
 // scores of one key block at a time are formed by a GEMM, folded into a running maximum and sum
 // (online softmax) and multiplied into the output; only each row's log-sum-exp is kept. The
-// backward recomputes each block's probabilities from it.
+// backward recomputes each block's probabilities from it. Grouped-query attention reads key and
+// value head h / group for query head h (no copies); its backward runs one task per key/value
+// head, summing the gradients of the group's query heads in a fixed order.
 #include <omp.h>
 
 #include <algorithm>
@@ -35,11 +37,14 @@ struct Heads {
   }
 };
 
-/// Everything that hides a score: the causal rule, a boolean or additive mask, and dropout.
+/// Everything that hides a score: the causal rule, documents, a boolean or additive mask, and
+/// dropout.
 template <class T>
 struct Masking {
   int64_t tq, tk, heads;
   bool causal;
+  const int64_t* query_doc = nullptr;  // [B, Tq] and [B, Tk]: packed sequences' documents
+  const int64_t* key_doc = nullptr;
   const T* additive = nullptr;
   const bool* allowed = nullptr;
   int64_t strides[4] = {0, 0, 0, 0};
@@ -55,6 +60,10 @@ struct Masking {
         dropout_p(params.dropout_p),
         seed(params.dropout_seed),
         keep_scale(T(1.0 / (1.0 - params.dropout_p))) {
+    if (params.query_documents.defined()) {
+      query_doc = params.query_documents.data<int64_t>();
+      key_doc = params.key_documents.data<int64_t>();
+    }
     if (mask.defined()) {
       if (mask.dtype() == kBool)
         allowed = static_cast<const bool*>(mask.data_ptr());
@@ -71,6 +80,17 @@ struct Masking {
   /// The first query that sees key j.
   int64_t first_query(int64_t j) const { return causal ? std::max<int64_t>(0, j - (tk - tq)) : 0; }
 
+  /// False where queries [i0, i0 + rows) and keys [j0, j0 + cols) of batch entry b can share no
+  /// document (their ranges of ids are disjoint): the block is skipped, not computed and masked.
+  bool meets(int64_t b, int64_t i0, int64_t rows, int64_t j0, int64_t cols) const {
+    if (!query_doc) return true;
+    const auto [q_low, q_high] =
+        std::minmax_element(query_doc + b * tq + i0, query_doc + b * tq + i0 + rows);
+    const auto [k_low, k_high] =
+        std::minmax_element(key_doc + b * tk + j0, key_doc + b * tk + j0 + cols);
+    return *k_high >= *q_low && *k_low <= *q_high;
+  }
+
   /// Applies causal rule and mask to a rows x cols block of scores at (i0, j0).
   void apply(T* s, int64_t ld, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
              int64_t cols) const {
@@ -80,6 +100,12 @@ struct Masking {
       const int64_t i = i0 + r;
       if (causal)
         for (int64_t c = std::max<int64_t>(0, key_end(i) - j0); c < cols; ++c) row[c] = kMinusInf;
+      if (query_doc) {
+        const int64_t document = query_doc[b * tq + i];
+        const int64_t* keys = key_doc + b * tk + j0;
+        for (int64_t c = 0; c < cols; ++c)
+          if (keys[c] != document) row[c] = kMinusInf;
+      }
       const int64_t base = b * strides[0] + h * strides[1] + i * strides[2] + j0 * strides[3];
       if (additive)
         for (int64_t c = 0; c < cols; ++c) row[c] += additive[base + c * strides[3]];
@@ -105,7 +131,7 @@ template <class T>
 void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
              const AttentionParams& params, const Tensor& out, const Tensor& lse) {
   const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), d = q.size(3);
-  const int64_t dv = v.size(3);
+  const int64_t dv = v.size(3), group = heads / k.size(1);
   const Heads<const T> Q(q), K(k), V(v);
   const Heads<T> O(out);
   T* L = lse.data<T>();
@@ -118,7 +144,7 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ma
     std::vector<T> scores(kBlockQ * kBlockK), acc(kBlockQ * dv), row_max(kBlockQ), row_sum(kBlockQ);
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / (heads * blocks), h = task / blocks % heads;
+      const int64_t b = task / (heads * blocks), h = task / blocks % heads, kv = h / group;
       const int64_t i0 = task % blocks * kBlockQ, rows = std::min(kBlockQ, tq - i0);
       std::fill_n(row_max.data(), rows, -std::numeric_limits<T>::infinity());
       std::fill_n(row_sum.data(), rows, T(0));
@@ -126,8 +152,9 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ma
       const int64_t keys = masking.key_end(i0 + rows - 1);
       for (int64_t j0 = 0; j0 < keys; j0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, keys - j0);
+        if (!masking.meets(b, i0, rows, j0, cols)) continue;
         T* s = scores.data();
-        gemm<T>(false, true, rows, cols, d, scale, Q.at(b, h, i0), Q.row_stride, K.at(b, h, j0),
+        gemm<T>(false, true, rows, cols, d, scale, Q.at(b, h, i0), Q.row_stride, K.at(b, kv, j0),
                 K.row_stride, T(0), s, kBlockK);
         masking.apply(s, kBlockK, b, h, i0, rows, j0, cols);
         for (int64_t r = 0; r < rows; ++r) {
@@ -142,7 +169,7 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ma
           row_max[r] = m;
         }
         masking.drop(s, kBlockK, b, h, i0, rows, j0, cols);
-        gemm<T>(false, false, rows, dv, cols, T(1), s, kBlockK, V.at(b, h, j0), V.row_stride, T(1),
+        gemm<T>(false, false, rows, dv, cols, T(1), s, kBlockK, V.at(b, kv, j0), V.row_stride, T(1),
                 acc.data(), dv);
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -157,13 +184,36 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ma
   }
 }
 
+/// What one backward task (a batch entry and a key/value head) works with.
+template <class T>
+struct BackwardTask {
+  std::vector<T> probs, dprobs, dk_acc, dv_acc, delta;
+  BackwardTask(int64_t d, int64_t dv, int64_t rows)
+      : probs(kBlockQ * kBlockK),
+        dprobs(kBlockQ * kBlockK),
+        dk_acc(kBlockK * d),
+        dv_acc(kBlockK * dv),
+        delta(rows) {}
+  /// delta_i = sum_c dO_ic O_ic = sum_j P_ij dP_ij (dropout included) for query heads [h0, h0 +
+  /// group) of batch entry b, and their dq rows zeroed.
+  void start(const Heads<const T>& G, const Heads<const T>& O, const Heads<T>& DQ, int64_t b,
+             int64_t h0, int64_t group, int64_t tq, int64_t d, int64_t dv) {
+    for (int64_t h = h0; h < h0 + group; ++h)
+      for (int64_t i = 0; i < tq; ++i) {
+        const T *g = G.at(b, h, i), *o = O.at(b, h, i);
+        delta[(h - h0) * tq + i] = row_sum<T>(dv, [&](int64_t c) { return g[c] * o[c]; });
+        std::fill_n(DQ.at(b, h, i), d, T(0));
+      }
+  }
+};
+
 template <class T>
 void backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,
               const Tensor& mask, const AttentionParams& params, const Tensor& out,
               const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv_out,
               const Tensor& dmask) {
   const int64_t batch = q.size(0), heads = q.size(1), tq = q.size(2), tk = k.size(2);
-  const int64_t d = q.size(3), dv = v.size(3);
+  const int64_t d = q.size(3), dv = v.size(3), kv_heads = k.size(1), group = heads / kv_heads;
   const Heads<const T> Q(q), K(k), V(v), O(out), G(grad);
   const Heads<T> DQ(dq), DK(dk), DV(dv_out);
   const T* L = lse.data<T>();
@@ -171,63 +221,63 @@ void backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor
   if (dscores) std::fill_n(dscores, dmask.numel(), T(0));
   const Masking<T> masking(q, k, mask, params);
   const T scale = T(params.scale);
-  const int64_t tasks = batch * heads;
-  const int threads = threads_for(tasks * tq * tk * d);
+  // Query block [i0, i0 + rows) of query head h against key block [j0, j0 + cols) of its
+  // key/value head kv: adds to dq directly and to the task's dk/dv accumulators.
+  auto block = [&](BackwardTask<T>& w, int64_t b, int64_t h, int64_t kv, int64_t i0, int64_t j0,
+                   int64_t cols) {
+    const int64_t rows = std::min(kBlockQ, tq - i0), row0 = (b * heads + h) * tq;
+    if (!masking.meets(b, i0, rows, j0, cols)) return;
+    const T* delta = w.delta.data() + (h % group) * tq;
+    T *p = w.probs.data(), *dp = w.dprobs.data();
+    gemm<T>(false, true, rows, cols, d, scale, Q.at(b, h, i0), Q.row_stride, K.at(b, kv, j0),
+            K.row_stride, T(0), p, kBlockK);
+    masking.apply(p, kBlockK, b, h, i0, rows, j0, cols);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        p[r * kBlockK + c] = std::exp(p[r * kBlockK + c] - L[row0 + i0 + r]);
+    // dV += P_dropped^T dO
+    const T* dropped = p;
+    if (params.dropout_p > 0) {
+      std::copy(p, p + rows * kBlockK, dp);
+      masking.drop(dp, kBlockK, b, h, i0, rows, j0, cols);
+      dropped = dp;
+    }
+    gemm<T>(true, false, cols, dv, rows, T(1), dropped, kBlockK, G.at(b, h, i0), G.row_stride, T(1),
+            w.dv_acc.data(), dv);
+    // dP = dO V^T (through the dropout mask), dS = P (dP - delta)
+    gemm<T>(false, true, rows, cols, dv, T(1), G.at(b, h, i0), G.row_stride, V.at(b, kv, j0),
+            V.row_stride, T(0), dp, kBlockK);
+    masking.drop(dp, kBlockK, b, h, i0, rows, j0, cols);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) p[r * kBlockK + c] *= dp[r * kBlockK + c] - delta[i0 + r];
+    if (dscores)
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy_n(p + r * kBlockK, cols, dscores + (row0 + i0 + r) * tk + j0);
+    // dQ += scale dS K, dK += scale dS^T Q
+    gemm<T>(false, false, rows, d, cols, scale, p, kBlockK, K.at(b, kv, j0), K.row_stride, T(1),
+            DQ.at(b, h, i0), DQ.row_stride);
+    gemm<T>(true, false, cols, d, rows, scale, p, kBlockK, Q.at(b, h, i0), Q.row_stride, T(1),
+            w.dk_acc.data(), d);
+  };
+  const int64_t tasks = batch * kv_heads;
+  const int threads = threads_for(batch * heads * tq * tk * d);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    std::vector<T> probs(kBlockQ * kBlockK), dprobs(kBlockQ * kBlockK), dk_acc(kBlockK * d),
-        dv_acc(kBlockK * dv), delta(tq);
+    BackwardTask<T> w(d, dv, group * tq);
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / heads, h = task % heads;
-      const T* lse_row = L + task * tq;
-      // delta_i = sum_c dO_ic O_ic = sum_j P_ij dP_ij (dropout included)
-      for (int64_t i = 0; i < tq; ++i) {
-        const T *g = G.at(b, h, i), *o = O.at(b, h, i);
-        delta[i] = row_sum<T>(dv, [&](int64_t c) { return g[c] * o[c]; });
-        std::fill_n(DQ.at(b, h, i), d, T(0));
-      }
+      const int64_t b = task / kv_heads, kv = task % kv_heads;
+      w.start(G, O, DQ, b, kv * group, group, tq, d, dv);
       for (int64_t j0 = 0; j0 < tk; j0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, tk - j0);
-        std::fill(dk_acc.begin(), dk_acc.end(), T(0));
-        std::fill(dv_acc.begin(), dv_acc.end(), T(0));
-        for (int64_t i0 = masking.first_query(j0) / kBlockQ * kBlockQ; i0 < tq; i0 += kBlockQ) {
-          const int64_t rows = std::min(kBlockQ, tq - i0);
-          T *p = probs.data(), *dp = dprobs.data();
-          gemm<T>(false, true, rows, cols, d, scale, Q.at(b, h, i0), Q.row_stride, K.at(b, h, j0),
-                  K.row_stride, T(0), p, kBlockK);
-          masking.apply(p, kBlockK, b, h, i0, rows, j0, cols);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < cols; ++c)
-              p[r * kBlockK + c] = std::exp(p[r * kBlockK + c] - lse_row[i0 + r]);
-          // dV += P_dropped^T dO
-          const T* dropped = p;
-          if (params.dropout_p > 0) {
-            std::copy(p, p + rows * kBlockK, dp);
-            masking.drop(dp, kBlockK, b, h, i0, rows, j0, cols);
-            dropped = dp;
-          }
-          gemm<T>(true, false, cols, dv, rows, T(1), dropped, kBlockK, G.at(b, h, i0), G.row_stride,
-                  T(1), dv_acc.data(), dv);
-          // dP = dO V^T (through the dropout mask), dS = P (dP - delta)
-          gemm<T>(false, true, rows, cols, dv, T(1), G.at(b, h, i0), G.row_stride, V.at(b, h, j0),
-                  V.row_stride, T(0), dp, kBlockK);
-          masking.drop(dp, kBlockK, b, h, i0, rows, j0, cols);
-          for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < cols; ++c)
-              p[r * kBlockK + c] *= dp[r * kBlockK + c] - delta[i0 + r];
-          if (dscores)
-            for (int64_t r = 0; r < rows; ++r)
-              std::copy_n(p + r * kBlockK, cols, dscores + (task * tq + i0 + r) * tk + j0);
-          // dQ += scale dS K, dK += scale dS^T Q
-          gemm<T>(false, false, rows, d, cols, scale, p, kBlockK, K.at(b, h, j0), K.row_stride,
-                  T(1), DQ.at(b, h, i0), DQ.row_stride);
-          gemm<T>(true, false, cols, d, rows, scale, p, kBlockK, Q.at(b, h, i0), Q.row_stride, T(1),
-                  dk_acc.data(), d);
-        }
+        std::fill(w.dk_acc.begin(), w.dk_acc.end(), T(0));
+        std::fill(w.dv_acc.begin(), w.dv_acc.end(), T(0));
+        for (int64_t h = kv * group; h < (kv + 1) * group; ++h)
+          for (int64_t i0 = masking.first_query(j0) / kBlockQ * kBlockQ; i0 < tq; i0 += kBlockQ)
+            block(w, b, h, kv, i0, j0, cols);
         for (int64_t c = 0; c < cols; ++c) {
-          std::copy_n(dk_acc.data() + c * d, d, DK.at(b, h, j0 + c));
-          std::copy_n(dv_acc.data() + c * dv, dv, DV.at(b, h, j0 + c));
+          std::copy_n(w.dk_acc.data() + c * d, d, DK.at(b, kv, j0 + c));
+          std::copy_n(w.dv_acc.data() + c * dv, dv, DV.at(b, kv, j0 + c));
         }
       }
     }

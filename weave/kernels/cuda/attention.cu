@@ -29,11 +29,12 @@ template <class T>
 struct Problem {
   const T *q, *k, *v, *out, *grad, *lse;
   Layout lq, lk, lv, lo, lg;
-  int64_t heads, tq, tk, d, dv;
+  int64_t heads, group, tq, tk, d, dv;  // query head h reads key/value head h / group
   T scale;
   bool causal;
   const bool* allowed;
   const T* additive;
+  const int64_t *query_doc, *key_doc;  // packed sequences: [B, Tq], [B, Tk] (or null)
   int64_t ms[4];
   double dropout_p;
   uint64_t seed;
@@ -46,6 +47,7 @@ struct Problem {
   /// The masked score, or -inf where the query may not see the key.
   __device__ T masked(T s, int64_t b, int64_t h, int64_t i, int64_t j) const {
     if (j >= key_end(i)) return -INFINITY;
+    if (query_doc && query_doc[b * tq + i] != key_doc[b * tk + j]) return -INFINITY;
     const int64_t at = b * ms[0] + h * ms[1] + i * ms[2] + j * ms[3];
     if (allowed && !allowed[at]) return -INFINITY;
     if (additive) s += additive[at];
@@ -130,7 +132,7 @@ __global__ void forward_kernel(Problem<T> p, T* out, Layout lo, T* lse) {
       for (int64_t e = 0; e < p.dv; ++e) acc[e] += dropped * vs[c * p.dv + e];
     }
   };
-  for_each_tile(p.k, p.lk, p.d, p.v, p.lv, p.dv, b, h, 0, p.key_end(last), active, body);
+  for_each_tile(p.k, p.lk, p.d, p.v, p.lv, p.dv, b, h / p.group, 0, p.key_end(last), active, body);
   if (!active) return;
   T* o = out + b * lo.batch + h * lo.head + i * lo.row;
   for (int64_t e = 0; e < p.dv; ++e) o[e] = l > 0 ? acc[e] / l : T(0);
@@ -170,43 +172,48 @@ __global__ void dq_kernel(Problem<T> p, const T* delta, T* dq, Layout ldq, T* dm
       for (int64_t e = 0; e < p.d; ++e) acc[e] += ds * ks[c * p.d + e];
     }
   };
-  for_each_tile(p.k, p.lk, p.d, p.v, p.lv, p.dv, b, h, 0, p.key_end(last), active, body);
+  for_each_tile(p.k, p.lk, p.d, p.v, p.lv, p.dv, b, h / p.group, 0, p.key_end(last), active, body);
   if (!active) return;
   T* o = dq + b * ldq.batch + h * ldq.head + i * ldq.row;
   for (int64_t e = 0; e < p.d; ++e) o[e] = acc[e] * p.scale;
 }
 
-// A thread per key row: dv_j = sum_i P_ij keep_ij dO_i,  dk_j = scale sum_i dS_ij q_i.
+// A thread per key row of a key/value head: dv_j = sum_i P_ij keep_ij dO_i and
+// dk_j = scale sum_i dS_ij q_i, the sums over every query head of its group in turn.
 template <class T, int kMaxD>
 __global__ void dkv_kernel(Problem<T> p, const T* delta, T* dk, Layout ldk, T* dv, Layout ldv) {
-  const int64_t bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
+  const int64_t kv_heads = p.heads / p.group;
+  const int64_t bkv = blockIdx.y, b = bkv / kv_heads, kv = bkv % kv_heads;
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool active = j < p.tk;
   T kr[kMaxD], vr[kMaxD], dk_acc[kMaxD], dv_acc[kMaxD];
-  load_row(kr, p.k, p.lk, b, h, j, p.d, T(1), active);
-  load_row(vr, p.v, p.lv, b, h, j, p.dv, T(1), active);
+  load_row(kr, p.k, p.lk, b, kv, j, p.d, T(1), active);
+  load_row(vr, p.v, p.lv, b, kv, j, p.dv, T(1), active);
   for (int64_t c = 0; c < p.d; ++c) dk_acc[c] = 0;
   for (int64_t c = 0; c < p.dv; ++c) dv_acc[c] = 0;
   // Queries before the block's first key's first viewer see none of its keys.
   const int64_t first_key = int64_t(blockIdx.x) * blockDim.x;
   int64_t first = p.causal ? first_key - (p.tk - p.tq) : 0;
   first = first < 0 ? 0 : first;
+  int64_t h = kv * p.group;  // the query head being summed
   auto body = [&](const T* qs, const T* gs, int64_t i0, int64_t count) {
+    const int64_t row0 = (b * p.heads + h) * p.tq;
     for (int64_t r = 0; r < count; ++r) {
       const int64_t i = i0 + r;
       const T s = p.masked(dot(kr, qs + r * p.d, p.d) * p.scale, b, h, i, j);
       if (s == -INFINITY) continue;
-      const T prob = exp(s - p.lse[bh * p.tq + i]), keep = p.keep(b, h, i, j);
+      const T prob = exp(s - p.lse[row0 + i]), keep = p.keep(b, h, i, j);
       const T* g = gs + r * p.dv;
       for (int64_t e = 0; e < p.dv; ++e) dv_acc[e] += prob * keep * g[e];
-      const T ds = prob * (dot(g, vr, p.dv) * keep - delta[bh * p.tq + i]);
+      const T ds = prob * (dot(g, vr, p.dv) * keep - delta[row0 + i]);
       for (int64_t e = 0; e < p.d; ++e) dk_acc[e] += ds * qs[r * p.d + e];
     }
   };
-  for_each_tile(p.q, p.lq, p.d, p.grad, p.lg, p.dv, b, h, first, p.tq, active, body);
+  for (; h < (kv + 1) * p.group; ++h)
+    for_each_tile(p.q, p.lq, p.d, p.grad, p.lg, p.dv, b, h, first, p.tq, active, body);
   if (!active) return;
-  T* ok = dk + b * ldk.batch + h * ldk.head + j * ldk.row;
-  T* ov = dv + b * ldv.batch + h * ldv.head + j * ldv.row;
+  T* ok = dk + b * ldk.batch + kv * ldk.head + j * ldk.row;
+  T* ov = dv + b * ldv.batch + kv * ldv.head + j * ldv.row;
   for (int64_t e = 0; e < p.d; ++e) ok[e] = dk_acc[e] * p.scale;
   for (int64_t e = 0; e < p.dv; ++e) ov[e] = dv_acc[e];
 }
@@ -222,6 +229,7 @@ Problem<T> problem_of(const Tensor& q, const Tensor& k, const Tensor& v, const T
   p.lk = layout_of(k);
   p.lv = layout_of(v);
   p.heads = q.size(1);
+  p.group = q.size(1) / k.size(1);
   p.tq = q.size(2);
   p.tk = k.size(2);
   p.d = q.size(3);
@@ -237,6 +245,10 @@ Problem<T> problem_of(const Tensor& q, const Tensor& k, const Tensor& v, const T
   }
   p.dropout_p = params.dropout_p;
   p.seed = params.dropout_seed;
+  if (params.query_documents.defined()) {
+    p.query_doc = params.query_documents.data<int64_t>();
+    p.key_doc = params.key_documents.data<int64_t>();
+  }
   return p;
 }
 
@@ -310,7 +322,7 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
       dq_kernel<T, kMaxD><<<grid_for(p.tq, batch_heads), kRowsPerBlock, shared, s>>>(
           p, pdelta, static_cast<T*>(dq.data_ptr()), layout_of(dq),
           dmask.defined() ? static_cast<T*>(dmask.data_ptr()) : nullptr);
-      dkv_kernel<T, kMaxD><<<grid_for(p.tk, batch_heads), kRowsPerBlock, shared, s>>>(
+      dkv_kernel<T, kMaxD><<<grid_for(p.tk, q.size(0) * k.size(1)), kRowsPerBlock, shared, s>>>(
           p, pdelta, static_cast<T*>(dk.data_ptr()), layout_of(dk), static_cast<T*>(dv.data_ptr()),
           layout_of(dv));
     });

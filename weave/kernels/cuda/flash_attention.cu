@@ -452,6 +452,10 @@ bool attention_on_tensor_cores(const Tensor& q, const Tensor& k, const Tensor& v
                                const Tensor& mask, const AttentionParams& params) {
   if (!q.device().is_cuda() || (q.dtype() != kBFloat16 && q.dtype() != kFloat16)) return false;
   if (mask.defined() || params.dropout_p > 0) return false;
+  // Grouped-query attention runs on the float32 tiled kernel, which reads shared key/value
+  // heads in place; these kernels still take one key/value head per query head.
+  if (k.size(1) != q.size(1)) return false;
+  if (params.query_documents.defined()) return false;  // packed sequences: the tiled kernel
   const int64_t d = q.size(3);
   if ((d != 64 && d != 128) || v.size(3) != d || k.size(3) != d) return false;
   if (q.size(0) * q.size(1) > 65535) return false;

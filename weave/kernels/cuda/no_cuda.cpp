@@ -58,6 +58,9 @@ void adam_update_many(const std::vector<AdamTensors>&, const AdamStep&) {
 void norm_power_sum(const std::vector<Tensor>&, double, const Tensor&) {
   no_cuda("norm_power_sum");
 }
+void rotary(const Tensor&, const Tensor&, const Tensor&, bool, bool, const Tensor&) {
+  no_cuda("rotary");
+}
 void scale_many(const std::vector<Tensor>&, double) {
   no_cuda("scale_many");
 }
@@ -96,6 +99,13 @@ void bias_activation(UnaryOp, const Tensor&, const Tensor&, const Tensor&) {
 }
 void bias_activation_backward(UnaryOp, const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
   no_cuda("bias_activation");
+}
+void gated_activation(UnaryOp, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda("gated_activation");
+}
+void gated_activation_backward(UnaryOp, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                               const Tensor&) {
+  no_cuda("gated_activation");
 }
 void attention(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const AttentionParams&,
                const Tensor&, const Tensor&) {

@@ -48,7 +48,7 @@ void check_arguments(const Tensor& q, const Tensor& k, const Tensor& v, const di
   // The scale travels as its bits (-0.0 as 0.0: they scale alike), so differing scales raise.
   const double scale = options.scale.value_or(0.0);
   const int64_t scale_bits = scale == 0 ? 0 : std::bit_cast<int64_t>(scale);
-  std::vector<int64_t> facts(10, 0);
+  std::vector<int64_t> facts(12, 0);
   const detail::ValueRange agreed = detail::check_together(
       [&] {
         WEAVE_CHECK(q.defined() && k.defined() && v.defined(), op, "q, k and v must be defined");
@@ -58,6 +58,19 @@ void check_arguments(const Tensor& q, const Tensor& k, const Tensor& v, const di
         WEAVE_CHECK(q.size(2) == k.size(2) && k.size(2) == v.size(2), op,
                     "q {}, k {} and v {} must hold the same positions of the sequence", q.shape(),
                     k.shape(), v.shape());
+        WEAVE_CHECK(k.size(1) == v.size(1) && k.size(1) > 0 && q.size(1) % k.size(1) == 0, op,
+                    "k {} and v {} need one head count that divides q's {} (grouped-query "
+                    "attention)",
+                    k.shape(), v.shape(), q.size(1));
+        if (const Tensor& ids = options.document_ids; ids.defined())
+          WEAVE_CHECK(
+              (ids.dtype() == kInt64 || ids.dtype() == kInt32) &&
+                  ((ids.dim() == 1 && ids.size(0) == q.size(2)) ||
+                   (ids.dim() == 2 && ids.size(0) == q.size(0) && ids.size(1) == q.size(2))),
+              op,
+              "expected document_ids, int32 or int64, [{}] or [{}, {}] (this rank's "
+              "positions), found {} {}",
+              q.size(2), q.size(0), q.size(2), ids.dtype(), ids.shape());
         WEAVE_CHECK(options.layout != SequenceLayout::ZigZag || q.size(2) % 2 == 0, op,
                     "the zig-zag layout holds two equal chunks per rank, but this rank holds {} "
                     "positions; hint: the sequence must divide by twice the group size",
@@ -71,12 +84,15 @@ void check_arguments(const Tensor& q, const Tensor& k, const Tensor& v, const di
                  options.causal ? 1 : 0,
                  int64_t(options.layout),
                  options.scale.has_value() ? 1 : 0,
-                 scale_bits};
+                 scale_bits,
+                 k.size(1),
+                 options.document_ids.defined() ? 1 : 0};
       },
       group, op, facts);
-  const char* names[] = {
-      "batch",       "heads",  "local sequence length", "head size", "value head size", "dtype",
-      "causal flag", "layout", "scale (set or not)",    "scale"};
+  const char* names[] = {"batch",       "heads",           "local sequence length",
+                         "head size",   "value head size", "dtype",
+                         "causal flag", "layout",          "scale (set or not)",
+                         "scale",       "key/value heads", "document ids (given or not)"};
   auto shown = [&](size_t i, int64_t value) {  // the scale's bits as the number they hold
     return i == 9 ? fmt::format("{}", std::bit_cast<double>(value)) : std::to_string(value);
   };
@@ -112,6 +128,14 @@ Tensor pack(const Tensor& k, const Tensor& v) {
   return cat({k.reshape({-1}), v.reshape({-1})});
 }
 
+// A query chunk of this rank against a key chunk of the block passing by: their indices in
+// this rank's (and the block owner's) order, in the whole sequence, and how they attend.
+struct BlockPair {
+  size_t query, key;
+  int64_t query_chunk, key_chunk;
+  Pair pair;
+};
+
 // The ring's shared state: shapes, chunks and the compute dtype.
 struct Ring {
   dist::Group group;
@@ -121,6 +145,7 @@ struct Ring {
   Shape k_shape, v_shape;
   int64_t chunk = 0;  // positions per chunk
   std::vector<int64_t> mine;
+  Tensor documents;  // the whole sequence's, int64 [B, T] in order (packed sequences), or none
 
   Tensor key(const Tensor& packed) const {
     return packed.narrow(0, 0, k_shape.numel()).reshape(k_shape);
@@ -131,19 +156,26 @@ struct Ring {
   Tensor part(const Tensor& t, size_t index) const {
     return t.narrow(2, int64_t(index) * chunk, chunk);
   }
-  // Calls f(query chunk index, key chunk index, pair) for every pair the block of `owner` adds.
+  // Calls f(BlockPair) for every pair the block of `owner` adds.
   template <class Fn>
   void for_each_pair(int owner, Fn&& f) const {
     const std::vector<int64_t> theirs = chunks_of(owner, group.size(), layout);
     for (size_t a = 0; a < mine.size(); ++a)
       for (size_t b = 0; b < theirs.size(); ++b) {
         const Pair pair = pair_of(mine[a], theirs[b], causal);
-        if (pair != Pair::Skip) f(a, b, pair);
+        if (pair != Pair::Skip) f(BlockPair{a, b, mine[a], theirs[b], pair});
       }
   }
-  // A block's options: the chunks of a pair on the diagonal mask causally among themselves.
-  AttentionOptions options(Pair pair) const {
-    return {.causal = pair == Pair::Diagonal, .scale = scale};
+  // A block's options: the chunks of a pair on the diagonal mask causally among themselves, and
+  // with documents each side brings its own (key blocks outside a query's document are skipped
+  // by the kernel).
+  AttentionOptions options(const BlockPair& p) const {
+    AttentionOptions o{.causal = p.pair == Pair::Diagonal, .scale = scale};
+    if (documents.defined()) {
+      o.document_ids = documents.narrow(1, p.key_chunk * chunk, chunk);
+      o.query_document_ids = documents.narrow(1, p.query_chunk * chunk, chunk);
+    }
+    return o;
   }
 };
 
@@ -175,12 +207,12 @@ std::pair<Tensor, Tensor> ring_forward(const Ring& ring, const Tensor& q, const 
     Shift next;
     if (s + 1 < n) next = shift_to_next(current, ring.group, kKeyValueTag);
     const Tensor kb = ring.key(current), vb = ring.value(current);
-    ring.for_each_pair((r + n - s) % n, [&](size_t a, size_t c, Pair pair) {
+    ring.for_each_pair((r + n - s) % n, [&](const BlockPair& p) {
       const AttentionResult block = scaled_dot_product_attention_with_lse(
-          ring.part(q, a), ring.part(kb, c), ring.part(vb, c), ring.options(pair));
-      merge(ring.part(out, a), ring.part(lse, a), block.output, block.logsumexp);
+          ring.part(q, p.query), ring.part(kb, p.key), ring.part(vb, p.key), ring.options(p));
+      merge(ring.part(out, p.query), ring.part(lse, p.query), block.output, block.logsumexp);
       const int64_t len = ring.chunk;
-      stats.score_elements += b * h * (pair == Pair::Full ? len * len : len * (len + 1) / 2);
+      stats.score_elements += b * h * (p.pair == Pair::Full ? len * len : len * (len + 1) / 2);
     });
     if (s + 1 < n) {
       const int64_t waited = trace::detail::now_ns();
@@ -210,13 +242,13 @@ std::vector<Tensor> ring_backward(const Ring& ring, const Tensor& grad, const Te
     const Tensor kb = ring.key(current), vb = ring.value(current);
     Tensor local = zeros({current.numel()}, {.dtype = q.dtype(), .device = q.device()});
     const Tensor dk = ring.key(local), dv = ring.value(local);
-    ring.for_each_pair((r + n - s) % n, [&](size_t a, size_t c, Pair pair) {
+    ring.for_each_pair((r + n - s) % n, [&](const BlockPair& p) {
       const AttentionGrads block = scaled_dot_product_attention_backward(
-          ring.part(grad, a), ring.part(q, a), ring.part(kb, c), ring.part(vb, c),
-          ring.part(out, a), lse_parts[a], ring.options(pair));
-      ring.part(dq, a).add_(block.q);
-      ring.part(dk, c).add_(block.k);
-      ring.part(dv, c).add_(block.v);
+          ring.part(grad, p.query), ring.part(q, p.query), ring.part(kb, p.key),
+          ring.part(vb, p.key), ring.part(out, p.query), lse_parts[p.query], ring.options(p));
+      ring.part(dq, p.query).add_(block.q);
+      ring.part(dk, p.key).add_(block.k);
+      ring.part(dv, p.key).add_(block.v);
     });
     const Tensor accumulated = s == 0 ? local : arriving.wait() + local;
     arriving = shift_to_next(accumulated, ring.group, kGradTag);
@@ -224,6 +256,18 @@ std::vector<Tensor> ring_backward(const Ring& ring, const Tensor& grad, const Te
   }
   const Tensor mine = arriving.wait();
   return {dq, ring.key(mine).clone(), ring.value(mine).clone()};
+}
+
+// The whole sequence's documents in order, int64 [B, T], on every rank (one all_gather of the
+// ranks' ids: a document may straddle ranks), or none.
+Tensor whole_documents(const ContextParallelOptions& options, const Tensor& q,
+                       const dist::Group& group) {
+  const Tensor& ids = options.document_ids;
+  if (!ids.defined()) return {};
+  NoGradGuard no_grad;
+  Tensor local = ids.to(kInt64);
+  if (local.dim() == 1) local = local.unsqueeze(0).expand({q.size(0), q.size(2)});
+  return gather_sequence(local.contiguous(), 1, group, options.layout).contiguous();
 }
 
 }  // namespace
@@ -249,8 +293,9 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const d
     if (options.stats)
       options.stats->score_elements =
           q.size(0) * q.size(1) * (options.causal ? t * (t + 1) / 2 : t * t);
-    return scaled_dot_product_attention(q, k, v,
-                                        {.causal = options.causal, .scale = options.scale});
+    return scaled_dot_product_attention(
+        q, k, v,
+        {.causal = options.causal, .scale = options.scale, .document_ids = options.document_ids});
   }
   const DType dtype = compute_dtype(q.dtype());
   Tensor qc = q.to(dtype).contiguous(), kc = k.to(dtype).contiguous(),
@@ -263,7 +308,8 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const d
       .k_shape = kc.shape(),
       .v_shape = vc.shape(),
       .chunk = q.size(2) / int64_t(chunks_of(0, group.size(), options.layout).size()),
-      .mine = chunks_of(group.rank(), group.size(), options.layout)};
+      .mine = chunks_of(group.rank(), group.size(), options.layout),
+      .documents = whole_documents(options, q, group)};
   RingAttentionStats stats;
   const std::pair<Tensor, Tensor> forward = [&] {
     NoGradGuard no_grad;
@@ -320,17 +366,21 @@ Tensor all_to_all_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   const char* op = "all_to_all_attention";
   check_arguments(q, k, v, group, options, op);
   const int n = group.size();
-  WEAVE_CHECK(q.size(1) % n == 0, op,
-              "{} heads do not divide over the {} ranks of group {}; hint: use ring_attention, "
-              "or a context group whose size divides the heads",
-              q.size(1), n, group.str());
+  WEAVE_CHECK(q.size(1) % n == 0 && k.size(1) % n == 0, op,
+              "heads do not divide over the {} ranks of group {} ({} query heads, {} key/value "
+              "heads: both must); hint: use ring_attention, or a context group whose size "
+              "divides the heads",
+              n, group.str(), q.size(1), k.size(1));
   if (options.stats) *options.stats = {};
   // [B, H, T / n, D] -> [B, H / n, T, D]: heads split, sequence gathered (in rank order).
   auto to_heads = [&](const Tensor& x) {
     return reorder(F::all_to_all(x, 1, 2, group), 2, n, options.layout, /*to_natural=*/true);
   };
-  Tensor y = scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v),
-                                          {.causal = options.causal, .scale = options.scale});
+  // The collectives in one order on every rank (not left to the order arguments are evaluated).
+  const Tensor documents = whole_documents(options, q, group);
+  const Tensor qh = to_heads(q), kh = to_heads(k), vh = to_heads(v);
+  Tensor y = scaled_dot_product_attention(
+      qh, kh, vh, {.causal = options.causal, .scale = options.scale, .document_ids = documents});
   return F::all_to_all(reorder(y, 2, n, options.layout, /*to_natural=*/false), 2, 1, group);
 }
 

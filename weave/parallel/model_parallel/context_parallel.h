@@ -48,15 +48,22 @@ struct ContextParallelOptions {
   std::optional<double> scale = std::nullopt;
   /// Filled by ring_attention when set.
   RingAttentionStats* stats = nullptr;
+  /// Packed sequences: this rank's part of the documents, int32/int64 [B, T / n] or [T / n]
+  /// (shard_sequence of the whole sequence's ids, in the same layout). A query attends only to
+  /// keys of its own document, wherever they are: a document may straddle ranks. Every rank
+  /// passes them or none does.
+  Tensor document_ids{};
 };
 
-/// Attention over the whole sequence, from this rank's parts of q [B, H, Tq, D], k [B, H, Tk, D]
-/// and v [B, H, Tk, Dv] (Tq == Tk, the same on every rank; even under ZigZag). Collective over
-/// the group: every rank calls it with the same shapes and options (or every rank raises).
+/// Attention over the whole sequence, from this rank's parts of q [B, H, Tq, D], k [B, Hkv, Tk,
+/// D] and v [B, Hkv, Tk, Dv] (Tq == Tk, the same on every rank; even under ZigZag; Hkv divides
+/// H: grouped-query attention). Collective over the group: every rank calls it with the same
+/// shapes and options (or every rank raises).
 Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const dist::Group& group,
                       const ContextParallelOptions& options = {});
 
-/// The same result through two all_to_alls (heads must divide by the group size).
+/// The same result through two all_to_alls (the query heads and the key/value heads must
+/// divide by the group size).
 Tensor all_to_all_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                             const dist::Group& group, const ContextParallelOptions& options = {});
 

@@ -1,5 +1,7 @@
 #include "weave/parallel/model_parallel/parallel_transformer.h"
 
+#include "weave/distributed/functional.h"
+
 namespace weave::parallel {
 
 ParallelAttention::ParallelAttention(int64_t dim, int64_t heads, dist::Group group,
@@ -82,6 +84,39 @@ ParallelMLP::ParallelMLP(int64_t dim, int64_t hidden, dist::Group group, Paralle
 
 Tensor ParallelMLP::forward(const Tensor& x) {
   return (*fc2)(bias_gelu((*fc1)(x), fc1->bias, tanh_gelu_));
+}
+
+ParallelGatedMLP::ParallelGatedMLP(int64_t dim, int64_t hidden, dist::Group group,
+                                   ParallelGatedMLPOptions options)
+    : ShardedModule("ParallelGatedMLP", std::move(group)),
+      gate_up(register_parameter("gate_up", Tensor())),
+      gate_up_bias(register_parameter("gate_up_bias", Tensor())),
+      options_(options) {
+  piece_of(hidden, this->group(), "ParallelGatedMLP", "hidden");
+  // nn::GatedMLP's initialization, in its order, then split along hidden.
+  nn::Linear fused(dim, 2 * hidden, options.bias, options.generator);
+  gate_up = split_parameter(fused.weight.reshape({2, hidden, dim}), 1, this->group());
+  gate_up.requires_grad_(true);
+  if (options.bias) {
+    gate_up_bias = split_parameter(fused.bias.reshape({2, hidden}), 1, this->group());
+    gate_up_bias.requires_grad_(true);
+  }
+  down =
+      register_module("down", std::make_shared<RowParallelLinear>(
+                                  hidden, dim, this->group(),
+                                  RowParallelOptions{.bias = options.bias,
+                                                     .sequence_parallel = options.sequence_parallel,
+                                                     .generator = options.generator}));
+}
+
+Tensor ParallelGatedMLP::forward(const Tensor& x) {
+  const dist::Group& g = group();
+  Tensor input = options_.sequence_parallel ? dist::functional::gather_from_sequence_group(x, 0, g)
+                                            : dist::functional::copy_to_group(x, g);
+  const int64_t rows = gate_up.size(0) * gate_up.size(1);
+  Tensor bias = gate_up_bias.defined() ? gate_up_bias.reshape({rows}) : Tensor();
+  Tensor h = linear(input, gate_up.reshape({rows, gate_up.size(2)}), bias);
+  return (*down)(nn::gated_activation(h, options_.activation));
 }
 
 ParallelTransformerBlock::ParallelTransformerBlock(int64_t dim, int64_t heads, dist::Group group,

@@ -86,6 +86,29 @@ class ParallelMLP : public nn::Module {
   bool tanh_gelu_;
 };
 
+struct ParallelGatedMLPOptions {
+  nn::GatedActivation activation = nn::GatedActivation::SiLU;
+  bool bias = false;
+  bool sequence_parallel = false;
+  Generator* generator = nullptr;
+};
+
+/// nn::GatedMLP with its hidden units split: rank r holds piece r of the gate's rows and of
+/// up's (gate_up [2, hidden / n, dim]: column-parallel, still one GEMM), and down is
+/// row-parallel. Same parameter names as nn::GatedMLP.
+class ParallelGatedMLP : public ShardedModule {
+ public:
+  ParallelGatedMLP(int64_t dim, int64_t hidden, dist::Group group,
+                   ParallelGatedMLPOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  Tensor& gate_up;       // [2, hidden / n, dim]
+  Tensor& gate_up_bias;  // [2, hidden / n]
+  std::shared_ptr<RowParallelLinear> down;
+
+ private:
+  ParallelGatedMLPOptions options_;
+};
+
 struct ParallelTransformerBlockOptions {
   /// The MLP's hidden width; 4 dim when 0.
   int64_t hidden = 0;

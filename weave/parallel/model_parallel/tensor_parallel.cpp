@@ -13,8 +13,6 @@ namespace weave::parallel {
 
 namespace F = dist::functional;
 
-namespace {
-
 int64_t piece_of(int64_t size, const dist::Group& group, const char* layer, const char* what) {
   WEAVE_CHECK(size % group.size() == 0, layer,
               "{} is {}, which does not divide among the {} ranks of group {}; hint: pad it to a "
@@ -23,8 +21,7 @@ int64_t piece_of(int64_t size, const dist::Group& group, const char* layer, cons
   return size / group.size();
 }
 
-// This rank's slice along axis of a full (unsharded) tensor, as a fresh leaf.
-Tensor my_slice(const Tensor& full, int axis, const dist::Group& group) {
+Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group) {
   if (!full.defined()) return {};
   NoGradGuard no_grad;
   const int64_t piece = full.size(axis) / group.size();
@@ -32,8 +29,6 @@ Tensor my_slice(const Tensor& full, int axis, const dist::Group& group) {
   add_cut(slice, {.kind = Cut::Kind::Split, .group = group, .axis = axis});
   return slice;
 }
-
-}  // namespace
 
 ColumnParallelLinear::ColumnParallelLinear(int64_t in_features, int64_t out_features,
                                            dist::Group group, ColumnParallelOptions options)
@@ -46,10 +41,10 @@ ColumnParallelLinear::ColumnParallelLinear(int64_t in_features, int64_t out_feat
               "skip_bias_add leaves the bias to the caller, which gather_output would then add "
               "to a gathered output it cannot align; hint: use one of them");
   nn::Linear full(in_features, out_features, options.bias, options.generator);
-  weight = my_slice(full.weight, 0, this->group());
+  weight = split_parameter(full.weight, 0, this->group());
   weight.requires_grad_(true);
   if (options.bias) {
-    bias = my_slice(full.bias, 0, this->group());
+    bias = split_parameter(full.bias, 0, this->group());
     bias.requires_grad_(true);
   }
 }
@@ -70,7 +65,7 @@ RowParallelLinear::RowParallelLinear(int64_t in_features, int64_t out_features, 
       options_(options) {
   piece_of(in_features, this->group(), "RowParallelLinear", "in_features");
   nn::Linear full(in_features, out_features, options.bias, options.generator);
-  weight = my_slice(full.weight, 1, this->group());
+  weight = split_parameter(full.weight, 1, this->group());
   weight.requires_grad_(true);
   if (options.bias) {
     NoGradGuard no_grad;
@@ -99,7 +94,7 @@ VocabParallelEmbedding::VocabParallelEmbedding(int64_t vocab, int64_t dim, dist:
       vocab_(vocab) {
   piece_of(vocab, this->group(), "VocabParallelEmbedding", "vocab");
   nn::Embedding full(vocab, dim, generator);
-  weight = my_slice(full.weight, 0, this->group());
+  weight = split_parameter(full.weight, 0, this->group());
   weight.requires_grad_(true);
 }
 
@@ -174,7 +169,7 @@ nn::NamedTensors shard_state_dict(const nn::NamedTensors& full, const nn::Module
     }
     const dist::Group& g = it->second.group;
     piece_of(t.size(it->second.axis), g, "shard_state_dict", name.c_str());
-    out.emplace_back(name, my_slice(t, it->second.axis, g));
+    out.emplace_back(name, split_parameter(t, it->second.axis, g));
   }
   return out;
 }

@@ -116,6 +116,14 @@ class SequenceParallelLayerNorm : public ShardedModule {
 Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
                                     const dist::Group& group, bool mean = true);
 
+/// size / group.size(), raising (naming layer and what) unless it divides.
+int64_t piece_of(int64_t size, const dist::Group& group, const char* layer, const char* what);
+/// Piece group.rank() of group.size() equal pieces of a whole (unsharded) parameter along
+/// axis, as a fresh leaf that carries its Split cut (what sharded checkpoints and
+/// gather_state_dict reassemble it by). A layer builds its shards with it from the unsharded
+/// layer's initialization.
+Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group);
+
 /// This rank's shard of an unsharded state dict (the same names), for load_state_dict on the
 /// sharded module. Collective-free.
 nn::NamedTensors shard_state_dict(const nn::NamedTensors& full, const nn::Module& sharded);
