@@ -14,6 +14,7 @@
 #include "weave/distributed/gradcheck.h"
 #include "weave/nn/init.h"
 #include "weave/nn/layers.h"
+#include "weave/nn/llama.h"
 #include "weave/nn/module.h"
 #include "weave/nn/moe.h"
 #include "weave/nn/transformer.h"

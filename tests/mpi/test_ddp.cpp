@@ -108,6 +108,40 @@ TEST_SUITE("ddp") {
     }
   }
 
+  // Side inputs through DDP: every rank's window packs two documents (positions restarting),
+  // and the averaged gradients equal one process's on the stacked windows and side inputs.
+  TEST_CASE("DDP passes positions and document ids: one process on the stacked batch") {
+    const int n = dist::world_size();
+    auto build = [] {
+      manual_seed(17);
+      auto block = std::make_shared<nn::LlamaBlock>(
+          8, nn::LlamaBlockOptions{.heads = 2, .kv_heads = 1, .hidden = 16});
+      block->to(kFloat64);
+      return block;
+    };
+    Generator g(71);
+    const Tensor x = randn({2 * n, 5, 8}, {.dtype = kFloat64}, &g),
+                 target = randn({2 * n, 5, 8}, {.dtype = kFloat64}, &g);
+    std::vector<int64_t> positions, documents;  // row r: documents of 1 + r % 3 and the rest
+    for (int64_t r = 0; r < 2 * n; ++r)
+      for (int64_t i = 0; i < 5; ++i) {
+        const int64_t first = 1 + r % 3;
+        positions.push_back(i < first ? i : i - first);
+        documents.push_back(i < first ? 0 : 1);
+      }
+    const Tensor all_positions = from_vector(positions, {2 * n, 5}),
+                 all_documents = from_vector(documents, {2 * n, 5});
+    auto reference = build();
+    mse_loss((*reference)({x, all_positions, all_documents}), target).backward();
+    auto model = build();
+    DistributedDataParallel ddp(*model);
+    auto mine = [&](const Tensor& t) { return t.narrow(0, 2 * dist::rank(), 2); };
+    mse_loss(ddp({mine(x), mine(all_positions), mine(all_documents)}), mine(target)).backward();
+    std::vector<Tensor> expected;
+    for (const Tensor& p : reference->parameters()) expected.push_back(p.grad());
+    check_grads(*model, expected, 1e-10, 1e-12);
+  }
+
   TEST_CASE("communication starts before backward ends") {
     auto model = rank_model();
     DistributedDataParallel ddp(*model, {.first_bucket_mb = 1e-9, .bucket_mb = 1e-9});

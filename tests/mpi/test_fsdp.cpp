@@ -154,6 +154,40 @@ TEST_SUITE("fsdp") {
     CHECK(max_difference(*reference, fsdp) <= 1e-10);
   }
 
+  // A packed window's positions and document ids reach every block through FSDP's units (their
+  // gathers are forward hooks, which pass the side inputs by) as through DDP.
+  TEST_CASE("Llama blocks with positions and document ids: FSDP equals DDP") {
+    const auto build = [](uint64_t seed) {
+      manual_seed(seed);
+      const nn::LlamaBlockOptions options{.heads = 2, .kv_heads = 1, .hidden = 16};
+      auto model =
+          std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+              std::make_shared<nn::LlamaBlock>(8, options),
+              std::make_shared<nn::Checkpoint>(std::make_shared<nn::LlamaBlock>(8, options))});
+      model->to(kFloat64);
+      return model;
+    };
+    auto reference = build(7), model = build(7);
+    DistributedDataParallel ddp(*reference);
+    optim::AdamW reference_opt(reference->parameters(), adamw_options());
+    FullyShardedDataParallel fsdp(*model);
+    optim::AdamW opt(fsdp.parameters(), adamw_options());
+    const Tensor positions = from_vector<int64_t>({0, 1, 0, 1, 2, 3}, {6});
+    const Tensor documents = from_vector<int64_t>({0, 0, 1, 1, 1, 1}, {6});
+    for (int step = 0; step < 4; ++step) {
+      Generator g(300 + uint64_t(step) * 10 + uint64_t(dist::rank()));
+      const Tensor x = randn({2, 6, 8}, {.dtype = kFloat64}, &g);
+      const Tensor target = randn({2, 6, 8}, {.dtype = kFloat64}, &g);
+      reference_opt.zero_grad();
+      opt.zero_grad();
+      mse_loss(ddp({x, positions, documents}), target).backward();
+      mse_loss(fsdp({x, positions, documents}), target).backward();
+      reference_opt.step();
+      opt.step();
+    }
+    CHECK(max_difference(*reference, fsdp) <= 1e-10);
+  }
+
   TEST_CASE("bfloat16 parameters, and a unit holding two dtypes, equal DDP") {
     // bfloat16 layers, then a float32 head: grouped into one unit (unit_mb) or one unit each.
     struct Mixed : nn::Module {

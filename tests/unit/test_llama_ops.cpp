@@ -2,7 +2,8 @@
 // rotary embeddings against the closed form written out element by element here, grouped-query
 // attention against attention on key/value heads repeated for every query head, the gated MLPs
 // against their activations composed from the plain ops, packed documents against attention
-// run on each document alone.
+// run on each document alone, Llama blocks on a packed window against each document alone.
+#include <array>
 #include <cmath>
 #include <numbers>
 #include <vector>
@@ -356,5 +357,63 @@ TEST_SUITE("llama_ops") {
     MESSAGE("peak above the inputs: forward ", forward_peak / 1e6, " MB, backward ",
             backward_peak / 1e6, " MB; inputs ", inputs / 1e6, " MB, output ", output / 1e6,
             " MB; one T x T float32 score matrix: ", double(T * T * 4) / 1e6, " MB");
+  }
+
+  // A packed window (positions restarting per document, document ids) through a Sequential of
+  // two blocks, one of them under activation checkpointing and a hook: every document's
+  // outputs, and the gradients, equal running each document alone through the same blocks.
+  TEST_CASE("Llama blocks over a packed window equal the blocks on each document alone") {
+    manual_seed(11);
+    const nn::LlamaBlockOptions options{
+        .heads = 4, .kv_heads = 2, .hidden = 24, .rotary = RotaryOptions{.base = 1000}};
+    auto first = std::make_shared<nn::LlamaBlock>(16, options);
+    auto second = std::make_shared<nn::LlamaBlock>(16, options);
+    nn::Sequential model{first, std::make_shared<nn::Checkpoint>(second)};
+    model.to(kFloat64);
+    int hook_calls = 0;
+    auto handle = second->register_forward_pre_hook([&](nn::Module&, const Tensor& x) {
+      CHECK(x.shape() == Shape{2, 8, 16});  // the main input; the side inputs pass by
+      ++hook_calls;
+      return Tensor();
+    });
+    const Tensor x = randn({2, 8, 16}, {.dtype = kFloat64}),
+                 w = randn({2, 8, 16}, {.dtype = kFloat64});
+    // Row 0 packs documents of 3 and 5 positions; row 1 is one document of 8.
+    const Tensor positions =
+        from_vector<int64_t>({0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7}, {2, 8});
+    const Tensor documents =
+        from_vector<int64_t>({0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0}, {2, 8});
+    Tensor packed_x = x.detach().requires_grad_(true);
+    Tensor y = model({packed_x, positions, documents});
+    (y * w).sum().backward();
+    CHECK(hook_calls == 2);  // the forward, and the checkpoint's recomputation in backward
+    handle.remove();
+    std::vector<Tensor> packed_grads;
+    for (const Tensor& p : model.parameters()) packed_grads.push_back(p.grad().clone());
+    model.zero_grad();
+    // Each document alone: positions 0 .. L-1 by default, one document.
+    Tensor alone_x = x.detach().requires_grad_(true);
+    const std::vector<std::array<int64_t, 3>> pieces = {{0, 0, 3}, {0, 3, 5}, {1, 0, 8}};
+    for (const std::array<int64_t, 3>& at : pieces) {  // row, start, length
+      auto piece = [&](const Tensor& t) { return t.narrow(0, at[0], 1).narrow(1, at[1], at[2]); };
+      Tensor yp = model(piece(alone_x));
+      CHECK(allclose(piece(y.detach()), yp, 1e-12, 1e-12));
+      (yp * piece(w)).sum().backward();
+    }
+    CHECK(allclose(packed_x.grad(), alone_x.grad(), 1e-12, 1e-12));
+    const auto params = model.parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      CAPTURE(i);
+      CHECK(allclose(packed_grads[i], params[i].grad(), 1e-11, 1e-12));
+    }
+  }
+
+  TEST_CASE("grouped-query attention rejects head counts that do not group") {
+    CHECK_WEAVE_ERROR(nn::GroupedQueryAttention(16, {.heads = 4, .kv_heads = 3}),
+                      "GroupedQueryAttention", "must divide heads 4");
+    nn::GroupedQueryAttention attention(16, {.heads = 4, .kv_heads = 1});
+    CHECK(attention.kv.shape() == Shape{2, 4, 16});  // one key head and one value head of 4
+    CHECK_WEAVE_ERROR(attention(zeros({2, 3, 8})), "GroupedQueryAttention",
+                      "expected input [B, T, 16]");
   }
 }

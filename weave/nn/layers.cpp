@@ -102,8 +102,12 @@ void Sequential::push_back(std::shared_ptr<Module> module) {
 }
 
 Tensor Sequential::forward(const Tensor& x) {
-  Tensor y = x;
-  for (auto& m : modules_) y = (*m)(y);
+  return forward_inputs(Inputs(x));
+}
+
+Tensor Sequential::forward_inputs(const Inputs& inputs) {
+  Tensor y = inputs.x;
+  for (auto& m : modules_) y = (*m)(inputs.with(y));
   return y;
 }
 
@@ -113,8 +117,13 @@ Checkpoint::Checkpoint(std::shared_ptr<Module> module, autograd::CheckpointOptio
 }
 
 Tensor Checkpoint::forward(const Tensor& x) {
-  return autograd::checkpoint([this](const Tensor& input) { return (*module_)(input); }, x,
-                              options_);
+  return forward_inputs(Inputs(x));
+}
+
+Tensor Checkpoint::forward_inputs(const Inputs& inputs) {
+  return autograd::checkpoint([this, side = inputs.with(Tensor())](
+                                  const Tensor& input) { return (*module_)(side.with(input)); },
+                              inputs.x, options_);
 }
 
 }  // namespace weave::nn

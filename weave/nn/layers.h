@@ -90,6 +90,8 @@ class Sequential : public Module {
   Sequential(std::initializer_list<std::shared_ptr<Module>> modules);
   void push_back(std::shared_ptr<Module> module);
   Tensor forward(const Tensor& x) override;
+  /// Each module gets the previous one's output with the same side inputs.
+  Tensor forward_inputs(const Inputs& inputs) override;
   size_t size() const { return modules_.size(); }
   Module& operator[](size_t i) { return *modules_.at(i); }
 
@@ -109,6 +111,8 @@ class Checkpoint : public Module {
  public:
   explicit Checkpoint(std::shared_ptr<Module> module, autograd::CheckpointOptions options = {});
   Tensor forward(const Tensor& x) override;
+  /// The side inputs are kept with the input and given again to the recomputation.
+  Tensor forward_inputs(const Inputs& inputs) override;
   Module& wrapped() { return *module_; }
 
  private:

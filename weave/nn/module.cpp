@@ -11,14 +11,22 @@ Tensor Module::forward(const Tensor&) {
   WEAVE_FAIL(name_, "this module has no single-input forward(); call its own methods instead");
 }
 
+Tensor Module::forward_inputs(const Inputs& inputs) {
+  return forward(inputs.x);
+}
+
 Tensor Module::operator()(const Tensor& input) {
-  if (hooks_->pre.empty() && hooks_->post.empty()) return forward(input);
+  return (*this)(Inputs(input));
+}
+
+Tensor Module::operator()(const Inputs& inputs) {
+  if (hooks_->pre.empty() && hooks_->post.empty()) return forward_inputs(inputs);
   // Copies: a hook may remove itself (or register another) while they run.
   auto pre = hooks_->pre;
-  Tensor x = input;
+  Tensor x = inputs.x;
   for (auto& [id, hook] : pre)
     if (Tensor replaced = hook(*this, x); replaced.defined()) x = replaced;
-  Tensor y = forward(x);
+  Tensor y = forward_inputs(inputs.with(x));
   auto post = hooks_->post;
   for (auto& [id, hook] : post)
     if (Tensor replaced = hook(*this, x, y); replaced.defined()) y = replaced;

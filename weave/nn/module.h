@@ -14,6 +14,31 @@ namespace weave::nn {
 
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 
+/// What a forward takes: the main input `x` (what one layer hands the next) and the side inputs
+/// of a sequence model, which every layer may read and none changes: the positions of the
+/// tokens (rotary embeddings; a packed document restarts at 0) and their documents (attention
+/// stays within one). They travel unchanged through Sequential, hooks, activation checkpointing
+/// and the data-parallel wrappers. A Tensor converts to Inputs, so single-input code is
+/// unchanged:
+///
+///   Tensor logits = model({tokens, positions, document_ids});   // [B, T] each
+///   Tensor y = mlp(x);                                           // Inputs{x}
+struct Inputs {
+  Tensor x;
+  /// int64 or int32, [B, T] or [T]; undefined: 0 .. T - 1.
+  Tensor positions{};
+  /// int64 or int32, [B, T] or [T]; undefined: one document.
+  Tensor document_ids{};
+
+  Inputs(Tensor input) : x(std::move(input)) {}  // NOLINT: converting is the point
+  Inputs(Tensor input, Tensor positions_, Tensor document_ids_)
+      : x(std::move(input)),
+        positions(std::move(positions_)),
+        document_ids(std::move(document_ids_)) {}
+  /// The same side inputs with another main input (what a layer passes on).
+  Inputs with(Tensor next) const { return {std::move(next), positions, document_ids}; }
+};
+
 class Module {
  public:
   explicit Module(std::string name = "Module") : name_(std::move(name)) {}
@@ -23,9 +48,15 @@ class Module {
 
   /// The computation of single-input modules.
   virtual Tensor forward(const Tensor& input);
+  /// The computation of modules that read the side inputs too (a transformer block's positions
+  /// and documents). By default forward(inputs.x): a module that reads none ignores them.
+  virtual Tensor forward_inputs(const Inputs& inputs);
   /// Calling a module (what Sequential, the layers and the parallel wrappers do): the forward
-  /// pre-hooks, forward(), then the forward hooks. forward() called directly runs no hooks.
+  /// pre-hooks, forward_inputs(), then the forward hooks. Hooks see and may replace the main
+  /// input and the output; the side inputs pass them unchanged. forward() and
+  /// forward_inputs() called directly run no hooks.
   Tensor operator()(const Tensor& input);
+  Tensor operator()(const Inputs& inputs);
 
   /// Runs before forward with the input; returning a defined tensor replaces the input.
   using ForwardPreHook = std::function<Tensor(Module& module, const Tensor& input)>;

@@ -18,7 +18,7 @@ class DataParallelWrapper {
  public:
   virtual ~DataParallelWrapper() = default;
   /// The wrapped module's forward; outside no_sync() it starts a synchronizing step.
-  virtual Tensor forward(const Tensor& input) = 0;
+  virtual Tensor forward(const nn::Inputs& inputs) = 0;
   /// While the guard lives, backward accumulates locally (see no_sync.h).
   virtual NoSyncGuard no_sync() = 0;
   /// The wrapped module.

@@ -276,7 +276,7 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
 
 DistributedDataParallel::~DistributedDataParallel() = default;
 
-Tensor DistributedDataParallel::forward(const Tensor& input) {
+Tensor DistributedDataParallel::forward(const nn::Inputs& inputs) {
   State& s = *state_;
   const bool synchronizing = s.readiness->begin_forward("DistributedDataParallel", s.stats.steps);
   if (synchronizing) {
@@ -294,7 +294,7 @@ Tensor DistributedDataParallel::forward(const Tensor& input) {
         s.params[i].set_grad(s.views[i]);
       }
   }
-  Tensor output = module_(input);
+  Tensor output = module_(inputs);
   if (synchronizing) s.readiness->set_forward_output(output);
   return output;
 }

@@ -125,9 +125,9 @@ class DistributedDataParallel : public Joinable, public DataParallelWrapper {
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  /// The module's forward.
-  Tensor forward(const Tensor& input) override;
-  Tensor operator()(const Tensor& input) { return forward(input); }
+  /// The module's forward (side inputs too: a Tensor converts to nn::Inputs).
+  Tensor forward(const nn::Inputs& inputs) override;
+  Tensor operator()(const nn::Inputs& inputs) { return forward(inputs); }
   nn::Module& module() override { return module_; }
 
   /// While the guard lives, backward accumulates gradients locally without communicating

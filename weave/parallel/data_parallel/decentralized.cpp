@@ -220,12 +220,12 @@ DecentralizedDataParallel::~DecentralizedDataParallel() {
   }
 }
 
-Tensor DecentralizedDataParallel::forward(const Tensor& input) {
+Tensor DecentralizedDataParallel::forward(const nn::Inputs& inputs) {
   // Inside join(), a forward whose backward steps counts the ranks still training.
   if (autograd::GradMode::is_enabled() && !state_->readiness->paused())
     detail::join_step_begins(this);
   state_->complete_mixing();
-  return module_(input);
+  return module_(inputs);
 }
 
 bool DecentralizedDataParallel::can_shadow_join_step() const {

@@ -62,8 +62,8 @@ class DecentralizedDataParallel : public Joinable {
   DecentralizedDataParallel& operator=(const DecentralizedDataParallel&) = delete;
 
   /// Completes the previous step's neighbour averages, then runs the module.
-  Tensor forward(const Tensor& input);
-  Tensor operator()(const Tensor& input) { return forward(input); }
+  Tensor forward(const nn::Inputs& inputs);
+  Tensor operator()(const nn::Inputs& inputs) { return forward(inputs); }
   /// While on, backward only accumulates gradients (no step, no mixing); the first backward
   /// after turning it off steps with everything accumulated.
   void set_accumulate_grad(bool accumulate);

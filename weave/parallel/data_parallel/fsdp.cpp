@@ -259,7 +259,7 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
     for (const State::Flat& f : u.flats()) detail::remove_cut(f.shard, Cut::Kind::FlatShard);
 }
 
-Tensor FullyShardedDataParallel::forward(const Tensor& input) {
+Tensor FullyShardedDataParallel::forward(const nn::Inputs& inputs) {
   State& s = *state_;
   const bool synchronizing = s.readiness->begin_forward(kOp, s.stats.steps);
   if (synchronizing) {
@@ -272,7 +272,7 @@ Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   try {
     s.ensure_gathered(s.root());
     if (synchronizing) s.bind_grads(s.root());
-    out = module_(input);
+    out = module_(inputs);
   } catch (...) {
     // The peers' forward went on: pair their collectives, then let this rank's error out.
     try {

@@ -117,8 +117,9 @@ class FullyShardedDataParallel : public Joinable {
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
   FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
 
-  Tensor forward(const Tensor& input);
-  Tensor operator()(const Tensor& input) { return forward(input); }
+  /// The module's forward (side inputs too: a Tensor converts to nn::Inputs).
+  Tensor forward(const nn::Inputs& inputs);
+  Tensor operator()(const nn::Inputs& inputs) { return forward(inputs); }
   nn::Module& module() { return module_; }
 
   /// This rank's shards (one flat leaf per unit and dtype): what the optimizer steps.

@@ -1,0 +1,97 @@
+// Grouped-query attention with rotary positions, and the Llama block.
+#include "weave/nn/llama.h"
+
+namespace weave::nn {
+
+namespace {
+
+constexpr const char* kAttention = "GroupedQueryAttention";
+
+// Llama's MLP width for a model width: 8 dim / 3, rounded up to a multiple of 64.
+int64_t llama_hidden(int64_t dim) {
+  const int64_t hidden = (8 * dim + 2) / 3;
+  return (hidden + 63) / 64 * 64;
+}
+
+}  // namespace
+
+GroupedQueryAttention::GroupedQueryAttention(int64_t dim, GroupedQueryAttentionOptions options)
+    : kv(register_parameter("kv", Tensor())),
+      kv_bias(register_parameter("kv_bias", Tensor())),
+      dim_(dim),
+      head_dim_(0),
+      kv_heads_(options.kv_heads == 0 ? options.heads : options.kv_heads),
+      options_(options) {
+  WEAVE_CHECK(options.heads > 0 && dim > 0 && dim % options.heads == 0, kAttention,
+              "dim {} must be a positive multiple of heads {}", dim, options.heads);
+  WEAVE_CHECK(kv_heads_ > 0 && options.heads % kv_heads_ == 0, kAttention,
+              "kv_heads {} must divide heads {} (each key/value head serves a whole group of "
+              "query heads)",
+              kv_heads_, options.heads);
+  head_dim_ = dim / options.heads;
+  q = register_module("q", std::make_shared<Linear>(dim, dim, options.bias, options.generator));
+  // Initialized as one Linear(dim, 2 kv_heads head_dim): each projection's fan-in is dim.
+  const int64_t width = kv_heads_ * head_dim_;
+  Linear fused(dim, 2 * width, options.bias, options.generator);
+  kv = fused.weight.detach().reshape({2, width, dim}).requires_grad_(true);
+  if (options.bias) kv_bias = fused.bias.detach().reshape({2, width}).requires_grad_(true);
+  out = register_module("out", std::make_shared<Linear>(dim, dim, options.bias, options.generator));
+}
+
+Tensor GroupedQueryAttention::forward(const Tensor& x) {
+  return forward_inputs(Inputs(x));
+}
+
+Tensor GroupedQueryAttention::forward_inputs(const Inputs& inputs) {
+  const Tensor& x = inputs.x;
+  WEAVE_CHECK(x.defined() && x.dim() == 3 && x.size(2) == dim_, kAttention,
+              "expected input [B, T, {}], found {}", dim_, x.defined() ? x.shape() : Shape{});
+  const int64_t batch = x.size(0), length = x.size(1), rows = 2 * kv_heads_ * head_dim_;
+  Tensor queries = (*q)(x).reshape({batch, length, options_.heads, head_dim_});
+  Tensor bias = kv_bias.defined() ? kv_bias.reshape({rows}) : Tensor();
+  Tensor projected =
+      linear(x, kv.reshape({rows, dim_}), bias).reshape({batch, length, 2, kv_heads_, head_dim_});
+  Tensor keys = projected.select(2, 0), values = projected.select(2, 1);
+  if (options_.rotary) {
+    const Tensor positions = inputs.positions.defined()
+                                 ? inputs.positions
+                                 : arange(double(length), {.dtype = kInt64, .device = x.device()});
+    queries = rotary_embedding(queries, positions, *options_.rotary);
+    keys = rotary_embedding(keys, positions, *options_.rotary);
+  }
+  Tensor y = scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2),
+                                          values.transpose(1, 2),
+                                          {.causal = options_.causal,
+                                           .dropout_p = is_training() ? options_.dropout : 0.0,
+                                           .generator = options_.generator,
+                                           .document_ids = inputs.document_ids});
+  return (*out)(y.transpose(1, 2).reshape({batch, length, dim_}));  // heads-last: a view
+}
+
+LlamaBlock::LlamaBlock(int64_t dim, LlamaBlockOptions options) : Module("LlamaBlock") {
+  norm1 = register_module("norm1", std::make_shared<RMSNorm>(Shape{dim}, options.norm_eps));
+  attention = register_module(
+      "attention", std::make_shared<GroupedQueryAttention>(
+                       dim, GroupedQueryAttentionOptions{.heads = options.heads,
+                                                         .kv_heads = options.kv_heads,
+                                                         .causal = options.causal,
+                                                         .rotary = options.rotary,
+                                                         .generator = options.generator}));
+  norm2 = register_module("norm2", std::make_shared<RMSNorm>(Shape{dim}, options.norm_eps));
+  const int64_t hidden = options.hidden == 0 ? llama_hidden(dim) : options.hidden;
+  mlp = register_module(
+      "mlp", std::make_shared<GatedMLP>(dim, hidden,
+                                        GatedMLPOptions{.activation = options.activation,
+                                                        .generator = options.generator}));
+}
+
+Tensor LlamaBlock::forward(const Tensor& x) {
+  return forward_inputs(Inputs(x));
+}
+
+Tensor LlamaBlock::forward_inputs(const Inputs& inputs) {
+  Tensor h = inputs.x + (*attention)(inputs.with((*norm1)(inputs.x)));
+  return h + (*mlp)((*norm2)(h));
+}
+
+}  // namespace weave::nn

@@ -1,0 +1,79 @@
+#pragma once
+// The layers of Llama-class models (Llama, Mistral, Qwen): grouped-query attention with rotary
+// positions, and the block that joins it to a gated MLP under RMSNorms. Both read the side
+// inputs of nn::Inputs: the tokens' positions and, for windows packed with several documents,
+// the document ids (attention stays within a document; positions restart at each).
+//
+//   nn::LlamaBlock block(512, {.heads = 8, .kv_heads = 2, .hidden = 1408,
+//                              .rotary = {.base = 500000}});
+//   Tensor y = block({x, positions, document_ids});   // x [B, T, 512]; ids [B, T] or [T]
+//   Tensor z = block(x);                               // positions 0 .. T-1, one document
+#include <optional>
+
+#include "weave/nn/transformer.h"
+
+namespace weave::nn {
+
+struct GroupedQueryAttentionOptions {
+  int64_t heads = 8;
+  /// Key/value heads, dividing heads (1: multi-query attention); 0: as many as heads.
+  int64_t kv_heads = 0;
+  /// Llama's projections have no bias (Qwen's q and k projections do).
+  bool bias = false;
+  bool causal = true;
+  /// Rotary embeddings of q and k; none when unset.
+  std::optional<RotaryOptions> rotary = RotaryOptions{};
+  /// Dropout on the attention probabilities, in training mode.
+  double dropout = 0.0;
+  Generator* generator = nullptr;
+};
+
+/// Self-attention with `kv_heads` key/value heads shared by `heads` query heads. The query
+/// projection q [heads * head_dim, dim] and the key/value projection kv [2, kv_heads *
+/// head_dim, dim] (kv[0] for keys, kv[1] for values: one GEMM) are separate, so a tensor-
+/// parallel split cuts each along its heads. Keys and values are never repeated per query head
+/// (scaled_dot_product_attention reads the shared heads in place).
+class GroupedQueryAttention : public Module {
+ public:
+  GroupedQueryAttention(int64_t dim, GroupedQueryAttentionOptions options = {});
+  /// x [B, T, dim] -> [B, T, dim], at positions 0 .. T-1, one document.
+  Tensor forward(const Tensor& x) override;
+  /// The same at inputs.positions, attending within inputs.document_ids.
+  Tensor forward_inputs(const Inputs& inputs) override;
+  int64_t heads() const { return options_.heads; }
+  int64_t kv_heads() const { return kv_heads_; }
+  std::shared_ptr<Linear> q;    // [heads * head_dim, dim]
+  Tensor& kv;                   // [2, kv_heads * head_dim, dim]
+  Tensor& kv_bias;              // [2, kv_heads * head_dim], undefined without bias
+  std::shared_ptr<Linear> out;  // [dim, heads * head_dim]
+
+ private:
+  int64_t dim_, head_dim_, kv_heads_;
+  GroupedQueryAttentionOptions options_;
+};
+
+struct LlamaBlockOptions {
+  int64_t heads = 8;
+  int64_t kv_heads = 0;
+  /// The gated MLP's hidden width; 8 dim / 3 rounded up to a multiple of 64 (Llama's rule)
+  /// when 0.
+  int64_t hidden = 0;
+  std::optional<RotaryOptions> rotary = RotaryOptions{};
+  GatedActivation activation = GatedActivation::SiLU;
+  double norm_eps = 1e-5;
+  bool causal = true;
+  Generator* generator = nullptr;
+};
+
+/// A pre-RMSNorm block: h = x + attention(norm1(x)), then h + mlp(norm2(h)).
+class LlamaBlock : public Module {
+ public:
+  LlamaBlock(int64_t dim, LlamaBlockOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  Tensor forward_inputs(const Inputs& inputs) override;
+  std::shared_ptr<RMSNorm> norm1, norm2;
+  std::shared_ptr<GroupedQueryAttention> attention;
+  std::shared_ptr<GatedMLP> mlp;
+};
+
+}  // namespace weave::nn
