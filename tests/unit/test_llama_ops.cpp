@@ -416,4 +416,28 @@ TEST_SUITE("llama_ops") {
     CHECK_WEAVE_ERROR(attention(zeros({2, 3, 8})), "GroupedQueryAttention",
                       "expected input [B, T, 16]");
   }
+
+  TEST_CASE("a Llama model over a packed window equals it on each document; a tied head") {
+    manual_seed(12);
+    const nn::LlamaModelOptions options{
+        .vocab = 11, .dim = 16, .layers = 2, .block = {.heads = 4, .kv_heads = 2, .hidden = 24}};
+    nn::LlamaModel model(options);
+    model.to(kFloat64);
+    const Tensor tokens = from_vector<int64_t>({3, 1, 4, 1, 5, 9, 2, 6, 5}, {1, 9});
+    const Tensor positions = from_vector<int64_t>({0, 1, 2, 3, 0, 1, 2, 3, 4}, {9});
+    const Tensor documents = from_vector<int64_t>({0, 0, 0, 0, 1, 1, 1, 1, 1}, {9});
+    const Tensor logits = model({tokens, positions, documents});
+    CHECK(logits.shape() == Shape{1, 9, 11});
+    CHECK(allclose(logits.narrow(1, 0, 4), model(tokens.narrow(1, 0, 4)), 1e-12, 1e-12));
+    CHECK(allclose(logits.narrow(1, 4, 5), model(tokens.narrow(1, 4, 5)), 1e-12, 1e-12));
+    nn::LlamaModelOptions tied_options = options;
+    tied_options.tie_embeddings = true;
+    nn::LlamaModel tied(tied_options);
+    tied.to(kFloat64);
+    CHECK(tied.head == nullptr);
+    CHECK(tied.parameters().size() + 1 == model.parameters().size());
+    const Tensor hidden = (*tied.norm)((*tied.blocks)((*tied.embedding)(tokens)));
+    CHECK(allclose(tied(tokens), matmul(hidden, tied.embedding->weight.transpose(0, 1)), 1e-12,
+                   1e-12));
+  }
 }

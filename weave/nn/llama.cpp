@@ -94,4 +94,30 @@ Tensor LlamaBlock::forward_inputs(const Inputs& inputs) {
   return h + (*mlp)((*norm2)(h));
 }
 
+LlamaModel::LlamaModel(LlamaModelOptions options) : Module("LlamaModel") {
+  WEAVE_CHECK(options.vocab > 0 && options.dim > 0 && options.layers > 0, "LlamaModel",
+              "vocab, dim and layers must be positive, found {}, {} and {}", options.vocab,
+              options.dim, options.layers);
+  embedding = register_module(
+      "embedding", std::make_shared<Embedding>(options.vocab, options.dim, options.generator));
+  blocks = register_module("blocks", std::make_shared<Sequential>());
+  LlamaBlockOptions block = options.block;
+  block.generator = options.generator;
+  for (int64_t i = 0; i < options.layers; ++i)
+    blocks->push_back(std::make_shared<LlamaBlock>(options.dim, block));
+  norm = register_module("norm", std::make_shared<RMSNorm>(Shape{options.dim}, block.norm_eps));
+  if (!options.tie_embeddings)
+    head = register_module(
+        "head", std::make_shared<Linear>(options.dim, options.vocab, false, options.generator));
+}
+
+Tensor LlamaModel::forward(const Tensor& tokens) {
+  return forward_inputs(Inputs(tokens));
+}
+
+Tensor LlamaModel::forward_inputs(const Inputs& inputs) {
+  Tensor h = (*norm)((*blocks)(inputs.with((*embedding)(inputs.x))));
+  return head ? (*head)(h) : linear(h, embedding->weight);
+}
+
 }  // namespace weave::nn

@@ -76,4 +76,29 @@ class LlamaBlock : public Module {
   std::shared_ptr<GatedMLP> mlp;
 };
 
+struct LlamaModelOptions {
+  int64_t vocab = 32000;
+  int64_t dim = 512;
+  int64_t layers = 8;
+  /// Every block's options (their generator is the model's).
+  LlamaBlockOptions block{};
+  /// The head multiplies by the embedding's weight instead of one of its own.
+  bool tie_embeddings = false;
+  Generator* generator = nullptr;
+};
+
+/// A decoder-only language model: token ids [B, T] -> logits [B, T, vocab] through an
+/// embedding, `layers` LlamaBlocks, a final RMSNorm and the head. Positions and document ids
+/// (nn::Inputs) reach every block.
+class LlamaModel : public Module {
+ public:
+  explicit LlamaModel(LlamaModelOptions options = {});
+  Tensor forward(const Tensor& tokens) override;
+  Tensor forward_inputs(const Inputs& inputs) override;
+  std::shared_ptr<Embedding> embedding;
+  std::shared_ptr<Sequential> blocks;
+  std::shared_ptr<RMSNorm> norm;
+  std::shared_ptr<Linear> head;  // null with tie_embeddings
+};
+
 }  // namespace weave::nn
