@@ -36,6 +36,20 @@ Tensor Linear::forward(const Tensor& x) {
   return linear(x, weight, bias);
 }
 
+StackedProjection stacked_projection(int64_t in, int64_t width, bool bias, Generator* generator) {
+  Linear fused(in, 2 * width, bias, generator);
+  StackedProjection p;
+  p.weight = fused.weight.detach().reshape({2, width, in}).requires_grad_(true);
+  if (bias) p.bias = fused.bias.detach().reshape({2, width}).requires_grad_(true);
+  return p;
+}
+
+Tensor apply_stacked(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  const int64_t rows = weight.size(0) * weight.size(1);
+  return linear(x, weight.reshape({rows, weight.size(2)}),
+                bias.defined() ? bias.reshape({rows}) : Tensor());
+}
+
 Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator* generator)
     : Module("Embedding"),
       weight(register_parameter("weight", randn({num_embeddings, dim}, {}, generator))) {}

@@ -30,11 +30,10 @@ GroupedQueryAttention::GroupedQueryAttention(int64_t dim, GroupedQueryAttentionO
               kv_heads_, options.heads);
   head_dim_ = dim / options.heads;
   q = register_module("q", std::make_shared<Linear>(dim, dim, options.bias, options.generator));
-  // Initialized as one Linear(dim, 2 kv_heads head_dim): each projection's fan-in is dim.
-  const int64_t width = kv_heads_ * head_dim_;
-  Linear fused(dim, 2 * width, options.bias, options.generator);
-  kv = fused.weight.detach().reshape({2, width, dim}).requires_grad_(true);
-  if (options.bias) kv_bias = fused.bias.detach().reshape({2, width}).requires_grad_(true);
+  StackedProjection projection =
+      stacked_projection(dim, kv_heads_ * head_dim_, options.bias, options.generator);
+  kv = projection.weight;
+  kv_bias = projection.bias;
   out = register_module("out", std::make_shared<Linear>(dim, dim, options.bias, options.generator));
 }
 
@@ -46,11 +45,10 @@ Tensor GroupedQueryAttention::forward_inputs(const Inputs& inputs) {
   const Tensor& x = inputs.x;
   WEAVE_CHECK(x.defined() && x.dim() == 3 && x.size(2) == dim_, kAttention,
               "expected input [B, T, {}], found {}", dim_, x.defined() ? x.shape() : Shape{});
-  const int64_t batch = x.size(0), length = x.size(1), rows = 2 * kv_heads_ * head_dim_;
+  const int64_t batch = x.size(0), length = x.size(1);
   Tensor queries = (*q)(x).reshape({batch, length, options_.heads, head_dim_});
-  Tensor bias = kv_bias.defined() ? kv_bias.reshape({rows}) : Tensor();
   Tensor projected =
-      linear(x, kv.reshape({rows, dim_}), bias).reshape({batch, length, 2, kv_heads_, head_dim_});
+      apply_stacked(x, kv, kv_bias).reshape({batch, length, 2, kv_heads_, head_dim_});
   Tensor keys = projected.select(2, 0), values = projected.select(2, 1);
   if (options_.rotary) {
     const Tensor positions = inputs.positions.defined()

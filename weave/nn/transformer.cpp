@@ -130,19 +130,15 @@ GatedMLP::GatedMLP(int64_t dim, int64_t hidden, GatedMLPOptions options)
       gate_up(register_parameter("gate_up", Tensor())),
       gate_up_bias(register_parameter("gate_up_bias", Tensor())),
       activation_(options.activation) {
-  // Initialized as one Linear(dim, 2 hidden): each projection's fan-in is dim.
-  Linear fused(dim, 2 * hidden, options.bias, options.generator);
-  gate_up = fused.weight.detach().reshape({2, hidden, dim}).requires_grad_(true);
-  if (options.bias) gate_up_bias = fused.bias.detach().reshape({2, hidden}).requires_grad_(true);
+  StackedProjection projection = stacked_projection(dim, hidden, options.bias, options.generator);
+  gate_up = projection.weight;
+  gate_up_bias = projection.bias;
   down = register_module("down",
                          std::make_shared<Linear>(hidden, dim, options.bias, options.generator));
 }
 
 Tensor GatedMLP::forward(const Tensor& x) {
-  const int64_t rows = gate_up.size(0) * gate_up.size(1);
-  Tensor bias = gate_up_bias.defined() ? gate_up_bias.reshape({rows}) : Tensor();
-  return (*down)(
-      gated_activation(linear(x, gate_up.reshape({rows, gate_up.size(2)}), bias), activation_));
+  return (*down)(gated_activation(apply_stacked(x, gate_up, gate_up_bias), activation_));
 }
 
 TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, TransformerBlockOptions options)

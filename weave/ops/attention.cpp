@@ -42,18 +42,10 @@ uint64_t draw_seed(Generator* generator) {
   return g.engine()();
 }
 
-/// Documents as the kernels take them, int64 [B, length] contiguous, from ids [B, length] or
-/// [length].
+/// Documents as the kernels take them, int64 [B, length] contiguous.
 Tensor documents(const Tensor& ids, int64_t batch, int64_t length, const Tensor& q,
                  const char* what) {
-  check_same_device(q, ids, kOp);
-  WEAVE_CHECK(ids.dtype() == kInt64 || ids.dtype() == kInt32, kOp,
-              "expected int32 or int64 {}, found {}", what, ids.dtype());
-  WEAVE_CHECK((ids.dim() == 1 && ids.size(0) == length) ||
-                  (ids.dim() == 2 && ids.size(0) == batch && ids.size(1) == length),
-              kOp, "expected {} [{}] or [{}, {}] (one per position), found {}", what, length, batch,
-              length, ids.shape());
-  return broadcast_view(convert(ids, kInt64), {batch, length}).contiguous();
+  return per_position(ids, batch, length, q, kOp, what).contiguous();
 }
 
 /// The queries' and keys' documents of a packed batch into params (see AttentionOptions).

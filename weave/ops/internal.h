@@ -53,6 +53,22 @@ inline void check_index_args(const Tensor& x, const Tensor& index, const char* o
               "expected an int32 or int64 index, found {}", index.dtype());
 }
 
+/// Per-position ids (rotary positions, document ids), int32 or int64 [length] or [batch,
+/// length] on like's device, as an int64 [batch, length] view (broadcast over the batch);
+/// raises naming op and what otherwise.
+inline Tensor per_position(const Tensor& ids, int64_t batch, int64_t length, const Tensor& like,
+                           const char* op, const char* what) {
+  check_defined(ids, op, what);
+  check_same_device(like, ids, op);
+  WEAVE_CHECK(ids.dtype() == kInt64 || ids.dtype() == kInt32, op,
+              "expected int32 or int64 {}, found {}", what, ids.dtype());
+  WEAVE_CHECK((ids.dim() == 1 && ids.size(0) == length) ||
+                  (ids.dim() == 2 && ids.size(0) == batch && ids.size(1) == length),
+              op, "expected {} [{}] or [{}, {}] (one per position), found {}", what, length, batch,
+              length, ids.shape());
+  return broadcast_view(convert(ids, kInt64), {batch, length});
+}
+
 /// index as int64 with its negative entries counted from the end of a dimension of size n;
 /// raises, naming op and dimension d, when an entry is outside [-n, n).
 Tensor wrapped_index(const Tensor& index, int64_t n, int d, const char* op);

@@ -68,22 +68,17 @@ Tensor rotary_frequencies(int64_t rotary_dim, const RotaryOptions& options) {
 
 Tensor rotary_embedding(const Tensor& x, const Tensor& positions, const RotaryOptions& options) {
   check_defined(x, "rotary_embedding");
-  check_index_args(x, positions, "rotary_embedding");
   WEAVE_CHECK(x.dim() == 4, "rotary_embedding",
               "expected x [B, T, H, D], found {}; hint: heads first ([B, H, T, D]) is "
               "x.transpose(1, 2), a view",
               x.shape());
-  const int64_t batch = x.size(0), seq = x.size(1), dim = x.size(3);
-  const bool per_batch = positions.dim() == 2;
-  WEAVE_CHECK((positions.dim() == 1 && positions.size(0) == seq) ||
-                  (per_batch && positions.size(0) == batch && positions.size(1) == seq),
-              "rotary_embedding", "expected positions [{}] or [{}, {}] for x {}, found {}", seq,
-              batch, seq, x.shape(), positions.shape());
+  const int64_t dim = x.size(3);
+  const Tensor at =
+      per_position(positions, x.size(0), x.size(1), x, "rotary_embedding", "positions");
   const int64_t rotary_dim = options.rotary_dim == 0 ? dim : options.rotary_dim;
   WEAVE_CHECK(rotary_dim <= dim, "rotary_embedding",
               "rotary_dim {} exceeds the head size {} of x {}", rotary_dim, dim, x.shape());
   Tensor frequencies = rotary_frequencies(rotary_dim, options).to(x.device());
-  Tensor at = broadcast_view(convert(positions, kInt64), {batch, seq});
   // Differentiable conversions: the turn is recorded on what the kernel reads.
   const DType out_dtype = to_floating(x.dtype());
   Tensor xc = x.to(kernel_dtype(out_dtype));

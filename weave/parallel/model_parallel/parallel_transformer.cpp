@@ -94,13 +94,11 @@ ParallelGatedMLP::ParallelGatedMLP(int64_t dim, int64_t hidden, dist::Group grou
       options_(options) {
   piece_of(hidden, this->group(), "ParallelGatedMLP", "hidden");
   // nn::GatedMLP's initialization, in its order, then split along hidden.
-  nn::Linear fused(dim, 2 * hidden, options.bias, options.generator);
-  gate_up = split_parameter(fused.weight.reshape({2, hidden, dim}), 1, this->group());
-  gate_up.requires_grad_(true);
-  if (options.bias) {
-    gate_up_bias = split_parameter(fused.bias.reshape({2, hidden}), 1, this->group());
-    gate_up_bias.requires_grad_(true);
-  }
+  const nn::StackedProjection whole =
+      nn::stacked_projection(dim, hidden, options.bias, options.generator);
+  gate_up = split_parameter(whole.weight, 1, this->group()).requires_grad_(true);
+  gate_up_bias = split_parameter(whole.bias, 1, this->group());
+  if (gate_up_bias.defined()) gate_up_bias.requires_grad_(true);
   down =
       register_module("down", std::make_shared<RowParallelLinear>(
                                   hidden, dim, this->group(),
@@ -113,9 +111,7 @@ Tensor ParallelGatedMLP::forward(const Tensor& x) {
   const dist::Group& g = group();
   Tensor input = options_.sequence_parallel ? dist::functional::gather_from_sequence_group(x, 0, g)
                                             : dist::functional::copy_to_group(x, g);
-  const int64_t rows = gate_up.size(0) * gate_up.size(1);
-  Tensor bias = gate_up_bias.defined() ? gate_up_bias.reshape({rows}) : Tensor();
-  Tensor h = linear(input, gate_up.reshape({rows, gate_up.size(2)}), bias);
+  Tensor h = nn::apply_stacked(input, gate_up, gate_up_bias);
   return (*down)(nn::gated_activation(h, options_.activation));
 }
 
