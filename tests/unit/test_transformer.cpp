@@ -202,6 +202,33 @@ TEST_SUITE("transformer") {
     CHECK(max(abs(qg.grad().select(2, 2))).item<double>() == 0.0);
   }
 
+  TEST_CASE("attention's gradients take their inputs' layout, so AccumulateGrad need not copy") {
+    Generator g(5);
+    // Contiguous [B, H, T, D] leaves: contiguous gradients, kept as .grad without a copy.
+    Tensor q = randn({2, 3, 6, 4}, {.dtype = kFloat64}, &g).requires_grad_();
+    Tensor k = randn({2, 3, 6, 4}, {.dtype = kFloat64}, &g).requires_grad_();
+    Tensor v = randn({2, 3, 6, 4}, {.dtype = kFloat64}, &g).requires_grad_();
+    std::vector<bool> contiguous;
+    for (Tensor* t : {&q, &k, &v})
+      t->register_hook([&contiguous](const Tensor& grad) {
+        contiguous.push_back(grad.is_contiguous());
+        return Tensor();
+      });
+    scaled_dot_product_attention(q, k, v, {.causal = true}).sum().backward();
+    CHECK(contiguous == std::vector<bool>{true, true, true});
+    // A [B, T, H, D] projection seen as [B, H, T, D]: heads-last gradients, the same strides.
+    Tensor x = randn({2, 6, 3, 4}, {.dtype = kFloat64}, &g);
+    Tensor heads = x.transpose(1, 2);
+    const AttentionResult r = scaled_dot_product_attention_with_lse(heads, heads, heads);
+    const AttentionGrads grads = scaled_dot_product_attention_backward(
+        ones_like(r.output), heads, heads, heads, r.output, r.logsumexp);
+    CHECK(grads.q.strides() == heads.strides());
+    CHECK(grads.v.strides() == heads.strides());
+    const AttentionGrads plain = scaled_dot_product_attention_backward(
+        ones_like(r.output), q.detach(), k.detach(), v.detach(), r.output, r.logsumexp);
+    CHECK(plain.k.is_contiguous());
+  }
+
   TEST_CASE("attention's explicit backward equals autograd's, and refuses dropout") {
     Generator g(7);
     for (bool causal : {false, true})

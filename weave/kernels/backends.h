@@ -74,4 +74,14 @@ void flash_attention(const Tensor& q, const Tensor& k, const Tensor& v,
 void flash_attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,
                               const AttentionParams& params, const Tensor& out, const Tensor& lse,
                               const Tensor& dq, const Tensor& dk, const Tensor& dv);
+/// The tensor-core attention through cuDNN's fused flash attention (cudnn_attention.cpp; false
+/// from no_cudnn.cpp): true where it ran, false where weave's kernels should. It runs where
+/// cuDNN plans the shape and is the faster of the two on it (timed on the shape's first call);
+/// WEAVE_ATTENTION_KERNEL=cudnn or weave forces one, and WEAVE_CUDNN_DEBUG=1 prints why cuDNN
+/// declines a shape and what the timing found.
+bool cudnn_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                     const AttentionParams& params, const Tensor& out, const Tensor& lse);
+bool cudnn_attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const AttentionParams& params, const Tensor& out, const Tensor& lse,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv);
 }  // namespace weave::kernels::cuda

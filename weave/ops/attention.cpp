@@ -189,7 +189,11 @@ void attention_grads(const Saved& s, const Tensor& grad, const Tensor& dq, const
   }
 }
 
-Tensor empty_like_heads_last(const Tensor& t) {
+/// A gradient buffer for operand t: contiguous where t is (AccumulateGrad then keeps the buffer
+/// as the leaf's .grad instead of copying it into place), heads-last otherwise (where a
+/// [B, T, H, D] projection's transpose gets its gradient as a view).
+Tensor empty_gradient_for(const Tensor& t) {
+  if (t.is_contiguous()) return empty_on(t.shape(), t.dtype(), t.device());
   return empty_heads_last(t.size(0), t.size(1), t.size(2), t.size(3), t.dtype(), t.device());
 }
 
@@ -217,8 +221,8 @@ AttentionResult scaled_dot_product_attention_with_lse(const Tensor& q, const Ten
                 qi = InputInfo(q), ki = InputInfo(k), vi = InputInfo(v),
                 mi = InputInfo(mask_input)](const BackwardArgs& args) -> Grads {
           Tensor qv = s.q.unpack(), kv = s.k.unpack();
-          Tensor dq = empty_like_heads_last(qv), dk = empty_like_heads_last(kv);
-          Tensor dv = empty_like_heads_last(s.v.unpack());
+          Tensor dq = empty_gradient_for(qv), dk = empty_gradient_for(kv);
+          Tensor dv = empty_gradient_for(s.v.unpack());
           Tensor dmask = args.needs(3) ? empty_on({qv.size(0), qv.size(1), qv.size(2), kv.size(2)},
                                                   qv.dtype(), qv.device())
                                        : Tensor();
@@ -258,8 +262,8 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad, const T
                 convert(logsumexp, kernel_dtype(dtype)).contiguous(),
                 c.mask,
                 c.params};
-  Tensor dq = empty_like_heads_last(c.q), dk = empty_like_heads_last(c.k);
-  Tensor dv = empty_like_heads_last(c.v);
+  Tensor dq = empty_gradient_for(c.q), dk = empty_gradient_for(c.k);
+  Tensor dv = empty_gradient_for(c.v);
   attention_grads(s, grad, dq, dk, dv, Tensor());
   return {convert(dq, q.dtype()), convert(dk, k.dtype()), convert(dv, v.dtype())};
 }

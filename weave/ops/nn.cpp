@@ -103,14 +103,17 @@ Tensor normalization(const char* op, bool rms, const Tensor& x, const Shape& nor
     WEAVE_CHECK(t->shape() == normalized_shape, op, "expected {} of shape {}, found {}", what,
                 normalized_shape, t->shape());
   }
+  // Statistics and weights in the computation dtype; on CUDA, bfloat16/float16 rows are read
+  // and written as they are (no conversion passes around the kernels).
   const DType out_dtype = to_floating(x.dtype()), dtype = kernel_dtype(out_dtype);
+  const DType row_dtype = x.device().is_cuda() && is_reduced_float(out_dtype) ? out_dtype : dtype;
   const int64_t n = normalized_shape.numel();
-  Tensor rows = convert(x, dtype).contiguous().reshape({-1, n});
+  Tensor rows = convert(x, row_dtype).contiguous().reshape({-1, n});
   auto flat = [&](const Tensor& t) {
     return t.defined() ? convert(t, dtype).contiguous().reshape({n}) : Tensor();
   };
   Tensor w = flat(weight), b = flat(bias);
-  Tensor y = empty_on(rows.shape(), dtype, x.device());
+  Tensor y = empty_on(rows.shape(), row_dtype, x.device());
   Tensor mu = rms ? Tensor() : empty_on({rows.size(0)}, dtype, x.device());
   Tensor rstd = empty_on({rows.size(0)}, dtype, x.device());
   kernels::layer_norm(rows, w, b, eps, rms, y, mu, rstd);
@@ -123,12 +126,12 @@ Tensor normalization(const char* op, bool rms, const Tensor& x, const Shape& nor
                 wi = InputInfo(weight), bi = InputInfo(bias)](const BackwardArgs& args) -> Grads {
           Tensor xv = xs.unpack(), wv = ws.unpack();
           Tensor g = convert(args.grad(), xv.dtype()).contiguous();
-          auto make = [&](bool needed, const Shape& shape) {
-            return needed ? empty_on(shape, xv.dtype(), xv.device()) : Tensor();
+          auto make = [&](bool needed, const Shape& shape, DType dtype) {
+            return needed ? empty_on(shape, dtype, xv.device()) : Tensor();
           };
-          Tensor dx = make(args.needs(0), xv.shape());
-          Tensor dw = make(args.needs(1), {xv.size(1)});
-          Tensor db = make(args.needs(2), {xv.size(1)});
+          Tensor dx = make(args.needs(0), xv.shape(), xv.dtype());
+          Tensor dw = make(args.needs(1), {xv.size(1)}, rstd.dtype());
+          Tensor db = make(args.needs(2), {xv.size(1)}, rstd.dtype());
           kernels::layer_norm_backward(g.reshape(xv.shape()), xv, wv, mu, rstd, rms, dx, dw, db);
           auto finish = [](const Tensor& t, const InputInfo& info) {
             return t.defined() ? convert(t.reshape(info.shape), info.dtype) : Tensor();

@@ -276,7 +276,8 @@ void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
     WEAVE_CHECK(attention_on_tensor_cores(q, k, v, mask, params), "scaled_dot_product_attention",
                 "bfloat16/float16 attention runs on tensor cores only (no mask or dropout, head "
                 "size 64 or 128, sm_80+); hint: the op computes other cases in float32");
-    return flash_attention(q, k, v, params, out, lse);
+    if (!cudnn_attention(q, k, v, params, out, lse)) flash_attention(q, k, v, params, out, lse);
+    return;
   }
   DeviceGuard guard(q.device().index);
   cudaStream_t s = weave::cuda::stream(q.device().index);
@@ -297,8 +298,11 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
                         const Tensor& mask, const AttentionParams& params, const Tensor& out,
                         const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                         const Tensor& dmask) {
-  if (is_reduced_float(q.dtype()))
-    return flash_attention_backward(grad, q, k, v, params, out, lse, dq, dk, dv);
+  if (is_reduced_float(q.dtype())) {
+    if (!cudnn_attention_backward(grad, q, k, v, params, out, lse, dq, dk, dv))
+      flash_attention_backward(grad, q, k, v, params, out, lse, dq, dk, dv);
+    return;
+  }
   DeviceGuard guard(q.device().index);
   cudaStream_t s = weave::cuda::stream(q.device().index);
   Tensor delta = empty(lse.shape(), {.dtype = lse.dtype(), .device = lse.device()});

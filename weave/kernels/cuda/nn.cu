@@ -80,27 +80,30 @@ __global__ void softmax_backward_kernel(const T* g, const T* y, T* out, int64_t 
         log ? g[base + j] - exp(y[base + j]) * total : y[base + j] * (g[base + j] - total);
 }
 
-template <class T>
-__global__ void layer_norm_kernel(const T* x, const T* w, const T* b, T eps, bool rms, T* out,
+// The normalizations read and write rows in their storage type S (bfloat16 and float16 as they
+// are) and compute, keep statistics and take weights in T = compute_t<S>.
+template <class S, class T = compute_t<S>>
+__global__ void layer_norm_kernel(const S* x, const T* w, const T* b, T eps, bool rms, S* out,
                                   T* mean, T* rstd, int64_t n) {
-  const T* xi = x + blockIdx.x * n;
+  const S* xi = x + blockIdx.x * n;
   T mu = 0;
   if (!rms) {
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mu += xi[j];
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mu += T(xi[j]);
     mu = block_reduce(mu, Combine::Sum) / T(n);
   }
   T squares = 0;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) squares += (xi[j] - mu) * (xi[j] - mu);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
+    squares += (T(xi[j]) - mu) * (T(xi[j]) - mu);
   const T r = T(1) / sqrt(block_reduce(squares, Combine::Sum) / T(n) + eps);
   if (threadIdx.x == 0) {
     if (mean) mean[blockIdx.x] = mu;
     rstd[blockIdx.x] = r;
   }
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    T v = (xi[j] - mu) * r;
+    T v = (T(xi[j]) - mu) * r;
     if (w) v *= w[j];
     if (b) v += b[j];
-    out[blockIdx.x * n + j] = v;
+    out[blockIdx.x * n + j] = S(v);
   }
 }
 
@@ -108,18 +111,18 @@ __global__ void layer_norm_kernel(const T* x, const T* w, const T* b, T eps, boo
 // shuffles only), kRowsPerBlock rows a block.
 constexpr int kWarpRow = 1024, kRowsPerBlock = kThreads / 32;
 
-template <class T>
-__global__ void layer_norm_warp_kernel(const T* x, const T* w, const T* b, T eps, bool rms, T* out,
+template <class S, class T = compute_t<S>>
+__global__ void layer_norm_warp_kernel(const S* x, const T* w, const T* b, T eps, bool rms, S* out,
                                        T* mean, T* rstd, int64_t rows, int n) {
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   if (row >= rows) return;  // the whole warp
   const int lane = threadIdx.x % 32;
-  const T* xi = x + row * n;
+  const S* xi = x + row * n;
   T v[kWarpRow / 32], sum = 0;
 #pragma unroll
   for (int k = 0; k < kWarpRow / 32; ++k) {
     const int j = lane + 32 * k;
-    v[k] = j < n ? xi[j] : T(0);
+    v[k] = j < n ? T(xi[j]) : T(0);
     sum += v[k];
   }
   const T mu = rms ? T(0) : warp_reduce(sum, Combine::Sum) / T(n);
@@ -139,13 +142,13 @@ __global__ void layer_norm_warp_kernel(const T* x, const T* w, const T* b, T eps
     T o = (v[k] - mu) * r;
     if (w) o *= w[j];
     if (b) o += b[j];
-    out[row * n + j] = o;
+    out[row * n + j] = S(o);
   }
 }
 
-template <class T>
-__global__ void layer_norm_dx_warp_kernel(const T* g, const T* x, const T* w, const T* mean,
-                                          const T* rstd, T* dx, int64_t rows, int n) {
+template <class S, class T = compute_t<S>>
+__global__ void layer_norm_dx_warp_kernel(const S* g, const S* x, const T* w, const T* mean,
+                                          const T* rstd, S* dx, int64_t rows, int n) {
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   if (row >= rows) return;  // the whole warp
   const int lane = threadIdx.x % 32;
@@ -156,8 +159,8 @@ __global__ void layer_norm_dx_warp_kernel(const T* g, const T* x, const T* w, co
   for (int k = 0; k < kWarpRow / 32; ++k) {
     const int j = lane + 32 * k;
     const bool in = j < n;
-    gw[k] = in ? (w ? g[base + j] * w[j] : g[base + j]) : T(0);
-    xhat[k] = in ? (x[base + j] - mu) * r : T(0);
+    gw[k] = in ? (w ? T(g[base + j]) * w[j] : T(g[base + j])) : T(0);
+    xhat[k] = in ? (T(x[base + j]) - mu) * r : T(0);
     sum_g += gw[k];
     sum_gx += gw[k] * xhat[k];
   }
@@ -167,28 +170,28 @@ __global__ void layer_norm_dx_warp_kernel(const T* g, const T* x, const T* w, co
 #pragma unroll
   for (int k = 0; k < kWarpRow / 32; ++k) {
     const int j = lane + 32 * k;
-    if (j < n) dx[base + j] = r * (gw[k] - mean_g - xhat[k] * mean_gx);
+    if (j < n) dx[base + j] = S(r * (gw[k] - mean_g - xhat[k] * mean_gx));
   }
 }
 
 // dx per row (one block per row); dweight/dbias by a second kernel over columns.
-template <class T>
-__global__ void layer_norm_dx_kernel(const T* g, const T* x, const T* w, const T* mean,
-                                     const T* rstd, T* dx, int64_t n) {
+template <class S, class T = compute_t<S>>
+__global__ void layer_norm_dx_kernel(const S* g, const S* x, const T* w, const T* mean,
+                                     const T* rstd, S* dx, int64_t n) {
   const int64_t base = blockIdx.x * n;
   const T mu = mean ? mean[blockIdx.x] : T(0), r = rstd[blockIdx.x];
   T sum_g = 0, sum_gx = 0;
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    const T gw = w ? g[base + j] * w[j] : g[base + j];
+    const T gw = w ? T(g[base + j]) * w[j] : T(g[base + j]);
     sum_g += gw;
-    sum_gx += gw * (x[base + j] - mu) * r;
+    sum_gx += gw * (T(x[base + j]) - mu) * r;
   }
   sum_g = block_reduce(sum_g, Combine::Sum);
   sum_gx = block_reduce(sum_gx, Combine::Sum);
   const T mean_g = mean ? sum_g / T(n) : T(0), mean_gx = sum_gx / T(n);
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    const T gw = w ? g[base + j] * w[j] : g[base + j];
-    dx[base + j] = r * (gw - mean_g - (x[base + j] - mu) * r * mean_gx);
+    const T gw = w ? T(g[base + j]) * w[j] : T(g[base + j]);
+    dx[base + j] = S(r * (gw - mean_g - (T(x[base + j]) - mu) * r * mean_gx));
   }
 }
 
@@ -197,8 +200,8 @@ __global__ void layer_norm_dx_kernel(const T* g, const T* x, const T* w, const T
 // layer_norm_params_finish_kernel adds up per column in a fixed order (the same bits each run).
 constexpr int kParamColumns = 32, kParamRowGroups = 8;
 
-template <class T>
-__global__ void layer_norm_params_kernel(const T* g, const T* x, const T* mean, const T* rstd,
+template <class S, class T = compute_t<S>>
+__global__ void layer_norm_params_kernel(const S* g, const S* x, const T* mean, const T* rstd,
                                          T* dweight_part, T* dbias_part, int64_t rows, int64_t n,
                                          int64_t chunk) {
   __shared__ T dw_s[kParamRowGroups][kParamColumns], db_s[kParamRowGroups][kParamColumns];
@@ -208,8 +211,8 @@ __global__ void layer_norm_params_kernel(const T* g, const T* x, const T* mean, 
   T dw = 0, db = 0;
   if (j < n)
     for (int64_t i = begin + ty; i < end; i += kParamRowGroups) {
-      const T gi = g[i * n + j];
-      dw += gi * (x[i * n + j] - (mean ? mean[i] : T(0))) * rstd[i];
+      const T gi = T(g[i * n + j]);
+      dw += gi * (T(x[i * n + j]) - (mean ? mean[i] : T(0))) * rstd[i];
       db += gi;
     }
   dw_s[ty][tx] = dw;
@@ -355,21 +358,22 @@ void softmax_backward(const Tensor& grad, const Tensor& y, const Tensor& out, bo
 void layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps, bool rms,
                 const Tensor& out, const Tensor& mean, const Tensor& rstd) {
   const int64_t n = x.size(-1);
-  visit_floating(x.dtype(), "layer_norm", [&](auto tag) {
-    using T = typename decltype(tag)::type;
+  visit_param_dtype(x.dtype(), "layer_norm", [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    using T = compute_t<S>;
     const int64_t rows = rows_of(x, n);
     if (n <= kWarpRow && rows > 0) {
       DeviceGuard guard(x.device().index);
-      layer_norm_warp_kernel<T>
+      layer_norm_warp_kernel<S>
           <<<blocks_for(rows, kRowsPerBlock), kThreads, 0, weave::cuda::stream(x.device().index)>>>(
-              maybe<T>(x), maybe<T>(weight), maybe<T>(bias), T(eps), rms, maybe_mut<T>(out),
+              maybe<S>(x), maybe<T>(weight), maybe<T>(bias), T(eps), rms, maybe_mut<S>(out),
               maybe_mut<T>(mean), maybe_mut<T>(rstd), rows, int(n));
       check_launch("layer_norm");
       return;
     }
     per_row(x, rows, "layer_norm", [&](unsigned blocks, cudaStream_t s) {
-      layer_norm_kernel<T><<<blocks, kThreads, 0, s>>>(
-          maybe<T>(x), maybe<T>(weight), maybe<T>(bias), T(eps), rms, maybe_mut<T>(out),
+      layer_norm_kernel<S><<<blocks, kThreads, 0, s>>>(
+          maybe<S>(x), maybe<T>(weight), maybe<T>(bias), T(eps), rms, maybe_mut<S>(out),
           maybe_mut<T>(mean), maybe_mut<T>(rstd), n);
     });
   });
@@ -379,20 +383,21 @@ void layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weig
                          const Tensor& mean, const Tensor& rstd, bool, const Tensor& dx,
                          const Tensor& dweight, const Tensor& dbias) {
   const int64_t n = x.size(-1), rows = rows_of(x, n);
-  visit_floating(x.dtype(), "layer_norm", [&](auto tag) {
-    using T = typename decltype(tag)::type;
+  visit_param_dtype(x.dtype(), "layer_norm", [&](auto tag) {
+    using S = typename decltype(tag)::type;
+    using T = compute_t<S>;
     if (dx.defined() && n <= kWarpRow && rows > 0) {
       DeviceGuard guard(x.device().index);
-      layer_norm_dx_warp_kernel<T>
+      layer_norm_dx_warp_kernel<S>
           <<<blocks_for(rows, kRowsPerBlock), kThreads, 0, weave::cuda::stream(x.device().index)>>>(
-              maybe<T>(grad), maybe<T>(x), maybe<T>(weight), maybe<T>(mean), maybe<T>(rstd),
-              maybe_mut<T>(dx), rows, int(n));
+              maybe<S>(grad), maybe<S>(x), maybe<T>(weight), maybe<T>(mean), maybe<T>(rstd),
+              maybe_mut<S>(dx), rows, int(n));
       check_launch("layer_norm");
     } else if (dx.defined()) {
       per_row(x, rows, "layer_norm", [&](unsigned r, cudaStream_t s) {
-        layer_norm_dx_kernel<T><<<r, kThreads, 0, s>>>(maybe<T>(grad), maybe<T>(x),
+        layer_norm_dx_kernel<S><<<r, kThreads, 0, s>>>(maybe<S>(grad), maybe<S>(x),
                                                        maybe<T>(weight), maybe<T>(mean),
-                                                       maybe<T>(rstd), maybe_mut<T>(dx), n);
+                                                       maybe<T>(rstd), maybe_mut<S>(dx), n);
       });
     }
     if ((dweight.defined() || dbias.defined()) && n > 0 && rows > 0) {
@@ -401,12 +406,12 @@ void layer_norm_backward(const Tensor& grad, const Tensor& x, const Tensor& weig
       // About 256 rows a block, at most 1024 chunks: enough blocks for any n.
       const int64_t chunks = std::min<int64_t>(1024, (rows + 255) / 256);
       const int64_t chunk = (rows + chunks - 1) / chunks;
-      Tensor parts = empty({2, chunks, n}, {.dtype = x.dtype(), .device = x.device()});
+      Tensor parts = empty({2, chunks, n}, {.dtype = rstd.dtype(), .device = x.device()});
       T* dw_part = static_cast<T*>(parts.data_ptr());
       T* db_part = dw_part + chunks * n;
       const dim3 grid(unsigned((n + kParamColumns - 1) / kParamColumns), unsigned(chunks));
-      layer_norm_params_kernel<T><<<grid, kParamColumns * kParamRowGroups, 0, s>>>(
-          maybe<T>(grad), maybe<T>(x), maybe<T>(mean), maybe<T>(rstd), dw_part, db_part, rows, n,
+      layer_norm_params_kernel<S><<<grid, kParamColumns * kParamRowGroups, 0, s>>>(
+          maybe<S>(grad), maybe<S>(x), maybe<T>(mean), maybe<T>(rstd), dw_part, db_part, rows, n,
           chunk);
       check_launch("layer_norm");
       layer_norm_params_finish_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, s>>>(
