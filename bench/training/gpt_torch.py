@@ -17,6 +17,12 @@ examples/gpt does under weave's AutocastGuard.
 (FlashAttention/cuDNN) and the fused AdamW; --vocab widens the head as examples/gpt's does.
 At the end it prints `peak_memory_mb=` (torch.cuda.max_memory_allocated) on a GPU.
 
+--arch llama trains examples/gpt's Llama (--arch llama): RMSNorm, rotary positions (the halves
+layout, base 10000), grouped-query attention with --kv-heads key/value heads (each shared by a
+group of query heads), SwiGLU with Llama's hidden width, no biases, an untied head. --pack
+makes each fortune a document ended by an end-of-text token; positions restart and attention
+stays within each document, as examples/gpt --pack does.
+
 Prints the same lines as the weave example: `step S/N loss L lr R tokens/s T`, and at the end
 `heldout_loss=X.XXXX`.
 """
@@ -39,24 +45,30 @@ def splitmix64(x):
     return x ^ (x >> 31)
 
 
-def load_corpus(directory):
+def load_corpus(directory, pack=False):
     names = sorted(n for n in os.listdir(directory)
                    if not n.endswith(".dat") and not os.path.islink(os.path.join(directory, n))
                    and os.path.isfile(os.path.join(directory, n)))
     text = bytearray()
+    separators = []
     for name in names:
         with open(os.path.join(directory, name), "rb") as f:
             lines = f.read().split(b"\n")
         if lines and lines[-1] == b"":  # a last line without its newline still gets one
             lines.pop()
         for line in lines:
+            if line == b"%":
+                separators.append(len(text))
             text += b"\n" if line == b"%" else line + b"\n"
     chars = sorted(set(text))
-    vocab = (len(chars) + 7) // 8 * 8
+    end_of_text = len(chars) if pack else -1
+    vocab = (len(chars) + (1 if pack else 0) + 7) // 8 * 8
     id_of = {c: i for i, c in enumerate(chars)}
     ids = torch.tensor([id_of[c] for c in text], dtype=torch.int64)
+    if pack:
+        ids[torch.tensor(separators, dtype=torch.int64)] = end_of_text
     split = len(text) * 9 // 10
-    return ids[:split], ids[split:], vocab
+    return ids[:split], ids[split:], vocab, end_of_text
 
 
 class Block(nn.Module):
@@ -110,6 +122,90 @@ class Gpt(nn.Module):
         return self.head(self.norm(x))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x, positions, base=10000.0):
+    """Rotary embeddings of x [B, T, H, D] at positions [B, T]: dim i turns with i + D/2."""
+    half = x.shape[-1] // 2
+    freqs = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) * 2 / x.shape[-1])
+    angles = positions[..., None].double() * freqs
+    cos, sin = (f(angles).to(x.dtype)[:, :, None, :] for f in (torch.cos, torch.sin))
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim, heads, kv_heads, hidden):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.norm1 = RMSNorm(dim)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.norm2 = RMSNorm(dim)
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x, positions, allowed):
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q = rotate(self.q(h).view(b, t, self.heads, self.hd), positions).transpose(1, 2)
+        k, v = self.kv(h).view(b, t, 2, self.kv_heads, self.hd).unbind(2)
+        k = rotate(k, positions).transpose(1, 2)
+        v = v.transpose(1, 2)
+        group = self.heads // self.kv_heads  # query head i reads key/value head i // group
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        if x.is_cuda:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        else:
+            scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(self.hd))
+            y = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+        x = x + self.out(y.transpose(1, 2).reshape(b, t, d))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, -1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab, dim, heads, kv_heads, layers, end_of_text):
+        super().__init__()
+        hidden = ((8 * dim + 2) // 3 + 63) // 64 * 64  # 8 dim / 3, up to a multiple of 64
+        self.end_of_text = end_of_text
+        self.tokens = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(LlamaBlock(dim, heads, kv_heads or heads, hidden)
+                                    for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "norm" not in name:
+                    p.normal_(0.0, 0.02)
+
+    def forward(self, ids):
+        b, t = ids.shape
+        index = torch.arange(t, device=ids.device).expand(b, t)
+        if self.end_of_text >= 0:  # an end-of-text token opens the next document
+            opens = (ids == self.end_of_text) & (index > 0)
+            documents = opens.cumsum(1)
+            starts = torch.where(opens, index, torch.zeros_like(index)).cummax(1).values
+            positions = index - starts
+        else:
+            documents, positions = torch.zeros_like(index), index
+        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+        allowed = (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+        x = self.tokens(ids)
+        for block in self.blocks:
+            x = block(x, positions, allowed)
+        return self.head(self.norm(x))
+
+
 def main():
     parser = argparse.ArgumentParser()
     for name, default in [("layers", 4), ("dim", 256), ("heads", 4), ("context", 128),
@@ -123,18 +219,26 @@ def main():
     parser.add_argument("--autocast", choices=["bf16"], default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--vocab", type=int, default=0)
+    parser.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
+    parser.add_argument("--kv-heads", type=int, default=0)
+    parser.add_argument("--pack", action="store_true")
     a = parser.parse_args()
+    if a.pack and a.arch != "llama":
+        parser.error("--pack needs --arch llama (GPT-2's learned positions take one document)")
     autocast = lambda: torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.autocast == "bf16")
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    train, heldout, vocab = load_corpus(a.data)
+    train, heldout, vocab, end_of_text = load_corpus(a.data, a.pack)
     vocab = max(vocab, (a.vocab + 7) // 8 * 8)
-    model = Gpt(vocab, a.context, a.dim, a.heads, a.layers).to(a.device)
+    if a.arch == "llama":
+        model = Llama(vocab, a.dim, a.heads, a.kv_heads, a.layers, end_of_text).to(a.device)
+    else:
+        model = Gpt(vocab, a.context, a.dim, a.heads, a.layers).to(a.device)
     # The GPT recipe's groups, as examples/gpt's optim::weight_decay_groups: no decay on biases,
     # norms and embeddings.
     exempt = set()
     for module in model.modules():
-        if isinstance(module, (nn.Embedding, nn.LayerNorm)):
+        if isinstance(module, (nn.Embedding, nn.LayerNorm, RMSNorm)):
             exempt.update(id(p) for p in module.parameters(recurse=False))
     decay = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in exempt]
     no_decay = [p for p in model.parameters() if p.dim() < 2 or id(p) in exempt]
@@ -166,7 +270,7 @@ def main():
         model.train()
         return total / a.eval_windows
 
-    print(f"gpt_torch {torch.__version__}: {a.layers} layers, dim {a.dim}, {a.heads} heads, "
+    print(f"gpt_torch {torch.__version__}: {a.arch}{', packed' if a.pack else ''}, {a.layers} layers, dim {a.dim}, {a.heads} heads, "
           f"context {a.context}, batch {a.batch}, vocab {vocab}, threads {a.threads}", flush=True)
     span = len(train) - a.context - 1
     started, loss_sum, losses = time.perf_counter(), 0.0, 0

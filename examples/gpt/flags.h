@@ -13,6 +13,9 @@ using namespace weave;
 
 struct Flags {
   std::string strategy = "ddp", data_dir = "/usr/share/games/fortunes", checkpoint, log;
+  std::string arch = "gpt";  // gpt: GPT-2's blocks; llama: RMSNorm, rotary, GQA, SwiGLU
+  int64_t kv_heads = 0;      // llama's key/value heads (0: as many as --heads)
+  bool pack = false;         // llama: each fortune its own document (end-of-text, positions)
   int tp = 0, threads = 1, samples = 3;
   int context_parallel = 1, expert_parallel = 1, pipeline = 1, microbatches = 0;
   int64_t experts = 0, top_k = 2;
@@ -35,6 +38,13 @@ inline Flags parse(int argc, char** argv) {
   app.option_defaults()->always_capture_default();
   app.add_option("--strategy", f.strategy, "data, model or hybrid parallelism")
       ->check(CLI::IsMember({"ddp", "fsdp", "tp", "hybrid"}));
+  app.add_option("--arch", f.arch, "gpt (GPT-2 blocks) or llama (RMSNorm, rotary, SwiGLU)")
+      ->check(CLI::IsMember({"gpt", "llama"}));
+  app.add_option("--kv-heads", f.kv_heads, "llama: key/value heads, dividing --heads (0: all)")
+      ->check(weave::cli::non_negative());
+  app.add_flag("--pack", f.pack,
+               "llama: each fortune a document of its own (end-of-text token, positions and "
+               "attention restarting per document)");
   app.add_option("--tp", f.tp, "tensor-parallel group size (0: 2 under hybrid, else 1)")
       ->check(weave::cli::non_negative());
   app.add_option("--data", f.data_dir, "directory of fortune files");

@@ -8,6 +8,7 @@
 //                    [--context-parallel N [--cp-mode ring|all-to-all]]
 //                    [--experts E [--expert-parallel N] [--top-k K]]
 //                    [--pipeline N [--microbatches M]]
+//                    [--arch gpt|llama [--kv-heads K] [--pack]]
 // --device cuda puts each rank on a GPU (round-robin by local rank) with NCCL between them
 // (--backend mpi: MPI, staging through the host; several ranks may share one GPU). --vocab
 // widens the embedding and output layer past the characters' count (a larger model's head).
@@ -38,6 +39,12 @@
 //                          last one's backward averaging the gradients of all of them.
 // The wrappers read where each parameter lives (its placement): experts average over the ranks
 // holding them, with the expert scale; the gradient norm counts every piece once.
+// --arch llama trains a Llama-class model instead (nn::LlamaModel: RMSNorm, rotary positions,
+// grouped-query attention with --kv-heads key/value heads, SwiGLU), on the data (ddp, fsdp),
+// tensor and context axes (parallel::ParallelLlamaBlock: the library's split of its blocks); --pack
+// makes each fortune a document of its own, ended by an end-of-text token, and hands the model
+// each token's position in its document and the document's id, so attention and positions
+// restart at every document.
 // --autocast runs forward, the loss and the held-out evaluation under AutocastGuard (matrix
 // products and attention in bfloat16/float16, float32 parameters); fp16 adds a GradScaler
 // whose overflow verdict the data-parallel ranks agree on.
@@ -52,23 +59,22 @@
 // FILE also writes them as JSON Lines, which `weave-plot FILE -o curves.png` draws.
 #include <weave/weave.h>
 
+#include "data.h"
 #include "flags.h"
 #include "models.h"
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
 using namespace weave;
+using gpt::Batch;
+using gpt::Corpus;
 using gpt::Flags;
 using gpt::Gpt;
 using gpt::LanguageModel;
@@ -76,68 +82,6 @@ using gpt::MoeGpt;
 using gpt::ParallelGpt;
 
 namespace {
-
-// ---- data --------------------------------------------------------------------------------
-
-struct Corpus {
-  std::vector<int64_t> train, heldout;  // token ids
-  std::vector<unsigned char> chars;     // id -> byte
-  int64_t vocab = 0;                    // chars.size() padded to a multiple of 8 (for tp)
-};
-
-Corpus load_corpus(const std::string& dir) {
-  namespace fs = std::filesystem;
-  WEAVE_CHECK(fs::is_directory(dir), "gpt",
-              "no fortunes at {}; hint: apt-get install fortunes, or pass --data DIR", dir);
-  std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(dir))
-    if (entry.is_regular_file() && !entry.is_symlink() && entry.path().extension() != ".dat")
-      files.push_back(entry.path());
-  std::sort(files.begin(), files.end());
-  std::string text;
-  for (const auto& path : files) {
-    std::ifstream in(path);
-    for (std::string line; std::getline(in, line);) text += line == "%" ? "\n" : line + "\n";
-  }
-  WEAVE_CHECK(text.size() > 1000, "gpt", "found only {} bytes of text in {}", text.size(), dir);
-  Corpus corpus;
-  const std::set<unsigned char> seen(text.begin(), text.end());
-  corpus.chars.assign(seen.begin(), seen.end());
-  corpus.vocab = (int64_t(corpus.chars.size()) + 7) / 8 * 8;
-  std::array<int64_t, 256> id_of{};
-  for (size_t i = 0; i < corpus.chars.size(); ++i) id_of[corpus.chars[i]] = int64_t(i);
-  const size_t split = text.size() * 9 / 10;
-  for (size_t i = 0; i < text.size(); ++i)
-    (i < split ? corpus.train : corpus.heldout).push_back(id_of[(unsigned char)text[i]]);
-  return corpus;
-}
-
-// The same in bench/training/gpt_torch.py: window offsets from (seed, step, index), on every
-// process.
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-// Windows of context + 1 tokens at the given offsets: [n, context + 1].
-Tensor windows(const std::vector<int64_t>& tokens, const std::vector<int64_t>& offsets,
-               int64_t context) {
-  std::vector<int64_t> out;
-  out.reserve(offsets.size() * size_t(context + 1));
-  for (int64_t start : offsets)
-    out.insert(out.end(), tokens.begin() + start, tokens.begin() + start + context + 1);
-  return from_vector(out, {int64_t(offsets.size()), context + 1});
-}
-
-std::vector<int64_t> train_offsets(const Flags& f, int64_t text_size, int64_t step) {
-  std::vector<int64_t> offsets;
-  for (int64_t i = 0; i < f.batch; ++i)
-    offsets.push_back(int64_t(splitmix64((f.seed << 40) + uint64_t(step * f.batch + i)) %
-                              uint64_t(text_size - f.context - 1)));
-  return offsets;
-}
 
 // GPT-2's initialization: weights N(0, 0.02), biases 0, norms 1 (the same on every rank that
 // uses the same seed).
@@ -160,7 +104,9 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
                                      std::optional<dist::Group> experts = std::nullopt) {
   const int stages = mesh.shape().pipeline;
   std::shared_ptr<LanguageModel> whole;
-  if (f.experts > 0)
+  if (f.arch == "llama")
+    whole = std::make_shared<gpt::Llama>(f, vocab);
+  else if (f.experts > 0)
     whole = std::make_shared<MoeGpt>(f, vocab, mesh.data_and_context());
   else
     whole = std::make_shared<Gpt>(f, vocab);
@@ -171,9 +117,13 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
     return whole;
   const std::optional<dist::Group> context =
       mesh.shape().context > 1 ? std::optional(mesh.context()) : std::nullopt;
-  std::shared_ptr<LanguageModel> split = std::make_shared<ParallelGpt>(
-      f, vocab, mesh.tensor(), sequence_parallel, context, experts, mesh.data_and_context(),
-      gpt::stage_range(f.layers, mesh.pipeline_rank(), stages));
+  std::shared_ptr<LanguageModel> split =
+      f.arch == "llama"
+          ? std::shared_ptr<LanguageModel>(
+                std::make_shared<gpt::ParallelLlama>(f, vocab, mesh.tensor(), context))
+          : std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), sequence_parallel, context,
+                                          experts, mesh.data_and_context(),
+                                          gpt::stage_range(f.layers, mesh.pipeline_rank(), stages));
   split->to(f.placed);
   nn::NamedTensors state = parallel::shard_state_dict(whole->state_dict(), *split);
   const auto names = split->state_dict();  // this rank's experts and stage only
@@ -200,12 +150,12 @@ double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
   const size_t per_batch = size_t(pipe ? f.batch / mesh.shape().data : f.batch);
   for (size_t first = 0; first < mine.size(); first += per_batch) {
     const size_t last = std::min(mine.size(), first + per_batch);
-    Tensor w = windows(corpus.heldout, {mine.begin() + first, mine.begin() + last}, f.context)
-                   .to(f.placed);
-    const Tensor ids = w.narrow(1, 0, f.context);
-    Tensor logits = pipe ? pipe->predict(ids, /*sequence first*/ 1) : model(ids);
+    const Batch batch = gpt::make_batch(corpus.heldout, {mine.begin() + first, mine.begin() + last},
+                                        f.context, corpus.end_of_text, f.placed);
+    Tensor logits =
+        pipe ? pipe->predict(batch.inputs, /*sequence first*/ 1) : model(batch.model_inputs());
     if (logits.defined())  // the last stage's
-      total += model.loss(logits, w.narrow(1, 1, f.context)).item<double>() * double(last - first);
+      total += model.loss(logits, batch.targets).item<double>() * double(last - first);
   }
   // Under context parallelism each rank's loss covers its part of the positions.
   Tensor sum = full({1}, total, {.dtype = kFloat64});
@@ -230,6 +180,7 @@ void sample(LanguageModel& model, const Flags& f, const Corpus& corpus,
   for (int64_t i = 0; i < f.layers; ++i) caches.emplace_back(f.context);
   Tensor ids = full({f.samples, 1}, double(start), {.dtype = kInt64, .device = f.placed});
   std::vector<std::string> text(size_t(f.samples));
+  model.start_decoding();
   for (int64_t t = 0; t + 1 < f.context; ++t) {
     Tensor logits = model.decode(ids, caches).narrow(1, 0, int64_t(corpus.chars.size()));
     ids = multinomial(softmax(logits / 0.8, -1), 1, false, &g);
@@ -319,6 +270,17 @@ int train_and_sample(Flags& f, int argc, char** argv) {
       "--top-k {} be at most the experts, and --eval-windows {} divide among the {} "
       "data-parallel ranks",
       f.expert_parallel, data * context, f.experts, f.top_k, f.eval_windows, data);
+  WEAVE_CHECK(f.arch == "gpt" || (pipeline == 1 && f.experts == 0), "gpt",
+              "--arch llama trains on the data, tensor and context axes (found --pipeline {}, "
+              "--experts {}); hint: pipelines and experts split --arch gpt",
+              pipeline, f.experts);
+  WEAVE_CHECK(!f.pack || f.arch == "llama", "gpt",
+              "--pack needs --arch llama: GPT-2's learned positions and attention take one "
+              "document per window");
+  WEAVE_CHECK(f.arch == "llama" || f.kv_heads == 0, "gpt",
+              "--kv-heads {} needs --arch llama (GPT-2's attention has a key/value head per "
+              "query head)",
+              f.kv_heads);
   const parallel::ProcessMesh mesh({.data = data,
                                     .tensor = tensor,
                                     .pipeline = pipeline,
@@ -330,9 +292,10 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   WEAVE_CHECK(f.batch % data == 0, "gpt", "--batch {} does not divide among {} data-parallel ranks",
               f.batch, data);
   // Sequence parallelism splits what experts and context parallelism need whole.
+  // (Llama's layers run batch first, whole sequences on every tensor-parallel rank.)
   const bool sequence_parallel =
-      tensor > 1 && f.sequence_parallel && f.experts == 0 && context == 1;
-  Corpus corpus = load_corpus(f.data_dir);
+      tensor > 1 && f.sequence_parallel && f.experts == 0 && context == 1 && f.arch == "gpt";
+  Corpus corpus = gpt::load_corpus(f.data_dir, f.pack);
   corpus.vocab = std::max(corpus.vocab, (f.vocab + 7) / 8 * 8);
   WEAVE_CHECK(int64_t(corpus.heldout.size()) > f.context + 1, "gpt",
               "--context {} needs more text: the held-out tenth of {} holds {} characters "
@@ -347,7 +310,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
   if (fully_sharded)  // each parameter sharded over the ranks holding copies of it
     fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
-        *model, parallel::FSDPOptions{.group = mesh.data_and_context()});
+        *model, parallel::FSDPOptions{.units = model->units(), .group = mesh.data_and_context()});
   else if (data * context > 1)  // each parameter averaged where its placement says
     ddp = std::make_unique<parallel::DistributedDataParallel>(
         *model, parallel::DDPOptions{.group = mesh.data_and_context()});
@@ -401,13 +364,13 @@ int train_and_sample(Flags& f, int argc, char** argv) {
     int64_t count = 0;
     for (const auto& [name, shape] : model_shapes) count += shape.numel();
     std::printf(
-        "gpt: %s, %s; %lld layers, dim %lld, %lld heads, context %lld, batch %lld, vocab %lld "
-        "(%zu used), %lld parameters on rank 0; %zu train / %zu held-out characters\n",
-        f.strategy.c_str(), mesh.str().c_str(), static_cast<long long>(f.layers),
+        "%s: %s, %s; %lld layers, dim %lld, %lld heads, context %lld, batch %lld, vocab %lld "
+        "(%zu used), %lld parameters on rank 0; %zu train / %zu held-out characters%s\n",
+        f.arch.c_str(), f.strategy.c_str(), mesh.str().c_str(), static_cast<long long>(f.layers),
         static_cast<long long>(f.dim), static_cast<long long>(f.heads),
         static_cast<long long>(f.context), static_cast<long long>(f.batch),
         static_cast<long long>(corpus.vocab), corpus.chars.size(), static_cast<long long>(count),
-        corpus.train.size(), corpus.heldout.size());
+        corpus.train.size(), corpus.heldout.size(), f.pack ? ", packed" : "");
   }
 
   const int64_t local_batch = f.batch / data;
@@ -421,11 +384,12 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   double loss_sum = 0;
   int64_t losses = 0, tokens = 0;
   while (step < f.steps) {
-    std::vector<int64_t> offsets = train_offsets(f, train_span, step);
+    std::vector<int64_t> offsets = gpt::train_offsets(f, train_span, step);
     offsets = {offsets.begin() + mesh.data_rank() * local_batch,
                offsets.begin() + (mesh.data_rank() + 1) * local_batch};
-    Tensor w = windows(corpus.train, offsets, f.context).to(device);
-    Tensor inputs = w.narrow(1, 0, f.context), targets = w.narrow(1, 1, f.context);
+    const Batch batch =
+        gpt::make_batch(corpus.train, offsets, f.context, corpus.end_of_text, device);
+    const Tensor &inputs = batch.inputs, &targets = batch.targets;
     optimizer.zero_grad();
     Tensor loss;
     if (pipe) {  // forward and backward of every micro-batch; the loss on the last stage
@@ -438,7 +402,8 @@ int train_and_sample(Flags& f, int argc, char** argv) {
       {
         std::optional<AutocastGuard> autocast;
         if (f.autocast) autocast.emplace(*f.autocast);
-        Tensor logits = ddp ? (*ddp)(inputs) : fsdp ? (*fsdp)(inputs) : (*model)(inputs);
+        const nn::Inputs in = batch.model_inputs();
+        Tensor logits = ddp ? (*ddp)(in) : fsdp ? (*fsdp)(in) : (*model)(in);
         loss = model->loss(logits, targets);
       }
       scaler.scale(loss).backward();
@@ -504,7 +469,10 @@ int train_and_sample(Flags& f, int argc, char** argv) {
       std::printf("samples: none (the %s)\n",
                   pipe ? "blocks are cut into pipeline stages" : "experts are spread over ranks");
   } else if (sequence_parallel || context > 1) {
-    auto decoder = std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
+    std::shared_ptr<LanguageModel> decoder =
+        f.arch == "llama" ? std::shared_ptr<LanguageModel>(std::make_shared<gpt::ParallelLlama>(
+                                f, corpus.vocab, mesh.tensor()))
+                          : std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
     decoder->to(device);
     decoder->load_state_dict(evaluated->state_dict());
     sample(*decoder, f, corpus, mesh);

@@ -25,6 +25,10 @@ class LanguageModel : public nn::Module {
   virtual Tensor loss(const Tensor& logits, const Tensor& targets) = 0;
   /// The next token's logits [B, vocab] on every rank, extending one cache per block.
   virtual Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) = 0;
+  /// FSDP's units by name (empty: the model's children, FSDP's default).
+  virtual std::vector<std::string> units() const { return {}; }
+  /// Called before a sequence of decode calls (models without per-block caches reset there).
+  virtual void start_decoding() { history_ = Tensor(); }
   /// Recompute each block in backward instead of keeping its activations.
   bool checkpoint_activations = false;
 
@@ -33,6 +37,26 @@ class LanguageModel : public nn::Module {
     if (!checkpoint_activations) return block(x);
     return autograd::checkpoint([&block](const Tensor& h) { return block(h); }, x);
   }
+  /// Every block of a Sequential in turn, each with the side inputs of `inputs`.
+  Tensor run_blocks(nn::Sequential& blocks, const nn::Inputs& inputs) {
+    Tensor x = inputs.x;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      nn::Module& block = blocks[i];
+      // The recomputation runs in backward, after this call: it keeps its own side inputs.
+      x = checkpoint_activations
+              ? autograd::checkpoint(
+                    [&block, side = inputs](const Tensor& h) { return block(side.with(h)); }, x)
+              : block(inputs.with(x));
+    }
+    return x;
+  }
+  /// Decoding without per-block caches: the tokens so far, ids appended (start_decoding
+  /// clears them).
+  Tensor extend_history(const Tensor& ids) {
+    history_ = history_.defined() ? cat({history_, ids}, 1) : ids;
+    return history_;
+  }
+  Tensor history_;
 };
 
 // Token plus position embeddings of ids [B, T] sitting at positions start, start + 1, ...
@@ -41,6 +65,43 @@ Tensor embed_at(nn::Module& tokens, nn::Embedding& positions, const Tensor& ids,
                         {.dtype = kInt64, .device = ids.device()});
   return tokens(ids) + positions(where);
 }
+
+/// FSDP's units of a Llama (whole or split): the embedding, each block, the final norm and the
+/// head, the modules forward calls one by one.
+inline std::vector<std::string> llama_units(size_t blocks) {
+  std::vector<std::string> names{"llama.embedding", "llama.norm", "llama.head"};
+  for (size_t i = 0; i < blocks; ++i) names.push_back("llama.blocks." + std::to_string(i));
+  return names;
+}
+
+/// A Llama-class model (nn::LlamaModel: RMSNorm, rotary positions, grouped-query attention,
+/// SwiGLU, untied head) as one process's language model; packed windows bring their positions
+/// and document ids (nn::Inputs) to every block.
+class Llama : public LanguageModel {
+ public:
+  Llama(const Flags& f, int64_t vocab) : LanguageModel("Llama") {
+    model = register_module("llama", std::make_shared<nn::LlamaModel>(nn::LlamaModelOptions{
+                                         .vocab = vocab,
+                                         .dim = f.dim,
+                                         .layers = f.layers,
+                                         .block = {.heads = f.heads, .kv_heads = f.kv_heads}}));
+  }
+  Tensor forward(const Tensor& ids) override { return forward_inputs(ids); }
+  Tensor forward_inputs(const nn::Inputs& inputs) override {
+    Tensor x = run_blocks(*model->blocks, inputs.with((*model->embedding)(inputs.x)));
+    return (*model->head)((*model->norm)(x));
+  }
+  Tensor loss(const Tensor& logits, const Tensor& targets) override {
+    return cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+  }
+  std::vector<std::string> units() const override { return llama_units(model->blocks->size()); }
+  /// Without a key/value cache in nn::GroupedQueryAttention yet: the whole history again.
+  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>&) override {
+    Tensor logits = forward(extend_history(ids));
+    return logits.select(1, logits.size(1) - 1);
+  }
+  std::shared_ptr<nn::LlamaModel> model;
+};
 
 /// One process's GPT (also each DDP replica): [B, T] ids -> [B, T, vocab] logits.
 class Gpt : public LanguageModel {
@@ -204,6 +265,73 @@ class ParallelGpt : public LanguageModel {
   bool sequence_parallel_;
   std::optional<dist::Group> context_;
   StageRange range_;
+};
+
+/// Llama's layers split over a tensor-parallel group (and its attention over a context group):
+/// nn::LlamaModel's names under "llama", so one initialization on the whole model starts it.
+struct ParallelLlamaLayers : nn::Module {
+  ParallelLlamaLayers(const Flags& f, int64_t vocab, const dist::Group& tp,
+                      std::optional<dist::Group> context)
+      : nn::Module("ParallelLlamaLayers") {
+    embedding = register_module(
+        "embedding", std::make_shared<parallel::VocabParallelEmbedding>(vocab, f.dim, tp));
+    blocks = register_module("blocks", std::make_shared<nn::Sequential>());
+    for (int64_t i = 0; i < f.layers; ++i)
+      blocks->push_back(std::make_shared<parallel::ParallelLlamaBlock>(
+          f.dim, tp,
+          parallel::ParallelLlamaBlockOptions{
+              .heads = f.heads,
+              .kv_heads = f.kv_heads,
+              .context_group = context,
+              .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
+                                                  : parallel::ContextParallelMode::AllToAll}));
+    norm = register_module("norm", std::make_shared<nn::RMSNorm>(Shape{f.dim}));
+    head = register_module("head",
+                           std::make_shared<parallel::ColumnParallelLinear>(
+                               f.dim, vocab, tp, parallel::ColumnParallelOptions{.bias = false}));
+  }
+  std::shared_ptr<parallel::VocabParallelEmbedding> embedding;
+  std::shared_ptr<nn::Sequential> blocks;
+  std::shared_ptr<nn::RMSNorm> norm;
+  std::shared_ptr<parallel::ColumnParallelLinear> head;
+};
+
+/// Llama over a tensor-parallel group and a context group: batch first, [B, T / cp, vocab / tp]
+/// logits of this rank's positions (zig-zag parts) and vocabulary slice.
+class ParallelLlama : public LanguageModel {
+ public:
+  ParallelLlama(const Flags& f, int64_t vocab, const dist::Group& tp,
+                std::optional<dist::Group> context = std::nullopt)
+      : LanguageModel("ParallelLlama"), tp_(tp), context_(std::move(context)) {
+    llama = register_module("llama", std::make_shared<ParallelLlamaLayers>(f, vocab, tp, context_));
+  }
+  Tensor forward(const Tensor& ids) override { return forward_inputs(ids); }
+  /// ids, positions and document ids of whole windows; each rank takes its part.
+  Tensor forward_inputs(const nn::Inputs& inputs) override {
+    const nn::Inputs mine{part(inputs.x), part(inputs.positions), part(inputs.document_ids)};
+    Tensor x = run_blocks(*llama->blocks, mine.with((*llama->embedding)(mine.x)));
+    return (*llama->head)((*llama->norm)(x));
+  }
+  Tensor loss(const Tensor& logits, const Tensor& targets) override {
+    return parallel::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                  part(targets).reshape({-1}), tp_);
+  }
+  std::vector<std::string> units() const override { return llama_units(llama->blocks->size()); }
+  /// Without a key/value cache yet: the whole history again (built without a context group).
+  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>&) override {
+    Tensor logits = forward(extend_history(ids));
+    return dist::functional::all_gather(logits.select(1, logits.size(1) - 1), -1, tp_);
+  }
+  std::shared_ptr<ParallelLlamaLayers> llama;
+
+ private:
+  // This rank's zig-zag part along T of a [B, T] tensor (undefined stays undefined).
+  Tensor part(const Tensor& x) const {
+    if (!context_ || !x.defined()) return x;
+    return parallel::shard_sequence(x, 1, *context_, parallel::SequenceLayout::ZigZag);
+  }
+  dist::Group tp_;
+  std::optional<dist::Group> context_;
 };
 
 /// A pre-LayerNorm block whose MLP is a mixture of experts (nn::MoE on one rank, or

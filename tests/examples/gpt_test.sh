@@ -20,11 +20,6 @@ trap 'rm -rf "$work"' EXIT
 args=(--layers 2 --dim 64 --heads 4 --context 32 --batch 8 --steps 30 --warmup 5
       --eval-every 10 --eval-windows 16 --samples 2)
 source "$(dirname "$0")/heldout_check.sh"
-check_run() {  # name, ranks, then the run's flags beyond args: its held-out loss, checked
-  local name=$1 ranks=$2
-  shift 2
-  check "$name" "$("${mpirun[@]}" -np "$ranks" "$gpt" "${args[@]}" "$@" | held)"
-}
 reference=$("$gpt" "${args[@]}" | held)
 [ -n "$reference" ] || { echo "FAIL: one process printed no heldout_loss"; exit 1; }
 echo "one process: heldout_loss=$reference"

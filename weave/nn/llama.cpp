@@ -7,13 +7,12 @@ namespace {
 
 constexpr const char* kAttention = "GroupedQueryAttention";
 
-// Llama's MLP width for a model width: 8 dim / 3, rounded up to a multiple of 64.
+}  // namespace
+
 int64_t llama_hidden(int64_t dim) {
   const int64_t hidden = (8 * dim + 2) / 3;
   return (hidden + 63) / 64 * 64;
 }
-
-}  // namespace
 
 GroupedQueryAttention::GroupedQueryAttention(int64_t dim, GroupedQueryAttentionOptions options)
     : kv(register_parameter("kv", Tensor())),

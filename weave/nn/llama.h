@@ -52,6 +52,9 @@ class GroupedQueryAttention : public Module {
   GroupedQueryAttentionOptions options_;
 };
 
+/// Llama's MLP width for a model width: 8 dim / 3, rounded up to a multiple of 64.
+int64_t llama_hidden(int64_t dim);
+
 struct LlamaBlockOptions {
   int64_t heads = 8;
   int64_t kv_heads = 0;

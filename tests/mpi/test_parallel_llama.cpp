@@ -1,0 +1,135 @@
+// The Llama layers split over ranks against nn::LlamaBlock on one process, built from the same
+// seed: tensor parallelism with the key/value heads split or replicated (suite model_parallel),
+// and context parallelism on packed windows, ring and all-to-all (suite context_parallel).
+// float64, 1e-12 relative.
+#include <doctest/doctest.h>
+
+#include "model_parallel_helpers.h"
+#include "weave/weave.h"
+
+using namespace weave;
+using namespace weave_test;
+
+namespace {
+
+// Two windows of length t: window 0 packs three documents (positions restart in each), window 1
+// one document.
+struct Packed {
+  Tensor positions, documents;
+};
+Packed packed_windows(int64_t t) {
+  std::vector<int64_t> positions, documents;
+  for (int64_t w = 0; w < 2; ++w)
+    for (int64_t i = 0; i < t; ++i) {
+      const int64_t document = w == 0 ? (i < t / 3 ? 0 : i < t / 2 ? 1 : 2) : 0;
+      const int64_t start = w == 0 ? (document == 0 ? 0 : document == 1 ? t / 3 : t / 2) : 0;
+      positions.push_back(i - start);
+      documents.push_back(document);
+    }
+  return {from_vector(positions, {2, t}), from_vector(documents, {2, t})};
+}
+
+bool close12(const Tensor& got, const Tensor& expected) {
+  return close(got, expected, 1e-12);
+}
+
+}  // namespace
+
+TEST_SUITE("model_parallel") {
+  TEST_CASE("ParallelLlamaBlock equals LlamaBlock: key/value heads split or replicated") {
+    const dist::Group tp = dist::world();
+    const int n = tp.size();
+    const int64_t heads = 2 * n, dim = 4 * heads, hidden = 8 * n, t = 9;
+    const Packed packed = packed_windows(t);
+    for (const int64_t kv_heads : {int64_t(n), int64_t(1)}) {
+      CAPTURE(kv_heads);
+      const nn::LlamaBlockOptions whole{.heads = heads, .kv_heads = kv_heads, .hidden = hidden};
+      manual_seed(71);
+      nn::LlamaBlock ref(dim, whole);
+      manual_seed(71);
+      parallel::ParallelLlamaBlock block(dim, tp,
+                                         {.heads = heads, .kv_heads = kv_heads, .hidden = hidden});
+      ref.to(kFloat64);
+      block.to(kFloat64);
+      CHECK(block.attention->replicates_kv() == (kv_heads % n != 0));
+      const nn::NamedTensors gathered = parallel::gather_state_dict(block), want = ref.state_dict();
+      REQUIRE(gathered.size() == want.size());
+      for (size_t i = 0; i < want.size(); ++i) CHECK(close(gathered[i].second, want[i].second, 0));
+      const Tensor x = shared_randn({2, t, dim}, 72), w = shared_randn({2, t, dim}, 73);
+      Tensor ref_x = leaf(x), my_x = leaf(x);
+      const Tensor ref_out = ref({ref_x, packed.positions, packed.documents});
+      sum(ref_out * w).backward();
+      const Tensor ref_y = ref_out.detach();
+      Tensor y = block({my_x, packed.positions, packed.documents});
+      CHECK(close12(y, ref_y));
+      sum(y * w).backward();
+      CHECK(close12(my_x.grad(), ref_x.grad()));
+      const auto& a = *block.attention;
+      const auto& r = *ref.attention;
+      CHECK(close12(a.q->weight.grad(), piece(r.q->weight.grad(), 0, tp)));
+      CHECK(close12(a.kv.grad(), a.replicates_kv() ? r.kv.grad() : piece(r.kv.grad(), 1, tp)));
+      CHECK(close12(a.out->weight.grad(), piece(r.out->weight.grad(), 1, tp)));
+      CHECK(close12(block.mlp->gate_up.grad(), piece(ref.mlp->gate_up.grad(), 1, tp)));
+      CHECK(close12(block.mlp->down->weight.grad(), piece(ref.mlp->down->weight.grad(), 1, tp)));
+      CHECK(close12(block.norm1->weight.grad(), ref.norm1->weight.grad()));
+      CHECK(close12(block.norm2->weight.grad(), ref.norm2->weight.grad()));
+    }
+    if (n == 4)  // 3 key/value heads neither divide among 4 ranks nor the ranks among them
+      CHECK_THROWS_WITH_AS(
+          parallel::ParallelGroupedQueryAttention(24, tp, {.heads = 12, .kv_heads = 3}),
+          doctest::Contains("key/value heads divide among them"), Error);
+  }
+}
+
+TEST_SUITE("context_parallel") {
+  TEST_CASE("ParallelLlamaBlock over a context group equals LlamaBlock on the whole window") {
+    const int n = dist::world_size();
+    const parallel::ProcessMesh mesh({.context = n});
+    const dist::Group& cp = mesh.context();
+    const int64_t heads = 2 * n, kv_heads = n, dim = 4 * heads, t = 4 * n;
+    const Packed packed = packed_windows(t);
+    using parallel::SequenceLayout;
+    for (const auto mode :
+         {parallel::ContextParallelMode::Ring, parallel::ContextParallelMode::AllToAll})
+      for (const auto layout : {SequenceLayout::ZigZag, SequenceLayout::Contiguous}) {
+        CAPTURE(int(mode));
+        CAPTURE(int(layout));
+        manual_seed(81);
+        nn::LlamaBlock ref(dim, {.heads = heads, .kv_heads = kv_heads});
+        manual_seed(81);
+        parallel::ParallelLlamaBlock block(dim, mesh.tensor(),
+                                           {.heads = heads,
+                                            .kv_heads = kv_heads,
+                                            .context_group = cp,
+                                            .context_mode = mode,
+                                            .context_layout = layout});
+        ref.to(kFloat64);
+        block.to(kFloat64);
+        auto part = [&](const Tensor& whole) {
+          return parallel::shard_sequence(whole, 1, cp, layout).contiguous();
+        };
+        const Tensor x = shared_randn({2, t, dim}, 82), w = shared_randn({2, t, dim}, 83);
+        Tensor ref_x = leaf(x);
+        const Tensor ref_y = ref({ref_x, packed.positions, packed.documents});
+        sum(ref_y * w).backward();
+        Tensor my_x = leaf(part(x));
+        Tensor y = block({my_x, part(packed.positions), part(packed.documents)});
+        CHECK(close12(y, part(ref_y.detach())));
+        sum(y * part(w)).backward();
+        CHECK(close12(my_x.grad(), part(ref_x.grad())));
+        // each rank's parameter gradient covers its positions: summed, the whole window's
+        const auto params = block.named_parameters();
+        const auto ref_params = ref.named_parameters();
+        REQUIRE(params.size() == ref_params.size());
+        for (size_t i = 0; i < params.size(); ++i) {
+          CAPTURE(params[i].first);
+          Tensor g = params[i].second.grad().clone();
+          dist::all_reduce(g, dist::ReduceOp::Sum, cp);
+          CHECK(close12(g, ref_params[i].second.grad()));
+        }
+        // positions left out: the part's place in 0 .. T - 1 (one document)
+        Tensor plain = block(part(x));
+        CHECK(close12(plain, part(ref(x).detach())));
+      }
+  }
+}

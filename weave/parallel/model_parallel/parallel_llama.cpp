@@ -1,0 +1,146 @@
+// Tensor- and context-parallel grouped-query attention, and the Llama block built from it.
+#include "weave/parallel/model_parallel/parallel_llama.h"
+
+#include "weave/distributed/functional.h"
+
+namespace weave::parallel {
+
+namespace {
+
+constexpr const char* kAttention = "ParallelGroupedQueryAttention";
+
+}  // namespace
+
+ParallelGroupedQueryAttention::ParallelGroupedQueryAttention(
+    int64_t dim, dist::Group group, ParallelGroupedQueryAttentionOptions options)
+    : ShardedModule(kAttention, std::move(group)),
+      kv(register_parameter("kv", Tensor())),
+      kv_bias(register_parameter("kv_bias", Tensor())),
+      dim_(dim),
+      options_(options) {
+  const int n = this->group().size(), rank = this->group().rank();
+  const int64_t heads = options.heads, kv_heads = options.kv_heads == 0 ? heads : options.kv_heads;
+  WEAVE_CHECK(heads > 0 && dim > 0 && dim % heads == 0 && kv_heads > 0 && heads % kv_heads == 0,
+              kAttention,
+              "dim {} must be a positive multiple of heads {}, and kv_heads {} divide it", dim,
+              heads, kv_heads);
+  WEAVE_CHECK(heads % n == 0 && (kv_heads % n == 0 || n % kv_heads == 0), kAttention,
+              "{} query heads and {} key/value heads over the {} ranks of group {}: the query "
+              "heads must divide among the ranks, and the key/value heads divide among them or "
+              "the ranks among the key/value heads; hint: a tensor-parallel size that divides "
+              "both, or a multiple of kv_heads",
+              heads, kv_heads, n, this->group().str());
+  head_dim_ = dim / heads;
+  local_heads_ = heads / n;
+  replicated_kv_ = kv_heads % n != 0;
+  local_kv_heads_ = replicated_kv_ ? 1 : kv_heads / n;
+  // the key/value head this rank's first query head reads
+  first_kv_head_ = rank * local_heads_ / (heads / kv_heads);
+  // nn::GroupedQueryAttention's initialization, in its order, then split.
+  q = register_module(
+      "q", std::make_shared<ColumnParallelLinear>(
+               dim, dim, this->group(),
+               ColumnParallelOptions{.bias = options.bias, .generator = options.generator}));
+  const nn::StackedProjection whole =
+      nn::stacked_projection(dim, kv_heads * head_dim_, options.bias, options.generator);
+  if (replicated_kv_) {
+    kv = whole.weight;
+    kv_bias = whole.bias;
+  } else {
+    kv = split_parameter(whole.weight, 1, this->group()).requires_grad_(true);
+    if (whole.bias.defined())
+      kv_bias = split_parameter(whole.bias, 1, this->group()).requires_grad_(true);
+  }
+  out = register_module(
+      "out", std::make_shared<RowParallelLinear>(
+                 dim, dim, this->group(),
+                 RowParallelOptions{.bias = options.bias, .generator = options.generator}));
+}
+
+Tensor ParallelGroupedQueryAttention::forward(const Tensor& x) {
+  return forward_inputs(nn::Inputs(x));
+}
+
+Tensor ParallelGroupedQueryAttention::forward_inputs(const nn::Inputs& inputs) {
+  const Tensor& x = inputs.x;
+  WEAVE_CHECK(x.defined() && x.dim() == 3 && x.size(2) == dim_, kAttention,
+              "expected input [B, T, {}] (batch first), found {}", dim_,
+              x.defined() ? x.shape() : Shape{});
+  const int64_t batch = x.size(0), length = x.size(1);
+  Tensor queries = (*q)(x).reshape({batch, length, local_heads_, head_dim_});
+  // The key/value projection's input gradient is summed over the group, as q's is inside it;
+  // a replicated kv is summed too (each rank's queries read only their own head of it).
+  Tensor weight = replicated_kv_ ? dist::functional::copy_to_group(kv, group()) : kv;
+  Tensor bias = kv_bias.defined() && replicated_kv_
+                    ? dist::functional::copy_to_group(kv_bias, group())
+                    : kv_bias;
+  if (replicated_kv_) {
+    const int64_t rows = local_kv_heads_ * head_dim_, first = first_kv_head_ * head_dim_;
+    weight = weight.narrow(1, first, rows);
+    if (bias.defined()) bias = bias.narrow(1, first, rows);
+  }
+  Tensor projected = nn::apply_stacked(dist::functional::copy_to_group(x, group()), weight, bias)
+                         .reshape({batch, length, 2, local_kv_heads_, head_dim_});
+  Tensor keys = projected.select(2, 0), values = projected.select(2, 1);
+  if (options_.rotary) {
+    Tensor positions = inputs.positions;
+    if (!positions.defined()) {  // this rank's part of 0 .. T - 1
+      const int64_t parts = options_.context_group ? options_.context_group->size() : 1;
+      positions = arange(double(length * parts), {.dtype = kInt64, .device = x.device()});
+      if (options_.context_group)
+        positions = shard_sequence(positions, 0, *options_.context_group, options_.context_layout);
+    }
+    queries = rotary_embedding(queries, positions, *options_.rotary);
+    keys = rotary_embedding(keys, positions, *options_.rotary);
+  }
+  Tensor y = attend(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                    inputs.document_ids);
+  return (*out)(y.transpose(1, 2).reshape({batch, length, local_heads_ * head_dim_}));
+}
+
+Tensor ParallelGroupedQueryAttention::attend(const Tensor& queries, const Tensor& keys,
+                                             const Tensor& values, const Tensor& documents) {
+  if (!options_.context_group)
+    return scaled_dot_product_attention(queries, keys, values,
+                                        {.causal = options_.causal, .document_ids = documents});
+  const ContextParallelOptions cp{
+      .causal = options_.causal, .layout = options_.context_layout, .document_ids = documents};
+  return options_.context_mode == ContextParallelMode::Ring
+             ? ring_attention(queries, keys, values, *options_.context_group, cp)
+             : all_to_all_attention(queries, keys, values, *options_.context_group, cp);
+}
+
+ParallelLlamaBlock::ParallelLlamaBlock(int64_t dim, dist::Group group,
+                                       ParallelLlamaBlockOptions options)
+    : nn::Module("ParallelLlamaBlock") {
+  // nn::LlamaBlock's order: the norms draw nothing, the attention and the MLP their weights.
+  norm1 = register_module("norm1", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
+  attention = register_module("attention", std::make_shared<ParallelGroupedQueryAttention>(
+                                               dim, group,
+                                               ParallelGroupedQueryAttentionOptions{
+                                                   .heads = options.heads,
+                                                   .kv_heads = options.kv_heads,
+                                                   .causal = options.causal,
+                                                   .rotary = options.rotary,
+                                                   .generator = options.generator,
+                                                   .context_group = options.context_group,
+                                                   .context_mode = options.context_mode,
+                                                   .context_layout = options.context_layout}));
+  norm2 = register_module("norm2", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
+  const int64_t hidden = options.hidden == 0 ? nn::llama_hidden(dim) : options.hidden;
+  mlp = register_module("mlp", std::make_shared<ParallelGatedMLP>(
+                                   dim, hidden, group,
+                                   ParallelGatedMLPOptions{.activation = options.activation,
+                                                           .generator = options.generator}));
+}
+
+Tensor ParallelLlamaBlock::forward(const Tensor& x) {
+  return forward_inputs(nn::Inputs(x));
+}
+
+Tensor ParallelLlamaBlock::forward_inputs(const nn::Inputs& inputs) {
+  Tensor h = inputs.x + (*attention)(inputs.with((*norm1)(inputs.x)));
+  return h + (*mlp)((*norm2)(h));
+}
+
+}  // namespace weave::parallel
