@@ -40,8 +40,8 @@
 // The wrappers read where each parameter lives (its placement): experts average over the ranks
 // holding them, with the expert scale; the gradient norm counts every piece once.
 // --arch llama trains a Llama-class model instead (nn::LlamaModel: RMSNorm, rotary positions,
-// grouped-query attention with --kv-heads key/value heads, SwiGLU), on the data (ddp, fsdp),
-// tensor and context axes (parallel::ParallelLlamaBlock: the library's split of its blocks); --pack
+// grouped-query attention with --kv-heads key/value heads, SwiGLU), on every axis above
+// (parallel::ParallelLlamaBlock: the library's split of its blocks); --pack
 // makes each fortune a document of its own, ended by an end-of-text token, and hands the model
 // each token's position in its document and the document's id, so attention and positions
 // restart at every document.
@@ -97,6 +97,13 @@ void initialize(nn::Module& model, uint64_t seed) {
   }
 }
 
+// A group of this rank alone (collective: every rank calls it).
+dist::Group this_rank_alone() {
+  std::vector<std::vector<int>> singletons;
+  for (int r = 0; r < dist::world_size(); ++r) singletons.push_back({r});
+  return dist::split_group(dist::world(), singletons);
+}
+
 // The model of this rank (its pipeline stage's part), built from the whole model's
 // initialization (on every rank alike).
 std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
@@ -104,7 +111,10 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
                                      std::optional<dist::Group> experts = std::nullopt) {
   const int stages = mesh.shape().pipeline;
   std::shared_ptr<LanguageModel> whole;
-  if (f.arch == "llama")
+  if (f.arch == "llama" && f.experts > 0)  // its blocks' experts all on this rank
+    whole = std::make_shared<gpt::ParallelLlama>(f, vocab, this_rank_alone(), std::nullopt,
+                                                 std::nullopt, mesh.data_and_context());
+  else if (f.arch == "llama")
     whole = std::make_shared<gpt::Llama>(f, vocab);
   else if (f.experts > 0)
     whole = std::make_shared<MoeGpt>(f, vocab, mesh.data_and_context());
@@ -119,8 +129,9 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
       mesh.shape().context > 1 ? std::optional(mesh.context()) : std::nullopt;
   std::shared_ptr<LanguageModel> split =
       f.arch == "llama"
-          ? std::shared_ptr<LanguageModel>(
-                std::make_shared<gpt::ParallelLlama>(f, vocab, mesh.tensor(), context))
+          ? std::shared_ptr<LanguageModel>(std::make_shared<gpt::ParallelLlama>(
+                f, vocab, mesh.tensor(), context, experts, mesh.data_and_context(),
+                gpt::stage_range(f.layers, mesh.pipeline_rank(), stages)))
           : std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), sequence_parallel, context,
                                           experts, mesh.data_and_context(),
                                           gpt::stage_range(f.layers, mesh.pipeline_rank(), stages));
@@ -152,8 +163,9 @@ double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
     const size_t last = std::min(mine.size(), first + per_batch);
     const Batch batch = gpt::make_batch(corpus.heldout, {mine.begin() + first, mine.begin() + last},
                                         f.context, corpus.end_of_text, f.placed);
-    Tensor logits =
-        pipe ? pipe->predict(batch.inputs, /*sequence first*/ 1) : model(batch.model_inputs());
+    // GPT's stages run sequence first ([T, B, ...]), Llama's batch first.
+    Tensor logits = pipe ? pipe->predict(batch.model_inputs(), f.arch == "gpt" ? 1 : 0)
+                         : model(batch.model_inputs());
     if (logits.defined())  // the last stage's
       total += model.loss(logits, batch.targets).item<double>() * double(last - first);
   }
@@ -270,10 +282,6 @@ int train_and_sample(Flags& f, int argc, char** argv) {
       "--top-k {} be at most the experts, and --eval-windows {} divide among the {} "
       "data-parallel ranks",
       f.expert_parallel, data * context, f.experts, f.top_k, f.eval_windows, data);
-  WEAVE_CHECK(f.arch == "gpt" || (pipeline == 1 && f.experts == 0), "gpt",
-              "--arch llama trains on the data, tensor and context axes (found --pipeline {}, "
-              "--experts {}); hint: pipelines and experts split --arch gpt",
-              pipeline, f.experts);
   WEAVE_CHECK(!f.pack || f.arch == "llama", "gpt",
               "--pack needs --arch llama: GPT-2's learned positions and attention take one "
               "document per window");
@@ -389,15 +397,15 @@ int train_and_sample(Flags& f, int argc, char** argv) {
                offsets.begin() + (mesh.data_rank() + 1) * local_batch};
     const Batch batch =
         gpt::make_batch(corpus.train, offsets, f.context, corpus.end_of_text, device);
-    const Tensor &inputs = batch.inputs, &targets = batch.targets;
+    const Tensor& targets = batch.targets;
     optimizer.zero_grad();
     Tensor loss;
     if (pipe) {  // forward and backward of every micro-batch; the loss on the last stage
       std::optional<AutocastGuard> autocast;
       if (f.autocast) autocast.emplace(*f.autocast);
-      loss = pipe->train_step(inputs, targets, [&](const Tensor& logits, const Tensor& target) {
-        return model->loss(logits, target);
-      });
+      loss = pipe->train_step(
+          batch.model_inputs(), targets,
+          [&](const Tensor& logits, const Tensor& target) { return model->loss(logits, target); });
     } else {
       {
         std::optional<AutocastGuard> autocast;

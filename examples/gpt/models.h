@@ -37,8 +37,9 @@ class LanguageModel : public nn::Module {
     if (!checkpoint_activations) return block(x);
     return autograd::checkpoint([&block](const Tensor& h) { return block(h); }, x);
   }
-  /// Every block of a Sequential in turn, each with the side inputs of `inputs`.
-  Tensor run_blocks(nn::Sequential& blocks, const nn::Inputs& inputs) {
+  /// Every block in turn (blocks[i], i < blocks.size()), each with the side inputs of `inputs`.
+  template <class Blocks>
+  Tensor run_blocks(Blocks& blocks, const nn::Inputs& inputs) {
     Tensor x = inputs.x;
     for (size_t i = 0; i < blocks.size(); ++i) {
       nn::Module& block = blocks[i];
@@ -267,54 +268,90 @@ class ParallelGpt : public LanguageModel {
   StageRange range_;
 };
 
-/// Llama's layers split over a tensor-parallel group (and its attention over a context group):
-/// nn::LlamaModel's names under "llama", so one initialization on the whole model starts it.
+/// Blocks under their indices in the whole model ("blocks.<i>"), so a pipeline stage's names
+/// are the whole model's.
+struct LlamaBlocks : nn::Module {
+  LlamaBlocks() : nn::Module("LlamaBlocks") {}
+  void add(int64_t index, std::shared_ptr<nn::Module> block) {
+    list.push_back(register_module(std::to_string(index), std::move(block)));
+  }
+  size_t size() const { return list.size(); }
+  nn::Module& operator[](size_t i) { return *list[i]; }
+  std::vector<std::shared_ptr<nn::Module>> list;
+};
+
+/// Llama's layers split over a tensor-parallel group (and its attention over a context group),
+/// or a pipeline stage's part of them: nn::LlamaModel's names under "llama", so one
+/// initialization on the whole model starts it.
 struct ParallelLlamaLayers : nn::Module {
   ParallelLlamaLayers(const Flags& f, int64_t vocab, const dist::Group& tp,
-                      std::optional<dist::Group> context)
+                      std::optional<dist::Group> context, std::optional<dist::Group> experts,
+                      std::optional<dist::Group> balance, StageRange range)
       : nn::Module("ParallelLlamaLayers") {
-    embedding = register_module(
-        "embedding", std::make_shared<parallel::VocabParallelEmbedding>(vocab, f.dim, tp));
-    blocks = register_module("blocks", std::make_shared<nn::Sequential>());
-    for (int64_t i = 0; i < f.layers; ++i)
-      blocks->push_back(std::make_shared<parallel::ParallelLlamaBlock>(
-          f.dim, tp,
-          parallel::ParallelLlamaBlockOptions{
-              .heads = f.heads,
-              .kv_heads = f.kv_heads,
-              .context_group = context,
-              .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
-                                                  : parallel::ContextParallelMode::AllToAll}));
+    if (range.embeds)
+      embedding = register_module(
+          "embedding", std::make_shared<parallel::VocabParallelEmbedding>(vocab, f.dim, tp));
+    blocks = register_module("blocks", std::make_shared<LlamaBlocks>());
+    for (int64_t i = range.first; i < range.last; ++i)
+      blocks->add(
+          i, std::make_shared<parallel::ParallelLlamaBlock>(
+                 f.dim, tp,
+                 parallel::ParallelLlamaBlockOptions{
+                     .heads = f.heads,
+                     .kv_heads = f.kv_heads,
+                     .context_group = context,
+                     .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
+                                                         : parallel::ContextParallelMode::AllToAll,
+                     .moe = f.experts > 0 ? std::optional(moe_options(f, i)) : std::nullopt,
+                     .expert_group = experts,
+                     .balance_group = balance}));
+    if (!range.heads) return;
     norm = register_module("norm", std::make_shared<nn::RMSNorm>(Shape{f.dim}));
     head = register_module("head",
                            std::make_shared<parallel::ColumnParallelLinear>(
                                f.dim, vocab, tp, parallel::ColumnParallelOptions{.bias = false}));
   }
-  std::shared_ptr<parallel::VocabParallelEmbedding> embedding;
-  std::shared_ptr<nn::Sequential> blocks;
-  std::shared_ptr<nn::RMSNorm> norm;
-  std::shared_ptr<parallel::ColumnParallelLinear> head;
+  std::shared_ptr<parallel::VocabParallelEmbedding> embedding;  // the first stage's
+  std::shared_ptr<LlamaBlocks> blocks;
+  std::shared_ptr<nn::RMSNorm> norm;                     // the last stage's
+  std::shared_ptr<parallel::ColumnParallelLinear> head;  // the last stage's
 };
 
 /// Llama over a tensor-parallel group and a context group: batch first, [B, T / cp, vocab / tp]
 /// logits of this rank's positions (zig-zag parts) and vocabulary slice.
 class ParallelLlama : public LanguageModel {
  public:
+  /// With --experts, every block's MLP is a mixture of experts, spread over `experts` when it
+  /// has several ranks, its load-balancing loss over `balance` (the data x context ranks).
+  /// With a `range`, only that pipeline stage's part: forward maps what the previous stage sent
+  /// (ids on the first) to what the next one takes (logits on the last).
   ParallelLlama(const Flags& f, int64_t vocab, const dist::Group& tp,
-                std::optional<dist::Group> context = std::nullopt)
-      : LanguageModel("ParallelLlama"), tp_(tp), context_(std::move(context)) {
-    llama = register_module("llama", std::make_shared<ParallelLlamaLayers>(f, vocab, tp, context_));
+                std::optional<dist::Group> context = std::nullopt,
+                std::optional<dist::Group> experts = std::nullopt,
+                std::optional<dist::Group> balance = std::nullopt, StageRange range = {})
+      : LanguageModel("ParallelLlama"), tp_(tp), context_(std::move(context)), range_(range) {
+    if (range_.last < 0) range_.last = f.layers;
+    llama = register_module(
+        "llama", std::make_shared<ParallelLlamaLayers>(f, vocab, tp, context_, std::move(experts),
+                                                       std::move(balance), range_));
   }
   Tensor forward(const Tensor& ids) override { return forward_inputs(ids); }
   /// ids, positions and document ids of whole windows; each rank takes its part.
   Tensor forward_inputs(const nn::Inputs& inputs) override {
-    const nn::Inputs mine{part(inputs.x), part(inputs.positions), part(inputs.document_ids)};
-    Tensor x = run_blocks(*llama->blocks, mine.with((*llama->embedding)(mine.x)));
-    return (*llama->head)((*llama->norm)(x));
+    const Tensor x = range_.embeds ? (*llama->embedding)(part(inputs.x)) : inputs.x;
+    const Tensor y =
+        run_blocks(*llama->blocks, {x, part(inputs.positions), part(inputs.document_ids)});
+    return range_.heads ? (*llama->head)((*llama->norm)(y)) : y;
   }
+  /// Cross-entropy, plus every block's auxiliary loss with experts.
   Tensor loss(const Tensor& logits, const Tensor& targets) override {
-    return parallel::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                  part(targets).reshape({-1}), tp_);
+    Tensor total = parallel::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                          part(targets).reshape({-1}), tp_);
+    for (size_t i = 0; is_training() && i < llama->blocks->size(); ++i)
+      if (Tensor aux = static_cast<parallel::ParallelLlamaBlock&>((*llama->blocks)[i]).aux_loss();
+          aux.defined())
+        total = total + aux;
+    return total;
   }
   std::vector<std::string> units() const override { return llama_units(llama->blocks->size()); }
   /// Without a key/value cache yet: the whole history again (built without a context group).
@@ -332,6 +369,7 @@ class ParallelLlama : public LanguageModel {
   }
   dist::Group tp_;
   std::optional<dist::Group> context_;
+  StageRange range_;
 };
 
 /// A pre-LayerNorm block whose MLP is a mixture of experts (nn::MoE on one rank, or

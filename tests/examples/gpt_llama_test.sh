@@ -4,10 +4,12 @@
 # document, positions and attention restarting at each), at 2 ranks under ddp, fsdp, ddp with
 # activation checkpointing, tensor parallelism (the key/value heads split, and with 1 key/value
 # head replicated) and context parallelism (ring and all-to-all), and at 4 ranks fsdp x tensor
-# and data x context, must end at one process's held-out loss (float32: within 1e-3 relative);
-# unpacked, the same for ddp, fsdp and checkpointing. Pipelines and experts (not split for
-# Llama yet), and --pack or --kv-heads without --arch llama, are refused with a message. Exits
-# 77 (skipped) without the fortunes package.
+# and data x context, two pipeline stages (positions and document ids reaching both) at 2 and
+# with tensor parallelism at 4; with 4 experts in every block, spread over 2 ranks, and at 4
+# ranks data x experts and tensor x experts, must end at one process's held-out loss (float32:
+# within 1e-3 relative); unpacked, the same for ddp, fsdp and checkpointing. --pack or
+# --kv-heads without --arch llama are refused with a message. Exits 77 (skipped) without the
+# fortunes package.
 set -u
 gpt=$1
 shift
@@ -42,6 +44,15 @@ check_run "context-parallel np2 (ring) --pack" 2 --context-parallel 2
 check_run "context-parallel np2 (all-to-all) --pack" 2 --context-parallel 2 --cp-mode all-to-all
 check_run "fsdp 2 x tensor 2 np4 --pack" 4 --strategy fsdp --tp 2
 check_run "data 2 x context 2 np4 --pack" 4 --context-parallel 2
+check_run "pipeline 2 np2 --pack (side inputs to every stage)" 2 --pipeline 2
+check_run "pipeline 2 x tensor 2 np4 --pack" 4 --pipeline 2 --tp 2
+# Every block's MLP a mixture of 4 experts: spread over 2 ranks, alone and with 2 data-parallel
+# copies (data 2 x experts 2) or 2 tensor-parallel ranks beside them.
+args=("${base[@]}" --kv-heads 2 --pack --experts 4)
+one_process "kv-heads 2, packed, 4 experts"
+check_run "experts 4, expert-parallel 2, np2 --pack" 2 --expert-parallel 2
+check_run "data 2 x experts 2 np4 --pack" 4 --expert-parallel 2
+check_run "tensor 2 x experts 2 (data 2) np4 --pack" 4 --tp 2 --expert-parallel 2
 # One key/value head for 4 query heads: replicated over the tensor-parallel ranks.
 args=("${base[@]}" --kv-heads 1 --pack)
 one_process "kv-heads 1, packed"
@@ -56,8 +67,6 @@ refused() {  # name, expected message, then the flags
     status=1
   fi
 }
-refused "llama with experts" "arch llama trains on the data, tensor and context axes" \
-  "${base[@]}" --experts 2
 refused "--pack without llama" "pack needs --arch llama" --pack --layers 1 --dim 32 --heads 2
 refused "--kv-heads without llama" "kv-heads 2 needs --arch llama" --kv-heads 2 --layers 1 \
   --dim 32 --heads 2

@@ -105,6 +105,44 @@ TEST_SUITE("pipeline") {
         }
   }
 
+  TEST_CASE("side inputs reach every stage: packed windows through Llama blocks") {
+    // Four LlamaBlocks cut into stages; window 0 packs two documents (positions restart),
+    // window 1 one; each stage's blocks must see its micro-batch's positions and documents.
+    const int n = dist::world_size(), me = dist::rank();
+    const int64_t t = 6, dim = 8;
+    auto blocks = [dim] {
+      manual_seed(41);
+      auto model = std::make_shared<nn::Sequential>();
+      for (int i = 0; i < 4; ++i)
+        model->push_back(std::make_shared<nn::LlamaBlock>(
+            dim, nn::LlamaBlockOptions{.heads = 2, .kv_heads = 1, .hidden = 16}));
+      model->to(kFloat64);
+      return model;
+    };
+    const Tensor positions = from_vector<int64_t>({0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 4, 5}, {2, t});
+    const Tensor documents = from_vector<int64_t>({0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0}, {2, t});
+    const Tensor x = shared_randn({2, t, dim}, 42), y = shared_randn({2, t, dim}, 43);
+    auto model = blocks();
+    auto stage = parallel::pipeline_stage(*model, me, n);
+    for (int m : {1, 2}) {
+      CAPTURE(m);
+      parallel::Pipeline pipe(*stage, {.microbatches = m});
+      model->zero_grad();
+      Tensor loss = pipe.train_step({x, positions, documents}, y, mse);
+      auto reference = blocks();
+      Tensor ref_loss = mse((*reference)({x, positions, documents}), y);
+      ref_loss.backward();
+      if (pipe.is_last()) CHECK(close(loss, ref_loss));
+      check_stage_grads(*model, *reference);
+      // without them every stage would see one document at positions 0 .. T-1
+      Tensor predicted = pipe.predict({x, positions, documents});
+      if (pipe.is_last()) {
+        CHECK(close(predicted, (*reference)({x, positions, documents})));
+        CHECK(!close(predicted, (*reference)(x)));
+      }
+    }
+  }
+
   TEST_CASE("interleaved virtual stages give one process's gradients") {
     const int p = dist::world_size(), me = dist::rank(), v = 2;
     if (p < 2) return;

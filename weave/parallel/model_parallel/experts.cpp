@@ -129,4 +129,15 @@ ExpertParallelMoE::ExpertParallelMoE(nn::MoEOptions options, dist::Group group)
                   .total = local_experts() * group_.size()});
 }
 
+BlockExperts make_block_experts(nn::MoEOptions options,
+                                const std::optional<dist::Group>& expert_group,
+                                const std::optional<dist::Group>& balance_group) {
+  if (balance_group && balance_group->size() > 1)
+    options.reduce_shares = shares_over(*balance_group);
+  std::shared_ptr<nn::MoE> layer = expert_group && expert_group->size() > 1
+                                       ? std::make_shared<ExpertParallelMoE>(options, *expert_group)
+                                       : std::make_shared<nn::MoE>(options);
+  return {layer, [raw = layer.get()] { return raw->aux_loss(); }};
+}
+
 }  // namespace weave::parallel

@@ -15,7 +15,9 @@
 // auxiliary loss. The router is replicated: keep it equal across the group (as data
 // parallelism does).
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "weave/distributed/distributed.h"
@@ -53,5 +55,18 @@ class ExpertParallelMoE : public nn::MoE {
  private:
   dist::Group group_;
 };
+
+/// A transformer block's mixture of experts (what ParallelTransformerBlock and
+/// ParallelLlamaBlock put in place of their MLP): spread over expert_group when it has several
+/// ranks (ExpertParallelMoE), else nn::MoE; its load-balancing loss over balance_group's
+/// batches when that has several ranks.
+struct BlockExperts {
+  std::shared_ptr<nn::Module> module;
+  /// The last forward's load-balancing and z-loss.
+  std::function<Tensor()> aux_loss;
+};
+BlockExperts make_block_experts(nn::MoEOptions options,
+                                const std::optional<dist::Group>& expert_group,
+                                const std::optional<dist::Group>& balance_group);
 
 }  // namespace weave::parallel

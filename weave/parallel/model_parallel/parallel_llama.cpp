@@ -127,6 +127,16 @@ ParallelLlamaBlock::ParallelLlamaBlock(int64_t dim, dist::Group group,
                                                    .context_mode = options.context_mode,
                                                    .context_layout = options.context_layout}));
   norm2 = register_module("norm2", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
+  if (options.moe) {
+    WEAVE_CHECK(options.moe->hidden == dim, "ParallelLlamaBlock",
+                "the experts' moe.hidden must be the block's dim {}, found {}", dim,
+                options.moe->hidden);
+    BlockExperts experts =
+        make_block_experts(*options.moe, options.expert_group, options.balance_group);
+    aux_loss_ = std::move(experts.aux_loss);
+    moe = register_module("moe", std::move(experts.module));
+    return;
+  }
   const int64_t hidden = options.hidden == 0 ? nn::llama_hidden(dim) : options.hidden;
   mlp = register_module("mlp", std::make_shared<ParallelGatedMLP>(
                                    dim, hidden, group,
@@ -140,7 +150,11 @@ Tensor ParallelLlamaBlock::forward(const Tensor& x) {
 
 Tensor ParallelLlamaBlock::forward_inputs(const nn::Inputs& inputs) {
   Tensor h = inputs.x + (*attention)(inputs.with((*norm1)(inputs.x)));
-  return h + (*mlp)((*norm2)(h));
+  return h + (moe ? (*moe)((*norm2)(h)) : (*mlp)((*norm2)(h)));
+}
+
+Tensor ParallelLlamaBlock::aux_loss() const {
+  return aux_loss_ ? aux_loss_() : Tensor();
 }
 
 }  // namespace weave::parallel

@@ -13,10 +13,12 @@
 //
 // Built from the same seed on every rank, each layer holds the slices of its nn counterpart
 // (same parameter names), so shard_state_dict / gather_state_dict convert between them.
+#include <functional>
 #include <optional>
 
 #include "weave/nn/llama.h"
 #include "weave/parallel/model_parallel/context_parallel.h"
+#include "weave/parallel/model_parallel/experts.h"
 #include "weave/parallel/model_parallel/parallel_transformer.h"
 #include "weave/parallel/model_parallel/tensor_parallel.h"
 
@@ -76,18 +78,33 @@ struct ParallelLlamaBlockOptions {
   std::optional<dist::Group> context_group = std::nullopt;
   ContextParallelMode context_mode = ContextParallelMode::Ring;
   SequenceLayout context_layout = SequenceLayout::ZigZag;
+  /// A mixture of experts in place of the MLP (moe->hidden is dim), registered as "moe": spread
+  /// over expert_group when it has several ranks (the ranks of the tensor group hold the same
+  /// experts and route the same tokens), its load-balancing loss over balance_group's batches
+  /// (make_block_experts).
+  std::optional<nn::MoEOptions> moe = std::nullopt;
+  std::optional<dist::Group> expert_group = std::nullopt;
+  std::optional<dist::Group> balance_group = std::nullopt;
 };
 
 /// nn::LlamaBlock split over a tensor-parallel group: the RMSNorms whole on every rank, the
-/// attention ParallelGroupedQueryAttention, the MLP ParallelGatedMLP.
+/// attention ParallelGroupedQueryAttention, the MLP ParallelGatedMLP (or a mixture of experts).
 class ParallelLlamaBlock : public nn::Module {
  public:
   ParallelLlamaBlock(int64_t dim, dist::Group group, ParallelLlamaBlockOptions options = {});
   Tensor forward(const Tensor& x) override;
   Tensor forward_inputs(const nn::Inputs& inputs) override;
+  /// The last forward's load-balancing and z-loss (undefined without experts): add it to the
+  /// loss.
+  Tensor aux_loss() const;
   std::shared_ptr<nn::RMSNorm> norm1, norm2;
   std::shared_ptr<ParallelGroupedQueryAttention> attention;
+  /// The MLP, or (with options.moe) null and `moe` the mixture of experts.
   std::shared_ptr<ParallelGatedMLP> mlp;
+  std::shared_ptr<nn::Module> moe;
+
+ private:
+  std::function<Tensor()> aux_loss_;
 };
 
 }  // namespace weave::parallel

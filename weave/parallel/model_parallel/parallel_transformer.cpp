@@ -157,15 +157,10 @@ void ParallelTransformerBlock::add_experts(int64_t dim,
               "dim {}, found sequence_parallel {} and moe.hidden {}; hint: build the block "
               "without sequence parallelism",
               dim, options.sequence_parallel, options.moe->hidden);
-  nn::MoEOptions moe_options = *options.moe;
-  if (options.balance_group && options.balance_group->size() > 1)
-    moe_options.reduce_shares = shares_over(*options.balance_group);
-  std::shared_ptr<nn::MoE> dense =
-      options.expert_group && options.expert_group->size() > 1
-          ? std::make_shared<ExpertParallelMoE>(moe_options, *options.expert_group)
-          : std::make_shared<nn::MoE>(moe_options);
-  aux_loss_ = [raw = dense.get()] { return raw->aux_loss(); };
-  moe = register_module("moe", std::shared_ptr<nn::Module>(dense));
+  BlockExperts experts =
+      make_block_experts(*options.moe, options.expert_group, options.balance_group);
+  aux_loss_ = std::move(experts.aux_loss);
+  moe = register_module("moe", std::move(experts.module));
 }
 
 Tensor ParallelTransformerBlock::aux_loss() const {

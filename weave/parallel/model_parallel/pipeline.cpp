@@ -174,7 +174,20 @@ class Clock {
 
 }  // namespace
 
-Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const PipelineLoss& loss) {
+void Pipeline::set_side_inputs(const nn::Inputs& inputs) {
+  const int m = options_.microbatches;
+  auto cut = [&](const Tensor& side, const char* what) -> std::vector<Tensor> {
+    if (!side.defined()) return {};
+    if (side.dim() < 2) return std::vector<Tensor>(size_t(m), side);  // [T]: every window's
+    return microbatches_of(side, m, what);
+  };
+  positions_ = cut(inputs.positions, "positions");
+  documents_ = cut(inputs.document_ids, "document ids");
+}
+
+Tensor Pipeline::train_step(const nn::Inputs& step_inputs, const Tensor& targets,
+                            const PipelineLoss& loss) {
+  const Tensor& inputs = step_inputs.x;
   const int m = options_.microbatches;
   std::vector<Tensor> in, target;
   // Every stage checks its own arguments and learns the others' verdict (and the batch sizes of
@@ -193,6 +206,7 @@ Tensor Pipeline::train_step(const Tensor& inputs, const Tensor& targets, const P
                 "every rank, or wrap forward-only passes in autograd::ForwardOnlyGuard",
                 autograd::must_run_pending());
             if (is_first()) in = microbatches_of(inputs, m, "input");
+            set_side_inputs(step_inputs);
             if (is_last()) {
               WEAVE_CHECK(static_cast<bool>(loss), "Pipeline",
                           "the last stage needs a loss function, found none");
@@ -225,8 +239,10 @@ auto quiet_unless_last(DataParallelWrapper* wrapper, bool last, const Step& step
 
 Tensor Pipeline::forward_chunk(int chunk, int micro, const Tensor& x) {
   DataParallelWrapper* wrapper = wrappers_[size_t(chunk)];
+  const nn::Inputs in(x, positions_.empty() ? Tensor() : positions_[size_t(micro)],
+                      documents_.empty() ? Tensor() : documents_[size_t(micro)]);
   return quiet_unless_last(wrapper, micro == options_.microbatches - 1, [&] {
-    return wrapper ? wrapper->forward(x) : (*chunks_[size_t(chunk)])(x);
+    return wrapper ? wrapper->forward(in) : (*chunks_[size_t(chunk)])(in);
   });
 }
 
@@ -365,11 +381,12 @@ Tensor Pipeline::train_interleaved(const std::vector<Tensor>& in, const std::vec
   return total;
 }
 
-Tensor Pipeline::predict(const Tensor& inputs, int output_batch_dim) {
+Tensor Pipeline::predict(const nn::Inputs& inputs, int output_batch_dim) {
   NoGradGuard no_grad;
   const int m = options_.microbatches, p = stages(), s = stage(), v = int(chunks_.size());
   std::vector<Tensor> in;
-  if (is_first()) in = microbatches_of(inputs, m, "input");
+  if (is_first()) in = microbatches_of(inputs.x, m, "input");
+  set_side_inputs(inputs);
   const Clock clock(p, v, m * v, 0, /*backwards=*/false);
   detail::StageLink link(group_, s, p);
   std::map<std::pair<int, int>, Tensor> received;
@@ -381,7 +398,9 @@ Tensor Pipeline::predict(const Tensor& inputs, int output_batch_dim) {
       const auto [micro, chunk] = forward_unit(f, p, v);
       const Tensor x =
           is_first() && chunk == 0 ? in[size_t(micro)] : take(received, {micro, chunk}, "input");
-      Tensor y = (*chunks_[size_t(chunk)])(x);
+      Tensor y = (*chunks_[size_t(chunk)])(
+          nn::Inputs(x, positions_.empty() ? Tensor() : positions_[size_t(micro)],
+                     documents_.empty() ? Tensor() : documents_[size_t(micro)]));
       (holds_last_stage(chunk) ? outputs.emplace_back() : to_next) = y;
     }
     const bool from_previous = clock.sends_forward(previous, t);

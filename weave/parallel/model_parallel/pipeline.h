@@ -90,17 +90,19 @@ class Pipeline {
   /// raises on every stage.
   Pipeline(DataParallelWrapper& stage, PipelineOptions options = {});
 
-  /// Forward and backward of every micro-batch. inputs [B, ...] matter on the first stage,
-  /// targets [B, ...] on the last (others may pass undefined tensors). Gradients accumulate
-  /// into the stage's parameters, averaged over micro-batches (the loss is the mean of the
-  /// micro-batch losses). Returns that mean loss on the last stage, undefined elsewhere.
-  /// Returns once this stage's sends are complete.
-  Tensor train_step(const Tensor& inputs, const Tensor& targets, const PipelineLoss& loss);
+  /// Forward and backward of every micro-batch. inputs.x [B, ...] matters on the first stage,
+  /// targets [B, ...] on the last (others may pass undefined tensors). Side inputs (positions
+  /// and document ids of a packed batch, [B, T] or [T]) reach every stage's forward with its
+  /// activation, each micro-batch its rows: every stage passes them, as Megatron-LM's stages
+  /// read them from the batch. Gradients accumulate into the stage's parameters, averaged over
+  /// micro-batches (the loss is the mean of the micro-batch losses). Returns that mean loss on
+  /// the last stage, undefined elsewhere. Returns once this stage's sends are complete.
+  Tensor train_step(const nn::Inputs& inputs, const Tensor& targets, const PipelineLoss& loss);
 
   /// Forward only, without a graph: the outputs [B, ...] on the last stage, undefined
   /// elsewhere (evaluation; in micro-batches of the same size). The micro-batches' outputs are
   /// joined along `output_batch_dim` (1 for a sequence-first model's [T, B, ...]).
-  Tensor predict(const Tensor& inputs, int output_batch_dim = 0);
+  Tensor predict(const nn::Inputs& inputs, int output_batch_dim = 0);
 
   /// This rank's place in the pipeline group, and the group's size.
   int stage() const { return group_.rank(); }
@@ -127,8 +129,11 @@ class Pipeline {
   Tensor forward_chunk(int chunk, int micro, const Tensor& x);
   void backward_chunk(int chunk, int micro, const Tensor& y, const std::vector<Tensor>& grad_y);
 
+  // Cuts this step's side inputs into its micro-batches (every stage holds them).
+  void set_side_inputs(const nn::Inputs& inputs);
   std::vector<nn::Module*> chunks_;
   std::vector<DataParallelWrapper*> wrappers_;  // per chunk, null without one
+  std::vector<Tensor> positions_, documents_;   // this step's, per micro-batch (or none)
   PipelineOptions options_;
   dist::Group group_;
   PipelineStats stats_;
