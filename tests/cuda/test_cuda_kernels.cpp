@@ -22,11 +22,16 @@ struct AttentionCase {
   int64_t batch, heads, tq, tk, d;
   bool causal;
   DType dtype;
+  int64_t kv_heads = 0;  // grouped-query attention when below heads; 0: heads
 };
 
 /// q, k, v of the case as strided views of one fused [B, T, 3, H, D] projection (as
-/// ParallelAttention makes them), or of separate tensors when tq != tk.
+/// ParallelAttention makes them), or of separate tensors when tq != tk or the heads group.
 std::array<Tensor, 3> attention_inputs(const AttentionCase& c, Generator& g) {
+  if (c.kv_heads > 0 && c.kv_heads != c.heads)
+    return {randn({c.batch, c.heads, c.tq, c.d}, {.dtype = kFloat64}, &g),
+            randn({c.batch, c.kv_heads, c.tk, c.d}, {.dtype = kFloat64}, &g),
+            randn({c.batch, c.kv_heads, c.tk, c.d}, {.dtype = kFloat64}, &g)};
   if (c.tq == c.tk) {
     Tensor qkv = randn({c.batch, c.tq, 3, c.heads, c.d}, {.dtype = kFloat64}, &g);
     return {qkv.select(2, 0).transpose(1, 2), qkv.select(2, 1).transpose(1, 2),
@@ -52,10 +57,19 @@ class AttentionKernel {
 TEST_SUITE("cuda_kernels") {
   TEST_CASE("bfloat16/float16 attention on tensor cores matches float64 on the CPU") {
     const std::vector<AttentionCase> cases = {
-        {2, 3, 128, 128, 64, true, kBFloat16}, {2, 3, 128, 128, 64, false, kBFloat16},
-        {1, 2, 100, 100, 64, true, kBFloat16}, {1, 2, 77, 77, 128, false, kBFloat16},
-        {2, 2, 192, 192, 128, true, kFloat16}, {1, 2, 37, 100, 64, true, kBFloat16},
-        {1, 1, 130, 65, 64, true, kFloat16},   {1, 2, 256, 256, 128, true, kBFloat16},
+        {2, 3, 128, 128, 64, true, kBFloat16},
+        {2, 3, 128, 128, 64, false, kBFloat16},
+        {1, 2, 100, 100, 64, true, kBFloat16},
+        {1, 2, 77, 77, 128, false, kBFloat16},
+        {2, 2, 192, 192, 128, true, kFloat16},
+        {1, 2, 37, 100, 64, true, kBFloat16},
+        {1, 1, 130, 65, 64, true, kFloat16},
+        {1, 2, 256, 256, 128, true, kBFloat16},
+        // grouped-query (2 and 4 query heads per key/value head) and multi-query attention
+        {2, 4, 128, 128, 64, true, kBFloat16, 2},
+        {1, 8, 100, 100, 128, false, kBFloat16, 2},
+        {2, 4, 192, 192, 64, true, kFloat16, 1},
+        {1, 4, 37, 100, 64, true, kBFloat16, 1},
     };
     for (const char* kernel : {"weave", "cudnn"})
       for (const AttentionCase& c : cases) {

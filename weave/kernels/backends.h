@@ -63,7 +63,8 @@ WEAVE_BACKEND_KERNELS
 namespace weave::kernels::cuda {
 WEAVE_BACKEND_KERNELS
 /// True where attention on q's device runs on tensor cores in q's own dtype: bfloat16 or
-/// float16 on sm_80 and newer, head size 64 or 128, no mask and no dropout.
+/// float16 on sm_80 and newer, head size 64 or 128, no mask, no dropout, no document ids; k and
+/// v may have fewer heads than q (grouped-query attention).
 bool attention_on_tensor_cores(const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& mask, const AttentionParams& params);
 /// True where t's rows suit the tensor-core kernels (16-byte aligned, strides multiples of 8).

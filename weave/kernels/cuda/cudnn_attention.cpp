@@ -232,9 +232,10 @@ bool choose_cudnn(Kernel requested, Entry& entry, int device, const CudnnRun& cu
 }
 
 /// cuDNN's graphs align a causal mask's diagonal top-left, weave bottom-right: they agree on
-/// square score matrices only.
+/// square score matrices only. The graphs here take a key/value head per query head (grouped
+/// heads would need the backward's reduction over each group).
 bool cudnn_takes(const Tensor& q, const Tensor& k, const AttentionParams& params) {
-  return !params.causal || q.size(2) == k.size(2);
+  return k.size(1) == q.size(1) && (!params.causal || q.size(2) == k.size(2));
 }
 
 float minus_infinity() {

@@ -42,6 +42,7 @@ struct FlashParams {
   float* lse;    // [B, H, Tq], natural log
   float* delta;  // [B, H, Tq]: rowsum(dO o O)
   int64_t heads, tq, tk;
+  int64_t group;  // query heads per key/value head: query head h reads key/value head h / group
   float scale, scale_log2;
   bool causal;
 
@@ -200,7 +201,7 @@ __global__ void __launch_bounds__(kBlockThreads) flash_forward_kernel(FlashParam
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   const int64_t b = blockIdx.y / p.heads, h = blockIdx.y % p.heads;
   const int64_t m0 = heavy_first(p) * kBlock;
-  const T *q = p.q.at<T>(b, h), *k = p.k.at<T>(b, h), *v = p.v.at<T>(b, h);
+  const T *q = p.q.at<T>(b, h), *k = p.k.at<T>(b, h / p.group), *v = p.v.at<T>(b, h / p.group);
   const int64_t keys = p.key_end(min(m0 + kBlock, p.tq) - 1);
   load_tile<D>(q_tile, q, p.q.row, m0, p.tq);
   load_tile<D>(k_tile, k, p.k.row, 0, p.tk);
@@ -265,7 +266,7 @@ __global__ void __launch_bounds__(kBlockThreads) flash_dq_kernel(FlashParams p) 
   const int64_t b = blockIdx.y / p.heads, h = blockIdx.y % p.heads;
   const int64_t m0 = heavy_first(p) * kBlock;
   const int64_t keys = p.key_end(min(m0 + kBlock, p.tq) - 1);
-  const T *k = p.k.at<T>(b, h), *v = p.v.at<T>(b, h);
+  const T *k = p.k.at<T>(b, h / p.group), *v = p.v.at<T>(b, h / p.group);
   load_tile<D>(q_tile, p.q.at<T>(b, h), p.q.row, m0, p.tq);
   load_tile<D>(g_tile, p.grad.at<T>(b, h), p.grad.row, m0, p.tq);
   load_tile<D>(kv_tiles, k, p.k.row, 0, p.tk);
@@ -325,32 +326,40 @@ __global__ void __launch_bounds__(kBlockThreads) flash_dkv_kernel(FlashParams p)
   T* qg_tiles = v_tile + kBlock * D;                                   // [2][Q, dO]
   float* stats = reinterpret_cast<float*>(qg_tiles + 4 * kBlock * D);  // [2][lse2, delta]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
-  const int64_t b = blockIdx.y / p.heads, h = blockIdx.y % p.heads;
+  // One key/value head's block: the queries of every query head of its group stream past it, a
+  // (head, tile) pair at a time, and dK, dV sum over all of them in registers (no atomics).
+  const int64_t kv_heads = p.heads / p.group;
+  const int64_t b = blockIdx.y / kv_heads, hk = blockIdx.y % kv_heads;
   const int64_t n0 = int64_t(blockIdx.x) * kBlock;  // the first key blocks see the most queries
-  const T *q = p.q.at<T>(b, h), *g = p.grad.at<T>(b, h);
   // The first query that sees key n0 (causal); the tiles before it see none of this block.
   int64_t first = p.causal ? n0 - (p.tk - p.tq) : 0;
   first = first < 0 ? 0 : first / kBlock * kBlock;
-  auto load_queries = [&](int64_t m0, int buffer) {
-    T* tiles = qg_tiles + buffer * 2 * kBlock * D;
-    load_tile<D>(tiles, q, p.q.row, m0, p.tq);
-    load_tile<D>(tiles + kBlock * D, g, p.grad.row, m0, p.tq);
+  const int64_t tiles = first < p.tq ? (p.tq - first + kBlock - 1) / kBlock : 0;
+  const int64_t steps = tiles * p.group;
+  auto tile_start = [&](int64_t step) { return first + (step % tiles) * kBlock; };
+  auto load_queries = [&](int64_t step, int buffer) {
+    const int64_t hq = hk * p.group + step / tiles, m0 = tile_start(step);
+    T* tiles_s = qg_tiles + buffer * 2 * kBlock * D;
+    load_tile<D>(tiles_s, p.q.at<T>(b, hq), p.q.row, m0, p.tq);
+    load_tile<D>(tiles_s + kBlock * D, p.grad.at<T>(b, hq), p.grad.row, m0, p.tq);
     float* st = stats + buffer * 2 * kBlock;
+    const int64_t row0 = (b * p.heads + hq) * p.tq + m0;
     for (int i = threadIdx.x; i < kBlock; i += blockDim.x) {
       const bool real = m0 + i < p.tq;
-      st[i] = real ? p.lse[blockIdx.y * p.tq + m0 + i] * kLog2e : 0.f;
-      st[kBlock + i] = real ? p.delta[blockIdx.y * p.tq + m0 + i] : 0.f;
+      st[i] = real ? p.lse[row0 + i] * kLog2e : 0.f;
+      st[kBlock + i] = real ? p.delta[row0 + i] : 0.f;
     }
   };
-  load_tile<D>(k_tile, p.k.at<T>(b, h), p.k.row, n0, p.tk);
-  load_tile<D>(v_tile, p.v.at<T>(b, h), p.v.row, n0, p.tk);
-  if (first < p.tq) load_queries(first, 0);
+  load_tile<D>(k_tile, p.k.at<T>(b, hk), p.k.row, n0, p.tk);
+  load_tile<D>(v_tile, p.v.at<T>(b, hk), p.v.row, n0, p.tk);
+  if (steps > 0) load_queries(0, 0);
   mma::copy_async_commit();
   const int64_t keys[2] = {n0 + warp * 16 + lane / 4, n0 + warp * 16 + lane / 4 + 8};
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   int buffer = 0;
-  for (int64_t m0 = first; m0 < p.tq; m0 += kBlock, buffer ^= 1) {
-    if (m0 + kBlock < p.tq) load_queries(m0 + kBlock, buffer ^ 1);
+  for (int64_t step = 0; step < steps; ++step, buffer ^= 1) {
+    const int64_t m0 = tile_start(step);
+    if (step + 1 < steps) load_queries(step + 1, buffer ^ 1);
     mma::copy_async_commit();
     mma::copy_async_wait<1>();  // everything but the next tiles
     __syncthreads();
@@ -380,8 +389,8 @@ __global__ void __launch_bounds__(kBlockThreads) flash_dkv_kernel(FlashParams p)
   }
   mma::copy_async_wait<0>();
   const float one[2] = {1.f, 1.f}, scale[2] = {p.scale, p.scale};
-  store_rows<D>(dk, p.dk.at<T>(b, h), p.dk.row, keys, p.tk, scale, t);
-  store_rows<D>(dv, p.dv.at<T>(b, h), p.dv.row, keys, p.tk, one, t);
+  store_rows<D>(dk, p.dk.at<T>(b, hk), p.dk.row, keys, p.tk, scale, t);
+  store_rows<D>(dv, p.dv.at<T>(b, hk), p.dv.row, keys, p.tk, one, t);
 }
 
 Operand operand_of(const Tensor& t) {
@@ -396,6 +405,7 @@ FlashParams params_of(const Tensor& q, const Tensor& k, const Tensor& v,
   p.k = operand_of(k);
   p.v = operand_of(v);
   p.heads = q.size(1);
+  p.group = q.size(1) / k.size(1);
   p.tq = q.size(2);
   p.tk = k.size(2);
   p.scale = float(params.scale);
@@ -452,9 +462,8 @@ bool attention_on_tensor_cores(const Tensor& q, const Tensor& k, const Tensor& v
                                const Tensor& mask, const AttentionParams& params) {
   if (!q.device().is_cuda() || (q.dtype() != kBFloat16 && q.dtype() != kFloat16)) return false;
   if (mask.defined() || params.dropout_p > 0) return false;
-  // Grouped-query attention runs on the float32 tiled kernel, which reads shared key/value
-  // heads in place; these kernels still take one key/value head per query head.
-  if (k.size(1) != q.size(1)) return false;
+  // Grouped-query attention: query head h reads key/value head h / (H / H_kv) in place.
+  if (k.size(1) == 0 || q.size(1) % k.size(1) != 0 || v.size(1) != k.size(1)) return false;
   if (params.query_documents.defined()) return false;  // packed sequences: the tiled kernel
   const int64_t d = q.size(3);
   if ((d != 64 && d != 128) || v.size(3) != d || k.size(3) != d) return false;
@@ -507,7 +516,7 @@ void flash_attention_backward(const Tensor& grad, const Tensor& q, const Tensor&
     check_launch("scaled_dot_product_attention");
     launch_flash<flash_dq_kernel<T, D>>(flash_grid(p.tq, batch_heads), 6 * kBlock * D * sizeof(T),
                                         s, p);
-    launch_flash<flash_dkv_kernel<T, D>>(flash_grid(p.tk, batch_heads),
+    launch_flash<flash_dkv_kernel<T, D>>(flash_grid(p.tk, q.size(0) * k.size(1)),
                                          6 * kBlock * D * sizeof(T) + 4 * kBlock * sizeof(float), s,
                                          p);
   });
