@@ -140,6 +140,7 @@ TEST_SUITE("pipeline") {
         CHECK(close(predicted, (*reference)({x, positions, documents})));
         CHECK(!close(predicted, (*reference)(x)));
       }
+      CHECK(autograd::must_run_pending() == 0);
     }
   }
 
