@@ -18,7 +18,6 @@ class Linear : public Module {
   Tensor& bias;  // undefined without bias
 };
 
-/// Lookup table [num_embeddings, dim], initialized N(0, 1).
 /// Two projections of one input stored stacked: weight [2, width, in] (and bias [2, width]),
 /// initialized as one Linear(in, 2 width), so each projection's fan-in is `in`. Gated MLPs
 /// (gate and up) and key/value projections keep theirs so: both take one GEMM, and a
@@ -32,6 +31,7 @@ StackedProjection stacked_projection(int64_t in, int64_t width, bool bias,
 /// the first projection's outputs, then the second's.
 Tensor apply_stacked(const Tensor& x, const Tensor& weight, const Tensor& bias);
 
+/// Lookup table [num_embeddings, dim], initialized N(0, 1).
 class Embedding : public Module {
  public:
   Embedding(int64_t num_embeddings, int64_t dim, Generator* generator = nullptr);
