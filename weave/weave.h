@@ -8,6 +8,8 @@
 #include "weave/data/fashion_mnist.h"
 #include "weave/data/metrics.h"
 #include "weave/data/safetensors.h"
+#include "weave/data/token_dataset.h"
+#include "weave/data/tokenizer.h"
 #include "weave/distributed/clip_grad.h"
 #include "weave/distributed/distributed.h"
 #include "weave/distributed/functional.h"

@@ -15,13 +15,22 @@
 namespace weave::data {
 
 Example Dataset::get_batch(const std::vector<int64_t>& indices) const {
-  std::vector<Tensor> inputs, targets;
+  std::vector<Tensor> inputs, targets, positions, document_ids;
   for (int64_t i : indices) {
     Example e = get(i);
     inputs.push_back(e.input);
     targets.push_back(e.target);
+    if (e.positions.defined()) positions.push_back(e.positions);
+    if (e.document_ids.defined()) document_ids.push_back(e.document_ids);
   }
-  return {stack(inputs), stack(targets)};
+  const auto stacked = [&](const std::vector<Tensor>& parts, const char* what) {
+    if (parts.empty()) return Tensor();
+    WEAVE_CHECK(parts.size() == indices.size(), "Dataset",
+                "some examples of a batch have {} and some do not", what);
+    return stack(parts);
+  };
+  return {stack(inputs), stack(targets), stacked(positions, "positions"),
+          stacked(document_ids, "document ids")};
 }
 
 std::vector<int64_t> Sampler::indices_from(int64_t consumed) {

@@ -6,14 +6,20 @@
 #include <string>
 #include <vector>
 
+#include "weave/nn/module.h"
 #include "weave/ops/ops.h"
 
 namespace weave::data {
 
-/// One batch (or one example): inputs and targets.
+/// One batch (or one example): inputs and targets, and for packed token windows each input
+/// token's position in its document and the document's id (undefined otherwise).
 struct Example {
   Tensor input;
   Tensor target;
+  Tensor positions{};
+  Tensor document_ids{};
+  /// What a model's forward takes: the input with its positions and document ids.
+  nn::Inputs model_inputs() const { return {input, positions, document_ids}; }
 };
 
 class Dataset {

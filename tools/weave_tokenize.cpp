@@ -1,0 +1,156 @@
+// weave-tokenize: text files to a token file (data::TokenFile) for data::TokenDataset.
+//
+//   weave-tokenize --tokenizer DIR -o OUT.tokens [--separator LINE] [--skip-suffix .dat]
+//                  [--threads N] [--no-end-of-text] [--quiet] INPUT...
+//
+// DIR holds the tokenizer (tokenizer.json, vocab.json + merges.txt, or encoder.json +
+// vocab.bpe). Each INPUT is a file or a folder of them (name order; links and files ending in a
+// --skip-suffix skipped). Each file is a document, or with --separator, each run of lines
+// between lines equal to it; every document ends with the end-of-text token unless
+// --no-end-of-text. Documents are encoded on --threads threads (the hardware's count by
+// default), in order; a progress bar on stderr shows bytes done, MB/s and the time left.
+// A killed run leaves no file at OUT (it writes OUT.partial, renamed when done).
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "weave/data/files.h"
+#include "weave/data/token_dataset.h"
+#include "weave/data/tokenizer.h"
+
+namespace {
+
+using namespace weave;
+namespace fs = std::filesystem;
+
+std::vector<fs::path> input_files(const std::vector<std::string>& inputs,
+                                  const std::vector<std::string>& skip_suffixes) {
+  const auto skipped = [&](const fs::path& p) {
+    return std::any_of(skip_suffixes.begin(), skip_suffixes.end(),
+                       [&](const std::string& s) { return p.string().ends_with(s); });
+  };
+  std::vector<fs::path> files;
+  for (const auto& input : inputs) {
+    WEAVE_CHECK(fs::exists(input), "weave-tokenize", "input {} does not exist", input);
+    if (!fs::is_directory(input)) {
+      files.emplace_back(input);
+      continue;
+    }
+    std::vector<fs::path> found;
+    for (const auto& entry : fs::directory_iterator(input))
+      if (entry.is_regular_file() && !entry.is_symlink() && !skipped(entry.path()))
+        found.push_back(entry.path());
+    std::sort(found.begin(), found.end());
+    files.insert(files.end(), found.begin(), found.end());
+  }
+  return files;
+}
+
+std::vector<std::string> documents_of(const std::string& text, const std::string& separator) {
+  if (separator.empty()) return {text};
+  std::vector<std::string> documents(1);
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    end = end == std::string::npos ? text.size() : end + 1;
+    std::string_view line(text.data() + start, end - start);
+    if (line.ends_with('\n')) line.remove_suffix(1);
+    if (line == separator)
+      documents.emplace_back();
+    else
+      documents.back().append(text, start, end - start);
+    start = end;
+  }
+  std::erase_if(documents, [](const std::string& d) { return d.empty(); });
+  return documents;
+}
+
+class Progress {
+ public:
+  Progress(uint64_t total, bool quiet) : total_(total), quiet_(quiet), tty_(::isatty(2)) {}
+  void update(uint64_t done, bool last = false) {
+    if (quiet_) return;
+    const double seconds = elapsed();
+    const int percent = total_ ? int(100 * done / total_) : 100;
+    if (!tty_ && percent < next_percent_) return;  // a log: every 10%
+    next_percent_ = percent / 10 * 10 + 10;
+    const double rate = seconds > 0 ? double(done) / 1e6 / seconds : 0;
+    const double left = rate > 0 ? double(total_ - done) / 1e6 / rate : 0;
+    const int filled = percent * 30 / 100;
+    std::fprintf(stderr, "%s[%s%s] %3d%% %.1f/%.1f MB %.1f MB/s %.0fs left%s", tty_ ? "\r" : "",
+                 std::string(size_t(filled), '#').c_str(),
+                 std::string(size_t(30 - filled), ' ').c_str(), percent, double(done) / 1e6,
+                 double(total_) / 1e6, rate, left, tty_ && !last ? "" : "\n");
+  }
+  double elapsed() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  uint64_t total_;
+  bool quiet_, tty_;
+  int next_percent_ = 0;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("Turns text files into a token file for data::TokenDataset.", "weave-tokenize");
+  std::string tokenizer_dir, out, separator;
+  std::vector<std::string> inputs, skip_suffixes;
+  int threads = 0;
+  bool no_end_of_text = false, quiet = false;
+  app.add_option("--tokenizer", tokenizer_dir, "folder with the tokenizer's files")->required();
+  app.add_option("-o,--out", out, "the token file to write")->required();
+  app.add_option("--separator", separator, "a line that separates documents inside a file");
+  app.add_option("--skip-suffix", skip_suffixes, "skip files in folders whose names end so");
+  app.add_option("--threads", threads, "encoding threads (0: the hardware's count)");
+  app.add_flag("--no-end-of-text", no_end_of_text, "append nothing after each document");
+  app.add_flag("--quiet", quiet, "no progress bar");
+  app.add_option("inputs", inputs, "text files or folders of them")->required();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const auto tok = data::Tokenizer::from_directory(tokenizer_dir);
+    const int64_t end_of_text = no_end_of_text ? -1 : tok.end_of_text().value_or(-1);
+    WEAVE_CHECK(no_end_of_text || end_of_text >= 0, "weave-tokenize",
+                "the tokenizer in {} has no end-of-text token; hint: --no-end-of-text",
+                tokenizer_dir);
+    const auto files = input_files(inputs, skip_suffixes);
+    uint64_t total = 0, done = 0;
+    for (const auto& f : files) total += fs::file_size(f);
+    data::TokenFileWriter writer(out, {.vocab_size = tok.vocab_size(), .end_of_text = end_of_text});
+    Progress progress(total, quiet);
+    // Files in batches of about 16 MB, each batch's documents encoded on the threads.
+    for (size_t next = 0; next < files.size();) {
+      std::vector<std::string> documents;
+      uint64_t bytes = 0;
+      for (; next < files.size() && bytes < (uint64_t(16) << 20); ++next) {
+        const std::string text = data::read_file(files[next].string());
+        bytes += text.size();
+        for (auto& d : documents_of(text, separator)) documents.push_back(std::move(d));
+      }
+      for (const auto& ids : tok.encode_batch(documents, {}, threads)) writer.append_document(ids);
+      progress.update(done += bytes);
+    }
+    writer.finish();
+    progress.update(done, true);
+    std::fflush(stderr);
+    std::printf(
+        "%s: %lld documents, %lld tokens (%s, vocabulary %lld), %.2f bytes a token, "
+        "%.1f s\n",
+        out.c_str(), static_cast<long long>(writer.documents()),
+        static_cast<long long>(writer.tokens()), tok.vocab_size() > 65536 ? "uint32" : "uint16",
+        static_cast<long long>(tok.vocab_size()),
+        writer.tokens() ? double(total) / double(writer.tokens()) : 0.0, progress.elapsed());
+  } catch (const Error& e) {
+    std::fprintf(stderr, "weave-tokenize: %s\n", e.what());
+    return 1;
+  }
+}
