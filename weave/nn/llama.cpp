@@ -1,6 +1,8 @@
 // Grouped-query attention with rotary positions, and the Llama block.
 #include "weave/nn/llama.h"
 
+#include "weave/autograd/grad_mode.h"
+
 namespace weave::nn {
 
 namespace {
@@ -41,6 +43,14 @@ Tensor GroupedQueryAttention::forward(const Tensor& x) {
 }
 
 Tensor GroupedQueryAttention::forward_inputs(const Inputs& inputs) {
+  return attend(inputs, nullptr);
+}
+
+Tensor GroupedQueryAttention::forward(const Inputs& inputs, KVCache& cache) {
+  return attend(inputs, &cache);
+}
+
+Tensor GroupedQueryAttention::attend(const Inputs& inputs, KVCache* cache) {
   const Tensor& x = inputs.x;
   WEAVE_CHECK(x.defined() && x.dim() == 3 && x.size(2) == dim_, kAttention,
               "expected input [B, T, {}], found {}", dim_, x.defined() ? x.shape() : Shape{});
@@ -50,14 +60,22 @@ Tensor GroupedQueryAttention::forward_inputs(const Inputs& inputs) {
       apply_stacked(x, kv, kv_bias).reshape({batch, length, 2, kv_heads_, head_dim_});
   Tensor keys = projected.select(2, 0), values = projected.select(2, 1);
   if (options_.rotary) {
-    const Tensor positions = inputs.positions.defined()
-                                 ? inputs.positions
-                                 : arange(double(length), {.dtype = kInt64, .device = x.device()});
+    const double start = cache ? double(cache->length()) : 0.0;
+    const Tensor positions =
+        inputs.positions.defined()
+            ? inputs.positions
+            : arange(start, start + double(length), 1, {.dtype = kInt64, .device = x.device()});
     queries = rotary_embedding(queries, positions, *options_.rotary);
     keys = rotary_embedding(keys, positions, *options_.rotary);
   }
-  Tensor y = scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2),
-                                          values.transpose(1, 2),
+  Tensor k = keys.transpose(1, 2), v = values.transpose(1, 2);
+  if (cache) {
+    WEAVE_CHECK(!inputs.document_ids.defined(), kAttention,
+                "decoding with a key/value cache takes one document a row; hint: pass no "
+                "document_ids");
+    std::tie(k, v) = cache->append(k, v);
+  }
+  Tensor y = scaled_dot_product_attention(queries.transpose(1, 2), k, v,
                                           {.causal = options_.causal,
                                            .dropout_p = is_training() ? options_.dropout : 0.0,
                                            .generator = options_.generator,
@@ -91,7 +109,12 @@ Tensor LlamaBlock::forward_inputs(const Inputs& inputs) {
   return h + (*mlp)((*norm2)(h));
 }
 
-LlamaModel::LlamaModel(LlamaModelOptions options) : Module("LlamaModel") {
+Tensor LlamaBlock::forward(const Inputs& inputs, KVCache& cache) {
+  Tensor h = inputs.x + attention->forward(inputs.with((*norm1)(inputs.x)), cache);
+  return h + (*mlp)((*norm2)(h));
+}
+
+LlamaModel::LlamaModel(LlamaModelOptions options) : CausalLM("LlamaModel") {
   WEAVE_CHECK(options.vocab > 0 && options.dim > 0 && options.layers > 0, "LlamaModel",
               "vocab, dim and layers must be positive, found {}, {} and {}", options.vocab,
               options.dim, options.layers);
@@ -114,6 +137,32 @@ Tensor LlamaModel::forward(const Tensor& tokens) {
 
 Tensor LlamaModel::forward_inputs(const Inputs& inputs) {
   Tensor h = (*norm)((*blocks)(inputs.with((*embedding)(inputs.x))));
+  return head ? (*head)(h) : linear(h, embedding->weight);
+}
+
+}  // namespace weave::nn
+
+namespace weave::nn {
+
+std::vector<KVCache> LlamaModel::make_caches(int64_t max_length) const {
+  return std::vector<KVCache>(blocks->size(), KVCache(max_length));
+}
+
+Tensor LlamaModel::forward_cached(const Tensor& tokens, std::vector<KVCache>& caches) {
+  WEAVE_CHECK(caches.size() == blocks->size(), "LlamaModel",
+              "expected a cache per block ({}), found {}; hint: make_caches", blocks->size(),
+              caches.size());
+  NoGradGuard no_grad;
+  Tensor h = (*embedding)(tokens);
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    auto* block = dynamic_cast<LlamaBlock*>(&(*blocks)[i]);
+    WEAVE_CHECK(block != nullptr, "LlamaModel",
+                "block {} is not an nn::LlamaBlock, which caching "
+                "needs",
+                i);
+    h = block->forward(Inputs(h), caches[i]);
+  }
+  h = (*norm)(h);
   return head ? (*head)(h) : linear(h, embedding->weight);
 }
 

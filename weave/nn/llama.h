@@ -10,6 +10,7 @@
 //   Tensor z = block(x);                               // positions 0 .. T-1, one document
 #include <optional>
 
+#include "weave/nn/generation.h"
 #include "weave/nn/transformer.h"
 
 namespace weave::nn {
@@ -40,6 +41,9 @@ class GroupedQueryAttention : public Module {
   Tensor forward(const Tensor& x) override;
   /// The same at inputs.positions, attending within inputs.document_ids.
   Tensor forward_inputs(const Inputs& inputs) override;
+  /// x after the positions `cache` holds (at positions cache.length() onwards unless
+  /// inputs.positions says), attending to them too; appends this call's keys and values.
+  Tensor forward(const Inputs& inputs, KVCache& cache);
   int64_t heads() const { return options_.heads; }
   int64_t kv_heads() const { return kv_heads_; }
   std::shared_ptr<Linear> q;    // [heads * head_dim, dim]
@@ -48,6 +52,7 @@ class GroupedQueryAttention : public Module {
   std::shared_ptr<Linear> out;  // [dim, heads * head_dim]
 
  private:
+  Tensor attend(const Inputs& inputs, KVCache* cache);
   int64_t dim_, head_dim_, kv_heads_;
   GroupedQueryAttentionOptions options_;
 };
@@ -74,6 +79,8 @@ class LlamaBlock : public Module {
   LlamaBlock(int64_t dim, LlamaBlockOptions options = {});
   Tensor forward(const Tensor& x) override;
   Tensor forward_inputs(const Inputs& inputs) override;
+  /// With a key/value cache for the attention (generation).
+  Tensor forward(const Inputs& inputs, KVCache& cache);
   std::shared_ptr<RMSNorm> norm1, norm2;
   std::shared_ptr<GroupedQueryAttention> attention;
   std::shared_ptr<GatedMLP> mlp;
@@ -93,11 +100,14 @@ struct LlamaModelOptions {
 /// A decoder-only language model: token ids [B, T] -> logits [B, T, vocab] through an
 /// embedding, `layers` LlamaBlocks, a final RMSNorm and the head. Positions and document ids
 /// (nn::Inputs) reach every block.
-class LlamaModel : public Module {
+class LlamaModel : public CausalLM {
  public:
   explicit LlamaModel(LlamaModelOptions options = {});
   Tensor forward(const Tensor& tokens) override;
   Tensor forward_inputs(const Inputs& inputs) override;
+  int64_t vocab() const override { return embedding->weight.size(0); }
+  std::vector<KVCache> make_caches(int64_t max_length) const override;
+  Tensor forward_cached(const Tensor& tokens, std::vector<KVCache>& caches) override;
   std::shared_ptr<Embedding> embedding;
   std::shared_ptr<Sequential> blocks;
   std::shared_ptr<RMSNorm> norm;

@@ -1,0 +1,334 @@
+#!/usr/bin/env python3
+"""Tiny GPT-2 and Llama checkpoints in Hugging Face's layout, written and read by plain PyTorch.
+
+The modules follow Hugging Face's published structure and parameter names (modeling_gpt2.py,
+modeling_llama.py): GPT-2's Conv1D weights stored [in, out], c_attn holding q, k and v side by
+side, the head tied to wte; Llama's q/k/v/o, gate/up/down projections, two RMSNorms, rotary
+positions in the rotate-half layout with Llama 3's frequency scaling, and grouped key/value
+heads. PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetensors is
+needed (the safetensors format is written and read here directly).
+
+  hf_reference.py write OUT_DIR      # OUT_DIR/gpt2 and OUT_DIR/llama: config.json, two shards,
+                                     # model.safetensors.index.json, logits.safetensors
+  hf_reference.py check DIR          # loads DIR (a model weave exported), recomputes its logits
+                                     # on the fixed tokens, compares with DIR/logits.safetensors
+"""
+import json
+import math
+import os
+import struct
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def save_safetensors(path, tensors, metadata=None):
+    header, offset, blobs = {}, 0, []
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        data = t.view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes()
+        header[name] = {"dtype": NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def load_safetensors(path):
+    with open(path, "rb") as f:
+        raw = f.read()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    data, out = raw[8 + size:], {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = e["data_offsets"]
+        dtype = DTYPES[e["dtype"]]
+        buf = bytearray(data[begin:end])
+        if dtype == torch.bfloat16:
+            t = torch.frombuffer(buf, dtype=torch.int16).view(torch.bfloat16)
+        else:
+            t = torch.frombuffer(buf, dtype=dtype)
+        out[name] = t.reshape(e["shape"]).clone()
+    return out
+
+
+class Conv1D(nn.Module):  # GPT-2's linear layer: weight [in, out]
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.02)
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dim = c["n_head"], c["n_embd"]
+        self.c_attn = Conv1D(3 * self.dim, self.dim)
+        self.c_proj = Conv1D(self.dim, self.dim)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.dim, dim=2)
+        heads = lambda t: t.view(B, T, self.heads, -1).transpose(1, 2)
+        q, k, v = heads(q), heads(k), heads(v)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, self.dim)
+        return self.c_proj(y)
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c_fc = Conv1D(4 * c["n_embd"], c["n_embd"])
+        self.c_proj = Conv1D(c["n_embd"], 4 * c["n_embd"])
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # gelu_new
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(c["n_embd"], eps=c["layer_norm_epsilon"])
+        self.attn = GPT2Attention(c)
+        self.ln_2 = nn.LayerNorm(c["n_embd"], eps=c["layer_norm_epsilon"])
+        self.mlp = GPT2MLP(c)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.wte = nn.Embedding(c["vocab_size"], c["n_embd"])
+        self.wpe = nn.Embedding(c["n_positions"], c["n_embd"])
+        self.h = nn.ModuleList([GPT2Block(c) for _ in range(c["n_layer"])])
+        self.ln_f = nn.LayerNorm(c["n_embd"], eps=c["layer_norm_epsilon"])
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.size(1)))
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.transformer = GPT2Model(c)
+
+    def forward(self, ids):  # the head tied to wte (no lm_head.weight of its own)
+        return self.transformer(ids) @ self.transformer.wte.weight.t()
+
+
+def llama_inv_freq(c):
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    inv = 1.0 / (c["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    s = c.get("rope_scaling")
+    if s and s.get("rope_type") == "llama3":  # Llama 3.1's frequency scaling
+        old = s["original_max_position_embeddings"]
+        low, high = old / s["low_freq_factor"], old / s["high_freq_factor"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low, inv / s["factor"], inv)
+        smooth = (old / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+        smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+        medium = (wavelen >= high) & (wavelen <= low)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+        self.head_dim = c["hidden_size"] // self.heads
+        d = c["hidden_size"]
+        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        d, f = c["hidden_size"], c["intermediate_size"]
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.self_attn = LlamaAttention(c)
+        self.post_attention_layernorm = LlamaRMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.mlp = LlamaMLP(c)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(c) for _ in range(c["num_hidden_layers"])])
+        self.norm = LlamaRMSNorm(c["hidden_size"], c["rms_norm_eps"])
+        self.inv_freq = llama_inv_freq(c)
+
+    def forward(self, ids):
+        angles = torch.arange(ids.size(1), dtype=torch.float64)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().float(), angles.sin().float()
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.model = LlamaModel(c)
+        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+GPT2_CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 512,
+               "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
+               "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+               "tie_word_embeddings": True, "torch_dtype": "float32"}
+LLAMA_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512,
+                "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0, "max_position_embeddings": 128,
+                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+                "torch_dtype": "float32"}
+
+
+def fixed_tokens(vocab):  # two rows of 24 tokens, the same for every reader
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab, (2, 24), generator=g)
+
+
+def write_checkpoint(directory, model, config):
+    os.makedirs(directory, exist_ok=True)
+    with torch.no_grad():  # norms away from 1 and 0, so that a reader that drops them shows
+        for name, p in model.named_parameters():
+            if "ln_" in name or "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape))
+            elif "wte" in name or "wpe" in name or "embed_tokens" in name:
+                p.normal_(0, 0.02)  # Hugging Face's initializer_range
+    state = {k: v for k, v in model.state_dict().items() if k != "model.inv_freq"}
+    names = sorted(state)
+    shards = [names[: len(names) // 2], names[len(names) // 2:]]
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_safetensors(os.path.join(directory, file), {n: state[n] for n in shard}, {"format": "pt"})
+        for n in shard:
+            weight_map[n] = file
+            total += state[n].numel() * state[n].element_size()
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    ids = fixed_tokens(config["vocab_size"])
+    with torch.no_grad():
+        save_safetensors(os.path.join(directory, "logits.safetensors"),
+                         {"tokens": ids, "logits": model(ids)})
+
+
+def load_checkpoint(directory):
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    model = (GPT2LMHeadModel if config["model_type"] == "gpt2" else LlamaForCausalLM)(config)
+    index = os.path.join(directory, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) \
+        else ["model.safetensors"]
+    state = {}
+    for file in files:
+        state.update(load_safetensors(os.path.join(directory, file)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m != "model.inv_freq"]
+    if missing or unexpected:
+        sys.exit(f"{directory}: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def main():
+    torch.manual_seed(0)
+    if len(sys.argv) == 3 and sys.argv[1] == "write":
+        write_checkpoint(os.path.join(sys.argv[2], "gpt2"), GPT2LMHeadModel(GPT2_CONFIG), GPT2_CONFIG)
+        write_checkpoint(os.path.join(sys.argv[2], "llama"), LlamaForCausalLM(LLAMA_CONFIG), LLAMA_CONFIG)
+        print(f"wrote {sys.argv[2]}/gpt2 and {sys.argv[2]}/llama")
+    elif len(sys.argv) == 3 and sys.argv[1] == "check":
+        model = load_checkpoint(sys.argv[2])
+        expected = load_safetensors(os.path.join(sys.argv[2], "logits.safetensors"))
+        with torch.no_grad():
+            logits = model(expected["tokens"])
+        diff = (logits - expected["logits"]).abs().max().item()
+        print(f"{sys.argv[2]}: max |logits - expected| = {diff:.3g}")
+        sys.exit(0 if diff < 1e-5 else 1)
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main()

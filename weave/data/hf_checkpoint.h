@@ -1,0 +1,91 @@
+#pragma once
+// Hugging Face checkpoints in and out: config.json, model.safetensors or shards with
+// model.safetensors.index.json, for GPT-2 (GPT2LMHeadModel) and Llama-family models
+// (LlamaForCausalLM), into weave's nn::GPT2Model and nn::LlamaModel and back.
+//
+//   auto config = data::hf::read_config("gpt2/");
+//   std::shared_ptr<nn::CausalLM> model = data::hf::from_pretrained("gpt2/");
+//   ... fine-tune ...
+//   data::hf::save_pretrained(*model, config, "gpt2-tuned/");   // the same names, shapes, dtypes
+//
+// The layouts differ and are converted exactly (values are copied, never rounded when the
+// parameter's dtype holds the file's): GPT-2 stores its linear layers as Conv1D [in, out] and
+// c_attn's output as q, k and v side by side, where weave keeps [out, in] with each head's q, k
+// and v together; Llama's q/k/v/o and gate/up/down projections map to weave's q, stacked kv,
+// out, and stacked gate_up, down. Rotary positions use the rotate-half layout Hugging Face's
+// Llama weights expect, with Llama 3's frequency scaling when the config has it.
+//
+// A model split over ranks with the whole model's parameter names (tensor-parallel pieces)
+// loads through load_weights with a SliceOf that says which slice each parameter holds: only
+// those bytes are read (parallel::load_pretrained gives the placements' slices).
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "weave/nn/generation.h"
+
+namespace weave::data::hf {
+
+enum class Architecture { GPT2, Llama };
+
+/// What weave takes from config.json (everything else is kept and written back on export).
+struct ModelConfig {
+  Architecture architecture = Architecture::Llama;
+  int64_t vocab = 0, dim = 0, layers = 0, heads = 0;
+  int64_t kv_heads = 0;       // Llama: num_key_value_heads (GPT-2: heads)
+  int64_t hidden = 0;         // the MLP's width
+  int64_t max_positions = 0;  // GPT-2: n_positions
+  double norm_eps = 1e-5;
+  double rope_theta = 10000;
+  std::optional<Llama3RopeScaling> rope_scaling{};
+  bool tie_embeddings = false;
+  DType dtype = kFloat32;  // torch_dtype: the dtype export writes
+  std::string json;        // the file's text, "" when built here
+};
+
+/// Reads dir/config.json. Raises for an unknown model_type and for settings weave does not
+/// implement (biases in Llama's projections, a head_dim other than hidden / heads, rope
+/// scalings other than Llama 3's, sliding windows, other activations), naming them.
+ModelConfig read_config(const std::string& dir);
+/// config.json for `config` (its json's other fields kept).
+std::string config_json(const ModelConfig& config);
+
+/// A model of the configuration, with weights drawn from `generator` (to be loaded over).
+std::shared_ptr<nn::CausalLM> make_model(const ModelConfig& config, Generator* generator = nullptr);
+
+/// The slice of a whole-model tensor a parameter holds: [begin, end) along `axis` (axis -1:
+/// all of it).
+struct Slice {
+  int axis = -1;
+  int64_t begin = 0, end = 0;
+};
+using SliceOf = std::function<Slice(const std::string& name, const Tensor& parameter)>;
+
+struct LoadStats {
+  int64_t tensors = 0;     // parameters loaded
+  int64_t bytes_read = 0;  // from the safetensors files
+};
+
+/// Loads dir's weights into model's parameters, found by weave's names for the architecture
+/// (nn::GPT2Model's or nn::LlamaModel's), each in the dtype the parameter has. Raises, naming
+/// file and tensor, for a missing shard or tensor, a tensor whose shape the config does not give,
+/// or a dtype that is not floating point; the model is then partly loaded.
+LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::string& dir,
+                       const SliceOf& slice_of = {});
+
+/// make_model + load_weights.
+std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir);
+
+struct SaveOptions {
+  /// Shards of at most this many bytes (a tensor larger than it gets a shard alone); more than
+  /// one writes model-0000i-of-0000n.safetensors and model.safetensors.index.json.
+  uint64_t max_shard_bytes = uint64_t(5) << 30;
+};
+
+/// Writes model's whole parameters (a split model: gather them first) in Hugging Face's names,
+/// layouts and config.dtype, with config.json, into dir (created).
+void save_pretrained(const nn::Module& model, const ModelConfig& config, const std::string& dir,
+                     const SaveOptions& options = {});
+
+}  // namespace weave::data::hf
