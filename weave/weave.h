@@ -29,6 +29,7 @@
 #include "weave/ops/ops.h"
 #include "weave/optim/optimizer.h"
 #include "weave/optim/schedule.h"
+#include "weave/parallel/checkpoint/pretrained.h"
 #include "weave/parallel/checkpoint/sharded_checkpoint.h"
 #include "weave/parallel/core/mesh.h"
 #include "weave/parallel/core/placement.h"

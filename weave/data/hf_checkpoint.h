@@ -24,6 +24,7 @@
 #include <string>
 
 #include "weave/nn/generation.h"
+#include "weave/nn/llama.h"
 
 namespace weave::data::hf {
 
@@ -50,6 +51,9 @@ struct ModelConfig {
 ModelConfig read_config(const std::string& dir);
 /// config.json for `config` (its json's other fields kept).
 std::string config_json(const ModelConfig& config);
+
+/// The nn::LlamaModel (or parallel::ParallelLlamaModel) options of a Llama configuration.
+nn::LlamaModelOptions llama_options(const ModelConfig& config, Generator* generator = nullptr);
 
 /// A model of the configuration, with weights drawn from `generator` (to be loaded over).
 std::shared_ptr<nn::CausalLM> make_model(const ModelConfig& config, Generator* generator = nullptr);

@@ -152,18 +152,23 @@ std::shared_ptr<nn::CausalLM> make_model(const ModelConfig& config, Generator* g
                              .heads = config.heads,
                              .max_positions = config.max_positions,
                              .generator = generator});
-  RotaryOptions rotary{.base = config.rope_theta, .llama3_scaling = config.rope_scaling};
-  return std::make_shared<nn::LlamaModel>(
-      nn::LlamaModelOptions{.vocab = config.vocab,
-                            .dim = config.dim,
-                            .layers = config.layers,
-                            .block = {.heads = config.heads,
-                                      .kv_heads = config.kv_heads,
-                                      .hidden = config.hidden,
-                                      .rotary = rotary,
-                                      .norm_eps = config.norm_eps},
-                            .tie_embeddings = config.tie_embeddings,
-                            .generator = generator});
+  return std::make_shared<nn::LlamaModel>(llama_options(config, generator));
+}
+
+nn::LlamaModelOptions llama_options(const ModelConfig& config, Generator* generator) {
+  WEAVE_CHECK(config.architecture == Architecture::Llama, kConfig,
+              "llama_options needs a Llama configuration, found GPT-2's");
+  const RotaryOptions rotary{.base = config.rope_theta, .llama3_scaling = config.rope_scaling};
+  return {.vocab = config.vocab,
+          .dim = config.dim,
+          .layers = config.layers,
+          .block = {.heads = config.heads,
+                    .kv_heads = config.kv_heads,
+                    .hidden = config.hidden,
+                    .rotary = rotary,
+                    .norm_eps = config.norm_eps},
+          .tie_embeddings = config.tie_embeddings,
+          .generator = generator};
 }
 
 std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir) {

@@ -1,6 +1,7 @@
 // Tensor- and context-parallel grouped-query attention, and the Llama block built from it.
 #include "weave/parallel/model_parallel/parallel_llama.h"
 
+#include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
 
 namespace weave::parallel {
@@ -62,6 +63,17 @@ Tensor ParallelGroupedQueryAttention::forward(const Tensor& x) {
 }
 
 Tensor ParallelGroupedQueryAttention::forward_inputs(const nn::Inputs& inputs) {
+  return run(inputs, nullptr);
+}
+
+Tensor ParallelGroupedQueryAttention::forward(const nn::Inputs& inputs, nn::KVCache& cache) {
+  WEAVE_CHECK(!options_.context_group && !inputs.document_ids.defined(), kAttention,
+              "decoding with a key/value cache takes whole sequences of one document a row: no "
+              "context group, no document_ids");
+  return run(inputs, &cache);
+}
+
+Tensor ParallelGroupedQueryAttention::run(const nn::Inputs& inputs, nn::KVCache* cache) {
   const Tensor& x = inputs.x;
   WEAVE_CHECK(x.defined() && x.dim() == 3 && x.size(2) == dim_, kAttention,
               "expected input [B, T, {}] (batch first), found {}", dim_,
@@ -84,7 +96,10 @@ Tensor ParallelGroupedQueryAttention::forward_inputs(const nn::Inputs& inputs) {
   Tensor keys = projected.select(2, 0), values = projected.select(2, 1);
   if (options_.rotary) {
     Tensor positions = inputs.positions;
-    if (!positions.defined()) {  // this rank's part of 0 .. T - 1
+    if (!positions.defined() && cache) {  // after the cached positions
+      const auto start = double(cache->length());
+      positions = arange(start, start + double(length), 1, {.dtype = kInt64, .device = x.device()});
+    } else if (!positions.defined()) {  // this rank's part of 0 .. T - 1
       const int64_t parts = options_.context_group ? options_.context_group->size() : 1;
       positions = arange(double(length * parts), {.dtype = kInt64, .device = x.device()});
       if (options_.context_group)
@@ -93,8 +108,9 @@ Tensor ParallelGroupedQueryAttention::forward_inputs(const nn::Inputs& inputs) {
     queries = rotary_embedding(queries, positions, *options_.rotary);
     keys = rotary_embedding(keys, positions, *options_.rotary);
   }
-  Tensor y = attend(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                    inputs.document_ids);
+  Tensor k = keys.transpose(1, 2), v = values.transpose(1, 2);
+  if (cache) std::tie(k, v) = cache->append(k, v);
+  Tensor y = attend(queries.transpose(1, 2), k, v, inputs.document_ids);
   return (*out)(y.transpose(1, 2).reshape({batch, length, local_heads_ * head_dim_}));
 }
 
@@ -153,8 +169,69 @@ Tensor ParallelLlamaBlock::forward_inputs(const nn::Inputs& inputs) {
   return h + (moe ? (*moe)((*norm2)(h)) : (*mlp)((*norm2)(h)));
 }
 
+Tensor ParallelLlamaBlock::forward(const nn::Inputs& inputs, nn::KVCache& cache) {
+  Tensor h = inputs.x + attention->forward(inputs.with((*norm1)(inputs.x)), cache);
+  return h + (moe ? (*moe)((*norm2)(h)) : (*mlp)((*norm2)(h)));
+}
+
 Tensor ParallelLlamaBlock::aux_loss() const {
   return aux_loss_ ? aux_loss_() : Tensor();
+}
+
+ParallelLlamaModel::ParallelLlamaModel(nn::LlamaModelOptions options, dist::Group group,
+                                       bool gather_logits)
+    : nn::CausalLM("ParallelLlamaModel"),
+      group_(std::move(group)),
+      vocab_(options.vocab),
+      gather_logits_(gather_logits) {
+  WEAVE_CHECK(!options.tie_embeddings, "ParallelLlamaModel",
+              "a head tied to the embedding is not split here (the embedding splits by "
+              "vocabulary rows, the head by output columns alike, but they would need one "
+              "parameter); hint: untie it, or run nn::LlamaModel");
+  embedding =
+      register_module("embedding", std::make_shared<VocabParallelEmbedding>(
+                                       options.vocab, options.dim, group_, options.generator));
+  blocks = register_module("blocks", std::make_shared<nn::Sequential>());
+  ParallelLlamaBlockOptions block{.heads = options.block.heads,
+                                  .kv_heads = options.block.kv_heads,
+                                  .hidden = options.block.hidden,
+                                  .rotary = options.block.rotary,
+                                  .activation = options.block.activation,
+                                  .norm_eps = options.block.norm_eps,
+                                  .causal = options.block.causal,
+                                  .generator = options.generator};
+  for (int64_t i = 0; i < options.layers; ++i)
+    blocks->push_back(std::make_shared<ParallelLlamaBlock>(options.dim, group_, block));
+  norm = register_module("norm",
+                         std::make_shared<nn::RMSNorm>(Shape{options.dim}, options.block.norm_eps));
+  head = register_module("head",
+                         std::make_shared<ColumnParallelLinear>(
+                             options.dim, options.vocab, group_,
+                             ColumnParallelOptions{.bias = false, .generator = options.generator}));
+}
+
+Tensor ParallelLlamaModel::forward(const Tensor& tokens) {
+  return forward_inputs(nn::Inputs(tokens));
+}
+
+Tensor ParallelLlamaModel::forward_inputs(const nn::Inputs& inputs) {
+  Tensor logits = (*head)((*norm)((*blocks)(inputs.with((*embedding)(inputs.x)))));
+  return gather_logits_ ? dist::functional::all_gather(logits, -1, group_) : logits;
+}
+
+std::vector<nn::KVCache> ParallelLlamaModel::make_caches(int64_t max_length) const {
+  return std::vector<nn::KVCache>(blocks->size(), nn::KVCache(max_length));
+}
+
+Tensor ParallelLlamaModel::forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& caches) {
+  WEAVE_CHECK(caches.size() == blocks->size(), "ParallelLlamaModel",
+              "expected a cache per block ({}), found {}; hint: make_caches", blocks->size(),
+              caches.size());
+  NoGradGuard no_grad;
+  Tensor h = (*embedding)(tokens);
+  for (size_t i = 0; i < blocks->size(); ++i)
+    h = static_cast<ParallelLlamaBlock&>((*blocks)[i]).forward(nn::Inputs(h), caches[i]);
+  return dist::functional::all_gather((*head)((*norm)(h)), -1, group_);
 }
 
 }  // namespace weave::parallel

@@ -49,6 +49,9 @@ class ParallelGroupedQueryAttention : public ShardedModule {
                                 ParallelGroupedQueryAttentionOptions options = {});
   Tensor forward(const Tensor& x) override;
   Tensor forward_inputs(const nn::Inputs& inputs) override;
+  /// Decoding: x after the positions `cache` holds (this rank's key/value heads), attending to
+  /// them too. Not with a context group.
+  Tensor forward(const nn::Inputs& inputs, nn::KVCache& cache);
   int64_t local_heads() const { return local_heads_; }
   int64_t local_kv_heads() const { return local_kv_heads_; }
   /// Whether every rank holds the whole kv (fewer key/value heads than ranks).
@@ -60,6 +63,7 @@ class ParallelGroupedQueryAttention : public ShardedModule {
 
  private:
   Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& documents);
+  Tensor run(const nn::Inputs& inputs, nn::KVCache* cache);
   int64_t dim_, head_dim_, local_heads_, local_kv_heads_, first_kv_head_;
   bool replicated_kv_;
   ParallelGroupedQueryAttentionOptions options_;
@@ -94,6 +98,8 @@ class ParallelLlamaBlock : public nn::Module {
   ParallelLlamaBlock(int64_t dim, dist::Group group, ParallelLlamaBlockOptions options = {});
   Tensor forward(const Tensor& x) override;
   Tensor forward_inputs(const nn::Inputs& inputs) override;
+  /// With a key/value cache for the attention (decoding).
+  Tensor forward(const nn::Inputs& inputs, nn::KVCache& cache);
   /// The last forward's load-balancing and z-loss (undefined without experts): add it to the
   /// loss.
   Tensor aux_loss() const;
@@ -105,6 +111,34 @@ class ParallelLlamaBlock : public nn::Module {
 
  private:
   std::function<Tensor()> aux_loss_;
+};
+
+/// nn::LlamaModel over a tensor-parallel group, with the same parameter names: the embedding
+/// split by vocabulary (VocabParallelEmbedding), ParallelLlamaBlocks, the final RMSNorm whole,
+/// and the head column-parallel. forward returns this rank's vocabulary slice of the logits
+/// [B, T, vocab / n] (for vocab_parallel_cross_entropy) unless gather_logits, when every rank
+/// gets all of them. Decoding (forward_cached, nn::generate) gathers them.
+///
+///   parallel::ParallelLlamaModel model(options, mesh.tensor());
+///   parallel::load_pretrained(model, config, "llama/");   // each rank reads its slices
+///   Tensor tokens = nn::generate(model, prompt, {.max_new_tokens = 64});   // on every rank
+class ParallelLlamaModel : public nn::CausalLM {
+ public:
+  ParallelLlamaModel(nn::LlamaModelOptions options, dist::Group group, bool gather_logits = false);
+  Tensor forward(const Tensor& tokens) override;
+  Tensor forward_inputs(const nn::Inputs& inputs) override;
+  int64_t vocab() const override { return vocab_; }
+  std::vector<nn::KVCache> make_caches(int64_t max_length) const override;
+  Tensor forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& caches) override;
+  std::shared_ptr<VocabParallelEmbedding> embedding;
+  std::shared_ptr<nn::Sequential> blocks;
+  std::shared_ptr<nn::RMSNorm> norm;
+  std::shared_ptr<ColumnParallelLinear> head;
+
+ private:
+  dist::Group group_;
+  int64_t vocab_;
+  bool gather_logits_;
 };
 
 }  // namespace weave::parallel
