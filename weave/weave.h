@@ -44,6 +44,7 @@
 #include "weave/parallel/data_parallel/zero.h"
 #include "weave/parallel/model_parallel/context_parallel.h"
 #include "weave/parallel/model_parallel/experts.h"
+#include "weave/parallel/model_parallel/parallel_gpt2.h"
 #include "weave/parallel/model_parallel/parallel_llama.h"
 #include "weave/parallel/model_parallel/parallel_transformer.h"
 #include "weave/parallel/model_parallel/pipeline.h"

@@ -24,6 +24,7 @@
 #include <string>
 
 #include "weave/nn/generation.h"
+#include "weave/nn/gpt2.h"
 #include "weave/nn/llama.h"
 
 namespace weave::data::hf {
@@ -52,6 +53,8 @@ ModelConfig read_config(const std::string& dir);
 /// config.json for `config` (its json's other fields kept).
 std::string config_json(const ModelConfig& config);
 
+/// The nn::GPT2Model (or parallel::ParallelGPT2Model) options of a GPT-2 configuration.
+nn::GPT2ModelOptions gpt2_options(const ModelConfig& config, Generator* generator = nullptr);
 /// The nn::LlamaModel (or parallel::ParallelLlamaModel) options of a Llama configuration.
 nn::LlamaModelOptions llama_options(const ModelConfig& config, Generator* generator = nullptr);
 

@@ -145,14 +145,19 @@ std::string config_json(const ModelConfig& config) {
 
 std::shared_ptr<nn::CausalLM> make_model(const ModelConfig& config, Generator* generator) {
   if (config.architecture == Architecture::GPT2)
-    return std::make_shared<nn::GPT2Model>(
-        nn::GPT2ModelOptions{.vocab = config.vocab,
-                             .dim = config.dim,
-                             .layers = config.layers,
-                             .heads = config.heads,
-                             .max_positions = config.max_positions,
-                             .generator = generator});
+    return std::make_shared<nn::GPT2Model>(gpt2_options(config, generator));
   return std::make_shared<nn::LlamaModel>(llama_options(config, generator));
+}
+
+nn::GPT2ModelOptions gpt2_options(const ModelConfig& config, Generator* generator) {
+  WEAVE_CHECK(config.architecture == Architecture::GPT2, kConfig,
+              "gpt2_options needs a GPT-2 configuration, found Llama's");
+  return {.vocab = config.vocab,
+          .dim = config.dim,
+          .layers = config.layers,
+          .heads = config.heads,
+          .max_positions = config.max_positions,
+          .generator = generator};
 }
 
 nn::LlamaModelOptions llama_options(const ModelConfig& config, Generator* generator) {

@@ -40,6 +40,13 @@ std::vector<KVCache> GPT2Model::make_caches(int64_t max_length) const {
   return std::vector<KVCache>(blocks.size(), KVCache(max_length));
 }
 
+std::vector<std::string> GPT2Model::units() const {
+  std::vector<std::string> names{"positions", "norm"};
+  if (head) names.push_back("head");
+  for (size_t i = 0; i < blocks.size(); ++i) names.push_back("blocks." + std::to_string(i));
+  return names;
+}
+
 Tensor GPT2Model::forward_cached(const Tensor& ids, std::vector<KVCache>& caches) {
   WEAVE_CHECK(caches.size() == blocks.size(), "GPT2Model",
               "expected a cache per block ({}), found {}; hint: make_caches", blocks.size(),

@@ -30,6 +30,9 @@ class GPT2Model : public CausalLM {
   std::vector<KVCache> make_caches(int64_t max_length) const override;
   Tensor forward_cached(const Tensor& tokens, std::vector<KVCache>& caches) override;
   const GPT2ModelOptions& options() const { return options_; }
+  /// FSDP's units (FSDPOptions::units): each block, the position embedding and the final norm.
+  /// The token embedding stays with the root, since the tied head reads it after the blocks.
+  std::vector<std::string> units() const;
 
   std::shared_ptr<Embedding> tokens, positions;
   std::vector<std::shared_ptr<TransformerBlock>> blocks;  // named "blocks.<i>"

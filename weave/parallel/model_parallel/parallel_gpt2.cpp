@@ -1,0 +1,69 @@
+#include "weave/parallel/model_parallel/parallel_gpt2.h"
+
+#include "weave/autograd/grad_mode.h"
+#include "weave/distributed/functional.h"
+
+namespace weave::parallel {
+
+ParallelGPT2Model::ParallelGPT2Model(nn::GPT2ModelOptions options, dist::Group group,
+                                     bool gather_logits)
+    : nn::CausalLM("ParallelGPT2Model"),
+      options_(options),
+      group_(std::move(group)),
+      gather_logits_(gather_logits) {
+  WEAVE_CHECK(!options.untied_head, "ParallelGPT2Model",
+              "an untied head is not split here; hint: GPT-2 ties it to the token embedding");
+  tokens = register_module("tokens", std::make_shared<VocabParallelEmbedding>(
+                                         options.vocab, options.dim, group_, options.generator));
+  positions = register_module(
+      "positions",
+      std::make_shared<nn::Embedding>(options.max_positions, options.dim, options.generator));
+  auto stack = register_module("blocks", std::make_shared<nn::Sequential>());
+  for (int64_t i = 0; i < options.layers; ++i) {
+    blocks.push_back(std::make_shared<ParallelTransformerBlock>(
+        options.dim, options.heads, group_,
+        ParallelTransformerBlockOptions{.tanh_gelu = true, .generator = options.generator}));
+    stack->push_back(blocks.back());
+  }
+  norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{options.dim}));
+}
+
+Tensor ParallelGPT2Model::forward(const Tensor& ids) {
+  return run(ids, nullptr, gather_logits_);
+}
+
+std::vector<nn::KVCache> ParallelGPT2Model::make_caches(int64_t max_length) const {
+  WEAVE_CHECK(max_length <= options_.max_positions, "ParallelGPT2Model",
+              "{} positions exceed the {} the position embedding holds", max_length,
+              options_.max_positions);
+  return std::vector<nn::KVCache>(blocks.size(), nn::KVCache(max_length));
+}
+
+Tensor ParallelGPT2Model::forward_cached(const Tensor& ids, std::vector<nn::KVCache>& caches) {
+  WEAVE_CHECK(caches.size() == blocks.size(), "ParallelGPT2Model",
+              "expected a cache per block ({}), found {}; hint: make_caches", blocks.size(),
+              caches.size());
+  NoGradGuard no_grad;
+  return run(ids, &caches, true);
+}
+
+// The blocks run sequence first ([T, B, dim]), as ParallelTransformerBlock takes them.
+Tensor ParallelGPT2Model::run(const Tensor& ids, std::vector<nn::KVCache>* caches, bool gather) {
+  WEAVE_CHECK(ids.defined() && ids.dim() == 2, "ParallelGPT2Model",
+              "expected tokens [B, T], found {}", ids.defined() ? ids.shape() : Shape{});
+  const int64_t start = caches ? caches->front().length() : 0;
+  WEAVE_CHECK(start + ids.size(1) <= options_.max_positions, "ParallelGPT2Model",
+              "positions up to {} exceed the {} the position embedding holds", start + ids.size(1),
+              options_.max_positions);
+  const Tensor where = arange(double(start), double(start + ids.size(1)), 1,
+                              {.dtype = kInt64, .device = ids.device()});
+  Tensor x = ((*tokens)(ids) + (*positions)(where)).transpose(0, 1);
+  for (size_t i = 0; i < blocks.size(); ++i)
+    x = caches ? blocks[i]->forward(x, (*caches)[i]) : (*blocks[i])(x);
+  x = (*norm)(x.transpose(0, 1));
+  // The tied head: this rank's vocabulary rows; the input's gradient sums over the group.
+  Tensor logits = linear(dist::functional::copy_to_group(x, group_), tokens->weight);
+  return gather ? dist::functional::all_gather(logits, -1, group_) : logits;
+}
+
+}  // namespace weave::parallel
