@@ -29,48 +29,6 @@ namespace {
 using namespace weave;
 namespace fs = std::filesystem;
 
-std::vector<fs::path> input_files(const std::vector<std::string>& inputs,
-                                  const std::vector<std::string>& skip_suffixes) {
-  const auto skipped = [&](const fs::path& p) {
-    return std::any_of(skip_suffixes.begin(), skip_suffixes.end(),
-                       [&](const std::string& s) { return p.string().ends_with(s); });
-  };
-  std::vector<fs::path> files;
-  for (const auto& input : inputs) {
-    WEAVE_CHECK(fs::exists(input), "weave-tokenize", "input {} does not exist", input);
-    if (!fs::is_directory(input)) {
-      files.emplace_back(input);
-      continue;
-    }
-    std::vector<fs::path> found;
-    for (const auto& entry : fs::directory_iterator(input))
-      if (entry.is_regular_file() && !entry.is_symlink() && !skipped(entry.path()))
-        found.push_back(entry.path());
-    std::sort(found.begin(), found.end());
-    files.insert(files.end(), found.begin(), found.end());
-  }
-  return files;
-}
-
-std::vector<std::string> documents_of(const std::string& text, const std::string& separator) {
-  if (separator.empty()) return {text};
-  std::vector<std::string> documents(1);
-  size_t start = 0;
-  while (start < text.size()) {
-    size_t end = text.find('\n', start);
-    end = end == std::string::npos ? text.size() : end + 1;
-    std::string_view line(text.data() + start, end - start);
-    if (line.ends_with('\n')) line.remove_suffix(1);
-    if (line == separator)
-      documents.emplace_back();
-    else
-      documents.back().append(text, start, end - start);
-    start = end;
-  }
-  std::erase_if(documents, [](const std::string& d) { return d.empty(); });
-  return documents;
-}
-
 class Progress {
  public:
   Progress(uint64_t total, bool quiet) : total_(total), quiet_(quiet), tty_(::isatty(2)) {}
@@ -122,7 +80,9 @@ int main(int argc, char** argv) {
     WEAVE_CHECK(no_end_of_text || end_of_text >= 0, "weave-tokenize",
                 "the tokenizer in {} has no end-of-text token; hint: --no-end-of-text",
                 tokenizer_dir);
-    const auto files = input_files(inputs, skip_suffixes);
+    std::vector<std::string> files;
+    for (const auto& input : inputs)
+      for (auto& file : data::files_in(input, skip_suffixes)) files.push_back(std::move(file));
     uint64_t total = 0, done = 0;
     for (const auto& f : files) total += fs::file_size(f);
     data::TokenFileWriter writer(out, {.vocab_size = tok.vocab_size(), .end_of_text = end_of_text});
@@ -132,9 +92,9 @@ int main(int argc, char** argv) {
       std::vector<std::string> documents;
       uint64_t bytes = 0;
       for (; next < files.size() && bytes < (uint64_t(16) << 20); ++next) {
-        const std::string text = data::read_file(files[next].string());
+        const std::string text = data::read_file(files[next]);
         bytes += text.size();
-        for (auto& d : documents_of(text, separator)) documents.push_back(std::move(d));
+        for (auto& d : data::split_documents(text, separator)) documents.push_back(std::move(d));
       }
       for (const auto& ids : tok.encode_batch(documents, {}, threads)) writer.append_document(ids);
       progress.update(done += bytes);

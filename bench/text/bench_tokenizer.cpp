@@ -9,7 +9,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <string>
 
 using namespace weave;
@@ -17,14 +16,8 @@ using namespace weave;
 namespace {
 
 std::string corpus(const std::string& dir) {
-  namespace fs = std::filesystem;
-  std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(dir))
-    if (entry.is_regular_file() && !entry.is_symlink() && entry.path().extension() != ".dat")
-      files.push_back(entry.path());
-  std::sort(files.begin(), files.end());
   std::string text;
-  for (const auto& path : files) text += data::read_file(path.string());
+  for (const auto& path : data::files_in(dir, {".dat"})) text += data::read_file(path);
   return text;
 }
 

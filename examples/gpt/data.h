@@ -30,14 +30,9 @@ inline Corpus load_corpus(const std::string& dir, bool pack) {
   namespace fs = std::filesystem;
   WEAVE_CHECK(fs::is_directory(dir), "gpt",
               "no fortunes at {}; hint: apt-get install fortunes, or pass --data DIR", dir);
-  std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(dir))
-    if (entry.is_regular_file() && !entry.is_symlink() && entry.path().extension() != ".dat")
-      files.push_back(entry.path());
-  std::sort(files.begin(), files.end());
   std::string text;
   std::vector<size_t> separators;
-  for (const auto& path : files) {
+  for (const auto& path : data::files_in(dir, {".dat"})) {
     std::ifstream in(path);
     for (std::string line; std::getline(in, line);) {
       if (line == "%") separators.push_back(text.size());

@@ -111,37 +111,10 @@ std::string token_file(const Flags& f, const data::Tokenizer& tok) {
   const std::string out = (f.save.empty() ? f.model : f.save) + "/train.tokens";
   if (dist::rank() == 0) {
     fs::create_directories(fs::path(out).parent_path());
-    std::vector<fs::path> files;
-    if (fs::is_directory(f.text)) {
-      for (const auto& e : fs::directory_iterator(f.text))
-        if (e.is_regular_file() && !e.is_symlink() && e.path().extension() != ".dat")
-          files.push_back(e.path());
-      std::sort(files.begin(), files.end());
-    } else {
-      files.push_back(f.text);
-    }
     std::vector<std::string> documents;
-    for (const auto& file : files) {
-      std::string text = data::read_file(file.string()), current;
-      if (f.separator.empty()) {
-        documents.push_back(std::move(text));
-        continue;
-      }
-      size_t start = 0;
-      while (start < text.size()) {
-        size_t end = text.find('\n', start);
-        end = end == std::string::npos ? text.size() : end + 1;
-        const std::string line = text.substr(start, end - start);
-        if (line == f.separator + "\n" || line == f.separator) {
-          if (!current.empty()) documents.push_back(std::move(current));
-          current.clear();
-        } else {
-          current += line;
-        }
-        start = end;
-      }
-      if (!current.empty()) documents.push_back(std::move(current));
-    }
+    for (const auto& file : data::files_in(f.text, {".dat"}))
+      for (auto& d : data::split_documents(data::read_file(file), f.separator))
+        documents.push_back(std::move(d));
     data::TokenFileWriter writer(
         out, {.vocab_size = tok.vocab_size(), .end_of_text = tok.end_of_text().value_or(-1)});
     for (const auto& ids : tok.encode_batch(documents)) writer.append_document(ids);

@@ -145,6 +145,14 @@ TEST_SUITE("token_dataset") {
     CHECK(resumed == whole);
   }
 
+  TEST_CASE("documents split at separator lines") {
+    CHECK(data::split_documents("a\n%\nb\nc\n%\n%\n\n%", "%") ==
+          std::vector<std::string>{"a\n", "b\nc\n", "\n"});
+    CHECK(data::split_documents("no separator\n", "") ==
+          std::vector<std::string>{"no separator\n"});
+    CHECK(data::split_documents("x %\n%x\n", "%") == std::vector<std::string>{"x %\n%x\n"});
+  }
+
   TEST_CASE("bad token files and tokens raise") {
     const auto path = write_tokens("bad.tokens", random_documents(10, 100, 1), 100, 99);
     const auto size = std::filesystem::file_size(path);

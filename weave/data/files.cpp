@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -173,6 +174,22 @@ ExclusiveFileLock& ExclusiveFileLock::operator=(ExclusiveFileLock&& other) noexc
 
 ExclusiveFileLock::~ExclusiveFileLock() {
   if (fd_ >= 0) ::close(fd_);  // closing the last descriptor releases the lock
+}
+
+std::vector<std::string> files_in(const std::string& path,
+                                  const std::vector<std::string>& skip_suffixes) {
+  namespace fs = std::filesystem;
+  WEAVE_CHECK(fs::exists(path), "files", "{} does not exist", path);
+  if (!fs::is_directory(path)) return {path};
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(path)) {
+    const std::string name = entry.path().string();
+    const bool skipped = std::any_of(skip_suffixes.begin(), skip_suffixes.end(),
+                                     [&](const std::string& s) { return name.ends_with(s); });
+    if (entry.is_regular_file() && !entry.is_symlink() && !skipped) files.push_back(name);
+  }
+  std::sort(files.begin(), files.end());
+  return files;
 }
 
 }  // namespace weave::data

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace weave::data {
 
@@ -13,6 +14,11 @@ namespace weave::data {
 void write_file_atomically(const std::string& path, const std::string& bytes);
 /// The whole file; raises naming path if it cannot be read.
 std::string read_file(const std::string& path);
+
+/// The regular files of a folder in name order (links, and names ending in one of
+/// skip_suffixes, left out), or `path` itself when it is a file; raises when it does not exist.
+std::vector<std::string> files_in(const std::string& path,
+                                  const std::vector<std::string>& skip_suffixes = {});
 
 /// Raises "cannot <what> <path>: <the reason errno gives>".
 [[noreturn]] void fail_io(const char* what, const std::string& path);

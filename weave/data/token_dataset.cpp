@@ -31,6 +31,24 @@ static_assert(sizeof(Header) == kHeaderBytes);
 
 }  // namespace
 
+std::vector<std::string> split_documents(const std::string& text, const std::string& separator) {
+  if (separator.empty()) return text.empty() ? std::vector<std::string>{} : std::vector{text};
+  std::vector<std::string> documents(1);
+  for (size_t start = 0; start < text.size();) {
+    size_t end = text.find('\n', start);
+    end = end == std::string::npos ? text.size() : end + 1;
+    std::string_view line(text.data() + start, end - start);
+    if (line.ends_with('\n')) line.remove_suffix(1);
+    if (line == separator)
+      documents.emplace_back();
+    else
+      documents.back().append(text, start, end - start);
+    start = end;
+  }
+  std::erase_if(documents, [](const std::string& d) { return d.empty(); });
+  return documents;
+}
+
 TokenFileWriter::TokenFileWriter(std::string path, TokenFileOptions options)
     : path_(std::move(path)), temp_(path_ + ".partial"), options_(options) {
   WEAVE_CHECK(options_.vocab_size > 0 && options_.vocab_size <= (int64_t(1) << 32), "TokenFile",

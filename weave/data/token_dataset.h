@@ -24,6 +24,10 @@
 
 namespace weave::data {
 
+/// The documents of a text: all of it, or with a separator, the runs of lines between lines
+/// equal to it (the separator lines dropped, empty documents left out).
+std::vector<std::string> split_documents(const std::string& text, const std::string& separator);
+
 struct TokenFileOptions {
   int64_t vocab_size = 0;    // every token must be below it; > 65536 stores uint32
   int64_t end_of_text = -1;  // appended after each document (-1: nothing appended)
