@@ -21,12 +21,14 @@ backend_allowed='^weave/(tensor/|distributed/(communicator|types)\.h)'
 # headers left at weave/parallel/*.h only forward to their new places for one release.
 parallel_floors=(core "data_parallel model_parallel checkpoint")
 strategy_folders="data_parallel model_parallel"
-# The transformer layers compose the model-parallel strategies (GPT-2's and Llama's blocks).
+# The transformer layers compose the model-parallel strategies (GPT-2's and Llama's blocks and
+# whole models).
 sideways_allowed=(decentralized:topology decentralized:grad_scaler
                   parallel_transformer:tensor_parallel parallel_transformer:context_parallel
                   parallel_transformer:experts parallel_llama:parallel_transformer
                   parallel_llama:tensor_parallel parallel_llama:context_parallel
-                  parallel_llama:experts)
+                  parallel_llama:experts parallel_gpt2:parallel_transformer
+                  parallel_gpt2:tensor_parallel)
 # Functions in these folders are at most this long (signature to closing brace); every source
 # file of the project is at most file_limit lines.
 function_limit=80
