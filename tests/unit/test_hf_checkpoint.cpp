@@ -200,6 +200,37 @@ TEST_SUITE("hf_checkpoint") {
     }
   }
 
+  TEST_CASE("generation stops each row at end-of-text, and ends when every row has") {
+    auto model = data::hf::from_pretrained(reference_dir("llama"));
+    const Tensor prompt =
+        from_vector(std::vector<int64_t>{5, 17, 300, 42, 7, 99, 1, 2, 3, 4}, {2, 5});
+    const Tensor free = nn::generate(*model, prompt, {.max_new_tokens = 12});
+    // Row 0's fourth new token as the end-of-text id: row 0 stops there.
+    const int64_t stop = free.select(0, 0).select(0, 5 + 3).item<int64_t>();
+    const Tensor stopped =
+        nn::generate(*model, prompt, {.max_new_tokens = 12, .end_of_text = stop});
+    for (int64_t row = 0; row < 2; ++row) {
+      bool seen = false;
+      for (int64_t i = 5; i < stopped.size(1); ++i) {
+        const int64_t got = stopped.select(0, row).select(0, i).item<int64_t>();
+        if (seen)
+          CHECK(got == stop);  // after its end-of-text a row repeats it
+        else
+          CHECK(got == free.select(0, row).select(0, i).item<int64_t>());
+        seen = seen || got == stop;
+      }
+      if (row == 0) CHECK(seen);
+    }
+    // Two rows that stop at their first new token: generation ends there.
+    const Tensor twice = from_vector(std::vector<int64_t>{5, 17, 300, 5, 17, 300}, {2, 3});
+    const int64_t first = nn::generate(*model, twice, {.max_new_tokens = 1})
+                              .select(1, 3)
+                              .select(0, 0)
+                              .item<int64_t>();
+    const Tensor early = nn::generate(*model, twice, {.max_new_tokens = 12, .end_of_text = first});
+    CHECK(early.shape() == Shape{2, 4});
+  }
+
   TEST_CASE("sampling: top-k, top-p and temperature draw from the right distribution") {
     // probabilities 0.4, 0.3, 0.2, 0.1 (ids 2, 0, 3, 1)
     const Tensor logits = from_vector(
