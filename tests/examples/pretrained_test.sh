@@ -47,7 +47,7 @@ grep -q "^generated: The meaning of" "$work/whole.out" || { echo "FAIL: nothing 
 "${mpirun[@]}" -np 2 "$finetune" "${base[@]}" --checkpoint "$work/ckpt_killed" \
   >"$work/killed.out" 2>&1 &
 job=$!
-for _ in $(seq 1200); do grep -q "^step 50 " "$work/killed.out" && break; sleep 0.1; done
+for _ in $(seq 3000); do grep -q "^step 50 " "$work/killed.out" && break; sleep 0.1; done
 pkill -9 -f "ckpt_killed" 2>/dev/null
 kill -9 "$job" 2>/dev/null
 wait "$job" 2>/dev/null
