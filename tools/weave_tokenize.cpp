@@ -76,39 +76,29 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     const auto tok = data::Tokenizer::from_directory(tokenizer_dir);
-    const int64_t end_of_text = no_end_of_text ? -1 : tok.end_of_text().value_or(-1);
-    WEAVE_CHECK(no_end_of_text || end_of_text >= 0, "weave-tokenize",
+    WEAVE_CHECK(no_end_of_text || tok.end_of_text(), "weave-tokenize",
                 "the tokenizer in {} has no end-of-text token; hint: --no-end-of-text",
                 tokenizer_dir);
     std::vector<std::string> files;
     for (const auto& input : inputs)
       for (auto& file : data::files_in(input, skip_suffixes)) files.push_back(std::move(file));
-    uint64_t total = 0, done = 0;
+    uint64_t total = 0;
     for (const auto& f : files) total += fs::file_size(f);
-    data::TokenFileWriter writer(out, {.vocab_size = tok.vocab_size(), .end_of_text = end_of_text});
     Progress progress(total, quiet);
-    // Files in batches of about 16 MB, each batch's documents encoded on the threads.
-    for (size_t next = 0; next < files.size();) {
-      std::vector<std::string> documents;
-      uint64_t bytes = 0;
-      for (; next < files.size() && bytes < (uint64_t(16) << 20); ++next) {
-        const std::string text = data::read_file(files[next]);
-        bytes += text.size();
-        for (auto& d : data::split_documents(text, separator)) documents.push_back(std::move(d));
-      }
-      for (const auto& ids : tok.encode_batch(documents, {}, threads)) writer.append_document(ids);
-      progress.update(done += bytes);
-    }
-    writer.finish();
-    progress.update(done, true);
+    const data::TokenizeStats stats =
+        data::write_token_file(out, files, tok,
+                               {.separator = separator,
+                                .end_of_text = !no_end_of_text,
+                                .threads = threads,
+                                .on_progress = [&](uint64_t bytes) { progress.update(bytes); }});
+    progress.update(stats.bytes, true);
     std::fflush(stderr);
     std::printf(
         "%s: %lld documents, %lld tokens (%s, vocabulary %lld), %.2f bytes a token, "
         "%.1f s\n",
-        out.c_str(), static_cast<long long>(writer.documents()),
-        static_cast<long long>(writer.tokens()), tok.vocab_size() > 65536 ? "uint32" : "uint16",
-        static_cast<long long>(tok.vocab_size()),
-        writer.tokens() ? double(total) / double(writer.tokens()) : 0.0, progress.elapsed());
+        out.c_str(), static_cast<long long>(stats.documents), static_cast<long long>(stats.tokens),
+        tok.vocab_size() > 65536 ? "uint32" : "uint16", static_cast<long long>(tok.vocab_size()),
+        stats.tokens ? double(total) / double(stats.tokens) : 0.0, progress.elapsed());
   } catch (const Error& e) {
     std::fprintf(stderr, "weave-tokenize: %s\n", e.what());
     return 1;

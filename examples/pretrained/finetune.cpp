@@ -91,6 +91,12 @@ void write_new_model(const Flags& f) {
     config.max_positions = 1024, config.tie_embeddings = f.init == "gpt2";
     Generator generator(f.seed);
     auto model = data::hf::make_model(config, &generator);
+    {  // embeddings at Hugging Face's initializer_range (0.02), as its new models start
+      NoGradGuard no_grad;
+      for (auto& [name, p] : model->named_parameters())
+        if (name == "tokens.weight" || name == "positions.weight" || name == "embedding.weight")
+          p.copy_(randn(p.shape(), {.dtype = p.dtype()}, &generator) * 0.02);
+    }
     data::hf::save_pretrained(*model, config, f.model);
     for (const char* file :
          {"tokenizer.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe"})
@@ -111,16 +117,11 @@ std::string token_file(const Flags& f, const data::Tokenizer& tok) {
   const std::string out = (f.save.empty() ? f.model : f.save) + "/train.tokens";
   if (dist::rank() == 0) {
     fs::create_directories(fs::path(out).parent_path());
-    std::vector<std::string> documents;
-    for (const auto& file : data::files_in(f.text, {".dat"}))
-      for (auto& d : data::split_documents(data::read_file(file), f.separator))
-        documents.push_back(std::move(d));
-    data::TokenFileWriter writer(
-        out, {.vocab_size = tok.vocab_size(), .end_of_text = tok.end_of_text().value_or(-1)});
-    for (const auto& ids : tok.encode_batch(documents)) writer.append_document(ids);
-    writer.finish();
-    std::printf("tokenized %zu documents: %lld tokens\n", documents.size(),
-                static_cast<long long>(writer.tokens()));
+    const data::TokenizeStats stats = data::write_token_file(
+        out, data::files_in(f.text, {".dat"}), tok,
+        {.separator = f.separator, .end_of_text = tok.end_of_text().has_value()});
+    std::printf("tokenized %lld documents: %lld tokens\n", static_cast<long long>(stats.documents),
+                static_cast<long long>(stats.tokens));
   }
   dist::barrier();
   return out;

@@ -145,6 +145,28 @@ TEST_SUITE("tokenizer") {
     for (size_t i = 0; i < texts.size(); ++i) CHECK(batch[i] == gpt2().encode(texts[i]));
   }
 
+  TEST_CASE("text files become a token file of their documents, each ended by end-of-text") {
+    const auto dir = temp_dir();
+    std::ofstream(dir / "a.txt") << "It's a test.\n%\nSecond  document\n";
+    std::ofstream(dir / "b.txt") << "Third, naïve 123\n";
+    const std::vector<std::string> files{(dir / "a.txt").string(), (dir / "b.txt").string()};
+    const auto stats = data::write_token_file((dir / "t.tokens").string(), files, gpt2(),
+                                              {.separator = "%", .threads = 2});
+    std::vector<int64_t> expected;
+    for (const char* doc : {"It's a test.\n", "Second  document\n", "Third, naïve 123\n"}) {
+      for (int32_t id : gpt2().encode(doc)) expected.push_back(id);
+      expected.push_back(50256);
+    }
+    const data::TokenFile file((dir / "t.tokens").string());
+    std::vector<int64_t> got(size_t(file.size()));
+    file.read(0, file.size(), got.data());
+    CHECK(got == expected);
+    CHECK(stats.documents == 3);
+    CHECK(stats.tokens == int64_t(expected.size()));
+    CHECK(file.document_start(1) == int64_t(gpt2().encode("It's a test.\n").size()) + 1);
+    std::filesystem::remove_all(dir);
+  }
+
   TEST_CASE("tokenizer.json of GPT-2 encodes as GPT-2's files do") {
     const auto dir = temp_dir();
     write_json(dir / "tokenizer.json",

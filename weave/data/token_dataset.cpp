@@ -128,6 +128,32 @@ void TokenFileWriter::finish() {
   WEAVE_CHECK(!error, "TokenFile", "cannot rename {} to {}: {}", temp_, path_, error.message());
 }
 
+TokenizeStats write_token_file(const std::string& out, const std::vector<std::string>& files,
+                               const Tokenizer& tokenizer, const TokenizeOptions& options) {
+  const std::optional<int32_t> end = tokenizer.end_of_text();
+  WEAVE_CHECK(!options.end_of_text || end, "TokenFile",
+              "the tokenizer has no end-of-text token to end each document with; hint: "
+              "end_of_text = false");
+  TokenFileWriter writer(
+      out, {.vocab_size = tokenizer.vocab_size(), .end_of_text = options.end_of_text ? *end : -1});
+  TokenizeStats stats;
+  for (size_t next = 0; next < files.size();) {
+    std::vector<std::string> documents;
+    const uint64_t batch_start = stats.bytes;
+    for (; next < files.size() && stats.bytes - batch_start < (uint64_t(16) << 20); ++next) {
+      const std::string text = read_file(files[next]);
+      stats.bytes += text.size();
+      for (auto& d : split_documents(text, options.separator)) documents.push_back(std::move(d));
+    }
+    for (const auto& ids : tokenizer.encode_batch(documents, {}, options.threads))
+      writer.append_document(ids);
+    if (options.on_progress) options.on_progress(stats.bytes);
+  }
+  writer.finish();
+  stats.documents = writer.documents(), stats.tokens = writer.tokens();
+  return stats;
+}
+
 TokenFile::TokenFile(const std::string& path) : path_(path) {
   ReadOnlyFile file(path);
   struct stat st {};

@@ -16,8 +16,10 @@
 // index: each document's first token, and the token count (uint64). Opening checks every size
 // against the file's, so a truncated file raises.
 #include "weave/data/dataloader.h"
+#include "weave/data/tokenizer.h"
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -58,6 +60,26 @@ class TokenFileWriter {
   std::vector<uint64_t> starts_;
   std::vector<unsigned char> buffer_;
 };
+
+struct TokenizeOptions {
+  /// A line that separates documents inside a file; empty: each file is one document.
+  std::string separator;
+  /// End each document with the tokenizer's end-of-text token (raises if it has none).
+  bool end_of_text = true;
+  int threads = 0;  // encoding threads (0: the hardware's count)
+  /// Called after each batch of files (about 16 MB) with the bytes read so far.
+  std::function<void(uint64_t bytes)> on_progress = nullptr;
+};
+
+struct TokenizeStats {
+  int64_t documents = 0, tokens = 0;
+  uint64_t bytes = 0;  // of text
+};
+
+/// Encodes text files, in order, into a token file at `out`: batches of files, each batch's
+/// documents on `threads` threads, written as they are done (what weave-tokenize runs).
+TokenizeStats write_token_file(const std::string& out, const std::vector<std::string>& files,
+                               const Tokenizer& tokenizer, const TokenizeOptions& options = {});
 
 /// A token file, memory-mapped read-only (the pages load as windows touch them).
 class TokenFile {
