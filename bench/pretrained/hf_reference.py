@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Tiny GPT-2 and Llama checkpoints in Hugging Face's layout, written and read by plain PyTorch.
+"""Tiny GPT-2, Llama and Qwen 2 checkpoints in Hugging Face's layout, by plain PyTorch.
 
 The modules follow Hugging Face's published structure and parameter names (modeling_gpt2.py,
 modeling_llama.py): GPT-2's Conv1D weights stored [in, out], c_attn holding q, k and v side by
 side, the head tied to wte; Llama's q/k/v/o, gate/up/down projections, two RMSNorms, rotary
 positions in the rotate-half layout with Llama 3's frequency scaling, and grouped key/value
-heads. PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetensors is
+heads; Qwen 2 (modeling_qwen2.py) is Llama with biases on the q, k and v projections (not on
+o_proj). PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetensors is
 needed (the safetensors format is written and read here directly).
 
-  hf_reference.py write OUT_DIR      # OUT_DIR/gpt2 and OUT_DIR/llama: config.json, two shards,
+  hf_reference.py write OUT_DIR      # OUT_DIR/gpt2, llama and qwen2: config.json, two shards,
                                      # model.safetensors.index.json, logits.safetensors
   hf_reference.py check DIR          # loads DIR (a model weave exported), recomputes its logits
                                      # on the fixed tokens, compares with DIR/logits.safetensors
@@ -176,10 +177,10 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
         self.head_dim = c["hidden_size"] // self.heads
-        d = c["hidden_size"]
-        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        d, bias = c["hidden_size"], c["model_type"] == "qwen2"
+        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
 
     def forward(self, x, cos, sin):
@@ -260,6 +261,12 @@ LLAMA_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "v
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
                 "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
                 "torch_dtype": "float32"}
+QWEN2_CONFIG = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 512,
+                "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000.0, "max_position_embeddings": 128, "rope_scaling": None,
+                "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 2,
+                "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
 
 
 def fixed_tokens(vocab):  # two rows of 24 tokens, the same for every reader
@@ -271,7 +278,7 @@ def write_checkpoint(directory, model, config):
     os.makedirs(directory, exist_ok=True)
     with torch.no_grad():  # norms away from 1 and 0, so that a reader that drops them shows
         for name, p in model.named_parameters():
-            if "ln_" in name or "norm" in name:
+            if "ln_" in name or "norm" in name or (".self_attn." in name and name.endswith("bias")):
                 p.add_(0.1 * torch.randn(p.shape))
             elif "wte" in name or "wpe" in name or "embed_tokens" in name:
                 p.normal_(0, 0.02)  # Hugging Face's initializer_range
@@ -317,7 +324,8 @@ def main():
     if len(sys.argv) == 3 and sys.argv[1] == "write":
         write_checkpoint(os.path.join(sys.argv[2], "gpt2"), GPT2LMHeadModel(GPT2_CONFIG), GPT2_CONFIG)
         write_checkpoint(os.path.join(sys.argv[2], "llama"), LlamaForCausalLM(LLAMA_CONFIG), LLAMA_CONFIG)
-        print(f"wrote {sys.argv[2]}/gpt2 and {sys.argv[2]}/llama")
+        write_checkpoint(os.path.join(sys.argv[2], "qwen2"), LlamaForCausalLM(QWEN2_CONFIG), QWEN2_CONFIG)
+        print(f"wrote {sys.argv[2]}/gpt2, {sys.argv[2]}/llama and {sys.argv[2]}/qwen2")
     elif len(sys.argv) == 3 and sys.argv[1] == "check":
         model = load_checkpoint(sys.argv[2])
         expected = load_safetensors(os.path.join(sys.argv[2], "logits.safetensors"))

@@ -1,6 +1,7 @@
 // Fine-tunes a Hugging Face checkpoint (GPT-2 or a Llama-family model) on text, saves it in
 // Hugging Face's format, and generates from a prompt:
-//   mpirun -np 2 finetune --model gpt2/ --text notes.txt [--strategy ddp|fsdp|tp] [--steps 100]
+//   mpirun -np 2 finetune --model gpt2/ --text notes.txt [--strategy ddp|fsdp|tp|hybrid] [--tp N]
+//                         [--context-parallel 1] [--pipeline 1 [--microbatches M]] [--steps 100]
 //                         [--context 128] [--batch 8] [--lr 1e-4] [--save gpt2-tuned/]
 //                         [--prompt "Once upon"] [--max-new-tokens 40] [--temperature 0.8]
 //                         [--top-k 0] [--top-p 0.95] [--seed 0]
@@ -10,8 +11,15 @@
 // document; --separator LINE splits files into documents), tokenized by rank 0 into
 // <save or model>/train.tokens; --tokens takes a file weave-tokenize wrote instead. Windows of
 // --context + 1 tokens (data::TokenDataset) go through a DataLoader with a DistributedSampler
-// (ddp, fsdp: each rank its share; tp: every rank all of it), shuffled by --seed; --checkpoint
-// saves model, optimizer, scheduler and loader (sharded), and --resume continues exactly.
+// (each data-parallel rank its share), shuffled by --seed; --checkpoint saves model, optimizer,
+// scheduler and loader (sharded), and --resume continues exactly.
+// Strategies, as examples/gpt's: ddp (replicas), fsdp (shards), tp (every rank of a context
+// group in one tensor-parallel group: ParallelGPT2Model / ParallelLlamaModel), hybrid (ddp over
+// tensor groups of --tp, 2 by default); --tp N splits the model under ddp and fsdp too, and
+// --context-parallel N splits every window over N ranks (zig-zag parts, ring attention) under
+// any of them, and --pipeline N cuts a Llama-family model into N stages (1F1B over
+// --microbatches, 2 N by default; not with fsdp). Each rank reads only the parts of the
+// checkpoint it holds.
 // --init llama|gpt2 first writes a new, randomly initialized model of --dim/--layers/--heads/
 // --kv-heads with the tokenizer of --tokenizer DIR into --model (how the tests make one).
 // Rank 0 prints `step N loss X` (the whole batch's) every --log-every steps, `final_loss=X`,
@@ -30,6 +38,7 @@ namespace {
 
 struct Flags {
   std::string model, text, tokens, separator, save, prompt, checkpoint, strategy = "ddp";
+  int tp = 0, context_parallel = 1, pipeline = 1, microbatches = 0;
   std::string init, tokenizer;
   int64_t steps = 100, context = 128, batch = 8, log_every = 10, checkpoint_every = 25;
   int64_t stop_at = -1, max_new_tokens = 40, top_k = 0, dim = 64, layers = 2, heads = 4;
@@ -46,8 +55,16 @@ Flags parse(int argc, char** argv) {
   app.add_option("--text", f.text, "text file or folder to train on");
   app.add_option("--tokens", f.tokens, "a token file (weave-tokenize) to train on");
   app.add_option("--separator", f.separator, "a line separating documents in --text files");
-  app.add_option("--strategy", f.strategy, "ddp, fsdp or tp")
-      ->check(CLI::IsMember({"ddp", "fsdp", "tp"}));
+  app.add_option("--strategy", f.strategy, "ddp, fsdp, tp or hybrid (ddp x tp)")
+      ->check(CLI::IsMember({"ddp", "fsdp", "tp", "hybrid"}));
+  app.add_option("--tp", f.tp, "tensor-parallel group size (0: 2 under hybrid, else 1)")
+      ->check(cli::non_negative());
+  app.add_option("--context-parallel", f.context_parallel, "ranks that split each window")
+      ->check(cli::positive());
+  app.add_option("--pipeline", f.pipeline, "pipeline stages (consecutive blocks, 1F1B)")
+      ->check(cli::positive());
+  app.add_option("--microbatches", f.microbatches, "per step and data rank (0: 2 x --pipeline)")
+      ->check(cli::non_negative());
   app.add_option("--steps", f.steps)->check(cli::non_negative());
   app.add_option("--context", f.context)->check(cli::positive());
   app.add_option("--batch", f.batch, "windows per step, over all ranks")->check(cli::positive());
@@ -84,8 +101,8 @@ void write_new_model(const Flags& f) {
     data::hf::ModelConfig config;
     config.architecture =
         f.init == "gpt2" ? data::hf::Architecture::GPT2 : data::hf::Architecture::Llama;
-    // Padded to a multiple of 64 (as Megatron-LM does), so that tensor parallelism splits it.
-    config.vocab = (tok.vocab_size() + 63) / 64 * 64, config.dim = f.dim, config.layers = f.layers;
+    // The tokenizer's (tensor parallelism pads it where the ranks do not divide it).
+    config.vocab = tok.vocab_size(), config.dim = f.dim, config.layers = f.layers;
     config.heads = f.heads, config.kv_heads = f.init == "gpt2" ? f.heads : f.kv_heads;
     config.hidden = f.init == "gpt2" ? 4 * f.dim : nn::llama_hidden(f.dim);
     config.max_positions = 1024, config.tie_embeddings = f.init == "gpt2";
@@ -127,48 +144,66 @@ std::string token_file(const Flags& f, const data::Tokenizer& tok) {
   return out;
 }
 
-// The model each rank trains: whole (ddp, fsdp) or its tensor-parallel part (tp).
-std::shared_ptr<nn::CausalLM> load_model(const Flags& f, const data::hf::ModelConfig& config) {
-  if (f.strategy != "tp") return data::hf::from_pretrained(f.model);
-  std::shared_ptr<nn::CausalLM> split;
-  if (config.architecture == data::hf::Architecture::GPT2)
-    split = std::make_shared<parallel::ParallelGPT2Model>(data::hf::gpt2_options(config),
-                                                          dist::world());
-  else
-    split = std::make_shared<parallel::ParallelLlamaModel>(data::hf::llama_options(config),
-                                                           dist::world());
-  parallel::load_pretrained(*split, config, f.model);
-  return split;
+// How the ranks split the work (tensor x context x data): tp puts every rank of a context group
+// in one tensor group, the others make tensor groups of --tp (hybrid: 2 by default).
+parallel::MeshShape mesh_shape(const Flags& f) {
+  const int world = dist::world_size(), context = f.context_parallel, pipeline = f.pipeline;
+  const int tensor = f.strategy == "tp"       ? world / (context * pipeline)
+                     : f.tp > 0               ? f.tp
+                     : f.strategy == "hybrid" ? 2
+                                              : 1;
+  WEAVE_CHECK(tensor > 0 && world % (context * tensor * pipeline) == 0, "finetune",
+              "--context-parallel {} times --pipeline {} times {} tensor-parallel ranks does not "
+              "divide the {} ranks",
+              context, pipeline, tensor, world);
+  WEAVE_CHECK(pipeline == 1 || f.strategy != "fsdp", "finetune",
+              "--pipeline takes ddp, tp or hybrid (FSDP's gathers do not pair across stages)");
+  WEAVE_CHECK(f.context % (2 * context) == 0, "finetune",
+              "--context {} must split into 2 x --context-parallel {} equal chunks (zig-zag)",
+              f.context, context);
+  return {.data = world / (context * tensor * pipeline),
+          .tensor = tensor,
+          .pipeline = pipeline,
+          .context = context};
 }
 
-// What one rank trains: the model (whole, or its tensor-parallel part) and its wrapper, the
-// optimizer, the loader over the token windows, and the state a checkpoint keeps.
+// The model, split over this rank's tensor and context groups, with weights drawn from the same
+// seed on every rank (then loaded over).
+std::shared_ptr<nn::CausalLM> split_model(const data::hf::ModelConfig& config,
+                                          const parallel::ProcessMesh& mesh, Generator* generator) {
+  const parallel::ParallelLMOptions split{
+      .context_group = mesh.shape().context > 1 ? std::optional(mesh.context()) : std::nullopt,
+      .stage = mesh.pipeline_rank(),
+      .stages = mesh.shape().pipeline};
+  if (config.architecture == data::hf::Architecture::GPT2)
+    return std::make_shared<parallel::ParallelGPT2Model>(data::hf::gpt2_options(config, generator),
+                                                         mesh.tensor(), split);
+  return std::make_shared<parallel::ParallelLlamaModel>(data::hf::llama_options(config, generator),
+                                                        mesh.tensor(), split);
+}
+
+// What one rank trains: the model (whole, or its part) and its wrapper, the optimizer, the
+// loader over the token windows, and the state a checkpoint keeps.
 struct Trainer {
   Trainer(const Flags& flags, const data::hf::ModelConfig& model_config,
           const data::Tokenizer& tokenizer)
       : f(flags),
         config(model_config),
-        tp(f.strategy == "tp"),
+        mesh(mesh_shape(f)),
+        split(mesh.shape().tensor > 1 || mesh.shape().context > 1 || mesh.shape().pipeline > 1),
         dataset(std::make_shared<const data::TokenDataset>(
             std::make_shared<const data::TokenFile>(token_file(f, tokenizer)),
             data::TokenWindows{.context = f.context})),
         sampler(std::make_shared<parallel::DistributedSampler>(
-            dataset->size(), tp ? 1 : dist::world_size(), tp ? 0 : dist::rank(),
-            parallel::DistributedSamplerOptions{.seed = f.seed})),
-        model(load_model(f, config)) {
-    const int replicas = tp ? 1 : dist::world_size();
+            dataset->size(), mesh.shape().data, mesh.data_rank(),
+            parallel::DistributedSamplerOptions{.seed = f.seed})) {
+    const int replicas = mesh.shape().data;
     WEAVE_CHECK(f.batch % replicas == 0, "finetune", "--batch {} does not divide among {} ranks",
                 f.batch, replicas);
     loader = std::make_unique<data::DataLoader>(
         dataset, data::DataLoaderOptions{
                      .batch_size = f.batch / replicas, .drop_last = true, .sampler = sampler});
-    const auto* gpt2 = dynamic_cast<nn::GPT2Model*>(model.get());
-    if (f.strategy == "ddp" && dist::world_size() > 1)
-      ddp = std::make_unique<parallel::DistributedDataParallel>(*model);
-    if (f.strategy == "fsdp")  // GPT-2's tied embedding stays in the root unit
-      fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
-          *model,
-          parallel::FSDPOptions{.units = gpt2 ? gpt2->units() : std::vector<std::string>{}});
+    build_model();
     optimizer = std::make_unique<optim::AdamW>(fsdp ? fsdp->parameters() : model->parameters(),
                                                optim::AdamWOptions{.lr = f.lr});
     scheduler =
@@ -185,21 +220,78 @@ struct Trainer {
     }
   }
 
-  // One optimizer step on a batch; returns its loss (this rank's batch).
+  // The model and its wrapper, each rank reading only the parts it holds: its tensor-parallel
+  // slices, or under fsdp its shards of them.
+  void build_model() {
+    const bool sharded = f.strategy == "fsdp";
+    if (!split && !sharded) {
+      model = data::hf::from_pretrained(f.model);
+    } else {
+      Generator generator(f.seed);
+      model =
+          split ? split_model(config, mesh, &generator) : data::hf::make_model(config, &generator);
+    }
+    const dist::Group& replicas = mesh.data_and_context();
+    if (sharded) {  // the blocks are units; embeddings, norm and head (GPT-2's tied) the root
+      std::vector<std::string> units;
+      for (int64_t i = 0; i < config.layers; ++i) units.push_back("blocks." + std::to_string(i));
+      fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
+          *model, parallel::FSDPOptions{.units = units, .group = replicas});
+      parallel::load_pretrained(fsdp->sharded_module(), config, f.model);
+      return;
+    }
+    if (split) parallel::load_pretrained(*model, config, f.model);
+    if (replicas.size() > 1)
+      ddp = std::make_unique<parallel::DistributedDataParallel>(
+          *model, parallel::DDPOptions{.group = replicas});
+    if (mesh.shape().pipeline > 1) {
+      const int microbatches = f.microbatches > 0 ? f.microbatches : 2 * mesh.shape().pipeline;
+      const parallel::PipelineOptions options{.microbatches = microbatches,
+                                              .group = mesh.pipeline()};
+      pipe = ddp ? std::make_unique<parallel::Pipeline>(*ddp, options)
+                 : std::make_unique<parallel::Pipeline>(*model, options);
+    }
+  }
+
+  // The loss of logits (a vocabulary slice when split) against targets.
+  Tensor loss_of(const Tensor& logits, const Tensor& targets) const {
+    Tensor flat = logits.reshape({-1, logits.size(-1)}), target = targets.reshape({-1});
+    return split ? parallel::vocab_parallel_cross_entropy(flat, target, mesh.tensor())
+                 : cross_entropy(flat, target);
+  }
+
+  // One optimizer step on a batch; returns its loss (the whole batch's).
   double step_on(const data::Example& batch) {
     optimizer->zero_grad();
-    const nn::Inputs in = batch.model_inputs();
-    Tensor logits = ddp ? (*ddp)(in) : fsdp ? (*fsdp)(in) : (*model)(in);
-    Tensor flat = logits.reshape({-1, logits.size(-1)}), targets = batch.target.reshape({-1});
-    Tensor loss = tp ? parallel::vocab_parallel_cross_entropy(flat, targets, dist::world())
-                     : cross_entropy(flat, targets);
-    loss.backward();
+    nn::Inputs in = batch.model_inputs();
+    Tensor targets = batch.target;
+    if (mesh.shape().context > 1) {  // this rank's zig-zag part of every window
+      const auto part = [&](const Tensor& t) {
+        return t.defined() ? parallel::shard_sequence(t, 1, mesh.context(),
+                                                      parallel::SequenceLayout::ZigZag)
+                           : t;
+      };
+      in = nn::Inputs(part(in.x), part(in.positions), part(in.document_ids));
+      targets = part(targets);
+    }
+    Tensor loss;
+    if (pipe) {  // every micro-batch's forward and backward; the loss on the last stage
+      loss = pipe->train_step(in, targets, [this](const Tensor& logits, const Tensor& target) {
+        return loss_of(logits, target);
+      });
+    } else {
+      loss = loss_of(ddp ? (*ddp)(in) : fsdp ? (*fsdp)(in) : (*model)(in), targets);
+      loss.backward();
+    }
     optimizer->step();
     scheduler->step();
-    // The step's loss over the whole batch (each data-parallel rank holds a share of it).
-    Tensor mean =
-        full({1}, loss.item<double>() / (tp ? 1 : dist::world_size()), {.dtype = kFloat64});
-    if (!tp) dist::all_reduce(mean, dist::ReduceOp::Sum);
+    // Each data x context rank holds an equal share of the batch's positions; the last stage
+    // has the loss.
+    using parallel::Axis;
+    const dist::Group& all = mesh.group({Axis::Data, Axis::Context, Axis::Pipeline});
+    const double mine = loss.defined() ? loss.item<double>() / mesh.data_and_context().size() : 0;
+    Tensor mean = full({1}, mine, {.dtype = kFloat64});
+    dist::all_reduce(mean, dist::ReduceOp::Sum, all);
     return mean.item<double>();
   }
 
@@ -224,23 +316,50 @@ struct Trainer {
     return true;
   }
 
-  // The whole model (gathered from the ranks' pieces under tp and fsdp; collective).
+  // The whole model, on every rank (gathered from the ranks' shards and slices; collective).
   std::shared_ptr<nn::CausalLM> whole_model() {
-    if (!tp && !fsdp) return model;
+    if (!fsdp && !split) return model;
+    if (pipe) return gathered_stages();
+    if (!split) {
+      auto whole = data::hf::make_model(config);
+      whole->load_state_dict(fsdp->full_state_dict());
+      return whole;
+    }
     auto whole = data::hf::make_model(config);
-    whole->load_state_dict(fsdp ? fsdp->full_state_dict() : parallel::gather_state_dict(*model));
+    if (!fsdp) {
+      whole->load_state_dict(parallel::gather_state_dict(*model));
+      return whole;
+    }
+    auto slices = split_model(config, mesh, nullptr);  // this rank's slices, whole
+    slices->load_state_dict(fsdp->full_state_dict());
+    whole->load_state_dict(parallel::gather_state_dict(*slices));
+    return whole;
+  }
+
+  // The stages' parts (slices) into the whole model on every rank, through a sharded checkpoint
+  // of the model alone (it loads at any layout). Collective.
+  std::shared_ptr<nn::CausalLM> gathered_stages() {
+    const std::string dir = (f.save.empty() ? f.model : f.save) + "/.stages";
+    parallel::save_sharded_checkpoint(dir, {.model = model.get(), .default_generator = false});
+    auto whole = data::hf::make_model(config);
+    data::TrainingState into{.model = whole.get(), .default_generator = false};
+    parallel::load_sharded_checkpoint(dir, into);
+    dist::barrier();
+    if (dist::rank() == 0) fs::remove_all(dir);
     return whole;
   }
 
   const Flags& f;
   const data::hf::ModelConfig& config;
-  bool tp;
+  parallel::ProcessMesh mesh;
+  bool split;
   std::shared_ptr<const data::TokenDataset> dataset;
   std::shared_ptr<parallel::DistributedSampler> sampler;
   std::shared_ptr<nn::CausalLM> model;
   std::unique_ptr<data::DataLoader> loader;
   std::unique_ptr<parallel::DistributedDataParallel> ddp;
   std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
+  std::unique_ptr<parallel::Pipeline> pipe;
   std::unique_ptr<optim::AdamW> optimizer;
   std::unique_ptr<optim::LRScheduler> scheduler;
   data::TrainingState state;
@@ -259,11 +378,13 @@ void save_and_generate(const Flags& f, Trainer& trainer, const data::Tokenizer& 
     std::printf("saved %s\n", f.save.c_str());
   }
   // Under tp every rank decodes its part; otherwise rank 0 decodes the whole model.
-  if (!f.prompt.empty() && (trainer.tp || dist::rank() == 0)) {
+  const bool tp_decode =
+      f.strategy == "tp" && trainer.mesh.shape().context == 1 && trainer.mesh.shape().pipeline == 1;
+  if (!f.prompt.empty() && (tp_decode || dist::rank() == 0)) {
     const auto ids = tok.encode(f.prompt);
     const Tensor prompt =
         from_vector(std::vector<int64_t>(ids.begin(), ids.end()), {1, int64_t(ids.size())});
-    const Tensor out = nn::generate(trainer.tp ? *trainer.model : *whole, prompt,
+    const Tensor out = nn::generate(tp_decode ? *trainer.model : *whole, prompt,
                                     {.max_new_tokens = f.max_new_tokens,
                                      .temperature = f.temperature,
                                      .top_k = f.top_k,

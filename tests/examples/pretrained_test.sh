@@ -5,8 +5,9 @@
 # step 50 and resumed from its checkpoint, and a run killed (SIGKILL, every process) once it
 # logged step 50 and resumed from its last checkpoint (step 40), must print the same losses for
 # every step after the resume and save the same Hugging Face files, byte for byte, as the
-# uninterrupted run; tp and fsdp must end at ddp's loss (float32: 1e-3 relative), and the saved
-# model must generate from a prompt.
+# uninterrupted run; tp, fsdp, context parallelism, a 2-stage pipeline, and at 4 ranks ddp x tp,
+# fsdp x tp x context and pipeline x context must end at ddp's loss (float32: 1e-3 relative), and the saved model must
+# generate from a prompt.
 # Exits 77 (skipped) without the fortunes package.
 set -u
 finetune=$1 tokenize=$2 npm=$3
@@ -65,12 +66,19 @@ echo "killed after step 50, resumed at step $from"
 final() { sed -n 's/^final_loss=//p' "$work/$1.out"; }
 reference=$(final whole)
 echo "ddp final_loss=$reference; resumed: $(final resumed)"
-for strategy in tp fsdp; do
-  run "$strategy" 2 --strategy "$strategy"
-  got=$(final "$strategy")
+# Every strategy from the same checkpoint and batches: the same loss. GPT-2's vocabulary (50257)
+# is padded under tp (50304), its padding masked.
+for case in "tp 2 --strategy tp" "fsdp 2 --strategy fsdp" "context 2 --context-parallel 2" \
+            "pipeline 2 --pipeline 2" "hybrid 4 --strategy hybrid --tp 2" \
+            "fsdp_tp_context 4 --strategy fsdp --tp 2 --context-parallel 2" \
+            "tp_pipeline_context 4 --strategy tp --pipeline 2 --context-parallel 2"; do
+  read -r name ranks args <<<"$case"
+  # shellcheck disable=SC2086
+  run "$name" "$ranks" $args
+  got=$(final "$name")
   awk -v a="$got" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-3 * b) }' ||
-    { echo "FAIL: $strategy final_loss=$got, ddp's $reference"; status=1; }
-  echo "$strategy final_loss=$got"
+    { echo "FAIL: $name final_loss=$got, ddp's $reference"; status=1; }
+  echo "$name final_loss=$got"
 done
 [ "$status" -eq 0 ] && echo "PASS: fine-tuning resumes exactly and every strategy agrees"
 exit "$status"

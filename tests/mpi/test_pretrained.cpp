@@ -1,5 +1,6 @@
 // Hugging Face checkpoints loaded over ranks: a tensor-parallel Llama whose ranks read only
-// their slices, and a fully sharded one loaded whole and then sharded, against the logits
+// their slices, a fully sharded one whose ranks read only their shards, and both together,
+// against the logits
 // PyTorch computed (tests/data/hf, written by bench/pretrained/hf_reference.py); tensor-parallel
 // greedy decoding against one process's.
 #include <doctest/doctest.h>
@@ -35,23 +36,33 @@ uint64_t checkpoint_bytes(const std::string& dir) {
 }
 
 // The tensor-parallel model of a checkpoint's architecture.
-std::shared_ptr<nn::CausalLM> split_model(const data::hf::ModelConfig& config, bool gather) {
+std::shared_ptr<nn::CausalLM> split_model(const data::hf::ModelConfig& config,
+                                          const dist::Group& group,
+                                          const parallel::ParallelLMOptions& split) {
   if (config.architecture == data::hf::Architecture::GPT2)
-    return std::make_shared<parallel::ParallelGPT2Model>(data::hf::gpt2_options(config),
-                                                         dist::world(), gather);
-  return std::make_shared<parallel::ParallelLlamaModel>(data::hf::llama_options(config),
-                                                        dist::world(), gather);
+    return std::make_shared<parallel::ParallelGPT2Model>(data::hf::gpt2_options(config), group,
+                                                         split);
+  return std::make_shared<parallel::ParallelLlamaModel>(data::hf::llama_options(config), group,
+                                                        split);
+}
+
+// FSDP units: the blocks (embeddings, norm and head in the root unit: GPT-2's tied head reads
+// the token embedding after the blocks).
+std::vector<std::string> block_units(const data::hf::ModelConfig& config) {
+  std::vector<std::string> units;
+  for (int64_t i = 0; i < config.layers; ++i) units.push_back("blocks." + std::to_string(i));
+  return units;
 }
 
 }  // namespace
 
 TEST_SUITE("pretrained") {
   TEST_CASE("tensor-parallel GPT-2 and Llama read their slices and give PyTorch's logits") {
-    for (const std::string arch : {"gpt2", "llama"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
-      auto model = split_model(config, /*gather=*/true);
+      auto model = split_model(config, dist::world(), {.gather_logits = true});
       const auto stats = parallel::load_pretrained(*model, config, dir);
       const auto [tokens, expected] = reference_logits(dir);
       NoGradGuard no_grad;
@@ -63,11 +74,11 @@ TEST_SUITE("pretrained") {
   }
 
   TEST_CASE("tensor-parallel greedy decoding gives one process's tokens") {
-    for (const std::string arch : {"gpt2", "llama"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
-      auto split = split_model(config, false);
+      auto split = split_model(config, dist::world(), {});
       parallel::load_pretrained(*split, config, dir);
       auto whole = data::hf::from_pretrained(dir);
       const Tensor prompt =
@@ -78,18 +89,207 @@ TEST_SUITE("pretrained") {
     }
   }
 
-  TEST_CASE("fully sharded GPT-2 and Llama, loaded whole and then sharded, give PyTorch's logits") {
-    for (const std::string arch : {"gpt2", "llama"}) {
+  TEST_CASE("fully sharded GPT-2 and Llama read only their shards and give PyTorch's logits") {
+    for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
       CAPTURE(arch);
-      auto model = data::hf::from_pretrained(kData + arch);
-      // GPT-2's tied head reads the token embedding after the blocks: it stays in the root.
-      const auto* gpt2 = dynamic_cast<nn::GPT2Model*>(model.get());
+      const std::string dir = kData + arch;
+      const auto config = data::hf::read_config(dir);
+      Generator generator(3);  // the same on every rank, as FSDP checks
+      auto model = data::hf::make_model(config, &generator);
       parallel::FullyShardedDataParallel fsdp(
-          *model,
-          {.units = gpt2 ? gpt2->units() : std::vector<std::string>{}, .group = dist::world()});
-      const auto [tokens, expected] = reference_logits(kData + arch);
+          *model, {.units = block_units(config), .group = dist::world()});
+      const auto stats = parallel::load_pretrained(fsdp.sharded_module(), config, dir);
+      const auto [tokens, expected] = reference_logits(dir);
       NoGradGuard no_grad;
       CHECK(max_abs_diff(fsdp(tokens), expected) < 1e-5);
+      // Each rank reads its share (and a few rows where its shard begins and ends mid-row).
+      Tensor bytes = from_vector(std::vector<double>{double(stats.bytes_read)}, {1});
+      dist::all_reduce(bytes);
+      const double total = double(checkpoint_bytes(dir));
+      CHECK(bytes.item<double>() >= total);
+      CHECK(bytes.item<double>() < total * 1.1);
+      CHECK(double(stats.bytes_read) < total / dist::world_size() * 1.2);
     }
+  }
+
+  TEST_CASE("tensor parallel 2 x fully sharded 2: each rank reads its slices' shards") {
+    if (dist::world_size() != 4) return;
+    parallel::ProcessMesh mesh({.data = 2, .tensor = 2});
+    for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
+      CAPTURE(arch);
+      const std::string dir = kData + arch;
+      const auto config = data::hf::read_config(dir);
+      auto model = split_model(config, mesh.tensor(), {.gather_logits = true});
+      parallel::FullyShardedDataParallel fsdp(*model,
+                                              {.units = block_units(config), .group = mesh.data()});
+      const auto stats = parallel::load_pretrained(fsdp.sharded_module(), config, dir);
+      const auto [tokens, expected] = reference_logits(dir);
+      NoGradGuard no_grad;
+      CHECK(max_abs_diff(fsdp(tokens), expected) < 1e-5);
+      CHECK(uint64_t(stats.bytes_read) < checkpoint_bytes(dir) / 2);
+    }
+  }
+
+  TEST_CASE("a bad tensor that one rank's shard reads raises on every rank") {
+    // Llama with block 1's down projection stored as int32, in one file: under FSDP only the
+    // ranks whose shard of block 1 reaches its last member read it.
+    const std::string dir =
+        (std::filesystem::temp_directory_path() / "weave_pretrained_bad").string();
+    if (dist::rank() == 0) {
+      std::filesystem::remove_all(dir);
+      std::filesystem::create_directories(dir);
+      nn::NamedTensors tensors;
+      for (const auto& entry : std::filesystem::directory_iterator(kData + "llama"))
+        if (entry.path().filename().string().starts_with("model-"))
+          for (auto& [name, t] : data::load_safetensors(entry.path().string()).tensors)
+            tensors.emplace_back(name,
+                                 name == "model.layers.1.mlp.down_proj.weight" ? t.to(kInt32) : t);
+      data::save_safetensors(dir + "/model.safetensors", tensors);
+      std::filesystem::copy_file(kData + "llama/config.json", dir + "/config.json");
+    }
+    dist::barrier();
+    const auto config = data::hf::read_config(dir);
+    Generator generator(3);
+    auto model = data::hf::make_model(config, &generator);
+    parallel::FullyShardedDataParallel fsdp(*model,
+                                            {.units = block_units(config), .group = dist::world()});
+    CHECK_THROWS_AS(parallel::load_pretrained(fsdp.sharded_module(), config, dir), Error);
+    dist::barrier();
+    if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("a vocabulary that does not divide among the ranks is padded, with PyTorch's logits") {
+    // The reference checkpoints with 511 of their 512 tokens (511 = 7 x 73): their logits are
+    // PyTorch's without the last column (GPT-2's tied head and Llama's head read one row per
+    // token; the fixed tokens lie below 511).
+    constexpr int64_t kVocab = 511;
+    for (const std::string arch : {"gpt2", "llama"}) {
+      CAPTURE(arch);
+      const std::string dir =
+          (std::filesystem::temp_directory_path() / ("weave_pretrained_511_" + arch)).string();
+      if (dist::rank() == 0) {
+        std::filesystem::remove_all(dir);
+        auto config = data::hf::read_config(kData + arch);
+        auto model = data::hf::from_pretrained(kData + arch);
+        config.vocab = kVocab;
+        auto smaller = data::hf::make_model(config);
+        nn::NamedTensors state = model->state_dict();
+        for (auto& [name, t] : state)
+          if (name == "tokens.weight" || name == "embedding.weight" || name == "head.weight")
+            t = t.narrow(0, 0, kVocab).contiguous();
+        smaller->load_state_dict(state);
+        data::hf::save_pretrained(*smaller, config, dir);
+      }
+      dist::barrier();
+      const auto config = data::hf::read_config(dir);
+      const auto [tokens, all] = reference_logits(kData + arch);
+      REQUIRE(max(tokens).item<double>() < kVocab);
+      const Tensor expected = all.narrow(-1, 0, kVocab);
+      auto gathered = split_model(config, dist::world(), {.gather_logits = true});
+      parallel::load_pretrained(*gathered, config, dir);
+      {
+        NoGradGuard no_grad;
+        CHECK(max_abs_diff((*gathered)(tokens), expected) < 1e-5);
+      }
+      // Each rank's slice: the padding masked, the loss and its gradient as one process's.
+      auto sliced = split_model(config, dist::world(), {});
+      parallel::load_pretrained(*sliced, config, dir);
+      const Tensor logits = (*sliced)(tokens);
+      const Tensor targets = tokens.reshape({-1});
+      const Tensor loss = parallel::vocab_parallel_cross_entropy(
+          logits.reshape({-1, logits.size(-1)}), targets, dist::world());
+      loss.backward();
+      CHECK(std::abs(loss.item<double>() -
+                     cross_entropy(expected.reshape({-1, kVocab}), targets).item<double>()) < 1e-5);
+      for (auto& [name, p] : sliced->named_parameters()) {
+        CAPTURE(name);
+        CHECK(all_finite(p.grad()));
+      }
+      // Greedy decoding as one process, and the export equal to the checkpoint.
+      auto whole = data::hf::from_pretrained(dir);
+      const Tensor prompt = tokens.narrow(1, 0, 4);
+      const nn::GenerationOptions greedy{.max_new_tokens = 16};
+      CHECK(max_abs_diff(nn::generate(*gathered, prompt, greedy),
+                         nn::generate(*whole, prompt, greedy)) == 0);
+      auto exported = data::hf::make_model(config);  // the gathered state, padding dropped
+      exported->load_state_dict(parallel::gather_state_dict(*gathered));
+      const auto mine = exported->named_parameters(), theirs = whole->named_parameters();
+      REQUIRE(mine.size() == theirs.size());
+      for (size_t i = 0; i < mine.size(); ++i) {
+        CAPTURE(mine[i].first);
+        CHECK(max_abs_diff(mine[i].second, theirs[i].second) == 0);
+      }
+      // Sharded checkpoints hold the real rows only: a split model's loads into the whole model,
+      // and the whole model's into a split one.
+      data::TrainingState from_split{.model = gathered.get(), .default_generator = false};
+      parallel::save_sharded_checkpoint(dir + "/split_ckpt", from_split);
+      Generator other(11);
+      auto fresh = data::hf::make_model(config, &other);
+      data::TrainingState into_whole{.model = fresh.get(), .default_generator = false};
+      parallel::load_sharded_checkpoint(dir + "/split_ckpt", into_whole);
+      const auto loaded = fresh->named_parameters();
+      for (size_t i = 0; i < loaded.size(); ++i) {
+        CAPTURE(loaded[i].first);
+        CHECK(max_abs_diff(loaded[i].second, theirs[i].second) == 0);
+      }
+      data::TrainingState from_whole{.model = whole.get(), .default_generator = false};
+      parallel::save_sharded_checkpoint(dir + "/whole_ckpt", from_whole);
+      auto split_again = split_model(config, dist::world(), {.gather_logits = true});
+      data::TrainingState into_split{.model = split_again.get(), .default_generator = false};
+      parallel::load_sharded_checkpoint(dir + "/whole_ckpt", into_split);
+      {
+        NoGradGuard no_grad;
+        CHECK(max_abs_diff((*split_again)(tokens), expected) < 1e-5);
+      }
+      dist::barrier();
+      if (dist::rank() == 0) std::filesystem::remove_all(dir);
+    }
+  }
+
+  TEST_CASE("context parallel (and tensor parallel) parts give PyTorch's logits of their parts") {
+    if (dist::world_size() % 2 != 0) return;
+    parallel::ProcessMesh mesh({.tensor = dist::world_size() / 2, .context = 2});
+    for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
+      CAPTURE(arch);
+      const std::string dir = kData + arch;
+      const auto config = data::hf::read_config(dir);
+      auto model = split_model(config, mesh.tensor(),
+                               {.gather_logits = true, .context_group = mesh.context()});
+      parallel::load_pretrained(*model, config, dir);
+      const auto [tokens, expected] = reference_logits(dir);
+      const auto part = [&](const Tensor& whole) {
+        return parallel::shard_sequence(whole, 1, mesh.context(), parallel::SequenceLayout::ZigZag);
+      };
+      NoGradGuard no_grad;
+      CHECK(max_abs_diff((*model)(part(tokens)), part(expected)) < 1e-5);
+      std::vector<nn::KVCache> caches = model->make_caches(8);
+      CHECK_THROWS_WITH_AS(model->forward_cached(part(tokens), caches),
+                           doctest::Contains("context group"), Error);
+    }
+  }
+
+  TEST_CASE("pipeline stages of Llama (with tensor parallelism) give PyTorch's logits") {
+    if (dist::world_size() % 2 != 0) return;
+    parallel::ProcessMesh mesh({.tensor = dist::world_size() / 2, .pipeline = 2});
+    const std::string dir = kData + "llama";
+    const auto config = data::hf::read_config(dir);
+    auto stage = split_model(
+        config, mesh.tensor(),
+        {.gather_logits = true, .stage = mesh.pipeline_rank(), .stages = mesh.shape().pipeline});
+    const auto stats = parallel::load_pretrained(*stage, config, dir);
+    CHECK(uint64_t(stats.bytes_read) < checkpoint_bytes(dir) * 3 / 4);  // its blocks, not all
+    for (const auto& [name, p] : stage->named_parameters())             // the whole model's names
+      CHECK(name.starts_with(mesh.pipeline_rank() == 0 ? "blocks.0." : "blocks.1.") ==
+            name.starts_with("blocks."));
+    parallel::Pipeline pipe(*stage, {.microbatches = 2, .group = mesh.pipeline()});
+    const auto [tokens, expected] = reference_logits(dir);
+    const Tensor logits = pipe.predict(tokens);
+    if (pipe.is_last()) CHECK(max_abs_diff(logits, expected) < 1e-5);
+    std::vector<nn::KVCache> caches = stage->make_caches(8);
+    CHECK_THROWS_WITH_AS(stage->forward_cached(tokens, caches),
+                         doctest::Contains("pipeline stages"), Error);
+    CHECK_THROWS_WITH_AS(split_model(data::hf::read_config(kData + "gpt2"), mesh.tensor(),
+                                     {.stage = mesh.pipeline_rank(), .stages = 2}),
+                         doctest::Contains("tied"), Error);
   }
 }

@@ -1,7 +1,8 @@
 // Hugging Face checkpoints against PyTorch: bench/pretrained/hf_reference.py wrote a tiny GPT-2
-// and a tiny Llama (4 query and 2 key/value heads, rotary with Llama 3's scaling, SwiGLU,
-// RMSNorm) in Hugging Face's layout, two shards with an index each, and their logits on fixed
-// tokens (tests/data/hf). Generation with the key/value caches against full forward passes.
+// a tiny Llama (4 query and 2 key/value heads, rotary with Llama 3's scaling, SwiGLU, RMSNorm)
+// and a tiny Qwen 2 (Llama with biased q, k and v) in Hugging Face's layout, two shards with an
+// index each, and their logits on fixed tokens (tests/data/hf). Generation with the key/value
+// caches against full forward passes.
 #include <unistd.h>
 
 #include <filesystem>
@@ -41,25 +42,6 @@ std::map<std::string, std::pair<Shape, DType>> layout_of(const std::string& dir)
   return out;
 }
 
-// A module holding given tensors under given dotted names (children made as the names need).
-class Holder : public nn::Module {
- public:
-  Holder() : Module("Holder") {}
-  void add(const std::string& name, const Tensor& value) {
-    const size_t dot = name.find('.');
-    if (dot == std::string::npos) {
-      register_parameter(name, value);
-      return;
-    }
-    auto& child = children_[name.substr(0, dot)];
-    if (!child) child = register_module(name.substr(0, dot), std::make_shared<Holder>());
-    child->add(name.substr(dot + 1), value);
-  }
-
- private:
-  std::map<std::string, std::shared_ptr<Holder>> children_;
-};
-
 void copy_checkpoint(const std::string& from, const fs::path& to) {
   fs::create_directories(to);
   for (const auto& entry : fs::directory_iterator(from))
@@ -76,7 +58,7 @@ void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>
 
 TEST_SUITE("hf_checkpoint") {
   TEST_CASE("GPT-2 and Llama checkpoints give PyTorch's logits; export reloads bitwise") {
-    for (const std::string arch : {"gpt2", "llama"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       auto model = data::hf::from_pretrained(dir);
@@ -103,52 +85,66 @@ TEST_SUITE("hf_checkpoint") {
     }
   }
 
-  TEST_CASE("GPT-2's fused q/k/v read by heads equals the whole split by heads") {
+  TEST_CASE("GPT-2's fused q/k/v read by heads, or by rows across heads, equals the whole's") {
     const std::string dir = reference_dir("gpt2");
     const auto config = data::hf::read_config(dir);
     auto whole = data::hf::from_pretrained(dir);
-    Holder part;
-    std::map<std::string, data::hf::Slice> slices;
-    for (auto& [name, p] : whole->named_parameters()) {
+    data::hf::WeightReader reader(config, dir);
+    for (auto& [name, w] : whole->named_parameters()) {
       if (name.find("attention.qkv") == std::string::npos) continue;
-      slices[name] = {0, p.size(0) / 4, p.size(0) / 2};  // the second of 4 heads
-      part.add(name, zeros_like(p.narrow(0, p.size(0) / 4, p.size(0) / 4)));
+      CAPTURE(name);
+      const int64_t rows = w.size(0);
+      // the second of 4 heads, then rows that cut heads (and q, k and v) in the middle
+      for (auto [begin, end] : {std::pair{rows / 4, rows / 2}, std::pair{int64_t(5), rows - 7}})
+        CHECK(max_abs_diff(reader.read(name, {0, begin, end}), w.narrow(0, begin, end - begin)) ==
+              0);
     }
-    data::hf::load_weights(part, config, dir,
-                           [&](const std::string& name, const Tensor&) { return slices[name]; });
-    for (auto& [name, p] : part.named_parameters())
-      for (auto& [whole_name, w] : whole->named_parameters())
-        if (whole_name == name)
-          CHECK(max_abs_diff(p, w.narrow(0, w.size(0) / 4, w.size(0) / 4)) == 0);
   }
 
-  TEST_CASE("a split model's parameters read only their slices") {
-    const std::string dir = reference_dir("llama");
-    const auto config = data::hf::read_config(dir);
-    auto whole = data::hf::from_pretrained(dir);
-    // Every tensor's second half along one axis (a rank's piece: rows, or columns for the
-    // row-parallel out and down projections, key/value heads for the stacked kv), in a module
-    // with the whole model's names.
-    std::map<std::string, data::hf::Slice> slices;
-    Holder part;
-    for (auto& [name, p] : whole->named_parameters()) {
-      const int axis = p.dim() == 3                                                    ? 1
-                       : name.ends_with("out.weight") || name.ends_with("down.weight") ? 1
-                                                                                       : 0;
-      slices[name] = {axis, p.size(axis) / 2, p.size(axis)};
-      part.add(name, zeros_like(p.narrow(axis, 0, p.size(axis) / 2)));
+  TEST_CASE("slices read only their bytes, and element ranges equal the whole's") {
+    for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
+      CAPTURE(arch);
+      const std::string dir = reference_dir(arch);
+      const auto config = data::hf::read_config(dir);
+      auto whole = data::hf::from_pretrained(dir);
+      data::hf::WeightReader reader(config, dir);
+      Generator generator(7);
+      for (auto& [name, w] : whole->named_parameters()) {
+        CAPTURE(name);
+        CHECK(reader.shape(name) == w.shape());
+        // A rank's piece: the second half along the last axis (columns; for Llama's stacked kv,
+        // key/value heads), and along the first.
+        for (const int axis : {int(w.dim()) - 1, 0}) {
+          const int64_t size = w.size(axis);
+          const data::hf::Slice slice{axis, size / 2, size};
+          const Tensor expected = w.narrow(axis, size / 2, size - size / 2).contiguous();
+          CAPTURE(axis);
+          const int64_t before = reader.bytes_read();
+          CHECK(max_abs_diff(reader.read(name, slice), expected) == 0);
+          if (arch != "gpt2")  // float32, and no fused q/k/v: exactly the slice's bytes
+            CHECK(reader.bytes_read() - before == expected.numel() * 4);
+          // Flat ranges of the slice, as a flat shard cuts it: a few rows' bytes at most beyond.
+          const Tensor flat = expected.reshape({expected.numel()});
+          const int64_t row = expected.numel() / expected.size(0);
+          const int64_t qkv =
+              name.find("qkv") != std::string::npos ? 3 * config.dim / config.heads : 1;
+          for (int trial = 0; trial < 4; ++trial) {
+            const int64_t first = generator.integer(0, flat.numel());
+            const int64_t count = generator.integer(1, flat.numel() - first + 1);
+            CAPTURE(first);
+            CAPTURE(count);
+            const int64_t at = reader.bytes_read();
+            CHECK(max_abs_diff(reader.read_elements(name, slice, first, count),
+                               flat.narrow(0, first, count)) == 0);
+            CHECK(reader.bytes_read() - at <= 4 * (count + 4 * row * qkv));
+          }
+        }
+      }
+      CHECK_THROWS_WITH_AS(reader.read("norm.weight", {0, 0, 10 * config.dim}),
+                           doctest::Contains("no slice"), Error);
+      CHECK_THROWS_WITH_AS(reader.read("blocks.9.norm1.weight"),
+                           doctest::Contains("has no counterpart"), Error);
     }
-    const auto stats = data::hf::load_weights(
-        part, config, dir, [&](const std::string& name, const Tensor&) { return slices[name]; });
-    const auto mine = part.named_parameters(), theirs = whole->named_parameters();
-    int64_t elements = 0;
-    for (size_t i = 0; i < mine.size(); ++i) {
-      const auto& s = slices[theirs[i].first];
-      CHECK(max_abs_diff(mine[i].second,
-                         theirs[i].second.narrow(s.axis, s.begin, s.end - s.begin)) == 0);
-      elements += mine[i].second.numel();
-    }
-    CHECK(stats.bytes_read == elements * 4);  // float32: half of every tensor, nothing more
   }
 
   TEST_CASE("bad checkpoints raise, naming what is wrong") {
@@ -175,6 +171,17 @@ TEST_SUITE("hf_checkpoint") {
     edit_config(dir, [](auto& c) { c["attention_bias"] = true; });
     CHECK_THROWS_WITH_AS(data::hf::from_pretrained(dir.string()),
                          doctest::Contains("attention_bias true is not supported"), Error);
+    dir = broken("sliding");
+    edit_config(dir, [](auto& c) {
+      c["model_type"] = "qwen2";
+      c["use_sliding_window"] = true;
+    });
+    CHECK_THROWS_WITH_AS(data::hf::from_pretrained(dir.string()),
+                         doctest::Contains("use_sliding_window true is not supported"), Error);
+    dir = broken("llama_as_qwen2");  // Qwen 2's biases are missing from Llama's files
+    edit_config(dir, [](auto& c) { c["model_type"] = "qwen2"; });
+    CHECK_THROWS_WITH_AS(data::hf::from_pretrained(dir.string()),
+                         doctest::Contains("_proj.bias, which the config's model needs"), Error);
     dir = broken("untied");
     edit_config(dir, [](auto& c) { c["tie_word_embeddings"] = true; });  // lm_head unused
     auto tied = data::hf::from_pretrained(dir.string());
@@ -182,7 +189,7 @@ TEST_SUITE("hf_checkpoint") {
   }
 
   TEST_CASE("greedy decoding with the caches equals the argmax of full forward passes") {
-    for (const std::string arch : {"gpt2", "llama"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
       CAPTURE(arch);
       auto model = data::hf::from_pretrained(reference_dir(arch));
       const Tensor prompt =

@@ -75,6 +75,13 @@ std::vector<Mapping> llama_mappings(const ModelConfig& c) {
                  {h + "self_attn.k_proj.weight", h + "self_attn.v_proj.weight"},
                  Layout::Stacked,
                  {{KV, D}, {KV, D}}});
+    if (c.qkv_bias) {
+      m.push_back({w + "attention.q.bias", {h + "self_attn.q_proj.bias"}, Layout::Same, {{D}}});
+      m.push_back({w + "attention.kv_bias",
+                   {h + "self_attn.k_proj.bias", h + "self_attn.v_proj.bias"},
+                   Layout::Stacked,
+                   {{KV}, {KV}}});
+    }
     m.push_back(
         {w + "attention.out.weight", {h + "self_attn.o_proj.weight"}, Layout::Same, {{D, D}}});
     m.push_back({w + "norm2.weight", {h + "post_attention_layernorm.weight"}, Layout::Same, {{D}}});
@@ -172,80 +179,151 @@ struct Reader {
   }
 };
 
-// The slice [begin, end) along axis of W (axis -1: all of W), from the sources.
-Tensor read_slice(Reader& reader, const Mapping& m, const Slice& s, const ModelConfig& c) {
-  const Shape& shape = m.shapes[0];
-  const bool matrix = shape.size() == 2;
-  const int64_t rows = matrix ? shape[0] : 1, cols = matrix ? shape[1] : shape[0];
-  const auto whole = [&](const std::string& name) {
-    return reader.box(name, shape, 0, rows, 0, cols);
-  };
-  switch (m.layout) {
-    case Layout::Same: {
-      if (s.axis < 0) return whole(m.sources[0]).reshape(shape);
-      if (!matrix || s.axis == 1)  // columns
-        return reader.box(m.sources[0], shape, 0, rows, s.begin, s.end)
-            .reshape(matrix ? Shape{rows, s.end - s.begin} : Shape{s.end - s.begin});
-      return reader.box(m.sources[0], shape, s.begin, s.end, 0, cols);
-    }
-    case Layout::Transposed: {  // W rows are S columns
-      if (s.axis < 0) return whole(m.sources[0]).t();
-      if (s.axis == 0) return reader.box(m.sources[0], shape, 0, rows, s.begin, s.end).t();
-      return reader.box(m.sources[0], shape, s.begin, s.end, 0, cols).t();
-    }
-    case Layout::Stacked: {
-      std::vector<Tensor> parts;
-      for (size_t k = 0; k < m.sources.size(); ++k) {
-        if (s.axis == 0 && (int64_t(k) < s.begin || int64_t(k) >= s.end)) continue;
-        const Mapping part{m.weave, {m.sources[k]}, Layout::Same, {m.shapes[k]}};
-        parts.push_back(
-            read_slice(reader, part, s.axis > 0 ? Slice{s.axis - 1, s.begin, s.end} : Slice{}, c));
-      }
-      return stack(parts);
-    }
-    case Layout::HeadsQKV: {
-      const int64_t D = c.dim, head_dim = c.dim / c.heads, per_head = 3 * head_dim;
-      int64_t h0 = 0, h1 = c.heads;
-      if (s.axis == 0 && s.begin % per_head == 0 && s.end % per_head == 0)
-        h0 = s.begin / per_head, h1 = s.end / per_head;
-      else if (s.axis >= 0)  // no head-aligned slice: the whole, then the slice
-        return read_slice(reader, m, {}, c).narrow(s.axis, s.begin, s.end - s.begin);
-      std::vector<Tensor> qkv;  // each [rows of S, (h1 - h0) head_dim]
-      for (int64_t part = 0; part < 3; ++part)
-        qkv.push_back(reader.box(m.sources[0], shape, 0, rows, part * D + h0 * head_dim,
-                                 part * D + h1 * head_dim));
-      if (!matrix)  // [1, n] each -> [heads, 3, head_dim] -> flat
-        return stack({qkv[0].reshape({h1 - h0, head_dim}), qkv[1].reshape({h1 - h0, head_dim}),
-                      qkv[2].reshape({h1 - h0, head_dim})},
-                     1)
-            .reshape({(h1 - h0) * per_head});
-      std::vector<Tensor> heads;
-      for (auto& t : qkv) heads.push_back(t.t().reshape({h1 - h0, head_dim, rows}));
-      return stack(heads, 1).reshape({(h1 - h0) * per_head, rows});
-    }
+// W's shape: what weave holds of the sources.
+Shape weave_shape(const Mapping& m) {
+  const Shape& s = m.shapes[0];
+  if (m.layout == Layout::Stacked) {
+    Shape out = s;
+    out.insert(0, int64_t(m.sources.size()));
+    return out;
   }
-  WEAVE_FAIL(kHf, "unknown layout");
+  if (m.layout == Layout::Same || s.size() == 1) return s;
+  return {s[1], s[0]};  // Transposed, HeadsQKV
+}
+
+Shape sliced(Shape shape, const Slice& s) {
+  if (s.axis >= 0) shape[s.axis] = s.end - s.begin;
+  return shape;
+}
+
+// Rows [r0, r1) of the slice s of W, a matrix (of a vector: its elements [r0, r1)).
+Tensor read_rows(Reader& reader, const Mapping& m, const Slice& s, int64_t r0, int64_t r1,
+                 const ModelConfig& c) {
+  const Shape& shape = m.shapes[0];
+  const std::string& source = m.sources[0];
+  const bool matrix = shape.size() == 2;
+  // W's box: rows [a0, a1) (a vector's elements), columns [b0, b1).
+  int64_t a0 = r0, a1 = r1, b0 = 0, b1 = matrix ? weave_shape(m)[1] : 1;
+  if (s.axis == 0) a0 += s.begin, a1 += s.begin;
+  if (s.axis == 1) b0 = s.begin, b1 = s.end;
+  switch (m.layout) {
+    case Layout::Same:
+      if (!matrix) return reader.box(source, shape, 0, 1, a0, a1).reshape({a1 - a0});
+      return reader.box(source, shape, a0, a1, b0, b1);
+    case Layout::Transposed:  // W rows are S columns
+      return reader.box(source, shape, b0, b1, a0, a1).t();
+    case Layout::HeadsQKV: {  // the heads that hold the rows, then the rows
+      const int64_t D = c.dim, head_dim = c.dim / c.heads, per_head = 3 * head_dim;
+      const int64_t h0 = a0 / per_head, h1 = (a1 + per_head - 1) / per_head, n = h1 - h0;
+      std::vector<Tensor> parts;  // q, k and v: [n, head_dim, W's columns]
+      for (int64_t part = 0; part < 3; ++part) {
+        Tensor t = reader.box(source, shape, matrix ? b0 : 0, matrix ? b1 : 1,
+                              part * D + h0 * head_dim, part * D + h1 * head_dim);
+        parts.push_back(t.t().reshape({n, head_dim, b1 - b0}));
+      }
+      Tensor heads = stack(parts, 1).reshape({n * per_head, b1 - b0});
+      heads = heads.narrow(0, a0 - h0 * per_head, a1 - a0);
+      return matrix ? heads : heads.reshape({a1 - a0});
+    }
+    case Layout::Stacked:
+      break;
+  }
+  WEAVE_FAIL(kHf, "read_rows takes a single source");
+}
+
+// Elements [first, first + count) of the slice s of W, flat: only the rows holding them are read.
+Tensor read_range(Reader& reader, const Mapping& m, const Slice& s, int64_t first, int64_t count,
+                  const ModelConfig& c) {
+  if (m.layout == Layout::Stacked) {  // part by part, each a Same source
+    const bool picks = s.axis == 0;
+    const Slice inner = s.axis > 0 ? Slice{s.axis - 1, s.begin, s.end} : Slice{};
+    std::vector<Tensor> out;
+    int64_t at = 0;  // where part k starts among the slice's elements
+    for (int64_t k = picks ? s.begin : 0; k < (picks ? s.end : int64_t(m.sources.size())); ++k) {
+      const Mapping part{m.weave, {m.sources[size_t(k)]}, Layout::Same, {m.shapes[size_t(k)]}};
+      const int64_t size = sliced(m.shapes[size_t(k)], inner).numel();
+      const int64_t lo = std::max(first, at), hi = std::min(first + count, at + size);
+      if (lo < hi) out.push_back(read_range(reader, part, inner, lo - at, hi - lo, c));
+      at += size;
+    }
+    return out.size() == 1 ? out[0] : cat(out);
+  }
+  const Shape shape = sliced(weave_shape(m), s);
+  const int64_t row = shape.numel() / shape[0];
+  const int64_t r0 = first / row, r1 = (first + count + row - 1) / row;
+  return read_rows(reader, m, s, r0, r1, c)
+      .contiguous()
+      .reshape({(r1 - r0) * row})
+      .narrow(0, first - r0 * row, count);
 }
 
 }  // namespace
 
-LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::string& dir,
-                       const SliceOf& slice_of) {
-  Checkpoint checkpoint(dir);
+struct WeightReader::Impl {
+  ModelConfig config;
+  std::string dir;
+  Checkpoint checkpoint;
   Reader reader{checkpoint};
+  std::vector<Mapping> all = mappings(config);
   std::map<std::string, const Mapping*> by_name;
-  const std::vector<Mapping> all = mappings(config);
-  for (const auto& m : all) by_name[m.weave] = &m;
-  NoGradGuard no_grad;
-  LoadStats stats;
-  for (auto& [name, param] : model.named_parameters()) {
+
+  Impl(ModelConfig config_in, std::string dir_in)
+      : config(std::move(config_in)), dir(std::move(dir_in)), checkpoint(dir) {
+    for (const auto& m : all) by_name[m.weave] = &m;
+  }
+  const Mapping& mapping(const std::string& name) const {
     const auto found = by_name.find(name);
     WEAVE_CHECK(found != by_name.end(), kHf,
                 "the model's parameter {} has no counterpart in a {} checkpoint; hint: load into "
                 "the model data::hf::make_model builds (or one split from it)",
                 name, config.architecture == Architecture::GPT2 ? "GPT-2" : "Llama");
-    const Slice slice = slice_of ? slice_of(name, param) : Slice{};
-    Tensor value = read_slice(reader, *found->second, slice, config);
+    return *found->second;
+  }
+};
+
+WeightReader::WeightReader(ModelConfig config, std::string dir)
+    : impl_(std::make_unique<Impl>(std::move(config), std::move(dir))) {}
+WeightReader::~WeightReader() = default;
+
+bool WeightReader::has(const std::string& name) const {
+  return impl_->by_name.count(name) > 0;
+}
+
+Shape WeightReader::shape(const std::string& name) const {
+  return weave_shape(impl_->mapping(name));
+}
+
+Tensor WeightReader::read(const std::string& name, const Slice& slice) {
+  const Shape whole = sliced(shape(name), slice);
+  return read_elements(name, slice, 0, whole.numel()).reshape(whole);
+}
+
+Tensor WeightReader::read_elements(const std::string& name, const Slice& slice, int64_t first,
+                                   int64_t count) {
+  const Mapping& m = impl_->mapping(name);
+  const Shape whole = weave_shape(m);
+  WEAVE_CHECK(slice.axis < whole.size() &&
+                  (slice.axis < 0 ||
+                   (0 <= slice.begin && slice.begin < slice.end && slice.end <= whole[slice.axis])),
+              kHf, "{} is {}: it has no slice [{}, {}) along axis {}", name, whole, slice.begin,
+              slice.end, slice.axis);
+  const int64_t size = sliced(whole, slice).numel();
+  WEAVE_CHECK(0 <= first && 0 < count && first + count <= size, kHf,
+              "{}'s slice has {} elements: it has no elements [{}, {})", name, size, first,
+              first + count);
+  return read_range(impl_->reader, m, slice, first, count, impl_->config);
+}
+
+int64_t WeightReader::bytes_read() const {
+  return impl_->reader.bytes;
+}
+
+LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::string& dir) {
+  WeightReader reader(config, dir);
+  NoGradGuard no_grad;
+  LoadStats stats;
+  for (auto& [name, param] : model.named_parameters()) {
+    Tensor value = reader.read(name);
     WEAVE_CHECK(value.shape() == param.shape(), kHf,
                 "{} reads as {} from {} but the parameter is {}; hint: is the model built for "
                 "this config?",
@@ -253,7 +331,7 @@ LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::
     param.copy_(value.to(param.dtype()).to(param.device()));
     ++stats.tensors;
   }
-  stats.bytes_read = reader.bytes;
+  stats.bytes_read = reader.bytes_read();
   return stats;
 }
 

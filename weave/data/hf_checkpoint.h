@@ -1,7 +1,8 @@
 #pragma once
 // Hugging Face checkpoints in and out: config.json, model.safetensors or shards with
 // model.safetensors.index.json, for GPT-2 (GPT2LMHeadModel) and Llama-family models
-// (LlamaForCausalLM), into weave's nn::GPT2Model and nn::LlamaModel and back.
+// (LlamaForCausalLM, and Qwen2ForCausalLM: Llama with biased q, k and v projections), into
+// weave's nn::GPT2Model and nn::LlamaModel and back.
 //
 //   auto config = data::hf::read_config("gpt2/");
 //   std::shared_ptr<nn::CausalLM> model = data::hf::from_pretrained("gpt2/");
@@ -15,10 +16,8 @@
 // out, and stacked gate_up, down. Rotary positions use the rotate-half layout Hugging Face's
 // Llama weights expect, with Llama 3's frequency scaling when the config has it.
 //
-// A model split over ranks with the whole model's parameter names (tensor-parallel pieces)
-// loads through load_weights with a SliceOf that says which slice each parameter holds: only
-// those bytes are read (parallel::load_pretrained gives the placements' slices).
-#include <functional>
+// A model split over ranks (tensor-parallel slices, FSDP's flat shards) loads with
+// parallel::load_pretrained, which reads each rank's pieces through a WeightReader.
 #include <memory>
 #include <optional>
 #include <string>
@@ -42,6 +41,7 @@ struct ModelConfig {
   double rope_theta = 10000;
   std::optional<Llama3RopeScaling> rope_scaling{};
   bool tie_embeddings = false;
+  bool qkv_bias = false;   // Qwen 2 (model_type qwen2): q, k and v projections with biases
   DType dtype = kFloat32;  // torch_dtype: the dtype export writes
   std::string json;        // the file's text, "" when built here
 };
@@ -61,25 +61,55 @@ nn::LlamaModelOptions llama_options(const ModelConfig& config, Generator* genera
 /// A model of the configuration, with weights drawn from `generator` (to be loaded over).
 std::shared_ptr<nn::CausalLM> make_model(const ModelConfig& config, Generator* generator = nullptr);
 
-/// The slice of a whole-model tensor a parameter holds: [begin, end) along `axis` (axis -1:
-/// all of it).
+/// The slice of a whole tensor a rank holds: [begin, end) along `axis` (axis -1: all of it).
 struct Slice {
   int axis = -1;
   int64_t begin = 0, end = 0;
 };
-using SliceOf = std::function<Slice(const std::string& name, const Tensor& parameter)>;
+
+/// A checkpoint's tensors by weave's names for the architecture (nn::GPT2Model's or
+/// nn::LlamaModel's), whole or in parts, converted to weave's layouts: what load_weights reads for
+/// each parameter, for loaders that place values themselves (parallel::load_pretrained reads each
+/// rank's tensor-parallel slices and flat-shard ranges through it). Only the bytes asked for are
+/// read, give or take a row at each end of an element range (a head's q, k and v rows for
+/// GPT-2's c_attn). Values keep the file's dtype. Raises, naming file and tensor, for a missing
+/// shard (at construction) or tensor, a tensor whose shape the config does not give, or a dtype
+/// that is not floating point.
+///
+///   data::hf::WeightReader reader(config, "llama/");
+///   Tensor rows = reader.read("blocks.0.attention.q.weight", {.axis = 0, .begin = 0, .end = 32});
+class WeightReader {
+ public:
+  WeightReader(ModelConfig config, std::string dir);
+  ~WeightReader();
+  WeightReader(const WeightReader&) = delete;
+  WeightReader& operator=(const WeightReader&) = delete;
+
+  /// Whether the architecture has a tensor `name`.
+  bool has(const std::string& name) const;
+  /// The whole shape of tensor `name` as the config gives it; raises for a name it lacks.
+  Shape shape(const std::string& name) const;
+  /// The slice of tensor `name`.
+  Tensor read(const std::string& name, const Slice& slice = {});
+  /// Elements [first, first + count) of that slice in row-major order, flat.
+  Tensor read_elements(const std::string& name, const Slice& slice, int64_t first, int64_t count);
+  /// Bytes read from the safetensors files so far.
+  int64_t bytes_read() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 struct LoadStats {
   int64_t tensors = 0;     // parameters loaded
   int64_t bytes_read = 0;  // from the safetensors files
 };
 
-/// Loads dir's weights into model's parameters, found by weave's names for the architecture
-/// (nn::GPT2Model's or nn::LlamaModel's), each in the dtype the parameter has. Raises, naming
-/// file and tensor, for a missing shard or tensor, a tensor whose shape the config does not give,
-/// or a dtype that is not floating point; the model is then partly loaded.
-LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::string& dir,
-                       const SliceOf& slice_of = {});
+/// Loads dir's weights into model's parameters (whole, by weave's names for the architecture),
+/// each in the dtype the parameter has, through a WeightReader. Raises as it does, and for a
+/// parameter the architecture lacks or whose shape differs; the model is then partly loaded.
+LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::string& dir);
 
 /// make_model + load_weights.
 std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir);

@@ -47,8 +47,10 @@ void read_gpt2(const json& c, const std::string& path, ModelConfig& config) {
               path, config.hidden, config.norm_eps, config.tie_embeddings);
 }
 
-void read_llama(const json& c, const std::string& path, ModelConfig& config) {
+// Llama, or Qwen 2 (Llama with biased q, k and v projections).
+void read_llama(const json& c, const std::string& path, ModelConfig& config, bool qwen2) {
   config.architecture = Architecture::Llama;
+  config.qkv_bias = qwen2;
   config.vocab = integer(c, "vocab_size", path);
   config.dim = integer(c, "hidden_size", path);
   config.layers = integer(c, "num_hidden_layers", path);
@@ -72,7 +74,10 @@ void read_llama(const json& c, const std::string& path, ModelConfig& config) {
               "hidden_act '" + c.value("hidden_act", "") + "' (Llama's is silu)");
   unsupported(c.value("head_dim", config.dim / config.heads) != config.dim / config.heads,
               "a head_dim other than hidden_size / num_attention_heads");
-  unsupported(c.contains("sliding_window") && !c["sliding_window"].is_null(), "sliding_window");
+  if (qwen2)  // Qwen 2 names a window it uses only with use_sliding_window
+    unsupported(c.value("use_sliding_window", false), "use_sliding_window true");
+  else
+    unsupported(c.contains("sliding_window") && !c["sliding_window"].is_null(), "sliding_window");
   const json scaling = c.value("rope_scaling", json());
   if (!scaling.is_null()) {
     const std::string type = scaling.value("rope_type", scaling.value("type", ""));
@@ -97,12 +102,12 @@ ModelConfig read_config(const std::string& dir) {
     const std::string type = c.value("model_type", "");
     if (type == "gpt2")
       read_gpt2(c, path, config);
-    else if (type == "llama")
-      read_llama(c, path, config);
+    else if (type == "llama" || type == "qwen2")
+      read_llama(c, path, config, type == "qwen2");
     else
       WEAVE_FAIL(kConfig,
-                 "{}: unknown architecture: model_type '{}'; hint: weave reads gpt2 and llama "
-                 "checkpoints",
+                 "{}: unknown architecture: model_type '{}'; hint: weave reads gpt2, llama and "
+                 "qwen2 checkpoints",
                  path, type);
   } catch (const json::exception& e) {
     WEAVE_FAIL(kConfig, "{} is not a config weave can read: {}", path, e.what());
@@ -126,8 +131,8 @@ std::string config_json(const ModelConfig& config) {
     c["activation_function"] = c.value("activation_function", "gelu_new");
     return c.dump(2);
   }
-  c["model_type"] = "llama";
-  c["architectures"] = {"LlamaForCausalLM"};
+  c["model_type"] = config.qkv_bias ? "qwen2" : "llama";
+  c["architectures"] = {config.qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
   c["hidden_size"] = config.dim, c["num_hidden_layers"] = config.layers;
   c["num_attention_heads"] = config.heads, c["num_key_value_heads"] = config.kv_heads;
   c["intermediate_size"] = config.hidden, c["rms_norm_eps"] = config.norm_eps;
@@ -171,7 +176,8 @@ nn::LlamaModelOptions llama_options(const ModelConfig& config, Generator* genera
                     .kv_heads = config.kv_heads,
                     .hidden = config.hidden,
                     .rotary = rotary,
-                    .norm_eps = config.norm_eps},
+                    .norm_eps = config.norm_eps,
+                    .qkv_bias = config.qkv_bias},
           .tie_embeddings = config.tie_embeddings,
           .generator = generator};
 }

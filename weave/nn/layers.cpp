@@ -112,7 +112,8 @@ Sequential::Sequential(std::initializer_list<std::shared_ptr<Module>> modules) :
 
 void Sequential::push_back(std::shared_ptr<Module> module) {
   WEAVE_CHECK(module != nullptr, "Sequential", "cannot add a null module");
-  modules_.push_back(register_module(std::to_string(modules_.size()), std::move(module)));
+  modules_.push_back(
+      register_module(std::to_string(first_name_ + modules_.size()), std::move(module)));
 }
 
 Tensor Sequential::forward(const Tensor& x) {

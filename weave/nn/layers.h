@@ -101,6 +101,9 @@ class Sequential : public Module {
  public:
   Sequential() : Module("Sequential") {}
   Sequential(std::initializer_list<std::shared_ptr<Module>> modules);
+  /// Children named first_name, first_name + 1, ... (a pipeline stage's share of a model's
+  /// layers keeps the names they have in the whole model).
+  explicit Sequential(size_t first_name) : Module("Sequential"), first_name_(first_name) {}
   void push_back(std::shared_ptr<Module> module);
   Tensor forward(const Tensor& x) override;
   /// Each module gets the previous one's output with the same side inputs.
@@ -110,6 +113,7 @@ class Sequential : public Module {
 
  private:
   std::vector<std::shared_ptr<Module>> modules_;
+  size_t first_name_ = 0;
 };
 
 /// Activation checkpointing of a module (autograd::checkpoint over its forward): backward keeps

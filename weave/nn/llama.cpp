@@ -35,7 +35,8 @@ GroupedQueryAttention::GroupedQueryAttention(int64_t dim, GroupedQueryAttentionO
       stacked_projection(dim, kv_heads_ * head_dim_, options.bias, options.generator);
   kv = projection.weight;
   kv_bias = projection.bias;
-  out = register_module("out", std::make_shared<Linear>(dim, dim, options.bias, options.generator));
+  out = register_module("out",
+                        std::make_shared<Linear>(dim, dim, options.out_bias, options.generator));
 }
 
 Tensor GroupedQueryAttention::forward(const Tensor& x) {
@@ -89,6 +90,7 @@ LlamaBlock::LlamaBlock(int64_t dim, LlamaBlockOptions options) : Module("LlamaBl
       "attention", std::make_shared<GroupedQueryAttention>(
                        dim, GroupedQueryAttentionOptions{.heads = options.heads,
                                                          .kv_heads = options.kv_heads,
+                                                         .bias = options.qkv_bias,
                                                          .causal = options.causal,
                                                          .rotary = options.rotary,
                                                          .generator = options.generator}));

@@ -19,8 +19,10 @@ struct GroupedQueryAttentionOptions {
   int64_t heads = 8;
   /// Key/value heads, dividing heads (1: multi-query attention); 0: as many as heads.
   int64_t kv_heads = 0;
-  /// Llama's projections have no bias (Qwen's q and k projections do).
+  /// Biases of the q and kv projections (Qwen 2's q, k and v have them; Llama's none).
   bool bias = false;
+  /// A bias of the out projection.
+  bool out_bias = false;
   bool causal = true;
   /// Rotary embeddings of q and k; none when unset.
   std::optional<RotaryOptions> rotary = RotaryOptions{};
@@ -71,6 +73,8 @@ struct LlamaBlockOptions {
   double norm_eps = 1e-5;
   bool causal = true;
   Generator* generator = nullptr;
+  /// Biases of the q, k and v projections (Qwen 2's).
+  bool qkv_bias = false;
 };
 
 /// A pre-RMSNorm block: h = x + attention(norm1(x)), then h + mlp(norm2(h)).

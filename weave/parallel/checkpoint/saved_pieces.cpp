@@ -2,10 +2,11 @@
 // Split cuts and flat-shard layouts), and pieces as runs of global elements.
 #include "weave/parallel/checkpoint/saved_pieces.h"
 
-#include "weave/parallel/core/placement.h"
-
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <optional>
+
+#include "weave/parallel/core/placement.h"
 
 namespace weave::parallel::detail {
 
@@ -13,7 +14,8 @@ namespace {
 
 using json = nlohmann::json;
 
-// The one piece of a parameter saved whole (cut by its tensor-parallel split, if any).
+// The one piece of a parameter saved whole (cut by its tensor-parallel split, if any). Of a
+// padded whole (TensorSplit::size) only the real rows: a prefix of the parameter, maybe empty.
 Piece whole(const std::string& name, const Shape& local, const TensorSplit& split) {
   Piece piece{name, local, -1, 0, 0, 0, local.numel(), 0};
   if (split.axis >= 0 && split.count > 1) {
@@ -21,6 +23,13 @@ Piece whole(const std::string& name, const Shape& local, const TensorSplit& spli
     piece.length = local[split.axis];
     piece.begin = split.index * piece.length;
     piece.shape[split.axis] = piece.length * split.count;
+    if (split.size >= 0) {
+      WEAVE_CHECK(split.axis == 0, "sharded checkpoint",
+                  "{} is padded along axis {}; only a split along axis 0 pads", name, split.axis);
+      piece.shape[0] = split.size;
+      piece.length = std::clamp<int64_t>(split.size - piece.begin, 0, piece.length);
+      piece.count = piece.length * (local.numel() / local[0]);
+    }
   }
   return piece;
 }
@@ -55,9 +64,12 @@ class Describer {
         }
         Piece piece = whole(member, flat->shapes[m],
                             flat->splits.empty() ? split_of(member) : flat->splits[m]);
-        piece.first = std::max(from, begin) - from;
-        piece.count = std::min(to, end) - std::max(from, begin);
-        piece.offset = std::max(from, begin) - begin;
+        // The member's elements in the shard, less a padded whole's padding (its last ones).
+        const int64_t first = std::max(from, begin) - from;
+        const int64_t last = std::min(std::min(to, end) - from, piece.count);
+        if (first >= last) continue;
+        piece.first = first, piece.count = last - first;
+        piece.offset = from + first - begin;
         out.push_back(std::move(piece));
       }
       return out;
@@ -67,7 +79,9 @@ class Describer {
       if (it == names_.end()) return std::nullopt;
       name = it->second;
     }
-    return Pieces{whole(name, t.shape(), split_of(name))};
+    Piece piece = whole(name, t.shape(), split_of(name));
+    if (piece.count == 0) return Pieces{};  // padding only
+    return Pieces{std::move(piece)};
   }
 
  private:

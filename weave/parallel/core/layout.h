@@ -33,11 +33,13 @@ class ShardedModule : public nn::Module {
 };
 
 /// How this rank's parameter is cut from the whole: piece `index` of `count` equal pieces
-/// along `axis`.
+/// along `axis`. A whole padded to divide among the ranks (a vocabulary: padded_vocab) has
+/// `size` < count x piece along axis 0: the elements past it are padding, in no whole tensor.
 struct TensorSplit {
   int axis = -1;
   int index = 0;
   int count = 1;
+  int64_t size = -1;  // -1: count x the piece's length
 };
 
 namespace detail {
@@ -46,6 +48,7 @@ namespace detail {
 struct SplitParameter {
   int axis;
   dist::Group group;
+  int64_t size = -1;  // TensorSplit::size
 };
 
 /// A flat shard (ZeRO-1's, FSDP's): elements [begin, begin + numel) of `members` laid out back to

@@ -16,7 +16,9 @@ namespace weave::parallel {
 std::string Cut::str() const {
   switch (kind) {
     case Kind::Split:
-      return fmt::format("split along axis {} over group {}", axis, group.str());
+      return size < 0 ? fmt::format("split along axis {} over group {}", axis, group.str())
+                      : fmt::format("split along axis {} over group {}, padded past {}", axis,
+                                    group.str(), size);
     case Kind::FlatShard:
       return fmt::format("a flat shard over group {}", group.str());
     case Kind::Experts:
@@ -82,7 +84,7 @@ std::map<std::string, int> split_axes(const nn::Module& module) {
 std::map<std::string, TensorSplit> tensor_splits(const nn::Module& module) {
   std::map<std::string, TensorSplit> out;
   for (const auto& [name, split] : detail::split_parameters(module))
-    out[name] = {split.axis, split.group.rank(), split.group.size()};
+    out[name] = {split.axis, split.group.rank(), split.group.size(), split.size};
   return out;
 }
 
@@ -93,7 +95,8 @@ std::map<std::string, SplitParameter> split_parameters(const nn::Module& module)
   for (const auto& [name, p] : module.named_parameters())
     if (const Placement* placement = placement_of(p))
       for (const Cut& cut : placement->cuts)
-        if (cut.kind == Cut::Kind::Split) out.emplace(name, SplitParameter{cut.axis, cut.group});
+        if (cut.kind == Cut::Kind::Split)
+          out.emplace(name, SplitParameter{cut.axis, cut.group, cut.size});
   return out;
 }
 

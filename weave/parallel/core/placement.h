@@ -39,6 +39,10 @@ struct Cut {
   dist::Group group;
   /// Split: the axis cut into group.size() equal pieces, piece group.rank() here.
   int axis = -1;
+  /// Split along axis 0 of a whole padded to divide among the ranks (a vocabulary): the whole's
+  /// real length, the rows past it padding (gather_state_dict drops them, sharded checkpoints
+  /// hold none); -1: no padding.
+  int64_t size = -1;
   /// Experts: this rank holds experts [first, first + count) of `total`.
   int64_t first = 0, count = 0, total = 0;
   /// FlatShard: which elements of which members the shard holds (for sharded checkpoints, and

@@ -1,11 +1,16 @@
 #pragma once
 // GPT-2 (nn::GPT2Model) over a tensor-parallel group, with the same parameter names: the token
 // embedding split by vocabulary rows (VocabParallelEmbedding) and the head tied to that slice,
-// the position embedding and the final LayerNorm whole, ParallelTransformerBlocks between.
+// the position embedding and the final LayerNorm whole, ParallelTransformerBlocks between. A
+// vocabulary that does not divide among the ranks is padded (padded_vocab: GPT-2's 50257 to
+// 50304), its padding masked out of the logits; the parameters are then the padded ones.
 //
 //   parallel::ParallelGPT2Model gpt2(options, mesh.tensor());
 //   parallel::load_pretrained(gpt2, data::hf::read_config(dir), dir);   // this rank's slices
-//   Tensor logits = gpt2(tokens);   // [B, T, vocab / n]: this rank's vocabulary slice
+//   Tensor logits = gpt2(tokens);   // [B, T, padded / n]: this rank's vocabulary slice
+//
+// With a context group (ParallelLMOptions) each rank passes its part of every sequence and the
+// position embedding reads the part's positions.
 #include "weave/nn/gpt2.h"
 #include "weave/parallel/model_parallel/parallel_transformer.h"
 #include "weave/parallel/model_parallel/tensor_parallel.h"
@@ -14,8 +19,7 @@ namespace weave::parallel {
 
 class ParallelGPT2Model : public nn::CausalLM {
  public:
-  /// gather_logits: forward gives every rank all of the logits (decoding always does).
-  ParallelGPT2Model(nn::GPT2ModelOptions options, dist::Group group, bool gather_logits = false);
+  ParallelGPT2Model(nn::GPT2ModelOptions options, dist::Group group, ParallelLMOptions split = {});
   Tensor forward(const Tensor& tokens) override;
   int64_t vocab() const override { return options_.vocab; }
   std::vector<nn::KVCache> make_caches(int64_t max_length) const override;
@@ -30,7 +34,7 @@ class ParallelGPT2Model : public nn::CausalLM {
   Tensor run(const Tensor& tokens, std::vector<nn::KVCache>* caches, bool gather);
   nn::GPT2ModelOptions options_;
   dist::Group group_;
-  bool gather_logits_;
+  ParallelLMOptions split_;
 };
 
 }  // namespace weave::parallel

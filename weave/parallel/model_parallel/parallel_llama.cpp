@@ -55,7 +55,7 @@ ParallelGroupedQueryAttention::ParallelGroupedQueryAttention(
   out = register_module(
       "out", std::make_shared<RowParallelLinear>(
                  dim, dim, this->group(),
-                 RowParallelOptions{.bias = options.bias, .generator = options.generator}));
+                 RowParallelOptions{.bias = options.out_bias, .generator = options.generator}));
 }
 
 Tensor ParallelGroupedQueryAttention::forward(const Tensor& x) {
@@ -136,6 +136,7 @@ ParallelLlamaBlock::ParallelLlamaBlock(int64_t dim, dist::Group group,
                                                ParallelGroupedQueryAttentionOptions{
                                                    .heads = options.heads,
                                                    .kv_heads = options.kv_heads,
+                                                   .bias = options.qkv_bias,
                                                    .causal = options.causal,
                                                    .rotary = options.rotary,
                                                    .generator = options.generator,
@@ -179,19 +180,28 @@ Tensor ParallelLlamaBlock::aux_loss() const {
 }
 
 ParallelLlamaModel::ParallelLlamaModel(nn::LlamaModelOptions options, dist::Group group,
-                                       bool gather_logits)
+                                       ParallelLMOptions split)
     : nn::CausalLM("ParallelLlamaModel"),
       group_(std::move(group)),
       vocab_(options.vocab),
-      gather_logits_(gather_logits) {
+      split_(std::move(split)) {
   WEAVE_CHECK(!options.tie_embeddings, "ParallelLlamaModel",
               "a head tied to the embedding is not split here (the embedding splits by "
               "vocabulary rows, the head by output columns alike, but they would need one "
               "parameter); hint: untie it, or run nn::LlamaModel");
-  embedding =
-      register_module("embedding", std::make_shared<VocabParallelEmbedding>(
-                                       options.vocab, options.dim, group_, options.generator));
-  blocks = register_module("blocks", std::make_shared<nn::Sequential>());
+  WEAVE_CHECK(split_.stages >= 1 && split_.stage >= 0 && split_.stage < split_.stages &&
+                  options.layers >= split_.stages,
+              "ParallelLlamaModel",
+              "expected stage s of S stages, 0 <= s < S <= layers ({}), found stage {} of {}",
+              options.layers, split_.stage, split_.stages);
+  const int64_t padded = padded_vocab(options.vocab, group_.size());
+  const int64_t first = options.layers * split_.stage / split_.stages;
+  const int64_t last = options.layers * (split_.stage + 1) / split_.stages;
+  if (split_.stage == 0)
+    embedding = register_module(
+        "embedding", std::make_shared<VocabParallelEmbedding>(options.vocab, options.dim, group_,
+                                                              options.generator, padded));
+  blocks = register_module("blocks", std::make_shared<nn::Sequential>(size_t(first)));
   ParallelLlamaBlockOptions block{.heads = options.block.heads,
                                   .kv_heads = options.block.kv_heads,
                                   .hidden = options.block.hidden,
@@ -199,15 +209,27 @@ ParallelLlamaModel::ParallelLlamaModel(nn::LlamaModelOptions options, dist::Grou
                                   .activation = options.block.activation,
                                   .norm_eps = options.block.norm_eps,
                                   .causal = options.block.causal,
-                                  .generator = options.generator};
-  for (int64_t i = 0; i < options.layers; ++i)
+                                  .generator = options.generator,
+                                  .context_group = split_.context_group,
+                                  .context_mode = split_.context_mode,
+                                  .context_layout = split_.context_layout,
+                                  .qkv_bias = options.block.qkv_bias};
+  for (int64_t i = first; i < last; ++i)
     blocks->push_back(std::make_shared<ParallelLlamaBlock>(options.dim, group_, block));
+  if (split_.stage < split_.stages - 1) return;
   norm = register_module("norm",
                          std::make_shared<nn::RMSNorm>(Shape{options.dim}, options.block.norm_eps));
   head = register_module("head",
                          std::make_shared<ColumnParallelLinear>(
-                             options.dim, options.vocab, group_,
+                             options.dim, padded, group_,
                              ColumnParallelOptions{.bias = false, .generator = options.generator}));
+  const int64_t rows = head->weight.size(0), start = group_.rank() * rows;
+  if (start + rows > vocab_) {  // padding rows: zero, as the embedding's
+    NoGradGuard no_grad;
+    const int64_t first = std::max<int64_t>(0, vocab_ - start);
+    head->weight.narrow(0, first, rows - first).zero_();
+  }
+  record_padding(head->weight, group_, vocab_);
 }
 
 Tensor ParallelLlamaModel::forward(const Tensor& tokens) {
@@ -215,8 +237,9 @@ Tensor ParallelLlamaModel::forward(const Tensor& tokens) {
 }
 
 Tensor ParallelLlamaModel::forward_inputs(const nn::Inputs& inputs) {
-  Tensor logits = (*head)((*norm)((*blocks)(inputs.with((*embedding)(inputs.x)))));
-  return gather_logits_ ? dist::functional::all_gather(logits, -1, group_) : logits;
+  Tensor h = (*blocks)(inputs.with(embedding ? (*embedding)(inputs.x) : inputs.x));
+  if (!head) return h;  // a pipeline stage before the last
+  return vocab_parallel_logits((*head)((*norm)(h)), vocab_, group_, split_.gather_logits);
 }
 
 std::vector<nn::KVCache> ParallelLlamaModel::make_caches(int64_t max_length) const {
@@ -224,6 +247,12 @@ std::vector<nn::KVCache> ParallelLlamaModel::make_caches(int64_t max_length) con
 }
 
 Tensor ParallelLlamaModel::forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& caches) {
+  WEAVE_CHECK(split_.stages == 1, "ParallelLlamaModel",
+              "decoding with caches is not split into pipeline stages; hint: decode with the "
+              "whole model (gather it, or load a checkpoint of it)");
+  WEAVE_CHECK(!split_.context_group, "ParallelLlamaModel",
+              "decoding with caches is not split over a context group; hint: decode with a model "
+              "built without one (gather_state_dict)");
   WEAVE_CHECK(caches.size() == blocks->size(), "ParallelLlamaModel",
               "expected a cache per block ({}), found {}; hint: make_caches", blocks->size(),
               caches.size());
@@ -231,7 +260,7 @@ Tensor ParallelLlamaModel::forward_cached(const Tensor& tokens, std::vector<nn::
   Tensor h = (*embedding)(tokens);
   for (size_t i = 0; i < blocks->size(); ++i)
     h = static_cast<ParallelLlamaBlock&>((*blocks)[i]).forward(nn::Inputs(h), caches[i]);
-  return dist::functional::all_gather((*head)((*norm)(h)), -1, group_);
+  return vocab_parallel_logits((*head)((*norm)(h)), vocab_, group_, /*gather=*/true);
 }
 
 }  // namespace weave::parallel

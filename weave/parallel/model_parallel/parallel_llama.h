@@ -28,7 +28,9 @@ struct ParallelGroupedQueryAttentionOptions {
   int64_t heads = 8;
   /// Key/value heads, dividing heads; 0: as many as heads.
   int64_t kv_heads = 0;
+  /// Biases of q and kv, and of out (nn::GroupedQueryAttentionOptions).
   bool bias = false;
+  bool out_bias = false;
   bool causal = true;
   std::optional<RotaryOptions> rotary = RotaryOptions{};
   Generator* generator = nullptr;
@@ -82,6 +84,8 @@ struct ParallelLlamaBlockOptions {
   std::optional<dist::Group> context_group = std::nullopt;
   ContextParallelMode context_mode = ContextParallelMode::Ring;
   SequenceLayout context_layout = SequenceLayout::ZigZag;
+  /// Biases of the q, k and v projections (Qwen 2's).
+  bool qkv_bias = false;
   /// A mixture of experts in place of the MLP (moe->hidden is dim), registered as "moe": spread
   /// over expert_group when it has several ranks (the ranks of the tensor group hold the same
   /// experts and route the same tokens), its load-balancing loss over balance_group's batches
@@ -116,29 +120,35 @@ class ParallelLlamaBlock : public nn::Module {
 /// nn::LlamaModel over a tensor-parallel group, with the same parameter names: the embedding
 /// split by vocabulary (VocabParallelEmbedding), ParallelLlamaBlocks, the final RMSNorm whole,
 /// and the head column-parallel. forward returns this rank's vocabulary slice of the logits
-/// [B, T, vocab / n] (for vocab_parallel_cross_entropy) unless gather_logits, when every rank
-/// gets all of them. Decoding (forward_cached, nn::generate) gathers them.
+/// [B, T, padded / n] (for vocab_parallel_cross_entropy) unless split.gather_logits, when every
+/// rank gets all `vocab` of them; with split.context_group each rank passes its part of every
+/// sequence (and may pass that part's positions and document ids as side inputs); with
+/// split.stages, it is one pipeline stage of the model. Decoding
+/// (forward_cached, nn::generate) gathers them. A vocabulary that does not divide among the ranks
+/// is padded (padded_vocab), its padding masked out of the logits; the embedding and head
+/// parameters are then the padded ones.
 ///
 ///   parallel::ParallelLlamaModel model(options, mesh.tensor());
 ///   parallel::load_pretrained(model, config, "llama/");   // each rank reads its slices
 ///   Tensor tokens = nn::generate(model, prompt, {.max_new_tokens = 64});   // on every rank
 class ParallelLlamaModel : public nn::CausalLM {
  public:
-  ParallelLlamaModel(nn::LlamaModelOptions options, dist::Group group, bool gather_logits = false);
+  ParallelLlamaModel(nn::LlamaModelOptions options, dist::Group group,
+                     ParallelLMOptions split = {});
   Tensor forward(const Tensor& tokens) override;
   Tensor forward_inputs(const nn::Inputs& inputs) override;
   int64_t vocab() const override { return vocab_; }
   std::vector<nn::KVCache> make_caches(int64_t max_length) const override;
   Tensor forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& caches) override;
-  std::shared_ptr<VocabParallelEmbedding> embedding;
-  std::shared_ptr<nn::Sequential> blocks;
-  std::shared_ptr<nn::RMSNorm> norm;
-  std::shared_ptr<ColumnParallelLinear> head;
+  std::shared_ptr<VocabParallelEmbedding> embedding;  // null past the first pipeline stage
+  std::shared_ptr<nn::Sequential> blocks;             // this stage's ("blocks.<i>")
+  std::shared_ptr<nn::RMSNorm> norm;                  // null before the last stage
+  std::shared_ptr<ColumnParallelLinear> head;         // null before the last stage
 
  private:
   dist::Group group_;
   int64_t vocab_;
-  bool gather_logits_;
+  ParallelLMOptions split_;
 };
 
 }  // namespace weave::parallel

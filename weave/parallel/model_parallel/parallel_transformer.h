@@ -109,6 +109,27 @@ class ParallelGatedMLP : public ShardedModule {
   ParallelGatedMLPOptions options_;
 };
 
+/// How a tensor-parallel causal language model (ParallelGPT2Model, ParallelLlamaModel) runs
+/// beyond its tensor group.
+struct ParallelLMOptions {
+  /// forward gives every rank all the logits; else this rank's vocabulary slice (for
+  /// vocab_parallel_cross_entropy). Decoding always gathers them.
+  bool gather_logits = false;
+  /// Context parallelism: each rank of this group passes its part of every sequence
+  /// (shard_sequence(tokens, 1, group, context_layout)) and gets that part's logits, positions
+  /// taken from the part's place. Decoding with caches is not split so: it raises.
+  std::optional<dist::Group> context_group = std::nullopt;
+  ContextParallelMode context_mode = ContextParallelMode::Ring;
+  SequenceLayout context_layout = SequenceLayout::ZigZag;
+  /// Pipeline parallelism: the model is stage `stage` of `stages` (parallel::Pipeline runs
+  /// them): blocks [layers stage / stages, layers (stage + 1) / stages) under their names in the
+  /// whole model ("blocks.<i>"), the embedding on the first stage (which takes the tokens), the
+  /// final norm and the head on the last (which gives the logits); between, hidden states
+  /// [B, T, dim] flow. Decoding with caches raises.
+  int stage = 0;
+  int stages = 1;
+};
+
 struct ParallelTransformerBlockOptions {
   /// The MLP's hidden width; 4 dim when 0.
   int64_t hidden = 0;

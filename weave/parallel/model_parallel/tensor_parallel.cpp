@@ -3,6 +3,8 @@
 #include "weave/parallel/model_parallel/tensor_parallel.h"
 
 #include <functional>
+#include <limits>
+#include <numeric>
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
@@ -21,13 +23,21 @@ int64_t piece_of(int64_t size, const dist::Group& group, const char* layer, cons
   return size / group.size();
 }
 
-Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group) {
+Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group, int64_t size) {
   if (!full.defined()) return {};
   NoGradGuard no_grad;
   const int64_t piece = full.size(axis) / group.size();
   Tensor slice = full.detach().narrow(axis, group.rank() * piece, piece).contiguous().clone();
   add_cut(slice, {.kind = Cut::Kind::Split, .group = group, .axis = axis});
+  if (size >= 0) record_padding(slice, group, size);
   return slice;
+}
+
+void record_padding(const Tensor& weight, const dist::Group& group, int64_t size) {
+  WEAVE_CHECK(size > 0 && size <= weight.size(0) * group.size(), "record_padding",
+              "a whole of {} rows padded past {} rows", weight.size(0) * group.size(), size);
+  if (size == weight.size(0) * group.size()) return;  // no padding
+  add_cut(weight, {.kind = Cut::Kind::Split, .group = group, .axis = 0, .size = size});
 }
 
 ColumnParallelLinear::ColumnParallelLinear(int64_t in_features, int64_t out_features,
@@ -88,13 +98,19 @@ Tensor RowParallelLinear::forward(const Tensor& x) {
 }
 
 VocabParallelEmbedding::VocabParallelEmbedding(int64_t vocab, int64_t dim, dist::Group group,
-                                               Generator* generator)
+                                               Generator* generator, int64_t padded_rows)
     : ShardedModule("VocabParallelEmbedding", std::move(group)),
       weight(register_parameter("weight", Tensor())),
       vocab_(vocab) {
-  piece_of(vocab, this->group(), "VocabParallelEmbedding", "vocab");
-  nn::Embedding full(vocab, dim, generator);
-  weight = split_parameter(full.weight, 0, this->group());
+  const int64_t rows = padded_rows == 0 ? vocab : padded_rows;
+  WEAVE_CHECK(rows >= vocab, "VocabParallelEmbedding",
+              "padded_rows ({}) must be at least the vocabulary ({}); hint: padded_vocab", rows,
+              vocab);
+  piece_of(rows, this->group(), "VocabParallelEmbedding", "the padded vocabulary");
+  nn::Embedding full(vocab, dim, generator);  // the unpadded initialization, then zero rows
+  Tensor table = full.weight.detach();
+  if (rows > vocab) table = cat({table, zeros({rows - vocab, dim}, {.dtype = table.dtype()})});
+  weight = split_parameter(table, 0, this->group(), vocab);
   weight.requires_grad_(true);
 }
 
@@ -141,7 +157,7 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
   WEAVE_CHECK(!is_floating(targets.dtype()), "vocab_parallel_cross_entropy",
               "targets must be integer class ids, found {}", targets.dtype());
   const int64_t piece = logits.size(1), start = group.rank() * piece;
-  Tensor global_max, target_here;
+  Tensor global_max, other;
   {
     // the shift only keeps exp() finite: any constant per row gives the same loss and
     // gradient, so it is taken out of the graph
@@ -149,17 +165,47 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
     global_max = max(logits.detach(), {1}, true).contiguous();
     if (group.size() > 1) dist::all_reduce(global_max, dist::ReduceOp::Max, group);
     Tensor columns = arange(double(start), double(start + piece), 1.0, {.dtype = kInt64});
-    target_here = eq(unsqueeze(targets.to(kInt64), 1), unsqueeze(columns, 0)).to(logits.dtype());
+    other = ne(unsqueeze(targets.to(kInt64), 1), unsqueeze(columns, 0));
   }
   Tensor shifted = logits - global_max;
   Tensor sum_exp = F::reduce_from_group(sum(exp(shifted), {1}), group);
-  Tensor target_logit = F::reduce_from_group(sum(shifted * target_here, {1}), group);
+  // masked, not multiplied by a 0/1 mask: padding columns at -infinity would make 0 * -inf
+  Tensor target_logit = F::reduce_from_group(sum(masked_fill(shifted, other, 0.0), {1}), group);
   Tensor losses = log(sum_exp) - target_logit;
   return mean ? losses.mean() : losses.sum();
 }
 
+int64_t padded_vocab(int64_t vocab, int n) {
+  WEAVE_CHECK(vocab > 0 && n > 0, "padded_vocab",
+              "expected a vocabulary and ranks, found {} and {}", vocab, n);
+  if (vocab % n == 0) return vocab;
+  const int64_t multiple = std::lcm(int64_t{128}, int64_t(n));
+  return (vocab + multiple - 1) / multiple * multiple;
+}
+
+Tensor vocab_parallel_logits(const Tensor& logits, int64_t vocab, const dist::Group& group,
+                             bool gather) {
+  const int64_t piece = logits.size(-1), start = group.rank() * piece;
+  const bool padded = piece * group.size() > vocab;
+  if (gather) {
+    Tensor all = F::all_gather(logits, -1, group);
+    return padded ? all.narrow(-1, 0, vocab) : all;
+  }
+  if (!padded || start + piece <= vocab) return logits;
+  Tensor past;  // this rank's columns past the vocabulary
+  {
+    NoGradGuard no_grad;
+    past = ge(arange(double(start), double(start + piece), 1.0,
+                     {.dtype = kInt64, .device = logits.device()}),
+              full({piece}, double(vocab), {.dtype = kInt64, .device = logits.device()}));
+  }
+  return masked_fill(logits, past, -std::numeric_limits<double>::infinity());
+}
+
 nn::NamedTensors shard_state_dict(const nn::NamedTensors& full, const nn::Module& sharded) {
   const auto splits = detail::split_parameters(sharded);
+  std::map<std::string, Shape> local;
+  for (const auto& [name, p] : sharded.named_parameters()) local[name] = p.shape();
   nn::NamedTensors out;
   for (const auto& [name, t] : full) {
     auto it = splits.find(name);
@@ -168,8 +214,15 @@ nn::NamedTensors shard_state_dict(const nn::NamedTensors& full, const nn::Module
       continue;
     }
     const dist::Group& g = it->second.group;
-    piece_of(t.size(it->second.axis), g, "shard_state_dict", name.c_str());
-    out.emplace_back(name, split_parameter(t, it->second.axis, g));
+    Tensor whole = t;
+    if (it->second.size >= 0 && t.size(0) == it->second.size) {  // pad the vocabulary
+      const Shape& piece = local.at(name);
+      Shape padding = t.shape();
+      padding[0] = piece[0] * g.size() - t.size(0);
+      whole = cat({t, zeros(padding, {.dtype = t.dtype(), .device = t.device()})});
+    }
+    piece_of(whole.size(it->second.axis), g, "shard_state_dict", name.c_str());
+    out.emplace_back(name, split_parameter(whole, it->second.axis, g, it->second.size));
   }
   return out;
 }
@@ -184,7 +237,9 @@ nn::NamedTensors gather_state_dict(const nn::Module& sharded) {
       out.emplace_back(name, t.detach().clone());
       continue;
     }
-    out.emplace_back(name, F::all_gather(t.detach(), it->second.axis, it->second.group));
+    Tensor whole = F::all_gather(t.detach(), it->second.axis, it->second.group);
+    if (it->second.size >= 0) whole = whole.narrow(0, 0, it->second.size).contiguous();
+    out.emplace_back(name, whole);
   }
   return out;
 }
