@@ -201,7 +201,8 @@ TEST_SUITE("pretrained") {
       loss.backward();
       CHECK(std::abs(loss.item<double>() -
                      cross_entropy(expected.reshape({-1, kVocab}), targets).item<double>()) < 1e-5);
-      for (auto& [name, p] : sliced->named_parameters()) {
+      for (auto& [parameter, p] : sliced->named_parameters()) {
+        const std::string name = parameter;  // a copy: CAPTURE's lambda cannot take a binding
         CAPTURE(name);
         CHECK(all_finite(p.grad()));
       }

@@ -90,7 +90,8 @@ TEST_SUITE("hf_checkpoint") {
     const auto config = data::hf::read_config(dir);
     auto whole = data::hf::from_pretrained(dir);
     data::hf::WeightReader reader(config, dir);
-    for (auto& [name, w] : whole->named_parameters()) {
+    for (auto& [parameter, w] : whole->named_parameters()) {
+      const std::string name = parameter;  // a copy: CAPTURE's lambda cannot take a binding
       if (name.find("attention.qkv") == std::string::npos) continue;
       CAPTURE(name);
       const int64_t rows = w.size(0);
@@ -109,7 +110,8 @@ TEST_SUITE("hf_checkpoint") {
       auto whole = data::hf::from_pretrained(dir);
       data::hf::WeightReader reader(config, dir);
       Generator generator(7);
-      for (auto& [name, w] : whole->named_parameters()) {
+      for (auto& [parameter, w] : whole->named_parameters()) {
+        const std::string name = parameter;  // a copy: CAPTURE's lambda cannot take a binding
         CAPTURE(name);
         CHECK(reader.shape(name) == w.shape());
         // A rank's piece: the second half along the last axis (columns; for Llama's stacked kv,
