@@ -268,18 +268,6 @@ class ParallelGpt : public LanguageModel {
   StageRange range_;
 };
 
-/// Blocks under their indices in the whole model ("blocks.<i>"), so a pipeline stage's names
-/// are the whole model's.
-struct LlamaBlocks : nn::Module {
-  LlamaBlocks() : nn::Module("LlamaBlocks") {}
-  void add(int64_t index, std::shared_ptr<nn::Module> block) {
-    list.push_back(register_module(std::to_string(index), std::move(block)));
-  }
-  size_t size() const { return list.size(); }
-  nn::Module& operator[](size_t i) { return *list[i]; }
-  std::vector<std::shared_ptr<nn::Module>> list;
-};
-
 /// Llama's layers split over a tensor-parallel group (and its attention over a context group),
 /// or a pipeline stage's part of them: nn::LlamaModel's names under "llama", so one
 /// initialization on the whole model starts it.
@@ -291,20 +279,20 @@ struct ParallelLlamaLayers : nn::Module {
     if (range.embeds)
       embedding = register_module(
           "embedding", std::make_shared<parallel::VocabParallelEmbedding>(vocab, f.dim, tp));
-    blocks = register_module("blocks", std::make_shared<LlamaBlocks>());
+    // under their indices in the whole model ("blocks.<i>"): a stage's names are the model's
+    blocks = register_module("blocks", std::make_shared<nn::Sequential>(size_t(range.first)));
     for (int64_t i = range.first; i < range.last; ++i)
-      blocks->add(
-          i, std::make_shared<parallel::ParallelLlamaBlock>(
-                 f.dim, tp,
-                 parallel::ParallelLlamaBlockOptions{
-                     .heads = f.heads,
-                     .kv_heads = f.kv_heads,
-                     .context_group = context,
-                     .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
-                                                         : parallel::ContextParallelMode::AllToAll,
-                     .moe = f.experts > 0 ? std::optional(moe_options(f, i)) : std::nullopt,
-                     .expert_group = experts,
-                     .balance_group = balance}));
+      blocks->push_back(std::make_shared<parallel::ParallelLlamaBlock>(
+          f.dim, tp,
+          parallel::ParallelLlamaBlockOptions{
+              .heads = f.heads,
+              .kv_heads = f.kv_heads,
+              .context_group = context,
+              .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
+                                                  : parallel::ContextParallelMode::AllToAll,
+              .moe = f.experts > 0 ? std::optional(moe_options(f, i)) : std::nullopt,
+              .expert_group = experts,
+              .balance_group = balance}));
     if (!range.heads) return;
     norm = register_module("norm", std::make_shared<nn::RMSNorm>(Shape{f.dim}));
     head = register_module("head",
@@ -312,7 +300,7 @@ struct ParallelLlamaLayers : nn::Module {
                                f.dim, vocab, tp, parallel::ColumnParallelOptions{.bias = false}));
   }
   std::shared_ptr<parallel::VocabParallelEmbedding> embedding;  // the first stage's
-  std::shared_ptr<LlamaBlocks> blocks;
+  std::shared_ptr<nn::Sequential> blocks;
   std::shared_ptr<nn::RMSNorm> norm;                     // the last stage's
   std::shared_ptr<parallel::ColumnParallelLinear> head;  // the last stage's
 };

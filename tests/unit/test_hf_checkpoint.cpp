@@ -20,8 +20,20 @@ std::string reference_dir(const std::string& arch) {
   return std::string(WEAVE_TEST_DATA_DIR) + "/hf/" + arch;
 }
 
+fs::path scratch_root() {
+  return fs::temp_directory_path() / ("weave_hf_" + std::to_string(::getpid()));
+}
+
+// This process's scratch folders go when the tests end.
+struct ScratchCleanup {
+  ~ScratchCleanup() {
+    std::error_code ignored;
+    fs::remove_all(scratch_root(), ignored);
+  }
+} scratch_cleanup;
+
 fs::path scratch(const std::string& name) {
-  const auto dir = fs::temp_directory_path() / ("weave_hf_" + std::to_string(::getpid())) / name;
+  const auto dir = scratch_root() / name;
   fs::remove_all(dir);
   fs::create_directories(dir.parent_path());
   return dir;
