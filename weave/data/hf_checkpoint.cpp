@@ -285,10 +285,6 @@ WeightReader::WeightReader(ModelConfig config, std::string dir)
     : impl_(std::make_unique<Impl>(std::move(config), std::move(dir))) {}
 WeightReader::~WeightReader() = default;
 
-bool WeightReader::has(const std::string& name) const {
-  return impl_->by_name.count(name) > 0;
-}
-
 Shape WeightReader::shape(const std::string& name) const {
   return weave_shape(impl_->mapping(name));
 }

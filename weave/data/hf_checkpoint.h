@@ -85,8 +85,6 @@ class WeightReader {
   WeightReader(const WeightReader&) = delete;
   WeightReader& operator=(const WeightReader&) = delete;
 
-  /// Whether the architecture has a tensor `name`.
-  bool has(const std::string& name) const;
   /// The whole shape of tensor `name` as the config gives it; raises for a name it lacks.
   Shape shape(const std::string& name) const;
   /// The slice of tensor `name`.
