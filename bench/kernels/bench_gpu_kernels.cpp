@@ -2,15 +2,18 @@
 // device-to-device copy bandwidth measured in the same run, and tensor-core attention's
 // forward + backward time (bench/kernels/torch_gpu_kernels.py times the same work in PyTorch;
 // scripts/gpu-check.sh puts the two side by side).
-//   bench_gpu_kernels [--trials 7] [--only NAME]
+//   bench_gpu_kernels [--trials 7] [--only NAME] [--enqueue]
 // Prints `kernel=NAME us=MEDIAN bytes=MOVED copy_fraction=F` per kernel (us: the median over
-// trials of the mean over a batch of calls, timed between device synchronizations).
+// trials of the mean over a batch of calls, timed between device synchronizations). --enqueue
+// also prints `enqueue=NAME host_us=H backlog_us=B`: the host time of a call made behind B µs of
+// queued copies. H far below B: the call waited for nothing; H near B: it synchronized.
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
 
 #include "bench_util.h"
+#include "weave/kernels/kernels.h"
 #include "weave/weave.h"
 
 using namespace weave;
@@ -45,12 +48,15 @@ struct Row {
 
 int main(int argc, char** argv) try {
   int trials = 7;
+  bool enqueue = false;
   std::string only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--trials") && i + 1 < argc)
       trials = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--only") && i + 1 < argc)
       only = argv[++i];
+    else if (!std::strcmp(argv[i], "--enqueue"))
+      enqueue = true;
   }
   WEAVE_CHECK(cuda::is_available(), "bench_gpu_kernels", "no CUDA device");
   NoGradGuard outer_no_grad;
@@ -62,6 +68,12 @@ int main(int argc, char** argv) try {
   Tensor ln_g = randn({8192, 768}, {.dtype = kBFloat16, .device = gpu}, &g);
   Tensor ln_w = ones({768}, {.dtype = kBFloat16, .device = gpu});
   Tensor ln_b = zeros({768}, {.dtype = kBFloat16, .device = gpu});
+  // The layer norm's kernels alone, as autograd calls them (statistics in float32).
+  Tensor ln_y = empty({8192, 768}, {.dtype = kBFloat16, .device = gpu});
+  Tensor ln_dx = empty({8192, 768}, {.dtype = kBFloat16, .device = gpu});
+  Tensor ln_dw = empty({768}, {.dtype = kBFloat16, .device = gpu});
+  Tensor ln_db = empty({768}, {.dtype = kBFloat16, .device = gpu});
+  Tensor ln_mean = empty({8192}, {.device = gpu}), ln_rstd = empty({8192}, {.device = gpu});
   Tensor logits = randn({4096, 32768}, {.device = gpu}, &g);
   Tensor targets = randint(0, 32768, {4096}, {.dtype = kInt64, .device = gpu}, &g);
   Tensor act = randn({8192, 3072}, {.dtype = kBFloat16, .device = gpu}, &g);
@@ -89,6 +101,12 @@ int main(int argc, char** argv) try {
          Tensor b = ln_b.detach().requires_grad_();
          layer_norm(x, {768}, w, b).backward(ln_g);
        })},
+      {"layer_norm_kernels_bf16_8192x768", 5.0 * 2 * 8192 * 768,
+       [&] {
+         kernels::layer_norm(ln_x, ln_w, ln_b, 1e-5, false, ln_y, ln_mean, ln_rstd);
+         kernels::layer_norm_backward(ln_g, ln_x, ln_w, ln_mean, ln_rstd, false, ln_dx, ln_dw,
+                                      ln_db);
+       }},
       {"softmax_f32_4096x32768", 2.0 * 4 * 4096 * 32768, [&] { (void)softmax(logits, -1); }},
       // forward reads the logits; backward reads them and writes their gradient
       {"cross_entropy_fwd_bwd_f32_4096x32768", 3.0 * 4 * 4096 * 32768, with_grad([&] {
@@ -132,6 +150,13 @@ int main(int argc, char** argv) try {
                   us, row.bytes, row.bytes / us / 1e3, row.bytes / us / copy_bandwidth);
     else
       std::printf("kernel=%s us=%.1f\n", row.name.c_str(), us);
+    if (enqueue) {
+      const double backlog = time_us([&] { big_out.copy_(big); }, 1, 20) * 20;
+      for (int c = 0; c < 20; ++c) big_out.copy_(big);
+      const double host = 1e6 * bench::seconds(row.fn);
+      cuda::synchronize(0);
+      std::printf("enqueue=%s host_us=%.1f backlog_us=%.0f\n", row.name.c_str(), host, backlog);
+    }
     std::fflush(stdout);
   }
   return 0;

@@ -52,6 +52,11 @@ def main():
         x, w, b = (t.detach().requires_grad_() for t in (ln_x, ln_w, ln_b))
         F.layer_norm(x, (768,), w, b).backward(ln_g)
 
+    def layer_norm_kernels():  # the forward and backward kernels alone, no autograd
+        y, mean, rstd = torch.ops.aten.native_layer_norm(ln_x, (768,), ln_w, ln_b, 1e-5)
+        torch.ops.aten.native_layer_norm_backward(ln_g, ln_x, (768,), mean, rstd, ln_w, ln_b,
+                                                  [True, True, True])
+
     def cross_entropy():
         l = logits.detach().requires_grad_()
         F.cross_entropy(l, targets).backward()
@@ -64,6 +69,7 @@ def main():
         ("max_f32_64M", 4.0 * n64m, lambda: big.max(), 10),
         ("argmax_rows_f32_8192x8192", 4.0 * 8192 * 8192, lambda: square.argmax(1), 10),
         ("layer_norm_fwd_bwd_bf16_8192x768", 5.0 * 2 * 8192 * 768, layer_norm, 10),
+        ("layer_norm_kernels_bf16_8192x768", 5.0 * 2 * 8192 * 768, layer_norm_kernels, 10),
         ("softmax_f32_4096x32768", 2.0 * 4 * 4096 * 32768, lambda: torch.softmax(logits, -1), 10),
         ("cross_entropy_fwd_bwd_f32_4096x32768", 3.0 * 4 * 4096 * 32768, cross_entropy, 10),
         ("bias_gelu_bf16_8192x3072", 2.0 * 2 * 8192 * 3072, lambda: F.gelu(act + act_bias), 10),

@@ -186,6 +186,62 @@ TEST_SUITE("cuda_kernels") {
     }
   }
 
+  TEST_CASE("layer and RMS norm match float64 on the CPU on every kernel path") {
+    // Packed rows (a multiple of 8 up to 1024: 1 to 4 packs a lane), rows the packed kernels
+    // leave to the block-per-row ones (not a multiple of 8, wider than 1024, off a 16-byte
+    // boundary, float64 columns too many for shared memory), no weight or bias, parameter
+    // gradients only (x needs none), and no rows at all (the sums are zero).
+    struct NormCase {
+      int64_t rows, n;
+      bool rms, affine, x_grad;
+      int64_t offset;  // elements before x in its storage
+      DType dtype;
+      double tolerance;
+    };
+    const NormCase cases[] = {
+        {37, 8, false, true, true, 0, kFloat64, 1e-11},
+        {300, 96, true, true, true, 0, kFloat32, 1e-5},
+        {257, 512, false, false, true, 0, kFloat32, 1e-5},
+        {4100, 768, false, true, false, 0, kFloat32, 1e-5},
+        {64, 1024, false, true, true, 0, kBFloat16, 2e-2},
+        {64, 1024, true, true, true, 0, kFloat64, 1e-11},
+        {50, 100, false, true, true, 0, kFloat32, 1e-5},
+        {40, 1032, true, true, true, 0, kFloat32, 1e-5},
+        {33, 64, false, true, true, 1, kFloat32, 1e-5},
+        {0, 64, false, true, true, 0, kFloat32, 0},
+    };
+    Generator g(11);
+    for (const NormCase& c : cases) {
+      CAPTURE(c.rows);
+      CAPTURE(c.n);
+      CAPTURE(c.rms);
+      const int64_t n = c.n, numel = c.rows * n;
+      Tensor storage = randn({numel + c.offset}, {.dtype = c.dtype}, &g).to(kFloat64);
+      Tensor w = randn({n}, {.dtype = kFloat64}, &g), b = randn({n}, {.dtype = kFloat64}, &g);
+      Tensor probe = randn({c.rows, n}, {.dtype = c.dtype}, &g).to(kFloat64);
+      std::array<Tensor, 3> cpu{storage.detach().requires_grad_(c.x_grad),
+                                w.detach().requires_grad_(), b.detach().requires_grad_()};
+      std::array<Tensor, 3> dev{storage.to(c.dtype).to(gpu).requires_grad_(c.x_grad),
+                                w.to(gpu).requires_grad_(), b.to(gpu).requires_grad_()};
+      auto run = [&](const std::array<Tensor, 3>& in) {
+        Tensor x = in[0].narrow(0, c.offset, numel).reshape({c.rows, n});
+        const Tensor weight = c.affine ? in[1] : Tensor(), bias = c.affine ? in[2] : Tensor();
+        Tensor y = c.rms ? rms_norm(x, {n}, weight) : layer_norm(x, {n}, weight, bias);
+        sum(y.to(kFloat64) * probe.to(y.device())).backward();
+        return y;
+      };
+      Tensor want = run(cpu), got = run(dev);
+      if (c.rows > 0) CHECK(relative_error(got, want) <= c.tolerance);
+      if (c.x_grad && c.rows > 0)
+        CHECK(relative_error(dev[0].grad(), cpu[0].grad()) <= c.tolerance);
+      for (int i = 1; i < (!c.affine ? 1 : c.rms ? 2 : 3); ++i) {
+        CAPTURE(i);
+        if (c.rows == 0) CHECK(max(abs(dev[i].grad())).item<double>() == 0);
+        CHECK(relative_error(dev[i].grad(), cpu[i].grad()) <= c.tolerance);
+      }
+    }
+  }
+
   TEST_CASE("bfloat16 layer and RMS norms read and write bfloat16 rows, as the CPU computes them") {
     // The CPU converts to float32 around its kernels; CUDA reads the bfloat16 rows directly:
     // the same arithmetic on the same values, in rows that fit a warp (768) and rows that
@@ -218,6 +274,36 @@ TEST_SUITE("cuda_kernels") {
             CHECK(relative_error(dev[i].grad(), cpu[i].grad()) < 2e-2);
           }
         }
+  }
+
+  TEST_CASE("KV-cache decoding on the GPU follows one float64 forward on the CPU") {
+    // A grouped-query Llama (head dim 64, rotary positions): a 5-token prompt, then one token
+    // at a time through the caches, against the whole sequence in one forward on the CPU. In
+    // float64 (the blocked attention) and bfloat16 (tensor cores, one query row a step).
+    Generator init(41), pick(42);
+    nn::LlamaModel model({.vocab = 64,
+                          .dim = 256,
+                          .layers = 2,
+                          .block = {.heads = 4, .kv_heads = 2},
+                          .generator = &init});
+    model.to(kFloat64);
+    const Tensor tokens = randint(0, 64, {2, 9}, {.dtype = kInt64}, &pick);
+    NoGradGuard no_grad;
+    const Tensor want = model(tokens);
+    model.to(gpu);
+    for (auto [dtype, tolerance] : {std::pair{kFloat64, 1e-10}, std::pair{kBFloat16, 2e-2}}) {
+      const DType decoded = dtype;  // a copy: CAPTURE's lambda cannot take a binding
+      CAPTURE(decoded);
+      model.to(dtype);
+      std::vector<nn::KVCache> caches = model.make_caches(9);
+      const Tensor on_gpu = tokens.to(gpu);
+      std::vector<Tensor> steps{model.forward_cached(on_gpu.narrow(1, 0, 5), caches)};
+      for (int64_t t = 5; t < 9; ++t)
+        steps.push_back(model.forward_cached(on_gpu.narrow(1, t, 1), caches));
+      const Tensor got = cat(steps, 1);
+      REQUIRE(got.shape() == want.shape());
+      CHECK(relative_error(got, want) < tolerance);
+    }
   }
 
   TEST_CASE("clipping and the Adam step over many parameters match the CPU, in one launch each") {

@@ -103,14 +103,18 @@ Tensor normalization(const char* op, bool rms, const Tensor& x, const Shape& nor
     WEAVE_CHECK(t->shape() == normalized_shape, op, "expected {} of shape {}, found {}", what,
                 normalized_shape, t->shape());
   }
-  // Statistics and weights in the computation dtype; on CUDA, bfloat16/float16 rows are read
-  // and written as they are (no conversion passes around the kernels).
+  // Statistics in the computation dtype; on CUDA, bfloat16/float16 rows are read and written as
+  // they are, and so are weights of the rows' dtype (no conversion passes around the kernels).
   const DType out_dtype = to_floating(x.dtype()), dtype = kernel_dtype(out_dtype);
   const DType row_dtype = x.device().is_cuda() && is_reduced_float(out_dtype) ? out_dtype : dtype;
+  const bool params_as_rows = row_dtype != dtype && (weight.defined() || bias.defined()) &&
+                              (!weight.defined() || weight.dtype() == row_dtype) &&
+                              (!bias.defined() || bias.dtype() == row_dtype);
+  const DType param_dtype = params_as_rows ? row_dtype : dtype;
   const int64_t n = normalized_shape.numel();
   Tensor rows = convert(x, row_dtype).contiguous().reshape({-1, n});
   auto flat = [&](const Tensor& t) {
-    return t.defined() ? convert(t, dtype).contiguous().reshape({n}) : Tensor();
+    return t.defined() ? convert(t, param_dtype).contiguous().reshape({n}) : Tensor();
   };
   Tensor w = flat(weight), b = flat(bias);
   Tensor y = empty_on(rows.shape(), row_dtype, x.device());
@@ -122,16 +126,17 @@ Tensor normalization(const char* op, bool rms, const Tensor& x, const Shape& nor
   // dweight = sum over rows of g xhat, dbias = sum of g (RMS norm: no mean terms)
   return autograd::record(
       rms ? "RmsNormBackward" : "LayerNormBackward", {x, weight, bias}, out, [&] {
-        return [xs = SavedTensor(rows), ws = SavedTensor(w), mu, rstd, rms, xi = InputInfo(x),
-                wi = InputInfo(weight), bi = InputInfo(bias)](const BackwardArgs& args) -> Grads {
+        return [xs = SavedTensor(rows), ws = SavedTensor(w), mu, rstd, rms, param_dtype,
+                xi = InputInfo(x), wi = InputInfo(weight),
+                bi = InputInfo(bias)](const BackwardArgs& args) -> Grads {
           Tensor xv = xs.unpack(), wv = ws.unpack();
           Tensor g = convert(args.grad(), xv.dtype()).contiguous();
           auto make = [&](bool needed, const Shape& shape, DType dtype) {
             return needed ? empty_on(shape, dtype, xv.device()) : Tensor();
           };
           Tensor dx = make(args.needs(0), xv.shape(), xv.dtype());
-          Tensor dw = make(args.needs(1), {xv.size(1)}, rstd.dtype());
-          Tensor db = make(args.needs(2), {xv.size(1)}, rstd.dtype());
+          Tensor dw = make(args.needs(1), {xv.size(1)}, param_dtype);
+          Tensor db = make(args.needs(2), {xv.size(1)}, param_dtype);
           kernels::layer_norm_backward(g.reshape(xv.shape()), xv, wv, mu, rstd, rms, dx, dw, db);
           auto finish = [](const Tensor& t, const InputInfo& info) {
             return t.defined() ? convert(t.reshape(info.shape), info.dtype) : Tensor();

@@ -21,16 +21,19 @@ namespace weave::cuda {
 /// Makes `device` current for its lifetime and restores the caller's device after.
 class DeviceGuard {
  public:
-  explicit DeviceGuard(int device) {
+  explicit DeviceGuard(int device) : device_(device) {
     WEAVE_CHECK_CALL(cudaGetDevice(&previous_), "cuda");
-    if (device != previous_) WEAVE_CHECK_CALL(cudaSetDevice(device), "cuda");
+    if (device_ != previous_) WEAVE_CHECK_CALL(cudaSetDevice(device_), "cuda");
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  // Every launch takes a guard: restoring only what changed keeps a runtime call off each one.
+  ~DeviceGuard() {
+    if (device_ != previous_) cudaSetDevice(previous_);
+  }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
-  int previous_ = 0;
+  int device_ = 0, previous_ = 0;
 };
 
 }  // namespace weave::cuda
