@@ -1,6 +1,7 @@
 // The CUDA kernels that the op table's small shapes cannot reach: tensor-core attention against
-// float64 attention on the CPU, reductions split over many blocks, the layer-norm parameter
-// gradients, the multi-tensor clipping and Adam kernels, and the bugs GPU runs found. Suite
+// float64 attention on the CPU, reductions split over many blocks, layer and RMS norm on each of
+// their kernel paths, KV-cache decoding, the multi-tensor clipping and Adam kernels, and the
+// bugs GPU runs found. Suite
 // cuda_kernels: `weave_cuda_tests --test-suite=cuda_kernels --require-cuda` (skipped without a
 // GPU).
 #include "helpers.h"

@@ -1,6 +1,7 @@
 // Every parallel strategy on CUDA tensors against the same code on the CPU: DDP, FSDP (both
 // shardings), ZeRO-1, tensor-parallel layers, pipelines, activation checkpointing, mixed
-// precision, ring and all-to-all attention, expert parallelism. The CPU runs are the
+// precision, ring and all-to-all attention, expert parallelism, a tensor-parallel Llama with a
+// padded vocabulary and its decoding. The CPU runs are the
 // reference: the CPU suites already check each of them against one process. Under MPI the ranks
 // share the GPU (staged through the host); under NCCL (world size 1 on one GPU) the same code
 // runs device to device. Run only with --require-cuda, which skips them without a GPU.
