@@ -235,6 +235,44 @@ TEST_SUITE("model_parallel") {
     }
   }
 
+  TEST_CASE("a padded vocabulary: the padding rows are zero and the cuts record the real size") {
+    const dist::Group tp = dist::world();
+    constexpr int64_t kVocab = 7;  // padded past 7 rows at every world size but 1
+    const int64_t padded = parallel::padded_vocab(kVocab, tp.size());
+    // Each row of a rank's piece: zero exactly where its global index is padding.
+    auto check_rows = [&](const Tensor& piece) {
+      const int64_t rows = piece.size(0), start = tp.rank() * rows;
+      REQUIRE(rows * tp.size() == padded);
+      for (int64_t r = 0; r < rows; ++r) {
+        CAPTURE(start + r);
+        const double magnitude = max(abs(piece.narrow(0, r, 1))).item<double>();
+        CHECK((start + r >= kVocab ? magnitude == 0 : magnitude > 0));
+      }
+    };
+    const int64_t real = padded > kVocab ? kVocab : -1;
+    manual_seed(3);
+    parallel::VocabParallelEmbedding embedding(kVocab, 4, tp, nullptr, padded);
+    check_rows(embedding.weight);
+    CHECK(parallel::tensor_splits(embedding).at("weight").size == real);
+    // The head is a column-parallel layer initialized over every padded row; only its
+    // padding is zeroed.
+    nn::LlamaModelOptions options{
+        .vocab = kVocab, .dim = 24, .layers = 1, .block = {.heads = 12, .hidden = 48}};
+    parallel::ParallelLlamaModel model(options, tp);
+    check_rows(model.head->weight);
+    check_rows(model.embedding->weight);
+    const auto splits = parallel::tensor_splits(model);
+    CHECK(splits.at("head.weight").size == real);
+    CHECK(splits.at("head.weight").axis == 0);
+    // A whole state dict's vocabulary is padded with zeros on its way in.
+    nn::NamedTensors whole{{"head.weight", randn({kVocab, 24})}};
+    check_rows(parallel::shard_state_dict(whole, model).at(0).second);
+    CHECK_THROWS_WITH_AS(parallel::pad_rows(randn({kVocab, 2}), kVocab - 1),
+                         doctest::Contains("7 rows cannot be padded to 6"), Error);
+    CHECK_THROWS_WITH_AS(parallel::split_parameter(randn({4, 2 * tp.size()}), 1, tp, 3),
+                         doctest::Contains("split along axis 0"), Error);
+  }
+
   TEST_CASE("sequence parallelism equals one process on the whole sequence") {
     const dist::Group tp = dist::world();
     manual_seed(21);

@@ -23,6 +23,19 @@ struct ScaledSquare : autograd::Function<ScaledSquare> {
     return {g[0] * ctx.saved()[0] * (2 * scale)};
   }
 };
+
+// Backward returns 2 g as a view: of a fresh buffer, or of `held` (a tensor someone else keeps).
+struct ViewGradient : autograd::Function<ViewGradient> {
+  static constexpr const char* name = "ViewGradientBackward";
+  static inline Tensor held;
+  static inline const void* returned = nullptr;
+  static Tensor forward(autograd::FunctionContext&, const Tensor& x) { return x * 1.0; }
+  static std::vector<Tensor> backward(autograd::FunctionContext&, const std::vector<Tensor>& g) {
+    Tensor grad = held.defined() ? held.reshape({4}) : (g[0] * 2.0).reshape({2, 2}).reshape({4});
+    returned = grad.data_ptr();
+    return {grad};
+  }
+};
 }  // namespace
 
 TEST_SUITE("autograd") {
@@ -62,6 +75,24 @@ TEST_SUITE("autograd") {
     y.backward();
     CHECK(x.grad().to_vector<double>() == std::vector<double>{10, 10});
     CHECK_WEAVE_ERROR(y.backward(), "autograd", "second time");
+  }
+
+  TEST_CASE("a leaf keeps a gradient nobody else sees, a view included, and copies a shared one") {
+    // Copying every gradient costs a pass over it and, on a GPU, a launch per parameter.
+    Tensor x = from_vector<double>({1, 2, 3, 4}).requires_grad_();
+    ViewGradient::apply(x).sum().backward();
+    CHECK(x.grad().data_ptr() == ViewGradient::returned);
+    CHECK(x.grad().to_vector<double>() == std::vector<double>{2, 2, 2, 2});
+    // A view of a tensor its function still holds is copied: accumulating into it would write
+    // into that tensor.
+    ViewGradient::held = full({2, 2}, 5.0, {.dtype = kFloat64});
+    Tensor z = from_vector<double>({1, 2, 3, 4}).requires_grad_();
+    ViewGradient::apply(z).sum().backward();
+    CHECK(z.grad().data_ptr() != ViewGradient::returned);
+    ViewGradient::apply(z).sum().backward();
+    CHECK(z.grad().to_vector<double>() == std::vector<double>{10, 10, 10, 10});
+    CHECK(ViewGradient::held.to_vector<double>() == std::vector<double>{5, 5, 5, 5});
+    ViewGradient::held = {};
   }
 
   TEST_CASE("explicit output gradients and multiple roots") {

@@ -39,6 +39,24 @@ uint32_t Node::add_output(const Tensor& output) {
 
 // ---- AccumulateGrad ---------------------------------------------------------------------
 
+namespace {
+/// `grad` itself when nobody else can see its memory, else a copy: later gradients are added
+/// into it in place. A backward's result is often a view of its own fresh buffer (a reshape),
+/// which counts as unshared when that buffer's handle is held by the view alone and the view
+/// covers all of it; the view then becomes a plain tensor, so no base outlives it.
+Tensor take_if_unshared(Tensor grad) {
+  const auto& impl = grad.impl_ptr();
+  if (impl.use_count() != 1 || !grad.is_contiguous()) return grad.clone();
+  if (!impl->view_base) return grad.storage().use_count() == 1 ? grad : grad.clone();
+  const bool whole =
+      grad.offset() == 0 && grad.numel() * grad.itemsize() == grad.storage()->nbytes();
+  if (!whole || impl->view_base.use_count() != 1 || grad.storage().use_count() != 2)
+    return grad.clone();
+  impl->view_base.reset();
+  return grad;
+}
+}  // namespace
+
 AccumulateGrad::AccumulateGrad(const Tensor& leaf)
     : Node(std::numeric_limits<uint64_t>::max()), variable_(leaf.impl_ptr()) {
   add_output(leaf);
@@ -58,10 +76,7 @@ std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor>&& grads) {
     if (replaced.defined()) grad = replaced;
   }
   if (!meta.grad.defined()) {
-    // Keep the incoming buffer when nobody else can see it; otherwise own a copy.
-    bool exclusive =
-        grad.impl_ptr().use_count() == 1 && grad.is_contiguous() && grad.storage().use_count() == 1;
-    meta.grad = exclusive ? grad : grad.clone();
+    meta.grad = take_if_unshared(std::move(grad));
   } else {
     kernels::binary(kernels::BinaryOp::Add, meta.grad, grad, meta.grad);
     meta.grad.storage()->bump_version();

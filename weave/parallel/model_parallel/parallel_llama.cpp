@@ -223,13 +223,7 @@ ParallelLlamaModel::ParallelLlamaModel(nn::LlamaModelOptions options, dist::Grou
                          std::make_shared<ColumnParallelLinear>(
                              options.dim, padded, group_,
                              ColumnParallelOptions{.bias = false, .generator = options.generator}));
-  const int64_t rows = head->weight.size(0), start = group_.rank() * rows;
-  if (start + rows > vocab_) {  // padding rows: zero, as the embedding's
-    NoGradGuard no_grad;
-    const int64_t first = std::max<int64_t>(0, vocab_ - start);
-    head->weight.narrow(0, first, rows - first).zero_();
-  }
-  record_padding(head->weight, group_, vocab_);
+  record_padding(head->weight, group_, vocab_);  // zeroes the padding rows, as the embedding's
 }
 
 Tensor ParallelLlamaModel::forward(const Tensor& tokens) {

@@ -2,6 +2,7 @@
 // dist::functional placed where the split changes (Megatron-LM's f and g operators).
 #include "weave/parallel/model_parallel/tensor_parallel.h"
 
+#include <algorithm>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -28,16 +29,39 @@ Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group, i
   NoGradGuard no_grad;
   const int64_t piece = full.size(axis) / group.size();
   Tensor slice = full.detach().narrow(axis, group.rank() * piece, piece).contiguous().clone();
-  add_cut(slice, {.kind = Cut::Kind::Split, .group = group, .axis = axis});
-  if (size >= 0) record_padding(slice, group, size);
+  if (size >= 0) {
+    WEAVE_CHECK(axis == 0, "split_parameter",
+                "a padded whole (size {}) is split along axis 0, found axis {}", size, axis);
+    record_padding(slice, group, size);
+  } else {
+    add_cut(slice, {.kind = Cut::Kind::Split, .group = group, .axis = axis});
+  }
   return slice;
 }
 
 void record_padding(const Tensor& weight, const dist::Group& group, int64_t size) {
-  WEAVE_CHECK(size > 0 && size <= weight.size(0) * group.size(), "record_padding",
-              "a whole of {} rows padded past {} rows", weight.size(0) * group.size(), size);
-  if (size == weight.size(0) * group.size()) return;  // no padding
-  add_cut(weight, {.kind = Cut::Kind::Split, .group = group, .axis = 0, .size = size});
+  const int64_t rows = weight.size(0), whole = rows * group.size();
+  WEAVE_CHECK(size > 0 && size <= whole, "record_padding", "a whole of {} rows padded past {} rows",
+              whole, size);
+  add_cut(weight, {.kind = Cut::Kind::Split,
+                   .group = group,
+                   .axis = 0,
+                   .size = size < whole ? size : int64_t(-1)});
+  // The padding rows are zero wherever they come from: nothing looks them up, so nothing else
+  // would keep them finite through a checkpoint or an optimizer's weight decay.
+  const int64_t first = std::clamp<int64_t>(size - group.rank() * rows, 0, rows);
+  if (first == rows) return;
+  NoGradGuard no_grad;
+  weight.narrow(0, first, rows - first).zero_();
+}
+
+Tensor pad_rows(const Tensor& whole, int64_t rows) {
+  WEAVE_CHECK(rows >= whole.size(0), "pad_rows", "{} rows cannot be padded to {}", whole.size(0),
+              rows);
+  if (rows == whole.size(0)) return whole;
+  Shape padding = whole.shape();
+  padding[0] = rows - whole.size(0);
+  return cat({whole, zeros(padding, {.dtype = whole.dtype(), .device = whole.device()})});
 }
 
 ColumnParallelLinear::ColumnParallelLinear(int64_t in_features, int64_t out_features,
@@ -108,9 +132,7 @@ VocabParallelEmbedding::VocabParallelEmbedding(int64_t vocab, int64_t dim, dist:
               vocab);
   piece_of(rows, this->group(), "VocabParallelEmbedding", "the padded vocabulary");
   nn::Embedding full(vocab, dim, generator);  // the unpadded initialization, then zero rows
-  Tensor table = full.weight.detach();
-  if (rows > vocab) table = cat({table, zeros({rows - vocab, dim}, {.dtype = table.dtype()})});
-  weight = split_parameter(table, 0, this->group(), vocab);
+  weight = split_parameter(pad_rows(full.weight.detach(), rows), 0, this->group(), vocab);
   weight.requires_grad_(true);
 }
 
@@ -215,12 +237,8 @@ nn::NamedTensors shard_state_dict(const nn::NamedTensors& full, const nn::Module
     }
     const dist::Group& g = it->second.group;
     Tensor whole = t;
-    if (it->second.size >= 0 && t.size(0) == it->second.size) {  // pad the vocabulary
-      const Shape& piece = local.at(name);
-      Shape padding = t.shape();
-      padding[0] = piece[0] * g.size() - t.size(0);
-      whole = cat({t, zeros(padding, {.dtype = t.dtype(), .device = t.device()})});
-    }
+    if (it->second.size >= 0 && t.size(0) == it->second.size)  // pad the vocabulary
+      whole = pad_rows(t, local.at(name)[0] * g.size());
     piece_of(whole.size(it->second.axis), g, "shard_state_dict", name.c_str());
     out.emplace_back(name, split_parameter(whole, it->second.axis, g, it->second.size));
   }

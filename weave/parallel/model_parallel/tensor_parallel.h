@@ -138,11 +138,14 @@ int64_t piece_of(int64_t size, const dist::Group& group, const char* layer, cons
 /// gather_state_dict reassemble it by). A layer builds its shards with it from the unsharded
 /// layer's initialization.
 /// With size >= 0, `full` is a whole padded along axis 0 past its real `size` rows (padded_vocab),
-/// and the cut records it.
+/// the cut records it, and the padding rows are zeroed.
 Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group, int64_t size = -1);
 /// Records on `weight`, a layer's piece split along axis 0 over `group`, that the whole is padded
-/// past `size` rows (a vocabulary-parallel head built over the padded vocabulary).
+/// past `size` rows (a vocabulary-parallel head built over the padded vocabulary), and zeroes
+/// this piece's padding rows.
 void record_padding(const Tensor& weight, const dist::Group& group, int64_t size);
+/// `whole` with zero rows appended up to `rows` (a vocabulary padded to padded_vocab's size).
+Tensor pad_rows(const Tensor& whole, int64_t rows);
 
 /// This rank's shard of an unsharded state dict (the same names), for load_state_dict on the
 /// sharded module (a padded vocabulary's rows padded with zeros). Collective-free.
