@@ -41,7 +41,7 @@
 // holding them, with the expert scale; the gradient norm counts every piece once.
 // --arch llama trains a Llama-class model instead (nn::LlamaModel: RMSNorm, rotary positions,
 // grouped-query attention with --kv-heads key/value heads, SwiGLU), on every axis above
-// (parallel::ParallelLlamaBlock: the library's split of its blocks); --pack
+// (parallel::ParallelLlamaModel: the library's split of it); --pack
 // makes each fortune a document of its own, ended by an end-of-text token, and hands the model
 // each token's position in its document and the document's id, so attention and positions
 // restart at every document.
@@ -131,7 +131,7 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
       f.arch == "llama"
           ? std::shared_ptr<LanguageModel>(std::make_shared<gpt::ParallelLlama>(
                 f, vocab, mesh.tensor(), context, experts, mesh.data_and_context(),
-                gpt::stage_range(f.layers, mesh.pipeline_rank(), stages)))
+                mesh.pipeline_rank(), stages))
           : std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), sequence_parallel, context,
                                           experts, mesh.data_and_context(),
                                           gpt::stage_range(f.layers, mesh.pipeline_rank(), stages));
@@ -192,7 +192,6 @@ void sample(LanguageModel& model, const Flags& f, const Corpus& corpus,
   for (int64_t i = 0; i < f.layers; ++i) caches.emplace_back(f.context);
   Tensor ids = full({f.samples, 1}, double(start), {.dtype = kInt64, .device = f.placed});
   std::vector<std::string> text(size_t(f.samples));
-  model.start_decoding();
   for (int64_t t = 0; t + 1 < f.context; ++t) {
     Tensor logits = model.decode(ids, caches).narrow(1, 0, int64_t(corpus.chars.size()));
     ids = multinomial(softmax(logits / 0.8, -1), 1, false, &g);

@@ -27,8 +27,6 @@ class LanguageModel : public nn::Module {
   virtual Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) = 0;
   /// FSDP's units by name (empty: the model's children, FSDP's default).
   virtual std::vector<std::string> units() const { return {}; }
-  /// Called before a sequence of decode calls (models without per-block caches reset there).
-  virtual void start_decoding() { history_ = Tensor(); }
   /// Recompute each block in backward instead of keeping its activations.
   bool checkpoint_activations = false;
 
@@ -51,13 +49,6 @@ class LanguageModel : public nn::Module {
     }
     return x;
   }
-  /// Decoding without per-block caches: the tokens so far, ids appended (start_decoding
-  /// clears them).
-  Tensor extend_history(const Tensor& ids) {
-    history_ = history_.defined() ? cat({history_, ids}, 1) : ids;
-    return history_;
-  }
-  Tensor history_;
 };
 
 // Token plus position embeddings of ids [B, T] sitting at positions start, start + 1, ...
@@ -96,9 +87,8 @@ class Llama : public LanguageModel {
     return cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
   }
   std::vector<std::string> units() const override { return llama_units(model->blocks->size()); }
-  /// Without a key/value cache in nn::GroupedQueryAttention yet: the whole history again.
-  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>&) override {
-    Tensor logits = forward(extend_history(ids));
+  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
+    const Tensor logits = model->forward_cached(ids, caches);
     return logits.select(1, logits.size(1) - 1);
   }
   std::shared_ptr<nn::LlamaModel> model;
@@ -268,86 +258,64 @@ class ParallelGpt : public LanguageModel {
   StageRange range_;
 };
 
-/// Llama's layers split over a tensor-parallel group (and its attention over a context group),
-/// or a pipeline stage's part of them: nn::LlamaModel's names under "llama", so one
-/// initialization on the whole model starts it.
-struct ParallelLlamaLayers : nn::Module {
-  ParallelLlamaLayers(const Flags& f, int64_t vocab, const dist::Group& tp,
-                      std::optional<dist::Group> context, std::optional<dist::Group> experts,
-                      std::optional<dist::Group> balance, StageRange range)
-      : nn::Module("ParallelLlamaLayers") {
-    if (range.embeds)
-      embedding = register_module(
-          "embedding", std::make_shared<parallel::VocabParallelEmbedding>(vocab, f.dim, tp));
-    // under their indices in the whole model ("blocks.<i>"): a stage's names are the model's
-    blocks = register_module("blocks", std::make_shared<nn::Sequential>(size_t(range.first)));
-    for (int64_t i = range.first; i < range.last; ++i)
-      blocks->push_back(std::make_shared<parallel::ParallelLlamaBlock>(
-          f.dim, tp,
-          parallel::ParallelLlamaBlockOptions{
-              .heads = f.heads,
-              .kv_heads = f.kv_heads,
-              .context_group = context,
-              .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
-                                                  : parallel::ContextParallelMode::AllToAll,
-              .moe = f.experts > 0 ? std::optional(moe_options(f, i)) : std::nullopt,
-              .expert_group = experts,
-              .balance_group = balance}));
-    if (!range.heads) return;
-    norm = register_module("norm", std::make_shared<nn::RMSNorm>(Shape{f.dim}));
-    head = register_module("head",
-                           std::make_shared<parallel::ColumnParallelLinear>(
-                               f.dim, vocab, tp, parallel::ColumnParallelOptions{.bias = false}));
-  }
-  std::shared_ptr<parallel::VocabParallelEmbedding> embedding;  // the first stage's
-  std::shared_ptr<nn::Sequential> blocks;
-  std::shared_ptr<nn::RMSNorm> norm;                     // the last stage's
-  std::shared_ptr<parallel::ColumnParallelLinear> head;  // the last stage's
-};
-
-/// Llama over a tensor-parallel group and a context group: batch first, [B, T / cp, vocab / tp]
-/// logits of this rank's positions (zig-zag parts) and vocabulary slice.
+/// The library's Llama split over a tensor-parallel group (and its attention over a context
+/// group), or a pipeline stage's part of it: parallel::ParallelLlamaModel under "llama", so its
+/// names are Llama's and one initialization on the whole model starts it. Batch first:
+/// [B, T / cp, vocab slice] logits of this rank's positions (zig-zag parts).
 class ParallelLlama : public LanguageModel {
  public:
   /// With --experts, every block's MLP is a mixture of experts, spread over `experts` when it
   /// has several ranks, its load-balancing loss over `balance` (the data x context ranks).
-  /// With a `range`, only that pipeline stage's part: forward maps what the previous stage sent
-  /// (ids on the first) to what the next one takes (logits on the last).
+  /// As stage `stage` of `stages`, forward maps what the previous stage sent (ids on the first)
+  /// to what the next one takes (logits on the last).
   ParallelLlama(const Flags& f, int64_t vocab, const dist::Group& tp,
                 std::optional<dist::Group> context = std::nullopt,
                 std::optional<dist::Group> experts = std::nullopt,
-                std::optional<dist::Group> balance = std::nullopt, StageRange range = {})
-      : LanguageModel("ParallelLlama"), tp_(tp), context_(std::move(context)), range_(range) {
-    if (range_.last < 0) range_.last = f.layers;
+                std::optional<dist::Group> balance = std::nullopt, int stage = 0, int stages = 1)
+      : LanguageModel("ParallelLlama"), tp_(tp), vocab_(vocab), context_(context) {
     llama = register_module(
-        "llama", std::make_shared<ParallelLlamaLayers>(f, vocab, tp, context_, std::move(experts),
-                                                       std::move(balance), range_));
+        "llama",
+        std::make_shared<parallel::ParallelLlamaModel>(
+            nn::LlamaModelOptions{.vocab = vocab,
+                                  .dim = f.dim,
+                                  .layers = f.layers,
+                                  .block = {.heads = f.heads, .kv_heads = f.kv_heads}},
+            tp,
+            parallel::ParallelLMOptions{
+                .context_group = std::move(context),
+                .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
+                                                    : parallel::ContextParallelMode::AllToAll,
+                .stage = stage,
+                .stages = stages,
+                .moe = f.experts > 0 ? std::optional(moe_options(f, 0)) : std::nullopt,
+                .expert_group = std::move(experts),
+                .balance_group = std::move(balance)}));
   }
   Tensor forward(const Tensor& ids) override { return forward_inputs(ids); }
-  /// ids, positions and document ids of whole windows; each rank takes its part.
+  /// ids, positions and document ids of whole windows; each rank takes its part. The blocks run
+  /// here rather than in llama's forward so that they may be checkpointed.
   Tensor forward_inputs(const nn::Inputs& inputs) override {
-    const Tensor x = range_.embeds ? (*llama->embedding)(part(inputs.x)) : inputs.x;
+    const Tensor x = llama->embedding ? (*llama->embedding)(part(inputs.x)) : inputs.x;
     const Tensor y =
         run_blocks(*llama->blocks, {x, part(inputs.positions), part(inputs.document_ids)});
-    return range_.heads ? (*llama->head)((*llama->norm)(y)) : y;
+    if (!llama->head) return y;
+    return parallel::vocab_parallel_logits((*llama->head)((*llama->norm)(y)), vocab_, tp_,
+                                           /*gather=*/false);
   }
   /// Cross-entropy, plus every block's auxiliary loss with experts.
   Tensor loss(const Tensor& logits, const Tensor& targets) override {
     Tensor total = parallel::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
                                                           part(targets).reshape({-1}), tp_);
-    for (size_t i = 0; is_training() && i < llama->blocks->size(); ++i)
-      if (Tensor aux = static_cast<parallel::ParallelLlamaBlock&>((*llama->blocks)[i]).aux_loss();
-          aux.defined())
-        total = total + aux;
-    return total;
+    const Tensor aux = is_training() ? llama->aux_loss() : Tensor();
+    return aux.defined() ? total + aux : total;
   }
   std::vector<std::string> units() const override { return llama_units(llama->blocks->size()); }
-  /// Without a key/value cache yet: the whole history again (built without a context group).
-  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>&) override {
-    Tensor logits = forward(extend_history(ids));
-    return dist::functional::all_gather(logits.select(1, logits.size(1) - 1), -1, tp_);
+  /// With the library's key/value caches (built without a context group or stages).
+  Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
+    const Tensor logits = llama->forward_cached(ids, caches);  // every rank all of them
+    return logits.select(1, logits.size(1) - 1);
   }
-  std::shared_ptr<ParallelLlamaLayers> llama;
+  std::shared_ptr<parallel::ParallelLlamaModel> llama;
 
  private:
   // This rank's zig-zag part along T of a [B, T] tensor (undefined stays undefined).
@@ -356,8 +324,8 @@ class ParallelLlama : public LanguageModel {
     return parallel::shard_sequence(x, 1, *context_, parallel::SequenceLayout::ZigZag);
   }
   dist::Group tp_;
+  int64_t vocab_;
   std::optional<dist::Group> context_;
-  StageRange range_;
 };
 
 /// A pre-LayerNorm block whose MLP is a mixture of experts (nn::MoE on one rank, or

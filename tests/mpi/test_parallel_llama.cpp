@@ -1,8 +1,12 @@
 // The Llama layers split over ranks against nn::LlamaBlock on one process, built from the same
 // seed: tensor parallelism with the key/value heads split or replicated (suite model_parallel),
-// and context parallelism on packed windows, ring and all-to-all (suite context_parallel).
-// float64, 1e-12 relative.
+// and context parallelism on packed windows, ring and all-to-all (suite context_parallel); the
+// whole split models with a mixture of experts in every block against the same model on one
+// rank (suite experts). float64, 1e-12 relative.
 #include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
 
 #include "model_parallel_helpers.h"
 #include "weave/weave.h"
@@ -79,6 +83,86 @@ TEST_SUITE("model_parallel") {
       CHECK_THROWS_WITH_AS(
           parallel::ParallelGroupedQueryAttention(24, tp, {.heads = 12, .kv_heads = 3}),
           doctest::Contains("key/value heads divide among them"), Error);
+  }
+}
+
+TEST_SUITE("experts") {
+  TEST_CASE("ParallelLlamaModel and ParallelGPT2Model with experts equal the model on one rank") {
+    const dist::Group tp = dist::world();
+    std::vector<std::vector<int>> singletons;
+    for (int r = 0; r < tp.size(); ++r) singletons.push_back({r});
+    const dist::Group alone = dist::split_group(dist::world(), singletons);
+    const int64_t vocab = 12, dim = 24;  // every split divides at 1 to 4 ranks
+    const parallel::ParallelLMOptions experts{
+        .moe = nn::MoEOptions{.hidden = dim, .ffn = 16, .router = {.experts = 4, .top_k = 2}}};
+    for (const std::string arch : {"llama", "gpt2"}) {
+      CAPTURE(arch);
+      auto build = [&](const dist::Group& group) -> std::shared_ptr<nn::CausalLM> {
+        manual_seed(31);
+        std::shared_ptr<nn::CausalLM> model;
+        if (arch == "llama")
+          model = std::make_shared<parallel::ParallelLlamaModel>(
+              nn::LlamaModelOptions{
+                  .vocab = vocab, .dim = dim, .layers = 2, .block = {.heads = 12, .hidden = 48}},
+              group, experts);
+        else
+          model = std::make_shared<parallel::ParallelGPT2Model>(
+              nn::GPT2ModelOptions{
+                  .vocab = vocab, .dim = dim, .layers = 2, .heads = 12, .max_positions = 16},
+              group, experts);
+        model->to(kFloat64);
+        return model;
+      };
+      auto aux_loss = [&](const nn::CausalLM& model) {
+        if (arch == "llama")
+          return static_cast<const parallel::ParallelLlamaModel&>(model).aux_loss();
+        return static_cast<const parallel::ParallelGPT2Model&>(model).aux_loss();
+      };
+      auto split = build(tp), whole = build(alone);
+      // Block i's experts are nn::MoE's from seed moe.seed + i.
+      for (int64_t i = 0; i < 2; ++i) {
+        CAPTURE(i);
+        nn::Module& moe =
+            arch == "llama"
+                ? *static_cast<parallel::ParallelLlamaBlock&>(
+                       (*static_cast<parallel::ParallelLlamaModel&>(*split).blocks)[size_t(i)])
+                       .moe
+                : *static_cast<parallel::ParallelGPT2Model&>(*split).blocks[size_t(i)]->moe;
+        nn::MoEOptions options = *experts.moe;
+        options.seed += uint64_t(i);
+        nn::MoE reference(options);
+        reference.to(kFloat64);
+        const auto got = moe.state_dict(), want = reference.state_dict();
+        REQUIRE(got.size() == want.size());
+        for (size_t k = 0; k < got.size(); ++k) CHECK(close(got[k].second, want[k].second, 0));
+      }
+      Generator g(5);
+      const Tensor tokens = randint(0, vocab, {2, 7}, {.dtype = kInt64}, &g);
+      const Tensor targets = randint(0, vocab, {14}, {.dtype = kInt64}, &g);
+      const Tensor mine = (*split)(tokens), all = (*whole)(tokens);
+      CHECK(close12(mine, piece(all, 2, tp)));
+      REQUIRE(aux_loss(*split).defined());
+      CHECK(close12(aux_loss(*split), aux_loss(*whole)));
+      (parallel::vocab_parallel_cross_entropy(mine.reshape({14, -1}), targets, tp) +
+       aux_loss(*split))
+          .backward();
+      (cross_entropy(all.reshape({14, vocab}), targets) + aux_loss(*whole)).backward();
+      const auto splits = parallel::tensor_splits(*split);
+      const auto expected = whole->named_parameters();
+      size_t compared = 0;
+      for (const auto& [name, p] : split->named_parameters()) {
+        const std::string label = name;  // a copy: CAPTURE's lambda cannot take a binding
+        CAPTURE(label);
+        const auto it = std::find_if(expected.begin(), expected.end(),
+                                     [&](const auto& e) { return e.first == name; });
+        REQUIRE(it != expected.end());
+        const Tensor want = it->second.grad();
+        const auto cut = splits.find(name);
+        CHECK(close12(p.grad(), cut == splits.end() ? want : piece(want, cut->second.axis, tp)));
+        compared += name.find(".moe.") != std::string::npos;
+      }
+      CHECK(compared > 0);  // the experts' parameters are among them
+    }
   }
 }
 

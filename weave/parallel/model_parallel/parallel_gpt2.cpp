@@ -31,7 +31,10 @@ ParallelGPT2Model::ParallelGPT2Model(nn::GPT2ModelOptions options, dist::Group g
                                         .generator = options.generator,
                                         .context_group = split_.context_group,
                                         .context_mode = split_.context_mode,
-                                        .context_layout = split_.context_layout}));
+                                        .context_layout = split_.context_layout,
+                                        .moe = block_experts(split_, i),
+                                        .expert_group = split_.expert_group,
+                                        .balance_group = split_.balance_group}));
     stack->push_back(blocks.back());
   }
   norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{options.dim}));
@@ -39,6 +42,13 @@ ParallelGPT2Model::ParallelGPT2Model(nn::GPT2ModelOptions options, dist::Group g
 
 Tensor ParallelGPT2Model::forward(const Tensor& ids) {
   return run(ids, nullptr, split_.gather_logits);
+}
+
+Tensor ParallelGPT2Model::aux_loss() const {
+  Tensor total;
+  for (const auto& block : blocks)
+    if (Tensor aux = block->aux_loss(); aux.defined()) total = total.defined() ? total + aux : aux;
+  return total;
 }
 
 std::vector<nn::KVCache> ParallelGPT2Model::make_caches(int64_t max_length) const {

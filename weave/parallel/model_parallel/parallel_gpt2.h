@@ -24,6 +24,9 @@ class ParallelGPT2Model : public nn::CausalLM {
   int64_t vocab() const override { return options_.vocab; }
   std::vector<nn::KVCache> make_caches(int64_t max_length) const override;
   Tensor forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& caches) override;
+  /// With split.moe: the last forward's load-balancing and z-losses of the blocks, summed (add
+  /// it to the loss); undefined without experts.
+  Tensor aux_loss() const;
 
   std::shared_ptr<VocabParallelEmbedding> tokens;
   std::shared_ptr<nn::Embedding> positions;

@@ -213,9 +213,13 @@ ParallelLlamaModel::ParallelLlamaModel(nn::LlamaModelOptions options, dist::Grou
                                   .context_group = split_.context_group,
                                   .context_mode = split_.context_mode,
                                   .context_layout = split_.context_layout,
-                                  .qkv_bias = options.block.qkv_bias};
-  for (int64_t i = first; i < last; ++i)
+                                  .qkv_bias = options.block.qkv_bias,
+                                  .expert_group = split_.expert_group,
+                                  .balance_group = split_.balance_group};
+  for (int64_t i = first; i < last; ++i) {
+    block.moe = block_experts(split_, i);
     blocks->push_back(std::make_shared<ParallelLlamaBlock>(options.dim, group_, block));
+  }
   if (split_.stage < split_.stages - 1) return;
   norm = register_module("norm",
                          std::make_shared<nn::RMSNorm>(Shape{options.dim}, options.block.norm_eps));
@@ -234,6 +238,14 @@ Tensor ParallelLlamaModel::forward_inputs(const nn::Inputs& inputs) {
   Tensor h = (*blocks)(inputs.with(embedding ? (*embedding)(inputs.x) : inputs.x));
   if (!head) return h;  // a pipeline stage before the last
   return vocab_parallel_logits((*head)((*norm)(h)), vocab_, group_, split_.gather_logits);
+}
+
+Tensor ParallelLlamaModel::aux_loss() const {
+  Tensor total;
+  for (size_t i = 0; i < blocks->size(); ++i)
+    if (Tensor aux = static_cast<const ParallelLlamaBlock&>((*blocks)[i]).aux_loss(); aux.defined())
+      total = total.defined() ? total + aux : aux;
+  return total;
 }
 
 std::vector<nn::KVCache> ParallelLlamaModel::make_caches(int64_t max_length) const {

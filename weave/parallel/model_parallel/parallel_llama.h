@@ -140,6 +140,9 @@ class ParallelLlamaModel : public nn::CausalLM {
   int64_t vocab() const override { return vocab_; }
   std::vector<nn::KVCache> make_caches(int64_t max_length) const override;
   Tensor forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& caches) override;
+  /// With split.moe: the last forward's load-balancing and z-losses of this stage's blocks,
+  /// summed (add it to the loss); undefined without experts.
+  Tensor aux_loss() const;
   std::shared_ptr<VocabParallelEmbedding> embedding;  // null past the first pipeline stage
   std::shared_ptr<nn::Sequential> blocks;             // this stage's ("blocks.<i>")
   std::shared_ptr<nn::RMSNorm> norm;                  // null before the last stage

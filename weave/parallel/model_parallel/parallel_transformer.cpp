@@ -163,6 +163,13 @@ void ParallelTransformerBlock::add_experts(int64_t dim,
   moe = register_module("moe", std::move(experts.module));
 }
 
+std::optional<nn::MoEOptions> block_experts(const ParallelLMOptions& split, int64_t block) {
+  if (!split.moe) return std::nullopt;
+  nn::MoEOptions options = *split.moe;
+  options.seed += uint64_t(block);
+  return options;
+}
+
 Tensor ParallelTransformerBlock::aux_loss() const {
   return aux_loss_ ? aux_loss_() : Tensor();
 }

@@ -128,7 +128,17 @@ struct ParallelLMOptions {
   /// [B, T, dim] flow. Decoding with caches raises.
   int stage = 0;
   int stages = 1;
+  /// Expert parallelism: every block's MLP a mixture of experts (block i's seeded moe->seed + i),
+  /// spread over expert_group when it has several ranks, its load-balancing loss counting the
+  /// assignments of balance_group's batches (data x context); the model's aux_loss() sums the
+  /// blocks' (add it to the loss).
+  std::optional<nn::MoEOptions> moe = std::nullopt;
+  std::optional<dist::Group> expert_group = std::nullopt;
+  std::optional<dist::Group> balance_group = std::nullopt;
 };
+
+/// Block i's mixture of experts under ParallelLMOptions (its own seed), or none.
+std::optional<nn::MoEOptions> block_experts(const ParallelLMOptions& split, int64_t block);
 
 struct ParallelTransformerBlockOptions {
   /// The MLP's hidden width; 4 dim when 0.
