@@ -117,25 +117,28 @@ void Tokenizer::Impl::add_token(std::string content, int32_t id, bool special) {
 void Tokenizer::Impl::bpe(std::string_view piece, std::vector<int32_t>& out) const {
   std::vector<int32_t> symbols(piece.size());
   for (size_t i = 0; i < piece.size(); ++i) symbols[i] = byte_token[uint8_t(piece[i])];
-  if (symbols.size() <= 32) {  // short pieces: the pairs' ranks in an array, scanned each round
-    constexpr int32_t kNone = INT32_MAX;
-    const auto rank_at = [&](size_t i) {
+  if (symbols.size() <= 32) {  // short pieces: the pairs' merges in an array, scanned each round
+    constexpr Merge kNone{INT32_MAX, -1};
+    const auto merge_at = [&](size_t i) {
       const auto found = merges.find(pair_key(symbols[i], symbols[i + 1]));
-      return found == merges.end() ? kNone : found->second.rank;
+      return found == merges.end() ? kNone : found->second;
     };
-    std::array<int32_t, 32> ranks;
-    for (size_t i = 0; i + 1 < symbols.size(); ++i) ranks[i] = rank_at(i);
+    std::array<Merge, 32> pair_merges;
+    for (size_t i = 0; i + 1 < symbols.size(); ++i) pair_merges[i] = merge_at(i);
+    const auto by_rank = [](const Merge& x, const Merge& y) { return x.rank < y.rank; };
     while (symbols.size() > 1) {
       const size_t pairs = symbols.size() - 1;
       const size_t at =
-          size_t(std::min_element(ranks.begin(), ranks.begin() + pairs) - ranks.begin());
-      if (ranks[at] == kNone) break;
-      symbols[at] = merges.at(pair_key(symbols[at], symbols[at + 1])).merged;
+          size_t(std::min_element(pair_merges.begin(), pair_merges.begin() + pairs, by_rank) -
+                 pair_merges.begin());
+      if (pair_merges[at].rank == kNone.rank) break;
+      symbols[at] = pair_merges[at].merged;
       symbols.erase(symbols.begin() + std::ptrdiff_t(at) + 1);
-      std::copy(ranks.begin() + std::ptrdiff_t(at) + 1, ranks.begin() + std::ptrdiff_t(pairs),
-                ranks.begin() + std::ptrdiff_t(at));
-      if (at > 0) ranks[at - 1] = rank_at(at - 1);
-      if (at + 1 < symbols.size()) ranks[at] = rank_at(at);
+      std::copy(pair_merges.begin() + std::ptrdiff_t(at) + 1,
+                pair_merges.begin() + std::ptrdiff_t(pairs),
+                pair_merges.begin() + std::ptrdiff_t(at));
+      if (at > 0) pair_merges[at - 1] = merge_at(at - 1);
+      if (at + 1 < symbols.size()) pair_merges[at] = merge_at(at);
     }
     out.insert(out.end(), symbols.begin(), symbols.end());
     return;
@@ -145,21 +148,23 @@ void Tokenizer::Impl::bpe(std::string_view piece, std::vector<int32_t>& out) con
   const size_t n = symbols.size();
   std::vector<size_t> next(n), prev(n);
   for (size_t i = 0; i < n; ++i) next[i] = i + 1, prev[i] = i - 1;
-  using Candidate = std::tuple<int32_t, size_t, int32_t, int32_t>;  // rank, left, ids
+  using Candidate =
+      std::tuple<int32_t, size_t, int32_t, int32_t, int32_t>;  // rank, left, ids, merged
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> queue;
   const auto offer = [&](size_t left) {
     if (left >= n || next[left] >= n) return;
     const auto found = merges.find(pair_key(symbols[left], symbols[next[left]]));
     if (found != merges.end())
-      queue.emplace(found->second.rank, left, symbols[left], symbols[next[left]]);
+      queue.emplace(found->second.rank, left, symbols[left], symbols[next[left]],
+                    found->second.merged);
   };
   for (size_t i = 0; i + 1 < n; ++i) offer(i);
   while (!queue.empty()) {
-    const auto [rank, left, a, b] = queue.top();
+    const auto [rank, left, a, b, merged] = queue.top();
     queue.pop();
     const size_t right = next[left];
     if (symbols[left] != a || right >= n || symbols[right] != b) continue;  // outdated
-    symbols[left] = merges.at(pair_key(a, b)).merged;
+    symbols[left] = merged;
     symbols[right] = -1;
     next[left] = next[right];
     if (next[left] < n) prev[next[left]] = left;
