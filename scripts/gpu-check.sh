@@ -9,8 +9,11 @@
 #      alternating, medians of the per-step times after the first three steps: the 12-layer,
 #      d 768, T 1024, vocab 32768 model in bf16 autocast and float32, and the 4-layer d 256 model.
 #   4. compute-sanitizer memcheck of the cuda suites; 5. examples/gpt --device cuda at 1 rank
-#      (NCCL) and 2 ranks (MPI) against the CPU run's held-out loss ($HELDOUT_REFERENCE).
-#   bash scripts/gpu-check.sh [runs=3] [steps=12] [what=all|tests,kernels,gpt,heldout,sanitize,profile]
+#      (NCCL) and 2 ranks (MPI) against the CPU run's held-out loss ($HELDOUT_REFERENCE);
+#   6. the host cost of small ops (bench_op_overhead against bench/kernels/torch_op_overhead.py,
+#      [4, 64] tensors, --device cuda): what a call costs the host, launches included.
+#   bash scripts/gpu-check.sh [runs=3] [steps=12]
+#        [what=all|tests,kernels,overhead,gpt,heldout,sanitize,profile]
 # Programs come from $WEAVE_BIN (default: build/tests, build/bench, build/examples, then PATH);
 # the text from $WEAVE_DATA (default /usr/share/games/fortunes). PyTorch runs as $TORCH_PYTHON
 # (default python3) without weave's LD_LIBRARY_PATH (the bundle's libraries are weave's, not
@@ -96,6 +99,29 @@ if want kernels; then
     wu=$(median ${w_us[$n]}); tu=$(median ${t_us[$n]:-0})
     wf=$(median ${w_frac[$n]}); tf=$(median ${t_frac[$n]:-0})
     table+=("kernel|$n|weave ${wu} us (copy fraction $wf), torch ${tu} us ($tf), weave/torch $(ratio "$wu" "$tu")")
+  done
+fi
+
+if want overhead; then
+  echo "== host cost of small ops on the GPU (weave, then PyTorch, alternating $runs times)"
+  declare -A w_op t_op
+  ops=()
+  for ((i = 1; i <= runs; ++i)); do
+    while read -r line; do
+      echo "run $i weave $line"
+      n=$(sed 's/.*op=\([^ ]*\).*/\1/' <<<"$line"); u=$(sed 's/.* us=\([^ ]*\).*/\1/' <<<"$line")
+      [ $i -eq 1 ] && ops+=("$n")
+      w_op[$n]="${w_op[$n]:-} $u"
+    done < <(bench_op_overhead --device cuda --calls 500 | grep '^op=')
+    while read -r line; do
+      echo "run $i torch $line"
+      n=$(sed 's/.*op=\([^ ]*\).*/\1/' <<<"$line"); u=$(sed 's/.* us=\([^ ]*\).*/\1/' <<<"$line")
+      t_op[$n]="${t_op[$n]:-} $u"
+    done < <(torch bench/kernels/torch_op_overhead.py --device cuda --calls 500 | grep '^op=')
+  done
+  for n in "${ops[@]}"; do
+    wu=$(median ${w_op[$n]}); tu=$(median ${t_op[$n]:-0})
+    table+=("overhead|$n|weave ${wu} us, torch ${tu} us a call, weave/torch $(ratio "$wu" "$tu")")
   done
 fi
 
