@@ -17,8 +17,9 @@
 // group in one tensor-parallel group: ParallelGPT2Model / ParallelLlamaModel), hybrid (ddp over
 // tensor groups of --tp, 2 by default); --tp N splits the model under ddp and fsdp too, and
 // --context-parallel N splits every window over N ranks (zig-zag parts, ring attention) under
-// any of them, and --pipeline N cuts a Llama-family model into N stages (1F1B over
-// --microbatches, 2 N by default; not with fsdp). Each rank reads only the parts of the
+// any of them, and --pipeline N cuts the model into N stages (1F1B over --microbatches, 2 N by
+// default; not with fsdp; GPT-2's last stage holds a copy of the token embedding for its head,
+// its gradient added to the first stage's after every step). Each rank reads only the parts of the
 // checkpoint it holds.
 // --init llama|gpt2 first writes a new, randomly initialized model of --dim/--layers/--heads/
 // --kv-heads with the tokenizer of --tokenizer DIR into --model (how the tests make one).

@@ -7,7 +7,9 @@
 # every step after the resume and save the same Hugging Face files, byte for byte, as the
 # uninterrupted run; tp, fsdp, context parallelism, a 2-stage pipeline, and at 4 ranks ddp x tp,
 # fsdp x tp x context and pipeline x context must end at ddp's loss (float32: 1e-3 relative), and the saved model must
-# generate from a prompt.
+# generate from a prompt. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
+# stage's head), alone and with 2 tensor-parallel ranks, and resumed under ddp from a pipelined
+# checkpoint, ends at ddp's loss too.
 # Exits 77 (skipped) without the fortunes package.
 set -u
 finetune=$1 tokenize=$2 npm=$3
@@ -80,5 +82,26 @@ for case in "tp 2 --strategy tp" "fsdp 2 --strategy fsdp" "context 2 --context-p
     { echo "FAIL: $name final_loss=$got, ddp's $reference"; status=1; }
   echo "$name final_loss=$got"
 done
+# GPT-2 in pipeline stages, its token embedding tied to the last stage's head: the 2-stage run
+# and 2 stages x 2 tensor-parallel ranks end at ddp's loss; a pipelined run stopped at step 20
+# resumes under ddp (both stages saved the embedding) to ddp's loss; the export holds one wte.
+"$finetune" --init gpt2 --tokenizer "$gpt2" --model "$work/gpt2" --dim 64 --layers 2 --heads 4 \
+  --tokens "$work/fortunes.tokens" --steps 0 >/dev/null || { echo "FAIL: --init gpt2"; exit 1; }
+base=(--model "$work/gpt2" --tokens "$work/fortunes.tokens" --steps 40 --context 64 --batch 4
+      --lr 1e-3 --log-every 1 --checkpoint-every 20)
+run gpt2_ddp 2
+reference=$(final gpt2_ddp)
+run gpt2_pipeline 2 --pipeline 2 --save "$work/gpt2_saved"
+run gpt2_pipeline_tp 4 --strategy tp --pipeline 2
+run gpt2_stopped 2 --pipeline 2 --checkpoint "$work/ckpt_gpt2" --stop-at 20
+run gpt2_resumed 2 --checkpoint "$work/ckpt_gpt2" --resume
+for name in gpt2_pipeline gpt2_pipeline_tp gpt2_resumed; do
+  got=$(final "$name")
+  awk -v a="$got" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-3 * b) }' ||
+    { echo "FAIL: $name final_loss=$got, ddp's $reference"; status=1; }
+  echo "$name final_loss=$got (ddp $reference)"
+done
+[ "$(grep -ao '"transformer.wte.weight"' "$work/gpt2_saved/model.safetensors" | wc -l)" -eq 1 ] ||
+  { echo "FAIL: the pipelined GPT-2's export does not hold exactly one wte"; status=1; }
 [ "$status" -eq 0 ] && echo "PASS: fine-tuning resumes exactly and every strategy agrees"
 exit "$status"

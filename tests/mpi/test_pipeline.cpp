@@ -1,5 +1,6 @@
 // Pipeline parallelism against one process: GPipe, 1F1B and interleaved schedules give the
-// whole batch's gradients; the bubble is what theory says; communication left pending and
+// whole batch's gradients; GPT-2's stages, its embedding tied to the last stage's head, train as
+// one process; the bubble is what theory says; communication left pending and
 // forgotten backward passes are errors on every rank; isend does not deadlock.
 #include <doctest/doctest.h>
 
@@ -141,6 +142,74 @@ TEST_SUITE("pipeline") {
         CHECK(!close(predicted, (*reference)(x)));
       }
       CHECK(autograd::must_run_pending() == 0);
+    }
+  }
+
+  TEST_CASE("GPT-2 in stages: the head's tied embedding steps as one process's, clipped once") {
+    // Every rank a stage (tensor groups of one rank); the first and the last stage both hold
+    // tokens.weight, the embedding on one and the head on the other.
+    const int n = dist::world_size();
+    std::vector<std::vector<int>> singletons;
+    for (int r = 0; r < n; ++r) singletons.push_back({r});
+    const dist::Group alone = dist::split_group(dist::world(), singletons);
+    const nn::GPT2ModelOptions options{
+        .vocab = 16, .dim = 16, .layers = 4, .heads = 2, .max_positions = 8};
+    manual_seed(11);
+    parallel::ParallelGPT2Model whole(options, alone);
+    whole.to(kFloat64);
+    parallel::ParallelGPT2Model stage(options, alone, {.stage = dist::rank(), .stages = n});
+    stage.to(kFloat64);
+    nn::NamedTensors state;  // the whole model's values of this stage's names
+    const auto mine = stage.named_parameters(), all = whole.state_dict();
+    for (const auto& [name, t] : all)
+      if (std::any_of(mine.begin(), mine.end(), [&](const auto& p) { return p.first == name; }))
+        state.emplace_back(name, t);
+    stage.load_state_dict(state);
+    REQUIRE(bool(stage.tokens) == (dist::rank() == 0 || dist::rank() == n - 1));
+    parallel::Pipeline pipe(stage, {.microbatches = 2});
+    // SGD with momentum: a step linear in the gradients (Adam's would magnify rounding where a
+    // gradient is nearly zero)
+    optim::SGD step_stage(stage.parameters(), {.lr = 0.5, .momentum = 0.9});
+    optim::SGD step_whole(whole.parameters(), {.lr = 0.5, .momentum = 0.9});
+    auto loss_of = [&](const Tensor& logits, const Tensor& targets) {
+      return cross_entropy(logits.reshape({-1, options.vocab}), targets.reshape({-1}));
+    };
+    Generator g(5);
+    for (int step = 0; step < 3; ++step) {
+      CAPTURE(step);
+      const Tensor tokens = randint(0, options.vocab, {4, 8}, {.dtype = kInt64}, &g);
+      const Tensor targets = randint(0, options.vocab, {4, 8}, {.dtype = kInt64}, &g);
+      step_stage.zero_grad();
+      step_whole.zero_grad();
+      const Tensor loss = pipe.train_step(tokens, targets, loss_of);
+      const Tensor expected = loss_of(whole(tokens), targets);
+      expected.backward();
+      if (pipe.is_last()) CHECK(close(loss, expected, 1e-10));
+      // The tied weight counts once in the whole model's norm.
+      CHECK(parallel::clip_grad_norm_(stage.parameters(), 1e9) ==
+            doctest::Approx(optim::clip_grad_norm_(whole.parameters(), 1e9)).epsilon(1e-10));
+      step_stage.step();
+      step_whole.step();
+    }
+    const auto expected = whole.named_parameters();
+    for (const auto& [name, p] : stage.named_parameters()) {
+      const std::string label = name;  // a copy: CAPTURE's lambda cannot take a binding
+      CAPTURE(label);
+      const auto it = std::find_if(expected.begin(), expected.end(),
+                                   [&](const auto& e) { return e.first == name; });
+      REQUIRE(it != expected.end());
+      CHECK(close(p, it->second, 1e-10));  // tokens.weight on the last stage too
+    }
+    if (n > 1) {
+      std::vector<nn::KVCache> caches = stage.make_caches(4);
+      CHECK_THROWS_WITH_AS(stage.forward_cached(full({1, 1}, 1.0, {.dtype = kInt64}), caches),
+                           doctest::Contains("not split into pipeline stages"), Error);
+    }
+    if (n > 1) {  // marked on the first stage alone: every stage raises
+      auto lone = std::make_shared<nn::Linear>(2, 2);
+      if (dist::rank() == 0) parallel::tie_first_and_last_stage(lone->weight);
+      CHECK_THROWS_WITH_AS(parallel::Pipeline(*lone, {.microbatches = 1}),
+                           doctest::Contains("tied across the first and the last stage"), Error);
     }
   }
 

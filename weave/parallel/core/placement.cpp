@@ -25,7 +25,9 @@ std::string Cut::str() const {
       return fmt::format("experts {}..{} of {} over group {}", first, first + count - 1, total,
                          group.str());
     case Kind::Stage:
-      return fmt::format("a pipeline stage's over group {}", group.str());
+      return count > 1
+                 ? fmt::format("the first and the last pipeline stage's over group {}", group.str())
+                 : fmt::format("a pipeline stage's over group {}", group.str());
   }
   return "an unknown cut";
 }
@@ -50,13 +52,16 @@ std::string Placement::describe() const {
 }
 
 int Placement::copies_in(const dist::Group& group) const {
-  int64_t pieces = 1;
-  for (const Cut& cut : cuts) pieces *= cut.group.size();
+  int64_t pieces = 1, tied = 1;
+  for (const Cut& cut : cuts) {
+    pieces *= cut.group.size();
+    if (cut.kind == Cut::Kind::Stage && cut.count > 1) tied = cut.count;
+  }
   WEAVE_CHECK(pieces >= 1 && group.size() % pieces == 0, "clip_grad_norm_",
               "a parameter is cut into {} pieces ({}), which do not divide the {} ranks of group "
               "{}; hint: clip over the group whose ranks together hold the whole model",
               pieces, str(), group.size(), group.str());
-  return static_cast<int>(group.size() / pieces);
+  return static_cast<int>(group.size() / pieces * tied);
 }
 
 const Placement* placement_of(const Tensor& t) {
@@ -73,6 +78,11 @@ void add_cut(const Tensor& t, Cut cut, const std::string& hint) {
   placement->cuts.push_back(std::move(cut));
   if (!hint.empty()) placement->hint = hint;
   t.impl()->meta().placement = std::move(placement);
+}
+
+void tie_first_and_last_stage(const Tensor& parameter) {
+  // The pipeline's group is not known yet: the Pipeline records it in place of the world.
+  add_cut(parameter, {.kind = Cut::Kind::Stage, .group = dist::world(), .count = 2});
 }
 
 std::map<std::string, int> split_axes(const nn::Module& module) {

@@ -43,7 +43,9 @@ struct Cut {
   /// real length, the rows past it padding (gather_state_dict drops them, sharded checkpoints
   /// hold none); -1: no padding.
   int64_t size = -1;
-  /// Experts: this rank holds experts [first, first + count) of `total`.
+  /// Experts: this rank holds experts [first, first + count) of `total`. Stage: count 2 marks a
+  /// parameter that the first and the last stage both hold (tie_first_and_last_stage), the same
+  /// piece twice.
   int64_t first = 0, count = 0, total = 0;
   /// FlatShard: which elements of which members the shard holds (for sharded checkpoints, and
   /// for clipping a shard with tensor-parallel members); null where its writer gives none.
@@ -64,9 +66,18 @@ class Placement final : public PlacementRecord {
   /// The cuts, "; "-separated ("replicated" without any).
   std::string str() const;
   /// How many ranks of `group` hold the same piece as this one (group.size() over the product
-  /// of the cut groups' sizes); raises unless that product divides the group's size.
+  /// of the cut groups' sizes, times 2 for a parameter tied across stages); raises unless that
+  /// product divides the group's size.
   int copies_in(const dist::Group& group) const;
 };
+
+/// Marks `parameter` as one that the first and the last pipeline stage both hold, as GPT-2's
+/// last stage holds the token embedding its head multiplies by (Megatron-LM's shared
+/// embedding): after each train_step parallel::Pipeline adds the two stages' gradients, so both
+/// copies take the same step, and clipping counts it once. Both stages mark their copies, in the
+/// same order, before constructing the Pipeline (which records its group); stages between hold
+/// none.
+void tie_first_and_last_stage(const Tensor& parameter);
 
 /// t's placement, or null when nothing cut it (replicated wherever it exists).
 const Placement* placement_of(const Tensor& t);

@@ -2,6 +2,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
+#include "weave/parallel/core/placement.h"
 
 namespace weave::parallel {
 
@@ -11,20 +12,28 @@ ParallelGPT2Model::ParallelGPT2Model(nn::GPT2ModelOptions options, dist::Group g
       options_(options),
       group_(std::move(group)),
       split_(std::move(split)) {
-  WEAVE_CHECK(split_.stages == 1, "ParallelGPT2Model",
-              "GPT-2's head is tied to its token embedding, which pipeline stages would hold on "
-              "the first stage and the last; hint: split GPT-2 with tensor, context and data "
-              "parallelism, or pipeline a Llama-family model");
+  WEAVE_CHECK(split_.stages >= 1 && split_.stage >= 0 && split_.stage < split_.stages &&
+                  options.layers >= split_.stages,
+              "ParallelGPT2Model",
+              "expected stage s of S stages, 0 <= s < S <= layers ({}), found stage {} of {}",
+              options.layers, split_.stage, split_.stages);
   WEAVE_CHECK(!options.untied_head, "ParallelGPT2Model",
               "an untied head is not split here; hint: GPT-2 ties it to the token embedding");
-  tokens = register_module("tokens", std::make_shared<VocabParallelEmbedding>(
-                                         options.vocab, options.dim, group_, options.generator,
-                                         padded_vocab(options.vocab, group_.size())));
-  positions = register_module(
-      "positions",
-      std::make_shared<nn::Embedding>(options.max_positions, options.dim, options.generator));
-  auto stack = register_module("blocks", std::make_shared<nn::Sequential>());
-  for (int64_t i = 0; i < options.layers; ++i) {
+  const bool first_stage = split_.stage == 0, last_stage = split_.stage == split_.stages - 1;
+  // The last stage's head multiplies by the token embedding: in a pipeline it holds a copy of
+  // its own under the same name, tied to the first stage's (Megatron-LM's shared embedding).
+  if (first_stage || last_stage)
+    tokens = register_module("tokens", std::make_shared<VocabParallelEmbedding>(
+                                           options.vocab, options.dim, group_, options.generator,
+                                           padded_vocab(options.vocab, group_.size())));
+  if (first_stage)
+    positions = register_module(
+        "positions",
+        std::make_shared<nn::Embedding>(options.max_positions, options.dim, options.generator));
+  const int64_t first = options.layers * split_.stage / split_.stages;
+  const int64_t last = options.layers * (split_.stage + 1) / split_.stages;
+  auto stack = register_module("blocks", std::make_shared<nn::Sequential>(size_t(first)));
+  for (int64_t i = first; i < last; ++i) {
     blocks.push_back(std::make_shared<ParallelTransformerBlock>(
         options.dim, options.heads, group_,
         ParallelTransformerBlockOptions{.tanh_gelu = true,
@@ -37,7 +46,9 @@ ParallelGPT2Model::ParallelGPT2Model(nn::GPT2ModelOptions options, dist::Group g
                                         .balance_group = split_.balance_group}));
     stack->push_back(blocks.back());
   }
-  norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{options.dim}));
+  if (last_stage)
+    norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{options.dim}));
+  if (split_.stages > 1 && tokens) tie_first_and_last_stage(tokens->weight);
 }
 
 Tensor ParallelGPT2Model::forward(const Tensor& ids) {
@@ -59,6 +70,9 @@ std::vector<nn::KVCache> ParallelGPT2Model::make_caches(int64_t max_length) cons
 }
 
 Tensor ParallelGPT2Model::forward_cached(const Tensor& ids, std::vector<nn::KVCache>& caches) {
+  WEAVE_CHECK(split_.stages == 1, "ParallelGPT2Model",
+              "decoding with caches is not split into pipeline stages; hint: decode with the "
+              "whole model (gather it, or load a checkpoint of it)");
   WEAVE_CHECK(!split_.context_group, "ParallelGPT2Model",
               "decoding with caches is not split over a context group; hint: decode with a model "
               "built without one (gather_state_dict)");
@@ -69,11 +83,11 @@ Tensor ParallelGPT2Model::forward_cached(const Tensor& ids, std::vector<nn::KVCa
   return run(ids, &caches, true);
 }
 
-// The blocks run sequence first ([T, B, dim]), as ParallelTransformerBlock takes them.
-Tensor ParallelGPT2Model::run(const Tensor& ids, std::vector<nn::KVCache>* caches, bool gather) {
+// The first stage's token and position embeddings of ids [B, T] sitting after `start`
+// positions (this rank's part of each sequence under context parallelism), [B, T, dim].
+Tensor ParallelGPT2Model::embed(const Tensor& ids, int64_t start) {
   WEAVE_CHECK(ids.defined() && ids.dim() == 2, "ParallelGPT2Model",
               "expected tokens [B, T], found {}", ids.defined() ? ids.shape() : Shape{});
-  const int64_t start = caches ? caches->front().length() : 0;
   const int parts = split_.context_group ? split_.context_group->size() : 1;
   const int64_t length = ids.size(1) * parts;  // the whole sequence's
   WEAVE_CHECK(start + length <= options_.max_positions, "ParallelGPT2Model",
@@ -82,10 +96,28 @@ Tensor ParallelGPT2Model::run(const Tensor& ids, std::vector<nn::KVCache>* cache
   Tensor where =
       arange(double(start), double(start + length), 1, {.dtype = kInt64, .device = ids.device()});
   if (parts > 1) where = shard_sequence(where, 0, *split_.context_group, split_.context_layout);
-  Tensor x = ((*tokens)(ids) + (*positions)(where)).transpose(0, 1);
+  return (*tokens)(ids) + (*positions)(where);
+}
+
+// The blocks run sequence first ([T, B, dim]), as ParallelTransformerBlock takes them; between
+// pipeline stages hidden states travel batch first, [B, T, dim].
+Tensor ParallelGPT2Model::run(const Tensor& input, std::vector<nn::KVCache>* caches, bool gather) {
+  Tensor x;
+  if (positions) {
+    x = embed(input, caches ? caches->front().length() : 0);
+  } else {
+    WEAVE_CHECK(
+        input.defined() && input.dim() == 3 && input.size(-1) == options_.dim, "ParallelGPT2Model",
+        "stage {} of {} expected the previous stage's hidden states [B, T, {}], found {}",
+        split_.stage, split_.stages, options_.dim, input.defined() ? input.shape() : Shape{});
+    x = input;
+  }
+  x = x.transpose(0, 1);
   for (size_t i = 0; i < blocks.size(); ++i)
     x = caches ? blocks[i]->forward(x, (*caches)[i]) : (*blocks[i])(x);
-  x = (*norm)(x.transpose(0, 1));
+  x = x.transpose(0, 1);
+  if (!norm) return x.contiguous();  // a stage before the last
+  x = (*norm)(x);
   // The tied head: this rank's vocabulary rows; the input's gradient sums over the group.
   Tensor logits = linear(dist::functional::copy_to_group(x, group_), tokens->weight);
   return vocab_parallel_logits(logits, options_.vocab, group_, gather);

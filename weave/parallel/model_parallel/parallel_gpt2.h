@@ -10,7 +10,10 @@
 //   Tensor logits = gpt2(tokens);   // [B, T, padded / n]: this rank's vocabulary slice
 //
 // With a context group (ParallelLMOptions) each rank passes its part of every sequence and the
-// position embedding reads the part's positions.
+// position embedding reads the part's positions. As pipeline stage s of S (ParallelLMOptions),
+// the first stage embeds, the last holds the final norm and the head, hidden states [B, T, dim]
+// travel between, and the last stage's copy of the token embedding is tied to the first's:
+// parallel::Pipeline adds their gradients after each step (Megatron-LM's shared embedding).
 #include "weave/nn/gpt2.h"
 #include "weave/parallel/model_parallel/parallel_transformer.h"
 #include "weave/parallel/model_parallel/tensor_parallel.h"
@@ -28,13 +31,16 @@ class ParallelGPT2Model : public nn::CausalLM {
   /// it to the loss); undefined without experts.
   Tensor aux_loss() const;
 
+  /// On the first stage and the last (whose head multiplies by it: a copy tied to the first
+  /// stage's, tie_first_and_last_stage); null between.
   std::shared_ptr<VocabParallelEmbedding> tokens;
-  std::shared_ptr<nn::Embedding> positions;
-  std::vector<std::shared_ptr<ParallelTransformerBlock>> blocks;  // named "blocks.<i>"
-  std::shared_ptr<nn::LayerNorm> norm;
+  std::shared_ptr<nn::Embedding> positions;                       // the first stage's
+  std::vector<std::shared_ptr<ParallelTransformerBlock>> blocks;  // this stage's, "blocks.<i>"
+  std::shared_ptr<nn::LayerNorm> norm;                            // the last stage's
 
  private:
-  Tensor run(const Tensor& tokens, std::vector<nn::KVCache>* caches, bool gather);
+  Tensor embed(const Tensor& ids, int64_t start);
+  Tensor run(const Tensor& input, std::vector<nn::KVCache>* caches, bool gather);
   nn::GPT2ModelOptions options_;
   dist::Group group_;
   ParallelLMOptions split_;

@@ -109,10 +109,51 @@ Pipeline::Pipeline(std::vector<nn::Module*> chunks, std::vector<DataParallelWrap
               group_.str(), agreed.lowest[1], agreed.highest[1], v, hint);
   WEAVE_CHECK(agreed.same(2), "Pipeline", "the stages of group {} use different schedules; {}",
               group_.str(), hint);
-  // The other stages hold other parameters: norms over the model add up over the group.
+  place_parameters();
+}
+
+void Pipeline::place_parameters() {
+  auto is_tied = [](const Tensor& p) {
+    if (const Placement* placement = placement_of(p))
+      for (const Cut& cut : placement->cuts)
+        if (cut.kind == Cut::Kind::Stage && cut.count > 1) return true;
+    return false;
+  };
+  tied_.clear();
   for (nn::Module* chunk : chunks_)
     for (const Tensor& p : chunk->parameters())
-      add_cut(p, {.kind = Cut::Kind::Stage, .group = group_});
+      if (is_tied(p)) tied_.push_back(p);
+  // The ends must hold as many tied parameters, the stages between none.
+  const bool at_end = is_first() || is_last(), end = at_end && stages() > 1;
+  const int64_t n = int64_t(tied_.size()), kAbove = std::numeric_limits<int32_t>::max();
+  const detail::ValueRange tied = detail::check_together(
+      [] {}, group_, "Pipeline", {end ? n : -1, end ? n : kAbove, at_end ? 0 : n});
+  WEAVE_CHECK(tied.highest[2] == 0 && (tied.highest[0] < 0 || tied.highest[0] == tied.lowest[1]),
+              "Pipeline",
+              "parameters tied across the first and the last stage: the ends hold {} and {}, the "
+              "stages between up to {} (this stage: {}); hint: mark the same parameters on the "
+              "first and the last stage (tie_first_and_last_stage), none between",
+              tied.lowest[1] == kAbove ? 0 : tied.lowest[1], std::max<int64_t>(tied.highest[0], 0),
+              tied.highest[2], n);
+  // The other stages hold other parameters: norms over the model add up over the group (a tied
+  // one, held twice, counts half on each end).
+  for (nn::Module* chunk : chunks_)
+    for (const Tensor& p : chunk->parameters())
+      add_cut(p, {.kind = Cut::Kind::Stage, .group = group_, .count = end && is_tied(p) ? 2 : 0});
+  if (tied.highest[0] > 0)
+    tied_group_ =
+        dist::split_group(group_, {{group_.global_rank(0), group_.global_rank(stages() - 1)}});
+  else
+    tied_.clear();  // a pipeline of one stage holds its only copy
+}
+
+void Pipeline::sum_tied_gradients() {
+  if (tied_.empty() || tied_group_.rank() < 0) return;
+  NoGradGuard no_grad;
+  for (Tensor& p : tied_) {
+    if (!p.grad().defined()) p.set_grad(zeros_like(p));
+    dist::all_reduce(p.grad(), dist::ReduceOp::Sum, tied_group_);
+  }
 }
 
 namespace {
@@ -220,7 +261,10 @@ Tensor Pipeline::train_step(const nn::Inputs& step_inputs, const Tensor& targets
               "pass the same batch's inputs and targets",
               batch[0], batch[1]);
   stats_ = {};
-  return chunks_.size() == 1 ? train_linked(in, target, loss) : train_interleaved(in, target, loss);
+  Tensor mean_loss =
+      chunks_.size() == 1 ? train_linked(in, target, loss) : train_interleaved(in, target, loss);
+  sum_tied_gradients();
+  return mean_loss;
 }
 
 namespace {

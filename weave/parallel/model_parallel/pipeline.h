@@ -131,12 +131,19 @@ class Pipeline {
 
   // Cuts this step's side inputs into its micro-batches (every stage holds them).
   void set_side_inputs(const nn::Inputs& inputs);
+  // Records each parameter's stage, finds the tied ones (agreed with the other stages: the
+  // first and the last hold as many, the others none) and groups the two stages holding them.
+  void place_parameters();
+  // Adds the first and the last stage's gradients of each tied parameter.
+  void sum_tied_gradients();
   std::vector<nn::Module*> chunks_;
   std::vector<DataParallelWrapper*> wrappers_;  // per chunk, null without one
   std::vector<Tensor> positions_, documents_;   // this step's, per micro-batch (or none)
   PipelineOptions options_;
   dist::Group group_;
   PipelineStats stats_;
+  std::vector<Tensor> tied_;  // this stage's parameters tied across the first and last stage
+  dist::Group tied_group_;    // the first and the last stage (when anything is tied)
 };
 
 /// Stage `stage` of `stages` of a Sequential, as a Sequential sharing its layers: contiguous
