@@ -269,28 +269,36 @@ TEST_SUITE("pretrained") {
     }
   }
 
-  TEST_CASE("pipeline stages of Llama (with tensor parallelism) give PyTorch's logits") {
+  TEST_CASE("pipeline stages of Llama and GPT-2 (with tensor parallelism) give PyTorch's logits") {
     if (dist::world_size() % 2 != 0) return;
     parallel::ProcessMesh mesh({.tensor = dist::world_size() / 2, .pipeline = 2});
-    const std::string dir = kData + "llama";
-    const auto config = data::hf::read_config(dir);
-    auto stage = split_model(
-        config, mesh.tensor(),
-        {.gather_logits = true, .stage = mesh.pipeline_rank(), .stages = mesh.shape().pipeline});
-    const auto stats = parallel::load_pretrained(*stage, config, dir);
-    CHECK(uint64_t(stats.bytes_read) < checkpoint_bytes(dir) * 3 / 4);  // its blocks, not all
-    for (const auto& [name, p] : stage->named_parameters())             // the whole model's names
-      CHECK(name.starts_with(mesh.pipeline_rank() == 0 ? "blocks.0." : "blocks.1.") ==
-            name.starts_with("blocks."));
-    parallel::Pipeline pipe(*stage, {.microbatches = 2, .group = mesh.pipeline()});
-    const auto [tokens, expected] = reference_logits(dir);
-    const Tensor logits = pipe.predict(tokens);
-    if (pipe.is_last()) CHECK(max_abs_diff(logits, expected) < 1e-5);
-    std::vector<nn::KVCache> caches = stage->make_caches(8);
-    CHECK_THROWS_WITH_AS(stage->forward_cached(tokens, caches),
-                         doctest::Contains("pipeline stages"), Error);
-    CHECK_THROWS_WITH_AS(split_model(data::hf::read_config(kData + "gpt2"), mesh.tensor(),
-                                     {.stage = mesh.pipeline_rank(), .stages = 2}),
-                         doctest::Contains("tied"), Error);
+    for (const std::string arch : {"llama", "gpt2"}) {
+      CAPTURE(arch);
+      const std::string dir = kData + arch;
+      const auto config = data::hf::read_config(dir);
+      auto stage = split_model(
+          config, mesh.tensor(),
+          {.gather_logits = true, .stage = mesh.pipeline_rank(), .stages = mesh.shape().pipeline});
+      const auto stats = parallel::load_pretrained(*stage, config, dir);
+      bool embedding = false;
+      for (const auto& [name, p] : stage->named_parameters()) {  // the whole model's names
+        CHECK(name.starts_with(mesh.pipeline_rank() == 0 ? "blocks.0." : "blocks.1.") ==
+              name.starts_with("blocks."));
+        embedding = embedding || name == "tokens.weight" || name == "embedding.weight";
+      }
+      if (arch == "llama") {  // its blocks, not all
+        CHECK(uint64_t(stats.bytes_read) < checkpoint_bytes(dir) * 3 / 4);
+        CHECK(embedding == (mesh.pipeline_rank() == 0));
+      } else {  // GPT-2's last stage holds the token embedding for its tied head
+        CHECK(embedding);
+      }
+      parallel::Pipeline pipe(*stage, {.microbatches = 2, .group = mesh.pipeline()});
+      const auto [tokens, expected] = reference_logits(dir);
+      const Tensor logits = pipe.predict(tokens);
+      if (pipe.is_last()) CHECK(max_abs_diff(logits, expected) < 1e-5);
+      std::vector<nn::KVCache> caches = stage->make_caches(8);
+      CHECK_THROWS_WITH_AS(stage->forward_cached(tokens, caches),
+                           doctest::Contains("pipeline stages"), Error);
+    }
   }
 }
