@@ -154,7 +154,7 @@ TEST_SUITE("experts") {
         const std::string label = name;  // a copy: CAPTURE's lambda cannot take a binding
         CAPTURE(label);
         const auto it = std::find_if(expected.begin(), expected.end(),
-                                     [&](const auto& e) { return e.first == name; });
+                                     [&](const auto& e) { return e.first == label; });
         REQUIRE(it != expected.end());
         const Tensor want = it->second.grad();
         const auto cut = splits.find(name);

@@ -161,9 +161,10 @@ TEST_SUITE("pipeline") {
     stage.to(kFloat64);
     nn::NamedTensors state;  // the whole model's values of this stage's names
     const auto mine = stage.named_parameters(), all = whole.state_dict();
-    for (const auto& [name, t] : all)
-      if (std::any_of(mine.begin(), mine.end(), [&](const auto& p) { return p.first == name; }))
-        state.emplace_back(name, t);
+    for (const auto& entry : all)
+      if (std::any_of(mine.begin(), mine.end(),
+                      [&](const auto& p) { return p.first == entry.first; }))
+        state.push_back(entry);
     stage.load_state_dict(state);
     REQUIRE(bool(stage.tokens) == (dist::rank() == 0 || dist::rank() == n - 1));
     parallel::Pipeline pipe(stage, {.microbatches = 2});
@@ -196,7 +197,7 @@ TEST_SUITE("pipeline") {
       const std::string label = name;  // a copy: CAPTURE's lambda cannot take a binding
       CAPTURE(label);
       const auto it = std::find_if(expected.begin(), expected.end(),
-                                   [&](const auto& e) { return e.first == name; });
+                                   [&](const auto& e) { return e.first == label; });
       REQUIRE(it != expected.end());
       CHECK(close(p, it->second, 1e-10));  // tokens.weight on the last stage too
     }
