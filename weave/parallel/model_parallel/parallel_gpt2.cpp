@@ -116,7 +116,7 @@ Tensor ParallelGPT2Model::run(const Tensor& input, std::vector<nn::KVCache>* cac
   for (size_t i = 0; i < blocks.size(); ++i)
     x = caches ? blocks[i]->forward(x, (*caches)[i]) : (*blocks[i])(x);
   x = x.transpose(0, 1);
-  if (!norm) return x.contiguous();  // a stage before the last
+  if (!norm) return x;  // a stage before the last (the pipeline sends it contiguous)
   x = (*norm)(x);
   // The tied head: this rank's vocabulary rows; the input's gradient sums over the group.
   Tensor logits = linear(dist::functional::copy_to_group(x, group_), tokens->weight);
