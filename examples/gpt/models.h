@@ -32,21 +32,15 @@ class LanguageModel : public nn::Module {
 
  protected:
   Tensor run_block(nn::Module& block, const Tensor& x) {
-    if (!checkpoint_activations) return block(x);
-    return autograd::checkpoint([&block](const Tensor& h) { return block(h); }, x);
+    return checkpoint_activations ? nn::checkpointed(block, nn::Inputs(x)) : block(x);
   }
   /// Every block in turn (blocks[i], i < blocks.size()), each with the side inputs of `inputs`.
   template <class Blocks>
   Tensor run_blocks(Blocks& blocks, const nn::Inputs& inputs) {
     Tensor x = inputs.x;
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      nn::Module& block = blocks[i];
-      // The recomputation runs in backward, after this call: it keeps its own side inputs.
-      x = checkpoint_activations
-              ? autograd::checkpoint(
-                    [&block, side = inputs](const Tensor& h) { return block(side.with(h)); }, x)
-              : block(inputs.with(x));
-    }
+    for (size_t i = 0; i < blocks.size(); ++i)
+      x = checkpoint_activations ? nn::checkpointed(blocks[i], inputs.with(x))
+                                 : blocks[i](inputs.with(x));
     return x;
   }
 };

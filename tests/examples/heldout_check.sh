@@ -15,5 +15,18 @@ check() {  # name, then the held-out loss the run printed
 check_run() {  # name, ranks, then the run's flags beyond args: its held-out loss, checked
   local name=$1 ranks=$2
   shift 2
-  check "$name" "$("${mpirun[@]}" -np "$ranks" "$gpt" "${args[@]}" "$@" | held)"
+  last_heldout=$("${mpirun[@]}" -np "$ranks" "$gpt" "${args[@]}" "$@" | held)
+  check "$name" "$last_heldout"
+}
+# check_run, and the held-out loss must repeat `expected` (a run's last_heldout) to the last digit:
+# for a flag that changes where values are kept, not how they are computed (activation
+# checkpointing recomputes the same operations in the same order).
+check_repeats() {  # name, expected, ranks, then the run's flags beyond args
+  local name=$1 expected=$2
+  shift 2
+  check_run "$name" "$@"
+  if [ -z "$expected" ] || [ "$last_heldout" != "$expected" ]; then
+    echo "FAIL: $name: heldout_loss='$last_heldout', the same run without it printed '$expected'"
+    status=1
+  fi
 }

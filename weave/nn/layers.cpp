@@ -135,10 +135,16 @@ Tensor Checkpoint::forward(const Tensor& x) {
   return forward_inputs(Inputs(x));
 }
 
+Tensor checkpointed(Module& module, const Inputs& inputs,
+                    const autograd::CheckpointOptions& options) {
+  // The recomputation runs in backward, after this call: it keeps its own side inputs.
+  return autograd::checkpoint([&module, side = inputs.with(Tensor())](
+                                  const Tensor& input) { return module(side.with(input)); },
+                              inputs.x, options);
+}
+
 Tensor Checkpoint::forward_inputs(const Inputs& inputs) {
-  return autograd::checkpoint([this, side = inputs.with(Tensor())](
-                                  const Tensor& input) { return (*module_)(side.with(input)); },
-                              inputs.x, options_);
+  return checkpointed(*module_, inputs, options_);
 }
 
 }  // namespace weave::nn

@@ -116,6 +116,13 @@ class Sequential : public Module {
   size_t first_name_ = 0;
 };
 
+/// `module` on `inputs` under activation checkpointing (autograd::checkpoint): backward keeps
+/// only the input and the side inputs, and runs the module again when it gets there. The module
+/// must outlive that backward. What nn::Checkpoint does for a module it owns; this is for a
+/// model that decides per call (a flag, a block's index).
+Tensor checkpointed(Module& module, const Inputs& inputs,
+                    const autograd::CheckpointOptions& options = {});
+
 /// Activation checkpointing of a module (autograd::checkpoint over its forward): backward keeps
 /// only the module's input and recomputes the rest when it gets there.
 ///
