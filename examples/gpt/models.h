@@ -266,7 +266,7 @@ class ParallelLlama : public LanguageModel {
                 std::optional<dist::Group> context = std::nullopt,
                 std::optional<dist::Group> experts = std::nullopt,
                 std::optional<dist::Group> balance = std::nullopt, int stage = 0, int stages = 1)
-      : LanguageModel("ParallelLlama"), tp_(tp), vocab_(vocab), context_(context) {
+      : LanguageModel("ParallelLlama"), tp_(tp), context_(context) {
     llama = register_module(
         "llama",
         std::make_shared<parallel::ParallelLlamaModel>(
@@ -283,18 +283,15 @@ class ParallelLlama : public LanguageModel {
                 .stages = stages,
                 .moe = f.experts > 0 ? std::optional(moe_options(f, 0)) : std::nullopt,
                 .expert_group = std::move(experts),
-                .balance_group = std::move(balance)}));
+                .balance_group = std::move(balance),
+                .recompute_blocks = f.checkpoint_activations}));
   }
   Tensor forward(const Tensor& ids) override { return forward_inputs(ids); }
-  /// ids, positions and document ids of whole windows; each rank takes its part. The blocks run
-  /// here rather than in llama's forward so that they may be checkpointed.
+  /// ids, positions and document ids of whole windows; each rank takes its part (a later
+  /// pipeline stage's hidden states are its part already).
   Tensor forward_inputs(const nn::Inputs& inputs) override {
-    const Tensor x = llama->embedding ? (*llama->embedding)(part(inputs.x)) : inputs.x;
-    const Tensor y =
-        run_blocks(*llama->blocks, {x, part(inputs.positions), part(inputs.document_ids)});
-    if (!llama->head) return y;
-    return parallel::vocab_parallel_logits((*llama->head)((*llama->norm)(y)), vocab_, tp_,
-                                           /*gather=*/false);
+    return llama->forward_inputs({llama->embedding ? part(inputs.x) : inputs.x,
+                                  part(inputs.positions), part(inputs.document_ids)});
   }
   /// Cross-entropy, plus every block's auxiliary loss with experts.
   Tensor loss(const Tensor& logits, const Tensor& targets) override {
@@ -318,7 +315,6 @@ class ParallelLlama : public LanguageModel {
     return parallel::shard_sequence(x, 1, *context_, parallel::SequenceLayout::ZigZag);
   }
   dist::Group tp_;
-  int64_t vocab_;
   std::optional<dist::Group> context_;
 };
 

@@ -8,7 +8,9 @@
 # with tensor parallelism at 4; with 4 experts in every block, spread over 2 ranks, and at 4
 # ranks data x experts and tensor x experts, must end at one process's held-out loss (float32:
 # within 1e-3 relative); unpacked, the same for ddp, fsdp and checkpointing. Activation
-# checkpointing repeats ddp's held-out loss to the last printed digit, packed or not. --pack or
+# checkpointing repeats the same run's held-out loss without it to the last printed digit (ddp
+# packed or not; tp, ring context, pipeline and experts, where ParallelLlamaModel's
+# recompute_blocks does it). --pack or
 # --kv-heads without --arch llama are refused with a message. Exits 77 (skipped) without the
 # fortunes package.
 set -u
@@ -45,17 +47,25 @@ check_run "fsdp np2 --pack" 2 --strategy fsdp
 check_repeats "ddp np2 with activation checkpointing --pack" "$ddp" 2 --strategy ddp \
   --checkpoint-activations
 check_run "tp np2 --pack (key/value heads split)" 2 --strategy tp
+check_repeats "tp np2 with activation checkpointing --pack (the library model's)" \
+  "$last_heldout" 2 --strategy tp --checkpoint-activations
 check_run "context-parallel np2 (ring) --pack" 2 --context-parallel 2
+check_repeats "context-parallel np2 (ring) with activation checkpointing --pack" \
+  "$last_heldout" 2 --context-parallel 2 --checkpoint-activations
 check_run "context-parallel np2 (all-to-all) --pack" 2 --context-parallel 2 --cp-mode all-to-all
 check_run "fsdp 2 x tensor 2 np4 --pack" 4 --strategy fsdp --tp 2
 check_run "data 2 x context 2 np4 --pack" 4 --context-parallel 2
 check_run "pipeline 2 np2 --pack (side inputs to every stage)" 2 --pipeline 2
+check_repeats "pipeline 2 np2 with activation checkpointing --pack" "$last_heldout" 2 \
+  --pipeline 2 --checkpoint-activations
 check_run "pipeline 2 x tensor 2 np4 --pack" 4 --pipeline 2 --tp 2
 # Every block's MLP a mixture of 4 experts: spread over 2 ranks, alone and with 2 data-parallel
 # copies (data 2 x experts 2) or 2 tensor-parallel ranks beside them.
 args=("${base[@]}" --kv-heads 2 --pack --experts 4)
 one_process "kv-heads 2, packed, 4 experts"
 check_run "experts 4, expert-parallel 2, np2 --pack" 2 --expert-parallel 2
+check_repeats "experts 4, expert-parallel 2, np2 with activation checkpointing --pack" \
+  "$last_heldout" 2 --expert-parallel 2 --checkpoint-activations
 check_run "data 2 x experts 2 np4 --pack" 4 --expert-parallel 2
 check_run "tensor 2 x experts 2 (data 2) np4 --pack" 4 --tp 2 --expert-parallel 2
 # One key/value head for 4 query heads: replicated over the tensor-parallel ranks.

@@ -86,6 +86,73 @@ TEST_SUITE("model_parallel") {
   }
 }
 
+TEST_SUITE("model_parallel") {
+  // ParallelLMOptions::recompute_blocks, with and without experts: every block runs again in
+  // backward (its pre-hook sees a second call), and the logits, the auxiliary loss and every
+  // gradient are bitwise the plain run's.
+  TEST_CASE("recompute_blocks runs each block again in backward and changes no gradient") {
+    const dist::Group tp = dist::world();
+    const int64_t vocab = 12, dim = 24;
+    const Packed packed = packed_windows(7);
+    Generator g(9);
+    const Tensor tokens = randint(0, vocab, {2, 7}, {.dtype = kInt64}, &g);
+    const Tensor targets = randint(0, vocab, {14}, {.dtype = kInt64}, &g);
+    for (const bool experts : {false, true})
+      for (const std::string arch : {"llama", "gpt2"}) {
+        CAPTURE(experts);
+        CAPTURE(arch);
+        std::vector<Tensor> logits, aux, grads[2];
+        for (const bool recompute : {false, true}) {
+          manual_seed(41);
+          const parallel::ParallelLMOptions split{
+              .moe = experts ? std::optional(nn::MoEOptions{
+                                   .hidden = dim, .ffn = 16, .router = {.experts = 4}})
+                             : std::nullopt,
+              .recompute_blocks = recompute};
+          std::shared_ptr<parallel::ParallelLlamaModel> llama;
+          std::shared_ptr<parallel::ParallelGPT2Model> gpt2;
+          if (arch == "llama")
+            llama = std::make_shared<parallel::ParallelLlamaModel>(
+                nn::LlamaModelOptions{
+                    .vocab = vocab, .dim = dim, .layers = 2, .block = {.heads = 12, .hidden = 48}},
+                tp, split);
+          else
+            gpt2 = std::make_shared<parallel::ParallelGPT2Model>(
+                nn::GPT2ModelOptions{
+                    .vocab = vocab, .dim = dim, .layers = 2, .heads = 12, .max_positions = 16},
+                tp, split);
+          nn::CausalLM& model = llama ? static_cast<nn::CausalLM&>(*llama) : *gpt2;
+          model.to(kFloat64);
+          nn::Module& first = llama ? (*llama->blocks)[0] : *gpt2->blocks[0];
+          int calls = 0;
+          auto handle = first.register_forward_pre_hook([&](nn::Module&, const Tensor&) {
+            ++calls;
+            return Tensor();
+          });
+          const Tensor out =
+              llama ? model({tokens, packed.positions, packed.documents}) : model(tokens);
+          Tensor loss = parallel::vocab_parallel_cross_entropy(out.reshape({14, -1}), targets, tp);
+          const Tensor extra = llama ? llama->aux_loss() : gpt2->aux_loss();
+          CHECK(extra.defined() == experts);
+          if (experts) loss = loss + extra;
+          loss.backward();
+          CHECK(calls == (recompute ? 2 : 1));
+          handle.remove();
+          logits.push_back(out.detach());
+          aux.push_back(experts ? extra.detach() : zeros({}));
+          for (const Tensor& p : model.parameters()) grads[recompute].push_back(p.grad());
+        }
+        CHECK(equal(logits[1], logits[0]));
+        CHECK(equal(aux[1], aux[0]));
+        REQUIRE(grads[1].size() == grads[0].size());
+        for (size_t i = 0; i < grads[0].size(); ++i) {
+          CAPTURE(i);
+          CHECK(equal(grads[1][i], grads[0][i]));
+        }
+      }
+  }
+}
+
 TEST_SUITE("experts") {
   TEST_CASE("ParallelLlamaModel and ParallelGPT2Model with experts equal the model on one rank") {
     const dist::Group tp = dist::world();

@@ -235,7 +235,11 @@ Tensor ParallelLlamaModel::forward(const Tensor& tokens) {
 }
 
 Tensor ParallelLlamaModel::forward_inputs(const nn::Inputs& inputs) {
-  Tensor h = (*blocks)(inputs.with(embedding ? (*embedding)(inputs.x) : inputs.x));
+  Tensor h = embedding ? (*embedding)(inputs.x) : inputs.x;
+  if (!split_.recompute_blocks)
+    h = (*blocks)(inputs.with(h));
+  else
+    for (size_t i = 0; i < blocks->size(); ++i) h = nn::checkpointed((*blocks)[i], inputs.with(h));
   if (!head) return h;  // a pipeline stage before the last
   return vocab_parallel_logits((*head)((*norm)(h)), vocab_, group_, split_.gather_logits);
 }
