@@ -27,21 +27,13 @@ class LanguageModel : public nn::Module {
   virtual Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) = 0;
   /// FSDP's units by name (empty: the model's children, FSDP's default).
   virtual std::vector<std::string> units() const { return {}; }
-  /// Recompute each block in backward instead of keeping its activations.
+  /// Recompute each block in backward instead of keeping its activations (the Llamas take it
+  /// when built, as their model options' recompute_blocks).
   bool checkpoint_activations = false;
 
  protected:
   Tensor run_block(nn::Module& block, const Tensor& x) {
     return checkpoint_activations ? nn::checkpointed(block, nn::Inputs(x)) : block(x);
-  }
-  /// Every block in turn (blocks[i], i < blocks.size()), each with the side inputs of `inputs`.
-  template <class Blocks>
-  Tensor run_blocks(Blocks& blocks, const nn::Inputs& inputs) {
-    Tensor x = inputs.x;
-    for (size_t i = 0; i < blocks.size(); ++i)
-      x = checkpoint_activations ? nn::checkpointed(blocks[i], inputs.with(x))
-                                 : blocks[i](inputs.with(x));
-    return x;
   }
 };
 
@@ -70,13 +62,11 @@ class Llama : public LanguageModel {
                                          .vocab = vocab,
                                          .dim = f.dim,
                                          .layers = f.layers,
-                                         .block = {.heads = f.heads, .kv_heads = f.kv_heads}}));
+                                         .block = {.heads = f.heads, .kv_heads = f.kv_heads},
+                                         .recompute_blocks = f.checkpoint_activations}));
   }
   Tensor forward(const Tensor& ids) override { return forward_inputs(ids); }
-  Tensor forward_inputs(const nn::Inputs& inputs) override {
-    Tensor x = run_blocks(*model->blocks, inputs.with((*model->embedding)(inputs.x)));
-    return (*model->head)((*model->norm)(x));
-  }
+  Tensor forward_inputs(const nn::Inputs& inputs) override { return model->forward_inputs(inputs); }
   Tensor loss(const Tensor& logits, const Tensor& targets) override {
     return cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
   }
@@ -273,7 +263,8 @@ class ParallelLlama : public LanguageModel {
             nn::LlamaModelOptions{.vocab = vocab,
                                   .dim = f.dim,
                                   .layers = f.layers,
-                                  .block = {.heads = f.heads, .kv_heads = f.kv_heads}},
+                                  .block = {.heads = f.heads, .kv_heads = f.kv_heads},
+                                  .recompute_blocks = f.checkpoint_activations},
             tp,
             parallel::ParallelLMOptions{
                 .context_group = std::move(context),
@@ -283,8 +274,7 @@ class ParallelLlama : public LanguageModel {
                 .stages = stages,
                 .moe = f.experts > 0 ? std::optional(moe_options(f, 0)) : std::nullopt,
                 .expert_group = std::move(experts),
-                .balance_group = std::move(balance),
-                .recompute_blocks = f.checkpoint_activations}));
+                .balance_group = std::move(balance)}));
   }
   Tensor forward(const Tensor& ids) override { return forward_inputs(ids); }
   /// ids, positions and document ids of whole windows; each rank takes its part (a later

@@ -87,7 +87,7 @@ TEST_SUITE("model_parallel") {
 }
 
 TEST_SUITE("model_parallel") {
-  // ParallelLMOptions::recompute_blocks, with and without experts: every block runs again in
+  // The model options' recompute_blocks, with and without experts: every block runs again in
   // backward (its pre-hook sees a second call), and the logits, the auxiliary loss and every
   // gradient are bitwise the plain run's.
   TEST_CASE("recompute_blocks runs each block again in backward and changes no gradient") {
@@ -107,19 +107,25 @@ TEST_SUITE("model_parallel") {
           const parallel::ParallelLMOptions split{
               .moe = experts ? std::optional(nn::MoEOptions{
                                    .hidden = dim, .ffn = 16, .router = {.experts = 4}})
-                             : std::nullopt,
-              .recompute_blocks = recompute};
+                             : std::nullopt};
           std::shared_ptr<parallel::ParallelLlamaModel> llama;
           std::shared_ptr<parallel::ParallelGPT2Model> gpt2;
           if (arch == "llama")
             llama = std::make_shared<parallel::ParallelLlamaModel>(
-                nn::LlamaModelOptions{
-                    .vocab = vocab, .dim = dim, .layers = 2, .block = {.heads = 12, .hidden = 48}},
+                nn::LlamaModelOptions{.vocab = vocab,
+                                      .dim = dim,
+                                      .layers = 2,
+                                      .block = {.heads = 12, .hidden = 48},
+                                      .recompute_blocks = recompute},
                 tp, split);
           else
             gpt2 = std::make_shared<parallel::ParallelGPT2Model>(
-                nn::GPT2ModelOptions{
-                    .vocab = vocab, .dim = dim, .layers = 2, .heads = 12, .max_positions = 16},
+                nn::GPT2ModelOptions{.vocab = vocab,
+                                     .dim = dim,
+                                     .layers = 2,
+                                     .heads = 12,
+                                     .max_positions = 16,
+                                     .recompute_blocks = recompute},
                 tp, split);
           nn::CausalLM& model = llama ? static_cast<nn::CausalLM&>(*llama) : *gpt2;
           model.to(kFloat64);

@@ -66,7 +66,9 @@ Tensor GPT2Model::run(const Tensor& ids, std::vector<KVCache>* caches) {
                               {.dtype = kInt64, .device = ids.device()});
   Tensor x = (*tokens)(ids) + (*positions)(where);
   for (size_t i = 0; i < blocks.size(); ++i)
-    x = caches ? blocks[i]->forward(x, (*caches)[i]) : (*blocks[i])(x);
+    x = caches                      ? blocks[i]->forward(x, (*caches)[i])
+        : options_.recompute_blocks ? checkpointed(*blocks[i], Inputs(x))
+                                    : (*blocks[i])(x);
   x = (*norm)(x);
   return head ? (*head)(x) : linear(x, tokens->weight);
 }

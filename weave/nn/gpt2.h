@@ -19,6 +19,10 @@ struct GPT2ModelOptions {
   /// A head of its own instead of the token embedding's weight.
   bool untied_head = false;
   Generator* generator = nullptr;
+  /// Activation checkpointing of every block (Megatron's full recomputation, one block at a
+  /// time): backward keeps each block's input and runs the block again when it gets there. The
+  /// gradients are bitwise the plain run's. ParallelGPT2Model honors it too.
+  bool recompute_blocks = false;
 };
 
 class GPT2Model : public CausalLM {

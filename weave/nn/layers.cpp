@@ -126,6 +126,12 @@ Tensor Sequential::forward_inputs(const Inputs& inputs) {
   return y;
 }
 
+Tensor Sequential::forward_checkpointed(const Inputs& inputs) {
+  Tensor y = inputs.x;
+  for (auto& m : modules_) y = checkpointed(*m, inputs.with(y));
+  return y;
+}
+
 Checkpoint::Checkpoint(std::shared_ptr<Module> module, autograd::CheckpointOptions options)
     : Module("Checkpoint"), module_(std::move(module)), options_(std::move(options)) {
   register_wrapped_module(module_);

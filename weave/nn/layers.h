@@ -108,6 +108,9 @@ class Sequential : public Module {
   Tensor forward(const Tensor& x) override;
   /// Each module gets the previous one's output with the same side inputs.
   Tensor forward_inputs(const Inputs& inputs) override;
+  /// forward_inputs with each module under activation checkpointing (nn::checkpointed): what a
+  /// model's recompute_blocks option does with its blocks. The Sequential's own hooks do not run.
+  Tensor forward_checkpointed(const Inputs& inputs);
   size_t size() const { return modules_.size(); }
   Module& operator[](size_t i) { return *modules_.at(i); }
 

@@ -116,7 +116,8 @@ Tensor LlamaBlock::forward(const Inputs& inputs, KVCache& cache) {
   return h + (*mlp)((*norm2)(h));
 }
 
-LlamaModel::LlamaModel(LlamaModelOptions options) : CausalLM("LlamaModel") {
+LlamaModel::LlamaModel(LlamaModelOptions options)
+    : CausalLM("LlamaModel"), recompute_blocks_(options.recompute_blocks) {
   WEAVE_CHECK(options.vocab > 0 && options.dim > 0 && options.layers > 0, "LlamaModel",
               "vocab, dim and layers must be positive, found {}, {} and {}", options.vocab,
               options.dim, options.layers);
@@ -138,7 +139,9 @@ Tensor LlamaModel::forward(const Tensor& tokens) {
 }
 
 Tensor LlamaModel::forward_inputs(const Inputs& inputs) {
-  Tensor h = (*norm)((*blocks)(inputs.with((*embedding)(inputs.x))));
+  const Inputs embedded = inputs.with((*embedding)(inputs.x));
+  Tensor h =
+      (*norm)(recompute_blocks_ ? blocks->forward_checkpointed(embedded) : (*blocks)(embedded));
   return head ? (*head)(h) : linear(h, embedding->weight);
 }
 

@@ -99,6 +99,11 @@ struct LlamaModelOptions {
   /// The head multiplies by the embedding's weight instead of one of its own.
   bool tie_embeddings = false;
   Generator* generator = nullptr;
+  /// Activation checkpointing of every block (Megatron's full recomputation, one block at a
+  /// time): backward keeps each block's input and side inputs and runs the block again when it
+  /// gets there, its collectives included (ParallelLlamaModel honors it too: tensor, context,
+  /// pipeline and expert parallelism). The gradients are bitwise the plain run's.
+  bool recompute_blocks = false;
 };
 
 /// A decoder-only language model: token ids [B, T] -> logits [B, T, vocab] through an
@@ -116,6 +121,9 @@ class LlamaModel : public CausalLM {
   std::shared_ptr<Sequential> blocks;
   std::shared_ptr<RMSNorm> norm;
   std::shared_ptr<Linear> head;  // null with tie_embeddings
+
+ private:
+  bool recompute_blocks_ = false;
 };
 
 }  // namespace weave::nn

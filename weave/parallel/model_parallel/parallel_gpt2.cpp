@@ -114,9 +114,9 @@ Tensor ParallelGPT2Model::run(const Tensor& input, std::vector<nn::KVCache>* cac
   }
   x = x.transpose(0, 1);
   for (size_t i = 0; i < blocks.size(); ++i)
-    x = caches                    ? blocks[i]->forward(x, (*caches)[i])
-        : split_.recompute_blocks ? nn::checkpointed(*blocks[i], nn::Inputs(x))
-                                  : (*blocks[i])(x);
+    x = caches                      ? blocks[i]->forward(x, (*caches)[i])
+        : options_.recompute_blocks ? nn::checkpointed(*blocks[i], nn::Inputs(x))
+                                    : (*blocks[i])(x);
   x = x.transpose(0, 1);
   if (!norm) return x;  // a stage before the last (the pipeline sends it contiguous)
   x = (*norm)(x);

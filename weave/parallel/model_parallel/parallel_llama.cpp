@@ -184,7 +184,8 @@ ParallelLlamaModel::ParallelLlamaModel(nn::LlamaModelOptions options, dist::Grou
     : nn::CausalLM("ParallelLlamaModel"),
       group_(std::move(group)),
       vocab_(options.vocab),
-      split_(std::move(split)) {
+      split_(std::move(split)),
+      recompute_blocks_(options.recompute_blocks) {
   WEAVE_CHECK(!options.tie_embeddings, "ParallelLlamaModel",
               "a head tied to the embedding is not split here (the embedding splits by "
               "vocabulary rows, the head by output columns alike, but they would need one "
@@ -235,11 +236,8 @@ Tensor ParallelLlamaModel::forward(const Tensor& tokens) {
 }
 
 Tensor ParallelLlamaModel::forward_inputs(const nn::Inputs& inputs) {
-  Tensor h = embedding ? (*embedding)(inputs.x) : inputs.x;
-  if (!split_.recompute_blocks)
-    h = (*blocks)(inputs.with(h));
-  else
-    for (size_t i = 0; i < blocks->size(); ++i) h = nn::checkpointed((*blocks)[i], inputs.with(h));
+  const nn::Inputs embedded = inputs.with(embedding ? (*embedding)(inputs.x) : inputs.x);
+  const Tensor h = recompute_blocks_ ? blocks->forward_checkpointed(embedded) : (*blocks)(embedded);
   if (!head) return h;  // a pipeline stage before the last
   return vocab_parallel_logits((*head)((*norm)(h)), vocab_, group_, split_.gather_logits);
 }

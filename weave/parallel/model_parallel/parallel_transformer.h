@@ -135,10 +135,6 @@ struct ParallelLMOptions {
   std::optional<nn::MoEOptions> moe = std::nullopt;
   std::optional<dist::Group> expert_group = std::nullopt;
   std::optional<dist::Group> balance_group = std::nullopt;
-  /// Activation checkpointing of every block (Megatron's full recomputation, one block at a
-  /// time): backward keeps each block's input and side inputs and runs the block again, its
-  /// collectives included, when it gets there. The gradients are bitwise the plain run's.
-  bool recompute_blocks = false;
 };
 
 /// Block i's mixture of experts under ParallelLMOptions (its own seed), or none.
