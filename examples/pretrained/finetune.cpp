@@ -4,7 +4,7 @@
 //                         [--context-parallel 1] [--pipeline 1 [--microbatches M]] [--steps 100]
 //                         [--context 128] [--batch 8] [--lr 1e-4] [--save gpt2-tuned/]
 //                         [--prompt "Once upon"] [--max-new-tokens 40] [--temperature 0.8]
-//                         [--top-k 0] [--top-p 0.95] [--seed 0]
+//                         [--top-k 0] [--top-p 0.95] [--seed 0] [--checkpoint-activations]
 //                         [--checkpoint DIR [--checkpoint-every 25] [--resume] [--stop-at N]]
 // --model holds config.json, model.safetensors (or shards and their index) and the tokenizer
 // (tokenizer.json, or vocab.json + merges.txt). --text is a file (or a folder of files, each a
@@ -46,7 +46,7 @@ struct Flags {
   int64_t kv_heads = 2;
   double lr = 1e-4, temperature = 0.8, top_p = 0.95;
   uint64_t seed = 0;
-  bool resume = false;
+  bool resume = false, checkpoint_activations = false;
 };
 
 Flags parse(int argc, char** argv) {
@@ -81,6 +81,8 @@ Flags parse(int argc, char** argv) {
   app.add_option("--checkpoint", f.checkpoint, "sharded training checkpoints here");
   app.add_option("--checkpoint-every", f.checkpoint_every)->check(cli::positive());
   app.add_flag("--resume", f.resume, "continue from --checkpoint");
+  app.add_flag("--checkpoint-activations", f.checkpoint_activations,
+               "recompute each block in backward instead of keeping its activations");
   app.add_option("--stop-at", f.stop_at, "stop after this step (checkpointed)");
   app.add_option("--init", f.init, "write a new llama or gpt2 model into --model first")
       ->check(CLI::IsMember({"llama", "gpt2"}));
@@ -232,6 +234,7 @@ struct Trainer {
       model =
           split ? split_model(config, mesh, &generator) : data::hf::make_model(config, &generator);
     }
+    model->set_recompute_blocks(f.checkpoint_activations);
     const dist::Group& replicas = mesh.data_and_context();
     if (sharded) {  // the blocks are units; embeddings, norm and head (GPT-2's tied) the root
       std::vector<std::string> units;

@@ -9,7 +9,7 @@
 # fsdp x tp x context and pipeline x context must end at ddp's loss (float32: 1e-3 relative), and the saved model must
 # generate from a prompt. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
 # stage's head), alone and with 2 tensor-parallel ranks, and resumed under ddp from a pipelined
-# checkpoint, ends at ddp's loss too.
+# checkpoint, ends at ddp's loss too; with --checkpoint-activations it repeats ddp's losses.
 # Exits 77 (skipped) without the fortunes package.
 set -u
 finetune=$1 tokenize=$2 npm=$3
@@ -91,6 +91,12 @@ base=(--model "$work/gpt2" --tokens "$work/fortunes.tokens" --steps 40 --context
       --lr 1e-3 --log-every 1 --checkpoint-every 20)
 run gpt2_ddp 2
 reference=$(final gpt2_ddp)
+# Recomputing every block in backward (the loaded model's set_recompute_blocks) repeats each
+# step's loss to the last printed digit.
+run gpt2_recompute 2 --checkpoint-activations
+[ -n "$(grep '^step' "$work/gpt2_ddp.out")" ] &&
+  [ "$(grep '^step' "$work/gpt2_recompute.out")" = "$(grep '^step' "$work/gpt2_ddp.out")" ] ||
+  { echo "FAIL: --checkpoint-activations changed the losses"; status=1; }
 run gpt2_pipeline 2 --pipeline 2 --save "$work/gpt2_saved"
 run gpt2_pipeline_tp 4 --strategy tp --pipeline 2
 run gpt2_stopped 2 --pipeline 2 --checkpoint "$work/ckpt_gpt2" --stop-at 20

@@ -27,6 +27,14 @@ class CausalLM : public Module {
   /// Logits of `tokens`, which sit after the caches' positions (appended to them). Inference:
   /// records nothing for autograd.
   virtual Tensor forward_cached(const Tensor& tokens, std::vector<KVCache>& caches) = 0;
+  /// Activation checkpointing of every block from the next forward on: what the model options'
+  /// recompute_blocks sets when the model is built, for a model built elsewhere (such as
+  /// data::hf::from_pretrained's; Hugging Face's gradient_checkpointing_enable()).
+  void set_recompute_blocks(bool recompute) { recompute_blocks_ = recompute; }
+  bool recompute_blocks() const { return recompute_blocks_; }
+
+ protected:
+  bool recompute_blocks_ = false;
 };
 
 struct GenerationOptions {

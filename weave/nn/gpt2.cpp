@@ -5,6 +5,7 @@
 namespace weave::nn {
 
 GPT2Model::GPT2Model(GPT2ModelOptions options) : CausalLM("GPT2Model"), options_(options) {
+  recompute_blocks_ = options.recompute_blocks;
   WEAVE_CHECK(
       options.vocab > 0 && options.dim > 0 && options.layers > 0 && options.max_positions > 0,
       "GPT2Model",
@@ -66,9 +67,9 @@ Tensor GPT2Model::run(const Tensor& ids, std::vector<KVCache>* caches) {
                               {.dtype = kInt64, .device = ids.device()});
   Tensor x = (*tokens)(ids) + (*positions)(where);
   for (size_t i = 0; i < blocks.size(); ++i)
-    x = caches                      ? blocks[i]->forward(x, (*caches)[i])
-        : options_.recompute_blocks ? checkpointed(*blocks[i], Inputs(x))
-                                    : (*blocks[i])(x);
+    x = caches              ? blocks[i]->forward(x, (*caches)[i])
+        : recompute_blocks_ ? checkpointed(*blocks[i], Inputs(x))
+                            : (*blocks[i])(x);
   x = (*norm)(x);
   return head ? (*head)(x) : linear(x, tokens->weight);
 }

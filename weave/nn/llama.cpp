@@ -116,8 +116,8 @@ Tensor LlamaBlock::forward(const Inputs& inputs, KVCache& cache) {
   return h + (*mlp)((*norm2)(h));
 }
 
-LlamaModel::LlamaModel(LlamaModelOptions options)
-    : CausalLM("LlamaModel"), recompute_blocks_(options.recompute_blocks) {
+LlamaModel::LlamaModel(LlamaModelOptions options) : CausalLM("LlamaModel") {
+  recompute_blocks_ = options.recompute_blocks;
   WEAVE_CHECK(options.vocab > 0 && options.dim > 0 && options.layers > 0, "LlamaModel",
               "vocab, dim and layers must be positive, found {}, {} and {}", options.vocab,
               options.dim, options.layers);

@@ -121,9 +121,6 @@ class LlamaModel : public CausalLM {
   std::shared_ptr<Sequential> blocks;
   std::shared_ptr<RMSNorm> norm;
   std::shared_ptr<Linear> head;  // null with tie_embeddings
-
- private:
-  bool recompute_blocks_ = false;
 };
 
 }  // namespace weave::nn

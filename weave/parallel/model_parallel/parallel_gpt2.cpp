@@ -12,6 +12,7 @@ ParallelGPT2Model::ParallelGPT2Model(nn::GPT2ModelOptions options, dist::Group g
       options_(options),
       group_(std::move(group)),
       split_(std::move(split)) {
+  recompute_blocks_ = options.recompute_blocks;
   WEAVE_CHECK(split_.stages >= 1 && split_.stage >= 0 && split_.stage < split_.stages &&
                   options.layers >= split_.stages,
               "ParallelGPT2Model",
@@ -114,9 +115,9 @@ Tensor ParallelGPT2Model::run(const Tensor& input, std::vector<nn::KVCache>* cac
   }
   x = x.transpose(0, 1);
   for (size_t i = 0; i < blocks.size(); ++i)
-    x = caches                      ? blocks[i]->forward(x, (*caches)[i])
-        : options_.recompute_blocks ? nn::checkpointed(*blocks[i], nn::Inputs(x))
-                                    : (*blocks[i])(x);
+    x = caches              ? blocks[i]->forward(x, (*caches)[i])
+        : recompute_blocks_ ? nn::checkpointed(*blocks[i], nn::Inputs(x))
+                            : (*blocks[i])(x);
   x = x.transpose(0, 1);
   if (!norm) return x;  // a stage before the last (the pipeline sends it contiguous)
   x = (*norm)(x);

@@ -184,8 +184,8 @@ ParallelLlamaModel::ParallelLlamaModel(nn::LlamaModelOptions options, dist::Grou
     : nn::CausalLM("ParallelLlamaModel"),
       group_(std::move(group)),
       vocab_(options.vocab),
-      split_(std::move(split)),
-      recompute_blocks_(options.recompute_blocks) {
+      split_(std::move(split)) {
+  recompute_blocks_ = options.recompute_blocks;
   WEAVE_CHECK(!options.tie_embeddings, "ParallelLlamaModel",
               "a head tied to the embedding is not split here (the embedding splits by "
               "vocabulary rows, the head by output columns alike, but they would need one "

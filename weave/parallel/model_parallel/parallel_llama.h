@@ -152,7 +152,6 @@ class ParallelLlamaModel : public nn::CausalLM {
   dist::Group group_;
   int64_t vocab_;
   ParallelLMOptions split_;
-  bool recompute_blocks_;
 };
 
 }  // namespace weave::parallel
