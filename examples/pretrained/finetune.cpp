@@ -24,6 +24,7 @@
 // --init llama|gpt2 first writes a new, randomly initialized model of --dim/--layers/--heads/
 // --kv-heads with the tokenizer of --tokenizer DIR into --model (how the tests make one).
 // Rank 0 prints `step N loss X` (the whole batch's) every --log-every steps, `final_loss=X`,
+// `training_peak_bytes=N` (its peak tensor memory while training, memory_stats),
 // and the generated text.
 #include <weave/util/cli.h>
 #include <weave/weave.h>
@@ -409,12 +410,15 @@ int run(const Flags& f) {
               "the tokenizer has {} tokens, the model's vocabulary {}", tok.vocab_size(),
               config.vocab);
   Trainer trainer(f, config, tok);
+  reset_peak_memory();  // training's peak, not loading's
   if (!trainer.train()) {
     if (dist::rank() == 0)
       std::printf("stopped at step %lld\n", static_cast<long long>(trainer.step));
     return 0;
   }
-  if (dist::rank() == 0) std::printf("final_loss=%.6f\n", trainer.last_loss);
+  if (dist::rank() == 0)
+    std::printf("final_loss=%.6f\ntraining_peak_bytes=%lld\n", trainer.last_loss,
+                static_cast<long long>(memory_stats().peak));
   save_and_generate(f, trainer, tok);
   return 0;
 }

@@ -9,7 +9,8 @@
 # fsdp x tp x context and pipeline x context must end at ddp's loss (float32: 1e-3 relative), and the saved model must
 # generate from a prompt. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
 # stage's head), alone and with 2 tensor-parallel ranks, and resumed under ddp from a pipelined
-# checkpoint, ends at ddp's loss too; with --checkpoint-activations it repeats ddp's losses.
+# checkpoint, ends at ddp's loss too; with --checkpoint-activations it repeats ddp's losses
+# with a lower training peak.
 # Exits 77 (skipped) without the fortunes package.
 set -u
 finetune=$1 tokenize=$2 npm=$3
@@ -92,11 +93,17 @@ base=(--model "$work/gpt2" --tokens "$work/fortunes.tokens" --steps 40 --context
 run gpt2_ddp 2
 reference=$(final gpt2_ddp)
 # Recomputing every block in backward (the loaded model's set_recompute_blocks) repeats each
-# step's loss to the last printed digit.
+# step's loss to the last printed digit, with a lower training peak (exact byte counts).
 run gpt2_recompute 2 --checkpoint-activations
 [ -n "$(grep '^step' "$work/gpt2_ddp.out")" ] &&
   [ "$(grep '^step' "$work/gpt2_recompute.out")" = "$(grep '^step' "$work/gpt2_ddp.out")" ] ||
   { echo "FAIL: --checkpoint-activations changed the losses"; status=1; }
+peak() { sed -n 's/^training_peak_bytes=//p' "$work/$1.out"; }
+[ -n "$(peak gpt2_ddp)" ] && [ -n "$(peak gpt2_recompute)" ] &&
+  [ "$(peak gpt2_recompute)" -lt "$(peak gpt2_ddp)" ] ||
+  { echo "FAIL: --checkpoint-activations peak $(peak gpt2_recompute) B, ddp's $(peak gpt2_ddp) B"
+    status=1; }
+echo "training peak: $(peak gpt2_ddp) B, with --checkpoint-activations $(peak gpt2_recompute) B"
 run gpt2_pipeline 2 --pipeline 2 --save "$work/gpt2_saved"
 run gpt2_pipeline_tp 4 --strategy tp --pipeline 2
 run gpt2_stopped 2 --pipeline 2 --checkpoint "$work/ckpt_gpt2" --stop-at 20
