@@ -7,13 +7,19 @@
 #      alternating, medians: each kernel as a fraction of the copy bandwidth, SDPA's ratio;
 #   3. the GPT step (examples/gpt --device cuda) against bench/training/gpt_torch.py --device cuda,
 #      alternating, medians of the per-step times after the first three steps: the 12-layer,
-#      d 768, T 1024, vocab 32768 model in bf16 autocast and float32, and the 4-layer d 256 model.
+#      d 768, T 1024, vocab 32768 model in bf16 autocast and in float32 (TF32 matrix products on
+#      both sides, then full float32 on both), and the 4-layer d 256 model; then (section llama)
+#      a ~1B Llama (16 layers, d 2048, 32 query / 8 key-value heads, SwiGLU 5632, T 2048, B 4,
+#      vocab 32768, bf16) on plain and on packed windows (PyTorch: SDPA with enable_gqa, and
+#      FlexAttention with a document block mask), each against PyTorch eager and, for
+#      information, torch.compile; and (section graph) weave's eager step against its step
+#      captured as one CUDA graph (--cuda-graph), with their losses, for both models.
 #   4. compute-sanitizer memcheck of the cuda suites; 5. examples/gpt --device cuda at 1 rank
 #      (NCCL) and 2 ranks (MPI) against the CPU run's held-out loss ($HELDOUT_REFERENCE);
 #   6. the host cost of small ops (bench_op_overhead against bench/kernels/torch_op_overhead.py,
 #      [4, 64] tensors, --device cuda): what a call costs the host, launches included.
 #   bash scripts/gpu-check.sh [runs=3] [steps=12]
-#        [what=all|tests,kernels,overhead,gpt,heldout,sanitize,profile]
+#        [what=all|tests,kernels,overhead,gpt,llama,graph,heldout,sanitize,profile]
 # Programs come from $WEAVE_BIN (default: build/tests, build/bench, build/examples, then PATH);
 # the text from $WEAVE_DATA (default /usr/share/games/fortunes). PyTorch runs as $TORCH_PYTHON
 # (default python3) without weave's LD_LIBRARY_PATH (the bundle's libraries are weave's, not
@@ -55,6 +61,7 @@ if want tests; then
   run_test cuda_op_table weave_cuda_tests --test-suite=cuda --require-cuda
   run_test cuda_kernels weave_cuda_tests --test-suite=cuda_kernels --require-cuda
   run_test activation_checkpoint weave_cuda_tests --test-suite=activation_checkpoint
+  run_test cuda_graph weave_cuda_tests --test-suite=cuda_graph --require-cuda
   run_test nccl_collectives_np1 mpirun --oversubscribe -np 1 weave_mpi_cuda_tests --test-suite=cuda_collectives \
     --require-cuda --backend=nccl
   run_test mpi_cuda_collectives_np2 mpirun --oversubscribe -np 2 weave_mpi_cuda_tests --test-suite=cuda_collectives \
@@ -125,42 +132,81 @@ if want overhead; then
   done
 fi
 
+# The step sections' models and helpers (gpt, llama, graph).
+big=(--layers 12 --dim 768 --heads 12 --context 1024 --batch 8 --vocab 32768)
+small=(--layers 4 --dim 256 --heads 4 --context 128 --batch 8 --vocab 1024)
+step_ms() {  # tokens per step, then the program's output: median step time after 3 steps
+  awk -v tok="$1" '/^step [0-9]+\/[0-9]+ loss/ {
+    split($2, s, "/"); r = 0
+    for (i = 1; i < NF; ++i) if ($i == "tokens/s") r = $(i + 1)
+    if (s[1] > 3 && r > 0) print 1000 * tok / r }' |
+    sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'
+}
+# label, tokens, then model flags; $WEAVE_EXTRA and $TORCH_EXTRA go to one side only
+gpt_case() {
+  local label=$1 tokens=$2; shift 2
+  local common=("$@" --steps "$steps" --log-every 1 --eval-every 1000000 --eval-windows 8 --data "$data")
+  local ws=() ts=() wm=() tm=() wl tl
+  for ((i = 1; i <= runs; ++i)); do
+    out=$(gpt --device cuda --samples 0 "${common[@]}" ${WEAVE_EXTRA:-} 2>&1) || { echo "$out" | tail -20; status=1; }
+    ws+=("$(step_ms "$tokens" <<<"$out")"); wm+=("$(grep -o 'memory on rank 0: [0-9.]*' <<<"$out" | awk '{print $5}')")
+    wl=$(grep -o 'heldout_loss=[0-9.]*' <<<"$out" | cut -d= -f2)
+    out=$(torch bench/training/gpt_torch.py --device cuda "${common[@]}" ${TORCH_EXTRA:-} 2>&1) || { echo "$out" | tail -20; status=1; }
+    ts+=("$(step_ms "$tokens" <<<"$out")"); tm+=("$(grep -o 'peak_memory_mb=[0-9.]*' <<<"$out" | cut -d= -f2)")
+    tl=$(grep -o 'heldout_loss=[0-9.]*' <<<"$out" | cut -d= -f2)
+    echo "run $i $label: weave ${ws[-1]} ms ${wm[-1]} MB heldout $wl; torch ${ts[-1]} ms ${tm[-1]} MB heldout $tl"
+  done
+  local w t
+  w=$(median "${ws[@]}"); t=$(median "${ts[@]}")
+  table+=("gpt|$label|weave $w ms, torch $t ms, ratio $(ratio "$w" "$t"); peak MB weave $(median "${wm[@]}") torch $(median "${tm[@]}")")
+}
 if want gpt; then
   echo "== GPT step (weave, then PyTorch, alternating $runs times)"
-  big=(--layers 12 --dim 768 --heads 12 --context 1024 --batch 8 --vocab 32768)
-  small=(--layers 4 --dim 256 --heads 4 --context 128 --batch 8 --vocab 1024)
-  step_ms() {  # tokens per step, then the program's output: median step time after 3 steps
-    awk -v tok="$1" '/^step [0-9]+\/[0-9]+ loss/ {
-      split($2, s, "/"); r = 0
-      for (i = 1; i < NF; ++i) if ($i == "tokens/s") r = $(i + 1)
-      if (s[1] > 3 && r > 0) print 1000 * tok / r }' |
-      sort -g | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : (v[NR/2]+v[NR/2+1])/2}'
-  }
-  gpt_case() {  # label, tokens, then model flags
-    local label=$1 tokens=$2; shift 2
-    local common=("$@" --steps "$steps" --log-every 1 --eval-every 1000000 --eval-windows 8 --data "$data")
-    local ws=() ts=() wm=() tm=() wl tl
-    for ((i = 1; i <= runs; ++i)); do
-      out=$(gpt --device cuda --samples 0 "${common[@]}" 2>&1) || { echo "$out" | tail -20; status=1; }
-      ws+=("$(step_ms "$tokens" <<<"$out")"); wm+=("$(grep -o 'memory on rank 0: [0-9.]*' <<<"$out" | awk '{print $5}')")
-      wl=$(grep -o 'heldout_loss=[0-9.]*' <<<"$out" | cut -d= -f2)
-      out=$(torch bench/training/gpt_torch.py --device cuda "${common[@]}" 2>&1) || { echo "$out" | tail -20; status=1; }
-      ts+=("$(step_ms "$tokens" <<<"$out")"); tm+=("$(grep -o 'peak_memory_mb=[0-9.]*' <<<"$out" | cut -d= -f2)")
-      tl=$(grep -o 'heldout_loss=[0-9.]*' <<<"$out" | cut -d= -f2)
-      echo "run $i $label: weave ${ws[-1]} ms ${wm[-1]} MB heldout $wl; torch ${ts[-1]} ms ${tm[-1]} MB heldout $tl"
-    done
-    local w t
-    w=$(median "${ws[@]}"); t=$(median "${ts[@]}")
-    table+=("gpt|$label|weave $w ms, torch $t ms, ratio $(ratio "$w" "$t"); peak MB weave $(median "${wm[@]}") torch $(median "${tm[@]}")")
-  }
   gpt_case "12L d768 T1024 B8 V32768 bf16" $((8 * 1024)) "${big[@]}" --autocast bf16
-  gpt_case "12L d768 T1024 B8 V32768 fp32" $((8 * 1024)) "${big[@]}"
+  gpt_case "12L d768 T1024 B8 V32768 fp32 TF32" $((8 * 1024)) "${big[@]}" --matmul-precision high
+  gpt_case "12L d768 T1024 B8 V32768 fp32" $((8 * 1024)) "${big[@]}" --matmul-precision highest
   gpt_case "4L d256 T128 B8 V1024 fp32" $((8 * 128)) "${small[@]}"
+fi
+
+llama=(--arch llama --layers 16 --dim 2048 --heads 32 --kv-heads 8 --ffn 5632 --context 2048
+       --batch 4 --vocab 32768 --autocast bf16)
+if want llama; then
+  echo "== ~1B Llama step, bf16 (weave, then PyTorch, alternating $runs times)"
+  gpt_case "llama 1B T2048 B4 plain" $((4 * 2048)) "${llama[@]}"
+  gpt_case "llama 1B T2048 B4 packed" $((4 * 2048)) "${llama[@]}" --pack
+  TORCH_EXTRA=--compile gpt_case "llama plain vs compile" $((4 * 2048)) "${llama[@]}"
+  TORCH_EXTRA=--compile gpt_case "llama packed vs compile" $((4 * 2048)) "${llama[@]}" --pack
+  TORCH_EXTRA=--compile gpt_case "gpt2 bf16 vs compile" $((8 * 1024)) "${big[@]}" --autocast bf16
+fi
+
+if want graph; then
+  # The same program eager and with --cuda-graph, alternating; the per-step losses must agree.
+  echo "== weave eager against its captured step (--cuda-graph), alternating $runs times"
+  graph_case() {  # label, tokens, then model flags
+    local label=$1 tokens=$2; shift 2
+    local common=(--device cuda --samples 0 "$@" --steps "$steps" --log-every 1
+                  --eval-every 1000000 --eval-windows 8 --data "$data")
+    local es=() gs=() el gl
+    for ((i = 1; i <= runs; ++i)); do
+      out=$(gpt "${common[@]}" 2>&1) || { echo "$out" | tail -20; status=1; }
+      es+=("$(step_ms "$tokens" <<<"$out")"); el=$(grep -o 'loss [0-9.]*' <<<"$out" | tr '\n' ' ')
+      out=$(gpt "${common[@]}" --cuda-graph 2>&1) || { echo "$out" | tail -20; status=1; }
+      gs+=("$(step_ms "$tokens" <<<"$out")"); gl=$(grep -o 'loss [0-9.]*' <<<"$out" | tr '\n' ' ')
+      [ "$el" = "$gl" ] || { echo "losses differ: eager $el / graph $gl"; status=1; }
+      echo "run $i $label: eager ${es[-1]} ms, graph ${gs[-1]} ms"
+    done
+    local e g
+    e=$(median "${es[@]}"); g=$(median "${gs[@]}")
+    table+=("graph|$label|eager $e ms, graph $g ms, graph/eager $(ratio "$g" "$e"); losses $([ "$el" = "$gl" ] && echo equal || echo DIFFER)")
+  }
+  graph_case "gpt2 12L d768 bf16" $((8 * 1024)) "${big[@]}" --autocast bf16
+  graph_case "llama 1B T2048 B4 plain" $((4 * 2048)) "${llama[@]}"
+  graph_case "gpt 4L d256 fp32" $((8 * 128)) "${small[@]}"
 fi
 
 if want sanitize; then
   echo "== compute-sanitizer memcheck of the cuda suites"
-  for suite in cuda cuda_kernels; do
+  for suite in cuda cuda_kernels cuda_graph; do
     out=$(timeout "${SANITIZE_TIMEOUT_S:-600}" compute-sanitizer --tool memcheck --error-exitcode 9 \
       weave_cuda_tests --test-suite=$suite --require-cuda 2>&1); rc=$?
     summary=$(grep -o 'ERROR SUMMARY: [0-9]* error' <<<"$out" | tail -1)

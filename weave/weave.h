@@ -25,6 +25,7 @@
 #include "weave/nn/transformer.h"
 #include "weave/ops/activation_checkpoint.h"
 #include "weave/ops/autocast.h"
+#include "weave/ops/captured_step.h"
 #include "weave/ops/gradcheck.h"
 #include "weave/ops/ops.h"
 #include "weave/optim/optimizer.h"

@@ -19,9 +19,15 @@ At the end it prints `peak_memory_mb=` (torch.cuda.max_memory_allocated) on a GP
 
 --arch llama trains examples/gpt's Llama (--arch llama): RMSNorm, rotary positions (the halves
 layout, base 10000), grouped-query attention with --kv-heads key/value heads (each shared by a
-group of query heads), SwiGLU with Llama's hidden width, no biases, an untied head. --pack
-makes each fortune a document ended by an end-of-text token; positions restart and attention
-stays within each document, as examples/gpt --pack does.
+group of query heads), SwiGLU with Llama's hidden width (or --ffn), no biases, an untied head.
+--pack makes each fortune a document ended by an end-of-text token; positions restart and
+attention stays within each document, as examples/gpt --pack does. On a GPU attention takes
+PyTorch's fastest eager path: F.scaled_dot_product_attention with enable_gqa (no repeated keys
+and values) for plain windows, and for packed ones FlexAttention with a document block mask
+(compiled, as its documentation prescribes; the dense-mask SDPA where FlexAttention is missing).
+
+--compile runs the model through torch.compile (the next line to beat; information only).
+--matmul-precision sets torch.set_float32_matmul_precision, as examples/gpt's flag does weave's.
 
 Prints the same lines as the weave example: `step S/N loss L lr R tokens/s T`, and at the end
 `heldout_loss=X.XXXX`.
@@ -142,6 +148,18 @@ def rotate(x, positions, base=10000.0):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
+def flex_attention_fn():
+    """FlexAttention compiled once (None before PyTorch 2.5)."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    return torch.compile(flex_attention, dynamic=False), create_block_mask
+
+
+FLEX = None
+
+
 class LlamaBlock(nn.Module):
     def __init__(self, dim, heads, kv_heads, hidden):
         super().__init__()
@@ -162,10 +180,15 @@ class LlamaBlock(nn.Module):
         k = rotate(k, positions).transpose(1, 2)
         v = v.transpose(1, 2)
         group = self.heads // self.kv_heads  # query head i reads key/value head i // group
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        if x.is_cuda:
+        if x.is_cuda and allowed is None:  # one document a window
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
+        elif x.is_cuda and not torch.is_tensor(allowed):  # a FlexAttention block mask
+            y = FLEX[0](q, k, v, block_mask=allowed, enable_gqa=group > 1)
+        elif x.is_cuda:
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         else:
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(self.hd))
             y = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
         x = x + self.out(y.transpose(1, 2).reshape(b, t, d))
@@ -174,9 +197,9 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, vocab, dim, heads, kv_heads, layers, end_of_text):
+    def __init__(self, vocab, dim, heads, kv_heads, layers, end_of_text, ffn=0):
         super().__init__()
-        hidden = ((8 * dim + 2) // 3 + 63) // 64 * 64  # 8 dim / 3, up to a multiple of 64
+        hidden = ffn or ((8 * dim + 2) // 3 + 63) // 64 * 64  # 8 dim / 3, up to a multiple of 64
         self.end_of_text = end_of_text
         self.tokens = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(LlamaBlock(dim, heads, kv_heads or heads, hidden)
@@ -198,8 +221,15 @@ class Llama(nn.Module):
             positions = index - starts
         else:
             documents, positions = torch.zeros_like(index), index
-        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
-        allowed = (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+        if ids.is_cuda and self.end_of_text < 0:
+            allowed = None
+        elif ids.is_cuda and FLEX is not None:
+            def same_document(b_, h_, q_, k_):
+                return (q_ >= k_) & (documents[b_, q_] == documents[b_, k_])
+            allowed = FLEX[1](same_document, b, None, t, t, device=ids.device)
+        else:
+            causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+            allowed = (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
         x = self.tokens(ids)
         for block in self.blocks:
             x = block(x, positions, allowed)
@@ -222,7 +252,14 @@ def main():
     parser.add_argument("--arch", choices=["gpt", "llama"], default="gpt")
     parser.add_argument("--kv-heads", type=int, default=0)
     parser.add_argument("--pack", action="store_true")
+    parser.add_argument("--ffn", type=int, default=0)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--matmul-precision", choices=["highest", "high"], default="highest")
     a = parser.parse_args()
+    torch.set_float32_matmul_precision(a.matmul_precision)
+    global FLEX
+    if a.device == "cuda" and a.pack:
+        FLEX = flex_attention_fn()
     if a.pack and a.arch != "llama":
         parser.error("--pack needs --arch llama (GPT-2's learned positions take one document)")
     autocast = lambda: torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.autocast == "bf16")
@@ -231,7 +268,7 @@ def main():
     train, heldout, vocab, end_of_text = load_corpus(a.data, a.pack)
     vocab = max(vocab, (a.vocab + 7) // 8 * 8)
     if a.arch == "llama":
-        model = Llama(vocab, a.dim, a.heads, a.kv_heads, a.layers, end_of_text).to(a.device)
+        model = Llama(vocab, a.dim, a.heads, a.kv_heads, a.layers, end_of_text, a.ffn).to(a.device)
     else:
         model = Gpt(vocab, a.context, a.dim, a.heads, a.layers).to(a.device)
     # The GPT recipe's groups, as examples/gpt's optim::weight_decay_groups: no decay on biases,
@@ -245,6 +282,7 @@ def main():
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=a.lr,
                                   **({"fused": True} if a.device == "cuda" else {}))
+    forward = torch.compile(model) if a.compile else model
 
     def lr_at(step):
         if step < a.warmup:
@@ -280,7 +318,7 @@ def main():
         offsets = [splitmix64((a.seed << 40) + step * a.batch + i) % span for i in range(a.batch)]
         w = windows(train, offsets)
         with autocast():
-            logits = model(w[:, :-1])
+            logits = forward(w[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, vocab), w[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

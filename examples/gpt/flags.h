@@ -15,6 +15,7 @@ struct Flags {
   std::string strategy = "ddp", data_dir = "/usr/share/games/fortunes", checkpoint, log;
   std::string arch = "gpt";  // gpt: GPT-2's blocks; llama: RMSNorm, rotary, GQA, SwiGLU
   int64_t kv_heads = 0;      // llama's key/value heads (0: as many as --heads)
+  int64_t ffn = 0;           // llama's SwiGLU width (0: 8 dim / 3 rounded up to 64)
   bool pack = false;         // llama: each fortune its own document (end-of-text, positions)
   int tp = 0, threads = 1, samples = 3;
   int context_parallel = 1, expert_parallel = 1, pipeline = 1, microbatches = 0;
@@ -25,6 +26,8 @@ struct Flags {
   double lr = 1e-3, min_lr = 1e-4, weight_decay = 0.01, clip = 1.0;
   int64_t warmup = 60;
   bool sequence_parallel = true, resume = false, checkpoint_activations = false;
+  bool cuda_graph = false;                   // the training step as one CUDA graph
+  std::string matmul_precision = "highest";  // float32 GEMMs: highest, or high (TF32)
   uint64_t seed = 0;
   std::optional<DType> autocast;
   std::string device = "cpu", backend;  // backend "": nccl for cuda, mpi for cpu
@@ -41,6 +44,8 @@ inline Flags parse(int argc, char** argv) {
   app.add_option("--arch", f.arch, "gpt (GPT-2 blocks) or llama (RMSNorm, rotary, SwiGLU)")
       ->check(CLI::IsMember({"gpt", "llama"}));
   app.add_option("--kv-heads", f.kv_heads, "llama: key/value heads, dividing --heads (0: all)")
+      ->check(weave::cli::non_negative());
+  app.add_option("--ffn", f.ffn, "llama: the SwiGLU width (0: 8 dim / 3, rounded up to 64)")
       ->check(weave::cli::non_negative());
   app.add_flag("--pack", f.pack,
                "llama: each fortune a document of its own (end-of-text token, positions and "
@@ -82,6 +87,11 @@ inline Flags parse(int argc, char** argv) {
   app.add_option("--autocast", autocast, "reduced-precision forward")
       ->check(CLI::IsMember({"bf16", "fp16"}));
   app.add_option("--device", f.device)->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--matmul-precision", f.matmul_precision,
+                 "float32 matrix products on CUDA: highest (float32) or high (TF32)")
+      ->check(CLI::IsMember({"highest", "high"}));
+  app.add_flag("--cuda-graph", f.cuda_graph,
+               "capture the training step as one CUDA graph after two eager steps (one GPU)");
   app.add_option("--backend", f.backend, "default: nccl for cuda, mpi for cpu")
       ->check(CLI::IsMember({"mpi", "nccl"}));
   app.add_option("--vocab", f.vocab, "widen the head past the characters' count")

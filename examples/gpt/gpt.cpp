@@ -8,7 +8,8 @@
 //                    [--context-parallel N [--cp-mode ring|all-to-all]]
 //                    [--experts E [--expert-parallel N] [--top-k K]]
 //                    [--pipeline N [--microbatches M]]
-//                    [--arch gpt|llama [--kv-heads K] [--pack]]
+//                    [--arch gpt|llama [--kv-heads K] [--ffn N] [--pack]]
+//                    [--cuda-graph] [--matmul-precision highest|high]
 // --device cuda puts each rank on a GPU (round-robin by local rank) with NCCL between them
 // (--backend mpi: MPI, staging through the host; several ranks may share one GPU). --vocab
 // widens the embedding and output layer past the characters' count (a larger model's head).
@@ -50,6 +51,8 @@
 // whose overflow verdict the data-parallel ranks agree on.
 // --checkpoint-activations keeps only each block's input for backward and recomputes the block
 // there (autograd::checkpoint): the same gradients, less activation memory, one more forward.
+// --cuda-graph (one GPU) captures the whole step as a CUDA graph after two eager steps and
+// replays it (CapturedStep): the same numbers, without the host's per-op cost.
 // Every strategy starts from the same weights (the whole model is initialized on every rank
 // with the seed, then split), so all of them follow one process step for step.
 //
@@ -61,6 +64,7 @@
 
 #include "data.h"
 #include "flags.h"
+#include "graphed.h"
 #include "models.h"
 
 #include <algorithm>
@@ -248,6 +252,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
                             : Device::cuda(dist::local_rank() % std::max(1, cuda::device_count()));
   f.placed = device;
   set_num_threads(f.threads);
+  set_float32_matmul_precision(f.matmul_precision);
   const int world = dist::world_size();
   const bool fully_sharded = f.strategy == "fsdp";
   // Tensor-parallel ranks: every rank of a stage (and context group) under tp; --tp (2 unless
@@ -284,6 +289,12 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   WEAVE_CHECK(!f.pack || f.arch == "llama", "gpt",
               "--pack needs --arch llama: GPT-2's learned positions and attention take one "
               "document per window");
+  WEAVE_CHECK(!f.cuda_graph || (f.device == "cuda" && world == 1 && f.experts == 0 &&
+                                f.autocast != kFloat16 && !fully_sharded),
+              "gpt",
+              "--cuda-graph captures one GPU's step: --device cuda at one rank, without --experts "
+              "(their routing reads counts on the host), fsdp or --autocast fp16 (its scaler "
+              "decides on the host)");
   WEAVE_CHECK(f.arch == "llama" || f.kv_heads == 0, "gpt",
               "--kv-heads {} needs --arch llama (GPT-2's attention has a key/value head per "
               "query head)",
@@ -341,7 +352,10 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   // The GPT recipe's groups: no weight decay on biases, norms and embeddings. Under fsdp the
   // optimizer steps this rank's shards only, each part with its parameter's group.
   const std::vector<optim::ParamGroup> groups = optim::weight_decay_groups(*model, f.weight_decay);
-  optim::AdamW optimizer(fsdp ? fsdp->param_groups(groups) : groups, {.lr = f.lr});
+  optim::AdamW optimizer(fsdp ? fsdp->param_groups(groups) : groups,
+                         {.lr = f.lr, .capturable = f.cuda_graph});
+  std::optional<gpt::GraphedTraining> graphed;
+  if (f.cuda_graph) graphed.emplace(*model, optimizer, f);
   // Linear warmup, then cosine to min_lr (the same formula in bench/training/gpt_torch.py).
   optim::LRScheduler scheduler(optimizer, [f](int64_t step) {
     if (step < f.warmup) return f.lr * double(step + 1) / double(f.warmup);
@@ -397,35 +411,42 @@ int train_and_sample(Flags& f, int argc, char** argv) {
     const Batch batch =
         gpt::make_batch(corpus.train, offsets, f.context, corpus.end_of_text, device);
     const Tensor& targets = batch.targets;
-    optimizer.zero_grad();
     Tensor loss;
-    if (pipe) {  // forward and backward of every micro-batch; the loss on the last stage
-      std::optional<AutocastGuard> autocast;
-      if (f.autocast) autocast.emplace(*f.autocast);
-      loss = pipe->train_step(
-          batch.model_inputs(), targets,
-          [&](const Tensor& logits, const Tensor& target) { return model->loss(logits, target); });
+    double grad_norm = 0;
+    if (graphed) {
+      graphed->step(batch);
     } else {
-      {
+      optimizer.zero_grad();
+      if (pipe) {  // forward and backward of every micro-batch; the loss on the last stage
         std::optional<AutocastGuard> autocast;
         if (f.autocast) autocast.emplace(*f.autocast);
-        const nn::Inputs in = batch.model_inputs();
-        Tensor logits = ddp ? (*ddp)(in) : fsdp ? (*fsdp)(in) : (*model)(in);
-        loss = model->loss(logits, targets);
+        loss = pipe->train_step(batch.model_inputs(), targets,
+                                [&](const Tensor& logits, const Tensor& target) {
+                                  return model->loss(logits, target);
+                                });
+      } else {
+        {
+          std::optional<AutocastGuard> autocast;
+          if (f.autocast) autocast.emplace(*f.autocast);
+          const nn::Inputs in = batch.model_inputs();
+          Tensor logits = ddp ? (*ddp)(in) : fsdp ? (*fsdp)(in) : (*model)(in);
+          loss = model->loss(logits, targets);
+        }
+        scaler.scale(loss).backward();
       }
-      scaler.scale(loss).backward();
+      scaler.unscale_(optimizer.params());  // clipping sees the true gradients
+      // The whole model's norm: each parameter's placement says how many ranks hold its piece.
+      grad_norm = parallel::clip_grad_norm_(optimizer.params(), f.clip);
+      scaler.step(optimizer);
+      scaler.update();
     }
-    scaler.unscale_(optimizer.params());  // clipping sees the true gradients
-    // The whole model's norm: each parameter's placement says how many ranks hold its piece.
-    const double grad_norm = parallel::clip_grad_norm_(optimizer.params(), f.clip);
-    scaler.step(optimizer);
-    scaler.update();
     scheduler.step();
     ++step;
     loss_sum += loss.defined() ? loss.item<double>() : 0;  // the last stage's
     ++losses;
     tokens += f.batch * f.context;
     if (step % f.log_every == 0 || step == f.steps) {
+      if (graphed) loss_sum = graphed->take_loss_sum(), grad_norm = graphed->norm();
       Tensor mean = full({1}, loss_sum / double(losses * data * context), {.dtype = kFloat64});
       dist::all_reduce(
           mean, dist::ReduceOp::Sum,

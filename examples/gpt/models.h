@@ -39,9 +39,7 @@ class LanguageModel : public nn::Module {
 
 // Token plus position embeddings of ids [B, T] sitting at positions start, start + 1, ...
 Tensor embed_at(nn::Module& tokens, nn::Embedding& positions, const Tensor& ids, int64_t start) {
-  Tensor where = arange(double(start), double(start + ids.size(1)), 1,
-                        {.dtype = kInt64, .device = ids.device()});
-  return tokens(ids) + positions(where);
+  return tokens(ids) + positions(position_ids(start, ids.size(1), ids.device()));
 }
 
 /// FSDP's units of a Llama (whole or split): the embedding, each block, the final norm and the
@@ -58,12 +56,13 @@ inline std::vector<std::string> llama_units(size_t blocks) {
 class Llama : public LanguageModel {
  public:
   Llama(const Flags& f, int64_t vocab) : LanguageModel("Llama") {
-    model = register_module("llama", std::make_shared<nn::LlamaModel>(nn::LlamaModelOptions{
-                                         .vocab = vocab,
-                                         .dim = f.dim,
-                                         .layers = f.layers,
-                                         .block = {.heads = f.heads, .kv_heads = f.kv_heads},
-                                         .recompute_blocks = f.checkpoint_activations}));
+    model = register_module(
+        "llama", std::make_shared<nn::LlamaModel>(nn::LlamaModelOptions{
+                     .vocab = vocab,
+                     .dim = f.dim,
+                     .layers = f.layers,
+                     .block = {.heads = f.heads, .kv_heads = f.kv_heads, .hidden = f.ffn},
+                     .recompute_blocks = f.checkpoint_activations}));
   }
   Tensor forward(const Tensor& ids) override { return forward_inputs(ids); }
   Tensor forward_inputs(const nn::Inputs& inputs) override { return model->forward_inputs(inputs); }
@@ -260,11 +259,12 @@ class ParallelLlama : public LanguageModel {
     llama = register_module(
         "llama",
         std::make_shared<parallel::ParallelLlamaModel>(
-            nn::LlamaModelOptions{.vocab = vocab,
-                                  .dim = f.dim,
-                                  .layers = f.layers,
-                                  .block = {.heads = f.heads, .kv_heads = f.kv_heads},
-                                  .recompute_blocks = f.checkpoint_activations},
+            nn::LlamaModelOptions{
+                .vocab = vocab,
+                .dim = f.dim,
+                .layers = f.layers,
+                .block = {.heads = f.heads, .kv_heads = f.kv_heads, .hidden = f.ffn},
+                .recompute_blocks = f.checkpoint_activations},
             tp,
             parallel::ParallelLMOptions{
                 .context_group = std::move(context),

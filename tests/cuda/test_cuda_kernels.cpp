@@ -1,10 +1,12 @@
 // The CUDA kernels that the op table's small shapes cannot reach: tensor-core attention against
-// float64 attention on the CPU, reductions split over many blocks, layer and RMS norm on each of
-// their kernel paths, KV-cache decoding, the multi-tensor clipping and Adam kernels, and the
-// bugs GPU runs found. Suite
-// cuda_kernels: `weave_cuda_tests --test-suite=cuda_kernels --require-cuda` (skipped without a
-// GPU).
+// float64 attention on the CPU (plain, grouped-query and packed documents), reductions split over
+// many blocks, layer and RMS norm on each of their kernel paths, KV-cache decoding, the
+// multi-tensor clipping and Adam kernels, and the bugs GPU runs found. Suite cuda_kernels:
+// `weave_cuda_tests --test-suite=cuda_kernels --require-cuda` (skipped without a GPU).
+#include <numeric>
+
 #include "helpers.h"
+#include "weave/kernels/kernels.h"
 
 using namespace weave;
 
@@ -53,6 +55,26 @@ class AttentionKernel {
   AttentionKernel& operator=(const AttentionKernel&) = delete;
 };
 
+/// The GPU's attention result (its output, log-sum-exp and the gradients of dev) against the
+/// float64 CPU one on the same rounded inputs: both outputs' backward from one random probe.
+void check_attention(const AttentionResult& got, const AttentionResult& want,
+                     const std::array<Tensor, 3>& dev, const std::array<Tensor, 3>& cpu,
+                     DType dtype, Generator& g) {
+  CHECK(relative_error(got.output, want.output) < 2e-2);
+  // +inf marks a row that sees no key (tq > tk, causal): equal there, close elsewhere.
+  Tensor finite = isfinite(want.logsumexp), zero = zeros({}, {.dtype = kFloat64});
+  CHECK(equal(finite, isfinite(got.logsumexp.cpu())));
+  CHECK(relative_error(where(finite, got.logsumexp.cpu().to(kFloat64), zero),
+                       where(finite, want.logsumexp, zero)) < 1e-2);
+  Tensor probe = randn(want.output.shape(), {.dtype = kFloat64}, &g);
+  sum(want.output * probe).backward();
+  sum(got.output * probe.to(dtype).to(gpu)).backward();
+  for (int i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(relative_error(dev[i].grad(), cpu[i].grad()) < 3e-2);
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("cuda_kernels") {
@@ -96,21 +118,82 @@ TEST_SUITE("cuda_kernels") {
             scaled_dot_product_attention_with_lse(dev[0], dev[1], dev[2], options);
         REQUIRE(got.output.dtype() == c.dtype);
         REQUIRE(got.logsumexp.dtype() == kFloat32);
-        CHECK(relative_error(got.output, want.output) < 2e-2);
-        // +inf marks a row that sees no key (tq > tk, causal): equal there, close elsewhere.
-        Tensor finite = isfinite(want.logsumexp);
-        CHECK(equal(finite, isfinite(got.logsumexp.cpu())));
-        Tensor zero = zeros({}, {.dtype = kFloat64});
-        CHECK(relative_error(where(finite, got.logsumexp.cpu().to(kFloat64), zero),
-                             where(finite, want.logsumexp, zero)) < 1e-2);
-        Tensor probe = randn(want.output.shape(), {.dtype = kFloat64}, &g);
-        sum(want.output * probe).backward();
-        sum(got.output * probe.to(c.dtype).to(gpu)).backward();
-        for (int i = 0; i < 3; ++i) {
-          CAPTURE(i);
-          CHECK(relative_error(dev[i].grad(), cpu[i].grad()) < 3e-2);
-        }
+        check_attention(got, want, dev, cpu, c.dtype, g);
       }
+  }
+
+  TEST_CASE("packed documents on tensor cores match float64 on the CPU and skip no visible key") {
+    struct PackedCase {
+      std::vector<int64_t> lengths;  // documents of one window, in order (repeated per batch row)
+      int64_t heads, kv_heads, tq, d;
+      bool causal, own_query_documents;  // queries with documents of their own (tq < tk)
+      DType dtype;
+    };
+    const std::vector<PackedCase> cases = {
+        {{64, 64, 128}, 4, 4, 256, 64, true, false, kBFloat16},         // boundaries on tiles
+        {{37, 100, 5, 5, 109}, 4, 2, 256, 64, true, false, kBFloat16},  // inside tiles, GQA
+        {{300}, 2, 2, 300, 128, true, false, kFloat16},                 // one document
+        {{3, 3, 3, 3, 3, 3, 3, 150}, 8, 2, 171, 128, false, false, kBFloat16},
+        {{60, 70, 70}, 4, 1, 50, 64, true, false, kBFloat16},  // decoding: the last 50 queries
+        {{90, 110}, 2, 2, 130, 64, false, true, kBFloat16},    // documents of the queries' own
+    };
+    Generator g(11);
+    for (const PackedCase& c : cases) {
+      const int64_t tk = std::accumulate(c.lengths.begin(), c.lengths.end(), int64_t{0});
+      CAPTURE(tk);
+      CAPTURE(c.tq);
+      CAPTURE(c.causal);
+      std::vector<int64_t> ids;
+      for (size_t doc = 0; doc < c.lengths.size(); ++doc)
+        ids.insert(ids.end(), size_t(c.lengths[doc]), int64_t(doc));
+      Tensor key_docs = from_vector(ids, {1, tk}).expand({2, tk}).contiguous();
+      Tensor query_docs;
+      if (c.own_query_documents) {  // every other query in document 1, the rest in one no key has
+        std::vector<int64_t> own(c.tq);
+        for (int64_t i = 0; i < c.tq; ++i) own[i] = i % 2 ? 1 : 7;
+        query_docs = from_vector(own, {1, c.tq}).expand({2, c.tq}).contiguous();
+      }
+      std::array<Tensor, 3> cpu, dev;
+      const std::array<Shape, 3> shapes{Shape{2, c.heads, c.tq, c.d}, Shape{2, c.kv_heads, tk, c.d},
+                                        Shape{2, c.kv_heads, tk, c.d}};
+      for (int i = 0; i < 3; ++i) {
+        Tensor rounded = randn(shapes[i], {.dtype = kFloat64}, &g).to(c.dtype).to(kFloat64);
+        cpu[i] = rounded.detach().requires_grad_();
+        dev[i] = rounded.to(c.dtype).to(gpu).requires_grad_();
+      }
+      AttentionOptions on_cpu{
+          .causal = c.causal, .document_ids = key_docs, .query_document_ids = query_docs};
+      AttentionOptions on_gpu = on_cpu;
+      on_gpu.document_ids = key_docs.to(gpu);
+      if (query_docs.defined()) on_gpu.query_document_ids = query_docs.to(gpu);
+      kernels::AttentionParams params{.causal = c.causal};
+      params.query_documents = on_gpu.query_document_ids.defined()
+                                   ? on_gpu.query_document_ids
+                                   : on_gpu.document_ids.narrow(1, tk - c.tq, c.tq).contiguous();
+      params.key_documents = on_gpu.document_ids;
+      REQUIRE(kernels::attention_takes_reduced(dev[0], dev[1], dev[2], Tensor(), params));
+      AttentionResult want = scaled_dot_product_attention_with_lse(cpu[0], cpu[1], cpu[2], on_cpu);
+      AttentionResult got = scaled_dot_product_attention_with_lse(dev[0], dev[1], dev[2], on_gpu);
+      check_attention(got, want, dev, cpu, c.dtype, g);
+    }
+  }
+
+  TEST_CASE("float32 matmul: highest computes float32, high takes TF32 tensor cores") {
+    Generator g(6);
+    Tensor a = randn({256, 1024}, {.dtype = kFloat64}, &g),
+           b = randn({1024, 192}, {.dtype = kFloat64}, &g);
+    const Tensor exact = matmul(a, b);
+    Tensor a32 = a.to(kFloat32).to(gpu), b32 = b.to(kFloat32).to(gpu);
+    const double highest = relative_error(matmul(a32, b32), exact);
+    set_float32_matmul_precision("high");
+    const double high = relative_error(matmul(a32, b32), exact);
+    set_float32_matmul_precision("highest");
+    CAPTURE(highest);
+    CAPTURE(high);
+    CHECK(highest < 1e-5);       // float32 rounding over 1024 terms
+    CHECK(high > 10 * highest);  // TF32 keeps 10 mantissa bits of each input ...
+    CHECK(high < 5e-3);          // ... and accumulates in float32
+    CHECK(relative_error(matmul(a32, b32), exact) == highest);  // back to float32
   }
 
   TEST_CASE("tensor-core attention gives the same bits on every run") {

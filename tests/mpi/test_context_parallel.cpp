@@ -84,6 +84,44 @@ TEST_SUITE("context_parallel") {
     for_each_case(check_against_whole);
   }
 
+  TEST_CASE("a rank that fails in ring attention's backward: every rank raises, the next runs") {
+    const int n = dist::world_size();
+    if (n < 2) return;
+    const dist::Group world = dist::world();
+    const int64_t b = 2, h = 4, t = 4 * n, d = 4;
+    const Tensor q = shared({b, h, t, d}, 1), k = shared({b, h, t, d}, 2),
+                 v = shared({b, h, t, d}, 3), w = shared({b, h, t, d}, 4);
+    auto part = [&](const Tensor& x) {
+      return parallel::shard_sequence(x, 2, world, SequenceLayout::ZigZag).contiguous();
+    };
+    Tensor qp = part(q).requires_grad_(), kp = part(k).requires_grad_(),
+           vp = part(v).requires_grad_();
+    const parallel::ContextParallelOptions options{.causal = true,
+                                                   .layout = SequenceLayout::ZigZag};
+    {  // the last rank changes a tensor the forward saved: its backward raises there
+      Tensor yp = parallel::ring_attention(qp, kp, vp, world, options);
+      if (dist::rank() == n - 1) qp.detach().mul_(1.0);
+      const std::string error = test::error_of([&] { (yp * part(w)).sum().backward(); });
+      CAPTURE(error);
+      if (dist::rank() == n - 1)
+        CHECK(error.find("modified") != std::string::npos);
+      else
+        CHECK(error.find("[ring_attention] another rank of group " + world.str() +
+                         " failed to compute its part of ring attention's backward") == 0);
+    }
+    // The next step runs on every rank and equals one process on the whole sequence.
+    for (Tensor* x : {&qp, &kp, &vp}) x->set_grad({});
+    Tensor qw = q.clone().requires_grad_(), kw = k.clone().requires_grad_(),
+           vw = v.clone().requires_grad_();
+    (scaled_dot_product_attention(qw, kw, vw, {.causal = true}) * w).sum().backward();
+    Tensor yp = parallel::ring_attention(qp, kp, vp, world, options);
+    (yp * part(w)).sum().backward();
+    CHECK(near(qp.grad(), part(qw.grad())));
+    CHECK(near(kp.grad(), part(kw.grad())));
+    CHECK(near(vp.grad(), part(vw.grad())));
+    CHECK(autograd::must_run_pending() == 0);
+  }
+
   TEST_CASE("under autocast, ring attention casts as attention does and follows it") {
     const dist::Group world = dist::world();
     const int n = dist::world_size();

@@ -67,6 +67,22 @@ TEST_SUITE("mixed_precision") {
     }
   }
 
+  TEST_CASE("float32_matmul_precision: PyTorch's names, highest by default, float32 on the CPU") {
+    CHECK(float32_matmul_precision() == "highest");
+    Generator g(4);
+    Tensor a = randn({33, 70}, {}, &g), b = randn({70, 21}, {}, &g);
+    const Tensor full = matmul(a, b);
+    for (const char* precision : {"high", "medium"}) {
+      set_float32_matmul_precision(precision);
+      CHECK(float32_matmul_precision() == "high");  // medium is TF32 too, as on PyTorch's GPUs
+      CHECK(equal(matmul(a, b), full));             // the CPU computes float32 at every setting
+    }
+    CHECK_WEAVE_ERROR(set_float32_matmul_precision("fast"), "set_float32_matmul_precision", "fast");
+    CHECK(float32_matmul_precision() == "high");  // an error changes nothing
+    set_float32_matmul_precision("highest");
+    CHECK(float32_matmul_precision() == "highest");
+  }
+
   TEST_CASE("matmul and linear gradients in bfloat16 match float64 on the rounded values") {
     Generator gen(3);
     Tensor x = randn({5, 8, 16}, {}, &gen).to(kBFloat16).requires_grad_();

@@ -171,4 +171,32 @@ TEST_SUITE("token_dataset") {
                          Error);
     CHECK_FALSE(std::filesystem::exists(temp_path("never.tokens")));
   }
+
+  TEST_CASE("a token file holding an id outside its vocabulary raises at open, naming where") {
+    // GPT-2's vocabulary (uint16 tokens); token 37 becomes 50257, one past its last id.
+    std::vector<int32_t> tokens(100);
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = int32_t(i * 503 % 50257);
+    const std::string path = write_tokens("outside.tokens", {tokens}, 50257, 50256);
+    CHECK(data::TokenFile(path).size() == 101);  // a valid file opens
+    {
+      std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+      file.seekp(64 + 2 * 37);
+      const unsigned char bytes[2] = {50257 & 0xff, 50257 >> 8};
+      file.write(reinterpret_cast<const char*>(bytes), 2);
+    }
+    CHECK_WEAVE_ERROR(data::TokenFile{path}, "TokenFile",
+                      path +
+                          " is not a valid token file: token 37 is 50257, outside its "
+                          "vocabulary of 50257");
+    // uint32 tokens (a vocabulary past 65536) are checked the same way.
+    const std::string wide = write_tokens("wide.tokens", {{1, 70000, 3}}, 70001, -1);
+    CHECK(data::TokenFile(wide).size() == 3);
+    {
+      std::fstream file(wide, std::ios::in | std::ios::out | std::ios::binary);
+      file.seekp(64 + 4 * 2);
+      const uint32_t value = 70001;
+      file.write(reinterpret_cast<const char*>(&value), 4);
+    }
+    CHECK_WEAVE_ERROR(data::TokenFile{wide}, "TokenFile", "token 2 is 70001");
+  }
 }

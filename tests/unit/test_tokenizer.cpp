@@ -115,6 +115,18 @@ TEST_SUITE("tokenizer") {
           std::vector<std::string>{"1", "2", "3", "4", "5", " ", "6", "7", "8"});
   }
 
+  TEST_CASE("white space is Unicode's: U+0085 is, U+FEFF is not, as in GPT-2's encoder.py") {
+    // The ids GPT-2's encoder.py gives (Python's regex module, whose \s is Unicode's
+    // White_Space, as the Rust tiktoken's and tokenizers'); JavaScript's \s has it the other
+    // way round, so the npm encoders would cut both differently.
+    CHECK(gpt2().encode("a \u0085b") == std::vector<int32_t>{64, 220, 126, 227, 65});
+    CHECK(gpt2().encode("x \ufeffy") == std::vector<int32_t>{87, 27332, 119, 123, 88});
+    CHECK(pieces_of("a \u0085b", data::SplitRule::kGpt2) ==
+          std::vector<std::string>{"a", " ", "\u0085", "b"});
+    CHECK(pieces_of("x \ufeffy", data::SplitRule::kGpt2) ==
+          std::vector<std::string>{"x", " \ufeff", "y"});
+  }
+
   TEST_CASE("any bytes round-trip, invalid UTF-8 included") {
     const std::vector<std::string> texts = {
         std::string("\xff\xfe\x80 bad \xc3 lead", 15),

@@ -192,6 +192,40 @@ TokenFile::TokenFile(const std::string& path) : path_(path) {
   fail_unless(documents_ == 0 || starts_[0] == 0, "the first document does not start at 0");
   fail_unless(starts_[documents_] == tokens_, "the index does not end at the token count");
   fail_unless(std::is_sorted(starts_, starts_ + documents_ + 1), "document starts out of order");
+  fail_unless(vocab_size_ > 0 && vocab_size_ <= (int64_t(1) << 32) && end_of_text_ < vocab_size_,
+              fmt::format("vocabulary size {} with end-of-text {}", vocab_size_, end_of_text_));
+  // Every token in the vocabulary (one pass): a bad id raises here, naming where it is, and
+  // not later in an embedding that knows no file.
+  const int64_t bad = first_outside_vocabulary();
+  fail_unless(bad < 0, bad < 0 ? std::string()
+                               : fmt::format("token {} is {}, outside its vocabulary of {}", bad,
+                                             token_at(bad), vocab_size_));
+}
+
+int64_t TokenFile::token_at(int64_t i) const {
+  int64_t value = 0;
+  read(i, 1, &value);
+  return value;
+}
+
+int64_t TokenFile::first_outside_vocabulary() const {
+  // The largest token first (a loop the compiler vectorizes), the position only if it is bad.
+  uint32_t largest = 0;
+  if (token_bytes_ == 2) {
+    const auto* p = token_data_;
+    for (uint64_t i = 0; i < tokens_; ++i)
+      largest = std::max<uint32_t>(largest, uint32_t(p[2 * i]) | (uint32_t(p[2 * i + 1]) << 8));
+  } else {
+    for (uint64_t i = 0; i < tokens_; ++i) {
+      uint32_t v;
+      std::memcpy(&v, token_data_ + 4 * i, 4);
+      largest = std::max(largest, v);
+    }
+  }
+  if (int64_t(largest) < vocab_size_) return -1;
+  for (int64_t i = 0; i < size(); ++i)
+    if (token_at(i) >= vocab_size_) return i;
+  return -1;
 }
 
 TokenFile::~TokenFile() {

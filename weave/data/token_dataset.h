@@ -81,7 +81,9 @@ struct TokenizeStats {
 TokenizeStats write_token_file(const std::string& out, const std::vector<std::string>& files,
                                const Tokenizer& tokenizer, const TokenizeOptions& options = {});
 
-/// A token file, memory-mapped read-only (the pages load as windows touch them).
+/// A token file, memory-mapped read-only. Opening reads every token once (a file whose
+/// tokens fall outside its vocabulary raises there, naming the file and the position); later
+/// the pages stay in the page cache as windows touch them.
 class TokenFile {
  public:
   explicit TokenFile(const std::string& path);
@@ -102,6 +104,10 @@ class TokenFile {
   int64_t document_start(int64_t document) const;
 
  private:
+  int64_t token_at(int64_t i) const;
+  /// The first token not below vocab_size(), or -1.
+  int64_t first_outside_vocabulary() const;
+
   std::string path_;
   const unsigned char* map_ = nullptr;
   size_t map_size_ = 0;

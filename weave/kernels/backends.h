@@ -25,6 +25,9 @@
   void adam_update_many(const std::vector<AdamTensors>& tensors, const AdamStep& step);            \
   void norm_power_sum(const std::vector<Tensor>& xs, double p, const Tensor& out);                 \
   void scale_many(const std::vector<Tensor>& xs, double scale);                                    \
+  void clip_many(const std::vector<Tensor>& xs, const Tensor& power_sum, double p,                 \
+                 double max_norm, const Tensor& norm);                                             \
+  void adam_advance(const Tensor& scalars, double beta1, double beta2);                            \
   void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse);           \
   void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse);             \
   void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale); \
@@ -63,8 +66,8 @@ WEAVE_BACKEND_KERNELS
 namespace weave::kernels::cuda {
 WEAVE_BACKEND_KERNELS
 /// True where attention on q's device runs on tensor cores in q's own dtype: bfloat16 or
-/// float16 on sm_80 and newer, head size 64 or 128, no mask, no dropout, no document ids; k and
-/// v may have fewer heads than q (grouped-query attention).
+/// float16 on sm_80 and newer, head size 64 or 128, no mask, no dropout; k and v may have fewer
+/// heads than q (grouped-query attention), and packed sequences' document ids are taken.
 bool attention_on_tensor_cores(const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& mask, const AttentionParams& params);
 /// True where t's rows suit the tensor-core kernels (16-byte aligned, strides multiples of 8).

@@ -136,6 +136,17 @@ void scale_many(const std::vector<Tensor>& xs, double scale) {
   WEAVE_DISPATCH("scale_many", scale_many(xs, scale));
 }
 
+void clip_many(const std::vector<Tensor>& xs, const Tensor& power_sum, double p, double max_norm,
+               const Tensor& norm) {
+  const Tensor& out = norm;
+  WEAVE_DISPATCH("clip_many", clip_many(xs, power_sum, p, max_norm, norm));
+}
+
+void adam_advance(const Tensor& scalars, double beta1, double beta2) {
+  const Tensor& out = scalars;
+  WEAVE_DISPATCH("adam_advance", adam_advance(scalars, beta1, beta2));
+}
+
 void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse) {
   const Tensor& out = s;
   WEAVE_DISPATCH("attention_softmax", attention_softmax(s, scale, causal, lse));

@@ -208,7 +208,8 @@ struct AttentionParams {
 void attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                const AttentionParams& params, const Tensor& out, const Tensor& lse);
 /// True where `attention` on q's device computes in q's own bfloat16/float16 (CUDA tensor
-/// cores; no mask, no dropout, head size 64 or 128). The op then passes q, k, v, out and grads
+/// cores; no mask, no dropout, head size 64 or 128; document ids and grouped-query heads
+/// allowed). The op then passes q, k, v, out and grads
 /// in that dtype, with rows that attention_rows_aligned accepts, and lse in float32.
 bool attention_takes_reduced(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
                              const AttentionParams& params);
@@ -249,7 +250,15 @@ void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta
 struct AdamStep {
   double lr, beta1, beta2, eps, weight_decay, correction1, correction2;
   bool decoupled;  // AdamW: p *= 1 - lr * wd; Adam: g += wd * p
+  /// When set: {lr, correction1, correction2} on the parameters' device (adam_advance's scalars
+  /// + 1), read there when the update runs instead of the fields above, so that a replayed CUDA
+  /// graph steps with each replay's numbers.
+  const double* scalars = nullptr;
 };
+/// A capturable Adam's per-step numbers, kept where its parameters are: scalars is float64 [4]
+/// = {step, lr, 1 - beta1^step, 1 - beta2^step}; counts the step and recomputes the corrections
+/// on that device, with no value passing through the host.
+void adam_advance(const Tensor& scalars, double beta1, double beta2);
 /// One fused Adam update, in place, in a single pass over contiguous tensors on one device: param
 /// and grad of one floating dtype, the state in its compute dtype (float32 for bfloat16/float16
 /// parameters, each rounded once per step): m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
@@ -274,6 +283,12 @@ void norm_power_sum(const std::vector<Tensor>& xs, double p, const Tensor& out);
 /// x *= scale in place (in x's compute dtype) for every tensor in xs (contiguous, floating,
 /// one device); CUDA scales many tensors per launch.
 void scale_many(const std::vector<Tensor>& xs, double scale);
+/// Clipping where the tensors live, the host reading nothing: norm (float64 [2]) gets {total,
+/// coefficient} from the float64 scalar power_sum (norm_power_sum's): total = power_sum^(1/p)
+/// (power_sum itself for p infinite), coefficient = max_norm / (total + 1e-6) where that is
+/// below 1 or NaN, else 1; then every x *= coefficient, as scale_many.
+void clip_many(const std::vector<Tensor>& xs, const Tensor& power_sum, double p, double max_norm,
+               const Tensor& norm);
 
 struct SgdStep {
   double lr, momentum, dampening, weight_decay;

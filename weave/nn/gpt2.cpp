@@ -63,8 +63,7 @@ Tensor GPT2Model::run(const Tensor& ids, std::vector<KVCache>* caches) {
   WEAVE_CHECK(start + ids.size(1) <= options_.max_positions, "GPT2Model",
               "positions up to {} exceed the {} the position embedding holds", start + ids.size(1),
               options_.max_positions);
-  const Tensor where = arange(double(start), double(start + ids.size(1)), 1,
-                              {.dtype = kInt64, .device = ids.device()});
+  const Tensor where = position_ids(start, ids.size(1), ids.device());
   Tensor x = (*tokens)(ids) + (*positions)(where);
   for (size_t i = 0; i < blocks.size(); ++i)
     x = caches              ? blocks[i]->forward(x, (*caches)[i])

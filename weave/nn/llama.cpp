@@ -61,11 +61,9 @@ Tensor GroupedQueryAttention::attend(const Inputs& inputs, KVCache* cache) {
       apply_stacked(x, kv, kv_bias).reshape({batch, length, 2, kv_heads_, head_dim_});
   Tensor keys = projected.select(2, 0), values = projected.select(2, 1);
   if (options_.rotary) {
-    const double start = cache ? double(cache->length()) : 0.0;
+    const int64_t start = cache ? cache->length() : 0;
     const Tensor positions =
-        inputs.positions.defined()
-            ? inputs.positions
-            : arange(start, start + double(length), 1, {.dtype = kInt64, .device = x.device()});
+        inputs.positions.defined() ? inputs.positions : position_ids(start, length, x.device());
     queries = rotary_embedding(queries, positions, *options_.rotary);
     keys = rotary_embedding(keys, positions, *options_.rotary);
   }

@@ -5,6 +5,7 @@
 
 #include "weave/ops/attention_blocks.h"
 #include "weave/ops/autocast.h"
+#include "weave/ops/captured_step.h"
 #include "weave/ops/internal.h"
 
 namespace weave {
@@ -108,7 +109,13 @@ Checked check_and_prepare(const Tensor& q, const Tensor& k, const Tensor& v,
   c.params.scale = scale;
   c.params.causal = options.causal;
   c.params.dropout_p = options.dropout_p;
-  if (options.dropout_p > 0) c.params.dropout_seed = draw_seed(options.generator);
+  if (options.dropout_p > 0) {
+    WEAVE_CHECK(!capturing_graph(q), kOp,
+                "dropout draws its seed on the host, which a step captured in a CUDA graph "
+                "cannot do (every replay would reuse one mask); hint: dropout_p = 0 in captured "
+                "steps");
+    c.params.dropout_seed = draw_seed(options.generator);
+  }
   if (options.document_ids.defined() || options.query_document_ids.defined())
     prepare_documents(q, k, options, c.params);
   // bfloat16/float16 stay as they are where the device has tensor-core attention for the case;

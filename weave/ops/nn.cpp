@@ -1,6 +1,7 @@
 // Neural-network ops: softmax family, losses, normalization, embedding, dropout.
 #include "weave/autograd/grad_mode.h"
 #include "weave/ops/autocast.h"
+#include "weave/ops/captured_step.h"
 #include "weave/ops/internal.h"
 
 namespace weave {
@@ -174,7 +175,10 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
               logits.shape(), target.shape());
   const int64_t classes = logits.size(-1), n = batched ? logits.size(0) : 1;
   WEAVE_CHECK(classes > 0 || n == 0, "cross_entropy", "logits {} have no classes", logits.shape());
-  const int64_t counted = check_targets(target, classes, ignore_index);
+  // A step captured in a CUDA graph cannot read the targets on the host: its replays count
+  // them on the device and rely on the eager calls' checks.
+  const bool on_host = !capturing_graph(target);
+  const int64_t counted = on_host ? check_targets(target, classes, ignore_index) : 0;
   const DType out_dtype = to_floating(logits.dtype()), dtype = kernel_dtype(out_dtype);
   Tensor rows = convert(logits, dtype).contiguous().reshape({n, classes});
   Tensor t = convert(target, kInt64).contiguous().reshape({n});
@@ -194,7 +198,11 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction reduc
   });
   if (!batched) loss = loss.reshape({});
   // The mean over the targets that count (NaN when every one is ignored, as in PyTorch).
-  return reduce_loss(loss, reduction, out_dtype, double(counted));
+  if (on_host || reduction != Reduction::Mean)
+    return reduce_loss(loss, reduction, out_dtype, double(counted));
+  Tensor wide = is_reduced_float(loss.dtype()) ? loss.to(kFloat32) : loss;
+  Tensor count = sum(ne(t, wrap_scalar(double(ignore_index), t))).to(wide.dtype());
+  return (sum(wide) / count).to(out_dtype);
 }
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
@@ -319,6 +327,9 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator* generator) {
   WEAVE_CHECK(p >= 0.0 && p <= 1.0, "dropout", "probability must be in [0, 1], found {}", p);
   if (!training || p == 0.0) return x;
   if (p == 1.0) return x * 0.0;
+  WEAVE_CHECK(!capturing_graph(x), "dropout",
+              "draws its mask on the host, which a step captured in a CUDA graph cannot do (every "
+              "replay would reuse one mask); hint: dropout 0 in captured steps");
   Tensor keep = ge(rand(x.shape(), {.dtype = kFloat32}, generator), scalar_tensor(p));
   Tensor scale = convert(keep, to_floating(x.dtype())).to(x.device()) / (1.0 - p);
   return x * scale;

@@ -342,6 +342,10 @@ Tensor rotary_embedding(const Tensor& x, const Tensor& positions,
                         const RotaryOptions& options = {});
 /// The frequencies f_i (float64 [rotary_dim / 2]) that rotary_embedding turns pair i by.
 Tensor rotary_frequencies(int64_t rotary_dim, const RotaryOptions& options = {});
+/// Positions start .. start + length - 1 (int64, [length]) on `device`: on a GPU a read-only
+/// view of a table kept per device, so a model's default positions cost no host-to-device copy
+/// after the first call (a step captured in a CUDA graph can make none).
+Tensor position_ids(int64_t start, int64_t length, Device device);
 
 // ---- masking and sampling ---------------------------------------------------------------
 

@@ -1,7 +1,10 @@
 // Rotary position embeddings: the frequencies (with Llama 3.1's scaling) and the fused op, whose
 // backward is the same kernel turning the other way.
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <numbers>
+#include <string>
 
 #include "weave/autograd/engine.h"
 #include "weave/ops/internal.h"
@@ -66,6 +69,47 @@ Tensor rotary_frequencies(int64_t rotary_dim, const RotaryOptions& options) {
   return from_vector(frequencies, {int64_t(frequencies.size())});
 }
 
+namespace {
+
+/// Small tables made on the host, kept on each CUDA device once copied there: the ops that
+/// need them queue no copy (and make the host wait for none) from the second call on, which a
+/// step captured in a CUDA graph requires and every GPU step profits from.
+class DeviceTables {
+ public:
+  /// The table for `key` on `device`, made by make() (a CPU tensor) the first time.
+  template <class Make>
+  Tensor get(Device device, const std::string& key, const Make& make) {
+    if (device.is_cpu()) return make();
+    std::lock_guard lock(mutex_);
+    auto [it, fresh] = tables_.try_emplace(fmt::format("{}|{}", device.index, key));
+    if (fresh) it->second = make().to(device);
+    return it->second;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::string, Tensor> tables_;
+};
+
+DeviceTables& device_tables() {
+  static DeviceTables* tables = new DeviceTables;  // outlives every static tensor user
+  return *tables;
+}
+
+}  // namespace
+
+Tensor position_ids(int64_t start, int64_t length, Device device) {
+  WEAVE_CHECK(start >= 0 && length >= 0, "position_ids",
+              "expected a start and a length >= 0, found {} and {}", start, length);
+  if (device.is_cpu()) return arange(double(start), double(start + length), 1, {.dtype = kInt64});
+  // One table per device, as long as the longest range asked for, rounded up to a power of 2.
+  int64_t size = 1024;
+  while (size < start + length) size *= 2;
+  Tensor table = device_tables().get(device, fmt::format("positions {}", size),
+                                     [&] { return arange(double(size), {.dtype = kInt64}); });
+  return table.narrow(0, start, length);
+}
+
 Tensor rotary_embedding(const Tensor& x, const Tensor& positions, const RotaryOptions& options) {
   check_defined(x, "rotary_embedding");
   WEAVE_CHECK(x.dim() == 4, "rotary_embedding",
@@ -78,7 +122,12 @@ Tensor rotary_embedding(const Tensor& x, const Tensor& positions, const RotaryOp
   const int64_t rotary_dim = options.rotary_dim == 0 ? dim : options.rotary_dim;
   WEAVE_CHECK(rotary_dim <= dim, "rotary_embedding",
               "rotary_dim {} exceeds the head size {} of x {}", rotary_dim, dim, x.shape());
-  Tensor frequencies = rotary_frequencies(rotary_dim, options).to(x.device());
+  const Tensor host_frequencies = rotary_frequencies(rotary_dim, options);
+  const std::vector<double> values = host_frequencies.to_vector<double>();
+  const std::string key(reinterpret_cast<const char*>(values.data()),
+                        values.size() * sizeof(double));
+  Tensor frequencies =
+      device_tables().get(x.device(), "frequencies " + key, [&] { return host_frequencies; });
   // Differentiable conversions: the turn is recorded on what the kernel reads.
   const DType out_dtype = to_floating(x.dtype());
   Tensor xc = x.to(kernel_dtype(out_dtype));

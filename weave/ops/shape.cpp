@@ -1,6 +1,7 @@
 // Shape ops: views (reshape, permute, slice, expand, ...) and the copying joins and splits.
 #include <numeric>
 
+#include "weave/ops/captured_step.h"
 #include "weave/ops/internal.h"
 
 namespace weave {
@@ -349,6 +350,10 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
 Tensor detail::wrapped_index(const Tensor& index, int64_t n, int d, const char* op) {
   Tensor idx = convert(index, kInt64);
   if (idx.numel() == 0) return idx;
+  // A step captured in a CUDA graph cannot read the indices on the host: it wraps them as they
+  // come (the eager calls checked them).
+  if (capturing_graph(idx))
+    return where(lt(idx, wrap_scalar(0, idx)), idx + wrap_scalar(double(n), idx), idx);
   const int64_t lo = min(idx).item<int64_t>(), hi = max(idx).item<int64_t>();
   WEAVE_CHECK(lo >= -n && hi < n, op,
               "index out of range for dimension {} of size {}: found [{}, {}]", d, n, lo, hi);

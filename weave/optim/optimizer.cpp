@@ -9,26 +9,14 @@
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
 #include "weave/kernels/kernels.h"
+#include "weave/optim/internal.h"
 #include "weave/tensor/tensor_impl.h"
 #include "weave/tensor/trace.h"
 
 namespace weave::optim {
 
-namespace {
-
-// The common case, in one fused pass without temporaries: contiguous, one floating dtype.
-bool fuses(const Tensor& p, const Tensor& g) {
-  return is_floating(p.dtype()) && g.dtype() == p.dtype() && g.device() == p.device() &&
-         p.is_contiguous() && g.is_contiguous();
-}
-
-// Optimizer state lives in the parameter's compute dtype: float32 for bfloat16/float16, so
-// that the moments keep the small values reduced precision would flush or round away.
-TensorOptions state_options(const Tensor& p) {
-  return {.dtype = compute_dtype(p.dtype()), .device = p.device()};
-}
-
-}  // namespace
+using detail::fuses;
+using detail::state_options;
 
 Optimizer::Optimizer(std::vector<Tensor> params, double lr, double weight_decay)
     : params_(std::move(params)), lr_(lr) {
@@ -154,6 +142,12 @@ SGD::SGD(const std::vector<ParamGroup>& groups, SGDOptions options)
 }
 
 void Optimizer::check_backward_complete() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const AutogradMeta* meta = params_[i].impl()->autograd.get();
+    WEAVE_CHECK(meta == nullptr || meta->managed_by.empty(), "optimizer step",
+                "parameter {} ({} {}) is managed by {}; stepping it would train nothing", i,
+                params_[i].dtype(), params_[i].shape(), meta->managed_by);
+  }
   if (autograd::in_backward()) return;  // per-bucket steps inside backward (decentralized)
   const size_t pending = autograd::must_run_pending();
   WEAVE_CHECK(pending == 0, "optimizer step",
@@ -210,118 +204,6 @@ std::vector<Tensor> SGD::state() const {
   return out;
 }
 
-std::vector<Tensor> Adam::state() const {
-  std::vector<Tensor> out;
-  for (size_t i = 0; i < exp_avg_.size(); ++i)
-    for (const Tensor& t : {exp_avg_[i], exp_avg_sq_[i]})
-      if (t.defined()) out.push_back(t);
-  return out;
-}
-
-Adam::Adam(std::vector<Tensor> params, AdamOptions options)
-    : Adam(std::move(params), options, false) {}
-
-namespace {
-void check_adam_options(const AdamOptions& options) {
-  WEAVE_CHECK(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1,
-              "Adam", "betas must be in [0, 1), found ({}, {})", options.beta1, options.beta2);
-  WEAVE_CHECK(options.eps >= 0, "Adam", "eps must be non-negative, found {}", options.eps);
-}
-}  // namespace
-
-Adam::Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled)
-    : Optimizer(std::move(params), options.lr, options.weight_decay),
-      options_(options),
-      decoupled_(decoupled),
-      exp_avg_(params_.size()),
-      exp_avg_sq_(params_.size()) {
-  check_adam_options(options);
-}
-
-Adam::Adam(const std::vector<ParamGroup>& groups, AdamOptions options)
-    : Adam(groups, options, false) {}
-
-Adam::Adam(const std::vector<ParamGroup>& groups, AdamOptions options, bool decoupled)
-    : Optimizer(groups, options.lr),
-      options_(options),
-      decoupled_(decoupled),
-      exp_avg_(params_.size()),
-      exp_avg_sq_(params_.size()) {
-  check_adam_options(options);
-}
-
-void Adam::step() {
-  const trace::Scope trace_scope("optimizer", "Adam.step");
-  check_backward_complete();
-  NoGradGuard no_grad;
-  ++steps_;
-  const double correction1 = 1 - std::pow(options_.beta1, static_cast<double>(steps_));
-  const double correction2 = 1 - std::pow(options_.beta2, static_cast<double>(steps_));
-  std::vector<kernels::AdamTensors> fused;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Tensor& p = params_[i];
-    if (!p.grad().defined()) continue;
-    if (!exp_avg_[i].defined()) {
-      exp_avg_[i] = zeros(p.shape(), state_options(p));
-      exp_avg_sq_[i] = zeros(p.shape(), state_options(p));
-    }
-    Tensor g = p.grad();
-    // Parts that decay differently (a flat shard of two groups) take their decay here.
-    const std::optional<double> uniform = uniform_decay(i);
-    const double weight_decay = uniform.value_or(0);
-    if (!uniform && decoupled_) decay_parts(i, lr_);
-    if (!uniform && !decoupled_) g = add_part_decay(i, g);
-    if (fuses(p, g)) {  // updated together below, many parameters per launch
-      fused.push_back({p, g, exp_avg_[i], exp_avg_sq_[i], weight_decay});
-      continue;
-    }
-    g = g.to(exp_avg_[i].dtype());
-    if (weight_decay != 0) {
-      if (decoupled_)
-        p.mul_(1 - lr_ * weight_decay);
-      else
-        g = g + p * weight_decay;
-    }
-    exp_avg_[i].mul_(options_.beta1).add_(g, 1 - options_.beta1);
-    exp_avg_sq_[i].mul_(options_.beta2).add_(g * g, 1 - options_.beta2);
-    // p -= lr * m_hat / (sqrt(v_hat) + eps), with m_hat = m / c1 and v_hat = v / c2
-    Tensor denom = sqrt(exp_avg_sq_[i] / correction2) + options_.eps;
-    p.add_(exp_avg_[i] / denom, -lr_ / correction1);
-  }
-  const kernels::AdamStep step{.lr = lr_,
-                               .beta1 = options_.beta1,
-                               .beta2 = options_.beta2,
-                               .eps = options_.eps,
-                               .weight_decay = 0,
-                               .correction1 = correction1,
-                               .correction2 = correction2,
-                               .decoupled = decoupled_};
-  while (!fused.empty()) {  // one call per device
-    const Device device = fused.front().param.device();
-    std::vector<kernels::AdamTensors> here, rest;
-    for (kernels::AdamTensors& t : fused) (t.param.device() == device ? here : rest).push_back(t);
-    kernels::adam_update_many(here, step);
-    for (const kernels::AdamTensors& t : here) t.param.storage()->bump_version();
-    fused = std::move(rest);
-  }
-}
-
-namespace {
-AdamOptions adam_options_of(const AdamWOptions& options) {
-  return {.lr = options.lr,
-          .beta1 = options.beta1,
-          .beta2 = options.beta2,
-          .eps = options.eps,
-          .weight_decay = options.weight_decay};
-}
-}  // namespace
-
-AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options)
-    : Adam(std::move(params), adam_options_of(options), true) {}
-
-AdamW::AdamW(const std::vector<ParamGroup>& groups, AdamWOptions options)
-    : Adam(groups, adam_options_of(options), true) {}
-
 MixedPrecision::MixedPrecision(std::vector<Tensor> params, const Factory& make_optimizer)
     : Optimizer(std::move(params), 0), masters_(params_.size()) {
   NoGradGuard no_grad;
@@ -364,6 +246,11 @@ void MixedPrecision::step() {
     if (masters_[i].defined() && params_[i].grad().defined()) params_[i].copy_(masters_[i]);
 }
 
+void MixedPrecision::set_lr(double lr) {
+  Optimizer::set_lr(lr);
+  optimizer_->set_lr(lr);  // a capturable one writes it on its device now, not at the step
+}
+
 std::vector<Tensor> MixedPrecision::state() const {
   std::vector<Tensor> out;
   for (const Tensor& m : masters_)
@@ -395,103 +282,6 @@ void MixedPrecision::set_counters(const std::map<std::string, double>& counters)
     }
     optimizer_->params_[i] = master(i);
   }
-}
-
-namespace detail {
-
-double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, const char* op) {
-  std::vector<Tensor> grads;
-  for (const Tensor& p : params) grads.push_back(p.grad());
-  return norm_partial(grads, norm_type, op);
-}
-
-namespace {
-/// The defined, non-empty tensors of `tensors`, grouped by device in order of first appearance.
-std::vector<std::pair<Device, std::vector<Tensor>>> by_device(const std::vector<Tensor>& tensors) {
-  std::vector<std::pair<Device, std::vector<Tensor>>> groups;
-  for (const Tensor& t : tensors) {
-    if (!t.defined() || t.numel() == 0) continue;
-    auto it = std::find_if(groups.begin(), groups.end(),
-                           [&](const auto& group) { return group.first == t.device(); });
-    if (it == groups.end()) it = groups.insert(groups.end(), {t.device(), {}});
-    it->second.push_back(t);
-  }
-  return groups;
-}
-}  // namespace
-
-double norm_partial(const std::vector<Tensor>& grads, double norm_type, const char* op) {
-  NoGradGuard no_grad;
-  WEAVE_CHECK(norm_type >= 1, op, "norm_type must be >= 1, found {}", norm_type);
-  // One fused pass per device, read once: a read per parameter would stall the host on each
-  // one (a GPU step would wait for every gradient in turn).
-  const bool largest = std::isinf(norm_type);
-  double total = 0;
-  for (auto& [device, list] : by_device(grads)) {
-    for (Tensor& grad : list) grad = grad.contiguous();
-    Tensor part = empty({}, {.dtype = kFloat64, .device = device});
-    kernels::norm_power_sum(list, norm_type, part);
-    const double value = part.item<double>();
-    total = !largest                                   ? total + value
-            : (std::isnan(total) || std::isnan(value)) ? NAN
-                                                       : std::max(total, value);
-  }
-  return total;
-}
-
-void check_max_norm(double max_norm, const char* op) {
-  WEAVE_CHECK(max_norm >= 0, op,
-              "max_norm must be a number >= 0, found {}; hint: a negative max_norm would flip "
-              "the gradients' sign, INFINITY measures the norm without clipping",
-              max_norm);
-}
-
-void check_finite_norm(double total_norm, bool error_if_nonfinite, const char* op) {
-  WEAVE_CHECK(!error_if_nonfinite || std::isfinite(total_norm), op,
-              "the total norm of the gradients is {}: some gradient holds NaN or infinity; the "
-              "gradients were left unchanged; hint: skip this step (zero_grad), lower the "
-              "learning rate or the loss scale",
-              total_norm);
-}
-
-void scale_grads_to(const std::vector<Tensor>& params, double max_norm, double total_norm) {
-  NoGradGuard no_grad;
-  const double scale = max_norm / (total_norm + 1e-6);
-  if (scale >= 1) return;  // NaN goes on: as in PyTorch, a NaN norm makes every gradient NaN
-  std::vector<Tensor> contiguous;
-  for (const Tensor& p : params) {
-    Tensor g = p.grad();
-    if (g.defined() && g.is_contiguous())
-      contiguous.push_back(g);
-    else if (g.defined())
-      g.mul_(scale);
-  }
-  for (const auto& [device, grads] : by_device(contiguous)) {
-    kernels::scale_many(grads, scale);
-    for (const Tensor& g : grads) g.storage()->bump_version();
-  }
-}
-
-}  // namespace detail
-
-double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type,
-                       bool error_if_nonfinite) {
-  const char* op = "clip_grad_norm_";
-  detail::check_max_norm(max_norm, op);
-  for (size_t i = 0; i < params.size(); ++i) {
-    const AutogradMeta* meta = params[i].defined() ? params[i].impl()->autograd.get() : nullptr;
-    const PlacementRecord* placement = meta ? meta->placement.get() : nullptr;
-    WEAVE_CHECK(placement == nullptr || !placement->spread(), op,
-                "parameter {} ({} {}) is this rank's part of a parameter spread over several "
-                "ranks ({}); clipping it by this rank's norm alone would scale each rank's part "
-                "differently, by a norm that is not the model's",
-                i, params[i].dtype(), params[i].shape(), placement ? placement->describe() : "");
-  }
-  double total = detail::grad_norm_partial(params, norm_type, op);
-  if (!std::isinf(norm_type)) total = std::pow(total, 1.0 / norm_type);
-  detail::check_finite_norm(total, error_if_nonfinite, op);
-  detail::scale_grads_to(params, max_norm, total);
-  return total;
 }
 
 }  // namespace weave::optim

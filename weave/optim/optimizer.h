@@ -61,7 +61,9 @@ class Optimizer {
   /// Drops (set_to_none) or zeroes every gradient.
   void zero_grad(bool set_to_none = true);
   double lr() const { return lr_; }
-  void set_lr(double lr) { lr_ = lr; }
+  /// The learning rate of the next steps (a capturable optimizer writes it where its steps read
+  /// it at once: call it between captured steps, not inside one).
+  virtual void set_lr(double lr) { lr_ = lr; }
   const std::vector<Tensor>& params() const { return params_; }
   /// The state tensors created so far (momentum, moment estimates), in a fixed order.
   virtual std::vector<Tensor> state() const { return {}; }
@@ -76,7 +78,8 @@ class Optimizer {
   void load_state_dict(const OptimizerState& state);
 
  protected:
-  /// The pending-communication check of step(); every step() calls it first.
+  /// The checks every step() makes first: no parameter is managed by a wrapper that trains it
+  /// through tensors of its own (FSDP), and no communicating autograd node is pending.
   void check_backward_complete() const;
   /// Per-parameter state vectors by name, indexed like params_ (undefined until created).
   virtual std::vector<std::pair<std::string, std::vector<Tensor>*>> state_slots() { return {}; }
@@ -135,6 +138,12 @@ struct AdamOptions {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0;  // Adam: L2 added to the gradient; AdamW: decoupled decay
+  /// PyTorch's capturable: the step count, learning rate and bias corrections live on the
+  /// parameters' device, and each step counts and reads them there, so a step captured in a
+  /// CUDA graph (CapturedStep) replays with each replay's numbers. Takes parameters on one
+  /// device, each updated by the fused path (contiguous, a gradient of its dtype, one weight
+  /// decay); costs one small launch a step. The same numbers as without it, on either device.
+  bool capturable = false;
 };
 
 /// Adam (Kingma & Ba) with bias correction.
@@ -145,6 +154,7 @@ class Adam : public Optimizer {
   Adam(const std::vector<ParamGroup>& groups, AdamOptions options);
   void step() override;
   std::vector<Tensor> state() const override;
+  void set_lr(double lr) override;
 
  protected:
   Adam(std::vector<Tensor> params, AdamOptions options, bool decoupled);
@@ -152,18 +162,18 @@ class Adam : public Optimizer {
   std::vector<std::pair<std::string, std::vector<Tensor>*>> state_slots() override {
     return {{"exp_avg", &exp_avg_}, {"exp_avg_sq", &exp_avg_sq_}};
   }
-  std::map<std::string, double> counters() const override {
-    return {{"step", static_cast<double>(steps_)}};
-  }
-  void set_counters(const std::map<std::string, double>& counters) override {
-    steps_ = static_cast<int64_t>(counters.at("step"));
-  }
+  std::map<std::string, double> counters() const override;
+  void set_counters(const std::map<std::string, double>& counters) override;
 
  private:
+  /// The capturable step's numbers (made on the first step): {step, lr, c1, c2} on `device`.
+  const Tensor& device_scalars(Device device);
+
   AdamOptions options_;
   bool decoupled_;
-  int64_t steps_ = 0;
+  int64_t steps_ = 0;  // with capturable, scalars_[0] counts (replays run no host code)
   std::vector<Tensor> exp_avg_, exp_avg_sq_;
+  Tensor scalars_;
 };
 
 /// AdamW's options: Adam's, with PyTorch's default decoupled weight decay of 0.01. A field
@@ -174,6 +184,7 @@ struct AdamWOptions {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.01;
+  bool capturable = false;  // as AdamOptions::capturable
 };
 
 /// Adam with decoupled weight decay (Loshchilov & Hutter): p -= lr * wd * p before the Adam step.
@@ -201,6 +212,7 @@ class MixedPrecision : public Optimizer {
   using Factory = std::function<std::unique_ptr<Optimizer>(std::vector<Tensor> masters)>;
   MixedPrecision(std::vector<Tensor> params, const Factory& make_optimizer);
   void step() override;
+  void set_lr(double lr) override;
   std::vector<Tensor> state() const override;
   /// Parameter i's float32 master (a float32 or float64 parameter is its own).
   const Tensor& master(size_t i) const { return masters_[i].defined() ? masters_[i] : params_[i]; }
@@ -228,6 +240,12 @@ void zero_grad(const std::vector<Tensor>& params, bool set_to_none = true);
 /// each parameter's placement (parallel/core/placement.h).
 double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
                        bool error_if_nonfinite = false);
+/// clip_grad_norm_ with the host reading nothing: the norm stays where the gradients are (one
+/// device), returned as a 0-d float64 tensor, and the scaling reads it there. A step captured
+/// in a CUDA graph (CapturedStep) clips this way; read the norm after the step. The same
+/// gradients as clip_grad_norm_; a non-finite norm is returned, not raised (check it).
+Tensor clip_grad_norm_on_device_(const std::vector<Tensor>& params, double max_norm,
+                                 double norm_type = 2.0);
 
 namespace detail {
 /// The pieces clip_grad_norm_ is made of, for norms that span processes: the partial norm of
@@ -237,6 +255,9 @@ double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, co
 double norm_partial(const std::vector<Tensor>& grads, double norm_type, const char* op);
 /// Raises unless max_norm is a number >= 0 (INFINITY allowed).
 void check_max_norm(double max_norm, const char* op);
+/// Raises when a parameter is one rank's piece of a parameter spread over ranks (a norm of
+/// this rank's pieces alone would not be the model's).
+void check_not_spread(const std::vector<Tensor>& params, const char* op);
 /// Raises when error_if_nonfinite is set and total_norm is NaN or infinite.
 void check_finite_norm(double total_norm, bool error_if_nonfinite, const char* op);
 /// Scales every gradient by max_norm / (total_norm + 1e-6) when that is below 1 (or NaN).

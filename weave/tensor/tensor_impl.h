@@ -39,6 +39,11 @@ struct AutogradMeta {
   /// or ZeRO flat shard, a tensor-parallel slice, a range of experts, a pipeline stage) by what
   /// spread it. Module::to carries it over.
   std::shared_ptr<const PlacementRecord> placement;
+  /// Set on a module's parameter by a wrapper that trains it through tensors of its own (FSDP:
+  /// its flat shards, which the optimizer steps; the parameter holds values only while its
+  /// unit runs): the wrapper's name and how to reach what to step instead. An optimizer or a
+  /// pipeline given the parameter itself raises with it. Empty: nobody.
+  std::string managed_by;
 };
 
 struct TensorImpl {

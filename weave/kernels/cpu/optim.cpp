@@ -80,8 +80,14 @@ void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
 }
 
 void adam_update_many(const std::vector<AdamTensors>& tensors, const AdamStep& step) {
+  AdamStep now = step;
+  if (step.scalars != nullptr) {
+    now.lr = step.scalars[0];
+    now.correction1 = step.scalars[1];
+    now.correction2 = step.scalars[2];
+  }
   for (const AdamTensors& t : tensors) {
-    AdamStep own = step;
+    AdamStep own = now;
     own.weight_decay = t.weight_decay;
     cpu::adam_update(t.param, t.grad, t.exp_avg, t.exp_avg_sq, own);
   }
@@ -130,6 +136,24 @@ void scale_many(const std::vector<Tensor>& xs, double scale) {
       });
     });
   }
+}
+
+void clip_many(const std::vector<Tensor>& xs, const Tensor& power_sum, double p, double max_norm,
+               const Tensor& norm) {
+  const double sum = *power_sum.data<double>();
+  const double total = std::isinf(p) ? sum : std::pow(sum, 1.0 / p);
+  const double scale = max_norm / (total + 1e-6);
+  const double coefficient = scale >= 1 ? 1.0 : scale;  // NaN scales by NaN, as on the host
+  norm.data<double>()[0] = total;
+  norm.data<double>()[1] = coefficient;
+  scale_many(xs, coefficient);
+}
+
+void adam_advance(const Tensor& scalars, double beta1, double beta2) {
+  double* s = scalars.data<double>();
+  s[0] += 1;
+  s[2] = 1 - std::pow(beta1, s[0]);
+  s[3] = 1 - std::pow(beta2, s[0]);
 }
 
 }  // namespace weave::kernels::cpu

@@ -21,7 +21,9 @@ namespace weave::kernels::cuda {
 namespace {
 
 // One handle per device, created once and bound to weave's stream of that device; later calls
-// read it without a lock (weave issues all of a device's GEMMs on that one stream).
+// read it without a lock (weave issues all of a device's GEMMs on that one stream). It owns a
+// workspace of its own from the start, so that cuBLAS never allocates one while a CUDA graph
+// captures (32 MiB: what Hopper's kernels ask for, as PyTorch sets it).
 cublasHandle_t handle(int device) {
   constexpr int kMaxDevices = 64;
   static std::once_flag created[kMaxDevices];
@@ -31,6 +33,10 @@ cublasHandle_t handle(int device) {
     weave::cuda::DeviceGuard guard(device);
     WEAVE_CHECK_CALL(cublasCreate(&handles[device]), "matmul");
     WEAVE_CHECK_CALL(cublasSetStream(handles[device], weave::cuda::stream(device)), "matmul");
+    constexpr size_t kWorkspace = size_t{32} << 20;
+    void* workspace = nullptr;  // never freed: the handle lives as long as the process
+    WEAVE_CHECK_CALL(cudaMalloc(&workspace, kWorkspace), "matmul");
+    WEAVE_CHECK_CALL(cublasSetWorkspace(handles[device], workspace, kWorkspace), "matmul");
   });
   return handles[device];
 }

@@ -235,7 +235,9 @@ bool choose_cudnn(Kernel requested, Entry& entry, int device, const CudnnRun& cu
 /// square score matrices only. The graphs here take a key/value head per query head (grouped
 /// heads would need the backward's reduction over each group).
 bool cudnn_takes(const Tensor& q, const Tensor& k, const AttentionParams& params) {
-  return k.size(1) == q.size(1) && (!params.causal || q.size(2) == k.size(2));
+  // Packed sequences take weave's kernels, which skip the tiles no document crosses.
+  return k.size(1) == q.size(1) && (!params.causal || q.size(2) == k.size(2)) &&
+         !params.query_documents.defined();
 }
 
 float minus_infinity() {

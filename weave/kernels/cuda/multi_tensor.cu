@@ -125,17 +125,38 @@ __global__ void norm_finish_kernel(const double* parts, int64_t count, NormKind 
   if (threadIdx.x == 0) *out = acc;
 }
 
+/// Scales by `scale`, or by *by where `by` is set (a coefficient the device computed).
 template <class T>
-__global__ void scale_kernel(TensorList<1> list, double scale) {
+__global__ void scale_kernel(TensorList<1> list, double scale, const double* by) {
   const BlockRange r = block_range(list);
   T* x = static_cast<T*>(list.data[0][r.tensor]);
-  const compute_t<T> s = compute_t<T>(scale);
+  const compute_t<T> s = compute_t<T>(by != nullptr ? *by : scale);
   for (int64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x)
     x[i] = T(compute_t<T>(x[i]) * s);
 }
 
+// norm = {power_sum^(1/p) (or power_sum), the clipping coefficient}, as the CPU computes them.
+__global__ void clip_coefficient_kernel(const double* power_sum, double p, double max_norm,
+                                        double* norm) {
+  const double total = isinf(p) ? *power_sum : pow(*power_sum, 1.0 / p);
+  const double scale = max_norm / (total + 1e-6);
+  norm[0] = total;
+  norm[1] = scale >= 1 ? 1.0 : scale;
+}
+
+__global__ void adam_advance_kernel(double* s, double beta1, double beta2) {
+  s[0] += 1;
+  s[2] = 1 - pow(beta1, s[0]);
+  s[3] = 1 - pow(beta2, s[0]);
+}
+
 template <class P, class T = compute_t<P>>
 __global__ void adam_many_kernel(TensorList<4> list, AdamStep step) {
+  if (step.scalars != nullptr) {
+    step.lr = step.scalars[0];
+    step.correction1 = step.scalars[1];
+    step.correction2 = step.scalars[2];
+  }
   const BlockRange r = block_range(list);
   P* p = static_cast<P*>(list.data[0][r.tensor]);
   const P* g = static_cast<const P*>(list.data[1][r.tensor]);
@@ -191,20 +212,45 @@ void norm_power_sum(const std::vector<Tensor>& xs, double p, const Tensor& out) 
   check_launch("norm_power_sum");
 }
 
-void scale_many(const std::vector<Tensor>& xs, double scale) {
-  if (xs.empty()) return;
-  const int device = xs.front().device().index;
-  DeviceGuard guard(device);
-  cudaStream_t s = weave::cuda::stream(device);
+namespace {
+void scale_lists(const std::vector<Tensor>& xs, double scale, const double* by, cudaStream_t s) {
   for (DType dtype : kFloatingDtypes) {
     visit_param_dtype(dtype, "scale_many", [&](auto tag) {
       using T = typename decltype(tag)::type;
       for_each_list<1>(of_dtype(xs, dtype), {}, [&](const auto& list, int64_t n, int64_t) {
-        scale_kernel<T><<<unsigned(n), kThreads, 0, s>>>(list, scale);
+        scale_kernel<T><<<unsigned(n), kThreads, 0, s>>>(list, scale, by);
         check_launch("scale_many");
       });
     });
   }
+}
+}  // namespace
+
+void scale_many(const std::vector<Tensor>& xs, double scale) {
+  if (xs.empty()) return;
+  const int device = xs.front().device().index;
+  DeviceGuard guard(device);
+  scale_lists(xs, scale, nullptr, weave::cuda::stream(device));
+}
+
+void clip_many(const std::vector<Tensor>& xs, const Tensor& power_sum, double p, double max_norm,
+               const Tensor& norm) {
+  const int device = norm.device().index;
+  DeviceGuard guard(device);
+  cudaStream_t s = weave::cuda::stream(device);
+  auto* out = static_cast<double*>(norm.data_ptr());
+  clip_coefficient_kernel<<<1, 1, 0, s>>>(static_cast<const double*>(power_sum.data_ptr()), p,
+                                          max_norm, out);
+  check_launch("clip_many");
+  scale_lists(xs, 0, out + 1, s);
+}
+
+void adam_advance(const Tensor& scalars, double beta1, double beta2) {
+  const int device = scalars.device().index;
+  DeviceGuard guard(device);
+  adam_advance_kernel<<<1, 1, 0, weave::cuda::stream(device)>>>(
+      static_cast<double*>(scalars.data_ptr()), beta1, beta2);
+  check_launch("adam_advance");
 }
 
 void adam_update_many(const std::vector<AdamTensors>& tensors, const AdamStep& step) {

@@ -64,6 +64,12 @@ void rotary(const Tensor&, const Tensor&, const Tensor&, bool, bool, const Tenso
 void scale_many(const std::vector<Tensor>&, double) {
   no_cuda("scale_many");
 }
+void clip_many(const std::vector<Tensor>&, const Tensor&, double, double, const Tensor&) {
+  no_cuda("clip_many");
+}
+void adam_advance(const Tensor&, double, double) {
+  no_cuda("adam_advance");
+}
 void attention_softmax(const Tensor&, double, bool, const Tensor&) {
   no_cuda("attention_softmax");
 }

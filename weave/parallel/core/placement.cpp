@@ -148,7 +148,9 @@ void add_flat_shard(const Tensor& shard, const Placement& placement,
     const int count = k < layout.splits.size() ? layout.splits[k].count : 1;
     WEAVE_CHECK(copies % count == 0, "clip_grad_norm_",
                 "a flat shard ({}) holds a member split {} ways, which does not divide its {} "
-                "copies in group {}",
+                "copies in group {}: the norm over that group misses the other slices; hint: "
+                "parallel::clip_grad_norm_(fsdp.parameters(), max_norm) takes the whole model's "
+                "norm over every rank (the world), splits included",
                 placement.str(), count, copies, group.str());
     by_copies[copies / count].push_back(grad.reshape({-1}).narrow(0, lo - layout.begin, hi - lo));
   }

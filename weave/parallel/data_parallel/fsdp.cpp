@@ -251,9 +251,15 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
   install_module_hooks(state_);
   install_readiness(state_);
   for (State::Unit& u : s.units) s.release(u);
+  // The shards are what trains: an optimizer or a pipeline handed these raises, naming this.
+  for (Tensor& p : s.params)
+    p.impl()->meta().managed_by =
+        "FullyShardedDataParallel (its flat shards train in their place: step "
+        "fsdp.parameters(), or fsdp.param_groups(groups) for parameter groups)";
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
+  for (Tensor& p : state_->params) p.impl()->meta().managed_by.clear();
   for (HookHandle& hook : state_->module_hooks) hook.remove();
   for (const State::Unit& u : state_->units)
     for (const State::Flat& f : u.flats()) detail::remove_cut(f.shard, Cut::Kind::FlatShard);

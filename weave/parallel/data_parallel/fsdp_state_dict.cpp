@@ -114,7 +114,9 @@ std::vector<optim::ParamGroup> FullyShardedDataParallel::param_groups(
     for (const State::Flat& f : unit.flats()) {
       std::vector<int> member_groups;
       for (int i : f.params) member_groups.push_back(group_of[size_t(i)]);
-      f.full.add_shard_to_groups(out, f.shard, s.group.rank() * f.shard.numel(), member_groups);
+      // The shard's offset in its flat over its own group (an expert flat's is the expert-data
+      // group, not the FSDP group).
+      f.full.add_shard_to_groups(out, f.shard, f.group.rank() * f.shard.numel(), member_groups);
     }
   return out;
 }

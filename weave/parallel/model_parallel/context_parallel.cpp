@@ -4,6 +4,7 @@
 
 #include <bit>
 #include <cmath>
+#include <exception>
 #include <vector>
 
 #include "weave/autograd/engine.h"
@@ -226,10 +227,11 @@ std::pair<Tensor, Tensor> ring_forward(const Ring& ring, const Tensor& q, const 
 }
 
 // Backward: dq stays here; each block's dK/dV accumulate as they travel with the block, and
-// arrive back at their owner after one more step.
+// arrive back at their owner after one more step. A rank whose computation raises (`failure`
+// set before or during the ring) still passes zeros around the ring, so its peers finish theirs.
 std::vector<Tensor> ring_backward(const Ring& ring, const Tensor& grad, const Tensor& q,
                                   const Tensor& k, const Tensor& v, const Tensor& out,
-                                  const Tensor& lse) {
+                                  const Tensor& lse, std::exception_ptr& failure) {
   const int n = ring.group.size(), r = ring.group.rank();
   Tensor dq = zeros_like(q);
   std::vector<Tensor> lse_parts;  // each query chunk's lse, contiguous
@@ -242,14 +244,20 @@ std::vector<Tensor> ring_backward(const Ring& ring, const Tensor& grad, const Te
     const Tensor kb = ring.key(current), vb = ring.value(current);
     Tensor local = zeros({current.numel()}, {.dtype = q.dtype(), .device = q.device()});
     const Tensor dk = ring.key(local), dv = ring.value(local);
-    ring.for_each_pair((r + n - s) % n, [&](const BlockPair& p) {
-      const AttentionGrads block = scaled_dot_product_attention_backward(
-          ring.part(grad, p.query), ring.part(q, p.query), ring.part(kb, p.key),
-          ring.part(vb, p.key), ring.part(out, p.query), lse_parts[p.query], ring.options(p));
-      ring.part(dq, p.query).add_(block.q);
-      ring.part(dk, p.key).add_(block.k);
-      ring.part(dv, p.key).add_(block.v);
-    });
+    try {
+      if (!failure)
+        ring.for_each_pair((r + n - s) % n, [&](const BlockPair& p) {
+          const AttentionGrads block = scaled_dot_product_attention_backward(
+              ring.part(grad, p.query), ring.part(q, p.query), ring.part(kb, p.key),
+              ring.part(vb, p.key), ring.part(out, p.query), lse_parts[p.query], ring.options(p));
+          ring.part(dq, p.query).add_(block.q);
+          ring.part(dk, p.key).add_(block.k);
+          ring.part(dv, p.key).add_(block.v);
+        });
+    } catch (...) {
+      failure = std::current_exception();
+      local.zero_();
+    }
     const Tensor accumulated = s == 0 ? local : arriving.wait() + local;
     arriving = shift_to_next(accumulated, ring.group, kGradTag);
     if (s + 1 < n) current = next.wait();
@@ -323,14 +331,27 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const d
   return autograd::record_communicating(
              "RingAttentionBackward", {q, k, v}, {result}, autograd::should_record({q, k, v}),
              [ring, qs = autograd::SavedTensor(qc), ks = autograd::SavedTensor(kc),
-              vs = autograd::SavedTensor(vc), out, lse, q_dtype = q.dtype(), k_dtype = k.dtype(),
+              vs = autograd::SavedTensor(vc), out, lse, q_shape = qc.shape(), q_dtype = q.dtype(),
+              k_dtype = k.dtype(),
               v_dtype = v.dtype()](const autograd::BackwardArgs& args) -> std::vector<Tensor> {
                NoGradGuard no_grad;
-               const Tensor qv = qs.unpack();
-               const Tensor grad = args.grad().defined() ? args.grad().to(qv.dtype()).contiguous()
-                                                         : zeros_like(out);
-               std::vector<Tensor> grads =
-                   ring_backward(ring, grad, qv, ks.unpack(), vs.unpack(), out, lse);
+               // A rank that fails here (a saved tensor modified in place, an allocation) still
+               // takes its turns in the ring, with zeros; then every rank learns of it.
+               std::exception_ptr failure;
+               const TensorOptions like{.dtype = out.dtype(), .device = out.device()};
+               Tensor qv = zeros(q_shape, like), kv = zeros(ring.k_shape, like),
+                      vv = zeros(ring.v_shape, like), grad = zeros_like(out);
+               try {
+                 qv = qs.unpack(), kv = ks.unpack(), vv = vs.unpack();
+                 if (args.grad().defined()) grad = args.grad().to(qv.dtype()).contiguous();
+               } catch (...) {
+                 failure = std::current_exception();
+               }
+               std::vector<Tensor> grads = ring_backward(ring, grad, qv, kv, vv, out, lse, failure);
+               detail::run_together("ring_attention", ring.group,
+                                    "compute its part of ring attention's backward", [&] {
+                                      if (failure) std::rethrow_exception(failure);
+                                    });
                return {grads[0].to(q_dtype), grads[1].to(k_dtype), grads[2].to(v_dtype)};
              })
       .front();

@@ -2,6 +2,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
+#include "weave/ops/side_loss.h"
 #include "weave/parallel/core/placement.h"
 
 namespace weave::parallel {
@@ -94,8 +95,7 @@ Tensor ParallelGPT2Model::embed(const Tensor& ids, int64_t start) {
   WEAVE_CHECK(start + length <= options_.max_positions, "ParallelGPT2Model",
               "positions up to {} exceed the {} the position embedding holds", start + length,
               options_.max_positions);
-  Tensor where =
-      arange(double(start), double(start + length), 1, {.dtype = kInt64, .device = ids.device()});
+  Tensor where = position_ids(start, length, ids.device());
   if (parts > 1) where = shard_sequence(where, 0, *split_.context_group, split_.context_layout);
   return (*tokens)(ids) + (*positions)(where);
 }
@@ -119,7 +119,12 @@ Tensor ParallelGPT2Model::run(const Tensor& input, std::vector<nn::KVCache>* cac
         : recompute_blocks_ ? nn::checkpointed(*blocks[i], nn::Inputs(x))
                             : (*blocks[i])(x);
   x = x.transpose(0, 1);
-  if (!norm) return x;  // a stage before the last (the pipeline sends it contiguous)
+  if (!norm) {  // a stage before the last (the pipeline sends it contiguous)
+    // Its experts' balancing losses join the objective through the activation (the last
+    // stage's loss can add only its own blocks').
+    const Tensor aux = is_training() && !caches ? aux_loss() : Tensor();
+    return aux.defined() ? attach_loss(x, aux) : x;
+  }
   x = (*norm)(x);
   // The tied head: this rank's vocabulary rows; the input's gradient sums over the group.
   Tensor logits = linear(dist::functional::copy_to_group(x, group_), tokens->weight);

@@ -3,6 +3,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
+#include "weave/ops/side_loss.h"
 
 namespace weave::parallel {
 
@@ -97,11 +98,10 @@ Tensor ParallelGroupedQueryAttention::run(const nn::Inputs& inputs, nn::KVCache*
   if (options_.rotary) {
     Tensor positions = inputs.positions;
     if (!positions.defined() && cache) {  // after the cached positions
-      const auto start = double(cache->length());
-      positions = arange(start, start + double(length), 1, {.dtype = kInt64, .device = x.device()});
+      positions = position_ids(cache->length(), length, x.device());
     } else if (!positions.defined()) {  // this rank's part of 0 .. T - 1
       const int64_t parts = options_.context_group ? options_.context_group->size() : 1;
-      positions = arange(double(length * parts), {.dtype = kInt64, .device = x.device()});
+      positions = position_ids(0, length * parts, x.device());
       if (options_.context_group)
         positions = shard_sequence(positions, 0, *options_.context_group, options_.context_layout);
     }
@@ -238,7 +238,12 @@ Tensor ParallelLlamaModel::forward(const Tensor& tokens) {
 Tensor ParallelLlamaModel::forward_inputs(const nn::Inputs& inputs) {
   const nn::Inputs embedded = inputs.with(embedding ? (*embedding)(inputs.x) : inputs.x);
   const Tensor h = recompute_blocks_ ? blocks->forward_checkpointed(embedded) : (*blocks)(embedded);
-  if (!head) return h;  // a pipeline stage before the last
+  if (!head) {  // a pipeline stage before the last
+    // Its experts' balancing losses join the objective through the activation (the last
+    // stage's loss can add only its own blocks').
+    const Tensor aux = is_training() ? aux_loss() : Tensor();
+    return aux.defined() ? attach_loss(h, aux) : h;
+  }
   return vocab_parallel_logits((*head)((*norm)(h)), vocab_, group_, split_.gather_logits);
 }
 

@@ -11,9 +11,11 @@
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
+#include "weave/ops/side_loss.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/parallel/model_parallel/pipeline_link.h"
+#include "weave/tensor/tensor_impl.h"
 
 namespace weave::parallel {
 
@@ -46,6 +48,20 @@ void check_wrapper_group(const DataParallelWrapper& wrapper, const dist::Group& 
               "{} with the pipeline group {}: those hold other stages; hint: wrap each stage "
               "over the ranks holding the same stage (the mesh's data group)",
               chunk, wrapper.group().str(), fmt::join(shared, ", "), pipeline.str());
+}
+
+// A stage whose parameters a fully sharded wrapper trains through its own shards would step
+// nothing it clips or averages right: refused until the pipeline takes such stages.
+void check_not_managed(nn::Module& chunk) {
+  for (const auto& [name, p] : chunk.named_parameters()) {
+    const AutogradMeta* meta = p.impl()->autograd.get();
+    WEAVE_CHECK(meta == nullptr || meta->managed_by.empty(), "Pipeline",
+                "stage parameter '{}' is managed by {}; a pipeline takes a plain stage or a "
+                "stage under DistributedDataParallel (Pipeline(ddp, ...)), not FSDP stages; hint: "
+                "wrap each stage in DistributedDataParallel over the data group, or train FSDP "
+                "without a pipeline",
+                name, meta->managed_by);
+  }
 }
 
 }  // namespace
@@ -83,8 +99,10 @@ Pipeline::Pipeline(std::vector<nn::Module*> chunks, std::vector<DataParallelWrap
         WEAVE_CHECK(options.microbatches >= 1, "Pipeline",
                     "microbatches must be at least 1, found {}", options.microbatches);
         WEAVE_CHECK(!chunks_.empty(), "Pipeline", "expected at least one chunk, found none");
-        for (nn::Module* chunk : chunks_)
+        for (nn::Module* chunk : chunks_) {
           WEAVE_CHECK(chunk != nullptr, "Pipeline", "a chunk is a null pointer");
+          check_not_managed(*chunk);
+        }
         for (size_t c = 0; c < wrappers_.size(); ++c)
           if (wrappers_[c]) check_wrapper_group(*wrappers_[c], group_, c);
         if (chunks_.size() > 1) {
@@ -261,8 +279,20 @@ Tensor Pipeline::train_step(const nn::Inputs& step_inputs, const Tensor& targets
               "pass the same batch's inputs and targets",
               batch[0], batch[1]);
   stats_ = {};
-  Tensor mean_loss =
-      chunks_.size() == 1 ? train_linked(in, target, loss) : train_interleaved(in, target, loss);
+  Tensor mean_loss;
+  Tensor side_losses;
+  {
+    // Losses a stage attaches to its activations (its experts' balancing losses) are part of
+    // the objective, each micro-batch's weighted as its loss is: 1 / m.
+    SideLossScope side(1.0 / double(m));
+    mean_loss =
+        chunks_.size() == 1 ? train_linked(in, target, loss) : train_interleaved(in, target, loss);
+    side_losses = side.total();
+  }
+  // Every stage's attached losses join the mean loss the last stage reports.
+  dist::all_reduce(side_losses, dist::ReduceOp::Sum, group_);
+  if (is_last() && side_losses.item<double>() != 0)
+    mean_loss = mean_loss + side_losses.reshape({}).to(mean_loss.dtype()).to(mean_loss.device());
   sum_tied_gradients();
   return mean_loss;
 }
@@ -455,65 +485,6 @@ Tensor Pipeline::predict(const nn::Inputs& inputs, int output_batch_dim) {
     }
   }
   return is_last() ? cat(outputs, output_batch_dim) : Tensor();
-}
-
-std::shared_ptr<nn::Sequential> pipeline_stage(const nn::Sequential& model, int stage, int stages,
-                                               const std::vector<size_t>& boundaries) {
-  auto children = model.named_children();
-  const size_t n = children.size();
-  WEAVE_CHECK(stages >= 1 && stage >= 0 && stage < stages, "pipeline_stage",
-              "stage {} of {} is out of range", stage, stages);
-  WEAVE_CHECK(n >= size_t(stages), "pipeline_stage",
-              "the model has {} layers, fewer than the {} stages; hint: use fewer stages", n,
-              stages);
-  std::vector<size_t> cuts;  // cuts[j]: first child of stage j + 1
-  if (!boundaries.empty()) {
-    WEAVE_CHECK(boundaries.size() == size_t(stages - 1), "pipeline_stage",
-                "expected {} boundaries for {} stages, found {}", stages - 1, stages,
-                boundaries.size());
-    for (size_t j = 0; j < boundaries.size(); ++j)
-      WEAVE_CHECK(boundaries[j] > (j ? boundaries[j - 1] : 0) && boundaries[j] < n,
-                  "pipeline_stage",
-                  "boundaries must increase strictly within (0, {}), found {} at position {}", n,
-                  boundaries[j], j);
-    cuts = boundaries;
-  } else {
-    // balance parameter counts: cut where the running count is nearest to j / stages of it
-    std::vector<double> prefix{0};
-    for (const auto& [name, child] : children) {
-      double count = 0;
-      for (const Tensor& t : child->parameters()) count += double(t.numel());
-      prefix.push_back(prefix.back() + count);
-    }
-    size_t previous = 0;
-    for (int j = 1; j < stages; ++j) {
-      const double goal = prefix.back() * j / stages;
-      size_t best = previous + 1;
-      for (size_t i = previous + 1; i + (stages - j) <= n; ++i)
-        if (std::abs(prefix[i] - goal) <= std::abs(prefix[best] - goal)) best = i;
-      cuts.push_back(best);
-      previous = best;
-    }
-  }
-  const size_t first = stage == 0 ? 0 : cuts[stage - 1];
-  const size_t last = stage == stages - 1 ? n : cuts[stage];
-  auto part = std::make_shared<nn::Sequential>();
-  for (size_t i = first; i < last; ++i) part->push_back(children[i].second);
-  return part;
-}
-
-}  // namespace weave::parallel
-
-namespace weave::parallel {
-
-std::vector<std::shared_ptr<nn::Sequential>> pipeline_chunks(const nn::Sequential& model, int rank,
-                                                             int ranks, int virtual_stages) {
-  WEAVE_CHECK(ranks >= 1 && virtual_stages >= 1 && rank >= 0 && rank < ranks, "pipeline_chunks",
-              "rank {} of {} with {} virtual stages is out of range", rank, ranks, virtual_stages);
-  std::vector<std::shared_ptr<nn::Sequential>> chunks;
-  for (int c = 0; c < virtual_stages; ++c)
-    chunks.push_back(pipeline_stage(model, c * ranks + rank, ranks * virtual_stages));
-  return chunks;
 }
 
 }  // namespace weave::parallel

@@ -32,6 +32,19 @@ void copy_bytes(void*, Device, const void*, Device, size_t) {
 void synchronize(int) {
   no_cuda("cuda");
 }
+void begin_capture(int) {
+  no_cuda("CapturedStep");
+}
+std::shared_ptr<CapturedGraph> end_capture(int) {
+  no_cuda("CapturedStep");
+}
+void abort_capture(int) {}
+void replay(const CapturedGraph&) {
+  no_cuda("CapturedStep");
+}
+bool capturing(int) {
+  return false;
+}
 }  // namespace cuda
 
 }  // namespace weave
