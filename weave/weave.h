@@ -22,6 +22,7 @@
 #include "weave/nn/llama.h"
 #include "weave/nn/module.h"
 #include "weave/nn/moe.h"
+#include "weave/nn/summary.h"
 #include "weave/nn/transformer.h"
 #include "weave/ops/activation_checkpoint.h"
 #include "weave/ops/autocast.h"

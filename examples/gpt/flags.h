@@ -27,6 +27,8 @@ struct Flags {
   int64_t warmup = 60;
   bool sequence_parallel = true, resume = false, checkpoint_activations = false;
   bool cuda_graph = false;                   // the training step as one CUDA graph
+  double peak_tflops = 0;                    // one device's peak, for the MFU
+  std::string tensorboard;                   // TensorBoard's event files here
   std::string matmul_precision = "highest";  // float32 GEMMs: highest, or high (TF32)
   uint64_t seed = 0;
   std::optional<DType> autocast;
@@ -69,6 +71,10 @@ inline Flags parse(int argc, char** argv) {
   app.add_option("--log-every", f.log_every, "steps between progress lines")
       ->check(weave::cli::positive());
   app.add_option("--log", f.log, "also write the metrics as JSON Lines (for weave-plot)");
+  app.add_option("--tensorboard", f.tensorboard, "also write TensorBoard event files here");
+  app.add_option("--peak-tflops", f.peak_tflops,
+                 "one device's peak TFLOP/s (an H100's bf16: 989), for the MFU in the log")
+      ->check(weave::cli::non_negative());
   app.add_option("--eval-every", f.eval_every, "steps between held-out evaluations")
       ->check(weave::cli::positive());
   app.add_option("--eval-windows", f.eval_windows)->check(weave::cli::positive());

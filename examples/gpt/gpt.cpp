@@ -10,6 +10,7 @@
 //                    [--pipeline N [--microbatches M]]
 //                    [--arch gpt|llama [--kv-heads K] [--ffn N] [--pack]]
 //                    [--cuda-graph] [--matmul-precision highest|high]
+//                    [--peak-tflops T] [--tensorboard DIR]
 // --device cuda puts each rank on a GPU (round-robin by local rank) with NCCL between them
 // (--backend mpi: MPI, staging through the host; several ranks may share one GPU). --vocab
 // widens the embedding and output layer past the characters' count (a larger model's head).
@@ -56,10 +57,12 @@
 // Every strategy starts from the same weights (the whole model is initialized on every rank
 // with the seed, then split), so all of them follow one process step for step.
 //
-// Rank 0 prints (on stderr, data::MetricsLogger) step, loss, lr, tokens/s, the gradient norm,
-// peak memory and the ETA every --log-every (20) steps and the held-out loss every --eval-every
-// steps, and at the end `heldout_loss=X.XXXX` (stdout) followed by a few sampled lines. --log
-// FILE also writes them as JSON Lines, which `weave-plot FILE -o curves.png` draws.
+// Rank 0 prints (on stderr, data::MetricsLogger) step, loss, lr, tokens/s (and with
+// --peak-tflops, each device's peak, the model FLOPs utilization), the gradient norm, peak
+// memory and the ETA every --log-every (20) steps and the held-out loss every --eval-every
+// steps (--tensorboard DIR writes them for TensorBoard too), and at the end `heldout_loss=X.XXXX`
+// (stdout) followed by a few sampled lines. --log FILE also writes them as JSON Lines, which
+// `weave-plot FILE -o curves.png` draws.
 #include <weave/weave.h>
 
 #include "data.h"
@@ -328,7 +331,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
   if (fully_sharded)  // each parameter sharded over the ranks holding copies of it
     fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
-        *model, parallel::FSDPOptions{.units = model->units(), .group = mesh.data_and_context()});
+        *model, parallel::FSDPOptions{.group = mesh.data_and_context()});
   else if (data * context > 1)  // each parameter averaged where its placement says
     ddp = std::make_unique<parallel::DistributedDataParallel>(
         *model, parallel::DDPOptions{.group = mesh.data_and_context()});
@@ -397,11 +400,20 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   const int64_t local_batch = f.batch / data;
   const int64_t train_span = int64_t(corpus.train.size());
   // Progress on stderr (rank 0), and with --log the metrics file for tools/weave-plot.
-  data::MetricsLogger metrics({.path = f.log,
-                               .enabled = dist::rank() == 0,
-                               .total_steps = f.steps,
-                               .start_step = step,
-                               .device = device});
+  // MFU counts the whole model: every rank's pieces, once per data x context replica.
+  Tensor pieces = full({1}, 0.0, {.dtype = kFloat64});
+  for (const auto& [name, shape] : model_shapes) pieces.add_(double(shape.numel()));
+  dist::all_reduce(pieces, dist::ReduceOp::Sum);
+  const auto parameters = int64_t(pieces.item<double>() / double(data * context));
+  data::MetricsLogger metrics(
+      {.path = f.log,
+       .enabled = dist::rank() == 0,
+       .total_steps = f.steps,
+       .start_step = step,
+       .device = device,
+       .flops_per_token = data::transformer_flops_per_token(parameters, f.layers, f.dim, f.context),
+       .peak_flops = f.peak_tflops * 1e12 * world,
+       .tensorboard_dir = f.tensorboard});
   double loss_sum = 0;
   int64_t losses = 0, tokens = 0;
   while (step < f.steps) {

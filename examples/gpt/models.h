@@ -25,8 +25,7 @@ class LanguageModel : public nn::Module {
   virtual Tensor loss(const Tensor& logits, const Tensor& targets) = 0;
   /// The next token's logits [B, vocab] on every rank, extending one cache per block.
   virtual Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) = 0;
-  /// FSDP's units by name (empty: the model's children, FSDP's default).
-  virtual std::vector<std::string> units() const { return {}; }
+
   /// Recompute each block in backward instead of keeping its activations (the Llamas take it
   /// when built, as their model options' recompute_blocks).
   bool checkpoint_activations = false;
@@ -42,11 +41,10 @@ Tensor embed_at(nn::Module& tokens, nn::Embedding& positions, const Tensor& ids,
   return tokens(ids) + positions(position_ids(start, ids.size(1), ids.device()));
 }
 
-/// FSDP's units of a Llama (whole or split): the embedding, each block, the final norm and the
-/// head, the modules forward calls one by one.
-inline std::vector<std::string> llama_units(size_t blocks) {
-  std::vector<std::string> names{"llama.embedding", "llama.norm", "llama.head"};
-  for (size_t i = 0; i < blocks; ++i) names.push_back("llama.blocks." + std::to_string(i));
+/// The model's FSDP units (its shard_units()) under the name it is registered by.
+inline std::vector<std::string> prefixed(const std::string& prefix, const nn::Module& model) {
+  std::vector<std::string> names;
+  for (const std::string& unit : model.shard_units()) names.push_back(prefix + "." + unit);
   return names;
 }
 
@@ -69,7 +67,7 @@ class Llama : public LanguageModel {
   Tensor loss(const Tensor& logits, const Tensor& targets) override {
     return cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
   }
-  std::vector<std::string> units() const override { return llama_units(model->blocks->size()); }
+  std::vector<std::string> shard_units() const override { return prefixed("llama", *model); }
   Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
     const Tensor logits = model->forward_cached(ids, caches);
     return logits.select(1, logits.size(1) - 1);
@@ -290,7 +288,7 @@ class ParallelLlama : public LanguageModel {
     const Tensor aux = is_training() ? llama->aux_loss() : Tensor();
     return aux.defined() ? total + aux : total;
   }
-  std::vector<std::string> units() const override { return llama_units(llama->blocks->size()); }
+  std::vector<std::string> shard_units() const override { return prefixed("llama", *llama); }
   /// With the library's key/value caches (built without a context group or stages).
   Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
     const Tensor logits = llama->forward_cached(ids, caches);  // every rank all of them

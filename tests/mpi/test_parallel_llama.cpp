@@ -240,6 +240,54 @@ TEST_SUITE("experts") {
 }
 
 TEST_SUITE("context_parallel") {
+  TEST_CASE(
+      "a model over a context group, its inputs cut by default: no position sees its future") {
+    // The defaults agree (shard_sequence, ParallelLMOptions::context_layout: zig-zag), so
+    // changing the window's last token moves no earlier logit (cut contiguously, they leaked).
+    const int n = dist::world_size();
+    if (n < 2) return;
+    const parallel::ProcessMesh mesh({.context = n});
+    const int64_t vocab = 16, t = 8 * n;
+    manual_seed(91);
+    parallel::ParallelLlamaModel model(
+        {.vocab = vocab, .dim = 16, .layers = 2, .block = {.heads = 4, .hidden = 32}},
+        mesh.tensor(), {.gather_logits = true, .context_group = mesh.context()});
+    model.to(kFloat64);
+    NoGradGuard no_grad;
+    Generator g(92);
+    Tensor tokens = randint(0, vocab, {2, t}, {.dtype = kInt64}, &g);
+    auto logits_of = [&](const Tensor& window) {  // the whole window's, in order
+      const Tensor part = parallel::shard_sequence(window, 1, mesh.context());
+      return parallel::gather_sequence(model(part), 1, mesh.context());
+    };
+    const Tensor before = logits_of(tokens);
+    std::vector<int64_t> values = tokens.to_vector<int64_t>();
+    for (int64_t row = 0; row < 2; ++row) {
+      int64_t& last = values[size_t(row * t + t - 1)];
+      last = (last + 1) % vocab;
+    }
+    const Tensor after = logits_of(from_vector(values, {2, t}));
+    CHECK(equal(after.narrow(1, 0, t - 1), before.narrow(1, 0, t - 1)));
+    CHECK_FALSE(equal(after.narrow(1, t - 1, 1), before.narrow(1, t - 1, 1)));
+  }
+
+  TEST_CASE("a data-parallel wrapper that leaves out the context ranks raises on every rank") {
+    // Each context rank reads its part of every sequence: only an average over data x context
+    // adds up the parts of the gradient (over data alone the context replicas drift apart).
+    const int n = dist::world_size();
+    if (n % 2 != 0) return;
+    const parallel::ProcessMesh mesh({.data = n / 2, .context = 2});
+    parallel::ParallelLlamaModel model(
+        {.vocab = 16, .dim = 16, .layers = 1, .block = {.heads = 4, .hidden = 32}}, mesh.tensor(),
+        {.context_group = mesh.context()});
+    CHECK_THROWS_WITH_AS(parallel::DistributedDataParallel(model, {.group = mesh.data()}),
+                         doctest::Contains("hint: wrap over mesh.data_and_context()"), Error);
+    CHECK_THROWS_WITH_AS(parallel::FullyShardedDataParallel(model, {.group = mesh.data()}),
+                         doctest::Contains("hint: wrap over mesh.data_and_context()"), Error);
+    parallel::DistributedDataParallel ddp(model, {.group = mesh.data_and_context()});
+    CHECK(ddp.group().size() == n);
+  }
+
   TEST_CASE("ParallelLlamaBlock over a context group equals LlamaBlock on the whole window") {
     const int n = dist::world_size();
     const parallel::ProcessMesh mesh({.context = n});

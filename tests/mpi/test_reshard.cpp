@@ -397,6 +397,20 @@ TEST_SUITE("reshard") {
       }
       check_against_reference(plain->state_dict());
     }
+    // The model alone, on every rank (to export or evaluate it): the optimizer's state is left
+    // in the files, and the model holds the saved step's values.
+    {
+      auto whole = make_model();
+      data::TrainingState into{.model = whole.get()};
+      parallel::load_sharded_checkpoint(dir, into, self);
+      auto again = make_model();
+      optim::AdamW again_adamw(again->parameters(), options);
+      data::TrainingState both{.model = again.get(), .optimizer = &again_adamw};
+      parallel::load_sharded_checkpoint(dir, both, self);
+      const nn::NamedTensors got = whole->state_dict(), want = again->state_dict();
+      REQUIRE(got.size() == want.size());
+      for (size_t i = 0; i < got.size(); ++i) CHECK(equal(got[i].second, want[i].second));
+    }
     if (n >= 3 && rank < 2) {  // FSDP over 2 ranks, its units regrouped into one
       auto two = make_model();
       parallel::FullyShardedDataParallel fsdp2(*two, {.unit_mb = 1, .group = pair});

@@ -97,6 +97,35 @@ TEST_SUITE("hf_checkpoint") {
     }
   }
 
+  TEST_CASE("a model built from its options exports with model_config and reloads bitwise") {
+    Generator g(3);
+    const nn::LlamaModelOptions options{
+        .vocab = 40,
+        .dim = 16,
+        .layers = 2,
+        .block = {.heads = 4, .kv_heads = 2, .rotary = RotaryOptions{.base = 500000}},
+        .generator = &g};
+    nn::LlamaModel model(options);
+    const auto config = data::hf::model_config(options);
+    CHECK(config.hidden == nn::llama_hidden(16));
+    const auto out = scratch("from_options");
+    data::hf::save_pretrained(model, config, out.string());
+    const auto read = data::hf::read_config(out.string());
+    CHECK(read.kv_heads == 2);
+    CHECK(read.rope_theta == 500000);
+    CHECK(fs::exists(out / "generation_config.json"));
+    auto reloaded = data::hf::from_pretrained(out.string());
+    NoGradGuard no_grad;
+    const Tensor tokens = randint(0, 40, {2, 9}, {.dtype = kInt64}, &g);
+    CHECK(max_abs_diff((*reloaded)(tokens), model(tokens)) == 0);
+    // What Hugging Face's Llama cannot describe raises, naming it.
+    nn::LlamaModelOptions interleaved = options;
+    interleaved.block.rotary->interleaved = true;
+    CHECK_WEAVE_ERROR(data::hf::model_config(interleaved), "hf", "interleaved true");
+    CHECK_WEAVE_ERROR(data::hf::model_config(nn::GPT2ModelOptions{.untied_head = true}), "hf",
+                      "untied_head");
+  }
+
   TEST_CASE("GPT-2's fused q/k/v read by heads, or by rows across heads, equals the whole's") {
     const std::string dir = reference_dir("gpt2");
     const auto config = data::hf::read_config(dir);

@@ -314,4 +314,26 @@ TEST_SUITE("nn") {
     double accuracy = mean(eq(argmax(model(x), 1), y).to(kFloat32)).item();
     CHECK(accuracy > 0.95);
   }
+
+  TEST_CASE("summary lists each module with its parameter count, and the totals") {
+    nn::LlamaModel model({.vocab = 32, .dim = 8, .layers = 2, .block = {.heads = 2, .hidden = 16}});
+    const nn::ParameterCount count = nn::count_parameters(model);
+    int64_t expected = 0;
+    for (const Tensor& p : model.parameters()) expected += p.numel();
+    CHECK(count.total == expected);
+    CHECK(count.trainable == expected);
+    CHECK(count.bytes == 4 * expected);
+    const std::string table = nn::summary(model);
+    CAPTURE(table);
+    // embedding 32 x 8 = 256; each block: two norms (8 each), q (8 x 8), kv (2 x 8 x 8), out
+    // (8 x 8), gate_up (32 x 8) and down (8 x 16): 16 + 64 + 128 + 64 + 256 + 128 = 656
+    CHECK(table.find("├─ embedding") != std::string::npos);
+    CHECK(table.find("256\n") != std::string::npos);
+    CHECK(table.find("│  ├─ 0") != std::string::npos);
+    CHECK(table.find("656\n") != std::string::npos);
+    // + the final norm (8) and the head (32 x 8)
+    CHECK(expected == 256 + 2 * 656 + 8 + 256);
+    CHECK(table.find("total 1,832 parameters (1.8 K), 1,832 trainable, 7.2 KB") !=
+          std::string::npos);
+  }
 }

@@ -241,4 +241,34 @@ TEST_SUITE("tensor") {
     CHECK_THROWS_WITH_AS(ints.addcmul_(ints, ints), doctest::Contains("expected a floating tensor"),
                          Error);
   }
+
+  TEST_CASE("PyTorch's method spellings equal the ops of their names") {
+    Generator g(12);
+    const Tensor x = randn({3, 4}, {.dtype = kFloat64}, &g);
+    const Tensor positive = abs(x) + 0.5;
+    for (auto [method, op] :
+         std::vector<std::pair<Tensor, Tensor>>{{x.abs(), abs(x)},
+                                                {x.neg(), neg(x)},
+                                                {x.exp(), exp(x)},
+                                                {positive.log(), log(positive)},
+                                                {positive.sqrt(), sqrt(positive)},
+                                                {positive.rsqrt(), rsqrt(positive)},
+                                                {x.square(), square(x)},
+                                                {x.sin(), sin(x)},
+                                                {x.cos(), cos(x)},
+                                                {x.tanh(), tanh(x)},
+                                                {x.sigmoid(), sigmoid(x)},
+                                                {x.relu(), relu(x)},
+                                                {x.sign(), sign(x)},
+                                                {x.clamp(-0.5, 0.5), clamp(x, -0.5, 0.5)},
+                                                {x.softmax(1), softmax(x, 1)},
+                                                {x.var({1}), var(x, {1})},
+                                                {x.argmin(1), argmin(x, 1)},
+                                                {x.argmax(), argmax(x)}})
+      CHECK(equal(method, op));
+    // and they record the same gradients
+    Tensor leaf = x.clone().requires_grad_();
+    leaf.abs().sum().backward();
+    CHECK(equal(leaf.grad(), sign(x)));
+  }
 }

@@ -228,6 +228,59 @@ TEST_SUITE("tokenizer") {
                                gpt2().encode(" the")[0]});
     CHECK(tok.encode("a<|begin_of_text|>", {.allow_special = true}).back() == 50257);
     CHECK(tok.encode("a<|begin_of_text|>").back() != 50257);
+    // Written back as tokenizer.json (with its special-token files) it reads the same.
+    const auto out = dir / "saved";
+    tok.save_pretrained(out.string());
+    const Tokenizer again = Tokenizer::from_directory(out.string());
+    CHECK(again.split_rule() == data::SplitRule::kLlama3);
+    CHECK(again.encode("12345 the", {.add_special_tokens = true}) == ids);
+    const json roles = json::parse(std::ifstream(out / "special_tokens_map.json"));
+    CHECK(roles["bos_token"] == "<|begin_of_text|>");
+    CHECK(roles["eos_token"] == "<|endoftext|>");
+    std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("an export with its tokenizer holds the tokenizer, special tokens and their ids") {
+    Generator g(4);
+    const nn::GPT2ModelOptions options{
+        .vocab = 50257, .dim = 8, .layers = 1, .heads = 2, .max_positions = 16, .generator = &g};
+    nn::GPT2Model model(options);
+    const auto dir = temp_dir() / "gpt2_export";
+    data::hf::save_pretrained(model, data::hf::model_config(options), dir.string(),
+                              {.tokenizer = &gpt2()});
+    const json config = json::parse(std::ifstream(dir / "config.json"));
+    const json generation = json::parse(std::ifstream(dir / "generation_config.json"));
+    CHECK(config["bos_token_id"] == 50256);
+    CHECK(config["eos_token_id"] == 50256);
+    CHECK(generation["eos_token_id"] == 50256);
+    const Tokenizer tok = Tokenizer::from_directory(dir.string());
+    CHECK(tok.encode("Hello world") == gpt2().encode("Hello world"));
+    auto reloaded = data::hf::from_pretrained(dir.string());
+    NoGradGuard no_grad;
+    const Tensor tokens = from_vector<int64_t>({15496, 995, 50256}, {1, 3});
+    CHECK(equal((*reloaded)(tokens), model(tokens)));
+    std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("a tokenizer saved as tokenizer.json reads back with the same ids for every text") {
+    const auto dir = temp_dir() / "gpt2_saved";
+    gpt2().save_pretrained(dir.string());
+    for (const char* file : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"})
+      CHECK(std::filesystem::exists(dir / file));
+    const Tokenizer again = Tokenizer::from_directory(dir.string());
+    CHECK(again.vocab_size() == gpt2().vocab_size());
+    CHECK(again.end_of_text() == gpt2().end_of_text());
+    CHECK(again.split_rule() == data::SplitRule::kGpt2);
+    const json& ref = reference();
+    size_t mismatches = 0;
+    for (size_t i = 0; i < ref["texts"].size(); ++i) {
+      const auto text = ref["texts"][i].get<std::string>();
+      if (again.encode(text, {.allow_special = true}) !=
+              gpt2().encode(text, {.allow_special = true}) &&
+          ++mismatches <= 5)
+        FAIL_CHECK("text " << i << " encodes differently after the round trip");
+    }
+    CHECK(mismatches == 0);
     std::filesystem::remove_all(dir);
   }
 

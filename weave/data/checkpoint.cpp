@@ -112,14 +112,14 @@ void restore_checkpoint(const SafetensorsFile& contents, TrainingState& state,
   WEAVE_CHECK(required(meta, "weave.checkpoint", name) == kFormat, "load_checkpoint",
               "{} is checkpoint format {}, this weave reads format {}", name,
               meta.at("weave.checkpoint"), kFormat);
-  // Every known prefix; an entry under none of them is unexpected.
+  // Every known prefix; an entry under none of them is unexpected. The parts not being restored
+  // are left alone (a model-only load from a training checkpoint, to export or evaluate it).
   for (const auto& [tensor, t] : contents.tensors) {
-    const bool known = (tensor.rfind("model/", 0) == 0 && state.model) ||
-                       (tensor.rfind("optimizer/", 0) == 0 && state.optimizer) ||
-                       (tensor == "loader/order" && state.loader);
+    const bool known = tensor.rfind("model/", 0) == 0 || tensor.rfind("optimizer/", 0) == 0 ||
+                       tensor == "loader/order";
     WEAVE_CHECK(known, "load_checkpoint",
-                "{} holds tensor '{}', which nothing being restored takes; hint: pass the same "
-                "parts (model, optimizer, loader) as when saving",
+                "{} holds tensor '{}', which is no part of a training state (model, optimizer, "
+                "loader); hint: is it a weave checkpoint?",
                 name, tensor);
   }
 

@@ -403,7 +403,21 @@ void save_pretrained(const nn::Module& model, const ModelConfig& config, const s
     write_file_atomically(
         dir + "/model.safetensors.index.json",
         json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2));
-  write_file_atomically(dir + "/config.json", config_json(config));
+  // The special tokens' ids: the config's, or the tokenizer's where it names none.
+  json c = json::parse(config_json(config));
+  if (options.tokenizer) {
+    options.tokenizer->save_pretrained(dir);
+    const std::optional<int32_t> eos = options.tokenizer->end_of_text();
+    const std::optional<int32_t> begin = options.tokenizer->token_id("<|begin_of_text|>");
+    const std::optional<int32_t> bos = begin ? begin : eos;
+    if (!c.contains("bos_token_id") && bos) c["bos_token_id"] = *bos;
+    if (!c.contains("eos_token_id") && eos) c["eos_token_id"] = *eos;
+  }
+  json generation = {{"_from_model_config", true}};
+  for (const char* key : {"bos_token_id", "eos_token_id"})
+    if (c.contains(key)) generation[key] = c[key];
+  write_file_atomically(dir + "/generation_config.json", generation.dump(2));
+  write_file_atomically(dir + "/config.json", c.dump(2));
 }
 
 }  // namespace weave::data::hf

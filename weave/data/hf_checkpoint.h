@@ -22,6 +22,7 @@
 #include <optional>
 #include <string>
 
+#include "weave/data/tokenizer.h"
 #include "weave/nn/generation.h"
 #include "weave/nn/gpt2.h"
 #include "weave/nn/llama.h"
@@ -52,6 +53,13 @@ struct ModelConfig {
 ModelConfig read_config(const std::string& dir);
 /// config.json for `config` (its json's other fields kept).
 std::string config_json(const ModelConfig& config);
+
+/// The configuration of a model built from its options (one trained from scratch), to export
+/// it: dims, heads, rotary base and scaling, norms' eps, tied head, Qwen 2's biases. Raises for
+/// what Hugging Face's GPT-2 or Llama cannot describe (an untied GPT-2 head, interleaved or
+/// partial rotary, another gated activation, a non-causal block), naming it.
+ModelConfig model_config(const nn::LlamaModelOptions& options, DType dtype = kFloat32);
+ModelConfig model_config(const nn::GPT2ModelOptions& options, DType dtype = kFloat32);
 
 /// The nn::GPT2Model (or parallel::ParallelGPT2Model) options of a GPT-2 configuration.
 nn::GPT2ModelOptions gpt2_options(const ModelConfig& config, Generator* generator = nullptr);
@@ -116,10 +124,17 @@ struct SaveOptions {
   /// Shards of at most this many bytes (a tensor larger than it gets a shard alone); more than
   /// one writes model-0000i-of-0000n.safetensors and model.safetensors.index.json.
   uint64_t max_shard_bytes = uint64_t(5) << 30;
+  /// Written beside the weights (Tokenizer::save_pretrained), its special tokens' ids in
+  /// config.json and generation_config.json where the config names none.
+  const Tokenizer* tokenizer = nullptr;
 };
 
 /// Writes model's whole parameters (a split model: gather them first) in Hugging Face's names,
-/// layouts and config.dtype, with config.json, into dir (created).
+/// layouts and config.dtype, with config.json and generation_config.json (the bos and eos ids),
+/// and with options.tokenizer its files, into dir (created):
+///
+///   data::hf::save_pretrained(model, data::hf::model_config(options), "out/",
+///                             {.tokenizer = &tokenizer});
 void save_pretrained(const nn::Module& model, const ModelConfig& config, const std::string& dir,
                      const SaveOptions& options = {});
 

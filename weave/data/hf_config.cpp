@@ -148,6 +148,40 @@ std::string config_json(const ModelConfig& config) {
   return c.dump(2);
 }
 
+ModelConfig model_config(const nn::LlamaModelOptions& options, DType dtype) {
+  const nn::LlamaBlockOptions& block = options.block;
+  const RotaryOptions rotary = block.rotary.value_or(RotaryOptions{});
+  WEAVE_CHECK(block.rotary && !rotary.interleaved && rotary.rotary_dim == 0 && block.causal &&
+                  block.activation == nn::GatedActivation::SiLU,
+              kConfig,
+              "Hugging Face's Llama takes causal blocks with SwiGLU and rotary positions in the "
+              "rotate-half layout over whole heads; found rotary {}, interleaved {}, rotary_dim "
+              "{}, causal {}, SwiGLU {}",
+              block.rotary.has_value(), rotary.interleaved, rotary.rotary_dim, block.causal,
+              block.activation == nn::GatedActivation::SiLU);
+  ModelConfig config;
+  config.architecture = Architecture::Llama;
+  config.vocab = options.vocab, config.dim = options.dim, config.layers = options.layers;
+  config.heads = block.heads, config.kv_heads = block.kv_heads > 0 ? block.kv_heads : block.heads;
+  config.hidden = block.hidden > 0 ? block.hidden : nn::llama_hidden(options.dim);
+  config.norm_eps = block.norm_eps, config.rope_theta = rotary.base;
+  config.rope_scaling = rotary.llama3_scaling, config.tie_embeddings = options.tie_embeddings;
+  config.qkv_bias = block.qkv_bias, config.dtype = dtype;
+  return config;
+}
+
+ModelConfig model_config(const nn::GPT2ModelOptions& options, DType dtype) {
+  WEAVE_CHECK(!options.untied_head, kConfig,
+              "Hugging Face's GPT-2 ties its head to the token embedding; found untied_head");
+  ModelConfig config;
+  config.architecture = Architecture::GPT2;
+  config.vocab = options.vocab, config.dim = options.dim, config.layers = options.layers;
+  config.heads = options.heads, config.kv_heads = options.heads;
+  config.hidden = 4 * options.dim, config.max_positions = options.max_positions;
+  config.tie_embeddings = true, config.dtype = dtype;
+  return config;
+}
+
 std::shared_ptr<nn::CausalLM> make_model(const ModelConfig& config, Generator* generator) {
   if (config.architecture == Architecture::GPT2)
     return std::make_shared<nn::GPT2Model>(gpt2_options(config, generator));

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <utility>
 
+#include "weave/data/tensorboard.h"
 #include "weave/tensor/error.h"
 #include "weave/tensor/storage.h"
 
@@ -80,10 +81,17 @@ std::string shown(const char* name, const std::optional<double>& value, const ch
 
 }  // namespace
 
+double transformer_flops_per_token(int64_t parameters, int64_t layers, int64_t dim,
+                                   int64_t context) {
+  return 6.0 * double(parameters) + 12.0 * double(layers) * double(context) * double(dim);
+}
+
 MetricsLogger::MetricsLogger(MetricsOptions options)
     : options_(std::move(options)), start_(std::chrono::steady_clock::now()), last_(start_) {
   if (!options_.enabled) return;
   terminal_ = options_.progress && ::isatty(STDERR_FILENO) == 1;
+  if (!options_.tensorboard_dir.empty())
+    board_ = std::make_unique<TensorBoardWriter>(options_.tensorboard_dir);
   if (options_.path.empty()) return;
   // Locked before it is emptied: a second writer of the same file must not wipe the first's
   // records, nor interleave its lines with them.
@@ -122,6 +130,10 @@ MetricsLogger::MetricsLogger(MetricsOptions options)
   }
 }
 
+void MetricsLogger::board(const std::string& tag, double value, int64_t step) {
+  if (board_ && std::isfinite(value)) board_->add_scalar(tag, value, step);
+}
+
 MetricsLogger::~MetricsLogger() {
   if (line_open_) std::fputc('\n', stderr);
   if (file_) std::fclose(file_);
@@ -154,20 +166,32 @@ void MetricsLogger::log_step(const StepMetrics& m) {
   const int64_t done = m.step - options_.start_step, total = options_.total_steps;
   const double eta = total > 0 && done > 0 ? elapsed / double(done) * double(total - m.step) : NAN;
   const double peak_mb = double(memory_stats(options_.device).peak) / 1e6;
+  const double mfu = options_.flops_per_token > 0 && options_.peak_flops > 0
+                         ? throughput * options_.flops_per_token / options_.peak_flops
+                         : NAN;
   json record = {{"kind", "train"}, {"step", m.step}};
   put(record, "loss", m.loss);
   put(record, "lr", m.lr);
   put(record, "tokens_per_s", throughput);
+  put(record, "mfu", mfu);
   put(record, "grad_norm", m.grad_norm);
   put(record, "peak_mb", peak_mb);
   put(record, "elapsed_s", elapsed);
   put(record, "eta_s", eta);
   write(dumped(record));
+  for (const auto& [tag, value] : {std::pair{"train/loss", m.loss.value_or(NAN)},
+                                   {"train/lr", m.lr.value_or(NAN)},
+                                   {"train/tokens_per_s", throughput},
+                                   {"train/mfu", mfu},
+                                   {"train/grad_norm", m.grad_norm.value_or(NAN)},
+                                   {"train/peak_mb", peak_mb}})
+    board(tag, value, m.step);
   if (!options_.progress) return;
   std::string line =
       total > 0 ? fmt::format("step {}/{}", m.step, total) : fmt::format("step {}", m.step);
   line += shown("loss", m.loss, "{:.4f}") + shown("lr", m.lr, "{:.2e}");
   if (std::isfinite(throughput)) line += fmt::format(" tokens/s {:.0f}", throughput);
+  if (std::isfinite(mfu)) line += fmt::format(" mfu {:.1f}%", 100 * mfu);
   line += shown("grad_norm", m.grad_norm, "{:.3f}");
   line += fmt::format(" peak {:.0f} MB", peak_mb);
   if (std::isfinite(eta)) line += " eta " + duration_text(eta);
@@ -190,6 +214,7 @@ void MetricsLogger::log_eval(int64_t step, const std::string& name, double value
   put(record, "value", std::optional<double>(value));
   put(record, "elapsed_s", elapsed);
   write(dumped(record));
+  board("eval/" + name, value, step);
   if (!options_.progress) return;
   if (line_open_) std::fputc('\n', stderr);
   line_open_ = false;

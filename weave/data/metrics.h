@@ -15,7 +15,7 @@
 //
 // The file's schema, one JSON object per line (fields that were not given are left out):
 //   {"kind": "train", "step": 120, "loss": 2.314, "lr": 0.0008, "tokens_per_s": 12345.6,
-//    "grad_norm": 0.93, "peak_mb": 123.4, "elapsed_s": 61.2, "eta_s": 244.8}
+//    "mfu": 0.412, "grad_norm": 0.93, "peak_mb": 123.4, "elapsed_s": 61.2, "eta_s": 244.8}
 //   {"kind": "eval", "step": 100, "name": "heldout_loss", "value": 2.41, "elapsed_s": 50.1}
 // "loss" is what the caller passes (typically the mean over the steps since the last record),
 // tokens_per_s counts the tokens passed since the last record over the time since then, and
@@ -26,10 +26,16 @@
 // is written. A record that cannot be written whole (a full disk) is
 // cut back off the file, which keeps only whole lines, and the call raises weave::Error; so
 // does a metric name that is not valid UTF-8.
+//
+// With flops_per_token and peak_flops the line and the records carry the model FLOPs
+// utilization (PaLM's MFU: tokens/s x FLOPs per token / the hardware's peak;
+// transformer_flops_per_token gives the first). With tensorboard_dir the same numbers go to a
+// TensorBoard event file there (train/loss, train/lr, ..., eval/<name>).
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -39,7 +45,7 @@ namespace weave::data {
 
 struct MetricsOptions {
   /// The JSON Lines file ("": none).
-  std::string path;
+  std::string path = {};
   /// Log on this process: pass `dist::rank() == 0` so that one rank speaks for the job.
   bool enabled = true;
   /// For the bar and the ETA (0: unknown).
@@ -53,7 +59,19 @@ struct MetricsOptions {
   bool progress = true;
   /// Whose peak memory the records report.
   Device device = kCPU;
+  /// Training FLOPs per token of the model and the job's peak FLOP/s (every device's, summed):
+  /// both set, each logged step reports its model FLOPs utilization.
+  double flops_per_token = 0, peak_flops = 0;
+  /// A directory for TensorBoard's event files ("": none).
+  std::string tensorboard_dir = {};
 };
+
+/// A decoder-only transformer's training FLOPs per token (forward and backward), PaLM's
+/// estimate: 6 N for the parameters' products, plus 12 layers x context x dim for attention's.
+double transformer_flops_per_token(int64_t parameters, int64_t layers, int64_t dim,
+                                   int64_t context);
+
+class TensorBoardWriter;
 
 /// One logged step. Leave a field unset to leave it out; a NaN or infinite value is recorded as
 /// "nan", "inf" or "-inf" (a diverging run shows in the file and on the line).
@@ -78,7 +96,9 @@ class MetricsLogger {
 
  private:
   void write(const std::string& record);
+  void board(const std::string& tag, double value, int64_t step);
   MetricsOptions options_;
+  std::unique_ptr<TensorBoardWriter> board_;
   std::FILE* file_ = nullptr;
   bool terminal_ = false;
   bool line_open_ = false;  // a bar is on the terminal's last line

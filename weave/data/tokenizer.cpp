@@ -59,6 +59,25 @@ std::string alphabet_to_bytes(std::string_view token, const char* file) {
   return bytes;
 }
 
+}  // namespace
+
+std::string Tokenizer::Impl::bytes_to_alphabet(std::string_view bytes) {
+  static const auto code = byte_to_code_point();
+  std::string out;
+  for (const char c : bytes) {
+    const uint32_t cp = code[uint8_t(c)];
+    if (cp < 0x80) {
+      out.push_back(char(cp));
+    } else {  // two UTF-8 bytes: every code point of the alphabet is below U+0800
+      out.push_back(char(0xC0 | (cp >> 6)));
+      out.push_back(char(0x80 | (cp & 0x3F)));
+    }
+  }
+  return out;
+}
+
+namespace {
+
 uint64_t pair_key(int32_t left, int32_t right) {
   return (uint64_t(uint32_t(left)) << 32) | uint32_t(right);
 }

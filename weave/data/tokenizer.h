@@ -45,6 +45,12 @@ class Tokenizer {
   static Tokenizer from_hf_json(const std::string& path);
   /// tokenizer.json in dir, else vocab.json + merges.txt, else encoder.json + vocab.bpe.
   static Tokenizer from_directory(const std::string& dir);
+  /// Writes Hugging Face's tokenizer.json (what from_hf_json reads back: the same ids for every
+  /// text), tokenizer_config.json and special_tokens_map.json into dir (created), each file
+  /// replaced atomically: what transformers' AutoTokenizer loads beside a model.
+  void save_pretrained(const std::string& dir) const;
+  /// Hugging Face's tokenizer.json text of this tokenizer.
+  std::string hf_json() const;
 
   std::vector<int32_t> encode(std::string_view text, const EncodeOptions& options = {}) const;
   /// Encodes each text, on `threads` threads (0: the hardware's count).

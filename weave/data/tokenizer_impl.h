@@ -52,6 +52,8 @@ struct Tokenizer::Impl {
   void encode_ordinary(std::string_view text, StringMap<std::vector<int32_t>>& cache,
                        std::vector<int32_t>& out) const;
   void set_token(int32_t id, std::string bytes, const char* file);
+  /// A token's bytes in GPT-2's byte-to-character alphabet, as vocabulary files write them.
+  static std::string bytes_to_alphabet(std::string_view bytes);
 };
 
 }  // namespace weave::data

@@ -7,20 +7,33 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <filesystem>
+
 namespace weave::data {
 namespace {
 
 using json = nlohmann::json;
 
-// The Split patterns published with byte-level BPE models, each a rule split_pieces knows.
-SplitRule rule_of_pattern(const std::string& pattern, const std::string& path) {
+// The Split pattern published with byte-level BPE models for each rule split_pieces knows.
+std::string pattern_of(SplitRule rule) {
   const std::string contractions = "'s|'t|'re|'ve|'m|'ll|'d";
   const std::string tail = R"( ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
-  if (pattern == contractions + R"(| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)")
-    return SplitRule::kGpt2;
   const std::string llama = "(?i:" + contractions + R"()|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N})";
-  if (pattern == llama + "{1,3}|" + tail) return SplitRule::kLlama3;
-  if (pattern == llama + "|" + tail) return SplitRule::kLlama3SingleDigits;
+  switch (rule) {
+    case SplitRule::kGpt2:
+      return contractions + R"(| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+    case SplitRule::kLlama3:
+      return llama + "{1,3}|" + tail;
+    case SplitRule::kLlama3SingleDigits:
+      return llama + "|" + tail;
+  }
+  return "";
+}
+
+SplitRule rule_of_pattern(const std::string& pattern, const std::string& path) {
+  for (SplitRule rule : {SplitRule::kGpt2, SplitRule::kLlama3, SplitRule::kLlama3SingleDigits})
+    if (pattern == pattern_of(rule)) return rule;
   WEAVE_FAIL("tokenizer",
              "{}: the pre-tokenizer splits by the pattern {}, which weave does not implement; "
              "hint: GPT-2's, Llama 3's and Qwen 2's patterns are supported",
@@ -107,7 +120,106 @@ void read_post_processor(const json& post, Tokenizer::Impl& impl, const std::str
   }
 }
 
+json byte_level(bool add_prefix_space, bool use_regex) {
+  return {{"type", "ByteLevel"},
+          {"add_prefix_space", add_prefix_space},
+          {"trim_offsets", true},
+          {"use_regex", use_regex}};
+}
+
+// GPT-2's own split inside ByteLevel, or a Split by the rule's pattern before it.
+json pre_tokenizer_of(const Tokenizer::Impl& impl) {
+  if (impl.rule == SplitRule::kGpt2) return byte_level(impl.add_prefix_space, true);
+  const json split = {{"type", "Split"},
+                      {"pattern", {{"Regex", pattern_of(impl.rule)}}},
+                      {"behavior", "Isolated"},
+                      {"invert", false}};
+  return {{"type", "Sequence"},
+          {"pretokenizers", json::array({split, byte_level(impl.add_prefix_space, false)})}};
+}
+
+// The special tokens before and after every sequence, as TemplateProcessing (ByteLevel: none).
+json post_processor_of(const Tokenizer::Impl& impl) {
+  if (impl.prefix.empty() && impl.suffix.empty()) return byte_level(true, true);
+  json single = json::array(), special = json::object();
+  auto add = [&](int32_t id) {
+    const std::string& text = impl.token_bytes[size_t(id)];
+    single.push_back({{"SpecialToken", {{"id", text}, {"type_id", 0}}}});
+    special[text] = {{"id", text}, {"ids", {id}}, {"tokens", {text}}};
+  };
+  for (int32_t id : impl.prefix) add(id);
+  single.push_back({{"Sequence", {{"id", "A"}, {"type_id", 0}}}});
+  for (int32_t id : impl.suffix) add(id);
+  return {{"type", "TemplateProcessing"},
+          {"single", single},
+          {"pair", single},
+          {"special_tokens", special}};
+}
+
 }  // namespace
+
+std::string Tokenizer::hf_json() const {
+  const Impl& impl = *impl_;
+  json vocab = json::object();
+  for (const auto& [bytes, id] : impl.vocab) vocab[Impl::bytes_to_alphabet(bytes)] = id;
+  std::vector<std::pair<int32_t, uint64_t>> by_rank;  // (rank, pair key)
+  for (const auto& [key, merge] : impl.merges) by_rank.emplace_back(merge.rank, key);
+  std::sort(by_rank.begin(), by_rank.end());
+  json merges = json::array();
+  for (const auto& [rank, key] : by_rank)
+    merges.push_back(Impl::bytes_to_alphabet(impl.token_bytes[key >> 32]) + " " +
+                     Impl::bytes_to_alphabet(impl.token_bytes[key & 0xFFFFFFFFu]));
+  json added = json::array();
+  std::vector<Impl::Added> in_order = impl.added;
+  std::sort(in_order.begin(), in_order.end(),
+            [](const auto& a, const auto& b) { return a.id < b.id; });
+  for (const Impl::Added& token : in_order)
+    added.push_back({{"id", token.id},
+                     {"content", token.content},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", token.special}});
+  const json root = {{"version", "1.0"},
+                     {"truncation", nullptr},
+                     {"padding", nullptr},
+                     {"added_tokens", added},
+                     {"normalizer", nullptr},
+                     {"pre_tokenizer", pre_tokenizer_of(impl)},
+                     {"post_processor", post_processor_of(impl)},
+                     {"decoder", byte_level(true, true)},
+                     {"model",
+                      {{"type", "BPE"},
+                       {"dropout", nullptr},
+                       {"unk_token", nullptr},
+                       {"continuing_subword_prefix", nullptr},
+                       {"end_of_word_suffix", nullptr},
+                       {"fuse_unk", false},
+                       {"byte_fallback", false},
+                       {"ignore_merges", impl.ignore_merges},
+                       {"vocab", vocab},
+                       {"merges", merges}}}};
+  return root.dump(2);
+}
+
+void Tokenizer::save_pretrained(const std::string& dir) const {
+  std::filesystem::create_directories(dir);
+  write_file_atomically(dir + "/tokenizer.json", hf_json());
+  // The special tokens transformers looks for by role: end-of-text as eos (and as bos where the
+  // model has no beginning-of-text token of its own, as GPT-2's files say).
+  json roles = json::object();
+  const std::optional<int32_t> eos = end_of_text();
+  std::optional<int32_t> bos = token_id("<|begin_of_text|>");
+  if (!bos) bos = eos;
+  if (bos) roles["bos_token"] = impl_->token_bytes[size_t(*bos)];
+  if (eos) roles["eos_token"] = impl_->token_bytes[size_t(*eos)];
+  json config = roles;
+  config["tokenizer_class"] = "PreTrainedTokenizerFast";
+  config["clean_up_tokenization_spaces"] = false;
+  write_file_atomically(dir + "/tokenizer_config.json", config.dump(2));
+  write_file_atomically(dir + "/special_tokens_map.json", roles.dump(2));
+}
 
 Tokenizer Tokenizer::from_hf_json(const std::string& path) {
   json root;

@@ -41,7 +41,7 @@ std::vector<KVCache> GPT2Model::make_caches(int64_t max_length) const {
   return std::vector<KVCache>(blocks.size(), KVCache(max_length));
 }
 
-std::vector<std::string> GPT2Model::units() const {
+std::vector<std::string> GPT2Model::shard_units() const {
   std::vector<std::string> names{"positions", "norm"};
   if (head) names.push_back("head");
   for (size_t i = 0; i < blocks.size(); ++i) names.push_back("blocks." + std::to_string(i));

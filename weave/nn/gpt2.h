@@ -36,7 +36,7 @@ class GPT2Model : public CausalLM {
   const GPT2ModelOptions& options() const { return options_; }
   /// FSDP's units (FSDPOptions::units): each block, the position embedding and the final norm.
   /// The token embedding stays with the root, since the tied head reads it after the blocks.
-  std::vector<std::string> units() const;
+  std::vector<std::string> shard_units() const override;
 
   std::shared_ptr<Embedding> tokens, positions;
   std::vector<std::shared_ptr<TransformerBlock>> blocks;  // named "blocks.<i>"

@@ -147,6 +147,15 @@ Tensor LlamaModel::forward_inputs(const Inputs& inputs) {
 
 namespace weave::nn {
 
+std::vector<std::string> LlamaModel::shard_units() const {
+  std::vector<std::string> names;
+  if (head) names.push_back("embedding");  // a tied head reads it after the blocks: the root's
+  for (const auto& [name, block] : blocks->named_children()) names.push_back("blocks." + name);
+  names.push_back("norm");
+  if (head) names.push_back("head");
+  return names;
+}
+
 std::vector<KVCache> LlamaModel::make_caches(int64_t max_length) const {
   return std::vector<KVCache>(blocks->size(), KVCache(max_length));
 }

@@ -117,6 +117,8 @@ class LlamaModel : public CausalLM {
   int64_t vocab() const override { return embedding->weight.size(0); }
   std::vector<KVCache> make_caches(int64_t max_length) const override;
   Tensor forward_cached(const Tensor& tokens, std::vector<KVCache>& caches) override;
+  /// Each block, the final norm, the head, and the embedding unless the head reads it (tied).
+  std::vector<std::string> shard_units() const override;
   std::shared_ptr<Embedding> embedding;
   std::shared_ptr<Sequential> blocks;
   std::shared_ptr<RMSNorm> norm;

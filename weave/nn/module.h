@@ -57,6 +57,10 @@ class Module {
   /// forward_inputs() called directly run no hooks.
   Tensor operator()(const Tensor& input);
   Tensor operator()(const Inputs& inputs);
+  /// The submodules, by parameter prefix ("blocks.0"), that a fully sharded wrapper gathers one
+  /// at a time when told no units of its own: a model's blocks and its other large parts. Empty
+  /// (the default): the wrapper groups the direct children.
+  virtual std::vector<std::string> shard_units() const { return {}; }
 
   /// Runs before forward with the input; returning a defined tensor replaces the input.
   using ForwardPreHook = std::function<Tensor(Module& module, const Tensor& input)>;

@@ -441,15 +441,38 @@ Tensor Tensor::matmul(const Tensor& other) const {
 Tensor Tensor::pow(double exponent) const {
   return weave::pow(*this, exponent);
 }
-Tensor Tensor::exp() const {
-  return weave::exp(*this);
+Tensor Tensor::argmin(std::optional<int64_t> d, bool keepdim) const {
+  return weave::argmin(*this, d, keepdim);
 }
-Tensor Tensor::log() const {
-  return weave::log(*this);
+Tensor Tensor::var(const Dims& dims, int64_t correction, bool keepdim) const {
+  return weave::var(*this, dims, correction, keepdim);
 }
-Tensor Tensor::relu() const {
-  return weave::relu(*this);
+Tensor Tensor::clamp(std::optional<double> lo, std::optional<double> hi) const {
+  return weave::clamp(*this, lo, hi);
 }
+Tensor Tensor::softmax(int64_t dim) const {
+  return weave::softmax(*this, dim);
+}
+
+// The unary shortcuts: each calls the op of its name.
+#define WEAVE_UNARY_METHOD(op) \
+  Tensor Tensor::op() const {  \
+    return weave::op(*this);   \
+  }
+WEAVE_UNARY_METHOD(neg)
+WEAVE_UNARY_METHOD(abs)
+WEAVE_UNARY_METHOD(exp)
+WEAVE_UNARY_METHOD(log)
+WEAVE_UNARY_METHOD(sqrt)
+WEAVE_UNARY_METHOD(rsqrt)
+WEAVE_UNARY_METHOD(square)
+WEAVE_UNARY_METHOD(sin)
+WEAVE_UNARY_METHOD(cos)
+WEAVE_UNARY_METHOD(tanh)
+WEAVE_UNARY_METHOD(sigmoid)
+WEAVE_UNARY_METHOD(relu)
+WEAVE_UNARY_METHOD(sign)
+#undef WEAVE_UNARY_METHOD
 
 // ---- threads ----------------------------------------------------------------------------
 

@@ -152,17 +152,33 @@ class Tensor {
   Tensor squeeze(std::optional<int64_t> dim = std::nullopt) const;
   Tensor unsqueeze(int64_t dim) const;
 
-  // ---- math shortcuts (see ops/ops.h for the full set) ---------------------------------
+  // ---- math shortcuts, PyTorch's methods (ops/ops.h has the functions and the rest) -----
   Tensor sum(const Dims& dims = {}, bool keepdim = false) const;
   Tensor mean(const Dims& dims = {}, bool keepdim = false) const;
   Tensor max(const Dims& dims = {}, bool keepdim = false) const;
   Tensor min(const Dims& dims = {}, bool keepdim = false) const;
+  /// Variance with Bessel's correction (correction 1) by default.
+  Tensor var(const Dims& dims = {}, int64_t correction = 1, bool keepdim = false) const;
   Tensor argmax(std::optional<int64_t> dim = std::nullopt, bool keepdim = false) const;
+  Tensor argmin(std::optional<int64_t> dim = std::nullopt, bool keepdim = false) const;
   Tensor matmul(const Tensor& other) const;
   Tensor pow(double exponent) const;
+  Tensor neg() const;
+  Tensor abs() const;
   Tensor exp() const;
   Tensor log() const;
+  Tensor sqrt() const;
+  Tensor rsqrt() const;
+  Tensor square() const;
+  Tensor sin() const;
+  Tensor cos() const;
+  Tensor tanh() const;
+  Tensor sigmoid() const;
   Tensor relu() const;
+  Tensor sign() const;
+  Tensor clamp(std::optional<double> min, std::optional<double> max = std::nullopt) const;
+  /// Softmax along dim.
+  Tensor softmax(int64_t dim = -1) const;
 
   // ---- in-place (bump the version counter) ----------------------------------------------
   Tensor& add_(const Tensor& other, double alpha = 1.0);

@@ -450,9 +450,18 @@ ShardedLoadReport load_sharded_checkpoint(const std::string& dir, data::Training
               "the ranks of group {} read different files in {} (was it replaced meanwhile?); "
               "nothing was changed",
               group.str(), dir);
+  // A part that no rank restores (the optimizer's state in a model-only load) is left alone.
+  auto restored = [&](const std::string& tensor) {
+    if (tensor.rfind("optimizer/", 0) == 0) return state.optimizer != nullptr;
+    if (tensor.rfind("loader/", 0) == 0) return state.loader != nullptr;
+    return true;
+  };
   std::vector<int64_t> any(saved.size(), 0);
   for (size_t i = 0; i < saved.size(); ++i)
-    any[i] = std::binary_search(plan.wanted.begin(), plan.wanted.end(), saved[i]) ? 1 : 0;
+    any[i] =
+        !restored(saved[i]) || std::binary_search(plan.wanted.begin(), plan.wanted.end(), saved[i])
+            ? 1
+            : 0;
   any = dist::agree_max(std::move(any), group);
   for (size_t i = 0; i < saved.size(); ++i)
     WEAVE_CHECK(any[i] == 1, op,

@@ -41,7 +41,9 @@ bool Placement::spread() const {
 std::string Placement::str() const {
   std::string out;
   for (const Cut& cut : cuts) out += (out.empty() ? "" : "; ") + cut.str();
-  return out.empty() ? "replicated" : out;
+  if (out.empty()) out = "replicated";
+  if (context) out += fmt::format("; read in parts of each sequence over group {}", context->str());
+  return out;
 }
 
 std::string Placement::describe() const {
@@ -62,6 +64,16 @@ int Placement::copies_in(const dist::Group& group) const {
               "{}; hint: clip over the group whose ranks together hold the whole model",
               pieces, str(), group.size(), group.str());
   return static_cast<int>(group.size() / pieces * tied);
+}
+
+void record_context_reads(const nn::Module& module, const dist::Group& context) {
+  if (context.size() <= 1) return;
+  for (const Tensor& p : module.parameters()) {
+    auto placement = std::make_shared<Placement>();
+    if (const Placement* before = placement_of(p)) *placement = *before;
+    placement->context = context;
+    p.impl()->meta().placement = std::move(placement);
+  }
 }
 
 const Placement* placement_of(const Tensor& t) {
@@ -231,6 +243,17 @@ int64_t experts_inside(const std::string& name, const Tensor& p, const dist::Gro
                        const char* op) {
   const Placement* placement = placement_of(p);
   if (placement == nullptr) return -1;
+  if (placement->context && placement->context->size() > 1) {
+    std::vector<int> left_out;
+    for (int r : placement->context->ranks())
+      if (!group.contains(r)) left_out.push_back(r);
+    WEAVE_CHECK(left_out.empty(), op,
+                "parameter '{}' is read in parts of each sequence by the ranks of context group "
+                "{}, and group {} leaves out ranks {}: their parts of the gradient would never "
+                "be added, and the copies would drift apart; hint: wrap over "
+                "mesh.data_and_context()",
+                name, placement->context->str(), group.str(), fmt::join(left_out, ", "));
+  }
   int64_t first = -1;
   for (const Cut& cut : placement->cuts) {
     int64_t shared = 0;

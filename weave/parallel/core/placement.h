@@ -58,6 +58,10 @@ struct Cut {
 class Placement final : public PlacementRecord {
  public:
   std::vector<Cut> cuts;
+  /// Context parallelism: over this group the ranks hold the same values, but each reads its
+  /// part of every sequence, so each holds a partial gradient that a data-parallel wrapper must
+  /// add up: the wrapper's group must take these ranks in (mesh.data_and_context()).
+  std::optional<dist::Group> context;
   /// How to clip a parameter so placed (the writer's hint, for optim::clip_grad_norm_'s error).
   std::string hint;
 
@@ -85,6 +89,11 @@ const Placement* placement_of(const Tensor& t);
 /// before; it replaces an earlier cut of its kind (a pipeline rebuilt over other ranks moves
 /// its stage). `hint`, when given, replaces the clipping advice.
 void add_cut(const Tensor& t, Cut cut, const std::string& hint = "");
+
+/// Records on every parameter of `module` that the ranks of `context` read different parts of
+/// every sequence with it (the context-parallel layers and models do it): a data-parallel
+/// wrapper over a group that leaves some of them out then raises, naming mesh.data_and_context().
+void record_context_reads(const nn::Module& module, const dist::Group& context);
 
 /// Parameter name -> split axis of every parameter of `module` with a Split cut (names as in
 /// module.named_parameters()); parameters not listed are not split.

@@ -56,8 +56,11 @@ using State = FullyShardedDataParallel::State;
 // Each unit: a name and its modules.
 UnitSpecs resolve_units(nn::Module& module, const FSDPOptions& options) {
   std::vector<std::pair<std::string, std::vector<nn::Module*>>> out;
-  if (!options.units.empty()) {
-    for (const std::string& name : options.units) {
+  // Units named in the options, else the model's own (a library model's blocks), else children.
+  const std::vector<std::string> named =
+      !options.units.empty() || options.unit_mb > 0 ? options.units : module.shard_units();
+  if (!named.empty()) {
+    for (const std::string& name : named) {
       nn::Module* found = find_module(module, name);
       WEAVE_CHECK(found != nullptr, kOp,
                   "unit '{}' names no submodule; expected one of the module's children by "

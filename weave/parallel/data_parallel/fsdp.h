@@ -3,7 +3,7 @@
 // ranks of the group keeps 1/N of the parameters, of their gradients and of the optimizer state,
 // and sees whole parameters only while a unit of the model runs.
 //
-//   parallel::FullyShardedDataParallel fsdp(model);       // units: the model's children
+//   parallel::FullyShardedDataParallel fsdp(model);       // units: model.shard_units()
 //   optim::AdamW adamw(fsdp.parameters(), {.lr = 1e-3});  // steps this rank's shards only
 //   for (auto& batch : loader) {
 //     adamw.zero_grad();
@@ -17,11 +17,12 @@
 // scaled by 1 / (expert group size), as DDP does (placement.h). Tensor-parallel layers inside
 // compose: each rank shards its slices over the group.
 //
-// Units. The model is cut into units (each direct child with parameters, named submodules, or
-// children grouped up to a size). A unit's parameters, per dtype, are flattened and padded to a
-// multiple of N; rank r keeps slice r, a leaf of its own: parameters() lists these shards, and
-// the optimizer steps them. Parameters of no unit, and parameters shared by several units, form
-// the root unit, gathered for the whole forward and backward.
+// Units. The model is cut into units (named submodules: the model's own shard_units() by
+// default, else each direct child with parameters, or children grouped up to a size). A unit's
+// parameters, per dtype, are flattened and padded to a multiple of N; rank r keeps slice r, a leaf
+// of its own: parameters() lists these shards, and the optimizer steps them. Parameters of no unit,
+// and parameters shared by several units, form the root unit, gathered for the whole forward and
+// backward.
 //
 // A step, for unit i (ZeRO-3, FullShard):
 //   forward   all_gather unit i (already in flight: it was prefetched while unit i-1 ran), and
@@ -69,9 +70,10 @@ enum class ShardingStrategy {
 
 struct FSDPOptions {
   ShardingStrategy sharding = ShardingStrategy::FullShard;
-  /// Submodules to make units, by name ("blocks.0", as parameter names prefix them). Empty:
-  /// every direct child of the module that has parameters (grouped by unit_mb when set).
-  /// Named units must not contain one another.
+  /// Submodules to make units, by name ("blocks.0", as parameter names prefix them). Empty: the
+  /// module's own shard_units() (the library's models: each block, the embeddings, the norm and
+  /// the head), else, and whenever unit_mb is set, every direct child that has parameters
+  /// (grouped by unit_mb). Named units must not contain one another.
   std::vector<std::string> units = {};
   /// With no units named: consecutive direct children are grouped into one unit until their
   /// parameters reach this many MB (0: one unit per child).

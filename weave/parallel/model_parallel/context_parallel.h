@@ -20,7 +20,9 @@
 //
 // Layouts (where rank r's positions are): Contiguous holds chunk r of n; ZigZag cuts the
 // sequence into 2n chunks and holds chunks r and 2n - 1 - r, so that under a causal mask every
-// rank does the same attention work.
+// rank does the same attention work. ZigZag is the default everywhere (shard_sequence,
+// gather_sequence, the attention options, ParallelLMOptions::context_layout): inputs cut in one
+// layout and attended in the other would let positions see keys from their future.
 #include <cstdint>
 #include <optional>
 
@@ -43,7 +45,7 @@ struct RingAttentionStats {
 
 struct ContextParallelOptions {
   bool causal = false;
-  SequenceLayout layout = SequenceLayout::Contiguous;
+  SequenceLayout layout = SequenceLayout::ZigZag;
   /// Multiplies q k^T; 1 / sqrt(head size) when unset.
   std::optional<double> scale = std::nullopt;
   /// Filled by ring_attention when set.
@@ -70,10 +72,10 @@ Tensor all_to_all_attention(const Tensor& q, const Tensor& k, const Tensor& v,
 /// This rank's part of a whole sequence along `axis` (its length must divide by the group size,
 /// by twice that under ZigZag). Differentiable: the gradient lands in this rank's positions.
 Tensor shard_sequence(const Tensor& whole, int64_t axis, const dist::Group& group,
-                      SequenceLayout layout = SequenceLayout::Contiguous);
+                      SequenceLayout layout = SequenceLayout::ZigZag);
 /// The whole sequence from every rank's part (an all_gather, reordered for ZigZag).
 /// Differentiable: each rank's part gets the sum of the gradients of its positions.
 Tensor gather_sequence(const Tensor& part, int64_t axis, const dist::Group& group,
-                       SequenceLayout layout = SequenceLayout::Contiguous);
+                       SequenceLayout layout = SequenceLayout::ZigZag);
 
 }  // namespace weave::parallel

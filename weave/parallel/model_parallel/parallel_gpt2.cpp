@@ -51,10 +51,21 @@ ParallelGPT2Model::ParallelGPT2Model(nn::GPT2ModelOptions options, dist::Group g
   if (last_stage)
     norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{options.dim}));
   if (split_.stages > 1 && tokens) tie_first_and_last_stage(tokens->weight);
+  if (split_.context_group) record_context_reads(*this, *split_.context_group);
 }
 
 Tensor ParallelGPT2Model::forward(const Tensor& ids) {
   return run(ids, nullptr, split_.gather_logits);
+}
+
+std::vector<std::string> ParallelGPT2Model::shard_units() const {
+  std::vector<std::string> names;
+  if (positions) names.push_back("positions");
+  for (const auto& [child, stack] : named_children())
+    if (child == "blocks")
+      for (const auto& [name, block] : stack->named_children()) names.push_back("blocks." + name);
+  if (norm) names.push_back("norm");
+  return names;
 }
 
 Tensor ParallelGPT2Model::aux_loss() const {

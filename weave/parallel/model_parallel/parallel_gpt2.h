@@ -30,6 +30,9 @@ class ParallelGPT2Model : public nn::CausalLM {
   /// With split.moe: the last forward's load-balancing and z-losses of the blocks, summed (add
   /// it to the loss); undefined without experts.
   Tensor aux_loss() const;
+  /// This stage's position embedding, blocks and final norm, each a unit of its own (the token
+  /// embedding stays with the root: the tied head reads it after the blocks).
+  std::vector<std::string> shard_units() const override;
 
   /// On the first stage and the last (whose head multiplies by it: a copy tied to the first
   /// stage's, tie_first_and_last_stage); null between.

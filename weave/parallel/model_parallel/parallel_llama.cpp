@@ -4,6 +4,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
 #include "weave/ops/side_loss.h"
+#include "weave/parallel/core/placement.h"
 
 namespace weave::parallel {
 
@@ -152,13 +153,14 @@ ParallelLlamaBlock::ParallelLlamaBlock(int64_t dim, dist::Group group,
         make_block_experts(*options.moe, options.expert_group, options.balance_group);
     aux_loss_ = std::move(experts.aux_loss);
     moe = register_module("moe", std::move(experts.module));
-    return;
+  } else {
+    const int64_t hidden = options.hidden == 0 ? nn::llama_hidden(dim) : options.hidden;
+    mlp = register_module("mlp", std::make_shared<ParallelGatedMLP>(
+                                     dim, hidden, group,
+                                     ParallelGatedMLPOptions{.activation = options.activation,
+                                                             .generator = options.generator}));
   }
-  const int64_t hidden = options.hidden == 0 ? nn::llama_hidden(dim) : options.hidden;
-  mlp = register_module("mlp", std::make_shared<ParallelGatedMLP>(
-                                   dim, hidden, group,
-                                   ParallelGatedMLPOptions{.activation = options.activation,
-                                                           .generator = options.generator}));
+  if (options.context_group) record_context_reads(*this, *options.context_group);
 }
 
 Tensor ParallelLlamaBlock::forward(const Tensor& x) {
@@ -221,14 +223,16 @@ ParallelLlamaModel::ParallelLlamaModel(nn::LlamaModelOptions options, dist::Grou
     block.moe = block_experts(split_, i);
     blocks->push_back(std::make_shared<ParallelLlamaBlock>(options.dim, group_, block));
   }
-  if (split_.stage < split_.stages - 1) return;
-  norm = register_module("norm",
-                         std::make_shared<nn::RMSNorm>(Shape{options.dim}, options.block.norm_eps));
-  head = register_module("head",
-                         std::make_shared<ColumnParallelLinear>(
-                             options.dim, padded, group_,
-                             ColumnParallelOptions{.bias = false, .generator = options.generator}));
-  record_padding(head->weight, group_, vocab_);  // zeroes the padding rows, as the embedding's
+  if (split_.stage == split_.stages - 1) {
+    norm = register_module(
+        "norm", std::make_shared<nn::RMSNorm>(Shape{options.dim}, options.block.norm_eps));
+    head = register_module(
+        "head", std::make_shared<ColumnParallelLinear>(
+                    options.dim, padded, group_,
+                    ColumnParallelOptions{.bias = false, .generator = options.generator}));
+    record_padding(head->weight, group_, vocab_);  // zeroes the padding rows, as the embedding's
+  }
+  if (split_.context_group) record_context_reads(*this, *split_.context_group);
 }
 
 Tensor ParallelLlamaModel::forward(const Tensor& tokens) {
@@ -245,6 +249,14 @@ Tensor ParallelLlamaModel::forward_inputs(const nn::Inputs& inputs) {
     return aux.defined() ? attach_loss(h, aux) : h;
   }
   return vocab_parallel_logits((*head)((*norm)(h)), vocab_, group_, split_.gather_logits);
+}
+
+std::vector<std::string> ParallelLlamaModel::shard_units() const {
+  std::vector<std::string> names;
+  if (embedding) names.push_back("embedding");
+  for (const auto& [name, block] : blocks->named_children()) names.push_back("blocks." + name);
+  if (norm) names.insert(names.end(), {"norm", "head"});
+  return names;
 }
 
 Tensor ParallelLlamaModel::aux_loss() const {

@@ -143,6 +143,8 @@ class ParallelLlamaModel : public nn::CausalLM {
   /// With split.moe: the last forward's load-balancing and z-losses of this stage's blocks,
   /// summed (add it to the loss); undefined without experts.
   Tensor aux_loss() const;
+  /// This stage's embedding, blocks, final norm and head, each a unit of its own.
+  std::vector<std::string> shard_units() const override;
   std::shared_ptr<VocabParallelEmbedding> embedding;  // null past the first pipeline stage
   std::shared_ptr<nn::Sequential> blocks;             // this stage's ("blocks.<i>")
   std::shared_ptr<nn::RMSNorm> norm;                  // null before the last stage

@@ -1,6 +1,7 @@
 #include "weave/parallel/model_parallel/parallel_transformer.h"
 
 #include "weave/distributed/functional.h"
+#include "weave/parallel/core/placement.h"
 
 namespace weave::parallel {
 
@@ -148,6 +149,7 @@ ParallelTransformerBlock::ParallelTransformerBlock(int64_t dim, int64_t heads, d
                                                  .generator = options.generator}));
   dropout_ =
       register_module("dropout", std::make_shared<nn::Dropout>(options.dropout, options.generator));
+  if (options.context_group) record_context_reads(*this, *options.context_group);
 }
 
 void ParallelTransformerBlock::add_experts(int64_t dim,
