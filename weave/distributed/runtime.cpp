@@ -285,6 +285,7 @@ InitGuard::~InitGuard() {
                        (error.empty() ? std::string() : ": " + error));
   }
   const int rank = initialized() ? runtime().rank : -1;
+  const int size = initialized() ? runtime().size : 1;
   try {
     finalize();
   } catch (const std::exception& e) {
@@ -292,6 +293,8 @@ InitGuard::~InitGuard() {
     // a scheduler) never counts a lost checkpoint as a success.
     std::fprintf(stderr, "[weave] rank %d: %s\n", rank, e.what());
     std::fflush(stderr);
+    // Every rank fails here (agreed at finalize); mpirun kills the rest when the first exits.
+    if (size > 1) std::this_thread::sleep_for(std::chrono::seconds(1));
     std::exit(EXIT_FAILURE);
   }
 }
