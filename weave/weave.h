@@ -15,6 +15,7 @@
 #include "weave/distributed/distributed.h"
 #include "weave/distributed/functional.h"
 #include "weave/distributed/gradcheck.h"
+#include "weave/nn/deferred.h"
 #include "weave/nn/generation.h"
 #include "weave/nn/gpt2.h"
 #include "weave/nn/init.h"

@@ -19,11 +19,14 @@ int main(int argc, char** argv) {
 
   const nn::LlamaModelOptions options{
       .vocab = tokens->vocab_size(), .dim = 128, .layers = 4, .block = {.heads = 4, .kv_heads = 2}};
-  manual_seed(0);  // rank 0's model wins anyway: FSDP broadcasts it
-  nn::LlamaModel model(options);
-  if (dist::rank() == 0) std::printf("%s", nn::summary(model, 1).c_str());
-  parallel::FullyShardedDataParallel fsdp(model);  // a unit per block; each rank 1/N of it all
-  optim::AdamW opt(fsdp.param_groups(optim::weight_decay_groups(model, 0.1)), {.lr = 1e-3});
+  std::shared_ptr<nn::LlamaModel> model;
+  {
+    nn::DeferredInit deferred(/*seed=*/0);  // no memory yet: values are drawn by name, later
+    model = std::make_shared<nn::LlamaModel>(options);
+  }
+  if (dist::rank() == 0) std::printf("%s", nn::summary(*model, 1).c_str());
+  parallel::FullyShardedDataParallel fsdp(*model);  // each rank draws its 1/N; a unit per block
+  optim::AdamW opt(fsdp.param_groups(optim::weight_decay_groups(*model, 0.1)), {.lr = 1e-3});
   data::MetricsLogger metrics({.enabled = dist::rank() == 0, .total_steps = steps});
 
   for (int64_t step = 1, epoch = 0; step <= steps; ++epoch) {
@@ -46,6 +49,7 @@ int main(int argc, char** argv) {
   parallel::save_sharded_checkpoint(std::string(argv[3]) + "/checkpoint", state);
   const nn::NamedTensors whole = fsdp.full_state_dict();  // collective: every rank gathers
   if (dist::rank() == 0) {
+    nn::DeferredInit deferred;  // nothing drawn: the trained values are loaded over it
     nn::LlamaModel exported(options);
     exported.load_state_dict(whole);
     const auto tokenizer = data::Tokenizer::from_directory(argv[2]);

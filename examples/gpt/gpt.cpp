@@ -90,17 +90,14 @@ using gpt::ParallelGpt;
 
 namespace {
 
-// GPT-2's initialization: weights N(0, 0.02), biases 0, norms 1 (the same on every rank that
-// uses the same seed).
-void initialize(nn::Module& model, uint64_t seed) {
-  NoGradGuard no_grad;
-  Generator g(seed);
+// GPT-2's initialization: weights N(0, 0.02), biases 0, norms 1 (their own ones). Built under
+// nn::DeferredInit, these set recipes: each parameter is drawn by its name from the seed.
+void initialize(nn::Module& model) {
   for (auto& [name, p] : model.named_parameters()) {
-    const bool is_norm = name.find("norm") != std::string::npos;
     if (name.ends_with(".bias"))
-      p.zero_();
-    else if (!is_norm)
-      p.copy_(randn(p.shape(), {.dtype = p.dtype()}, &g) * 0.02);
+      nn::init::zeros_(p);
+    else if (name.find("norm") == std::string::npos)
+      nn::init::normal_(p, 0, 0.02);
   }
 }
 
@@ -111,53 +108,54 @@ dist::Group this_rank_alone() {
   return dist::split_group(dist::world(), singletons);
 }
 
-// The model of this rank (its pipeline stage's part), built from the whole model's
-// initialization (on every rank alike).
+// The model of this rank (its pipeline stage's and tensor-parallel slice's part), drawn by
+// parameter name from the seed (nn::DeferredInit), so that every layout holds what one process
+// holds, and no rank builds more than its part. Left deferred for fsdp, which draws only this
+// rank's shards of it.
 std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
                                      const parallel::ProcessMesh& mesh, bool sequence_parallel,
-                                     std::optional<dist::Group> experts = std::nullopt) {
+                                     std::optional<dist::Group> experts = std::nullopt,
+                                     bool leave_deferred = false) {
   const int stages = mesh.shape().pipeline;
-  std::shared_ptr<LanguageModel> whole;
-  if (f.arch == "llama" && f.experts > 0)  // its blocks' experts all on this rank
-    whole = std::make_shared<gpt::ParallelLlama>(f, vocab, this_rank_alone(), std::nullopt,
-                                                 std::nullopt, mesh.data_and_context());
-  else if (f.arch == "llama")
-    whole = std::make_shared<gpt::Llama>(f, vocab);
-  else if (f.experts > 0)
-    whole = std::make_shared<MoeGpt>(f, vocab, mesh.data_and_context());
-  else
-    whole = std::make_shared<Gpt>(f, vocab);
-  initialize(*whole, f.seed);
-  whole->checkpoint_activations = f.checkpoint_activations;
-  whole->to(f.placed);
-  if (!experts && mesh.shape().context == 1 && mesh.shape().tensor == 1 && stages == 1)
-    return whole;
+  const bool split = experts || mesh.shape().context > 1 || mesh.shape().tensor > 1 || stages > 1;
   const std::optional<dist::Group> context =
       mesh.shape().context > 1 ? std::optional(mesh.context()) : std::nullopt;
-  std::shared_ptr<LanguageModel> split =
-      f.arch == "llama"
-          ? std::shared_ptr<LanguageModel>(std::make_shared<gpt::ParallelLlama>(
-                f, vocab, mesh.tensor(), context, experts, mesh.data_and_context(),
-                mesh.pipeline_rank(), stages))
-          : std::make_shared<ParallelGpt>(f, vocab, mesh.tensor(), sequence_parallel, context,
-                                          experts, mesh.data_and_context(),
-                                          gpt::stage_range(f.layers, mesh.pipeline_rank(), stages));
-  split->to(f.placed);
-  nn::NamedTensors state = parallel::shard_state_dict(whole->state_dict(), *split);
-  const auto names = split->state_dict();  // this rank's experts and stage only
-  std::erase_if(state, [&](const auto& entry) {
-    return std::none_of(names.begin(), names.end(),
-                        [&](const auto& mine) { return mine.first == entry.first; });
-  });
-  split->load_state_dict(state);
-  split->checkpoint_activations = f.checkpoint_activations;
-  return split;
+  const dist::Group alone = f.arch == "llama" && f.experts > 0 && !split
+                                ? this_rank_alone()  // its blocks' experts all on this rank
+                                : dist::world();
+  std::shared_ptr<LanguageModel> model;
+  {
+    nn::DeferredInit deferred(f.seed);
+    if (split && f.arch == "llama")
+      model = std::make_shared<gpt::ParallelLlama>(f, vocab, mesh.tensor(), context, experts,
+                                                   mesh.data_and_context(), mesh.pipeline_rank(),
+                                                   stages);
+    else if (split)
+      model = std::make_shared<ParallelGpt>(
+          f, vocab, mesh.tensor(), sequence_parallel, context, experts, mesh.data_and_context(),
+          gpt::stage_range(f.layers, mesh.pipeline_rank(), stages));
+    else if (f.arch == "llama" && f.experts > 0)
+      model = std::make_shared<gpt::ParallelLlama>(f, vocab, alone, std::nullopt, std::nullopt,
+                                                   mesh.data_and_context());
+    else if (f.arch == "llama")
+      model = std::make_shared<gpt::Llama>(f, vocab);
+    else if (f.experts > 0)
+      model = std::make_shared<MoeGpt>(f, vocab, mesh.data_and_context());
+    else
+      model = std::make_shared<Gpt>(f, vocab);
+    initialize(*model);
+  }
+  model->checkpoint_activations = f.checkpoint_activations;
+  model->to(f.placed);
+  if (!leave_deferred) nn::materialize(*model);
+  return model;
 }
 
 // Mean loss over the held-out windows: each data-parallel rank evaluates its share (through the
-// pipeline's stages when there is one, the loss on the last).
+// pipeline's stages when there is one, the loss on the last; through fsdp's units when sharded).
 double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
-                    const parallel::ProcessMesh& mesh, parallel::Pipeline* pipe = nullptr) {
+                    const parallel::ProcessMesh& mesh, parallel::Pipeline* pipe = nullptr,
+                    parallel::FullyShardedDataParallel* fsdp = nullptr) {
   NoGradGuard no_grad;
   model.eval();
   const int64_t span = int64_t(corpus.heldout.size()) - f.context - 1;
@@ -166,14 +164,24 @@ double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
     mine.push_back(i * span / f.eval_windows);
   double total = 0;
   const size_t per_batch = size_t(pipe ? f.batch / mesh.shape().data : f.batch);
-  for (size_t first = 0; first < mine.size(); first += per_batch) {
-    const size_t last = std::min(mine.size(), first + per_batch);
-    const Batch batch = gpt::make_batch(corpus.heldout, {mine.begin() + first, mine.begin() + last},
-                                        f.context, corpus.end_of_text, f.placed);
+  // Sharded, every rank runs as many forwards as data rank 0 (the most windows) so that the
+  // units' gathers pair up; a rank out of windows runs its first again and counts nothing.
+  const size_t most = size_t((f.eval_windows + mesh.shape().data - 1) / mesh.shape().data);
+  const size_t rounds = ((fsdp ? most : mine.size()) + per_batch - 1) / per_batch;
+  for (size_t round = 0; round < rounds; ++round) {
+    const size_t first = round * per_batch;
+    const bool spare = first >= mine.size();
+    const size_t last = spare ? first + 1 : std::min(mine.size(), first + per_batch);
+    const std::vector<int64_t> windows =
+        spare ? std::vector<int64_t>{0}
+              : std::vector<int64_t>(mine.begin() + long(first), mine.begin() + long(last));
+    const Batch batch =
+        gpt::make_batch(corpus.heldout, windows, f.context, corpus.end_of_text, f.placed);
     // GPT's stages run sequence first ([T, B, ...]), Llama's batch first.
-    Tensor logits = pipe ? pipe->predict(batch.model_inputs(), f.arch == "gpt" ? 1 : 0)
-                         : model(batch.model_inputs());
-    if (logits.defined())  // the last stage's
+    Tensor logits = pipe   ? pipe->predict(batch.model_inputs(), f.arch == "gpt" ? 1 : 0)
+                    : fsdp ? (*fsdp)(batch.model_inputs())
+                           : model(batch.model_inputs());
+    if (logits.defined() && !spare)  // the last stage's
       total += model.loss(logits, batch.targets).item<double>() * double(last - first);
   }
   // Under context parallelism each rank's loss covers its part of the positions.
@@ -186,10 +194,11 @@ double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
 }
 
 // Lines sampled from a newline, temperature 0.8, on the ranks of data-parallel group 0 (the
-// tensor-parallel ranks decode together); printed by rank 0.
+// tensor-parallel ranks decode together), or on every rank of a sharded model (fsdp's units
+// gather as its blocks decode); printed by rank 0.
 void sample(LanguageModel& model, const Flags& f, const Corpus& corpus,
-            const parallel::ProcessMesh& mesh) {
-  if (mesh.data_rank() != 0 || f.samples <= 0) return;
+            const parallel::ProcessMesh& mesh, bool sharded = false) {
+  if ((mesh.data_rank() != 0 && !sharded) || f.samples <= 0) return;
   NoGradGuard no_grad;
   model.eval();
   Generator g(f.seed + 7);  // the same draws on every tensor-parallel rank
@@ -271,16 +280,16 @@ int train_and_sample(Flags& f, int argc, char** argv) {
               tensor, context, pipeline, world);
   const int data = world / (tensor * context * pipeline);
   const int microbatches = f.microbatches > 0 ? f.microbatches : 2 * pipeline;
-  WEAVE_CHECK(pipeline == 1 || (f.experts == 0 && !fully_sharded && f.autocast != kFloat16 &&
-                                f.layers >= pipeline && f.batch % (data * microbatches) == 0 &&
+  WEAVE_CHECK(pipeline == 1 || (f.experts == 0 && f.autocast != kFloat16 && f.layers >= pipeline &&
+                                f.batch % (data * microbatches) == 0 &&
                                 f.eval_windows % (data * microbatches) == 0),
               "gpt",
-              "--pipeline {} takes a dense model under ddp without fp16 (found --experts {}, "
-              "--strategy {}{}), at least one block per stage (--layers {}), and --batch {} and "
+              "--pipeline {} takes a dense model without fp16 (found --experts {}{}), at least "
+              "one block per stage (--layers {}), and --batch {} and "
               "--eval-windows {} in multiples of the {} data-parallel ranks times {} "
               "micro-batches",
-              pipeline, f.experts, f.strategy, f.autocast == kFloat16 ? ", --autocast fp16" : "",
-              f.layers, f.batch, f.eval_windows, data, microbatches);
+              pipeline, f.experts, f.autocast == kFloat16 ? ", --autocast fp16" : "", f.layers,
+              f.batch, f.eval_windows, data, microbatches);
   WEAVE_CHECK(
       f.experts == 0 || ((data * context) % f.expert_parallel == 0 && f.eval_windows % data == 0 &&
                          f.experts % f.expert_parallel == 0 && f.top_k <= f.experts),
@@ -323,35 +332,32 @@ int train_and_sample(Flags& f, int argc, char** argv) {
               "(train {}); hint: a shorter --context or more text",
               f.context, f.data_dir, corpus.heldout.size(), corpus.train.size());
 
-  auto model = build(f, corpus.vocab, mesh, sequence_parallel, experts);
+  auto model = build(f, corpus.vocab, mesh, sequence_parallel, experts, fully_sharded);
   std::vector<std::pair<std::string, Shape>> model_shapes;  // before fsdp shards the parameters
   for (const auto& [name, p] : model->named_parameters())
     model_shapes.emplace_back(name, p.shape());
-  std::unique_ptr<parallel::DistributedDataParallel> ddp;
+  // One data-parallel wrapper, or none: DDP averages each parameter where its placement says,
+  // FSDP shards each over the ranks holding copies of it (kept gathered across a pipeline's
+  // micro-batches, torchtitan's choice).
   std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
-  if (fully_sharded)  // each parameter sharded over the ranks holding copies of it
+  std::unique_ptr<parallel::DataParallelWrapper> wrapper;
+  if (fully_sharded) {
     fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
-        *model, parallel::FSDPOptions{.group = mesh.data_and_context()});
-  else if (data * context > 1)  // each parameter averaged where its placement says
-    ddp = std::make_unique<parallel::DistributedDataParallel>(
+        *model, parallel::FSDPOptions{.reshard_after_forward = pipeline == 1,
+                                      .group = mesh.data_and_context()});
+  } else if (data * context > 1) {
+    wrapper = std::make_unique<parallel::DistributedDataParallel>(
         *model, parallel::DDPOptions{.group = mesh.data_and_context()});
-  // The stages pass activations forward and gradients back; each stage's DDP synchronizes on
-  // the step's last micro-batch.
+  }
+  parallel::DataParallelWrapper* const data_parallel = fsdp ? fsdp.get() : wrapper.get();
+  // The stages pass activations forward and gradients back; each stage's wrapper synchronizes
+  // on the step's last micro-batch.
   std::unique_ptr<parallel::Pipeline> pipe;
   if (pipeline > 1) {
     const parallel::PipelineOptions options{.microbatches = microbatches, .group = mesh.pipeline()};
-    pipe = ddp ? std::make_unique<parallel::Pipeline>(*ddp, options)
-               : std::make_unique<parallel::Pipeline>(*model, options);
+    pipe = data_parallel ? std::make_unique<parallel::Pipeline>(*data_parallel, options)
+                         : std::make_unique<parallel::Pipeline>(*model, options);
   }
-  // Evaluation and sampling run on whole parameters: under fsdp, on a replica loaded from the
-  // gathered state (the sharded model's forward would gather on every data-parallel rank, but
-  // only one group samples). Collective under fsdp.
-  auto whole_model = [&]() -> std::shared_ptr<LanguageModel> {
-    if (!fsdp) return model;
-    auto replica = build(f, corpus.vocab, mesh, sequence_parallel, experts);
-    replica->load_state_dict(fsdp->full_state_dict());
-    return replica;
-  };
   // The GPT recipe's groups: no weight decay on biases, norms and embeddings. Under fsdp the
   // optimizer steps this rank's shards only, each part with its parameter's group.
   const std::vector<optim::ParamGroup> groups = optim::weight_decay_groups(*model, f.weight_decay);
@@ -441,7 +447,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
           std::optional<AutocastGuard> autocast;
           if (f.autocast) autocast.emplace(*f.autocast);
           const nn::Inputs in = batch.model_inputs();
-          Tensor logits = ddp ? (*ddp)(in) : fsdp ? (*fsdp)(in) : (*model)(in);
+          Tensor logits = data_parallel ? data_parallel->forward(in) : (*model)(in);
           loss = model->loss(logits, targets);
         }
         scaler.scale(loss).backward();
@@ -474,7 +480,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
       std::optional<AutocastGuard> autocast;
       if (f.autocast) autocast.emplace(*f.autocast);
       metrics.log_eval(step, "heldout_loss",
-                       heldout_loss(*whole_model(), f, corpus, mesh, pipe.get()));
+                       heldout_loss(*model, f, corpus, mesh, pipe.get(), fsdp.get()));
     }
     if (!f.checkpoint.empty() &&
         (step % f.checkpoint_every == 0 || step == f.steps || step == f.stop_at)) {
@@ -494,14 +500,9 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   }
   std::optional<AutocastGuard> autocast;
   if (f.autocast) autocast.emplace(*f.autocast);
-  const std::shared_ptr<LanguageModel> evaluated = whole_model();
-  const double held = heldout_loss(*evaluated, f, corpus, mesh, pipe.get());
+  const double held = heldout_loss(*model, f, corpus, mesh, pipe.get(), fsdp.get());
   metrics.log_eval(f.steps, "heldout_loss", held);
-  if (dist::rank() == 0) {
-    std::printf("peak tensor memory on rank 0: %.1f MB (memory_stats)\n",
-                double(memory_stats(device).peak) / 1e6);
-    std::printf("heldout_loss=%.4f\n", held);
-  }
+  if (dist::rank() == 0) std::printf("heldout_loss=%.4f\n", held);
   // Decoding appends one position at a time, which sequence parallelism cannot split: the same
   // parameters in a model built without it.
   if (experts || pipe) {
@@ -514,11 +515,17 @@ int train_and_sample(Flags& f, int argc, char** argv) {
                                 f, corpus.vocab, mesh.tensor()))
                           : std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
     decoder->to(device);
-    decoder->load_state_dict(evaluated->state_dict());
+    decoder->load_state_dict(fsdp ? fsdp->full_state_dict() : model->state_dict());
     sample(*decoder, f, corpus, mesh);
+  } else if (fsdp) {  // every rank decodes, each unit gathered as it runs
+    fsdp->run([&] { sample(*model, f, corpus, mesh, /*sharded=*/true); });
   } else {
-    sample(*evaluated, f, corpus, mesh);
+    sample(*model, f, corpus, mesh);
   }
+  // Over the whole run: construction, training, evaluation and sampling.
+  if (dist::rank() == 0)
+    std::printf("peak tensor memory on rank 0: %.1f MB (memory_stats)\n",
+                double(memory_stats(device).peak) / 1e6);
   return 0;
 }
 

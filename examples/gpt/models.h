@@ -97,7 +97,9 @@ class Gpt : public LanguageModel {
   }
   Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
     Tensor x = embed(ids, caches[0].length());
-    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->forward(x, caches[i]);
+    for (size_t i = 0; i < blocks.size(); ++i)  // between its hooks: fsdp gathers the block
+      x = blocks[i]->call(
+          x, [&](const nn::Inputs& in) { return blocks[i]->forward(in.x, caches[i]); });
     return (*head)((*norm)(x.select(1, x.size(1) - 1)));
   }
   std::shared_ptr<nn::Embedding> tokens, positions;
@@ -210,7 +212,9 @@ class ParallelGpt : public LanguageModel {
   }
   Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) override {
     Tensor x = embed(ids, caches[0].length());
-    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i]->forward(x, caches[i]);
+    for (size_t i = 0; i < blocks.size(); ++i)  // between its hooks: fsdp gathers the block
+      x = blocks[i]->call(
+          x, [&](const nn::Inputs& in) { return blocks[i]->forward(in.x, caches[i]); });
     Tensor local = (*head)((*norm)(x.select(0, x.size(0) - 1)));  // [B, vocab / n]
     return F::all_gather(local, -1, tp_);
   }

@@ -18,9 +18,10 @@
 // tensor groups of --tp, 2 by default); --tp N splits the model under ddp and fsdp too, and
 // --context-parallel N splits every window over N ranks (zig-zag parts, ring attention) under
 // any of them, and --pipeline N cuts the model into N stages (1F1B over --microbatches, 2 N by
-// default; not with fsdp; GPT-2's last stage holds a copy of the token embedding for its head,
-// its gradient added to the first stage's after every step). Each rank reads only the parts of the
-// checkpoint it holds.
+// default; GPT-2's last stage holds a copy of the token embedding for its head, its gradient
+// added to the first stage's after every step, which takes ddp: fsdp stages need Llama's untied
+// head). Each rank reads only the parts of the checkpoint it holds, into a model built without
+// memory (nn::DeferredInit).
 // --init llama|gpt2 first writes a new, randomly initialized model of --dim/--layers/--heads/
 // --kv-heads with the tokenizer of --tokenizer DIR into --model (how the tests make one).
 // Rank 0 prints `step N loss X` (the whole batch's) every --log-every steps, `final_loss=X`,
@@ -160,8 +161,6 @@ parallel::MeshShape mesh_shape(const Flags& f) {
               "--context-parallel {} times --pipeline {} times {} tensor-parallel ranks does not "
               "divide the {} ranks",
               context, pipeline, tensor, world);
-  WEAVE_CHECK(pipeline == 1 || f.strategy != "fsdp", "finetune",
-              "--pipeline takes ddp, tp or hybrid (FSDP's gathers do not pair across stages)");
   WEAVE_CHECK(f.context % (2 * context) == 0, "finetune",
               "--context {} must split into 2 x --context-parallel {} equal chunks (zig-zag)",
               f.context, context);
@@ -230,31 +229,32 @@ struct Trainer {
     const bool sharded = f.strategy == "fsdp";
     if (!split && !sharded) {
       model = data::hf::from_pretrained(f.model);
-    } else {
-      Generator generator(f.seed);
-      model =
-          split ? split_model(config, mesh, &generator) : data::hf::make_model(config, &generator);
+    } else {  // without memory: the checkpoint fills this rank's slices, or under fsdp its shards
+      nn::DeferredInit deferred(f.seed);
+      model = split ? split_model(config, mesh, nullptr) : data::hf::make_model(config);
     }
     model->set_recompute_blocks(f.checkpoint_activations);
     const dist::Group& replicas = mesh.data_and_context();
-    if (sharded) {  // the blocks are units; embeddings, norm and head (GPT-2's tied) the root
-      std::vector<std::string> units;
-      for (int64_t i = 0; i < config.layers; ++i) units.push_back("blocks." + std::to_string(i));
+    parallel::DataParallelWrapper* wrapper = nullptr;
+    if (sharded) {  // the model's units (each block, the embeddings, norm and head; tied: root)
       fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
-          *model, parallel::FSDPOptions{.units = units, .group = replicas});
+          *model, parallel::FSDPOptions{.reshard_after_forward = mesh.shape().pipeline == 1,
+                                        .group = replicas});
       parallel::load_pretrained(fsdp->sharded_module(), config, f.model);
-      return;
+      wrapper = fsdp.get();
+    } else {
+      if (split) parallel::load_pretrained(*model, config, f.model);
+      if (replicas.size() > 1)
+        ddp = std::make_unique<parallel::DistributedDataParallel>(
+            *model, parallel::DDPOptions{.group = replicas});
+      wrapper = ddp.get();
     }
-    if (split) parallel::load_pretrained(*model, config, f.model);
-    if (replicas.size() > 1)
-      ddp = std::make_unique<parallel::DistributedDataParallel>(
-          *model, parallel::DDPOptions{.group = replicas});
     if (mesh.shape().pipeline > 1) {
       const int microbatches = f.microbatches > 0 ? f.microbatches : 2 * mesh.shape().pipeline;
       const parallel::PipelineOptions options{.microbatches = microbatches,
                                               .group = mesh.pipeline()};
-      pipe = ddp ? std::make_unique<parallel::Pipeline>(*ddp, options)
-                 : std::make_unique<parallel::Pipeline>(*model, options);
+      pipe = wrapper ? std::make_unique<parallel::Pipeline>(*wrapper, options)
+                     : std::make_unique<parallel::Pipeline>(*model, options);
     }
   }
 
@@ -341,11 +341,12 @@ struct Trainer {
     return whole;
   }
 
-  // The stages' parts (slices) into the whole model on every rank, through a sharded checkpoint
-  // of the model alone (it loads at any layout). Collective.
+  // The stages' parts (slices, or fsdp's shards of them) into the whole model on every rank,
+  // through a sharded checkpoint of the model alone (it loads at any layout). Collective.
   std::shared_ptr<nn::CausalLM> gathered_stages() {
     const std::string dir = (f.save.empty() ? f.model : f.save) + "/.stages";
-    parallel::save_sharded_checkpoint(dir, {.model = model.get(), .default_generator = false});
+    parallel::save_sharded_checkpoint(
+        dir, {.model = fsdp ? &fsdp->sharded_module() : model.get(), .default_generator = false});
     auto whole = data::hf::make_model(config);
     data::TrainingState into{.model = whole.get(), .default_generator = false};
     parallel::load_sharded_checkpoint(dir, into);

@@ -6,7 +6,7 @@
 # 4 ranks), with experts spread over ranks (with data parallelism at 4 ranks), and composed at 4
 # ranks (fsdp x tensor, fsdp x context, context x experts, tensor x experts; fsdp x experts at 2)
 # and at 8 (data x tensor x context; pipeline x tensor x data; fsdp x tensor x context with
-# experts), with two pipeline stages at 2 ranks (stopped and resumed), must each end
+# experts), with fsdp stages of a pipeline at 4, with two pipeline stages at 2 ranks (stopped and resumed), must each end
 # at the held-out loss of one process on the same global batch (float32: within 1e-3 relative);
 # with activation checkpointing, at the same run's without it, to the last printed digit.
 # Ranks started with different flags are refused. Exits 77 (skipped) without the fortunes
@@ -63,6 +63,7 @@ check_run "data 2 x tensor 2 x context 2 np8" 8 --tp 2 --context-parallel 2
 check_run "pipeline 2 np2 stopped at 15, resumed" 2 --pipeline 2 --checkpoint "$work/pipeline" \
   --resume
 check_run "pipeline 2 x tensor 2 x data 2 np8" 8 --pipeline 2 --tp 2
+check_run "fsdp 2 x pipeline 2 np4" 4 --strategy fsdp --pipeline 2
 # Mixture of experts: the dense layer on one process is the reference; experts spread over 2
 # ranks, and over 2 ranks with data parallelism across 2 such pairs.
 reference=$("$gpt" "${args[@]}" --experts 4 | held)

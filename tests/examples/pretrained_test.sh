@@ -6,7 +6,7 @@
 # logged step 50 and resumed from its last checkpoint (step 40), must print the same losses for
 # every step after the resume and save the same Hugging Face files, byte for byte, as the
 # uninterrupted run; tp, fsdp, context parallelism, a 2-stage pipeline, and at 4 ranks ddp x tp,
-# fsdp x tp x context and pipeline x context must end at ddp's loss (float32: 1e-3 relative), and the saved model must
+# fsdp x tp x context, pipeline x context and fsdp x pipeline must end at ddp's loss (float32: 1e-3 relative), and the saved model must
 # generate from a prompt. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
 # stage's head), alone and with 2 tensor-parallel ranks, and resumed under ddp from a pipelined
 # checkpoint, ends at ddp's loss too; with --checkpoint-activations it repeats ddp's losses
@@ -69,7 +69,8 @@ echo "ddp final_loss=$reference; resumed: $(final resumed)"
 for case in "tp 2 --strategy tp" "fsdp 2 --strategy fsdp" "context 2 --context-parallel 2" \
             "pipeline 2 --pipeline 2" "hybrid 4 --strategy hybrid --tp 2" \
             "fsdp_tp_context 4 --strategy fsdp --tp 2 --context-parallel 2" \
-            "tp_pipeline_context 4 --strategy tp --pipeline 2 --context-parallel 2"; do
+            "tp_pipeline_context 4 --strategy tp --pipeline 2 --context-parallel 2" \
+            "fsdp_pipeline 4 --strategy fsdp --pipeline 2 --microbatches 2"; do
   read -r name ranks args <<<"$case"
   # shellcheck disable=SC2086
   run "$name" "$ranks" $args

@@ -212,6 +212,14 @@ TEST_SUITE("pipeline") {
       CHECK_THROWS_WITH_AS(parallel::Pipeline(*lone, {.microbatches = 1}),
                            doctest::Contains("tied across the first and the last stage"), Error);
     }
+    if (n == 2) {  // tied on both ends, trained through FSDP's shards: every stage raises
+      const dist::Group alone = dist::split_group(dist::world(), {{0}, {1}});
+      auto lone = std::make_shared<nn::Linear>(2, 2);
+      parallel::tie_first_and_last_stage(lone->weight);
+      parallel::FullyShardedDataParallel fsdp(*lone, {.group = alone});
+      CHECK_THROWS_WITH_AS(parallel::Pipeline(fsdp, {.microbatches = 1}),
+                           doctest::Contains("wrap such stages in DistributedDataParallel"), Error);
+    }
   }
 
   TEST_CASE("interleaved virtual stages give one process's gradients") {

@@ -66,7 +66,9 @@ Tensor GPT2Model::run(const Tensor& ids, std::vector<KVCache>* caches) {
   const Tensor where = position_ids(start, ids.size(1), ids.device());
   Tensor x = (*tokens)(ids) + (*positions)(where);
   for (size_t i = 0; i < blocks.size(); ++i)
-    x = caches              ? blocks[i]->forward(x, (*caches)[i])
+    x = caches ? blocks[i]->call(
+                     Inputs(x),
+                     [&](const Inputs& in) { return blocks[i]->forward(in.x, (*caches)[i]); })
         : recompute_blocks_ ? checkpointed(*blocks[i], Inputs(x))
                             : (*blocks[i])(x);
   x = (*norm)(x);

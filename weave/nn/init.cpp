@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/nn/deferred.h"
 
 namespace weave::nn::init {
 
@@ -24,23 +25,29 @@ double gain(const std::string& nonlinearity, double slope) {
              nonlinearity);
 }
 
+// A deferred parameter takes the recipe instead of values: it is drawn by name when
+// materialized (deferred.h), so `generator` does not apply to it.
 void uniform_(Tensor& t, double low, double high, Generator* generator) {
+  if (set_deferred_recipe(t, DeferredValues::Kind::Uniform, low, high)) return;
   NoGradGuard no_grad;
   Tensor u = rand(t.shape(), {.dtype = is_floating(t.dtype()) ? t.dtype() : kFloat64}, generator);
   t.copy_(u * (high - low) + low);
 }
 
 void normal_(Tensor& t, double mean, double std, Generator* generator) {
+  if (set_deferred_recipe(t, DeferredValues::Kind::Normal, mean, std)) return;
   NoGradGuard no_grad;
   Tensor n = randn(t.shape(), {.dtype = is_floating(t.dtype()) ? t.dtype() : kFloat64}, generator);
   t.copy_(n * std + mean);
 }
 
 void zeros_(Tensor& t) {
+  if (set_deferred_recipe(t, DeferredValues::Kind::Constant, 0, 0)) return;
   NoGradGuard no_grad;
   t.zero_();
 }
 void ones_(Tensor& t) {
+  if (set_deferred_recipe(t, DeferredValues::Kind::Constant, 1, 0)) return;
   NoGradGuard no_grad;
   t.fill_(1.0);
 }

@@ -3,15 +3,15 @@
 #include <cmath>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/nn/deferred.h"
 #include "weave/nn/init.h"
 
 namespace weave::nn {
 
 namespace {
-Tensor uniform_tensor(const Shape& shape, double bound, Generator* generator) {
-  Tensor t = empty(shape);
-  init::uniform_(t, -bound, bound, generator);
-  return t;
+// A parameter holding U(-bound, bound).
+Tensor uniform_bound(const Shape& shape, double bound, Generator* generator) {
+  return init::uniform_parameter(shape, -bound, bound, generator);
 }
 }  // namespace
 
@@ -19,14 +19,14 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, Genera
     : Module("Linear"),
       weight(register_parameter(
           "weight",
-          uniform_tensor({out_features, in_features},
-                         1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(in_features, 1))),
-                         generator))),
+          uniform_bound({out_features, in_features},
+                        1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(in_features, 1))),
+                        generator))),
       bias(register_parameter(
-          "bias", with_bias ? uniform_tensor({out_features},
-                                             1.0 / std::sqrt(static_cast<double>(
-                                                       std::max<int64_t>(in_features, 1))),
-                                             generator)
+          "bias", with_bias ? uniform_bound({out_features},
+                                            1.0 / std::sqrt(static_cast<double>(
+                                                      std::max<int64_t>(in_features, 1))),
+                                            generator)
                             : Tensor())) {
   WEAVE_CHECK(in_features > 0 && out_features > 0, "Linear",
               "feature counts must be positive, found in={} out={}", in_features, out_features);
@@ -52,7 +52,8 @@ Tensor apply_stacked(const Tensor& x, const Tensor& weight, const Tensor& bias) 
 
 Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator* generator)
     : Module("Embedding"),
-      weight(register_parameter("weight", randn({num_embeddings, dim}, {}, generator))) {}
+      weight(register_parameter("weight",
+                                init::normal_parameter({num_embeddings, dim}, 0, 1, generator))) {}
 
 Tensor Embedding::forward(const Tensor& indices) {
   return embedding(weight, indices);
@@ -60,8 +61,10 @@ Tensor Embedding::forward(const Tensor& indices) {
 
 LayerNorm::LayerNorm(const Shape& normalized_shape, double eps, bool affine)
     : Module("LayerNorm"),
-      weight(register_parameter("weight", affine ? ones(normalized_shape) : Tensor())),
-      bias(register_parameter("bias", affine ? zeros(normalized_shape) : Tensor())),
+      weight(register_parameter("weight",
+                                affine ? init::constant_parameter(normalized_shape, 1) : Tensor())),
+      bias(register_parameter("bias",
+                              affine ? init::constant_parameter(normalized_shape, 0) : Tensor())),
       shape_(normalized_shape),
       eps_(eps) {}
 
@@ -71,7 +74,8 @@ Tensor LayerNorm::forward(const Tensor& x) {
 
 RMSNorm::RMSNorm(const Shape& normalized_shape, double eps, bool affine)
     : Module("RMSNorm"),
-      weight(register_parameter("weight", affine ? ones(normalized_shape) : Tensor())),
+      weight(register_parameter("weight",
+                                affine ? init::constant_parameter(normalized_shape, 1) : Tensor())),
       shape_(normalized_shape),
       eps_(eps) {}
 

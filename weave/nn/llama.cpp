@@ -172,7 +172,8 @@ Tensor LlamaModel::forward_cached(const Tensor& tokens, std::vector<KVCache>& ca
                 "block {} is not an nn::LlamaBlock, which caching "
                 "needs",
                 i);
-    h = block->forward(Inputs(h), caches[i]);
+    // Between the block's hooks: a fully sharded wrapper gathers it for the step.
+    h = block->call(Inputs(h), [&](const Inputs& in) { return block->forward(in, caches[i]); });
   }
   h = (*norm)(h);
   return head ? (*head)(h) : linear(h, embedding->weight);

@@ -3,6 +3,7 @@
 #include <set>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/nn/deferred.h"
 #include "weave/tensor/tensor_impl.h"
 
 namespace weave::nn {
@@ -21,12 +22,16 @@ Tensor Module::operator()(const Tensor& input) {
 
 Tensor Module::operator()(const Inputs& inputs) {
   if (hooks_->pre.empty() && hooks_->post.empty()) return forward_inputs(inputs);
+  return call(inputs, [this](const Inputs& in) { return forward_inputs(in); });
+}
+
+Tensor Module::call(const Inputs& inputs, const std::function<Tensor(const Inputs&)>& body) {
   // Copies: a hook may remove itself (or register another) while they run.
   auto pre = hooks_->pre;
   Tensor x = inputs.x;
   for (auto& [id, hook] : pre)
     if (Tensor replaced = hook(*this, x); replaced.defined()) x = replaced;
-  Tensor y = forward_inputs(inputs.with(x));
+  Tensor y = body(inputs.with(x));
   auto post = hooks_->post;
   for (auto& [id, hook] : post)
     if (Tensor replaced = hook(*this, x, y); replaced.defined()) y = replaced;
@@ -79,6 +84,7 @@ Tensor& Module::register_parameter(const std::string& name, Tensor value, bool r
   check_new_name(name);
   Tensor leaf = !value.defined() || value.is_leaf() ? value : value.detach();
   if (requires_grad && leaf.defined()) leaf.requires_grad_(true);
+  if (is_deferred(leaf)) leaf.storage()->deferred_values()->registered_as = name_ + "." + name;
   parameters_.emplace_back(name, std::make_unique<Tensor>(leaf));
   return *parameters_.back().second;
 }
@@ -200,7 +206,9 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
   for (auto& [name, t] : state_dict()) own.emplace(name, t);
   for (const auto& [name, value] : state) {
     auto it = own.find(name);
-    if (it != own.end()) it->second.copy_(value);
+    if (it == own.end()) continue;
+    materialize_for_overwrite(it->second);  // a deferred parameter takes the values as they are
+    it->second.copy_(value);
   }
 }
 
@@ -234,12 +242,22 @@ void Module::for_each_tensor(Fn&& fn, std::map<const void*, std::pair<Tensor, Te
 
 void Module::to(Device device) {
   std::map<const void*, std::pair<Tensor, Tensor>> done;
-  for_each_tensor([&](const Tensor& t) { return t.to(device); }, done);
+  for_each_tensor(
+      [&](const Tensor& t) {
+        if (!is_deferred(t) || t.device() == device) return is_deferred(t) ? t : t.to(device);
+        return deferred_to(t, t.dtype(), device);
+      },
+      done);
 }
 
 void Module::to(DType dtype) {
   std::map<const void*, std::pair<Tensor, Tensor>> done;
-  for_each_tensor([&](const Tensor& t) { return is_floating(t.dtype()) ? t.to(dtype) : t; }, done);
+  for_each_tensor(
+      [&](const Tensor& t) {
+        if (!is_floating(t.dtype()) || t.dtype() == dtype) return t;
+        return is_deferred(t) ? deferred_to(t, dtype, t.device()) : t.to(dtype);
+      },
+      done);
 }
 
 }  // namespace weave::nn

@@ -57,6 +57,12 @@ class Module {
   /// forward_inputs() called directly run no hooks.
   Tensor operator()(const Tensor& input);
   Tensor operator()(const Inputs& inputs);
+  /// Runs `body` as this module's forward, between its hooks: what a forward of another
+  /// signature (a block's decoding step with its KV cache) calls, so that wrappers whose hooks
+  /// gather the module's parameters (fully sharded data parallelism) see it too.
+  ///
+  ///   h = block.call(Inputs(h), [&](const Inputs& in) { return block.forward(in, cache); });
+  Tensor call(const Inputs& inputs, const std::function<Tensor(const Inputs&)>& body);
   /// The submodules, by parameter prefix ("blocks.0"), that a fully sharded wrapper gathers one
   /// at a time when told no units of its own: a model's blocks and its other large parts. Empty
   /// (the default): the wrapper groups the direct children.

@@ -14,7 +14,7 @@ using namespace detail;
 
 namespace {
 
-constexpr const char* kOp = "scaled_dot_product_attention";
+constexpr const char* kAttentionOp = "scaled_dot_product_attention";
 
 /// t in dtype with unit stride in its last dim (a copy only when needed).
 Tensor unit_inner(const Tensor& t, DType dtype) {
@@ -46,13 +46,13 @@ uint64_t draw_seed(Generator* generator) {
 /// Documents as the kernels take them, int64 [B, length] contiguous.
 Tensor documents(const Tensor& ids, int64_t batch, int64_t length, const Tensor& q,
                  const char* what) {
-  return per_position(ids, batch, length, q, kOp, what).contiguous();
+  return per_position(ids, batch, length, q, kAttentionOp, what).contiguous();
 }
 
 /// The queries' and keys' documents of a packed batch into params (see AttentionOptions).
 void prepare_documents(const Tensor& q, const Tensor& k, const AttentionOptions& options,
                        kernels::AttentionParams& params) {
-  WEAVE_CHECK(options.document_ids.defined(), kOp,
+  WEAVE_CHECK(options.document_ids.defined(), kAttentionOp,
               "query_document_ids is set but document_ids (the keys') is not; hint: pass both, "
               "or document_ids alone when the queries are the keys' last positions");
   const int64_t batch = q.size(0), tq = q.size(2), tk = k.size(2);
@@ -62,7 +62,7 @@ void prepare_documents(const Tensor& q, const Tensor& k, const AttentionOptions&
         documents(options.query_document_ids, batch, tq, q, "query_document_ids");
     return;
   }
-  WEAVE_CHECK(tq <= tk, kOp,
+  WEAVE_CHECK(tq <= tk, kAttentionOp,
               "{} queries but {} keys: the queries' documents are the keys' last Tq only when Tq "
               "<= Tk; hint: pass query_document_ids",
               tq, tk);
@@ -77,40 +77,41 @@ struct Checked {
 
 Checked check_and_prepare(const Tensor& q, const Tensor& k, const Tensor& v,
                           const AttentionOptions& options) {
-  check_defined(q, kOp, "q");
-  check_defined(k, kOp, "k");
-  check_defined(v, kOp, "v");
-  check_same_device(q, k, kOp);
-  check_same_device(q, v, kOp);
-  WEAVE_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, kOp,
+  check_defined(q, kAttentionOp, "q");
+  check_defined(k, kAttentionOp, "k");
+  check_defined(v, kAttentionOp, "v");
+  check_same_device(q, k, kAttentionOp);
+  check_same_device(q, v, kAttentionOp);
+  WEAVE_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, kAttentionOp,
               "expected q, k, v of shape [B, H, T, D], found {}, {} and {}; hint: a [B, T, H, D] "
               "projection becomes [B, H, T, D] with .transpose(1, 2)",
               q.shape(), k.shape(), v.shape());
-  WEAVE_CHECK(q.size(0) == k.size(0) && q.size(0) == v.size(0), kOp,
+  WEAVE_CHECK(q.size(0) == k.size(0) && q.size(0) == v.size(0), kAttentionOp,
               "q {}, k {} and v {} differ in batch size", q.shape(), k.shape(), v.shape());
-  WEAVE_CHECK(k.size(1) == v.size(1) && k.size(1) > 0 && q.size(1) % k.size(1) == 0, kOp,
+  WEAVE_CHECK(k.size(1) == v.size(1) && k.size(1) > 0 && q.size(1) % k.size(1) == 0, kAttentionOp,
               "q {} has {} heads, k {} and v {} have {} and {}: k and v need one head count "
               "that divides q's (grouped-query attention shares each key/value head among "
               "q.size(1) / k.size(1) query heads)",
               q.shape(), q.size(1), k.shape(), v.shape(), k.size(1), v.size(1));
-  WEAVE_CHECK(k.size(2) == v.size(2), kOp, "k {} and v {} differ in length", k.shape(), v.shape());
-  WEAVE_CHECK(q.size(3) == k.size(3), kOp, "q {} and k {} differ in head size", q.shape(),
+  WEAVE_CHECK(k.size(2) == v.size(2), kAttentionOp, "k {} and v {} differ in length", k.shape(),
+              v.shape());
+  WEAVE_CHECK(q.size(3) == k.size(3), kAttentionOp, "q {} and k {} differ in head size", q.shape(),
               k.shape());
-  WEAVE_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype() && is_floating(q.dtype()), kOp,
-              "expected q, k, v of one floating dtype, found {}, {} and {}", q.dtype(), k.dtype(),
-              v.dtype());
-  WEAVE_CHECK(options.dropout_p >= 0 && options.dropout_p < 1, kOp,
+  WEAVE_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype() && is_floating(q.dtype()),
+              kAttentionOp, "expected q, k, v of one floating dtype, found {}, {} and {}",
+              q.dtype(), k.dtype(), v.dtype());
+  WEAVE_CHECK(options.dropout_p >= 0 && options.dropout_p < 1, kAttentionOp,
               "dropout_p must be in [0, 1), found {}", options.dropout_p);
   const double scale =
       options.scale.value_or(1.0 / std::sqrt(double(std::max<int64_t>(q.size(3), 1))));
-  WEAVE_CHECK(std::isfinite(scale), kOp, "scale must be finite, found {}", scale);
+  WEAVE_CHECK(std::isfinite(scale), kAttentionOp, "scale must be finite, found {}", scale);
   Checked c;
   c.out_dtype = q.dtype();
   c.params.scale = scale;
   c.params.causal = options.causal;
   c.params.dropout_p = options.dropout_p;
   if (options.dropout_p > 0) {
-    WEAVE_CHECK(!capturing_graph(q), kOp,
+    WEAVE_CHECK(!capturing_graph(q), kAttentionOp,
                 "dropout draws its seed on the host, which a step captured in a CUDA graph "
                 "cannot do (every replay would reuse one mask); hint: dropout_p = 0 in captured "
                 "steps");
@@ -129,16 +130,16 @@ Checked check_and_prepare(const Tensor& q, const Tensor& k, const Tensor& v,
   const Shape scores{q.size(0), q.size(1), q.size(2), k.size(2)};
   if (options.mask.defined()) {
     const Tensor& m = options.mask;
-    check_same_device(q, m, kOp);
-    WEAVE_CHECK(m.dtype() == kBool || is_floating(m.dtype()), kOp,
+    check_same_device(q, m, kAttentionOp);
+    WEAVE_CHECK(m.dtype() == kBool || is_floating(m.dtype()), kAttentionOp,
                 "expected a bool or floating mask, found {}", m.dtype());
     bool broadcasts = m.dim() <= 4;
     for (int d = 0; broadcasts && d < m.dim(); ++d) {
       const int64_t size = m.shape()[d], want = scores[4 - m.dim() + d];
       broadcasts = size == want || size == 1;
     }
-    WEAVE_CHECK(broadcasts, kOp, "mask {} does not broadcast to the scores [B, H, Tq, Tk] = {}",
-                m.shape(), scores);
+    WEAVE_CHECK(broadcasts, kAttentionOp,
+                "mask {} does not broadcast to the scores [B, H, Tq, Tk] = {}", m.shape(), scores);
     c.mask = broadcast_view(m.dtype() == kBool ? m : convert(m, dtype), scores);
   }
   return c;
@@ -210,8 +211,8 @@ AttentionResult scaled_dot_product_attention_with_lse(const Tensor& q, const Ten
                                                       const Tensor& v,
                                                       const AttentionOptions& options) {
   if (autocast_dtype()) {
-    Tensor qc = autocast_input(q, kOp, "q"), kc = autocast_input(k, kOp, "k");
-    Tensor vc = autocast_input(v, kOp, "v");
+    Tensor qc = autocast_input(q, kAttentionOp, "q"), kc = autocast_input(k, kAttentionOp, "k");
+    Tensor vc = autocast_input(v, kAttentionOp, "v");
     if (!qc.is_same(q) || !kc.is_same(k) || !vc.is_same(v))
       return scaled_dot_product_attention_with_lse(qc, kc, vc, options);
   }
@@ -276,12 +277,12 @@ AttentionGrads scaled_dot_product_attention_backward(const Tensor& grad, const T
 }
 
 Tensor packed_qkv_attention(const Tensor& qkv, const AttentionOptions& options) {
-  check_defined(qkv, kOp, "qkv");
-  WEAVE_CHECK(qkv.dim() == 5 && qkv.size(3) == 3, kOp,
+  check_defined(qkv, kAttentionOp, "qkv");
+  WEAVE_CHECK(qkv.dim() == 5 && qkv.size(3) == 3, kAttentionOp,
               "expected packed qkv [B, T, H, 3, D], found {}; hint: a fused projection's output "
               "[B, T, H * 3 * D] reshapes to it",
               qkv.shape());
-  if (Tensor c = autocast_input(qkv, kOp, "qkv"); !c.is_same(qkv))
+  if (Tensor c = autocast_input(qkv, kAttentionOp, "qkv"); !c.is_same(qkv))
     return packed_qkv_attention(c, options);
   auto part = [](const Tensor& packed, int64_t i) { return packed.select(3, i).transpose(1, 2); };
   if (options.mask.defined() && options.mask.requires_grad())  // dS goes to the mask as well

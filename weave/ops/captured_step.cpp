@@ -7,7 +7,7 @@
 namespace weave {
 
 namespace {
-constexpr const char* kOp = "CapturedStep";
+constexpr const char* kCapturedStepOp = "CapturedStep";
 }
 
 bool capturing_graph(Device device) {
@@ -19,8 +19,8 @@ bool capturing_graph(const Tensor& t) {
 }
 
 CapturedStep::CapturedStep(Step step, Options options) : step_(std::move(step)), options_(options) {
-  WEAVE_CHECK(step_ != nullptr, kOp, "expected a step function, found none");
-  WEAVE_CHECK(options_.warmup_calls >= 1, kOp,
+  WEAVE_CHECK(step_ != nullptr, kCapturedStepOp, "expected a step function, found none");
+  WEAVE_CHECK(options_.warmup_calls >= 1, kCapturedStepOp,
               "warmup_calls must be at least 1, found {}: the eager calls create the gradients "
               "and optimizer state a captured step must find in place",
               options_.warmup_calls);
@@ -31,15 +31,15 @@ CapturedStep::~CapturedStep() = default;
 void CapturedStep::check_inputs(const std::vector<Tensor>& inputs) {
   if (signature_.empty() && calls_ == 0) {
     for (size_t i = 0; i < inputs.size(); ++i) {
-      WEAVE_CHECK(inputs[i].defined(), kOp, "input {} is undefined", i);
-      WEAVE_CHECK(inputs[i].device() == inputs.front().device(), kOp,
+      WEAVE_CHECK(inputs[i].defined(), kCapturedStepOp, "input {} is undefined", i);
+      WEAVE_CHECK(inputs[i].device() == inputs.front().device(), kCapturedStepOp,
                   "input {} is on {} and input 0 on {}: a step's inputs share one device", i,
                   inputs[i].device(), inputs.front().device());
     }
     for (const Tensor& t : inputs) signature_.push_back(t.detach());
     return;
   }
-  WEAVE_CHECK(inputs.size() == signature_.size(), kOp,
+  WEAVE_CHECK(inputs.size() == signature_.size(), kCapturedStepOp,
               "the step takes {} inputs (as on its first call), found {}", signature_.size(),
               inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -47,7 +47,7 @@ void CapturedStep::check_inputs(const std::vector<Tensor>& inputs) {
     const Tensor& got = inputs[i];
     WEAVE_CHECK(got.defined() && got.shape() == want.shape() && got.dtype() == want.dtype() &&
                     got.device() == want.device(),
-                kOp,
+                kCapturedStepOp,
                 "input {} is {} but the step was made for {} {} on {}; hint: a captured step "
                 "replays fixed shapes: keep one CapturedStep per shape (or pad the batch)",
                 i,
@@ -74,9 +74,9 @@ std::vector<Tensor> CapturedStep::capture(const std::vector<Tensor>& inputs) {
   }
   std::shared_ptr<cuda::CapturedGraph> graph = cuda::end_capture(device);
   for (size_t i = 0; i < outputs.size(); ++i)
-    WEAVE_CHECK(!outputs[i].defined() || outputs[i].device() == inputs.front().device(), kOp,
-                "output {} is on {}, not on the step's device {}", i, outputs[i].device(),
-                inputs.front().device());
+    WEAVE_CHECK(!outputs[i].defined() || outputs[i].device() == inputs.front().device(),
+                kCapturedStepOp, "output {} is on {}, not on the step's device {}", i,
+                outputs[i].device(), inputs.front().device());
   static_outputs_.clear();
   for (const Tensor& t : outputs) static_outputs_.push_back(t.detach());
   graph_ = std::move(graph);

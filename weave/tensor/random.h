@@ -1,7 +1,9 @@
 #pragma once
 // Seeded random number generation: the same seed gives the same numbers on every run.
+#include <array>
 #include <cstdint>
 #include <random>
+#include <string_view>
 
 namespace weave {
 
@@ -23,6 +25,18 @@ class Generator {
  private:
   std::mt19937_64 engine_;
 };
+
+/// Counter-based random numbers (Philox4x32-10, Salmon et al., SC 2011): the 128 bits at
+/// (key, counter) depend on nothing else, so any range of a stream is drawn directly, in any
+/// order, on any rank: element i of a parameter drawn by name is the same bits whether one
+/// process draws the whole tensor or a rank draws only its slice (nn::DeferredInit).
+std::array<uint32_t, 4> philox4x32(std::array<uint32_t, 4> counter, std::array<uint32_t, 2> key);
+/// The key of the stream that `name` (a parameter's name) draws from under `seed`.
+uint64_t stream_key(uint64_t seed, std::string_view name);
+/// Uniform in [0, 1) with 53 random bits, at position `counter` of stream `key`.
+double counter_uniform(uint64_t key, uint64_t counter);
+/// Standard normal at position `counter` of stream `key` (Box-Muller on the position's bits).
+double counter_normal(uint64_t key, uint64_t counter);
 
 /// The process-wide default generator used when an op is given none.
 Generator& default_generator();

@@ -188,6 +188,12 @@ uint64_t Tensor::version() const {
 
 void* Tensor::data_ptr() const {
   const TensorImpl& t = checked(impl_);
+  if (const auto& deferred = t.storage->deferred_values())
+    WEAVE_FAIL("data",
+               "parameter '{}' was built under nn::DeferredInit and holds no values yet; hint: "
+               "nn::materialize(model) draws them, or hand the model to "
+               "FullyShardedDataParallel, which draws only this rank's shards",
+               deferred->registered_as);
   WEAVE_CHECK(!t.storage->released(), "data",
               "the tensor's memory was released (a fully sharded parameter outside its unit's "
               "forward and backward); hint: give checkpoints fsdp.sharded_module() (this "

@@ -135,30 +135,39 @@ void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& o
 
 }  // namespace weave::kernels::common
 
-/// Defines, in a backend's namespace, the elementwise kernels of backends.h whose bodies are
-/// shared (above), over the backend's Map.
-#define WEAVE_SHARED_ELEMENTWISE_KERNELS(Map)                                                   \
-  void unary(UnaryOp op, const Tensor& x, const Tensor& out) {                                  \
-    common::unary<Map>(op, x, out);                                                             \
-  }                                                                                             \
-  void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y,         \
-                      const Tensor& out) {                                                      \
-    common::unary_backward<Map>(op, grad, x, y, out);                                           \
-  }                                                                                             \
-  void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tensor& out) {    \
-    common::bias_activation<Map>(op, x, bias, out);                                             \
-  }                                                                                             \
-  void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x,                \
-                                const Tensor& bias, const Tensor& out) {                        \
-    common::bias_activation_backward<Map>(op, grad, x, bias, out);                              \
-  }                                                                                             \
-  void gated_activation(UnaryOp op, const Tensor& gate, const Tensor& up, const Tensor& out) {  \
-    common::gated_activation<Map>(op, gate, up, out);                                           \
-  }                                                                                             \
-  void gated_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& gate,            \
-                                 const Tensor& up, const Tensor& dgate, const Tensor& dup) {    \
-    common::gated_activation_backward<Map>(op, grad, gate, up, dgate, dup);                     \
-  }                                                                                             \
+/// Define, in a backend's namespace, the elementwise kernels of backends.h whose bodies are
+/// shared (above), over the backend's Map. Three groups, so that a backend whose compiler takes
+/// long over them (the CPU's vectorized loops) can build each in a translation unit of its own.
+
+/// unary and unary_backward.
+#define WEAVE_SHARED_UNARY_KERNELS(Map)                                                 \
+  void unary(UnaryOp op, const Tensor& x, const Tensor& out) {                          \
+    common::unary<Map>(op, x, out);                                                     \
+  }                                                                                     \
+  void unary_backward(UnaryOp op, const Tensor& grad, const Tensor& x, const Tensor& y, \
+                      const Tensor& out) {                                              \
+    common::unary_backward<Map>(op, grad, x, y, out);                                   \
+  }
+
+/// The bias and gated activations, forward and backward.
+#define WEAVE_SHARED_FUSED_ACTIVATION_KERNELS(Map)                                             \
+  void bias_activation(UnaryOp op, const Tensor& x, const Tensor& bias, const Tensor& out) {   \
+    common::bias_activation<Map>(op, x, bias, out);                                            \
+  }                                                                                            \
+  void bias_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& x,               \
+                                const Tensor& bias, const Tensor& out) {                       \
+    common::bias_activation_backward<Map>(op, grad, x, bias, out);                             \
+  }                                                                                            \
+  void gated_activation(UnaryOp op, const Tensor& gate, const Tensor& up, const Tensor& out) { \
+    common::gated_activation<Map>(op, gate, up, out);                                          \
+  }                                                                                            \
+  void gated_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& gate,           \
+                                 const Tensor& up, const Tensor& dgate, const Tensor& dup) {   \
+    common::gated_activation_backward<Map>(op, grad, gate, up, dgate, dup);                    \
+  }
+
+/// binary, addcmul, lerp and where.
+#define WEAVE_SHARED_BINARY_KERNELS(Map)                                                        \
   void binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {               \
     common::binary<Map>(op, a, b, out);                                                         \
   }                                                                                             \
@@ -172,3 +181,9 @@ void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& o
   void where(const Tensor& cond, const Tensor& a, const Tensor& b, const Tensor& out) {         \
     common::where<Map>(cond, a, b, out);                                                        \
   }
+
+/// All three groups in one translation unit.
+#define WEAVE_SHARED_ELEMENTWISE_KERNELS(Map) \
+  WEAVE_SHARED_UNARY_KERNELS(Map)             \
+  WEAVE_SHARED_FUSED_ACTIVATION_KERNELS(Map)  \
+  WEAVE_SHARED_BINARY_KERNELS(Map)

@@ -1,11 +1,11 @@
-// CPU kernels: typed strided loops for elementwise work, Eigen for reductions (GEMM: gemm.cpp).
+// CPU kernels: copies, fills, reductions (Eigen where it vectorizes) and index gathers. The
+// elementwise families are elementwise_*.cpp, GEMM is gemm.cpp.
 #include <cstring>
 
 #include "weave/kernels/backends.h"
 #include "weave/kernels/common/elementwise.h"
 #include "weave/kernels/cpu/eigen.h"
 #include "weave/kernels/cpu/loops.h"
-#include "weave/kernels/cpu/vector_math.h"
 
 namespace weave::kernels::cpu {
 
@@ -16,8 +16,6 @@ constexpr bool kEigenScalar = std::is_same_v<T, float> || std::is_same_v<T, doub
                               std::is_same_v<T, int32_t> || std::is_same_v<T, int64_t>;
 
 }  // namespace
-
-WEAVE_SHARED_ELEMENTWISE_KERNELS(LoopMap)
 
 void copy(const Tensor& src, const Tensor& dst) {
   if (src.dtype() == dst.dtype() && src.is_contiguous() && dst.is_contiguous() &&

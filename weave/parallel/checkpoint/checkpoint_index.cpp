@@ -11,12 +11,13 @@ namespace weave::parallel::detail {
 namespace {
 
 using json = nlohmann::json;
-constexpr const char* kOp = "load_sharded_checkpoint";
+constexpr const char* kIndexOp = "load_sharded_checkpoint";
 
 // Every field is checked for its type before it is read: a hand-edited or foreign index gets
 // this error, not a JSON library's.
 void check_index(bool ok, const std::string& path, const std::string& problem) {
-  WEAVE_CHECK(ok, kOp, "{} is not a loadable weave sharded checkpoint index: {}", path, problem);
+  WEAVE_CHECK(ok, kIndexOp, "{} is not a loadable weave sharded checkpoint index: {}", path,
+              problem);
 }
 
 bool plain_file_name(const json& f) {
@@ -31,7 +32,7 @@ void check_save_id(const data::Metadata& metadata, const std::string& path,
   if (index.save_id.empty()) return;
   auto found = metadata.find(kSaveIdKey);
   const std::string theirs = found == metadata.end() ? "none" : found->second;
-  WEAVE_CHECK(theirs == index.save_id, kOp,
+  WEAVE_CHECK(theirs == index.save_id, kIndexOp,
               "{} belongs to another save (save id {}; the index's is {}): the directory mixes "
               "files of different saves; nothing was changed; hint: restore the directory whole "
               "from one save",
@@ -118,7 +119,7 @@ int64_t verify_checkpoint_files(const std::string& dir, const CheckpointIndex& i
     bytes += int64_t(image.size());
     if (!index.checksums.empty()) {
       const uint32_t found = checksum_bytes(image.data(), image.size());
-      WEAVE_CHECK(found == index.checksums[i], kOp,
+      WEAVE_CHECK(found == index.checksums[i], kIndexOp,
                   "{} has CRC-32 {:08x}, but the index recorded {:08x}: the file changed or "
                   "belongs to another save",
                   path, found, index.checksums[i]);

@@ -13,7 +13,7 @@ namespace weave::parallel::detail {
 namespace {
 
 using json = nlohmann::json;
-constexpr const char* kOp = "load_sharded_checkpoint";
+constexpr const char* kReshardOp = "load_sharded_checkpoint";
 constexpr const char* kPlacementKey = "weave.placement";
 
 // A saved piece of a global tensor: which part holds it, in which of its tensors, and its
@@ -58,7 +58,7 @@ std::vector<SavedPart> saved_parts(
     const std::string source =
         single_file ? fmt::format("{} (rank {})", part.header->path, r) : part.header->path;
     auto text = part.metadata.find(kPlacementKey);
-    WEAVE_CHECK(text != part.metadata.end(), kOp,
+    WEAVE_CHECK(text != part.metadata.end(), kReshardOp,
                 "{} records no saved pieces (weave.placement); hint: is it a part of a weave "
                 "sharded checkpoint?",
                 source);
@@ -66,10 +66,10 @@ std::vector<SavedPart> saved_parts(
     part.metadata.erase(text);
     for (const auto& [name, pieces] : part.pieces) {
       auto entry = part.entries.find(name);
-      WEAVE_CHECK(entry != part.entries.end(), kOp, "{} places tensor '{}', which it does not hold",
-                  source, name);
+      WEAVE_CHECK(entry != part.entries.end(), kReshardOp,
+                  "{} places tensor '{}', which it does not hold", source, name);
       for (const Piece& piece : pieces)
-        WEAVE_CHECK(piece.offset + piece.count <= entry->second->shape.numel(), kOp,
+        WEAVE_CHECK(piece.offset + piece.count <= entry->second->shape.numel(), kReshardOp,
                     "{}: the saved pieces of '{}' run past its {} elements", source, name,
                     entry->second->shape.numel());
     }
@@ -161,7 +161,8 @@ class Planner {
       });
       const Source& first = list.front();
       for (const Source& s : list)
-        WEAVE_CHECK(s.piece.shape == first.piece.shape && s.entry->dtype == first.entry->dtype, kOp,
+        WEAVE_CHECK(s.piece.shape == first.piece.shape && s.entry->dtype == first.entry->dtype,
+                    kReshardOp,
                     "{}: rank {}'s part holds '{}' as {} {}, rank {}'s as {} {}: the files are "
                     "not of one checkpoint",
                     dir_, first.part->rank, global, first.entry->dtype, first.piece.shape,
@@ -173,16 +174,16 @@ class Planner {
   const std::vector<Source>& sources_of(const Piece& want, const Tensor& target,
                                         const std::string& local) const {
     auto found = sources_.find(want.tensor);
-    WEAVE_CHECK(found != sources_.end(), kOp,
+    WEAVE_CHECK(found != sources_.end(), kReshardOp,
                 "{} holds no '{}'{}; hint: is it a checkpoint of this model (and optimizer)?", dir_,
                 want.tensor,
                 local == want.tensor ? "" : fmt::format(", which '{}' needs here", local));
     const Source& any = found->second.front();
-    WEAVE_CHECK(any.piece.shape == want.shape, kOp,
+    WEAVE_CHECK(any.piece.shape == want.shape, kReshardOp,
                 "{} holds '{}' with shape {}, but this model's is {}; hint: is it a checkpoint "
                 "of this model?",
                 dir_, want.tensor, any.piece.shape, want.shape);
-    WEAVE_CHECK(any.entry->dtype == target.dtype(), kOp,
+    WEAVE_CHECK(any.entry->dtype == target.dtype(), kReshardOp,
                 "{} holds '{}' as {}, but this model's is {}; hint: convert the model to the "
                 "saved dtype before loading",
                 dir_, want.tensor, any.entry->dtype, target.dtype());
@@ -208,7 +209,7 @@ class Planner {
       }
       int64_t count = 0;
       for (const Run& r : tensor_plan.missing) count += r.count;
-      WEAVE_CHECK(tensor_plan.missing.empty(), kOp,
+      WEAVE_CHECK(tensor_plan.missing.empty(), kReshardOp,
                   "{}: no file holds {} of the elements of '{}' that '{}' needs here (the first "
                   "missing is element {}); hint: is a shard of the checkpoint missing?",
                   dir_, count, want.tensor, local,
@@ -241,7 +242,7 @@ class Planner {
         const std::string local = fmt::format("optimizer/{}.{}", slot, k);
         if (!param_pieces[k]) {  // the state of a tensor outside the model: the saver's own
           if (!own_->entries.count(local)) continue;
-          WEAVE_CHECK(saved_ == size_, kOp,
+          WEAVE_CHECK(saved_ == size_, kReshardOp,
                       "{}: '{}' is the state of a tensor outside the model, which belongs to the "
                       "rank that saved it; it loads only at the world size it was saved at ({})",
                       dir_, local, saved_);
@@ -309,7 +310,7 @@ class Planner {
         const Source& other = *it->second;
         WEAVE_CHECK(inserted || other.part->header->checksums.at(other.entry->name) ==
                                     s.part->header->checksums.at(s.entry->name),
-                    kOp,
+                    kReshardOp,
                     "{}: rank {}'s and rank {}'s copies of '{}' differ, so what loads would "
                     "depend on the layout; hint: replicas that train apart (decentralized "
                     "training) load only at the layout they were saved at",

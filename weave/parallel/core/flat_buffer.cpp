@@ -27,6 +27,25 @@ FlatBuffer FlatBuffer::like(const std::vector<Tensor>& tensors, int64_t pad_to, 
   return buffer;
 }
 
+FlatBuffer FlatBuffer::unallocated(const std::vector<Tensor>& tensors, int64_t pad_to) {
+  FlatBuffer buffer;
+  for (const Tensor& t : tensors) {
+    buffer.shapes.push_back(t.shape());
+    buffer.offsets.push_back(buffer.used);
+    buffer.used += t.numel();
+  }
+  const int64_t padded = (buffer.used + pad_to - 1) / pad_to * pad_to;
+  const DType dtype = tensors.empty() ? kFloat32 : tensors[0].dtype();
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = Storage::deferred(size_t(padded) * itemsize(dtype),
+                                    tensors.empty() ? kCPU : tensors[0].device(), nullptr);
+  impl->shape = {padded};
+  impl->strides = {1};
+  impl->dtype = dtype;
+  buffer.flat = Tensor(std::move(impl));
+  return buffer;
+}
+
 FlatBuffer FlatBuffer::adopt(const std::vector<Tensor>& tensors, int64_t pad_to) {
   FlatBuffer buffer = like(tensors, pad_to);
   for (size_t k = 0; k < tensors.size(); ++k) bind_data(tensors[k], buffer.view(k));
@@ -67,6 +86,10 @@ void bind_data(const Tensor& tensor, Tensor view) {
     NoGradGuard no_grad;
     view.copy_(tensor.detach());
   }
+  bind_storage(tensor, view);
+}
+
+void bind_storage(const Tensor& tensor, const Tensor& view) {
   TensorImpl& impl = *tensor.impl();
   impl.storage = view.storage();
   impl.strides = view.strides();

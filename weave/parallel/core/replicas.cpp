@@ -7,10 +7,12 @@
 #include <map>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/nn/deferred.h"
 #include "weave/ops/ops.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/mesh.h"
 #include "weave/parallel/core/placement.h"
+#include "weave/tensor/checksum.h"
 
 namespace weave::parallel {
 
@@ -120,16 +122,6 @@ void average_tensors(const std::vector<Tensor>& tensors, const dist::Group& grou
 
 namespace {
 
-// 64-bit FNV-1a of a tensor's bytes (on the host, contiguous): equal values, equal sums.
-uint64_t checksum(const Tensor& t) {
-  const Tensor host = t.detach().cpu().contiguous();
-  const auto* bytes = static_cast<const unsigned char*>(host.data_ptr());
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t i = 0; i < host.numel() * int64_t(host.itemsize()); ++i)
-    h = (h ^ bytes[i]) * 1099511628211ull;
-  return h;
-}
-
 // "<name>@<place in each cut group>": the same on the ranks that hold copies of one piece.
 std::string piece_key(const std::string& name, const Tensor& p) {
   std::string key = name + "@";
@@ -146,7 +138,7 @@ int64_t check_replicas(const nn::Module& module, const dist::Group& group) {
   WEAVE_CHECK(group.rank() >= 0, op, "rank {} is not in group {}", dist::rank(), group.str());
   std::string mine;
   for (const auto& [name, p] : module.named_parameters())
-    if (p.defined()) mine += fmt::format("{} {:016x}\n", piece_key(name, p), checksum(p));
+    if (p.defined()) mine += fmt::format("{} {:08x}\n", piece_key(name, p), checksum(p));
   // piece -> checksum -> global ranks holding that value
   std::map<std::string, std::map<std::string, std::vector<int>>> copies;
   const std::vector<std::string> all = detail::all_gather_bytes(mine, group);
@@ -188,12 +180,17 @@ void broadcast_packed(const std::vector<Tensor>& tensors, int root, const dist::
 void broadcast_replicas(nn::Module& module, const std::vector<Tensor>& params,
                         const ReplicaGroups& replicas, int root) {
   const dist::Group& group = replicas.groups[0];
+  // Deferred parameters need none: every rank draws the same values by name (deferred.h), and
+  // check_same_model saw them deferred on every rank.
   std::vector<Tensor> dense = module.buffers();
   for (const Tensor& p : module.parameters())
-    if (!spread_expert_in(p, group)) dense.push_back(p);
+    if (!spread_expert_in(p, group) && !nn::is_deferred(p)) dense.push_back(p);
   broadcast_packed(dense, root, group);
-  for (size_t k = 1; k < replicas.groups.size(); ++k)
-    broadcast_packed(replicas.members(params, int(k)), 0, replicas.groups[k]);
+  for (size_t k = 1; k < replicas.groups.size(); ++k) {
+    std::vector<Tensor> members = replicas.members(params, int(k));
+    std::erase_if(members, [](const Tensor& p) { return nn::is_deferred(p); });
+    broadcast_packed(members, 0, replicas.groups[k]);
+  }
 }
 
 void check_same_model(const nn::Module& module, const dist::Group& group, const char* op) {
@@ -201,8 +198,8 @@ void check_same_model(const nn::Module& module, const dist::Group& group, const 
   for (const auto& [name, t] : module.named_parameters()) {
     // Experts spread over ranks of the group are named by their global index, which differs.
     const bool spread_here = spread_expert_in(t, group);
-    lines.push_back(fmt::format("parameter {} {} {}", spread_here ? "(one of the experts)" : name,
-                                t.dtype(), t.shape()));
+    lines.push_back(fmt::format("parameter {} {} {}{}", spread_here ? "(one of the experts)" : name,
+                                t.dtype(), t.shape(), nn::is_deferred(t) ? " (deferred)" : ""));
   }
   for (const auto& [name, t] : module.named_buffers())
     lines.push_back(fmt::format("buffer {} {} {}", name, t.dtype(), t.shape()));

@@ -9,6 +9,7 @@
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
+#include "weave/nn/deferred.h"
 #include "weave/optim/optimizer.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/flat_buffer.h"
@@ -262,6 +263,7 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
               "check_replicas_every must be 0 (never) or a number of steps, found {}",
               s.options.check_replicas_every);
   detail::check_same_model(module, s.group, "DistributedDataParallel");
+  nn::materialize(module);  // each rank holds the whole model: a deferred one is drawn here
   for (const auto& [name, p] : module.named_parameters()) {
     if (!p.defined() || !p.requires_grad()) continue;
     WEAVE_CHECK(is_floating(p.dtype()), "DistributedDataParallel",

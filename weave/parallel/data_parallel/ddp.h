@@ -142,6 +142,8 @@ class DistributedDataParallel : public Joinable, public DataParallelWrapper {
   std::vector<std::vector<std::string>> bucket_names() const;
   /// The ranks that share the model.
   const dist::Group& group() const override;
+  /// The module's parameters: what the optimizer steps.
+  std::vector<Tensor> trained_parameters() const override { return module_.parameters(); }
 
   struct State;
 

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/nn/deferred.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/mesh.h"
@@ -185,6 +186,7 @@ DecentralizedDataParallel::DecentralizedDataParallel(nn::Module& module,
   s.make_optimizer = std::move(make_optimizer);
   s.phases = topology_phases(s.options.topology, s.group.size(), s.options.local_ranks);
   detail::check_same_model(module, s.group, op);
+  nn::materialize(module);  // each rank holds the whole model: a deferred one is drawn here
   broadcast_parameters(module, 0, s.group);
   // Every rank of the world creates every edge group of every sibling group, in one order
   // (new_group is collective over the world); an edge that recurs is created once.

@@ -24,7 +24,6 @@
 namespace weave::parallel {
 
 namespace {
-constexpr const char* kOp = kFSDPOp;
 
 // Module `name` ("blocks.0") under `root`, or null.
 nn::Module* find_module(nn::Module& root, const std::string& name, const std::string& prefix = "") {
@@ -62,7 +61,7 @@ UnitSpecs resolve_units(nn::Module& module, const FSDPOptions& options) {
   if (!named.empty()) {
     for (const std::string& name : named) {
       nn::Module* found = find_module(module, name);
-      WEAVE_CHECK(found != nullptr, kOp,
+      WEAVE_CHECK(found != nullptr, kFSDPOp,
                   "unit '{}' names no submodule; expected one of the module's children by "
                   "their parameter prefix (for example '{}'); hint: list the names with "
                   "named_children()",
@@ -71,7 +70,7 @@ UnitSpecs resolve_units(nn::Module& module, const FSDPOptions& options) {
     }
     for (size_t a = 0; a < out.size(); ++a)
       for (size_t b = 0; b < out.size(); ++b)
-        WEAVE_CHECK(a == b || out[b].first.rfind(out[a].first + ".", 0) != 0, kOp,
+        WEAVE_CHECK(a == b || out[b].first.rfind(out[a].first + ".", 0) != 0, kFSDPOp,
                     "unit '{}' lies inside unit '{}'; units must not nest", out[b].first,
                     out[a].first);
     return out;
@@ -119,22 +118,22 @@ std::vector<std::string> describe_units(
 // Every rank agrees on the model, the options and the units before anything is sharded; then
 // the replicas start equal.
 UnitSpecs agree_on_units(nn::Module& module, State& s) {
-  WEAVE_CHECK(s.group.rank() >= 0, kOp,
+  WEAVE_CHECK(s.group.rank() >= 0, kFSDPOp,
               "rank {} is not in group {}; hint: only its members construct the wrapper",
               dist::rank(), s.group.str());
-  detail::check_same_model(module, s.group, kOp);
+  detail::check_same_model(module, s.group, kFSDPOp);
   UnitSpecs unit_specs;
   detail::check_together(
       [&] {
-        WEAVE_CHECK(std::isfinite(s.options.unit_mb) && s.options.unit_mb >= 0, kOp,
+        WEAVE_CHECK(std::isfinite(s.options.unit_mb) && s.options.unit_mb >= 0, kFSDPOp,
                     "unit_mb must be a finite size in MB, 0 or more, found {}", s.options.unit_mb);
-        WEAVE_CHECK(s.options.broadcast_from >= 0 && s.options.broadcast_from < s.group.size(), kOp,
-                    "broadcast_from must be a rank of group {} (0 to {}), found {}", s.group.str(),
-                    s.group.size() - 1, s.options.broadcast_from);
+        WEAVE_CHECK(s.options.broadcast_from >= 0 && s.options.broadcast_from < s.group.size(),
+                    kFSDPOp, "broadcast_from must be a rank of group {} (0 to {}), found {}",
+                    s.group.str(), s.group.size() - 1, s.options.broadcast_from);
         unit_specs = resolve_units(module, s.options);
       },
-      s.group, kOp);
-  detail::check_same_lines(describe_units(s.options, unit_specs, s.group), s.group, kOp,
+      s.group, kFSDPOp);
+  detail::check_same_lines(describe_units(s.options, unit_specs, s.group), s.group, kFSDPOp,
                            "the options and units",
                            "construct FullyShardedDataParallel with the same FSDPOptions (units "
                            "in the same order) on every rank");
@@ -142,7 +141,7 @@ UnitSpecs agree_on_units(nn::Module& module, State& s) {
     s.names.push_back(name);
     s.params.push_back(p);
   }
-  s.replicas = detail::replica_groups(s.names, s.params, s.group, kOp);
+  s.replicas = detail::replica_groups(s.names, s.params, s.group, kFSDPOp);
   detail::broadcast_replicas(module, s.params, s.replicas, s.options.broadcast_from);
   return unit_specs;
 }
@@ -151,7 +150,7 @@ UnitSpecs agree_on_units(nn::Module& module, State& s) {
 // it; one in several units, or in none, to the root unit (last, possibly empty).
 void build_units(nn::Module& module, State& s, const UnitSpecs& unit_specs) {
   for (size_t i = 0; i < s.params.size(); ++i)
-    WEAVE_CHECK(is_floating(s.params[i].dtype()), kOp,
+    WEAVE_CHECK(is_floating(s.params[i].dtype()), kFSDPOp,
                 "parameter {} has dtype {}; gradients need a floating dtype", s.names[i],
                 s.params[i].dtype());
   std::map<const void*, int> index;
@@ -268,9 +267,25 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
     for (const State::Flat& f : u.flats()) detail::remove_cut(f.shard, Cut::Kind::FlatShard);
 }
 
+void FullyShardedDataParallel::run(const std::function<void()>& body) {
+  State& s = *state_;
+  NoGradGuard no_grad;
+  auto release_all = [&s] {
+    for (State::Unit& u : s.units) s.release(u);
+  };
+  try {
+    s.ensure_gathered(s.root());
+    body();
+  } catch (...) {
+    release_all();
+    throw;
+  }
+  release_all();
+}
+
 Tensor FullyShardedDataParallel::forward(const nn::Inputs& inputs) {
   State& s = *state_;
-  const bool synchronizing = s.readiness->begin_forward(kOp, s.stats.steps);
+  const bool synchronizing = s.readiness->begin_forward(kFSDPOp, s.stats.steps);
   if (synchronizing) {
     detail::join_step_begins(this);
     dist::set_step(s.group, s.stats.steps);
@@ -288,7 +303,7 @@ Tensor FullyShardedDataParallel::forward(const nn::Inputs& inputs) {
       s.abandon_forward(synchronizing);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "[weave] rank %d: %s: settling the failed forward raised too: %s\n",
-                   dist::rank(), kOp, e.what());
+                   dist::rank(), kFSDPOp, e.what());
     }
     throw;
   }
@@ -355,7 +370,7 @@ void FullyShardedDataParallel::shadow_join_step() {
 }
 
 void FullyShardedDataParallel::abandon_join_step() {
-  state_->readiness->settle_skipped_backward(kOp, state_->stats.steps);
+  state_->readiness->settle_skipped_backward(kFSDPOp, state_->stats.steps);
 }
 
 bool FullyShardedDataParallel::gradients_finite() const {

@@ -48,6 +48,7 @@
 // so at its next forward, with a warning. One small all_reduce at the end tells every rank,
 // every rank discards the step's gradients, and the ranks that did not fail raise. Each step is
 // numbered on the group (dist::set_step), so ranks in different steps raise instead of pairing.
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -56,6 +57,7 @@
 #include "weave/distributed/distributed.h"
 #include "weave/nn/module.h"
 #include "weave/optim/optimizer.h"
+#include "weave/parallel/core/data_parallel_wrapper.h"
 #include "weave/parallel/core/joinable.h"
 #include "weave/parallel/core/no_sync.h"
 
@@ -107,7 +109,7 @@ struct FSDPStats {
   int64_t failed_steps = 0;
 };
 
-class FullyShardedDataParallel : public Joinable {
+class FullyShardedDataParallel : public Joinable, public DataParallelWrapper {
  public:
   /// Checks that every rank of the group has the same model (raising on every rank, naming the
   /// first difference) and the same units, broadcasts the parameters and buffers from
@@ -120,9 +122,16 @@ class FullyShardedDataParallel : public Joinable {
   FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
 
   /// The module's forward (side inputs too: a Tensor converts to nn::Inputs).
-  Tensor forward(const nn::Inputs& inputs);
+  Tensor forward(const nn::Inputs& inputs) override;
   Tensor operator()(const nn::Inputs& inputs) { return forward(inputs); }
-  nn::Module& module() { return module_; }
+  nn::Module& module() override { return module_; }
+  /// Runs `body`, which calls the module other than through forward (decoding with KV caches:
+  /// model.decode, whose blocks gather between their hooks), with the root unit gathered and
+  /// gradients off; every unit is released after. Collective: every rank of the group makes
+  /// the same calls.
+  ///
+  ///   fsdp.run([&] { logits = model.decode(ids, caches); });
+  void run(const std::function<void()>& body);
 
   /// This rank's shards (one flat leaf per unit and dtype): what the optimizer steps.
   std::vector<Tensor> parameters() const;
@@ -134,7 +143,7 @@ class FullyShardedDataParallel : public Joinable {
 
   /// While the guard lives, backward accumulates whole gradients locally (no reduce_scatter);
   /// the first backward after it reduces everything accumulated.
-  NoSyncGuard no_sync();
+  NoSyncGuard no_sync() override;
 
   /// The whole model's parameters and buffers, by the module's names, gathered on every rank
   /// (copies). Collective.
@@ -172,7 +181,9 @@ class FullyShardedDataParallel : public Joinable {
   /// With check_finite: false when the last synchronizing backward averaged a NaN or infinite
   /// gradient into some rank's shard (the same answer on every rank).
   bool gradients_finite() const;
-  const dist::Group& group() const;
+  const dist::Group& group() const override;
+  /// parameters(): the shards are what trains.
+  std::vector<Tensor> trained_parameters() const override { return parameters(); }
 
   struct State;
 

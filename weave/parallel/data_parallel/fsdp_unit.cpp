@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/nn/deferred.h"
 #include "weave/ops/ops.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/tensor/tensor_impl.h"
@@ -12,6 +13,29 @@
 namespace weave::parallel::detail {
 
 namespace {
+
+// This rank's slice of a flat buffer of parameters some of which are deferred: each deferred
+// member's elements in the slice drawn directly, by the member's name (deferred.h), the others'
+// copied, the padding zero. Nothing else of a deferred model is ever allocated here.
+Tensor draw_shard(const FlatBuffer& full, const std::vector<Tensor>& members,
+                  const std::vector<int>& indices, const std::vector<std::string>& names,
+                  const dist::Group& group) {
+  const int64_t per_rank = full.flat.numel() / group.size(), first = group.rank() * per_rank;
+  Tensor shard = zeros({per_rank}, {.dtype = full.flat.dtype(), .device = full.flat.device()});
+  for (size_t k = 0; k < members.size(); ++k) {
+    const int64_t begin = full.offsets[k], end = begin + members[k].numel();
+    const int64_t lo = std::max(begin, first), hi = std::min(end, first + per_rank);
+    if (lo >= hi) continue;
+    Tensor into = shard.narrow(0, lo - first, hi - lo);
+    if (nn::is_deferred(members[k])) {
+      nn::draw_deferred(members[k], names[size_t(indices[k])], lo - begin, into);
+    } else {
+      NoGradGuard no_grad;
+      into.copy_(members[k].detach().reshape({members[k].numel()}).narrow(0, lo - begin, hi - lo));
+    }
+  }
+  return shard;
+}
 
 FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
                    const std::vector<std::string>& names,
@@ -24,10 +48,18 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
   f.suffix = replica == 0 ? "" : replica == 1 ? "_experts" : fmt::format("_experts{}", replica);
   const dist::Group& group = f.group;
   const int64_t n = group.size();
-  f.full = FlatBuffer::adopt(FSDPUnit::members(f, params), n);
+  const std::vector<Tensor> members = FSDPUnit::members(f, params);
+  if (std::any_of(members.begin(), members.end(), nn::is_deferred)) {  // alike on every rank
+    f.full = FlatBuffer::unallocated(members, n);
+    f.shard = draw_shard(f.full, members, f.params, names, group);
+    for (size_t k = 0; k < members.size(); ++k) bind_storage(members[k], f.full.view(k));
+  } else {
+    f.full = FlatBuffer::adopt(members, n);
+    const int64_t per_rank = f.full.flat.numel() / n;
+    NoGradGuard no_grad;
+    f.shard = f.full.flat.narrow(0, group.rank() * per_rank, per_rank).clone().detach();
+  }
   const int64_t per_rank = f.full.flat.numel() / n;
-  NoGradGuard no_grad;
-  f.shard = f.full.flat.narrow(0, group.rank() * per_rank, per_rank).clone().detach();
   f.shard.requires_grad_(true);
   // Sharded checkpoints describe the shard by the parameters it covers.
   auto layout = std::make_shared<FlatShard>(FlatShard{.members = {},

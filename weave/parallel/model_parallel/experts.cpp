@@ -12,24 +12,25 @@ namespace weave::parallel {
 namespace {
 
 namespace F = dist::functional;
-constexpr const char* kOp = "ExpertParallelMoE";
+constexpr const char* kExpertsOp = "ExpertParallelMoE";
 
 // Every rank of the group checks the options and agrees on them before any expert is built.
 nn::MoEOptions agreed(nn::MoEOptions options, const dist::Group& group) {
-  WEAVE_CHECK(group.rank() >= 0, kOp, "rank {} is not in group {}", dist::rank(), group.str());
+  WEAVE_CHECK(group.rank() >= 0, kExpertsOp, "rank {} is not in group {}", dist::rank(),
+              group.str());
   const int64_t experts = options.router.experts;
   const detail::ValueRange range = detail::check_together(
       [&] {
         nn::check_moe_options(options);
-        WEAVE_CHECK(experts % group.size() == 0, kOp,
+        WEAVE_CHECK(experts % group.size() == 0, kExpertsOp,
                     "{} experts do not divide over the {} ranks of expert group {}; hint: use a "
                     "multiple of the group size",
                     experts, group.size(), group.str());
       },
-      group, kOp,
+      group, kExpertsOp,
       {options.hidden, options.ffn, experts, options.router.top_k, int64_t(options.seed)});
   for (size_t i = 0; i < range.lowest.size(); ++i)
-    WEAVE_CHECK(range.same(i), kOp,
+    WEAVE_CHECK(range.same(i), kExpertsOp,
                 "the ranks of group {} pass different options (hidden, ffn, experts, top_k, "
                 "seed: entry {} from {} to {})",
                 group.str(), i, range.lowest[i], range.highest[i]);
@@ -41,7 +42,8 @@ nn::MoEOptions agreed(nn::MoEOptions options, const dist::Group& group) {
        fmt::format("capacity_factor {:.17g}", r.capacity_factor),
        fmt::format("aux_loss_coef {:.17g}", r.aux_loss_coef),
        fmt::format("z_loss_coef {:.17g}", r.z_loss_coef)},
-      group, kOp, "the router's options", "build the layer from the same MoEOptions on every rank");
+      group, kExpertsOp, "the router's options",
+      "build the layer from the same MoEOptions on every rank");
   return options;
 }
 
@@ -62,7 +64,7 @@ std::pair<int64_t, int64_t> ExpertParallelDispatcher::held_experts(int64_t exper
 
 void ExpertParallelDispatcher::check_forward() const {
   // Every rank reaches its first forward in the region (none has run out yet), so all raise.
-  WEAVE_CHECK(group_.size() == 1 || !detail::in_join_region(), kOp,
+  WEAVE_CHECK(group_.size() == 1 || !detail::in_join_region(), kExpertsOp,
               "it cannot run inside parallel::join(): a rank out of inputs cannot shadow its "
               "token exchange (all_to_all) over group {}, whose ranks train on different "
               "batches; hint: give every rank the same number of batches (DistributedSampler "

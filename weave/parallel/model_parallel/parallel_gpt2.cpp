@@ -126,7 +126,9 @@ Tensor ParallelGPT2Model::run(const Tensor& input, std::vector<nn::KVCache>* cac
   }
   x = x.transpose(0, 1);
   for (size_t i = 0; i < blocks.size(); ++i)
-    x = caches              ? blocks[i]->forward(x, (*caches)[i])
+    x = caches ? blocks[i]->call(
+                     nn::Inputs(x),
+                     [&](const nn::Inputs& in) { return blocks[i]->forward(in.x, (*caches)[i]); })
         : recompute_blocks_ ? nn::checkpointed(*blocks[i], nn::Inputs(x))
                             : (*blocks[i])(x);
   x = x.transpose(0, 1);

@@ -284,7 +284,9 @@ Tensor ParallelLlamaModel::forward_cached(const Tensor& tokens, std::vector<nn::
   NoGradGuard no_grad;
   Tensor h = (*embedding)(tokens);
   for (size_t i = 0; i < blocks->size(); ++i)
-    h = static_cast<ParallelLlamaBlock&>((*blocks)[i]).forward(nn::Inputs(h), caches[i]);
+    h = (*blocks)[i].call(nn::Inputs(h), [&](const nn::Inputs& in) {
+      return static_cast<ParallelLlamaBlock&>((*blocks)[i]).forward(in, caches[i]);
+    });
   return vocab_parallel_logits((*head)((*norm)(h)), vocab_, group_, /*gather=*/true);
 }
 

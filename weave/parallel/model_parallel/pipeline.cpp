@@ -8,6 +8,7 @@
 #include <deque>
 #include <limits>
 #include <map>
+#include <set>
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
@@ -50,16 +51,16 @@ void check_wrapper_group(const DataParallelWrapper& wrapper, const dist::Group& 
               chunk, wrapper.group().str(), fmt::join(shared, ", "), pipeline.str());
 }
 
-// A stage whose parameters a fully sharded wrapper trains through its own shards would step
-// nothing it clips or averages right: refused until the pipeline takes such stages.
+// A stage whose parameters a fully sharded wrapper trains through its own shards runs through
+// that wrapper, which the pipeline must be given: driving the bare module would leave its
+// micro-batches outside the wrapper's steps and its stage unrecorded on the shards.
 void check_not_managed(nn::Module& chunk) {
   for (const auto& [name, p] : chunk.named_parameters()) {
     const AutogradMeta* meta = p.impl()->autograd.get();
     WEAVE_CHECK(meta == nullptr || meta->managed_by.empty(), "Pipeline",
-                "stage parameter '{}' is managed by {}; a pipeline takes a plain stage or a "
-                "stage under DistributedDataParallel (Pipeline(ddp, ...)), not FSDP stages; hint: "
-                "wrap each stage in DistributedDataParallel over the data group, or train FSDP "
-                "without a pipeline",
+                "stage parameter '{}' is managed by {}; a pipeline drives such a stage through "
+                "its wrapper; hint: Pipeline(fsdp, options), the wrapper built over the ranks "
+                "that hold the same stage (the mesh's data group)",
                 name, meta->managed_by);
   }
 }
@@ -99,9 +100,9 @@ Pipeline::Pipeline(std::vector<nn::Module*> chunks, std::vector<DataParallelWrap
         WEAVE_CHECK(options.microbatches >= 1, "Pipeline",
                     "microbatches must be at least 1, found {}", options.microbatches);
         WEAVE_CHECK(!chunks_.empty(), "Pipeline", "expected at least one chunk, found none");
-        for (nn::Module* chunk : chunks_) {
-          WEAVE_CHECK(chunk != nullptr, "Pipeline", "a chunk is a null pointer");
-          check_not_managed(*chunk);
+        for (size_t c = 0; c < chunks_.size(); ++c) {
+          WEAVE_CHECK(chunks_[c] != nullptr, "Pipeline", "a chunk is a null pointer");
+          if (!wrappers_[c]) check_not_managed(*chunks_[c]);
         }
         for (size_t c = 0; c < wrappers_.size(); ++c)
           if (wrappers_[c]) check_wrapper_group(*wrappers_[c], group_, c);
@@ -141,11 +142,25 @@ void Pipeline::place_parameters() {
   for (nn::Module* chunk : chunks_)
     for (const Tensor& p : chunk->parameters())
       if (is_tied(p)) tied_.push_back(p);
+  // A tied parameter's gradients are summed across the ends here; a wrapper that trains tensors
+  // of its own (FSDP's shards) would never see that sum.
+  bool tied_behind_wrapper = false;
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (wrappers_[c] && !tied_.empty())
+      for (const Tensor& p : chunks_[c]->parameters())
+        if (is_tied(p) && p.impl()->autograd && !p.impl()->meta().managed_by.empty())
+          tied_behind_wrapper = true;
   // The ends must hold as many tied parameters, the stages between none.
   const bool at_end = is_first() || is_last(), end = at_end && stages() > 1;
   const int64_t n = int64_t(tied_.size()), kAbove = std::numeric_limits<int32_t>::max();
   const detail::ValueRange tied = detail::check_together(
-      [] {}, group_, "Pipeline", {end ? n : -1, end ? n : kAbove, at_end ? 0 : n});
+      [] {}, group_, "Pipeline",
+      {end ? n : -1, end ? n : kAbove, at_end ? 0 : n, tied_behind_wrapper ? 1 : 0});
+  WEAVE_CHECK(tied.highest[3] == 0, "Pipeline",
+              "parameters tied across the first and the last stage are trained through a "
+              "wrapper's own tensors (FSDP's shards) on some stage, which the pipeline's sum of "
+              "their gradients cannot reach; hint: wrap such stages in DistributedDataParallel, "
+              "or untie the head");
   WEAVE_CHECK(tied.highest[2] == 0 && (tied.highest[0] < 0 || tied.highest[0] == tied.lowest[1]),
               "Pipeline",
               "parameters tied across the first and the last stage: the ends hold {} and {}, the "
@@ -155,9 +170,17 @@ void Pipeline::place_parameters() {
               tied.highest[2], n);
   // The other stages hold other parameters: norms over the model add up over the group (a tied
   // one, held twice, counts half on each end).
+  std::set<const void*> placed;
   for (nn::Module* chunk : chunks_)
-    for (const Tensor& p : chunk->parameters())
+    for (const Tensor& p : chunk->parameters()) {
       add_cut(p, {.kind = Cut::Kind::Stage, .group = group_, .count = end && is_tied(p) ? 2 : 0});
+      placed.insert(p.impl());
+    }
+  for (DataParallelWrapper* wrapper : wrappers_)  // FSDP's shards: what its optimizer steps
+    if (wrapper)
+      for (const Tensor& t : wrapper->trained_parameters())
+        if (placed.insert(t.impl()).second)
+          add_cut(t, {.kind = Cut::Kind::Stage, .group = group_, .count = 0});
   if (tied.highest[0] > 0)
     tied_group_ =
         dist::split_group(group_, {{group_.global_rank(0), group_.global_rank(stages() - 1)}});

@@ -42,6 +42,12 @@
 //   parallel::Pipeline pipe(ddp, {.microbatches = 4, .group = mesh.pipeline()});
 //   pipe.train_step(x, y, loss);                  // gradients averaged over mesh.data()
 //   parallel::clip_grad_norm_(stage->parameters(), 1.0);   // the whole model's norm
+//
+// A fully sharded stage goes the same way (FullyShardedDataParallel over mesh.data(); the
+// optimizer and the clipping take fsdp.parameters(), the shards, which carry the stage too).
+// Its micro-batches accumulate whole gradients under no_sync() until the last one
+// reduce-scatters them; reshard_after_forward = false keeps each unit gathered across them
+// (torchtitan's choice under pipelining), trading memory for a gather per micro-batch.
 #include <functional>
 #include <memory>
 #include <vector>

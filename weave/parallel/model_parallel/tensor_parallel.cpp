@@ -9,6 +9,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
+#include "weave/nn/deferred.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/tensor/tensor_impl.h"
 
@@ -28,7 +29,9 @@ Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group, i
   if (!full.defined()) return {};
   NoGradGuard no_grad;
   const int64_t piece = full.size(axis) / group.size();
-  Tensor slice = full.detach().narrow(axis, group.rank() * piece, piece).contiguous().clone();
+  const Tensor view = full.detach().narrow(axis, group.rank() * piece, piece);
+  // A deferred whole stays deferred: the slice draws its own elements of it when materialized.
+  Tensor slice = nn::is_deferred(full) ? nn::deferred_copy(view) : view.contiguous().clone();
   if (size >= 0) {
     WEAVE_CHECK(axis == 0, "split_parameter",
                 "a padded whole (size {}) is split along axis 0, found axis {}", size, axis);
@@ -50,7 +53,7 @@ void record_padding(const Tensor& weight, const dist::Group& group, int64_t size
   // The padding rows are zero wherever they come from: nothing looks them up, so nothing else
   // would keep them finite through a checkpoint or an optimizer's weight decay.
   const int64_t first = std::clamp<int64_t>(size - group.rank() * rows, 0, rows);
-  if (first == rows) return;
+  if (first == rows || nn::is_deferred(weight)) return;  // deferred padding is drawn as zeros
   NoGradGuard no_grad;
   weight.narrow(0, first, rows - first).zero_();
 }
@@ -59,6 +62,7 @@ Tensor pad_rows(const Tensor& whole, int64_t rows) {
   WEAVE_CHECK(rows >= whole.size(0), "pad_rows", "{} rows cannot be padded to {}", whole.size(0),
               rows);
   if (rows == whole.size(0)) return whole;
+  if (nn::is_deferred(whole)) return nn::deferred_pad_rows(whole, rows);
   Shape padding = whole.shape();
   padding[0] = rows - whole.size(0);
   return cat({whole, zeros(padding, {.dtype = whole.dtype(), .device = whole.device()})});
@@ -103,7 +107,7 @@ RowParallelLinear::RowParallelLinear(int64_t in_features, int64_t out_features, 
   weight.requires_grad_(true);
   if (options.bias) {
     NoGradGuard no_grad;
-    bias = full.bias.detach().clone();
+    bias = nn::is_deferred(full.bias) ? nn::deferred_copy(full.bias) : full.bias.detach().clone();
     bias.requires_grad_(true);
   }
 }
@@ -160,8 +164,8 @@ Tensor VocabParallelEmbedding::forward(const Tensor& ids) {
 SequenceParallelLayerNorm::SequenceParallelLayerNorm(const Shape& normalized_shape,
                                                      dist::Group group, double eps)
     : ShardedModule("SequenceParallelLayerNorm", std::move(group)),
-      weight(register_parameter("weight", ones(normalized_shape))),
-      bias(register_parameter("bias", zeros(normalized_shape))),
+      weight(register_parameter("weight", nn::init::constant_parameter(normalized_shape, 1))),
+      bias(register_parameter("bias", nn::init::constant_parameter(normalized_shape, 0))),
       shape_(normalized_shape),
       eps_(eps) {}
 
