@@ -11,6 +11,8 @@
 //   transient peak - state: activations, gathered units, gradient temporaries
 //   activations  transient - the transient of a one-token step (which holds the same gathered
 //             units and gradient buffers but next to no activations)
+//   construction  the highest in_use above the before while the model and its wrapper are built
+//             (a model built under nn::DeferredInit: FSDP draws only each rank's shards)
 // Each figure is the largest over the ranks. Step time is the slowest rank's wall time.
 // The last lines check the targets (ZeRO-3 state, checkpointing's cut and cost, ZeRO-3's
 // step time against DDP's).
@@ -66,7 +68,7 @@ struct Case {
   bool checkpoint = false;
   std::shared_ptr<Gpt> model;
   std::function<void()> step;
-  double state_bytes = 0, fixed_transient = 0;
+  double state_bytes = 0, fixed_transient = 0, construction_bytes = 0;
   std::vector<double> times, transients;
   // Kept alive with the case: the wrappers and optimizers its step uses.
   std::shared_ptr<void> owner;
@@ -105,20 +107,41 @@ int main(int argc, char** argv) {
   std::vector<std::unique_ptr<Case>> cases;
   // make(model) returns the step and whatever it must keep alive.
   using Made = std::pair<std::function<void()>, std::shared_ptr<void>>;
-  auto add = [&](std::string name, bool checkpoint, const std::function<Made(Gpt&)>& make) {
+  auto add = [&](std::string name, bool checkpoint, const std::function<Made(Gpt&)>& make,
+                 bool deferred = false) {
     auto k = std::make_unique<Case>();
     k->name = std::move(name) + (checkpoint ? "+ckpt" : "");
     k->checkpoint = checkpoint;
     dist::barrier();
     const double before = double(memory_stats().in_use);
+    reset_peak_memory();
     manual_seed(0);
-    k->model = std::make_shared<Gpt>(c, checkpoint);
+    if (deferred) {
+      nn::DeferredInit scope(/*seed=*/0);
+      k->model = std::make_shared<Gpt>(c, checkpoint);
+    } else {
+      k->model = std::make_shared<Gpt>(c, checkpoint);
+    }
     std::tie(k->step, k->owner) = make(*k->model);
+    k->construction_bytes = bench::max_over_ranks(double(memory_stats().peak) - before);
     for (int i = 0; i < 2; ++i) k->step();  // optimizer state and traced buckets exist now
     k->state_bytes = bench::max_over_ranks(double(memory_stats().in_use) - before);
     cases.push_back(std::move(k));
   };
 
+  // An FSDP case: the wrapper with `options`, AdamW over its shards.
+  auto fsdp_case = [&](parallel::FSDPOptions options) {
+    return [&, options](Gpt& m) -> Made {
+      auto fsdp = std::make_shared<parallel::FullyShardedDataParallel>(m, options);
+      auto opt = std::make_shared<optim::AdamW>(fsdp->parameters(), adamw);
+      return {[&, fsdp, opt] {
+                opt->zero_grad(false);
+                loss_of((*fsdp)(ids)).backward();
+                opt->step();
+              },
+              std::make_shared<std::pair<decltype(fsdp), decltype(opt)>>(fsdp, opt)};
+    };
+  };
   for (bool checkpoint : {false, true}) {
     add("ddp", checkpoint, [&](Gpt& m) -> Made {
       auto ddp = std::make_shared<parallel::DistributedDataParallel>(m);
@@ -145,19 +168,15 @@ int main(int argc, char** argv) {
     for (auto sharding :
          {parallel::ShardingStrategy::ShardGradOp, parallel::ShardingStrategy::FullShard}) {
       const bool full = sharding == parallel::ShardingStrategy::FullShard;
-      add(full ? "fsdp_zero3" : "fsdp_zero2", checkpoint, [&, sharding](Gpt& m) -> Made {
-        auto fsdp = std::make_shared<parallel::FullyShardedDataParallel>(
-            m, parallel::FSDPOptions{.sharding = sharding});
-        auto opt = std::make_shared<optim::AdamW>(fsdp->parameters(), adamw);
-        return {[&, fsdp, opt] {
-                  opt->zero_grad(false);
-                  loss_of((*fsdp)(ids)).backward();
-                  opt->step();
-                },
-                std::make_shared<std::pair<decltype(fsdp), decltype(opt)>>(fsdp, opt)};
-      });
+      add(full ? "fsdp_zero3" : "fsdp_zero2", checkpoint, fsdp_case({.sharding = sharding}));
     }
   }
+
+  // FSDP from a deferred model (construction 1/N), and under a bfloat16 policy (float32 shards).
+  add("fsdp_zero3_deferred", false, fsdp_case({}), /*deferred=*/true);
+  add("fsdp_zero3_bf16", false,
+      fsdp_case({.param_dtype = kBFloat16, .reduce_dtype = kFloat32, .output_dtype = kFloat32}),
+      /*deferred=*/true);
 
   // One step's wall time and its peak above the in_use before it (largest over the ranks).
   auto measure = [](Case& k) {
@@ -206,10 +225,11 @@ int main(int argc, char** argv) {
   for (auto& k : cases) {
     const double transient = bench::median(k->transients), step = bench::median(k->times);
     std::printf(
-        "case=%-16s state_mb=%7.2f peak_mb=%7.2f transient_mb=%7.2f activations_mb=%7.2f "
-        "step_ms=%8.1f step_vs_ddp=%.3f\n",
-        k->name.c_str(), k->state_bytes / mb, (k->state_bytes + transient) / mb, transient / mb,
-        activations(*k) / mb, step * 1e3, step / ddp_step);
+        "case=%-20s construction_mb=%7.2f state_mb=%7.2f peak_mb=%7.2f transient_mb=%7.2f "
+        "activations_mb=%7.2f step_ms=%8.1f step_vs_ddp=%.3f\n",
+        k->name.c_str(), k->construction_bytes / mb, k->state_bytes / mb,
+        (k->state_bytes + transient) / mb, transient / mb, activations(*k) / mb, step * 1e3,
+        step / ddp_step);
   }
   // Targets. Two units: FSDP's units here are the model's children; the largest is a block.
   const double unit_bytes = 4.0 * double(block_parameters);

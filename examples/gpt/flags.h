@@ -32,6 +32,7 @@ struct Flags {
   std::string matmul_precision = "highest";  // float32 GEMMs: highest, or high (TF32)
   uint64_t seed = 0;
   std::optional<DType> autocast;
+  std::optional<DType> param_dtype;     // fsdp's mixed-precision policy: gathered parameters
   std::string device = "cpu", backend;  // backend "": nccl for cuda, mpi for cpu
   Device placed = kCPU;                 // this rank's device (set once the runtime is up)
   int64_t vocab = 0;                    // at least the characters' count (a larger head)
@@ -92,6 +93,11 @@ inline Flags parse(int argc, char** argv) {
   std::string autocast;
   app.add_option("--autocast", autocast, "reduced-precision forward")
       ->check(CLI::IsMember({"bf16", "fp16"}));
+  std::string param_dtype;
+  app.add_option("--param-dtype", param_dtype,
+                 "fsdp: gather the parameters in bf16 (float32 shards step, gradients reduced in "
+                 "float32)")
+      ->check(CLI::IsMember({"bf16"}));
   app.add_option("--device", f.device)->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--matmul-precision", f.matmul_precision,
                  "float32 matrix products on CUDA: highest (float32) or high (TF32)")
@@ -119,6 +125,7 @@ inline Flags parse(int argc, char** argv) {
       ->check(weave::cli::non_negative());
   weave::cli::parse_or_exit(app, argc, argv);
   if (!autocast.empty()) f.autocast = autocast == "bf16" ? kBFloat16 : kFloat16;
+  if (!param_dtype.empty()) f.param_dtype = kBFloat16;
   return f;
 }
 

@@ -36,9 +36,9 @@
 //                          load-balancing loss over the whole step's batch; --expert-parallel N
 //                          spreads them over groups of N of the data x context ranks;
 //   --pipeline N           N stages of consecutive blocks (the embeddings on the first, the
-//                          head on the last), each split over the tensor axis and under DDP over
-//                          data x context; 1F1B over --microbatches (2 N) micro-batches, the
-//                          last one's backward averaging the gradients of all of them.
+//                          head on the last), each split over the tensor axis and under DDP (or
+//                          fsdp) over data x context; 1F1B over --microbatches (2 N), the last
+//                          one's backward averaging (reduce-scattering) all of them.
 // The wrappers read where each parameter lives (its placement): experts average over the ranks
 // holding them, with the expert scale; the gradient norm counts every piece once.
 // --arch llama trains a Llama-class model instead (nn::LlamaModel: RMSNorm, rotary positions,
@@ -301,6 +301,9 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   WEAVE_CHECK(!f.pack || f.arch == "llama", "gpt",
               "--pack needs --arch llama: GPT-2's learned positions and attention take one "
               "document per window");
+  WEAVE_CHECK(!f.param_dtype || fully_sharded, "gpt",
+              "--param-dtype is fsdp's mixed-precision policy; hint: --strategy fsdp, or "
+              "--autocast bf16 for the others");
   WEAVE_CHECK(!f.cuda_graph || (f.device == "cuda" && world == 1 && f.experts == 0 &&
                                 f.autocast != kFloat16 && !fully_sharded),
               "gpt",
@@ -336,22 +339,23 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   std::vector<std::pair<std::string, Shape>> model_shapes;  // before fsdp shards the parameters
   for (const auto& [name, p] : model->named_parameters())
     model_shapes.emplace_back(name, p.shape());
-  // One data-parallel wrapper, or none: DDP averages each parameter where its placement says,
-  // FSDP shards each over the ranks holding copies of it (kept gathered across a pipeline's
-  // micro-batches, torchtitan's choice).
+  // One data-parallel wrapper or none: DDP averages each parameter where its placement says, FSDP
+  // shards it there (kept gathered across a pipeline's micro-batches, torchtitan's choice).
   std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
   std::unique_ptr<parallel::DataParallelWrapper> wrapper;
   if (fully_sharded) {
     fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
         *model, parallel::FSDPOptions{.reshard_after_forward = pipeline == 1,
-                                      .group = mesh.data_and_context()});
+                                      .group = mesh.data_and_context(),
+                                      .param_dtype = f.param_dtype,
+                                      .reduce_dtype = kFloat32,
+                                      .output_dtype = kFloat32});
   } else if (data * context > 1) {
     wrapper = std::make_unique<parallel::DistributedDataParallel>(
         *model, parallel::DDPOptions{.group = mesh.data_and_context()});
   }
   parallel::DataParallelWrapper* const data_parallel = fsdp ? fsdp.get() : wrapper.get();
-  // The stages pass activations forward and gradients back; each stage's wrapper synchronizes
-  // on the step's last micro-batch.
+  // The stages pass activations and gradients; each stage's wrapper syncs on the last micro-batch.
   std::unique_ptr<parallel::Pipeline> pipe;
   if (pipeline > 1) {
     const parallel::PipelineOptions options{.microbatches = microbatches, .group = mesh.pipeline()};

@@ -1,11 +1,12 @@
 // Deferred initialization across ranks: every layout of a model built under nn::DeferredInit
 // holds, bit for bit, what one process materializing the whole model holds (float32 and
 // float64): FSDP at any world size (each rank draws only its shards), tensor parallelism,
-// FSDP x TP, pipeline stages, and DDP.
+// FSDP x TP, pipeline stages, experts spread over ranks, and DDP.
 #include <doctest/doctest.h>
 
 #include <cstring>
 #include <map>
+#include <optional>
 
 #include "weave/weave.h"
 
@@ -113,6 +114,27 @@ TEST_SUITE("deferred") {
       nn::materialize(*model);
       check_equal_to(want, parallel::gather_state_dict(*model));
     }
+  }
+
+  TEST_CASE("experts spread over the ranks hold one process's values (EP)") {
+    const int n = dist::world_size();
+    if (4 % n != 0) return;  // 4 experts over 1, 2 or 4 ranks
+    std::vector<std::vector<int>> singletons;
+    for (int r = 0; r < n; ++r) singletons.push_back({r});
+    const dist::Group self = dist::split_group(dist::world(), singletons);
+    const nn::MoEOptions moe{.hidden = 32, .ffn = 16, .router = {.experts = 4, .top_k = 2}};
+    auto build = [&](std::optional<dist::Group> experts) {
+      nn::DeferredInit deferred(kSeed);
+      return std::make_shared<parallel::ParallelLlamaModel>(
+          small_llama(), self, parallel::ParallelLMOptions{.moe = moe, .expert_group = experts});
+    };
+    auto whole = build(std::nullopt), spread = build(dist::world());
+    nn::materialize(*whole);
+    nn::materialize(*spread);
+    std::map<std::string, Tensor> want;
+    for (const auto& [name, p] : whole->named_parameters()) want[name] = p.detach();
+    check_equal_to(want, spread->named_parameters());  // experts by their global names
+    if (n > 1) CHECK(spread->named_parameters().size() < want.size());
   }
 
   TEST_CASE("FSDP x TP and pipeline stages of a deferred model hold one process's values") {

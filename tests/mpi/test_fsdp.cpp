@@ -109,15 +109,7 @@ TEST_SUITE("fsdp") {
     // b and c keep only their biases; the shared weight is the root's.
     CHECK(fsdp.unit_names() == std::vector<std::string>{"a", "b", "c", "unused", ""});
     optim::AdamW opt(fsdp.parameters(), adamw_options());
-    for (int step = 0; step < 20; ++step) {
-      auto [x, y] = local_batch(step);
-      reference_opt.zero_grad();
-      opt.zero_grad();
-      mse_loss(ddp(x), y).backward();
-      mse_loss(fsdp(x), y).backward();
-      reference_opt.step();
-      opt.step();
-    }
+    train_side_by_side(ddp, reference_opt, fsdp, opt, 20);
     CHECK(max_difference(*reference, fsdp) <= 1e-10);
   }
 

@@ -44,6 +44,21 @@ inline optim::AdamWOptions adamw_options() {
   return {.lr = 1e-2, .weight_decay = 0.05};
 }
 
+// `steps` AdamW steps of DDP (the reference) and FSDP side by side on the same local batches.
+inline void train_side_by_side(parallel::DistributedDataParallel& ddp, optim::Optimizer& ddp_opt,
+                               parallel::FullyShardedDataParallel& fsdp, optim::Optimizer& opt,
+                               int steps) {
+  for (int step = 0; step < steps; ++step) {
+    auto [x, y] = local_batch(step);
+    ddp_opt.zero_grad();
+    opt.zero_grad();
+    mse_loss(ddp(x), y).backward();
+    mse_loss(fsdp(x), y).backward();
+    ddp_opt.step();
+    opt.step();
+  }
+}
+
 // The largest |a - b| over the reference's parameters and the FSDP model's gathered ones.
 inline double max_difference(nn::Module& reference, parallel::FullyShardedDataParallel& fsdp) {
   const nn::NamedTensors full = fsdp.full_state_dict();

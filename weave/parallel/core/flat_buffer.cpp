@@ -12,14 +12,21 @@
 
 namespace weave::parallel::detail {
 
-FlatBuffer FlatBuffer::like(const std::vector<Tensor>& tensors, int64_t pad_to, int64_t extra) {
-  FlatBuffer buffer;
+namespace {
+// The members' shapes and offsets, and the elements a buffer of them padded to pad_to holds.
+int64_t lay_out(FlatBuffer& buffer, const std::vector<Tensor>& tensors, int64_t pad_to) {
   for (const Tensor& t : tensors) {
     buffer.shapes.push_back(t.shape());
     buffer.offsets.push_back(buffer.used);
     buffer.used += t.numel();
   }
-  const int64_t padded = (buffer.used + pad_to - 1) / pad_to * pad_to;
+  return (buffer.used + pad_to - 1) / pad_to * pad_to;
+}
+}  // namespace
+
+FlatBuffer FlatBuffer::like(const std::vector<Tensor>& tensors, int64_t pad_to, int64_t extra) {
+  FlatBuffer buffer;
+  const int64_t padded = lay_out(buffer, tensors, pad_to);
   buffer.flat = zeros(
       {padded + extra},
       tensors.empty() ? TensorOptions{.dtype = kFloat32}
@@ -27,15 +34,13 @@ FlatBuffer FlatBuffer::like(const std::vector<Tensor>& tensors, int64_t pad_to, 
   return buffer;
 }
 
-FlatBuffer FlatBuffer::unallocated(const std::vector<Tensor>& tensors, int64_t pad_to) {
+FlatBuffer FlatBuffer::unallocated(const std::vector<Tensor>& tensors, int64_t pad_to,
+                                   std::optional<DType> dtype_option) {
   FlatBuffer buffer;
-  for (const Tensor& t : tensors) {
-    buffer.shapes.push_back(t.shape());
-    buffer.offsets.push_back(buffer.used);
-    buffer.used += t.numel();
-  }
-  const int64_t padded = (buffer.used + pad_to - 1) / pad_to * pad_to;
-  const DType dtype = tensors.empty() ? kFloat32 : tensors[0].dtype();
+  const int64_t padded = lay_out(buffer, tensors, pad_to);
+  const DType dtype = dtype_option      ? *dtype_option
+                      : tensors.empty() ? kFloat32
+                                        : tensors[0].dtype();
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = Storage::deferred(size_t(padded) * itemsize(dtype),
                                     tensors.empty() ? kCPU : tensors[0].device(), nullptr);
@@ -91,6 +96,7 @@ void bind_data(const Tensor& tensor, Tensor view) {
 
 void bind_storage(const Tensor& tensor, const Tensor& view) {
   TensorImpl& impl = *tensor.impl();
+  impl.dtype = view.dtype();
   impl.storage = view.storage();
   impl.strides = view.strides();
   impl.offset = view.offset();

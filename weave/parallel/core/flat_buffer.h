@@ -34,8 +34,10 @@ struct FlatBuffer {
   static FlatBuffer like(const std::vector<Tensor>& tensors, int64_t pad_to = 1, int64_t extra = 0);
   /// Room for `tensors`, which move into it (bind_data: their values, then their memory).
   static FlatBuffer adopt(const std::vector<Tensor>& tensors, int64_t pad_to = 1);
-  /// The layout of like(), its memory not allocated (a released storage: allocate_again()).
-  static FlatBuffer unallocated(const std::vector<Tensor>& tensors, int64_t pad_to = 1);
+  /// The layout of like(), its memory not allocated (a released storage: allocate_again()), in
+  /// `dtype` (default: the first tensor's).
+  static FlatBuffer unallocated(const std::vector<Tensor>& tensors, int64_t pad_to = 1,
+                                std::optional<DType> dtype = std::nullopt);
   /// Member k's slice of `flat`, in its shape.
   Tensor view(size_t k) const { return view_in(flat, k); }
   /// Member k's slice of another tensor laid out like `flat` (a gathered copy, a wire buffer).
@@ -73,7 +75,8 @@ struct GradBucket {
 /// values are copied over first.
 void bind_data(const Tensor& tensor, Tensor view);
 
-/// Makes `view` the memory of `tensor` without copying its values (which are dropped).
+/// Makes `view` the memory of `tensor` without copying its values (which are dropped); the
+/// tensor takes the view's dtype (FSDP's gathered parameters in a mixed-precision policy's).
 void bind_storage(const Tensor& tensor, const Tensor& view);
 
 /// Makes `view` the gradient of `param`, copying what it accumulated so far (or zeros) into it,

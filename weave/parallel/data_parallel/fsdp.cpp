@@ -11,6 +11,7 @@
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
+#include "weave/nn/deferred.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/layout.h"
@@ -103,7 +104,12 @@ std::vector<std::string> describe_units(
       fmt::format("reshard_after_forward {}", options.reshard_after_forward),
       fmt::format("prefetch {}", options.prefetch),
       fmt::format("broadcast_from {}", options.broadcast_from),
-      fmt::format("check_finite {}", options.check_finite)};
+      fmt::format("check_finite {}", options.check_finite),
+      fmt::format("replicate_group size {}",
+                  options.replicate_group ? options.replicate_group->size() : 0),
+      fmt::format("param_dtype {}", options.param_dtype ? dtype_name(*options.param_dtype) : "-"),
+      fmt::format("reduce_dtype {}",
+                  options.reduce_dtype ? dtype_name(*options.reduce_dtype) : "-")};
   for (const auto& [name, modules] : unit_specs) {
     std::string line = fmt::format("unit '{}':", name);
     for (const nn::Module* m : modules)
@@ -113,6 +119,20 @@ std::vector<std::string> describe_units(
     lines.push_back(std::move(line));
   }
   return lines;
+}
+
+// HSDP's groups: this rank in both, and in no other rank's both (each replica of a shard sits
+// in another shard group).
+void check_hybrid(const dist::Group& shard, const dist::Group& replicate) {
+  WEAVE_CHECK(replicate.rank() >= 0, kFSDPOp,
+              "rank {} is not in its replicate_group {}; hint: the ranks holding the same "
+              "shards, one from each shard group",
+              dist::rank(), replicate.str());
+  for (int r : replicate.ranks())
+    WEAVE_CHECK(r == dist::rank() || !shard.contains(r), kFSDPOp,
+                "rank {} is in both the shard group {} and the replicate_group {}; hint: a "
+                "replica of this rank's shard lives in another shard group",
+                r, shard.str(), replicate.str());
 }
 
 // Every rank agrees on the model, the options and the units before anything is sharded; then
@@ -130,6 +150,13 @@ UnitSpecs agree_on_units(nn::Module& module, State& s) {
         WEAVE_CHECK(s.options.broadcast_from >= 0 && s.options.broadcast_from < s.group.size(),
                     kFSDPOp, "broadcast_from must be a rank of group {} (0 to {}), found {}",
                     s.group.str(), s.group.size() - 1, s.options.broadcast_from);
+        for (const std::optional<DType>& dtype :
+             {s.options.param_dtype, s.options.reduce_dtype, s.options.output_dtype})
+          WEAVE_CHECK(!dtype || is_floating(*dtype), kFSDPOp,
+                      "param_dtype, reduce_dtype and output_dtype are floating dtypes (bfloat16, "
+                      "float16, float32, float64), found {}",
+                      *dtype);
+        if (const auto& replicate = s.options.replicate_group) check_hybrid(s.group, *replicate);
         unit_specs = resolve_units(module, s.options);
       },
       s.group, kFSDPOp);
@@ -143,6 +170,20 @@ UnitSpecs agree_on_units(nn::Module& module, State& s) {
   }
   s.replicas = detail::replica_groups(s.names, s.params, s.group, kFSDPOp);
   detail::broadcast_replicas(module, s.params, s.replicas, s.options.broadcast_from);
+  if (const auto& replicate = s.options.replicate_group) {  // HSDP: the replicas start equal
+    detail::check_same_model(module, *replicate, kFSDPOp);
+    detail::check_together(
+        [&] {
+          WEAVE_CHECK(s.replicas.groups.size() == 1, kFSDPOp,
+                      "experts spread over ranks are sharded apart, which a replicate group "
+                      "does not follow; hint: HSDP without expert parallelism, or plain FSDP");
+        },
+        *replicate, kFSDPOp);
+    std::vector<Tensor> dense = module.buffers();
+    for (const Tensor& p : module.parameters())
+      if (!nn::is_deferred(p)) dense.push_back(p);
+    detail::broadcast_packed(dense, 0, *replicate);
+  }
   return unit_specs;
 }
 
@@ -173,11 +214,11 @@ void build_units(nn::Module& module, State& s, const UnitSpecs& unit_specs) {
     const std::vector<int> members = owned_by([u](int owner) { return owner == int(u); });
     if (!members.empty())
       s.units.emplace_back(unit_specs[u].first, unit_specs[u].second, /*root=*/false, members,
-                           s.params, s.names, splits, s.replicas);
+                           s.params, s.names, splits, s.replicas, s.options);
   }
   s.units.emplace_back("", std::vector<nn::Module*>{}, /*root=*/true,
                        owned_by([](int owner) { return owner < 0; }), s.params, s.names, splits,
-                       s.replicas);
+                       s.replicas, s.options);
   s.unit_of.assign(s.params.size(), -1);
   for (size_t u = 0; u < s.units.size(); ++u)
     for (const State::Flat& f : s.units[u].flats())
@@ -296,7 +337,16 @@ Tensor FullyShardedDataParallel::forward(const nn::Inputs& inputs) {
   try {
     s.ensure_gathered(s.root());
     if (synchronizing) s.bind_grads(s.root());
-    out = module_(inputs);
+    // A mixed-precision policy computes in param_dtype: the main input joins it (FSDP2's
+    // cast_forward_inputs).
+    const std::optional<DType> compute = s.options.param_dtype;
+    out = compute && inputs.x.defined() && is_floating(inputs.x.dtype()) &&
+                  inputs.x.dtype() != *compute
+              ? module_(inputs.with(inputs.x.to(*compute)))
+              : module_(inputs);
+    const std::optional<DType> output = s.options.output_dtype;
+    if (output && out.defined() && is_floating(out.dtype()) && out.dtype() != *output)
+      out = out.to(*output);
   } catch (...) {
     // The peers' forward went on: pair their collectives, then let this rank's error out.
     try {

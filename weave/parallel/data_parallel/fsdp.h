@@ -88,8 +88,33 @@ struct FSDPOptions {
   bool prefetch = true;
   /// The ranks that shard the model (default: the world; under a ProcessMesh, mesh.data()).
   std::optional<dist::Group> group = std::nullopt;
+  /// HSDP (hybrid sharding, as torchtitan's and DeepSpeed's across nodes): the ranks that hold
+  /// the same shards as this one, one in each shard group (`group`). FSDP shards over `group`
+  /// and averages every shard's gradient over this group too, launched as each unit's
+  /// reduce-scatter completes (overlapping the rest of backward); the replicas start equal (a
+  /// broadcast from its first rank, or a deferred model's draws) and discard a step together.
+  /// Clipping, the replica check and sharded checkpoints read it from the shards' placement
+  /// like any other axis. Both groups come from dist::split_group over the data ranks:
+  ///
+  ///   // 4 ranks: shard groups {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}
+  ///   const dist::Group shard = dist::split_group(dist::world(), {{0, 1}, {2, 3}});
+  ///   const dist::Group replicas = dist::split_group(dist::world(), {{0, 2}, {1, 3}});
+  ///   parallel::FullyShardedDataParallel hsdp(model, {.group = shard,
+  ///                                                   .replicate_group = replicas});
+  std::optional<dist::Group> replicate_group = std::nullopt;
   /// Broadcast the parameters and buffers from this group rank at construction.
   int broadcast_from = 0;
+  /// Mixed precision (PyTorch FSDP2's MixedPrecisionPolicy): the dtype the gathered parameters
+  /// take, and so the units' compute; forward casts its floating main input to it too. The
+  /// shards, what the optimizer steps, keep the parameters' own dtype: float32 master weights
+  /// under bfloat16 compute, and half the gathered bytes. None: the parameters' dtype.
+  std::optional<DType> param_dtype = std::nullopt;
+  /// The dtype the gradients are reduce-scattered in (float32 sums bfloat16 gradients without
+  /// their rounding; the low dtype halves the bytes). None: param_dtype, else the parameters'.
+  std::optional<DType> reduce_dtype = std::nullopt;
+  /// The dtype forward's floating output is cast to (float32 keeps a loss on bfloat16 logits
+  /// from rounding to bfloat16). None: as the model computed it.
+  std::optional<DType> output_dtype = std::nullopt;
   /// After each synchronizing backward, check the averaged shard gradients for NaN and
   /// infinity. Each rank holds other shards, so the ranks agree on one verdict (one small
   /// all_reduce): every rank raises weave::Error from backward (gradients left as averaged),
@@ -107,6 +132,10 @@ struct FSDPStats {
   /// Synchronizing backward passes settled so far, and those discarded because a rank failed.
   int64_t steps = 0;
   int64_t failed_steps = 0;
+  /// Bytes the all_gathers delivered into units (each gather's whole buffer), and the bytes
+  /// the reduce-scatters sent (each whole gradient buffer, in the reduce dtype).
+  int64_t gathered_bytes = 0;
+  int64_t reduced_bytes = 0;
 };
 
 class FullyShardedDataParallel : public Joinable, public DataParallelWrapper {

@@ -164,6 +164,7 @@ bool FullyShardedDataParallel::State::finish_step_collectives(bool failed) {
   unless_diverged([&] { readiness->launch_rest(); });
   for (int u : reducing) unless_diverged([&] { finish_reduce(units[size_t(u)]); });
   reducing.clear();
+  for (Unit& u : units) unless_diverged([&] { u.finish_replicate(); });
   return diverged();
 }
 
@@ -175,7 +176,12 @@ int64_t FullyShardedDataParallel::State::count_failed_ranks(bool failed) {
       failed = true;
     }
     try {
-      return int64_t(detail::ranks_where({failed}, group)[0].size());
+      const int64_t here = int64_t(detail::ranks_where({failed}, group)[0].size());
+      if (!options.replicate_group) return here;
+      // HSDP: the replicas averaged one another's shards, so they keep or discard together.
+      Tensor total = full({1}, double(here), {.dtype = kFloat64});
+      dist::all_reduce(total, dist::ReduceOp::Sum, *options.replicate_group);
+      return int64_t(total.item<double>());
     } catch (const Error&) {
       if (!diverged()) throw;  // a peer is realigning: meet it there
     }

@@ -37,10 +37,18 @@ Tensor draw_shard(const FlatBuffer& full, const std::vector<Tensor>& members,
   return shard;
 }
 
+// Under a mixed-precision policy the members move to a gathered buffer of param_dtype (their
+// values live on in the shard, which keeps their dtype).
+void gather_in(FSDPFlat& f, const std::vector<Tensor>& members, DType dtype) {
+  if (dtype == f.full.flat.dtype()) return;
+  f.full = FlatBuffer::unallocated(members, f.group.size(), dtype);
+  for (size_t k = 0; k < members.size(); ++k) bind_storage(members[k], f.full.view(k));
+}
+
 FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
                    const std::vector<std::string>& names,
                    const std::map<std::string, TensorSplit>& splits, const ReplicaGroups& replicas,
-                   int replica) {
+                   int replica, const FSDPOptions& precision) {
   FSDPFlat f;
   f.params = std::move(indices);
   f.group = replicas.groups[size_t(replica)];
@@ -61,6 +69,9 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
   }
   const int64_t per_rank = f.full.flat.numel() / n;
   f.shard.requires_grad_(true);
+  gather_in(f, members, precision.param_dtype.value_or(f.shard.dtype()));
+  f.reduce_dtype = precision.reduce_dtype.value_or(f.full.flat.dtype());
+  if (replica == 0) f.replicate = precision.replicate_group;
   // Sharded checkpoints describe the shard by the parameters it covers.
   auto layout = std::make_shared<FlatShard>(FlatShard{.members = {},
                                                       .names = {},
@@ -93,7 +104,8 @@ bool needs_gather(const FSDPFlat& f) {
 FSDPUnit::FSDPUnit(std::string name, std::vector<nn::Module*> modules, bool root,
                    const std::vector<int>& members, const std::vector<Tensor>& params,
                    const std::vector<std::string>& names,
-                   const std::map<std::string, TensorSplit>& splits, const ReplicaGroups& replicas)
+                   const std::map<std::string, TensorSplit>& splits, const ReplicaGroups& replicas,
+                   const FSDPOptions& precision)
     : name_(std::move(name)), modules_(std::move(modules)), root_(root) {
   using Kind = std::tuple<int, DType, Device>;  // replica group, dtype, device
   auto kind_of = [&](int i) {
@@ -107,8 +119,8 @@ FSDPUnit::FSDPUnit(std::string name, std::vector<nn::Module*> modules, bool root
     std::vector<int> of_kind;
     for (int i : members)
       if (kind_of(i) == kind) of_kind.push_back(i);
-    flats_.push_back(
-        make_flat(std::move(of_kind), params, names, splits, replicas, std::get<0>(kind)));
+    flats_.push_back(make_flat(std::move(of_kind), params, names, splits, replicas,
+                               std::get<0>(kind), precision));
   }
 }
 
@@ -127,8 +139,12 @@ void FSDPUnit::launch_gather(FSDPStats& stats, bool prefetch) {
     f.full.flat.storage()->allocate_again();
     f.gathered_version = f.shard.version();
     NoGradGuard no_grad;
-    f.gather = dist::all_gather(f.full.flat, f.shard.detach(), f.group, /*async_op=*/true);
+    f.gather_send = f.shard.dtype() == f.full.flat.dtype()
+                        ? f.shard.detach()
+                        : f.shard.detach().to(f.full.flat.dtype());
+    f.gather = dist::all_gather(f.full.flat, f.gather_send, f.group, /*async_op=*/true);
     ++stats.gathers;
+    stats.gathered_bytes += f.full.flat.numel() * int64_t(f.full.flat.itemsize());
     if (prefetch) ++stats.prefetches;
   }
   params_ = Params::Gathering;
@@ -150,6 +166,7 @@ void FSDPUnit::wait_gather() {
       if (!first_error) first_error = std::current_exception();
     }
     f.refill_version.reset();
+    f.gather_send = Tensor();
   }
   if (first_error) std::rethrow_exception(first_error);
 }
@@ -180,10 +197,13 @@ void FSDPUnit::launch_reduce(const std::vector<Tensor>& params, FSDPStats& stats
   NoGradGuard no_grad;
   grads_ = Grads::Reducing;  // before the calls: finish_reduce waits for the ones that started
   for (FSDPFlat& f : flats_) {
-    f.reduced = empty(f.shard.shape(), {.dtype = f.shard.dtype(), .device = f.shard.device()});
-    f.reduce = dist::reduce_scatter(f.reduced, f.grads.flat, dist::ReduceOp::Avg, f.group,
+    f.grads_wire =
+        f.grads.flat.dtype() == f.reduce_dtype ? f.grads.flat : f.grads.flat.to(f.reduce_dtype);
+    f.reduced = empty(f.shard.shape(), {.dtype = f.reduce_dtype, .device = f.shard.device()});
+    f.reduce = dist::reduce_scatter(f.reduced, f.grads_wire, dist::ReduceOp::Avg, f.group,
                                     /*async_op=*/true);
     ++stats.reduce_scatters;
+    stats.reduced_bytes += f.grads_wire.numel() * int64_t(f.grads_wire.itemsize());
   }
 }
 
@@ -194,13 +214,39 @@ void FSDPUnit::finish_reduce(const std::vector<Tensor>& params) {
   for (FSDPFlat& f : flats_) {
     if (f.reduce) try {
         std::exchange(f.reduce, std::nullopt)->wait();
-        if (f.scale != 1.0) f.reduced.mul_(f.scale);
       } catch (...) {
         f.reduced = Tensor();  // it never ran: no average to keep
         if (!first_error) first_error = std::current_exception();
       }
+    NoGradGuard no_grad;
+    if (f.replicate) {  // the replicas pair with this call whatever happened here: zeros if so
+      if (!f.reduced.defined())
+        f.reduced = zeros(f.shard.shape(), {.dtype = f.reduce_dtype, .device = f.shard.device()});
+      f.replicate_reduce =
+          dist::all_reduce(f.reduced, dist::ReduceOp::Avg, *f.replicate, /*async_op=*/true);
+    } else if (f.reduced.defined()) {
+      if (f.reduced.dtype() != f.shard.dtype()) f.reduced = f.reduced.to(f.shard.dtype());
+      if (f.scale != 1.0) f.reduced.mul_(f.scale);
+    }
     for (int i : f.params) params[size_t(i)].set_grad(Tensor());
     f.grads = {};
+    f.grads_wire = Tensor();
+  }
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+void FSDPUnit::finish_replicate() {
+  std::exception_ptr first_error;
+  for (FSDPFlat& f : flats_) {
+    if (!f.replicate_reduce) continue;
+    try {
+      std::exchange(f.replicate_reduce, std::nullopt)->wait();
+      NoGradGuard no_grad;
+      if (f.reduced.dtype() != f.shard.dtype()) f.reduced = f.reduced.to(f.shard.dtype());
+    } catch (...) {
+      f.reduced = Tensor();
+      if (!first_error) first_error = std::current_exception();
+    }
   }
   if (first_error) std::rethrow_exception(first_error);
 }
@@ -215,9 +261,14 @@ void FSDPUnit::discard_step(const std::vector<Tensor>& params) {
         std::exchange(f.reduce, std::nullopt)->wait();
       } catch (const Error&) {  // likewise: the step's error is reported
       }
+    if (f.replicate_reduce) try {
+        std::exchange(f.replicate_reduce, std::nullopt)->wait();
+      } catch (const Error&) {
+      }
     if (grads_ != Grads::Idle)
       for (int i : f.params) params[size_t(i)].set_grad(Tensor());
     f.grads = {};
+    f.grads_wire = Tensor();
     f.reduced = Tensor();
   }
   grads_ = Grads::Idle;

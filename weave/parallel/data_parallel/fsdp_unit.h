@@ -36,8 +36,13 @@ struct FSDPFlat {
   std::string suffix;       // "" for the wrapper's group, "_experts", "_experts2", ...
   FlatBuffer full;          // the gathered parameters (the params' memory); released between uses
   Tensor shard;             // this rank's slice, a leaf of its own: what the optimizer steps
-  uint64_t gathered_version = ~uint64_t{0};  // shard's version when `full` was last gathered
-  std::optional<dist::Work> gather;          // in flight
+  DType reduce_dtype = kFloat32;  // what the gradients travel in (FSDPOptions::reduce_dtype)
+  Tensor gather_send;  // the shard in the gathered dtype, while its all_gather is in flight
+  Tensor grads_wire;   // the whole gradients in reduce_dtype, while they are reduced
+  std::optional<dist::Group> replicate;        // HSDP: the ranks holding this same shard
+  std::optional<dist::Work> replicate_reduce;  // the average of `reduced` over them, in flight
+  uint64_t gathered_version = ~uint64_t{0};    // shard's version when `full` was last gathered
+  std::optional<dist::Work> gather;            // in flight
   // Set while a gather refills released memory with unchanged values: it puts the storage's
   // version back, so the tensors autograd saved from the parameters in forward stay valid.
   std::optional<uint64_t> refill_version;
@@ -54,10 +59,12 @@ class FSDPUnit {
   /// A unit of `modules` (none for the root unit, which holds every parameter no other unit
   /// owns) over `members`, indices into `params` (named `names`, split as `splits` says), each
   /// sharded over its replica group: each rank keeps a 1/n slice of every flat buffer.
+  /// The gathered parameters take `precision.param_dtype` and the gradients travel in
+  /// `precision.reduce_dtype` when set (the shards keep the parameters' dtype).
   FSDPUnit(std::string name, std::vector<nn::Module*> modules, bool root,
            const std::vector<int>& members, const std::vector<Tensor>& params,
            const std::vector<std::string>& names, const std::map<std::string, TensorSplit>& splits,
-           const ReplicaGroups& replicas);
+           const ReplicaGroups& replicas, const FSDPOptions& precision);
 
   const std::string& name() const { return name_; }
   const std::vector<nn::Module*>& modules() const { return modules_; }
@@ -97,6 +104,9 @@ class FSDPUnit {
   /// (its agreement check failed) leaves no average; the first such error is rethrown after
   /// every flat is back to Idle.
   void finish_reduce(const std::vector<Tensor>& params);
+  /// HSDP: completes the averages over the replicate groups that finish_reduce started, and
+  /// converts the averaged shard gradients to the shards' dtype.
+  void finish_replicate();
   /// A step every rank discards: waits for what is in flight (dropping its errors, which the
   /// step already reported), unbinds and drops the whole gradients, Accumulating ones included,
   /// and the averages.
