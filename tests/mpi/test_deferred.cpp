@@ -47,8 +47,9 @@ void check_equal_to(const std::map<std::string, Tensor>& want, const nn::NamedTe
   int compared = 0;
   for (const auto& [name, t] : got) {
     if (!want.count(name)) continue;
-    CAPTURE(name);
-    CHECK(bit_equal(t, want.at(name)));
+    const std::string& key = name;  // a lambda cannot capture a binding
+    CAPTURE(key);
+    CHECK(bit_equal(t, want.at(key)));
     ++compared;
   }
   CHECK(compared > 0);
