@@ -129,14 +129,12 @@ bool has_deferred(const Module& module) {
   return false;
 }
 
-void draw_deferred(const Tensor& t, const std::string& name, int64_t first, const Tensor& out) {
-  const DeferredValues& v = values_of(t, "draw_deferred");
-  WEAVE_CHECK(
-      out.dim() == 1 && out.is_contiguous() && first >= 0 && first + out.numel() <= t.numel(),
-      "draw_deferred", "expected a contiguous range of {}'s {} elements, found [{}, {})", name,
-      t.numel(), first, first + out.numel());
-  const WholeMap map = whole_map(t);
-  const uint64_t key = stream_key(v.seed, name);
+namespace {
+
+// Elements [first, first + out.numel()) of the tensor that `map` places in the whole, drawn
+// into `out` (one dimension, contiguous) from stream `key`.
+void draw_range(const DeferredValues& v, const WholeMap& map, uint64_t key, int64_t first,
+                const Tensor& out) {
   NoGradGuard no_grad;
   for (int64_t c0 = 0; c0 < out.numel(); c0 += kDrawChunk) {
     const int64_t count = std::min(kDrawChunk, out.numel() - c0);
@@ -153,6 +151,28 @@ void draw_deferred(const Tensor& t, const std::string& name, int64_t first, cons
   }
 }
 
+// A new deferred tensor holding what view `v` of a deferred tensor holds, in `dtype` on
+// `device`.
+Tensor copy_of_view(const Tensor& v, DType dtype, Device device) {
+  const WholeMap map = whole_map(v);
+  auto values = std::make_shared<DeferredValues>(values_of(v, kDeferredOp));
+  values->shape = map.shape;
+  values->strides = map.strides;
+  values->offset = map.offset;
+  return make_deferred(v.shape(), dtype, device, std::move(values));
+}
+
+}  // namespace
+
+void draw_deferred(const Tensor& t, const std::string& name, int64_t first, const Tensor& out) {
+  const DeferredValues& v = values_of(t, "draw_deferred");
+  WEAVE_CHECK(
+      out.dim() == 1 && out.is_contiguous() && first >= 0 && first + out.numel() <= t.numel(),
+      "draw_deferred", "expected a contiguous range of {}'s {} elements, found [{}, {})", name,
+      t.numel(), first, first + out.numel());
+  draw_range(v, whole_map(t), stream_key(v.seed, name), first, out);
+}
+
 void materialize(Module& module) {
   std::set<const Storage*> done;
   for (auto& [name, p] : module.named_parameters()) {
@@ -163,14 +183,13 @@ void materialize(Module& module) {
                 "parameter '{}' is a part of a deferred tensor; hint: materialize "
                 "the module that holds the whole",
                 name);
-    const Tensor pending = p.detach();  // keeps the recipe while the storage is filled
+    // The recipe outlives the storage's hold on it; the values are drawn into the parameter's
+    // own memory (no staging copy).
     const std::shared_ptr<DeferredValues> values = p.storage()->deferred_values();
-    Tensor staging = empty({p.numel()}, {.dtype = p.dtype(), .device = p.device()});
-    draw_deferred(pending, name, 0, staging);
+    const WholeMap map = whole_map(p);
     p.storage()->clear_deferred();
     p.storage()->allocate_again();
-    NoGradGuard no_grad;
-    p.detach().reshape({p.numel()}).copy_(staging);
+    draw_range(*values, map, stream_key(values->seed, name), 0, p.detach().reshape({p.numel()}));
   }
 }
 
@@ -183,13 +202,7 @@ void materialize_for_overwrite(const Tensor& t) {
 }
 
 Tensor deferred_copy(const Tensor& v) {
-  const DeferredValues& from = values_of(v, "deferred_copy");
-  const WholeMap map = whole_map(v);
-  auto values = std::make_shared<DeferredValues>(from);
-  values->shape = map.shape;
-  values->strides = map.strides;
-  values->offset = map.offset;
-  return make_deferred(v.shape(), v.dtype(), v.device(), std::move(values));
+  return copy_of_view(v, v.dtype(), v.device());
 }
 
 Tensor deferred_pad_rows(const Tensor& whole, int64_t rows) {
@@ -207,11 +220,7 @@ Tensor deferred_pad_rows(const Tensor& whole, int64_t rows) {
 }
 
 Tensor deferred_to(const Tensor& t, DType dtype, Device device) {
-  Tensor copy = make_deferred(
-      t.shape(), dtype, device,
-      std::make_shared<DeferredValues>(*deferred_copy(t).storage()->deferred_values()));
-  if (t.requires_grad()) copy.requires_grad_(true);
-  return copy;
+  return copy_of_view(t, dtype, device);
 }
 
 namespace init {

@@ -127,11 +127,16 @@ Storage::Storage(size_t nbytes, Device device) : nbytes_(nbytes), device_(device
 Storage::Storage(void* data, size_t nbytes, Device device, std::function<void(void*)> deleter)
     : data_(data), nbytes_(nbytes), device_(device), deleter_(std::move(deleter)), owned_(false) {}
 
+std::shared_ptr<Storage> Storage::unallocated(size_t nbytes, Device device) {
+  auto storage = std::make_shared<Storage>(nullptr, nbytes, device, nullptr);
+  storage->owned_ = true;  // weave allocates it, at allocate_again()
+  storage->released_ = true;
+  return storage;
+}
+
 std::shared_ptr<Storage> Storage::deferred(size_t nbytes, Device device,
                                            std::shared_ptr<DeferredValues> values) {
-  auto storage = std::make_shared<Storage>(nullptr, nbytes, device, nullptr);
-  storage->owned_ = true;  // weave allocates it, at materialization
-  storage->released_ = true;
+  auto storage = unallocated(nbytes, device);
   storage->deferred_ = std::move(values);
   return storage;
 }

@@ -39,8 +39,10 @@ class Storage {
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
-  /// Room for nbytes that is not allocated yet (reading it raises until allocate_again()),
-  /// whose values `values` describes: a parameter built under nn::DeferredInit.
+  /// Room for nbytes that is not allocated yet: released from birth (reading it raises until
+  /// allocate_again()). FSDP's gathered buffers of a deferred model start so.
+  static std::shared_ptr<Storage> unallocated(size_t nbytes, Device device);
+  /// unallocated(), whose values `values` describes: a parameter built under nn::DeferredInit.
   static std::shared_ptr<Storage> deferred(size_t nbytes, Device device,
                                            std::shared_ptr<DeferredValues> values);
   /// What a deferred storage will hold; null for any other (and once materialization began).

@@ -42,8 +42,8 @@ FlatBuffer FlatBuffer::unallocated(const std::vector<Tensor>& tensors, int64_t p
                       : tensors.empty() ? kFloat32
                                         : tensors[0].dtype();
   auto impl = std::make_shared<TensorImpl>();
-  impl->storage = Storage::deferred(size_t(padded) * itemsize(dtype),
-                                    tensors.empty() ? kCPU : tensors[0].device(), nullptr);
+  impl->storage = Storage::unallocated(size_t(padded) * itemsize(dtype),
+                                       tensors.empty() ? kCPU : tensors[0].device());
   impl->shape = {padded};
   impl->strides = {1};
   impl->dtype = dtype;
