@@ -47,14 +47,9 @@ int main(int argc, char** argv) {
   }
   data::TrainingState state{.model = &fsdp.sharded_module(), .optimizer = &opt};
   parallel::save_sharded_checkpoint(std::string(argv[3]) + "/checkpoint", state);
-  const nn::NamedTensors whole = fsdp.full_state_dict();  // collective: every rank gathers
-  if (dist::rank() == 0) {
-    nn::DeferredInit deferred;  // nothing drawn: the trained values are loaded over it
-    nn::LlamaModel exported(options);
-    exported.load_state_dict(whole);
-    const auto tokenizer = data::Tokenizer::from_directory(argv[2]);
-    data::hf::save_pretrained(exported, data::hf::model_config(options),
-                              std::string(argv[3]) + "/model", {.tokenizer = &tokenizer});
-    std::printf("exported %s/model\n", argv[3]);
-  }
+  const auto tokenizer = data::Tokenizer::from_directory(argv[2]);
+  // Collective: rank 0 writes one whole parameter at a time, put together from the shards.
+  parallel::save_pretrained(fsdp.sharded_module(), data::hf::model_config(options),
+                            std::string(argv[3]) + "/model", {.tokenizer = &tokenizer});
+  if (dist::rank() == 0) std::printf("exported %s/model\n", argv[3]);
 }

@@ -25,7 +25,8 @@
 // --init llama|gpt2 first writes a new, randomly initialized model of --dim/--layers/--heads/
 // --kv-heads with the tokenizer of --tokenizer DIR into --model (how the tests make one).
 // Rank 0 prints `step N loss X` (the whole batch's) every --log-every steps, `final_loss=X`,
-// `training_peak_bytes=N` (its peak tensor memory while training, memory_stats),
+// `load_peak_bytes=N` and `training_peak_bytes=N` (its peak tensor memory while building and
+// loading the model, and while training: memory_stats),
 // and the generated text.
 #include <weave/util/cli.h>
 #include <weave/weave.h>
@@ -373,20 +374,31 @@ struct Trainer {
   double last_loss = 0;
 };
 
-void save_and_generate(const Flags& f, Trainer& trainer, const data::Tokenizer& tok) {
-  const std::shared_ptr<nn::CausalLM> whole = trainer.whole_model();
-  if (!f.save.empty() && dist::rank() == 0) {
-    data::hf::save_pretrained(*whole, trainer.config, f.save);
+// The tuned model in Hugging Face's format: rank 0 writes it one parameter at a time, put
+// together from the ranks' slices and shards (no rank builds the whole model).
+void save(const Flags& f, Trainer& trainer) {
+  if (trainer.fsdp || trainer.split)
+    parallel::save_pretrained(trainer.fsdp ? trainer.fsdp->sharded_module() : *trainer.model,
+                              trainer.config, f.save);
+  else if (dist::rank() == 0)
+    data::hf::save_pretrained(*trainer.model, trainer.config, f.save);
+  if (dist::rank() == 0) {
     for (const char* name :
          {"tokenizer.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe"})
       if (fs::exists(fs::path(f.model) / name) && !fs::exists(fs::path(f.save) / name))
         fs::copy_file(fs::path(f.model) / name, fs::path(f.save) / name);
     std::printf("saved %s\n", f.save.c_str());
   }
+}
+
+void save_and_generate(const Flags& f, Trainer& trainer, const data::Tokenizer& tok) {
+  if (!f.save.empty()) save(f, trainer);
   // Under tp every rank decodes its part; otherwise rank 0 decodes the whole model.
   const bool tp_decode =
       f.strategy == "tp" && trainer.mesh.shape().context == 1 && trainer.mesh.shape().pipeline == 1;
-  if (!f.prompt.empty() && (tp_decode || dist::rank() == 0)) {
+  if (f.prompt.empty()) return;
+  const std::shared_ptr<nn::CausalLM> whole = tp_decode ? nullptr : trainer.whole_model();
+  if (tp_decode || dist::rank() == 0) {
     const auto ids = tok.encode(f.prompt);
     const Tensor prompt =
         from_vector(std::vector<int64_t>(ids.begin(), ids.end()), {1, int64_t(ids.size())});
@@ -411,6 +423,8 @@ int run(const Flags& f) {
               "the tokenizer has {} tokens, the model's vocabulary {}", tok.vocab_size(),
               config.vocab);
   Trainer trainer(f, config, tok);
+  if (dist::rank() == 0)
+    std::printf("load_peak_bytes=%lld\n", static_cast<long long>(memory_stats().peak));
   reset_peak_memory();  // training's peak, not loading's
   if (!trainer.train()) {
     if (dist::rank() == 0)

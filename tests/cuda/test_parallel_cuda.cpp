@@ -1,10 +1,10 @@
 // Every parallel strategy on CUDA tensors against the same code on the CPU: DDP, FSDP (both
-// shardings), ZeRO-1, tensor-parallel layers, pipelines, activation checkpointing, mixed
-// precision, ring and all-to-all attention, expert parallelism, a tensor-parallel Llama with a
-// padded vocabulary and its decoding. The CPU runs are the
-// reference: the CPU suites already check each of them against one process. Under MPI the ranks
-// share the GPU (staged through the host); under NCCL (world size 1 on one GPU) the same code
-// runs device to device. Run only with --require-cuda, which skips them without a GPU.
+// shardings, and with CPU offload), ZeRO-1, tensor-parallel layers, pipelines, activation
+// checkpointing, mixed precision, ring and all-to-all attention, expert parallelism, a
+// tensor-parallel Llama with a padded vocabulary and its decoding. The CPU runs are the reference:
+// the CPU suites already check each of them against one process. Under MPI the ranks share the GPU
+// (staged through the host); under NCCL (world size 1 on one GPU) the same code runs device to
+// device. Run only with --require-cuda, which skips them without a GPU.
 #include <doctest/doctest.h>
 
 #include <functional>
@@ -125,6 +125,31 @@ TEST_SUITE("cuda_parallel") {
         return out;
       });
     }
+  }
+
+  TEST_CASE("FSDP with CPU offload equals the CPU run; shards, gradients and state on the host") {
+    check_same_on_gpu([&](Device d) {
+      auto model = mlp(12, d);
+      parallel::FullyShardedDataParallel fsdp(*model, {.offload_to_cpu = d.is_cuda()});
+      optim::AdamW adamw(fsdp.parameters(), {.lr = 1e-2});
+      std::vector<Tensor> out;
+      for (int step = 0; step < 3; ++step) {
+        adamw.zero_grad();
+        auto [x, y] = local_batch(step, d);
+        Tensor loss = mse_loss(fsdp(x), y);
+        loss.backward();
+        for (const Tensor& shard : fsdp.parameters()) {
+          CHECK(shard.device().is_cpu());
+          REQUIRE(shard.grad().defined());
+          CHECK(shard.grad().device().is_cpu());
+        }
+        adamw.step();
+        out.push_back(loss.detach());
+      }
+      for (const auto& [name, value] : adamw.state_dict().tensors) CHECK(value.device().is_cpu());
+      for (const auto& [name, value] : fsdp.full_state_dict()) out.push_back(value.to(d));
+      return out;
+    });
   }
 
   TEST_CASE("ZeRO-1 on CUDA tensors equals the CPU run") {

@@ -259,6 +259,32 @@ TEST_SUITE("ddp") {
     for (size_t i = 0; i < expected.size(); ++i) CHECK(equal(model->parameters()[i], expected[i]));
   }
 
+  TEST_CASE("broadcast_parameters sends only what differs (a checksum agreement)") {
+    // Built alike on every rank (1 MB): nothing is packed or sent, so nothing is allocated but
+    // the agreement's few bytes.
+    manual_seed(7);
+    nn::Sequential model({std::make_shared<nn::Linear>(256, 256), nn::Tanh(),
+                          std::make_shared<nn::Linear>(256, 256)});
+    model.to(kFloat64);
+    int64_t before = int64_t(memory_stats().in_use);
+    reset_peak_memory();
+    parallel::broadcast_parameters(model);
+    CHECK(int64_t(memory_stats().peak) - before < 4096);
+    // One bias differs on the last rank: it alone travels, and every rank ends with rank 0's.
+    Tensor bias = model.parameters()[1];
+    const Tensor expected = bias.clone();
+    if (dist::world_size() > 1 && dist::rank() == dist::world_size() - 1) {
+      NoGradGuard no_grad;
+      bias.add_(1.0);
+    }
+    before = int64_t(memory_stats().in_use);
+    reset_peak_memory();
+    parallel::broadcast_parameters(model);
+    CHECK(equal(bias, expected));
+    CHECK(int64_t(memory_stats().peak) - before < 4096 + 3 * 256 * 8);
+    CHECK(parallel::check_replicas(model) == (dist::world_size() > 1 ? 4 : 0));
+  }
+
   TEST_CASE("DistributedOptimizer steps like one process on the stacked batch") {
     for (auto compress : {std::optional<DType>(), std::optional<DType>(kFloat32)}) {
       auto model = make_model(0);

@@ -161,6 +161,25 @@ TEST_SUITE("experts") {
     CHECK(moe(tokens_of(0)).shape() == Shape{7, 4});
   }
 
+  TEST_CASE("ZeRO-1, DistributedOptimizer and decentralized training refuse spread experts") {
+    // They average every parameter over their group: each rank's experts are others', so the
+    // average would mix different experts. Every rank raises, naming DDP and FSDP.
+    if (dist::world_size() < 2) return;
+    parallel::ExpertParallelMoE moe(options(2 * dist::world_size(), 0), dist::world());
+    const auto factory = [](std::vector<Tensor> params) {
+      return std::make_unique<optim::SGD>(std::move(params), optim::SGDOptions{.lr = 0.1});
+    };
+    CHECK_WEAVE_ERROR(parallel::ZeroRedundancyOptimizer(moe.parameters(), factory),
+                      "ZeroRedundancyOptimizer", "one of the experts spread");
+    optim::SGD sgd(moe.parameters(), {.lr = 0.1});
+    CHECK_WEAVE_ERROR(parallel::DistributedOptimizer(sgd), "DistributedOptimizer",
+                      "FullyShardedDataParallel");
+    CHECK_WEAVE_ERROR(parallel::DecentralizedDataParallel(moe, factory, {.topology = "complete"}),
+                      "DecentralizedDataParallel", "one of the experts spread");
+    // Still in step.
+    CHECK(moe(tokens_of(0)).shape() == Shape{7, 4});
+  }
+
   TEST_CASE("inside join() every rank raises at the first forward, and the group stays usable") {
     if (dist::world_size() < 2) return;
     parallel::ExpertParallelMoE moe(options(2 * dist::world_size(), 0), dist::world());

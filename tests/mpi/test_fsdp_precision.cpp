@@ -79,4 +79,11 @@ TEST_SUITE("fsdp") {
     CHECK_THROWS_WITH_AS(FullyShardedDataParallel(*model, {.param_dtype = kInt64}),
                          doctest::Contains("floating dtypes"), Error);
   }
+
+  TEST_CASE("CPU offload of parameters already on the host raises on every rank") {
+    auto model = make_model(1);
+    CHECK_THROWS_WITH_AS(FullyShardedDataParallel(*model, {.offload_to_cpu = true}),
+                         doctest::Contains("offload_to_cpu moves the shards of CUDA parameters"),
+                         Error);
+  }
 }

@@ -88,6 +88,28 @@ TEST_SUITE("fsdp") {
     if (dist::rank() == 0) std::filesystem::remove_all(dir);
   }
 
+  TEST_CASE("ProcessMesh's replicate x shard split gives HSDP's groups") {
+    const int n = dist::world_size();
+    if (n % 2 != 0) return;
+    const Hybrid groups = hybrid_groups();
+    parallel::ProcessMesh mesh({.data = n, .replicate = n / 2});
+    CHECK(mesh.shard().ranks() == groups.shard.ranks());
+    CHECK(mesh.replicate().ranks() == groups.replicate.ranks());
+    // With tensor-parallel pairs: shard and replicate over the data axis of one tensor rank.
+    if (n == 8) {  // rank r: tensor t = r % 2, data d = r / 2 (shard d % 2, replica d / 2)
+      parallel::ProcessMesh split({.data = 4, .tensor = 2, .replicate = 2});
+      const int t = dist::rank() % 2, d = dist::rank() / 2, first = d / 2 * 2;
+      CHECK(split.shard().ranks() == std::vector<int>{t + 2 * first, t + 2 * (first + 1)});
+      CHECK(split.replicate().ranks() == std::vector<int>{t + 2 * (d % 2), t + 2 * (d % 2 + 2)});
+    }
+    // Without replicas, FSDP's group is data x context and each rank is its own replica.
+    parallel::ProcessMesh plain({.data = n});
+    CHECK(plain.shard().ranks() == plain.data_and_context().ranks());
+    CHECK(plain.replicate().ranks() == std::vector<int>{dist::rank()});
+    CHECK_THROWS_WITH_AS(parallel::ProcessMesh({.data = n, .replicate = 3}),
+                         doctest::Contains("replicate=3 must divide"), Error);
+  }
+
   TEST_CASE("HSDP with a replicate group that overlaps the shard group raises on every rank") {
     if (dist::world_size() < 2) return;
     auto model = make_model(1);

@@ -181,6 +181,44 @@ TEST_SUITE("checkpoint") {
     std::filesystem::remove_all(dir);
   }
 
+  TEST_CASE("safetensors: the streaming writer writes serialize_safetensors' bytes") {
+    // A transposed float64 view written as float32 (18 MB: converted in 16 MB pieces), a
+    // bfloat16 tensor as it is, and a 0-d one: the same file as the whole image, byte for byte.
+    Generator g(3);
+    const Tensor big = randn({2100, 1100}, {.dtype = kFloat64}, &g);
+    const Tensor half = randn({5, 7}, {}, &g).to(kBFloat16);
+    const nn::NamedTensors whole{
+        {"big", big.t().to(kFloat32).contiguous()}, {"half", half}, {"scalar", scalar_tensor(2.5)}};
+    auto dir = scratch_dir();
+    const std::string path = (dir / "streamed.safetensors").string();
+    {
+      data::SafetensorsWriter out(
+          path,
+          {{"big", kFloat32, {1100, 2100}}, {"half", kBFloat16, {5, 7}}, {"scalar", kFloat32, {}}},
+          {{"epoch", "1"}});
+      out.write(big.t());
+      out.write(half);
+      CHECK_WEAVE_ERROR(out.write(ones({2})), "safetensors", "declared");
+      out.write(scalar_tensor(2.5));
+      CHECK_WEAVE_ERROR(out.write(ones({})), "safetensors", "written already");
+      out.commit();
+    }
+    CHECK(data::read_file(path) == data::serialize_safetensors(whole, {{"epoch", "1"}}));
+    {  // dropped before commit: the file stays as it was, and no temporary is left
+      data::SafetensorsWriter out(path, {{"x", kFloat32, {2}}});
+      out.write(ones({2}));
+    }
+    {
+      data::SafetensorsWriter out(path, {{"x", kFloat32, {2}}, {"y", kFloat32, {1}}});
+      out.write(ones({2}));
+      CHECK_WEAVE_ERROR(out.commit(), "safetensors", "1 of 2 tensors were written");
+    }
+    CHECK(data::read_file(path) == data::serialize_safetensors(whole, {{"epoch", "1"}}));
+    CHECK(std::distance(std::filesystem::directory_iterator(dir),
+                        std::filesystem::directory_iterator()) == 1);
+    std::filesystem::remove_all(dir);
+  }
+
   TEST_CASE("safetensors: corrupt files are errors that name the problem") {
     auto parse = [](const std::string& bytes) {
       return error_of([&] { data::parse_safetensors(bytes.data(), bytes.size(), "f"); });

@@ -42,55 +42,79 @@ void read_exactly_at(int fd, void* dest, uint64_t size, uint64_t offset, const s
   }
 }
 
-void write_file_atomically(const std::string& path, const std::string& bytes) {
-  const std::filesystem::path target(path);
-  std::string temp = path + ".tmp-XXXXXX";
-  const int fd = mkstemp(temp.data());
-  if (fd < 0) fail_io("create a temporary file next to", path);
-  auto give_up = [&](const char* what) {
-    const int saved = errno;
-    ::close(fd);
-    ::unlink(temp.c_str());
-    errno = saved;
-    fail_io(what, path);
-  };
-  // mkstemp creates the file 0600; a checkpoint gets the permissions of the file it replaces,
-  // or those a new file would get under the umask.
+AtomicFileWriter::AtomicFileWriter(std::string path)
+    : path_(std::move(path)), temp_(path_ + ".tmp-XXXXXX") {
+  // mkstemp creates a new file (O_EXCL: never one another user planted) with mode 0600; the
+  // target's permissions are applied below.
+  fd_ = ::mkstemp(temp_.data());
+  if (fd_ < 0) fail_io("create a temporary file next to", path_);
   struct stat existing;
   mode_t mode = 0;
-  if (::stat(path.c_str(), &existing) == 0) {
+  if (::stat(path_.c_str(), &existing) == 0) {
     mode = existing.st_mode & 07777;
   } else {
     const mode_t mask = ::umask(0);
     ::umask(mask);
     mode = 0666 & ~mask;
   }
-  if (::fchmod(fd, mode) != 0) give_up("set the permissions of");
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+  if (::fchmod(fd_, mode) != 0) fail("set the permissions of");
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!temp_.empty()) ::unlink(temp_.c_str());
+}
+
+void AtomicFileWriter::fail(const char* what) {
+  const int saved = errno;
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  ::unlink(temp_.c_str());
+  temp_.clear();
+  errno = saved;
+  fail_io(what, path_);
+}
+
+void AtomicFileWriter::write_at(const void* data, uint64_t size, uint64_t offset) {
+  WEAVE_CHECK(fd_ >= 0, "files", "{}: written after it was committed or failed", path_);
+  const auto* bytes = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::pwrite(fd_, bytes, size, off_t(offset));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) give_up("write");
-    written += size_t(n);
+    if (n <= 0) fail("write");
+    bytes += n;
+    size -= uint64_t(n);
+    offset += uint64_t(n);
   }
-  if (::fsync(fd) != 0) give_up("fsync");
-  if (::close(fd) != 0) {
-    ::unlink(temp.c_str());
-    fail_io("close", path);
-  }
-  if (std::rename(temp.c_str(), path.c_str()) != 0) {
-    const int saved = errno;
-    ::unlink(temp.c_str());
-    errno = saved;
-    fail_io("rename a temporary file onto", path);
-  }
+}
+
+void AtomicFileWriter::write(const void* data, uint64_t size) {
+  write_at(data, size, size_);
+  size_ += size;
+}
+
+void AtomicFileWriter::commit() {
+  WEAVE_CHECK(fd_ >= 0, "files", "{}: committed twice, or after a failed write", path_);
+  if (::fsync(fd_) != 0) fail("fsync");
+  const int closed = ::close(fd_);
+  fd_ = -1;
+  if (closed != 0) fail("close");
+  if (std::rename(temp_.c_str(), path_.c_str()) != 0) fail("rename a temporary file onto");
+  temp_.clear();
   // The rename itself is durable only once the directory is.
+  const std::filesystem::path target(path_);
   const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
   const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dir_fd < 0) fail_io("open the directory of", path);
+  if (dir_fd < 0) fail_io("open the directory of", path_);
   const int synced = ::fsync(dir_fd);
   ::close(dir_fd);
-  if (synced != 0) fail_io("fsync the directory of", path);
+  if (synced != 0) fail_io("fsync the directory of", path_);
+}
+
+void write_file_atomically(const std::string& path, const std::string& bytes) {
+  AtomicFileWriter out(path);
+  out.write(bytes.data(), bytes.size());
+  out.commit();
 }
 
 std::string read_file(const std::string& path) {

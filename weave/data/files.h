@@ -12,6 +12,38 @@ namespace weave::data {
 /// new one: write a temporary file in the same directory, fsync it, rename it over path, fsync
 /// the directory.
 void write_file_atomically(const std::string& path, const std::string& bytes);
+
+/// What write_file_atomically does, for a file written in pieces (one tensor at a time): the
+/// bytes go to a temporary file beside path, commit() replaces path with it durably; dropped
+/// before commit() (an error, an exception), the temporary file is removed and path is left as
+/// it was. The file gets the permissions of the one it replaces, or a new file's under the umask.
+///
+///   data::AtomicFileWriter out("model.safetensors");
+///   out.write(header.data(), header.size());   // then each tensor's bytes
+///   out.write_at(final_header.data(), final_header.size(), 0);
+///   out.commit();
+class AtomicFileWriter {
+ public:
+  explicit AtomicFileWriter(std::string path);
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  /// Appends `size` bytes.
+  void write(const void* data, uint64_t size);
+  /// Overwrites bytes [offset, offset + size) written earlier.
+  void write_at(const void* data, uint64_t size, uint64_t offset);
+  /// Bytes appended so far.
+  uint64_t size() const { return size_; }
+  /// Flushes the file to disk and renames it onto path, then flushes the directory.
+  void commit();
+
+ private:
+  [[noreturn]] void fail(const char* what);
+  std::string path_, temp_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
 /// The whole file; raises naming path if it cannot be read.
 std::string read_file(const std::string& path);
 

@@ -8,29 +8,13 @@
 #include <nlohmann/json.hpp>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/data/hf_mapping.h"
 #include "weave/data/safetensors.h"
+#include "weave/nn/deferred.h"
 
 namespace weave::data::hf {
+namespace detail {
 namespace {
-
-using json = nlohmann::json;
-namespace fs = std::filesystem;
-constexpr const char* kHf = "hf";
-
-// How a weave tensor W is made of its Hugging Face sources.
-enum class Layout {
-  Same,        // W = S
-  Transposed,  // W = S^T (GPT-2's Conv1D weights, [in, out])
-  Stacked,     // W = stack(S0, S1) (Llama's k/v and gate/up)
-  HeadsQKV,    // GPT-2's c_attn: S^T rows (q|k|v, head, d) -> W rows (head, q|k|v, d)
-};
-
-struct Mapping {
-  std::string weave;
-  std::vector<std::string> sources;
-  Layout layout;
-  std::vector<Shape> shapes;  // the sources', as the config gives them
-};
 
 std::vector<Mapping> gpt2_mappings(const ModelConfig& c) {
   const int64_t D = c.dim, F = c.hidden;
@@ -97,9 +81,33 @@ std::vector<Mapping> llama_mappings(const ModelConfig& c) {
   return m;
 }
 
+}  // namespace
+
 std::vector<Mapping> mappings(const ModelConfig& config) {
   return config.architecture == Architecture::GPT2 ? gpt2_mappings(config) : llama_mappings(config);
 }
+
+// W's shape: what weave holds of the sources.
+Shape weave_shape(const Mapping& m) {
+  const Shape& s = m.shapes[0];
+  if (m.layout == Layout::Stacked) {
+    Shape out = s;
+    out.insert(0, int64_t(m.sources.size()));
+    return out;
+  }
+  if (m.layout == Layout::Same || s.size() == 1) return s;
+  return {s[1], s[0]};  // Transposed, HeadsQKV
+}
+
+}  // namespace detail
+
+using namespace detail;
+
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+constexpr const char* kHf = "hf";
 
 // The checkpoint's files: model.safetensors, or the shards its index names (headers read once).
 class Checkpoint {
@@ -178,18 +186,6 @@ struct Reader {
     return out;
   }
 };
-
-// W's shape: what weave holds of the sources.
-Shape weave_shape(const Mapping& m) {
-  const Shape& s = m.shapes[0];
-  if (m.layout == Layout::Stacked) {
-    Shape out = s;
-    out.insert(0, int64_t(m.sources.size()));
-    return out;
-  }
-  if (m.layout == Layout::Same || s.size() == 1) return s;
-  return {s[1], s[0]};  // Transposed, HeadsQKV
-}
 
 Shape sliced(Shape shape, const Slice& s) {
   if (s.axis >= 0) shape[s.axis] = s.end - s.begin;
@@ -324,100 +320,12 @@ LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::
                 "{} reads as {} from {} but the parameter is {}; hint: is the model built for "
                 "this config?",
                 name, value.shape(), dir, param.shape());
+    nn::materialize_for_overwrite(param);  // a deferred model: the file's values, nothing drawn
     param.copy_(value.to(param.dtype()).to(param.device()));
     ++stats.tensors;
   }
   stats.bytes_read = reader.bytes_read();
   return stats;
-}
-
-namespace {
-
-// The Hugging Face tensors of one weave tensor W (whole), in config.dtype.
-std::vector<std::pair<std::string, Tensor>> to_sources(const Mapping& m, const Tensor& w,
-                                                       const ModelConfig& c) {
-  const Tensor cpu = w.to(kCPU).to(c.dtype);
-  switch (m.layout) {
-    case Layout::Same:
-      return {{m.sources[0], cpu.contiguous()}};
-    case Layout::Transposed:
-      return {{m.sources[0], cpu.t().contiguous()}};
-    case Layout::Stacked:
-      return {{m.sources[0], cpu.select(0, 0).contiguous()},
-              {m.sources[1], cpu.select(0, 1).contiguous()}};
-    case Layout::HeadsQKV: {
-      const int64_t head_dim = c.dim / c.heads;
-      if (cpu.dim() == 1)
-        return {{m.sources[0], cpu.reshape({c.heads, 3, head_dim})
-                                   .transpose(0, 1)
-                                   .contiguous()
-                                   .reshape({3 * c.dim})}};
-      return {{m.sources[0], cpu.reshape({c.heads, 3, head_dim, c.dim})
-                                 .transpose(0, 1)
-                                 .contiguous()
-                                 .reshape({3 * c.dim, c.dim})
-                                 .t()
-                                 .contiguous()}};
-    }
-  }
-  WEAVE_FAIL(kHf, "unknown layout");
-}
-
-}  // namespace
-
-void save_pretrained(const nn::Module& model, const ModelConfig& config, const std::string& dir,
-                     const SaveOptions& options) {
-  std::map<std::string, Tensor> params;
-  for (const auto& [name, p] : model.named_parameters()) params[name] = p;
-  std::vector<std::vector<std::pair<std::string, Tensor>>> shards(1);
-  uint64_t shard_bytes = 0;
-  for (const Mapping& m : mappings(config)) {
-    const auto found = params.find(m.weave);
-    WEAVE_CHECK(found != params.end(), kHf,
-                "the model has no parameter {}, which a {} checkpoint holds; hint: save the whole "
-                "model (gather a split one's state first)",
-                m.weave, config.architecture == Architecture::GPT2 ? "GPT-2" : "Llama");
-    for (auto& [name, t] : to_sources(m, found->second, config)) {
-      const uint64_t bytes = uint64_t(t.numel()) * itemsize(t.dtype());
-      if (shard_bytes > 0 && shard_bytes + bytes > options.max_shard_bytes)
-        shards.emplace_back(), shard_bytes = 0;
-      shards.back().emplace_back(name, t);
-      shard_bytes += bytes;
-    }
-  }
-  fs::create_directories(dir);
-  const Metadata metadata{{"format", "pt"}};
-  json weight_map = json::object();
-  uint64_t total = 0;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    const std::string file = shards.size() == 1 ? "model.safetensors"
-                                                : fmt::format("model-{:05d}-of-{:05d}.safetensors",
-                                                              i + 1, shards.size());
-    save_safetensors(dir + "/" + file, shards[i], metadata);
-    for (const auto& [name, t] : shards[i]) {
-      weight_map[name] = file;
-      total += uint64_t(t.numel()) * itemsize(t.dtype());
-    }
-  }
-  if (shards.size() > 1)
-    write_file_atomically(
-        dir + "/model.safetensors.index.json",
-        json{{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}.dump(2));
-  // The special tokens' ids: the config's, or the tokenizer's where it names none.
-  json c = json::parse(config_json(config));
-  if (options.tokenizer) {
-    options.tokenizer->save_pretrained(dir);
-    const std::optional<int32_t> eos = options.tokenizer->end_of_text();
-    const std::optional<int32_t> begin = options.tokenizer->token_id("<|begin_of_text|>");
-    const std::optional<int32_t> bos = begin ? begin : eos;
-    if (!c.contains("bos_token_id") && bos) c["bos_token_id"] = *bos;
-    if (!c.contains("eos_token_id") && eos) c["eos_token_id"] = *eos;
-  }
-  json generation = {{"_from_model_config", true}};
-  for (const char* key : {"bos_token_id", "eos_token_id"})
-    if (c.contains(key)) generation[key] = c[key];
-  write_file_atomically(dir + "/generation_config.json", generation.dump(2));
-  write_file_atomically(dir + "/config.json", c.dump(2));
 }
 
 }  // namespace weave::data::hf

@@ -21,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "weave/data/tokenizer.h"
 #include "weave/nn/generation.h"
@@ -129,9 +130,40 @@ struct SaveOptions {
   const Tokenizer* tokenizer = nullptr;
 };
 
-/// Writes model's whole parameters (a split model: gather them first) in Hugging Face's names,
-/// layouts and config.dtype, with config.json and generation_config.json (the bos and eos ids),
-/// and with options.tokenizer its files, into dir (created):
+/// weave's names of the architecture's parameters, in the order an export writes them.
+std::vector<std::string> parameter_names(const ModelConfig& config);
+
+/// A Hugging Face export written one parameter at a time, so that the writer holds one at a
+/// time (parallel::save_pretrained assembles each from the ranks' pieces of a split or sharded
+/// model): the parameters come whole, in names()'s order (weave's names for the architecture),
+/// in weave's layouts and any dtype and device, and are written in Hugging Face's names,
+/// layouts and config.dtype; finish() writes the index, config.json, generation_config.json
+/// and the tokenizer's files. Each file replaces its old version atomically.
+///
+///   data::hf::PretrainedWriter out(config, "out/");
+///   for (const std::string& name : out.names()) out.write(name, whole_value_of(name));
+///   out.finish();
+class PretrainedWriter {
+ public:
+  PretrainedWriter(ModelConfig config, std::string dir, SaveOptions options = {});
+  ~PretrainedWriter();
+  PretrainedWriter(const PretrainedWriter&) = delete;
+  PretrainedWriter& operator=(const PretrainedWriter&) = delete;
+  /// The parameters, in the order write() takes them.
+  const std::vector<std::string>& names() const;
+  /// The next parameter, whole; raises for another name, or a shape the config does not give.
+  void write(const std::string& name, const Tensor& whole);
+  /// After the last parameter.
+  void finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Writes model's whole parameters (a split or sharded model: parallel::save_pretrained) in Hugging
+/// Face's names, layouts and config.dtype, with config.json and generation_config.json (the bos and
+/// eos ids), and with options.tokenizer its files, into dir (created):
 ///
 ///   data::hf::save_pretrained(model, data::hf::model_config(options), "out/",
 ///                             {.tokenizer = &tokenizer});

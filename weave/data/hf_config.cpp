@@ -3,6 +3,7 @@
 
 #include "weave/data/files.h"
 #include "weave/data/hf_checkpoint.h"
+#include "weave/nn/deferred.h"
 #include "weave/nn/gpt2.h"
 #include "weave/nn/llama.h"
 
@@ -218,7 +219,11 @@ nn::LlamaModelOptions llama_options(const ModelConfig& config, Generator* genera
 
 std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir) {
   const ModelConfig config = read_config(dir);
-  auto model = make_model(config);
+  std::shared_ptr<nn::CausalLM> model;
+  {  // without memory: load_weights allocates each parameter as it reads it (nothing drawn)
+    nn::DeferredInit deferred(0);
+    model = make_model(config);
+  }
   load_weights(*model, config, dir);
   return model;
 }

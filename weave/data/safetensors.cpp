@@ -64,70 +64,183 @@ uint32_t metadata_checksum(const std::map<std::string, std::string>& metadata) {
 
 using Entry = SafetensorsEntry;
 
-}  // namespace
+// The checksums weave stores, from one pass over the data in file order: each tensor's CRC-32
+// and each block's. Each segment between tensor and block boundaries is checksummed once and
+// combined into both.
+class DataChecksums {
+ public:
+  // The next `size` bytes of the current tensor.
+  void add(const void* data, uint64_t size) {
+    const auto* bytes = static_cast<const char*>(data);
+    while (size > 0) {
+      const uint64_t take = std::min(size, kChecksumBlockBytes - in_block_);
+      const uint32_t segment = crc32_of(bytes, take);
+      tensor_crc_ = uint32_t(::crc32_combine(tensor_crc_, segment, z_off_t(take)));
+      block_crc_ = uint32_t(::crc32_combine(block_crc_, segment, z_off_t(take)));
+      bytes += take, size -= take, in_block_ += take;
+      if (in_block_ == kChecksumBlockBytes) {
+        blocks_ += hex32(block_crc_);
+        block_crc_ = 0, in_block_ = 0;
+      }
+    }
+  }
+  // Ends the current tensor: its checksum, stored under its name.
+  void end_tensor(const std::string& name, Metadata& stored) {
+    stored[kChecksumPrefix + name] = hex32(tensor_crc_);
+    tensor_crc_ = 0;
+  }
+  // After the last tensor: the block checksums and the metadata's own.
+  void finish(Metadata& stored) {
+    if (in_block_ > 0) blocks_ += hex32(block_crc_);
+    stored[kBlockChecksums] = blocks_;
+    stored[kMetadataChecksum] = hex32(metadata_checksum(stored));
+  }
 
-std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadata& metadata) {
-  json header = json::object();
-  std::map<std::string, std::string> stored(metadata.begin(), metadata.end());
+ private:
+  uint32_t tensor_crc_ = 0, block_crc_ = 0;
+  uint64_t in_block_ = 0;
+  std::string blocks_ = std::to_string(kChecksumBlockBytes) + " ";
+};
+
+// The user's metadata, checked: weave's checksum keys are reserved.
+Metadata user_metadata(const Metadata& metadata) {
   for (const auto& [key, value] : metadata)
     WEAVE_CHECK(key.rfind("weave.crc32", 0) != 0, "safetensors",
                 "metadata key '{}' is reserved (weave's checksums)", key);
-  std::vector<Tensor> data;
+  return metadata;
+}
+
+// The tensors' header entries, laid out in order; returns the data's size.
+uint64_t add_entries(json& header, const std::vector<SafetensorsSpec>& specs) {
   uint64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    WEAVE_CHECK(!name.empty() && name != "__metadata__", "safetensors",
-                "tensor name '{}' is reserved or empty", name);
-    WEAVE_CHECK(t.defined(), "safetensors", "tensor '{}' is undefined", name);
-    WEAVE_CHECK(!header.contains(name), "safetensors", "tensor name '{}' appears twice", name);
-    Tensor host = t.detach().cpu().contiguous();
-    const uint64_t bytes = uint64_t(host.numel()) * host.itemsize();
-    header[name] = {{"dtype", detail::format_dtype(host.dtype())},
-                    {"shape", host.shape().vec()},
-                    {"data_offsets", {offset, offset + bytes}}};
+  for (const SafetensorsSpec& spec : specs) {
+    WEAVE_CHECK(!spec.name.empty() && spec.name != "__metadata__", "safetensors",
+                "tensor name '{}' is reserved or empty", spec.name);
+    WEAVE_CHECK(!header.contains(spec.name), "safetensors", "tensor name '{}' appears twice",
+                spec.name);
+    const uint64_t bytes = uint64_t(spec.shape.numel()) * itemsize(spec.dtype);
+    header[spec.name] = {{"dtype", detail::format_dtype(spec.dtype)},
+                         {"shape", spec.shape.vec()},
+                         {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
-    data.push_back(host);
   }
-  // One pass over the bytes: each segment between tensor and block boundaries is checksummed
-  // once, and the tensors' and the blocks' CRCs are combined from the segments'.
-  std::string blocks = std::to_string(kChecksumBlockBytes) + " ";
-  {
-    uint32_t block_crc = 0;
-    uint64_t in_block = 0;
-    for (size_t k = 0; k < data.size(); ++k) {
-      const auto* bytes = static_cast<const char*>(data[k].data_ptr());
-      uint64_t left = uint64_t(data[k].numel()) * data[k].itemsize();
-      uint32_t tensor_crc = 0;
-      while (left > 0) {
-        const uint64_t take = std::min(left, kChecksumBlockBytes - in_block);
-        const uint32_t segment = crc32_of(bytes, take);
-        tensor_crc = uint32_t(::crc32_combine(tensor_crc, segment, z_off_t(take)));
-        block_crc = uint32_t(::crc32_combine(block_crc, segment, z_off_t(take)));
-        bytes += take;
-        left -= take;
-        in_block += take;
-        if (in_block == kChecksumBlockBytes) {
-          blocks += hex32(block_crc);
-          block_crc = 0;
-          in_block = 0;
-        }
-      }
-      stored[kChecksumPrefix + tensors[k].first] = hex32(tensor_crc);
-    }
-    if (in_block > 0) blocks += hex32(block_crc);
-  }
-  stored[kBlockChecksums] = blocks;
-  stored[kMetadataChecksum] = hex32(metadata_checksum(stored));
+  return offset;
+}
+
+// The file's first bytes: the header's length, then the header with `stored` as its metadata,
+// padded to the format's recommended 8-byte alignment.
+std::string header_bytes(json header, const Metadata& stored) {
   header["__metadata__"] = stored;
   std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // the format's recommended 8-byte alignment
+  text.append((8 - text.size() % 8) % 8, ' ');
   std::string out(8, '\0');
   const uint64_t length = text.size();
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((length >> (8 * i)) & 0xff);
-  out += text;
-  out.reserve(out.size() + offset);
+  return out + text;
+}
+
+}  // namespace
+
+std::string serialize_safetensors(const nn::NamedTensors& tensors, const Metadata& metadata) {
+  Metadata stored = user_metadata(metadata);
+  std::vector<SafetensorsSpec> specs;
+  std::vector<Tensor> data;
+  for (const auto& [name, t] : tensors) {
+    WEAVE_CHECK(t.defined(), "safetensors", "tensor '{}' is undefined", name);
+    data.push_back(t.detach().cpu().contiguous());
+    specs.push_back({name, t.dtype(), t.shape()});
+  }
+  json header = json::object();
+  const uint64_t size = add_entries(header, specs);
+  DataChecksums checksums;
+  for (size_t k = 0; k < data.size(); ++k) {
+    checksums.add(data[k].data_ptr(), uint64_t(data[k].numel()) * data[k].itemsize());
+    checksums.end_tensor(specs[k].name, stored);
+  }
+  checksums.finish(stored);
+  std::string out = header_bytes(std::move(header), stored);
+  out.reserve(out.size() + size);
   for (const Tensor& t : data)
     out.append(static_cast<const char*>(t.data_ptr()), uint64_t(t.numel()) * t.itemsize());
   return out;
+}
+
+struct SafetensorsWriter::Impl {
+  AtomicFileWriter file;
+  std::vector<SafetensorsSpec> specs;
+  json header = json::object();
+  Metadata stored;
+  DataChecksums checksums;
+  size_t next = 0;
+  uint64_t header_size = 0;
+
+  Impl(const std::string& path, std::vector<SafetensorsSpec> tensors, const Metadata& metadata)
+      : file(path), specs(std::move(tensors)), stored(user_metadata(metadata)) {
+    const uint64_t size = add_entries(header, specs);
+    // Checksums of a fixed width: the header written now, with placeholders, is as long as the
+    // one commit() writes over it.
+    Metadata placeholder = stored;
+    for (const SafetensorsSpec& spec : specs) placeholder[kChecksumPrefix + spec.name] = hex32(0);
+    const uint64_t blocks = (size + kChecksumBlockBytes - 1) / kChecksumBlockBytes;
+    placeholder[kBlockChecksums] =
+        std::to_string(kChecksumBlockBytes) + " " + std::string(blocks * 8, '0');
+    placeholder[kMetadataChecksum] = hex32(0);
+    const std::string bytes = header_bytes(header, placeholder);
+    header_size = bytes.size();
+    file.write(bytes.data(), bytes.size());
+  }
+};
+
+SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<SafetensorsSpec> tensors,
+                                     const Metadata& metadata)
+    : impl_(std::make_unique<Impl>(path, std::move(tensors), metadata)) {}
+
+SafetensorsWriter::~SafetensorsWriter() = default;
+
+void SafetensorsWriter::write(const Tensor& values) {
+  Impl& w = *impl_;
+  WEAVE_CHECK(w.next < w.specs.size(), "safetensors", "all {} tensors are written already",
+              w.specs.size());
+  const SafetensorsSpec& spec = w.specs[w.next];
+  WEAVE_CHECK(values.defined() && values.numel() == spec.shape.numel(), "safetensors",
+              "tensor '{}' is {} ({} elements), but {} was declared", spec.name,
+              values.defined() ? values.shape().str() : "undefined",
+              values.defined() ? values.numel() : 0, spec.shape);
+  const auto append = [&w](const Tensor& host) {
+    const uint64_t bytes = uint64_t(host.numel()) * host.itemsize();
+    w.checksums.add(host.data_ptr(), bytes);
+    w.file.write(host.data_ptr(), bytes);
+  };
+  if (values.numel() > 0 && values.device().is_cpu() && values.dtype() == spec.dtype &&
+      values.is_contiguous()) {
+    append(values);
+  } else if (values.numel() > 0) {  // a piece of rows at a time, copied and converted
+    constexpr uint64_t kPieceBytes = uint64_t{16} << 20;
+    const Tensor rows = values.dim() == 0 ? values.reshape({1}) : values;
+    const int64_t n = rows.size(0), per_row = rows.numel() / n;
+    const uint64_t row_bytes =
+        uint64_t(per_row) * std::max(itemsize(spec.dtype), itemsize(values.dtype()));
+    const int64_t step =
+        std::max<int64_t>(1, int64_t(kPieceBytes / std::max<uint64_t>(1, row_bytes)));
+    for (int64_t r = 0; r < n; r += step)
+      append(rows.narrow(0, r, std::min(step, n - r)).to(kCPU).to(spec.dtype).contiguous());
+  }
+  w.checksums.end_tensor(spec.name, w.stored);
+  ++w.next;
+}
+
+void SafetensorsWriter::commit() {
+  Impl& w = *impl_;
+  WEAVE_CHECK(w.next == w.specs.size(), "safetensors",
+              "{} of {} tensors were written; the next is '{}'", w.next, w.specs.size(),
+              w.next < w.specs.size() ? w.specs[w.next].name : "");
+  w.checksums.finish(w.stored);
+  const std::string bytes = header_bytes(w.header, w.stored);
+  WEAVE_CHECK(bytes.size() == w.header_size, "safetensors",
+              "the header grew from {} to {} bytes while its tensors were written", w.header_size,
+              bytes.size());
+  w.file.write_at(bytes.data(), bytes.size(), 0);
+  w.file.commit();
 }
 
 namespace {
@@ -260,7 +373,14 @@ SafetensorsFile parse_safetensors(const void* bytes, size_t size, const std::str
 
 void save_safetensors(const std::string& path, const nn::NamedTensors& tensors,
                       const Metadata& metadata) {
-  write_file_atomically(path, serialize_safetensors(tensors, metadata));
+  std::vector<SafetensorsSpec> specs;
+  for (const auto& [name, t] : tensors) {
+    WEAVE_CHECK(t.defined(), "safetensors", "tensor '{}' is undefined", name);
+    specs.push_back({name, t.dtype(), t.shape()});
+  }
+  SafetensorsWriter out(path, std::move(specs), metadata);
+  for (const auto& [name, t] : tensors) out.write(t.detach());
+  out.commit();
 }
 
 SafetensorsFile load_safetensors(const std::string& path) {

@@ -6,6 +6,7 @@
 //   data::save_safetensors("model.safetensors", model.state_dict(), {{"epoch", "3"}});
 //   auto file = data::load_safetensors("model.safetensors");   // file.tensors, file.metadata
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,39 @@ struct ByteRange {
 /// them (each verified; a mismatch raises naming the bytes), else exactly the ranges. Returns
 /// the bytes read.
 uint64_t read_safetensors_ranges(const SafetensorsHeader& header, std::vector<ByteRange> ranges);
+
+/// A tensor a SafetensorsWriter will write.
+struct SafetensorsSpec {
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+
+/// Writes a file one tensor at a time, so that a writer holds at most one tensor (a converted
+/// or strided one a piece at a time): the names, dtypes and shapes come first, the values in
+/// that order, and commit() writes the header with weave's checksums (as save_safetensors) and
+/// replaces path atomically. Dropped before commit(), it leaves path as it was.
+///
+///   data::SafetensorsWriter out("big.safetensors", {{"w", kBFloat16, {4096, 4096}}});
+///   out.write(w_float32.t());   // converted and copied 16 MB at a time
+///   out.commit();
+class SafetensorsWriter {
+ public:
+  SafetensorsWriter(const std::string& path, std::vector<SafetensorsSpec> tensors,
+                    const Metadata& metadata = {});
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+  /// The next tensor's values: any tensor (device, dtype, strides) with its number of elements,
+  /// taken in row-major order and converted to its dtype.
+  void write(const Tensor& values);
+  /// After the last tensor: the header, then the file replaces path.
+  void commit();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// Writes path atomically (see write_file_atomically): a crash leaves the old file or the new.
 void save_safetensors(const std::string& path, const nn::NamedTensors& tensors,

@@ -14,7 +14,7 @@ namespace {
 thread_local std::optional<uint64_t> current_seed;
 
 constexpr const char* kDeferredOp = "DeferredInit";
-constexpr int64_t kDrawChunk = int64_t(1) << 20;  // elements drawn per host buffer
+constexpr int64_t kDrawChunk = int64_t(1) << 14;  // elements drawn per host buffer (128 KB)
 
 // Where each element of a tensor sits in the whole tensor its values are drawn for:
 // offset + sum(index[d] * strides[d]).

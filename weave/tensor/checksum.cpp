@@ -13,4 +13,11 @@ uint32_t checksum(const Tensor& t) {
   return checksum_bytes(host.data_ptr(), size_t(host.numel()) * host.itemsize());
 }
 
+uint64_t checksum64(const Tensor& t) {
+  const Tensor host = t.detach().cpu().contiguous();
+  const auto* bytes = static_cast<const Bytef*>(host.data_ptr());
+  const size_t size = size_t(host.numel()) * host.itemsize();
+  return uint64_t(::crc32_z(0, bytes, size)) << 32 | uint64_t(::adler32_z(1, bytes, size));
+}
+
 }  // namespace weave

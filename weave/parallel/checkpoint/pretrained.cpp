@@ -1,7 +1,10 @@
 #include "weave/parallel/checkpoint/pretrained.h"
 
+#include <nlohmann/json.hpp>
+
 #include "weave/autograd/grad_mode.h"
 #include "weave/nn/deferred.h"
+#include "weave/parallel/checkpoint/reshard.h"
 #include "weave/parallel/checkpoint/saved_pieces.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/placement.h"
@@ -11,6 +14,7 @@ namespace weave::parallel {
 namespace {
 
 constexpr const char* kLoadPretrainedOp = "load_pretrained";
+constexpr const char* kSavePretrainedOp = "save_pretrained";
 
 void check_cuts(const std::string& name, const Tensor& param) {
   if (const Placement* placement = placement_of(param))
@@ -67,6 +71,164 @@ data::hf::LoadStats load_pretrained(nn::Module& model, const data::hf::ModelConf
   detail::run_together(kLoadPretrainedOp, group, "load " + dir,
                        [&] { stats = load_parts(model, config, dir); });
   return stats;
+}
+
+namespace {
+
+// The whole parameters of a split model, one at a time at group rank 0, from the pieces each
+// rank holds (what sharded checkpoints record): prepare() plans the next parameter and readies
+// this rank's buffers (what may fail), exchange() moves the elements (what may not).
+class WholeParameters {
+ public:
+  WholeParameters(nn::Module& model, const dist::Group& group) : group_(group) {
+    std::string mine;
+    detail::run_together(kSavePretrainedOp, group, "describe its parameters", [&] {
+      const std::map<std::string, detail::Pieces> pieces =
+          detail::describe_state({.model = &model, .default_generator = false}).model;
+      nlohmann::json dtypes = nlohmann::json::object();
+      for (const auto& [name, t] : model.state_dict())
+        if (pieces.count("model/" + name)) {
+          dtypes["model/" + name] = int(t.dtype());
+          local_["model/" + name] = t.detach();
+        }
+      mine = dtypes.dump() + "\n" + detail::pieces_text(pieces);
+    });
+    const std::vector<std::string> all = detail::all_gather_bytes(mine, group);
+    for (int r = 0; r < int(all.size()); ++r) {
+      const size_t cut = all[size_t(r)].find('\n');
+      const auto dtypes = nlohmann::json::parse(all[size_t(r)].substr(0, cut));
+      const std::string source = fmt::format("rank {}", r);
+      for (const auto& [name, pieces] :
+           detail::parse_pieces(all[size_t(r)].substr(cut + 1), source))
+        for (const detail::Piece& piece : pieces)
+          held_[piece.tensor].push_back({r, name, DType(dtypes.at(name).get<int>()), piece});
+    }
+  }
+
+  // Plans tensor `name` (weave's parameter name) and readies this rank's part of its exchange.
+  void prepare(const std::string& name) {
+    const std::string global = "model/" + name;
+    const auto held = held_.find(global);
+    WEAVE_CHECK(held != held_.end(), kSavePretrainedOp,
+                "no rank of group {} holds any part of {}; hint: every rank that holds a part of "
+                "the model takes part (the group), with the module that holds its parts (FSDP: "
+                "sharded_module())",
+                group_.str(), name);
+    sources_ = held->second;
+    const detail::Piece& first = sources_.front().piece;
+    std::vector<std::vector<detail::Run>> runs;
+    for (const Source& source : sources_) {
+      WEAVE_CHECK(source.piece.shape == first.shape && source.dtype == sources_.front().dtype,
+                  kSavePretrainedOp, "rank {} holds {} as a part of a {} {}, rank {} of a {} {}",
+                  sources_.front().rank, name, sources_.front().dtype, first.shape, source.rank,
+                  source.dtype, source.piece.shape);
+      runs.push_back(detail::runs_of(source.piece));
+    }
+    const detail::Piece want{global, first.shape, -1, 0, 0, 0, first.shape.numel(), 0};
+    plan_ = detail::plan_tensor(want, runs);
+    int64_t missing = 0;
+    for (const detail::Run& run : plan_.missing) missing += run.count;
+    WEAVE_CHECK(missing == 0, kSavePretrainedOp,
+                "no rank of group {} holds {} of the elements of {} (the first missing is element "
+                "{}); hint: every rank that holds a part takes part",
+                group_.str(), missing, name, plan_.missing.empty() ? 0 : plan_.missing[0].global);
+    whole_ = Tensor(), outgoing_ = Tensor();
+    if (group_.rank() == 0) {
+      whole_ = empty(first.shape, {.dtype = sources_.front().dtype});
+    } else {
+      std::vector<Tensor> parts;
+      for (const detail::ElementRead& read : reads_of(group_.rank()))
+        parts.push_back(elements(read));
+      if (!parts.empty()) outgoing_ = parts.size() == 1 ? parts[0] : cat(parts).contiguous();
+    }
+  }
+
+  // Sends this rank's elements to rank 0, which puts them in place; the whole at rank 0.
+  Tensor exchange() {
+    if (group_.rank() != 0) {
+      if (outgoing_.defined()) dist::send(outgoing_, 0, group_);
+      outgoing_ = Tensor();
+      return Tensor();
+    }
+    const Tensor flat = whole_.view({whole_.numel()});
+    for (int r = 0; r < group_.size(); ++r) {
+      const std::vector<detail::ElementRead> reads = reads_of(r);
+      if (reads.empty()) continue;
+      if (r == 0) {
+        for (const detail::ElementRead& read : reads)
+          flat.narrow(0, read.local, read.count).copy_(elements(read));
+      } else if (reads.size() == 1) {  // straight into place
+        dist::recv(flat.narrow(0, reads[0].local, reads[0].count), r, group_);
+      } else {
+        int64_t total = 0;
+        for (const detail::ElementRead& read : reads) total += read.count;
+        const Tensor incoming = empty({total}, {.dtype = whole_.dtype()});
+        dist::recv(incoming, r, group_);
+        int64_t at = 0;
+        for (const detail::ElementRead& read : reads)
+          flat.narrow(0, read.local, read.count).copy_(incoming.narrow(0, at, read.count)),
+              at += read.count;
+      }
+    }
+    return std::exchange(whole_, Tensor());
+  }
+
+ private:
+  struct Source {
+    int rank;
+    std::string tensor;  // its name in the rank's state dict ("model/...")
+    DType dtype;
+    detail::Piece piece;
+  };
+
+  std::vector<detail::ElementRead> reads_of(int rank) const {
+    std::vector<detail::ElementRead> out;
+    for (const detail::ElementRead& read : plan_.reads)
+      if (sources_[read.source].rank == rank) out.push_back(read);
+    return out;
+  }
+
+  // This rank's elements of a read, on the CPU (a view where they are).
+  Tensor elements(const detail::ElementRead& read) const {
+    const Tensor& t = local_.at(sources_[read.source].tensor);
+    return t.reshape({t.numel()}).narrow(0, read.source_element, read.count).to(kCPU);
+  }
+
+  dist::Group group_;
+  std::map<std::string, Tensor> local_;              // this rank's, by state-dict name
+  std::map<std::string, std::vector<Source>> held_;  // by global tensor, in rank order
+  std::vector<Source> sources_;
+  detail::TensorPlan plan_;
+  Tensor whole_, outgoing_;
+};
+
+}  // namespace
+
+void save_pretrained(nn::Module& model, const data::hf::ModelConfig& config, const std::string& dir,
+                     const data::hf::SaveOptions& options, const dist::Group& group) {
+  NoGradGuard no_grad;
+  WholeParameters parameters(model, group);
+  const bool writes = group.rank() == 0;
+  std::unique_ptr<data::hf::PretrainedWriter> out;
+  std::string pending_name;
+  Tensor pending;  // the parameter exchanged last, written in the next agreed step
+  const auto write_pending = [&] {
+    if (!writes) return;
+    if (!out) out = std::make_unique<data::hf::PretrainedWriter>(config, dir, options);
+    if (pending.defined()) out->write(pending_name, std::exchange(pending, Tensor()));
+  };
+  for (const std::string& name : data::hf::parameter_names(config)) {
+    detail::run_together(kSavePretrainedOp, group, "save " + name + " to " + dir, [&] {
+      write_pending();
+      parameters.prepare(name);
+    });
+    pending = parameters.exchange();
+    pending_name = name;
+  }
+  detail::run_together(kSavePretrainedOp, group, "finish " + dir, [&] {
+    write_pending();
+    if (writes) out->finish();
+  });
 }
 
 }  // namespace weave::parallel

@@ -8,6 +8,8 @@
 //
 //   parallel::FullyShardedDataParallel fsdp(*model, {.group = mesh.data()});
 //   parallel::load_pretrained(fsdp.sharded_module(), config, dir);      // this rank's shards
+//   ... train ...
+//   parallel::save_pretrained(fsdp.sharded_module(), config, "tuned/");  // one parameter at a time
 #include <string>
 
 #include "weave/data/hf_checkpoint.h"
@@ -25,5 +27,18 @@ namespace weave::parallel {
 data::hf::LoadStats load_pretrained(nn::Module& model, const data::hf::ModelConfig& config,
                                     const std::string& dir,
                                     const dist::Group& group = dist::world());
+
+/// Writes a model split over the ranks of `group` (tensor-parallel slices, FSDP's
+/// sharded_module(), pipeline stages, replicas, or any mix) as one Hugging Face checkpoint in
+/// dir, as data::hf::save_pretrained writes a whole model, one parameter at a time: each is put
+/// together at group rank 0 from the ranks that hold its elements (each element sent once, by
+/// the lowest rank that holds it), written, and dropped. So rank 0 holds its own parts plus one
+/// whole parameter (and the writer's 16 MB conversion pieces), the other ranks their parts.
+/// Collective over `group`, which must take in every rank that holds a part: an agreement per
+/// parameter, so that an error on any rank (a failed write on rank 0, an element no rank holds)
+/// raises on every rank; a failed export leaves no partial file.
+void save_pretrained(nn::Module& model, const data::hf::ModelConfig& config, const std::string& dir,
+                     const data::hf::SaveOptions& options = {},
+                     const dist::Group& group = dist::world());
 
 }  // namespace weave::parallel

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <mutex>
 #include <vector>
@@ -131,6 +132,28 @@ ProcessMesh::ProcessMesh(MeshShape shape) : shape_(shape) {
                   .first;
     groups_.emplace(mask, found->second);
   }
+  WEAVE_CHECK(shape.replicate >= 1 && shape.data % shape.replicate == 0, "ProcessMesh",
+              "replicate={} must divide data={}: HSDP splits the data axis into replicate x "
+              "shard; hint: choose a replicate size dividing {}",
+              shape.replicate, shape.data, shape.data);
+  // HSDP's two sub-axes of data: shard index d % S, replica index d / S.
+  const int shards = shape.data / shape.replicate;
+  const auto sub_axis = [&](bool by_shard) {
+    std::map<std::array<int, 4>, std::vector<int>> groups;  // by the coordinates that stay
+    for (int r = 0; r < world; ++r) {
+      const Coordinates at = coordinates_of(r, shape);
+      const int d = at[size_t(Axis::Data)];
+      groups[{at[size_t(Axis::Tensor)], at[size_t(Axis::Pipeline)],
+              by_shard ? d / shards : d % shards, by_shard ? 0 : at[size_t(Axis::Context)]}]
+          .push_back(r);
+    }
+    std::vector<std::vector<int>> lists;
+    for (auto& [key, ranks] : groups) lists.push_back(std::move(ranks));
+    std::sort(lists.begin(), lists.end());
+    return dist::split_group(dist::world(), lists);
+  };
+  shard_ = shape.replicate > 1 ? sub_axis(true) : group({Axis::Data, Axis::Context});
+  replicate_ = sub_axis(false);
   tensor_ = group({Axis::Tensor});
   data_ = group({Axis::Data});
   pipeline_ = group({Axis::Pipeline});

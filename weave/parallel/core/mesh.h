@@ -19,6 +19,13 @@
 // ranks of one tensor and pipeline coordinate i = context + C data; expert index i % E, expert
 // replica index i / E. mesh.expert() holds E ranks that together hold every expert;
 // group({Axis::ExpertData}) the ranks holding the same experts.
+// HSDP (torchtitan's dp_replicate x dp_shard): `replicate` splits the data axis into replicate
+// x shard, shard fastest: data index d is shard index d % (D / R), replica index d / (D / R).
+// FSDP shards over mesh.shard() and averages each shard over mesh.replicate():
+//
+//   parallel::ProcessMesh mesh({.data = 4, .replicate = 2});   // shards {0, 1}, {2, 3}
+//   parallel::FullyShardedDataParallel hsdp(model, {.group = mesh.shard(),
+//                                                   .replicate_group = mesh.replicate()});
 // Every rank must construct the mesh (it creates groups, a collective step).
 #include <initializer_list>
 #include <map>
@@ -37,6 +44,9 @@ struct MeshShape {
   int context = 1;
   /// Ranks the experts are spread over: a sub-axis of data x context (it divides their product).
   int expert = 1;
+  /// HSDP: the data axis as `replicate` replicas of data / replicate shard ranks (it divides
+  /// data).
+  int replicate = 1;
 };
 
 /// A mesh axis. Expert and ExpertData cut data x context another way: a set of axes takes them
@@ -57,6 +67,11 @@ class ProcessMesh {
   /// The ranks that differ from this one in data or context coordinates: where the gradients of
   /// parameters replicated over both are averaged.
   const dist::Group& data_and_context() const { return group({Axis::Data, Axis::Context}); }
+  /// HSDP's groups: the ranks that differ from this one in their shard index or context
+  /// coordinate (where FSDP shards; data_and_context() without replicas), and those that differ
+  /// in their replica index only (where each shard is averaged; this rank alone without).
+  const dist::Group& shard() const { return shard_; }
+  const dist::Group& replicate() const { return replicate_; }
   /// The ranks that together hold every expert (same tensor and pipeline coordinates).
   const dist::Group& expert() const { return group({Axis::Expert}); }
   /// The ranks that differ from this one only in the coordinates of `axes`: group({Data,
@@ -78,7 +93,7 @@ class ProcessMesh {
 
  private:
   MeshShape shape_;
-  dist::Group data_, tensor_, pipeline_, context_;
+  dist::Group data_, tensor_, pipeline_, context_, shard_, replicate_;
   std::map<unsigned, dist::Group> groups_;       // by the set of axes, as a bit mask
   std::shared_ptr<const MeshShape> registered_;  // alive while a copy of this mesh is
 };

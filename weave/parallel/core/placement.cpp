@@ -322,6 +322,22 @@ ReplicaGroups replica_groups(const std::vector<std::string>& names,
   return out;
 }
 
+void check_replicated(const std::vector<std::string>& names, const std::vector<Tensor>& params,
+                      const dist::Group& group, const char* op, const std::string& hint) {
+  check_together(
+      [&] {
+        for (size_t i = 0; i < params.size(); ++i) {
+          const std::string name = i < names.size() ? names[i] : fmt::format("parameter {}", i);
+          WEAVE_CHECK(experts_inside(name, params[i], group, op) == -1, op,
+                      "'{}' is one of the experts spread over ranks of group {}: each rank holds "
+                      "other experts, and averaging every parameter over the group would mix "
+                      "them; hint: {}",
+                      name, group.str(), hint);
+        }
+      },
+      group, op);
+}
+
 bool spread_expert_in(const Tensor& p, const dist::Group& group) {
   const Placement* placement = placement_of(p);
   if (placement == nullptr) return false;

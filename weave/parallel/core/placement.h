@@ -147,6 +147,19 @@ ReplicaGroups replica_groups(const std::vector<std::string>& names,
                              const std::vector<Tensor>& params, const dist::Group& group,
                              const char* op);
 
+/// What a wrapper that averages every parameter over all of `group` needs (ZeRO-1,
+/// DistributedOptimizer, decentralized training): a copy of each parameter on each rank of it.
+/// Raises on every rank, tagged `op`, naming the first parameter (`names[i]`, or "parameter i"
+/// without names) that is cut across the group as replica_groups refuses, or that is one of the
+/// experts spread over it (their copies differ: averaging them would mix different experts),
+/// with `hint` (what trains them). Collective over `group`: one agreement.
+/// check_replicated's hint for the wrappers that average every parameter over their group.
+inline constexpr const char* kTrainExpertsHint =
+    "train spread experts under DistributedDataParallel or FullyShardedDataParallel, which "
+    "average each expert over the ranks that hold it (its expert-data group)";
+void check_replicated(const std::vector<std::string>& names, const std::vector<Tensor>& params,
+                      const dist::Group& group, const char* op, const std::string& hint);
+
 /// Whether p is one of the experts spread over ranks of `group` (an Experts cut of more than one
 /// rank, inside the group): its copies on the group's ranks differ, and so does its name.
 bool spread_expert_in(const Tensor& p, const dist::Group& group);

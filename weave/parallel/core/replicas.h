@@ -19,8 +19,10 @@ namespace weave::parallel {
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::vector<Tensor>)>;
 
 /// Broadcasts a module's parameters and buffers from group rank `root` (Horovod's
-/// broadcast_parameters), so every replica starts equal. Collective over the group: the tensors
-/// travel packed in flat buckets of at most 25 MB (per dtype and device), all in flight at once.
+/// broadcast_parameters), so every replica starts equal. Collective over the group: first a
+/// checksum agreement (8 bytes a tensor), so that only the tensors some rank holds otherwise
+/// travel (replicas built alike send nothing), packed in flat buckets of at most 25 MB (per
+/// dtype and device), all in flight at once. Device tensors are always sent.
 void broadcast_parameters(nn::Module& module, int root = 0,
                           const std::optional<dist::Group>& group = std::nullopt);
 
@@ -60,7 +62,8 @@ namespace detail {
 void broadcast_packed(const std::vector<Tensor>& tensors, int root, const dist::Group& group);
 /// Makes every replica equal, reading placements: from group rank `root` of replicas.groups[0]
 /// the module's buffers and every parameter but the spread experts (frozen ones too); each
-/// spread expert of `params` from the first rank of its expert-data group. Collective.
+/// spread expert of `params` from the first rank of its expert-data group; what is equal
+/// already (broadcast_parameters' checksum agreement) or deferred stays. Collective.
 void broadcast_replicas(nn::Module& module, const std::vector<Tensor>& params,
                         const ReplicaGroups& replicas, int root);
 /// check_same_model over `group`, with errors tagged `op`.

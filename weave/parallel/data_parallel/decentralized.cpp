@@ -10,6 +10,7 @@
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/mesh.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/parallel/core/readiness.h"
 #include "weave/parallel/core/replicas.h"
 
@@ -186,6 +187,13 @@ DecentralizedDataParallel::DecentralizedDataParallel(nn::Module& module,
   s.make_optimizer = std::move(make_optimizer);
   s.phases = topology_phases(s.options.topology, s.group.size(), s.options.local_ranks);
   detail::check_same_model(module, s.group, op);
+  {
+    std::vector<std::string> names;
+    std::vector<Tensor> params;
+    for (const auto& [name, p] : module.named_parameters())
+      names.push_back(name), params.push_back(p);
+    detail::check_replicated(names, params, s.group, op, detail::kTrainExpertsHint);
+  }
   nn::materialize(module);  // each rank holds the whole model: a deferred one is drawn here
   broadcast_parameters(module, 0, s.group);
   // Every rank of the world creates every edge group of every sibling group, in one order

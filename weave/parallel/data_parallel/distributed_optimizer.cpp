@@ -7,6 +7,7 @@
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/mesh.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/parallel/core/readiness.h"
 
 namespace weave::parallel {
@@ -19,6 +20,8 @@ DistributedOptimizer::DistributedOptimizer(optim::Optimizer& optimizer,
   WEAVE_CHECK(group_.rank() >= 0, "DistributedOptimizer", "rank {} is not in group {}",
               dist::rank(), group_.str());
   detail::check_bucket_sizes("DistributedOptimizer", options_.bucket_mb, options_.bucket_mb);
+  detail::check_replicated({}, optimizer_.params(), group_, "DistributedOptimizer",
+                           detail::kTrainExpertsHint);
   detail::check_same_lines(detail::describe_tensors(optimizer_.params()), group_,
                            "DistributedOptimizer", "the parameters",
                            "wrap the same parameters in the same order on every rank");

@@ -115,6 +115,12 @@ struct FSDPOptions {
   /// The dtype forward's floating output is cast to (float32 keeps a loss on bfloat16 logits
   /// from rounding to bfloat16). None: as the model computed it.
   std::optional<DType> output_dtype = std::nullopt;
+  /// CPU offload (FSDP2's CPUOffloadPolicy), for CUDA parameters: the shards, their gradients
+  /// and so the optimizer's state live in host memory, and the optimizer steps on the host.
+  /// Each gather copies the shard to the device before its all_gather; each averaged gradient
+  /// shard is copied back. The device holds only the units in flight and the activations.
+  /// Raises for parameters that are not on a CUDA device.
+  bool offload_to_cpu = false;
   /// After each synchronizing backward, check the averaged shard gradients for NaN and
   /// infinity. Each rank holds other shards, so the ranks agree on one verdict (one small
   /// all_reduce): every rank raises weave::Error from backward (gradients left as averaged),

@@ -68,6 +68,13 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
     f.shard = f.full.flat.narrow(0, group.rank() * per_rank, per_rank).clone().detach();
   }
   const int64_t per_rank = f.full.flat.numel() / n;
+  if (precision.offload_to_cpu) {
+    WEAVE_CHECK(f.shard.device().is_cuda(), "FullyShardedDataParallel",
+                "offload_to_cpu moves the shards of CUDA parameters to the host, but '{}' is on "
+                "{}; hint: move the model to the GPU first (model.to(Device::cuda()))",
+                names[size_t(f.params[0])], f.shard.device());
+    f.shard = f.shard.to(kCPU).detach();
+  }
   f.shard.requires_grad_(true);
   gather_in(f, members, precision.param_dtype.value_or(f.shard.dtype()));
   f.reduce_dtype = precision.reduce_dtype.value_or(f.full.flat.dtype());
@@ -93,6 +100,14 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
       if (cut.kind == Cut::Kind::Experts) add_cut(f.shard, cut);
   f.gathered_version = f.shard.version();
   return f;
+}
+
+// An averaged gradient shard in the shard's dtype and place (the host, under CPU offload).
+Tensor as_shard_gradient(const FSDPFlat& f, const Tensor& reduced) {
+  Tensor out = reduced;
+  if (out.dtype() != f.shard.dtype()) out = out.to(f.shard.dtype());
+  if (out.device() != f.shard.device()) out = out.to(f.shard.device());
+  return out;
 }
 
 bool needs_gather(const FSDPFlat& f) {
@@ -139,9 +154,12 @@ void FSDPUnit::launch_gather(FSDPStats& stats, bool prefetch) {
     f.full.flat.storage()->allocate_again();
     f.gathered_version = f.shard.version();
     NoGradGuard no_grad;
-    f.gather_send = f.shard.dtype() == f.full.flat.dtype()
-                        ? f.shard.detach()
-                        : f.shard.detach().to(f.full.flat.dtype());
+    // In the gathered dtype, on the gathered buffer's device (a CPU-offloaded shard is copied).
+    f.gather_send = f.shard.detach();
+    if (f.gather_send.device() != f.full.flat.device())
+      f.gather_send = f.gather_send.to(f.full.flat.device());
+    if (f.gather_send.dtype() != f.full.flat.dtype())
+      f.gather_send = f.gather_send.to(f.full.flat.dtype());
     f.gather = dist::all_gather(f.full.flat, f.gather_send, f.group, /*async_op=*/true);
     ++stats.gathers;
     stats.gathered_bytes += f.full.flat.numel() * int64_t(f.full.flat.itemsize());
@@ -199,7 +217,7 @@ void FSDPUnit::launch_reduce(const std::vector<Tensor>& params, FSDPStats& stats
   for (FSDPFlat& f : flats_) {
     f.grads_wire =
         f.grads.flat.dtype() == f.reduce_dtype ? f.grads.flat : f.grads.flat.to(f.reduce_dtype);
-    f.reduced = empty(f.shard.shape(), {.dtype = f.reduce_dtype, .device = f.shard.device()});
+    f.reduced = empty(f.shard.shape(), {.dtype = f.reduce_dtype, .device = f.grads_wire.device()});
     f.reduce = dist::reduce_scatter(f.reduced, f.grads_wire, dist::ReduceOp::Avg, f.group,
                                     /*async_op=*/true);
     ++stats.reduce_scatters;
@@ -221,11 +239,12 @@ void FSDPUnit::finish_reduce(const std::vector<Tensor>& params) {
     NoGradGuard no_grad;
     if (f.replicate) {  // the replicas pair with this call whatever happened here: zeros if so
       if (!f.reduced.defined())
-        f.reduced = zeros(f.shard.shape(), {.dtype = f.reduce_dtype, .device = f.shard.device()});
+        f.reduced =
+            zeros(f.shard.shape(), {.dtype = f.reduce_dtype, .device = f.grads.flat.device()});
       f.replicate_reduce =
           dist::all_reduce(f.reduced, dist::ReduceOp::Avg, *f.replicate, /*async_op=*/true);
     } else if (f.reduced.defined()) {
-      if (f.reduced.dtype() != f.shard.dtype()) f.reduced = f.reduced.to(f.shard.dtype());
+      f.reduced = as_shard_gradient(f, f.reduced);
       if (f.scale != 1.0) f.reduced.mul_(f.scale);
     }
     for (int i : f.params) params[size_t(i)].set_grad(Tensor());
@@ -242,7 +261,7 @@ void FSDPUnit::finish_replicate() {
     try {
       std::exchange(f.replicate_reduce, std::nullopt)->wait();
       NoGradGuard no_grad;
-      if (f.reduced.dtype() != f.shard.dtype()) f.reduced = f.reduced.to(f.shard.dtype());
+      f.reduced = as_shard_gradient(f, f.reduced);
     } catch (...) {
       f.reduced = Tensor();
       if (!first_error) first_error = std::current_exception();

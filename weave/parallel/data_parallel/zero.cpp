@@ -32,6 +32,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
                 "one ZeroRedundancyOptimizer per dtype",
                 params_[0].dtype(), params_[0].device(), p.dtype(), p.device());
   }
+  detail::check_replicated({}, params_, group_, op, detail::kTrainExpertsHint);
   // Each rank owns a slice of the flattened list: a list in another order (same total size)
   // would update the wrong elements without a word, and unequal replicas would stay unequal.
   detail::check_same_lines(detail::describe_tensors(params_), group_, op, "the parameters",

@@ -1,0 +1,239 @@
+// Hugging Face exports and loads of models split over ranks: parallel::save_pretrained writes,
+// from FSDP shards, tensor-parallel slices, both, and pipeline stages, the very files one
+// process writes for the whole model, holding one whole parameter at a time; and
+// load_pretrained into a deferred FSDP model peaks at a fraction of one process's load.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "helpers.h"
+#include "weave/weave.h"
+
+using namespace weave;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kData = std::string(WEAVE_TEST_DATA_DIR) + "/hf/";
+
+std::vector<std::string> block_units(const data::hf::ModelConfig& config) {
+  std::vector<std::string> units;
+  for (int64_t i = 0; i < config.layers; ++i) units.push_back("blocks." + std::to_string(i));
+  return units;
+}
+
+std::shared_ptr<nn::CausalLM> split_model(const data::hf::ModelConfig& config,
+                                          const dist::Group& group,
+                                          const parallel::ParallelLMOptions& split) {
+  if (config.architecture == data::hf::Architecture::GPT2)
+    return std::make_shared<parallel::ParallelGPT2Model>(data::hf::gpt2_options(config), group,
+                                                         split);
+  return std::make_shared<parallel::ParallelLlamaModel>(data::hf::llama_options(config), group,
+                                                        split);
+}
+
+// Every file of `expected` (the one-process export) is in `actual`, byte for byte, and nothing
+// else is.
+void check_same_files(const std::string& expected, const std::string& actual) {
+  std::set<std::string> names, theirs;
+  for (const auto& entry : fs::directory_iterator(expected))
+    names.insert(entry.path().filename().string());
+  for (const auto& entry : fs::directory_iterator(actual))
+    theirs.insert(entry.path().filename().string());
+  CHECK(names == theirs);
+  for (const std::string& name : names) {
+    CAPTURE(name);
+    CHECK(data::read_file(expected + "/" + name) == data::read_file(actual + "/" + name));
+  }
+}
+
+// The tensors of a checkpoint's safetensors files, by name (GPT-2's "transformer." dropped).
+std::map<std::string, Tensor> checkpoint_tensors(const std::string& dir) {
+  std::map<std::string, Tensor> out;
+  for (const auto& entry : fs::directory_iterator(dir))
+    if (entry.path().extension() == ".safetensors" && entry.path().stem() != "logits")
+      for (auto& [name, t] : data::load_safetensors(entry.path().string()).tensors)
+        out[name.starts_with("transformer.") ? name.substr(12) : name] = t;
+  return out;
+}
+
+// A new Llama of `config` written by rank 0 into dir (collective).
+void write_llama(const data::hf::ModelConfig& config, const std::string& dir) {
+  if (dist::rank() == 0) {
+    Generator generator(5);
+    data::hf::save_pretrained(*data::hf::make_model(config, &generator), config, dir);
+  }
+  dist::barrier();
+}
+
+data::hf::ModelConfig small_llama() {
+  data::hf::ModelConfig config;
+  config.architecture = data::hf::Architecture::Llama;
+  config.vocab = 1024, config.dim = 128, config.layers = 6, config.heads = 4, config.kv_heads = 2;
+  config.hidden = nn::llama_hidden(config.dim), config.max_positions = 256;
+  return config;
+}
+
+int64_t largest_parameter_bytes(const nn::Module& model) {
+  int64_t largest = 0;
+  for (const auto& [name, p] : model.named_parameters())
+    largest = std::max(largest, p.numel() * int64_t(p.itemsize()));
+  return largest;
+}
+
+}  // namespace
+
+TEST_SUITE("pretrained") {
+  TEST_CASE("save_pretrained of shards, slices and stages writes one process's files") {
+    const int world = dist::world_size();
+    for (const std::string arch : {"gpt2", "llama"}) {
+      for (const uint64_t shard_bytes : {uint64_t(5) << 30, uint64_t(40000)}) {
+        CAPTURE(arch);
+        CAPTURE(shard_bytes);
+        const std::string dir = kData + arch;
+        const auto config = data::hf::read_config(dir);
+        const std::string out = test::shared_dir("export_" + arch);
+        if (dist::rank() == 0) {  // the reference: one process's export, the input's tensors
+          data::hf::save_pretrained(*data::hf::from_pretrained(dir), config, out + "/whole",
+                                    {.max_shard_bytes = shard_bytes});
+          const auto expected = checkpoint_tensors(dir),
+                     actual = checkpoint_tensors(out + "/whole");
+          REQUIRE(expected.size() == actual.size());
+          for (const auto& entry : expected) {
+            const std::string& name = entry.first;  // CAPTURE needs a variable, not a binding
+            CAPTURE(name);
+            REQUIRE(actual.count(name) == 1);
+            CHECK(equal(entry.second, actual.at(name)));
+          }
+        }
+        const auto check = [&](nn::Module& parts, const std::string& layout,
+                               const dist::Group& group) {
+          CAPTURE(layout);
+          parallel::save_pretrained(parts, config, out + "/" + layout,
+                                    {.max_shard_bytes = shard_bytes}, group);
+          dist::barrier();
+          if (dist::rank() == 0) check_same_files(out + "/whole", out + "/" + layout);
+        };
+        {  // FSDP over every rank, from a deferred model
+          std::shared_ptr<nn::CausalLM> model;
+          {
+            nn::DeferredInit deferred(0);
+            model = data::hf::make_model(config);
+          }
+          parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
+          parallel::load_pretrained(fsdp.sharded_module(), config, dir);
+          check(fsdp.sharded_module(), "fsdp", dist::world());
+        }
+        if (world == 2 || world == 4) {  // tensor parallel over every rank; 2 pipeline stages
+          auto tp = split_model(config, dist::world(), {});
+          parallel::load_pretrained(*tp, config, dir);
+          check(*tp, "tp", dist::world());
+          parallel::ProcessMesh mesh({.data = world / 2, .pipeline = 2});
+          auto stage =
+              split_model(config, mesh.tensor(), {.stage = mesh.pipeline_rank(), .stages = 2});
+          parallel::load_pretrained(*stage, config, dir);
+          check(*stage, "pipeline", dist::world());
+        }
+        if (world == 4) {  // FSDP 2 x TP 2
+          parallel::ProcessMesh mesh({.data = 2, .tensor = 2});
+          auto slices = split_model(config, mesh.tensor(), {});
+          parallel::FullyShardedDataParallel fsdp(
+              *slices, {.units = block_units(config), .group = mesh.data()});
+          parallel::load_pretrained(fsdp.sharded_module(), config, dir);
+          check(fsdp.sharded_module(), "fsdp_tp", dist::world());
+        }
+      }
+    }
+  }
+
+  TEST_CASE("a failed export, or parts no rank of the group holds, raise on every rank") {
+    const std::string dir = kData + "llama";
+    const auto config = data::hf::read_config(dir);
+    const std::string out = test::shared_dir("export_fails");
+    std::shared_ptr<nn::CausalLM> model;
+    {
+      nn::DeferredInit deferred(0);
+      model = data::hf::make_model(config);
+    }
+    parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
+    parallel::load_pretrained(fsdp.sharded_module(), config, dir);
+    if (dist::rank() == 0) {  // rank 0 cannot write: its directory is a file
+      fs::create_directories(out);
+      std::ofstream(out + "/file") << "x";
+    }
+    dist::barrier();
+    // Rank 0 raises its own error, the others that rank 0 failed.
+    const char* expected = dist::rank() == 0 ? "cannot create the directory" : "save_pretrained";
+    CHECK_THROWS_WITH_AS(parallel::save_pretrained(fsdp.sharded_module(), config, out + "/file"),
+                         doctest::Contains(expected), Error);
+    if (dist::world_size() > 1) {  // the group leaves out the ranks that hold the other shards
+      std::vector<std::vector<int>> singles;
+      for (int r = 0; r < dist::world_size(); ++r) singles.push_back({r});
+      const dist::Group alone = dist::split_group(dist::world(), singles);
+      CHECK_THROWS_WITH_AS(
+          parallel::save_pretrained(fsdp.sharded_module(), config, out + "/alone", {}, alone),
+          doctest::Contains("no rank of group"), Error);
+    }
+    dist::barrier();
+    if (dist::rank() == 0) CHECK(!fs::exists(out + "/alone/model.safetensors"));
+  }
+
+  TEST_CASE("save_pretrained under FSDP holds one whole parameter at a time") {
+    const auto config = small_llama();
+    const std::string dir = test::shared_dir("export_memory");
+    write_llama(config, dir + "/in");
+    std::shared_ptr<nn::CausalLM> model;
+    {
+      nn::DeferredInit deferred(0);
+      model = data::hf::make_model(config);
+    }
+    parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
+    parallel::load_pretrained(fsdp.sharded_module(), config, dir + "/in");
+    int64_t total = 0;
+    for (const Tensor& shard : fsdp.parameters())
+      total += shard.numel() * int64_t(shard.itemsize());
+    total *= dist::world_size();
+    const int64_t largest = largest_parameter_bytes(*model);
+    REQUIRE(total > 4 * largest);  // else the bound below could not tell a whole gather apart
+    const int64_t before = int64_t(memory_stats().in_use);
+    reset_peak_memory();
+    parallel::save_pretrained(fsdp.sharded_module(), config, dir + "/out");
+    const int64_t held = int64_t(memory_stats().peak) - before;
+    CAPTURE(held);
+    CAPTURE(largest);
+    CHECK(held <= largest);
+    dist::barrier();
+    if (dist::rank() == 0) check_same_files(dir + "/in", dir + "/out");
+  }
+
+  TEST_CASE("load_pretrained into a deferred FSDP model peaks at a share of one process's load") {
+    const auto config = small_llama();
+    const std::string dir = test::shared_dir("load_memory");
+    write_llama(config, dir);
+    int64_t before = int64_t(memory_stats().in_use);
+    reset_peak_memory();
+    data::hf::from_pretrained(dir).reset();
+    const int64_t one_process = int64_t(memory_stats().peak) - before;
+    before = int64_t(memory_stats().in_use);
+    reset_peak_memory();
+    {
+      std::shared_ptr<nn::CausalLM> model;
+      {
+        nn::DeferredInit deferred(0);
+        model = data::hf::make_model(config);
+      }
+      parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
+      parallel::load_pretrained(fsdp.sharded_module(), config, dir);
+    }
+    const int64_t sharded = int64_t(memory_stats().peak) - before;
+    CAPTURE(one_process);
+    CAPTURE(sharded);
+    // The acceptance's bounds at 2 and 4 ranks (0.6x, 0.35x); 1/N plus a tenth elsewhere.
+    const int world = dist::world_size();
+    const double bound = world == 2 ? 0.6 : world == 4 ? 0.35 : 1.0 / world + 0.1;
+    CHECK(double(sharded) <= bound * double(one_process));
+  }
+}
