@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "weave/data/checkpoint.h"
-#include "weave/parallel/core/layout.h"
+#include "weave/parallel/core/placement.h"
 
 namespace weave::parallel::detail {
 

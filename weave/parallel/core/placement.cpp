@@ -112,13 +112,12 @@ std::map<std::string, TensorSplit> tensor_splits(const nn::Module& module) {
 
 namespace detail {
 
-std::map<std::string, SplitParameter> split_parameters(const nn::Module& module) {
-  std::map<std::string, SplitParameter> out;
+std::map<std::string, Cut> split_parameters(const nn::Module& module) {
+  std::map<std::string, Cut> out;
   for (const auto& [name, p] : module.named_parameters())
     if (const Placement* placement = placement_of(p))
       for (const Cut& cut : placement->cuts)
-        if (cut.kind == Cut::Kind::Split)
-          out.emplace(name, SplitParameter{cut.axis, cut.group, cut.size});
+        if (cut.kind == Cut::Kind::Split) out.emplace(name, cut);
   return out;
 }
 

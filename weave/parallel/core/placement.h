@@ -27,10 +27,35 @@
 
 #include "weave/distributed/distributed.h"
 #include "weave/nn/module.h"
-#include "weave/parallel/core/layout.h"
 #include "weave/tensor/tensor_impl.h"
 
 namespace weave::parallel {
+
+/// A Split cut as a checkpoint records it (no group: the piece and the count): this rank's
+/// parameter is piece `index` of `count` equal pieces along `axis`. A whole padded to divide
+/// among the ranks (a vocabulary: padded_vocab) has `size` < count x piece along axis 0: the
+/// elements past it are padding, in no whole tensor.
+struct TensorSplit {
+  int axis = -1;
+  int index = 0;
+  int count = 1;
+  int64_t size = -1;  // -1: count x the piece's length
+};
+
+namespace detail {
+/// A FlatShard cut's layout (ZeRO-1's, FSDP's): elements [begin, begin + numel) of `members`
+/// laid out back to back at `offsets`. Members are known by identity; their names and
+/// tensor-parallel splits are given (FSDP knows them) or, left empty, looked up in the
+/// checkpoint's model (ZeRO-1).
+struct FlatShard {
+  std::vector<const void*> members;
+  std::vector<std::string> names;
+  std::vector<TensorSplit> splits;
+  std::vector<int64_t> offsets;
+  std::vector<Shape> shapes;
+  int64_t begin = 0;
+};
+}  // namespace detail
 
 /// Over `group`, the ranks hold different pieces of a parameter.
 struct Cut {
@@ -113,8 +138,9 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
                        const dist::Group& group = dist::world(), bool error_if_nonfinite = false);
 
 namespace detail {
-/// Every parameter of `module` with a Split cut, by its name in module.named_parameters().
-std::map<std::string, SplitParameter> split_parameters(const nn::Module& module);
+/// The Split cut of every parameter of `module` that has one, by its name in
+/// module.named_parameters().
+std::map<std::string, Cut> split_parameters(const nn::Module& module);
 /// The layout of t's FlatShard cut, or null when it has none (shared, not copied: clipping
 /// reads it every step).
 std::shared_ptr<const FlatShard> flat_shard_of(const Tensor& t);

@@ -14,7 +14,6 @@
 #include "weave/nn/deferred.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/flat_buffer.h"
-#include "weave/parallel/core/layout.h"
 #include "weave/parallel/core/mesh.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/parallel/core/readiness.h"

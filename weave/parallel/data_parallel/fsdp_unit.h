@@ -21,7 +21,6 @@
 #include "weave/distributed/distributed.h"
 #include "weave/nn/module.h"
 #include "weave/parallel/core/flat_buffer.h"
-#include "weave/parallel/core/layout.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/parallel/data_parallel/fsdp.h"
 

@@ -7,7 +7,6 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/flat_buffer.h"
-#include "weave/parallel/core/layout.h"
 #include "weave/parallel/core/mesh.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/tensor/tensor_impl.h"

@@ -25,9 +25,20 @@
 
 #include "weave/distributed/distributed.h"
 #include "weave/nn/layers.h"
-#include "weave/parallel/core/layout.h"
+#include "weave/parallel/core/placement.h"
 
 namespace weave::parallel {
+
+/// A layer with parameters split across a group (each records a Split cut on its slices).
+class ShardedModule : public nn::Module {
+ public:
+  ShardedModule(std::string name, dist::Group group)
+      : nn::Module(std::move(name)), group_(std::move(group)) {}
+  const dist::Group& group() const { return group_; }
+
+ private:
+  dist::Group group_;
+};
 
 struct ColumnParallelOptions {
   bool bias = true;
