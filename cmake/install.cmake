@@ -11,10 +11,13 @@ install(TARGETS weave EXPORT weaveTargets
 # The public headers: weave/weave.h and every weave header it includes, transitively. The rest
 # (kernels, backends, the communication runtime, the flat-buffer layer) stay inside the build.
 # Configuration re-runs when one of them changes, so a new #include is installed too.
-# The headers left at weave/parallel/*.h only forward to their new floors for one release
-# (docs/design.md); they are installed so that code including the old paths still builds.
+# The headers left at weave/parallel/*.h and four at weave/data/ only forward to their new
+# places for one release (docs/design.md); they are installed so that code including the old
+# paths still builds.
 function(weave_public_headers out)
   file(GLOB forwarding RELATIVE ${PROJECT_SOURCE_DIR} ${PROJECT_SOURCE_DIR}/weave/parallel/*.h)
+  list(APPEND forwarding weave/data/tokenizer.h weave/data/pretokenizer.h
+       weave/data/token_dataset.h weave/data/hf_checkpoint.h)
   # weave/util/cli.h is public too, outside weave.h: it needs CLI11, which only its users need.
   set(pending weave/weave.h weave/util/cli.h ${forwarding})
   set(found)

@@ -53,9 +53,9 @@ c++ -Iexamples/consumer examples/consumer/main.cpp -o "$work/consumer-pc" \
   $(pkg-config --cflags weave) $(pkg-config --libs --static weave)
 "$work/consumer-pc"
 
-echo "== the forwarding headers of weave/parallel/ (0.2) still compile, each alone"
-for header in "$prefix"/include/weave/parallel/*.h; do
-  echo "#include \"weave/parallel/$(basename "$header")\"" >"$work/forward.cpp"
+echo "== the forwarding headers of weave/parallel/ and weave/data/ (0.2) still compile, each alone"
+for header in "$prefix"/include/weave/parallel/*.h "$prefix"/include/weave/data/{tokenizer,pretokenizer,token_dataset,hf_checkpoint}.h; do
+  echo "#include \"${header#"$prefix"/include/}\"" >"$work/forward.cpp"
   # shellcheck disable=SC2046
   c++ -std=c++20 -fsyntax-only "$work/forward.cpp" $(pkg-config --cflags weave)
 done

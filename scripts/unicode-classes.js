@@ -1,8 +1,8 @@
-// Writes weave/data/unicode_classes.inc: the code point ranges of the classes the byte-level BPE
+// Writes weave/data/text/unicode_classes.inc: the code point ranges of the classes the byte-level BPE
 // pre-tokenizers split on (\p{L}, \p{N}, and for \s Unicode's White_Space, as Python's regex
 // module in GPT-2's encoder.py and the Rust tiktoken and tokenizers read it: U+0085 is white
 // space, U+FEFF is not, unlike JavaScript's \s), from node's Unicode tables. Run by hand when Unicode moves:
-//   node scripts/unicode-classes.js > weave/data/unicode_classes.inc
+//   node scripts/unicode-classes.js > weave/data/text/unicode_classes.inc
 // weave never runs it: the table it writes is committed.
 const classes = [["kLetter", /\p{L}/u], ["kNumber", /\p{N}/u], ["kSpace", /\p{White_Space}/u]];
 const lines = [];

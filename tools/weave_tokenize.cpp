@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "weave/data/files.h"
-#include "weave/data/token_dataset.h"
-#include "weave/data/tokenizer.h"
+#include "weave/data/text/token_dataset.h"
+#include "weave/data/text/tokenizer.h"
 
 namespace {
 

@@ -12,7 +12,7 @@
 //   parallel::save_pretrained(fsdp.sharded_module(), config, "tuned/");  // one parameter at a time
 #include <string>
 
-#include "weave/data/hf_checkpoint.h"
+#include "weave/data/hf/hf_checkpoint.h"
 #include "weave/distributed/distributed.h"
 
 namespace weave::parallel {

@@ -1,8 +1,8 @@
 // Hugging Face's tokenizer.json, for the byte-level BPE models; everything this reader does not
 // implement raises, naming the field, rather than encode differently from the model's own.
 #include "weave/data/files.h"
-#include "weave/data/tokenizer.h"
-#include "weave/data/tokenizer_impl.h"
+#include "weave/data/text/tokenizer.h"
+#include "weave/data/text/tokenizer_impl.h"
 #include "weave/tensor/error.h"
 
 #include <nlohmann/json.hpp>

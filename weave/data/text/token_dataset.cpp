@@ -1,4 +1,4 @@
-#include "weave/data/token_dataset.h"
+#include "weave/data/text/token_dataset.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

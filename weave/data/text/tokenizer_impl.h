@@ -1,7 +1,7 @@
 #pragma once
 // What a data::Tokenizer holds, for the files that load one (tokenizer.cpp reads GPT-2's files,
 // tokenizer_json.cpp Hugging Face's tokenizer.json).
-#include "weave/data/tokenizer.h"
+#include "weave/data/text/tokenizer.h"
 
 #include <nlohmann/json_fwd.hpp>
 

@@ -1,6 +1,6 @@
-#include "weave/data/tokenizer.h"
+#include "weave/data/text/tokenizer.h"
 
-#include "weave/data/tokenizer_impl.h"
+#include "weave/data/text/tokenizer_impl.h"
 
 #include "weave/data/files.h"
 #include "weave/tensor/error.h"

@@ -2,7 +2,7 @@
 #include <nlohmann/json.hpp>
 
 #include "weave/data/files.h"
-#include "weave/data/hf_checkpoint.h"
+#include "weave/data/hf/hf_checkpoint.h"
 #include "weave/nn/deferred.h"
 #include "weave/nn/gpt2.h"
 #include "weave/nn/llama.h"

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "weave/data/hf_checkpoint.h"
+#include "weave/data/hf/hf_checkpoint.h"
 
 namespace weave::data::hf::detail {
 

@@ -1,6 +1,6 @@
 // Hugging Face's names and layouts for GPT-2 and Llama, and the reads and writes that convert
 // between them and weave's, slice by slice.
-#include "weave/data/hf_checkpoint.h"
+#include "weave/data/hf/hf_checkpoint.h"
 
 #include <cstring>
 #include <filesystem>
@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "weave/autograd/grad_mode.h"
-#include "weave/data/hf_mapping.h"
+#include "weave/data/hf/hf_mapping.h"
 #include "weave/data/safetensors.h"
 #include "weave/nn/deferred.h"
 

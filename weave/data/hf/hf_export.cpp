@@ -3,8 +3,8 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "weave/data/hf_checkpoint.h"
-#include "weave/data/hf_mapping.h"
+#include "weave/data/hf/hf_checkpoint.h"
+#include "weave/data/hf/hf_mapping.h"
 #include "weave/data/safetensors.h"
 
 namespace weave::data::hf {

@@ -1,4 +1,4 @@
-#include "weave/data/pretokenizer.h"
+#include "weave/data/text/pretokenizer.h"
 
 #include <algorithm>
 #include <array>
@@ -15,7 +15,7 @@ struct UnicodeRange {
 };
 
 constexpr UnicodeRange kRanges[] = {
-#include "weave/data/unicode_classes.inc"
+#include "weave/data/text/unicode_classes.inc"
 };
 
 constexpr std::array<CharClass, 128> ascii_classes() {

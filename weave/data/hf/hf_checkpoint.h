@@ -1,0 +1,173 @@
+#pragma once
+// Hugging Face checkpoints in and out: config.json, model.safetensors or shards with
+// model.safetensors.index.json, for GPT-2 (GPT2LMHeadModel) and Llama-family models
+// (LlamaForCausalLM, and Qwen2ForCausalLM: Llama with biased q, k and v projections), into
+// weave's nn::GPT2Model and nn::LlamaModel and back.
+//
+//   auto config = data::hf::read_config("gpt2/");
+//   std::shared_ptr<nn::CausalLM> model = data::hf::from_pretrained("gpt2/");
+//   ... fine-tune ...
+//   data::hf::save_pretrained(*model, config, "gpt2-tuned/");   // the same names, shapes, dtypes
+//
+// The layouts differ and are converted exactly (values are copied, never rounded when the
+// parameter's dtype holds the file's): GPT-2 stores its linear layers as Conv1D [in, out] and
+// c_attn's output as q, k and v side by side, where weave keeps [out, in] with each head's q, k
+// and v together; Llama's q/k/v/o and gate/up/down projections map to weave's q, stacked kv,
+// out, and stacked gate_up, down. Rotary positions use the rotate-half layout Hugging Face's
+// Llama weights expect, with Llama 3's frequency scaling when the config has it.
+//
+// A model split over ranks (tensor-parallel slices, FSDP's flat shards) loads with
+// parallel::load_pretrained, which reads each rank's pieces through a WeightReader.
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "weave/data/text/tokenizer.h"
+#include "weave/nn/generation.h"
+#include "weave/nn/gpt2.h"
+#include "weave/nn/llama.h"
+
+namespace weave::data::hf {
+
+enum class Architecture { GPT2, Llama };
+
+/// What weave takes from config.json (everything else is kept and written back on export).
+struct ModelConfig {
+  Architecture architecture = Architecture::Llama;
+  int64_t vocab = 0, dim = 0, layers = 0, heads = 0;
+  int64_t kv_heads = 0;       // Llama: num_key_value_heads (GPT-2: heads)
+  int64_t hidden = 0;         // the MLP's width
+  int64_t max_positions = 0;  // GPT-2: n_positions
+  double norm_eps = 1e-5;
+  double rope_theta = 10000;
+  std::optional<Llama3RopeScaling> rope_scaling{};
+  bool tie_embeddings = false;
+  bool qkv_bias = false;   // Qwen 2 (model_type qwen2): q, k and v projections with biases
+  DType dtype = kFloat32;  // torch_dtype: the dtype export writes
+  std::string json;        // the file's text, "" when built here
+};
+
+/// Reads dir/config.json. Raises for an unknown model_type and for settings weave does not
+/// implement (biases in Llama's projections, a head_dim other than hidden / heads, rope
+/// scalings other than Llama 3's, sliding windows, other activations), naming them.
+ModelConfig read_config(const std::string& dir);
+/// config.json for `config` (its json's other fields kept).
+std::string config_json(const ModelConfig& config);
+
+/// The configuration of a model built from its options (one trained from scratch), to export
+/// it: dims, heads, rotary base and scaling, norms' eps, tied head, Qwen 2's biases. Raises for
+/// what Hugging Face's GPT-2 or Llama cannot describe (an untied GPT-2 head, interleaved or
+/// partial rotary, another gated activation, a non-causal block), naming it.
+ModelConfig model_config(const nn::LlamaModelOptions& options, DType dtype = kFloat32);
+ModelConfig model_config(const nn::GPT2ModelOptions& options, DType dtype = kFloat32);
+
+/// The nn::GPT2Model (or parallel::ParallelGPT2Model) options of a GPT-2 configuration.
+nn::GPT2ModelOptions gpt2_options(const ModelConfig& config, Generator* generator = nullptr);
+/// The nn::LlamaModel (or parallel::ParallelLlamaModel) options of a Llama configuration.
+nn::LlamaModelOptions llama_options(const ModelConfig& config, Generator* generator = nullptr);
+
+/// A model of the configuration, with weights drawn from `generator` (to be loaded over).
+std::shared_ptr<nn::CausalLM> make_model(const ModelConfig& config, Generator* generator = nullptr);
+
+/// The slice of a whole tensor a rank holds: [begin, end) along `axis` (axis -1: all of it).
+struct Slice {
+  int axis = -1;
+  int64_t begin = 0, end = 0;
+};
+
+/// A checkpoint's tensors by weave's names for the architecture (nn::GPT2Model's or
+/// nn::LlamaModel's), whole or in parts, converted to weave's layouts: what load_weights reads for
+/// each parameter, for loaders that place values themselves (parallel::load_pretrained reads each
+/// rank's tensor-parallel slices and flat-shard ranges through it). Only the bytes asked for are
+/// read, give or take a row at each end of an element range (a head's q, k and v rows for
+/// GPT-2's c_attn). Values keep the file's dtype. Raises, naming file and tensor, for a missing
+/// shard (at construction) or tensor, a tensor whose shape the config does not give, or a dtype
+/// that is not floating point.
+///
+///   data::hf::WeightReader reader(config, "llama/");
+///   Tensor rows = reader.read("blocks.0.attention.q.weight", {.axis = 0, .begin = 0, .end = 32});
+class WeightReader {
+ public:
+  WeightReader(ModelConfig config, std::string dir);
+  ~WeightReader();
+  WeightReader(const WeightReader&) = delete;
+  WeightReader& operator=(const WeightReader&) = delete;
+
+  /// The whole shape of tensor `name` as the config gives it; raises for a name it lacks.
+  Shape shape(const std::string& name) const;
+  /// The slice of tensor `name`.
+  Tensor read(const std::string& name, const Slice& slice = {});
+  /// Elements [first, first + count) of that slice in row-major order, flat.
+  Tensor read_elements(const std::string& name, const Slice& slice, int64_t first, int64_t count);
+  /// Bytes read from the safetensors files so far.
+  int64_t bytes_read() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct LoadStats {
+  int64_t tensors = 0;     // parameters loaded
+  int64_t bytes_read = 0;  // from the safetensors files
+};
+
+/// Loads dir's weights into model's parameters (whole, by weave's names for the architecture),
+/// each in the dtype the parameter has, through a WeightReader. Raises as it does, and for a
+/// parameter the architecture lacks or whose shape differs; the model is then partly loaded.
+LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::string& dir);
+
+/// make_model + load_weights.
+std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir);
+
+struct SaveOptions {
+  /// Shards of at most this many bytes (a tensor larger than it gets a shard alone); more than
+  /// one writes model-0000i-of-0000n.safetensors and model.safetensors.index.json.
+  uint64_t max_shard_bytes = uint64_t(5) << 30;
+  /// Written beside the weights (Tokenizer::save_pretrained), its special tokens' ids in
+  /// config.json and generation_config.json where the config names none.
+  const Tokenizer* tokenizer = nullptr;
+};
+
+/// weave's names of the architecture's parameters, in the order an export writes them.
+std::vector<std::string> parameter_names(const ModelConfig& config);
+
+/// A Hugging Face export written one parameter at a time, so that the writer holds one at a
+/// time (parallel::save_pretrained assembles each from the ranks' pieces of a split or sharded
+/// model): the parameters come whole, in names()'s order (weave's names for the architecture),
+/// in weave's layouts and any dtype and device, and are written in Hugging Face's names,
+/// layouts and config.dtype; finish() writes the index, config.json, generation_config.json
+/// and the tokenizer's files. Each file replaces its old version atomically.
+///
+///   data::hf::PretrainedWriter out(config, "out/");
+///   for (const std::string& name : out.names()) out.write(name, whole_value_of(name));
+///   out.finish();
+class PretrainedWriter {
+ public:
+  PretrainedWriter(ModelConfig config, std::string dir, SaveOptions options = {});
+  ~PretrainedWriter();
+  PretrainedWriter(const PretrainedWriter&) = delete;
+  PretrainedWriter& operator=(const PretrainedWriter&) = delete;
+  /// The parameters, in the order write() takes them.
+  const std::vector<std::string>& names() const;
+  /// The next parameter, whole; raises for another name, or a shape the config does not give.
+  void write(const std::string& name, const Tensor& whole);
+  /// After the last parameter.
+  void finish();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Writes model's whole parameters (a split or sharded model: parallel::save_pretrained) in Hugging
+/// Face's names, layouts and config.dtype, with config.json and generation_config.json (the bos and
+/// eos ids), and with options.tokenizer its files, into dir (created):
+///
+///   data::hf::save_pretrained(model, data::hf::model_config(options), "out/",
+///                             {.tokenizer = &tokenizer});
+void save_pretrained(const nn::Module& model, const ModelConfig& config, const std::string& dir,
+                     const SaveOptions& options = {});
+
+}  // namespace weave::data::hf
