@@ -104,13 +104,23 @@ TEST_SUITE("cuda_parallel") {
     }
   }
 
-  TEST_CASE("FSDP on CUDA tensors equals the CPU run, both shardings") {
-    for (auto sharding :
-         {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp}) {
-      CAPTURE(int(sharding));
+  TEST_CASE("FSDP on CUDA tensors equals the CPU run: both shardings, and CPU offload") {
+    // Offloaded, the shards, their gradients and Adam's moments live on the host.
+    using parallel::ShardingStrategy;
+    struct Case {
+      ShardingStrategy sharding;
+      bool offload;
+    };
+    for (const Case c :
+         {Case{ShardingStrategy::FullShard, false}, Case{ShardingStrategy::ShardGradOp, false},
+          Case{ShardingStrategy::FullShard, true}}) {
+      CAPTURE(int(c.sharding));
+      CAPTURE(c.offload);
       check_same_on_gpu([&](Device d) {
+        const bool offload = c.offload && d.is_cuda();
         auto model = mlp(12, d);
-        parallel::FullyShardedDataParallel fsdp(*model, {.sharding = sharding});
+        parallel::FullyShardedDataParallel fsdp(
+            *model, {.sharding = c.sharding, .offload_to_cpu = offload});
         optim::AdamW adamw(fsdp.parameters(), {.lr = 1e-2});
         std::vector<Tensor> out;
         for (int step = 0; step < 3; ++step) {
@@ -118,38 +128,21 @@ TEST_SUITE("cuda_parallel") {
           auto [x, y] = local_batch(step, d);
           Tensor loss = mse_loss(fsdp(x), y);
           loss.backward();
+          for (const Tensor& shard : fsdp.parameters()) {
+            REQUIRE(shard.grad().defined());
+            CHECK(shard.device().is_cpu() == (offload || d.is_cpu()));
+            CHECK(shard.grad().device() == shard.device());
+          }
           adamw.step();
           out.push_back(loss.detach());
         }
-        for (const auto& [name, value] : fsdp.full_state_dict()) out.push_back(value);
+        if (offload)
+          for (const auto& [name, value] : adamw.state_dict().tensors)
+            CHECK(value.device().is_cpu());
+        for (const auto& [name, value] : fsdp.full_state_dict()) out.push_back(value.to(d));
         return out;
       });
     }
-  }
-
-  TEST_CASE("FSDP with CPU offload equals the CPU run; shards, gradients and state on the host") {
-    check_same_on_gpu([&](Device d) {
-      auto model = mlp(12, d);
-      parallel::FullyShardedDataParallel fsdp(*model, {.offload_to_cpu = d.is_cuda()});
-      optim::AdamW adamw(fsdp.parameters(), {.lr = 1e-2});
-      std::vector<Tensor> out;
-      for (int step = 0; step < 3; ++step) {
-        adamw.zero_grad();
-        auto [x, y] = local_batch(step, d);
-        Tensor loss = mse_loss(fsdp(x), y);
-        loss.backward();
-        for (const Tensor& shard : fsdp.parameters()) {
-          CHECK(shard.device().is_cpu());
-          REQUIRE(shard.grad().defined());
-          CHECK(shard.grad().device().is_cpu());
-        }
-        adamw.step();
-        out.push_back(loss.detach());
-      }
-      for (const auto& [name, value] : adamw.state_dict().tensors) CHECK(value.device().is_cpu());
-      for (const auto& [name, value] : fsdp.full_state_dict()) out.push_back(value.to(d));
-      return out;
-    });
   }
 
   TEST_CASE("ZeRO-1 on CUDA tensors equals the CPU run") {

@@ -7,9 +7,12 @@
 
 #include <filesystem>
 
+#include "pretrained_helpers.h"
 #include "weave/weave.h"
 
 using namespace weave;
+using weave::test::pretrained::block_units;
+using weave::test::pretrained::split_model;
 
 namespace {
 
@@ -33,25 +36,6 @@ uint64_t checkpoint_bytes(const std::string& dir) {
       for (const auto& e : data::read_safetensors_header(entry.path().string()).entries)
         bytes += e.end - e.begin;
   return bytes;
-}
-
-// The tensor-parallel model of a checkpoint's architecture.
-std::shared_ptr<nn::CausalLM> split_model(const data::hf::ModelConfig& config,
-                                          const dist::Group& group,
-                                          const parallel::ParallelLMOptions& split) {
-  if (config.architecture == data::hf::Architecture::GPT2)
-    return std::make_shared<parallel::ParallelGPT2Model>(data::hf::gpt2_options(config), group,
-                                                         split);
-  return std::make_shared<parallel::ParallelLlamaModel>(data::hf::llama_options(config), group,
-                                                        split);
-}
-
-// FSDP units: the blocks (embeddings, norm and head in the root unit: GPT-2's tied head reads
-// the token embedding after the blocks).
-std::vector<std::string> block_units(const data::hf::ModelConfig& config) {
-  std::vector<std::string> units;
-  for (int64_t i = 0; i < config.layers; ++i) units.push_back("blocks." + std::to_string(i));
-  return units;
 }
 
 }  // namespace

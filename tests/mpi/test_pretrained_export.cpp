@@ -10,30 +10,17 @@
 #include <set>
 
 #include "helpers.h"
+#include "pretrained_helpers.h"
 #include "weave/weave.h"
 
 using namespace weave;
+using weave::test::pretrained::block_units;
+using weave::test::pretrained::split_model;
 namespace fs = std::filesystem;
 
 namespace {
 
 const std::string kData = std::string(WEAVE_TEST_DATA_DIR) + "/hf/";
-
-std::vector<std::string> block_units(const data::hf::ModelConfig& config) {
-  std::vector<std::string> units;
-  for (int64_t i = 0; i < config.layers; ++i) units.push_back("blocks." + std::to_string(i));
-  return units;
-}
-
-std::shared_ptr<nn::CausalLM> split_model(const data::hf::ModelConfig& config,
-                                          const dist::Group& group,
-                                          const parallel::ParallelLMOptions& split) {
-  if (config.architecture == data::hf::Architecture::GPT2)
-    return std::make_shared<parallel::ParallelGPT2Model>(data::hf::gpt2_options(config), group,
-                                                         split);
-  return std::make_shared<parallel::ParallelLlamaModel>(data::hf::llama_options(config), group,
-                                                        split);
-}
 
 // Every file of `expected` (the one-process export) is in `actual`, byte for byte, and nothing
 // else is.
