@@ -322,15 +322,11 @@ struct Trainer {
     return true;
   }
 
-  // The whole model, on every rank (gathered from the ranks' shards and slices; collective).
+  // The whole model of a split one, on every rank (gathered from the ranks' slices, and under
+  // fsdp their shards; collective).
   std::shared_ptr<nn::CausalLM> whole_model() {
     if (!fsdp && !split) return model;
     if (pipe) return gathered_stages();
-    if (!split) {
-      auto whole = data::hf::make_model(config);
-      whole->load_state_dict(fsdp->full_state_dict());
-      return whole;
-    }
     auto whole = data::hf::make_model(config);
     if (!fsdp) {
       whole->load_state_dict(parallel::gather_state_dict(*model));
@@ -393,25 +389,34 @@ void save(const Flags& f, Trainer& trainer) {
 
 void save_and_generate(const Flags& f, Trainer& trainer, const data::Tokenizer& tok) {
   if (!f.save.empty()) save(f, trainer);
-  // Under tp every rank decodes its part; otherwise rank 0 decodes the whole model.
-  const bool tp_decode =
-      f.strategy == "tp" && trainer.mesh.shape().context == 1 && trainer.mesh.shape().pipeline == 1;
   if (f.prompt.empty()) return;
-  const std::shared_ptr<nn::CausalLM> whole = tp_decode ? nullptr : trainer.whole_model();
-  if (tp_decode || dist::rank() == 0) {
-    const auto ids = tok.encode(f.prompt);
-    const Tensor prompt =
-        from_vector(std::vector<int64_t>(ids.begin(), ids.end()), {1, int64_t(ids.size())});
-    const Tensor out = nn::generate(tp_decode ? *trainer.model : *whole, prompt,
-                                    {.max_new_tokens = f.max_new_tokens,
-                                     .temperature = f.temperature,
-                                     .top_k = f.top_k,
-                                     .top_p = f.top_p,
-                                     .seed = f.seed,
-                                     .end_of_text = tok.end_of_text()});
+  const auto ids = tok.encode(f.prompt);
+  const Tensor prompt =
+      from_vector(std::vector<int64_t>(ids.begin(), ids.end()), {1, int64_t(ids.size())});
+  const nn::GenerationOptions options{.max_new_tokens = f.max_new_tokens,
+                                      .temperature = f.temperature,
+                                      .top_k = f.top_k,
+                                      .top_p = f.top_p,
+                                      .seed = f.seed,
+                                      .end_of_text = tok.end_of_text()};
+  // Under tp every rank decodes its part; under fsdp every rank decodes through its shards, each
+  // block gathered in turn (no rank holds the whole model); otherwise rank 0 decodes the whole
+  // model (the split ones gathered first).
+  const parallel::MeshShape& shape = trainer.mesh.shape();
+  const bool tp_decode = f.strategy == "tp" && shape.context == 1 && shape.pipeline == 1;
+  Tensor out;
+  if (tp_decode) {
+    out = nn::generate(*trainer.model, prompt, options);
+  } else if (trainer.fsdp && !trainer.split) {
+    trainer.fsdp->run([&] { out = nn::generate(*trainer.model, prompt, options); });
+  } else {
+    const std::shared_ptr<nn::CausalLM> whole = trainer.whole_model();
+    if (dist::rank() == 0) out = nn::generate(*whole, prompt, options);
+  }
+  if (dist::rank() == 0) {
     const Tensor row = out.select(0, 0).contiguous();
     const std::vector<int32_t> all(row.data<int64_t>(), row.data<int64_t>() + row.numel());
-    if (dist::rank() == 0) std::printf("generated: %s\n", tok.decode(all).c_str());
+    std::printf("generated: %s\n", tok.decode(all).c_str());
   }
 }
 

@@ -7,7 +7,8 @@
 # every step after the resume and save the same Hugging Face files, byte for byte, as the
 # uninterrupted run; tp, fsdp, context parallelism, a 2-stage pipeline, and at 4 ranks ddp x tp,
 # fsdp x tp x context, pipeline x context and fsdp x pipeline must end at ddp's loss (float32: 1e-3 relative), and the saved model must
-# generate from a prompt. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
+# generate from a prompt; fsdp's sampled generation (through its shards) equals one process's from
+# the model it saved. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
 # stage's head), alone and with 2 tensor-parallel ranks, and resumed under ddp from a pipelined
 # checkpoint, ends at ddp's loss too; with --checkpoint-activations it repeats ddp's losses
 # with a lower training peak.
@@ -66,7 +67,9 @@ reference=$(final whole)
 echo "ddp final_loss=$reference; resumed: $(final resumed)"
 # Every strategy from the same checkpoint and batches: the same loss. GPT-2's vocabulary (50257)
 # is padded under tp (50304), its padding masked.
-for case in "tp 2 --strategy tp" "fsdp 2 --strategy fsdp" "context 2 --context-parallel 2" \
+for case in "tp 2 --strategy tp" \
+            "fsdp 2 --strategy fsdp --save $work/saved_fsdp --prompt Once --temperature 1.5 --top-p 1 --max-new-tokens 16" \
+            "context 2 --context-parallel 2" \
             "pipeline 2 --pipeline 2" "hybrid 4 --strategy hybrid --tp 2" \
             "fsdp_tp_context 4 --strategy fsdp --tp 2 --context-parallel 2" \
             "tp_pipeline_context 4 --strategy tp --pipeline 2 --context-parallel 2" \
@@ -79,6 +82,15 @@ for case in "tp 2 --strategy tp" "fsdp 2 --strategy fsdp" "context 2 --context-p
     { echo "FAIL: $name final_loss=$got, ddp's $reference"; status=1; }
   echo "$name final_loss=$got"
 done
+# fsdp decodes through its shards, each block gathered in turn (no rank builds the whole model):
+# sampled from the same seed, the tokens one process samples from the model that run saved.
+"${mpirun[@]}" -np 1 "$finetune" --model "$work/saved_fsdp" --tokens "$work/fortunes.tokens" \
+  --steps 0 --prompt Once --temperature 1.5 --top-p 1 --max-new-tokens 16 >"$work/fsdp_reload.out" 2>&1 ||
+  { echo "FAIL: fsdp_reload"; cat "$work/fsdp_reload.out"; status=1; }
+sharded=$(grep '^generated:' "$work/fsdp.out") whole=$(grep '^generated:' "$work/fsdp_reload.out")
+[ -n "$sharded" ] && [ "$sharded" = "$whole" ] ||
+  { echo "FAIL: fsdp generated '$sharded', its saved model '$whole'"; status=1; }
+echo "fsdp $sharded"
 # GPT-2 in pipeline stages, its token embedding tied to the last stage's head: the 2-stage run
 # and 2 stages x 2 tensor-parallel ranks end at ddp's loss; a pipelined run stopped at step 20
 # resumes under ddp (both stages saved the embedding) to ddp's loss; the export holds one wte.
