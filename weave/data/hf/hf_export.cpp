@@ -48,7 +48,7 @@ struct PretrainedWriter::Impl {
   std::string dir;
   SaveOptions options;
   std::vector<Mapping> all = mappings(config);
-  std::vector<std::string> names = parameter_names(config);
+  std::vector<std::string> names;  // all's weave names
   // The files' tensors, and the file each mapping's sources go to.
   std::vector<std::vector<SafetensorsSpec>> files{1};
   std::vector<std::vector<size_t>> file_of;
@@ -60,6 +60,7 @@ struct PretrainedWriter::Impl {
     // Shards of at most max_shard_bytes (a larger tensor alone in one), in the mappings' order.
     uint64_t shard_bytes = 0;
     for (const Mapping& m : all) {
+      names.push_back(m.weave);
       file_of.emplace_back();
       for (size_t k = 0; k < m.sources.size(); ++k) {
         const uint64_t bytes = uint64_t(m.shapes[k].numel()) * itemsize(config.dtype);
