@@ -10,8 +10,10 @@
 #   autograd-nodes no file outside autograd/ builds a FunctionNode (autograd::record_* do)
 #   one-agreement  no code outside distributed/agreement.cpp agrees on int64 words with an
 #                  all_reduce of its own (dist::agree_max is the one way)
+#   architectures  no class, and no file, named for an architecture outside weave/models/ (a
+#                  rotary scaling named for the model that brought it is an option, not a model)
 # The floors, lowest first (the one place they are listed):
-floors=(tensor kernels autograd ops "nn optim data" distributed parallel util)
+floors=(tensor kernels autograd ops "nn optim data" distributed parallel models util)
 # The communication backends (distributed/mpi, distributed/nccl) stand on tensor/ alone, plus
 # the backend interface they implement.
 backend_allowed='^weave/(tensor/|distributed/(communicator|types)\.h)'
@@ -21,14 +23,14 @@ backend_allowed='^weave/(tensor/|distributed/(communicator|types)\.h)'
 # headers left at weave/parallel/*.h only forward to their new places for one release.
 parallel_floors=(core "data_parallel model_parallel checkpoint")
 strategy_folders="data_parallel model_parallel"
-# The transformer layers compose the model-parallel strategies (GPT-2's and Llama's blocks and
-# whole models).
+# The tensor-parallel transformer layers compose tensor, context and expert parallelism; the
+# models (weave/models/, a floor above) compose the rest.
 sideways_allowed=(decentralized:topology decentralized:grad_scaler
                   parallel_transformer:tensor_parallel parallel_transformer:context_parallel
-                  parallel_transformer:experts parallel_llama:parallel_transformer
-                  parallel_llama:tensor_parallel parallel_llama:context_parallel
-                  parallel_llama:experts parallel_gpt2:parallel_transformer
-                  parallel_gpt2:tensor_parallel)
+                  parallel_transformer:experts)
+# Architectures (their model classes, files and Hugging Face options) live on the models floor,
+# one folder each; the floors below hold layers any architecture may use.
+architecture_names='Llama|GPT2|Mistral|Qwen'
 # Functions in these folders are at most this long (signature to closing brace); every source
 # file of the project is at most file_limit lines.
 function_limit=80
@@ -168,7 +170,17 @@ check_one_agreement() {
     '^weave/distributed/agreement\.cpp$' 'agrees with an all_reduce of its own (use dist::agree_max)'
 }
 
-all_checks=(includes no-circle functions files examples-mesh autograd-nodes one-agreement)
+check_architectures() {
+  local bad=0 files
+  files=$(git ls-files 'weave/*' | grep -v '^weave/models/' | grep -iE "/[^/]*(${architecture_names,,})[^/]*$" || true)
+  [[ -z $files ]] || { echo "$files" | sed 's|$|  <- named for an architecture: it belongs in weave/models/<arch>/|'; bad=1; }
+  forbid_in_weave "^class \\w*(${architecture_names})\\w*( |$)" '^weave/models/' \
+    'an architecture outside weave/models/ (one folder per architecture there)' || bad=1
+  return $bad
+}
+
+all_checks=(includes no-circle functions files examples-mesh autograd-nodes one-agreement
+            architectures)
 if [[ ${1:-} == --list ]]; then printf '%s\n' "${all_checks[@]}"; exit 0; fi
 wanted=("$@")
 ((${#wanted[@]})) || wanted=("${all_checks[@]}")

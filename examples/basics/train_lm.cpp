@@ -17,12 +17,12 @@ int main(int argc, char** argv) {
   auto sampler = std::make_shared<parallel::DistributedSampler>(windows->size());
   data::DataLoader loader(windows, {.batch_size = batch, .sampler = sampler});
 
-  const nn::LlamaModelOptions options{
+  const models::LlamaOptions options{
       .vocab = tokens->vocab_size(), .dim = 128, .layers = 4, .block = {.heads = 4, .kv_heads = 2}};
-  std::shared_ptr<nn::LlamaModel> model;
+  std::shared_ptr<models::Llama> model;
   {
     nn::DeferredInit deferred(/*seed=*/0);  // no memory yet: values are drawn by name, later
-    model = std::make_shared<nn::LlamaModel>(options);
+    model = std::make_shared<models::Llama>(options);
   }
   if (dist::rank() == 0) std::printf("%s", nn::summary(*model, 1).c_str());
   parallel::FullyShardedDataParallel fsdp(*model);  // each rank draws its 1/N; a unit per block
@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
   parallel::save_sharded_checkpoint(std::string(argv[3]) + "/checkpoint", state);
   const auto tokenizer = data::Tokenizer::from_directory(argv[2]);
   // Collective: rank 0 writes one whole parameter at a time, put together from the shards.
-  parallel::save_pretrained(fsdp.sharded_module(), data::hf::model_config(options),
+  parallel::save_pretrained(fsdp.sharded_module(), models::model_config(options),
                             std::string(argv[3]) + "/model", {.tokenizer = &tokenizer});
   if (dist::rank() == 0) std::printf("exported %s/model\n", argv[3]);
 }

@@ -41,9 +41,9 @@
 //                          one's backward averaging (reduce-scattering) all of them.
 // The wrappers read where each parameter lives (its placement): experts average over the ranks
 // holding them, with the expert scale; the gradient norm counts every piece once.
-// --arch llama trains a Llama-class model instead (nn::LlamaModel: RMSNorm, rotary positions,
+// --arch llama trains a Llama-class model instead (models::Llama: RMSNorm, rotary positions,
 // grouped-query attention with --kv-heads key/value heads, SwiGLU), on every axis above
-// (parallel::ParallelLlamaModel: the library's split of it); --pack
+// (models::Llama split by models::ModelSplit: the library's split of it); --pack
 // makes each fortune a document of its own, ended by an end-of-text token, and hands the model
 // each token's position in its document and the document's id, so attention and positions
 // restart at every document.

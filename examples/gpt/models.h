@@ -26,8 +26,8 @@ class LanguageModel : public nn::Module {
   /// The next token's logits [B, vocab] on every rank, extending one cache per block.
   virtual Tensor decode(const Tensor& ids, std::vector<nn::KVCache>& caches) = 0;
 
-  /// Recompute each block in backward instead of keeping its activations (the Llamas take it
-  /// when built, as their model options' recompute_blocks).
+  /// Recompute each block in backward instead of keeping its activations (the Llamas hand it
+  /// to the library's model: set_recompute_blocks).
   bool checkpoint_activations = false;
 
  protected:
@@ -41,6 +41,19 @@ Tensor embed_at(nn::Module& tokens, nn::Embedding& positions, const Tensor& ids,
   return tokens(ids) + positions(position_ids(start, ids.size(1), ids.device()));
 }
 
+/// The library's Llama of the flags.
+inline models::LlamaOptions llama_options(const Flags& f, int64_t vocab) {
+  return {.vocab = vocab,
+          .dim = f.dim,
+          .layers = f.layers,
+          .block = {.heads = f.heads, .kv_heads = f.kv_heads, .hidden = f.ffn}};
+}
+
+inline parallel::ContextParallelMode context_mode(const Flags& f) {
+  return f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
+                             : parallel::ContextParallelMode::AllToAll;
+}
+
 /// The model's FSDP units (its shard_units()) under the name it is registered by.
 inline std::vector<std::string> prefixed(const std::string& prefix, const nn::Module& model) {
   std::vector<std::string> names;
@@ -48,19 +61,14 @@ inline std::vector<std::string> prefixed(const std::string& prefix, const nn::Mo
   return names;
 }
 
-/// A Llama-class model (nn::LlamaModel: RMSNorm, rotary positions, grouped-query attention,
+/// A Llama-class model (models::Llama: RMSNorm, rotary positions, grouped-query attention,
 /// SwiGLU, untied head) as one process's language model; packed windows bring their positions
 /// and document ids (nn::Inputs) to every block.
 class Llama : public LanguageModel {
  public:
   Llama(const Flags& f, int64_t vocab) : LanguageModel("Llama") {
-    model = register_module(
-        "llama", std::make_shared<nn::LlamaModel>(nn::LlamaModelOptions{
-                     .vocab = vocab,
-                     .dim = f.dim,
-                     .layers = f.layers,
-                     .block = {.heads = f.heads, .kv_heads = f.kv_heads, .hidden = f.ffn},
-                     .recompute_blocks = f.checkpoint_activations}));
+    model = register_module("llama", std::make_shared<models::Llama>(llama_options(f, vocab)));
+    model->set_recompute_blocks(f.checkpoint_activations);
   }
   Tensor forward(const Tensor& ids) override { return forward_inputs(ids); }
   Tensor forward_inputs(const nn::Inputs& inputs) override { return model->forward_inputs(inputs); }
@@ -72,7 +80,7 @@ class Llama : public LanguageModel {
     const Tensor logits = model->forward_cached(ids, caches);
     return logits.select(1, logits.size(1) - 1);
   }
-  std::shared_ptr<nn::LlamaModel> model;
+  std::shared_ptr<models::Llama> model;
 };
 
 /// One process's GPT (also each DDP replica): [B, T] ids -> [B, T, vocab] logits.
@@ -172,9 +180,9 @@ class ParallelGpt : public LanguageModel {
               f.dim, f.heads, tp,
               parallel::ParallelTransformerBlockOptions{
                   .sequence_parallel = sequence_parallel,
-                  .context_group = context_,
-                  .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
-                                                      : parallel::ContextParallelMode::AllToAll,
+                  .context = context_
+                                 ? std::optional(parallel::ContextSplit{*context_, context_mode(f)})
+                                 : std::nullopt,
                   .moe = f.experts > 0 ? std::optional(moe_options(f, i)) : std::nullopt,
                   .expert_group = experts,
                   .balance_group = balance})));
@@ -244,7 +252,7 @@ class ParallelGpt : public LanguageModel {
 };
 
 /// The library's Llama split over a tensor-parallel group (and its attention over a context
-/// group), or a pipeline stage's part of it: parallel::ParallelLlamaModel under "llama", so its
+/// group), or a pipeline stage's part of it: models::Llama under "llama", so its
 /// names are Llama's and one initialization on the whole model starts it. Batch first:
 /// [B, T / cp, vocab slice] logits of this rank's positions (zig-zag parts).
 class ParallelLlama : public LanguageModel {
@@ -259,24 +267,18 @@ class ParallelLlama : public LanguageModel {
                 std::optional<dist::Group> balance = std::nullopt, int stage = 0, int stages = 1)
       : LanguageModel("ParallelLlama"), tp_(tp), context_(context) {
     llama = register_module(
-        "llama",
-        std::make_shared<parallel::ParallelLlamaModel>(
-            nn::LlamaModelOptions{
-                .vocab = vocab,
-                .dim = f.dim,
-                .layers = f.layers,
-                .block = {.heads = f.heads, .kv_heads = f.kv_heads, .hidden = f.ffn},
-                .recompute_blocks = f.checkpoint_activations},
-            tp,
-            parallel::ParallelLMOptions{
-                .context_group = std::move(context),
-                .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
-                                                    : parallel::ContextParallelMode::AllToAll,
-                .stage = stage,
-                .stages = stages,
-                .moe = f.experts > 0 ? std::optional(moe_options(f, 0)) : std::nullopt,
-                .expert_group = std::move(experts),
-                .balance_group = std::move(balance)}));
+        "llama", std::make_shared<models::Llama>(
+                     llama_options(f, vocab),
+                     models::ModelSplit{
+                         .tensor = tp,
+                         .context_group = std::move(context),
+                         .context_mode = context_mode(f),
+                         .stage = stage,
+                         .stages = stages,
+                         .moe = f.experts > 0 ? std::optional(moe_options(f, 0)) : std::nullopt,
+                         .expert_group = std::move(experts),
+                         .balance_group = std::move(balance)}));
+    llama->set_recompute_blocks(f.checkpoint_activations);
   }
   Tensor forward(const Tensor& ids) override { return forward_inputs(ids); }
   /// ids, positions and document ids of whole windows; each rank takes its part (a later
@@ -298,7 +300,7 @@ class ParallelLlama : public LanguageModel {
     const Tensor logits = llama->forward_cached(ids, caches);  // every rank all of them
     return logits.select(1, logits.size(1) - 1);
   }
-  std::shared_ptr<parallel::ParallelLlamaModel> llama;
+  std::shared_ptr<models::Llama> llama;
 
  private:
   // This rank's zig-zag part along T of a [B, T] tensor (undefined stays undefined).

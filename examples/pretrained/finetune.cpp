@@ -14,7 +14,7 @@
 // (each data-parallel rank its share), shuffled by --seed; --checkpoint saves model, optimizer,
 // scheduler and loader (sharded), and --resume continues exactly.
 // Strategies, as examples/gpt's: ddp (replicas), fsdp (shards), tp (every rank of a context
-// group in one tensor-parallel group: ParallelGPT2Model / ParallelLlamaModel), hybrid (ddp over
+// group in one tensor-parallel group: models::ModelSplit::from_mesh), hybrid (ddp over
 // tensor groups of --tp, 2 by default); --tp N splits the model under ddp and fsdp too, and
 // --context-parallel N splits every window over N ranks (zig-zag parts, ring attention) under
 // any of them, and --pipeline N cuts the model into N stages (1F1B over --microbatches, 2 N by
@@ -110,10 +110,10 @@ void write_new_model(const Flags& f) {
     // The tokenizer's (tensor parallelism pads it where the ranks do not divide it).
     config.vocab = tok.vocab_size(), config.dim = f.dim, config.layers = f.layers;
     config.heads = f.heads, config.kv_heads = f.init == "gpt2" ? f.heads : f.kv_heads;
-    config.hidden = f.init == "gpt2" ? 4 * f.dim : nn::llama_hidden(f.dim);
+    config.hidden = f.init == "gpt2" ? 4 * f.dim : models::llama_hidden(f.dim);
     config.max_positions = 1024, config.tie_embeddings = f.init == "gpt2";
     Generator generator(f.seed);
-    auto model = data::hf::make_model(config, &generator);
+    auto model = models::make_model(config, {}, &generator);
     {  // embeddings at Hugging Face's initializer_range (0.02), as its new models start
       NoGradGuard no_grad;
       for (auto& [name, p] : model->named_parameters())
@@ -171,21 +171,6 @@ parallel::MeshShape mesh_shape(const Flags& f) {
           .context = context};
 }
 
-// The model, split over this rank's tensor and context groups, with weights drawn from the same
-// seed on every rank (then loaded over).
-std::shared_ptr<nn::CausalLM> split_model(const data::hf::ModelConfig& config,
-                                          const parallel::ProcessMesh& mesh, Generator* generator) {
-  const parallel::ParallelLMOptions split{
-      .context_group = mesh.shape().context > 1 ? std::optional(mesh.context()) : std::nullopt,
-      .stage = mesh.pipeline_rank(),
-      .stages = mesh.shape().pipeline};
-  if (config.architecture == data::hf::Architecture::GPT2)
-    return std::make_shared<parallel::ParallelGPT2Model>(data::hf::gpt2_options(config, generator),
-                                                         mesh.tensor(), split);
-  return std::make_shared<parallel::ParallelLlamaModel>(data::hf::llama_options(config, generator),
-                                                        mesh.tensor(), split);
-}
-
 // What one rank trains: the model (whole, or its part) and its wrapper, the optimizer, the
 // loader over the token windows, and the state a checkpoint keeps.
 struct Trainer {
@@ -229,10 +214,10 @@ struct Trainer {
   void build_model() {
     const bool sharded = f.strategy == "fsdp";
     if (!split && !sharded) {
-      model = data::hf::from_pretrained(f.model);
+      model = models::from_pretrained(f.model);
     } else {  // without memory: the checkpoint fills this rank's slices, or under fsdp its shards
       nn::DeferredInit deferred(f.seed);
-      model = split ? split_model(config, mesh, nullptr) : data::hf::make_model(config);
+      model = models::make_model(config, models::ModelSplit::from_mesh(mesh));
     }
     model->set_recompute_blocks(f.checkpoint_activations);
     const dist::Group& replicas = mesh.data_and_context();
@@ -327,12 +312,13 @@ struct Trainer {
   std::shared_ptr<nn::CausalLM> whole_model() {
     if (!fsdp && !split) return model;
     if (pipe) return gathered_stages();
-    auto whole = data::hf::make_model(config);
+    auto whole = models::make_model(config);
     if (!fsdp) {
       whole->load_state_dict(parallel::gather_state_dict(*model));
       return whole;
     }
-    auto slices = split_model(config, mesh, nullptr);  // this rank's slices, whole
+    // this rank's slices, whole
+    auto slices = models::make_model(config, models::ModelSplit::from_mesh(mesh));
     slices->load_state_dict(fsdp->full_state_dict());
     whole->load_state_dict(parallel::gather_state_dict(*slices));
     return whole;
@@ -344,7 +330,7 @@ struct Trainer {
     const std::string dir = (f.save.empty() ? f.model : f.save) + "/.stages";
     parallel::save_sharded_checkpoint(
         dir, {.model = fsdp ? &fsdp->sharded_module() : model.get(), .default_generator = false});
-    auto whole = data::hf::make_model(config);
+    auto whole = models::make_model(config);
     data::TrainingState into{.model = whole.get(), .default_generator = false};
     parallel::load_sharded_checkpoint(dir, into);
     dist::barrier();

@@ -365,11 +365,11 @@ TEST_SUITE("cuda_kernels") {
     // at a time through the caches, against the whole sequence in one forward on the CPU. In
     // float64 (the blocked attention) and bfloat16 (tensor cores, one query row a step).
     Generator init(41), pick(42);
-    nn::LlamaModel model({.vocab = 64,
-                          .dim = 256,
-                          .layers = 2,
-                          .block = {.heads = 4, .kv_heads = 2},
-                          .generator = &init});
+    models::Llama model({.vocab = 64,
+                         .dim = 256,
+                         .layers = 2,
+                         .block = {.heads = 4, .kv_heads = 2},
+                         .generator = &init});
     model.to(kFloat64);
     const Tensor tokens = randint(0, 64, {2, 9}, {.dtype = kInt64}, &pick);
     NoGradGuard no_grad;

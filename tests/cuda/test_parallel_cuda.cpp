@@ -200,15 +200,16 @@ TEST_SUITE("cuda_parallel") {
     // 1 padding), masked to -inf in the logits (compared as the largest finite magnitude) and
     // kept out of the loss. Then greedy decoding through the key/value caches.
     check_same_on_gpu([&](Device d) {
-      auto make = [&](const parallel::ParallelLMOptions& split) {
+      auto make = [&](models::ModelSplit split) {
         Generator g(31);
-        auto model = std::make_shared<parallel::ParallelLlamaModel>(
-            nn::LlamaModelOptions{.vocab = 101,
-                                  .dim = 32,
-                                  .layers = 2,
-                                  .block = {.heads = 4, .kv_heads = 2, .qkv_bias = true},
-                                  .generator = &g},
-            dist::world(), split);
+        split.tensor = dist::world();
+        auto model = std::make_shared<models::Llama>(
+            models::LlamaOptions{.vocab = 101,
+                                 .dim = 32,
+                                 .layers = 2,
+                                 .block = {.heads = 4, .kv_heads = 2, .qkv_bias = true},
+                                 .generator = &g},
+            split);
         model->to(kFloat64);
         model->to(d);
         return model;

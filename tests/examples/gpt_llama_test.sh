@@ -9,8 +9,8 @@
 # ranks data x experts and tensor x experts, must end at one process's held-out loss (float32:
 # within 1e-3 relative); unpacked, the same for ddp, fsdp and checkpointing. Activation
 # checkpointing repeats the same run's held-out loss without it to the last printed digit (ddp
-# packed or not; tp, ring context, pipeline and experts, where ParallelLlamaModel's
-# recompute_blocks does it). --pack or
+# packed or not; tp, ring context, pipeline and experts, where models::Llama's
+# set_recompute_blocks does it). --pack or
 # --kv-heads without --arch llama are refused with a message. Exits 77 (skipped) without the
 # fortunes package.
 set -u

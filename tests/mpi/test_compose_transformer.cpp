@@ -43,7 +43,7 @@ std::shared_ptr<parallel::ParallelTransformerBlock> block_on(const dist::Group& 
   auto block = std::make_shared<parallel::ParallelTransformerBlock>(
       kDim, kHeads, tensor,
       parallel::ParallelTransformerBlockOptions{
-          .context_group = std::move(context),
+          .context = context ? std::optional(parallel::ContextSplit{*context}) : std::nullopt,
           .moe = with_experts ? std::optional(moe_options()) : std::nullopt,
           .expert_group = std::move(experts),
           .balance_group = std::move(balance)});
@@ -240,10 +240,10 @@ void check_pipeline_with_experts(const parallel::MeshShape& shape) {
   CAPTURE(shape.tensor);
   CAPTURE(shape.expert);
   constexpr int64_t kVocab = 12, kWidth = 24, kRows = 4, kLength = 6, kMicro = 2;
-  using Options = std::conditional_t<std::is_same_v<Model, parallel::ParallelLlamaModel>,
-                                     nn::LlamaModelOptions, nn::GPT2ModelOptions>;
+  using Options = std::conditional_t<std::is_same_v<Model, models::Llama>, models::LlamaOptions,
+                                     models::GPT2Options>;
   Options options;
-  if constexpr (std::is_same_v<Options, nn::LlamaModelOptions>)
+  if constexpr (std::is_same_v<Options, models::LlamaOptions>)
     options = {.vocab = kVocab, .dim = kWidth, .layers = 2, .block = {.heads = 12, .hidden = 48}};
   else
     options = {.vocab = kVocab, .dim = kWidth, .layers = 2, .heads = 12, .max_positions = 16};
@@ -254,11 +254,12 @@ void check_pipeline_with_experts(const parallel::MeshShape& shape) {
   for (int r = 0; r < n; ++r) alone.push_back({r});
   const dist::Group self = dist::split_group(dist::world(), alone);
   manual_seed(31);
-  Model reference(options, self, {.moe = moe});
+  Model reference(options, {.tensor = self, .moe = moe});
   reference.to(kFloat64);
   parallel::ProcessMesh mesh(shape);
-  Model stage(options, mesh.tensor(),
-              {.stage = mesh.pipeline_rank(),
+  Model stage(options,
+              {.tensor = mesh.tensor(),
+               .stage = mesh.pipeline_rank(),
                .stages = 2,
                .moe = moe,
                .expert_group = shape.expert > 1 ? std::optional(mesh.expert()) : std::nullopt,
@@ -355,8 +356,8 @@ TEST_SUITE("compose_transformer") {
     const int n = dist::world_size();
     for (const bool llama : {true, false}) {
       CAPTURE(llama);
-      const auto check = llama ? check_pipeline_with_experts<parallel::ParallelLlamaModel>
-                               : check_pipeline_with_experts<parallel::ParallelGPT2Model>;
+      const auto check = llama ? check_pipeline_with_experts<models::Llama>
+                               : check_pipeline_with_experts<models::GPT2>;
       // GPT-2's stages tie the head to the embedding over the world, which DDP over a data
       // axis refuses: at 2 ranks only.
       if (!llama && n != 2) continue;

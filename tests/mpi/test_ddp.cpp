@@ -114,8 +114,8 @@ TEST_SUITE("ddp") {
     const int n = dist::world_size();
     auto build = [] {
       manual_seed(17);
-      auto block = std::make_shared<nn::LlamaBlock>(
-          8, nn::LlamaBlockOptions{.heads = 2, .kv_heads = 1, .hidden = 16});
+      auto block = std::make_shared<models::LlamaBlock>(
+          8, models::LlamaBlockOptions{.heads = 2, .kv_heads = 1, .hidden = 16});
       block->to(kFloat64);
       return block;
     };

@@ -16,7 +16,7 @@ namespace {
 
 constexpr uint64_t kSeed = 2024;
 
-nn::LlamaModelOptions small_llama(int64_t kv_heads = 2) {
+models::LlamaOptions small_llama(int64_t kv_heads = 2) {
   return {.vocab = 64,
           .dim = 32,
           .layers = 4,
@@ -31,10 +31,10 @@ bool bit_equal(const Tensor& a, const Tensor& b) {
 
 // One process's model: the whole of it drawn here.
 std::map<std::string, Tensor> reference(DType dtype, int64_t kv_heads = 2) {
-  std::shared_ptr<nn::LlamaModel> model;
+  std::shared_ptr<models::Llama> model;
   {
     nn::DeferredInit deferred(kSeed);
-    model = std::make_shared<nn::LlamaModel>(small_llama(kv_heads));
+    model = std::make_shared<models::Llama>(small_llama(kv_heads));
   }
   model->to(dtype);
   nn::materialize(*model);
@@ -66,10 +66,10 @@ TEST_SUITE("deferred") {
       for (const auto& [name, p] : want) whole_bytes += size_t(p.numel()) * p.itemsize();
       reset_peak_memory();
       const size_t before = memory_stats().in_use;
-      std::shared_ptr<nn::LlamaModel> model;
+      std::shared_ptr<models::Llama> model;
       {
         nn::DeferredInit deferred(kSeed);
-        model = std::make_shared<nn::LlamaModel>(small_llama());
+        model = std::make_shared<models::Llama>(small_llama());
       }
       model->to(dtype);
       parallel::FullyShardedDataParallel fsdp(*model);
@@ -91,10 +91,10 @@ TEST_SUITE("deferred") {
 
   TEST_CASE("DDP materializes a deferred model: every rank holds one process's values") {
     const std::map<std::string, Tensor> want = reference(kFloat32);
-    std::shared_ptr<nn::LlamaModel> model;
+    std::shared_ptr<models::Llama> model;
     {
       nn::DeferredInit deferred(kSeed);
-      model = std::make_shared<nn::LlamaModel>(small_llama());
+      model = std::make_shared<models::Llama>(small_llama());
     }
     parallel::DistributedDataParallel ddp(*model);
     check_equal_to(want, model->named_parameters());
@@ -106,10 +106,11 @@ TEST_SUITE("deferred") {
     for (DType dtype : {kFloat32, kFloat64}) {
       CAPTURE(dtype);
       const std::map<std::string, Tensor> want = reference(dtype, n);
-      std::shared_ptr<parallel::ParallelLlamaModel> model;
+      std::shared_ptr<models::Llama> model;
       {
         nn::DeferredInit deferred(kSeed);
-        model = std::make_shared<parallel::ParallelLlamaModel>(small_llama(n), dist::world());
+        model = std::make_shared<models::Llama>(small_llama(n),
+                                                models::ModelSplit{.tensor = dist::world()});
       }
       model->to(dtype);
       nn::materialize(*model);
@@ -126,8 +127,8 @@ TEST_SUITE("deferred") {
     const nn::MoEOptions moe{.hidden = 32, .ffn = 16, .router = {.experts = 4, .top_k = 2}};
     auto build = [&](std::optional<dist::Group> experts) {
       nn::DeferredInit deferred(kSeed);
-      return std::make_shared<parallel::ParallelLlamaModel>(
-          small_llama(), self, parallel::ParallelLMOptions{.moe = moe, .expert_group = experts});
+      return std::make_shared<models::Llama>(
+          small_llama(), models::ModelSplit{.tensor = self, .moe = moe, .expert_group = experts});
     };
     auto whole = build(std::nullopt), spread = build(dist::world());
     nn::materialize(*whole);
@@ -145,7 +146,8 @@ TEST_SUITE("deferred") {
     // materialized tensor-parallel model holds (which gather to one process's, above).
     auto build_tp = [&] {
       nn::DeferredInit deferred(kSeed);
-      return std::make_shared<parallel::ParallelLlamaModel>(small_llama(2), mesh.tensor());
+      return std::make_shared<models::Llama>(small_llama(2),
+                                             models::ModelSplit{.tensor = mesh.tensor()});
     };
     auto plain = build_tp();
     nn::materialize(*plain);
@@ -157,11 +159,11 @@ TEST_SUITE("deferred") {
     // Pipeline stage s of 4 holds block s under its whole-model name.
     const std::map<std::string, Tensor> want = reference(kFloat32);
     const dist::Group alone = dist::split_group(dist::world(), {{0}, {1}, {2}, {3}});
-    std::shared_ptr<parallel::ParallelLlamaModel> stage;
+    std::shared_ptr<models::Llama> stage;
     {
       nn::DeferredInit deferred(kSeed);
-      stage = std::make_shared<parallel::ParallelLlamaModel>(
-          small_llama(), alone, parallel::ParallelLMOptions{.stage = dist::rank(), .stages = 4});
+      stage = std::make_shared<models::Llama>(
+          small_llama(), models::ModelSplit{.tensor = alone, .stage = dist::rank(), .stages = 4});
     }
     nn::materialize(*stage);
     check_equal_to(want, stage->named_parameters());

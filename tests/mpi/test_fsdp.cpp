@@ -151,11 +151,11 @@ TEST_SUITE("fsdp") {
   TEST_CASE("Llama blocks with positions and document ids: FSDP equals DDP") {
     const auto build = [](uint64_t seed) {
       manual_seed(seed);
-      const nn::LlamaBlockOptions options{.heads = 2, .kv_heads = 1, .hidden = 16};
+      const models::LlamaBlockOptions options{.heads = 2, .kv_heads = 1, .hidden = 16};
       auto model =
           std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
-              std::make_shared<nn::LlamaBlock>(8, options),
-              std::make_shared<nn::Checkpoint>(std::make_shared<nn::LlamaBlock>(8, options))});
+              std::make_shared<models::LlamaBlock>(8, options),
+              std::make_shared<nn::Checkpoint>(std::make_shared<models::LlamaBlock>(8, options))});
       model->to(kFloat64);
       return model;
     };
@@ -183,7 +183,7 @@ TEST_SUITE("fsdp") {
   TEST_CASE("a library model's units are its blocks by default, and it trains as under DDP") {
     const auto build = [](uint64_t seed) {
       manual_seed(seed);
-      auto model = std::make_shared<nn::LlamaModel>(nn::LlamaModelOptions{
+      auto model = std::make_shared<models::Llama>(models::LlamaOptions{
           .vocab = 16, .dim = 8, .layers = 3, .block = {.heads = 2, .kv_heads = 1, .hidden = 16}});
       model->to(kFloat64);
       return model;

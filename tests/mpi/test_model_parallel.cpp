@@ -256,11 +256,11 @@ TEST_SUITE("model_parallel") {
     CHECK(parallel::tensor_splits(embedding).at("weight").size == real);
     // The head is a column-parallel layer initialized over every padded row; only its
     // padding is zeroed.
-    nn::LlamaModelOptions options{
+    models::LlamaOptions options{
         .vocab = kVocab, .dim = 24, .layers = 1, .block = {.heads = 12, .hidden = 48}};
-    parallel::ParallelLlamaModel model(options, tp);
-    check_rows(model.head->weight);
-    check_rows(model.embedding->weight);
+    models::Llama model(options, {.tensor = tp});
+    check_rows(static_cast<parallel::ColumnParallelLinear&>(*model.head).weight);
+    check_rows(model.embedding_weight());
     const auto splits = parallel::tensor_splits(model);
     CHECK(splits.at("head.weight").size == real);
     CHECK(splits.at("head.weight").axis == 0);

@@ -1,4 +1,4 @@
-// The Llama layers split over ranks against nn::LlamaBlock on one process, built from the same
+// The Llama layers split over ranks against models::LlamaBlock on one process, built from the same
 // seed: tensor parallelism with the key/value heads split or replicated (suite model_parallel),
 // and context parallelism on packed windows, ring and all-to-all (suite context_parallel); the
 // whole split models with a mixture of experts in every block against the same model on one
@@ -40,22 +40,23 @@ bool close12(const Tensor& got, const Tensor& expected) {
 }  // namespace
 
 TEST_SUITE("model_parallel") {
-  TEST_CASE("ParallelLlamaBlock equals LlamaBlock: key/value heads split or replicated") {
+  TEST_CASE("LlamaBlock split equals LlamaBlock whole: key/value heads split or replicated") {
     const dist::Group tp = dist::world();
     const int n = tp.size();
     const int64_t heads = 2 * n, dim = 4 * heads, hidden = 8 * n, t = 9;
     const Packed packed = packed_windows(t);
     for (const int64_t kv_heads : {int64_t(n), int64_t(1)}) {
       CAPTURE(kv_heads);
-      const nn::LlamaBlockOptions whole{.heads = heads, .kv_heads = kv_heads, .hidden = hidden};
+      const models::LlamaBlockOptions whole{.heads = heads, .kv_heads = kv_heads, .hidden = hidden};
       manual_seed(71);
-      nn::LlamaBlock ref(dim, whole);
+      models::LlamaBlock ref(dim, whole);
       manual_seed(71);
-      parallel::ParallelLlamaBlock block(dim, tp,
-                                         {.heads = heads, .kv_heads = kv_heads, .hidden = hidden});
+      models::LlamaBlock block(dim, whole, {.tensor = tp});
       ref.to(kFloat64);
       block.to(kFloat64);
-      CHECK(block.attention->replicates_kv() == (kv_heads % n != 0));
+      const auto& a = static_cast<const parallel::ParallelGroupedQueryAttention&>(*block.attention);
+      const auto& r = static_cast<const nn::GroupedQueryAttention&>(*ref.attention);
+      CHECK(a.replicates_kv() == (kv_heads % n != 0));
       const nn::NamedTensors gathered = parallel::gather_state_dict(block), want = ref.state_dict();
       REQUIRE(gathered.size() == want.size());
       for (size_t i = 0; i < want.size(); ++i) CHECK(close(gathered[i].second, want[i].second, 0));
@@ -68,13 +69,13 @@ TEST_SUITE("model_parallel") {
       CHECK(close12(y, ref_y));
       sum(y * w).backward();
       CHECK(close12(my_x.grad(), ref_x.grad()));
-      const auto& a = *block.attention;
-      const auto& r = *ref.attention;
       CHECK(close12(a.q->weight.grad(), piece(r.q->weight.grad(), 0, tp)));
       CHECK(close12(a.kv.grad(), a.replicates_kv() ? r.kv.grad() : piece(r.kv.grad(), 1, tp)));
       CHECK(close12(a.out->weight.grad(), piece(r.out->weight.grad(), 1, tp)));
-      CHECK(close12(block.mlp->gate_up.grad(), piece(ref.mlp->gate_up.grad(), 1, tp)));
-      CHECK(close12(block.mlp->down->weight.grad(), piece(ref.mlp->down->weight.grad(), 1, tp)));
+      const auto& mlp = static_cast<const parallel::ParallelGatedMLP&>(*block.mlp);
+      const auto& ref_mlp = static_cast<const nn::GatedMLP&>(*ref.mlp);
+      CHECK(close12(mlp.gate_up.grad(), piece(ref_mlp.gate_up.grad(), 1, tp)));
+      CHECK(close12(mlp.down->weight.grad(), piece(ref_mlp.down->weight.grad(), 1, tp)));
       CHECK(close12(block.norm1->weight.grad(), ref.norm1->weight.grad()));
       CHECK(close12(block.norm2->weight.grad(), ref.norm2->weight.grad()));
       CHECK(autograd::must_run_pending() == 0);
@@ -104,32 +105,27 @@ TEST_SUITE("model_parallel") {
         std::vector<Tensor> logits, aux, grads[2];
         for (const bool recompute : {false, true}) {
           manual_seed(41);
-          const parallel::ParallelLMOptions split{
+          const models::ModelSplit split{
+              .tensor = tp,
               .moe = experts ? std::optional(nn::MoEOptions{
                                    .hidden = dim, .ffn = 16, .router = {.experts = 4}})
                              : std::nullopt};
-          std::shared_ptr<parallel::ParallelLlamaModel> llama;
-          std::shared_ptr<parallel::ParallelGPT2Model> gpt2;
+          std::shared_ptr<models::Llama> llama;
+          std::shared_ptr<models::GPT2> gpt2;
           if (arch == "llama")
-            llama = std::make_shared<parallel::ParallelLlamaModel>(
-                nn::LlamaModelOptions{.vocab = vocab,
-                                      .dim = dim,
-                                      .layers = 2,
-                                      .block = {.heads = 12, .hidden = 48},
-                                      .recompute_blocks = recompute},
-                tp, split);
+            llama = std::make_shared<models::Llama>(
+                models::LlamaOptions{
+                    .vocab = vocab, .dim = dim, .layers = 2, .block = {.heads = 12, .hidden = 48}},
+                split);
           else
-            gpt2 = std::make_shared<parallel::ParallelGPT2Model>(
-                nn::GPT2ModelOptions{.vocab = vocab,
-                                     .dim = dim,
-                                     .layers = 2,
-                                     .heads = 12,
-                                     .max_positions = 16,
-                                     .recompute_blocks = recompute},
-                tp, split);
+            gpt2 = std::make_shared<models::GPT2>(
+                models::GPT2Options{
+                    .vocab = vocab, .dim = dim, .layers = 2, .heads = 12, .max_positions = 16},
+                split);
           nn::CausalLM& model = llama ? static_cast<nn::CausalLM&>(*llama) : *gpt2;
+          model.set_recompute_blocks(recompute);
           model.to(kFloat64);
-          nn::Module& first = llama ? (*llama->blocks)[0] : *gpt2->blocks[0];
+          nn::Module& first = llama ? (*llama->blocks)[0] : (*gpt2->blocks)[0];
           int calls = 0;
           auto handle = first.register_forward_pre_hook([&](nn::Module&, const Tensor&) {
             ++calls;
@@ -160,47 +156,49 @@ TEST_SUITE("model_parallel") {
 }
 
 TEST_SUITE("experts") {
-  TEST_CASE("ParallelLlamaModel and ParallelGPT2Model with experts equal the model on one rank") {
+  TEST_CASE("Llama and GPT2 split with experts equal the model on one rank") {
     const dist::Group tp = dist::world();
     std::vector<std::vector<int>> singletons;
     for (int r = 0; r < tp.size(); ++r) singletons.push_back({r});
     const dist::Group alone = dist::split_group(dist::world(), singletons);
     const int64_t vocab = 12, dim = 24;  // every split divides at 1 to 4 ranks
-    const parallel::ParallelLMOptions experts{
+    const models::ModelSplit experts{
         .moe = nn::MoEOptions{.hidden = dim, .ffn = 16, .router = {.experts = 4, .top_k = 2}}};
     for (const std::string arch : {"llama", "gpt2"}) {
       CAPTURE(arch);
       auto build = [&](const dist::Group& group) -> std::shared_ptr<nn::CausalLM> {
         manual_seed(31);
+        models::ModelSplit split = experts;
+        split.tensor = group;
         std::shared_ptr<nn::CausalLM> model;
         if (arch == "llama")
-          model = std::make_shared<parallel::ParallelLlamaModel>(
-              nn::LlamaModelOptions{
+          model = std::make_shared<models::Llama>(
+              models::LlamaOptions{
                   .vocab = vocab, .dim = dim, .layers = 2, .block = {.heads = 12, .hidden = 48}},
-              group, experts);
+              split);
         else
-          model = std::make_shared<parallel::ParallelGPT2Model>(
-              nn::GPT2ModelOptions{
+          model = std::make_shared<models::GPT2>(
+              models::GPT2Options{
                   .vocab = vocab, .dim = dim, .layers = 2, .heads = 12, .max_positions = 16},
-              group, experts);
+              split);
         model->to(kFloat64);
         return model;
       };
       auto aux_loss = [&](const nn::CausalLM& model) {
-        if (arch == "llama")
-          return static_cast<const parallel::ParallelLlamaModel&>(model).aux_loss();
-        return static_cast<const parallel::ParallelGPT2Model&>(model).aux_loss();
+        if (arch == "llama") return static_cast<const models::Llama&>(model).aux_loss();
+        return static_cast<const models::GPT2&>(model).aux_loss();
       };
       auto split = build(tp), whole = build(alone);
       // Block i's experts are nn::MoE's from seed moe.seed + i.
       for (int64_t i = 0; i < 2; ++i) {
         CAPTURE(i);
-        nn::Module& moe =
-            arch == "llama"
-                ? *static_cast<parallel::ParallelLlamaBlock&>(
-                       (*static_cast<parallel::ParallelLlamaModel&>(*split).blocks)[size_t(i)])
-                       .moe
-                : *static_cast<parallel::ParallelGPT2Model&>(*split).blocks[size_t(i)]->moe;
+        nn::Module& moe = arch == "llama"
+                              ? *static_cast<models::LlamaBlock&>(
+                                     (*static_cast<models::Llama&>(*split).blocks)[size_t(i)])
+                                     .moe
+                              : *static_cast<parallel::ParallelTransformerBlock&>(
+                                     (*static_cast<models::GPT2&>(*split).blocks)[size_t(i)])
+                                     .moe;
         nn::MoEOptions options = *experts.moe;
         options.seed += uint64_t(i);
         nn::MoE reference(options);
@@ -242,16 +240,16 @@ TEST_SUITE("experts") {
 TEST_SUITE("context_parallel") {
   TEST_CASE(
       "a model over a context group, its inputs cut by default: no position sees its future") {
-    // The defaults agree (shard_sequence, ParallelLMOptions::context_layout: zig-zag), so
+    // The defaults agree (shard_sequence, ModelSplit::context_layout: zig-zag), so
     // changing the window's last token moves no earlier logit (cut contiguously, they leaked).
     const int n = dist::world_size();
     if (n < 2) return;
     const parallel::ProcessMesh mesh({.context = n});
     const int64_t vocab = 16, t = 8 * n;
     manual_seed(91);
-    parallel::ParallelLlamaModel model(
+    models::Llama model(
         {.vocab = vocab, .dim = 16, .layers = 2, .block = {.heads = 4, .hidden = 32}},
-        mesh.tensor(), {.gather_logits = true, .context_group = mesh.context()});
+        {.tensor = mesh.tensor(), .gather_logits = true, .context_group = mesh.context()});
     model.to(kFloat64);
     NoGradGuard no_grad;
     Generator g(92);
@@ -277,9 +275,8 @@ TEST_SUITE("context_parallel") {
     const int n = dist::world_size();
     if (n % 2 != 0) return;
     const parallel::ProcessMesh mesh({.data = n / 2, .context = 2});
-    parallel::ParallelLlamaModel model(
-        {.vocab = 16, .dim = 16, .layers = 1, .block = {.heads = 4, .hidden = 32}}, mesh.tensor(),
-        {.context_group = mesh.context()});
+    models::Llama model({.vocab = 16, .dim = 16, .layers = 1, .block = {.heads = 4, .hidden = 32}},
+                        {.tensor = mesh.tensor(), .context_group = mesh.context()});
     CHECK_THROWS_WITH_AS(parallel::DistributedDataParallel(model, {.group = mesh.data()}),
                          doctest::Contains("hint: wrap over mesh.data_and_context()"), Error);
     CHECK_THROWS_WITH_AS(parallel::FullyShardedDataParallel(model, {.group = mesh.data()}),
@@ -301,14 +298,13 @@ TEST_SUITE("context_parallel") {
         CAPTURE(int(mode));
         CAPTURE(int(layout));
         manual_seed(81);
-        nn::LlamaBlock ref(dim, {.heads = heads, .kv_heads = kv_heads});
+        models::LlamaBlock ref(dim, {.heads = heads, .kv_heads = kv_heads});
         manual_seed(81);
-        parallel::ParallelLlamaBlock block(dim, mesh.tensor(),
-                                           {.heads = heads,
-                                            .kv_heads = kv_heads,
-                                            .context_group = cp,
-                                            .context_mode = mode,
-                                            .context_layout = layout});
+        models::LlamaBlock block(dim, {.heads = heads, .kv_heads = kv_heads},
+                                 {.tensor = mesh.tensor(),
+                                  .context_group = cp,
+                                  .context_mode = mode,
+                                  .context_layout = layout});
         ref.to(kFloat64);
         block.to(kFloat64);
         auto part = [&](const Tensor& whole) {

@@ -115,8 +115,8 @@ TEST_SUITE("pipeline") {
       manual_seed(41);
       auto model = std::make_shared<nn::Sequential>();
       for (int i = 0; i < 4; ++i)
-        model->push_back(std::make_shared<nn::LlamaBlock>(
-            dim, nn::LlamaBlockOptions{.heads = 2, .kv_heads = 1, .hidden = 16}));
+        model->push_back(std::make_shared<models::LlamaBlock>(
+            dim, models::LlamaBlockOptions{.heads = 2, .kv_heads = 1, .hidden = 16}));
       model->to(kFloat64);
       return model;
     };
@@ -152,12 +152,12 @@ TEST_SUITE("pipeline") {
     std::vector<std::vector<int>> singletons;
     for (int r = 0; r < n; ++r) singletons.push_back({r});
     const dist::Group alone = dist::split_group(dist::world(), singletons);
-    const nn::GPT2ModelOptions options{
+    const models::GPT2Options options{
         .vocab = 16, .dim = 16, .layers = 4, .heads = 2, .max_positions = 8};
     manual_seed(11);
-    parallel::ParallelGPT2Model whole(options, alone);
+    models::GPT2 whole(options, {.tensor = alone});
     whole.to(kFloat64);
-    parallel::ParallelGPT2Model stage(options, alone, {.stage = dist::rank(), .stages = n});
+    models::GPT2 stage(options, {.tensor = alone, .stage = dist::rank(), .stages = n});
     stage.to(kFloat64);
     nn::NamedTensors state;  // the whole model's values of this stage's names
     const auto mine = stage.named_parameters(), all = whole.state_dict();

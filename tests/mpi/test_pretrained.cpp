@@ -64,7 +64,7 @@ TEST_SUITE("pretrained") {
       const auto config = data::hf::read_config(dir);
       auto split = split_model(config, dist::world(), {});
       parallel::load_pretrained(*split, config, dir);
-      auto whole = data::hf::from_pretrained(dir);
+      auto whole = models::from_pretrained(dir);
       const Tensor prompt =
           from_vector(std::vector<int64_t>{5, 17, 300, 42, 7, 99, 1, 2, 3, 4}, {2, 5});
       const nn::GenerationOptions greedy{.max_new_tokens = 64};
@@ -79,7 +79,7 @@ TEST_SUITE("pretrained") {
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
       Generator generator(3);  // the same on every rank, as FSDP checks
-      auto model = data::hf::make_model(config, &generator);
+      auto model = models::make_model(config, {}, &generator);
       parallel::FullyShardedDataParallel fsdp(
           *model, {.units = block_units(config), .group = dist::world()});
       const auto stats = parallel::load_pretrained(fsdp.sharded_module(), config, dir);
@@ -134,7 +134,7 @@ TEST_SUITE("pretrained") {
     dist::barrier();
     const auto config = data::hf::read_config(dir);
     Generator generator(3);
-    auto model = data::hf::make_model(config, &generator);
+    auto model = models::make_model(config, {}, &generator);
     parallel::FullyShardedDataParallel fsdp(*model,
                                             {.units = block_units(config), .group = dist::world()});
     CHECK_THROWS_AS(parallel::load_pretrained(fsdp.sharded_module(), config, dir), Error);
@@ -154,9 +154,9 @@ TEST_SUITE("pretrained") {
       if (dist::rank() == 0) {
         std::filesystem::remove_all(dir);
         auto config = data::hf::read_config(kData + arch);
-        auto model = data::hf::from_pretrained(kData + arch);
+        auto model = models::from_pretrained(kData + arch);
         config.vocab = kVocab;
-        auto smaller = data::hf::make_model(config);
+        auto smaller = models::make_model(config);
         nn::NamedTensors state = model->state_dict();
         for (auto& [name, t] : state)
           if (name == "tokens.weight" || name == "embedding.weight" || name == "head.weight")
@@ -191,12 +191,12 @@ TEST_SUITE("pretrained") {
         CHECK(all_finite(p.grad()));
       }
       // Greedy decoding as one process, and the export equal to the checkpoint.
-      auto whole = data::hf::from_pretrained(dir);
+      auto whole = models::from_pretrained(dir);
       const Tensor prompt = tokens.narrow(1, 0, 4);
       const nn::GenerationOptions greedy{.max_new_tokens = 16};
       CHECK(max_abs_diff(nn::generate(*gathered, prompt, greedy),
                          nn::generate(*whole, prompt, greedy)) == 0);
-      auto exported = data::hf::make_model(config);  // the gathered state, padding dropped
+      auto exported = models::make_model(config);  // the gathered state, padding dropped
       exported->load_state_dict(parallel::gather_state_dict(*gathered));
       const auto mine = exported->named_parameters(), theirs = whole->named_parameters();
       REQUIRE(mine.size() == theirs.size());
@@ -209,7 +209,7 @@ TEST_SUITE("pretrained") {
       data::TrainingState from_split{.model = gathered.get(), .default_generator = false};
       parallel::save_sharded_checkpoint(dir + "/split_ckpt", from_split);
       Generator other(11);
-      auto fresh = data::hf::make_model(config, &other);
+      auto fresh = models::make_model(config, {}, &other);
       data::TrainingState into_whole{.model = fresh.get(), .default_generator = false};
       parallel::load_sharded_checkpoint(dir + "/split_ckpt", into_whole);
       const auto loaded = fresh->named_parameters();

@@ -51,7 +51,7 @@ std::map<std::string, Tensor> checkpoint_tensors(const std::string& dir) {
 void write_llama(const data::hf::ModelConfig& config, const std::string& dir) {
   if (dist::rank() == 0) {
     Generator generator(5);
-    data::hf::save_pretrained(*data::hf::make_model(config, &generator), config, dir);
+    data::hf::save_pretrained(*models::make_model(config, {}, &generator), config, dir);
   }
   dist::barrier();
 }
@@ -60,7 +60,7 @@ data::hf::ModelConfig small_llama() {
   data::hf::ModelConfig config;
   config.architecture = data::hf::Architecture::Llama;
   config.vocab = 1024, config.dim = 128, config.layers = 6, config.heads = 4, config.kv_heads = 2;
-  config.hidden = nn::llama_hidden(config.dim), config.max_positions = 256;
+  config.hidden = models::llama_hidden(config.dim), config.max_positions = 256;
   return config;
 }
 
@@ -84,7 +84,7 @@ TEST_SUITE("pretrained") {
         const auto config = data::hf::read_config(dir);
         const std::string out = test::shared_dir("export_" + arch);
         if (dist::rank() == 0) {  // the reference: one process's export, the input's tensors
-          data::hf::save_pretrained(*data::hf::from_pretrained(dir), config, out + "/whole",
+          data::hf::save_pretrained(*models::from_pretrained(dir), config, out + "/whole",
                                     {.max_shard_bytes = shard_bytes});
           const auto expected = checkpoint_tensors(dir),
                      actual = checkpoint_tensors(out + "/whole");
@@ -108,7 +108,7 @@ TEST_SUITE("pretrained") {
           std::shared_ptr<nn::CausalLM> model;
           {
             nn::DeferredInit deferred(0);
-            model = data::hf::make_model(config);
+            model = models::make_model(config);
           }
           parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
           parallel::load_pretrained(fsdp.sharded_module(), config, dir);
@@ -143,7 +143,7 @@ TEST_SUITE("pretrained") {
     std::shared_ptr<nn::CausalLM> model;
     {
       nn::DeferredInit deferred(0);
-      model = data::hf::make_model(config);
+      model = models::make_model(config);
     }
     parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
     parallel::load_pretrained(fsdp.sharded_module(), config, dir);
@@ -175,7 +175,7 @@ TEST_SUITE("pretrained") {
     std::shared_ptr<nn::CausalLM> model;
     {
       nn::DeferredInit deferred(0);
-      model = data::hf::make_model(config);
+      model = models::make_model(config);
     }
     parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
     parallel::load_pretrained(fsdp.sharded_module(), config, dir + "/in");
@@ -202,7 +202,7 @@ TEST_SUITE("pretrained") {
     write_llama(config, dir);
     int64_t before = int64_t(memory_stats().in_use);
     reset_peak_memory();
-    data::hf::from_pretrained(dir).reset();
+    models::from_pretrained(dir).reset();
     const int64_t one_process = int64_t(memory_stats().peak) - before;
     before = int64_t(memory_stats().in_use);
     reset_peak_memory();
@@ -210,7 +210,7 @@ TEST_SUITE("pretrained") {
       std::shared_ptr<nn::CausalLM> model;
       {
         nn::DeferredInit deferred(0);
-        model = data::hf::make_model(config);
+        model = models::make_model(config);
       }
       parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
       parallel::load_pretrained(fsdp.sharded_module(), config, dir);

@@ -12,12 +12,9 @@ namespace weave::test::pretrained {
 /// The tensor-parallel (and context, pipeline) split model of a checkpoint's architecture.
 inline std::shared_ptr<nn::CausalLM> split_model(const data::hf::ModelConfig& config,
                                                  const dist::Group& group,
-                                                 const parallel::ParallelLMOptions& split) {
-  if (config.architecture == data::hf::Architecture::GPT2)
-    return std::make_shared<parallel::ParallelGPT2Model>(data::hf::gpt2_options(config), group,
-                                                         split);
-  return std::make_shared<parallel::ParallelLlamaModel>(data::hf::llama_options(config), group,
-                                                        split);
+                                                 models::ModelSplit split) {
+  split.tensor = group;
+  return models::make_model(config, split);
 }
 
 /// FSDP units: the blocks (embeddings, norm and head in the root unit: GPT-2's tied head reads

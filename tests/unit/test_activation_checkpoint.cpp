@@ -272,11 +272,11 @@ TEST_SUITE("activation_checkpoint") {
     CHECK(checkpointed < 0.4 * plain);
   }
 
-  // The models' recompute_blocks (an option, or set_recompute_blocks): every block runs again in
+  // The models' recompute_blocks (set_recompute_blocks, the one switch): every block runs again in
   // backward (a pre-hook sees a second call), the logits and every gradient are bitwise the
   // plain run's, and the step's peak memory drops. Llama with packed side inputs, which the
   // recomputation must see again.
-  TEST_CASE("recompute_blocks in LlamaModel and GPT2Model: the same gradients, less memory") {
+  TEST_CASE("recompute_blocks in Llama and GPT2: the same gradients, less memory") {
     const Tensor tokens = randint(0, 40, {4, 64}, {.dtype = kInt64});
     std::vector<int64_t> where, document;  // documents of 24 positions packed in each row
     for (int64_t row = 0; row < 4; ++row)
@@ -295,19 +295,15 @@ TEST_SUITE("activation_checkpoint") {
         manual_seed(5);
         std::shared_ptr<nn::CausalLM> model;
         if (arch == "llama")
-          model = std::make_shared<nn::LlamaModel>(
-              nn::LlamaModelOptions{.vocab = 40,
-                                    .dim = 32,
-                                    .layers = 4,
-                                    .block = {.heads = 4},
-                                    .recompute_blocks = recompute});
-        else  // built plain, then switched (what a loaded model takes)
-          model = std::make_shared<nn::GPT2Model>(nn::GPT2ModelOptions{
+          model = std::make_shared<models::Llama>(
+              models::LlamaOptions{.vocab = 40, .dim = 32, .layers = 4, .block = {.heads = 4}});
+        else
+          model = std::make_shared<models::GPT2>(models::GPT2Options{
               .vocab = 40, .dim = 32, .layers = 4, .heads = 4, .max_positions = 64});
-        if (arch == "gpt2") model->set_recompute_blocks(recompute);
+        model->set_recompute_blocks(recompute);
         CHECK(model->recompute_blocks() == recompute);
-        nn::Module& first = arch == "llama" ? (*static_cast<nn::LlamaModel&>(*model).blocks)[0]
-                                            : *static_cast<nn::GPT2Model&>(*model).blocks[0];
+        nn::Module& first = arch == "llama" ? (*static_cast<models::Llama&>(*model).blocks)[0]
+                                            : (*static_cast<models::GPT2&>(*model).blocks)[0];
         int seen = 0;
         auto handle = first.register_forward_pre_hook([&](nn::Module&, const Tensor&) {
           ++seen;

@@ -27,13 +27,13 @@ struct TrainerOptions {
 /// A two-block Llama and its AdamW, one training step a call: inputs are token windows
 /// [B, T + 1] and optionally document ids [B, T]; outputs {loss, norm}.
 struct Trainer {
-  std::shared_ptr<nn::LlamaModel> model;
+  std::shared_ptr<models::Llama> model;
   std::unique_ptr<optim::AdamW> opt;
   TrainerOptions options;
 
   explicit Trainer(TrainerOptions o) : options(o) {
     Generator init(5);
-    model = std::make_shared<nn::LlamaModel>(nn::LlamaModelOptions{
+    model = std::make_shared<models::Llama>(models::LlamaOptions{
         .vocab = 37,
         .dim = o.dim,
         .layers = 2,

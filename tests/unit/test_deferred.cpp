@@ -10,7 +10,7 @@ using namespace weave;
 
 namespace {
 
-nn::LlamaModelOptions tiny_llama() {
+models::LlamaOptions tiny_llama() {
   return {.vocab = 37, .dim = 16, .layers = 2, .block = {.heads = 4, .kv_heads = 2, .hidden = 24}};
 }
 
@@ -53,10 +53,10 @@ TEST_SUITE("deferred") {
   TEST_CASE("a model built under DeferredInit allocates nothing and raises on use, naming it") {
     reset_peak_memory();
     const size_t before = memory_stats().in_use;
-    std::shared_ptr<nn::LlamaModel> model;
+    std::shared_ptr<models::Llama> model;
     {
       nn::DeferredInit deferred(5);
-      model = std::make_shared<nn::LlamaModel>(tiny_llama());
+      model = std::make_shared<models::Llama>(tiny_llama());
     }
     model->to(kFloat64);
     CHECK(memory_stats().in_use - before < 4096);  // buffers (rotary tables) only
@@ -81,7 +81,7 @@ TEST_SUITE("deferred") {
   TEST_CASE("values depend on the seed and the name, and follow the model's own init") {
     auto build = [](uint64_t seed) {
       nn::DeferredInit deferred(seed);
-      auto model = std::make_shared<nn::LlamaModel>(tiny_llama());
+      auto model = std::make_shared<models::Llama>(tiny_llama());
       for (auto& [name, p] : model->named_parameters())
         if (name.ends_with("proj.weight")) nn::init::normal_(p, 0, 0.02);
       nn::materialize(*model);

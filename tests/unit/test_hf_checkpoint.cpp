@@ -73,7 +73,7 @@ TEST_SUITE("hf_checkpoint") {
     for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
-      auto model = data::hf::from_pretrained(dir);
+      auto model = models::from_pretrained(dir);
       const auto expected = data::load_safetensors(dir + "/logits.safetensors").tensors;
       const Tensor tokens = expected[1].first == "tokens" ? expected[1].second : expected[0].second;
       const Tensor logits = expected[0].first == "logits" ? expected[0].second : expected[1].second;
@@ -86,7 +86,7 @@ TEST_SUITE("hf_checkpoint") {
       data::hf::save_pretrained(*model, config, out.string(), {.max_shard_bytes = 300000});
       CHECK(fs::exists(out / "model.safetensors.index.json"));
       CHECK(layout_of(out.string()) == layout_of(dir));
-      auto reloaded = data::hf::from_pretrained(out.string());
+      auto reloaded = models::from_pretrained(out.string());
       const auto before = model->named_parameters(), after = reloaded->named_parameters();
       REQUIRE(before.size() == after.size());
       for (size_t i = 0; i < before.size(); ++i) {
@@ -99,37 +99,37 @@ TEST_SUITE("hf_checkpoint") {
 
   TEST_CASE("a model built from its options exports with model_config and reloads bitwise") {
     Generator g(3);
-    const nn::LlamaModelOptions options{
+    const models::LlamaOptions options{
         .vocab = 40,
         .dim = 16,
         .layers = 2,
         .block = {.heads = 4, .kv_heads = 2, .rotary = RotaryOptions{.base = 500000}},
         .generator = &g};
-    nn::LlamaModel model(options);
-    const auto config = data::hf::model_config(options);
-    CHECK(config.hidden == nn::llama_hidden(16));
+    models::Llama model(options);
+    const auto config = models::model_config(options);
+    CHECK(config.hidden == models::llama_hidden(16));
     const auto out = scratch("from_options");
     data::hf::save_pretrained(model, config, out.string());
     const auto read = data::hf::read_config(out.string());
     CHECK(read.kv_heads == 2);
     CHECK(read.rope_theta == 500000);
     CHECK(fs::exists(out / "generation_config.json"));
-    auto reloaded = data::hf::from_pretrained(out.string());
+    auto reloaded = models::from_pretrained(out.string());
     NoGradGuard no_grad;
     const Tensor tokens = randint(0, 40, {2, 9}, {.dtype = kInt64}, &g);
     CHECK(max_abs_diff((*reloaded)(tokens), model(tokens)) == 0);
     // What Hugging Face's Llama cannot describe raises, naming it.
-    nn::LlamaModelOptions interleaved = options;
+    models::LlamaOptions interleaved = options;
     interleaved.block.rotary->interleaved = true;
-    CHECK_WEAVE_ERROR(data::hf::model_config(interleaved), "hf", "interleaved true");
-    CHECK_WEAVE_ERROR(data::hf::model_config(nn::GPT2ModelOptions{.untied_head = true}), "hf",
+    CHECK_WEAVE_ERROR(models::model_config(interleaved), "hf", "interleaved true");
+    CHECK_WEAVE_ERROR(models::model_config(models::GPT2Options{.untied_head = true}), "hf",
                       "untied_head");
   }
 
   TEST_CASE("GPT-2's fused q/k/v read by heads, or by rows across heads, equals the whole's") {
     const std::string dir = reference_dir("gpt2");
     const auto config = data::hf::read_config(dir);
-    auto whole = data::hf::from_pretrained(dir);
+    auto whole = models::from_pretrained(dir);
     data::hf::WeightReader reader(config, dir);
     for (auto& [parameter, w] : whole->named_parameters()) {
       const std::string name = parameter;  // a copy: CAPTURE's lambda cannot take a binding
@@ -148,7 +148,7 @@ TEST_SUITE("hf_checkpoint") {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       const auto config = data::hf::read_config(dir);
-      auto whole = data::hf::from_pretrained(dir);
+      auto whole = models::from_pretrained(dir);
       data::hf::WeightReader reader(config, dir);
       Generator generator(7);
       for (auto& [parameter, w] : whole->named_parameters()) {
@@ -198,43 +198,43 @@ TEST_SUITE("hf_checkpoint") {
     };
     auto dir = broken("missing_shard");
     fs::remove(dir / "model-00002-of-00002.safetensors");
-    CHECK_THROWS_WITH_AS(data::hf::from_pretrained(dir.string()),
+    CHECK_THROWS_WITH_AS(models::from_pretrained(dir.string()),
                          doctest::Contains("model-00002-of-00002.safetensors (holding"), Error);
     dir = broken("wrong_shape");
     edit_config(dir, [](auto& c) { c["intermediate_size"] = 160; });
-    CHECK_THROWS_WITH_AS(data::hf::from_pretrained(dir.string()),
+    CHECK_THROWS_WITH_AS(models::from_pretrained(dir.string()),
                          doctest::Contains("has shape [176, 64], but the config's model needs "
                                            "[160, 64]"),
                          Error);
     dir = broken("unknown");
     edit_config(dir, [](auto& c) { c["model_type"] = "bert"; });
-    CHECK_THROWS_WITH_AS(data::hf::from_pretrained(dir.string()),
+    CHECK_THROWS_WITH_AS(models::from_pretrained(dir.string()),
                          doctest::Contains("unknown architecture: model_type 'bert'"), Error);
     dir = broken("bias");
     edit_config(dir, [](auto& c) { c["attention_bias"] = true; });
-    CHECK_THROWS_WITH_AS(data::hf::from_pretrained(dir.string()),
+    CHECK_THROWS_WITH_AS(models::from_pretrained(dir.string()),
                          doctest::Contains("attention_bias true is not supported"), Error);
     dir = broken("sliding");
     edit_config(dir, [](auto& c) {
       c["model_type"] = "qwen2";
       c["use_sliding_window"] = true;
     });
-    CHECK_THROWS_WITH_AS(data::hf::from_pretrained(dir.string()),
+    CHECK_THROWS_WITH_AS(models::from_pretrained(dir.string()),
                          doctest::Contains("use_sliding_window true is not supported"), Error);
     dir = broken("llama_as_qwen2");  // Qwen 2's biases are missing from Llama's files
     edit_config(dir, [](auto& c) { c["model_type"] = "qwen2"; });
-    CHECK_THROWS_WITH_AS(data::hf::from_pretrained(dir.string()),
+    CHECK_THROWS_WITH_AS(models::from_pretrained(dir.string()),
                          doctest::Contains("_proj.bias, which the config's model needs"), Error);
     dir = broken("untied");
     edit_config(dir, [](auto& c) { c["tie_word_embeddings"] = true; });  // lm_head unused
-    auto tied = data::hf::from_pretrained(dir.string());
-    CHECK(dynamic_cast<nn::LlamaModel&>(*tied).head == nullptr);
+    auto tied = models::from_pretrained(dir.string());
+    CHECK(dynamic_cast<models::Llama&>(*tied).head == nullptr);
   }
 
   TEST_CASE("greedy decoding with the caches equals the argmax of full forward passes") {
     for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
       CAPTURE(arch);
-      auto model = data::hf::from_pretrained(reference_dir(arch));
+      auto model = models::from_pretrained(reference_dir(arch));
       const Tensor prompt =
           from_vector(std::vector<int64_t>{5, 17, 300, 42, 7, 99, 1, 2, 3, 4}, {2, 5});
       const Tensor generated = nn::generate(*model, prompt, {.max_new_tokens = 64});
@@ -251,7 +251,7 @@ TEST_SUITE("hf_checkpoint") {
   }
 
   TEST_CASE("generation stops each row at end-of-text, and ends when every row has") {
-    auto model = data::hf::from_pretrained(reference_dir("llama"));
+    auto model = models::from_pretrained(reference_dir("llama"));
     const Tensor prompt =
         from_vector(std::vector<int64_t>{5, 17, 300, 42, 7, 99, 1, 2, 3, 4}, {2, 5});
     const Tensor free = nn::generate(*model, prompt, {.max_new_tokens = 12});
@@ -304,7 +304,7 @@ TEST_SUITE("hf_checkpoint") {
     CHECK(counts({.temperature = 0}) == std::vector<int>{0, 0, 1000, 0});
     // temperature 0.5 squares the probabilities: 0.09, 0.01, 0.16, 0.04 over 0.3
     CHECK(near(counts({.temperature = 0.5}), {0.3, 0.1 / 3, 0.16 / 0.3, 0.04 / 0.3}));
-    auto model = data::hf::from_pretrained(reference_dir("llama"));
+    auto model = models::from_pretrained(reference_dir("llama"));
     const Tensor prompt = from_vector(std::vector<int64_t>{1, 2, 3}, {1, 3});
     const nn::GenerationOptions sampled{
         .max_new_tokens = 20, .temperature = 1, .top_p = 0.9, .seed = 3};

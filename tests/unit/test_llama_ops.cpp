@@ -364,10 +364,10 @@ TEST_SUITE("llama_ops") {
   // outputs, and the gradients, equal running each document alone through the same blocks.
   TEST_CASE("Llama blocks over a packed window equal the blocks on each document alone") {
     manual_seed(11);
-    const nn::LlamaBlockOptions options{
+    const models::LlamaBlockOptions options{
         .heads = 4, .kv_heads = 2, .hidden = 24, .rotary = RotaryOptions{.base = 1000}};
-    auto first = std::make_shared<nn::LlamaBlock>(16, options);
-    auto second = std::make_shared<nn::LlamaBlock>(16, options);
+    auto first = std::make_shared<models::LlamaBlock>(16, options);
+    auto second = std::make_shared<models::LlamaBlock>(16, options);
     nn::Sequential model{first, std::make_shared<nn::Checkpoint>(second)};
     model.to(kFloat64);
     int hook_calls = 0;
@@ -419,9 +419,9 @@ TEST_SUITE("llama_ops") {
 
   TEST_CASE("a Llama model over a packed window equals it on each document; a tied head") {
     manual_seed(12);
-    const nn::LlamaModelOptions options{
+    const models::LlamaOptions options{
         .vocab = 11, .dim = 16, .layers = 2, .block = {.heads = 4, .kv_heads = 2, .hidden = 24}};
-    nn::LlamaModel model(options);
+    models::Llama model(options);
     model.to(kFloat64);
     const Tensor tokens = from_vector<int64_t>({3, 1, 4, 1, 5, 9, 2, 6, 5}, {1, 9});
     const Tensor positions = from_vector<int64_t>({0, 1, 2, 3, 0, 1, 2, 3, 4}, {9});
@@ -430,14 +430,14 @@ TEST_SUITE("llama_ops") {
     CHECK(logits.shape() == Shape{1, 9, 11});
     CHECK(allclose(logits.narrow(1, 0, 4), model(tokens.narrow(1, 0, 4)), 1e-12, 1e-12));
     CHECK(allclose(logits.narrow(1, 4, 5), model(tokens.narrow(1, 4, 5)), 1e-12, 1e-12));
-    nn::LlamaModelOptions tied_options = options;
+    models::LlamaOptions tied_options = options;
     tied_options.tie_embeddings = true;
-    nn::LlamaModel tied(tied_options);
+    models::Llama tied(tied_options);
     tied.to(kFloat64);
     CHECK(tied.head == nullptr);
     CHECK(tied.parameters().size() + 1 == model.parameters().size());
     const Tensor hidden = (*tied.norm)((*tied.blocks)((*tied.embedding)(tokens)));
-    CHECK(allclose(tied(tokens), matmul(hidden, tied.embedding->weight.transpose(0, 1)), 1e-12,
+    CHECK(allclose(tied(tokens), matmul(hidden, tied.embedding_weight().transpose(0, 1)), 1e-12,
                    1e-12));
   }
 }

@@ -316,7 +316,7 @@ TEST_SUITE("nn") {
   }
 
   TEST_CASE("summary lists each module with its parameter count, and the totals") {
-    nn::LlamaModel model({.vocab = 32, .dim = 8, .layers = 2, .block = {.heads = 2, .hidden = 16}});
+    models::Llama model({.vocab = 32, .dim = 8, .layers = 2, .block = {.heads = 2, .hidden = 16}});
     const nn::ParameterCount count = nn::count_parameters(model);
     int64_t expected = 0;
     for (const Tensor& p : model.parameters()) expected += p.numel();

@@ -242,11 +242,11 @@ TEST_SUITE("tokenizer") {
 
   TEST_CASE("an export with its tokenizer holds the tokenizer, special tokens and their ids") {
     Generator g(4);
-    const nn::GPT2ModelOptions options{
+    const models::GPT2Options options{
         .vocab = 50257, .dim = 8, .layers = 1, .heads = 2, .max_positions = 16, .generator = &g};
-    nn::GPT2Model model(options);
+    models::GPT2 model(options);
     const auto dir = temp_dir() / "gpt2_export";
-    data::hf::save_pretrained(model, data::hf::model_config(options), dir.string(),
+    data::hf::save_pretrained(model, models::model_config(options), dir.string(),
                               {.tokenizer = &gpt2()});
     const json config = json::parse(std::ifstream(dir / "config.json"));
     const json generation = json::parse(std::ifstream(dir / "generation_config.json"));
@@ -255,7 +255,7 @@ TEST_SUITE("tokenizer") {
     CHECK(generation["eos_token_id"] == 50256);
     const Tokenizer tok = Tokenizer::from_directory(dir.string());
     CHECK(tok.encode("Hello world") == gpt2().encode("Hello world"));
-    auto reloaded = data::hf::from_pretrained(dir.string());
+    auto reloaded = models::from_pretrained(dir.string());
     NoGradGuard no_grad;
     const Tensor tokens = from_vector<int64_t>({15496, 995, 50256}, {1, 3});
     CHECK(equal((*reloaded)(tokens), model(tokens)));

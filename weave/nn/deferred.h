@@ -3,10 +3,10 @@
 // name, only where they are needed. A model larger than one rank is built this way and handed
 // to FullyShardedDataParallel, which draws each rank's shards and nothing else:
 //
-//   std::shared_ptr<nn::LlamaModel> model;
+//   std::shared_ptr<models::Llama> model;
 //   {
 //     nn::DeferredInit deferred(/*seed=*/1234);   // this thread's modules allocate nothing
-//     model = std::make_shared<nn::LlamaModel>(options);
+//     model = std::make_shared<models::Llama>(options);
 //   }
 //   parallel::FullyShardedDataParallel fsdp(*model);  // draws this rank's shards
 //   // or, on one process:  nn::materialize(*model);

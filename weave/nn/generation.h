@@ -2,7 +2,7 @@
 // Language models that decode with key/value caches, and text generation over them: greedy,
 // temperature, top-k and top-p sampling, batched, reproducible from a seed.
 //
-//   nn::LlamaModel model(...);                                  // or nn::GPT2Model
+//   models::Llama model(...);                                   // or models::GPT2
 //   Tensor out = nn::generate(model, prompt, {.max_new_tokens = 64, .temperature = 0.8,
 //                                             .top_p = 0.95, .seed = 7});
 //   // prompt [B, T0] int64 -> out [B, T0 + 64]: each row's prompt, then its new tokens
@@ -27,13 +27,20 @@ class CausalLM : public Module {
   /// Logits of `tokens`, which sit after the caches' positions (appended to them). Inference:
   /// records nothing for autograd.
   virtual Tensor forward_cached(const Tensor& tokens, std::vector<KVCache>& caches) = 0;
-  /// Activation checkpointing of every block from the next forward on: what the model options'
-  /// recompute_blocks sets when the model is built, for a model built elsewhere (such as
-  /// data::hf::from_pretrained's; Hugging Face's gradient_checkpointing_enable()).
+  /// Activation checkpointing of every block from the next forward on (Hugging Face's
+  /// gradient_checkpointing_enable()): the one switch of recomputation, for a model built here
+  /// or loaded (models::from_pretrained).
   void set_recompute_blocks(bool recompute) { recompute_blocks_ = recompute; }
   bool recompute_blocks() const { return recompute_blocks_; }
 
  protected:
+  /// The blocks on inputs, each recomputed in backward under set_recompute_blocks (Megatron's
+  /// full recomputation, one block at a time: backward keeps each block's input and side inputs
+  /// and runs the block again when it gets there, its collectives included; the gradients are
+  /// bitwise the plain run's).
+  Tensor run_blocks(Sequential& blocks, const Inputs& inputs) {
+    return recompute_blocks_ ? blocks.forward_checkpointed(inputs) : blocks(inputs);
+  }
   bool recompute_blocks_ = false;
 };
 

@@ -2,7 +2,7 @@
 // What a model holds, as PyTorch users read it from torchinfo's summary or a parameter count.
 //
 //   std::printf("%s", nn::summary(model).c_str());
-//   //  LlamaModel                      parameters
+//   //  Llama                           parameters
 //   //  ├─ embedding  Embedding              4,096
 //   //  ├─ blocks     Sequential            66,048
 //   //  │  ├─ 0      LlamaBlock            33,024

@@ -271,7 +271,7 @@ struct WeightReader::Impl {
     const auto found = by_name.find(name);
     WEAVE_CHECK(found != by_name.end(), kHf,
                 "the model's parameter {} has no counterpart in a {} checkpoint; hint: load into "
-                "the model data::hf::make_model builds (or one split from it)",
+                "the model models::make_model builds (whole or split)",
                 name, config.architecture == Architecture::GPT2 ? "GPT-2" : "Llama");
     return *found->second;
   }

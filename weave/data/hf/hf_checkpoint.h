@@ -1,11 +1,11 @@
 #pragma once
 // Hugging Face checkpoints in and out: config.json, model.safetensors or shards with
 // model.safetensors.index.json, for GPT-2 (GPT2LMHeadModel) and Llama-family models
-// (LlamaForCausalLM, and Qwen2ForCausalLM: Llama with biased q, k and v projections), into
-// weave's nn::GPT2Model and nn::LlamaModel and back.
+// (LlamaForCausalLM, and Qwen2ForCausalLM: Llama with biased q, k and v projections), by the
+// parameter names of weave's models (models::GPT2, models::Llama), and back.
 //
 //   auto config = data::hf::read_config("gpt2/");
-//   std::shared_ptr<nn::CausalLM> model = data::hf::from_pretrained("gpt2/");
+//   auto model = models::from_pretrained("gpt2/");   // make_model + load_weights
 //   ... fine-tune ...
 //   data::hf::save_pretrained(*model, config, "gpt2-tuned/");   // the same names, shapes, dtypes
 //
@@ -24,9 +24,8 @@
 #include <vector>
 
 #include "weave/data/text/tokenizer.h"
-#include "weave/nn/generation.h"
-#include "weave/nn/gpt2.h"
-#include "weave/nn/llama.h"
+#include "weave/nn/module.h"
+#include "weave/ops/ops.h"
 
 namespace weave::data::hf {
 
@@ -55,29 +54,14 @@ ModelConfig read_config(const std::string& dir);
 /// config.json for `config` (its json's other fields kept).
 std::string config_json(const ModelConfig& config);
 
-/// The configuration of a model built from its options (one trained from scratch), to export
-/// it: dims, heads, rotary base and scaling, norms' eps, tied head, Qwen 2's biases. Raises for
-/// what Hugging Face's GPT-2 or Llama cannot describe (an untied GPT-2 head, interleaved or
-/// partial rotary, another gated activation, a non-causal block), naming it.
-ModelConfig model_config(const nn::LlamaModelOptions& options, DType dtype = kFloat32);
-ModelConfig model_config(const nn::GPT2ModelOptions& options, DType dtype = kFloat32);
-
-/// The nn::GPT2Model (or parallel::ParallelGPT2Model) options of a GPT-2 configuration.
-nn::GPT2ModelOptions gpt2_options(const ModelConfig& config, Generator* generator = nullptr);
-/// The nn::LlamaModel (or parallel::ParallelLlamaModel) options of a Llama configuration.
-nn::LlamaModelOptions llama_options(const ModelConfig& config, Generator* generator = nullptr);
-
-/// A model of the configuration, with weights drawn from `generator` (to be loaded over).
-std::shared_ptr<nn::CausalLM> make_model(const ModelConfig& config, Generator* generator = nullptr);
-
 /// The slice of a whole tensor a rank holds: [begin, end) along `axis` (axis -1: all of it).
 struct Slice {
   int axis = -1;
   int64_t begin = 0, end = 0;
 };
 
-/// A checkpoint's tensors by weave's names for the architecture (nn::GPT2Model's or
-/// nn::LlamaModel's), whole or in parts, converted to weave's layouts: what load_weights reads for
+/// A checkpoint's tensors by weave's names for the architecture (models::GPT2's or
+/// models::Llama's), whole or in parts, converted to weave's layouts: what load_weights reads for
 /// each parameter, for loaders that place values themselves (parallel::load_pretrained reads each
 /// rank's tensor-parallel slices and flat-shard ranges through it). Only the bytes asked for are
 /// read, give or take a row at each end of an element range (a head's q, k and v rows for
@@ -117,9 +101,6 @@ struct LoadStats {
 /// each in the dtype the parameter has, through a WeightReader. Raises as it does, and for a
 /// parameter the architecture lacks or whose shape differs; the model is then partly loaded.
 LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::string& dir);
-
-/// make_model + load_weights.
-std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir);
 
 struct SaveOptions {
   /// Shards of at most this many bytes (a tensor larger than it gets a shard alone); more than

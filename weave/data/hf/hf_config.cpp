@@ -1,11 +1,8 @@
-// config.json of GPT-2 and Llama-family checkpoints, and the weave models they describe.
+// config.json of GPT-2 and Llama-family checkpoints.
 #include <nlohmann/json.hpp>
 
 #include "weave/data/files.h"
 #include "weave/data/hf/hf_checkpoint.h"
-#include "weave/nn/deferred.h"
-#include "weave/nn/gpt2.h"
-#include "weave/nn/llama.h"
 
 namespace weave::data::hf {
 namespace {
@@ -147,85 +144,6 @@ std::string config_json(const ModelConfig& config) {
         {"high_freq_factor", config.rope_scaling->high_freq_factor},
         {"original_max_position_embeddings", config.rope_scaling->original_max_position}};
   return c.dump(2);
-}
-
-ModelConfig model_config(const nn::LlamaModelOptions& options, DType dtype) {
-  const nn::LlamaBlockOptions& block = options.block;
-  const RotaryOptions rotary = block.rotary.value_or(RotaryOptions{});
-  WEAVE_CHECK(block.rotary && !rotary.interleaved && rotary.rotary_dim == 0 && block.causal &&
-                  block.activation == nn::GatedActivation::SiLU,
-              kConfig,
-              "Hugging Face's Llama takes causal blocks with SwiGLU and rotary positions in the "
-              "rotate-half layout over whole heads; found rotary {}, interleaved {}, rotary_dim "
-              "{}, causal {}, SwiGLU {}",
-              block.rotary.has_value(), rotary.interleaved, rotary.rotary_dim, block.causal,
-              block.activation == nn::GatedActivation::SiLU);
-  ModelConfig config;
-  config.architecture = Architecture::Llama;
-  config.vocab = options.vocab, config.dim = options.dim, config.layers = options.layers;
-  config.heads = block.heads, config.kv_heads = block.kv_heads > 0 ? block.kv_heads : block.heads;
-  config.hidden = block.hidden > 0 ? block.hidden : nn::llama_hidden(options.dim);
-  config.norm_eps = block.norm_eps, config.rope_theta = rotary.base;
-  config.rope_scaling = rotary.llama3_scaling, config.tie_embeddings = options.tie_embeddings;
-  config.qkv_bias = block.qkv_bias, config.dtype = dtype;
-  return config;
-}
-
-ModelConfig model_config(const nn::GPT2ModelOptions& options, DType dtype) {
-  WEAVE_CHECK(!options.untied_head, kConfig,
-              "Hugging Face's GPT-2 ties its head to the token embedding; found untied_head");
-  ModelConfig config;
-  config.architecture = Architecture::GPT2;
-  config.vocab = options.vocab, config.dim = options.dim, config.layers = options.layers;
-  config.heads = options.heads, config.kv_heads = options.heads;
-  config.hidden = 4 * options.dim, config.max_positions = options.max_positions;
-  config.tie_embeddings = true, config.dtype = dtype;
-  return config;
-}
-
-std::shared_ptr<nn::CausalLM> make_model(const ModelConfig& config, Generator* generator) {
-  if (config.architecture == Architecture::GPT2)
-    return std::make_shared<nn::GPT2Model>(gpt2_options(config, generator));
-  return std::make_shared<nn::LlamaModel>(llama_options(config, generator));
-}
-
-nn::GPT2ModelOptions gpt2_options(const ModelConfig& config, Generator* generator) {
-  WEAVE_CHECK(config.architecture == Architecture::GPT2, kConfig,
-              "gpt2_options needs a GPT-2 configuration, found Llama's");
-  return {.vocab = config.vocab,
-          .dim = config.dim,
-          .layers = config.layers,
-          .heads = config.heads,
-          .max_positions = config.max_positions,
-          .generator = generator};
-}
-
-nn::LlamaModelOptions llama_options(const ModelConfig& config, Generator* generator) {
-  WEAVE_CHECK(config.architecture == Architecture::Llama, kConfig,
-              "llama_options needs a Llama configuration, found GPT-2's");
-  const RotaryOptions rotary{.base = config.rope_theta, .llama3_scaling = config.rope_scaling};
-  return {.vocab = config.vocab,
-          .dim = config.dim,
-          .layers = config.layers,
-          .block = {.heads = config.heads,
-                    .kv_heads = config.kv_heads,
-                    .hidden = config.hidden,
-                    .rotary = rotary,
-                    .norm_eps = config.norm_eps,
-                    .qkv_bias = config.qkv_bias},
-          .tie_embeddings = config.tie_embeddings,
-          .generator = generator};
-}
-
-std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir) {
-  const ModelConfig config = read_config(dir);
-  std::shared_ptr<nn::CausalLM> model;
-  {  // without memory: load_weights allocates each parameter as it reads it (nothing drawn)
-    nn::DeferredInit deferred(0);
-    model = make_model(config);
-  }
-  load_weights(*model, config, dir);
-  return model;
 }
 
 }  // namespace weave::data::hf

@@ -3,7 +3,7 @@
 // parameters hold, with ranged reads: tensor-parallel slices (their placements' Split cuts) and
 // FSDP's flat shards (whose layouts say which elements of which parameters they hold), or both.
 //
-//   parallel::ParallelLlamaModel model(options, mesh.tensor());
+//   models::Llama model(options, models::ModelSplit::from_mesh(mesh));
 //   parallel::load_pretrained(model, data::hf::read_config(dir), dir);   // this rank's slices
 //
 //   parallel::FullyShardedDataParallel fsdp(*model, {.group = mesh.data()});

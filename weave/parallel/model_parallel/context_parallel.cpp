@@ -382,6 +382,14 @@ Tensor reorder(const Tensor& x, int64_t axis, int n, SequenceLayout layout, bool
 
 }  // namespace
 
+Tensor context_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                         const ContextSplit& split, ContextParallelOptions options) {
+  options.layout = split.layout;
+  return split.mode == ContextParallelMode::Ring
+             ? ring_attention(q, k, v, split.group, options)
+             : all_to_all_attention(q, k, v, split.group, options);
+}
+
 Tensor all_to_all_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                             const dist::Group& group, const ContextParallelOptions& options) {
   const char* op = "all_to_all_attention";

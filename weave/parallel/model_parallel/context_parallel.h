@@ -21,7 +21,7 @@
 // Layouts (where rank r's positions are): Contiguous holds chunk r of n; ZigZag cuts the
 // sequence into 2n chunks and holds chunks r and 2n - 1 - r, so that under a causal mask every
 // rank does the same attention work. ZigZag is the default everywhere (shard_sequence,
-// gather_sequence, the attention options, ParallelLMOptions::context_layout): inputs cut in one
+// gather_sequence, ContextSplit, models::ModelSplit): inputs cut in one
 // layout and attended in the other would let positions see keys from their future.
 #include <cstdint>
 #include <optional>
@@ -32,6 +32,15 @@ namespace weave::parallel {
 
 enum class SequenceLayout { Contiguous, ZigZag };
 enum class ContextParallelMode { Ring, AllToAll };
+
+/// A layer's context parallelism: its input holds this rank's part of every sequence, split over
+/// `group` in `layout` (shard_sequence), and its attention runs over the whole sequence
+/// (ring_attention, or all_to_all_attention).
+struct ContextSplit {
+  dist::Group group;
+  ContextParallelMode mode = ContextParallelMode::Ring;
+  SequenceLayout layout = SequenceLayout::ZigZag;
+};
 
 /// What the last ring_attention on this thread did: its share of the attention work and the
 /// time its compute waited for K/V blocks (the exchange that compute did not hide).
@@ -68,6 +77,11 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const d
 /// divide by the group size).
 Tensor all_to_all_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                             const dist::Group& group, const ContextParallelOptions& options = {});
+
+/// Attention over the sequence `split` cuts: ring_attention or all_to_all_attention as its mode
+/// says, in its layout (options.layout is ignored).
+Tensor context_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                         const ContextSplit& split, ContextParallelOptions options = {});
 
 /// This rank's part of a whole sequence along `axis` (its length must divide by the group size,
 /// by twice that under ZigZag). Differentiable: the gradient lands in this rank's positions.

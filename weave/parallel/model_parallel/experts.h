@@ -57,7 +57,7 @@ class ExpertParallelMoE : public nn::MoE {
 };
 
 /// A transformer block's mixture of experts (what ParallelTransformerBlock and
-/// ParallelLlamaBlock put in place of their MLP): spread over expert_group when it has several
+/// models::LlamaBlock put in place of their MLP): spread over expert_group when it has several
 /// ranks (ExpertParallelMoE), else nn::MoE; its load-balancing loss over balance_group's
 /// batches when that has several ranks.
 struct BlockExperts {

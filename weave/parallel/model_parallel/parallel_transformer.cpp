@@ -45,17 +45,14 @@ Tensor ParallelAttention::attend(const Tensor& x, nn::KVCache* cache) {
   WEAVE_CHECK(x.dim() == 3 && x.size(2) == dim_, "ParallelAttention",
               "expected input [T, B, {}] (sequence first), found {}", dim_, x.shape());
   const double p = is_training() ? options_.dropout : 0.0;
-  if (options_.context_group) {
+  if (options_.context) {
     WEAVE_CHECK(p == 0 && cache == nullptr, "ParallelAttention",
                 "context parallelism runs without attention dropout and without a KV cache; "
-                "hint: decode with a model built without context_group (the same parameters)");
-    const ContextParallelOptions cp{.causal = options_.causal, .layout = options_.context_layout};
-    const dist::Group& group = *options_.context_group;
-    const bool ring = options_.context_mode == ContextParallelMode::Ring;
+                "hint: decode with a model built without a context split (the same parameters)");
     Tensor y = nn::fused_qkv_attention((*qkv)(x).transpose(0, 1), local_heads_,
                                        [&](const Tensor& q, const Tensor& k, const Tensor& v) {
-                                         return ring ? ring_attention(q, k, v, group, cp)
-                                                     : all_to_all_attention(q, k, v, group, cp);
+                                         return context_attention(q, k, v, *options_.context,
+                                                                  {.causal = options_.causal});
                                        });
     return (*out)(y.transpose(0, 1));
   }
@@ -133,9 +130,7 @@ ParallelTransformerBlock::ParallelTransformerBlock(int64_t dim, int64_t heads, d
                                                 .dropout = options.dropout,
                                                 .sequence_parallel = options.sequence_parallel,
                                                 .generator = options.generator,
-                                                .context_group = options.context_group,
-                                                .context_mode = options.context_mode,
-                                                .context_layout = options.context_layout}));
+                                                .context = options.context}));
   norm2 = register_module("norm2", norm());
   if (options.moe)
     add_experts(dim, options);
@@ -149,7 +144,7 @@ ParallelTransformerBlock::ParallelTransformerBlock(int64_t dim, int64_t heads, d
                                                  .generator = options.generator}));
   dropout_ =
       register_module("dropout", std::make_shared<nn::Dropout>(options.dropout, options.generator));
-  if (options.context_group) record_context_reads(*this, *options.context_group);
+  if (options.context) record_context_reads(*this, options.context->group);
 }
 
 void ParallelTransformerBlock::add_experts(int64_t dim,
@@ -163,13 +158,6 @@ void ParallelTransformerBlock::add_experts(int64_t dim,
       make_block_experts(*options.moe, options.expert_group, options.balance_group);
   aux_loss_ = std::move(experts.aux_loss);
   moe = register_module("moe", std::move(experts.module));
-}
-
-std::optional<nn::MoEOptions> block_experts(const ParallelLMOptions& split, int64_t block) {
-  if (!split.moe) return std::nullopt;
-  nn::MoEOptions options = *split.moe;
-  options.seed += uint64_t(block);
-  return options;
 }
 
 Tensor ParallelTransformerBlock::aux_loss() const {

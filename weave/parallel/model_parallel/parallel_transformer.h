@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 
+#include "weave/nn/grouped_query_attention.h"
 #include "weave/nn/moe.h"
 #include "weave/nn/transformer.h"
 #include "weave/parallel/model_parallel/context_parallel.h"
@@ -34,12 +35,9 @@ struct ParallelAttentionOptions {
   /// Input and output [T / n, B, dim], split along the sequence.
   bool sequence_parallel = false;
   Generator* generator = nullptr;
-  /// Context parallelism: the input holds this rank's positions of a sequence split over this
-  /// group (in context_layout), and attention runs over the whole sequence
-  /// (parallel::ring_attention, or all_to_all_attention). Not with dropout or a KV cache.
-  std::optional<dist::Group> context_group = std::nullopt;
-  ContextParallelMode context_mode = ContextParallelMode::Ring;
-  SequenceLayout context_layout = SequenceLayout::ZigZag;
+  /// Context parallelism: the input holds this rank's positions of a sequence split over
+  /// context->group, and attention runs over the whole sequence. Not with dropout or a KV cache.
+  std::optional<ContextSplit> context = std::nullopt;
 };
 
 /// Self-attention with heads / n heads per rank: the fused q/k/v projection is one
@@ -109,36 +107,45 @@ class ParallelGatedMLP : public ShardedModule {
   ParallelGatedMLPOptions options_;
 };
 
-/// How a tensor-parallel causal language model (ParallelGPT2Model, ParallelLlamaModel) runs
-/// beyond its tensor group.
-struct ParallelLMOptions {
-  /// forward gives every rank all the logits; else this rank's vocabulary slice (for
-  /// vocab_parallel_cross_entropy). Decoding always gathers them.
-  bool gather_logits = false;
-  /// Context parallelism: each rank of this group passes its part of every sequence
-  /// (shard_sequence(tokens, 1, group, context_layout)) and gets that part's logits, positions
-  /// taken from the part's place. Decoding with caches is not split so: it raises.
-  std::optional<dist::Group> context_group = std::nullopt;
-  ContextParallelMode context_mode = ContextParallelMode::Ring;
-  SequenceLayout context_layout = SequenceLayout::ZigZag;
-  /// Pipeline parallelism: the model is stage `stage` of `stages` (parallel::Pipeline runs
-  /// them): blocks [layers stage / stages, layers (stage + 1) / stages) under their names in the
-  /// whole model ("blocks.<i>"), the embedding on the first stage (which takes the tokens), the
-  /// final norm and the head on the last (which gives the logits); between, hidden states
-  /// [B, T, dim] flow. Decoding with caches raises.
-  int stage = 0;
-  int stages = 1;
-  /// Expert parallelism: every block's MLP a mixture of experts (block i's seeded moe->seed + i),
-  /// spread over expert_group when it has several ranks, its load-balancing loss counting the
-  /// assignments of balance_group's batches (data x context); the model's aux_loss() sums the
-  /// blocks' (add it to the loss).
-  std::optional<nn::MoEOptions> moe = std::nullopt;
-  std::optional<dist::Group> expert_group = std::nullopt;
-  std::optional<dist::Group> balance_group = std::nullopt;
-};
+/// nn::GroupedQueryAttention with its heads split (batch first, [B, T, dim], and the same
+/// parameter names): rank r holds query heads [r H / n, (r + 1) H / n) (q column-parallel) and
+/// out's matching columns (row-parallel). The key/value heads those queries read are split alike
+/// when n divides kv_heads; with fewer key/value heads than ranks, every rank holds the whole kv
+/// and projects only the head its queries read, and kv's gradient is summed over the group
+/// (Megatron's replicated key/value heads). With a context split each rank passes its part of
+/// every sequence with that part's positions and document ids (the positions derived from the
+/// part's place when left out). No attention dropout.
+///
+///   parallel::ParallelGroupedQueryAttention attention(512, tp, {.heads = 8, .kv_heads = 2},
+///                                                     parallel::ContextSplit{cp});
+///   Tensor y = attention({x, positions, document_ids});   // x [B, T / cp, 512]
+class ParallelGroupedQueryAttention : public ShardedModule {
+ public:
+  ParallelGroupedQueryAttention(int64_t dim, dist::Group group,
+                                nn::GroupedQueryAttentionOptions options = {},
+                                std::optional<ContextSplit> context = std::nullopt);
+  Tensor forward(const Tensor& x) override;
+  Tensor forward_inputs(const nn::Inputs& inputs) override;
+  /// Decoding: x after the positions `cache` holds (this rank's key/value heads), attending to
+  /// them too. Not with a context split.
+  Tensor forward(const nn::Inputs& inputs, nn::KVCache& cache);
+  int64_t local_heads() const { return local_heads_; }
+  int64_t local_kv_heads() const { return local_kv_heads_; }
+  /// Whether every rank holds the whole kv (fewer key/value heads than ranks).
+  bool replicates_kv() const { return replicated_kv_; }
+  std::shared_ptr<ColumnParallelLinear> q;
+  Tensor& kv;       // [2, kv_heads / n * head_dim, dim], or [2, kv_heads * head_dim, dim]
+  Tensor& kv_bias;  // undefined without bias
+  std::shared_ptr<RowParallelLinear> out;
 
-/// Block i's mixture of experts under ParallelLMOptions (its own seed), or none.
-std::optional<nn::MoEOptions> block_experts(const ParallelLMOptions& split, int64_t block);
+ private:
+  Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& documents);
+  Tensor run(const nn::Inputs& inputs, nn::KVCache* cache);
+  int64_t dim_, head_dim_, local_heads_, local_kv_heads_, first_kv_head_;
+  bool replicated_kv_;
+  nn::GroupedQueryAttentionOptions options_;
+  std::optional<ContextSplit> context_;
+};
 
 struct ParallelTransformerBlockOptions {
   /// The MLP's hidden width; 4 dim when 0.
@@ -151,10 +158,8 @@ struct ParallelTransformerBlockOptions {
   /// activations 1/n the size); the norms' gradients are summed over the group.
   bool sequence_parallel = false;
   Generator* generator = nullptr;
-  /// Context parallelism for the attention (ParallelAttentionOptions::context_group).
-  std::optional<dist::Group> context_group = std::nullopt;
-  ContextParallelMode context_mode = ContextParallelMode::Ring;
-  SequenceLayout context_layout = SequenceLayout::ZigZag;
+  /// Context parallelism for the attention (ParallelAttentionOptions::context).
+  std::optional<ContextSplit> context = std::nullopt;
   /// A mixture of experts in place of the MLP (moe->hidden is dim), registered as "moe": spread
   /// over expert_group (ExpertParallelMoE, Megatron's expert parallelism) when it has several
   /// ranks, else nn::MoE. The ranks of the tensor group hold the same experts and route the same

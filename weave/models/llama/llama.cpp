@@ -1,0 +1,205 @@
+// The Llama block and model: whole layers or their tensor-parallel counterparts, as the split
+// says.
+#include "weave/models/llama/llama.h"
+
+#include "weave/autograd/grad_mode.h"
+#include "weave/parallel/core/placement.h"
+#include "weave/parallel/model_parallel/experts.h"
+#include "weave/parallel/model_parallel/parallel_transformer.h"
+
+namespace weave::models {
+
+namespace {
+
+constexpr const char* kLlama = "Llama";
+
+// The block's attention, and how it decodes with a cache.
+template <typename Attention, typename... Args>
+std::shared_ptr<nn::Module> make_attention(
+    std::function<Tensor(const nn::Inputs&, nn::KVCache&)>& cached, Args&&... args) {
+  auto attention = std::make_shared<Attention>(std::forward<Args>(args)...);
+  cached = [layer = attention.get()](const nn::Inputs& inputs, nn::KVCache& cache) {
+    return layer->forward(inputs, cache);
+  };
+  return attention;
+}
+
+}  // namespace
+
+int64_t llama_hidden(int64_t dim) {
+  const int64_t hidden = (8 * dim + 2) / 3;
+  return (hidden + 63) / 64 * 64;
+}
+
+LlamaBlock::LlamaBlock(int64_t dim, LlamaBlockOptions options, const ModelSplit& split,
+                       int64_t index)
+    : nn::Module("LlamaBlock") {
+  // The norms draw nothing, the attention and the MLP their weights, in this order.
+  norm1 = register_module("norm1", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
+  const nn::GroupedQueryAttentionOptions attend{.heads = options.heads,
+                                                .kv_heads = options.kv_heads,
+                                                .bias = options.qkv_bias,
+                                                .causal = options.causal,
+                                                .rotary = options.rotary,
+                                                .generator = options.generator};
+  attention = register_module(
+      "attention", split.tensor
+                       ? make_attention<parallel::ParallelGroupedQueryAttention>(
+                             cached_attention_, dim, *split.tensor, attend, split.context())
+                       : make_attention<nn::GroupedQueryAttention>(cached_attention_, dim, attend));
+  norm2 = register_module("norm2", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
+  if (const auto experts = split.block_experts(index)) {
+    WEAVE_CHECK(experts->hidden == dim, "LlamaBlock",
+                "the experts' moe.hidden must be the block's dim {}, found {}", dim,
+                experts->hidden);
+    parallel::BlockExperts made =
+        parallel::make_block_experts(*experts, split.expert_group, split.balance_group);
+    aux_loss_ = std::move(made.aux_loss);
+    moe = register_module("moe", std::move(made.module));
+  } else {
+    const int64_t hidden = options.hidden == 0 ? llama_hidden(dim) : options.hidden;
+    if (split.tensor)
+      mlp = register_module("mlp",
+                            std::make_shared<parallel::ParallelGatedMLP>(
+                                dim, hidden, *split.tensor,
+                                parallel::ParallelGatedMLPOptions{.activation = options.activation,
+                                                                  .generator = options.generator}));
+    else
+      mlp = register_module("mlp", std::make_shared<nn::GatedMLP>(
+                                       dim, hidden,
+                                       nn::GatedMLPOptions{.activation = options.activation,
+                                                           .generator = options.generator}));
+  }
+  if (split.context_group) parallel::record_context_reads(*this, *split.context_group);
+}
+
+Tensor LlamaBlock::forward(const Tensor& x) {
+  return forward_inputs(nn::Inputs(x));
+}
+
+Tensor LlamaBlock::forward_inputs(const nn::Inputs& inputs) {
+  return mix(inputs.x + (*attention)(inputs.with((*norm1)(inputs.x))));
+}
+
+Tensor LlamaBlock::forward(const nn::Inputs& inputs, nn::KVCache& cache) {
+  return mix(inputs.x + cached_attention_(inputs.with((*norm1)(inputs.x)), cache));
+}
+
+Tensor LlamaBlock::mix(const Tensor& h) {
+  return h + (moe ? (*moe)((*norm2)(h)) : (*mlp)((*norm2)(h)));
+}
+
+Tensor LlamaBlock::aux_loss() const {
+  return aux_loss_ ? aux_loss_() : Tensor();
+}
+
+Llama::Llama(LlamaOptions options, ModelSplit split)
+    : nn::CausalLM(kLlama), options_(options), split_(std::move(split)) {
+  WEAVE_CHECK(options.vocab > 0 && options.dim > 0 && options.layers > 0, kLlama,
+              "vocab, dim and layers must be positive, found {}, {} and {}", options.vocab,
+              options.dim, options.layers);
+  split_.check(kLlama, options.layers);
+  WEAVE_CHECK(!options.tie_embeddings || (!split_.tensor && split_.stages == 1), kLlama,
+              "a head tied to the embedding is not split here (the embedding splits by "
+              "vocabulary rows, the head by output columns alike, but they would need one "
+              "parameter); hint: untie it, or run the whole model");
+  const std::optional<dist::Group>& tp = split_.tensor;
+  const int64_t padded = tp ? parallel::padded_vocab(options.vocab, tp->size()) : options.vocab;
+  if (split_.first_stage()) {
+    if (tp) {
+      auto table = std::make_shared<parallel::VocabParallelEmbedding>(
+          options.vocab, options.dim, *tp, options.generator, padded);
+      embedding_weight_ = &table->weight;
+      embedding = register_module("embedding", table);
+    } else {
+      auto table = std::make_shared<nn::Embedding>(options.vocab, options.dim, options.generator);
+      embedding_weight_ = &table->weight;
+      embedding = register_module("embedding", table);
+    }
+  }
+  const auto [first, last] = split_.stage_blocks(options.layers);
+  blocks = register_module("blocks", std::make_shared<nn::Sequential>(size_t(first)));
+  LlamaBlockOptions block = options.block;
+  block.generator = options.generator;
+  for (int64_t i = first; i < last; ++i)
+    blocks->push_back(std::make_shared<LlamaBlock>(options.dim, block, split_, i));
+  if (split_.last_stage()) {
+    norm =
+        register_module("norm", std::make_shared<nn::RMSNorm>(Shape{options.dim}, block.norm_eps));
+    add_head();
+  }
+  if (split_.context_group) parallel::record_context_reads(*this, *split_.context_group);
+}
+
+void Llama::add_head() {
+  const std::optional<dist::Group>& tp = split_.tensor;
+  if (tp) {
+    auto columns = std::make_shared<parallel::ColumnParallelLinear>(
+        options_.dim, parallel::padded_vocab(options_.vocab, tp->size()), *tp,
+        parallel::ColumnParallelOptions{.bias = false, .generator = options_.generator});
+    parallel::record_padding(columns->weight, *tp, options_.vocab);  // as the embedding's
+    head = register_module("head", columns);
+  } else if (!options_.tie_embeddings) {
+    head = register_module("head", std::make_shared<nn::Linear>(options_.dim, options_.vocab, false,
+                                                                options_.generator));
+  }
+}
+
+Tensor& Llama::embedding_weight() {
+  WEAVE_CHECK(embedding_weight_ != nullptr, kLlama,
+              "stage {} of {} holds no embedding (the first stage does)", split_.stage,
+              split_.stages);
+  return *embedding_weight_;
+}
+
+Tensor Llama::forward(const Tensor& tokens) {
+  return forward_inputs(nn::Inputs(tokens));
+}
+
+Tensor Llama::forward_inputs(const nn::Inputs& inputs) {
+  if (!embedding) detail::check_stage_input(kLlama, split_, inputs.x, options_.dim);
+  const Tensor h = run_blocks(*blocks, inputs.with(embedding ? (*embedding)(inputs.x) : inputs.x));
+  if (!norm) return detail::stage_output(*this, h, aux_loss());
+  return logits((*norm)(h), split_.gather_logits);
+}
+
+Tensor Llama::logits(const Tensor& hidden, bool gather) {
+  if (!split_.tensor) return head ? (*head)(hidden) : linear(hidden, embedding_weight());
+  return parallel::vocab_parallel_logits((*head)(hidden), options_.vocab, *split_.tensor, gather);
+}
+
+std::vector<std::string> Llama::shard_units() const {
+  std::vector<std::string> names;
+  // A tied head reads the embedding after the blocks: then it is the root's.
+  if (embedding && !options_.tie_embeddings) names.push_back("embedding");
+  for (const auto& [name, block] : blocks->named_children()) names.push_back("blocks." + name);
+  if (norm) names.push_back("norm");
+  if (head) names.push_back("head");
+  return names;
+}
+
+Tensor Llama::aux_loss() const {
+  return detail::sum_aux_losses<LlamaBlock>(*blocks);
+}
+
+std::vector<nn::KVCache> Llama::make_caches(int64_t max_length) const {
+  return std::vector<nn::KVCache>(blocks->size(), nn::KVCache(max_length));
+}
+
+Tensor Llama::forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& caches) {
+  split_.check_decoding(kLlama);
+  WEAVE_CHECK(caches.size() == blocks->size(), kLlama,
+              "expected a cache per block ({}), found {}; hint: make_caches", blocks->size(),
+              caches.size());
+  NoGradGuard no_grad;
+  Tensor h = (*embedding)(tokens);
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    auto& block = static_cast<LlamaBlock&>((*blocks)[i]);
+    // Between the block's hooks: a fully sharded wrapper gathers it for the step.
+    h = block.call(nn::Inputs(h),
+                   [&](const nn::Inputs& in) { return block.forward(in, caches[i]); });
+  }
+  return logits((*norm)(h), /*gather=*/true);
+}
+
+}  // namespace weave::models

@@ -1,0 +1,131 @@
+#pragma once
+// Llama-class models (Llama, Mistral, Qwen 2): grouped-query attention with rotary positions, a
+// gated MLP (or a mixture of experts), RMSNorms; one class whether whole or split over ranks
+// (models::ModelSplit: tensor, context, pipeline and expert parallelism). Positions and document
+// ids (nn::Inputs) reach every block: windows packed with several documents attend within each.
+//
+//   models::Llama model({.vocab = 32000, .dim = 512, .layers = 8,
+//                        .block = {.heads = 8, .kv_heads = 2, .rotary = RotaryOptions{.base =
+//                        500000}}});
+//   Tensor logits = model({tokens, positions, document_ids});   // [B, T] -> [B, T, vocab]
+//   Tensor text = nn::generate(model, prompt, {.max_new_tokens = 64});
+//
+//   models::Llama part(options, models::ModelSplit::from_mesh(mesh));  // this rank's slices
+//   parallel::load_pretrained(part, config, "llama/");                 // each reads its own
+//
+// Split over a tensor group, forward gives this rank's vocabulary slice of the logits
+// [B, T, padded / n] (for parallel::vocab_parallel_cross_entropy) unless split.gather_logits; a
+// vocabulary that does not divide among the ranks is padded (parallel::padded_vocab), its
+// padding masked out of the logits, and the embedding and head parameters are the padded ones.
+// Built from the same seed on every rank, each rank holds the slices of the whole model, under
+// its parameter names.
+#include <functional>
+#include <optional>
+
+#include "weave/data/hf/hf_checkpoint.h"
+#include "weave/models/model_split.h"
+#include "weave/nn/generation.h"
+#include "weave/nn/grouped_query_attention.h"
+
+namespace weave::models {
+
+/// Llama's MLP width for a model width: 8 dim / 3, rounded up to a multiple of 64.
+int64_t llama_hidden(int64_t dim);
+
+struct LlamaBlockOptions {
+  int64_t heads = 8;
+  /// Key/value heads, dividing heads (1: multi-query attention); 0: as many as heads.
+  int64_t kv_heads = 0;
+  /// The gated MLP's hidden width; llama_hidden(dim) when 0.
+  int64_t hidden = 0;
+  std::optional<RotaryOptions> rotary = RotaryOptions{};
+  nn::GatedActivation activation = nn::GatedActivation::SiLU;
+  double norm_eps = 1e-5;
+  bool causal = true;
+  Generator* generator = nullptr;
+  /// Biases of the q, k and v projections (Qwen 2's).
+  bool qkv_bias = false;
+};
+
+/// A pre-RMSNorm block: h = x + attention(norm1(x)), then h + mlp(norm2(h)). Its attention is
+/// nn::GroupedQueryAttention, or parallel::ParallelGroupedQueryAttention over split.tensor (and
+/// split.context_group); its MLP nn::GatedMLP or parallel::ParallelGatedMLP, or with
+/// split.moe a mixture of experts registered as "moe" (block `index`'s seed).
+class LlamaBlock : public nn::Module {
+ public:
+  LlamaBlock(int64_t dim, LlamaBlockOptions options = {}, const ModelSplit& split = {},
+             int64_t index = 0);
+  Tensor forward(const Tensor& x) override;
+  Tensor forward_inputs(const nn::Inputs& inputs) override;
+  /// With a key/value cache for the attention (generation).
+  Tensor forward(const nn::Inputs& inputs, nn::KVCache& cache);
+  /// The last forward's load-balancing and z-loss (undefined without experts).
+  Tensor aux_loss() const;
+  std::shared_ptr<nn::RMSNorm> norm1, norm2;
+  std::shared_ptr<nn::Module> attention;
+  /// The MLP, or (with experts) null and `moe` the mixture of experts.
+  std::shared_ptr<nn::Module> mlp, moe;
+
+ private:
+  Tensor mix(const Tensor& h);
+  std::function<Tensor(const nn::Inputs&, nn::KVCache&)> cached_attention_;
+  std::function<Tensor()> aux_loss_;
+};
+
+struct LlamaOptions {
+  int64_t vocab = 32000;
+  int64_t dim = 512;
+  int64_t layers = 8;
+  /// Every block's options (their generator is the model's).
+  LlamaBlockOptions block{};
+  /// The head multiplies by the embedding's weight instead of one of its own (whole models).
+  bool tie_embeddings = false;
+  Generator* generator = nullptr;
+};
+
+/// A decoder-only language model: token ids [B, T] -> logits [B, T, vocab] through an embedding,
+/// `layers` LlamaBlocks ("blocks.<i>"), a final RMSNorm and the head.
+class Llama : public nn::CausalLM {
+ public:
+  explicit Llama(LlamaOptions options = {}, ModelSplit split = {});
+  Tensor forward(const Tensor& tokens) override;
+  Tensor forward_inputs(const nn::Inputs& inputs) override;
+  int64_t vocab() const override { return options_.vocab; }
+  std::vector<nn::KVCache> make_caches(int64_t max_length) const override;
+  Tensor forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& caches) override;
+  /// FSDP's units: this stage's embedding (unless a tied head reads it after the blocks: then
+  /// the root's), each block, the final norm and the head.
+  std::vector<std::string> shard_units() const override;
+  /// With split.moe: the last forward's load-balancing and z-losses of this stage's blocks,
+  /// summed (add it to the loss); undefined without experts.
+  Tensor aux_loss() const;
+  const LlamaOptions& options() const { return options_; }
+  const ModelSplit& split() const { return split_; }
+  /// The embedding table (this rank's vocabulary rows when split); the first stage's.
+  Tensor& embedding_weight();
+
+  /// nn::Embedding, or parallel::VocabParallelEmbedding; null past the first pipeline stage.
+  std::shared_ptr<nn::Module> embedding;
+  std::shared_ptr<nn::Sequential> blocks;  // this stage's
+  std::shared_ptr<nn::RMSNorm> norm;       // null before the last stage
+  /// nn::Linear, or parallel::ColumnParallelLinear over the vocabulary; null when tied and
+  /// before the last stage.
+  std::shared_ptr<nn::Module> head;
+
+ private:
+  void add_head();
+  Tensor logits(const Tensor& hidden, bool gather);
+  LlamaOptions options_;
+  ModelSplit split_;
+  Tensor* embedding_weight_ = nullptr;
+};
+
+/// The options of a Hugging Face Llama configuration (LlamaForCausalLM, Qwen2ForCausalLM).
+LlamaOptions llama_options(const data::hf::ModelConfig& config, Generator* generator = nullptr);
+/// The configuration of a model built from its options, to export it: dims, heads, rotary base
+/// and scaling, norms' eps, tied head, Qwen 2's biases. Raises for what Hugging Face's Llama
+/// cannot describe (interleaved or partial rotary, another gated activation, a non-causal
+/// block), naming it.
+data::hf::ModelConfig model_config(const LlamaOptions& options, DType dtype = kFloat32);
+
+}  // namespace weave::models

@@ -1,0 +1,77 @@
+#include "weave/models/model_split.h"
+
+#include "weave/ops/side_loss.h"
+
+namespace weave::models {
+
+ModelSplit ModelSplit::from_mesh(const parallel::ProcessMesh& mesh, ModelSplit base) {
+  const parallel::MeshShape& shape = mesh.shape();
+  const bool split =
+      shape.tensor > 1 || shape.context > 1 || shape.pipeline > 1 || shape.expert > 1 || base.moe;
+  if (!split) return base;
+  base.tensor = mesh.tensor();
+  base.context_group = shape.context > 1 ? std::optional(mesh.context()) : std::nullopt;
+  base.stage = mesh.pipeline_rank();
+  base.stages = shape.pipeline;
+  if (base.moe) {
+    base.expert_group = mesh.expert();
+    base.balance_group = mesh.data_and_context();
+  }
+  return base;
+}
+
+ModelSplit ModelSplit::from_mesh(const parallel::ProcessMesh& mesh) {
+  return from_mesh(mesh, ModelSplit{});
+}
+
+std::optional<parallel::ContextSplit> ModelSplit::context() const {
+  if (!context_group) return std::nullopt;
+  return parallel::ContextSplit{*context_group, context_mode, context_layout};
+}
+
+std::optional<nn::MoEOptions> ModelSplit::block_experts(int64_t index) const {
+  if (!moe) return std::nullopt;
+  nn::MoEOptions options = *moe;
+  options.seed += uint64_t(index);
+  return options;
+}
+
+std::pair<int64_t, int64_t> ModelSplit::stage_blocks(int64_t layers) const {
+  return {layers * stage / stages, layers * (stage + 1) / stages};
+}
+
+void ModelSplit::check(const char* model, int64_t layers) const {
+  WEAVE_CHECK(stages >= 1 && stage >= 0 && stage < stages && layers >= stages, model,
+              "expected stage s of S stages, 0 <= s < S <= layers ({}), found stage {} of {}",
+              layers, stage, stages);
+  WEAVE_CHECK(!context_group || tensor, model,
+              "a context split needs a tensor group (its attention layers are the "
+              "tensor-parallel ones; a group of this rank alone will do); hint: "
+              "ModelSplit::from_mesh sets both");
+}
+
+void ModelSplit::check_decoding(const char* model) const {
+  WEAVE_CHECK(stages == 1, model,
+              "decoding with caches is not split into pipeline stages; hint: decode with the "
+              "whole model (gather it, or load a checkpoint of it)");
+  WEAVE_CHECK(!context_group, model,
+              "decoding with caches is not split over a context group; hint: decode with a model "
+              "built without one (gather_state_dict)");
+}
+
+namespace detail {
+
+Tensor stage_output(const nn::Module& model, const Tensor& hidden, const Tensor& aux) {
+  return aux.defined() && model.is_training() ? attach_loss(hidden, aux) : hidden;
+}
+
+void check_stage_input(const char* model, const ModelSplit& split, const Tensor& hidden,
+                       int64_t dim) {
+  WEAVE_CHECK(hidden.defined() && hidden.dim() == 3 && hidden.size(-1) == dim, model,
+              "stage {} of {} expected the previous stage's hidden states [B, T, {}], found {}",
+              split.stage, split.stages, dim, hidden.defined() ? hidden.shape() : Shape{});
+}
+
+}  // namespace detail
+
+}  // namespace weave::models

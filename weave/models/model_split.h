@@ -1,0 +1,92 @@
+#pragma once
+// How a model of weave/models is split over ranks: one value, empty on one process and made from
+// a ProcessMesh in one call. The model reads it to pick its layers: whole ones (nn/) without a
+// tensor group, their tensor-parallel counterparts (parallel/model_parallel/) with one, each
+// layer holding the slices of the whole layer under the same parameter names.
+//
+//   models::Llama whole(options);                                          // one process
+//   models::Llama part(options, models::ModelSplit::from_mesh(mesh));      // this rank's part
+//   models::Llama moe(options, models::ModelSplit::from_mesh(mesh, {.moe = experts}));
+#include <optional>
+#include <utility>
+
+#include "weave/nn/module.h"
+#include "weave/nn/moe.h"
+#include "weave/parallel/core/mesh.h"
+#include "weave/parallel/model_parallel/context_parallel.h"
+
+namespace weave::models {
+
+struct ModelSplit {
+  /// Tensor parallelism (Megatron's): attention heads, MLP units and the vocabulary split over
+  /// this group. Without it every layer is whole.
+  std::optional<dist::Group> tensor = std::nullopt;
+  /// The model's forward gives every rank all the logits; else (with a tensor group) this
+  /// rank's vocabulary slice, for parallel::vocab_parallel_cross_entropy. Decoding gathers them.
+  bool gather_logits = false;
+  /// Context parallelism (needs a tensor group, one rank will do): each rank of this group
+  /// passes its part of every sequence (parallel::shard_sequence(tokens, 1, group, layout)) and
+  /// gets that part's logits, positions taken from the part's place. Decoding raises.
+  std::optional<dist::Group> context_group = std::nullopt;
+  parallel::ContextParallelMode context_mode = parallel::ContextParallelMode::Ring;
+  parallel::SequenceLayout context_layout = parallel::SequenceLayout::ZigZag;
+  /// Pipeline parallelism: the model is stage `stage` of `stages` (parallel::Pipeline runs
+  /// them): blocks [layers stage / stages, layers (stage + 1) / stages) under their names in the
+  /// whole model ("blocks.<i>"), the embedding on the first stage (which takes the tokens), the
+  /// final norm and the head on the last (which gives the logits); between, hidden states
+  /// [B, T, dim] flow. Decoding raises.
+  int stage = 0;
+  int stages = 1;
+  /// A mixture of experts in every block's place of the MLP (block i's seeded moe->seed + i),
+  /// spread over expert_group when it has several ranks, its load-balancing loss counting the
+  /// assignments of balance_group's batches (data x context); the model's aux_loss() sums the
+  /// blocks' (add it to the loss).
+  std::optional<nn::MoEOptions> moe = std::nullopt;
+  std::optional<dist::Group> expert_group = std::nullopt;
+  std::optional<dist::Group> balance_group = std::nullopt;
+
+  /// This rank's split in `mesh`: its tensor group (whenever the mesh splits the model in any
+  /// way, or `base` has experts), its context group and pipeline stage, its expert group and
+  /// the data x context ranks that balance the experts; the rest (experts' options, context
+  /// mode and layout, gather_logits) from `base`. Empty for a mesh of data parallelism alone.
+  static ModelSplit from_mesh(const parallel::ProcessMesh& mesh, ModelSplit base);
+  static ModelSplit from_mesh(const parallel::ProcessMesh& mesh);
+
+  /// The context split of the attention layers, or none.
+  std::optional<parallel::ContextSplit> context() const;
+  /// Block `index`'s experts (its own seed), or none.
+  std::optional<nn::MoEOptions> block_experts(int64_t index) const;
+  /// The blocks [first, last) this stage holds of a model of `layers`.
+  std::pair<int64_t, int64_t> stage_blocks(int64_t layers) const;
+  bool first_stage() const { return stage == 0; }
+  bool last_stage() const { return stage == stages - 1; }
+  /// Raises, naming `model`, for a stage outside [0, stages), more stages than layers, or a
+  /// context group without a tensor group.
+  void check(const char* model, int64_t layers) const;
+  /// Raises, naming `model`, unless a key/value cache can decode with this split (no pipeline
+  /// stages, no context group).
+  void check_decoding(const char* model) const;
+};
+
+namespace detail {
+
+/// What a pipeline stage before the last passes on: its hidden states, carrying its blocks'
+/// experts' balancing losses (aux, undefined without) into the objective (the last stage's
+/// loss can add only its own blocks').
+Tensor stage_output(const nn::Module& model, const Tensor& hidden, const Tensor& aux);
+/// Raises, naming `model`, unless `hidden` is a previous stage's output [B, T, dim].
+void check_stage_input(const char* model, const ModelSplit& split, const Tensor& hidden,
+                       int64_t dim);
+/// The sum of the blocks' aux_loss() (undefined when none has one).
+template <typename Block>
+Tensor sum_aux_losses(const nn::Module& blocks) {
+  Tensor total;
+  for (const auto& [name, child] : blocks.named_children())
+    if (Tensor aux = static_cast<const Block&>(*child).aux_loss(); aux.defined())
+      total = total.defined() ? total + aux : aux;
+  return total;
+}
+
+}  // namespace detail
+
+}  // namespace weave::models

@@ -1,0 +1,61 @@
+#pragma once
+// Grouped-query attention with rotary positions (Llama, Mistral, Qwen): `kv_heads` key/value heads
+// shared by `heads` query heads. It reads the side inputs of nn::Inputs: the tokens' positions
+// and, for windows packed with several documents, the document ids (attention stays within a
+// document; positions restart at each).
+//
+//   nn::GroupedQueryAttention attention(512, {.heads = 8, .kv_heads = 2,
+//                                             .rotary = {.base = 500000}});
+//   Tensor y = attention({x, positions, document_ids});  // x [B, T, 512]; ids [B, T] or [T]
+//   Tensor z = attention(x);                             // positions 0 .. T-1, one document
+#include <optional>
+
+#include "weave/nn/transformer.h"
+
+namespace weave::nn {
+
+struct GroupedQueryAttentionOptions {
+  int64_t heads = 8;
+  /// Key/value heads, dividing heads (1: multi-query attention); 0: as many as heads.
+  int64_t kv_heads = 0;
+  /// Biases of the q and kv projections (Qwen 2's q, k and v have them; Llama's none).
+  bool bias = false;
+  /// A bias of the out projection.
+  bool out_bias = false;
+  bool causal = true;
+  /// Rotary embeddings of q and k; none when unset.
+  std::optional<RotaryOptions> rotary = RotaryOptions{};
+  /// Dropout on the attention probabilities, in training mode.
+  double dropout = 0.0;
+  Generator* generator = nullptr;
+};
+
+/// Self-attention with `kv_heads` key/value heads shared by `heads` query heads. The query
+/// projection q [heads * head_dim, dim] and the key/value projection kv [2, kv_heads *
+/// head_dim, dim] (kv[0] for keys, kv[1] for values: one GEMM) are separate, so a tensor-
+/// parallel split cuts each along its heads. Keys and values are never repeated per query head
+/// (scaled_dot_product_attention reads the shared heads in place).
+class GroupedQueryAttention : public Module {
+ public:
+  GroupedQueryAttention(int64_t dim, GroupedQueryAttentionOptions options = {});
+  /// x [B, T, dim] -> [B, T, dim], at positions 0 .. T-1, one document.
+  Tensor forward(const Tensor& x) override;
+  /// The same at inputs.positions, attending within inputs.document_ids.
+  Tensor forward_inputs(const Inputs& inputs) override;
+  /// x after the positions `cache` holds (at positions cache.length() onwards unless
+  /// inputs.positions says), attending to them too; appends this call's keys and values.
+  Tensor forward(const Inputs& inputs, KVCache& cache);
+  int64_t heads() const { return options_.heads; }
+  int64_t kv_heads() const { return kv_heads_; }
+  std::shared_ptr<Linear> q;    // [heads * head_dim, dim]
+  Tensor& kv;                   // [2, kv_heads * head_dim, dim]
+  Tensor& kv_bias;              // [2, kv_heads * head_dim], undefined without bias
+  std::shared_ptr<Linear> out;  // [dim, heads * head_dim]
+
+ private:
+  Tensor attend(const Inputs& inputs, KVCache* cache);
+  int64_t dim_, head_dim_, kv_heads_;
+  GroupedQueryAttentionOptions options_;
+};
+
+}  // namespace weave::nn
