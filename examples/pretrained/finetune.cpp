@@ -105,8 +105,7 @@ void write_new_model(const Flags& f) {
     WEAVE_CHECK(!f.tokenizer.empty(), "finetune", "--init needs --tokenizer DIR");
     const auto tok = data::Tokenizer::from_directory(f.tokenizer);
     data::hf::ModelConfig config;
-    config.architecture =
-        f.init == "gpt2" ? data::hf::Architecture::GPT2 : data::hf::Architecture::Llama;
+    config.architecture = f.init == "gpt2" ? "gpt2" : "llama";
     // The tokenizer's (tensor parallelism pads it where the ranks do not divide it).
     config.vocab = tok.vocab_size(), config.dim = f.dim, config.layers = f.layers;
     config.heads = f.heads, config.kv_heads = f.init == "gpt2" ? f.heads : f.kv_heads;

@@ -58,7 +58,7 @@ void write_llama(const data::hf::ModelConfig& config, const std::string& dir) {
 
 data::hf::ModelConfig small_llama() {
   data::hf::ModelConfig config;
-  config.architecture = data::hf::Architecture::Llama;
+  config.architecture = "llama";
   config.vocab = 1024, config.dim = 128, config.layers = 6, config.heads = 4, config.kv_heads = 2;
   config.hidden = models::llama_hidden(config.dim), config.max_positions = 256;
   return config;

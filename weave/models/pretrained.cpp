@@ -9,7 +9,7 @@ namespace weave::models {
 
 std::shared_ptr<nn::CausalLM> make_model(const data::hf::ModelConfig& config,
                                          const ModelSplit& split, Generator* generator) {
-  if (config.architecture == data::hf::Architecture::GPT2)
+  if (config.architecture == "gpt2")
     return std::make_shared<GPT2>(gpt2_options(config, generator), split);
   return std::make_shared<Llama>(llama_options(config, generator), split);
 }

@@ -1,5 +1,5 @@
-// Hugging Face's names and layouts for GPT-2 and Llama, and the reads and writes that convert
-// between them and weave's, slice by slice.
+// The reads that convert Hugging Face's layouts to weave's, slice by slice; each architecture's
+// names and layouts come from weave/models/<arch>/ (hf_architecture.h).
 #include "weave/data/hf/hf_checkpoint.h"
 
 #include <cstring>
@@ -8,83 +8,15 @@
 #include <nlohmann/json.hpp>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/data/hf/hf_architecture.h"
 #include "weave/data/hf/hf_mapping.h"
 #include "weave/data/safetensors.h"
 #include "weave/nn/deferred.h"
 
 namespace weave::data::hf {
 namespace detail {
-namespace {
-
-std::vector<Mapping> gpt2_mappings(const ModelConfig& c) {
-  const int64_t D = c.dim, F = c.hidden;
-  std::vector<Mapping> m{
-      {"tokens.weight", {"transformer.wte.weight"}, Layout::Same, {{c.vocab, D}}},
-      {"positions.weight", {"transformer.wpe.weight"}, Layout::Same, {{c.max_positions, D}}}};
-  const auto add = [&](std::string weave, std::string source, Layout layout, Shape shape) {
-    m.push_back({std::move(weave), {std::move(source)}, layout, {std::move(shape)}});
-  };
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string w = "blocks." + std::to_string(i) + ".";
-    const std::string h = "transformer.h." + std::to_string(i) + ".";
-    for (auto [mine, theirs] : {std::pair{"norm1", "ln_1"}, std::pair{"norm2", "ln_2"}}) {
-      add(w + mine + ".weight", h + theirs + ".weight", Layout::Same, {D});
-      add(w + mine + ".bias", h + theirs + ".bias", Layout::Same, {D});
-    }
-    add(w + "attention.qkv.weight", h + "attn.c_attn.weight", Layout::HeadsQKV, {D, 3 * D});
-    add(w + "attention.qkv.bias", h + "attn.c_attn.bias", Layout::HeadsQKV, {3 * D});
-    add(w + "attention.out.weight", h + "attn.c_proj.weight", Layout::Transposed, {D, D});
-    add(w + "attention.out.bias", h + "attn.c_proj.bias", Layout::Same, {D});
-    add(w + "mlp.fc1.weight", h + "mlp.c_fc.weight", Layout::Transposed, {D, F});
-    add(w + "mlp.fc1.bias", h + "mlp.c_fc.bias", Layout::Same, {F});
-    add(w + "mlp.fc2.weight", h + "mlp.c_proj.weight", Layout::Transposed, {F, D});
-    add(w + "mlp.fc2.bias", h + "mlp.c_proj.bias", Layout::Same, {D});
-  }
-  add("norm.weight", "transformer.ln_f.weight", Layout::Same, {D});
-  add("norm.bias", "transformer.ln_f.bias", Layout::Same, {D});
-  return m;
-}
-
-std::vector<Mapping> llama_mappings(const ModelConfig& c) {
-  const int64_t D = c.dim, F = c.hidden, KV = c.kv_heads * (c.dim / c.heads);
-  std::vector<Mapping> m{
-      {"embedding.weight", {"model.embed_tokens.weight"}, Layout::Same, {{c.vocab, D}}}};
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string w = "blocks." + std::to_string(i) + ".";
-    const std::string h = "model.layers." + std::to_string(i) + ".";
-    m.push_back({w + "norm1.weight", {h + "input_layernorm.weight"}, Layout::Same, {{D}}});
-    m.push_back(
-        {w + "attention.q.weight", {h + "self_attn.q_proj.weight"}, Layout::Same, {{D, D}}});
-    m.push_back({w + "attention.kv",
-                 {h + "self_attn.k_proj.weight", h + "self_attn.v_proj.weight"},
-                 Layout::Stacked,
-                 {{KV, D}, {KV, D}}});
-    if (c.qkv_bias) {
-      m.push_back({w + "attention.q.bias", {h + "self_attn.q_proj.bias"}, Layout::Same, {{D}}});
-      m.push_back({w + "attention.kv_bias",
-                   {h + "self_attn.k_proj.bias", h + "self_attn.v_proj.bias"},
-                   Layout::Stacked,
-                   {{KV}, {KV}}});
-    }
-    m.push_back(
-        {w + "attention.out.weight", {h + "self_attn.o_proj.weight"}, Layout::Same, {{D, D}}});
-    m.push_back({w + "norm2.weight", {h + "post_attention_layernorm.weight"}, Layout::Same, {{D}}});
-    m.push_back({w + "mlp.gate_up",
-                 {h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"},
-                 Layout::Stacked,
-                 {{F, D}, {F, D}}});
-    m.push_back({w + "mlp.down.weight", {h + "mlp.down_proj.weight"}, Layout::Same, {{D, F}}});
-  }
-  m.push_back({"norm.weight", {"model.norm.weight"}, Layout::Same, {{D}}});
-  if (!c.tie_embeddings)
-    m.push_back({"head.weight", {"lm_head.weight"}, Layout::Same, {{c.vocab, D}}});
-  return m;
-}
-
-}  // namespace
-
 std::vector<Mapping> mappings(const ModelConfig& config) {
-  return config.architecture == Architecture::GPT2 ? gpt2_mappings(config) : llama_mappings(config);
+  return architecture(config.architecture).mappings(config);
 }
 
 // W's shape: what weave holds of the sources.
@@ -272,7 +204,7 @@ struct WeightReader::Impl {
     WEAVE_CHECK(found != by_name.end(), kHf,
                 "the model's parameter {} has no counterpart in a {} checkpoint; hint: load into "
                 "the model models::make_model builds (whole or split)",
-                name, config.architecture == Architecture::GPT2 ? "GPT-2" : "Llama");
+                name, architecture(config.architecture).display);
     return *found->second;
   }
 };

@@ -29,11 +29,11 @@
 
 namespace weave::data::hf {
 
-enum class Architecture { GPT2, Llama };
-
 /// What weave takes from config.json (everything else is kept and written back on export).
 struct ModelConfig {
-  Architecture architecture = Architecture::Llama;
+  /// The architecture (weave's folder of it under weave/models/: "llama", which reads Llama and
+  /// Qwen 2 checkpoints, or "gpt2").
+  std::string architecture = "llama";
   int64_t vocab = 0, dim = 0, layers = 0, heads = 0;
   int64_t kv_heads = 0;       // Llama: num_key_value_heads (GPT-2: heads)
   int64_t hidden = 0;         // the MLP's width

@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "weave/data/hf/hf_architecture.h"
 #include "weave/data/hf/hf_checkpoint.h"
 #include "weave/data/hf/hf_mapping.h"
 #include "weave/data/safetensors.h"
@@ -169,7 +170,7 @@ void save_pretrained(const nn::Module& model, const ModelConfig& config, const s
     WEAVE_CHECK(found != params.end(), kHfExport,
                 "the model has no parameter {}, which a {} checkpoint holds; hint: save the whole "
                 "model (a split or sharded one: parallel::save_pretrained)",
-                name, config.architecture == Architecture::GPT2 ? "GPT-2" : "Llama");
+                name, architecture(config.architecture).display);
     out.write(name, found->second);
   }
   out.finish();

@@ -173,27 +173,4 @@ Tensor GPT2::logits(const Tensor& hidden, bool gather) {
   return parallel::vocab_parallel_logits(local, options_.vocab, *split_.tensor, gather);
 }
 
-GPT2Options gpt2_options(const data::hf::ModelConfig& config, Generator* generator) {
-  WEAVE_CHECK(config.architecture == data::hf::Architecture::GPT2, "hf",
-              "gpt2_options needs a GPT-2 configuration, found Llama's");
-  return {.vocab = config.vocab,
-          .dim = config.dim,
-          .layers = config.layers,
-          .heads = config.heads,
-          .max_positions = config.max_positions,
-          .generator = generator};
-}
-
-data::hf::ModelConfig model_config(const GPT2Options& options, DType dtype) {
-  WEAVE_CHECK(!options.untied_head, "hf",
-              "Hugging Face's GPT-2 ties its head to the token embedding; found untied_head");
-  data::hf::ModelConfig config;
-  config.architecture = data::hf::Architecture::GPT2;
-  config.vocab = options.vocab, config.dim = options.dim, config.layers = options.layers;
-  config.heads = options.heads, config.kv_heads = options.heads;
-  config.hidden = 4 * options.dim, config.max_positions = options.max_positions;
-  config.tie_embeddings = true, config.dtype = dtype;
-  return config;
-}
-
 }  // namespace weave::models

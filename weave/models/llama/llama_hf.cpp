@@ -1,0 +1,170 @@
+// Llama's Hugging Face side (LlamaForCausalLM, and Qwen2ForCausalLM: Llama with biased q, k and
+// v projections): config.json's fields, the checkpoint's names and layouts of weave's
+// parameters, and the model options of a config and back.
+#include <nlohmann/json.hpp>
+
+#include "weave/models/architectures.h"
+#include "weave/models/llama/llama.h"
+
+namespace weave::models {
+
+namespace {
+
+using json = nlohmann::json;
+using data::hf::config_integer;
+using data::hf::detail::Layout;
+using data::hf::detail::Mapping;
+constexpr const char* kLlamaHf = "hf";
+
+// Llama, or Qwen 2 (Llama with biased q, k and v projections).
+void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& config) {
+  const bool qwen2 = c.value("model_type", "") == "qwen2";
+  config.qkv_bias = qwen2;
+  config.vocab = config_integer(c, "vocab_size", path);
+  config.dim = config_integer(c, "hidden_size", path);
+  config.layers = config_integer(c, "num_hidden_layers", path);
+  config.heads = config_integer(c, "num_attention_heads", path);
+  config.kv_heads = c.contains("num_key_value_heads")
+                        ? config_integer(c, "num_key_value_heads", path)
+                        : config.heads;
+  config.hidden = config_integer(c, "intermediate_size", path);
+  config.max_positions = c.value("max_position_embeddings", int64_t(0));
+  config.norm_eps = c.value("rms_norm_eps", 1e-6);
+  config.rope_theta = c.value("rope_theta", 10000.0);
+  config.tie_embeddings = c.value("tie_word_embeddings", false);
+  WEAVE_CHECK(config.heads > 0 && config.dim % config.heads == 0, kLlamaHf,
+              "{}: hidden_size {} is not a multiple of num_attention_heads {}", path, config.dim,
+              config.heads);
+  const auto unsupported = [&](bool bad, const std::string& what) {
+    WEAVE_CHECK(!bad, kLlamaHf, "{}: {} is not supported", path, what);
+  };
+  unsupported(c.value("attention_bias", false), "attention_bias true");
+  unsupported(c.value("mlp_bias", false), "mlp_bias true");
+  unsupported(c.value("hidden_act", "silu") != "silu",
+              "hidden_act '" + c.value("hidden_act", "") + "' (Llama's is silu)");
+  unsupported(c.value("head_dim", config.dim / config.heads) != config.dim / config.heads,
+              "a head_dim other than hidden_size / num_attention_heads");
+  if (qwen2)  // Qwen 2 names a window it uses only with use_sliding_window
+    unsupported(c.value("use_sliding_window", false), "use_sliding_window true");
+  else
+    unsupported(c.contains("sliding_window") && !c["sliding_window"].is_null(), "sliding_window");
+  const json scaling = c.value("rope_scaling", json());
+  if (!scaling.is_null()) {
+    const std::string type = scaling.value("rope_type", scaling.value("type", ""));
+    unsupported(type != "llama3", "rope_scaling of type '" + type + "' (weave has Llama 3's)");
+    config.rope_scaling = Llama3RopeScaling{
+        .factor = scaling.at("factor").get<double>(),
+        .low_freq_factor = scaling.at("low_freq_factor").get<double>(),
+        .high_freq_factor = scaling.at("high_freq_factor").get<double>(),
+        .original_max_position = scaling.at("original_max_position_embeddings").get<int64_t>()};
+  }
+}
+
+void write_llama(const data::hf::ModelConfig& config, json& c) {
+  c["model_type"] = config.qkv_bias ? "qwen2" : "llama";
+  c["architectures"] = {config.qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
+  c["hidden_size"] = config.dim, c["num_hidden_layers"] = config.layers;
+  c["num_attention_heads"] = config.heads, c["num_key_value_heads"] = config.kv_heads;
+  c["intermediate_size"] = config.hidden, c["rms_norm_eps"] = config.norm_eps;
+  c["rope_theta"] = config.rope_theta, c["hidden_act"] = "silu";
+  if (config.max_positions > 0) c["max_position_embeddings"] = config.max_positions;
+  if (config.rope_scaling)
+    c["rope_scaling"] = {
+        {"rope_type", "llama3"},
+        {"factor", config.rope_scaling->factor},
+        {"low_freq_factor", config.rope_scaling->low_freq_factor},
+        {"high_freq_factor", config.rope_scaling->high_freq_factor},
+        {"original_max_position_embeddings", config.rope_scaling->original_max_position}};
+}
+
+std::vector<Mapping> llama_mappings(const data::hf::ModelConfig& c) {
+  const int64_t D = c.dim, F = c.hidden, KV = c.kv_heads * (c.dim / c.heads);
+  std::vector<Mapping> m{
+      {"embedding.weight", {"model.embed_tokens.weight"}, Layout::Same, {{c.vocab, D}}}};
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const std::string w = "blocks." + std::to_string(i) + ".";
+    const std::string h = "model.layers." + std::to_string(i) + ".";
+    m.push_back({w + "norm1.weight", {h + "input_layernorm.weight"}, Layout::Same, {{D}}});
+    m.push_back(
+        {w + "attention.q.weight", {h + "self_attn.q_proj.weight"}, Layout::Same, {{D, D}}});
+    m.push_back({w + "attention.kv",
+                 {h + "self_attn.k_proj.weight", h + "self_attn.v_proj.weight"},
+                 Layout::Stacked,
+                 {{KV, D}, {KV, D}}});
+    if (c.qkv_bias) {
+      m.push_back({w + "attention.q.bias", {h + "self_attn.q_proj.bias"}, Layout::Same, {{D}}});
+      m.push_back({w + "attention.kv_bias",
+                   {h + "self_attn.k_proj.bias", h + "self_attn.v_proj.bias"},
+                   Layout::Stacked,
+                   {{KV}, {KV}}});
+    }
+    m.push_back(
+        {w + "attention.out.weight", {h + "self_attn.o_proj.weight"}, Layout::Same, {{D, D}}});
+    m.push_back({w + "norm2.weight", {h + "post_attention_layernorm.weight"}, Layout::Same, {{D}}});
+    m.push_back({w + "mlp.gate_up",
+                 {h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"},
+                 Layout::Stacked,
+                 {{F, D}, {F, D}}});
+    m.push_back({w + "mlp.down.weight", {h + "mlp.down_proj.weight"}, Layout::Same, {{D, F}}});
+  }
+  m.push_back({"norm.weight", {"model.norm.weight"}, Layout::Same, {{D}}});
+  if (!c.tie_embeddings)
+    m.push_back({"head.weight", {"lm_head.weight"}, Layout::Same, {{c.vocab, D}}});
+  return m;
+}
+
+}  // namespace
+
+namespace detail {
+
+data::hf::ArchitectureSpec llama_architecture() {
+  return {.name = "llama",
+          .display = "Llama",
+          .model_types = {"llama", "qwen2"},
+          .read = read_llama,
+          .write = write_llama,
+          .mappings = llama_mappings};
+}
+
+}  // namespace detail
+
+LlamaOptions llama_options(const data::hf::ModelConfig& config, Generator* generator) {
+  WEAVE_CHECK(config.architecture == "llama", kLlamaHf,
+              "llama_options needs a Llama configuration, found GPT-2's");
+  const RotaryOptions rotary{.base = config.rope_theta, .llama3_scaling = config.rope_scaling};
+  return {.vocab = config.vocab,
+          .dim = config.dim,
+          .layers = config.layers,
+          .block = {.heads = config.heads,
+                    .kv_heads = config.kv_heads,
+                    .hidden = config.hidden,
+                    .rotary = rotary,
+                    .norm_eps = config.norm_eps,
+                    .qkv_bias = config.qkv_bias},
+          .tie_embeddings = config.tie_embeddings,
+          .generator = generator};
+}
+
+data::hf::ModelConfig model_config(const LlamaOptions& options, DType dtype) {
+  const LlamaBlockOptions& block = options.block;
+  const RotaryOptions rotary = block.rotary.value_or(RotaryOptions{});
+  WEAVE_CHECK(block.rotary && !rotary.interleaved && rotary.rotary_dim == 0 && block.causal &&
+                  block.activation == nn::GatedActivation::SiLU,
+              kLlamaHf,
+              "Hugging Face's Llama takes causal blocks with SwiGLU and rotary positions in the "
+              "rotate-half layout over whole heads; found rotary {}, interleaved {}, rotary_dim "
+              "{}, causal {}, SwiGLU {}",
+              block.rotary.has_value(), rotary.interleaved, rotary.rotary_dim, block.causal,
+              block.activation == nn::GatedActivation::SiLU);
+  data::hf::ModelConfig config;
+  config.architecture = "llama";
+  config.vocab = options.vocab, config.dim = options.dim, config.layers = options.layers;
+  config.heads = block.heads, config.kv_heads = block.kv_heads > 0 ? block.kv_heads : block.heads;
+  config.hidden = block.hidden > 0 ? block.hidden : llama_hidden(options.dim);
+  config.norm_eps = block.norm_eps, config.rope_theta = rotary.base;
+  config.rope_scaling = rotary.llama3_scaling, config.tie_embeddings = options.tie_embeddings;
+  config.qkv_bias = block.qkv_bias, config.dtype = dtype;
+  return config;
+}
+
+}  // namespace weave::models
