@@ -101,13 +101,6 @@ void initialize(nn::Module& model) {
   }
 }
 
-// A group of this rank alone (collective: every rank calls it).
-dist::Group this_rank_alone() {
-  std::vector<std::vector<int>> singletons;
-  for (int r = 0; r < dist::world_size(); ++r) singletons.push_back({r});
-  return dist::split_group(dist::world(), singletons);
-}
-
 // The model of this rank (its pipeline stage's and tensor-parallel slice's part), drawn by
 // parameter name from the seed (nn::DeferredInit), so that every layout holds what one process
 // holds, and no rank builds more than its part. Left deferred for fsdp, which draws only this
@@ -120,23 +113,18 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
   const bool split = experts || mesh.shape().context > 1 || mesh.shape().tensor > 1 || stages > 1;
   const std::optional<dist::Group> context =
       mesh.shape().context > 1 ? std::optional(mesh.context()) : std::nullopt;
-  const dist::Group alone = f.arch == "llama" && f.experts > 0 && !split
-                                ? this_rank_alone()  // its blocks' experts all on this rank
-                                : dist::world();
   std::shared_ptr<LanguageModel> model;
   {
     nn::DeferredInit deferred(f.seed);
-    if (split && f.arch == "llama")
-      model = std::make_shared<gpt::ParallelLlama>(f, vocab, mesh.tensor(), context, experts,
-                                                   mesh.data_and_context(), mesh.pipeline_rank(),
-                                                   stages);
+    if (f.arch == "llama" && (split || f.experts > 0))  // the library's split, in one call
+      model = std::make_shared<gpt::ParallelLlama>(
+          f, vocab,
+          models::ModelSplit::from_mesh(
+              mesh, {.context_mode = gpt::context_mode(f), .moe = gpt::llama_experts(f)}));
     else if (split)
       model = std::make_shared<ParallelGpt>(
           f, vocab, mesh.tensor(), sequence_parallel, context, experts, mesh.data_and_context(),
           gpt::stage_range(f.layers, mesh.pipeline_rank(), stages));
-    else if (f.arch == "llama" && f.experts > 0)
-      model = std::make_shared<gpt::ParallelLlama>(f, vocab, alone, std::nullopt, std::nullopt,
-                                                   mesh.data_and_context());
     else if (f.arch == "llama")
       model = std::make_shared<gpt::Llama>(f, vocab);
     else if (f.experts > 0)
@@ -515,9 +503,11 @@ int train_and_sample(Flags& f, int argc, char** argv) {
                   pipe ? "blocks are cut into pipeline stages" : "experts are spread over ranks");
   } else if (sequence_parallel || context > 1) {
     std::shared_ptr<LanguageModel> decoder =
-        f.arch == "llama" ? std::shared_ptr<LanguageModel>(std::make_shared<gpt::ParallelLlama>(
-                                f, corpus.vocab, mesh.tensor()))
-                          : std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
+        f.arch == "llama"
+            ? std::shared_ptr<LanguageModel>(std::make_shared<gpt::ParallelLlama>(
+                  f, corpus.vocab,
+                  models::ModelSplit{.tensor = mesh.tensor(), .moe = gpt::llama_experts(f)}))
+            : std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
     decoder->to(device);
     decoder->load_state_dict(fsdp ? fsdp->full_state_dict() : model->state_dict());
     sample(*decoder, f, corpus, mesh);

@@ -54,6 +54,9 @@ inline parallel::ContextParallelMode context_mode(const Flags& f) {
                              : parallel::ContextParallelMode::AllToAll;
 }
 
+/// Block 0's mixture of experts under --experts (models::ModelSplit seeds block i's + i).
+inline std::optional<nn::MoEOptions> llama_experts(const Flags& f);
+
 /// The model's FSDP units (its shard_units()) under the name it is registered by.
 inline std::vector<std::string> prefixed(const std::string& prefix, const nn::Module& model) {
   std::vector<std::string> names;
@@ -128,6 +131,10 @@ inline nn::MoEOptions moe_options(const Flags& f, int64_t i) {
           .ffn = 4 * f.dim / f.top_k,
           .router = {.experts = f.experts, .top_k = f.top_k},
           .seed = f.seed + uint64_t(i)};
+}
+
+inline std::optional<nn::MoEOptions> llama_experts(const Flags& f) {
+  return f.experts > 0 ? std::optional(moe_options(f, 0)) : std::nullopt;
 }
 
 /// The part of the model a pipeline stage holds: blocks [first, last), the embeddings on the
@@ -257,27 +264,13 @@ class ParallelGpt : public LanguageModel {
 /// [B, T / cp, vocab slice] logits of this rank's positions (zig-zag parts).
 class ParallelLlama : public LanguageModel {
  public:
-  /// With --experts, every block's MLP is a mixture of experts, spread over `experts` when it
-  /// has several ranks, its load-balancing loss over `balance` (the data x context ranks).
-  /// As stage `stage` of `stages`, forward maps what the previous stage sent (ids on the first)
-  /// to what the next one takes (logits on the last).
-  ParallelLlama(const Flags& f, int64_t vocab, const dist::Group& tp,
-                std::optional<dist::Group> context = std::nullopt,
-                std::optional<dist::Group> experts = std::nullopt,
-                std::optional<dist::Group> balance = std::nullopt, int stage = 0, int stages = 1)
-      : LanguageModel("ParallelLlama"), tp_(tp), context_(context) {
+  /// As `split` says (models::ModelSplit::from_mesh: its tensor group, context group, pipeline
+  /// stage and experts); as a stage, forward maps what the previous stage sent (ids on the
+  /// first) to what the next one takes (logits on the last).
+  ParallelLlama(const Flags& f, int64_t vocab, models::ModelSplit split)
+      : LanguageModel("ParallelLlama"), tp_(*split.tensor), context_(split.context_group) {
     llama = register_module(
-        "llama", std::make_shared<models::Llama>(
-                     llama_options(f, vocab),
-                     models::ModelSplit{
-                         .tensor = tp,
-                         .context_group = std::move(context),
-                         .context_mode = context_mode(f),
-                         .stage = stage,
-                         .stages = stages,
-                         .moe = f.experts > 0 ? std::optional(moe_options(f, 0)) : std::nullopt,
-                         .expert_group = std::move(experts),
-                         .balance_group = std::move(balance)}));
+        "llama", std::make_shared<models::Llama>(llama_options(f, vocab), std::move(split)));
     llama->set_recompute_blocks(f.checkpoint_activations);
   }
   Tensor forward(const Tensor& ids) override { return forward_inputs(ids); }

@@ -1,6 +1,7 @@
 #include "weave/models/model_split.h"
 
 #include "weave/ops/side_loss.h"
+#include "weave/parallel/model_parallel/tensor_parallel.h"
 
 namespace weave::models {
 
@@ -60,6 +61,16 @@ void ModelSplit::check_decoding(const char* model) const {
 }
 
 namespace detail {
+
+TokenTable token_table(int64_t vocab, int64_t dim, const ModelSplit& split, Generator* generator) {
+  if (split.tensor) {
+    auto table = std::make_shared<parallel::VocabParallelEmbedding>(
+        vocab, dim, *split.tensor, generator, parallel::padded_vocab(vocab, split.tensor->size()));
+    return {table, &table->weight};
+  }
+  auto table = std::make_shared<nn::Embedding>(vocab, dim, generator);
+  return {table, &table->weight};
+}
 
 Tensor stage_output(const nn::Module& model, const Tensor& hidden, const Tensor& aux) {
   return aux.defined() && model.is_training() ? attach_loss(hidden, aux) : hidden;

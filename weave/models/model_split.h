@@ -74,6 +74,14 @@ namespace detail {
 /// experts' balancing losses (aux, undefined without) into the objective (the last stage's
 /// loss can add only its own blocks').
 Tensor stage_output(const nn::Module& model, const Tensor& hidden, const Tensor& aux);
+/// A token embedding chosen from the split: nn::Embedding, or over split.tensor a
+/// parallel::VocabParallelEmbedding of the padded vocabulary (parallel::padded_vocab); `weight`
+/// points at its table (this rank's rows).
+struct TokenTable {
+  std::shared_ptr<nn::Module> module;
+  Tensor* weight = nullptr;
+};
+TokenTable token_table(int64_t vocab, int64_t dim, const ModelSplit& split, Generator* generator);
 /// Raises, naming `model`, unless `hidden` is a previous stage's output [B, T, dim].
 void check_stage_input(const char* model, const ModelSplit& split, const Tensor& hidden,
                        int64_t dim);

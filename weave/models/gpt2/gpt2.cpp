@@ -36,17 +36,10 @@ GPT2::GPT2(GPT2Options options, ModelSplit split)
   // The last stage's head multiplies by the token embedding: in a pipeline it holds a copy of
   // its own under the same name, tied to the first stage's (Megatron-LM's shared embedding).
   if (split_.first_stage() || (split_.last_stage() && !options.untied_head)) {
-    if (split_.tensor) {
-      auto table = std::make_shared<parallel::VocabParallelEmbedding>(
-          options.vocab, options.dim, *split_.tensor, options.generator,
-          parallel::padded_vocab(options.vocab, split_.tensor->size()));
-      token_weight_ = &table->weight;
-      tokens = register_module("tokens", table);
-    } else {
-      auto table = std::make_shared<nn::Embedding>(options.vocab, options.dim, options.generator);
-      token_weight_ = &table->weight;
-      tokens = register_module("tokens", table);
-    }
+    const detail::TokenTable table =
+        detail::token_table(options.vocab, options.dim, split_, options.generator);
+    tokens = register_module("tokens", table.module);
+    token_weight_ = table.weight;
   }
   if (split_.first_stage())
     positions = register_module(

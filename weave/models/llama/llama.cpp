@@ -103,19 +103,11 @@ Llama::Llama(LlamaOptions options, ModelSplit split)
               "a head tied to the embedding is not split here (the embedding splits by "
               "vocabulary rows, the head by output columns alike, but they would need one "
               "parameter); hint: untie it, or run the whole model");
-  const std::optional<dist::Group>& tp = split_.tensor;
-  const int64_t padded = tp ? parallel::padded_vocab(options.vocab, tp->size()) : options.vocab;
   if (split_.first_stage()) {
-    if (tp) {
-      auto table = std::make_shared<parallel::VocabParallelEmbedding>(
-          options.vocab, options.dim, *tp, options.generator, padded);
-      embedding_weight_ = &table->weight;
-      embedding = register_module("embedding", table);
-    } else {
-      auto table = std::make_shared<nn::Embedding>(options.vocab, options.dim, options.generator);
-      embedding_weight_ = &table->weight;
-      embedding = register_module("embedding", table);
-    }
+    const detail::TokenTable table =
+        detail::token_table(options.vocab, options.dim, split_, options.generator);
+    embedding = register_module("embedding", table.module);
+    embedding_weight_ = table.weight;
   }
   const auto [first, last] = split_.stage_blocks(options.layers);
   blocks = register_module("blocks", std::make_shared<nn::Sequential>(size_t(first)));
