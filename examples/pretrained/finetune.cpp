@@ -179,6 +179,7 @@ struct Trainer {
         config(model_config),
         mesh(mesh_shape(f)),
         split(mesh.shape().tensor > 1 || mesh.shape().context > 1 || mesh.shape().pipeline > 1),
+        sharded(f.strategy == "fsdp"),
         dataset(std::make_shared<const data::TokenDataset>(
             std::make_shared<const data::TokenFile>(token_file(f, tokenizer)),
             data::TokenWindows{.context = f.context})),
@@ -192,11 +193,12 @@ struct Trainer {
         dataset, data::DataLoaderOptions{
                      .batch_size = f.batch / replicas, .drop_last = true, .sampler = sampler});
     build_model();
-    optimizer = std::make_unique<optim::AdamW>(fsdp ? fsdp->parameters() : model->parameters(),
-                                               optim::AdamWOptions{.lr = f.lr});
+    optimizer = std::make_unique<optim::AdamW>(
+        wrapper ? wrapper->trained_parameters() : model->parameters(),
+        optim::AdamWOptions{.lr = f.lr});
     scheduler =
         std::make_unique<optim::LRScheduler>(*optimizer, [lr = f.lr](int64_t) { return lr; });
-    state = {.model = fsdp ? &fsdp->sharded_module() : model.get(),
+    state = {.model = &trained(),
              .optimizer = optimizer.get(),
              .scheduler = scheduler.get(),
              .loader = loader.get()};
@@ -211,7 +213,6 @@ struct Trainer {
   // The model and its wrapper, each rank reading only the parts it holds: its tensor-parallel
   // slices, or under fsdp its shards of them.
   void build_model() {
-    const bool sharded = f.strategy == "fsdp";
     if (!split && !sharded) {
       model = models::from_pretrained(f.model);
     } else {  // without memory: the checkpoint fills this rank's slices, or under fsdp its shards
@@ -220,19 +221,16 @@ struct Trainer {
     }
     model->set_recompute_blocks(f.checkpoint_activations);
     const dist::Group& replicas = mesh.data_and_context();
-    parallel::DataParallelWrapper* wrapper = nullptr;
     if (sharded) {  // the model's units (each block, the embeddings, norm and head; tied: root)
-      fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
+      wrapper = std::make_unique<parallel::FullyShardedDataParallel>(
           *model, parallel::FSDPOptions{.reshard_after_forward = mesh.shape().pipeline == 1,
                                         .group = replicas});
-      parallel::load_pretrained(fsdp->sharded_module(), config, f.model);
-      wrapper = fsdp.get();
+      parallel::load_pretrained(trained(), config, f.model);  // this rank's shards
     } else {
-      if (split) parallel::load_pretrained(*model, config, f.model);
+      if (split) parallel::load_pretrained(*model, config, f.model);  // before DDP's broadcast
       if (replicas.size() > 1)
-        ddp = std::make_unique<parallel::DistributedDataParallel>(
+        wrapper = std::make_unique<parallel::DistributedDataParallel>(
             *model, parallel::DDPOptions{.group = replicas});
-      wrapper = ddp.get();
     }
     if (mesh.shape().pipeline > 1) {
       const int microbatches = f.microbatches > 0 ? f.microbatches : 2 * mesh.shape().pipeline;
@@ -270,7 +268,7 @@ struct Trainer {
         return loss_of(logits, target);
       });
     } else {
-      loss = loss_of(ddp ? (*ddp)(in) : fsdp ? (*fsdp)(in) : (*model)(in), targets);
+      loss = loss_of(wrapper ? wrapper->forward(in) : (*model)(in), targets);
       loss.backward();
     }
     optimizer->step();
@@ -309,26 +307,26 @@ struct Trainer {
   // The whole model of a split one, on every rank (gathered from the ranks' slices, and under
   // fsdp their shards; collective).
   std::shared_ptr<nn::CausalLM> whole_model() {
-    if (!fsdp && !split) return model;
+    if (!sharded && !split) return model;
     if (pipe) return gathered_stages();
-    auto whole = models::make_model(config);
-    if (!fsdp) {
-      whole->load_state_dict(parallel::gather_state_dict(*model));
-      return whole;
+    std::shared_ptr<nn::CausalLM> slices = model;  // this rank's slices, whole
+    if (sharded) {
+      slices = models::make_model(config, models::ModelSplit::from_mesh(mesh));
+      slices->load_state_dict(wrapper->full_state_dict());
     }
-    // this rank's slices, whole
-    auto slices = models::make_model(config, models::ModelSplit::from_mesh(mesh));
-    slices->load_state_dict(fsdp->full_state_dict());
+    auto whole = models::make_model(config);
     whole->load_state_dict(parallel::gather_state_dict(*slices));
     return whole;
   }
+
+  // What checkpoints and exports read: the wrapper's (fsdp: this rank's shards), or the model.
+  nn::Module& trained() { return wrapper ? wrapper->sharded_module() : *model; }
 
   // The stages' parts (slices, or fsdp's shards of them) into the whole model on every rank,
   // through a sharded checkpoint of the model alone (it loads at any layout). Collective.
   std::shared_ptr<nn::CausalLM> gathered_stages() {
     const std::string dir = (f.save.empty() ? f.model : f.save) + "/.stages";
-    parallel::save_sharded_checkpoint(
-        dir, {.model = fsdp ? &fsdp->sharded_module() : model.get(), .default_generator = false});
+    parallel::save_sharded_checkpoint(dir, {.model = &trained(), .default_generator = false});
     auto whole = models::make_model(config);
     data::TrainingState into{.model = whole.get(), .default_generator = false};
     parallel::load_sharded_checkpoint(dir, into);
@@ -340,13 +338,13 @@ struct Trainer {
   const Flags& f;
   const data::hf::ModelConfig& config;
   parallel::ProcessMesh mesh;
-  bool split;
+  bool split, sharded;
   std::shared_ptr<const data::TokenDataset> dataset;
   std::shared_ptr<parallel::DistributedSampler> sampler;
   std::shared_ptr<nn::CausalLM> model;
   std::unique_ptr<data::DataLoader> loader;
-  std::unique_ptr<parallel::DistributedDataParallel> ddp;
-  std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
+  // DDP over the data x context replicas, or FSDP sharding over them (none on one replica).
+  std::unique_ptr<parallel::DataParallelWrapper> wrapper;
   std::unique_ptr<parallel::Pipeline> pipe;
   std::unique_ptr<optim::AdamW> optimizer;
   std::unique_ptr<optim::LRScheduler> scheduler;
@@ -358,9 +356,8 @@ struct Trainer {
 // The tuned model in Hugging Face's format: rank 0 writes it one parameter at a time, put
 // together from the ranks' slices and shards (no rank builds the whole model).
 void save(const Flags& f, Trainer& trainer) {
-  if (trainer.fsdp || trainer.split)
-    parallel::save_pretrained(trainer.fsdp ? trainer.fsdp->sharded_module() : *trainer.model,
-                              trainer.config, f.save);
+  if (trainer.sharded || trainer.split)
+    parallel::save_pretrained(trainer.trained(), trainer.config, f.save);
   else if (dist::rank() == 0)
     data::hf::save_pretrained(*trainer.model, trainer.config, f.save);
   if (dist::rank() == 0) {
@@ -392,8 +389,8 @@ void save_and_generate(const Flags& f, Trainer& trainer, const data::Tokenizer& 
   Tensor out;
   if (tp_decode) {
     out = nn::generate(*trainer.model, prompt, options);
-  } else if (trainer.fsdp && !trainer.split) {
-    trainer.fsdp->run([&] { out = nn::generate(*trainer.model, prompt, options); });
+  } else if (trainer.sharded && !trainer.split) {
+    trainer.wrapper->run([&] { out = nn::generate(*trainer.model, prompt, options); });
   } else {
     const std::shared_ptr<nn::CausalLM> whole = trainer.whole_model();
     if (dist::rank() == 0) out = nn::generate(*whole, prompt, options);

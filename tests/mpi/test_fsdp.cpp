@@ -47,6 +47,51 @@ struct TiedModel : nn::Module {
 }  // namespace
 
 TEST_SUITE("fsdp") {
+  TEST_CASE("DDP and FSDP through one DataParallelWrapper face train, save and decode alike") {
+    // A trainer holding either wrapper by its face: parameter groups, forward, the module that
+    // checkpoints read, whole state and decoding. Both must train the same model (1e-10).
+    auto reference = make_model(41), model = make_model(41);
+    std::vector<std::unique_ptr<parallel::DataParallelWrapper>> wrappers;
+    wrappers.push_back(std::make_unique<DistributedDataParallel>(*reference));
+    wrappers.push_back(std::make_unique<FullyShardedDataParallel>(*model));
+    std::vector<std::unique_ptr<optim::AdamW>> optimizers;
+    for (auto& w : wrappers)
+      optimizers.push_back(std::make_unique<optim::AdamW>(
+          w->param_groups(optim::weight_decay_groups(w->module(), 0.05)), adamw_options()));
+    for (int step = 0; step < 3; ++step) {
+      auto [x, y] = local_batch(step);
+      for (size_t i = 0; i < wrappers.size(); ++i) {
+        optimizers[i]->zero_grad();
+        mse_loss(wrappers[i]->forward(x), y).backward();
+        optimizers[i]->step();
+      }
+    }
+    const nn::NamedTensors ddp_state = wrappers[0]->full_state_dict();
+    const nn::NamedTensors fsdp_state = wrappers[1]->full_state_dict();
+    REQUIRE(ddp_state.size() == fsdp_state.size());
+    for (size_t i = 0; i < ddp_state.size(); ++i) {
+      CAPTURE(ddp_state[i].first);
+      CHECK(ddp_state[i].first == fsdp_state[i].first);
+      CHECK(weave::abs(ddp_state[i].second - fsdp_state[i].second).max().item<double>() < 1e-10);
+    }
+    // What a checkpoint reads: DDP's module itself, FSDP's shards (what the optimizer steps).
+    CHECK(&wrappers[0]->sharded_module() == reference.get());
+    const auto shards = wrappers[1]->sharded_module().parameters();
+    const auto trained = wrappers[1]->trained_parameters();
+    REQUIRE(shards.size() == trained.size());
+    for (size_t i = 0; i < shards.size(); ++i) CHECK(shards[i].impl() == trained[i].impl());
+    // Decoding inside run(): gradients off, the whole parameters in place, the same outputs.
+    const Tensor probe = local_batch(9).first;
+    Tensor outputs[2];
+    for (size_t i = 0; i < wrappers.size(); ++i)
+      wrappers[i]->run([&] {
+        CHECK_FALSE(autograd::GradMode::is_enabled());
+        outputs[i] = wrappers[i]->module()(probe);
+      });
+    CHECK(autograd::GradMode::is_enabled());
+    CHECK(weave::abs(outputs[0] - outputs[1]).max().item<double>() < 1e-10);
+  }
+
   TEST_CASE("ZeRO-3 and ZeRO-2 equal DDP after 20 AdamW steps, with no_sync accumulation") {
     for (auto sharding :
          {parallel::ShardingStrategy::FullShard, parallel::ShardingStrategy::ShardGradOp}) {

@@ -166,7 +166,7 @@ class FullyShardedDataParallel : public Joinable, public DataParallelWrapper {
   /// the same calls.
   ///
   ///   fsdp.run([&] { logits = model.decode(ids, caches); });
-  void run(const std::function<void()>& body);
+  void run(const std::function<void()>& body) override;
 
   /// This rank's shards (one flat leaf per unit and dtype): what the optimizer steps.
   std::vector<Tensor> parameters() const;
@@ -182,7 +182,7 @@ class FullyShardedDataParallel : public Joinable, public DataParallelWrapper {
 
   /// The whole model's parameters and buffers, by the module's names, gathered on every rank
   /// (copies). Collective.
-  nn::NamedTensors full_state_dict();
+  nn::NamedTensors full_state_dict() override;
   /// Loads whole parameters (each rank keeps its slices) and buffers; strict as
   /// Module::load_state_dict. Collective (it checks on every rank before changing anything).
   void load_full_state_dict(const nn::NamedTensors& state);
@@ -192,12 +192,13 @@ class FullyShardedDataParallel : public Joinable, public DataParallelWrapper {
   /// must be in one group, or this raises naming it.
   ///
   ///   optim::AdamW adamw(fsdp.param_groups(optim::weight_decay_groups(model, 0.1)), {...});
-  std::vector<optim::ParamGroup> param_groups(const std::vector<optim::ParamGroup>& groups) const;
+  std::vector<optim::ParamGroup> param_groups(
+      const std::vector<optim::ParamGroup>& groups) const override;
 
   /// A module whose parameters are this rank's shards (and whose buffers are the model's), for
   /// data::TrainingState: sharded checkpoints save it with what each shard holds, and load it
   /// (or a checkpoint of any other layout of the same model) at any world size.
-  nn::Module& sharded_module();
+  nn::Module& sharded_module() override;
 
   /// Clips the gradients of this rank's shards so that the norm of the whole model's gradients
   /// (every rank's shard counted once, as FSDP1's clip_grad_norm_) is at most max_norm; returns
