@@ -143,7 +143,7 @@ std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
 // pipeline's stages when there is one, the loss on the last; through fsdp's units when sharded).
 double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
                     const parallel::ProcessMesh& mesh, parallel::Pipeline* pipe = nullptr,
-                    parallel::FullyShardedDataParallel* fsdp = nullptr) {
+                    parallel::DataParallelWrapper* sharded = nullptr) {
   NoGradGuard no_grad;
   model.eval();
   const int64_t span = int64_t(corpus.heldout.size()) - f.context - 1;
@@ -155,7 +155,7 @@ double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
   // Sharded, every rank runs as many forwards as data rank 0 (the most windows) so that the
   // units' gathers pair up; a rank out of windows runs its first again and counts nothing.
   const size_t most = size_t((f.eval_windows + mesh.shape().data - 1) / mesh.shape().data);
-  const size_t rounds = ((fsdp ? most : mine.size()) + per_batch - 1) / per_batch;
+  const size_t rounds = ((sharded ? most : mine.size()) + per_batch - 1) / per_batch;
   for (size_t round = 0; round < rounds; ++round) {
     const size_t first = round * per_batch;
     const bool spare = first >= mine.size();
@@ -166,9 +166,9 @@ double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
     const Batch batch =
         gpt::make_batch(corpus.heldout, windows, f.context, corpus.end_of_text, f.placed);
     // GPT's stages run sequence first ([T, B, ...]), Llama's batch first.
-    Tensor logits = pipe   ? pipe->predict(batch.model_inputs(), f.arch == "gpt" ? 1 : 0)
-                    : fsdp ? (*fsdp)(batch.model_inputs())
-                           : model(batch.model_inputs());
+    Tensor logits = pipe      ? pipe->predict(batch.model_inputs(), f.arch == "gpt" ? 1 : 0)
+                    : sharded ? sharded->forward(batch.model_inputs())
+                              : model(batch.model_inputs());
     if (logits.defined() && !spare)  // the last stage's
       total += model.loss(logits, batch.targets).item<double>() * double(last - first);
   }
@@ -329,20 +329,20 @@ int train_and_sample(Flags& f, int argc, char** argv) {
     model_shapes.emplace_back(name, p.shape());
   // One data-parallel wrapper or none: DDP averages each parameter where its placement says, FSDP
   // shards it there (kept gathered across a pipeline's micro-batches, torchtitan's choice).
-  std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
-  std::unique_ptr<parallel::DataParallelWrapper> wrapper;
+  std::unique_ptr<parallel::DataParallelWrapper> data_parallel;
   if (fully_sharded) {
-    fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
+    data_parallel = std::make_unique<parallel::FullyShardedDataParallel>(
         *model, parallel::FSDPOptions{.reshard_after_forward = pipeline == 1,
                                       .group = mesh.data_and_context(),
                                       .param_dtype = f.param_dtype,
                                       .reduce_dtype = kFloat32,
                                       .output_dtype = kFloat32});
   } else if (data * context > 1) {
-    wrapper = std::make_unique<parallel::DistributedDataParallel>(
+    data_parallel = std::make_unique<parallel::DistributedDataParallel>(
         *model, parallel::DDPOptions{.group = mesh.data_and_context()});
   }
-  parallel::DataParallelWrapper* const data_parallel = fsdp ? fsdp.get() : wrapper.get();
+  // FSDP's ranks run every forward together (its units gather): evaluation goes through it.
+  parallel::DataParallelWrapper* const sharded = fully_sharded ? data_parallel.get() : nullptr;
   // The stages pass activations and gradients; each stage's wrapper syncs on the last micro-batch.
   std::unique_ptr<parallel::Pipeline> pipe;
   if (pipeline > 1) {
@@ -353,7 +353,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   // The GPT recipe's groups: no weight decay on biases, norms and embeddings. Under fsdp the
   // optimizer steps this rank's shards only, each part with its parameter's group.
   const std::vector<optim::ParamGroup> groups = optim::weight_decay_groups(*model, f.weight_decay);
-  optim::AdamW optimizer(fsdp ? fsdp->param_groups(groups) : groups,
+  optim::AdamW optimizer(data_parallel ? data_parallel->param_groups(groups) : groups,
                          {.lr = f.lr, .capturable = f.cuda_graph});
   std::optional<gpt::GraphedTraining> graphed;
   if (f.cuda_graph) graphed.emplace(*model, optimizer, f);
@@ -368,7 +368,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   // rank agrees on skipping (the world: tensor-parallel shards overflow separately).
   parallel::GradScaler scaler({.enabled = f.autocast == kFloat16});
 
-  data::TrainingState state{.model = fsdp ? &fsdp->sharded_module() : model.get(),
+  data::TrainingState state{.model = data_parallel ? &data_parallel->sharded_module() : model.get(),
                             .optimizer = &optimizer,
                             .scheduler = &scheduler};
   int64_t step = 0;
@@ -472,7 +472,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
       std::optional<AutocastGuard> autocast;
       if (f.autocast) autocast.emplace(*f.autocast);
       metrics.log_eval(step, "heldout_loss",
-                       heldout_loss(*model, f, corpus, mesh, pipe.get(), fsdp.get()));
+                       heldout_loss(*model, f, corpus, mesh, pipe.get(), sharded));
     }
     if (!f.checkpoint.empty() &&
         (step % f.checkpoint_every == 0 || step == f.steps || step == f.stop_at)) {
@@ -492,7 +492,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   }
   std::optional<AutocastGuard> autocast;
   if (f.autocast) autocast.emplace(*f.autocast);
-  const double held = heldout_loss(*model, f, corpus, mesh, pipe.get(), fsdp.get());
+  const double held = heldout_loss(*model, f, corpus, mesh, pipe.get(), sharded);
   metrics.log_eval(f.steps, "heldout_loss", held);
   if (dist::rank() == 0) std::printf("heldout_loss=%.4f\n", held);
   // Decoding appends one position at a time, which sequence parallelism cannot split: the same
@@ -509,10 +509,11 @@ int train_and_sample(Flags& f, int argc, char** argv) {
                   models::ModelSplit{.tensor = mesh.tensor(), .moe = gpt::llama_experts(f)}))
             : std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
     decoder->to(device);
-    decoder->load_state_dict(fsdp ? fsdp->full_state_dict() : model->state_dict());
+    decoder->load_state_dict(data_parallel ? data_parallel->full_state_dict()
+                                           : model->state_dict());
     sample(*decoder, f, corpus, mesh);
-  } else if (fsdp) {  // every rank decodes, each unit gathered as it runs
-    fsdp->run([&] { sample(*model, f, corpus, mesh, /*sharded=*/true); });
+  } else if (sharded) {  // every rank decodes, each unit gathered as it runs
+    sharded->run([&] { sample(*model, f, corpus, mesh, /*sharded=*/true); });
   } else {
     sample(*model, f, corpus, mesh);
   }
