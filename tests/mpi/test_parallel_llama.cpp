@@ -337,4 +337,36 @@ TEST_SUITE("context_parallel") {
         CHECK(autograd::must_run_pending() == 0);
       }
   }
+
+  TEST_CASE("ModelSplit::from_mesh: this rank's split in one call, empty for data parallelism") {
+    const int n = dist::world_size();
+    const parallel::ProcessMesh data({.data = n});
+    const models::ModelSplit replicas = models::ModelSplit::from_mesh(data);
+    CHECK(!replicas.tensor);  // whole layers: the model equals one process's
+    CHECK(replicas.stages == 1);
+    const parallel::ProcessMesh tensor({.tensor = n});
+    const models::ModelSplit split = models::ModelSplit::from_mesh(tensor, {.gather_logits = true});
+    CHECK(split.tensor.has_value() == (n > 1));  // a mesh of one rank splits nothing
+    if (n == 1) return;
+    CHECK(split.tensor->size() == n);
+    CHECK(split.gather_logits);
+    CHECK(!split.context_group);
+    // The model it splits equals the one split by hand, bit for bit.
+    const models::LlamaOptions options{
+        .vocab = 10, .dim = 24, .layers = 2, .block = {.heads = 12, .hidden = 48}};
+    manual_seed(5);
+    models::Llama from_mesh(options, split);
+    manual_seed(5);
+    models::Llama by_hand(options, {.tensor = tensor.tensor(), .gather_logits = true});
+    const Tensor tokens = from_vector<int64_t>({1, 2, 3, 4, 5, 6}, {1, 6});
+    CHECK(close(from_mesh(tokens), by_hand(tokens), 0));
+    if (n % 2 == 0) {  // pipeline stages and a context group come with the mesh too
+      const parallel::ProcessMesh staged({.pipeline = 2, .context = n / 2});
+      const models::ModelSplit s = models::ModelSplit::from_mesh(staged);
+      CHECK(s.stages == 2);
+      CHECK(s.stage == staged.pipeline_rank());
+      CHECK(s.tensor->size() == 1);
+      CHECK(s.context_group.has_value() == (n > 2));
+    }
+  }
 }

@@ -440,4 +440,34 @@ TEST_SUITE("llama_ops") {
     CHECK(allclose(tied(tokens), matmul(hidden, tied.embedding_weight().transpose(0, 1)), 1e-12,
                    1e-12));
   }
+
+  TEST_CASE("a split the models cannot run raises, naming what and why") {
+    const models::LlamaOptions llama{.vocab = 11, .dim = 16, .layers = 2, .block = {.heads = 4}};
+    const models::GPT2Options gpt2{
+        .vocab = 11, .dim = 16, .layers = 2, .heads = 4, .max_positions = 8};
+    const Tensor tokens = from_vector<int64_t>({3, 1, 4}, {1, 3});
+    // A pipeline stage holds some of the blocks: its caches cannot decode.
+    models::Llama stage(llama, {.stage = 0, .stages = 2});
+    CHECK(stage.blocks->size() == 1);
+    CHECK(stage.norm == nullptr);
+    std::vector<nn::KVCache> caches = stage.make_caches(8);
+    CHECK_WEAVE_ERROR(stage.forward_cached(tokens, caches), "Llama",
+                      "not split into pipeline stages");
+    CHECK_WEAVE_ERROR(models::Llama(llama, {.stage = 2, .stages = 2}), "Llama",
+                      "expected stage s of S stages");
+    CHECK_WEAVE_ERROR(models::GPT2(gpt2, {.stages = 3}), "GPT2", "S <= layers (2)");
+    // One cache per block.
+    models::GPT2 whole(gpt2);
+    std::vector<nn::KVCache> one(1, nn::KVCache(8));
+    CHECK_WEAVE_ERROR(whole.forward_cached(tokens, one), "GPT2",
+                      "expected a cache per block (2), found 1");
+    models::Llama model(llama);
+    CHECK_WEAVE_ERROR(model.forward_cached(tokens, one), "Llama",
+                      "expected a cache per block (2), found 1");
+    // Mixture-of-experts blocks of GPT-2 are the tensor-parallel ones.
+    CHECK_WEAVE_ERROR(
+        models::GPT2(gpt2,
+                     {.moe = nn::MoEOptions{.hidden = 16, .ffn = 8, .router = {.experts = 2}}}),
+        "GPT2", "mixture-of-experts blocks are the tensor-parallel ones");
+  }
 }

@@ -51,13 +51,15 @@ void ModelSplit::check(const char* model, int64_t layers) const {
               "ModelSplit::from_mesh sets both");
 }
 
-void ModelSplit::check_decoding(const char* model) const {
+void ModelSplit::check_decoding(const char* model, size_t caches, size_t blocks) const {
   WEAVE_CHECK(stages == 1, model,
               "decoding with caches is not split into pipeline stages; hint: decode with the "
               "whole model (gather it, or load a checkpoint of it)");
   WEAVE_CHECK(!context_group, model,
               "decoding with caches is not split over a context group; hint: decode with a model "
               "built without one (gather_state_dict)");
+  WEAVE_CHECK(caches == blocks, model,
+              "expected a cache per block ({}), found {}; hint: make_caches", blocks, caches);
 }
 
 namespace detail {

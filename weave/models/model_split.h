@@ -63,9 +63,9 @@ struct ModelSplit {
   /// Raises, naming `model`, for a stage outside [0, stages), more stages than layers, or a
   /// context group without a tensor group.
   void check(const char* model, int64_t layers) const;
-  /// Raises, naming `model`, unless a key/value cache can decode with this split (no pipeline
-  /// stages, no context group).
-  void check_decoding(const char* model) const;
+  /// Raises, naming `model`, unless key/value caches can decode with this split (no pipeline
+  /// stages, no context group) and there is one cache per block.
+  void check_decoding(const char* model, size_t caches, size_t blocks) const;
 };
 
 namespace detail {

@@ -114,10 +114,7 @@ std::vector<nn::KVCache> GPT2::make_caches(int64_t max_length) const {
 }
 
 Tensor GPT2::forward_cached(const Tensor& ids, std::vector<nn::KVCache>& caches) {
-  split_.check_decoding(kGPT2);
-  WEAVE_CHECK(caches.size() == blocks->size(), kGPT2,
-              "expected a cache per block ({}), found {}; hint: make_caches", blocks->size(),
-              caches.size());
+  split_.check_decoding(kGPT2, caches.size(), blocks->size());
   NoGradGuard no_grad;
   return run(ids, &caches, true);
 }

@@ -179,10 +179,7 @@ std::vector<nn::KVCache> Llama::make_caches(int64_t max_length) const {
 }
 
 Tensor Llama::forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& caches) {
-  split_.check_decoding(kLlama);
-  WEAVE_CHECK(caches.size() == blocks->size(), kLlama,
-              "expected a cache per block ({}), found {}; hint: make_caches", blocks->size(),
-              caches.size());
+  split_.check_decoding(kLlama, caches.size(), blocks->size());
   NoGradGuard no_grad;
   Tensor h = (*embedding)(tokens);
   for (size_t i = 0; i < blocks->size(); ++i) {
