@@ -74,8 +74,8 @@ TokenTable token_table(int64_t vocab, int64_t dim, const ModelSplit& split, Gene
   return {table, &table->weight};
 }
 
-Tensor stage_output(const nn::Module& model, const Tensor& hidden, const Tensor& aux) {
-  return aux.defined() && model.is_training() ? attach_loss(hidden, aux) : hidden;
+Tensor stage_output(const Tensor& hidden, const Tensor& aux) {
+  return aux.defined() ? attach_loss(hidden, aux) : hidden;
 }
 
 void check_stage_input(const char* model, const ModelSplit& split, const Tensor& hidden,

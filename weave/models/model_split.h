@@ -71,9 +71,9 @@ struct ModelSplit {
 namespace detail {
 
 /// What a pipeline stage before the last passes on: its hidden states, carrying its blocks'
-/// experts' balancing losses (aux, undefined without) into the objective (the last stage's
-/// loss can add only its own blocks').
-Tensor stage_output(const nn::Module& model, const Tensor& hidden, const Tensor& aux);
+/// experts' balancing losses (aux: undefined without experts, or outside training) into the
+/// objective (the last stage's loss can add only its own blocks').
+Tensor stage_output(const Tensor& hidden, const Tensor& aux);
 /// A token embedding chosen from the split: nn::Embedding, or over split.tensor a
 /// parallel::VocabParallelEmbedding of the padded vocabulary (parallel::padded_vocab); `weight`
 /// points at its table (this rank's rows).

@@ -151,7 +151,7 @@ Tensor GPT2::run(const Tensor& input, std::vector<nn::KVCache>* caches, bool gat
     x = run_blocks(*blocks, nn::Inputs(x));
   }
   if (sequence_first) x = x.transpose(0, 1);
-  if (!norm) return detail::stage_output(*this, x, caches ? Tensor() : aux_loss());
+  if (!norm) return detail::stage_output(x, is_training() && !caches ? aux_loss() : Tensor());
   return logits((*norm)(x), gather);
 }
 

@@ -151,7 +151,7 @@ Tensor Llama::forward(const Tensor& tokens) {
 Tensor Llama::forward_inputs(const nn::Inputs& inputs) {
   if (!embedding) detail::check_stage_input(kLlama, split_, inputs.x, options_.dim);
   const Tensor h = run_blocks(*blocks, inputs.with(embedding ? (*embedding)(inputs.x) : inputs.x));
-  if (!norm) return detail::stage_output(*this, h, aux_loss());
+  if (!norm) return detail::stage_output(h, is_training() ? aux_loss() : Tensor());
   return logits((*norm)(h), split_.gather_logits);
 }
 
