@@ -1,11 +1,14 @@
 #pragma once
-// examples/gpt's command line (gpt.cpp's header comment lists the flags).
+// examples/gpt's command line (gpt.cpp's header comment lists the flags), and the checks that
+// every rank was given the same one and that its axes fit the world.
 #include <weave/weave.h>
 
 #include <weave/util/cli.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace gpt {
 
@@ -127,6 +130,91 @@ inline Flags parse(int argc, char** argv) {
   if (!autocast.empty()) f.autocast = autocast == "bf16" ? kBFloat16 : kFloat16;
   if (!param_dtype.empty()) f.param_dtype = kBFloat16;
   return f;
+}
+
+// Every rank must train the same model: a flag that differs on one rank (--lr, --batch, --seed)
+// would train another one there, silently. The command lines meet as a hash (FNV-1a over the
+// arguments, each ended by its 0 byte): one all_reduce of its maximum and its negation.
+inline void check_same_command_line(int argc, char** argv) {
+  uint64_t hash = 1469598103934665603ULL;
+  std::string line;
+  for (int i = 1; i < argc; ++i) {
+    for (const char* c = argv[i];; ++c) {
+      hash = (hash ^ uint8_t(*c)) * 1099511628211ULL;
+      if (*c == 0) break;
+    }
+    line += std::string(i > 1 ? " " : "") + argv[i];
+  }
+  const int64_t mine = int64_t(hash >> 2);
+  Tensor range = from_vector<int64_t>({mine, -mine}, {2});
+  dist::all_reduce(range, dist::ReduceOp::Max);
+  const std::vector<int64_t> r = range.to_vector<int64_t>();
+  WEAVE_CHECK(r[0] == -r[1], "gpt",
+              "the ranks were started with different flags (rank {}'s: '{}'); hint: launch every "
+              "rank with the same command line",
+              dist::rank(), line);
+}
+
+// The mesh of the flags: tensor-parallel ranks are every rank of a stage (and context group)
+// under tp, --tp (2 unless given) under hybrid, --tp when given with ddp or fsdp; data
+// parallelism takes the rest. Raises for axes that do not fit the world or the model.
+inline parallel::ProcessMesh mesh_of(const Flags& f) {
+  const int world = dist::world_size();
+  const int context = f.context_parallel, pipeline = f.pipeline;
+  const int tensor = f.strategy == "tp"       ? std::max(1, world / (context * pipeline))
+                     : f.tp > 0               ? f.tp
+                     : f.strategy == "hybrid" ? 2
+                                              : 1;
+  WEAVE_CHECK(world % (tensor * context * pipeline) == 0, "gpt",
+              "--tp {} times --context-parallel {} times --pipeline {} does not divide the {} "
+              "ranks; hint: run a multiple of their product",
+              tensor, context, pipeline, world);
+  const int data = world / (tensor * context * pipeline);
+  const int microbatches = f.microbatches > 0 ? f.microbatches : 2 * pipeline;
+  WEAVE_CHECK(pipeline == 1 || (f.experts == 0 && f.autocast != kFloat16 && f.layers >= pipeline &&
+                                f.batch % (data * microbatches) == 0 &&
+                                f.eval_windows % (data * microbatches) == 0),
+              "gpt",
+              "--pipeline {} takes a dense model without fp16 (found --experts {}{}), at least "
+              "one block per stage (--layers {}), and --batch {} and --eval-windows {} in "
+              "multiples of the {} data-parallel ranks times {} micro-batches",
+              pipeline, f.experts, f.autocast == kFloat16 ? ", --autocast fp16" : "", f.layers,
+              f.batch, f.eval_windows, data, microbatches);
+  WEAVE_CHECK(
+      f.experts == 0 || ((data * context) % f.expert_parallel == 0 && f.eval_windows % data == 0 &&
+                         f.experts % f.expert_parallel == 0 && f.top_k <= f.experts),
+      "gpt",
+      "--expert-parallel {} must divide the {} data x context ranks and the {} experts, "
+      "--top-k {} be at most the experts, and --eval-windows {} divide among the {} "
+      "data-parallel ranks",
+      f.expert_parallel, data * context, f.experts, f.top_k, f.eval_windows, data);
+  WEAVE_CHECK(f.batch % data == 0, "gpt", "--batch {} does not divide among {} data-parallel ranks",
+              f.batch, data);
+  return parallel::ProcessMesh({.data = data,
+                                .tensor = tensor,
+                                .pipeline = pipeline,
+                                .context = context,
+                                .expert = f.experts > 0 ? f.expert_parallel : 1});
+}
+
+// The flags' combinations that no layout trains.
+inline void check_flags(const Flags& f) {
+  WEAVE_CHECK(!f.pack || f.arch == "llama", "gpt",
+              "--pack needs --arch llama: GPT-2's learned positions and attention take one "
+              "document per window");
+  WEAVE_CHECK(!f.param_dtype || f.strategy == "fsdp", "gpt",
+              "--param-dtype is fsdp's mixed-precision policy; hint: --strategy fsdp, or "
+              "--autocast bf16 for the others");
+  WEAVE_CHECK(!f.cuda_graph || (f.device == "cuda" && dist::world_size() == 1 && f.experts == 0 &&
+                                f.autocast != kFloat16 && f.strategy != "fsdp"),
+              "gpt",
+              "--cuda-graph captures one GPU's step: --device cuda at one rank, without --experts "
+              "(their routing reads counts on the host), fsdp or --autocast fp16 (its scaler "
+              "decides on the host)");
+  WEAVE_CHECK(f.arch == "llama" || f.kv_heads == 0, "gpt",
+              "--kv-heads {} needs --arch llama (GPT-2's attention has a key/value head per "
+              "query head)",
+              f.kv_heads);
 }
 
 }  // namespace gpt

@@ -68,13 +68,13 @@
 #include "data.h"
 #include "flags.h"
 #include "graphed.h"
-#include "models.h"
+#include "model.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -83,446 +83,398 @@ using namespace weave;
 using gpt::Batch;
 using gpt::Corpus;
 using gpt::Flags;
-using gpt::Gpt;
-using gpt::LanguageModel;
-using gpt::MoeGpt;
-using gpt::ParallelGpt;
 
 namespace {
 
-// GPT-2's initialization: weights N(0, 0.02), biases 0, norms 1 (their own ones). Built under
-// nn::DeferredInit, these set recipes: each parameter is drawn by its name from the seed.
-void initialize(nn::Module& model) {
-  for (auto& [name, p] : model.named_parameters()) {
-    if (name.ends_with(".bias"))
-      nn::init::zeros_(p);
-    else if (name.find("norm") == std::string::npos)
-      nn::init::normal_(p, 0, 0.02);
+bool uses_nccl(const Flags& f) {
+  return f.backend == "nccl" || (f.backend.empty() && f.device == "cuda");
+}
+
+// Runs `body` under --autocast (when given).
+template <typename Body>
+auto autocast(const Flags& f, Body&& body) {
+  std::optional<AutocastGuard> guard;
+  if (f.autocast) guard.emplace(*f.autocast);
+  return body();
+}
+
+// Linear warmup, then cosine to min_lr (the same formula in bench/training/gpt_torch.py).
+double learning_rate(const Flags& f, int64_t step) {
+  if (step < f.warmup) return f.lr * double(step + 1) / double(f.warmup);
+  const double progress =
+      std::min(1.0, double(step - f.warmup) / double(std::max<int64_t>(1, f.steps - f.warmup)));
+  return f.min_lr + 0.5 * (f.lr - f.min_lr) * (1 + std::cos(M_PI * progress));
+}
+
+// One run: the model of this rank, its data-parallel wrapper (DDP or FSDP, over the data x
+// context ranks) and pipeline, the optimizer and its schedule; then training, evaluation and
+// sampling.
+class Run {
+ public:
+  Run(Flags& f, Device device)
+      : f_(f), device_(device), mesh_(gpt::mesh_of(f)), split_(gpt::split_of(f, mesh_)) {
+    corpus_ = gpt::load_corpus(f.data_dir, f.pack);
+    corpus_.vocab = std::max(corpus_.vocab, (f.vocab + 7) / 8 * 8);
+    WEAVE_CHECK(int64_t(corpus_.heldout.size()) > f.context + 1, "gpt",
+                "--context {} needs more text: the held-out tenth of {} holds {} characters "
+                "(train {}); hint: a shorter --context or more text",
+                f.context, f.data_dir, corpus_.heldout.size(), corpus_.train.size());
+    build();
+    optimize();
+  }
+  int train();
+
+ private:
+  void build();
+  void optimize();
+  void resume();
+  void announce() const;
+  data::MetricsLogger make_metrics() const;
+  Tensor step_loss(const Batch& batch, double& grad_norm);
+  void log_step(data::MetricsLogger& metrics, double& grad_norm);
+  void save() const;
+  double heldout_loss();
+  void sample_lines();
+  void sample(nn::CausalLM& model) const;
+
+  Tensor objective(const Tensor& logits, const Tensor& targets) const {
+    return gpt::objective(*model_, split_, logits, targets);
+  }
+  Tensor forward(const nn::Inputs& inputs) {
+    return wrapper_ ? wrapper_->forward(inputs) : (*model_)(inputs);
+  }
+  nn::Module& trained() { return wrapper_ ? wrapper_->sharded_module() : *model_; }
+
+  Flags& f_;
+  Device device_;
+  parallel::ProcessMesh mesh_;
+  models::ModelSplit split_;
+  Corpus corpus_;
+  std::shared_ptr<nn::CausalLM> model_;
+  int64_t parameters_ = 0;  // the whole model's (every rank's pieces, once)
+  std::unique_ptr<parallel::DataParallelWrapper> wrapper_;
+  std::unique_ptr<parallel::Pipeline> pipe_;
+  std::unique_ptr<optim::AdamW> optimizer_;
+  std::unique_ptr<optim::LRScheduler> scheduler_;
+  std::unique_ptr<parallel::GradScaler> scaler_;
+  std::optional<gpt::GraphedTraining> graphed_;
+  data::TrainingState state_;
+  int64_t step_ = 0;
+  double loss_sum_ = 0;
+  int64_t losses_ = 0, tokens_ = 0;
+};
+
+// This rank's part of the model (its pipeline stage's and tensor-parallel slices), drawn by
+// parameter name from the seed (nn::DeferredInit), so that every layout holds what one process
+// holds and no rank builds more than its part; left deferred for fsdp, which draws only this
+// rank's shards of it. Then its wrapper: DDP averages each parameter where its placement says,
+// FSDP shards it there (kept gathered across a pipeline's micro-batches, torchtitan's choice).
+void Run::build() {
+  const bool fully_sharded = f_.strategy == "fsdp";
+  {
+    nn::DeferredInit deferred(f_.seed);
+    model_ = gpt::make_model(f_, corpus_.vocab, split_);
+    gpt::initialize(*model_);
+  }
+  model_->to(device_);
+  Tensor pieces = full({1}, 0.0, {.dtype = kFloat64});
+  for (const auto& [name, p] : model_->named_parameters()) pieces.add_(double(p.numel()));
+  dist::all_reduce(pieces, dist::ReduceOp::Sum);
+  parameters_ = int64_t(pieces.item<double>() / double(mesh_.shape().data * mesh_.shape().context));
+  if (!fully_sharded) nn::materialize(*model_);
+  const dist::Group& replicas = mesh_.data_and_context();
+  if (fully_sharded)
+    wrapper_ = std::make_unique<parallel::FullyShardedDataParallel>(
+        *model_, parallel::FSDPOptions{.reshard_after_forward = mesh_.shape().pipeline == 1,
+                                       .group = replicas,
+                                       .param_dtype = f_.param_dtype,
+                                       .reduce_dtype = kFloat32,
+                                       .output_dtype = kFloat32});
+  else if (replicas.size() > 1)
+    wrapper_ = std::make_unique<parallel::DistributedDataParallel>(
+        *model_, parallel::DDPOptions{.group = replicas});
+  // The stages pass activations and gradients; each stage's wrapper syncs on the last
+  // micro-batch.
+  if (mesh_.shape().pipeline > 1) {
+    const parallel::PipelineOptions options{
+        .microbatches = f_.microbatches > 0 ? f_.microbatches : 2 * mesh_.shape().pipeline,
+        .group = mesh_.pipeline()};
+    pipe_ = wrapper_ ? std::make_unique<parallel::Pipeline>(*wrapper_, options)
+                     : std::make_unique<parallel::Pipeline>(*model_, options);
   }
 }
 
-// The model of this rank (its pipeline stage's and tensor-parallel slice's part), drawn by
-// parameter name from the seed (nn::DeferredInit), so that every layout holds what one process
-// holds, and no rank builds more than its part. Left deferred for fsdp, which draws only this
-// rank's shards of it.
-std::shared_ptr<LanguageModel> build(const Flags& f, int64_t vocab,
-                                     const parallel::ProcessMesh& mesh, bool sequence_parallel,
-                                     std::optional<dist::Group> experts = std::nullopt,
-                                     bool leave_deferred = false) {
-  const int stages = mesh.shape().pipeline;
-  const bool split = experts || mesh.shape().context > 1 || mesh.shape().tensor > 1 || stages > 1;
-  const std::optional<dist::Group> context =
-      mesh.shape().context > 1 ? std::optional(mesh.context()) : std::nullopt;
-  std::shared_ptr<LanguageModel> model;
-  {
-    nn::DeferredInit deferred(f.seed);
-    if (f.arch == "llama" && (split || f.experts > 0))  // the library's split, in one call
-      model = std::make_shared<gpt::ParallelLlama>(
-          f, vocab,
-          models::ModelSplit::from_mesh(
-              mesh, {.context_mode = gpt::context_mode(f), .moe = gpt::llama_experts(f)}));
-    else if (split)
-      model = std::make_shared<ParallelGpt>(
-          f, vocab, mesh.tensor(), sequence_parallel, context, experts, mesh.data_and_context(),
-          gpt::stage_range(f.layers, mesh.pipeline_rank(), stages));
-    else if (f.arch == "llama")
-      model = std::make_shared<gpt::Llama>(f, vocab);
-    else if (f.experts > 0)
-      model = std::make_shared<MoeGpt>(f, vocab, mesh.data_and_context());
-    else
-      model = std::make_shared<Gpt>(f, vocab);
-    initialize(*model);
+// AdamW over the GPT recipe's groups (no weight decay on biases, norms and embeddings; under
+// fsdp this rank's shards, each part in its parameter's group), its schedule, the fp16 loss
+// scaler, and what checkpoints save.
+void Run::optimize() {
+  const std::vector<optim::ParamGroup> groups =
+      optim::weight_decay_groups(*model_, f_.weight_decay);
+  optimizer_ =
+      std::make_unique<optim::AdamW>(wrapper_ ? wrapper_->param_groups(groups) : groups,
+                                     optim::AdamWOptions{.lr = f_.lr, .capturable = f_.cuda_graph});
+  scheduler_ = std::make_unique<optim::LRScheduler>(
+      *optimizer_, [f = f_](int64_t step) { return learning_rate(f, step); });
+  // float16's range needs loss scaling; bfloat16 has float32's range and needs none. Every
+  // rank agrees on skipping (the world: tensor-parallel shards overflow separately).
+  scaler_ = std::make_unique<parallel::GradScaler>(
+      parallel::GradScalerOptions{.enabled = f_.autocast == kFloat16});
+  if (f_.cuda_graph)
+    graphed_.emplace([this](const nn::Inputs& in,
+                            const Tensor& targets) { return objective((*model_)(in), targets); },
+                     *optimizer_, f_);
+  state_ = {.model = &trained(), .optimizer = optimizer_.get(), .scheduler = scheduler_.get()};
+}
+
+// Back to the step of --checkpoint's last save (model, optimizer, schedule, loss scale).
+void Run::resume() {
+  namespace fs = std::filesystem;
+  if (!f_.resume || f_.checkpoint.empty() || !fs::exists(fs::path(f_.checkpoint) / "index.json"))
+    return;
+  parallel::load_sharded_checkpoint(f_.checkpoint, state_);
+  step_ = std::stoll(state_.user.at("step"));
+  if (scaler_->enabled())  // the loss scale and its growth count resume too
+    scaler_->load_state_dict(
+        {{"scale", std::stod(state_.user.at("scaler.scale"))},
+         {"growth_tracker", std::stod(state_.user.at("scaler.growth_tracker"))}});
+  if (dist::rank() == 0) std::printf("resumed at step %lld\n", static_cast<long long>(step_));
+}
+
+void Run::announce() const {
+  if (dist::rank() != 0) return;
+  std::printf(
+      "%s: %s, %s; %lld layers, dim %lld, %lld heads, context %lld, batch %lld, vocab %lld "
+      "(%zu used), %lld parameters; %zu train / %zu held-out characters%s\n",
+      f_.arch.c_str(), f_.strategy.c_str(), mesh_.str().c_str(), static_cast<long long>(f_.layers),
+      static_cast<long long>(f_.dim), static_cast<long long>(f_.heads),
+      static_cast<long long>(f_.context), static_cast<long long>(f_.batch),
+      static_cast<long long>(corpus_.vocab), corpus_.chars.size(),
+      static_cast<long long>(parameters_), corpus_.train.size(), corpus_.heldout.size(),
+      f_.pack ? ", packed" : "");
+}
+
+// Progress on stderr (rank 0), and with --log the metrics file for tools/weave-plot. MFU counts
+// the whole model.
+data::MetricsLogger Run::make_metrics() const {
+  return data::MetricsLogger({.path = f_.log,
+                              .enabled = dist::rank() == 0,
+                              .total_steps = f_.steps,
+                              .start_step = step_,
+                              .device = device_,
+                              .flops_per_token = data::transformer_flops_per_token(
+                                  parameters_, f_.layers, f_.dim, f_.context),
+                              .peak_flops = f_.peak_tflops * 1e12 * dist::world_size(),
+                              .tensorboard_dir = f_.tensorboard});
+}
+
+// One optimizer step on this rank's share of the batch: forward and backward (through the
+// pipeline's stages, micro-batch by micro-batch, when there is one), clipping by the whole
+// model's norm (each parameter's placement says how many ranks hold its piece), AdamW. The
+// loss (the last stage's), undefined elsewhere or under a CUDA graph.
+Tensor Run::step_loss(const Batch& batch, double& grad_norm) {
+  if (graphed_) {
+    graphed_->step(batch);
+    return Tensor();
   }
-  model->checkpoint_activations = f.checkpoint_activations;
-  model->to(f.placed);
-  if (!leave_deferred) nn::materialize(*model);
-  return model;
+  optimizer_->zero_grad();
+  const nn::Inputs in = split_.local_inputs(batch.model_inputs());
+  const Tensor targets = split_.local_sequence(batch.targets);
+  Tensor loss;
+  if (pipe_) {
+    loss = autocast(f_, [&] {
+      return pipe_->train_step(in, targets, [this](const Tensor& logits, const Tensor& target) {
+        return objective(logits, target);
+      });
+    });
+  } else {
+    loss = autocast(f_, [&] { return objective(forward(in), targets); });
+    scaler_->scale(loss).backward();
+  }
+  scaler_->unscale_(optimizer_->params());  // clipping sees the true gradients
+  grad_norm = parallel::clip_grad_norm_(optimizer_->params(), f_.clip);
+  scaler_->step(*optimizer_);
+  scaler_->update();
+  return loss;
+}
+
+// Every --log-every steps: the mean loss since the last line, over the data x context ranks.
+void Run::log_step(data::MetricsLogger& metrics, double& grad_norm) {
+  if (graphed_) loss_sum_ = graphed_->take_loss_sum(), grad_norm = graphed_->norm();
+  const double replicas = double(mesh_.shape().data * mesh_.shape().context);
+  Tensor mean = full({1}, loss_sum_ / (double(losses_) * replicas), {.dtype = kFloat64});
+  using parallel::Axis;
+  dist::all_reduce(mean, dist::ReduceOp::Sum,
+                   mesh_.group({Axis::Data, Axis::Context, Axis::Pipeline}));
+  metrics.log_step({.step = step_,
+                    .loss = mean.item<double>(),
+                    .lr = scheduler_->lr(),
+                    .tokens = tokens_,
+                    .grad_norm = grad_norm});
+  loss_sum_ = 0, losses_ = 0, tokens_ = 0;
+}
+
+void Run::save() const {
+  data::TrainingState state = state_;
+  state.user = {{"step", std::to_string(step_)}};
+  for (const auto& [key, value] : scaler_->state_dict()) {
+    char text[32];  // %.17g: the double comes back bit for bit
+    std::snprintf(text, sizeof text, "%.17g", value);
+    state.user["scaler." + key] = text;
+  }
+  parallel::save_sharded_checkpoint(f_.checkpoint, state);
+}
+
+// Trains from the checkpoint's step (or 0) to --steps, evaluating, saving and logging on the
+// way; then the held-out loss and samples.
+int Run::train() {
+  resume();
+  announce();
+  data::MetricsLogger metrics = make_metrics();
+  const int64_t local_batch = f_.batch / mesh_.shape().data;
+  const int64_t train_span = int64_t(corpus_.train.size());
+  double grad_norm = 0;
+  while (step_ < f_.steps) {
+    std::vector<int64_t> offsets = gpt::train_offsets(f_, train_span, step_);
+    offsets = {offsets.begin() + mesh_.data_rank() * local_batch,
+               offsets.begin() + (mesh_.data_rank() + 1) * local_batch};
+    const Batch batch =
+        gpt::make_batch(corpus_.train, offsets, f_.context, corpus_.end_of_text, device_);
+    const Tensor loss = step_loss(batch, grad_norm);
+    scheduler_->step();
+    ++step_;
+    loss_sum_ += loss.defined() ? loss.item<double>() : 0;  // the last stage's
+    ++losses_;
+    tokens_ += f_.batch * f_.context;
+    if (step_ % f_.log_every == 0 || step_ == f_.steps) log_step(metrics, grad_norm);
+    if (step_ % f_.eval_every == 0 && step_ < f_.steps)
+      metrics.log_eval(step_, "heldout_loss", heldout_loss());
+    if (!f_.checkpoint.empty() &&
+        (step_ % f_.checkpoint_every == 0 || step_ == f_.steps || step_ == f_.stop_at))
+      save();
+    if (dist::rank() == 0) std::fflush(stdout);
+    if (step_ == f_.stop_at) {
+      if (dist::rank() == 0) std::printf("stopped at step %lld\n", static_cast<long long>(step_));
+      return 0;
+    }
+  }
+  const double held = heldout_loss();
+  metrics.log_eval(f_.steps, "heldout_loss", held);
+  if (dist::rank() == 0) std::printf("heldout_loss=%.4f\n", held);
+  sample_lines();
+  // Over the whole run: construction, training, evaluation and sampling.
+  if (dist::rank() == 0)
+    std::printf("peak tensor memory on rank 0: %.1f MB (memory_stats)\n",
+                double(memory_stats(device_).peak) / 1e6);
+  return 0;
 }
 
 // Mean loss over the held-out windows: each data-parallel rank evaluates its share (through the
-// pipeline's stages when there is one, the loss on the last; through fsdp's units when sharded).
-double heldout_loss(LanguageModel& model, const Flags& f, const Corpus& corpus,
-                    const parallel::ProcessMesh& mesh, parallel::Pipeline* pipe = nullptr,
-                    parallel::DataParallelWrapper* sharded = nullptr) {
+// pipeline's stages when there is one, the loss on the last). Every rank runs as many forwards
+// as data rank 0 (the most windows), so that a sharded model's gathers pair up: a rank out of
+// windows runs its first again and counts nothing.
+double Run::heldout_loss() {
   NoGradGuard no_grad;
-  model.eval();
-  const int64_t span = int64_t(corpus.heldout.size()) - f.context - 1;
+  model_->eval();
+  const int data = mesh_.shape().data;
+  const int64_t span = int64_t(corpus_.heldout.size()) - f_.context - 1;
   std::vector<int64_t> mine;
-  for (int64_t i = mesh.data_rank(); i < f.eval_windows; i += mesh.shape().data)
-    mine.push_back(i * span / f.eval_windows);
+  for (int64_t i = mesh_.data_rank(); i < f_.eval_windows; i += data)
+    mine.push_back(i * span / f_.eval_windows);
   double total = 0;
-  const size_t per_batch = size_t(pipe ? f.batch / mesh.shape().data : f.batch);
-  // Sharded, every rank runs as many forwards as data rank 0 (the most windows) so that the
-  // units' gathers pair up; a rank out of windows runs its first again and counts nothing.
-  const size_t most = size_t((f.eval_windows + mesh.shape().data - 1) / mesh.shape().data);
-  const size_t rounds = ((sharded ? most : mine.size()) + per_batch - 1) / per_batch;
-  for (size_t round = 0; round < rounds; ++round) {
-    const size_t first = round * per_batch;
+  const size_t per_batch = size_t(pipe_ ? f_.batch / data : f_.batch);
+  const size_t most = size_t((f_.eval_windows + data - 1) / data);
+  for (size_t first = 0; first < most; first += per_batch) {
     const bool spare = first >= mine.size();
     const size_t last = spare ? first + 1 : std::min(mine.size(), first + per_batch);
     const std::vector<int64_t> windows =
         spare ? std::vector<int64_t>{0}
               : std::vector<int64_t>(mine.begin() + long(first), mine.begin() + long(last));
     const Batch batch =
-        gpt::make_batch(corpus.heldout, windows, f.context, corpus.end_of_text, f.placed);
-    // GPT's stages run sequence first ([T, B, ...]), Llama's batch first.
-    Tensor logits = pipe      ? pipe->predict(batch.model_inputs(), f.arch == "gpt" ? 1 : 0)
-                    : sharded ? sharded->forward(batch.model_inputs())
-                              : model(batch.model_inputs());
-    if (logits.defined() && !spare)  // the last stage's
-      total += model.loss(logits, batch.targets).item<double>() * double(last - first);
+        gpt::make_batch(corpus_.heldout, windows, f_.context, corpus_.end_of_text, device_);
+    const nn::Inputs in = split_.local_inputs(batch.model_inputs());
+    const Tensor loss = autocast(f_, [&] {
+      const Tensor logits = pipe_ ? pipe_->predict(in) : forward(in);
+      return logits.defined() ? objective(logits, split_.local_sequence(batch.targets)) : logits;
+    });
+    if (loss.defined() && !spare)
+      total += loss.item<double>() * double(last - first);  // last stage
   }
   // Under context parallelism each rank's loss covers its part of the positions.
   Tensor sum = full({1}, total, {.dtype = kFloat64});
   using parallel::Axis;
   dist::all_reduce(sum, dist::ReduceOp::Sum,
-                   mesh.group({Axis::Data, Axis::Context, Axis::Pipeline}));
-  model.train();
-  return sum.item<double>() / double(f.eval_windows * mesh.shape().context);
+                   mesh_.group({Axis::Data, Axis::Context, Axis::Pipeline}));
+  model_->train();
+  return sum.item<double>() / double(f_.eval_windows * mesh_.shape().context);
 }
 
-// Lines sampled from a newline, temperature 0.8, on the ranks of data-parallel group 0 (the
-// tensor-parallel ranks decode together), or on every rank of a sharded model (fsdp's units
-// gather as its blocks decode); printed by rank 0.
-void sample(LanguageModel& model, const Flags& f, const Corpus& corpus,
-            const parallel::ProcessMesh& mesh, bool sharded = false) {
-  if ((mesh.data_rank() != 0 && !sharded) || f.samples <= 0) return;
-  NoGradGuard no_grad;
+// Decoding appends one position at a time, which sequence and context parallelism cannot
+// split: then the same parameters go into a model split over the tensor group alone. Every
+// rank decodes (a sharded wrapper gathers each unit as it runs); rank 0 prints.
+void Run::sample_lines() {
+  if (mesh_.shape().expert > 1 || pipe_) {
+    if (dist::rank() == 0)
+      std::printf("samples: none (the %s)\n",
+                  pipe_ ? "blocks are cut into pipeline stages" : "experts are spread over ranks");
+    return;
+  }
+  if (split_.sequence_parallel || split_.context_group) {
+    std::shared_ptr<nn::CausalLM> decoder =
+        gpt::make_model(f_, corpus_.vocab, {.tensor = split_.tensor, .moe = split_.moe});
+    decoder->to(device_);
+    decoder->load_state_dict(wrapper_ ? wrapper_->full_state_dict() : model_->state_dict());
+    NoGradGuard no_grad;
+    sample(*decoder);
+  } else if (wrapper_) {
+    wrapper_->run([&] { sample(*model_); });
+  } else {
+    NoGradGuard no_grad;
+    sample(*model_);
+  }
+}
+
+// Lines sampled from a newline, temperature 0.8 (the same draws on every rank).
+void Run::sample(nn::CausalLM& model) const {
+  if (f_.samples <= 0) return;
   model.eval();
-  Generator g(f.seed + 7);  // the same draws on every tensor-parallel rank
-  const auto newline = std::find(corpus.chars.begin(), corpus.chars.end(), '\n');
-  const int64_t start = newline - corpus.chars.begin();
-  std::vector<nn::KVCache> caches;
-  for (int64_t i = 0; i < f.layers; ++i) caches.emplace_back(f.context);
-  Tensor ids = full({f.samples, 1}, double(start), {.dtype = kInt64, .device = f.placed});
-  std::vector<std::string> text(size_t(f.samples));
-  for (int64_t t = 0; t + 1 < f.context; ++t) {
-    Tensor logits = model.decode(ids, caches).narrow(1, 0, int64_t(corpus.chars.size()));
-    ids = multinomial(softmax(logits / 0.8, -1), 1, false, &g);
+  Generator g(f_.seed + 7);
+  const auto newline = std::find(corpus_.chars.begin(), corpus_.chars.end(), '\n');
+  std::vector<nn::KVCache> caches = model.make_caches(f_.context);
+  Tensor ids = full({f_.samples, 1}, double(newline - corpus_.chars.begin()),
+                    {.dtype = kInt64, .device = device_});
+  std::vector<std::string> text(size_t(f_.samples));
+  for (int64_t t = 0; t + 1 < f_.context; ++t) {
+    const Tensor logits = model.forward_cached(ids, caches);
+    const Tensor last = logits.select(1, logits.size(1) - 1);
+    ids = multinomial(softmax(last.narrow(1, 0, int64_t(corpus_.chars.size())) / 0.8, -1), 1, false,
+                      &g);
     const auto drawn = ids.to_vector<int64_t>();
-    for (size_t s = 0; s < drawn.size(); ++s) text[s] += char(corpus.chars[size_t(drawn[s])]);
+    for (size_t s = 0; s < drawn.size(); ++s) text[s] += char(corpus_.chars[size_t(drawn[s])]);
   }
   if (dist::rank() == 0) {
     std::printf("samples:\n");
-    for (const auto& s : text) {
-      std::string line = s.substr(0, s.find('\n'));
-      std::printf("  | %s\n", line.c_str());
-    }
+    for (const auto& s : text) std::printf("  | %s\n", s.substr(0, s.find('\n')).c_str());
   }
   model.train();
 }
 
-}  // namespace
-
-// Every rank must train the same model: a flag that differs on one rank (--lr, --batch, --seed)
-// would train another one there, silently. The command lines meet as a hash (FNV-1a over the
-// arguments, each ended by its 0 byte): one all_reduce of its maximum and its negation.
-void check_same_command_line(int argc, char** argv) {
-  uint64_t hash = 1469598103934665603ULL;
-  std::string line;
-  for (int i = 1; i < argc; ++i) {
-    for (const char* c = argv[i];; ++c) {
-      hash = (hash ^ uint8_t(*c)) * 1099511628211ULL;
-      if (*c == 0) break;
-    }
-    line += std::string(i > 1 ? " " : "") + argv[i];
-  }
-  const int64_t mine = int64_t(hash >> 2);
-  Tensor range = from_vector<int64_t>({mine, -mine}, {2});
-  dist::all_reduce(range, dist::ReduceOp::Max);
-  const std::vector<int64_t> r = range.to_vector<int64_t>();
-  WEAVE_CHECK(r[0] == -r[1], "gpt",
-              "the ranks were started with different flags (rank {}'s: '{}'); hint: launch every "
-              "rank with the same command line",
-              dist::rank(), line);
-}
-
-bool uses_nccl(const Flags& f) {
-  return f.backend == "nccl" || (f.backend.empty() && f.device == "cuda");
-}
-
-// Everything after init: builds, trains, evaluates and samples on every rank.
+// Everything after init: the device, then the run.
 int train_and_sample(Flags& f, int argc, char** argv) {
-  const bool nccl = uses_nccl(f);
-  check_same_command_line(argc, argv);
+  gpt::check_same_command_line(argc, argv);
+  gpt::check_flags(f);
   // Under NCCL the runtime assigned this rank's GPU; under MPI ranks take GPUs round-robin too.
   const Device device = f.device == "cpu" ? kCPU
-                        : nccl
+                        : uses_nccl(f)
                             ? dist::device()
                             : Device::cuda(dist::local_rank() % std::max(1, cuda::device_count()));
   f.placed = device;
   set_num_threads(f.threads);
   set_float32_matmul_precision(f.matmul_precision);
-  const int world = dist::world_size();
-  const bool fully_sharded = f.strategy == "fsdp";
-  // Tensor-parallel ranks: every rank of a stage (and context group) under tp; --tp (2 unless
-  // given) under hybrid; --tp when given with ddp or fsdp.
-  const int context = f.context_parallel, pipeline = f.pipeline;
-  const int tensor = f.strategy == "tp"       ? std::max(1, world / (context * pipeline))
-                     : f.tp > 0               ? f.tp
-                     : f.strategy == "hybrid" ? 2
-                                              : 1;
-  WEAVE_CHECK(world % (tensor * context * pipeline) == 0, "gpt",
-              "--tp {} times --context-parallel {} times --pipeline {} does not divide the {} "
-              "ranks; hint: run a multiple of their product",
-              tensor, context, pipeline, world);
-  const int data = world / (tensor * context * pipeline);
-  const int microbatches = f.microbatches > 0 ? f.microbatches : 2 * pipeline;
-  WEAVE_CHECK(pipeline == 1 || (f.experts == 0 && f.autocast != kFloat16 && f.layers >= pipeline &&
-                                f.batch % (data * microbatches) == 0 &&
-                                f.eval_windows % (data * microbatches) == 0),
-              "gpt",
-              "--pipeline {} takes a dense model without fp16 (found --experts {}{}), at least "
-              "one block per stage (--layers {}), and --batch {} and "
-              "--eval-windows {} in multiples of the {} data-parallel ranks times {} "
-              "micro-batches",
-              pipeline, f.experts, f.autocast == kFloat16 ? ", --autocast fp16" : "", f.layers,
-              f.batch, f.eval_windows, data, microbatches);
-  WEAVE_CHECK(
-      f.experts == 0 || ((data * context) % f.expert_parallel == 0 && f.eval_windows % data == 0 &&
-                         f.experts % f.expert_parallel == 0 && f.top_k <= f.experts),
-      "gpt",
-      "--expert-parallel {} must divide the {} data x context ranks and the {} experts, "
-      "--top-k {} be at most the experts, and --eval-windows {} divide among the {} "
-      "data-parallel ranks",
-      f.expert_parallel, data * context, f.experts, f.top_k, f.eval_windows, data);
-  WEAVE_CHECK(!f.pack || f.arch == "llama", "gpt",
-              "--pack needs --arch llama: GPT-2's learned positions and attention take one "
-              "document per window");
-  WEAVE_CHECK(!f.param_dtype || fully_sharded, "gpt",
-              "--param-dtype is fsdp's mixed-precision policy; hint: --strategy fsdp, or "
-              "--autocast bf16 for the others");
-  WEAVE_CHECK(!f.cuda_graph || (f.device == "cuda" && world == 1 && f.experts == 0 &&
-                                f.autocast != kFloat16 && !fully_sharded),
-              "gpt",
-              "--cuda-graph captures one GPU's step: --device cuda at one rank, without --experts "
-              "(their routing reads counts on the host), fsdp or --autocast fp16 (its scaler "
-              "decides on the host)");
-  WEAVE_CHECK(f.arch == "llama" || f.kv_heads == 0, "gpt",
-              "--kv-heads {} needs --arch llama (GPT-2's attention has a key/value head per "
-              "query head)",
-              f.kv_heads);
-  const parallel::ProcessMesh mesh({.data = data,
-                                    .tensor = tensor,
-                                    .pipeline = pipeline,
-                                    .context = context,
-                                    .expert = f.experts > 0 ? f.expert_parallel : 1});
-  // The ranks that hold every expert between them (mesh.expert()), when experts are spread.
-  const std::optional<dist::Group> experts =
-      mesh.shape().expert > 1 ? std::optional(mesh.expert()) : std::nullopt;
-  WEAVE_CHECK(f.batch % data == 0, "gpt", "--batch {} does not divide among {} data-parallel ranks",
-              f.batch, data);
-  // Sequence parallelism splits what experts and context parallelism need whole.
-  // (Llama's layers run batch first, whole sequences on every tensor-parallel rank.)
-  const bool sequence_parallel =
-      tensor > 1 && f.sequence_parallel && f.experts == 0 && context == 1 && f.arch == "gpt";
-  Corpus corpus = gpt::load_corpus(f.data_dir, f.pack);
-  corpus.vocab = std::max(corpus.vocab, (f.vocab + 7) / 8 * 8);
-  WEAVE_CHECK(int64_t(corpus.heldout.size()) > f.context + 1, "gpt",
-              "--context {} needs more text: the held-out tenth of {} holds {} characters "
-              "(train {}); hint: a shorter --context or more text",
-              f.context, f.data_dir, corpus.heldout.size(), corpus.train.size());
-
-  auto model = build(f, corpus.vocab, mesh, sequence_parallel, experts, fully_sharded);
-  std::vector<std::pair<std::string, Shape>> model_shapes;  // before fsdp shards the parameters
-  for (const auto& [name, p] : model->named_parameters())
-    model_shapes.emplace_back(name, p.shape());
-  // One data-parallel wrapper or none: DDP averages each parameter where its placement says, FSDP
-  // shards it there (kept gathered across a pipeline's micro-batches, torchtitan's choice).
-  std::unique_ptr<parallel::DataParallelWrapper> data_parallel;
-  if (fully_sharded) {
-    data_parallel = std::make_unique<parallel::FullyShardedDataParallel>(
-        *model, parallel::FSDPOptions{.reshard_after_forward = pipeline == 1,
-                                      .group = mesh.data_and_context(),
-                                      .param_dtype = f.param_dtype,
-                                      .reduce_dtype = kFloat32,
-                                      .output_dtype = kFloat32});
-  } else if (data * context > 1) {
-    data_parallel = std::make_unique<parallel::DistributedDataParallel>(
-        *model, parallel::DDPOptions{.group = mesh.data_and_context()});
-  }
-  // FSDP's ranks run every forward together (its units gather): evaluation goes through it.
-  parallel::DataParallelWrapper* const sharded = fully_sharded ? data_parallel.get() : nullptr;
-  // The stages pass activations and gradients; each stage's wrapper syncs on the last micro-batch.
-  std::unique_ptr<parallel::Pipeline> pipe;
-  if (pipeline > 1) {
-    const parallel::PipelineOptions options{.microbatches = microbatches, .group = mesh.pipeline()};
-    pipe = data_parallel ? std::make_unique<parallel::Pipeline>(*data_parallel, options)
-                         : std::make_unique<parallel::Pipeline>(*model, options);
-  }
-  // The GPT recipe's groups: no weight decay on biases, norms and embeddings. Under fsdp the
-  // optimizer steps this rank's shards only, each part with its parameter's group.
-  const std::vector<optim::ParamGroup> groups = optim::weight_decay_groups(*model, f.weight_decay);
-  optim::AdamW optimizer(data_parallel ? data_parallel->param_groups(groups) : groups,
-                         {.lr = f.lr, .capturable = f.cuda_graph});
-  std::optional<gpt::GraphedTraining> graphed;
-  if (f.cuda_graph) graphed.emplace(*model, optimizer, f);
-  // Linear warmup, then cosine to min_lr (the same formula in bench/training/gpt_torch.py).
-  optim::LRScheduler scheduler(optimizer, [f](int64_t step) {
-    if (step < f.warmup) return f.lr * double(step + 1) / double(f.warmup);
-    const double progress =
-        std::min(1.0, double(step - f.warmup) / double(std::max<int64_t>(1, f.steps - f.warmup)));
-    return f.min_lr + 0.5 * (f.lr - f.min_lr) * (1 + std::cos(M_PI * progress));
-  });
-  // float16's range needs loss scaling; bfloat16 has float32's range and needs none. Every
-  // rank agrees on skipping (the world: tensor-parallel shards overflow separately).
-  parallel::GradScaler scaler({.enabled = f.autocast == kFloat16});
-
-  data::TrainingState state{.model = data_parallel ? &data_parallel->sharded_module() : model.get(),
-                            .optimizer = &optimizer,
-                            .scheduler = &scheduler};
-  int64_t step = 0;
-  namespace fs = std::filesystem;
-  if (f.resume && !f.checkpoint.empty() && fs::exists(fs::path(f.checkpoint) / "index.json")) {
-    parallel::load_sharded_checkpoint(f.checkpoint, state);
-    step = std::stoll(state.user.at("step"));
-    if (scaler.enabled())  // the loss scale and its growth count resume too
-      scaler.load_state_dict(
-          {{"scale", std::stod(state.user.at("scaler.scale"))},
-           {"growth_tracker", std::stod(state.user.at("scaler.growth_tracker"))}});
-    if (dist::rank() == 0) std::printf("resumed at step %lld\n", static_cast<long long>(step));
-  }
-  if (dist::rank() == 0) {
-    int64_t count = 0;
-    for (const auto& [name, shape] : model_shapes) count += shape.numel();
-    std::printf(
-        "%s: %s, %s; %lld layers, dim %lld, %lld heads, context %lld, batch %lld, vocab %lld "
-        "(%zu used), %lld parameters on rank 0; %zu train / %zu held-out characters%s\n",
-        f.arch.c_str(), f.strategy.c_str(), mesh.str().c_str(), static_cast<long long>(f.layers),
-        static_cast<long long>(f.dim), static_cast<long long>(f.heads),
-        static_cast<long long>(f.context), static_cast<long long>(f.batch),
-        static_cast<long long>(corpus.vocab), corpus.chars.size(), static_cast<long long>(count),
-        corpus.train.size(), corpus.heldout.size(), f.pack ? ", packed" : "");
-  }
-
-  const int64_t local_batch = f.batch / data;
-  const int64_t train_span = int64_t(corpus.train.size());
-  // Progress on stderr (rank 0), and with --log the metrics file for tools/weave-plot.
-  // MFU counts the whole model: every rank's pieces, once per data x context replica.
-  Tensor pieces = full({1}, 0.0, {.dtype = kFloat64});
-  for (const auto& [name, shape] : model_shapes) pieces.add_(double(shape.numel()));
-  dist::all_reduce(pieces, dist::ReduceOp::Sum);
-  const auto parameters = int64_t(pieces.item<double>() / double(data * context));
-  data::MetricsLogger metrics(
-      {.path = f.log,
-       .enabled = dist::rank() == 0,
-       .total_steps = f.steps,
-       .start_step = step,
-       .device = device,
-       .flops_per_token = data::transformer_flops_per_token(parameters, f.layers, f.dim, f.context),
-       .peak_flops = f.peak_tflops * 1e12 * world,
-       .tensorboard_dir = f.tensorboard});
-  double loss_sum = 0;
-  int64_t losses = 0, tokens = 0;
-  while (step < f.steps) {
-    std::vector<int64_t> offsets = gpt::train_offsets(f, train_span, step);
-    offsets = {offsets.begin() + mesh.data_rank() * local_batch,
-               offsets.begin() + (mesh.data_rank() + 1) * local_batch};
-    const Batch batch =
-        gpt::make_batch(corpus.train, offsets, f.context, corpus.end_of_text, device);
-    const Tensor& targets = batch.targets;
-    Tensor loss;
-    double grad_norm = 0;
-    if (graphed) {
-      graphed->step(batch);
-    } else {
-      optimizer.zero_grad();
-      if (pipe) {  // forward and backward of every micro-batch; the loss on the last stage
-        std::optional<AutocastGuard> autocast;
-        if (f.autocast) autocast.emplace(*f.autocast);
-        loss = pipe->train_step(batch.model_inputs(), targets,
-                                [&](const Tensor& logits, const Tensor& target) {
-                                  return model->loss(logits, target);
-                                });
-      } else {
-        {
-          std::optional<AutocastGuard> autocast;
-          if (f.autocast) autocast.emplace(*f.autocast);
-          const nn::Inputs in = batch.model_inputs();
-          Tensor logits = data_parallel ? data_parallel->forward(in) : (*model)(in);
-          loss = model->loss(logits, targets);
-        }
-        scaler.scale(loss).backward();
-      }
-      scaler.unscale_(optimizer.params());  // clipping sees the true gradients
-      // The whole model's norm: each parameter's placement says how many ranks hold its piece.
-      grad_norm = parallel::clip_grad_norm_(optimizer.params(), f.clip);
-      scaler.step(optimizer);
-      scaler.update();
-    }
-    scheduler.step();
-    ++step;
-    loss_sum += loss.defined() ? loss.item<double>() : 0;  // the last stage's
-    ++losses;
-    tokens += f.batch * f.context;
-    if (step % f.log_every == 0 || step == f.steps) {
-      if (graphed) loss_sum = graphed->take_loss_sum(), grad_norm = graphed->norm();
-      Tensor mean = full({1}, loss_sum / double(losses * data * context), {.dtype = kFloat64});
-      dist::all_reduce(
-          mean, dist::ReduceOp::Sum,
-          mesh.group({parallel::Axis::Data, parallel::Axis::Context, parallel::Axis::Pipeline}));
-      metrics.log_step({.step = step,
-                        .loss = mean.item<double>(),
-                        .lr = scheduler.lr(),
-                        .tokens = tokens,
-                        .grad_norm = grad_norm});
-      loss_sum = 0, losses = 0, tokens = 0;
-    }
-    if (step % f.eval_every == 0 && step < f.steps) {
-      std::optional<AutocastGuard> autocast;
-      if (f.autocast) autocast.emplace(*f.autocast);
-      metrics.log_eval(step, "heldout_loss",
-                       heldout_loss(*model, f, corpus, mesh, pipe.get(), sharded));
-    }
-    if (!f.checkpoint.empty() &&
-        (step % f.checkpoint_every == 0 || step == f.steps || step == f.stop_at)) {
-      state.user = {{"step", std::to_string(step)}};
-      for (const auto& [key, value] : scaler.state_dict()) {
-        char text[32];  // %.17g: the double comes back bit for bit
-        std::snprintf(text, sizeof text, "%.17g", value);
-        state.user["scaler." + key] = text;
-      }
-      parallel::save_sharded_checkpoint(f.checkpoint, state);
-    }
-    if (dist::rank() == 0) std::fflush(stdout);
-    if (step == f.stop_at) {
-      if (dist::rank() == 0) std::printf("stopped at step %lld\n", static_cast<long long>(step));
-      return 0;
-    }
-  }
-  std::optional<AutocastGuard> autocast;
-  if (f.autocast) autocast.emplace(*f.autocast);
-  const double held = heldout_loss(*model, f, corpus, mesh, pipe.get(), sharded);
-  metrics.log_eval(f.steps, "heldout_loss", held);
-  if (dist::rank() == 0) std::printf("heldout_loss=%.4f\n", held);
-  // Decoding appends one position at a time, which sequence parallelism cannot split: the same
-  // parameters in a model built without it.
-  if (experts || pipe) {
-    if (dist::rank() == 0)
-      std::printf("samples: none (the %s)\n",
-                  pipe ? "blocks are cut into pipeline stages" : "experts are spread over ranks");
-  } else if (sequence_parallel || context > 1) {
-    std::shared_ptr<LanguageModel> decoder =
-        f.arch == "llama"
-            ? std::shared_ptr<LanguageModel>(std::make_shared<gpt::ParallelLlama>(
-                  f, corpus.vocab,
-                  models::ModelSplit{.tensor = mesh.tensor(), .moe = gpt::llama_experts(f)}))
-            : std::make_shared<ParallelGpt>(f, corpus.vocab, mesh.tensor(), false);
-    decoder->to(device);
-    decoder->load_state_dict(data_parallel ? data_parallel->full_state_dict()
-                                           : model->state_dict());
-    sample(*decoder, f, corpus, mesh);
-  } else if (sharded) {  // every rank decodes, each unit gathered as it runs
-    sharded->run([&] { sample(*model, f, corpus, mesh, /*sharded=*/true); });
-  } else {
-    sample(*model, f, corpus, mesh);
-  }
-  // Over the whole run: construction, training, evaluation and sampling.
-  if (dist::rank() == 0)
-    std::printf("peak tensor memory on rank 0: %.1f MB (memory_stats)\n",
-                double(memory_stats(device).peak) / 1e6);
-  return 0;
+  Run run(f, device);
+  return run.train();
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   Flags f;

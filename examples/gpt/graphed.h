@@ -6,8 +6,8 @@
 
 #include "data.h"
 #include "flags.h"
-#include "models.h"
 
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -15,10 +15,12 @@ namespace gpt {
 
 class GraphedTraining {
  public:
+  /// The loss of the model's forward on inputs against targets.
+  using Loss = std::function<Tensor(const nn::Inputs&, const Tensor&)>;
   /// `optimizer` must be capturable (AdamWOptions::capturable).
-  GraphedTraining(LanguageModel& model, optim::Optimizer& optimizer, const Flags& f)
-      : step_([&model, &optimizer, &f, this](const std::vector<Tensor>& in) {
-          return run(model, optimizer, f, in);
+  GraphedTraining(Loss loss, optim::Optimizer& optimizer, const Flags& f)
+      : step_([loss = std::move(loss), &optimizer, &f](const std::vector<Tensor>& in) {
+          return run(loss, optimizer, f, in);
         }) {}
 
   /// One training step on `batch`.
@@ -40,7 +42,7 @@ class GraphedTraining {
   double norm() const { return norm_.defined() ? norm_.item<double>() : 0; }
 
  private:
-  static std::vector<Tensor> run(LanguageModel& model, optim::Optimizer& optimizer, const Flags& f,
+  static std::vector<Tensor> run(const Loss& loss_of, optim::Optimizer& optimizer, const Flags& f,
                                  const std::vector<Tensor>& in) {
     optimizer.zero_grad();
     Tensor loss;
@@ -48,7 +50,7 @@ class GraphedTraining {
       std::optional<AutocastGuard> autocast;
       if (f.autocast) autocast.emplace(*f.autocast);
       const nn::Inputs inputs = in.size() > 2 ? nn::Inputs(in[0], in[2], in[3]) : nn::Inputs(in[0]);
-      loss = model.loss(model(inputs), in[1]);
+      loss = loss_of(inputs, in[1]);
     }
     loss.backward();
     Tensor norm = optim::clip_grad_norm_on_device_(optimizer.params(), f.clip);

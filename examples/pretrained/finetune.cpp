@@ -180,6 +180,7 @@ struct Trainer {
         mesh(mesh_shape(f)),
         split(mesh.shape().tensor > 1 || mesh.shape().context > 1 || mesh.shape().pipeline > 1),
         sharded(f.strategy == "fsdp"),
+        parts(models::ModelSplit::from_mesh(mesh)),
         dataset(std::make_shared<const data::TokenDataset>(
             std::make_shared<const data::TokenFile>(token_file(f, tokenizer)),
             data::TokenWindows{.context = f.context})),
@@ -217,7 +218,7 @@ struct Trainer {
       model = models::from_pretrained(f.model);
     } else {  // without memory: the checkpoint fills this rank's slices, or under fsdp its shards
       nn::DeferredInit deferred(f.seed);
-      model = models::make_model(config, models::ModelSplit::from_mesh(mesh));
+      model = models::make_model(config, parts);
     }
     model->set_recompute_blocks(f.checkpoint_activations);
     const dist::Group& replicas = mesh.data_and_context();
@@ -241,34 +242,18 @@ struct Trainer {
     }
   }
 
-  // The loss of logits (a vocabulary slice when split) against targets.
-  Tensor loss_of(const Tensor& logits, const Tensor& targets) const {
-    Tensor flat = logits.reshape({-1, logits.size(-1)}), target = targets.reshape({-1});
-    return split ? parallel::vocab_parallel_cross_entropy(flat, target, mesh.tensor())
-                 : cross_entropy(flat, target);
-  }
-
   // One optimizer step on a batch; returns its loss (the whole batch's).
   double step_on(const data::Example& batch) {
     optimizer->zero_grad();
-    nn::Inputs in = batch.model_inputs();
-    Tensor targets = batch.target;
-    if (mesh.shape().context > 1) {  // this rank's zig-zag part of every window
-      const auto part = [&](const Tensor& t) {
-        return t.defined() ? parallel::shard_sequence(t, 1, mesh.context(),
-                                                      parallel::SequenceLayout::ZigZag)
-                           : t;
-      };
-      in = nn::Inputs(part(in.x), part(in.positions), part(in.document_ids));
-      targets = part(targets);
-    }
+    const nn::Inputs in = parts.local_inputs(batch.model_inputs());  // this rank's positions
+    const Tensor targets = parts.local_sequence(batch.target);
     Tensor loss;
     if (pipe) {  // every micro-batch's forward and backward; the loss on the last stage
       loss = pipe->train_step(in, targets, [this](const Tensor& logits, const Tensor& target) {
-        return loss_of(logits, target);
+        return parts.cross_entropy(logits, target);
       });
     } else {
-      loss = loss_of(wrapper ? wrapper->forward(in) : (*model)(in), targets);
+      loss = parts.cross_entropy(wrapper ? wrapper->forward(in) : (*model)(in), targets);
       loss.backward();
     }
     optimizer->step();
@@ -311,7 +296,7 @@ struct Trainer {
     if (pipe) return gathered_stages();
     std::shared_ptr<nn::CausalLM> slices = model;  // this rank's slices, whole
     if (sharded) {
-      slices = models::make_model(config, models::ModelSplit::from_mesh(mesh));
+      slices = models::make_model(config, parts);
       slices->load_state_dict(wrapper->full_state_dict());
     }
     auto whole = models::make_model(config);
@@ -339,6 +324,7 @@ struct Trainer {
   const data::hf::ModelConfig& config;
   parallel::ProcessMesh mesh;
   bool split, sharded;
+  models::ModelSplit parts;  // this rank's part of the model (empty on one replica)
   std::shared_ptr<const data::TokenDataset> dataset;
   std::shared_ptr<parallel::DistributedSampler> sampler;
   std::shared_ptr<nn::CausalLM> model;

@@ -1,5 +1,6 @@
 #include "weave/models/model_split.h"
 
+#include "weave/ops/ops.h"
 #include "weave/ops/side_loss.h"
 #include "weave/parallel/model_parallel/tensor_parallel.h"
 
@@ -49,6 +50,30 @@ void ModelSplit::check(const char* model, int64_t layers) const {
               "a context split needs a tensor group (its attention layers are the "
               "tensor-parallel ones; a group of this rank alone will do); hint: "
               "ModelSplit::from_mesh sets both");
+  WEAVE_CHECK(!sequence_parallel || (tensor && !context_group && !moe), model,
+              "sequence parallelism splits the sequence over a tensor group, and needs whole "
+              "sequences for experts and context parallelism; found a tensor group: {}, a "
+              "context group: {}, experts: {}; hint: one of them at a time",
+              tensor.has_value(), context_group.has_value(), moe.has_value());
+}
+
+nn::Inputs ModelSplit::local_inputs(const nn::Inputs& inputs) const {
+  if (!context_group) return inputs;
+  return nn::Inputs(local_sequence(inputs.x), local_sequence(inputs.positions),
+                    local_sequence(inputs.document_ids));
+}
+
+Tensor ModelSplit::local_sequence(const Tensor& targets) const {
+  if (!context_group || !targets.defined()) return targets;
+  return parallel::shard_sequence(targets, 1, *context_group, context_layout);
+}
+
+Tensor ModelSplit::cross_entropy(const Tensor& logits, const Tensor& targets) const {
+  const Tensor flat = logits.reshape({-1, logits.size(-1)});
+  const Tensor target = targets.reshape({-1});
+  if (tensor && !gather_logits)
+    return parallel::vocab_parallel_cross_entropy(flat, target, *tensor);
+  return weave::cross_entropy(flat, target);
 }
 
 void ModelSplit::check_decoding(const char* model, size_t caches, size_t blocks) const {
@@ -58,6 +83,9 @@ void ModelSplit::check_decoding(const char* model, size_t caches, size_t blocks)
   WEAVE_CHECK(!context_group, model,
               "decoding with caches is not split over a context group; hint: decode with a model "
               "built without one (gather_state_dict)");
+  WEAVE_CHECK(!sequence_parallel, model,
+              "decoding with caches is not split along the sequence (one position at a time); "
+              "hint: decode with a model built without sequence_parallel (the same parameters)");
   WEAVE_CHECK(caches == blocks, model,
               "expected a cache per block ({}), found {}; hint: make_caches", blocks, caches);
 }

@@ -24,6 +24,11 @@ struct ModelSplit {
   /// The model's forward gives every rank all the logits; else (with a tensor group) this
   /// rank's vocabulary slice, for parallel::vocab_parallel_cross_entropy. Decoding gathers them.
   bool gather_logits = false;
+  /// Megatron's sequence parallelism (with a tensor group of several ranks): between the
+  /// tensor-parallel matrix products, the norms and residuals hold 1/n of the sequence, and
+  /// hidden states between pipeline stages are this rank's part [B, T / n, dim]. Decoding
+  /// raises; without context parallelism or experts, which need whole sequences (GPT-2's).
+  bool sequence_parallel = false;
   /// Context parallelism (needs a tensor group, one rank will do): each rank of this group
   /// passes its part of every sequence (parallel::shard_sequence(tokens, 1, group, layout)) and
   /// gets that part's logits, positions taken from the part's place. Decoding raises.
@@ -66,6 +71,19 @@ struct ModelSplit {
   /// Raises, naming `model`, unless key/value caches can decode with this split (no pipeline
   /// stages, no context group) and there is one cache per block.
   void check_decoding(const char* model, size_t caches, size_t blocks) const;
+
+  /// This rank's part of a batch, for the model's forward: under a context group each rank's
+  /// part of every sequence (context_layout) of the tokens, positions and document ids; as they
+  /// are otherwise. Collective-free.
+  nn::Inputs local_inputs(const nn::Inputs& inputs) const;
+  /// This rank's part along T of a [B, T] tensor such as the targets (the positions
+  /// local_inputs keeps); undefined stays undefined.
+  Tensor local_sequence(const Tensor& targets) const;
+  /// Mean cross-entropy of this model's logits [..., vocab] against this rank's targets: over
+  /// the tensor group when the logits are its vocabulary slices
+  /// (parallel::vocab_parallel_cross_entropy), plain cross_entropy otherwise. Under a context
+  /// group each rank's mean covers its positions (average over the group for the batch's).
+  Tensor cross_entropy(const Tensor& logits, const Tensor& targets) const;
 };
 
 namespace detail {

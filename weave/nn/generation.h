@@ -27,6 +27,9 @@ class CausalLM : public Module {
   /// Logits of `tokens`, which sit after the caches' positions (appended to them). Inference:
   /// records nothing for autograd.
   virtual Tensor forward_cached(const Tensor& tokens, std::vector<KVCache>& caches) = 0;
+  /// The last forward's auxiliary losses (a mixture of experts' load balancing), summed: add
+  /// it to the training loss. Undefined when the model has none.
+  virtual Tensor aux_loss() const { return Tensor(); }
   /// Activation checkpointing of every block from the next forward on (Hugging Face's
   /// gradient_checkpointing_enable()): the one switch of recomputation, for a model built here
   /// or loaded (models::from_pretrained).

@@ -28,8 +28,8 @@ GPT2::GPT2(GPT2Options options, ModelSplit split)
       kGPT2, "vocab, dim, layers and max_positions must be positive, found {}, {}, {} and {}",
       options.vocab, options.dim, options.layers, options.max_positions);
   split_.check(kGPT2, options.layers);
-  WEAVE_CHECK(!options.untied_head || !split_.tensor, kGPT2,
-              "an untied head is not split here; hint: GPT-2 ties it to the token embedding");
+  WEAVE_CHECK(options.untied_head || !options.head_bias, kGPT2,
+              "head_bias needs untied_head (the tied head is the token embedding's table)");
   WEAVE_CHECK(!split_.moe || split_.tensor, kGPT2,
               "GPT-2's mixture-of-experts blocks are the tensor-parallel ones; hint: "
               "ModelSplit::from_mesh gives a tensor group (of this rank alone will do)");
@@ -46,13 +46,9 @@ GPT2::GPT2(GPT2Options options, ModelSplit split)
         "positions",
         std::make_shared<nn::Embedding>(options.max_positions, options.dim, options.generator));
   add_blocks();
-  if (split_.last_stage()) {
-    norm = register_module("norm", std::make_shared<nn::LayerNorm>(Shape{options.dim}));
-    if (options.untied_head)
-      head = register_module("head", std::make_shared<nn::Linear>(options.dim, options.vocab, false,
-                                                                  options.generator));
-  }
-  if (split_.stages > 1 && tokens) parallel::tie_first_and_last_stage(*token_weight_);
+  if (split_.last_stage()) add_head();
+  if (split_.stages > 1 && tokens && !options.untied_head)
+    parallel::tie_first_and_last_stage(*token_weight_);
   if (split_.context_group) parallel::record_context_reads(*this, *split_.context_group);
 }
 
@@ -63,7 +59,8 @@ void GPT2::add_blocks() {
     if (split_.tensor) {
       auto block = std::make_shared<parallel::ParallelTransformerBlock>(
           options_.dim, options_.heads, *split_.tensor,
-          parallel::ParallelTransformerBlockOptions{.tanh_gelu = true,
+          parallel::ParallelTransformerBlockOptions{.tanh_gelu = options_.tanh_gelu,
+                                                    .sequence_parallel = split_.sequence_parallel,
                                                     .generator = options_.generator,
                                                     .context = split_.context(),
                                                     .moe = split_.block_experts(i),
@@ -74,11 +71,37 @@ void GPT2::add_blocks() {
     } else {
       auto block = std::make_shared<nn::TransformerBlock>(
           options_.dim, options_.heads,
-          nn::TransformerBlockOptions{.tanh_gelu = true, .generator = options_.generator});
+          nn::TransformerBlockOptions{.tanh_gelu = options_.tanh_gelu,
+                                      .generator = options_.generator});
       cached_blocks_.push_back(decoder_of(block.get()));
       blocks->push_back(block);
     }
   }
+}
+
+void GPT2::add_head() {
+  const Shape dim{options_.dim};
+  if (split_.sequence_parallel)
+    norm = register_module(
+        "norm", std::make_shared<parallel::SequenceParallelLayerNorm>(dim, *split_.tensor));
+  else
+    norm = register_module("norm", std::make_shared<nn::LayerNorm>(dim));
+  if (!options_.untied_head) return;
+  if (!split_.tensor) {
+    head = register_module(
+        "head", std::make_shared<nn::Linear>(options_.dim, options_.vocab, options_.head_bias,
+                                             options_.generator));
+    return;
+  }
+  const dist::Group& tp = *split_.tensor;
+  auto columns = std::make_shared<parallel::ColumnParallelLinear>(
+      options_.dim, parallel::padded_vocab(options_.vocab, tp.size()), tp,
+      parallel::ColumnParallelOptions{.bias = options_.head_bias,
+                                      .sequence_parallel = split_.sequence_parallel,
+                                      .generator = options_.generator});
+  parallel::record_padding(columns->weight, tp, options_.vocab);  // as the embedding's rows
+  if (options_.head_bias) parallel::record_padding(columns->bias, tp, options_.vocab);
+  head = register_module("head", columns);
 }
 
 Tensor& GPT2::token_weight() {
@@ -94,6 +117,7 @@ Tensor GPT2::forward(const Tensor& ids) {
 
 std::vector<std::string> GPT2::shard_units() const {
   std::vector<std::string> names;
+  if (tokens && options_.untied_head) names.push_back("tokens");
   if (positions) names.push_back("positions");
   for (const auto& [name, block] : blocks->named_children()) names.push_back("blocks." + name);
   if (norm) names.push_back("norm");
@@ -135,13 +159,16 @@ Tensor GPT2::embed(const Tensor& ids, int64_t start) {
   return (*tokens)(ids) + (*positions)(where);
 }
 
-// The tensor-parallel blocks run sequence first ([T, B, dim]); between pipeline stages hidden
-// states travel batch first, [B, T, dim].
+// The tensor-parallel blocks run sequence first ([T, B, dim]), under sequence parallelism on
+// this rank's part of the sequence; between pipeline stages hidden states travel batch first,
+// [B, T, dim] (that part: [B, T / n, dim]).
 Tensor GPT2::run(const Tensor& input, std::vector<nn::KVCache>* caches, bool gather) {
   if (!positions) detail::check_stage_input(kGPT2, split_, input, options_.dim);
   Tensor x = positions ? embed(input, caches ? caches->front().length() : 0) : input;
   const bool sequence_first = split_.tensor.has_value();
   if (sequence_first) x = x.transpose(0, 1);
+  if (positions && split_.sequence_parallel)
+    x = dist::functional::scatter_to_group(x.contiguous(), 0, *split_.tensor);
   if (caches) {
     for (size_t i = 0; i < blocks->size(); ++i)  // between its hooks: FSDP gathers the block
       x = (*blocks)[i].call(nn::Inputs(x), [&](const nn::Inputs& in) {
@@ -157,10 +184,18 @@ Tensor GPT2::run(const Tensor& input, std::vector<nn::KVCache>* caches, bool gat
 
 Tensor GPT2::logits(const Tensor& hidden, bool gather) {
   if (!split_.tensor) return head ? (*head)(hidden) : linear(hidden, token_weight());
-  // The tied head: this rank's vocabulary rows; the input's gradient sums over the group.
-  const Tensor local =
-      linear(dist::functional::copy_to_group(hidden, *split_.tensor), token_weight());
-  return parallel::vocab_parallel_logits(local, options_.vocab, *split_.tensor, gather);
+  const dist::Group& tp = *split_.tensor;
+  Tensor local;
+  if (head) {  // column-parallel: it gathers a sequence-parallel input itself (axis 0)
+    local = (*head)(split_.sequence_parallel ? hidden.transpose(0, 1) : hidden);
+    if (split_.sequence_parallel) local = local.transpose(0, 1);
+  } else {  // the tied head: this rank's vocabulary rows; the input's gradient sums over the group
+    const Tensor whole = split_.sequence_parallel
+                             ? dist::functional::gather_from_sequence_group(hidden, 1, tp)
+                             : dist::functional::copy_to_group(hidden, tp);
+    local = linear(whole, token_weight());
+  }
+  return parallel::vocab_parallel_logits(local, options_.vocab, tp, gather);
 }
 
 }  // namespace weave::models

@@ -2,7 +2,8 @@
 // GPT-2: learned token and position embeddings, pre-LayerNorm blocks with the tanh GELU, a final
 // LayerNorm, and a head tied to the token embedding (Hugging Face's GPT2LMHeadModel); one class
 // whether whole or split over ranks (models::ModelSplit: tensor, context, pipeline and expert
-// parallelism).
+// parallelism, and sequence parallelism inside the tensor group). The options also give the
+// original GPT's variants (the exact GELU, a head of its own with a bias).
 //
 //   models::GPT2 gpt2({.vocab = 50257, .dim = 768, .layers = 12, .heads = 12});
 //   Tensor logits = gpt2(tokens);                    // [B, T] -> [B, T, 50257]
@@ -30,8 +31,12 @@ struct GPT2Options {
   int64_t layers = 12;
   int64_t heads = 12;
   int64_t max_positions = 1024;  // the position embedding's rows
-  /// A head of its own instead of the token embedding's weight (whole models).
+  /// GELU's tanh approximation (GPT-2's); false: the exact (erf) GELU.
+  bool tanh_gelu = true;
+  /// A head of its own instead of the token embedding's weight (split over a tensor group by
+  /// vocabulary columns, as the embedding by rows), with a bias when head_bias.
   bool untied_head = false;
+  bool head_bias = false;
   Generator* generator = nullptr;
 };
 
@@ -44,13 +49,12 @@ class GPT2 : public nn::CausalLM {
   int64_t vocab() const override { return options_.vocab; }
   std::vector<nn::KVCache> make_caches(int64_t max_length) const override;
   Tensor forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& caches) override;
-  /// FSDP's units: this stage's position embedding, each block, the final norm (and an untied
-  /// head). The token embedding stays with the root, since the tied head reads it after the
-  /// blocks.
+  /// FSDP's units: this stage's embeddings, each block, the final norm and an untied head. A
+  /// tied token embedding stays with the root, since the head reads it after the blocks.
   std::vector<std::string> shard_units() const override;
   /// With split.moe: the last forward's load-balancing and z-losses of the blocks, summed (add
   /// it to the loss); undefined without experts.
-  Tensor aux_loss() const;
+  Tensor aux_loss() const override;
   const GPT2Options& options() const { return options_; }
   const ModelSplit& split() const { return split_; }
   /// The token embedding's table (this rank's vocabulary rows when split).
@@ -62,11 +66,15 @@ class GPT2 : public nn::CausalLM {
   std::shared_ptr<nn::Embedding> positions;  // the first stage's
   /// This stage's nn::TransformerBlocks, or parallel::ParallelTransformerBlocks.
   std::shared_ptr<nn::Sequential> blocks;
-  std::shared_ptr<nn::LayerNorm> norm;  // the last stage's
-  std::shared_ptr<nn::Linear> head;     // null unless untied_head
+  /// The last stage's nn::LayerNorm (parallel::SequenceParallelLayerNorm under sequence
+  /// parallelism).
+  std::shared_ptr<nn::Module> norm;
+  /// nn::Linear, or parallel::ColumnParallelLinear over the vocabulary; null unless untied_head.
+  std::shared_ptr<nn::Module> head;
 
  private:
   void add_blocks();
+  void add_head();
   Tensor embed(const Tensor& ids, int64_t start);
   Tensor run(const Tensor& input, std::vector<nn::KVCache>* caches, bool gather);
   Tensor logits(const Tensor& hidden, bool gather);

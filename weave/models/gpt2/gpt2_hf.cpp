@@ -101,8 +101,10 @@ GPT2Options gpt2_options(const data::hf::ModelConfig& config, Generator* generat
 }
 
 data::hf::ModelConfig model_config(const GPT2Options& options, DType dtype) {
-  WEAVE_CHECK(!options.untied_head, kGPT2Hf,
-              "Hugging Face's GPT-2 ties its head to the token embedding; found untied_head");
+  WEAVE_CHECK(!options.untied_head && options.tanh_gelu, kGPT2Hf,
+              "Hugging Face's GPT-2 ties its head to the token embedding and uses the tanh GELU; "
+              "found untied_head {}, tanh_gelu {}",
+              options.untied_head, options.tanh_gelu);
   data::hf::ModelConfig config;
   config.architecture = "gpt2";
   config.vocab = options.vocab, config.dim = options.dim, config.layers = options.layers;

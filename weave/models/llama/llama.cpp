@@ -99,6 +99,9 @@ Llama::Llama(LlamaOptions options, ModelSplit split)
               "vocab, dim and layers must be positive, found {}, {} and {}", options.vocab,
               options.dim, options.layers);
   split_.check(kLlama, options.layers);
+  WEAVE_CHECK(!split_.sequence_parallel, kLlama,
+              "Llama's tensor-parallel layers take whole sequences (batch first); found "
+              "sequence_parallel; hint: split it without sequence parallelism");
   WEAVE_CHECK(!options.tie_embeddings || (!split_.tensor && split_.stages == 1), kLlama,
               "a head tied to the embedding is not split here (the embedding splits by "
               "vocabulary rows, the head by output columns alike, but they would need one "

@@ -98,7 +98,7 @@ class Llama : public nn::CausalLM {
   std::vector<std::string> shard_units() const override;
   /// With split.moe: the last forward's load-balancing and z-losses of this stage's blocks,
   /// summed (add it to the loss); undefined without experts.
-  Tensor aux_loss() const;
+  Tensor aux_loss() const override;
   const LlamaOptions& options() const { return options_; }
   const ModelSplit& split() const { return split_; }
   /// The embedding table (this rank's vocabulary rows when split); the first stage's.

@@ -1,0 +1,132 @@
+// models::GPT2 with the original GPT's options (the exact GELU, a head of its own with a bias)
+// split over a tensor group, with and without sequence parallelism, against the same model on
+// one rank drawn from the same seed: the loss (ModelSplit::cross_entropy), the gathered logits
+// and every gradient, float64 to 1e-12 relative, with a vocabulary the ranks pad. The splits
+// that cannot be built or decode raise on every rank.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <map>
+#include <string>
+
+#include "model_parallel_helpers.h"
+#include "weave/weave.h"
+
+using namespace weave;
+using namespace weave_test;
+
+namespace {
+
+constexpr int64_t kVocab = 13;  // padded to 14 at 2 ranks, 15 at 3, 16 at 4
+
+models::GPT2Options original_gpt() {
+  return {.vocab = kVocab,
+          .dim = 24,
+          .layers = 2,
+          .heads = 12,
+          .max_positions = 16,
+          .tanh_gelu = false,
+          .untied_head = true,
+          .head_bias = true};
+}
+
+// Drawn by parameter name (nn::DeferredInit): every split holds the slices of one whole model,
+// a padded vocabulary's rows included.
+std::shared_ptr<models::GPT2> build(models::ModelSplit split) {
+  std::shared_ptr<models::GPT2> model;
+  {
+    nn::DeferredInit deferred(47);
+    model = std::make_shared<models::GPT2>(original_gpt(), std::move(split));
+  }
+  model->to(kFloat64);
+  nn::materialize(*model);
+  return model;
+}
+
+// The whole model's gradient of `name` as the split's rank holds it: its piece along the cut,
+// vocabulary rows padded first.
+Tensor expected_piece(const Tensor& whole, const std::string& name,
+                      const std::map<std::string, parallel::TensorSplit>& splits,
+                      const dist::Group& tp) {
+  const auto cut = splits.find(name);
+  if (cut == splits.end()) return whole;
+  const bool vocabulary = name.starts_with("tokens.") || name.starts_with("head.");
+  const Tensor padded =
+      vocabulary ? parallel::pad_rows(whole, parallel::padded_vocab(kVocab, tp.size())) : whole;
+  return piece(padded, cut->second.axis, tp);
+}
+
+}  // namespace
+
+TEST_SUITE("model_parallel") {
+  TEST_CASE(
+      "GPT2 with an untied biased head and the exact GELU, split with and without "
+      "sequence parallelism, equals the model on one rank") {
+    const dist::Group tp = dist::world();
+    std::vector<std::vector<int>> singletons;
+    for (int r = 0; r < tp.size(); ++r) singletons.push_back({r});
+    const dist::Group alone = dist::split_group(dist::world(), singletons);
+    Generator g(9);
+    const Tensor tokens = randint(0, kVocab, {2, 12}, {.dtype = kInt64}, &g);  // 12: 1-4 divide
+    const Tensor targets = randint(0, kVocab, {2, 12}, {.dtype = kInt64}, &g);
+    const models::ModelSplit one_rank{.tensor = alone};
+    auto whole = build(one_rank);
+    const Tensor whole_loss = one_rank.cross_entropy((*whole)(tokens), targets);
+    whole_loss.backward();
+    // The nn/ layers (no tensor group) hold the same model: the same logits from its weights.
+    auto plain = build({});
+    plain->load_state_dict(whole->state_dict());
+    {
+      NoGradGuard no_grad;
+      CHECK(close(one_rank.cross_entropy((*plain)(tokens), targets), whole_loss, 1e-12));
+    }
+    for (const bool sequence_parallel : {false, true}) {
+      CAPTURE(sequence_parallel);
+      const models::ModelSplit split{.tensor = tp, .sequence_parallel = sequence_parallel};
+      auto mine = build(split);
+      const Tensor loss = split.cross_entropy((*mine)(tokens), targets);
+      CHECK(close(loss, whole_loss, 1e-12));
+      loss.backward();
+      const auto splits = parallel::tensor_splits(*mine);
+      const auto expected = whole->named_parameters();
+      size_t compared = 0;
+      for (const auto& [name, p] : mine->named_parameters()) {
+        const std::string label = name;  // a copy: CAPTURE's lambda cannot take a binding
+        CAPTURE(label);
+        const auto it = std::find_if(expected.begin(), expected.end(),
+                                     [&](const auto& e) { return e.first == label; });
+        REQUIRE(it != expected.end());
+        CHECK(close(p.grad(), expected_piece(it->second.grad(), label, splits, tp), 1e-12));
+        ++compared;
+      }
+      CHECK(compared == expected.size());
+      // Gathered, every rank holds the whole model's logits.
+      models::ModelSplit gathered = split;
+      gathered.gather_logits = true;
+      auto full = build(gathered);
+      full->load_state_dict(mine->state_dict());
+      NoGradGuard no_grad;
+      CHECK(close((*full)(tokens), (*plain)(tokens), 1e-12));
+    }
+  }
+
+  TEST_CASE("sequence parallelism: the splits it cannot take raise on every rank") {
+    const dist::Group tp = dist::world();
+    CHECK_THROWS_WITH_AS(build({.sequence_parallel = true}),
+                         doctest::Contains("sequence parallelism splits the sequence over a "
+                                           "tensor group"),
+                         Error);
+    CHECK_THROWS_WITH_AS(build({.tensor = tp,
+                                .sequence_parallel = true,
+                                .moe = nn::MoEOptions{.hidden = 24, .ffn = 16}}),
+                         doctest::Contains("experts: true"), Error);
+    CHECK_THROWS_WITH_AS(
+        models::Llama({.vocab = 12, .dim = 24, .layers = 1, .block = {.heads = 12}},
+                      {.tensor = tp, .sequence_parallel = true}),
+        doctest::Contains("Llama's tensor-parallel layers take whole sequences"), Error);
+    auto model = build({.tensor = tp, .sequence_parallel = true});
+    auto caches = model->make_caches(8);
+    CHECK_THROWS_WITH_AS(model->forward_cached(from_vector<int64_t>({1, 2}, {1, 2}), caches),
+                         doctest::Contains("not split along the sequence"), Error);
+  }
+}
