@@ -41,6 +41,29 @@ struct Flags {
   int64_t vocab = 0;                    // at least the characters' count (a larger head)
 };
 
+// How the ranks split the model: the axes besides data parallelism.
+inline void add_layout_options(CLI::App& app, Flags& f) {
+  app.add_option("--tp", f.tp, "tensor-parallel group size (0: 2 under hybrid, else 1)")
+      ->check(weave::cli::non_negative());
+  app.add_flag("!--no-sequence-parallel", f.sequence_parallel,
+               "tp/hybrid without sequence parallelism");
+  app.add_option("--context-parallel", f.context_parallel,
+                 "ranks that split each sequence (zig-zag parts)")
+      ->check(weave::cli::positive());
+  app.add_option("--cp-mode", f.cp_mode, "attention across the context group")
+      ->check(CLI::IsMember({"ring", "all-to-all"}));
+  app.add_option("--experts", f.experts, "experts in each block's MLP (0: a dense MLP)")
+      ->check(weave::cli::non_negative());
+  app.add_option("--expert-parallel", f.expert_parallel, "ranks the experts are spread over")
+      ->check(weave::cli::positive());
+  app.add_option("--top-k", f.top_k, "experts each token goes to")->check(weave::cli::positive());
+  app.add_option("--pipeline", f.pipeline, "pipeline stages (consecutive blocks, 1F1B)")
+      ->check(weave::cli::positive());
+  app.add_option("--microbatches", f.microbatches,
+                 "micro-batches per step and data-parallel rank (0: twice --pipeline)")
+      ->check(weave::cli::non_negative());
+}
+
 inline Flags parse(int argc, char** argv) {
   Flags f;
   CLI::App app("A character-level GPT trained on the fortunes text (examples/gpt).", "gpt");
@@ -56,8 +79,6 @@ inline Flags parse(int argc, char** argv) {
   app.add_flag("--pack", f.pack,
                "llama: each fortune a document of its own (end-of-text token, positions and "
                "attention restarting per document)");
-  app.add_option("--tp", f.tp, "tensor-parallel group size (0: 2 under hybrid, else 1)")
-      ->check(weave::cli::non_negative());
   app.add_option("--data", f.data_dir, "directory of fortune files");
   app.add_option("--layers", f.layers)->check(weave::cli::positive());
   app.add_option("--dim", f.dim)->check(weave::cli::positive());
@@ -86,8 +107,6 @@ inline Flags parse(int argc, char** argv) {
   app.add_option("--checkpoint-every", f.checkpoint_every)->check(weave::cli::positive());
   app.add_flag("--resume", f.resume, "resume from --checkpoint if it holds a save");
   app.add_option("--stop-at", f.stop_at, "stop after this step (a resume test)");
-  app.add_flag("!--no-sequence-parallel", f.sequence_parallel,
-               "tp/hybrid without sequence parallelism");
   app.add_flag("--checkpoint-activations", f.checkpoint_activations,
                "recompute each block in backward");
   app.add_option("--samples", f.samples, "lines sampled at the end")
@@ -111,21 +130,7 @@ inline Flags parse(int argc, char** argv) {
       ->check(CLI::IsMember({"mpi", "nccl"}));
   app.add_option("--vocab", f.vocab, "widen the head past the characters' count")
       ->check(weave::cli::non_negative());
-  app.add_option("--context-parallel", f.context_parallel,
-                 "ranks that split each sequence (zig-zag parts)")
-      ->check(weave::cli::positive());
-  app.add_option("--cp-mode", f.cp_mode, "attention across the context group")
-      ->check(CLI::IsMember({"ring", "all-to-all"}));
-  app.add_option("--experts", f.experts, "experts in each block's MLP (0: a dense MLP)")
-      ->check(weave::cli::non_negative());
-  app.add_option("--expert-parallel", f.expert_parallel, "ranks the experts are spread over")
-      ->check(weave::cli::positive());
-  app.add_option("--top-k", f.top_k, "experts each token goes to")->check(weave::cli::positive());
-  app.add_option("--pipeline", f.pipeline, "pipeline stages (consecutive blocks, 1F1B)")
-      ->check(weave::cli::positive());
-  app.add_option("--microbatches", f.microbatches,
-                 "micro-batches per step and data-parallel rank (0: twice --pipeline)")
-      ->check(weave::cli::non_negative());
+  add_layout_options(app, f);
   weave::cli::parse_or_exit(app, argc, argv);
   if (!autocast.empty()) f.autocast = autocast == "bf16" ? kBFloat16 : kFloat16;
   if (!param_dtype.empty()) f.param_dtype = kBFloat16;
