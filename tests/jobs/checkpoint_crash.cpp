@@ -37,6 +37,24 @@ nn::NamedTensors contents(int64_t version) {
     data::save_safetensors(path, contents(v), {{"version", std::to_string(v)}});
 }
 
+// Runs body in a child process (a plain one: a world of one, no MPI) whose exit status is
+// body's result (1 when it raised, with the message printed); returns the child's pid.
+pid_t in_child(const std::function<int()>& body) {
+  const pid_t child = fork();
+  if (child != 0) return child;
+  int code = 1;
+  {
+    dist::InitGuard guard;
+    try {
+      code = body();
+    } catch (const std::exception& e) {
+      std::printf("%s\n", e.what());
+    }
+  }
+  std::fflush(stdout);
+  std::_Exit(code);
+}
+
 }  // namespace
 
 // Sharded saves (a world of one) SIGKILLed at random instants leave temporaries behind; the
@@ -109,21 +127,6 @@ int async_crash(int kills) {
   auto fill = [](nn::Module& model, double value) {
     NoGradGuard no_grad;
     for (Tensor& p : model.parameters()) p.fill_(value);
-  };
-  auto in_child = [](const std::function<int()>& body) {
-    const pid_t child = fork();
-    if (child != 0) return child;
-    int code = 1;
-    {
-      dist::InitGuard guard;  // a plain process: a world of one, no MPI
-      try {
-        code = body();
-      } catch (const std::exception& e) {
-        std::printf("%s\n", e.what());
-      }
-    }
-    std::fflush(stdout);
-    std::_Exit(code);
   };
   auto save_from = [&](int64_t first, bool forever) {
     return in_child([&, first, forever] {
@@ -212,10 +215,86 @@ int async_crash(int kills) {
   return loadable == kills && kept ? 0 : 1;
 }
 
+// Hugging Face exports SIGKILLed at random instants, each over the export before it: a process
+// exports in a loop, alternating two models (a small GPT-2, and the same with every weight
+// halved) and three layouts (one file, 6 shards, 3 shards). After every kill the directory must
+// load one of the two models whole: a mix of the two, model files of two exports side by side,
+// or a load that raises is the failure.
+//   weave_checkpoint_crash hf [kills = 30]
+// Prints "hf kills=K whole=W raised=R mixed=M mid_export=E" (E: kills that left a staged
+// export behind, so landed while one was written).
+int hf_crash(int kills) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("weave_hf_crash_" + std::to_string(getpid()));
+  const std::string dir = (root / "model").string();
+  const models::GPT2Options options{.vocab = 512, .dim = 256, .layers = 4, .heads = 4};
+  const auto model_of = [&](int64_t version) {
+    manual_seed(7);
+    auto model = std::make_shared<models::GPT2>(options);
+    NoGradGuard no_grad;
+    if (version % 2 == 1)
+      for (Tensor& p : model->parameters()) p.mul_(0.5);
+    return model;
+  };
+  uint64_t bytes = 0;
+  for (const Tensor& p : model_of(0)->parameters()) bytes += uint64_t(p.numel()) * 4;
+  const auto export_from = [&](int64_t first, bool forever) {
+    return in_child([&, first, forever] {
+      const std::shared_ptr<models::GPT2> versions[2] = {model_of(0), model_of(1)};
+      for (int64_t v = first;; ++v) {
+        const uint64_t shards[3] = {2 * bytes, bytes / 6, bytes / 3};
+        data::hf::save_pretrained(*versions[v % 2], models::model_config(options), dir,
+                                  {.max_shard_bytes = shards[v % 3]});
+        if (!forever) return 0;
+      }
+    });
+  };
+  int status = 0;
+  waitpid(export_from(0, false), &status, 0);
+  std::mt19937 rng(97531);
+  int whole = 0, raised = 0, mixed = 0, mid_export = 0;
+  for (int k = 0; k < kills; ++k) {
+    const pid_t exporter = export_from(k + 1, true);
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 400000));
+    kill(exporter, SIGKILL);
+    waitpid(exporter, nullptr, 0);
+    for (const auto& entry : fs::directory_iterator(root))
+      if (entry.path().filename().string().starts_with(".model.staged-")) {
+        ++mid_export;  // killed while staging: the interesting case
+        fs::remove_all(entry.path());
+      }
+    // 0: one model whole; 2: a mix; 1: the load raised.
+    waitpid(in_child([&] {
+              auto loaded = models::from_pretrained(dir);
+              const bool single = fs::exists(fs::path(dir) / "model.safetensors");
+              const bool index = fs::exists(fs::path(dir) / "model.safetensors.index.json");
+              if (single == index) return 2;
+              for (int64_t v : {0, 1}) {
+                const auto expected = model_of(v)->named_parameters();
+                const auto got = loaded->named_parameters();
+                bool same = expected.size() == got.size();
+                for (size_t i = 0; same && i < got.size(); ++i)
+                  same = equal(got[i].second, expected[i].second);
+                if (same) return 0;
+              }
+              return 2;
+            }),
+            &status, 0);
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 2;
+    whole += code == 0, raised += code == 1, mixed += code == 2;
+    if (code == 2) std::printf("kill %d: the directory holds a mix of two exports\n", k);
+  }
+  fs::remove_all(root);
+  std::printf("hf kills=%d whole=%d raised=%d mixed=%d mid_export=%d\n", kills, whole, raised,
+              mixed, mid_export);
+  return whole == kills ? 0 : 1;
+}
+
 int main(int argc, char** argv) {
   set_num_threads(1);
   if (argc > 1 && std::string(argv[1]) == "sharded")
     return sharded_crash(argc > 2 ? std::atoi(argv[2]) : 100);
+  if (argc > 1 && std::string(argv[1]) == "hf") return hf_crash(argc > 2 ? std::atoi(argv[2]) : 30);
   if (argc > 1 && std::string(argv[1]) == "async")
     return async_crash(argc > 2 ? std::atoi(argv[2]) : 50);
   const int kills = argc > 1 ? std::atoi(argv[1]) : 100;

@@ -15,7 +15,8 @@ std::shared_ptr<nn::CausalLM> make_model(const data::hf::ModelConfig& config,
 }
 
 std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir, const ModelSplit& split,
-                                              const std::optional<dist::Group>& group) {
+                                              const std::optional<dist::Group>& group,
+                                              const data::hf::LoadOptions& options) {
   const data::hf::ModelConfig config = data::hf::read_config(dir);
   std::shared_ptr<nn::CausalLM> model;
   {  // without memory: the load allocates each parameter as it reads it (nothing drawn)
@@ -24,9 +25,9 @@ std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir, const Mode
   }
   const bool whole = !split.tensor && split.stages == 1 && !split.expert_group;
   if (whole)
-    data::hf::load_weights(*model, config, dir);
+    data::hf::load_weights(*model, config, dir, options);
   else
-    parallel::load_pretrained(*model, config, dir, group ? *group : dist::world());
+    parallel::load_pretrained(*model, config, dir, group ? *group : dist::world(), options);
   return model;
 }
 

@@ -26,8 +26,10 @@ std::shared_ptr<nn::CausalLM> make_model(const data::hf::ModelConfig& config,
 /// make_model under nn::DeferredInit, then dir's weights: each parameter allocated as it is
 /// read, so that loading peaks at the model's size (this rank's part of it). Split, it is
 /// collective over `group` (the world when unset; parallel::load_pretrained: every rank raises
-/// if one meets a bad tensor).
+/// if one meets a bad tensor). `options` as data::hf::load_weights takes them: by default a
+/// checkpoint with tensors the config does not account for, or with non-finite values, raises.
 std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir, const ModelSplit& split = {},
-                                              const std::optional<dist::Group>& group = {});
+                                              const std::optional<dist::Group>& group = {},
+                                              const data::hf::LoadOptions& options = {});
 
 }  // namespace weave::models

@@ -31,6 +31,10 @@ struct ArchitectureSpec {
   std::function<void(const ModelConfig& config, nlohmann::json& file)> write;
   /// weave's parameters and their sources, in the checkpoint's order.
   std::function<std::vector<detail::Mapping>(const ModelConfig& config)> mappings;
+  /// Whether a checkpoint tensor that no mapping reads is one to pass over: a buffer Hugging
+  /// Face saved in older files (GPT-2's attn.bias, Llama's rotary inv_freq), a tied model's
+  /// copy of its head. Any other unread tensor is the config's mismatch.
+  std::function<bool(const std::string& tensor, const ModelConfig& config)> ignorable;
 };
 
 /// Every architecture weave reads and writes (defined by weave/models/architectures.cpp).

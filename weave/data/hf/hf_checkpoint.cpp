@@ -2,10 +2,13 @@
 // names and layouts come from weave/models/<arch>/ (hf_architecture.h).
 #include "weave/data/hf/hf_checkpoint.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/data/hf/hf_architecture.h"
@@ -31,6 +34,47 @@ Shape weave_shape(const Mapping& m) {
   return {s[1], s[0]};  // Transposed, HeadsQKV
 }
 
+namespace {
+
+// Whether `path` lies in folder `root` (both canonical).
+bool lies_in(const std::filesystem::path& path, const std::filesystem::path& root) {
+  const auto [stop, unused] = std::mismatch(root.begin(), root.end(), path.begin(), path.end());
+  return stop == root.end();
+}
+
+}  // namespace
+
+std::string checkpoint_file(const std::string& dir, const std::string& entry) {
+  namespace fs = std::filesystem;
+  const fs::path name(entry);
+  bool relative = !entry.empty() && name.is_relative() && !name.has_root_name();
+  for (const fs::path& part : name) relative = relative && part != "..";
+  WEAVE_CHECK(relative, "hf",
+              "{} names '{}', a path outside the directory; hint: a checkpoint names its files "
+              "relative to its directory, without '..'",
+              dir, entry);
+  const fs::path path = fs::path(dir) / name;
+  std::error_code error;
+  if (!fs::exists(fs::symlink_status(path, error))) return path.string();
+  const fs::path real = fs::canonical(path, error);
+  WEAVE_CHECK(!error, "hf", "{} names '{}', which does not resolve: {}", dir, entry,
+              error.message());
+  const fs::path root = fs::canonical(dir);
+  // Hugging Face's cache: <cache>/snapshots/<revision>/<file> links to <cache>/blobs/<hash>.
+  const bool snapshot = root.parent_path().filename() == "snapshots";
+  const bool inside = lies_in(real, root) ||
+                      (snapshot && lies_in(real, root.parent_path().parent_path() / "blobs"));
+  WEAVE_CHECK(inside, "hf",
+              "{} names '{}', which leads to {}, outside the directory; hint: a checkpoint's "
+              "files lie in its directory (links only into a Hugging Face cache's blobs/)",
+              dir, entry, real.string());
+  WEAVE_CHECK(fs::is_regular_file(real, error), "hf",
+              "{} names '{}', which is no regular file ({}); hint: a checkpoint's files are "
+              "plain files",
+              dir, entry, real.string());
+  return real.string();
+}
+
 }  // namespace detail
 
 using namespace detail;
@@ -41,14 +85,31 @@ using json = nlohmann::json;
 namespace fs = std::filesystem;
 constexpr const char* kHf = "hf";
 
-// The checkpoint's files: model.safetensors, or the shards its index names (headers read once).
+// "a, b, c, d, ... (n in all)": the first few names of a list.
+std::string some_of(const std::vector<std::string>& names) {
+  std::string text;
+  for (size_t i = 0; i < names.size() && i < 4; ++i) text += (i ? ", " : "") + names[i];
+  if (names.size() > 4) text += fmt::format(", ... ({} in all)", names.size());
+  return text;
+}
+
+// The checkpoint's files: model.safetensors, or the shards its index names (headers read once),
+// each resolved inside the directory.
 class Checkpoint {
  public:
   explicit Checkpoint(const std::string& dir) : dir_(dir) {
-    const std::string index = dir + "/model.safetensors.index.json";
-    if (!fs::exists(index)) {
-      WEAVE_CHECK(fs::exists(dir + "/model.safetensors"), kHf,
-                  "{} has neither model.safetensors nor model.safetensors.index.json", dir);
+    const std::string index = checkpoint_file(dir, "model.safetensors.index.json");
+    const std::string single = checkpoint_file(dir, "model.safetensors");
+    const bool indexed = fs::exists(index), whole = fs::exists(single);
+    WEAVE_CHECK(indexed || whole, kHf,
+                "{} has neither model.safetensors nor model.safetensors.index.json", dir);
+    WEAVE_CHECK(!indexed || !whole, kHf,
+                "{} holds both model.safetensors and model.safetensors.index.json: two exports, "
+                "and loaders differ on which they take; hint: remove the stale one (weave's "
+                "exports replace both as one unit)",
+                dir);
+    if (whole) {
+      path_of_["model.safetensors"] = single;
       for (const auto& e : header("model.safetensors").entries)
         file_of_[e.name] = "model.safetensors";
       return;
@@ -60,33 +121,71 @@ class Checkpoint {
     } catch (const json::exception& e) {
       WEAVE_FAIL(kHf, "{} is not a safetensors index: {}", index, e.what());
     }
-    for (const auto& [name, file] : file_of_)
-      WEAVE_CHECK(fs::exists(dir + "/" + file), kHf, "shard {} (holding {} in {}) is missing",
-                  dir + "/" + file, name, index);
+    for (const auto& [name, file] : file_of_) {
+      if (path_of_.count(file)) continue;
+      const std::string path = checkpoint_file(dir, file);
+      WEAVE_CHECK(fs::exists(path), kHf, "shard {} (holding {} in {}) is missing", path, name,
+                  index);
+      path_of_[file] = path;
+    }
   }
 
-  // The entry of `name` (GPT-2's files may lack the "transformer." prefix).
+  // The checkpoint's name of `name` (GPT-2's files may lack the "transformer." prefix); empty
+  // when it holds neither.
+  std::string key_of(const std::string& name) const {
+    if (file_of_.count(name)) return name;
+    if (name.starts_with("transformer.") && file_of_.count(name.substr(12))) return name.substr(12);
+    return "";
+  }
+
+  // Raises for tensors the config's model needs that the files lack, and for tensors they hold
+  // that it does not use (unless allowed: then they are returned).
+  std::vector<std::string> account(const std::vector<Mapping>& all, const ModelConfig& config,
+                                   bool allow_unused) const {
+    std::set<std::string> read;
+    std::vector<std::string> missing, unused;
+    for (const Mapping& m : all)
+      for (const std::string& source : m.sources) {
+        const std::string key = key_of(source);
+        if (key.empty()) missing.push_back(source);
+        read.insert(key);
+      }
+    WEAVE_CHECK(missing.empty(), kHf, "{} lacks {} tensor(s) the config's model needs: {}", dir_,
+                missing.size(), some_of(missing));
+    const ArchitectureSpec& spec = architecture(config.architecture);
+    for (const auto& [name, file] : file_of_)
+      if (!read.count(name) && !(spec.ignorable && spec.ignorable(name, config)))
+        unused.push_back(name);
+    WEAVE_CHECK(unused.empty() || allow_unused, kHf,
+                "{} holds {} tensor(s) the config's model does not use: {}; hint: a config.json "
+                "that matches the weights (layers, sizes, tie_word_embeddings), or "
+                "LoadOptions{{.allow_unused = true}} to pass over them",
+                dir_, unused.size(), some_of(unused));
+    return unused;
+  }
+
+  // The entry of `name`.
   std::pair<const SafetensorsHeader*, const SafetensorsEntry*> find(const std::string& name) {
-    std::string key = name;
-    if (!file_of_.count(key) && key.starts_with("transformer.")) key = key.substr(12);
-    const auto file = file_of_.find(key);
-    WEAVE_CHECK(file != file_of_.end(), kHf, "{} lacks tensor {}, which the config's model needs",
-                dir_, name);
-    const SafetensorsHeader& h = header(file->second);
+    const std::string key = key_of(name);
+    WEAVE_CHECK(!key.empty(), kHf, "{} lacks tensor {}, which the config's model needs", dir_,
+                name);
+    const std::string& file = file_of_.at(key);
+    const SafetensorsHeader& h = header(file);
     for (const auto& e : h.entries)
       if (e.name == key) return {&h, &e};
-    WEAVE_FAIL(kHf, "{}/{} lacks tensor {}, which its index places there", dir_, file->second, key);
+    WEAVE_FAIL(kHf, "{}/{} lacks tensor {}, which its index places there", dir_, file, key);
   }
 
  private:
   const SafetensorsHeader& header(const std::string& file) {
     auto& slot = headers_[file];
     if (!slot.path.empty()) return slot;
-    slot = read_safetensors_header(dir_ + "/" + file);
+    slot = read_safetensors_header(path_of_.at(file));
     return slot;
   }
   std::string dir_;
-  std::map<std::string, std::string> file_of_;
+  std::map<std::string, std::string> file_of_;  // tensor -> the index's file name
+  std::map<std::string, std::string> path_of_;  // file name -> its resolved path
   std::map<std::string, SafetensorsHeader> headers_;
 };
 
@@ -185,18 +284,43 @@ Tensor read_range(Reader& reader, const Mapping& m, const Slice& s, int64_t firs
       .narrow(0, first - r0 * row, count);
 }
 
+// Raises, naming the first element of `values` (elements first, first + 1, ... of the slice)
+// that is not finite by its index in the whole tensor.
+[[noreturn]] void fail_non_finite(const Mapping& m, const Tensor& values, const Shape& whole,
+                                  const Slice& slice, int64_t first, const std::string& dir) {
+  const std::vector<double> read = values.to(kFloat64).to_vector<double>();
+  const auto bad =
+      std::find_if(read.begin(), read.end(), [](double v) { return !std::isfinite(v); });
+  const Shape shape = sliced(whole, slice);
+  int64_t flat = first + (bad - read.begin());
+  std::vector<int64_t> index(shape.size());
+  for (int64_t axis = int64_t(shape.size()) - 1; axis >= 0; --axis) {
+    index[size_t(axis)] = flat % shape[axis];
+    flat /= shape[axis];
+  }
+  if (slice.axis >= 0) index[size_t(slice.axis)] += slice.begin;
+  std::string sources;
+  for (const std::string& source : m.sources) sources += (sources.empty() ? "" : ", ") + source;
+  WEAVE_FAIL(kHf,
+             "{} ({} in {}) holds {} at [{}]; hint: the checkpoint is damaged or its training "
+             "diverged; LoadOptions{{.check_finite = false}} loads it anyway",
+             m.weave, sources, dir, *bad, fmt::join(index, ", "));
+}
+
 }  // namespace
 
 struct WeightReader::Impl {
   ModelConfig config;
   std::string dir;
+  LoadOptions options;
   Checkpoint checkpoint;
   Reader reader{checkpoint};
   std::vector<Mapping> all = mappings(config);
+  std::vector<std::string> unused = checkpoint.account(all, config, options.allow_unused);
   std::map<std::string, const Mapping*> by_name;
 
-  Impl(ModelConfig config_in, std::string dir_in)
-      : config(std::move(config_in)), dir(std::move(dir_in)), checkpoint(dir) {
+  Impl(ModelConfig config_in, std::string dir_in, LoadOptions options_in)
+      : config(std::move(config_in)), dir(std::move(dir_in)), options(options_in), checkpoint(dir) {
     for (const auto& m : all) by_name[m.weave] = &m;
   }
   const Mapping& mapping(const std::string& name) const {
@@ -209,8 +333,8 @@ struct WeightReader::Impl {
   }
 };
 
-WeightReader::WeightReader(ModelConfig config, std::string dir)
-    : impl_(std::make_unique<Impl>(std::move(config), std::move(dir))) {}
+WeightReader::WeightReader(ModelConfig config, std::string dir, LoadOptions options)
+    : impl_(std::make_unique<Impl>(std::move(config), std::move(dir), options)) {}
 WeightReader::~WeightReader() = default;
 
 Shape WeightReader::shape(const std::string& name) const {
@@ -235,15 +359,23 @@ Tensor WeightReader::read_elements(const std::string& name, const Slice& slice, 
   WEAVE_CHECK(0 <= first && 0 < count && first + count <= size, kHf,
               "{}'s slice has {} elements: it has no elements [{}, {})", name, size, first,
               first + count);
-  return read_range(impl_->reader, m, slice, first, count, impl_->config);
+  Tensor values = read_range(impl_->reader, m, slice, first, count, impl_->config);
+  if (impl_->options.check_finite && !all_finite(values))
+    fail_non_finite(m, values, whole, slice, first, impl_->dir);
+  return values;
+}
+
+const std::vector<std::string>& WeightReader::unused() const {
+  return impl_->unused;
 }
 
 int64_t WeightReader::bytes_read() const {
   return impl_->reader.bytes;
 }
 
-LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::string& dir) {
-  WeightReader reader(config, dir);
+LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::string& dir,
+                       const LoadOptions& options) {
+  WeightReader reader(config, dir, options);
   NoGradGuard no_grad;
   LoadStats stats;
   for (auto& [name, param] : model.named_parameters()) {
@@ -257,6 +389,7 @@ LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::
     ++stats.tensors;
   }
   stats.bytes_read = reader.bytes_read();
+  stats.unused = reader.unused();
   return stats;
 }
 

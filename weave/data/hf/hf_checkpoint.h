@@ -54,6 +54,16 @@ ModelConfig read_config(const std::string& dir);
 /// config.json for `config` (its json's other fields kept).
 std::string config_json(const ModelConfig& config);
 
+/// What a load accepts beyond a checkpoint that matches its config exactly.
+struct LoadOptions {
+  /// Tensors the config's model does not use (a config with fewer layers than the weights)
+  /// are listed in LoadStats::unused instead of raising.
+  bool allow_unused = false;
+  /// Each value read is checked to be finite; a NaN or infinity raises, naming the tensor and
+  /// the element's index (one pass over what the load reads anyway).
+  bool check_finite = true;
+};
+
 /// The slice of a whole tensor a rank holds: [begin, end) along `axis` (axis -1: all of it).
 struct Slice {
   int axis = -1;
@@ -65,15 +75,21 @@ struct Slice {
 /// each parameter, for loaders that place values themselves (parallel::load_pretrained reads each
 /// rank's tensor-parallel slices and flat-shard ranges through it). Only the bytes asked for are
 /// read, give or take a row at each end of an element range (a head's q, k and v rows for
-/// GPT-2's c_attn). Values keep the file's dtype. Raises, naming file and tensor, for a missing
-/// shard (at construction) or tensor, a tensor whose shape the config does not give, or a dtype
-/// that is not floating point.
+/// GPT-2's c_attn). Values keep the file's dtype. Raises, naming file and tensor: at
+/// construction for a missing shard, a tensor the config's model needs that the checkpoint
+/// lacks, tensors it holds that the model does not use (unless options.allow_unused; the
+/// buffers Hugging Face saved in older files, and a tied model's copy of its head, are
+/// ignored), a file the directory names outside itself (an absolute path, "..", or a link out
+/// of it; a Hugging Face cache snapshot's links into its blobs/ load) or that is no regular
+/// file, and both a model.safetensors and an index (two exports); when reading, for a tensor
+/// whose shape the config does not give, a dtype that is not floating point, or a value that
+/// is not finite (unless not options.check_finite).
 ///
 ///   data::hf::WeightReader reader(config, "llama/");
 ///   Tensor rows = reader.read("blocks.0.attention.q.weight", {.axis = 0, .begin = 0, .end = 32});
 class WeightReader {
  public:
-  WeightReader(ModelConfig config, std::string dir);
+  WeightReader(ModelConfig config, std::string dir, LoadOptions options = {});
   ~WeightReader();
   WeightReader(const WeightReader&) = delete;
   WeightReader& operator=(const WeightReader&) = delete;
@@ -86,6 +102,8 @@ class WeightReader {
   Tensor read_elements(const std::string& name, const Slice& slice, int64_t first, int64_t count);
   /// Bytes read from the safetensors files so far.
   int64_t bytes_read() const;
+  /// The checkpoint's tensors the config's model does not use (with allow_unused).
+  const std::vector<std::string>& unused() const;
 
  private:
   struct Impl;
@@ -95,12 +113,15 @@ class WeightReader {
 struct LoadStats {
   int64_t tensors = 0;     // parameters loaded
   int64_t bytes_read = 0;  // from the safetensors files
+  /// The checkpoint's tensors the model does not use (LoadOptions::allow_unused).
+  std::vector<std::string> unused;
 };
 
 /// Loads dir's weights into model's parameters (whole, by weave's names for the architecture),
 /// each in the dtype the parameter has, through a WeightReader. Raises as it does, and for a
 /// parameter the architecture lacks or whose shape differs; the model is then partly loaded.
-LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::string& dir);
+LoadStats load_weights(nn::Module& model, const ModelConfig& config, const std::string& dir,
+                       const LoadOptions& options = {});
 
 struct SaveOptions {
   /// Shards of at most this many bytes (a tensor larger than it gets a shard alone); more than
@@ -119,7 +140,12 @@ std::vector<std::string> parameter_names(const ModelConfig& config);
 /// model): the parameters come whole, in names()'s order (weave's names for the architecture),
 /// in weave's layouts and any dtype and device, and are written in Hugging Face's names,
 /// layouts and config.dtype; finish() writes the index, config.json, generation_config.json
-/// and the tokenizer's files. Each file replaces its old version atomically.
+/// and the tokenizer's files. The export replaces the directory's model files as one unit
+/// (data::StagedDirectory): it is written beside the directory and swapped in at finish(), so a
+/// reader or a crash sees the old export whole or the new one whole, and no file of an earlier
+/// export (a model.safetensors beside a new index, shards past the new count, weights in
+/// PyTorch's format) stays behind; the directory's other files stay. Dropped before finish()
+/// (an error), nothing in the directory changes.
 ///
 ///   data::hf::PretrainedWriter out(config, "out/");
 ///   for (const std::string& name : out.names()) out.write(name, whole_value_of(name));
@@ -141,6 +167,11 @@ class PretrainedWriter {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// Whether a directory entry is a model file an export replaces: config.json,
+/// generation_config.json, the weights (model.safetensors, its index and shards, and PyTorch's
+/// pytorch_model*.bin).
+bool is_model_file(const std::string& name);
 
 /// Writes model's whole parameters (a split or sharded model: parallel::save_pretrained) in Hugging
 /// Face's names, layouts and config.dtype, with config.json and generation_config.json (the bos and

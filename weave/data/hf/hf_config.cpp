@@ -4,6 +4,7 @@
 #include "weave/data/files.h"
 #include "weave/data/hf/hf_architecture.h"
 #include "weave/data/hf/hf_checkpoint.h"
+#include "weave/data/hf/hf_mapping.h"
 
 namespace weave::data::hf {
 namespace {
@@ -18,12 +19,28 @@ DType dtype_of(const json& config) {
   return kFloat32;
 }
 
+// Sizes past any model's raise before anything is planned from them (a damaged or hostile
+// config would otherwise allocate without bound: a mapping per layer, a table per row).
+void check_sizes(const ModelConfig& c, const std::string& path) {
+  const auto within = [&](const char* what, int64_t value, int64_t most) {
+    WEAVE_CHECK(value > 0 && value <= most, kConfig, "{}: {} is {}, outside [1, {}]", path, what,
+                value, most);
+  };
+  within("the layer count", c.layers, 4096);
+  within("the width", c.dim, int64_t(1) << 17);
+  within("the MLP width", c.hidden, int64_t(1) << 20);
+  within("the vocabulary", c.vocab, int64_t(1) << 24);
+  within("the head count", c.heads, c.dim);
+  within("the key/value head count", c.kv_heads, c.heads);
+  if (c.max_positions != 0) within("the position count", c.max_positions, int64_t(1) << 24);
+}
+
 }  // namespace
 
 ModelConfig read_config(const std::string& dir) {
   const std::string path = dir + "/config.json";
   ModelConfig config;
-  config.json = read_file(path);
+  config.json = read_file(detail::checkpoint_file(dir, "config.json"));
   json c;
   try {
     c = json::parse(config.json);
@@ -44,6 +61,7 @@ ModelConfig read_config(const std::string& dir) {
     WEAVE_FAIL(kConfig, "{} is not a config weave can read: {}", path, e.what());
   }
   config.dtype = dtype_of(c);
+  check_sizes(config, path);
   return config;
 }
 

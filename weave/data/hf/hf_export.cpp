@@ -1,12 +1,13 @@
 // Hugging Face exports, one parameter at a time: weave's layouts viewed as Hugging Face's (no
 // copies; the safetensors writer converts a piece at a time), shards planned from the config.
-#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <regex>
 
 #include "weave/data/hf/hf_architecture.h"
 #include "weave/data/hf/hf_checkpoint.h"
 #include "weave/data/hf/hf_mapping.h"
 #include "weave/data/safetensors.h"
+#include "weave/data/staged_directory.h"
 
 namespace weave::data::hf {
 
@@ -38,6 +39,15 @@ std::vector<Tensor> source_views(const Mapping& m, const Tensor& w, const ModelC
 
 }  // namespace
 
+bool is_model_file(const std::string& name) {
+  static const std::regex shard(R"((model|pytorch_model)-\d+-of-\d+\.(safetensors|bin))");
+  for (const char* fixed :
+       {"config.json", "generation_config.json", "model.safetensors",
+        "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"})
+    if (name == fixed) return true;
+  return std::regex_match(name, shard);
+}
+
 std::vector<std::string> parameter_names(const ModelConfig& config) {
   std::vector<std::string> names;
   for (const Mapping& m : mappings(config)) names.push_back(m.weave);
@@ -46,8 +56,9 @@ std::vector<std::string> parameter_names(const ModelConfig& config) {
 
 struct PretrainedWriter::Impl {
   ModelConfig config;
-  std::string dir;
   SaveOptions options;
+  StagedDirectory staged;  // the export's files, swapped in as one unit at finish()
+  std::string dir = staged.path();
   std::vector<Mapping> all = mappings(config);
   std::vector<std::string> names;  // all's weave names
   // The files' tensors, and the file each mapping's sources go to.
@@ -56,8 +67,8 @@ struct PretrainedWriter::Impl {
   std::unique_ptr<SafetensorsWriter> open;
   size_t open_file = 0, next = 0;
 
-  Impl(ModelConfig c, std::string d, SaveOptions o)
-      : config(std::move(c)), dir(std::move(d)), options(o) {
+  Impl(ModelConfig c, const std::string& d, SaveOptions o)
+      : config(std::move(c)), options(o), staged(d, is_model_file) {
     // Shards of at most max_shard_bytes (a larger tensor alone in one), in the mappings' order.
     uint64_t shard_bytes = 0;
     for (const Mapping& m : all) {
@@ -72,9 +83,6 @@ struct PretrainedWriter::Impl {
         shard_bytes += bytes;
       }
     }
-    std::error_code error;
-    std::filesystem::create_directories(dir, error);
-    WEAVE_CHECK(!error, kHfExport, "cannot create the directory {}: {}", dir, error.message());
   }
 
   std::string file_name(size_t i) const {
@@ -128,7 +136,7 @@ struct PretrainedWriter::Impl {
 };
 
 PretrainedWriter::PretrainedWriter(ModelConfig config, std::string dir, SaveOptions options)
-    : impl_(std::make_unique<Impl>(std::move(config), std::move(dir), options)) {}
+    : impl_(std::make_unique<Impl>(std::move(config), dir, options)) {}
 PretrainedWriter::~PretrainedWriter() = default;
 
 const std::vector<std::string>& PretrainedWriter::names() const {
@@ -158,6 +166,7 @@ void PretrainedWriter::finish() {
   if (w.open) w.open->commit(), w.open.reset();
   if (w.files.size() > 1) w.write_index();
   w.write_configs();
+  w.staged.commit();
 }
 
 void save_pretrained(const nn::Module& model, const ModelConfig& config, const std::string& dir,

@@ -30,4 +30,11 @@ std::vector<Mapping> mappings(const ModelConfig& config);
 /// W's shape: what weave holds of the sources.
 Shape weave_shape(const Mapping& m);
 
+/// The file a checkpoint directory names as `entry` (config.json, model.safetensors, an index's
+/// shard), resolved inside `dir`: raises, naming the entry, for an absolute path, a ".."
+/// component, a link that leads out of the directory (but a Hugging Face cache snapshot's, in
+/// <cache>/snapshots/<revision>/, may lead into <cache>/blobs/), or what is no regular file (a
+/// folder, a FIFO, a device). A missing file is returned as dir/entry, for the caller to name.
+std::string checkpoint_file(const std::string& dir, const std::string& entry);
+
 }  // namespace weave::data::hf::detail

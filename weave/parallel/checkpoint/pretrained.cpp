@@ -37,8 +37,8 @@ Tensor read_piece(data::hf::WeightReader& reader, const std::string& name,
 }
 
 data::hf::LoadStats load_parts(nn::Module& model, const data::hf::ModelConfig& config,
-                               const std::string& dir) {
-  data::hf::WeightReader reader(config, dir);
+                               const std::string& dir, const data::hf::LoadOptions& options) {
+  data::hf::WeightReader reader(config, dir, options);
   // Which elements of which whole tensor each parameter holds: what sharded checkpoints record.
   const std::map<std::string, detail::Pieces> described =
       detail::describe_state({.model = &model, .default_generator = false}).model;
@@ -60,16 +60,18 @@ data::hf::LoadStats load_parts(nn::Module& model, const data::hf::ModelConfig& c
     ++stats.tensors;
   }
   stats.bytes_read = reader.bytes_read();
+  stats.unused = reader.unused();
   return stats;
 }
 
 }  // namespace
 
 data::hf::LoadStats load_pretrained(nn::Module& model, const data::hf::ModelConfig& config,
-                                    const std::string& dir, const dist::Group& group) {
+                                    const std::string& dir, const dist::Group& group,
+                                    const data::hf::LoadOptions& options) {
   data::hf::LoadStats stats;
   detail::run_together(kLoadPretrainedOp, group, "load " + dir,
-                       [&] { stats = load_parts(model, config, dir); });
+                       [&] { stats = load_parts(model, config, dir, options); });
   return stats;
 }
 

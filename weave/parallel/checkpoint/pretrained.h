@@ -21,12 +21,13 @@ namespace weave::parallel {
 /// parameter's dtype and device; what pads (a flat shard's end, a padded vocabulary's rows) is
 /// left as it is. Raises as the reader does, for a parameter that is no part of the
 /// architecture's tensors (or of a shape the config does not give), and for experts (a Hugging
-/// Face GPT-2 or Llama has none). Collective over `group` (one agreement at the end): each rank
-/// reads other parts, so one may meet a bad tensor that the others never read; then every rank
-/// raises, the others naming the group.
+/// Face GPT-2 or Llama has none); `options` as data::hf::load_weights takes them. Collective over
+/// `group` (one agreement at the end): each rank reads other parts, so one may meet a bad tensor
+/// that the others never read; then every rank raises, the others naming the group.
 data::hf::LoadStats load_pretrained(nn::Module& model, const data::hf::ModelConfig& config,
                                     const std::string& dir,
-                                    const dist::Group& group = dist::world());
+                                    const dist::Group& group = dist::world(),
+                                    const data::hf::LoadOptions& options = {});
 
 /// Writes a model split over the ranks of `group` (tensor-parallel slices, FSDP's
 /// sharded_module(), pipeline stages, replicas, or any mix) as one Hugging Face checkpoint in
