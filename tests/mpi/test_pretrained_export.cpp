@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "helpers.h"
@@ -153,7 +154,7 @@ TEST_SUITE("pretrained") {
     }
     dist::barrier();
     // Rank 0 raises its own error, the others that rank 0 failed.
-    const char* expected = dist::rank() == 0 ? "cannot create the directory" : "save_pretrained";
+    const char* expected = dist::rank() == 0 ? "exists and is not a directory" : "save_pretrained";
     CHECK_THROWS_WITH_AS(parallel::save_pretrained(fsdp.sharded_module(), config, out + "/file"),
                          doctest::Contains(expected), Error);
     if (dist::world_size() > 1) {  // the group leaves out the ranks that hold the other shards
@@ -222,5 +223,53 @@ TEST_SUITE("pretrained") {
     const int world = dist::world_size();
     const double bound = world == 2 ? 0.6 : world == 4 ? 0.35 : 1.0 / world + 0.1;
     CHECK(double(sharded) <= bound * double(one_process));
+  }
+
+  TEST_CASE("tied Llama and Qwen 2 heads split over tensor and pipeline ranks equal one process") {
+    for (const std::string arch : {"llama", "qwen2"}) {
+      CAPTURE(arch);
+      const std::string dir = test::shared_dir("tied_" + arch);
+      if (dist::rank() == 0) {  // the reference with tie_word_embeddings (lm_head passed over)
+        fs::create_directories(dir);
+        for (const auto& entry : fs::directory_iterator(kData + arch))
+          fs::copy_file(entry.path(), dir + "/" + entry.path().filename().string());
+        auto config = nlohmann::json::parse(std::ifstream(dir + "/config.json"));
+        config["tie_word_embeddings"] = true;
+        std::ofstream(dir + "/config.json") << config.dump();
+      }
+      dist::barrier();
+      Tensor tokens;
+      for (const auto& [name, t] : data::load_safetensors(dir + "/logits.safetensors").tensors)
+        if (name == "tokens") tokens = t;
+      auto whole = models::from_pretrained(dir);
+      NoGradGuard no_grad;
+      const Tensor expected = (*whole)(tokens);
+      auto tp = models::from_pretrained(dir, {.tensor = dist::world(), .gather_logits = true});
+      CHECK(max(abs((*tp)(tokens)-expected)).item<double>() < 1e-6);
+      const Tensor prompt = tokens.narrow(1, 0, 4);
+      const nn::GenerationOptions greedy{.max_new_tokens = 24};
+      CHECK(equal(nn::generate(*tp, prompt, greedy), nn::generate(*whole, prompt, greedy)));
+      if (dist::world_size() % 2 == 0) {  // 2 stages, each over world / 2 tensor ranks
+        parallel::ProcessMesh mesh({.tensor = dist::world_size() / 2, .pipeline = 2});
+        auto stage = models::from_pretrained(dir, {.tensor = mesh.tensor(),
+                                                   .gather_logits = true,
+                                                   .stage = mesh.pipeline_rank(),
+                                                   .stages = 2});
+        parallel::Pipeline pipe(*stage, {.microbatches = 2, .group = mesh.pipeline()});
+        const Tensor logits = pipe.predict(tokens);
+        if (pipe.is_last()) CHECK(max(abs(logits - expected)).item<double>() < 1e-6);
+      }
+      // The export holds the one tied tensor, as Hugging Face's tied checkpoints do.
+      const std::string out = test::shared_dir("tied_export_" + arch);
+      parallel::save_pretrained(*tp, data::hf::read_config(dir), out);
+      if (dist::rank() == 0) {
+        const auto tensors = checkpoint_tensors(out);
+        CHECK(tensors.count("model.embed_tokens.weight") == 1);
+        CHECK(tensors.count("lm_head.weight") == 0);
+        auto reloaded = models::from_pretrained(out);
+        CHECK(equal((*reloaded)(tokens), expected));
+      }
+      dist::barrier();
+    }
   }
 }

@@ -1,7 +1,9 @@
 #include "weave/models/model_split.h"
 
+#include "weave/distributed/functional.h"
 #include "weave/ops/ops.h"
 #include "weave/ops/side_loss.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/parallel/model_parallel/tensor_parallel.h"
 
 namespace weave::models {
@@ -100,6 +102,25 @@ TokenTable token_table(int64_t vocab, int64_t dim, const ModelSplit& split, Gene
   }
   auto table = std::make_shared<nn::Embedding>(vocab, dim, generator);
   return {table, &table->weight};
+}
+
+TokenTable stage_token_table(int64_t vocab, int64_t dim, const ModelSplit& split, bool tied_head,
+                             Generator* generator) {
+  if (!split.first_stage() && !(split.last_stage() && tied_head)) return {};
+  TokenTable table = token_table(vocab, dim, split, generator);
+  if (split.stages > 1 && tied_head) parallel::tie_first_and_last_stage(*table.weight);
+  return table;
+}
+
+Tensor tied_head_logits(const Tensor& hidden, const Tensor& table, int64_t vocab,
+                        const ModelSplit& split, bool gather) {
+  if (!split.tensor) return linear(hidden, table);
+  // This rank's vocabulary rows; the input's gradient sums over the group.
+  const dist::Group& tp = *split.tensor;
+  const Tensor whole = split.sequence_parallel
+                           ? dist::functional::gather_from_sequence_group(hidden, 1, tp)
+                           : dist::functional::copy_to_group(hidden, tp);
+  return parallel::vocab_parallel_logits(linear(whole, table), vocab, tp, gather);
 }
 
 Tensor stage_output(const Tensor& hidden, const Tensor& aux) {

@@ -100,6 +100,16 @@ struct TokenTable {
   Tensor* weight = nullptr;
 };
 TokenTable token_table(int64_t vocab, int64_t dim, const ModelSplit& split, Generator* generator);
+/// This stage's token table: the first stage's embedding and, when the head is tied to it, the
+/// last stage's copy (in a pipeline tied to the first's: parallel::Pipeline adds their
+/// gradients after each step, Megatron-LM's shared embedding); none between (module null).
+TokenTable stage_token_table(int64_t vocab, int64_t dim, const ModelSplit& split, bool tied_head,
+                             Generator* generator);
+/// The logits of a head tied to `table` (this rank's vocabulary rows when split): hidden
+/// [B, T, dim] (this rank's part of T under sequence parallelism) -> [B, T, vocab], this rank's
+/// vocabulary slice over a tensor group unless `gather` (padding masked out).
+Tensor tied_head_logits(const Tensor& hidden, const Tensor& table, int64_t vocab,
+                        const ModelSplit& split, bool gather);
 /// Raises, naming `model`, unless `hidden` is a previous stage's output [B, T, dim].
 void check_stage_input(const char* model, const ModelSplit& split, const Tensor& hidden,
                        int64_t dim);

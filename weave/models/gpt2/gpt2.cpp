@@ -35,9 +35,9 @@ GPT2::GPT2(GPT2Options options, ModelSplit split)
               "ModelSplit::from_mesh gives a tensor group (of this rank alone will do)");
   // The last stage's head multiplies by the token embedding: in a pipeline it holds a copy of
   // its own under the same name, tied to the first stage's (Megatron-LM's shared embedding).
-  if (split_.first_stage() || (split_.last_stage() && !options.untied_head)) {
-    const detail::TokenTable table =
-        detail::token_table(options.vocab, options.dim, split_, options.generator);
+  const detail::TokenTable table = detail::stage_token_table(
+      options.vocab, options.dim, split_, !options.untied_head, options.generator);
+  if (table.module) {
     tokens = register_module("tokens", table.module);
     token_weight_ = table.weight;
   }
@@ -47,8 +47,6 @@ GPT2::GPT2(GPT2Options options, ModelSplit split)
         std::make_shared<nn::Embedding>(options.max_positions, options.dim, options.generator));
   add_blocks();
   if (split_.last_stage()) add_head();
-  if (split_.stages > 1 && tokens && !options.untied_head)
-    parallel::tie_first_and_last_stage(*token_weight_);
   if (split_.context_group) parallel::record_context_reads(*this, *split_.context_group);
 }
 
@@ -183,19 +181,14 @@ Tensor GPT2::run(const Tensor& input, std::vector<nn::KVCache>* caches, bool gat
 }
 
 Tensor GPT2::logits(const Tensor& hidden, bool gather) {
-  if (!split_.tensor) return head ? (*head)(hidden) : linear(hidden, token_weight());
-  const dist::Group& tp = *split_.tensor;
-  Tensor local;
-  if (head) {  // column-parallel: it gathers a sequence-parallel input itself (axis 0)
-    local = (*head)(split_.sequence_parallel ? hidden.transpose(0, 1) : hidden);
-    if (split_.sequence_parallel) local = local.transpose(0, 1);
-  } else {  // the tied head: this rank's vocabulary rows; the input's gradient sums over the group
-    const Tensor whole = split_.sequence_parallel
-                             ? dist::functional::gather_from_sequence_group(hidden, 1, tp)
-                             : dist::functional::copy_to_group(hidden, tp);
-    local = linear(whole, token_weight());
-  }
-  return parallel::vocab_parallel_logits(local, options_.vocab, tp, gather);
+  if (!head)
+    return detail::tied_head_logits(hidden, token_weight(), options_.vocab, split_, gather);
+  if (!split_.tensor) return (*head)(hidden);
+  // Column-parallel: it gathers a sequence-parallel input itself, along axis 0.
+  const bool sequence_parallel = split_.sequence_parallel;
+  Tensor local = (*head)(sequence_parallel ? hidden.transpose(0, 1) : hidden);
+  if (sequence_parallel) local = local.transpose(0, 1);
+  return parallel::vocab_parallel_logits(local, options_.vocab, *split_.tensor, gather);
 }
 
 }  // namespace weave::models

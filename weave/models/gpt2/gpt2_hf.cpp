@@ -30,6 +30,19 @@ void read_gpt2(const json& c, const std::string& path, data::hf::ModelConfig& co
   WEAVE_CHECK(act == "gelu_new" || act == "gelu_pytorch_tanh", kGPT2Hf,
               "{}: activation_function '{}' is not supported; hint: GPT-2's is gelu_new", path,
               act);
+  // Settings that change GPT2LMHeadModel's forward and that weave's GPT-2 does not implement.
+  // (The dropouts change only training, which weave's GPT-2 runs without dropout.)
+  const auto unsupported = [&](bool bad, const std::string& what) {
+    WEAVE_CHECK(!bad, kGPT2Hf,
+                "{}: {} is not supported (weave's GPT-2 attends as GPT-2's defaults say: "
+                "scores scaled by 1/sqrt(head size), in the model's dtype, no cross-attention)",
+                path, what);
+  };
+  unsupported(!c.value("scale_attn_weights", true), "scale_attn_weights false");
+  unsupported(c.value("scale_attn_by_inverse_layer_idx", false),
+              "scale_attn_by_inverse_layer_idx true");
+  unsupported(c.value("reorder_and_upcast_attn", false), "reorder_and_upcast_attn true");
+  unsupported(c.value("add_cross_attention", false), "add_cross_attention true");
   WEAVE_CHECK(config.hidden == 4 * config.dim && config.norm_eps == 1e-5 && config.tie_embeddings,
               kGPT2Hf,
               "{}: weave's GPT-2 has n_inner = 4 n_embd, layer_norm_epsilon 1e-5 and a tied head, "
@@ -74,6 +87,12 @@ std::vector<Mapping> gpt2_mappings(const data::hf::ModelConfig& c) {
   return m;
 }
 
+// The causal-mask buffers older GPT-2 files hold, and a copy of the head (tied: the embedding).
+bool gpt2_ignorable(const std::string& tensor, const data::hf::ModelConfig&) {
+  return tensor.ends_with(".attn.bias") || tensor.ends_with(".attn.masked_bias") ||
+         tensor == "lm_head.weight";
+}
+
 }  // namespace
 
 namespace detail {
@@ -84,7 +103,8 @@ data::hf::ArchitectureSpec gpt2_architecture() {
           .model_types = {"gpt2"},
           .read = read_gpt2,
           .write = write_gpt2,
-          .mappings = gpt2_mappings};
+          .mappings = gpt2_mappings,
+          .ignorable = gpt2_ignorable};
 }
 
 }  // namespace detail

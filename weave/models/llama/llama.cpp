@@ -102,13 +102,9 @@ Llama::Llama(LlamaOptions options, ModelSplit split)
   WEAVE_CHECK(!split_.sequence_parallel, kLlama,
               "Llama's tensor-parallel layers take whole sequences (batch first); found "
               "sequence_parallel; hint: split it without sequence parallelism");
-  WEAVE_CHECK(!options.tie_embeddings || (!split_.tensor && split_.stages == 1), kLlama,
-              "a head tied to the embedding is not split here (the embedding splits by "
-              "vocabulary rows, the head by output columns alike, but they would need one "
-              "parameter); hint: untie it, or run the whole model");
-  if (split_.first_stage()) {
-    const detail::TokenTable table =
-        detail::token_table(options.vocab, options.dim, split_, options.generator);
+  const detail::TokenTable table = detail::stage_token_table(
+      options.vocab, options.dim, split_, options.tie_embeddings, options.generator);
+  if (table.module) {
     embedding = register_module("embedding", table.module);
     embedding_weight_ = table.weight;
   }
@@ -128,13 +124,14 @@ Llama::Llama(LlamaOptions options, ModelSplit split)
 
 void Llama::add_head() {
   const std::optional<dist::Group>& tp = split_.tensor;
+  if (options_.tie_embeddings) return;  // the embedding's table (this stage's copy)
   if (tp) {
     auto columns = std::make_shared<parallel::ColumnParallelLinear>(
         options_.dim, parallel::padded_vocab(options_.vocab, tp->size()), *tp,
         parallel::ColumnParallelOptions{.bias = false, .generator = options_.generator});
     parallel::record_padding(columns->weight, *tp, options_.vocab);  // as the embedding's
     head = register_module("head", columns);
-  } else if (!options_.tie_embeddings) {
+  } else {
     head = register_module("head", std::make_shared<nn::Linear>(options_.dim, options_.vocab, false,
                                                                 options_.generator));
   }
@@ -142,8 +139,8 @@ void Llama::add_head() {
 
 Tensor& Llama::embedding_weight() {
   WEAVE_CHECK(embedding_weight_ != nullptr, kLlama,
-              "stage {} of {} holds no embedding (the first stage does)", split_.stage,
-              split_.stages);
+              "stage {} of {} holds no embedding (the first stage does, and a tied last one)",
+              split_.stage, split_.stages);
   return *embedding_weight_;
 }
 
@@ -152,14 +149,17 @@ Tensor Llama::forward(const Tensor& tokens) {
 }
 
 Tensor Llama::forward_inputs(const nn::Inputs& inputs) {
-  if (!embedding) detail::check_stage_input(kLlama, split_, inputs.x, options_.dim);
-  const Tensor h = run_blocks(*blocks, inputs.with(embedding ? (*embedding)(inputs.x) : inputs.x));
+  const bool first = split_.first_stage();  // a tied last stage holds the embedding too
+  if (!first) detail::check_stage_input(kLlama, split_, inputs.x, options_.dim);
+  const Tensor h = run_blocks(*blocks, inputs.with(first ? (*embedding)(inputs.x) : inputs.x));
   if (!norm) return detail::stage_output(h, is_training() ? aux_loss() : Tensor());
   return logits((*norm)(h), split_.gather_logits);
 }
 
 Tensor Llama::logits(const Tensor& hidden, bool gather) {
-  if (!split_.tensor) return head ? (*head)(hidden) : linear(hidden, embedding_weight());
+  if (!head)
+    return detail::tied_head_logits(hidden, embedding_weight(), options_.vocab, split_, gather);
+  if (!split_.tensor) return (*head)(hidden);
   return parallel::vocab_parallel_logits((*head)(hidden), options_.vocab, *split_.tensor, gather);
 }
 

@@ -78,7 +78,8 @@ struct LlamaOptions {
   int64_t layers = 8;
   /// Every block's options (their generator is the model's).
   LlamaBlockOptions block{};
-  /// The head multiplies by the embedding's weight instead of one of its own (whole models).
+  /// The head multiplies by the embedding's weight instead of one of its own (Llama 3.2's and
+  /// the small Qwen 2's); split, the last pipeline stage holds a copy tied to the first's.
   bool tie_embeddings = false;
   Generator* generator = nullptr;
 };
@@ -101,10 +102,12 @@ class Llama : public nn::CausalLM {
   Tensor aux_loss() const override;
   const LlamaOptions& options() const { return options_; }
   const ModelSplit& split() const { return split_; }
-  /// The embedding table (this rank's vocabulary rows when split); the first stage's.
+  /// The embedding table (this rank's vocabulary rows when split); the first stage's, and with a
+  /// tied head the last stage's copy.
   Tensor& embedding_weight();
 
-  /// nn::Embedding, or parallel::VocabParallelEmbedding; null past the first pipeline stage.
+  /// nn::Embedding, or parallel::VocabParallelEmbedding; null past the first pipeline stage
+  /// (but on a tied last stage).
   std::shared_ptr<nn::Module> embedding;
   std::shared_ptr<nn::Sequential> blocks;  // this stage's
   std::shared_ptr<nn::RMSNorm> norm;       // null before the last stage

@@ -48,9 +48,13 @@ void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& c
     unsupported(c.value("use_sliding_window", false), "use_sliding_window true");
   else
     unsupported(c.contains("sliding_window") && !c["sliding_window"].is_null(), "sliding_window");
+  unsupported(c.value("attention_dropout", 0.0) != 0.0,
+              "attention_dropout " + c.value("attention_dropout", json(0.0)).dump() +
+                  " (weave's attention has no dropout)");
   const json scaling = c.value("rope_scaling", json());
-  if (!scaling.is_null()) {
-    const std::string type = scaling.value("rope_type", scaling.value("type", ""));
+  const std::string type =
+      scaling.is_object() ? scaling.value("rope_type", scaling.value("type", "")) : "";
+  if (!scaling.is_null() && type != "default") {  // "default": no scaling, as null
     unsupported(type != "llama3", "rope_scaling of type '" + type + "' (weave has Llama 3's)");
     config.rope_scaling = Llama3RopeScaling{
         .factor = scaling.at("factor").get<double>(),
@@ -113,6 +117,12 @@ std::vector<Mapping> llama_mappings(const data::hf::ModelConfig& c) {
   return m;
 }
 
+// The rotary frequencies older files hold (weave computes them), and a tied model's head copy.
+bool llama_ignorable(const std::string& tensor, const data::hf::ModelConfig& config) {
+  return tensor.ends_with(".rotary_emb.inv_freq") ||
+         (config.tie_embeddings && tensor == "lm_head.weight");
+}
+
 }  // namespace
 
 namespace detail {
@@ -123,7 +133,8 @@ data::hf::ArchitectureSpec llama_architecture() {
           .model_types = {"llama", "qwen2"},
           .read = read_llama,
           .write = write_llama,
-          .mappings = llama_mappings};
+          .mappings = llama_mappings,
+          .ignorable = llama_ignorable};
 }
 
 }  // namespace detail

@@ -1,0 +1,148 @@
+// Every config.json field weave reads from a GPT-2, Llama or Qwen 2 checkpoint (tests/data/hf),
+// set to a value other than the reference's: a field weave does not implement raises at load,
+// naming the field; one it implements changes the model as it says; one that changes nothing
+// in the forward (dropouts, initialization, caching, the "default" rope) leaves the logits
+// bitwise as they were; a size that disagrees with the weights raises.
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "helpers.h"
+#include "hf_helpers.h"
+
+using namespace weave;
+using namespace weave_test;
+using nlohmann::json;
+
+namespace {
+
+struct FieldCase {
+  const char* field;
+  json value;
+  // "refused: <part of the message>" (a setting: the message names the field), "mismatch:
+  // <part>" (a size the weights contradict), "same logits", "changes logits".
+  const char* outcome;
+};
+
+// The reference checkpoint of `arch` with one config field set, loaded: its logits on the
+// reference tokens, or the error it raised.
+std::pair<Tensor, std::string> logits_with(const std::string& arch, const char* field,
+                                           const json& value) {
+  const auto dir = scratch(std::string("field_") + arch);
+  copy_checkpoint(reference_dir(arch), dir);
+  edit_config(dir, [&](json& c) {
+    if (value.is_null())
+      c.erase(field);
+    else
+      c[field] = value;
+  });
+  try {
+    auto model = models::from_pretrained(dir.string());
+    Tensor tokens;
+    for (const auto& [name, t] :
+         data::load_safetensors((dir / "logits.safetensors").string()).tensors)
+      if (name == "tokens") tokens = t;
+    NoGradGuard no_grad;
+    return {(*model)(tokens), ""};
+  } catch (const Error& e) {
+    return {Tensor(), e.what()};
+  }
+}
+
+void check_fields(const std::string& arch, const std::vector<FieldCase>& cases) {
+  const Tensor reference = logits_with(arch, "_unused_by_any_reader", json(0)).first;
+  REQUIRE(reference.defined());
+  for (const FieldCase& c : cases) {
+    const std::string field = c.field, outcome = c.outcome, value = c.value.dump();
+    CAPTURE(arch);
+    CAPTURE(field);
+    CAPTURE(value);
+    const auto loaded = logits_with(arch, c.field, c.value);
+    const Tensor& logits = loaded.first;
+    const std::string& error = loaded.second;
+    if (outcome.starts_with("refused: ") || outcome.starts_with("mismatch: ")) {
+      CHECK(!logits.defined());
+      CHECK(error.find(outcome.substr(outcome.find(": ") + 2)) != std::string::npos);
+      if (outcome.starts_with("refused: ")) CHECK(error.find(field) != std::string::npos);
+    } else {
+      REQUIRE_MESSAGE(logits.defined(), error);
+      CHECK(equal(logits, reference) == (outcome == "same logits"));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("hf_checkpoint") {
+  TEST_CASE("every GPT-2 config field weave reads is honoured or refused") {
+    check_fields("gpt2",
+                 {{"scale_attn_weights", false, "refused: scale_attn_weights false"},
+                  {"scale_attn_by_inverse_layer_idx", true, "refused: is not supported"},
+                  {"reorder_and_upcast_attn", true, "refused: is not supported"},
+                  {"add_cross_attention", true, "refused: is not supported"},
+                  {"activation_function", "relu", "refused: is not supported"},
+                  {"n_inner", 128, "refused: n_inner = 4 n_embd"},
+                  {"layer_norm_epsilon", 1e-3, "refused: layer_norm_epsilon 1e-5"},
+                  {"tie_word_embeddings", false, "refused: tie_word_embeddings"},
+                  {"n_layer", 1, "mismatch: does not use"},
+                  {"n_layer", 1000000000, "mismatch: the layer count is 1000000000, outside"},
+                  {"n_embd", 32, "mismatch: has shape"},
+                  {"n_positions", 64, "mismatch: has shape"},
+                  {"vocab_size", 256, "mismatch: has shape"},
+                  {"scale_attn_weights", true, "same logits"},
+                  {"scale_attn_by_inverse_layer_idx", false, "same logits"},
+                  {"activation_function", "gelu_pytorch_tanh", "same logits"},
+                  {"n_inner", nullptr, "same logits"},  // absent: 4 n_embd
+                  {"resid_pdrop", 0.3, "same logits"},  // dropouts: training only
+                  {"embd_pdrop", 0.3, "same logits"},
+                  {"attn_pdrop", 0.3, "same logits"},
+                  {"initializer_range", 0.5, "same logits"},
+                  {"use_cache", false, "same logits"},
+                  {"n_head", 2, "changes logits"}});
+  }
+
+  TEST_CASE("every Llama and Qwen 2 config field weave reads is honoured or refused") {
+    const std::vector<FieldCase> shared{
+        {"attention_bias", true, "refused: attention_bias true"},
+        {"mlp_bias", true, "refused: mlp_bias true"},
+        {"hidden_act", "gelu", "refused: hidden_act 'gelu'"},
+        {"head_dim", 8, "refused: head_dim"},
+        {"attention_dropout", 0.1, "refused: attention_dropout 0.1"},
+        {"rope_scaling", {{"rope_type", "linear"}, {"factor", 2.0}}, "refused: rope_scaling"},
+        {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 2.0}}, "refused: rope_scaling"},
+        {"num_hidden_layers", 1, "mismatch: does not use"},
+        {"num_hidden_layers", int64_t(1) << 40, "mismatch: the layer count is"},
+        {"vocab_size", int64_t(1) << 31, "mismatch: the vocabulary is"},
+        {"hidden_size", 32, "mismatch: has shape"},
+        {"intermediate_size", 160, "mismatch: has shape"},
+        {"num_key_value_heads", 4, "mismatch: has shape"},
+        {"vocab_size", 256, "mismatch: has shape"},
+        {"attention_dropout", 0.0, "same logits"},
+        {"pretraining_tp", 1, "same logits"},
+        {"initializer_range", 0.5, "same logits"},
+        {"use_cache", false, "same logits"},
+        {"max_position_embeddings", 4096, "same logits"},  // rotary needs no table
+        {"rope_theta", 1000.0, "changes logits"},
+        {"rms_norm_eps", 1e-2, "changes logits"},
+        {"num_attention_heads", 8, "mismatch: has shape"},
+        {"tie_word_embeddings", true, "changes logits"}};  // lm_head passed over
+    check_fields("llama", shared);
+    check_fields("llama", {{"sliding_window", 16, "refused: sliding_window"}});
+    check_fields("qwen2", shared);
+    check_fields("qwen2", {{"use_sliding_window", true, "refused: use_sliding_window true"},
+                           {"sliding_window", 16, "same logits"},  // unused without the flag
+                           {"max_window_layers", 1, "same logits"}});
+  }
+
+  TEST_CASE("rope_scaling with rope_type default loads as no scaling") {
+    for (const std::string arch : {"llama", "qwen2"}) {
+      CAPTURE(arch);
+      const Tensor none = logits_with(arch, "rope_scaling", nullptr).first;
+      const Tensor by_default = logits_with(arch, "rope_scaling", {{"rope_type", "default"}}).first;
+      const Tensor legacy = logits_with(arch, "rope_scaling", {{"type", "default"}}).first;
+      REQUIRE(none.defined());
+      REQUIRE(by_default.defined());
+      CHECK(equal(by_default, none));
+      CHECK(equal(legacy, none));
+    }
+  }
+}
