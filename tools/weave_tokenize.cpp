@@ -9,7 +9,8 @@
 // between lines equal to it; every document ends with the end-of-text token unless
 // --no-end-of-text. Documents are encoded on --threads threads (the hardware's count by
 // default), in order; a progress bar on stderr shows bytes done, MB/s and the time left.
-// A killed run leaves no file at OUT (it writes OUT.partial, renamed when done).
+// A killed run leaves no file at OUT (it writes a fresh temporary file beside OUT, created
+// exclusively, renamed over OUT when done).
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -99,7 +100,7 @@ int main(int argc, char** argv) {
         out.c_str(), static_cast<long long>(stats.documents), static_cast<long long>(stats.tokens),
         tok.vocab_size() > 65536 ? "uint32" : "uint16", static_cast<long long>(tok.vocab_size()),
         stats.tokens ? double(total) / double(stats.tokens) : 0.0, progress.elapsed());
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // weave's errors, and the file system's
     std::fprintf(stderr, "weave-tokenize: %s\n", e.what());
     return 1;
   }

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -30,10 +31,26 @@ inline Corpus load_corpus(const std::string& dir, bool pack) {
   namespace fs = std::filesystem;
   WEAVE_CHECK(fs::is_directory(dir), "gpt",
               "no fortunes at {}; hint: apt-get install fortunes, or pass --data DIR", dir);
+  std::vector<std::string> files;
+  uintmax_t bytes = 0;
+  for (const auto& path : data::files_in(dir, {".dat"})) {
+    const uintmax_t size = fs::file_size(path);
+    if (size == 0) continue;  // empty, or a kernel's pseudo-file (under /proc), read forever
+    bytes += size, files.push_back(path);
+  }
+  WEAVE_CHECK(bytes <= (uintmax_t(1) << 30), "gpt",
+              "the files in {} hold {} bytes; the example reads at most 1 GiB of text; hint: "
+              "--data a folder of text files",
+              dir, bytes);
   std::string text;
   std::vector<size_t> separators;
-  for (const auto& path : data::files_in(dir, {".dat"})) {
-    std::ifstream in(path);
+  for (const auto& path : files) {
+    const std::string content = data::read_file(path);
+    const size_t zero = content.find('\0');
+    WEAVE_CHECK(zero == std::string::npos, "gpt",
+                "{} is not text (a zero byte at offset {}); hint: --data a folder of text files",
+                path, zero);
+    std::istringstream in(content);
     for (std::string line; std::getline(in, line);) {
       if (line == "%") separators.push_back(text.size());
       text += line == "%" ? "\n" : line + "\n";

@@ -9,7 +9,7 @@
 # experts), with fsdp stages of a pipeline at 4, with two pipeline stages at 2 ranks (stopped and resumed), must each end
 # at the held-out loss of one process on the same global batch (float32: within 1e-3 relative);
 # with activation checkpointing, at the same run's without it, to the last printed digit.
-# Ranks started with different flags are refused. Exits 77 (skipped) without the fortunes
+# Ranks started with different flags are refused, and --data /proc at once. Exits 77 (skipped) without the fortunes
 # package.
 set -u
 gpt=$1
@@ -87,6 +87,16 @@ if [ "$(grep -c "^\[weave\] rank [01]: \[gpt\] the ranks were started with diffe
   status=1
 else
   echo "ok: ranks with different flags refused"
+fi
+# A folder that is not text (the kernel's /proc, whose pseudo-files read forever or hold binary
+# data): a clear error, at once.
+code=0
+out=$(timeout 60 "$gpt" --data /proc --steps 1 2>&1) || code=$?
+if [ $code -eq 0 ] || [ $code -eq 124 ] || ! grep -q "\[gpt\].*hint: --data a folder of text" <<<"$out"; then
+  echo "FAIL: --data /proc ended with status $code: $out"
+  status=1
+else
+  echo "ok: --data /proc refused: $(tail -1 <<<"$out")"
 fi
 [ $status -eq 0 ] && echo "PASS: every strategy equals one process"
 exit $status

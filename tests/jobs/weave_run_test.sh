@@ -52,6 +52,11 @@ for launch in "--no-such-mpirun-option -- true" "-- $work/no-such-program"; do
     { cat "$work/refused.log"; fail "'$launch' was not seen as a usage error"; }
   ! grep -q "attempt 2" "$work/refused.log" || fail "'$launch' was relaunched"
 done
+# A count past bash's arithmetic: weave-run's own message, no shell error before it.
+run --np 99999999999999999999 -- true > "$work/huge.log" 2>&1 && fail "--np 10^20 was taken"
+grep -q "integer expression" "$work/huge.log" && fail "a shell error: $(cat "$work/huge.log")"
+grep -q "\-\-np must be a positive count, found '99999999999999999999'" "$work/huge.log" ||
+  fail "--np 10^20 was not refused clearly: $(cat "$work/huge.log")"
 echo "usage errors: not relaunched"
 
 # 3. A discovery script that hangs.

@@ -1,5 +1,12 @@
 // Bad input raises weave::Error whose message starts with "[op]" and says what was wrong.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
 #include "helpers.h"
+#include "weave/distributed/flight_recorder.h"
 
 using namespace weave;
 
@@ -144,5 +151,24 @@ TEST_SUITE("errors") {
     CHECK_WEAVE_ERROR(data::DataLoader(data, {.batch_size = 0}), "DataLoader", "positive");
     CHECK_WEAVE_ERROR(data::TensorDataset(ones({3}), ones({2})), "TensorDataset",
                       "same first dimension");
+  }
+
+  TEST_CASE("the flight recorder writes a fresh file: a link planted at its path is replaced") {
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::temp_directory_path() / ("weave_flight_" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    const fs::path victim = dir / "victim", path = dir / "flight.rank0.json";
+    std::ofstream(victim) << "precious";
+    fs::create_symlink(victim, path);
+    ::setenv("WEAVE_FLIGHT_RECORDER", "4", 1);
+    ::setenv("WEAVE_FLIGHT_RECORDER_FILE", (dir / "flight.json").c_str(), 1);
+    dist::detail::configure_flight_recorder(0);
+    dist::detail::dump_flight_recorder("a test");
+    CHECK(data::read_file(victim.string()) == "precious");
+    CHECK(!fs::is_symlink(path));
+    CHECK(data::read_file(path.string()).find("a test") != std::string::npos);
+    ::setenv("WEAVE_FLIGHT_RECORDER", "0", 1);
+    dist::detail::configure_flight_recorder(0);
+    fs::remove_all(dir);
   }
 }

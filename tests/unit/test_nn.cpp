@@ -336,4 +336,25 @@ TEST_SUITE("nn") {
     CHECK(table.find("total 1,832 parameters (1.8 K), 1,832 trainable, 7.2 KB") !=
           std::string::npos);
   }
+
+  TEST_CASE("negative ids raise in an embedding and in generation; NaN logits stop generation") {
+    nn::Embedding table(10, 4);
+    CHECK_THROWS_WITH_AS(table(from_vector<int64_t>({3, -1}, {2})),
+                         doctest::Contains("hint: ids lie in [0, size)"), Error);
+    CHECK_THROWS_WITH_AS(table(from_vector<int64_t>({10}, {1})),
+                         doctest::Contains("index out of range"), Error);
+    models::GPT2 gpt2({.vocab = 16, .dim = 8, .layers = 1, .heads = 2, .max_positions = 32});
+    const nn::GenerationOptions two{.max_new_tokens = 2};
+    CHECK_THROWS_WITH_AS(nn::generate(gpt2, from_vector<int64_t>({1, -1}, {1, 2}), two),
+                         doctest::Contains("prompt ids must lie in [0, 16)"), Error);
+    CHECK_THROWS_WITH_AS(nn::generate(gpt2, from_vector<int64_t>({1, 16}, {1, 2}), two),
+                         doctest::Contains("found [1, 16]"), Error);
+    CHECK(nn::generate(gpt2, from_vector<int64_t>({1, 2}, {1, 2}), two).size(1) == 4);
+    {
+      NoGradGuard no_grad;
+      gpt2.positions->weight.fill_(std::nan(""));
+    }
+    CHECK_THROWS_WITH_AS(nn::generate(gpt2, from_vector<int64_t>({1, 2}, {1, 2}), two),
+                         doctest::Contains("logits for new token 0 hold NaN"), Error);
+  }
 }

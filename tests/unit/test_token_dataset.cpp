@@ -170,6 +170,36 @@ TEST_SUITE("token_dataset") {
     CHECK_THROWS_WITH_AS(data::TokenDataset(file, {.context = 8}), doctest::Contains("windows"),
                          Error);
     CHECK_FALSE(std::filesystem::exists(temp_path("never.tokens")));
+    CHECK_THROWS_WITH_AS(writer.append_document(std::vector<int32_t>{-1}),
+                         doctest::Contains("token -1 of document 0 is outside the vocabulary"),
+                         Error);
+  }
+
+  TEST_CASE(
+      "a token file's writer follows no planted link, and two writers each leave a whole "
+      "file") {
+    namespace fs = std::filesystem;
+    const fs::path victim = temp_path("victim"), out = temp_path("planted.tokens");
+    std::ofstream(victim) << "precious";
+    fs::remove(out.string() + ".partial");
+    fs::create_symlink(victim, out.string() + ".partial");  // the old fixed temporary's name
+    write_tokens("planted.tokens", {{1, 2, 3}}, 100, -1);
+    CHECK(data::read_file(victim.string()) == "precious");
+    fs::remove(out);
+    fs::create_symlink(victim, out);  // a link at the output itself is replaced, not followed
+    write_tokens("planted.tokens", {{4, 5}}, 100, -1);
+    CHECK(data::read_file(victim.string()) == "precious");
+    CHECK(!fs::is_symlink(out));
+    CHECK(data::TokenFile(out.string()).size() == 2);
+    // Interleaved writers of one path: each finishes whole; the last to finish is the file.
+    data::TokenFileWriter first(out.string(), {.vocab_size = 100});
+    data::TokenFileWriter second(out.string(), {.vocab_size = 100});
+    first.append_document(std::vector<int32_t>{1, 2, 3, 4});
+    second.append_document(std::vector<int32_t>{7, 8, 9});
+    first.finish();
+    CHECK(data::TokenFile(out.string()).size() == 4);
+    second.finish();
+    CHECK(data::TokenFile(out.string()).size() == 3);
   }
 
   TEST_CASE("a token file holding an id outside its vocabulary raises at open, naming where") {

@@ -3,6 +3,7 @@
 // and of the hard cases tests/support/bpe_reference.js writes (CTest runs it first and passes
 // its output in WEAVE_BPE_REFERENCE, and the npm folder holding GPT-2's files in
 // WEAVE_NPM_REFERENCE).
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -312,6 +313,35 @@ TEST_SUITE("tokenizer") {
                          Error);
     CHECK_THROWS_WITH_AS(Tokenizer::from_directory(dir.string() + "/none"),
                          doctest::Contains("has no tokenizer"), Error);
+    // Ids two tokens share, ids no table can hold, ids past 32 bits: each would break
+    // decode(encode(x)) == x or allocate without bound.
+    json shared = byte_level;
+    shared["added_tokens"].push_back({{"id", 50}, {"content", "<|mine|>"}, {"special", true}});
+    CHECK_THROWS_WITH_AS(load(shared), doctest::Contains("gives the id 50 to two tokens"), Error);
+    for (const int64_t id : {int64_t(2147483647), int64_t(1) << 40, int64_t(-2)}) {
+      CAPTURE(id);
+      json huge = byte_level;
+      huge["added_tokens"].push_back({{"id", id}, {"content", "<|far|>"}, {"special", true}});
+      CHECK_THROWS_WITH_AS(load(huge), doctest::Contains("outside [0, 16777215]"), Error);
+    }
+    std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("weave-tokenize's inputs: the output among them, a FIFO, too many threads raise") {
+    const auto dir = temp_dir() / "inputs";
+    std::filesystem::create_directories(dir);
+    const std::string text = (dir / "text.txt").string();
+    std::ofstream(text) << "some text to encode";
+    CHECK_THROWS_WITH_AS(data::write_token_file(text, {text}, gpt2()),
+                         doctest::Contains("is also an input"), Error);
+    CHECK(data::read_file(text) == "some text to encode");  // untouched
+    const std::string fifo = (dir / "fifo").string();
+    REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+    CHECK_THROWS_WITH_AS(data::files_in(fifo), doctest::Contains("neither a regular file"), Error);
+    CHECK_THROWS_WITH_AS(data::files_in("/dev/null"), doctest::Contains("neither a regular file"),
+                         Error);
+    CHECK_THROWS_WITH_AS(gpt2().encode_batch({"a", "b"}, {}, 100000),
+                         doctest::Contains("threads must be in [0, 1024]"), Error);
     std::filesystem::remove_all(dir);
   }
 }

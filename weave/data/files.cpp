@@ -204,7 +204,13 @@ std::vector<std::string> files_in(const std::string& path,
                                   const std::vector<std::string>& skip_suffixes) {
   namespace fs = std::filesystem;
   WEAVE_CHECK(fs::exists(path), "files", "{} does not exist", path);
-  if (!fs::is_directory(path)) return {path};
+  if (!fs::is_directory(path)) {
+    // A FIFO would block the read, a device (/dev/zero) never end it.
+    WEAVE_CHECK(fs::is_regular_file(path), "files",
+                "{} is neither a regular file nor a folder; hint: name text files or folders",
+                path);
+    return {path};
+  }
   std::vector<std::string> files;
   for (const auto& entry : fs::directory_iterator(path)) {
     const std::string name = entry.path().string();

@@ -48,7 +48,8 @@ class AtomicFileWriter {
 std::string read_file(const std::string& path);
 
 /// The regular files of a folder in name order (links, and names ending in one of
-/// skip_suffixes, left out), or `path` itself when it is a file; raises when it does not exist.
+/// skip_suffixes, left out), or `path` itself when it is a regular file; raises when it does not
+/// exist or is neither (a FIFO, a device).
 std::vector<std::string> files_in(const std::string& path,
                                   const std::vector<std::string>& skip_suffixes = {});
 

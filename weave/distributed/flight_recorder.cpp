@@ -1,12 +1,15 @@
 // The flight recorder's ring of calls and its file.
 #include "weave/distributed/flight_recorder.h"
 
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <mutex>
 
 #include "weave/distributed/queue.h"
@@ -125,6 +128,36 @@ std::shared_ptr<FlightRecord> record_flight(int64_t group_id, const std::vector<
   return record;
 }
 
+namespace {
+
+// text written to a fresh file beside path (mkstemp: created exclusively, never through a link
+// another user planted there), renamed over path (a link at path is replaced, not followed).
+// On failure errno says why, and nothing is left behind.
+bool write_beside(const std::string& path, const std::string& text) {
+  std::string temp = path + ".tmp-XXXXXX";
+  const int fd = ::mkstemp(temp.data());
+  if (fd < 0) return false;
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int saved = errno;
+      ::close(fd);
+      ::unlink(temp.c_str());
+      errno = saved;
+      return false;
+    }
+    done += size_t(n);
+  }
+  if (::close(fd) == 0 && ::rename(temp.c_str(), path.c_str()) == 0) return true;
+  const int saved = errno;
+  ::unlink(temp.c_str());
+  errno = saved;
+  return false;
+}
+
+}  // namespace
+
 void dump_flight_recorder(const std::string& why) noexcept {
   try {
     Recorder& r = recorder();
@@ -140,11 +173,12 @@ void dump_flight_recorder(const std::string& why) noexcept {
         {"displayTimeUnit", "ms"},
         {"traceEvents", events},
         {"weaveFlight", {{"rank", r.rank}, {"why", why}, {"calls", calls}}}};
-    std::ofstream out(r.path);
-    out << file.dump(1) << "\n";
-    if (out.good())
+    if (write_beside(r.path, file.dump(1) + "\n"))
       std::fprintf(stderr, "[weave] rank %d: flight recorder: %zu calls written to %s\n", r.rank,
                    calls.size(), r.path.c_str());
+    else
+      std::fprintf(stderr, "[weave] rank %d: flight recorder: cannot write %s: %s\n", r.rank,
+                   r.path.c_str(), std::strerror(errno));
   } catch (...) {  // on the way down: a recorder that cannot write must not hide the real error
   }
 }

@@ -70,6 +70,10 @@ Tensor generate(CausalLM& model, const Tensor& prompt, const GenerationOptions& 
               "found {}, {}, {} and {}",
               options.max_new_tokens, options.temperature, options.top_k, options.top_p);
   NoGradGuard no_grad;
+  const int64_t lowest = min(prompt).item<int64_t>(), highest = max(prompt).item<int64_t>();
+  WEAVE_CHECK(lowest >= 0 && highest < model.vocab(), kGenerate,
+              "prompt ids must lie in [0, {}) (the model's vocabulary), found [{}, {}]",
+              model.vocab(), lowest, highest);
   const bool was_training = model.is_training();
   model.eval();
   const int64_t rows = prompt.size(0);
@@ -81,6 +85,11 @@ Tensor generate(CausalLM& model, const Tensor& prompt, const GenerationOptions& 
   for (int64_t step = 0; step < options.max_new_tokens; ++step) {
     Tensor logits = model.forward_cached(next_input, caches);
     logits = logits.select(1, logits.size(1) - 1);
+    // -inf bans a token; NaN says the model broke, and sampling from it would go on silently.
+    WEAVE_CHECK(sum(isnan(logits).to(kFloat32)).item<double>() == 0, kGenerate,
+                "the model's logits for new token {} hold NaN; hint: its weights or activations "
+                "overflowed (check the weights with all_finite, or run in float32)",
+                step);
     std::vector<double> draws(static_cast<size_t>(rows));
     for (double& d : draws) d = double(engine() >> 11) * 0x1.0p-53;  // the same on any library
     Tensor chosen = sample_tokens(logits, options, draws).to(kCPU);

@@ -71,7 +71,10 @@ inline Tensor per_position(const Tensor& ids, int64_t batch, int64_t length, con
 
 /// index as int64 with its negative entries counted from the end of a dimension of size n;
 /// raises, naming op and dimension d, when an entry is outside [-n, n).
-Tensor wrapped_index(const Tensor& index, int64_t n, int d, const char* op);
+Tensor wrapped_index(const Tensor& index, int64_t n, int d, const char* op, bool wraps = true);
+/// index_select's work under `op`'s name; without `wraps` a negative index raises (ids).
+Tensor index_select_rows(const Tensor& x, int64_t dim, const Tensor& index, const char* op,
+                         bool wraps);
 
 /// Shape and dtype of an input whose values backward does not need.
 struct InputInfo {

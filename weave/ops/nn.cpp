@@ -319,7 +319,9 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
               "expected int32 or int64 indices, found {}", indices.dtype());
   Shape shape = indices.shape();
   shape.push_back(weight.size(1));
-  return index_select(weight, 0, indices.reshape({-1})).reshape(shape);
+  // Ids are rows: -1 is no row (PyTorch raises too), not the last one.
+  return detail::index_select_rows(weight, 0, indices.reshape({-1}), "embedding", false)
+      .reshape(shape);
 }
 
 Tensor dropout(const Tensor& x, double p, bool training, Generator* generator) {

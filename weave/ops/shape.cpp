@@ -347,7 +347,7 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t dim) {
   return split(x, std::max<int64_t>((total + chunks - 1) / chunks, 1), dim);
 }
 
-Tensor detail::wrapped_index(const Tensor& index, int64_t n, int d, const char* op) {
+Tensor detail::wrapped_index(const Tensor& index, int64_t n, int d, const char* op, bool wraps) {
   Tensor idx = convert(index, kInt64);
   if (idx.numel() == 0) return idx;
   // A step captured in a CUDA graph cannot read the indices on the host: it wraps them as they
@@ -355,19 +355,24 @@ Tensor detail::wrapped_index(const Tensor& index, int64_t n, int d, const char* 
   if (capturing_graph(idx))
     return where(lt(idx, wrap_scalar(0, idx)), idx + wrap_scalar(double(n), idx), idx);
   const int64_t lo = min(idx).item<int64_t>(), hi = max(idx).item<int64_t>();
-  WEAVE_CHECK(lo >= -n && hi < n, op,
-              "index out of range for dimension {} of size {}: found [{}, {}]", d, n, lo, hi);
+  WEAVE_CHECK(lo >= (wraps ? -n : 0) && hi < n, op,
+              "index out of range for dimension {} of size {}: found [{}, {}]{}", d, n, lo, hi,
+              wraps ? "" : "; hint: ids lie in [0, size) (a negative id does not count back)");
   if (lo >= 0) return idx;
   return where(lt(idx, wrap_scalar(0, idx)), idx + wrap_scalar(double(n), idx), idx);
 }
 
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
-  check_index_args(x, index, "index_select");
-  WEAVE_CHECK(index.dim() <= 1, "index_select", "expected a 0-d or 1-d index, found shape {}",
-              index.shape());
-  int d = normalize_dim(dim, x.dim(), "index_select");
+  return detail::index_select_rows(x, dim, index, "index_select", true);
+}
+
+Tensor detail::index_select_rows(const Tensor& x, int64_t dim, const Tensor& index, const char* op,
+                                 bool wraps) {
+  check_index_args(x, index, op);
+  WEAVE_CHECK(index.dim() <= 1, op, "expected a 0-d or 1-d index, found shape {}", index.shape());
+  int d = normalize_dim(dim, x.dim(), op);
   const int64_t n = x.dim() == 0 ? 1 : x.shape()[d];
-  const Tensor idx = wrapped_index(index, n, d, "index_select").contiguous();
+  const Tensor idx = wrapped_index(index, n, d, op, wraps).contiguous();
   Tensor src = x.contiguous();
   int64_t outer = 1, inner = 1;
   for (int k = 0; k < d; ++k) outer *= x.shape()[k];

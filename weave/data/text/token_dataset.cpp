@@ -55,37 +55,21 @@ std::vector<std::string> split_documents(const std::string& text, const std::str
 }
 
 TokenFileWriter::TokenFileWriter(std::string path, TokenFileOptions options)
-    : path_(std::move(path)), temp_(path_ + ".partial"), options_(options) {
+    : path_(std::move(path)), options_(options) {
   WEAVE_CHECK(options_.vocab_size > 0 && options_.vocab_size <= (int64_t(1) << 32), "TokenFile",
               "vocab_size {} must be in [1, 2^32]", options_.vocab_size);
   WEAVE_CHECK(options_.end_of_text < options_.vocab_size, "TokenFile",
               "end_of_text {} is outside the vocabulary of {}", options_.end_of_text,
               options_.vocab_size);
-  fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0) fail_io("create", temp_);
+  out_ = std::make_unique<AtomicFileWriter>(path_);
   const std::vector<unsigned char> zeros(kHeaderBytes, 0);  // the header, written by finish()
-  write(zeros.data(), zeros.size());
+  out_->write(zeros.data(), zeros.size());
 }
 
-TokenFileWriter::~TokenFileWriter() {
-  if (fd_ >= 0) {  // not finished: nothing is left behind
-    ::close(fd_);
-    ::unlink(temp_.c_str());
-  }
-}
-
-void TokenFileWriter::write(const void* bytes, size_t size) {
-  const auto* p = static_cast<const unsigned char*>(bytes);
-  while (size > 0) {
-    const ssize_t n = ::write(fd_, p, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail_io("write", temp_);
-    p += n, size -= size_t(n);
-  }
-}
+TokenFileWriter::~TokenFileWriter() = default;  // not finished: the temporary file goes
 
 void TokenFileWriter::append_document(std::span<const int32_t> tokens) {
-  WEAVE_CHECK(fd_ >= 0, "TokenFile", "{} is already finished", path_);
+  WEAVE_CHECK(out_ != nullptr, "TokenFile", "{} is already finished", path_);
   const bool wide = options_.vocab_size > 65536;
   buffer_.clear();
   const auto put = [&](int64_t token) {
@@ -99,11 +83,11 @@ void TokenFileWriter::append_document(std::span<const int32_t> tokens) {
   if (options_.end_of_text >= 0) put(options_.end_of_text);
   starts_.push_back(written_);
   written_ += buffer_.size() / (wide ? 4 : 2);
-  write(buffer_.data(), buffer_.size());
+  out_->write(buffer_.data(), buffer_.size());
 }
 
 void TokenFileWriter::finish() {
-  WEAVE_CHECK(fd_ >= 0, "TokenFile", "{} is already finished", path_);
+  WEAVE_CHECK(out_ != nullptr, "TokenFile", "{} is already finished", path_);
   Header header{};
   std::memcpy(header.magic, kMagic, sizeof kMagic);
   header.version = kVersion;
@@ -115,17 +99,13 @@ void TokenFileWriter::finish() {
   header.index_offset = index_offset(written_, header.token_bytes);
   const std::vector<unsigned char> padding(
       header.index_offset - (kHeaderBytes + written_ * header.token_bytes), 0);
-  write(padding.data(), padding.size());
+  out_->write(padding.data(), padding.size());
   std::vector<uint64_t> index = starts_;
   index.push_back(written_);
-  write(index.data(), index.size() * sizeof(uint64_t));
-  if (::pwrite(fd_, &header, sizeof header, 0) != ssize_t(sizeof header) || ::fsync(fd_) != 0)
-    fail_io("write", temp_);
-  ::close(fd_);
-  fd_ = -1;
-  std::error_code error;
-  std::filesystem::rename(temp_, path_, error);
-  WEAVE_CHECK(!error, "TokenFile", "cannot rename {} to {}: {}", temp_, path_, error.message());
+  out_->write(index.data(), index.size() * sizeof(uint64_t));
+  out_->write_at(&header, sizeof header, 0);
+  out_->commit();
+  out_.reset();
 }
 
 TokenizeStats write_token_file(const std::string& out, const std::vector<std::string>& files,
@@ -134,6 +114,12 @@ TokenizeStats write_token_file(const std::string& out, const std::vector<std::st
   WEAVE_CHECK(!options.end_of_text || end, "TokenFile",
               "the tokenizer has no end-of-text token to end each document with; hint: "
               "end_of_text = false");
+  for (const std::string& file : files) {  // the output would replace its own input
+    std::error_code ignored;
+    WEAVE_CHECK(!std::filesystem::equivalent(file, out, ignored), "TokenFile",
+                "the output {} is also an input ({}); hint: write the tokens to another file", out,
+                file);
+  }
   TokenFileWriter writer(
       out, {.vocab_size = tokenizer.vocab_size(), .end_of_text = options.end_of_text ? *end : -1});
   TokenizeStats stats;

@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "weave/data/files.h"
+
 namespace weave::data {
 
 /// The documents of a text: all of it, or with a separator, the runs of lines between lines
@@ -36,8 +38,10 @@ struct TokenFileOptions {
   int64_t end_of_text = -1;  // appended after each document (-1: nothing appended)
 };
 
-/// Writes a token file: documents stream to a temporary file beside `path`, renamed over it by
-/// finish() (so a killed writer leaves no half-written file at path).
+/// Writes a token file: documents stream to a fresh temporary file beside `path`
+/// (data::AtomicFileWriter: created exclusively, never through a link another user planted;
+/// each writer its own), renamed over it by finish(), so a killed writer leaves no half-written
+/// file at path and two writers of one path each leave a whole file.
 class TokenFileWriter {
  public:
   TokenFileWriter(std::string path, TokenFileOptions options);
@@ -52,11 +56,10 @@ class TokenFileWriter {
   int64_t documents() const { return int64_t(starts_.size()); }
 
  private:
-  void write(const void* bytes, size_t size);
-  std::string path_, temp_;
+  std::string path_;
   TokenFileOptions options_;
-  int fd_ = -1;
-  uint64_t written_ = 0;  // tokens
+  std::unique_ptr<AtomicFileWriter> out_;  // null once finished
+  uint64_t written_ = 0;                   // tokens
   std::vector<uint64_t> starts_;
   std::vector<unsigned char> buffer_;
 };

@@ -11,6 +11,7 @@
 #include <array>
 #include <filesystem>
 #include <queue>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 
@@ -84,12 +85,29 @@ uint64_t pair_key(int32_t left, int32_t right) {
 
 }  // namespace
 
+int32_t Tokenizer::Impl::id_from(const json& id, std::string_view token, const char* file) {
+  WEAVE_CHECK(id.is_number_integer(), "tokenizer", "{}: token '{}' has no integer id", file, token);
+  const bool fits = id.is_number_unsigned()
+                        ? id.get<uint64_t>() <= uint64_t(kMaxTokenId)
+                        : id.get<int64_t>() >= 0 && id.get<int64_t>() <= kMaxTokenId;
+  WEAVE_CHECK(fits, "tokenizer", "{} gives token '{}' the id {}, outside [0, {}]", file, token,
+              id.dump(), kMaxTokenId);
+  return id.get<int32_t>();
+}
+
 void Tokenizer::Impl::set_token(int32_t id, std::string bytes, const char* file) {
-  WEAVE_CHECK(id >= 0, "tokenizer", "{} gives token '{}' the negative id {}", file, bytes, id);
+  WEAVE_CHECK(id >= 0 && id <= kMaxTokenId, "tokenizer",
+              "{} gives token '{}' the id {}, outside "
+              "[0, {}]",
+              file, bytes, id, kMaxTokenId);
   if (size_t(id) >= token_bytes.size()) {
     token_bytes.resize(size_t(id) + 1);
     has_id.resize(size_t(id) + 1);
   }
+  // Two tokens under one id could not both decode: decode(encode(x)) would lose one.
+  WEAVE_CHECK(!has_id[size_t(id)] || token_bytes[size_t(id)] == bytes, "tokenizer",
+              "{} gives the id {} to two tokens, '{}' and '{}'", file, id,
+              bytes_to_alphabet(token_bytes[size_t(id)]), bytes_to_alphabet(bytes));
   token_bytes[size_t(id)] = std::move(bytes);
   has_id[size_t(id)] = true;
 }
@@ -98,11 +116,10 @@ void Tokenizer::Impl::add_vocab(const json& tokens, const char* file) {
   WEAVE_CHECK(tokens.is_object() && !tokens.empty(), "tokenizer",
               "{}: expected an object of token -> id, found {}", file, tokens.type_name());
   for (const auto& [token, id] : tokens.items()) {
-    WEAVE_CHECK(id.is_number_integer(), "tokenizer", "{}: token '{}' has no integer id", file,
-                token);
+    const int32_t number = id_from(id, token, file);
     std::string bytes = alphabet_to_bytes(token, file);
-    vocab.emplace(bytes, id.get<int32_t>());
-    set_token(id.get<int32_t>(), std::move(bytes), file);
+    vocab.emplace(bytes, number);
+    set_token(number, std::move(bytes), file);
   }
   for (int b = 0; b < 256; ++b) {
     const auto found = vocab.find(std::string(1, char(b)));
@@ -270,6 +287,10 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, const EncodeOption
 std::vector<std::vector<int32_t>> Tokenizer::encode_batch(const std::vector<std::string>& texts,
                                                           const EncodeOptions& options,
                                                           int threads) const {
+  constexpr int kMaxThreads = 1024;
+  WEAVE_CHECK(threads >= 0 && threads <= kMaxThreads, "tokenizer",
+              "threads must be in [0, {}] (0: the hardware's count), found {}; hint: one per core",
+              kMaxThreads, threads);
   std::vector<std::vector<int32_t>> out(texts.size());
   const size_t workers = std::min<size_t>(
       texts.size(),
@@ -285,7 +306,16 @@ std::vector<std::vector<int32_t>> Tokenizer::encode_batch(const std::vector<std:
     }
   };
   std::vector<std::thread> pool;
-  for (size_t w = 1; w < workers; ++w) pool.emplace_back(work, w);
+  try {
+    for (size_t w = 1; w < workers; ++w) pool.emplace_back(work, w);
+  } catch (const std::system_error& e) {
+    // The threads made so far must be joined before they are destroyed (else: terminate).
+    const size_t started = pool.size() + 1;
+    for (auto& t : pool) t.join();
+    WEAVE_FAIL("tokenizer",
+               "could not start encoding thread {} of {} ({}); hint: fewer threads (one per core)",
+               started + 1, workers, e.what());
+  }
   if (workers > 0) work(0);
   for (auto& t : pool) t.join();
   for (const auto& e : errors)

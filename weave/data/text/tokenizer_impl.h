@@ -52,6 +52,12 @@ struct Tokenizer::Impl {
   void encode_ordinary(std::string_view text, StringMap<std::vector<int32_t>>& cache,
                        std::vector<int32_t>& out) const;
   void set_token(int32_t id, std::string bytes, const char* file);
+  /// A token's id as a file gives it: an integer in [0, kMaxTokenId], else raises, naming the
+  /// file and the token.
+  static int32_t id_from(const nlohmann::json& id, std::string_view token, const char* file);
+  /// The largest id a tokenizer may hold: 2^24 - 1, 60 times the largest vocabularies shipped
+  /// (a larger one is a damaged file, whose table would take gigabytes).
+  static constexpr int64_t kMaxTokenId = (int64_t(1) << 24) - 1;
   /// A token's bytes in GPT-2's byte-to-character alphabet, as vocabulary files write them.
   static std::string bytes_to_alphabet(std::string_view bytes);
 };

@@ -94,7 +94,8 @@ void read_added_tokens(const json& added, Tokenizer::Impl& impl, const std::stri
       WEAVE_CHECK(!token.value(option, false), "tokenizer",
                   "{}: added token {} sets {}, which weave does not implement", path,
                   token.value("content", ""), option);
-    impl.add_token(token.at("content").get<std::string>(), token.at("id").get<int32_t>(),
+    const std::string content = token.at("content").get<std::string>();
+    impl.add_token(content, Tokenizer::Impl::id_from(token.at("id"), content, path.c_str()),
                    token.value("special", false));
   }
 }
@@ -116,7 +117,8 @@ void read_post_processor(const json& post, Tokenizer::Impl& impl, const std::str
     }
     const std::string name = piece.at("SpecialToken").at("id").get<std::string>();
     for (const json& id : post.at("special_tokens").at(name).at("ids"))
-      (after ? impl.suffix : impl.prefix).push_back(id.get<int32_t>());
+      (after ? impl.suffix : impl.prefix)
+          .push_back(Tokenizer::Impl::id_from(id, name, path.c_str()));
   }
 }
 
