@@ -88,18 +88,13 @@ TEST_SUITE("model_parallel") {
       CHECK(close(loss, whole_loss, 1e-12));
       loss.backward();
       const auto splits = parallel::tensor_splits(*mine);
-      const auto expected = whole->named_parameters();
-      size_t compared = 0;
-      for (const auto& [name, p] : mine->named_parameters()) {
-        const std::string label = name;  // a copy: CAPTURE's lambda cannot take a binding
-        CAPTURE(label);
-        const auto it = std::find_if(expected.begin(), expected.end(),
-                                     [&](const auto& e) { return e.first == label; });
-        REQUIRE(it != expected.end());
-        CHECK(close(p.grad(), expected_piece(it->second.grad(), label, splits, tp), 1e-12));
-        ++compared;
-      }
-      CHECK(compared == expected.size());
+      const auto compared = check_split_grads(
+          *mine, *whole,
+          [&](const std::string& name, const Tensor& want) {
+            return expected_piece(want, name, splits, tp);
+          },
+          1e-12);
+      CHECK(compared.size() == whole->named_parameters().size());
       // Gathered, every rank holds the whole model's logits.
       models::ModelSplit gathered = split;
       gathered.gather_logits = true;
