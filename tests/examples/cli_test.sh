@@ -13,8 +13,9 @@ expect_exit() {  # the exit status, what it must say, then the command
   out=$("$@" 2>&1)
   status=$?
   [ "$status" -eq "$want_status" ] || fail "'$*' exited $status, expected $want_status: $out"
-  printf '%s\n' "$out" | grep -qF -- "$want" || fail "'$*' did not say '$want': $out"
-  echo "ok: $* -> $(printf '%s\n' "$out" | grep -F -- "$want" | head -1)"
+  # Here-strings, not pipes: under pipefail, grep -q leaving early fails the writer (SIGPIPE).
+  grep -qF -- "$want" <<<"$out" || fail "'$*' did not say '$want': $out"
+  echo "ok: $* -> $(grep -m1 -F -- "$want" <<<"$out")"
 }
 expect_usage_error() { expect_exit 2 "$@"; }
 # Values the parser accepts but the run cannot: exit 1 with weave's error, not a crash.
@@ -32,5 +33,5 @@ expect_usage_error "--epochs" "$fashion" --epochs
 expect_run_error "--context 100000000 needs more text" "$gpt" --context 100000000 --steps 1
 expect_run_error "[set_num_threads] expected 1 to" "$gpt" --threads 100000 --steps 1
 help=$("$gpt" --help) || fail "--help exited $?"
-printf "%s\n" "$help" | grep -q -- "--steps INT:POSITIVE:INT in \[1 - 1000000000\]=600" || fail "--help lacks --steps: $help"
+grep -q -- "--steps INT:POSITIVE:INT in \[1 - 1000000000\]=600" <<<"$help" || fail "--help lacks --steps: $help"
 echo "PASS: command lines checked"
