@@ -27,6 +27,8 @@
 // and the roll call (with the flight recorder), at 4 ranks:
 //   weave_mpi_timeout late-rank            rank 2 sleeps before all_reduce #12: every waiting
 //                                          rank names it and its last call (#11)
+//   weave_mpi_timeout late-realign         ... rank 2 never reaches dist::realign: the others,
+//                                          inside it, say so (not "every rank is in this call")
 // and errors that main catches with its InitGuard alive, ended by dist::exit_with_error, which
 // prints each distinct message once for the job (error_report_test.sh, at 4 ranks):
 //   weave_mpi_timeout same-error           every rank raises one refusal
@@ -283,6 +285,13 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
     dist::all_reduce(t);
+    return 0;
+  }
+  if (mode == "late-realign") {  // rank 2 never reaches realign: the roll call names it
+    Tensor t = ones({4});
+    for (int i = 0; i < 12; ++i) dist::all_reduce(t);
+    if (dist::rank() == 2) std::this_thread::sleep_for(std::chrono::seconds(60));
+    dist::realign();
     return 0;
   }
   if (mode == "pipeline-throw") pipeline_with_a_failing_stage();

@@ -3,7 +3,7 @@
 # others wait in it (WEAVE_TIMEOUT_S=3). Within 4 s every waiting rank must report that rank 2
 # has not arrived and that it last issued all_reduce #11 (op and shape named); each rank's
 # flight recorder (WEAVE_FLIGHT_RECORDER=16) is written, and weave_trace_merge names the same
-# divergence.
+# divergence. Then rank 2 never reaches dist::realign: the others, inside it, name it.
 # usage: roll_call_test.sh TIMEOUT_PROGRAM TRACE_MERGE MPIRUN...
 set -uo pipefail
 program=$1 merge=$2
@@ -42,4 +42,13 @@ done
 cat "$work/merge.log"
 grep -q "first divergence: group \[0, 1, 2, 3\], call #12: ranks \[0, 1, 3\] issued all_reduce(float32 \[4\], sum) #12; rank 2 did not (its last: all_reduce(float32 \[4\], sum) #11" "$work/merge.log" ||
   fail "the merged flight recorder does not name the divergence"
+# A rank that never reaches dist::realign: realign's rounds carry no number, so the ranks
+# inside it must ask where the peer stands rather than count its calls.
+WEAVE_TIMEOUT_S=3 "$@" -np 4 "$program" late-realign > "$work/realign.log" 2>&1 &&
+  fail "the late-realign job succeeded"
+cat "$work/realign.log"
+for rank in 0 1 3; do
+  grep -q "rank $rank: realign #0 .*roll call: rank 2 has not reached realign: it last issued all_reduce(float32 \[4\], sum) #11 on this group, .*; ranks \[0, 1, 3\] are in this call" "$work/realign.log" ||
+    fail "rank $rank did not name rank 2 as outside realign"
+done
 echo "PASS: roll call and flight recorder"

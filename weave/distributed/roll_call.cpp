@@ -45,19 +45,31 @@ std::string seconds(int64_t ns) {
   return fmt::format("{:.1f} s", double(ns) * 1e-9);
 }
 
+// Whether the answering rank has issued the call `running` (numbered on the group).
+bool issued(const Answer& answer, const Fingerprint& running) {
+  // realign's rounds all carry number 0, so the count cannot tell: a peer inside realign has
+  // a round as its last call on the group (it issues the next one as soon as one fails).
+  if (static_cast<Op>(running.op) == Op::Realign)
+    return answer.last_age_ns >= 0 && answer.last.op == running.op;
+  return answer.issued > int64_t(running.sequence);
+}
+
 // What one peer's answer says, or "" when it waits in the call too.
 std::string verdict(int peer, const Answer* answer, const Fingerprint& running) {
   if (answer == nullptr)
     return fmt::format("rank {} did not answer (it died, or its process is stuck)", peer);
-  const bool numbered =
-      running.op != static_cast<int32_t>(Op::Send) && running.op != static_cast<int32_t>(Op::Recv);
-  if (numbered && answer->issued > int64_t(running.sequence)) return "";
+  const auto op = static_cast<Op>(running.op);
+  if (op != Op::Send && op != Op::Recv && issued(*answer, running)) return "";
   const std::string last = answer->last_age_ns < 0
                                ? "has issued nothing on this group"
                                : fmt::format("last issued {} on this group, {} ago",
                                              describe(answer->last), seconds(answer->last_age_ns));
-  return numbered ? fmt::format("rank {} has not arrived: it {}", peer, last)
-                  : fmt::format("rank {} {}", peer, last);
+  switch (op) {
+    case Op::Send:
+    case Op::Recv: return fmt::format("rank {} {}", peer, last);
+    case Op::Realign: return fmt::format("rank {} has not reached realign: it {}", peer, last);
+    default: return fmt::format("rank {} has not arrived: it {}", peer, last);
+  }
 }
 
 // Asks the group's other ranks, and waits up to a second for their answers (serving theirs).
@@ -112,7 +124,7 @@ void learn_of_the_timeout(int asker, const Question& question, const Answer& ans
   const Fingerprint& waited = question.waiting_in;
   const std::string story = fmt::format("rank {} timed out waiting in {}", asker, describe(waited));
   // A rank that waits in the call too writes its recorder as it times out (time_out).
-  if (answer.issued < 0 || answer.issued > int64_t(waited.sequence)) return;
+  if (answer.issued < 0 || issued(answer, waited)) return;
   dump_flight_recorder(story);
   report(fmt::format(
       "{}, which this rank has not issued (its last call on that group: {}); the "
