@@ -34,6 +34,11 @@
 //   weave_mpi_timeout same-error           every rank raises one refusal
 //   weave_mpi_timeout distinct-error       ... but rank 2 raises another
 //   weave_mpi_timeout one-rank-error       rank 1 alone raises; the others wait in a collective
+// and a skipped communicating backward, ended in seconds (WEAVE_TIMEOUT_S=60), at 2 and 3 ranks:
+//   weave_mpi_timeout ring-skip            rank 1 skips a ring attention's backward and runs
+//                                          the next forward: the others, in the ring's
+//                                          exchange, find it in a collective they cannot reach
+//   weave_mpi_timeout ring-skip-finalize   ... and leaves instead: the others learn it at once
 // and a checkpoint that must not be lost behind a zero exit:
 //   weave_mpi_timeout async-save-fails     rank 1's background write fails; the commit that
 //                                          finalize() runs fails on every rank: exit non-zero
@@ -224,6 +229,24 @@ int failed_async_save() {
 }
 
 // Every rank (or rank 1 alone) raises; main catches and ends the job with exit_with_error.
+// Rank 1 skips the backward of a step with ring attention; then it runs the next step's
+// forward (ring-skip) or leaves (ring-skip-finalize). Its peers wait in the ring's exchanges
+// from backward: both must end in seconds, not at WEAVE_TIMEOUT_S, naming rank 1.
+int ring_skip(const std::string& mode) {
+  dist::InitGuard guard;
+  Tensor w = ones({1, 2, 4, 8}).requires_grad_();
+  for (int step = 0; step < 2; ++step) {
+    const Tensor q = w * 1.0;
+    const Tensor loss = parallel::ring_attention(q, q, q, dist::world(), {.causal = true}).sum();
+    if (dist::rank() == 1 && step == 0) {
+      if (mode == "ring-skip-finalize") return 0;
+      continue;
+    }
+    loss.backward();
+  }
+  return 0;
+}
+
 int caught_error(const std::string& mode) {
   dist::InitGuard guard;
   try {
@@ -255,6 +278,7 @@ int main(int argc, char** argv) {
   if (mode == "ddp-unused") return train_with_fault({.skip_layer = true});
   if (mode.rfind("fsdp-", 0) == 0) return fsdp_fault(mode);
   if (mode == "async-save-fails") return failed_async_save();
+  if (mode == "ring-skip" || mode == "ring-skip-finalize") return ring_skip(mode);
   if (mode == "same-error" || mode == "distinct-error" || mode == "one-rank-error")
     return caught_error(mode);
   if (mode == "pipeline-options") {

@@ -36,6 +36,7 @@ std::string describe(const Fingerprint& f) {
     const auto op = static_cast<Op>(f.op);
     const char* peer = op == Op::Send ? "to" : op == Op::Recv ? "from" : "root";
     if (f.root >= 0) text += fmt::format(", {} {}", peer, f.root);
+    if (op == Op::Send && f.extra > 0) text += fmt::format(", from {}", f.extra - 1);
     if (f.wire == static_cast<int32_t>(DeviceType::CUDA)) text += ", via NCCL";
     text += ")";
   }

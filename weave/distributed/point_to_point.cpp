@@ -206,8 +206,10 @@ Work send_recv(const Tensor& to_send, int dst, const Tensor& to_receive, int src
   Tensor outgoing = staged(to_send), incoming = staging_for(to_receive);
   count_message(runtime().sent_to, g, dst);
   count_message(runtime().received_from, g, src);
+  Fingerprint print = fingerprint(c, 0, &to_send, dst, std::nullopt, false);
+  print.extra = src + 1;  // the watchdog's probe asks both partners (roll_call.cpp)
   return issue(
-      c, fingerprint(c, 0, &to_send, dst, std::nullopt, false), false,
+      c, print, false,
       [comm = g.route(outgoing), g = &g, outgoing, incoming, to_receive, dst, src, tag,
        guarded = p2p_guarded()] {
         if (guarded) exchange_checked(*g, comm, outgoing, dst, incoming, src, tag);

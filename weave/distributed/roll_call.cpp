@@ -2,7 +2,9 @@
 // control communicator (its threads answer while their ranks sleep or compute), what it last
 // issued there, and reports which ranks have not arrived and where each of them stands. A rank
 // asked about a group in whose call it waits too reports at once, so every waiting rank tells
-// its story before the job is torn down.
+// its story before the job is torn down. The same question, as a probe, finds a deadlock
+// sooner: a point-to-point call whose partner sits in a collective this rank cannot reach.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -15,17 +17,31 @@ namespace weave::dist::detail {
 
 namespace {
 
-// Sent as bytes between ranks of one build: the question (which group, and the call the asking
-// rank waits in) and the answer.
+// Why a rank asks: the watchdog's probe for a deadlock (nothing is wrong yet), or the job is
+// going down because its call timed out or can never complete.
+enum class Asking : int64_t { Probe, TimedOut, CannotComplete };
+
+// Sent as bytes between ranks of one build: the question (which group, the call the asking
+// rank waits in, and why it asks) and the answer.
 struct Question {
   int64_t group_id = -1;
   Fingerprint waiting_in;
+  Asking asking = Asking::TimedOut;
 };
+
+// This rank tears the job down (time_out): the questions its peers ask then teach it nothing.
+std::atomic<bool> tearing_down{false};
+// A peer asked because it found a call of a group that can never complete.
+std::atomic<bool> peer_found_deadlock{false};
 struct Answer {
   int64_t group_id = -1;
   int64_t issued = -1;       // calls numbered on the group so far (-1: not a member)
   int64_t last_age_ns = -1;  // since the last call was issued (-1: none)
   Fingerprint last;
+  int64_t running_since = 0;  // the call it runs on the group now (0: none), on its clock
+  int64_t running_age_ns = -1;
+  Fingerprint running;
+  int64_t sends_in_flight = 0;  // isends not yet seen complete
 };
 
 template <class T>
@@ -66,21 +82,24 @@ std::string verdict(int peer, const Answer* answer, const Fingerprint& running) 
                                              describe(answer->last), seconds(answer->last_age_ns));
   switch (op) {
     case Op::Send:
-    case Op::Recv: return fmt::format("rank {} {}", peer, last);
-    case Op::Realign: return fmt::format("rank {} has not reached realign: it {}", peer, last);
-    default: return fmt::format("rank {} has not arrived: it {}", peer, last);
+    case Op::Recv:
+      return fmt::format("rank {} {}", peer, last);
+    case Op::Realign:
+      return fmt::format("rank {} has not reached realign: it {}", peer, last);
+    default:
+      return fmt::format("rank {} has not arrived: it {}", peer, last);
   }
 }
 
-// Asks the group's other ranks, and waits up to a second for their answers (serving theirs).
-std::map<int, Answer> ask(const Group::Impl& g, const Fingerprint& running) {
-  const int me = runtime().rank;
-  const Question question{.group_id = g.id, .waiting_in = running};
-  for (int peer : g.ranks)
-    if (peer != me) mpi::send_control(peer, mpi::Control::RollCall, bytes_of(question));
+// Asks `peers` (world ranks) about group g, and waits up to a second for their answers
+// (serving theirs).
+std::map<int, Answer> ask(const Group::Impl& g, const Fingerprint& running,
+                          const std::vector<int>& peers, Asking asking) {
+  const Question question{.group_id = g.id, .waiting_in = running, .asking = asking};
+  for (int peer : peers) mpi::send_control(peer, mpi::Control::RollCall, bytes_of(question));
   std::map<int, Answer> answers;
   const int64_t deadline = now_ns() + 1000000000;
-  while (answers.size() + 1 < g.ranks.size() && now_ns() < deadline) {
+  while (answers.size() < peers.size() && now_ns() < deadline) {
     serve_roll_calls();
     while (auto message = mpi::poll_control(mpi::Control::RollAnswer)) {
       Answer answer;
@@ -93,9 +112,12 @@ std::map<int, Answer> ask(const Group::Impl& g, const Fingerprint& running) {
   return answers;
 }
 
-std::string roll_call(const Group::Impl& g, const Fingerprint& running) {
+std::string roll_call(const Group::Impl& g, const Fingerprint& running, Asking asking) {
   if (!runtime().uses_mpi || g.ranks.size() < 2) return "";
-  const std::map<int, Answer> answers = ask(g, running);
+  std::vector<int> others;
+  for (int peer : g.ranks)
+    if (peer != runtime().rank) others.push_back(peer);
+  const std::map<int, Answer> answers = ask(g, running, others, asking);
   std::vector<std::string> absent;
   std::vector<int> waiting = {runtime().rank};
   for (int peer : g.ranks) {
@@ -114,15 +136,64 @@ std::string roll_call(const Group::Impl& g, const Fingerprint& running) {
                      fmt::join(waiting, ", "));
 }
 
+// Where this rank stands on group g: the answer to a roll call.
+void describe_group(Group::Impl& g, Answer& answer) {
+  {
+    std::lock_guard lock(g.sends_mutex);
+    for (const Work& w : g.sends_in_flight) answer.sends_in_flight += w.is_completed() ? 0 : 1;
+  }
+  std::lock_guard lock(g.mutex);
+  answer.issued = static_cast<int64_t>(g.next_sequence.load());
+  answer.last = g.last_issued;
+  answer.last_age_ns = g.last_issued_ns == 0 ? -1 : now_ns() - g.last_issued_ns;
+  answer.running_since = g.running_since.load();
+  if (answer.running_since == 0) return;
+  answer.running = g.running;
+  answer.running_age_ns = now_ns() - answer.running_since;
+}
+
+// A partner seen inside a collective of the group that this rank has not issued, while this
+// rank waits for it in a point-to-point call: the next probe must find both unchanged.
+struct Suspicion {
+  int64_t probed_ns = 0;
+  int64_t my_call_since = 0;
+  int peer = -1;
+  int64_t peer_call_since = 0;
+  bool operator==(const Suspicion&) const = default;
+};
+
+std::string deadlock_story(const Group::Impl& g, const Fingerprint& mine, int peer,
+                           const Answer& theirs) {
+  const std::string hint =
+      mine.from_backward != 0
+          ? fmt::format(
+                "this rank issued its call from backward, so rank {}'s backward probably "
+                "skipped a communicating node (ring attention's, a pipeline stage's); "
+                "hint: call backward on every rank, also where the loss does not use "
+                "the output (a rank without a loss: autograd::backward({{}}))",
+                peer)
+          : std::string(
+                "hint: every rank must issue the group's collectives and point-to-point "
+                "calls in one order");
+  return fmt::format(
+      "{} on group [{}] can never complete: rank {}, which it waits for, waits in {} on this "
+      "group ({} so far), which this rank has not issued and can issue only after this call; {}",
+      describe(mine), fmt::join(g.ranks, ", "), peer, describe(theirs.running),
+      seconds(theirs.running_age_ns), hint);
+}
+
 }  // namespace
 
 // The first question tells this rank that the job is going down: it writes its flight recorder
 // and, when it has not issued the call the asking rank waits in, says so.
 void learn_of_the_timeout(int asker, const Question& question, const Answer& answer) {
   static std::atomic<bool> told{false};
-  if (told.exchange(true)) return;
+  if (tearing_down.load() || told.exchange(true)) return;
   const Fingerprint& waited = question.waiting_in;
-  const std::string story = fmt::format("rank {} timed out waiting in {}", asker, describe(waited));
+  const std::string story =
+      question.asking == Asking::CannotComplete
+          ? fmt::format("rank {} waits in {}, which can never complete", asker, describe(waited))
+          : fmt::format("rank {} timed out waiting in {}", asker, describe(waited));
   // A rank that waits in the call too writes its recorder as it times out (time_out).
   if (answer.issued < 0 || issued(answer, waited)) return;
   dump_flight_recorder(story);
@@ -143,20 +214,57 @@ std::vector<int64_t> serve_roll_calls() {
     std::memcpy(&question, request->second.data(), sizeof question);
     Answer answer;
     answer.group_id = question.group_id;
-    if (auto g = find_group(question.group_id)) {
-      std::lock_guard lock(g->mutex);
-      answer.issued = static_cast<int64_t>(g->next_sequence.load());
-      answer.last = g->last_issued;
-      answer.last_age_ns = g->last_issued_ns == 0 ? -1 : now_ns() - g->last_issued_ns;
-    }
+    if (auto g = find_group(question.group_id)) describe_group(*g, answer);
     mpi::send_control(request->first, mpi::Control::RollAnswer, bytes_of(answer));
+    if (question.asking == Asking::Probe) continue;  // nothing is wrong yet
+    if (question.asking == Asking::CannotComplete) peer_found_deadlock.store(true);
     learn_of_the_timeout(request->first, question, answer);
     asked.push_back(answer.group_id);
   }
   return asked;
 }
 
-void time_out(Group::Impl& g, bool asked_by_peer) {
+std::string find_deadlock(Group::Impl& g) {
+  static std::map<int64_t, Suspicion> suspicions;  // by group id; the watchdog's own
+  Fingerprint mine;
+  {
+    std::lock_guard lock(g.mutex);
+    mine = g.running;
+  }
+  const int64_t since = g.running_since.load();
+  const auto op = static_cast<Op>(mine.op);
+  const std::vector<int> peers = partners_of(g, mine);
+  Suspicion& seen = suspicions[g.id];
+  const int64_t now = now_ns();
+  if (!runtime().uses_mpi || since == 0 || (op != Op::Send && op != Op::Recv) || peers.empty() ||
+      now - since < kProbeAfterNs || now - seen.probed_ns < kProbeAfterNs)
+    return "";
+  const uint64_t issued_here = g.next_sequence.load();
+  for (const auto& [peer, theirs] : ask(g, mine, peers, Asking::Probe)) {
+    const auto op_there = static_cast<Op>(theirs.running.op);
+    if (theirs.running_since == 0 || op_there == Op::Send || op_there == Op::Recv ||
+        theirs.sends_in_flight != 0 || theirs.running.sequence < issued_here)
+      continue;
+    const Suspicion now_seen{seen.probed_ns, since, peer, theirs.running_since};
+    if (seen == now_seen) return deadlock_story(g, mine, peer, theirs);
+    seen = now_seen;  // once is not enough: a message may be on its way; look again
+    seen.probed_ns = now_ns();
+    return "";
+  }
+  seen = {.probed_ns = now_ns()};
+  return "";
+}
+
+std::vector<int> partners_of(const Group::Impl& g, const Fingerprint& call) {
+  std::vector<int> world;
+  for (int64_t peer : {int64_t(call.root), call.extra - 1})  // extra: send_recv's source + 1
+    if (peer >= 0 && peer < int64_t(g.ranks.size()) && g.ranks[size_t(peer)] != runtime().rank &&
+        std::find(world.begin(), world.end(), g.ranks[size_t(peer)]) == world.end())
+      world.push_back(g.ranks[size_t(peer)]);
+  return world;
+}
+
+void time_out(Group::Impl& g, bool asked_by_peer, const std::string& deadlock) {
   Fingerprint running;
   {
     std::lock_guard lock(g.mutex);
@@ -166,12 +274,21 @@ void time_out(Group::Impl& g, bool asked_by_peer) {
   const int64_t ran = now_ns() - g.running_since.load();
   const std::string what =
       fmt::format("{} on group [{}]", describe(running), fmt::join(g.ranks, ", "));
-  const std::string why =
-      asked_by_peer
-          ? fmt::format("{} has run for {}; a peer's wait in it passed WEAVE_TIMEOUT_S ({} s)",
-                        what, seconds(ran), r.timeout_s)
-          : fmt::format("{} did not complete within {} s (WEAVE_TIMEOUT_S)", what, r.timeout_s);
-  const std::string story = why + roll_call(g, running);
+  tearing_down.store(true);
+  const bool cannot_complete = !deadlock.empty() || (asked_by_peer && peer_found_deadlock.load());
+  std::string why = deadlock;
+  if (why.empty() && cannot_complete)
+    why = fmt::format(
+        "{} has run for {}; a peer found that a call of this group can never "
+        "complete (its report says which)",
+        what, seconds(ran));
+  else if (why.empty() && asked_by_peer)
+    why = fmt::format("{} has run for {}; a peer's wait in it passed WEAVE_TIMEOUT_S ({} s)", what,
+                      seconds(ran), r.timeout_s);
+  else if (why.empty())
+    why = fmt::format("{} did not complete within {} s (WEAVE_TIMEOUT_S)", what, r.timeout_s);
+  const std::string story =
+      why + roll_call(g, running, cannot_complete ? Asking::CannotComplete : Asking::TimedOut);
   dump_flight_recorder(story);
   report(story + "; tearing the job down");
   // The peers that time out a moment later still get their answers before the job goes.

@@ -175,7 +175,28 @@ std::vector<int64_t> leaving_notice(const std::vector<std::shared_ptr<Group::Imp
 struct Leaver {
   int rank;
   std::vector<int64_t> notice;
+  int64_t arrived_ns = 0;
 };
+
+// A point-to-point call whose partner left: the leaver completed its own sends and receives
+// before it said so, so a call still running a probe interval after the notice never will.
+void check_partner_left(const Leaver& leaver, Group::Impl& group, const Fingerprint& running) {
+  const std::vector<int> peers = partners_of(group, running);
+  if (std::find(peers.begin(), peers.end(), leaver.rank) == peers.end()) return;
+  if (now_ns() - std::max(leaver.arrived_ns, group.running_since.load()) < kProbeAfterNs) return;
+  const std::string ranks = fmt::format("[{}]", fmt::join(group.ranks, ", "));
+  const char* hint = running.from_backward ? kBackwardHint : kUnevenHint;
+  report(
+      fmt::format("rank {} called finalize() while this rank waits for it in {} on group {}; "
+                  "{}; tearing the job down",
+                  leaver.rank, describe(running), ranks, hint));
+  detail::mpi::report_waiting(
+      leaver.rank, fmt::format("rank {} waits for this rank in {} on group {}, which this rank "
+                               "left without its part; {}",
+                               runtime().rank, describe(running), ranks, hint));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // lets the leaver report too
+  detail::mpi::abort_job(1);
+}
 
 // When `leaver` left without ever issuing the collective `group` is running, that collective
 // can never complete: reports it here and to the leaver, and tears the job down.
@@ -187,7 +208,7 @@ void check_waits_for(const Leaver& leaver, Group::Impl& group) {
     running = group.running;
   }
   const auto op = static_cast<Op>(running.op);
-  if (op == Op::Send || op == Op::Recv) return;  // numbered per pair, not per group
+  if (op == Op::Send || op == Op::Recv) return check_partner_left(leaver, group, running);
   for (int64_t i = 0; i < leaver.notice[0]; ++i) {
     const int64_t* entry = &leaver.notice[1 + 3 * i];
     if (entry[0] != group.id) continue;
@@ -219,7 +240,7 @@ void watchdog_loop() {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     if (r.uses_mpi)
       while (auto notice = detail::mpi::poll_leaving()) {
-        leavers.push_back({notice->first, std::move(notice->second)});
+        leavers.push_back({notice->first, std::move(notice->second), now_ns()});
         r.leaving_polled.fetch_add(1);
       }
     // A peer that timed out asks what this rank last issued; if this rank waits in a call of
@@ -227,6 +248,7 @@ void watchdog_loop() {
     const std::vector<int64_t> asked = r.uses_mpi ? serve_roll_calls() : std::vector<int64_t>{};
     serve_error_reports();
     std::shared_ptr<Group::Impl> timed_out;
+    std::vector<std::shared_ptr<Group::Impl>> probed;  // a point-to-point call, waiting long
     bool by_peer = false;
     bool stalled = false;  // a call has run longer than a beat interval: no beat on its behalf
     {
@@ -237,6 +259,7 @@ void watchdog_loop() {
         int64_t since = group->running_since.load(std::memory_order_acquire);
         if (since == 0) continue;
         stalled = stalled || now_ns() - since >= r.heartbeat_ns;
+        if (now_ns() - since >= kProbeAfterNs) probed.push_back(group);
         for (const Leaver& leaver : leavers) check_waits_for(leaver, *group);
         by_peer = std::find(asked.begin(), asked.end(), group->id) != asked.end();
         if (now_ns() - since < limit && !by_peer) continue;
@@ -246,6 +269,9 @@ void watchdog_loop() {
       }
     }
     if (timed_out) time_out(*timed_out, by_peer);
+    for (const auto& group : probed)
+      if (const std::string story = find_deadlock(*group); !story.empty())
+        time_out(*group, false, story);
     if (r.keep_alive_scopes.load() > 0 && !stalled) heartbeat();
   }
 }

@@ -67,9 +67,20 @@ void serve_error_reports();
 /// Answers the roll calls other ranks' watchdogs sent this rank (roll_call.cpp); returns the ids
 /// of the groups they asked about.
 std::vector<int64_t> serve_roll_calls();
-/// A call of `g` timed out on this rank (or a peer timed out in it: `asked_by_peer`): holds the
-/// roll call, writes the flight recorder, reports, and tears the job down.
-[[noreturn]] void time_out(Group::Impl& g, bool asked_by_peer);
+/// A call of `g` timed out on this rank (or a peer timed out in it: `asked_by_peer`; or it can
+/// never complete: `deadlock`, find_deadlock's story): holds the roll call, writes the flight
+/// recorder, reports, and tears the job down.
+[[noreturn]] void time_out(Group::Impl& g, bool asked_by_peer, const std::string& deadlock = "");
+/// How long a point-to-point call runs before the watchdog probes its partners.
+inline constexpr int64_t kProbeAfterNs = 1000000000;
+/// When g's running point-to-point call has run kProbeAfterNs, asks its partners where they
+/// stand (once per kProbeAfterNs). A partner found twice in a row inside one collective of g
+/// that this rank has not issued (it can only run after this call), with no send of its own in
+/// flight, makes a cycle: returns its story ("" otherwise, and for calls of other kinds).
+std::string find_deadlock(Group::Impl& g);
+/// The partners (world ranks, not this one) of a point-to-point call, where its fingerprint
+/// names them: the peer and, for send_recv, the rank it receives from.
+std::vector<int> partners_of(const Group::Impl& g, const Fingerprint& call);
 /// Prints "[weave] rank r: <what>" on stderr.
 void report(const std::string& what);
 /// Prints "[weave] rank r: <why>; tearing the job down" on stderr and aborts the whole job.
