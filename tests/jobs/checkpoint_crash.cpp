@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -221,8 +222,9 @@ int async_crash(int kills) {
 // load one of the two models whole: a mix of the two, model files of two exports side by side,
 // or a load that raises is the failure.
 //   weave_checkpoint_crash hf [kills = 30]
-// Prints "hf kills=K whole=W raised=R mixed=M mid_export=E" (E: kills that left a staged
-// export behind, so landed while one was written).
+// Prints "hf kills=K whole=W raised=R mixed=M mid_export=E left=L" (E: kills that left a staged
+// export behind, so landed while one was written; L: staging folders still there after one more
+// export, which must sweep what the killed ones left).
 int hf_crash(int kills) {
   namespace fs = std::filesystem;
   const fs::path root = fs::temp_directory_path() / ("weave_hf_crash_" + std::to_string(getpid()));
@@ -252,17 +254,21 @@ int hf_crash(int kills) {
   int status = 0;
   waitpid(export_from(0, false), &status, 0);
   std::mt19937 rng(97531);
-  int whole = 0, raised = 0, mixed = 0, mid_export = 0;
+  int whole = 0, raised = 0, mixed = 0;
+  std::set<std::string> staged;  // every staging folder a kill left (the next export sweeps it)
+  const auto staged_now = [&] {
+    int found = 0;
+    for (const auto& entry : fs::directory_iterator(root))
+      if (entry.path().filename().string().starts_with(".model.staged-"))
+        ++found, staged.insert(entry.path().filename().string());
+    return found;
+  };
   for (int k = 0; k < kills; ++k) {
     const pid_t exporter = export_from(k + 1, true);
     std::this_thread::sleep_for(std::chrono::microseconds(rng() % 400000));
     kill(exporter, SIGKILL);
     waitpid(exporter, nullptr, 0);
-    for (const auto& entry : fs::directory_iterator(root))
-      if (entry.path().filename().string().starts_with(".model.staged-")) {
-        ++mid_export;  // killed while staging: the interesting case
-        fs::remove_all(entry.path());
-      }
+    staged_now();
     // 0: one model whole; 2: a mix; 1: the load raised.
     waitpid(in_child([&] {
               auto loaded = models::from_pretrained(dir);
@@ -284,10 +290,12 @@ int hf_crash(int kills) {
     whole += code == 0, raised += code == 1, mixed += code == 2;
     if (code == 2) std::printf("kill %d: the directory holds a mix of two exports\n", k);
   }
+  waitpid(export_from(0, false), &status, 0);
+  const int left = staged_now();
   fs::remove_all(root);
-  std::printf("hf kills=%d whole=%d raised=%d mixed=%d mid_export=%d\n", kills, whole, raised,
-              mixed, mid_export);
-  return whole == kills ? 0 : 1;
+  std::printf("hf kills=%d whole=%d raised=%d mixed=%d mid_export=%zu left=%d\n", kills, whole,
+              raised, mixed, staged.size(), left);
+  return whole == kills && left == 0 ? 0 : 1;
 }
 
 int main(int argc, char** argv) {

@@ -3,6 +3,7 @@
 // path, a link out of it, a FIFO) raise and a Hugging Face cache snapshot's links into its
 // blobs load; an export over an earlier one leaves only the new export's model files (both
 // orders of single-file and sharded, the other files kept, a dropped export changing nothing);
+// an export sweeps the staging folders killed exports left (not a live writer's, not a link);
 // a config that does not account for the weights, two exports' entry files side by side, and
 // non-finite weights raise, naming what.
 #include <sys/stat.h>
@@ -12,10 +13,12 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "helpers.h"
 #include "hf_helpers.h"
+#include "weave/data/staged_directory.h"
 
 using namespace weave;
 using namespace weave_test;
@@ -157,6 +160,30 @@ TEST_SUITE("hf_checkpoint") {
     CHECK(entries(dir.parent_path()) == std::set<std::string>{"model"});
     auto loaded = models::from_pretrained(dir.string());
     CHECK(same_weights(*loaded, *first));
+  }
+
+  TEST_CASE("an export sweeps what killed exports left beside the directory, not a live one's") {
+    const auto config = data::hf::read_config(reference_dir("gpt2"));
+    auto first = scaled_gpt2(1.0), second = scaled_gpt2(0.5);
+    const auto dir = scratch("sweep") / "model", parent = dir.parent_path();
+    data::hf::save_pretrained(*first, config, dir.string());
+    // A killed export's staging folder (no process holds it) and a link named like one.
+    fs::create_directories(parent / ".model.staged-00000000dead0001" / "sub");
+    std::ofstream(parent / ".model.staged-00000000dead0001" / "sub" / "part") << "partial";
+    const auto victim = scratch("sweep-victim");
+    fs::create_directories(victim);
+    std::ofstream(victim / "precious") << "kept";
+    fs::create_directory_symlink(victim, parent / ".model.staged-link");
+    // A writer alive in this process: its folder is locked, and stays.
+    std::optional<data::StagedDirectory> live;
+    live.emplace(dir.string(), [](const std::string&) { return false; });
+    const std::string live_name = fs::path(live->path()).filename();
+    data::hf::save_pretrained(*second, config, dir.string());
+    CHECK(entries(parent) == std::set<std::string>{"model", live_name, ".model.staged-link"});
+    CHECK(std::ifstream(victim / "precious").good());
+    CHECK(same_weights(*models::from_pretrained(dir.string()), *second));
+    live.reset();  // dropped without commit(): it removes its folder itself
+    CHECK(entries(parent) == std::set<std::string>{"model", ".model.staged-link"});
   }
 
   TEST_CASE("tensors the config does not account for, and two exports' entry files, raise") {

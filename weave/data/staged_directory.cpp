@@ -1,6 +1,7 @@
 #include "weave/data/staged_directory.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,6 +10,8 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <tuple>
+#include <utility>
 
 #include "weave/data/files.h"
 #include "weave/tensor/error.h"
@@ -63,6 +66,56 @@ bool exchange(const fs::path& a, const fs::path& b) {
   return false;
 }
 
+// An exclusive lock on a folder (flock: it ends with the process, however that ends), or -1
+// where the folder cannot be opened (gone, a link) or, without `wait`, another holds it.
+int lock_folder(const fs::path& folder, bool wait) {
+  const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return -1;
+  if (::flock(fd, LOCK_EX | (wait ? 0 : LOCK_NB)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The staging folders beside `target` that no live writer holds: what killed exports left (a
+// model's size each). Skipped while the target is absent: a swap killed between its two renames
+// (file systems without RENAME_EXCHANGE) leaves the only copies there.
+void sweep_abandoned(const fs::path& target) {
+  std::error_code error;
+  if (!fs::is_directory(target, error)) return;
+  const std::string prefix = fmt::format(".{}.staged-", target.filename().string());
+  for (const auto& entry : fs::directory_iterator(target.parent_path(), error)) {
+    if (!entry.path().filename().string().starts_with(prefix) ||
+        entry.symlink_status(error).type() != fs::file_type::directory)
+      continue;
+    const int fd = lock_folder(entry.path(), false);
+    if (fd < 0) continue;  // a live writer's
+    fs::remove_all(entry.path(), error);
+    ::close(fd);
+  }
+}
+
+// Makes a fresh staging folder beside `target` and locks it (a sweep removes only unlocked
+// ones: one that took it between the two steps makes this try another name).
+std::pair<std::string, int> make_staging(const fs::path& target) {
+  std::random_device entropy;
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    const fs::path staging =
+        target.parent_path() /
+        fmt::format(".{}.staged-{:08x}{:08x}", target.filename().string(), entropy(), entropy());
+    if (::mkdir(staging.c_str(), 0755) != 0) {
+      if (errno != EEXIST) fail_io("create the staging folder", staging.string());
+      continue;
+    }
+    const int fd = lock_folder(staging, false);
+    struct stat info {};
+    if (fd >= 0 && ::fstat(fd, &info) == 0 && info.st_nlink > 0) return {staging.string(), fd};
+    if (fd >= 0) ::close(fd);
+  }
+  WEAVE_FAIL(kStaged, "no free staging folder name beside {}", target.string());
+}
+
 }  // namespace
 
 StagedDirectory::StagedDirectory(const std::string& dir,
@@ -75,24 +128,22 @@ StagedDirectory::StagedDirectory(const std::string& dir,
   fs::create_directories(target.parent_path(), error);
   WEAVE_CHECK(!error, kStaged, "cannot create {}: {}", target.parent_path().string(),
               error.message());
-  std::random_device entropy;
-  for (int attempt = 0; attempt < 16 && staging_.empty(); ++attempt) {
-    const fs::path staging =
-        target.parent_path() /
-        fmt::format(".{}.staged-{:08x}{:08x}", target.filename().string(), entropy(), entropy());
-    if (::mkdir(staging.c_str(), 0755) == 0)
-      staging_ = staging.string();
-    else if (errno != EEXIST)
-      fail_io("create the staging folder", staging.string());
-  }
-  WEAVE_CHECK(!staging_.empty(), kStaged, "no free staging folder name beside {}", target.string());
+  sweep_abandoned(target);
+  std::tie(staging_, lock_) = make_staging(target);
   target_ = target.string();
 }
 
 StagedDirectory::~StagedDirectory() {
-  if (committed_ || staging_.empty()) return;
-  std::error_code ignored;
-  fs::remove_all(staging_, ignored);
+  if (!committed_ && !staging_.empty()) {
+    std::error_code ignored;
+    fs::remove_all(staging_, ignored);
+  }
+  release_locks();
+}
+
+void StagedDirectory::release_locks() {
+  for (int* fd : {&lock_, &target_lock_})
+    if (*fd >= 0) ::close(std::exchange(*fd, -1));
 }
 
 // The old version's entries that are not being replaced, into the staging folder: hard links
@@ -120,6 +171,9 @@ void StagedDirectory::commit() {
   const fs::path target(target_), staging(staging_);
   std::error_code error;
   const bool existed = fs::exists(target, error);
+  // The version being replaced is locked too, so that no sweep takes it from its staging name
+  // while entries others added are moved out of it (another commit waits here).
+  if (existed) target_lock_ = lock_folder(target, true);
   if (existed) carry_entries();
   sync_tree(staging);
   fs::path old;
@@ -134,7 +188,7 @@ void StagedDirectory::commit() {
   }
   committed_ = true;
   sync_folder(target.parent_path());
-  if (old.empty()) return;
+  if (old.empty()) return release_locks();
   // Entries another process added to the old version while this one was staged stay.
   for (const auto& entry : fs::directory_iterator(old)) {
     const std::string name = entry.path().filename().string();
@@ -144,6 +198,7 @@ void StagedDirectory::commit() {
     fs::rename(entry.path(), target / name, error);
   }
   fs::remove_all(old, error);
+  release_locks();
 }
 
 }  // namespace weave::data

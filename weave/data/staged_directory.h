@@ -11,7 +11,8 @@
 // same file system, so the swap is a rename (Linux's RENAME_EXCHANGE: the path never misses; a
 // file system without it gets two renames, between which the path is briefly absent). Dropped
 // without commit(), the staging folder is removed and the directory is untouched; a killed
-// process leaves the staging folder behind (hidden) and the directory as it was.
+// process leaves the staging folder behind (hidden) and the directory as it was, and the next
+// StagedDirectory of that directory removes it (a live writer's, which it holds locked, stays).
 #include <functional>
 #include <string>
 
@@ -39,7 +40,10 @@ class StagedDirectory {
 
  private:
   void carry_entries();
+  void release_locks();
   std::string target_, staging_;
+  int lock_ = -1;         // flock on the staging folder while this writes it
+  int target_lock_ = -1;  // ... and on the version it replaces, during commit()
   std::function<bool(const std::string&)> replaced_;
   bool committed_ = false;
 };
