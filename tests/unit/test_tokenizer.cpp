@@ -344,4 +344,17 @@ TEST_SUITE("tokenizer") {
                          doctest::Contains("threads must be in [0, 1024]"), Error);
     std::filesystem::remove_all(dir);
   }
+
+  TEST_CASE("a FIFO or a device under a tokenizer's file name raises instead of waiting") {
+    const auto dir = temp_dir() / "fifo-tokenizer";
+    std::filesystem::create_directories(dir);
+    REQUIRE(::mkfifo((dir / "tokenizer.json").c_str(), 0600) == 0);  // no writer ever opens it
+    CHECK_THROWS_WITH_AS(data::Tokenizer::from_directory(dir.string()),
+                         doctest::Contains("tokenizer.json is not a regular file"), Error);
+    CHECK_THROWS_WITH_AS(data::read_file("/dev/zero"), doctest::Contains("not a regular file"),
+                         Error);
+    CHECK_THROWS_WITH_AS(data::read_file(dir.string()), doctest::Contains("not a regular file"),
+                         Error);
+    std::filesystem::remove_all(dir);
+  }
 }

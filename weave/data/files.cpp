@@ -118,9 +118,19 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
 }
 
 std::string read_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
+  // Not blocking in open: a FIFO planted under a file's name would wait for a writer forever.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) fail_io("open", path);
+  struct stat info {};
+  if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
+    ::close(fd);
+    WEAVE_FAIL("read_file",
+               "{} is not a regular file (a folder, a FIFO or a device, which may never end); "
+               "hint: name the file itself",
+               path);
+  }
   std::string bytes;
+  bytes.reserve(size_t(info.st_size));
   char buffer[1 << 16];
   for (;;) {
     const ssize_t n = ::read(fd, buffer, sizeof buffer);

@@ -44,7 +44,8 @@ class AtomicFileWriter {
   int fd_ = -1;
   uint64_t size_ = 0;
 };
-/// The whole file; raises naming path if it cannot be read.
+/// The whole file; raises naming path if it cannot be read or is no regular file (a FIFO
+/// would wait for a writer, a device might never end).
 std::string read_file(const std::string& path);
 
 /// The regular files of a folder in name order (links, and names ending in one of
