@@ -28,11 +28,6 @@ struct Question {
   Fingerprint waiting_in;
   Asking asking = Asking::TimedOut;
 };
-
-// This rank tears the job down (time_out): the questions its peers ask then teach it nothing.
-std::atomic<bool> tearing_down{false};
-// A peer asked because it found a call of a group that can never complete.
-std::atomic<bool> peer_found_deadlock{false};
 struct Answer {
   int64_t group_id = -1;
   int64_t issued = -1;       // calls numbered on the group so far (-1: not a member)
@@ -43,6 +38,11 @@ struct Answer {
   Fingerprint running;
   int64_t sends_in_flight = 0;  // isends not yet seen complete
 };
+
+// This rank tears the job down (time_out): the questions its peers ask then teach it nothing.
+std::atomic<bool> tearing_down{false};
+// A peer asked because it found a call of a group that can never complete.
+std::atomic<bool> peer_found_deadlock{false};
 
 template <class T>
 std::string bytes_of(const T& value) {
