@@ -355,6 +355,12 @@ TEST_SUITE("nn") {
       gpt2.positions->weight.fill_(std::nan(""));
     }
     CHECK_THROWS_WITH_AS(nn::generate(gpt2, from_vector<int64_t>({1, 2}, {1, 2}), two),
-                         doctest::Contains("logits for new token 0 hold NaN"), Error);
+                         doctest::Contains("the logits of row 0 hold NaN (first at token 0)"),
+                         Error);
+    CHECK_THROWS_WITH_AS(
+        nn::sample_tokens(from_vector<float>({0, 1, 2, std::nanf("")}, {2, 2}), {}, {0.5, 0.5}),
+        doctest::Contains("row 1 hold NaN (first at token 1)"), Error);
+    CHECK(nn::sample_tokens(from_vector<float>({0, -INFINITY, 2, 1}, {2, 2}), {}, {0.5, 0.5})
+              .to_vector<int64_t>() == std::vector<int64_t>{0, 0});  // -inf bans, it is no NaN
   }
 }

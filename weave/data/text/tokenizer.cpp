@@ -97,9 +97,7 @@ int32_t Tokenizer::Impl::id_from(const json& id, std::string_view token, const c
 
 void Tokenizer::Impl::set_token(int32_t id, std::string bytes, const char* file) {
   WEAVE_CHECK(id >= 0 && id <= kMaxTokenId, "tokenizer",
-              "{} gives token '{}' the id {}, outside "
-              "[0, {}]",
-              file, bytes, id, kMaxTokenId);
+              "{} gives token '{}' the id {}, outside [0, {}]", file, bytes, id, kMaxTokenId);
   if (size_t(id) >= token_bytes.size()) {
     token_bytes.resize(size_t(id) + 1);
     has_id.resize(size_t(id) + 1);
