@@ -181,7 +181,7 @@ void Run::build() {
   for (const auto& [name, p] : model_->named_parameters()) pieces.add_(double(p.numel()));
   dist::all_reduce(pieces, dist::ReduceOp::Sum);
   parameters_ = int64_t(pieces.item<double>() / double(mesh_.shape().data * mesh_.shape().context));
-  if (!fully_sharded) nn::materialize(*model_);
+  if (!fully_sharded) parallel::materialize(*model_);  // its seed agreed over the cut groups
   const dist::Group& replicas = mesh_.data_and_context();
   if (fully_sharded)
     wrapper_ = std::make_unique<parallel::FullyShardedDataParallel>(

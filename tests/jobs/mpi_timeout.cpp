@@ -291,6 +291,22 @@ int main(int argc, char** argv) {
     return 0;
   }
   dist::InitGuard guard;
+  if (mode == "uncaught") WEAVE_FAIL("train", "rank {} failed on purpose, uncaught", dist::rank());
+  if (mode == "deferred-draw") {  // FSDP draws a deferred model: long, silent, and alive
+    const int64_t width = argc > 2 ? std::atoll(argv[2]) : 2048;
+    const int64_t layers = argc > 3 ? std::atoll(argv[3]) : 8;
+    auto model = std::make_shared<nn::Sequential>();
+    {
+      nn::DeferredInit deferred(1);
+      for (int64_t i = 0; i < layers; ++i)
+        model->push_back(std::make_shared<nn::Linear>(width, width));
+    }
+    const auto start = std::chrono::steady_clock::now();
+    parallel::FullyShardedDataParallel fsdp(*model);
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    std::printf("deferred-draw: %.2f s\n", took.count());
+    return 0;
+  }
   if (mode == "slow-peer") {
     if (dist::rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(500));
     dist::barrier();

@@ -3,6 +3,7 @@
 // train as float32 does, within bfloat16's rounding.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "fsdp_helpers.h"
@@ -85,5 +86,36 @@ TEST_SUITE("fsdp") {
     CHECK_THROWS_WITH_AS(FullyShardedDataParallel(*model, {.offload_to_cpu = true}),
                          doctest::Contains("offload_to_cpu moves the shards of CUDA parameters"),
                          Error);
+  }
+
+  TEST_CASE("float16 averages whose sum overflows float16 come out finite (divided first)") {
+    // 40000 on every rank: the mean fits float16 (largest 65504), the sum of 3 or 4 does not.
+    const int n = dist::world_size();
+    auto near = [](const Tensor& t) {
+      const Tensor error = abs(t.to(kFloat64) - 40000.0);
+      return all_finite(t) && max(error).item<double>() <= 40000.0 / 256;  // float16's rounding
+    };
+    Tensor averaged = full({6}, 40000.0, {.dtype = kFloat16});
+    dist::all_reduce(averaged, dist::ReduceOp::Avg);
+    CHECK(near(averaged));
+    Tensor shard = empty({2}, {.dtype = kFloat16});
+    const Tensor whole = full({2 * n}, 40000.0, {.dtype = kFloat16});
+    dist::reduce_scatter(shard, whole, dist::ReduceOp::Avg);
+    CHECK(near(shard));
+    CHECK(equal(whole, full({2 * n}, 40000.0, {.dtype = kFloat16})));  // the input is left alone
+    Tensor reduced = full({3}, 40000.0, {.dtype = kFloat16});
+    dist::reduce(reduced, dist::ReduceOp::Avg, 0);
+    CHECK(near(reduced));  // the root's mean; the others' tensors as they were
+    // FSDP reducing float16 gradients: each rank's gradient is 40000 per element.
+    auto model = std::make_shared<nn::Linear>(4, 1, /*bias=*/false);
+    {
+      NoGradGuard no_grad;
+      model->weight.fill_(1e-3);  // the forward stays small; the weight's gradient is x
+    }
+    FullyShardedDataParallel fsdp(*model, {.param_dtype = kFloat16, .reduce_dtype = kFloat16});
+    sum(fsdp(full({1, 4}, 40000.0))).backward();
+    const Tensor grad = fsdp.parameters()[0].grad();  // this rank's part of the 4 (then padding)
+    const int64_t real = std::clamp<int64_t>(4 - dist::rank() * grad.numel(), 0, grad.numel());
+    if (real > 0) CHECK(near(grad.narrow(0, 0, real)));
   }
 }

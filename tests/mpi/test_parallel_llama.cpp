@@ -262,6 +262,42 @@ TEST_SUITE("context_parallel") {
     CHECK_FALSE(equal(after.narrow(1, t - 1, 1), before.narrow(1, t - 1, 1)));
   }
 
+  TEST_CASE("a part cut in another layout, or by hand with nothing that tells, raises everywhere") {
+    const int n = dist::world_size();
+    if (n < 2) return;
+    const parallel::ProcessMesh mesh({.context = n});
+    const dist::Group& cp = mesh.context();
+    const int64_t vocab = 16, t = 8 * n, chunk = t / (2 * n), r = cp.rank();
+    manual_seed(91);
+    models::Llama model(
+        {.vocab = vocab, .dim = 16, .layers = 1, .block = {.heads = 4, .hidden = 32}},
+        {.tensor = mesh.tensor(), .gather_logits = true, .context_group = cp});  // zig-zag
+    model.to(kFloat64);
+    NoGradGuard no_grad;
+    Generator g(93);
+    const Tensor tokens = randint(0, vocab, {2, t}, {.dtype = kInt64}, &g);
+    const Tensor contiguous =
+        parallel::shard_sequence(tokens, 1, cp, parallel::SequenceLayout::Contiguous);
+    CHECK_THROWS_WITH_AS(model(contiguous), doctest::Contains("but its input is part"), Error);
+    // Cut by hand in the model's layout (chunks r and 2n - 1 - r): no record, so only the
+    // whole sequence's positions of the part can tell.
+    auto by_hand = [&](const Tensor& whole, int64_t axis) {
+      return cat({whole.narrow(axis, r * chunk, chunk),
+                  whole.narrow(axis, (2 * n - 1 - r) * chunk, chunk)},
+                 axis);
+    };
+    const Tensor part = by_hand(tokens, 1);
+    CHECK_THROWS_WITH_AS(model(part), doctest::Contains("carries no record"), Error);
+    const Tensor positions = by_hand(arange(double(t), {.dtype = kInt64}), 0);
+    CHECK(equal(model(nn::Inputs(part, positions, Tensor())),
+                model(parallel::shard_sequence(tokens, 1, cp))));
+    // Positions that run as the other layout places them raise on every rank (the last rank's
+    // two chunks are adjacent either way: it learns from the others).
+    const Tensor run =
+        arange(double(r * 2 * chunk), double((r + 1) * 2 * chunk), 1, {.dtype = kInt64});
+    CHECK_THROWS_AS(model(nn::Inputs(part, run, Tensor())), Error);
+  }
+
   TEST_CASE("a data-parallel wrapper that leaves out the context ranks raises on every rank") {
     // Each context rank reads its part of every sequence: only an average over data x context
     // adds up the parts of the gradient (over data alone the context replicas drift apart).

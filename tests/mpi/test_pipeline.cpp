@@ -222,6 +222,89 @@ TEST_SUITE("pipeline") {
     }
   }
 
+  TEST_CASE("GPT-2 tied in stages under DDP (PP 2 x DP 2) gives one process's gradients") {
+    // The tie is recorded without a group until the pipeline knows its own: the DDP built over
+    // the data group before the pipeline takes the tied embedding as a replica.
+    if (dist::world_size() != 4) return;
+    const parallel::ProcessMesh mesh({.data = 2, .pipeline = 2});
+    const dist::Group alone = dist::split_group(dist::world(), {{0}, {1}, {2}, {3}});
+    const models::GPT2Options options{
+        .vocab = 16, .dim = 16, .layers = 2, .heads = 2, .max_positions = 8};
+    manual_seed(12);
+    models::GPT2 whole(options, {.tensor = alone});
+    whole.to(kFloat64);
+    models::GPT2 stage(options, {.tensor = alone, .stage = mesh.pipeline_rank(), .stages = 2});
+    stage.to(kFloat64);
+    nn::NamedTensors state;
+    const auto mine = stage.named_parameters();
+    for (const auto& entry : whole.state_dict())
+      if (std::any_of(mine.begin(), mine.end(),
+                      [&](const auto& p) { return p.first == entry.first; }))
+        state.push_back(entry);
+    stage.load_state_dict(state);
+    parallel::DistributedDataParallel ddp(stage, {.group = mesh.data()});
+    parallel::Pipeline pipe(ddp, {.microbatches = 2, .group = mesh.pipeline()});
+    auto loss_of = [&](const Tensor& logits, const Tensor& targets) {
+      return cross_entropy(logits.reshape({-1, options.vocab}), targets.reshape({-1}));
+    };
+    Generator g(6);
+    const Tensor tokens = randint(0, options.vocab, {8, 8}, {.dtype = kInt64}, &g);
+    const Tensor targets = randint(0, options.vocab, {8, 8}, {.dtype = kInt64}, &g);
+    const int64_t d = mesh.data_rank();  // this data rank's half of the batch
+    pipe.train_step(tokens.narrow(0, 4 * d, 4), targets.narrow(0, 4 * d, 4), loss_of);
+    loss_of(whole(tokens), targets).backward();
+    const auto expected = whole.named_parameters();
+    for (const auto& [name, p] : stage.named_parameters()) {
+      const std::string label = name;
+      CAPTURE(label);
+      const auto it = std::find_if(expected.begin(), expected.end(),
+                                   [&](const auto& e) { return e.first == label; });
+      REQUIRE(it != expected.end());
+      CHECK(close(p.grad(), it->second.grad(), 1e-10));  // tokens.weight on both ends
+    }
+  }
+
+  TEST_CASE(
+      "NaN in one micro-batch of the last stage: every rank of every stage raises, then trains") {
+    // check_finite stages: the last stage's wrapper finds NaN in its averaged gradients before
+    // it sends the first stage its gradient; the schedule goes on, and every rank raises.
+    const int n = dist::world_size();
+    if (n != 2 && n != 4) return;
+    const parallel::ProcessMesh mesh({.data = n / 2, .pipeline = 2});
+    for (const bool sharded : {false, true}) {
+      CAPTURE(sharded);
+      auto model = pipeline_model(8);
+      auto stage = parallel::pipeline_stage(*model, mesh.pipeline_rank(), 2);
+      std::unique_ptr<parallel::DataParallelWrapper> wrapper;
+      if (sharded)
+        wrapper = std::make_unique<parallel::FullyShardedDataParallel>(
+            *stage, parallel::FSDPOptions{.group = mesh.data(), .check_finite = true});
+      else
+        wrapper = std::make_unique<parallel::DistributedDataParallel>(
+            *stage, parallel::DDPOptions{.group = mesh.data(), .check_finite = true});
+      parallel::Pipeline pipe(*wrapper, {.microbatches = 2, .group = mesh.pipeline()});
+      optim::SGD sgd(wrapper->trained_parameters(), {.lr = 0.1});
+      int micro = 0;
+      bool poison = true;
+      auto loss = [&](const Tensor& out, const Tensor& target) {
+        const Tensor l = mse(out, target);
+        return poison && micro++ % 2 == 1 ? l * std::nan("") : l;  // micro-batch 1 of 2
+      };
+      const Tensor x = shared_randn({8, 5}, 31), y = shared_randn({8, 3}, 32);
+      CHECK_THROWS_WITH_AS(pipe.train_step(x, y, loss), doctest::Contains("NaN or infinity"),
+                           Error);
+      CHECK_FALSE(wrapper->gradients_finite());
+      sgd.zero_grad();  // skip the step, as the error says; the next one trains
+      poison = false;
+      const Tensor mean = pipe.train_step(x, y, loss);
+      CHECK(wrapper->gradients_finite());
+      if (pipe.is_last()) CHECK(std::isfinite(mean.item<double>()));
+      for (const Tensor& p : wrapper->trained_parameters())
+        if (p.grad().defined()) CHECK(all_finite(p.grad()));
+      sgd.step();
+    }
+  }
+
   TEST_CASE("interleaved virtual stages give one process's gradients") {
     const int p = dist::world_size(), me = dist::rank(), v = 2;
     if (p < 2) return;

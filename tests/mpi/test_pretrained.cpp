@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <filesystem>
+#include <functional>
 
 #include "pretrained_helpers.h"
 #include "weave/weave.h"
@@ -27,6 +28,20 @@ std::pair<Tensor, Tensor> reference_logits(const std::string& dir) {
   for (const auto& [name, t] : data::load_safetensors(dir + "/logits.safetensors").tensors)
     (name == "tokens" ? tokens : logits) = t;
   return {tokens, logits};
+}
+
+// The reference Llama checkpoint in one file at dir, each tensor as `change` returns it.
+void single_file_llama(const std::string& dir,
+                       const std::function<Tensor(const std::string&, const Tensor&)>& change) {
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  nn::NamedTensors tensors;
+  for (const auto& entry : std::filesystem::directory_iterator(kData + "llama"))
+    if (entry.path().filename().string().starts_with("model-"))
+      for (auto& [name, t] : data::load_safetensors(entry.path().string()).tensors)
+        tensors.emplace_back(name, change(name, t));
+  data::save_safetensors(dir + "/model.safetensors", tensors);
+  std::filesystem::copy_file(kData + "llama/config.json", dir + "/config.json");
 }
 
 uint64_t checkpoint_bytes(const std::string& dir) {
@@ -119,18 +134,10 @@ TEST_SUITE("pretrained") {
     // ranks whose shard of block 1 reaches its last member read it.
     const std::string dir =
         (std::filesystem::temp_directory_path() / "weave_pretrained_bad").string();
-    if (dist::rank() == 0) {
-      std::filesystem::remove_all(dir);
-      std::filesystem::create_directories(dir);
-      nn::NamedTensors tensors;
-      for (const auto& entry : std::filesystem::directory_iterator(kData + "llama"))
-        if (entry.path().filename().string().starts_with("model-"))
-          for (auto& [name, t] : data::load_safetensors(entry.path().string()).tensors)
-            tensors.emplace_back(name,
-                                 name == "model.layers.1.mlp.down_proj.weight" ? t.to(kInt32) : t);
-      data::save_safetensors(dir + "/model.safetensors", tensors);
-      std::filesystem::copy_file(kData + "llama/config.json", dir + "/config.json");
-    }
+    if (dist::rank() == 0)
+      single_file_llama(dir, [](const std::string& name, const Tensor& t) {
+        return name == "model.layers.1.mlp.down_proj.weight" ? t.to(kInt32) : t;
+      });
     dist::barrier();
     const auto config = data::hf::read_config(dir);
     Generator generator(3);
@@ -140,6 +147,36 @@ TEST_SUITE("pretrained") {
     CHECK_THROWS_AS(parallel::load_pretrained(fsdp.sharded_module(), config, dir), Error);
     dist::barrier();
     if (dist::rank() == 0) std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("a rank that loads another checkpoint of the same shapes raises on every rank") {
+    if (dist::world_size() < 2) return;
+    const auto temp = std::filesystem::temp_directory_path();
+    const std::string same = (temp / "weave_pretrained_same").string(),
+                      copy = (temp / "weave_pretrained_copy").string(),
+                      other = (temp / "weave_pretrained_other").string();
+    if (dist::rank() == 0)  // the other checkpoint's final norm doubled
+      for (const std::string& dir : {same, copy, other})
+        single_file_llama(dir, [&](const std::string& name, const Tensor& t) {
+          return dir == other && name == "model.norm.weight" ? t * 2 : t;
+        });
+    dist::barrier();
+    const auto config = data::hf::read_config(same);
+    const std::string mine = dist::rank() == 1 ? other : same;
+    auto split = split_model(config, dist::world(), {});
+    CHECK_THROWS_WITH_AS(parallel::load_pretrained(*split, config, mine),
+                         doctest::Contains("disagree on the checkpoint files"), Error);
+    Generator generator(3);
+    auto model = models::make_model(config, {}, &generator);
+    parallel::FullyShardedDataParallel fsdp(*model,
+                                            {.units = block_units(config), .group = dist::world()});
+    CHECK_THROWS_WITH_AS(parallel::load_pretrained(fsdp.sharded_module(), config, mine),
+                         doctest::Contains("disagree on the checkpoint files"), Error);
+    // The same checkpoint at two paths (a copy on each host) loads.
+    parallel::load_pretrained(*split, config, dist::rank() == 1 ? copy : same);
+    dist::barrier();
+    if (dist::rank() == 0)
+      for (const std::string& dir : {same, copy, other}) std::filesystem::remove_all(dir);
   }
 
   TEST_CASE("a vocabulary that does not divide among the ranks is padded, with PyTorch's logits") {

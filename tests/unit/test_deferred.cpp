@@ -2,7 +2,10 @@
 // published answers, parameters without memory, and slices drawn alone equal to the whole.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <optional>
 
 #include "weave/weave.h"
 
@@ -71,7 +74,8 @@ TEST_SUITE("deferred") {
       FAIL("a deferred model ran");
     } catch (const Error& e) {
       CHECK(std::string(e.what()).find("nn::DeferredInit") != std::string::npos);
-      CHECK(std::string(e.what()).find("Embedding.weight") != std::string::npos);
+      // named as the model names it, not by the layer's class ("Embedding.weight")
+      CHECK(std::string(e.what()).find("'embedding.weight'") != std::string::npos);
     }
     nn::materialize(*model);
     CHECK_FALSE(nn::has_deferred(*model));
@@ -140,5 +144,47 @@ TEST_SUITE("deferred") {
            doubles = empty({60}, {.dtype = kFloat64});
     nn::draw_deferred(wide, "w", 0, doubles);
     CHECK(bit_equal(doubles.to(kFloat32), all));
+  }
+
+  TEST_CASE("init's distributions refuse what has none, eager and deferred") {
+    const double nan = std::nan("");
+    Tensor t = empty({3});
+    for (int deferred = 0; deferred < 2; ++deferred) {
+      CAPTURE(deferred);
+      std::optional<nn::DeferredInit> scope;
+      if (deferred) scope.emplace(3);
+      CHECK_THROWS_WITH_AS(nn::init::normal_parameter({3}, 0, -1),
+                           doctest::Contains("a finite std >= 0"), Error);
+      CHECK_THROWS_AS(nn::init::normal_parameter({3}, 0, nan), Error);
+      CHECK_THROWS_AS(nn::init::normal_parameter({3}, nan, 1), Error);
+      CHECK_THROWS_WITH_AS(nn::init::uniform_parameter({3}, 1, 0), doctest::Contains("low <= high"),
+                           Error);
+      CHECK_THROWS_AS(nn::init::uniform_parameter({3}, 0, std::numeric_limits<double>::infinity()),
+                      Error);
+      Tensor p = nn::init::normal_parameter({3}, 0, 1);
+      CHECK_THROWS_AS(nn::init::normal_(p, 0, -0.5), Error);
+      CHECK_THROWS_AS(nn::init::uniform_(p, 2, -2), Error);
+      nn::init::uniform_(p, -2, 2);  // an empty range is a constant: allowed
+      nn::init::uniform_(p, 1, 1);
+      nn::init::normal_(p, 0, 0);
+    }
+    nn::init::normal_(t, 0, 0);
+    CHECK(sum(abs(t)).item<double>() == 0);
+  }
+
+  TEST_CASE("a parameter remembers the seed it was drawn with, until values are loaded") {
+    std::shared_ptr<models::Llama> model;
+    {
+      nn::DeferredInit deferred(41);
+      model = std::make_shared<models::Llama>(tiny_llama());
+    }
+    for (const auto& [name, p] : model->named_parameters()) CHECK(nn::init_seed(p) == 41u);
+    nn::materialize(*model);
+    model->to(kFloat64);
+    for (const auto& [name, p] : model->named_parameters()) CHECK(nn::init_seed(p) == 41u);
+    model->load_state_dict(model->state_dict());  // the values are a load's now
+    for (const auto& [name, p] : model->named_parameters()) CHECK_FALSE(nn::init_seed(p));
+    models::Llama eager(tiny_llama());
+    for (const auto& [name, p] : eager.named_parameters()) CHECK_FALSE(nn::init_seed(p));
   }
 }

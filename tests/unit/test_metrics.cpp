@@ -6,10 +6,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 
 #include "helpers.h"
+#include "weave/data/files.h"
 #include "weave/data/tensorboard.h"
 
 using namespace weave;
@@ -117,5 +119,49 @@ TEST_SUITE("data") {
     CHECK(scalars.at("train/mfu").second == doctest::Approx(throughput * 6e6 / 1e12));
     std::filesystem::remove_all(dir);
     CHECK(data::transformer_flops_per_token(1000, 2, 8, 16) == 6000 + 12 * 2 * 16 * 8);
+  }
+
+  TEST_CASE("two TensorBoard writers on one directory in one second write two files") {
+    const auto dir =
+        std::filesystem::temp_directory_path() / ("weave_boards_" + std::to_string(::getpid()));
+    std::filesystem::remove_all(dir);
+    {
+      data::TensorBoardWriter first(dir.string()), second(dir.string());
+      CHECK(first.path() != second.path());
+      first.add_scalar("a", 1.0, 1);
+      second.add_scalar("b", 2.0, 1);
+    }
+    int files = 0;
+    for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(dir)) ++files;
+    CHECK(files == 2);
+    std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("MFU's inputs must be finite sizes") {
+    for (const double peak :
+         {std::numeric_limits<double>::infinity(), -1.0, std::numeric_limits<double>::quiet_NaN()})
+      CHECK_THROWS_WITH_AS(data::MetricsLogger({.progress = false, .peak_flops = peak}),
+                           doctest::Contains("peak_flops must be a finite number"), Error);
+    CHECK_THROWS_WITH_AS(data::MetricsLogger({.progress = false, .flops_per_token = -6e6}),
+                         doctest::Contains("flops_per_token must be a finite number"), Error);
+    CHECK_THROWS_WITH_AS(data::transformer_flops_per_token(-1, 2, 8, 16),
+                         doctest::Contains("expected sizes >= 0"), Error);
+    CHECK_THROWS_AS(data::transformer_flops_per_token(1000, 2, 8, -16), Error);
+  }
+
+  TEST_CASE("AtomicFileWriter::write_at overwrites what was written, and nothing past it") {
+    const auto path = std::filesystem::temp_directory_path() /
+                      ("weave_write_at_" + std::to_string(::getpid()) + ".bin");
+    data::AtomicFileWriter out(path.string());
+    out.write("abcdef", 6);
+    out.write_at("XY", 2, 4);
+    CHECK_THROWS_WITH_AS(out.write_at("XY", 2, 5), doctest::Contains("reaches past the 6 bytes"),
+                         Error);
+    CHECK_THROWS_AS(out.write_at("X", 1, uint64_t(-1)), Error);  // an offset that wraps
+    out.commit();
+    std::ifstream in(path, std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    CHECK(text == "abcdXY");
+    std::filesystem::remove(path);
   }
 }

@@ -76,6 +76,14 @@ void AtomicFileWriter::fail(const char* what) {
 }
 
 void AtomicFileWriter::write_at(const void* data, uint64_t size, uint64_t offset) {
+  WEAVE_CHECK(offset <= size_ && size <= size_ - offset, "files",
+              "{}: write_at overwrites bytes written earlier, but [{}, {}) reaches past the {} "
+              "bytes written so far; hint: append with write()",
+              path_, offset, offset + size, size_);
+  put(data, size, offset);
+}
+
+void AtomicFileWriter::put(const void* data, uint64_t size, uint64_t offset) {
   WEAVE_CHECK(fd_ >= 0, "files", "{}: written after it was committed or failed", path_);
   const auto* bytes = static_cast<const char*>(data);
   while (size > 0) {
@@ -89,7 +97,7 @@ void AtomicFileWriter::write_at(const void* data, uint64_t size, uint64_t offset
 }
 
 void AtomicFileWriter::write(const void* data, uint64_t size) {
-  write_at(data, size, size_);
+  put(data, size, size_);
   size_ += size;
 }
 

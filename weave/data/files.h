@@ -31,7 +31,7 @@ class AtomicFileWriter {
 
   /// Appends `size` bytes.
   void write(const void* data, uint64_t size);
-  /// Overwrites bytes [offset, offset + size) written earlier.
+  /// Overwrites bytes [offset, offset + size) written earlier (raises past size()).
   void write_at(const void* data, uint64_t size, uint64_t offset);
   /// Bytes appended so far.
   uint64_t size() const { return size_; }
@@ -40,6 +40,7 @@ class AtomicFileWriter {
 
  private:
   [[noreturn]] void fail(const char* what);
+  void put(const void* data, uint64_t size, uint64_t offset);
   std::string path_, temp_;
   int fd_ = -1;
   uint64_t size_ = 0;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <utility>
@@ -83,12 +84,20 @@ std::string shown(const char* name, const std::optional<double>& value, const ch
 
 double transformer_flops_per_token(int64_t parameters, int64_t layers, int64_t dim,
                                    int64_t context) {
+  WEAVE_CHECK(parameters >= 0 && layers >= 0 && dim >= 0 && context >= 0,
+              "transformer_flops_per_token",
+              "expected sizes >= 0, found parameters {}, layers {}, dim {}, context {}", parameters,
+              layers, dim, context);
   return 6.0 * double(parameters) + 12.0 * double(layers) * double(context) * double(dim);
 }
 
 MetricsLogger::MetricsLogger(MetricsOptions options)
     : options_(std::move(options)), start_(std::chrono::steady_clock::now()), last_(start_) {
   if (!options_.enabled) return;
+  for (const auto& [name, value] : {std::pair{"flops_per_token", options_.flops_per_token},
+                                    std::pair{"peak_flops", options_.peak_flops}})
+    WEAVE_CHECK(std::isfinite(value) && value >= 0, "MetricsLogger",
+                "{} must be a finite number >= 0 (0: no MFU), found {}", name, value);
   terminal_ = options_.progress && ::isatty(STDERR_FILENO) == 1;
   if (!options_.tensorboard_dir.empty())
     board_ = std::make_unique<TensorBoardWriter>(options_.tensorboard_dir);

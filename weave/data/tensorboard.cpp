@@ -97,8 +97,15 @@ TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
   std::filesystem::create_directories(dir, error);
   char host[256] = "localhost";
   ::gethostname(host, sizeof host - 1);
-  path_ = fmt::format("{}/events.out.tfevents.{}.{}.{}", dir, int64_t(now_s()), host, ::getpid());
-  file_ = std::fopen(path_.c_str(), "wbx");  // a new file: never another run's
+  const std::string base =
+      fmt::format("{}/events.out.tfevents.{}.{}.{}", dir, int64_t(now_s()), host, ::getpid());
+  // A new file, never another writer's: a second writer on the directory in the same second
+  // takes the next free suffix (TensorBoard's own writers count the same way).
+  for (int suffix = 0; suffix < 1000; ++suffix) {
+    path_ = suffix == 0 ? base : fmt::format("{}.{}", base, suffix);
+    file_ = std::fopen(path_.c_str(), "wbx");
+    if (file_ != nullptr || errno != EEXIST) break;
+  }
   WEAVE_CHECK(file_ != nullptr, "TensorBoardWriter", "cannot create {}: {}", path_,
               std::strerror(errno));
   write_event(detail::version_event(now_s()));

@@ -102,14 +102,34 @@ Fingerprint fingerprint(const Call& c, uint64_t sequence, const Tensor* shape_of
 
 namespace {
 
+// float16 holds nothing past 65504, so a sum overflows where the mean it ends in would fit (four
+// ranks' 40000): its mean is summed from each rank's share, value / size, as ncclAvg does, and
+// no partial sum then exceeds the largest input. Wider dtypes keep the sum, then the scaling.
+bool divides_first(DType dtype) {
+  return dtype == kFloat16;
+}
+
+// `in` / size into `out` (it may be `in`).
+void scale_into(const Tensor& in, const Tensor& out, int size) {
+  Tensor scalar = empty({}, {.dtype = in.dtype(), .device = in.device()});
+  kernels::fill(scalar, 1.0 / size);
+  kernels::binary(kernels::BinaryOp::Mul, in,
+                  make_view(scalar, in.shape(), Dims::filled(in.dim(), 0), 0), out);
+}
+
+// A copy of `in` divided by size: the input a divides_first reduction sends (the caller's tensor
+// stays as it was).
+Tensor divided_copy(const Tensor& in, int size) {
+  Tensor out = empty(in.shape(), {.dtype = in.dtype(), .device = in.device()});
+  scale_into(in, out, size);
+  return out;
+}
+
 // Avg's final step: the sum times 1/size (NCCL's ncclAvg does the same; a multiply runs at
 // memory speed where a divide is bound by the divider). Exact when size is a power of two,
 // else within one rounding of sum / size.
 void scale_to_mean(const Tensor& t, int size) {
-  Tensor scalar = empty({}, {.dtype = t.dtype(), .device = t.device()});
-  kernels::fill(scalar, 1.0 / size);
-  kernels::binary(kernels::BinaryOp::Mul, t,
-                  make_view(scalar, t.shape(), Dims::filled(t.dim(), 0), 0), t);
+  scale_into(t, t, size);
 }
 
 // An Avg all_reduce of a large buffer runs in chunks, each scaled right after its sum while
@@ -123,6 +143,11 @@ void all_reduce_avg(Communicator* comm, const Tensor& in, const Tensor& out) {
     return;
   }
   if (comm->all_reduce_mean(in.data_ptr(), out.data_ptr(), in.numel(), in.dtype())) return;
+  if (divides_first(in.dtype())) {
+    scale_into(in, out, comm->size());
+    comm->all_reduce(out.data_ptr(), out.data_ptr(), out.numel(), out.dtype(), ReduceOp::Sum);
+    return;
+  }
   const int64_t total = in.numel(), item = int64_t(in.itemsize());
   const int64_t chunk = std::max<int64_t>(1, kAvgChunkBytes / item);
   if (total <= chunk) {
@@ -221,11 +246,13 @@ Work reduce(const Tensor& tensor, ReduceOp op, int root, const Group& group, boo
   return issue_on(
       c, fingerprint(c, 0, &tensor, root, op, false), async_op,
       [comm = g.route(buffer), g = &g, root, op](const Tensor& buffer, const Tensor& tensor) {
-        comm->reduce(buffer.data_ptr(), buffer.data_ptr(), buffer.numel(), buffer.dtype(),
-                     wire_op(op), root);
+        const bool first = op == ReduceOp::Avg && divides_first(buffer.dtype());
+        const Tensor sent = first ? divided_copy(buffer, comm->size()) : buffer;
+        comm->reduce(sent.data_ptr(), sent.data_ptr(), sent.numel(), sent.dtype(), wire_op(op),
+                     root);
         if (g->my_rank != root) return;
-        if (op == ReduceOp::Avg) scale_to_mean(buffer, comm->size());
-        land(buffer, tensor);
+        if (op == ReduceOp::Avg && !first) scale_to_mean(sent, comm->size());
+        land(sent, tensor);
       },
       buffer, tensor);
 }
@@ -290,8 +317,10 @@ Work reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, cons
   return issue_on(
       c, fingerprint(c, 0, &input, -1, op, false), async_op,
       [comm = g.route(in), op](const Tensor& in, const Tensor& out, const Tensor& output) {
-        comm->reduce_scatter(in.data_ptr(), out.data_ptr(), out.numel(), in.dtype(), wire_op(op));
-        if (op == ReduceOp::Avg) scale_to_mean(out, comm->size());
+        const bool first = op == ReduceOp::Avg && divides_first(in.dtype());
+        const Tensor sent = first ? divided_copy(in, comm->size()) : in;
+        comm->reduce_scatter(sent.data_ptr(), out.data_ptr(), out.numel(), in.dtype(), wire_op(op));
+        if (op == ReduceOp::Avg && !first) scale_to_mean(out, comm->size());
         land(out, output);
       },
       in, out, output);

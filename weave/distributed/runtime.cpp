@@ -291,6 +291,14 @@ void terminate_with_report() {
     }
   }
   abort_if_peers_wait(what);
+  // No peer waits (a world of one): the same report as a multi-rank job's, and status 1 rather
+  // than the C++ runtime's "terminate called ..." and SIGABRT, which read as a crash.
+  if (runtime().up) {
+    std::fprintf(stderr, "[weave] rank %d: %s\n", runtime().rank, what.c_str());
+    std::fflush(stderr);
+    dump_flight_recorder(what);
+    std::_Exit(EXIT_FAILURE);
+  }
   if (previous_terminate) previous_terminate();
   std::abort();
 }

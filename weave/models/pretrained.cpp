@@ -17,6 +17,7 @@ std::shared_ptr<nn::CausalLM> make_model(const data::hf::ModelConfig& config,
 std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir, const ModelSplit& split,
                                               const std::optional<dist::Group>& group,
                                               const data::hf::LoadOptions& options) {
+  const dist::KeepAlive alive;  // the reads may outlast weave-run's --hang-timeout
   const data::hf::ModelConfig config = data::hf::read_config(dir);
   std::shared_ptr<nn::CausalLM> model;
   {  // without memory: the load allocates each parameter as it reads it (nothing drawn)

@@ -123,6 +123,12 @@ bool is_deferred(const Tensor& t) {
   return t.defined() && t.storage()->deferred_values() != nullptr;
 }
 
+std::optional<uint64_t> init_seed(const Tensor& t) {
+  if (is_deferred(t)) return t.storage()->deferred_values()->seed;
+  if (!t.defined() || !t.impl()->autograd) return std::nullopt;
+  return t.impl()->autograd->drawn_with_seed;
+}
+
 bool has_deferred(const Module& module) {
   for (const auto& [name, p] : module.named_parameters())
     if (is_deferred(p)) return true;
@@ -171,6 +177,7 @@ void draw_deferred(const Tensor& t, const std::string& name, int64_t first, cons
       "draw_deferred", "expected a contiguous range of {}'s {} elements, found [{}, {})", name,
       t.numel(), first, first + out.numel());
   draw_range(v, whole_map(t), stream_key(v.seed, name), first, out);
+  t.impl()->meta().drawn_with_seed = v.seed;
 }
 
 void materialize(Module& module) {
@@ -190,10 +197,12 @@ void materialize(Module& module) {
     p.storage()->clear_deferred();
     p.storage()->allocate_again();
     draw_range(*values, map, stream_key(values->seed, name), 0, p.detach().reshape({p.numel()}));
+    p.impl()->meta().drawn_with_seed = values->seed;
   }
 }
 
 void materialize_for_overwrite(const Tensor& t) {
+  if (t.defined() && t.impl()->autograd) t.impl()->meta().drawn_with_seed.reset();
   if (!is_deferred(t)) return;
   t.storage()->clear_deferred();
   t.storage()->allocate_again();
@@ -226,6 +235,7 @@ Tensor deferred_to(const Tensor& t, DType dtype, Device device) {
 namespace init {
 
 Tensor uniform_parameter(const Shape& shape, double low, double high, Generator* generator) {
+  check_uniform_range(low, high);
   if (current_seed) return fresh_deferred(shape, DeferredValues::Kind::Uniform, low, high);
   Tensor t = empty(shape);
   uniform_(t, low, high, generator);
@@ -233,6 +243,7 @@ Tensor uniform_parameter(const Shape& shape, double low, double high, Generator*
 }
 
 Tensor normal_parameter(const Shape& shape, double mean, double std, Generator* generator) {
+  check_normal_spread(mean, std);
   if (current_seed) return fresh_deferred(shape, DeferredValues::Kind::Normal, mean, std);
   Tensor t = empty(shape);
   normal_(t, mean, std, generator);

@@ -54,9 +54,15 @@ bool has_deferred(const Module& module);
 /// same seed.
 void materialize(Module& module);
 
-/// Allocates deferred `t`'s memory, zeroed, without drawing it: for values about to be written
-/// over it (load_state_dict, load_pretrained). Nothing for a tensor that is not deferred.
+/// Readies `t` for values about to be written over it (load_state_dict, load_pretrained): a
+/// deferred one's memory is allocated, zeroed, without drawing it, and any tensor forgets the
+/// seed it was drawn with (init_seed: its values are the file's now).
 void materialize_for_overwrite(const Tensor& t);
+
+/// The DeferredInit seed `t`'s values are (deferred) or were (materialized, drawn into shards)
+/// drawn with; none for values drawn eagerly or loaded. What the ranks building one model
+/// agree on (parallel::materialize, the data-parallel wrappers, pipelines).
+std::optional<uint64_t> init_seed(const Tensor& t);
 
 /// Writes elements [first, first + out.numel()) of deferred `t` (row-major) into `out` (one
 /// dimension, contiguous, any dtype and device), drawn for the parameter named `name`: what

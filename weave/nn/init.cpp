@@ -25,9 +25,22 @@ double gain(const std::string& nonlinearity, double slope) {
              nonlinearity);
 }
 
+void check_uniform_range(double low, double high) {
+  WEAVE_CHECK(std::isfinite(low) && std::isfinite(high) && low <= high, "init.uniform_",
+              "expected a finite range with low <= high, found [{}, {}); hint: uniform_(t, -b, b) "
+              "with b >= 0",
+              low, high);
+}
+
+void check_normal_spread(double mean, double std) {
+  WEAVE_CHECK(std::isfinite(mean) && std::isfinite(std) && std >= 0, "init.normal_",
+              "expected a finite mean and a finite std >= 0, found mean {} and std {}", mean, std);
+}
+
 // A deferred parameter takes the recipe instead of values: it is drawn by name when
 // materialized (deferred.h), so `generator` does not apply to it.
 void uniform_(Tensor& t, double low, double high, Generator* generator) {
+  check_uniform_range(low, high);
   if (set_deferred_recipe(t, DeferredValues::Kind::Uniform, low, high)) return;
   NoGradGuard no_grad;
   Tensor u = rand(t.shape(), {.dtype = is_floating(t.dtype()) ? t.dtype() : kFloat64}, generator);
@@ -35,6 +48,7 @@ void uniform_(Tensor& t, double low, double high, Generator* generator) {
 }
 
 void normal_(Tensor& t, double mean, double std, Generator* generator) {
+  check_normal_spread(mean, std);
   if (set_deferred_recipe(t, DeferredValues::Kind::Normal, mean, std)) return;
   NoGradGuard no_grad;
   Tensor n = randn(t.shape(), {.dtype = is_floating(t.dtype()) ? t.dtype() : kFloat64}, generator);

@@ -12,8 +12,13 @@ std::pair<int64_t, int64_t> fans(const Tensor& weight);
 /// "sigmoid".
 double gain(const std::string& nonlinearity, double slope = 0.01);
 
+/// U(low, high): low <= high, both finite (raises otherwise, eager or deferred).
 void uniform_(Tensor& t, double low, double high, Generator* generator = nullptr);
+/// N(mean, std): std >= 0, both finite (raises otherwise, eager or deferred).
 void normal_(Tensor& t, double mean, double std, Generator* generator = nullptr);
+/// The checks uniform_ and normal_ (and the deferred recipes) make of their arguments.
+void check_uniform_range(double low, double high);
+void check_normal_spread(double mean, double std);
 void zeros_(Tensor& t);
 void ones_(Tensor& t);
 /// He et al.: U(-b, b), b = gain * sqrt(3 / fan).

@@ -89,6 +89,12 @@ Tensor& Module::register_parameter(const std::string& name, Tensor value, bool r
   return *parameters_.back().second;
 }
 
+void Module::name_deferred_parameters(const std::string& child_name, const Module& child) {
+  for (const auto& [name, p] : child.named_parameters())
+    if (is_deferred(p))
+      p.storage()->deferred_values()->registered_as = member_prefix("", child_name) + name;
+}
+
 Tensor& Module::register_buffer(const std::string& name, Tensor value) {
   check_new_name(name);
   buffers_.emplace_back(name, std::make_unique<Tensor>(value.defined() ? value.detach() : value));
@@ -227,9 +233,11 @@ void Module::for_each_tensor(Fn&& fn, std::map<const void*, std::pair<Tensor, Te
       const bool grad = leaf && t.requires_grad();
       const AutogradMeta* meta = t.impl()->autograd.get();
       const std::shared_ptr<const PlacementRecord> placement = meta ? meta->placement : nullptr;
+      const std::optional<uint64_t> seed = meta ? meta->drawn_with_seed : std::nullopt;
       t = moved.detach();
       if (grad) t.requires_grad_(true);
       if (placement) t.impl()->meta().placement = placement;
+      if (seed) t.impl()->meta().drawn_with_seed = seed;
     }
     done.emplace(original.impl(), std::make_pair(original, t));  // keeps the key's tensor alive
   };

@@ -122,6 +122,7 @@ class Module {
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
     check_new_name(name);
     children_.emplace_back(name, module);
+    name_deferred_parameters(name, *module);
     return module;
   }
   /// Registers the one child of a wrapper without a name: its parameters and buffers keep
@@ -130,6 +131,9 @@ class Module {
 
  private:
   void check_new_name(const std::string& name) const;
+  // A deferred parameter's errors name it as its outermost module so far does ("blocks.0.norm
+  // .weight", not "RMSNorm.weight"): each registration under a parent renames the child's.
+  static void name_deferred_parameters(const std::string& child_name, const Module& child);
   template <class Fn>
   void for_each_tensor(Fn&& fn, std::map<const void*, std::pair<Tensor, Tensor>>& done);
 

@@ -4,6 +4,7 @@
 // does not include it, and user code goes through Tensor's methods.
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +22,14 @@ struct PlacementRecord {
   virtual bool spread() const = 0;
   /// Where it lives and how to treat it, for an error message: "split along axis 0 over group
   /// [0, 1]; hint: ...".
+  virtual std::string describe() const = 0;
+};
+
+/// Base of what parallel/ records on data cut from a whole (a sequence part:
+/// parallel::shard_sequence), so that whoever consumes it can check it was cut as it expects.
+struct CutRecord {
+  virtual ~CutRecord() = default;
+  /// "part 1 of a sequence cut zig-zag over group [0, 1] along axis 1".
   virtual std::string describe() const = 0;
 };
 
@@ -44,6 +53,12 @@ struct AutogradMeta {
   /// unit runs): the wrapper's name and how to reach what to step instead. An optimizer or a
   /// pipeline given the parameter itself raises with it. Empty: nobody.
   std::string managed_by;
+  /// The nn::DeferredInit seed a parameter's values were drawn with (nn::materialize, or a
+  /// fully sharded wrapper's draw of its shards); unset for values drawn eagerly or loaded.
+  /// The ranks that hold pieces or copies of one model agree on it. Module::to carries it over.
+  std::optional<uint64_t> drawn_with_seed;
+  /// Set on data cut from a whole by what cut it; views and copies do not carry it.
+  std::shared_ptr<const CutRecord> cut;
 };
 
 struct TensorImpl {

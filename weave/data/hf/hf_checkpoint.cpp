@@ -11,10 +11,12 @@
 #include <set>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/data/files.h"
 #include "weave/data/hf/hf_architecture.h"
 #include "weave/data/hf/hf_mapping.h"
 #include "weave/data/safetensors.h"
 #include "weave/nn/deferred.h"
+#include "weave/tensor/checksum.h"
 
 namespace weave::data::hf {
 namespace detail {
@@ -162,6 +164,32 @@ class Checkpoint {
                 "LoadOptions{{.allow_unused = true}} to pass over them",
                 dir_, unused.size(), some_of(unused));
     return unused;
+  }
+
+  // What tells this checkpoint from another of the same shapes, cheaply: per file its name,
+  // size, and a CRC-32 of its header and of kSamples blocks spread over its data (a few hundred
+  // KB read, whatever the model's size).
+  std::string fingerprint() {
+    constexpr uint64_t kSamples = 32, kBlock = 4096;
+    std::string out;
+    for (const auto& [file, path] : path_of_) {
+      const SafetensorsHeader& h = header(file);
+      const uint64_t size = fs::file_size(path), data = size - h.data_start;
+      ReadOnlyFile in(path);
+      std::string bytes(size_t(h.data_start), '\0');
+      read_exactly_at(in.fd, bytes.data(), h.data_start, 0, path);
+      const uint32_t head = checksum_bytes(bytes.data(), bytes.size());
+      uint32_t sampled = 0;
+      for (uint64_t k = 0; k < (data > kBlock ? kSamples : data > 0 ? 1 : 0); ++k) {
+        const uint64_t at =
+            h.data_start + (data > kBlock ? (data - kBlock) * k / (kSamples - 1) : 0);
+        bytes.resize(size_t(std::min(kBlock, data)));
+        read_exactly_at(in.fd, bytes.data(), bytes.size(), at, path);
+        sampled ^= checksum_bytes(bytes.data(), bytes.size()) + uint32_t(k) * 0x9e3779b9u;
+      }
+      out += fmt::format("{} {} bytes, header {:08x}, data {:08x}\n", file, size, head, sampled);
+    }
+    return out;
   }
 
   // The entry of `name`.
@@ -367,6 +395,10 @@ Tensor WeightReader::read_elements(const std::string& name, const Slice& slice, 
 
 const std::vector<std::string>& WeightReader::unused() const {
   return impl_->unused;
+}
+
+std::string WeightReader::fingerprint() const {
+  return impl_->checkpoint.fingerprint();
 }
 
 int64_t WeightReader::bytes_read() const {

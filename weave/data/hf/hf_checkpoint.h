@@ -102,6 +102,10 @@ class WeightReader {
   Tensor read_elements(const std::string& name, const Slice& slice, int64_t first, int64_t count);
   /// Bytes read from the safetensors files so far.
   int64_t bytes_read() const;
+  /// Lines that tell this checkpoint from another of the same shapes: per safetensors file its
+  /// name, size, and checksums of its header and of 32 blocks of 4 KB spread over its data.
+  /// Ranks that load one model compare it (parallel::load_pretrained).
+  std::string fingerprint() const;
   /// The checkpoint's tensors the config's model does not use (with allow_unused).
   const std::vector<std::string>& unused() const;
 

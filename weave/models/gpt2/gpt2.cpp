@@ -162,6 +162,8 @@ Tensor GPT2::embed(const Tensor& ids, int64_t start) {
 // [B, T, dim] (that part: [B, T / n, dim]).
 Tensor GPT2::run(const Tensor& input, std::vector<nn::KVCache>* caches, bool gather) {
   if (!positions) detail::check_stage_input(kGPT2, split_, input, options_.dim);
+  if (positions && !caches && split_.context_group)  // parts cut as the split reads them
+    parallel::check_sequence_part(input, Tensor(), Tensor(), *split_.context(), kGPT2);
   Tensor x = positions ? embed(input, caches ? caches->front().length() : 0) : input;
   const bool sequence_first = split_.tensor.has_value();
   if (sequence_first) x = x.transpose(0, 1);

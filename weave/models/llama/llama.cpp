@@ -151,6 +151,9 @@ Tensor Llama::forward(const Tensor& tokens) {
 Tensor Llama::forward_inputs(const nn::Inputs& inputs) {
   const bool first = split_.first_stage();  // a tied last stage holds the embedding too
   if (!first) detail::check_stage_input(kLlama, split_, inputs.x, options_.dim);
+  if (first && split_.context_group)  // parts cut as the split reads them, or every rank raises
+    parallel::check_sequence_part(inputs.x, inputs.positions, inputs.document_ids,
+                                  *split_.context(), kLlama);
   const Tensor h = run_blocks(*blocks, inputs.with(first ? (*embedding)(inputs.x) : inputs.x));
   if (!norm) return detail::stage_output(h, is_training() ? aux_loss() : Tensor());
   return logits((*norm)(h), split_.gather_logits);

@@ -8,6 +8,7 @@
 #include "weave/parallel/checkpoint/saved_pieces.h"
 #include "weave/parallel/core/agree.h"
 #include "weave/parallel/core/placement.h"
+#include "weave/tensor/checksum.h"
 
 namespace weave::parallel {
 
@@ -36,9 +37,18 @@ Tensor read_piece(data::hf::WeightReader& reader, const std::string& name,
   return reader.read_elements(whole, slice, piece.first, piece.count);
 }
 
+// What a rank read, for the others to compare: the files' fingerprint, and a line per piece
+// (which elements of which tensor, and a checksum of their values).
+struct ReadRecord {
+  std::string fingerprint;
+  std::vector<std::string> pieces;
+};
+
 data::hf::LoadStats load_parts(nn::Module& model, const data::hf::ModelConfig& config,
-                               const std::string& dir, const data::hf::LoadOptions& options) {
+                               const std::string& dir, const data::hf::LoadOptions& options,
+                               ReadRecord& record) {
   data::hf::WeightReader reader(config, dir, options);
+  record.fingerprint = reader.fingerprint();
   // Which elements of which whole tensor each parameter holds: what sharded checkpoints record.
   const std::map<std::string, detail::Pieces> described =
       detail::describe_state({.model = &model, .default_generator = false}).model;
@@ -55,6 +65,9 @@ data::hf::LoadStats load_parts(nn::Module& model, const data::hf::ModelConfig& c
     Tensor flat = param.detach().view({param.numel()});
     for (const detail::Piece& piece : pieces->second) {
       const Tensor values = read_piece(reader, name, piece);
+      record.pieces.push_back(fmt::format(
+          "{} {} axis {} [{}, +{}) elements [{}, +{}) {:08x}", piece.tensor.substr(6), piece.shape,
+          piece.axis, piece.begin, piece.length, piece.first, piece.count, checksum(values)));
       flat.narrow(0, piece.offset, piece.count).copy_(values.to(param.dtype()).to(param.device()));
     }
     ++stats.tensors;
@@ -64,14 +77,48 @@ data::hf::LoadStats load_parts(nn::Module& model, const data::hf::ModelConfig& c
   return stats;
 }
 
+// The ranks loaded one checkpoint: the same files (their fingerprints), and where two ranks
+// read the same elements, the same values. Raises on every rank otherwise, naming both.
+void agree_on_what_was_read(const ReadRecord& record, const std::string& dir,
+                            const dist::Group& group) {
+  detail::Verdict verdict(kLoadPretrainedOp);
+  const std::string hint =
+      "hint: every rank loads the same checkpoint (a copy on each host must be byte-identical)";
+  verdict.note(detail::lines_disagreement({record.fingerprint}, group,
+                                          "the checkpoint files they read from " + dir, hint));
+  std::string mine;
+  for (const std::string& line : record.pieces) mine += line + '\n';
+  // piece -> checksum -> the first rank that read it so
+  std::map<std::string, std::map<std::string, int>> read;
+  const std::vector<std::string> all = detail::all_gather_bytes(mine, group);
+  for (int r = 0; r < group.size(); ++r)
+    for (size_t start = 0; start < all[size_t(r)].size();) {
+      const size_t end = all[size_t(r)].find('\n', start), space = all[size_t(r)].rfind(' ', end);
+      read[all[size_t(r)].substr(start, space - start)].emplace(
+          all[size_t(r)].substr(space + 1, end - space - 1), group.global_rank(r));
+      start = end + 1;
+    }
+  for (const auto& [piece, sums] : read)
+    if (sums.size() > 1)
+      verdict.note(
+          fmt::format("ranks {} and {} read different values for {} (checksums {:s} and "
+                      "{:s}); {}",
+                      sums.begin()->second, std::next(sums.begin())->second, piece,
+                      sums.begin()->first, std::next(sums.begin())->first, hint));
+  verdict.raise_if_failed();
+}
+
 }  // namespace
 
 data::hf::LoadStats load_pretrained(nn::Module& model, const data::hf::ModelConfig& config,
                                     const std::string& dir, const dist::Group& group,
                                     const data::hf::LoadOptions& options) {
+  const dist::KeepAlive alive;  // the reads may outlast weave-run's --hang-timeout
   data::hf::LoadStats stats;
+  ReadRecord record;
   detail::run_together(kLoadPretrainedOp, group, "load " + dir,
-                       [&] { stats = load_parts(model, config, dir, options); });
+                       [&] { stats = load_parts(model, config, dir, options, record); });
+  agree_on_what_was_read(record, dir, group);
   return stats;
 }
 
@@ -209,6 +256,7 @@ class WholeParameters {
 void save_pretrained(nn::Module& model, const data::hf::ModelConfig& config, const std::string& dir,
                      const data::hf::SaveOptions& options, const dist::Group& group) {
   NoGradGuard no_grad;
+  const dist::KeepAlive alive;  // the writes may outlast weave-run's --hang-timeout
   WholeParameters parameters(model, group);
   const bool writes = group.rank() == 0;
   std::unique_ptr<data::hf::PretrainedWriter> out;

@@ -150,8 +150,8 @@ std::vector<std::string> gather_bytes(const std::string& mine, int root, const d
   return out;
 }
 
-void check_same_lines(const std::vector<std::string>& lines, const dist::Group& group,
-                      const char* op, const std::string& what, const std::string& hint) {
+std::string lines_disagreement(const std::vector<std::string>& lines, const dist::Group& group,
+                               const std::string& what, const std::string& hint) {
   std::string text;
   for (const std::string& line : lines) text += line + '\n';
   std::vector<std::vector<std::string>> all;
@@ -169,11 +169,48 @@ void check_same_lines(const std::vector<std::string>& lines, const dist::Group& 
     for (size_t i = 0; i < std::max(first.size(), theirs.size()); ++i) {
       const std::string a = i < first.size() ? first[i] : "nothing";
       const std::string b = i < theirs.size() ? theirs[i] : "nothing";
-      WEAVE_CHECK(a == b, op,
-                  "ranks disagree on {}: entry {} is '{}' on rank {} but '{}' on rank {}; hint: {}",
-                  what, i, a, group.global_rank(0), b, group.global_rank(int(r)), hint);
+      if (a != b)
+        return fmt::format(
+            "ranks disagree on {}: entry {} is '{}' on rank {} but '{}' on rank {}; "
+            "hint: {}",
+            what, i, a, group.global_rank(0), b, group.global_rank(int(r)), hint);
     }
   }
+  return {};
+}
+
+void check_same_lines(const std::vector<std::string>& lines, const dist::Group& group,
+                      const char* op, const std::string& what, const std::string& hint) {
+  const std::string disagreement = lines_disagreement(lines, group, what, hint);
+  WEAVE_CHECK(disagreement.empty(), op, "{}", disagreement);
+}
+
+void Verdict::check(const std::function<void()>& check) {
+  try {
+    check();
+  } catch (const std::exception& e) {
+    if (error_.empty()) error_ = e.what();
+  }
+}
+
+void Verdict::note(const std::string& error) {
+  if (error_.empty() && !error.empty()) error_ = fmt::format("[{}] {}", op_, error);
+}
+
+void Verdict::share(const dist::Group& group) {
+  const std::vector<std::string> all = all_gather_bytes(error_, group);
+  if (!error_.empty()) return;
+  for (int r = 0; r < group.size(); ++r)
+    if (!all[size_t(r)].empty()) {
+      error_ = all[size_t(r)];
+      if (error_.find(" (found on rank ") == std::string::npos)
+        error_ += fmt::format(" (found on rank {})", group.global_rank(r));
+      return;
+    }
+}
+
+void Verdict::raise_if_failed() const {
+  if (!error_.empty()) ::weave::detail::throw_error(error_);
 }
 
 std::vector<std::string> describe_tensors(const std::vector<Tensor>& tensors) {

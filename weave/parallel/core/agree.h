@@ -78,6 +78,40 @@ std::vector<std::string> gather_bytes(const std::string& mine, int root, const d
 void check_same_lines(const std::vector<std::string>& lines, const dist::Group& group,
                       const char* op, const std::string& what, const std::string& hint);
 
+/// check_same_lines without raising: the same message on every rank of the group ("ranks
+/// disagree on ...", without the op), or "" when they agree. Collective.
+std::string lines_disagreement(const std::vector<std::string>& lines, const dist::Group& group,
+                               const std::string& what, const std::string& hint);
+
+/// Checks whose groups overlap (HSDP's shard and replicate groups, tensor-parallel groups inside
+/// a wrapper's): each check runs without raising, its error is kept, and share() spreads the
+/// first error over a group; after rounds over groups that together connect every rank, all
+/// raise together, and no rank waits in a later round for a peer that already raised.
+///
+///   Verdict verdict("FullyShardedDataParallel");
+///   verdict.check([&] { check_my_arguments(); });
+///   verdict.note(lines_disagreement(lines, shard, "the model", hint));
+///   verdict.share(shard); verdict.share(replicate); verdict.share(shard);
+///   verdict.raise_if_failed();
+class Verdict {
+ public:
+  explicit Verdict(const char* op) : op_(op) {}
+  /// Runs `check` on this rank, keeping what it raised (anything) unless an error is kept.
+  void check(const std::function<void()>& check);
+  /// Keeps `error` (without the op: it is added) unless it is empty or an error is kept.
+  void note(const std::string& error);
+  /// Collective over `group` (this rank a member): afterwards every member keeps the error of
+  /// the lowest group rank that kept one, or its own.
+  void share(const dist::Group& group);
+  bool failed() const { return !error_.empty(); }
+  /// Raises the kept error (this rank's own, or a peer's naming that rank).
+  void raise_if_failed() const;
+
+ private:
+  const char* op_;
+  std::string error_;
+};
+
 /// "parameter 3 float32 [4, 5]" for each tensor.
 std::vector<std::string> describe_tensors(const std::vector<Tensor>& tensors);
 /// "parameter 3 crc32 1a2b3c4d": each tensor's values, as a checksum of its bytes.

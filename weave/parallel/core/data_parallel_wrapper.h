@@ -61,6 +61,11 @@ class DataParallelWrapper {
     NoGradGuard no_grad;
     body();
   }
+  /// False when the last synchronizing backward averaged a NaN or infinite gradient and the
+  /// wrapper checks for them (check_finite), which then raised from that backward on every rank
+  /// of its group: a pipeline goes on with its schedule and raises at the end of the step, on
+  /// every stage. True for a wrapper that does not check.
+  virtual bool gradients_finite() const { return true; }
 };
 
 }  // namespace weave::parallel

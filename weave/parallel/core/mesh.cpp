@@ -186,21 +186,23 @@ int ProcessMesh::rank_at(int data, int tensor, int pipeline, int context) const 
 }
 
 std::string ProcessMesh::str() const {
-  if (shape_.expert > 1)
-    return fmt::format(
-        "mesh data={} tensor={} pipeline={} context={} expert={}; rank {}: data {} tensor {} "
-        "pipeline {} context {} expert {}",
-        shape_.data, shape_.tensor, shape_.pipeline, shape_.context, shape_.expert, dist::rank(),
-        data_.str(), tensor_.str(), pipeline_.str(), context_.str(), expert().str());
-  if (shape_.context > 1)
-    return fmt::format(
-        "mesh data={} tensor={} pipeline={} context={}; rank {}: data {} tensor {} pipeline {} "
-        "context {}",
-        shape_.data, shape_.tensor, shape_.pipeline, shape_.context, dist::rank(), data_.str(),
-        tensor_.str(), pipeline_.str(), context_.str());
-  return fmt::format("mesh data={} tensor={} pipeline={}; rank {}: data {} tensor {} pipeline {}",
-                     shape_.data, shape_.tensor, shape_.pipeline, dist::rank(), data_.str(),
-                     tensor_.str(), pipeline_.str());
+  // Every axis of more than one rank is named; data, tensor and pipeline always are.
+  std::string sizes = fmt::format("mesh data={} tensor={} pipeline={}", shape_.data, shape_.tensor,
+                                  shape_.pipeline);
+  std::string groups =
+      fmt::format("data {} tensor {} pipeline {}", data_.str(), tensor_.str(), pipeline_.str());
+  auto add = [&](const char* axis, int size, const dist::Group& group) {
+    if (size <= 1) return;
+    sizes += fmt::format(" {}={}", axis, size);
+    groups += fmt::format(" {} {}", axis, group.str());
+  };
+  add("context", shape_.context, context_);
+  add("expert", shape_.expert, expert());
+  if (shape_.replicate > 1) {
+    sizes += fmt::format(" replicate={}", shape_.replicate);
+    groups += fmt::format(" shard {} replicate {}", shard_.str(), replicate_.str());
+  }
+  return fmt::format("{}; rank {}: {}", sizes, dist::rank(), groups);
 }
 
 }  // namespace weave::parallel

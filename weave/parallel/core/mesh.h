@@ -87,8 +87,9 @@ class ProcessMesh {
   int expert_rank() const { return expert().rank(); }
   /// The global rank at the given coordinates.
   int rank_at(int data, int tensor, int pipeline, int context = 0) const;
-  /// "mesh data=2 tensor=2 pipeline=1; rank 3: data [1, 3] tensor [2, 3] pipeline [3]" (with
-  /// the context axis when it has more than one rank).
+  /// "mesh data=2 tensor=2 pipeline=1; rank 3: data [1, 3] tensor [2, 3] pipeline [3]", with
+  /// each context or expert axis of more than one rank, and HSDP's shard and replicate groups
+  /// ("... replicate=2; rank 3: ... shard [2, 3] replicate [1, 3]").
   std::string str() const;
 
  private:

@@ -93,8 +93,13 @@ void add_cut(const Tensor& t, Cut cut, const std::string& hint) {
 }
 
 void tie_first_and_last_stage(const Tensor& parameter) {
-  // The pipeline's group is not known yet: the Pipeline records it in place of the world.
-  add_cut(parameter, {.kind = Cut::Kind::Stage, .group = dist::world(), .count = 2});
+  WEAVE_CHECK(parameter.defined(), "tie_first_and_last_stage",
+              "expected a parameter, found an undefined tensor");
+  // The pipeline's group is not known yet: the Pipeline records the Stage cut with it.
+  auto placement = std::make_shared<Placement>();
+  if (const Placement* before = placement_of(parameter)) *placement = *before;
+  placement->tied_across_stages = true;
+  parameter.impl()->meta().placement = std::move(placement);
 }
 
 std::map<std::string, int> split_axes(const nn::Module& module) {

@@ -87,6 +87,10 @@ class Placement final : public PlacementRecord {
   /// part of every sequence, so each holds a partial gradient that a data-parallel wrapper must
   /// add up: the wrapper's group must take these ranks in (mesh.data_and_context()).
   std::optional<dist::Group> context;
+  /// Marked by tie_first_and_last_stage: the pipeline built over the stages records a Stage cut
+  /// of count 2 (until then no group is known, and the parameter is replicated as far as a
+  /// data-parallel wrapper built before the pipeline can tell).
+  bool tied_across_stages = false;
   /// How to clip a parameter so placed (the writer's hint, for optim::clip_grad_norm_'s error).
   std::string hint;
 

@@ -13,6 +13,10 @@
 
 namespace weave::parallel {
 
+namespace detail {
+class Verdict;
+}
+
 /// Builds the optimizer of a strategy's own tensors (a rank's flat slice, a replica's
 /// parameters), e.g.
 /// `[](std::vector<Tensor> shard) { return std::make_unique<optim::Adam>(shard, {...}); }`.
@@ -25,6 +29,17 @@ using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::ve
 /// dtype and device), all in flight at once. Device tensors are always sent.
 void broadcast_parameters(nn::Module& module, int root = 0,
                           const std::optional<dist::Group>& group = std::nullopt);
+
+/// Draws a deferred model whose parameters are cut over ranks (tensor-parallel slices, experts)
+/// as nn::materialize does, once the ranks holding its other pieces agreed on its DeferredInit
+/// seed: a rank built with another seed raises on every rank, naming both seeds, where
+/// nn::materialize alone would leave a model no layout holds. Collective over every group that
+/// cuts a parameter (a few small messages). The data-parallel wrappers and pipelines make the
+/// same agreement themselves.
+///
+///   { nn::DeferredInit deferred(seed); model = make_model(models::ModelSplit::from_mesh(mesh)); }
+///   parallel::materialize(*model);          // tensor-parallel only: no wrapper draws it
+void materialize(nn::Module& module);
 
 /// Raises weave::Error on every rank of the group, naming the first difference, unless every
 /// rank's module has the same parameter and buffer names, shapes and dtypes. Collective.
@@ -68,6 +83,26 @@ void broadcast_replicas(nn::Module& module, const std::vector<Tensor>& params,
                         const ReplicaGroups& replicas, int root);
 /// check_same_model over `group`, with errors tagged `op`.
 void check_same_model(const nn::Module& module, const dist::Group& group, const char* op);
+/// What check_same_model compares: a line per parameter and buffer; with_seeds adds each
+/// deferred parameter's DeferredInit seed (replicas that draw their own values must agree).
+std::vector<std::string> model_lines(const nn::Module& module, const dist::Group& group,
+                                     bool with_seeds);
+
+/// The DeferredInit seeds `params` are or were drawn with, ascending ("7"; "" when none is:
+/// values drawn eagerly or loaded).
+std::string init_seeds(const std::vector<Tensor>& params);
+/// Notes in `verdict` when two ranks of `group` hold parameters drawn from different seeds
+/// (init_seeds of each rank's; ranks with none are left out), then shares the verdict over the
+/// group. Collective.
+void agree_on_seeds(const std::string& seeds, const dist::Group& group, Verdict& verdict);
+/// agree_on_seeds over each group that cuts a parameter of `module` (tensor-parallel splits,
+/// then experts; each group once), so that a rank's pieces come from the same draws as the
+/// pieces beside them. Collective over those groups.
+void agree_on_seeds_over_cuts(const nn::Module& module, Verdict& verdict);
+/// A data-parallel wrapper's construction over `group` before it draws the model (DDP, the
+/// decentralized wrapper): the seeds agreed over the cut groups and the model over `group`,
+/// all ranks raising together; then nn::materialize. Collective.
+void materialize_replicas(nn::Module& module, const dist::Group& group, const char* op);
 }  // namespace detail
 
 }  // namespace weave::parallel

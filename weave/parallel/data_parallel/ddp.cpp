@@ -123,6 +123,7 @@ struct DistributedDataParallel::State {
   // error is the one to report), except for what every rank raises alike.
   void settle(bool failed) {
     const int64_t step = stats.steps++;
+    finite = true;  // this step's verdict, below
     const bool has_unused = !failed && readiness->ready_count() < int64_t(params.size());
     int64_t failed_ranks = 0, unused_ranks = 0;
     if (!readiness->has_buckets()) {
@@ -262,8 +263,11 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
   WEAVE_CHECK(s.options.check_replicas_every >= 0, "DistributedDataParallel",
               "check_replicas_every must be 0 (never) or a number of steps, found {}",
               s.options.check_replicas_every);
-  detail::check_same_model(module, s.group, "DistributedDataParallel");
-  nn::materialize(module);  // each rank holds the whole model: a deferred one is drawn here
+  // Each rank holds the whole model: a deferred one is drawn here, its seed agreed with the
+  // ranks holding the other pieces (tensor-parallel, experts); the replicas are overwritten
+  // from broadcast_from below.
+  const dist::KeepAlive alive;  // drawing a large deferred model may outlast --hang-timeout
+  detail::materialize_replicas(module, s.group, "DistributedDataParallel");
   for (const auto& [name, p] : module.named_parameters()) {
     if (!p.defined() || !p.requires_grad()) continue;
     WEAVE_CHECK(is_floating(p.dtype()), "DistributedDataParallel",

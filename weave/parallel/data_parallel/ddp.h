@@ -137,7 +137,7 @@ class DistributedDataParallel : public Joinable, public DataParallelWrapper {
   const DDPStats& stats() const;
   /// With check_finite: false when the last synchronizing backward averaged a NaN or infinite
   /// gradient (the same answer on every rank). A mixed-precision loss scaler reads this.
-  bool gradients_finite() const;
+  bool gradients_finite() const override;
   /// Parameter names of each bucket, in launch order (empty before the first backward).
   std::vector<std::vector<std::string>> bucket_names() const;
   /// The ranks that share the model.

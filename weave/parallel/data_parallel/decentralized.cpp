@@ -194,7 +194,9 @@ DecentralizedDataParallel::DecentralizedDataParallel(nn::Module& module,
       names.push_back(name), params.push_back(p);
     detail::check_replicated(names, params, s.group, op, detail::kTrainExpertsHint);
   }
-  nn::materialize(module);  // each rank holds the whole model: a deferred one is drawn here
+  // each rank holds the whole model: a deferred one is drawn here (its seed agreed)
+  const dist::KeepAlive alive;  // drawing a large deferred model may outlast --hang-timeout
+  detail::materialize_replicas(module, s.group, op);
   broadcast_parameters(module, 0, s.group);
   // Every rank of the world creates every edge group of every sibling group, in one order
   // (new_group is collective over the world); an edge that recurs is created once.

@@ -134,43 +134,118 @@ void check_hybrid(const dist::Group& shard, const dist::Group& replicate) {
                 r, shard.str(), replicate.str());
 }
 
-// Every rank agrees on the model, the options and the units before anything is sharded; then
-// the replicas start equal.
+// HSDP's groups must be a replicate x shard grid of the data ranks. Over `mine` (a shard group,
+// then a replicate group) each member's `other` group has one size, holds the member at one
+// place, and shares no rank with another member's: a replicate group across the shard groups'
+// places (replicas {0, 3} over shards {0, 1}, {2, 3}) would average different shards.
+std::string grid_disagreement(const dist::Group& mine, const dist::Group& other,
+                              const char* mine_name, const char* other_name) {
+  const std::vector<std::string> all = detail::all_gather_bytes(
+      fmt::format("{} {}", other.rank(), fmt::join(other.ranks(), ",")), mine);
+  std::vector<int> place;
+  std::vector<std::vector<int>> members;
+  for (const std::string& text : all) {
+    place.push_back(std::stoi(text.substr(0, text.find(' '))));
+    std::vector<int>& ranks = members.emplace_back();
+    for (size_t at = text.find(' ') + 1; at < text.size(); at = text.find(',', at) + 1) {
+      ranks.push_back(std::stoi(text.substr(at)));
+      if (text.find(',', at) == std::string::npos) break;
+    }
+  }
+  const char* hint =
+      "hint: the shard and replicate groups are a replicate x shard grid of the data ranks, "
+      "a replica at the same place in every shard group: ProcessMesh({.data = n, .replicate = "
+      "r}) gives them as mesh.shard() and mesh.replicate()";
+  auto str = [](const std::vector<int>& ranks) {
+    return fmt::format("[{}]", fmt::join(ranks, ", "));
+  };
+  for (size_t a = 0; a < all.size(); ++a)
+    for (size_t b = a + 1; b < all.size(); ++b) {
+      const int ra = mine.global_rank(int(a)), rb = mine.global_rank(int(b));
+      if (place[a] != place[b] || members[a].size() != members[b].size())
+        return fmt::format(
+            "the {} {} holds rank {} at place {} of its {} {} and rank {} at place "
+            "{} of its {} {}; {}",
+            mine_name, mine.str(), ra, place[a], other_name, str(members[a]), rb, place[b],
+            other_name, str(members[b]), hint);
+      for (int r : members[a])
+        if (std::find(members[b].begin(), members[b].end(), r) != members[b].end())
+          return fmt::format(
+              "in the {} {}, the {}s of ranks {} and {} ({} and {}) share rank {}; {}", mine_name,
+              mine.str(), other_name, ra, rb, str(members[a]), str(members[b]), r, hint);
+    }
+  return {};
+}
+
+// The wrapper's arguments, checked on this rank alone.
+void check_arguments(const State& s) {
+  WEAVE_CHECK(std::isfinite(s.options.unit_mb) && s.options.unit_mb >= 0, kFSDPOp,
+              "unit_mb must be a finite size in MB, 0 or more, found {}", s.options.unit_mb);
+  WEAVE_CHECK(s.options.broadcast_from >= 0 && s.options.broadcast_from < s.group.size(), kFSDPOp,
+              "broadcast_from must be a rank of group {} (0 to {}), found {}", s.group.str(),
+              s.group.size() - 1, s.options.broadcast_from);
+  for (const std::optional<DType>& dtype :
+       {s.options.param_dtype, s.options.reduce_dtype, s.options.output_dtype})
+    WEAVE_CHECK(!dtype || is_floating(*dtype), kFSDPOp,
+                "param_dtype, reduce_dtype and output_dtype are floating dtypes (bfloat16, "
+                "float16, float32, float64), found {}",
+                *dtype);
+  if (const auto& replicate = s.options.replicate_group) check_hybrid(s.group, *replicate);
+}
+
+// Every rank that builds the model agrees on it before anything is sharded: the tensor-parallel
+// and expert groups on its seed, the shard group and (HSDP) the replicate group on the model,
+// its deferred seed, the options and the units, and on the groups' grid. Each check notes its
+// error in one verdict, shared over shard, replicate and shard group again, so every rank raises
+// together and none waits for a peer that already left.
 UnitSpecs agree_on_units(nn::Module& module, State& s) {
   WEAVE_CHECK(s.group.rank() >= 0, kFSDPOp,
               "rank {} is not in group {}; hint: only its members construct the wrapper",
               dist::rank(), s.group.str());
-  detail::check_same_model(module, s.group, kFSDPOp);
+  const std::optional<dist::Group>& replicate = s.options.replicate_group;
+  detail::Verdict verdict(kFSDPOp);
+  detail::agree_on_seeds_over_cuts(module, verdict);
   UnitSpecs unit_specs;
-  detail::check_together(
-      [&] {
-        WEAVE_CHECK(std::isfinite(s.options.unit_mb) && s.options.unit_mb >= 0, kFSDPOp,
-                    "unit_mb must be a finite size in MB, 0 or more, found {}", s.options.unit_mb);
-        WEAVE_CHECK(s.options.broadcast_from >= 0 && s.options.broadcast_from < s.group.size(),
-                    kFSDPOp, "broadcast_from must be a rank of group {} (0 to {}), found {}",
-                    s.group.str(), s.group.size() - 1, s.options.broadcast_from);
-        for (const std::optional<DType>& dtype :
-             {s.options.param_dtype, s.options.reduce_dtype, s.options.output_dtype})
-          WEAVE_CHECK(!dtype || is_floating(*dtype), kFSDPOp,
-                      "param_dtype, reduce_dtype and output_dtype are floating dtypes (bfloat16, "
-                      "float16, float32, float64), found {}",
-                      *dtype);
-        if (const auto& replicate = s.options.replicate_group) check_hybrid(s.group, *replicate);
-        unit_specs = resolve_units(module, s.options);
-      },
-      s.group, kFSDPOp);
-  detail::check_same_lines(describe_units(s.options, unit_specs, s.group), s.group, kFSDPOp,
-                           "the options and units",
-                           "construct FullyShardedDataParallel with the same FSDPOptions (units "
-                           "in the same order) on every rank");
+  verdict.check([&] {
+    check_arguments(s);
+    unit_specs = resolve_units(module, s.options);
+  });
+  auto compare_over = [&](const dist::Group& group) {
+    verdict.note(detail::lines_disagreement(
+        detail::model_lines(module, group, /*with_seeds=*/true), group, "the model",
+        "build the same model (same layers, shapes and dtypes; a deferred one under the same "
+        "nn::DeferredInit seed) on every rank"));
+    verdict.note(detail::lines_disagreement(
+        describe_units(s.options, unit_specs, group), group, "the options and units",
+        "construct FullyShardedDataParallel with the same FSDPOptions (units in the same "
+        "order) on every rank, replicas included"));
+  };
+  compare_over(s.group);
+  if (replicate)
+    verdict.note(grid_disagreement(s.group, *replicate, "shard group", "replicate group"));
+  verdict.share(s.group);
+  if (replicate) {
+    if (replicate->rank() >= 0) {  // else this rank's own error is out already
+      compare_over(*replicate);
+      verdict.note(grid_disagreement(*replicate, s.group, "replicate group", "shard group"));
+      verdict.share(*replicate);
+    }
+    verdict.share(s.group);
+  }
+  verdict.raise_if_failed();
+  return unit_specs;
+}
+
+// The replicas start equal: broadcast from broadcast_from over the shard group (and, HSDP, from
+// the first replica), or drawn alike by a deferred model's agreed seed.
+void start_replicas_equal(nn::Module& module, State& s) {
   for (const auto& [name, p] : trainable(module)) {
     s.names.push_back(name);
     s.params.push_back(p);
   }
   s.replicas = detail::replica_groups(s.names, s.params, s.group, kFSDPOp);
   detail::broadcast_replicas(module, s.params, s.replicas, s.options.broadcast_from);
-  if (const auto& replicate = s.options.replicate_group) {  // HSDP: the replicas start equal
-    detail::check_same_model(module, *replicate, kFSDPOp);
+  if (const auto& replicate = s.options.replicate_group) {
     detail::check_together(
         [&] {
           WEAVE_CHECK(s.replicas.groups.size() == 1, kFSDPOp,
@@ -183,7 +258,6 @@ UnitSpecs agree_on_units(nn::Module& module, State& s) {
       if (!nn::is_deferred(p)) dense.push_back(p);
     detail::broadcast_packed(dense, 0, *replicate);
   }
-  return unit_specs;
 }
 
 // The units, each over the parameters it owns: a parameter belongs to the one unit that uses
@@ -286,9 +360,11 @@ void install_readiness(const std::shared_ptr<State>& state) {
 
 FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptions options)
     : module_(module), state_(std::make_shared<State>(std::move(options))) {
+  const dist::KeepAlive alive;  // drawing a large deferred model may outlast --hang-timeout
   State& s = *state_;
   s.self = state_;
   const UnitSpecs unit_specs = agree_on_units(module, s);
+  start_replicas_equal(module, s);
   build_units(module, s, unit_specs);
   install_module_hooks(state_);
   install_readiness(state_);

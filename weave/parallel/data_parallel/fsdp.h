@@ -92,7 +92,10 @@ struct FSDPOptions {
   /// the same shards as this one, one in each shard group (`group`). FSDP shards over `group`
   /// and averages every shard's gradient over this group too, launched as each unit's
   /// reduce-scatter completes (overlapping the rest of backward); the replicas start equal (a
-  /// broadcast from its first rank, or a deferred model's draws) and discard a step together.
+  /// broadcast from its first rank, or a deferred model's draws, whose seed the replicas agree
+  /// on) and discard a step together. The groups must be a replicate x shard grid of the data
+  /// ranks (each replicate group one rank at the same place of every shard group), and the
+  /// options the same across replicas: construction raises on every rank otherwise.
   /// Clipping, the replica check and sharded checkpoints read it from the shards' placement
   /// like any other axis. Both groups come from dist::split_group over the data ranks:
   ///
@@ -146,8 +149,9 @@ struct FSDPStats {
 
 class FullyShardedDataParallel : public Joinable, public DataParallelWrapper {
  public:
-  /// Checks that every rank of the group has the same model (raising on every rank, naming the
-  /// first difference) and the same units, broadcasts the parameters and buffers from
+  /// Checks that every rank of the group (and of the replicate group) has the same model (a
+  /// deferred one under the same seed; raising on every rank, naming the first difference) and
+  /// the same options and units, broadcasts the parameters and buffers from
   /// options.broadcast_from, then shards them: from here on the module's parameters hold their
   /// values only while their unit runs (FullShard). Collective over the group. The module must
   /// outlive this object.
@@ -216,7 +220,7 @@ class FullyShardedDataParallel : public Joinable, public DataParallelWrapper {
   const FSDPStats& stats() const;
   /// With check_finite: false when the last synchronizing backward averaged a NaN or infinite
   /// gradient into some rank's shard (the same answer on every rank).
-  bool gradients_finite() const;
+  bool gradients_finite() const override;
   const dist::Group& group() const override;
   /// parameters(): the shards are what trains.
   std::vector<Tensor> trained_parameters() const override { return parameters(); }

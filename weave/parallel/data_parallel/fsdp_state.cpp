@@ -193,7 +193,7 @@ void FullyShardedDataParallel::State::settle(bool failed) {
   const bool diverged_here = finish_step_collectives(failed);
   const int64_t failed_ranks = count_failed_ranks(failed || diverged_here);
   NoGradGuard no_grad;
-  if (failed_ranks == 0 && options.check_finite) finite = agree_finite();
+  finite = !(failed_ranks == 0 && options.check_finite) || agree_finite();
   for (Unit& u : units) {
     if (failed_ranks > 0) u.discard_step(params);
     u.settle_reduced(/*keep=*/failed_ranks == 0);

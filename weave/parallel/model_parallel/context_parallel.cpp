@@ -15,6 +15,7 @@
 #include "weave/ops/autocast.h"
 #include "weave/ops/ops.h"
 #include "weave/parallel/core/agree.h"
+#include "weave/tensor/tensor_impl.h"
 #include "weave/tensor/trace.h"
 
 namespace weave::parallel {
@@ -34,6 +35,30 @@ std::vector<int64_t> chunks_of(int r, int n, SequenceLayout layout) {
 int64_t chunk_count(int n, SequenceLayout layout) {
   return layout == SequenceLayout::Contiguous ? n : 2 * int64_t(n);
 }
+
+const char* layout_name(SequenceLayout layout) {
+  return layout == SequenceLayout::Contiguous ? "contiguous" : "zig-zag";
+}
+
+// What shard_sequence records on a part: rank `rank` of `group` cut `dims`-dimensional data along
+// `axis` in `layout`.
+struct SequencePart final : CutRecord {
+  SequencePart(std::vector<int> group_in, int rank_in, SequenceLayout layout_in, int64_t axis_in,
+               int64_t dims_in)
+      : group(std::move(group_in)),
+        rank(rank_in),
+        layout(layout_in),
+        axis(axis_in),
+        dims(dims_in) {}
+  std::vector<int> group;
+  int rank;
+  SequenceLayout layout;
+  int64_t axis, dims;
+  std::string describe() const override {
+    return fmt::format("part {} of a sequence cut {} over group [{}] along axis {}", rank,
+                       layout_name(layout), fmt::join(group, ", "), axis);
+  }
+};
 
 // How query chunk a attends to key chunk b.
 enum class Pair { Skip, Full, Diagonal };
@@ -428,7 +453,71 @@ Tensor shard_sequence(const Tensor& whole, int64_t axis, const dist::Group& grou
   std::vector<Tensor> parts;
   for (int64_t c : chunks_of(group.rank(), group.size(), layout))
     parts.push_back(whole.narrow(int(dim), c * chunk, chunk));
-  return parts.size() == 1 ? parts[0] : cat(parts, dim);
+  Tensor part = parts.size() == 1 ? parts[0].contiguous() : cat(parts, dim);
+  if (part.is_same(whole)) part = whole.clone();  // the record belongs to the part alone
+  part.impl()->meta().cut = std::make_shared<const SequencePart>(
+      SequencePart(group.ranks(), group.rank(), layout, dim, whole.dim()));
+  return part;
+}
+
+namespace {
+
+const SequencePart* sequence_part_of(const Tensor& t) {
+  const AutogradMeta* meta = t.defined() ? t.impl()->autograd.get() : nullptr;
+  return meta ? dynamic_cast<const SequencePart*>(meta->cut.get()) : nullptr;
+}
+
+// Without a record: do the positions of this rank's part run as `split`'s layout places its
+// chunks (differences from the first position, row 0)? An empty string when they do.
+std::string positions_mismatch(const Tensor& positions, const ContextSplit& split) {
+  const Tensor row = positions.dim() == 2 ? positions.select(0, 0) : positions;
+  const std::vector<int64_t> have = row.to(kCPU).to(kInt64).contiguous().to_vector<int64_t>();
+  const int n = split.group.size();
+  const std::vector<int64_t> mine = chunks_of(split.group.rank(), n, split.layout);
+  const int64_t chunk = int64_t(have.size()) / int64_t(mine.size());
+  for (size_t i = 0; i < have.size(); ++i) {
+    const int64_t want = mine[i / size_t(chunk)] * chunk + int64_t(i) % chunk - mine[0] * chunk;
+    if (have[i] - have[0] != want)
+      return fmt::format(
+          "its positions run {} ... at index {} (from the part's first) where the "
+          "{} layout places {} of its {} positions",
+          have[i] - have[0], i, layout_name(split.layout), want, have.size());
+  }
+  return {};
+}
+
+}  // namespace
+
+void check_sequence_part(const Tensor& tokens, const Tensor& positions, const Tensor& document_ids,
+                         const ContextSplit& split, const char* who) {
+  const std::string expected =
+      fmt::format("cut {} over group {}", layout_name(split.layout), split.group.str());
+  const char* hint =
+      "hint: cut the batch with ModelSplit::local_inputs, or parallel::shard_sequence(tokens, 1, "
+      "group, layout) with the split's context group and layout (which record how they cut)";
+  detail::check_together(
+      [&] {
+        WEAVE_CHECK(tokens.defined() && tokens.dim() >= 1, who,
+                    "expected this rank's part of the tokens, found {}",
+                    tokens.defined() ? fmt::format("{}", tokens.shape()) : "none");
+        const SequencePart* part = sequence_part_of(tokens);
+        if (!part) part = sequence_part_of(positions);
+        if (part) {
+          WEAVE_CHECK(part->group == split.group.ranks() && part->layout == split.layout &&
+                          part->axis == part->dims - 1,
+                      who, "the model's context split reads parts {}, but its input is {}; {}",
+                      expected, part->describe(), hint);
+          return;
+        }
+        WEAVE_CHECK(positions.defined() && !document_ids.defined(), who,
+                    "this rank's part of the sequence carries no record of how it was cut and no "
+                    "positions of the whole sequence tell it (the model reads parts {}); {}",
+                    expected, hint);
+        const std::string mismatch = positions_mismatch(positions, split);
+        WEAVE_CHECK(mismatch.empty(), who, "the model's context split reads parts {}, but {}; {}",
+                    expected, mismatch, hint);
+      },
+      split.group, who);
 }
 
 Tensor gather_sequence(const Tensor& part, int64_t axis, const dist::Group& group,

@@ -22,7 +22,12 @@
 // sequence into 2n chunks and holds chunks r and 2n - 1 - r, so that under a causal mask every
 // rank does the same attention work. ZigZag is the default everywhere (shard_sequence,
 // gather_sequence, ContextSplit, models::ModelSplit): inputs cut in one
-// layout and attended in the other would let positions see keys from their future.
+// layout and attended in the other would let positions see keys from their future. So a part
+// carries how it was cut: shard_sequence records its group, layout and axis on its output, and
+// a context-parallel model checks its tokens against its own split (check_sequence_part),
+// raising on every rank of the group for a part cut otherwise, or cut by hand with no record
+// and no positions that tell. The safe route is ModelSplit::local_inputs (or shard_sequence
+// with the split's group and layout).
 #include <cstdint>
 #include <optional>
 
@@ -84,9 +89,19 @@ Tensor context_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                          const ContextSplit& split, ContextParallelOptions options = {});
 
 /// This rank's part of a whole sequence along `axis` (its length must divide by the group size,
-/// by twice that under ZigZag). Differentiable: the gradient lands in this rank's positions.
+/// by twice that under ZigZag), contiguous, recording how it was cut (see above; views and
+/// copies of it do not carry the record). Differentiable: the gradient lands in this rank's
+/// positions.
 Tensor shard_sequence(const Tensor& whole, int64_t axis, const dist::Group& group,
                       SequenceLayout layout = SequenceLayout::ZigZag);
+/// Raises on every rank of split.group unless each rank's `tokens` ([B, T] or [T], this rank's
+/// part along the last axis) were cut as `split` reads them: shard_sequence's record names the
+/// split's group and layout; or, without a record, `positions` of the whole sequence (and no
+/// document ids, whose positions restart) run as the layout places this rank's chunks. `who`
+/// names the caller. Collective over split.group: one agreement.
+void check_sequence_part(const Tensor& tokens, const Tensor& positions, const Tensor& document_ids,
+                         const ContextSplit& split, const char* who);
+
 /// The whole sequence from every rank's part (an all_gather, reordered for ZigZag).
 /// Differentiable: each rank's part gets the sum of the gradients of its positions.
 Tensor gather_sequence(const Tensor& part, int64_t axis, const dist::Group& group,

@@ -6,15 +6,12 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
-#include <limits>
 #include <map>
-#include <set>
 
 #include "weave/autograd/engine.h"
 #include "weave/autograd/grad_mode.h"
 #include "weave/ops/side_loss.h"
 #include "weave/parallel/core/agree.h"
-#include "weave/parallel/core/placement.h"
 #include "weave/parallel/model_parallel/pipeline_link.h"
 #include "weave/tensor/tensor_impl.h"
 
@@ -34,7 +31,11 @@ std::vector<Tensor> microbatches_of(const Tensor& batch, int m, const char* what
               "the {} has batch size {}, which does not divide into {} micro-batches; hint: "
               "choose microbatches dividing the batch size",
               what, batch.size(0), m);
-  return chunk(batch, m, 0);
+  std::vector<Tensor> micro = chunk(batch, m, 0);
+  // Rows of a sequence part are parts cut the same way: the record (shard_sequence's) goes along.
+  if (const AutogradMeta* meta = batch.impl()->autograd.get(); meta && meta->cut && batch.dim() > 1)
+    for (Tensor& t : micro) t.impl()->meta().cut = meta->cut;
+  return micro;
 }
 
 // A stage's data-parallel wrapper averages over ranks that hold the same stage: its group may
@@ -128,73 +129,8 @@ Pipeline::Pipeline(std::vector<nn::Module*> chunks, std::vector<DataParallelWrap
               group_.str(), agreed.lowest[1], agreed.highest[1], v, hint);
   WEAVE_CHECK(agreed.same(2), "Pipeline", "the stages of group {} use different schedules; {}",
               group_.str(), hint);
+  agree_on_seed();
   place_parameters();
-}
-
-void Pipeline::place_parameters() {
-  auto is_tied = [](const Tensor& p) {
-    if (const Placement* placement = placement_of(p))
-      for (const Cut& cut : placement->cuts)
-        if (cut.kind == Cut::Kind::Stage && cut.count > 1) return true;
-    return false;
-  };
-  tied_.clear();
-  for (nn::Module* chunk : chunks_)
-    for (const Tensor& p : chunk->parameters())
-      if (is_tied(p)) tied_.push_back(p);
-  // A tied parameter's gradients are summed across the ends here; a wrapper that trains tensors
-  // of its own (FSDP's shards) would never see that sum.
-  bool tied_behind_wrapper = false;
-  for (size_t c = 0; c < chunks_.size(); ++c)
-    if (wrappers_[c] && !tied_.empty())
-      for (const Tensor& p : chunks_[c]->parameters())
-        if (is_tied(p) && p.impl()->autograd && !p.impl()->meta().managed_by.empty())
-          tied_behind_wrapper = true;
-  // The ends must hold as many tied parameters, the stages between none.
-  const bool at_end = is_first() || is_last(), end = at_end && stages() > 1;
-  const int64_t n = int64_t(tied_.size()), kAbove = std::numeric_limits<int32_t>::max();
-  const detail::ValueRange tied = detail::check_together(
-      [] {}, group_, "Pipeline",
-      {end ? n : -1, end ? n : kAbove, at_end ? 0 : n, tied_behind_wrapper ? 1 : 0});
-  WEAVE_CHECK(tied.highest[3] == 0, "Pipeline",
-              "parameters tied across the first and the last stage are trained through a "
-              "wrapper's own tensors (FSDP's shards) on some stage, which the pipeline's sum of "
-              "their gradients cannot reach; hint: wrap such stages in DistributedDataParallel, "
-              "or untie the head");
-  WEAVE_CHECK(tied.highest[2] == 0 && (tied.highest[0] < 0 || tied.highest[0] == tied.lowest[1]),
-              "Pipeline",
-              "parameters tied across the first and the last stage: the ends hold {} and {}, the "
-              "stages between up to {} (this stage: {}); hint: mark the same parameters on the "
-              "first and the last stage (tie_first_and_last_stage), none between",
-              tied.lowest[1] == kAbove ? 0 : tied.lowest[1], std::max<int64_t>(tied.highest[0], 0),
-              tied.highest[2], n);
-  // The other stages hold other parameters: norms over the model add up over the group (a tied
-  // one, held twice, counts half on each end).
-  std::set<const void*> placed;
-  for (nn::Module* chunk : chunks_)
-    for (const Tensor& p : chunk->parameters()) {
-      add_cut(p, {.kind = Cut::Kind::Stage, .group = group_, .count = end && is_tied(p) ? 2 : 0});
-      placed.insert(p.impl());
-    }
-  for (DataParallelWrapper* wrapper : wrappers_)  // FSDP's shards: what its optimizer steps
-    if (wrapper)
-      for (const Tensor& t : wrapper->trained_parameters())
-        if (placed.insert(t.impl()).second)
-          add_cut(t, {.kind = Cut::Kind::Stage, .group = group_, .count = 0});
-  if (tied.highest[0] > 0)
-    tied_group_ =
-        dist::split_group(group_, {{group_.global_rank(0), group_.global_rank(stages() - 1)}});
-  else
-    tied_.clear();  // a pipeline of one stage holds its only copy
-}
-
-void Pipeline::sum_tied_gradients() {
-  if (tied_.empty() || tied_group_.rank() < 0) return;
-  NoGradGuard no_grad;
-  for (Tensor& p : tied_) {
-    if (!p.grad().defined()) p.set_grad(zeros_like(p));
-    dist::all_reduce(p.grad(), dist::ReduceOp::Sum, tied_group_);
-  }
 }
 
 namespace {
@@ -312,6 +248,7 @@ Tensor Pipeline::train_step(const nn::Inputs& step_inputs, const Tensor& targets
         chunks_.size() == 1 ? train_linked(in, target, loss) : train_interleaved(in, target, loss);
     side_losses = side.total();
   }
+  raise_if_any_stage_nonfinite();
   // Every stage's attached losses join the mean loss the last stage reports.
   dist::all_reduce(side_losses, dist::ReduceOp::Sum, group_);
   if (is_last() && side_losses.item<double>() != 0)
@@ -346,9 +283,19 @@ Tensor Pipeline::forward_chunk(int chunk, int micro, const Tensor& x) {
 void Pipeline::backward_chunk(int chunk, int micro, const Tensor& y,
                               const std::vector<Tensor>& grad_y) {
   if (!y.requires_grad()) return;
-  quiet_unless_last(wrappers_[size_t(chunk)], micro == options_.microbatches - 1, [&] {
-    autograd::backward({y}, grad_y, /*retain_graph=*/false, /*run_must_run_nodes=*/false);
-  });
+  DataParallelWrapper* wrapper = wrappers_[size_t(chunk)];
+  const bool last = micro == options_.microbatches - 1;
+  try {
+    quiet_unless_last(wrapper, last, [&] {
+      autograd::backward({y}, grad_y, /*retain_graph=*/false, /*run_must_run_nodes=*/false);
+    });
+  } catch (const Error& e) {
+    // A wrapper that found NaN or infinity in its averaged gradients raised on every rank of
+    // its group, with the backward done: the other stages still wait for this one's sends, so
+    // the schedule goes on, and every stage raises at the end of the step (train_step).
+    if (!wrapper || !last || wrapper->gradients_finite()) throw;
+    if (nonfinite_.empty()) nonfinite_ = e.what();
+  }
 }
 
 Tensor Pipeline::train_linked(const std::vector<Tensor>& in, const std::vector<Tensor>& target,

@@ -102,7 +102,10 @@ class Pipeline {
   /// activation, each micro-batch its rows: every stage passes them, as Megatron-LM's stages
   /// read them from the batch. Gradients accumulate into the stage's parameters, averaged over
   /// micro-batches (the loss is the mean of the micro-batch losses). Returns that mean loss on
-  /// the last stage, undefined elsewhere. Returns once this stage's sends are complete.
+  /// the last stage, undefined elsewhere. Returns once this stage's sends are complete. A
+  /// stage's wrapper built with check_finite that finds NaN or infinity in the step's averaged
+  /// gradients lets the schedule finish; then every rank of every stage raises, and the step
+  /// can be skipped (zero_grad) and the next one trained, as without a pipeline.
   Tensor train_step(const nn::Inputs& inputs, const Tensor& targets, const PipelineLoss& loss);
 
   /// Forward only, without a graph: the outputs [B, ...] on the last stage, undefined
@@ -137,11 +140,17 @@ class Pipeline {
 
   // Cuts this step's side inputs into its micro-batches (every stage holds them).
   void set_side_inputs(const nn::Inputs& inputs);
+  // The stages hold pieces of one model: drawn (or deferred) with one DeferredInit seed, or
+  // every stage raises.
+  void agree_on_seed();
   // Records each parameter's stage, finds the tied ones (agreed with the other stages: the
   // first and the last hold as many, the others none) and groups the two stages holding them.
   void place_parameters();
   // Adds the first and the last stage's gradients of each tied parameter.
   void sum_tied_gradients();
+  // Raises on every stage when a stage's wrapper found NaN or infinity in this step's averaged
+  // gradients (nonfinite_: its error). Collective: one agreement.
+  void raise_if_any_stage_nonfinite();
   std::vector<nn::Module*> chunks_;
   std::vector<DataParallelWrapper*> wrappers_;  // per chunk, null without one
   std::vector<Tensor> positions_, documents_;   // this step's, per micro-batch (or none)
@@ -150,6 +159,7 @@ class Pipeline {
   PipelineStats stats_;
   std::vector<Tensor> tied_;  // this stage's parameters tied across the first and last stage
   dist::Group tied_group_;    // the first and the last stage (when anything is tied)
+  std::string nonfinite_;     // this step's error of a wrapper that found NaN or infinity
 };
 
 /// Stage `stage` of `stages` of a Sequential, as a Sequential sharing its layers: contiguous
