@@ -25,11 +25,25 @@ steps=10
 # (weave-run notes signs of life to the second, and a step's checkpoint save on a busy disk,
 # with the watcher's own scheduling, left a 3 s timeout too little room: a CI run ended the
 # healthy second attempt).
+# Each line stamped as it arrives: ending the hung attempt (every process of its tree found in
+# one pass over /proc, then signalled) takes seconds, not the tens of seconds a cat per /proc
+# entry and process took. 300 idle processes make /proc as busy as a shared node's (the old
+# way took 32 s here, 7 s without them).
+sleepers=()
+for _ in $(seq 300); do sleep 600 & sleepers+=($!); done
+trap 'kill "${sleepers[@]}" 2>/dev/null; rm -rf "$work"' EXIT
 run --np 2 --max-restarts 1 --hang-timeout 5 --checkpoint-dir "$work/hung" "${mpirun[@]:1}" -- \
   "$train" --steps $steps --out "$work/hung.txt" --hang-at 3 --step-ms 700 2>&1 |
-  tee "$work/hung.log"
+  while IFS= read -r line; do printf '%(%s)T %s\n' -1 "$line"; done | tee "$work/hung.log"
 grep -q "attempt 1: no output and no heartbeat for 5 s" "$work/hung.log" ||
   fail "the hung attempt was not ended"
+declared=$(grep -m1 "looks hung; ending it" "$work/hung.log" | cut -d' ' -f1)
+relaunched=$(grep -m1 "attempt 2 of 2" "$work/hung.log" | cut -d' ' -f1)
+[ $((relaunched - declared)) -le 8 ] ||
+  fail "ending the hung attempt took $((relaunched - declared)) s"
+echo "hang: ended and relaunched $((relaunched - declared)) s after it was declared hung"
+kill "${sleepers[@]}" 2>/dev/null || true
+sleepers=()
 grep -q "attempt 2 succeeded" "$work/hung.log" || fail "no successful relaunch"
 grep -q "resumed at step 3 with 2 ranks" "$work/hung.log" || fail "did not resume at step 3"
 ! grep -q "heartbeat\] rank" "$work/hung.log" || fail "heartbeats leaked into the output"
