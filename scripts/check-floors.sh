@@ -12,6 +12,9 @@
 #                  all_reduce of its own (dist::agree_max is the one way)
 #   architectures  no class, and no file, named for an architecture outside weave/models/ (a
 #                  rotary scaling named for the model that brought it is an option, not a model)
+#   layers-once    no class in weave/parallel/ whose name without "Parallel" names a class of
+#                  weave/nn/ (a layer split over ranks is the nn/ layer with split leaves,
+#                  nn/leaves.h), the linear leaves excepted
 # The floors, lowest first (the one place they are listed):
 floors=(tensor kernels autograd ops "nn optim data" distributed parallel models util)
 # The communication backends (distributed/mpi, distributed/nccl) stand on tensor/ alone, plus
@@ -23,11 +26,11 @@ backend_allowed='^weave/(tensor/|distributed/(communicator|types)\.h)'
 # headers left at weave/parallel/*.h only forward to their new places for one release.
 parallel_floors=(core "data_parallel model_parallel checkpoint")
 strategy_folders="data_parallel model_parallel"
-# The tensor-parallel transformer layers compose tensor, context and expert parallelism; the
-# models (weave/models/, a floor above) compose the rest.
-sideways_allowed=(decentralized:topology decentralized:grad_scaler
-                  parallel_transformer:tensor_parallel parallel_transformer:context_parallel
-                  parallel_transformer:experts)
+# The layers are written once, in nn/, and each strategy supplies its own leaves (nn/leaves.h);
+# the models (weave/models/, a floor above) compose the strategies.
+sideways_allowed=(decentralized:topology decentralized:grad_scaler)
+# The linear leaves, which nn/ layers hold in place of nn::Linear, may share its name.
+layers_once_allowed='^(ColumnParallelLinear|RowParallelLinear)$'
 # Architectures (their model classes, files and Hugging Face options) live on the models floor,
 # one folder each; the floors below hold layers any architecture may use.
 architecture_names='Llama|GPT2|Mistral|Qwen'
@@ -179,8 +182,25 @@ check_architectures() {
   return $bad
 }
 
+# A layer that parallel/ writes again, where nn/ has it: the two would drift apart.
+check_layers_once() {
+  local bad=0 nn_classes class stripped
+  nn_classes=$(git ls-files 'weave/nn/*' | grep -E '\.h$' | xargs grep -ohE '^class \w+' |
+               awk '{print $2}' | sort -u)
+  while read -r class; do
+    [[ -z $class || $class =~ $layers_once_allowed ]] && continue
+    stripped=${class//Parallel/}
+    if [[ $stripped != "$class" ]] && grep -qx "$stripped" <<<"$nn_classes"; then
+      echo "parallel::$class writes nn::$stripped again: build nn::$stripped with split leaves (nn/leaves.h)"
+      bad=1
+    fi
+  done < <(git ls-files 'weave/parallel/*' | grep -E '\.h$' | xargs grep -ohE '^class \w+' |
+           awk '{print $2}' | sort -u)
+  return $bad
+}
+
 all_checks=(includes no-circle functions files examples-mesh autograd-nodes one-agreement
-            architectures)
+            architectures layers-once)
 if [[ ${1:-} == --list ]]; then printf '%s\n' "${all_checks[@]}"; exit 0; fi
 wanted=("$@")
 ((${#wanted[@]})) || wanted=("${all_checks[@]}")

@@ -2,9 +2,10 @@
 // sequences generated in the program ("3 1 4 1 5 9 2 6 | 1 1 2 3 4 5 6 9"):
 //   mpirun -np 2 tiny_transformer [--epochs 8] [--steps 100] [--lr 0.003] [--seed 0]
 //
-// Each block is a parallel::ParallelTransformerBlock: attention heads are split across the
-// ranks (one fused q/k/v projection column parallel, the output projection row parallel, causal
-// fused attention on the local heads), so are the MLP's hidden units, the token embedding
+// Each block is an nn::TransformerBlock built with tensor-parallel leaves
+// (parallel::tensor_parallel): attention heads are split across the ranks (one fused q/k/v
+// projection column parallel, the output projection row parallel, causal fused attention on the
+// local heads), so are the MLP's hidden units, the token embedding
 // (vocabulary rows) and the output layer (vocabulary columns), whose loss is the
 // vocab-parallel cross-entropy: no rank ever holds every logit. The loss counts the sorted
 // half only. Rank 0 prints one line per epoch and, last, `final_loss=... uniform=...`
@@ -57,19 +58,19 @@ class Decoder : public nn::Module {
                 "{} heads do not divide among {} ranks; hint: run with 1, 2 or 4 ranks", kHeads,
                 tp.size());
     for (int i = 0; i < layers; ++i)
-      blocks_.push_back(register_module(
-          "block" + std::to_string(i),
-          std::make_shared<parallel::ParallelTransformerBlock>(
-              kModel, kHeads, tp, parallel::ParallelTransformerBlockOptions{.hidden = kHidden})));
+      blocks_.push_back(
+          register_module("block" + std::to_string(i),
+                          std::make_shared<nn::TransformerBlock>(
+                              kModel, kHeads, nn::TransformerBlockOptions{.hidden = kHidden},
+                              nn::Leaves{.linears = parallel::tensor_parallel(tp)})));
   }
 
   /// ids [B, T] -> this rank's slice of the logits [B, T, kVocab / ranks].
   Tensor forward(const Tensor& ids) override {
     Tensor where = arange(0, double(ids.size(1)), 1, {.dtype = kInt64});
-    // the blocks take the sequence first: [T, B, kModel]
-    Tensor x = (((*tokens_)(ids) + (*positions_)(where)) * 0.5).transpose(0, 1).contiguous();
+    Tensor x = ((*tokens_)(ids) + (*positions_)(where)) * 0.5;  // [B, T, kModel]
     for (auto& block : blocks_) x = (*block)(x);
-    return (*head_)((*norm_)(x)).transpose(0, 1);
+    return (*head_)((*norm_)(x));
   }
 
  private:
@@ -77,7 +78,7 @@ class Decoder : public nn::Module {
   std::shared_ptr<nn::Embedding> positions_;
   std::shared_ptr<nn::LayerNorm> norm_;
   std::shared_ptr<parallel::ColumnParallelLinear> head_;
-  std::vector<std::shared_ptr<parallel::ParallelTransformerBlock>> blocks_;
+  std::vector<std::shared_ptr<nn::TransformerBlock>> blocks_;
 };
 
 // Loss over the sorted half: the positions from the separator on predict the next token.

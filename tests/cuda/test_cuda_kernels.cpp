@@ -29,7 +29,7 @@ struct AttentionCase {
 };
 
 /// q, k, v of the case as strided views of one fused [B, T, 3, H, D] projection (as
-/// ParallelAttention makes them), or of separate tensors when tq != tk or the heads group.
+/// a fused q/k/v projection makes them), or of separate tensors when tq != tk or the heads group.
 std::array<Tensor, 3> attention_inputs(const AttentionCase& c, Generator& g) {
   if (c.kv_heads > 0 && c.kv_heads != c.heads)
     return {randn({c.batch, c.heads, c.tq, c.d}, {.dtype = kFloat64}, &g),

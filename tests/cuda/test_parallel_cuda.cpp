@@ -169,10 +169,13 @@ TEST_SUITE("cuda_parallel") {
       check_same_on_gpu([&](Device d) {
         const dist::Group tp = dist::world();
         Generator g(21);
+        // [T, hidden]: the sequence on axis 0
         parallel::ColumnParallelLinear fc1(
-            6, 4 * n, tp, {.sequence_parallel = sequence_parallel, .generator = &g});
-        parallel::RowParallelLinear fc2(4 * n, 3, tp,
-                                        {.sequence_parallel = sequence_parallel, .generator = &g});
+            6, 4 * n, tp,
+            {.sequence_parallel = sequence_parallel, .sequence_axis = 0, .generator = &g});
+        parallel::RowParallelLinear fc2(
+            4 * n, 3, tp,
+            {.sequence_parallel = sequence_parallel, .sequence_axis = 0, .generator = &g});
         for (nn::Module* m : {static_cast<nn::Module*>(&fc1), static_cast<nn::Module*>(&fc2)}) {
           m->to(kFloat64);
           m->to(d);

@@ -96,12 +96,13 @@ TEST_SUITE("activation_checkpoint") {
     for (bool sp : {false, true}) {
       CAPTURE(sp);
       auto run = [&](bool checkpointed) {
-        parallel::ParallelTransformerBlock block(
-            dim, heads, tp, {.hidden = 16, .dropout = 0.2, .sequence_parallel = sp});
+        nn::TransformerBlock block(
+            dim, heads, {.hidden = 16, .dropout = 0.2},
+            {.linears = parallel::tensor_parallel(tp, {.sequence_parallel = sp})});
         block.to(kFloat64);
         randomize(block, 9 + uint64_t(tp.rank()));  // shards differ per rank
-        Tensor x = shared_randn({t, b, dim}, 3);
-        if (sp) x = x.narrow(0, tp.rank() * (t / tp.size()), t / tp.size()).contiguous();
+        Tensor x = shared_randn({b, t, dim}, 3);
+        if (sp) x = x.narrow(1, tp.rank() * (t / tp.size()), t / tp.size()).contiguous();
         x.requires_grad_(true);
         manual_seed(21);  // replicated dropout draws the same masks on every rank
         Tensor out = checkpointed

@@ -312,8 +312,9 @@ TEST_SUITE("fsdp") {
       manual_seed(5 + uint64_t(dist::rank()));  // each tensor rank's shards; data rank 0's win
       auto model = std::make_shared<nn::Sequential>();
       for (int l = 0; l < 2; ++l)
-        model->push_back(std::make_shared<parallel::ParallelTransformerBlock>(
-            dim, heads, mesh.tensor(), parallel::ParallelTransformerBlockOptions{.hidden = 16}));
+        model->push_back(std::make_shared<nn::TransformerBlock>(
+            dim, heads, nn::TransformerBlockOptions{.hidden = 16},
+            nn::Leaves{.linears = parallel::tensor_parallel(mesh.tensor())}));
       model->to(kFloat64);
       return model;
     };

@@ -124,4 +124,59 @@ TEST_SUITE("model_parallel") {
     CHECK_THROWS_WITH_AS(model->forward_cached(from_vector<int64_t>({1, 2}, {1, 2}), caches),
                          doctest::Contains("not split along the sequence"), Error);
   }
+
+  TEST_CASE("GPT2 and Llama over a context group, without a tensor group, equal one process") {
+    const int n = dist::world_size();
+    const parallel::ProcessMesh mesh({.context = n});
+    const int64_t t = 2 * n * (16 / (2 * n));  // divides into 2n zig-zag chunks, <= 16 positions
+    Generator g(19);
+    const Tensor tokens = randint(0, kVocab, {2, t}, {.dtype = kInt64}, &g);
+    const Tensor targets = randint(0, kVocab, {2, t}, {.dtype = kInt64}, &g);
+    for (const std::string arch : {"gpt2", "llama"}) {
+      CAPTURE(arch);
+      auto make = [&](const models::ModelSplit& split) -> std::shared_ptr<nn::CausalLM> {
+        std::shared_ptr<nn::CausalLM> model;
+        {
+          nn::DeferredInit deferred(48);
+          if (arch == "gpt2")
+            model = std::make_shared<models::GPT2>(original_gpt(), split);
+          else
+            model = std::make_shared<models::Llama>(
+                models::LlamaOptions{.vocab = kVocab,
+                                     .dim = 24,
+                                     .layers = 2,
+                                     .block = {.heads = 4, .kv_heads = 2, .hidden = 32}},
+                split);
+        }
+        model->to(kFloat64);
+        nn::materialize(*model);
+        return model;
+      };
+      auto whole = make({});
+      const Tensor whole_loss =
+          cross_entropy((*whole)(tokens).reshape({-1, kVocab}), targets.reshape({-1}));
+      whole_loss.backward();
+      const models::ModelSplit split{.context_group = mesh.context()};
+      CHECK(!split.tensor);
+      auto mine = make(split);
+      // Each rank's mean over its positions, over n: the ranks' losses add up to the whole's.
+      const Tensor loss =
+          split.cross_entropy((*mine)(split.local_inputs(tokens)), split.local_sequence(targets)) /
+          double(n);
+      Tensor total = loss.detach().clone();
+      dist::all_reduce(total, dist::ReduceOp::Sum, mesh.context());
+      CHECK(close(total, whole_loss, 1e-12));
+      loss.backward();
+      const auto want = whole->named_parameters();
+      const auto got = mine->named_parameters();
+      REQUIRE(got.size() == want.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        const std::string name = got[i].first;
+        CAPTURE(name);
+        Tensor grad = got[i].second.grad().clone();  // this rank's positions' part
+        dist::all_reduce(grad, dist::ReduceOp::Sum, mesh.context());
+        CHECK(close(grad, want[i].second.grad(), 1e-12));
+      }
+    }
+  }
 }

@@ -277,8 +277,10 @@ TEST_SUITE("model_parallel") {
     const dist::Group tp = dist::world();
     manual_seed(21);
     parallel::SequenceParallelLayerNorm norm({6}, tp);
-    parallel::ColumnParallelLinear column(6, 12, tp, {.sequence_parallel = true});
-    parallel::RowParallelLinear row(12, 6, tp, {.sequence_parallel = true});
+    // sequence first (the transformer layers' leaves cut dim 1 of [B, T, hidden] instead)
+    parallel::ColumnParallelLinear column(6, 12, tp,
+                                          {.sequence_parallel = true, .sequence_axis = 0});
+    parallel::RowParallelLinear row(12, 6, tp, {.sequence_parallel = true, .sequence_axis = 0});
     for (nn::Module* m : std::initializer_list<nn::Module*>{&norm, &column, &row}) m->to(kFloat64);
     manual_seed(21);
     nn::LayerNorm ref_norm({6});
@@ -321,25 +323,27 @@ TEST_SUITE("model_parallel") {
     sum(ref_out * w_bt).backward();
     nn::NamedTensors ref_grads;
     for (const auto& [name, p] : ref.named_parameters()) ref_grads.emplace_back(name, p.grad());
-    const Tensor x = x_bt.transpose(0, 1), w = w_bt.transpose(0, 1);  // sequence first
+    const Tensor& x = x_bt;
+    const Tensor& w = w_bt;
 
     for (bool sp : {false, true}) {
       CAPTURE(sp);
-      parallel::ParallelTransformerBlock block(dim, heads, tp,
-                                               {.hidden = hidden, .sequence_parallel = sp});
+      nn::TransformerBlock block(
+          dim, heads, {.hidden = hidden},
+          {.linears = parallel::tensor_parallel(tp, {.sequence_parallel = sp})});
       block.to(kFloat64);
       block.load_state_dict(parallel::shard_state_dict(ref.state_dict(), block));
       check_state_equal(parallel::gather_state_dict(block), ref.state_dict(), 0);
       CHECK(block.attention->local_heads() == heads / tp.size());
       // with sequence parallelism each rank holds (and its loss covers) its slice of the
       // sequence; without, the loss is replicated and counted once
-      Tensor my_x = leaf(sp ? piece(x, 0, tp) : x);
+      Tensor my_x = leaf(sp ? piece(x, 1, tp) : x);
       Tensor out = block(my_x);
-      const Tensor expected = ref_out.detach().transpose(0, 1);
-      CHECK(close(out, sp ? piece(expected, 0, tp) : expected));
-      sum(out * (sp ? piece(w, 0, tp) : w)).backward();
-      const Tensor expected_dx = ref_x.grad().transpose(0, 1);
-      CHECK(close(my_x.grad(), sp ? piece(expected_dx, 0, tp) : expected_dx));
+      const Tensor expected = ref_out.detach();
+      CHECK(close(out, sp ? piece(expected, 1, tp) : expected));
+      sum(out * (sp ? piece(w, 1, tp) : w)).backward();
+      const Tensor expected_dx = ref_x.grad();
+      CHECK(close(my_x.grad(), sp ? piece(expected_dx, 1, tp) : expected_dx));
       nn::NamedTensors grads;
       for (const auto& [name, p] : block.named_parameters()) grads.emplace_back(name, p.grad());
       check_state_equal(grads, parallel::shard_state_dict(ref_grads, block));
@@ -348,21 +352,23 @@ TEST_SUITE("model_parallel") {
 
     // Decoding with a KV cache on the local heads: position by position equals the whole
     // causal sequence at once.
-    parallel::ParallelTransformerBlock block(dim, heads, tp, {.hidden = hidden});
+    nn::TransformerBlock block(dim, heads, {.hidden = hidden},
+                               {.linears = parallel::tensor_parallel(tp)});
     block.to(kFloat64);
     block.load_state_dict(parallel::shard_state_dict(ref.state_dict(), block));
     NoGradGuard no_grad;
     nn::KVCache cache(t);
     std::vector<Tensor> steps;
-    steps.push_back(block.forward(x.narrow(0, 0, 5), cache));
-    for (int64_t i = 5; i < t; ++i) steps.push_back(block.forward(x.narrow(0, i, 1), cache));
-    CHECK(close(cat(steps, 0), ref_out.detach().transpose(0, 1)));
+    steps.push_back(block.forward(nn::Inputs(x.narrow(1, 0, 5)), cache));
+    for (int64_t i = 5; i < t; ++i)
+      steps.push_back(block.forward(nn::Inputs(x.narrow(1, i, 1)), cache));
+    CHECK(close(cat(steps, 1), ref_out.detach()));
   }
 
   // The gated MLP's gate and up rows split alike (column-parallel, one GEMM), down row-parallel:
   // built from the same seed it equals nn::GatedMLP, with and without sequence parallelism, and
   // gather_state_dict gives back the unsharded one's state.
-  TEST_CASE("ParallelGatedMLP equals GatedMLP") {
+  TEST_CASE("GatedMLP split over a tensor group equals GatedMLP") {
     const dist::Group tp = dist::world();
     const int n = tp.size();
     const int64_t dim = 10, hidden = 6 * n, t = 2 * n, b = 3;
@@ -372,21 +378,21 @@ TEST_SUITE("model_parallel") {
         manual_seed(61);
         nn::GatedMLP ref(dim, hidden, {.activation = activation, .bias = true});
         manual_seed(61);
-        parallel::ParallelGatedMLP mlp(
-            dim, hidden, tp,
-            {.activation = activation, .bias = true, .sequence_parallel = sequence_parallel});
+        nn::GatedMLP mlp(
+            dim, hidden, {.activation = activation, .bias = true},
+            {.linears = parallel::tensor_parallel(tp, {.sequence_parallel = sequence_parallel})});
         ref.to(kFloat64);
         mlp.to(kFloat64);
         check_state_equal(parallel::gather_state_dict(mlp), ref.state_dict(), 0);
-        const Tensor x = shared_randn({t, b, dim}, 62), w = shared_randn({t, b, dim}, 63);
+        const Tensor x = shared_randn({b, t, dim}, 62), w = shared_randn({b, t, dim}, 63);
         Tensor ref_x = leaf(x);
         Tensor ref_y = ref(ref_x);
         sum(ref_y * w).backward();
-        Tensor my_x = leaf(sequence_parallel ? piece(x, 0, tp) : x);
+        Tensor my_x = leaf(sequence_parallel ? piece(x, 1, tp) : x);
         Tensor y = mlp(my_x);
-        CHECK(close(y, sequence_parallel ? piece(ref_y.detach(), 0, tp) : ref_y.detach(), 1e-12));
-        sum(y * (sequence_parallel ? piece(w, 0, tp) : w)).backward();
-        CHECK(close(my_x.grad(), sequence_parallel ? piece(ref_x.grad(), 0, tp) : ref_x.grad(),
+        CHECK(close(y, sequence_parallel ? piece(ref_y.detach(), 1, tp) : ref_y.detach(), 1e-12));
+        sum(y * (sequence_parallel ? piece(w, 1, tp) : w)).backward();
+        CHECK(close(my_x.grad(), sequence_parallel ? piece(ref_x.grad(), 1, tp) : ref_x.grad(),
                     1e-12));
         CHECK(close(mlp.gate_up.grad(), piece(ref.gate_up.grad(), 1, tp), 1e-12));
         CHECK(close(mlp.gate_up_bias.grad(), piece(ref.gate_up_bias.grad(), 1, tp), 1e-12));
@@ -395,36 +401,39 @@ TEST_SUITE("model_parallel") {
       }
     }
     if (n > 1)
-      CHECK_THROWS_WITH_AS(parallel::ParallelGatedMLP(dim, 2 * n + 1, tp),
-                           doctest::Contains("does not divide among the"), Error);
+      CHECK_THROWS_WITH_AS(
+          nn::GatedMLP(dim, 2 * n + 1, {}, {.linears = parallel::tensor_parallel(tp)}),
+          doctest::Contains("does not divide among"), Error);
   }
 
-  TEST_CASE("ParallelAttention and ParallelMLP alone; bad shapes fail on every rank") {
+  TEST_CASE("MultiheadAttention and MLP split alone; bad shapes fail on every rank") {
     const dist::Group tp = dist::world();
     const int n = tp.size();
     const int64_t dim = 24, heads = 12, t = 4 * n, b = 3;
     nn::MultiheadAttention ref_attention(dim, heads);  // not causal
     nn::MLP ref_mlp(dim, 8 * n, {.tanh_gelu = true});
-    parallel::ParallelAttention attention(dim, heads, tp, {.sequence_parallel = true});
-    parallel::ParallelMLP mlp(dim, 8 * n, tp, {.tanh_gelu = true});
+    nn::MultiheadAttention attention(
+        dim, heads, {}, {.linears = parallel::tensor_parallel(tp, {.sequence_parallel = true})});
+    nn::MLP mlp(dim, 8 * n, {.tanh_gelu = true}, {.linears = parallel::tensor_parallel(tp)});
     for (nn::Module* m :
          std::initializer_list<nn::Module*>{&ref_attention, &ref_mlp, &attention, &mlp})
       m->to(kFloat64);
     attention.load_state_dict(parallel::shard_state_dict(ref_attention.state_dict(), attention));
     mlp.load_state_dict(parallel::shard_state_dict(ref_mlp.state_dict(), mlp));
     const Tensor x_bt = shared_randn({b, t, dim}, 46), w_bt = shared_randn({b, t, dim}, 47);
-    const Tensor x = x_bt.transpose(0, 1), w = w_bt.transpose(0, 1);
+    const Tensor& x = x_bt;
+    const Tensor& w = w_bt;
 
     // sequence-parallel attention: each rank's slice of the sequence in and out
     // (each reference runs its backward first: a backward also runs the collectives that
     // earlier forwards left pending, which would consume the parallel graph's)
-    Tensor ref_x = leaf(x_bt), my_x = leaf(piece(x, 0, tp));
+    Tensor ref_x = leaf(x_bt), my_x = leaf(piece(x, 1, tp));
     Tensor ref_out = ref_attention(ref_x);
     sum(ref_out * w_bt).backward();
     Tensor out = attention(my_x);
-    CHECK(close(out, piece(ref_out.detach().transpose(0, 1), 0, tp)));
-    sum(out * piece(w, 0, tp)).backward();
-    CHECK(close(my_x.grad(), piece(ref_x.grad().transpose(0, 1), 0, tp)));
+    CHECK(close(out, piece(ref_out.detach(), 1, tp)));
+    sum(out * piece(w, 1, tp)).backward();
+    CHECK(close(my_x.grad(), piece(ref_x.grad(), 1, tp)));
     CHECK(close(attention.qkv->weight.grad(), piece(ref_attention.qkv->weight.grad(), 0, tp)));
     CHECK(close(attention.qkv->bias.grad(), piece(ref_attention.qkv->bias.grad(), 0, tp)));
     CHECK(close(attention.out->weight.grad(), piece(ref_attention.out->weight.grad(), 1, tp)));
@@ -435,9 +444,9 @@ TEST_SUITE("model_parallel") {
     Tensor ref_y = ref_mlp(ref_h);
     sum(ref_y * w_bt).backward();
     Tensor y = mlp(my_h);
-    CHECK(close(y, ref_y.detach().transpose(0, 1)));
+    CHECK(close(y, ref_y.detach()));
     sum(y * w).backward();
-    CHECK(close(my_h.grad(), ref_h.grad().transpose(0, 1)));
+    CHECK(close(my_h.grad(), ref_h.grad()));
     CHECK(close(mlp.fc1->weight.grad(), piece(ref_mlp.fc1->weight.grad(), 0, tp)));
     CHECK(close(mlp.fc1->bias.grad(), piece(ref_mlp.fc1->bias.grad(), 0, tp)));
     CHECK(close(mlp.fc2->weight.grad(), piece(ref_mlp.fc2->weight.grad(), 1, tp)));
@@ -445,13 +454,15 @@ TEST_SUITE("model_parallel") {
 
     // Bad input raises on every rank, before any collective (no rank is left waiting).
     if (n > 1)
-      CHECK_THROWS_WITH_AS(parallel::ParallelAttention(2 * (n + 1), n + 1, tp),
-                           doctest::Contains("heads do not divide among the"), Error);
-    CHECK_THROWS_WITH_AS(attention(randn({t, b, dim + 1}, {.dtype = kFloat64})),
-                         doctest::Contains("expected input [T, B, 24] (sequence first)"), Error);
+      CHECK_THROWS_WITH_AS(nn::MultiheadAttention(2 * (n + 1), n + 1, {},
+                                                  {.linears = parallel::tensor_parallel(tp)}),
+                           doctest::Contains("heads do not divide among"), Error);
+    CHECK_THROWS_WITH_AS(attention(randn({b, t, dim + 1}, {.dtype = kFloat64})),
+                         doctest::Contains("expected input [B, T, 24]"), Error);
     nn::KVCache cache(8);
-    CHECK_THROWS_WITH_AS(attention.forward(my_x, cache),
-                         doctest::Contains("decoding with a KV cache needs the whole sequence"),
+    CHECK_THROWS_WITH_AS(attention.forward(nn::Inputs(my_x), cache),
+                         doctest::Contains("decoding with a key/value cache needs the whole "
+                                           "sequence"),
                          Error);
     CHECK(autograd::must_run_pending() == 0);
   }

@@ -54,9 +54,9 @@ TEST_SUITE("model_parallel") {
       models::LlamaBlock block(dim, whole, {.tensor = tp});
       ref.to(kFloat64);
       block.to(kFloat64);
-      const auto& a = static_cast<const parallel::ParallelGroupedQueryAttention&>(*block.attention);
-      const auto& r = static_cast<const nn::GroupedQueryAttention&>(*ref.attention);
-      CHECK(a.replicates_kv() == (kv_heads % n != 0));
+      const nn::GroupedQueryAttention &a = *block.attention, &r = *ref.attention;
+      const bool replicated = kv_heads % n != 0;  // every rank holds the whole kv
+      CHECK(a.kv.size(1) == (replicated ? r.kv.size(1) : r.kv.size(1) / n));
       const nn::NamedTensors gathered = parallel::gather_state_dict(block), want = ref.state_dict();
       REQUIRE(gathered.size() == want.size());
       for (size_t i = 0; i < want.size(); ++i) CHECK(close(gathered[i].second, want[i].second, 0));
@@ -70,10 +70,9 @@ TEST_SUITE("model_parallel") {
       sum(y * w).backward();
       CHECK(close12(my_x.grad(), ref_x.grad()));
       CHECK(close12(a.q->weight.grad(), piece(r.q->weight.grad(), 0, tp)));
-      CHECK(close12(a.kv.grad(), a.replicates_kv() ? r.kv.grad() : piece(r.kv.grad(), 1, tp)));
+      CHECK(close12(a.kv.grad(), replicated ? r.kv.grad() : piece(r.kv.grad(), 1, tp)));
       CHECK(close12(a.out->weight.grad(), piece(r.out->weight.grad(), 1, tp)));
-      const auto& mlp = static_cast<const parallel::ParallelGatedMLP&>(*block.mlp);
-      const auto& ref_mlp = static_cast<const nn::GatedMLP&>(*ref.mlp);
+      const nn::GatedMLP &mlp = *block.mlp, &ref_mlp = *ref.mlp;
       CHECK(close12(mlp.gate_up.grad(), piece(ref_mlp.gate_up.grad(), 1, tp)));
       CHECK(close12(mlp.down->weight.grad(), piece(ref_mlp.down->weight.grad(), 1, tp)));
       CHECK(close12(block.norm1->weight.grad(), ref.norm1->weight.grad()));
@@ -81,9 +80,9 @@ TEST_SUITE("model_parallel") {
       CHECK(autograd::must_run_pending() == 0);
     }
     if (n == 4)  // 3 key/value heads neither divide among 4 ranks nor the ranks among them
-      CHECK_THROWS_WITH_AS(
-          parallel::ParallelGroupedQueryAttention(24, tp, {.heads = 12, .kv_heads = 3}),
-          doctest::Contains("key/value heads divide among them"), Error);
+      CHECK_THROWS_WITH_AS(nn::GroupedQueryAttention(24, {.heads = 12, .kv_heads = 3},
+                                                     {.linears = parallel::tensor_parallel(tp)}),
+                           doctest::Contains("key/value heads divide among them"), Error);
   }
 }
 
@@ -193,7 +192,7 @@ TEST_SUITE("experts") {
                               ? *static_cast<models::LlamaBlock&>(
                                      (*static_cast<models::Llama&>(*split).blocks)[size_t(i)])
                                      .moe
-                              : *static_cast<parallel::ParallelTransformerBlock&>(
+                              : *static_cast<nn::TransformerBlock&>(
                                      (*static_cast<models::GPT2&>(*split).blocks)[size_t(i)])
                                      .moe;
         nn::MoEOptions options = *experts.moe;
@@ -242,7 +241,7 @@ TEST_SUITE("context_parallel") {
     manual_seed(91);
     models::Llama model(
         {.vocab = vocab, .dim = 16, .layers = 2, .block = {.heads = 4, .hidden = 32}},
-        {.tensor = mesh.tensor(), .gather_logits = true, .context_group = mesh.context()});
+        {.context_group = mesh.context()});  // no tensor group: whole linears
     model.to(kFloat64);
     NoGradGuard no_grad;
     Generator g(92);
@@ -271,7 +270,7 @@ TEST_SUITE("context_parallel") {
     manual_seed(91);
     models::Llama model(
         {.vocab = vocab, .dim = 16, .layers = 1, .block = {.heads = 4, .hidden = 32}},
-        {.tensor = mesh.tensor(), .gather_logits = true, .context_group = cp});  // zig-zag
+        {.context_group = cp});  // zig-zag
     model.to(kFloat64);
     NoGradGuard no_grad;
     Generator g(93);
@@ -305,7 +304,7 @@ TEST_SUITE("context_parallel") {
     if (n % 2 != 0) return;
     const parallel::ProcessMesh mesh({.data = n / 2, .context = 2});
     models::Llama model({.vocab = 16, .dim = 16, .layers = 1, .block = {.heads = 4, .hidden = 32}},
-                        {.tensor = mesh.tensor(), .context_group = mesh.context()});
+                        {.context_group = mesh.context()});
     CHECK_THROWS_WITH_AS(parallel::DistributedDataParallel(model, {.group = mesh.data()}),
                          doctest::Contains("hint: wrap over mesh.data_and_context()"), Error);
     CHECK_THROWS_WITH_AS(parallel::FullyShardedDataParallel(model, {.group = mesh.data()}),
@@ -314,7 +313,7 @@ TEST_SUITE("context_parallel") {
     CHECK(ddp.group().size() == n);
   }
 
-  TEST_CASE("ParallelLlamaBlock over a context group equals LlamaBlock on the whole window") {
+  TEST_CASE("LlamaBlock over a context group (no tensor group) equals it on the whole window") {
     const int n = dist::world_size();
     const parallel::ProcessMesh mesh({.context = n});
     const dist::Group& cp = mesh.context();
@@ -329,11 +328,9 @@ TEST_SUITE("context_parallel") {
         manual_seed(81);
         models::LlamaBlock ref(dim, {.heads = heads, .kv_heads = kv_heads});
         manual_seed(81);
-        models::LlamaBlock block(dim, {.heads = heads, .kv_heads = kv_heads},
-                                 {.tensor = mesh.tensor(),
-                                  .context_group = cp,
-                                  .context_mode = mode,
-                                  .context_layout = layout});
+        models::LlamaBlock block(
+            dim, {.heads = heads, .kv_heads = kv_heads},
+            {.context_group = cp, .context_mode = mode, .context_layout = layout});
         ref.to(kFloat64);
         block.to(kFloat64);
         auto part = [&](const Tensor& whole) {
@@ -398,7 +395,7 @@ TEST_SUITE("context_parallel") {
       const models::ModelSplit s = models::ModelSplit::from_mesh(staged);
       CHECK(s.stages == 2);
       CHECK(s.stage == staged.pipeline_rank());
-      CHECK(s.tensor->size() == 1);
+      CHECK(!s.tensor);  // no tensor ranks: whole linears
       CHECK(s.context_group.has_value() == (n > 2));
     }
   }

@@ -464,10 +464,10 @@ TEST_SUITE("llama_ops") {
     models::Llama model(llama);
     CHECK_WEAVE_ERROR(model.forward_cached(tokens, one), "Llama",
                       "expected a cache per block (2), found 1");
-    // Mixture-of-experts blocks of GPT-2 are the tensor-parallel ones.
-    CHECK_WEAVE_ERROR(
-        models::GPT2(gpt2,
-                     {.moe = nn::MoEOptions{.hidden = 16, .ffn = 8, .router = {.experts = 2}}}),
-        "GPT2", "mixture-of-experts blocks are the tensor-parallel ones");
+    // GPT-2's blocks take experts without a tensor group (nn::TransformerBlock's own).
+    models::GPT2 experts(
+        gpt2, {.moe = nn::MoEOptions{.hidden = 16, .ffn = 8, .router = {.experts = 2}}});
+    CHECK(experts(tokens).shape() == Shape{tokens.size(0), tokens.size(1), gpt2.vocab});
+    CHECK(experts.aux_loss().defined());
   }
 }

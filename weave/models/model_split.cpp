@@ -4,6 +4,7 @@
 #include "weave/ops/ops.h"
 #include "weave/ops/side_loss.h"
 #include "weave/parallel/core/placement.h"
+#include "weave/parallel/model_parallel/experts.h"
 #include "weave/parallel/model_parallel/tensor_parallel.h"
 
 namespace weave::models {
@@ -13,7 +14,7 @@ ModelSplit ModelSplit::from_mesh(const parallel::ProcessMesh& mesh, ModelSplit b
   const bool split =
       shape.tensor > 1 || shape.context > 1 || shape.pipeline > 1 || shape.expert > 1 || base.moe;
   if (!split) return base;
-  base.tensor = mesh.tensor();
+  base.tensor = shape.tensor > 1 ? std::optional(mesh.tensor()) : std::nullopt;
   base.context_group = shape.context > 1 ? std::optional(mesh.context()) : std::nullopt;
   base.stage = mesh.pipeline_rank();
   base.stages = shape.pipeline;
@@ -33,6 +34,16 @@ std::optional<parallel::ContextSplit> ModelSplit::context() const {
   return parallel::ContextSplit{*context_group, context_mode, context_layout};
 }
 
+nn::Leaves ModelSplit::leaves() const {
+  nn::Leaves leaves;
+  if (tensor)
+    leaves.linears = parallel::tensor_parallel(*tensor, {.sequence_parallel = sequence_parallel});
+  if (context_group) leaves.attention = parallel::context_parallel(*context());
+  if (expert_group || balance_group)
+    leaves.experts = parallel::spread_experts(expert_group, balance_group);
+  return leaves;
+}
+
 std::optional<nn::MoEOptions> ModelSplit::block_experts(int64_t index) const {
   if (!moe) return std::nullopt;
   nn::MoEOptions options = *moe;
@@ -48,10 +59,6 @@ void ModelSplit::check(const char* model, int64_t layers) const {
   WEAVE_CHECK(stages >= 1 && stage >= 0 && stage < stages && layers >= stages, model,
               "expected stage s of S stages, 0 <= s < S <= layers ({}), found stage {} of {}",
               layers, stage, stages);
-  WEAVE_CHECK(!context_group || tensor, model,
-              "a context split needs a tensor group (its attention layers are the "
-              "tensor-parallel ones; a group of this rank alone will do); hint: "
-              "ModelSplit::from_mesh sets both");
   WEAVE_CHECK(!sequence_parallel || (tensor && !context_group && !moe), model,
               "sequence parallelism splits the sequence over a tensor group, and needs whole "
               "sequences for experts and context parallelism; found a tensor group: {}, a "

@@ -1,8 +1,9 @@
 #pragma once
 // How a model of weave/models is split over ranks: one value, empty on one process and made from
-// a ProcessMesh in one call. The model reads it to pick its layers: whole ones (nn/) without a
-// tensor group, their tensor-parallel counterparts (parallel/model_parallel/) with one, each
-// layer holding the slices of the whole layer under the same parameter names.
+// a ProcessMesh in one call. The model builds its layers (written once, in nn/) with the leaves
+// the split gives (leaves(): tensor-parallel linears, context-parallel attention, experts spread
+// over ranks; nn/leaves.h), each layer holding the slices of the whole layer under the same
+// parameter names.
 //
 //   models::Llama whole(options);                                          // one process
 //   models::Llama part(options, models::ModelSplit::from_mesh(mesh));      // this rank's part
@@ -10,6 +11,7 @@
 #include <optional>
 #include <utility>
 
+#include "weave/nn/leaves.h"
 #include "weave/nn/module.h"
 #include "weave/nn/moe.h"
 #include "weave/parallel/core/mesh.h"
@@ -29,9 +31,9 @@ struct ModelSplit {
   /// hidden states between pipeline stages are this rank's part [B, T / n, dim]. Decoding
   /// raises; without context parallelism or experts, which need whole sequences (GPT-2's).
   bool sequence_parallel = false;
-  /// Context parallelism (needs a tensor group, one rank will do): each rank of this group
-  /// passes its part of every sequence (parallel::shard_sequence(tokens, 1, group, layout)) and
-  /// gets that part's logits, positions taken from the part's place. Decoding raises.
+  /// Context parallelism: each rank of this group passes its part of every sequence
+  /// (local_inputs, or parallel::shard_sequence(tokens, 1, group, layout)) and gets that part's
+  /// logits, positions taken from the part's place. Decoding raises.
   std::optional<dist::Group> context_group = std::nullopt;
   parallel::ContextParallelMode context_mode = parallel::ContextParallelMode::Ring;
   parallel::SequenceLayout context_layout = parallel::SequenceLayout::ZigZag;
@@ -50,23 +52,27 @@ struct ModelSplit {
   std::optional<dist::Group> expert_group = std::nullopt;
   std::optional<dist::Group> balance_group = std::nullopt;
 
-  /// This rank's split in `mesh`: its tensor group (whenever the mesh splits the model in any
-  /// way, or `base` has experts), its context group and pipeline stage, its expert group and
-  /// the data x context ranks that balance the experts; the rest (experts' options, context
-  /// mode and layout, gather_logits) from `base`. Empty for a mesh of data parallelism alone.
+  /// This rank's split in `mesh`: its tensor group (when the mesh has tensor ranks), its context
+  /// group and pipeline stage, its expert group and the data x context ranks that balance the
+  /// experts; the rest (experts' options, context mode and layout, gather_logits,
+  /// sequence_parallel) from `base`. Empty for a mesh of data parallelism alone.
   static ModelSplit from_mesh(const parallel::ProcessMesh& mesh, ModelSplit base);
   static ModelSplit from_mesh(const parallel::ProcessMesh& mesh);
 
   /// The context split of the attention layers, or none.
   std::optional<parallel::ContextSplit> context() const;
+  /// The leaves the model's layers are built with (nn/leaves.h): tensor-parallel linears over
+  /// `tensor` (with sequence_parallel), context-parallel attention over `context_group`, experts
+  /// spread over `expert_group` and balanced over `balance_group`; whole where unset.
+  nn::Leaves leaves() const;
   /// Block `index`'s experts (its own seed), or none.
   std::optional<nn::MoEOptions> block_experts(int64_t index) const;
   /// The blocks [first, last) this stage holds of a model of `layers`.
   std::pair<int64_t, int64_t> stage_blocks(int64_t layers) const;
   bool first_stage() const { return stage == 0; }
   bool last_stage() const { return stage == stages - 1; }
-  /// Raises, naming `model`, for a stage outside [0, stages), more stages than layers, or a
-  /// context group without a tensor group.
+  /// Raises, naming `model`, for a stage outside [0, stages), more stages than layers, or
+  /// sequence parallelism it cannot take.
   void check(const char* model, int64_t layers) const;
   /// Raises, naming `model`, unless key/value caches can decode with this split (no pipeline
   /// stages, no context group) and there is one cache per block.

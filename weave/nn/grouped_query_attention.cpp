@@ -11,27 +11,44 @@ constexpr const char* kAttention = "GroupedQueryAttention";
 
 }  // namespace
 
-GroupedQueryAttention::GroupedQueryAttention(int64_t dim, GroupedQueryAttentionOptions options)
-    : kv(register_parameter("kv", Tensor())),
+GroupedQueryAttention::GroupedQueryAttention(int64_t dim, GroupedQueryAttentionOptions options,
+                                             Leaves leaves)
+    : CachedModule("GroupedQueryAttention"),
+      kv(register_parameter("kv", Tensor())),
       kv_bias(register_parameter("kv_bias", Tensor())),
       dim_(dim),
       head_dim_(0),
       kv_heads_(options.kv_heads == 0 ? options.heads : options.kv_heads),
-      options_(options) {
+      local_heads_(0),
+      options_(options),
+      leaves_(std::move(leaves)) {
   WEAVE_CHECK(options.heads > 0 && dim > 0 && dim % options.heads == 0, kAttention,
               "dim {} must be a positive multiple of heads {}", dim, options.heads);
   WEAVE_CHECK(kv_heads_ > 0 && options.heads % kv_heads_ == 0, kAttention,
               "kv_heads {} must divide heads {} (each key/value head serves a whole group of "
               "query heads)",
               kv_heads_, options.heads);
+  const Linears& linears = leaves_.linear();
+  const int64_t parts = linears.parts();
+  WEAVE_CHECK(options.heads % parts == 0 && (kv_heads_ % parts == 0 || parts % kv_heads_ == 0),
+              kAttention,
+              "{} query heads and {} key/value heads over {} ranks: the query heads must divide "
+              "among the ranks, and the key/value heads divide among them or the ranks among the "
+              "key/value heads; hint: a tensor-parallel size that divides both, or a multiple of "
+              "kv_heads",
+              options.heads, kv_heads_, parts);
+  leaves_.core().check(kAttention, /*decoding=*/false, options.dropout > 0);
   head_dim_ = dim / options.heads;
-  q = register_module("q", std::make_shared<Linear>(dim, dim, options.bias, options.generator));
-  StackedProjection projection =
-      stacked_projection(dim, kv_heads_ * head_dim_, options.bias, options.generator);
-  kv = projection.weight;
-  kv_bias = projection.bias;
-  out = register_module("out",
-                        std::make_shared<Linear>(dim, dim, options.out_bias, options.generator));
+  local_heads_ = options.heads / parts;
+  // The whole layer's initialization, in its order (q, kv, out), then cut.
+  q = register_module("q", linears.column(dim, dim, options.bias, options.generator));
+  auto [projection, layout] =
+      linears.key_values(dim, options.heads, kv_heads_, head_dim_, options.bias, options.generator);
+  kv = register_value(projection.weight, "kv");
+  kv_bias = register_value(projection.bias, "kv_bias");
+  kv_layout_ = layout;
+  out = register_module("out", linears.row(dim, dim, options.out_bias, options.generator));
+  leaves_.core().place(*this);
 }
 
 Tensor GroupedQueryAttention::forward(const Tensor& x) {
@@ -43,6 +60,11 @@ Tensor GroupedQueryAttention::forward_inputs(const Inputs& inputs) {
 }
 
 Tensor GroupedQueryAttention::forward(const Inputs& inputs, KVCache& cache) {
+  leaves_.linear().check_decoding(kAttention);
+  leaves_.core().check(kAttention, /*decoding=*/true, false);
+  WEAVE_CHECK(!inputs.document_ids.defined(), kAttention,
+              "decoding with a key/value cache takes one document a row; hint: pass no "
+              "document_ids");
   return attend(inputs, &cache);
 }
 
@@ -51,30 +73,28 @@ Tensor GroupedQueryAttention::attend(const Inputs& inputs, KVCache* cache) {
   WEAVE_CHECK(x.defined() && x.dim() == 3 && x.size(2) == dim_, kAttention,
               "expected input [B, T, {}], found {}", dim_, x.defined() ? x.shape() : Shape{});
   const int64_t batch = x.size(0), length = x.size(1);
-  Tensor queries = (*q)(x).reshape({batch, length, options_.heads, head_dim_});
-  Tensor projected =
-      apply_stacked(x, kv, kv_bias).reshape({batch, length, 2, kv_heads_, head_dim_});
+  Tensor queries = (*q)(x).reshape({batch, length, local_heads_, head_dim_});
+  Tensor projected = leaves_.linear()
+                         .project_key_values(x, kv, kv_bias, kv_layout_, head_dim_)
+                         .reshape({batch, length, 2, kv_layout_.local, head_dim_});
   Tensor keys = projected.select(2, 0), values = projected.select(2, 1);
   if (options_.rotary) {
-    const int64_t start = cache ? cache->length() : 0;
-    const Tensor positions =
-        inputs.positions.defined() ? inputs.positions : position_ids(start, length, x.device());
+    Tensor positions = inputs.positions;
+    if (!positions.defined())  // after the cached positions, or this rank's part of 0 .. T - 1
+      positions = cache ? position_ids(cache->length(), length, x.device())
+                        : leaves_.core().positions(0, length, x.device());
     queries = rotary_embedding(queries, positions, *options_.rotary);
     keys = rotary_embedding(keys, positions, *options_.rotary);
   }
   Tensor k = keys.transpose(1, 2), v = values.transpose(1, 2);
-  if (cache) {
-    WEAVE_CHECK(!inputs.document_ids.defined(), kAttention,
-                "decoding with a key/value cache takes one document a row; hint: pass no "
-                "document_ids");
-    std::tie(k, v) = cache->append(k, v);
-  }
-  Tensor y = scaled_dot_product_attention(queries.transpose(1, 2), k, v,
-                                          {.causal = options_.causal,
-                                           .dropout_p = is_training() ? options_.dropout : 0.0,
-                                           .generator = options_.generator,
-                                           .document_ids = inputs.document_ids});
-  return (*out)(y.transpose(1, 2).reshape({batch, length, dim_}));  // heads-last: a view
+  if (cache) std::tie(k, v) = cache->append(k, v);
+  Tensor y = leaves_.core().attend(queries.transpose(1, 2), k, v,
+                                   {.causal = options_.causal,
+                                    .dropout_p = is_training() ? options_.dropout : 0.0,
+                                    .generator = options_.generator,
+                                    .document_ids = inputs.document_ids});
+  // heads-last: a view
+  return (*out)(y.transpose(1, 2).reshape({batch, length, local_heads_ * head_dim_}));
 }
 
 }  // namespace weave::nn

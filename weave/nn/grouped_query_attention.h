@@ -10,6 +10,7 @@
 //   Tensor z = attention(x);                             // positions 0 .. T-1, one document
 #include <optional>
 
+#include "weave/nn/leaves.h"
 #include "weave/nn/transformer.h"
 
 namespace weave::nn {
@@ -35,27 +36,39 @@ struct GroupedQueryAttentionOptions {
 /// head_dim, dim] (kv[0] for keys, kv[1] for values: one GEMM) are separate, so a tensor-
 /// parallel split cuts each along its heads. Keys and values are never repeated per query head
 /// (scaled_dot_product_attention reads the shared heads in place).
-class GroupedQueryAttention : public Module {
+///
+/// Its leaves (nn/leaves.h) split it: over a tensor-parallel group rank r holds query heads
+/// [r H / n, (r + 1) H / n) (q column-parallel) and out's matching columns (row-parallel), and
+/// the key/value heads those queries read (every rank the whole kv when they are fewer than the
+/// ranks, its gradient summed: Megatron's replicated key/value heads); over a context group each
+/// rank passes its part of every sequence with that part's positions and document ids (the
+/// positions derived from the part's place when left out).
+class GroupedQueryAttention : public CachedModule {
  public:
-  GroupedQueryAttention(int64_t dim, GroupedQueryAttentionOptions options = {});
+  GroupedQueryAttention(int64_t dim, GroupedQueryAttentionOptions options = {}, Leaves leaves = {});
   /// x [B, T, dim] -> [B, T, dim], at positions 0 .. T-1, one document.
   Tensor forward(const Tensor& x) override;
   /// The same at inputs.positions, attending within inputs.document_ids.
   Tensor forward_inputs(const Inputs& inputs) override;
   /// x after the positions `cache` holds (at positions cache.length() onwards unless
   /// inputs.positions says), attending to them too; appends this call's keys and values.
-  Tensor forward(const Inputs& inputs, KVCache& cache);
+  Tensor forward(const Inputs& inputs, KVCache& cache) override;
   int64_t heads() const { return options_.heads; }
   int64_t kv_heads() const { return kv_heads_; }
-  std::shared_ptr<Linear> q;    // [heads * head_dim, dim]
-  Tensor& kv;                   // [2, kv_heads * head_dim, dim]
-  Tensor& kv_bias;              // [2, kv_heads * head_dim], undefined without bias
-  std::shared_ptr<Linear> out;  // [dim, heads * head_dim]
+  /// This rank's query heads and key/value heads (all of them when whole).
+  int64_t local_heads() const { return local_heads_; }
+  int64_t local_kv_heads() const { return kv_layout_.local; }
+  std::shared_ptr<LinearLeaf> q;    // [heads * head_dim, dim] (this rank's rows when split)
+  Tensor& kv;                       // [2, kv_heads * head_dim, dim] (this rank's heads, or all)
+  Tensor& kv_bias;                  // [2, kv_heads * head_dim], undefined without bias
+  std::shared_ptr<LinearLeaf> out;  // [dim, heads * head_dim] (this rank's columns when split)
 
  private:
   Tensor attend(const Inputs& inputs, KVCache* cache);
-  int64_t dim_, head_dim_, kv_heads_;
+  int64_t dim_, head_dim_, kv_heads_, local_heads_;
   GroupedQueryAttentionOptions options_;
+  Leaves leaves_;
+  Linears::KeyValueHeads kv_layout_;
 };
 
 }  // namespace weave::nn

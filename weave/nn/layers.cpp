@@ -15,25 +15,32 @@ Tensor uniform_bound(const Shape& shape, double bound, Generator* generator) {
 }
 }  // namespace
 
+LinearLeaf::LinearLeaf(std::string name)
+    : Module(std::move(name)),
+      weight(register_parameter("weight", Tensor())),
+      bias(register_parameter("bias", Tensor())) {}
+
+void LinearLeaf::set_parameters(Tensor weight_value, Tensor bias_value) {
+  weight = register_value(std::move(weight_value), "weight");
+  bias = register_value(std::move(bias_value), "bias");
+}
+
 Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, Generator* generator)
-    : Module("Linear"),
-      weight(register_parameter(
-          "weight",
-          uniform_bound({out_features, in_features},
-                        1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(in_features, 1))),
-                        generator))),
-      bias(register_parameter(
-          "bias", with_bias ? uniform_bound({out_features},
-                                            1.0 / std::sqrt(static_cast<double>(
-                                                      std::max<int64_t>(in_features, 1))),
-                                            generator)
-                            : Tensor())) {
+    : LinearLeaf("Linear") {
   WEAVE_CHECK(in_features > 0 && out_features > 0, "Linear",
               "feature counts must be positive, found in={} out={}", in_features, out_features);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+  Tensor w = uniform_bound({out_features, in_features}, bound, generator);  // drawn first
+  set_parameters(std::move(w),
+                 with_bias ? uniform_bound({out_features}, bound, generator) : Tensor());
 }
 
 Tensor Linear::forward(const Tensor& x) {
   return linear(x, weight, bias);
+}
+
+Tensor Linear::forward_unbiased(const Tensor& x) {
+  return linear(x, weight);
 }
 
 StackedProjection stacked_projection(int64_t in, int64_t width, bool bias, Generator* generator) {

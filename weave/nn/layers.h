@@ -8,14 +8,30 @@
 
 namespace weave::nn {
 
+/// A layer's linear piece, y = x W^T + b with W [out, in]: nn::Linear whole, or this rank's
+/// piece of a linear split over ranks (parallel::ColumnParallelLinear, RowParallelLinear). The
+/// layers of nn/ hold their linears as LinearLeaf, so either serves (nn/leaves.h).
+class LinearLeaf : public Module {
+ public:
+  /// Registers "weight" and "bias", both undefined until set_parameters.
+  explicit LinearLeaf(std::string name);
+  /// x W^T without the bias, for a caller that fuses it with what follows (bias_gelu).
+  virtual Tensor forward_unbiased(const Tensor& x) = 0;
+  Tensor& weight;
+  Tensor& bias;  // undefined without bias
+
+ protected:
+  /// The parameters' values (leaves that require grad; bias undefined for none).
+  void set_parameters(Tensor weight_value, Tensor bias_value);
+};
+
 /// y = x W^T + b with W [out, in]; initialized like PyTorch (U(+-1/sqrt(in))).
-class Linear : public Module {
+class Linear : public LinearLeaf {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias = true,
          Generator* generator = nullptr);
   Tensor forward(const Tensor& x) override;
-  Tensor& weight;
-  Tensor& bias;  // undefined without bias
+  Tensor forward_unbiased(const Tensor& x) override;
 };
 
 /// Two projections of one input stored stacked: weight [2, width, in] (and bias [2, width]),

@@ -82,11 +82,16 @@ void Module::check_new_name(const std::string& name) const {
 
 Tensor& Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
   check_new_name(name);
+  parameters_.emplace_back(
+      name, std::make_unique<Tensor>(register_value(std::move(value), name, requires_grad)));
+  return *parameters_.back().second;
+}
+
+Tensor Module::register_value(Tensor value, const std::string& name, bool requires_grad) const {
   Tensor leaf = !value.defined() || value.is_leaf() ? value : value.detach();
   if (requires_grad && leaf.defined()) leaf.requires_grad_(true);
   if (is_deferred(leaf)) leaf.storage()->deferred_values()->registered_as = name_ + "." + name;
-  parameters_.emplace_back(name, std::make_unique<Tensor>(leaf));
-  return *parameters_.back().second;
+  return leaf;
 }
 
 void Module::name_deferred_parameters(const std::string& child_name, const Module& child) {

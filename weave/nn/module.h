@@ -118,6 +118,9 @@ class Module {
   /// stays valid (and follows to()). An undefined value reserves the name (an absent bias).
   Tensor& register_parameter(const std::string& name, Tensor value, bool requires_grad = true);
   Tensor& register_buffer(const std::string& name, Tensor value);
+  /// `value` prepared as register_parameter prepares it (a leaf, requiring grad; a deferred one
+  /// named), for assigning to a parameter registered before (its reference stays valid).
+  Tensor register_value(Tensor value, const std::string& name, bool requires_grad = true) const;
   template <class M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
     check_new_name(name);

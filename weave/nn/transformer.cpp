@@ -74,43 +74,64 @@ Tensor fused_qkv_attention(
 }
 
 MultiheadAttention::MultiheadAttention(int64_t dim, int64_t heads,
-                                       MultiheadAttentionOptions options)
-    : Module("MultiheadAttention"), dim_(dim), heads_(heads), options_(options) {
+                                       MultiheadAttentionOptions options, Leaves leaves)
+    : CachedModule("MultiheadAttention"),
+      dim_(dim),
+      heads_(heads),
+      local_heads_(0),
+      options_(options),
+      leaves_(std::move(leaves)) {
   WEAVE_CHECK(heads > 0 && dim > 0 && dim % heads == 0, "MultiheadAttention",
               "dim {} must be a positive multiple of heads {}", dim, heads);
-  qkv = register_module("qkv",
-                        std::make_shared<Linear>(dim, 3 * dim, options.bias, options.generator));
-  out = register_module("out", std::make_shared<Linear>(dim, dim, options.bias, options.generator));
+  const Linears& linears = leaves_.linear();
+  WEAVE_CHECK(heads % linears.parts() == 0, "MultiheadAttention",
+              "{} heads do not divide among {} ranks; hint: use a tensor-parallel size that "
+              "divides the number of heads",
+              heads, linears.parts());
+  leaves_.core().check("MultiheadAttention", /*decoding=*/false, options.dropout > 0);
+  local_heads_ = heads / linears.parts();
+  qkv = register_module("qkv", linears.column(dim, 3 * dim, options.bias, options.generator));
+  out = register_module("out", linears.row(dim, dim, options.bias, options.generator));
+  leaves_.core().place(*this);
 }
 
 Tensor MultiheadAttention::forward(const Tensor& x) {
   return attend(x, nullptr);
 }
 
-Tensor MultiheadAttention::forward(const Tensor& x, KVCache& cache) {
-  return attend(x, &cache);
+Tensor MultiheadAttention::forward(const Inputs& inputs, KVCache& cache) {
+  leaves_.linear().check_decoding("MultiheadAttention");
+  leaves_.core().check("MultiheadAttention", /*decoding=*/true, false);
+  return attend(inputs.x, &cache);
 }
 
 Tensor MultiheadAttention::attend(const Tensor& x, KVCache* cache) {
   WEAVE_CHECK(x.dim() == 3 && x.size(2) == dim_, "MultiheadAttention",
               "expected input [B, T, {}], found {}", dim_, x.shape());
-  const double p = is_training() ? options_.dropout : 0.0;
-  Tensor y = fused_qkv_attention(
-      (*qkv)(x), heads_,
-      {.causal = options_.causal, .dropout_p = p, .generator = options_.generator}, cache);
+  const AttentionOptions options{.causal = options_.causal,
+                                 .dropout_p = is_training() ? options_.dropout : 0.0,
+                                 .generator = options_.generator};
+  const CoreAttention& core = leaves_.core();
+  // The whole process's core attention takes the packed projection as one node.
+  const bool whole = leaves_.attention == nullptr;
+  Tensor y = whole ? fused_qkv_attention((*qkv)(x), local_heads_, options, cache)
+                   : fused_qkv_attention((*qkv)(x), local_heads_,
+                                         [&](const Tensor& q, Tensor k, Tensor v) {
+                                           if (cache) std::tie(k, v) = cache->append(k, v);
+                                           return core.attend(q, k, v, options);
+                                         });
   return (*out)(y);
 }
 
-MLP::MLP(int64_t dim, int64_t hidden, MLPOptions options)
+MLP::MLP(int64_t dim, int64_t hidden, MLPOptions options, Leaves leaves)
     : Module("MLP"), tanh_gelu_(options.tanh_gelu) {
-  fc1 = register_module("fc1",
-                        std::make_shared<Linear>(dim, hidden, options.bias, options.generator));
-  fc2 = register_module("fc2",
-                        std::make_shared<Linear>(hidden, dim, options.bias, options.generator));
+  const Linears& linears = leaves.linear();
+  fc1 = register_module("fc1", linears.column(dim, hidden, options.bias, options.generator));
+  fc2 = register_module("fc2", linears.row(hidden, dim, options.bias, options.generator));
 }
 
 Tensor MLP::forward(const Tensor& x) {
-  return (*fc2)(bias_gelu(linear(x, fc1->weight), fc1->bias, tanh_gelu_));
+  return (*fc2)(bias_gelu(fc1->forward_unbiased(x), fc1->bias, tanh_gelu_));
 }
 
 Tensor gated_activation(const Tensor& gate_up, GatedActivation activation) {
@@ -125,54 +146,77 @@ Tensor gated_activation(const Tensor& gate_up, GatedActivation activation) {
   WEAVE_FAIL("gated_activation", "unknown activation {}", int(activation));
 }
 
-GatedMLP::GatedMLP(int64_t dim, int64_t hidden, GatedMLPOptions options)
+GatedMLP::GatedMLP(int64_t dim, int64_t hidden, GatedMLPOptions options, Leaves leaves)
     : Module("GatedMLP"),
       gate_up(register_parameter("gate_up", Tensor())),
       gate_up_bias(register_parameter("gate_up_bias", Tensor())),
-      activation_(options.activation) {
-  StackedProjection projection = stacked_projection(dim, hidden, options.bias, options.generator);
-  gate_up = projection.weight;
-  gate_up_bias = projection.bias;
-  down = register_module("down",
-                         std::make_shared<Linear>(hidden, dim, options.bias, options.generator));
+      activation_(options.activation),
+      leaves_(std::move(leaves)) {
+  const Linears& linears = leaves_.linear();
+  WEAVE_CHECK(hidden > 0 && hidden % linears.parts() == 0, "GatedMLP",
+              "hidden is {}, which does not divide among {} ranks; hint: pad it to a multiple "
+              "of the tensor-parallel size",
+              hidden, linears.parts());
+  StackedProjection projection = linears.stacked(dim, hidden, options.bias, options.generator);
+  gate_up = register_value(projection.weight, "gate_up");
+  gate_up_bias = register_value(projection.bias, "gate_up_bias");
+  down = register_module("down", linears.row(hidden, dim, options.bias, options.generator));
 }
 
 Tensor GatedMLP::forward(const Tensor& x) {
-  return (*down)(gated_activation(apply_stacked(x, gate_up, gate_up_bias), activation_));
+  const Tensor h = leaves_.linear().apply_stacked(x, gate_up, gate_up_bias);
+  return (*down)(gated_activation(h, activation_));
 }
 
-TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, TransformerBlockOptions options)
-    : Module("TransformerBlock") {
-  norm1 = register_module("norm1", std::make_shared<LayerNorm>(Shape{dim}));
+TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, TransformerBlockOptions options,
+                                   Leaves leaves)
+    : CachedModule("TransformerBlock") {
+  const Linears& linears = leaves.linear();
+  norm1 = register_module("norm1", linears.layer_norm(Shape{dim}, 1e-5));
   attention =
       register_module("attention", std::make_shared<MultiheadAttention>(
                                        dim, heads,
                                        MultiheadAttentionOptions{.bias = options.bias,
                                                                  .causal = options.causal,
                                                                  .dropout = options.dropout,
-                                                                 .generator = options.generator}));
-  norm2 = register_module("norm2", std::make_shared<LayerNorm>(Shape{dim}));
-  mlp = register_module("mlp",
-                        std::make_shared<MLP>(dim, options.hidden > 0 ? options.hidden : 4 * dim,
-                                              MLPOptions{.bias = options.bias,
-                                                         .tanh_gelu = options.tanh_gelu,
-                                                         .generator = options.generator}));
+                                                                 .generator = options.generator},
+                                       leaves));
+  norm2 = register_module("norm2", linears.layer_norm(Shape{dim}, 1e-5));
+  if (options.moe) {
+    WEAVE_CHECK(options.moe->hidden == dim, "TransformerBlock",
+                "the experts' moe.hidden must be the block's dim {}, found {}", dim,
+                options.moe->hidden);
+    moe = register_module("moe", leaves.expert().make(*options.moe));
+  } else {
+    mlp = register_module("mlp",
+                          std::make_shared<MLP>(dim, options.hidden > 0 ? options.hidden : 4 * dim,
+                                                MLPOptions{.bias = options.bias,
+                                                           .tanh_gelu = options.tanh_gelu,
+                                                           .generator = options.generator},
+                                                leaves));
+  }
   dropout_ =
       register_module("dropout", std::make_shared<Dropout>(options.dropout, options.generator));
+  leaves.core().place(*this);
 }
 
 Tensor TransformerBlock::forward(const Tensor& x) {
   return run(x, nullptr);
 }
 
-Tensor TransformerBlock::forward(const Tensor& x, KVCache& cache) {
-  return run(x, &cache);
+Tensor TransformerBlock::forward(const Inputs& inputs, KVCache& cache) {
+  return run(inputs.x, &cache);
+}
+
+Tensor TransformerBlock::aux_loss() const {
+  return moe ? moe->aux_loss() : Tensor();
 }
 
 Tensor TransformerBlock::run(const Tensor& x, KVCache* cache) {
   Tensor normed = (*norm1)(x);
-  Tensor h = x + (*dropout_)(cache ? attention->forward(normed, *cache) : (*attention)(normed));
-  return h + (*dropout_)((*mlp)((*norm2)(h)));
+  Tensor h =
+      x + (*dropout_)(cache ? attention->forward(Inputs(normed), *cache) : (*attention)(normed));
+  return h + (*dropout_)(mlp ? (*mlp)((*norm2)(h)) : (*moe)((*norm2)(h)));
 }
 
 }  // namespace weave::nn

@@ -8,9 +8,12 @@
 //   nn::KVCache cache(256);                    // generation: feed the prompt, then one token
 //   Tensor h = block.forward(prompt, cache);   // at a time; each call appends to the cache
 //   Tensor next = block.forward(token, cache);
+#include <optional>
 #include <utility>
 
 #include "weave/nn/layers.h"
+#include "weave/nn/leaves.h"
+#include "weave/nn/moe.h"
 
 namespace weave::nn {
 
@@ -31,12 +34,22 @@ class KVCache {
   Tensor keys_, values_;
 };
 
-/// Self-attention over a fused projection, the core MultiheadAttention and
-/// parallel::ParallelAttention share. qkv [B, T, heads * 3 * head_dim] holds, head by head, that
-/// head's query, key and value (head-major, as Megatron-LM lays it out, so that splitting the
-/// projection's rows into contiguous pieces gives each piece whole heads). Strided views are
-/// accepted (no copy while the last dim has unit stride). Keys and values go through `cache`
-/// when one is given. Returns [B, T, heads * head_dim], a view of contiguous memory.
+/// The one decoding face: what decodes with a key/value cache (an attention layer, a block that
+/// holds one). inputs.x sits after the positions `cache` holds; the layer attends to them too and
+/// appends this call's keys and values.
+class CachedModule : public Module {
+ public:
+  using Module::forward;
+  using Module::Module;
+  virtual Tensor forward(const Inputs& inputs, KVCache& cache) = 0;
+};
+
+/// Self-attention over a fused projection (MultiheadAttention's core). qkv [B, T, heads * 3 *
+/// head_dim] holds, head by head, that head's query, key and value (head-major, as Megatron-LM lays
+/// it out, so that splitting the projection's rows into contiguous pieces gives each piece whole
+/// heads). Strided views are accepted (no copy while the last dim has unit stride). Keys and values
+/// go through `cache` when one is given. Returns [B, T, heads * head_dim], a view of contiguous
+/// memory.
 Tensor fused_qkv_attention(const Tensor& qkv, int64_t heads, const AttentionOptions& options,
                            KVCache* cache = nullptr);
 /// The same split of qkv into heads, with `attend` (q, k, v [B, heads, T, head_dim] -> [B, heads,
@@ -50,30 +63,37 @@ struct MultiheadAttentionOptions {
   bool bias = true;
   /// Each position attends only to itself and earlier ones (a decoder).
   bool causal = false;
-  /// Dropout on the attention probabilities, in training mode.
+  /// Dropout on the attention probabilities, in training mode (drawn from `generator`; split
+  /// over a tensor-parallel group, in lockstep when every rank seeds it alike).
   double dropout = 0.0;
   Generator* generator = nullptr;
 };
 
 /// Self-attention with `heads` heads of dim / heads each. One fused projection makes q, k and v
-/// ([dim] -> [3 dim], read as [heads, 3, head_dim]); the heads are strided views of it, passed
-/// to scaled_dot_product_attention without a copy, whose output merges back into [B, T, dim]
-/// as a view before the output projection.
-class MultiheadAttention : public Module {
+/// ([dim] -> [3 dim], read as [heads, 3, head_dim]: head-major, so that a column-parallel split
+/// of its rows gives each rank whole heads); the heads are strided views of it, passed to the
+/// core attention without a copy, whose output merges back into [B, T, dim] as a view before
+/// the output projection (row-parallel when split). Batch first, [B, T, dim], also under
+/// sequence parallelism (which cuts dim 1).
+class MultiheadAttention : public CachedModule {
  public:
-  MultiheadAttention(int64_t dim, int64_t heads, MultiheadAttentionOptions options = {});
+  MultiheadAttention(int64_t dim, int64_t heads, MultiheadAttentionOptions options = {},
+                     Leaves leaves = {});
   /// x [B, T, dim] -> [B, T, dim].
   Tensor forward(const Tensor& x) override;
   /// The same, attending also to the positions in `cache` (and adding this call's to it).
-  Tensor forward(const Tensor& x, KVCache& cache);
+  Tensor forward(const Inputs& inputs, KVCache& cache) override;
   int64_t heads() const { return heads_; }
-  std::shared_ptr<Linear> qkv;  // [3 dim, dim], rows [heads, 3, head_dim]
-  std::shared_ptr<Linear> out;  // [dim, dim]
+  /// This rank's heads (all of them when whole).
+  int64_t local_heads() const { return local_heads_; }
+  std::shared_ptr<LinearLeaf> qkv;  // [3 dim, dim], rows [heads, 3, head_dim]
+  std::shared_ptr<LinearLeaf> out;  // [dim, dim]
 
  private:
   Tensor attend(const Tensor& x, KVCache* cache);
-  int64_t dim_, heads_;
+  int64_t dim_, heads_, local_heads_;
   MultiheadAttentionOptions options_;
+  Leaves leaves_;
 };
 
 struct MLPOptions {
@@ -84,12 +104,13 @@ struct MLPOptions {
 };
 
 /// A transformer's feed-forward network: fc2(GELU(fc1(x))), fc1's bias and the GELU fused
-/// (bias_gelu: one pass forward, one backward; fc1's own forward is not used).
+/// (bias_gelu: one pass forward, one backward). Split, fc1 is column-parallel and fc2
+/// row-parallel.
 class MLP : public Module {
  public:
-  MLP(int64_t dim, int64_t hidden, MLPOptions options = {});
+  MLP(int64_t dim, int64_t hidden, MLPOptions options = {}, Leaves leaves = {});
   Tensor forward(const Tensor& x) override;
-  std::shared_ptr<Linear> fc1, fc2;  // [hidden, dim], [dim, hidden]
+  std::shared_ptr<LinearLeaf> fc1, fc2;  // [hidden, dim], [dim, hidden]
 
  private:
   bool tanh_gelu_;
@@ -110,19 +131,20 @@ struct GatedMLPOptions {
 
 /// A gated feed-forward network: down(act(x Wg^T) * (x Wu^T)). The gate and up weights are one
 /// parameter gate_up [2, hidden, dim] (gate_up[0] is Wg, gate_up[1] is Wu), so both
-/// projections take one GEMM and the product one pass (swiglu/geglu); a tensor-parallel
-/// version splits it along hidden (parallel::ParallelGatedMLP).
+/// projections take one GEMM and the product one pass (swiglu/geglu); split, each rank holds
+/// its piece of both along hidden (still one GEMM) and down is row-parallel.
 class GatedMLP : public Module {
  public:
-  GatedMLP(int64_t dim, int64_t hidden, GatedMLPOptions options = {});
+  GatedMLP(int64_t dim, int64_t hidden, GatedMLPOptions options = {}, Leaves leaves = {});
   /// x [..., dim] -> [..., dim].
   Tensor forward(const Tensor& x) override;
-  Tensor& gate_up;               // [2, hidden, dim]
-  Tensor& gate_up_bias;          // [2, hidden], undefined without bias
-  std::shared_ptr<Linear> down;  // [dim, hidden]
+  Tensor& gate_up;                   // [2, hidden, dim] (this rank's piece of hidden)
+  Tensor& gate_up_bias;              // [2, hidden], undefined without bias
+  std::shared_ptr<LinearLeaf> down;  // [dim, hidden]
 
  private:
   GatedActivation activation_;
+  Leaves leaves_;
 };
 
 struct TransformerBlockOptions {
@@ -135,18 +157,29 @@ struct TransformerBlockOptions {
   /// gelu_tanh (GPT-2's) instead of the exact GELU.
   bool tanh_gelu = false;
   Generator* generator = nullptr;
+  /// A mixture of experts in place of the MLP (moe->hidden is dim), registered as "moe" (the
+  /// leaves' experts: all here, or spread over an expert group).
+  std::optional<MoEOptions> moe = std::nullopt;
 };
 
-/// A pre-LayerNorm block (GPT-2): h = x + attention(norm1(x)), then h + mlp(norm2(h)).
-class TransformerBlock : public Module {
+/// A pre-LayerNorm block (GPT-2): h = x + attention(norm1(x)), then h + mlp(norm2(h)), batch
+/// first. Split by its leaves like its layers; under sequence parallelism the norms, residuals
+/// and dropout run on this rank's part of the sequence (dim 1).
+class TransformerBlock : public CachedModule {
  public:
-  TransformerBlock(int64_t dim, int64_t heads, TransformerBlockOptions options = {});
+  TransformerBlock(int64_t dim, int64_t heads, TransformerBlockOptions options = {},
+                   Leaves leaves = {});
   Tensor forward(const Tensor& x) override;
   /// With a key/value cache for this block's attention (generation).
-  Tensor forward(const Tensor& x, KVCache& cache);
-  std::shared_ptr<LayerNorm> norm1, norm2;
+  Tensor forward(const Inputs& inputs, KVCache& cache) override;
+  /// The last forward's load-balancing and z-loss (undefined without experts).
+  Tensor aux_loss() const;
+  /// nn::LayerNorm (its sequence-parallel form under sequence parallelism).
+  std::shared_ptr<Module> norm1, norm2;
   std::shared_ptr<MultiheadAttention> attention;
+  /// The MLP, or (with options.moe) null and `moe` the mixture of experts.
   std::shared_ptr<MLP> mlp;
+  std::shared_ptr<MoE> moe;
 
  private:
   Tensor run(const Tensor& x, KVCache* cache);

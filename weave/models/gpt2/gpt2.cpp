@@ -1,23 +1,18 @@
-// GPT-2, whole or split: nn/ layers without a tensor group, their tensor-parallel counterparts
-// with one (which run sequence first, [T, B, dim]).
+// GPT-2, whole or split: nn/ layers built with the split's leaves, batch first throughout
+// (sequence parallelism cuts dim 1).
 #include "weave/models/gpt2/gpt2.h"
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/parallel/model_parallel/context_parallel.h"
-#include "weave/parallel/model_parallel/parallel_transformer.h"
+#include "weave/parallel/model_parallel/tensor_parallel.h"
 
 namespace weave::models {
 
 namespace {
 
 constexpr const char* kGPT2 = "GPT2";
-
-template <typename Block>
-std::function<Tensor(const Tensor&, nn::KVCache&)> decoder_of(Block* block) {
-  return [block](const Tensor& x, nn::KVCache& cache) { return block->forward(x, cache); };
-}
 
 }  // namespace
 
@@ -30,9 +25,6 @@ GPT2::GPT2(GPT2Options options, ModelSplit split)
   split_.check(kGPT2, options.layers);
   WEAVE_CHECK(options.untied_head || !options.head_bias, kGPT2,
               "head_bias needs untied_head (the tied head is the token embedding's table)");
-  WEAVE_CHECK(!split_.moe || split_.tensor, kGPT2,
-              "GPT-2's mixture-of-experts blocks are the tensor-parallel ones; hint: "
-              "ModelSplit::from_mesh gives a tensor group (of this rank alone will do)");
   // The last stage's head multiplies by the token embedding: in a pipeline it holds a copy of
   // its own under the same name, tied to the first stage's (Megatron-LM's shared embedding).
   const detail::TokenTable table = detail::stage_token_table(
@@ -53,37 +45,19 @@ GPT2::GPT2(GPT2Options options, ModelSplit split)
 void GPT2::add_blocks() {
   const auto [first, last] = split_.stage_blocks(options_.layers);
   blocks = register_module("blocks", std::make_shared<nn::Sequential>(size_t(first)));
-  for (int64_t i = first; i < last; ++i) {
-    if (split_.tensor) {
-      auto block = std::make_shared<parallel::ParallelTransformerBlock>(
-          options_.dim, options_.heads, *split_.tensor,
-          parallel::ParallelTransformerBlockOptions{.tanh_gelu = options_.tanh_gelu,
-                                                    .sequence_parallel = split_.sequence_parallel,
-                                                    .generator = options_.generator,
-                                                    .context = split_.context(),
-                                                    .moe = split_.block_experts(i),
-                                                    .expert_group = split_.expert_group,
-                                                    .balance_group = split_.balance_group});
-      cached_blocks_.push_back(decoder_of(block.get()));
-      blocks->push_back(block);
-    } else {
-      auto block = std::make_shared<nn::TransformerBlock>(
-          options_.dim, options_.heads,
-          nn::TransformerBlockOptions{.tanh_gelu = options_.tanh_gelu,
-                                      .generator = options_.generator});
-      cached_blocks_.push_back(decoder_of(block.get()));
-      blocks->push_back(block);
-    }
-  }
+  const nn::Leaves leaves = split_.leaves();
+  for (int64_t i = first; i < last; ++i)
+    blocks->push_back(std::make_shared<nn::TransformerBlock>(
+        options_.dim, options_.heads,
+        nn::TransformerBlockOptions{.tanh_gelu = options_.tanh_gelu,
+                                    .generator = options_.generator,
+                                    .moe = split_.block_experts(i)},
+        leaves));
 }
 
 void GPT2::add_head() {
   const Shape dim{options_.dim};
-  if (split_.sequence_parallel)
-    norm = register_module(
-        "norm", std::make_shared<parallel::SequenceParallelLayerNorm>(dim, *split_.tensor));
-  else
-    norm = register_module("norm", std::make_shared<nn::LayerNorm>(dim));
+  norm = register_module("norm", split_.leaves().linear().layer_norm(dim, 1e-5));
   if (!options_.untied_head) return;
   if (!split_.tensor) {
     head = register_module(
@@ -124,8 +98,7 @@ std::vector<std::string> GPT2::shard_units() const {
 }
 
 Tensor GPT2::aux_loss() const {
-  if (!split_.tensor) return Tensor();
-  return detail::sum_aux_losses<parallel::ParallelTransformerBlock>(*blocks);
+  return detail::sum_aux_losses<nn::TransformerBlock>(*blocks);
 }
 
 std::vector<nn::KVCache> GPT2::make_caches(int64_t max_length) const {
@@ -165,19 +138,17 @@ Tensor GPT2::run(const Tensor& input, std::vector<nn::KVCache>* caches, bool gat
   if (positions && !caches && split_.context_group)  // parts cut as the split reads them
     parallel::check_sequence_part(input, Tensor(), Tensor(), *split_.context(), kGPT2);
   Tensor x = positions ? embed(input, caches ? caches->front().length() : 0) : input;
-  const bool sequence_first = split_.tensor.has_value();
-  if (sequence_first) x = x.transpose(0, 1);
   if (positions && split_.sequence_parallel)
-    x = dist::functional::scatter_to_group(x.contiguous(), 0, *split_.tensor);
+    x = dist::functional::scatter_to_group(x.contiguous(), 1, *split_.tensor);
   if (caches) {
-    for (size_t i = 0; i < blocks->size(); ++i)  // between its hooks: FSDP gathers the block
-      x = (*blocks)[i].call(nn::Inputs(x), [&](const nn::Inputs& in) {
-        return cached_blocks_[i](in.x, (*caches)[i]);
-      });
+    for (size_t i = 0; i < blocks->size(); ++i) {  // between its hooks: FSDP gathers the block
+      auto& block = static_cast<nn::CachedModule&>((*blocks)[i]);
+      x = block.call(nn::Inputs(x),
+                     [&](const nn::Inputs& in) { return block.forward(in, (*caches)[i]); });
+    }
   } else {
     x = run_blocks(*blocks, nn::Inputs(x));
   }
-  if (sequence_first) x = x.transpose(0, 1);
   if (!norm) return detail::stage_output(x, is_training() && !caches ? aux_loss() : Tensor());
   return logits((*norm)(x), gather);
 }
@@ -186,11 +157,8 @@ Tensor GPT2::logits(const Tensor& hidden, bool gather) {
   if (!head)
     return detail::tied_head_logits(hidden, token_weight(), options_.vocab, split_, gather);
   if (!split_.tensor) return (*head)(hidden);
-  // Column-parallel: it gathers a sequence-parallel input itself, along axis 0.
-  const bool sequence_parallel = split_.sequence_parallel;
-  Tensor local = (*head)(sequence_parallel ? hidden.transpose(0, 1) : hidden);
-  if (sequence_parallel) local = local.transpose(0, 1);
-  return parallel::vocab_parallel_logits(local, options_.vocab, *split_.tensor, gather);
+  // Column-parallel: it gathers a sequence-parallel input itself (dim 1).
+  return parallel::vocab_parallel_logits((*head)(hidden), options_.vocab, *split_.tensor, gather);
 }
 
 }  // namespace weave::models

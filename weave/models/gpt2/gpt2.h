@@ -15,10 +15,11 @@
 // (parallel::VocabParallelEmbedding) and the head reads that slice: forward gives this rank's
 // vocabulary slice of the logits unless split.gather_logits, a vocabulary that does not divide
 // among the ranks padded (parallel::padded_vocab: 50257 to 50304) and masked out of them; the
-// blocks are parallel::ParallelTransformerBlocks. As pipeline stage s of S the first stage
-// embeds, the last holds the final norm and the head, hidden states [B, T, dim] travel between,
-// and the last stage's copy of the token embedding is tied to the first's: parallel::Pipeline
-// adds their gradients after each step (Megatron-LM's shared embedding).
+// blocks are nn::TransformerBlocks built with the split's leaves, batch first (sequence
+// parallelism cuts dim 1), experts in place of their MLPs with split.moe. As pipeline stage s of S
+// the first stage embeds, the last holds the final norm and the head, hidden states [B, T, dim]
+// travel between, and the last stage's copy of the token embedding is tied to the first's:
+// parallel::Pipeline adds their gradients after each step (Megatron-LM's shared embedding).
 #include "weave/data/hf/hf_checkpoint.h"
 #include "weave/models/model_split.h"
 #include "weave/nn/generation.h"
@@ -64,7 +65,7 @@ class GPT2 : public nn::CausalLM {
   /// head multiplies by it: in a pipeline a copy tied to the first stage's); null between.
   std::shared_ptr<nn::Module> tokens;
   std::shared_ptr<nn::Embedding> positions;  // the first stage's
-  /// This stage's nn::TransformerBlocks, or parallel::ParallelTransformerBlocks.
+  /// This stage's nn::TransformerBlocks (split by the split's leaves).
   std::shared_ptr<nn::Sequential> blocks;
   /// The last stage's nn::LayerNorm (parallel::SequenceParallelLayerNorm under sequence
   /// parallelism).
@@ -81,7 +82,6 @@ class GPT2 : public nn::CausalLM {
   GPT2Options options_;
   ModelSplit split_;
   Tensor* token_weight_ = nullptr;
-  std::vector<std::function<Tensor(const Tensor&, nn::KVCache&)>> cached_blocks_;
 };
 
 /// The options of a Hugging Face GPT-2 configuration (GPT2LMHeadModel).

@@ -4,25 +4,14 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/parallel/core/placement.h"
-#include "weave/parallel/model_parallel/experts.h"
-#include "weave/parallel/model_parallel/parallel_transformer.h"
+#include "weave/parallel/model_parallel/context_parallel.h"
+#include "weave/parallel/model_parallel/tensor_parallel.h"
 
 namespace weave::models {
 
 namespace {
 
 constexpr const char* kLlama = "Llama";
-
-// The block's attention, and how it decodes with a cache.
-template <typename Attention, typename... Args>
-std::shared_ptr<nn::Module> make_attention(
-    std::function<Tensor(const nn::Inputs&, nn::KVCache&)>& cached, Args&&... args) {
-  auto attention = std::make_shared<Attention>(std::forward<Args>(args)...);
-  cached = [layer = attention.get()](const nn::Inputs& inputs, nn::KVCache& cache) {
-    return layer->forward(inputs, cache);
-  };
-  return attention;
-}
 
 }  // namespace
 
@@ -33,42 +22,32 @@ int64_t llama_hidden(int64_t dim) {
 
 LlamaBlock::LlamaBlock(int64_t dim, LlamaBlockOptions options, const ModelSplit& split,
                        int64_t index)
-    : nn::Module("LlamaBlock") {
+    : nn::CachedModule("LlamaBlock") {
+  const nn::Leaves leaves = split.leaves();
   // The norms draw nothing, the attention and the MLP their weights, in this order.
   norm1 = register_module("norm1", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
-  const nn::GroupedQueryAttentionOptions attend{.heads = options.heads,
-                                                .kv_heads = options.kv_heads,
-                                                .bias = options.qkv_bias,
-                                                .causal = options.causal,
-                                                .rotary = options.rotary,
-                                                .generator = options.generator};
-  attention = register_module(
-      "attention", split.tensor
-                       ? make_attention<parallel::ParallelGroupedQueryAttention>(
-                             cached_attention_, dim, *split.tensor, attend, split.context())
-                       : make_attention<nn::GroupedQueryAttention>(cached_attention_, dim, attend));
+  attention = register_module("attention",
+                              std::make_shared<nn::GroupedQueryAttention>(
+                                  dim,
+                                  nn::GroupedQueryAttentionOptions{.heads = options.heads,
+                                                                   .kv_heads = options.kv_heads,
+                                                                   .bias = options.qkv_bias,
+                                                                   .causal = options.causal,
+                                                                   .rotary = options.rotary,
+                                                                   .generator = options.generator},
+                                  leaves));
   norm2 = register_module("norm2", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
   if (const auto experts = split.block_experts(index)) {
     WEAVE_CHECK(experts->hidden == dim, "LlamaBlock",
                 "the experts' moe.hidden must be the block's dim {}, found {}", dim,
                 experts->hidden);
-    parallel::BlockExperts made =
-        parallel::make_block_experts(*experts, split.expert_group, split.balance_group);
-    aux_loss_ = std::move(made.aux_loss);
-    moe = register_module("moe", std::move(made.module));
+    moe = register_module("moe", leaves.expert().make(*experts));
   } else {
-    const int64_t hidden = options.hidden == 0 ? llama_hidden(dim) : options.hidden;
-    if (split.tensor)
-      mlp = register_module("mlp",
-                            std::make_shared<parallel::ParallelGatedMLP>(
-                                dim, hidden, *split.tensor,
-                                parallel::ParallelGatedMLPOptions{.activation = options.activation,
-                                                                  .generator = options.generator}));
-    else
-      mlp = register_module("mlp", std::make_shared<nn::GatedMLP>(
-                                       dim, hidden,
-                                       nn::GatedMLPOptions{.activation = options.activation,
-                                                           .generator = options.generator}));
+    mlp = register_module("mlp", std::make_shared<nn::GatedMLP>(
+                                     dim, options.hidden == 0 ? llama_hidden(dim) : options.hidden,
+                                     nn::GatedMLPOptions{.activation = options.activation,
+                                                         .generator = options.generator},
+                                     leaves));
   }
   if (split.context_group) parallel::record_context_reads(*this, *split.context_group);
 }
@@ -82,7 +61,7 @@ Tensor LlamaBlock::forward_inputs(const nn::Inputs& inputs) {
 }
 
 Tensor LlamaBlock::forward(const nn::Inputs& inputs, nn::KVCache& cache) {
-  return mix(inputs.x + cached_attention_(inputs.with((*norm1)(inputs.x)), cache));
+  return mix(inputs.x + attention->forward(inputs.with((*norm1)(inputs.x)), cache));
 }
 
 Tensor LlamaBlock::mix(const Tensor& h) {
@@ -90,7 +69,7 @@ Tensor LlamaBlock::mix(const Tensor& h) {
 }
 
 Tensor LlamaBlock::aux_loss() const {
-  return aux_loss_ ? aux_loss_() : Tensor();
+  return moe ? moe->aux_loss() : Tensor();
 }
 
 Llama::Llama(LlamaOptions options, ModelSplit split)
@@ -189,7 +168,7 @@ Tensor Llama::forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& cac
   NoGradGuard no_grad;
   Tensor h = (*embedding)(tokens);
   for (size_t i = 0; i < blocks->size(); ++i) {
-    auto& block = static_cast<LlamaBlock&>((*blocks)[i]);
+    auto& block = static_cast<nn::CachedModule&>((*blocks)[i]);
     // Between the block's hooks: a fully sharded wrapper gathers it for the step.
     h = block.call(nn::Inputs(h),
                    [&](const nn::Inputs& in) { return block.forward(in, caches[i]); });

@@ -19,7 +19,6 @@
 // padding masked out of the logits, and the embedding and head parameters are the padded ones.
 // Built from the same seed on every rank, each rank holds the slices of the whole model, under
 // its parameter names.
-#include <functional>
 #include <optional>
 
 #include "weave/data/hf/hf_checkpoint.h"
@@ -48,28 +47,27 @@ struct LlamaBlockOptions {
 };
 
 /// A pre-RMSNorm block: h = x + attention(norm1(x)), then h + mlp(norm2(h)). Its attention is
-/// nn::GroupedQueryAttention, or parallel::ParallelGroupedQueryAttention over split.tensor (and
-/// split.context_group); its MLP nn::GatedMLP or parallel::ParallelGatedMLP, or with
-/// split.moe a mixture of experts registered as "moe" (block `index`'s seed).
-class LlamaBlock : public nn::Module {
+/// nn::GroupedQueryAttention and its MLP nn::GatedMLP, built with the split's leaves (split over
+/// split.tensor, attending over split.context_group), or with split.moe a mixture of experts
+/// registered as "moe" (block `index`'s seed; spread over split.expert_group).
+class LlamaBlock : public nn::CachedModule {
  public:
   LlamaBlock(int64_t dim, LlamaBlockOptions options = {}, const ModelSplit& split = {},
              int64_t index = 0);
   Tensor forward(const Tensor& x) override;
   Tensor forward_inputs(const nn::Inputs& inputs) override;
   /// With a key/value cache for the attention (generation).
-  Tensor forward(const nn::Inputs& inputs, nn::KVCache& cache);
+  Tensor forward(const nn::Inputs& inputs, nn::KVCache& cache) override;
   /// The last forward's load-balancing and z-loss (undefined without experts).
   Tensor aux_loss() const;
   std::shared_ptr<nn::RMSNorm> norm1, norm2;
-  std::shared_ptr<nn::Module> attention;
+  std::shared_ptr<nn::GroupedQueryAttention> attention;
   /// The MLP, or (with experts) null and `moe` the mixture of experts.
-  std::shared_ptr<nn::Module> mlp, moe;
+  std::shared_ptr<nn::GatedMLP> mlp;
+  std::shared_ptr<nn::MoE> moe;
 
  private:
   Tensor mix(const Tensor& h);
-  std::function<Tensor(const nn::Inputs&, nn::KVCache&)> cached_attention_;
-  std::function<Tensor()> aux_loss_;
 };
 
 struct LlamaOptions {

@@ -15,6 +15,7 @@
 #include "weave/ops/autocast.h"
 #include "weave/ops/ops.h"
 #include "weave/parallel/core/agree.h"
+#include "weave/parallel/core/placement.h"
 #include "weave/tensor/tensor_impl.h"
 #include "weave/tensor/trace.h"
 

@@ -32,6 +32,7 @@
 #include <optional>
 
 #include "weave/distributed/distributed.h"
+#include "weave/nn/leaves.h"
 
 namespace weave::parallel {
 
@@ -87,6 +88,31 @@ Tensor all_to_all_attention(const Tensor& q, const Tensor& k, const Tensor& v,
 /// says, in its layout (options.layout is ignored).
 Tensor context_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                          const ContextSplit& split, ContextParallelOptions options = {});
+
+/// The core attention of the transformer layers of nn/ over a context group (nn/leaves.h): each
+/// rank passes its part of every sequence (split.layout), attention runs over the whole sequence
+/// (split.mode), and positions left out are the part's place in it. No attention dropout and no
+/// decoding with a cache (both raise at construction or call). The layers record on their
+/// parameters that the group's ranks read parts of every sequence with them, so a data-parallel
+/// wrapper that leaves some out raises.
+///
+///   nn::GroupedQueryAttention attention(512, {.heads = 8},
+///                                       {.attention = parallel::context_parallel({cp})});
+class ContextAttention : public nn::CoreAttention {
+ public:
+  explicit ContextAttention(ContextSplit split) : split_(std::move(split)) {}
+  Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v,
+                const AttentionOptions& options) const override;
+  Tensor positions(int64_t start, int64_t length, Device device) const override;
+  void check(const char* layer, bool decoding, bool dropout) const override;
+  void place(const nn::Module& layer) const override;
+  const ContextSplit& split() const { return split_; }
+
+ private:
+  ContextSplit split_;
+};
+/// ContextAttention over `split` (shared, for nn::Leaves::attention).
+std::shared_ptr<const nn::CoreAttention> context_parallel(ContextSplit split);
 
 /// This rank's part of a whole sequence along `axis` (its length must divide by the group size,
 /// by twice that under ZigZag), contiguous, recording how it was cut (see above; views and

@@ -131,15 +131,18 @@ ExpertParallelMoE::ExpertParallelMoE(nn::MoEOptions options, dist::Group group)
                   .total = local_experts() * group_.size()});
 }
 
-BlockExperts make_block_experts(nn::MoEOptions options,
-                                const std::optional<dist::Group>& expert_group,
-                                const std::optional<dist::Group>& balance_group) {
-  if (balance_group && balance_group->size() > 1)
-    options.reduce_shares = shares_over(*balance_group);
-  std::shared_ptr<nn::MoE> layer = expert_group && expert_group->size() > 1
-                                       ? std::make_shared<ExpertParallelMoE>(options, *expert_group)
-                                       : std::make_shared<nn::MoE>(options);
-  return {layer, [raw = layer.get()] { return raw->aux_loss(); }};
+std::shared_ptr<nn::MoE> SpreadExperts::make(const nn::MoEOptions& moe) const {
+  nn::MoEOptions options = moe;
+  if (balance_group_ && balance_group_->size() > 1)
+    options.reduce_shares = shares_over(*balance_group_);
+  if (expert_group_ && expert_group_->size() > 1)
+    return std::make_shared<ExpertParallelMoE>(options, *expert_group_);
+  return std::make_shared<nn::MoE>(options);
+}
+
+std::shared_ptr<const nn::ExpertLeaves> spread_experts(std::optional<dist::Group> expert_group,
+                                                       std::optional<dist::Group> balance_group) {
+  return std::make_shared<SpreadExperts>(std::move(expert_group), std::move(balance_group));
 }
 
 }  // namespace weave::parallel

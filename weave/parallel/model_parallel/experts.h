@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "weave/distributed/distributed.h"
+#include "weave/nn/leaves.h"
 #include "weave/nn/moe.h"
 
 namespace weave::parallel {
@@ -56,17 +57,21 @@ class ExpertParallelMoE : public nn::MoE {
   dist::Group group_;
 };
 
-/// A transformer block's mixture of experts (what ParallelTransformerBlock and
-/// models::LlamaBlock put in place of their MLP): spread over expert_group when it has several
-/// ranks (ExpertParallelMoE), else nn::MoE; its load-balancing loss over balance_group's
-/// batches when that has several ranks.
-struct BlockExperts {
-  std::shared_ptr<nn::Module> module;
-  /// The last forward's load-balancing and z-loss.
-  std::function<Tensor()> aux_loss;
+/// The experts a transformer block puts in place of its MLP (nn/leaves.h): spread over
+/// expert_group when it has several ranks (ExpertParallelMoE), else nn::MoE; the load-balancing
+/// loss counts balance_group's batches when that has several ranks (the step's batch: data x
+/// context).
+class SpreadExperts : public nn::ExpertLeaves {
+ public:
+  SpreadExperts(std::optional<dist::Group> expert_group, std::optional<dist::Group> balance_group)
+      : expert_group_(std::move(expert_group)), balance_group_(std::move(balance_group)) {}
+  std::shared_ptr<nn::MoE> make(const nn::MoEOptions& options) const override;
+
+ private:
+  std::optional<dist::Group> expert_group_, balance_group_;
 };
-BlockExperts make_block_experts(nn::MoEOptions options,
-                                const std::optional<dist::Group>& expert_group,
-                                const std::optional<dist::Group>& balance_group);
+/// SpreadExperts (shared, for nn::Leaves::experts).
+std::shared_ptr<const nn::ExpertLeaves> spread_experts(std::optional<dist::Group> expert_group,
+                                                       std::optional<dist::Group> balance_group);
 
 }  // namespace weave::parallel

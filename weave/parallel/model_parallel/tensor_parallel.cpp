@@ -70,59 +70,144 @@ Tensor pad_rows(const Tensor& whole, int64_t rows) {
 
 ColumnParallelLinear::ColumnParallelLinear(int64_t in_features, int64_t out_features,
                                            dist::Group group, ColumnParallelOptions options)
-    : ShardedModule("ColumnParallelLinear", std::move(group)),
-      weight(register_parameter("weight", Tensor())),
-      bias(register_parameter("bias", Tensor())),
-      options_(options) {
-  piece_of(out_features, this->group(), "ColumnParallelLinear", "out_features");
+    : nn::LinearLeaf("ColumnParallelLinear"), group_(std::move(group)), options_(options) {
+  piece_of(out_features, group_, "ColumnParallelLinear", "out_features");
   WEAVE_CHECK(!(options.skip_bias_add && options.gather_output), "ColumnParallelLinear",
               "skip_bias_add leaves the bias to the caller, which gather_output would then add "
               "to a gathered output it cannot align; hint: use one of them");
   nn::Linear full(in_features, out_features, options.bias, options.generator);
-  weight = split_parameter(full.weight, 0, this->group());
-  weight.requires_grad_(true);
-  if (options.bias) {
-    bias = split_parameter(full.bias, 0, this->group());
-    bias.requires_grad_(true);
-  }
+  set_parameters(split_parameter(full.weight, 0, group_),
+                 options.bias ? split_parameter(full.bias, 0, group_) : Tensor());
+}
+
+Tensor ColumnParallelLinear::project(const Tensor& x, const Tensor& with_bias) {
+  const int axis = options_.sequence_axis;
+  Tensor input = options_.sequence_parallel ? F::gather_from_sequence_group(x, axis, group_)
+                                            : F::copy_to_group(x, group_);
+  Tensor y = linear(input, weight, with_bias);
+  return options_.gather_output ? F::gather_from_group(y, -1, group_) : y;
 }
 
 Tensor ColumnParallelLinear::forward(const Tensor& x) {
-  const dist::Group& g = group();
-  Tensor input =
-      options_.sequence_parallel ? F::gather_from_sequence_group(x, 0, g) : F::copy_to_group(x, g);
-  Tensor y = linear(input, weight, options_.skip_bias_add ? Tensor() : bias);
-  return options_.gather_output ? F::gather_from_group(y, -1, g) : y;
+  return project(x, options_.skip_bias_add ? Tensor() : bias);
+}
+
+Tensor ColumnParallelLinear::forward_unbiased(const Tensor& x) {
+  return project(x, Tensor());
 }
 
 RowParallelLinear::RowParallelLinear(int64_t in_features, int64_t out_features, dist::Group group,
                                      RowParallelOptions options)
-    : ShardedModule("RowParallelLinear", std::move(group)),
-      weight(register_parameter("weight", Tensor())),
-      bias(register_parameter("bias", Tensor())),
-      options_(options) {
-  piece_of(in_features, this->group(), "RowParallelLinear", "in_features");
+    : nn::LinearLeaf("RowParallelLinear"), group_(std::move(group)), options_(options) {
+  piece_of(in_features, group_, "RowParallelLinear", "in_features");
   nn::Linear full(in_features, out_features, options.bias, options.generator);
-  weight = split_parameter(full.weight, 1, this->group());
-  weight.requires_grad_(true);
+  Tensor replicated;
   if (options.bias) {
     NoGradGuard no_grad;
-    bias = nn::is_deferred(full.bias) ? nn::deferred_copy(full.bias) : full.bias.detach().clone();
-    bias.requires_grad_(true);
+    replicated =
+        nn::is_deferred(full.bias) ? nn::deferred_copy(full.bias) : full.bias.detach().clone();
   }
+  set_parameters(split_parameter(full.weight, 1, group_), replicated);
+}
+
+Tensor RowParallelLinear::forward_unbiased(const Tensor& x) {
+  Tensor input = options_.input_is_parallel ? x : F::scatter_to_group(x, -1, group_);
+  Tensor partial = linear(input, weight);
+  if (options_.sequence_parallel)
+    return F::reduce_scatter_to_sequence_group(partial, options_.sequence_axis, group_);
+  return F::reduce_from_group(partial, group_);
 }
 
 Tensor RowParallelLinear::forward(const Tensor& x) {
-  const dist::Group& g = group();
-  Tensor input = options_.input_is_parallel ? x : F::scatter_to_group(x, -1, g);
-  Tensor partial = linear(input, weight);
-  if (options_.sequence_parallel) {
-    Tensor y = F::reduce_scatter_to_sequence_group(partial, 0, g);
-    // each rank adds the bias to its own rows only: the gradients are summed over the group
-    return bias.defined() ? y + F::copy_to_group(bias, g) : y;
-  }
-  Tensor y = F::reduce_from_group(partial, g);
-  return bias.defined() ? y + bias : y;
+  Tensor y = forward_unbiased(x);
+  if (!bias.defined()) return y;
+  // Under sequence parallelism each rank adds the bias to its own rows only: the gradients are
+  // summed over the group.
+  return y + (options_.sequence_parallel ? F::copy_to_group(bias, group_) : bias);
+}
+
+TensorParallelLinears::TensorParallelLinears(dist::Group group, TensorParallelOptions options)
+    : group_(std::move(group)), options_(options) {}
+
+std::shared_ptr<const nn::Linears> tensor_parallel(const dist::Group& group,
+                                                   TensorParallelOptions options) {
+  return std::make_shared<TensorParallelLinears>(group, options);
+}
+
+std::shared_ptr<nn::LinearLeaf> TensorParallelLinears::column(int64_t in, int64_t out, bool bias,
+                                                              Generator* generator) const {
+  return std::make_shared<ColumnParallelLinear>(
+      in, out, group_,
+      ColumnParallelOptions{
+          .bias = bias, .sequence_parallel = options_.sequence_parallel, .generator = generator});
+}
+
+std::shared_ptr<nn::LinearLeaf> TensorParallelLinears::row(int64_t in, int64_t out, bool bias,
+                                                           Generator* generator) const {
+  return std::make_shared<RowParallelLinear>(
+      in, out, group_,
+      RowParallelOptions{
+          .bias = bias, .sequence_parallel = options_.sequence_parallel, .generator = generator});
+}
+
+nn::StackedProjection TensorParallelLinears::stacked(int64_t in, int64_t width, bool bias,
+                                                     Generator* generator) const {
+  piece_of(width, group_, "TensorParallelLinears", "a stacked projection's width");
+  // The whole projection's initialization, then cut along width.
+  const nn::StackedProjection whole = nn::stacked_projection(in, width, bias, generator);
+  return {split_parameter(whole.weight, 1, group_), split_parameter(whole.bias, 1, group_)};
+}
+
+Tensor TensorParallelLinears::enter(const Tensor& x) const {
+  return options_.sequence_parallel ? F::gather_from_sequence_group(x, 1, group_)
+                                    : F::copy_to_group(x, group_);
+}
+
+Tensor TensorParallelLinears::apply_stacked(const Tensor& x, const Tensor& weight,
+                                            const Tensor& bias) const {
+  return nn::apply_stacked(enter(x), weight, bias);
+}
+
+std::pair<nn::StackedProjection, nn::Linears::KeyValueHeads> TensorParallelLinears::key_values(
+    int64_t dim, int64_t heads, int64_t kv_heads, int64_t head_dim, bool bias,
+    Generator* generator) const {
+  const int64_t n = group_.size();
+  const nn::StackedProjection whole =
+      nn::stacked_projection(dim, kv_heads * head_dim, bias, generator);
+  if (kv_heads % n == 0)
+    return {{split_parameter(whole.weight, 1, group_), split_parameter(whole.bias, 1, group_)},
+            {kv_heads / n, 0, false}};
+  // Fewer key/value heads than ranks: every rank holds them all and projects the one its
+  // queries read (the head of its first query head).
+  const int64_t first = group_.rank() * (heads / n) / (heads / kv_heads);
+  return {whole, {1, first, true}};
+}
+
+Tensor TensorParallelLinears::project_key_values(const Tensor& x, const Tensor& weight,
+                                                 const Tensor& bias, const KeyValueHeads& heads,
+                                                 int64_t head_dim) const {
+  if (!heads.replicated) return nn::apply_stacked(enter(x), weight, bias);
+  // Each rank's queries read only their head of the whole projection: its gradient is summed
+  // over the group, as the input's.
+  const int64_t rows = heads.local * head_dim, first = heads.first * head_dim;
+  const Tensor w = F::copy_to_group(weight, group_).narrow(1, first, rows);
+  const Tensor b =
+      bias.defined() ? F::copy_to_group(bias, group_).narrow(1, first, rows) : Tensor();
+  return nn::apply_stacked(enter(x), w, b);
+}
+
+std::shared_ptr<nn::Module> TensorParallelLinears::layer_norm(const Shape& shape,
+                                                              double eps) const {
+  if (options_.sequence_parallel)
+    return std::make_shared<SequenceParallelLayerNorm>(shape, group_, eps);
+  return std::make_shared<nn::LayerNorm>(shape, eps);
+}
+
+void TensorParallelLinears::check_decoding(const char* layer) const {
+  WEAVE_CHECK(!options_.sequence_parallel, layer,
+              "decoding with a key/value cache needs the whole sequence on every rank, found "
+              "sequence parallelism; hint: decode with the model built without it (the "
+              "parameters are the same)");
 }
 
 VocabParallelEmbedding::VocabParallelEmbedding(int64_t vocab, int64_t dim, dist::Group group,

@@ -15,16 +15,23 @@
 // that seed, split (tests rely on it; so can users comparing against one process).
 //
 // Sequence parallelism (ColumnParallelOptions::sequence_parallel and friends): activations
-// outside the tensor-parallel matmuls are split along the sequence axis (axis 0, the
-// [sequence, batch, hidden] layout), a column layer all_gathers its input and a row layer
-// reduce_scatters its output; parameters applied to sequence shards (the row layer's bias,
-// SequenceParallelLayerNorm) sum their gradients over the group in backward.
+// outside the tensor-parallel matmuls are split along the sequence axis (sequence_axis: 1 in
+// the [batch, sequence, hidden] layout the transformer layers use, 0 in [sequence, batch,
+// hidden]), a column layer all_gathers its input and a row layer reduce_scatters its output;
+// parameters applied to sequence shards (the row layer's bias, SequenceParallelLayerNorm) sum
+// their gradients over the group in backward.
+//
+// The transformer layers of nn/ take their pieces from TensorParallelLinears (nn/leaves.h):
+//
+//   nn::TransformerBlock block(384, 6, {.causal = true}, {.linears =
+//   parallel::tensor_parallel(tp)});
 #include <cstdint>
 #include <map>
 #include <string>
 
 #include "weave/distributed/distributed.h"
 #include "weave/nn/layers.h"
+#include "weave/nn/leaves.h"
 #include "weave/parallel/core/placement.h"
 
 namespace weave::parallel {
@@ -44,8 +51,9 @@ struct ColumnParallelOptions {
   bool bias = true;
   /// all_gather the output pieces along the last axis (the full output on every rank).
   bool gather_output = false;
-  /// Input split along axis 0 (the sequence), all_gathered before the matmul.
+  /// Input split along sequence_axis, all_gathered before the matmul.
   bool sequence_parallel = false;
+  int sequence_axis = 1;
   /// Leave the bias out of forward's result, for the caller to fuse it with what follows
   /// (bias_gelu); the bias is still this layer's parameter.
   bool skip_bias_add = false;
@@ -54,15 +62,18 @@ struct ColumnParallelOptions {
 
 /// y = x W^T + b with W [out, in] split by rows (output features): rank r holds rows
 /// [r out/n, (r+1) out/n) and computes that slice of y. out must divide by the group size.
-class ColumnParallelLinear : public ShardedModule {
+/// weight [out / n, in], bias [out / n] (undefined without bias).
+class ColumnParallelLinear : public nn::LinearLeaf {
  public:
   ColumnParallelLinear(int64_t in_features, int64_t out_features, dist::Group group,
                        ColumnParallelOptions options = {});
   Tensor forward(const Tensor& x) override;
-  Tensor& weight;  // [out / n, in]
-  Tensor& bias;    // [out / n], undefined without bias
+  Tensor forward_unbiased(const Tensor& x) override;
+  const dist::Group& group() const { return group_; }
 
  private:
+  Tensor project(const Tensor& x, const Tensor& with_bias);
+  dist::Group group_;
   ColumnParallelOptions options_;
 };
 
@@ -71,23 +82,27 @@ struct RowParallelOptions {
   /// The input's last axis is already split (the output of a ColumnParallelLinear); otherwise
   /// each rank keeps its slice of the full input.
   bool input_is_parallel = true;
-  /// reduce_scatter the output along axis 0 (the sequence) instead of all_reducing it.
+  /// reduce_scatter the output along sequence_axis instead of all_reducing it.
   bool sequence_parallel = false;
+  int sequence_axis = 1;
   Generator* generator = nullptr;
 };
 
 /// y = x W^T + b with W [out, in] split by columns (input features): rank r multiplies its
 /// slice of x by its columns and the partial products are summed over the group. The bias is
-/// replicated and added once, after the sum. in must divide by the group size.
-class RowParallelLinear : public ShardedModule {
+/// replicated and added once, after the sum. in must divide by the group size. weight
+/// [out, in / n], bias [out] (replicated).
+class RowParallelLinear : public nn::LinearLeaf {
  public:
   RowParallelLinear(int64_t in_features, int64_t out_features, dist::Group group,
                     RowParallelOptions options = {});
   Tensor forward(const Tensor& x) override;
-  Tensor& weight;  // [out, in / n]
-  Tensor& bias;    // [out], replicated
+  /// The summed products without the bias.
+  Tensor forward_unbiased(const Tensor& x) override;
+  const dist::Group& group() const { return group_; }
 
  private:
+  dist::Group group_;
   RowParallelOptions options_;
 };
 
@@ -120,6 +135,48 @@ class SequenceParallelLayerNorm : public ShardedModule {
   Shape shape_;
   double eps_;
 };
+
+/// The linear pieces of the transformer layers of nn/ split over a tensor-parallel group
+/// (Megatron-LM): fused and query projections, gated MLPs' gate and up, and the first MLP layer
+/// column-parallel (this rank's heads or hidden units), the output projections row-parallel;
+/// grouped-query attention's key/value heads split alike when the ranks divide them, else whole
+/// on every rank, each projecting the heads its queries read, their gradient summed (Megatron's
+/// replicated key/value heads). With sequence_parallel the activations between the matmuls are
+/// this rank's part of the sequence (dim 1 of [B, T, dim]) and the norms sum their gradients;
+/// decoding with a cache raises then.
+struct TensorParallelOptions {
+  bool sequence_parallel = false;
+};
+class TensorParallelLinears : public nn::Linears {
+ public:
+  TensorParallelLinears(dist::Group group, TensorParallelOptions options = {});
+  int64_t parts() const override { return group_.size(); }
+  std::shared_ptr<nn::LinearLeaf> column(int64_t in, int64_t out, bool bias,
+                                         Generator* generator) const override;
+  std::shared_ptr<nn::LinearLeaf> row(int64_t in, int64_t out, bool bias,
+                                      Generator* generator) const override;
+  nn::StackedProjection stacked(int64_t in, int64_t width, bool bias,
+                                Generator* generator) const override;
+  Tensor apply_stacked(const Tensor& x, const Tensor& weight, const Tensor& bias) const override;
+  std::pair<nn::StackedProjection, KeyValueHeads> key_values(int64_t dim, int64_t heads,
+                                                             int64_t kv_heads, int64_t head_dim,
+                                                             bool bias,
+                                                             Generator* generator) const override;
+  Tensor project_key_values(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                            const KeyValueHeads& heads, int64_t head_dim) const override;
+  std::shared_ptr<nn::Module> layer_norm(const Shape& shape, double eps) const override;
+  void check_decoding(const char* layer) const override;
+  const dist::Group& group() const { return group_; }
+
+ private:
+  // The input of a split region: all_gathered along the sequence, or its gradient summed.
+  Tensor enter(const Tensor& x) const;
+  dist::Group group_;
+  TensorParallelOptions options_;
+};
+/// TensorParallelLinears over `group` (shared, for nn::Leaves::linears).
+std::shared_ptr<const nn::Linears> tensor_parallel(const dist::Group& group,
+                                                   TensorParallelOptions options = {});
 
 /// Cross-entropy of logits split along the last (vocabulary) axis, without gathering them:
 /// the maximum, the sum of exponentials and the target's logit are reduced over the group.
