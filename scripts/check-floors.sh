@@ -21,10 +21,11 @@ floors=(tensor kernels autograd ops "nn optim data" distributed parallel models 
 # the backend interface they implement.
 backend_allowed='^weave/(tensor/|distributed/(communicator|types)\.h)'
 # parallel/ has floors of its own: core/ first, then three folders side by side that include
-# core/ and themselves only. In the strategy folders no strategy includes another (a file
+# core/ and themselves only, then compose/, which combines strategies (one call that wraps a
+# model for the mesh's data axes). In the strategy folders no strategy includes another (a file
 # <s>_*.h or .cpp belongs to strategy <s> when <s>.h is beside it), except these pairs. The
 # headers left at weave/parallel/*.h only forward to their new places for one release.
-parallel_floors=(core "data_parallel model_parallel checkpoint")
+parallel_floors=(core "data_parallel model_parallel checkpoint" compose)
 strategy_folders="data_parallel model_parallel"
 # The layers are written once, in nn/, and each strategy supplies its own leaves (nn/leaves.h);
 # the models (weave/models/, a floor above) compose the strategies.

@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
   parallel::save_sharded_checkpoint(std::string(argv[3]) + "/checkpoint", state);
   const auto tokenizer = data::Tokenizer::from_directory(argv[2]);
   // Collective: rank 0 writes one whole parameter at a time, put together from the shards.
-  parallel::save_pretrained(fsdp.sharded_module(), models::model_config(options),
-                            std::string(argv[3]) + "/model", {.tokenizer = &tokenizer});
+  models::save_pretrained(fsdp.sharded_module(), models::model_config(options),
+                          std::string(argv[3]) + "/model", {.tokenizer = &tokenizer});
   if (dist::rank() == 0) std::printf("exported %s/model\n", argv[3]);
 }

@@ -22,6 +22,7 @@ struct Flags {
   bool pack = false;         // llama: each fortune its own document (end-of-text, positions)
   int tp = 0, threads = 1, samples = 3;
   int context_parallel = 1, expert_parallel = 1, pipeline = 1, microbatches = 0;
+  int replicate = 1;  // fsdp: HSDP's replicas of shard groups (torchtitan's dp_replicate)
   int64_t experts = 0, top_k = 2;
   std::string cp_mode = "ring";
   int64_t layers = 4, dim = 256, heads = 4, context = 128, batch = 16, steps = 600,
@@ -58,6 +59,10 @@ inline void add_layout_options(CLI::App& app, Flags& f) {
       ->check(weave::cli::positive());
   app.add_option("--top-k", f.top_k, "experts each token goes to")->check(weave::cli::positive());
   app.add_option("--pipeline", f.pipeline, "pipeline stages (consecutive blocks, 1F1B)")
+      ->check(weave::cli::positive());
+  app.add_option("--replicate", f.replicate,
+                 "fsdp: HSDP, the data ranks as this many replicas of shard groups (each shard "
+                 "averaged over the replicas)")
       ->check(weave::cli::positive());
   app.add_option("--microbatches", f.microbatches,
                  "micro-batches per step and data-parallel rank (0: twice --pipeline)")
@@ -195,11 +200,16 @@ inline parallel::ProcessMesh mesh_of(const Flags& f) {
       f.expert_parallel, data * context, f.experts, f.top_k, f.eval_windows, data);
   WEAVE_CHECK(f.batch % data == 0, "gpt", "--batch {} does not divide among {} data-parallel ranks",
               f.batch, data);
+  WEAVE_CHECK(f.replicate == 1 || (f.strategy == "fsdp" && data % f.replicate == 0), "gpt",
+              "--replicate {} (HSDP: replicas of shard groups) needs --strategy fsdp and must "
+              "divide the {} data-parallel ranks",
+              f.replicate, data);
   return parallel::ProcessMesh({.data = data,
                                 .tensor = tensor,
                                 .pipeline = pipeline,
                                 .context = context,
-                                .expert = f.experts > 0 ? f.expert_parallel : 1});
+                                .expert = f.experts > 0 ? f.expert_parallel : 1,
+                                .replicate = f.replicate});
 }
 
 // The flags' combinations that no layout trains.

@@ -138,12 +138,10 @@ class Run {
   void sample(nn::CausalLM& model) const;
 
   Tensor objective(const Tensor& logits, const Tensor& targets) const {
-    return gpt::objective(*model_, split_, logits, targets);
+    return gpt::objective(split_, logits, targets);
   }
-  Tensor forward(const nn::Inputs& inputs) {
-    return wrapper_ ? wrapper_->forward(inputs) : (*model_)(inputs);
-  }
-  nn::Module& trained() { return wrapper_ ? wrapper_->sharded_module() : *model_; }
+  Tensor forward(const nn::Inputs& inputs) { return wrapper_->forward(inputs); }
+  nn::Module& trained() { return wrapper_->sharded_module(); }
 
   Flags& f_;
   Device device_;
@@ -182,26 +180,21 @@ void Run::build() {
   dist::all_reduce(pieces, dist::ReduceOp::Sum);
   parameters_ = int64_t(pieces.item<double>() / double(mesh_.shape().data * mesh_.shape().context));
   if (!fully_sharded) parallel::materialize(*model_);  // its seed agreed over the cut groups
-  const dist::Group& replicas = mesh_.data_and_context();
-  if (fully_sharded)
-    wrapper_ = std::make_unique<parallel::FullyShardedDataParallel>(
-        *model_, parallel::FSDPOptions{.reshard_after_forward = mesh_.shape().pipeline == 1,
-                                       .group = replicas,
-                                       .param_dtype = f_.param_dtype,
-                                       .reduce_dtype = kFloat32,
-                                       .output_dtype = kFloat32});
-  else if (replicas.size() > 1)
-    wrapper_ = std::make_unique<parallel::DistributedDataParallel>(
-        *model_, parallel::DDPOptions{.group = replicas});
+  // DDP, FSDP (HSDP under --replicate) or, on one replica, the model itself.
+  wrapper_ = parallel::data_parallel(*model_, mesh_,
+                                     {.shard = fully_sharded,
+                                      .fsdp = {.reshard_after_forward = mesh_.shape().pipeline == 1,
+                                               .param_dtype = f_.param_dtype,
+                                               .reduce_dtype = kFloat32,
+                                               .output_dtype = kFloat32}});
   // The stages pass activations and gradients; each stage's wrapper syncs on the last
   // micro-batch.
-  if (mesh_.shape().pipeline > 1) {
-    const parallel::PipelineOptions options{
-        .microbatches = f_.microbatches > 0 ? f_.microbatches : 2 * mesh_.shape().pipeline,
-        .group = mesh_.pipeline()};
-    pipe_ = wrapper_ ? std::make_unique<parallel::Pipeline>(*wrapper_, options)
-                     : std::make_unique<parallel::Pipeline>(*model_, options);
-  }
+  if (mesh_.shape().pipeline > 1)
+    pipe_ = std::make_unique<parallel::Pipeline>(
+        *wrapper_,
+        parallel::PipelineOptions{
+            .microbatches = f_.microbatches > 0 ? f_.microbatches : 2 * mesh_.shape().pipeline,
+            .group = mesh_.pipeline()});
 }
 
 // AdamW over the GPT recipe's groups (no weight decay on biases, norms and embeddings; under
@@ -211,7 +204,7 @@ void Run::optimize() {
   const std::vector<optim::ParamGroup> groups =
       optim::weight_decay_groups(*model_, f_.weight_decay);
   optimizer_ =
-      std::make_unique<optim::AdamW>(wrapper_ ? wrapper_->param_groups(groups) : groups,
+      std::make_unique<optim::AdamW>(wrapper_->param_groups(groups),
                                      optim::AdamWOptions{.lr = f_.lr, .capturable = f_.cuda_graph});
   scheduler_ = std::make_unique<optim::LRScheduler>(
       *optimizer_, [f = f_](int64_t step) { return learning_rate(f, step); });
@@ -300,13 +293,11 @@ Tensor Run::step_loss(const Batch& batch, double& grad_norm) {
 // Every --log-every steps: the mean loss since the last line, over the data x context ranks.
 void Run::log_step(data::MetricsLogger& metrics, double& grad_norm) {
   if (graphed_) loss_sum_ = graphed_->take_loss_sum(), grad_norm = graphed_->norm();
-  const double replicas = double(mesh_.shape().data * mesh_.shape().context);
-  Tensor mean = full({1}, loss_sum_ / (double(losses_) * replicas), {.dtype = kFloat64});
-  using parallel::Axis;
-  dist::all_reduce(mean, dist::ReduceOp::Sum,
-                   mesh_.group({Axis::Data, Axis::Context, Axis::Pipeline}));
+  // Before the last stage the sum is 0 (no loss): the last stage's count.
+  const double mean =
+      parallel::replica_mean(full({1}, loss_sum_ / double(losses_), {.dtype = kFloat64}), mesh_);
   metrics.log_step({.step = step_,
-                    .loss = mean.item<double>(),
+                    .loss = mean,
                     .lr = scheduler_->lr(),
                     .tokens = tokens_,
                     .grad_norm = grad_norm});
@@ -420,16 +411,13 @@ void Run::sample_lines() {
   }
   if (split_.sequence_parallel || split_.context_group) {
     std::shared_ptr<nn::CausalLM> decoder =
-        gpt::make_model(f_, corpus_.vocab, {.tensor = split_.tensor, .moe = split_.moe});
+        gpt::make_model(f_, corpus_.vocab, {.tensor = split_.tensor});
     decoder->to(device_);
-    decoder->load_state_dict(wrapper_ ? wrapper_->full_state_dict() : model_->state_dict());
+    decoder->load_state_dict(wrapper_->full_state_dict());
     NoGradGuard no_grad;
     sample(*decoder);
-  } else if (wrapper_) {
-    wrapper_->run([&] { sample(*model_); });
   } else {
-    NoGradGuard no_grad;
-    sample(*model_);
+    wrapper_->run([&] { sample(*model_); });
   }
 }
 

@@ -32,8 +32,7 @@ inline models::ModelSplit split_of(const Flags& f, const parallel::ProcessMesh& 
       mesh, {.sequence_parallel = shape.tensor > 1 && f.sequence_parallel && f.experts == 0 &&
                                   shape.context == 1 && f.arch == "gpt",
              .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
-                                                 : parallel::ContextParallelMode::AllToAll,
-             .moe = experts_of(f)});
+                                                 : parallel::ContextParallelMode::AllToAll});
 }
 
 /// The model of the flags with `split` (its parameters drawn as the caller's init says).
@@ -41,12 +40,14 @@ inline std::shared_ptr<nn::CausalLM> make_model(const Flags& f, int64_t vocab,
                                                 models::ModelSplit split) {
   std::shared_ptr<nn::CausalLM> model;
   if (f.arch == "llama")
-    model = std::make_shared<models::Llama>(
-        models::LlamaOptions{.vocab = vocab,
-                             .dim = f.dim,
-                             .layers = f.layers,
-                             .block = {.heads = f.heads, .kv_heads = f.kv_heads, .hidden = f.ffn}},
-        std::move(split));
+    model = std::make_shared<models::Llama>(models::LlamaOptions{.vocab = vocab,
+                                                                 .dim = f.dim,
+                                                                 .layers = f.layers,
+                                                                 .block = {.heads = f.heads,
+                                                                           .kv_heads = f.kv_heads,
+                                                                           .hidden = f.ffn,
+                                                                           .moe = experts_of(f)}},
+                                            std::move(split));
   else
     model = std::make_shared<models::GPT2>(models::GPT2Options{.vocab = vocab,
                                                                .dim = f.dim,
@@ -55,7 +56,8 @@ inline std::shared_ptr<nn::CausalLM> make_model(const Flags& f, int64_t vocab,
                                                                .max_positions = f.context,
                                                                .tanh_gelu = false,
                                                                .untied_head = true,
-                                                               .head_bias = true},
+                                                               .head_bias = true,
+                                                               .moe = experts_of(f)},
                                            std::move(split));
   model->set_recompute_blocks(f.checkpoint_activations);
   return model;
@@ -73,13 +75,11 @@ inline void initialize(nn::Module& model) {
 }
 
 /// The training objective of `model`'s logits against targets of this rank's positions: the
-/// mean cross-entropy (over the tensor group's vocabulary slices when split), plus the experts'
-/// balancing losses while training.
-inline Tensor objective(const nn::CausalLM& model, const models::ModelSplit& split,
-                        const Tensor& logits, const Tensor& targets) {
-  const Tensor loss = split.cross_entropy(logits, targets);
-  const Tensor aux = model.is_training() ? model.aux_loss() : Tensor();
-  return aux.defined() ? loss + aux : loss;
+/// mean cross-entropy (over the tensor group's vocabulary slices when split). The experts'
+/// balancing losses need no adding: each block's travels with its output into backward.
+inline Tensor objective(const models::ModelSplit& split, const Tensor& logits,
+                        const Tensor& targets) {
+  return split.cross_entropy(logits, targets);
 }
 
 }  // namespace gpt

@@ -1,7 +1,8 @@
 // Fine-tunes a Hugging Face checkpoint (GPT-2 or a Llama-family model) on text, saves it in
 // Hugging Face's format, and generates from a prompt:
 //   mpirun -np 2 finetune --model gpt2/ --text notes.txt [--strategy ddp|fsdp|tp|hybrid] [--tp N]
-//                         [--context-parallel 1] [--pipeline 1 [--microbatches M]] [--steps 100]
+//                         [--context-parallel 1] [--pipeline 1 [--microbatches M]] [--replicate 1]
+//                         [--steps 100]
 //                         [--context 128] [--batch 8] [--lr 1e-4] [--save gpt2-tuned/]
 //                         [--prompt "Once upon"] [--max-new-tokens 40] [--temperature 0.8]
 //                         [--top-k 0] [--top-p 0.95] [--seed 0] [--checkpoint-activations]
@@ -13,7 +14,8 @@
 // --context + 1 tokens (data::TokenDataset) go through a DataLoader with a DistributedSampler
 // (each data-parallel rank its share), shuffled by --seed; --checkpoint saves model, optimizer,
 // scheduler and loader (sharded), and --resume continues exactly.
-// Strategies, as examples/gpt's: ddp (replicas), fsdp (shards), tp (every rank of a context
+// Strategies, as examples/gpt's: ddp (replicas), fsdp (shards; with --replicate R, HSDP: R
+// replicas of shard groups), tp (every rank of a context
 // group in one tensor-parallel group: models::ModelSplit::from_mesh), hybrid (ddp over
 // tensor groups of --tp, 2 by default); --tp N splits the model under ddp and fsdp too, and
 // --context-parallel N splits every window over N ranks (zig-zag parts, ring attention) under
@@ -42,7 +44,7 @@ namespace {
 
 struct Flags {
   std::string model, text, tokens, separator, save, prompt, checkpoint, strategy = "ddp";
-  int tp = 0, context_parallel = 1, pipeline = 1, microbatches = 0;
+  int tp = 0, context_parallel = 1, pipeline = 1, microbatches = 0, replicate = 1;
   std::string init, tokenizer;
   int64_t steps = 100, context = 128, batch = 8, log_every = 10, checkpoint_every = 25;
   int64_t stop_at = -1, max_new_tokens = 40, top_k = 0, dim = 64, layers = 2, heads = 4;
@@ -69,6 +71,9 @@ Flags parse(int argc, char** argv) {
       ->check(cli::positive());
   app.add_option("--microbatches", f.microbatches, "per step and data rank (0: 2 x --pipeline)")
       ->check(cli::non_negative());
+  app.add_option("--replicate", f.replicate,
+                 "fsdp: HSDP, the data ranks as this many replicas of shard groups")
+      ->check(cli::positive());
   app.add_option("--steps", f.steps)->check(cli::non_negative());
   app.add_option("--context", f.context)->check(cli::positive());
   app.add_option("--batch", f.batch, "windows per step, over all ranks")->check(cli::positive());
@@ -119,12 +124,7 @@ void write_new_model(const Flags& f) {
         if (name == "tokens.weight" || name == "positions.weight" || name == "embedding.weight")
           p.copy_(randn(p.shape(), {.dtype = p.dtype()}, &generator) * 0.02);
     }
-    data::hf::save_pretrained(*model, config, f.model);
-    for (const char* file :
-         {"tokenizer.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe"})
-      if (fs::exists(fs::path(f.tokenizer) / file))
-        fs::copy_file(fs::path(f.tokenizer) / file, fs::path(f.model) / file,
-                      fs::copy_options::overwrite_existing);
+    data::hf::save_pretrained(*model, config, f.model, {.tokenizer = &tok});
     std::printf("wrote a new %s model (vocab %lld, dim %lld) to %s\n", f.init.c_str(),
                 static_cast<long long>(config.vocab), static_cast<long long>(f.dim),
                 f.model.c_str());
@@ -164,10 +164,15 @@ parallel::MeshShape mesh_shape(const Flags& f) {
   WEAVE_CHECK(f.context % (2 * context) == 0, "finetune",
               "--context {} must split into 2 x --context-parallel {} equal chunks (zig-zag)",
               f.context, context);
-  return {.data = world / (context * tensor * pipeline),
+  const int data = world / (context * tensor * pipeline);
+  WEAVE_CHECK(f.replicate == 1 || (f.strategy == "fsdp" && data % f.replicate == 0), "finetune",
+              "--replicate {} (HSDP) needs --strategy fsdp and must divide the {} data ranks",
+              f.replicate, data);
+  return {.data = data,
           .tensor = tensor,
           .pipeline = pipeline,
-          .context = context};
+          .context = context,
+          .replicate = f.replicate};
 }
 
 // What one rank trains: the model (whole, or its part) and its wrapper, the optimizer, the
@@ -178,7 +183,6 @@ struct Trainer {
       : f(flags),
         config(model_config),
         mesh(mesh_shape(f)),
-        split(mesh.shape().tensor > 1 || mesh.shape().context > 1 || mesh.shape().pipeline > 1),
         sharded(f.strategy == "fsdp"),
         parts(models::ModelSplit::from_mesh(mesh)),
         dataset(std::make_shared<const data::TokenDataset>(
@@ -194,9 +198,8 @@ struct Trainer {
         dataset, data::DataLoaderOptions{
                      .batch_size = f.batch / replicas, .drop_last = true, .sampler = sampler});
     build_model();
-    optimizer = std::make_unique<optim::AdamW>(
-        wrapper ? wrapper->trained_parameters() : model->parameters(),
-        optim::AdamWOptions{.lr = f.lr});
+    optimizer = std::make_unique<optim::AdamW>(wrapper->trained_parameters(),
+                                               optim::AdamWOptions{.lr = f.lr});
     scheduler =
         std::make_unique<optim::LRScheduler>(*optimizer, [lr = f.lr](int64_t) { return lr; });
     state = {.model = &trained(),
@@ -212,34 +215,27 @@ struct Trainer {
   }
 
   // The model and its wrapper, each rank reading only the parts it holds: its tensor-parallel
-  // slices, or under fsdp its shards of them.
+  // slices, or under fsdp its shards of them. Built without memory: the load allocates what it
+  // reads.
   void build_model() {
-    if (!split && !sharded) {
-      model = models::from_pretrained(f.model);
-    } else {  // without memory: the checkpoint fills this rank's slices, or under fsdp its shards
-      nn::DeferredInit deferred(f.seed);
+    {  // FSDP's shards are allocated, not drawn: the load fills them
+      auto deferred = nn::DeferredInit::for_loading();
       model = models::make_model(config, parts);
     }
     model->set_recompute_blocks(f.checkpoint_activations);
-    const dist::Group& replicas = mesh.data_and_context();
-    if (sharded) {  // the model's units (each block, the embeddings, norm and head; tied: root)
-      wrapper = std::make_unique<parallel::FullyShardedDataParallel>(
-          *model, parallel::FSDPOptions{.reshard_after_forward = mesh.shape().pipeline == 1,
-                                        .group = replicas});
-      parallel::load_pretrained(trained(), config, f.model);  // this rank's shards
-    } else {
-      if (split) parallel::load_pretrained(*model, config, f.model);  // before DDP's broadcast
-      if (replicas.size() > 1)
-        wrapper = std::make_unique<parallel::DistributedDataParallel>(
-            *model, parallel::DDPOptions{.group = replicas});
-    }
-    if (mesh.shape().pipeline > 1) {
-      const int microbatches = f.microbatches > 0 ? f.microbatches : 2 * mesh.shape().pipeline;
-      const parallel::PipelineOptions options{.microbatches = microbatches,
-                                              .group = mesh.pipeline()};
-      pipe = wrapper ? std::make_unique<parallel::Pipeline>(*wrapper, options)
-                     : std::make_unique<parallel::Pipeline>(*model, options);
-    }
+    // DDP's replicas load before it starts (its broadcast finds them equal); FSDP's units (each
+    // block, the embeddings, norm and head; tied: the root) load into this rank's shards.
+    if (!sharded) parallel::load_pretrained(*model, config, f.model);
+    wrapper = parallel::data_parallel(
+        *model, mesh,
+        {.shard = sharded, .fsdp = {.reshard_after_forward = mesh.shape().pipeline == 1}});
+    if (sharded) parallel::load_pretrained(trained(), config, f.model);
+    if (mesh.shape().pipeline > 1)
+      pipe = std::make_unique<parallel::Pipeline>(
+          *wrapper,
+          parallel::PipelineOptions{
+              .microbatches = f.microbatches > 0 ? f.microbatches : 2 * mesh.shape().pipeline,
+              .group = mesh.pipeline()});
   }
 
   // One optimizer step on a batch; returns its loss (the whole batch's).
@@ -253,19 +249,12 @@ struct Trainer {
         return parts.cross_entropy(logits, target);
       });
     } else {
-      loss = parts.cross_entropy(wrapper ? wrapper->forward(in) : (*model)(in), targets);
+      loss = parts.cross_entropy(wrapper->forward(in), targets);
       loss.backward();
     }
     optimizer->step();
     scheduler->step();
-    // Each data x context rank holds an equal share of the batch's positions; the last stage
-    // has the loss.
-    using parallel::Axis;
-    const dist::Group& all = mesh.group({Axis::Data, Axis::Context, Axis::Pipeline});
-    const double mine = loss.defined() ? loss.item<double>() / mesh.data_and_context().size() : 0;
-    Tensor mean = full({1}, mine, {.dtype = kFloat64});
-    dist::all_reduce(mean, dist::ReduceOp::Sum, all);
-    return mean.item<double>();
+    return parallel::replica_mean(loss, mesh);  // the last stage's, over the replicas
   }
 
   // Trains to --steps (false: stopped at --stop-at, checkpointed).
@@ -289,47 +278,30 @@ struct Trainer {
     return true;
   }
 
-  // The whole model of a split one, on every rank (gathered from the ranks' slices, and under
-  // fsdp their shards; collective).
+  // The whole model of a split one on rank 0, put together one tensor at a time from the ranks'
+  // slices, shards and stages (null elsewhere; collective).
   std::shared_ptr<nn::CausalLM> whole_model() {
-    if (!sharded && !split) return model;
-    if (pipe) return gathered_stages();
-    std::shared_ptr<nn::CausalLM> slices = model;  // this rank's slices, whole
-    if (sharded) {
-      slices = models::make_model(config, parts);
-      slices->load_state_dict(wrapper->full_state_dict());
-    }
+    nn::NamedTensors state = parallel::gather_whole_state_dict(trained());
+    if (dist::rank() != 0) return nullptr;
     auto whole = models::make_model(config);
-    whole->load_state_dict(parallel::gather_state_dict(*slices));
+    whole->load_state_dict(state);
     return whole;
   }
 
   // What checkpoints and exports read: the wrapper's (fsdp: this rank's shards), or the model.
-  nn::Module& trained() { return wrapper ? wrapper->sharded_module() : *model; }
-
-  // The stages' parts (slices, or fsdp's shards of them) into the whole model on every rank,
-  // through a sharded checkpoint of the model alone (it loads at any layout). Collective.
-  std::shared_ptr<nn::CausalLM> gathered_stages() {
-    const std::string dir = (f.save.empty() ? f.model : f.save) + "/.stages";
-    parallel::save_sharded_checkpoint(dir, {.model = &trained(), .default_generator = false});
-    auto whole = models::make_model(config);
-    data::TrainingState into{.model = whole.get(), .default_generator = false};
-    parallel::load_sharded_checkpoint(dir, into);
-    dist::barrier();
-    if (dist::rank() == 0) fs::remove_all(dir);
-    return whole;
-  }
+  nn::Module& trained() { return wrapper->sharded_module(); }
 
   const Flags& f;
   const data::hf::ModelConfig& config;
   parallel::ProcessMesh mesh;
-  bool split, sharded;
+  bool sharded;
   models::ModelSplit parts;  // this rank's part of the model (empty on one replica)
   std::shared_ptr<const data::TokenDataset> dataset;
   std::shared_ptr<parallel::DistributedSampler> sampler;
   std::shared_ptr<nn::CausalLM> model;
   std::unique_ptr<data::DataLoader> loader;
-  // DDP over the data x context replicas, or FSDP sharding over them (none on one replica).
+  // DDP over the data x context replicas, FSDP sharding over them (HSDP with --replicate), or
+  // on one replica the model itself (parallel::data_parallel).
   std::unique_ptr<parallel::DataParallelWrapper> wrapper;
   std::unique_ptr<parallel::Pipeline> pipe;
   std::unique_ptr<optim::AdamW> optimizer;
@@ -341,22 +313,13 @@ struct Trainer {
 
 // The tuned model in Hugging Face's format: rank 0 writes it one parameter at a time, put
 // together from the ranks' slices and shards (no rank builds the whole model).
-void save(const Flags& f, Trainer& trainer) {
-  if (trainer.sharded || trainer.split)
-    parallel::save_pretrained(trainer.trained(), trainer.config, f.save);
-  else if (dist::rank() == 0)
-    data::hf::save_pretrained(*trainer.model, trainer.config, f.save);
-  if (dist::rank() == 0) {
-    for (const char* name :
-         {"tokenizer.json", "vocab.json", "merges.txt", "encoder.json", "vocab.bpe"})
-      if (fs::exists(fs::path(f.model) / name) && !fs::exists(fs::path(f.save) / name))
-        fs::copy_file(fs::path(f.model) / name, fs::path(f.save) / name);
-    std::printf("saved %s\n", f.save.c_str());
-  }
+void save(const Flags& f, Trainer& trainer, const data::Tokenizer& tok) {
+  models::save_pretrained(trainer.trained(), trainer.config, f.save, {.tokenizer = &tok});
+  if (dist::rank() == 0) std::printf("saved %s\n", f.save.c_str());
 }
 
 void save_and_generate(const Flags& f, Trainer& trainer, const data::Tokenizer& tok) {
-  if (!f.save.empty()) save(f, trainer);
+  if (!f.save.empty()) save(f, trainer, tok);
   if (f.prompt.empty()) return;
   const auto ids = tok.encode(f.prompt);
   const Tensor prompt =
@@ -372,10 +335,11 @@ void save_and_generate(const Flags& f, Trainer& trainer, const data::Tokenizer& 
   // model (the split ones gathered first).
   const parallel::MeshShape& shape = trainer.mesh.shape();
   const bool tp_decode = f.strategy == "tp" && shape.context == 1 && shape.pipeline == 1;
+  const bool whole = trainer.parts.whole() && !trainer.parts.context_group;
   Tensor out;
   if (tp_decode) {
     out = nn::generate(*trainer.model, prompt, options);
-  } else if (trainer.sharded && !trainer.split) {
+  } else if (whole) {  // every replica decodes (fsdp: each block gathered in turn)
     trainer.wrapper->run([&] { out = nn::generate(*trainer.model, prompt, options); });
   } else {
     const std::shared_ptr<nn::CausalLM> whole = trainer.whole_model();

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # gpt_test.sh GPT MPIRUN...: a short GPT run on the fortunes text at 2 ranks under ddp, fsdp (also
-# stopped and resumed) and tp (with and without sequence parallelism), at 4 ranks hybrid, and
-# stopped then resumed from its checkpoint, with activation checkpointing (ddp, and tp with
+# stopped and resumed) and tp (with and without sequence parallelism), at 4 ranks hybrid and
+# HSDP 2 x 2 (also to ddp's at 4), and stopped then resumed from its checkpoint, with activation
+# checkpointing (ddp, and tp with
 # sequence parallelism), with context parallelism (ring and all-to-all; with data parallelism at
 # 4 ranks), with experts spread over ranks (with data parallelism at 4 ranks), and composed at 4
 # ranks (fsdp x tensor, fsdp x context, context x experts, tensor x experts; fsdp x experts at 2)
@@ -41,6 +42,16 @@ check_repeats "fsdp np2 with activation checkpointing" "$last_heldout" 2 --strat
 check_run "fsdp np2 stopped at 15, resumed from its sharded checkpoint" 2 --strategy fsdp \
   --checkpoint "$work/fsdp" --resume
 check_run "hybrid np4 (2 x 2)" 4 --strategy hybrid --tp 2
+# HSDP (parallel::data_parallel from the mesh's replicate axis): 2 replicas of 2-rank shard
+# groups end at DDP's held-out loss over the same 4 ranks (and one process's).
+check_run "ddp np4" 4 --strategy ddp
+ddp4=$last_heldout
+check_run "hsdp 2 x 2 np4" 4 --strategy fsdp --replicate 2
+if [ -z "$ddp4" ] || ! awk -v a="$last_heldout" -v b="$ddp4" \
+     'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-3 * b) }'; then
+  echo "FAIL: hsdp 2 x 2: heldout_loss='$last_heldout', ddp np4's '$ddp4'"
+  status=1
+fi
 "${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --checkpoint "$work/ckpt" --stop-at 15 \
   | grep -q "stopped at step 15" || { echo "FAIL: the run did not stop at step 15"; status=1; }
 resumed=$("${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --strategy tp --checkpoint "$work/ckpt" --resume)

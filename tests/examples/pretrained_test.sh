@@ -6,9 +6,10 @@
 # logged step 50 and resumed from its last checkpoint (step 40), must print the same losses for
 # every step after the resume and save the same Hugging Face files, byte for byte, as the
 # uninterrupted run; tp, fsdp, context parallelism, a 2-stage pipeline, and at 4 ranks ddp x tp,
-# fsdp x tp x context, pipeline x context and fsdp x pipeline must end at ddp's loss (float32: 1e-3 relative), and the saved model must
-# generate from a prompt; fsdp's sampled generation (through its shards) equals one process's from
-# the model it saved. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
+# HSDP 2 x 2, fsdp x tp x context, pipeline x context and fsdp x pipeline must end at ddp's loss
+# (float32: 1e-3 relative), and the saved model must generate from a prompt; fsdp's sampled
+# generation (through its shards) and the pipeline's (the whole model put together on rank 0, no
+# checkpoint written) equal one process's from the model each saved. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
 # stage's head), alone and with 2 tensor-parallel ranks, and resumed under ddp from a pipelined
 # checkpoint, ends at ddp's loss too; with --checkpoint-activations it repeats ddp's losses
 # with a lower training peak.
@@ -70,7 +71,8 @@ echo "ddp final_loss=$reference; resumed: $(final resumed)"
 for case in "tp 2 --strategy tp" \
             "fsdp 2 --strategy fsdp --save $work/saved_fsdp --prompt Once --temperature 1.5 --top-p 1 --max-new-tokens 16" \
             "context 2 --context-parallel 2" \
-            "pipeline 2 --pipeline 2" "hybrid 4 --strategy hybrid --tp 2" \
+            "pipeline 2 --pipeline 2 --save $work/saved_pipeline --prompt Once --temperature 1.5 --top-p 1 --max-new-tokens 16" \
+            "hybrid 4 --strategy hybrid --tp 2" "hsdp 4 --strategy fsdp --replicate 2" \
             "fsdp_tp_context 4 --strategy fsdp --tp 2 --context-parallel 2" \
             "tp_pipeline_context 4 --strategy tp --pipeline 2 --context-parallel 2" \
             "fsdp_pipeline 4 --strategy fsdp --pipeline 2 --microbatches 2"; do
@@ -84,13 +86,18 @@ for case in "tp 2 --strategy tp" \
 done
 # fsdp decodes through its shards, each block gathered in turn (no rank builds the whole model):
 # sampled from the same seed, the tokens one process samples from the model that run saved.
-"${mpirun[@]}" -np 1 "$finetune" --model "$work/saved_fsdp" --tokens "$work/fortunes.tokens" \
-  --steps 0 --prompt Once --temperature 1.5 --top-p 1 --max-new-tokens 16 >"$work/fsdp_reload.out" 2>&1 ||
-  { echo "FAIL: fsdp_reload"; cat "$work/fsdp_reload.out"; status=1; }
-sharded=$(grep '^generated:' "$work/fsdp.out") whole=$(grep '^generated:' "$work/fsdp_reload.out")
-[ -n "$sharded" ] && [ "$sharded" = "$whole" ] ||
-  { echo "FAIL: fsdp generated '$sharded', its saved model '$whole'"; status=1; }
-echo "fsdp $sharded"
+# A pipelined run decodes with the whole model put together on rank 0 from the stages (no
+# checkpoint written for it): the tokens one process samples from the model that run saved.
+for layout in fsdp pipeline; do
+  "${mpirun[@]}" -np 1 "$finetune" --model "$work/saved_$layout" --tokens "$work/fortunes.tokens" \
+    --steps 0 --prompt Once --temperature 1.5 --top-p 1 --max-new-tokens 16 \
+    >"$work/${layout}_reload.out" 2>&1 || { echo "FAIL: ${layout}_reload"; status=1; }
+  sampled=$(grep '^generated:' "$work/$layout.out") saved=$(grep '^generated:' "$work/${layout}_reload.out")
+  [ -n "$sampled" ] && [ "$sampled" = "$saved" ] ||
+    { echo "FAIL: $layout generated '$sampled', its saved model '$saved'"; status=1; }
+  echo "$layout $sampled"
+done
+[ ! -e "$work/saved_pipeline/.stages" ] || { echo "FAIL: a checkpoint was written to decode"; status=1; }
 # GPT-2 in pipeline stages, its token embedding tied to the last stage's head: the 2-stage run
 # and 2 stages x 2 tensor-parallel ranks end at ddp's loss; a pipelined run stopped at step 20
 # resumes under ddp (both stages saved the embedding) to ddp's loss; the export holds one wte.

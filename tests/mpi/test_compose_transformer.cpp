@@ -58,9 +58,9 @@ Tensor whole(uint64_t seed, int data) {
   return shared_randn({kBatch * data, kSeq, kDim}, seed);
 }
 
-Tensor objective(nn::TransformerBlock& block, const Tensor& y, const Tensor& w) {
-  Tensor loss = (y * w).sum() / double(y.numel() / kDim);
-  return block.moe ? loss + block.aux_loss() : loss;
+// No aux_loss() added: a block's balancing loss rides along with its output into backward.
+Tensor objective(const Tensor& y, const Tensor& w) {
+  return (y * w).sum() / double(y.numel() / kDim);
 }
 
 // This rank's share: its data rows, its zig-zag positions.
@@ -87,6 +87,7 @@ void check_against_one_process(const parallel::MeshShape& shape, bool with_exper
   CAPTURE(shape.expert);
   CAPTURE(with_experts);
   auto reference = block_on(std::nullopt, std::nullopt, with_experts, std::nullopt, std::nullopt);
+  reference->eval();  // its balancing loss added by hand below: the truth the blocks' rule meets
 
   parallel::ProcessMesh mesh(shape);
   auto block =
@@ -99,9 +100,11 @@ void check_against_one_process(const parallel::MeshShape& shape, bool with_exper
     const Tensor x = whole(100 + uint64_t(step), shape.data);
     const Tensor w = whole(200 + uint64_t(step), shape.data);
     ref_opt.zero_grad();
-    objective(*reference, (*reference)(x), w).backward();
+    Tensor loss = objective((*reference)(x), w);
+    if (with_experts) loss = loss + reference->aux_loss();
+    loss.backward();
     opt.zero_grad(/*set_to_none=*/false);
-    objective(*block, ddp(share(x, mesh)), share(w, mesh)).backward();
+    objective(ddp(share(x, mesh)), share(w, mesh)).backward();
     check_norms(block->parameters(), reference->parameters());
     ref_opt.step();
     opt.step();
@@ -220,7 +223,8 @@ void check_pipeline_against_one_process(const parallel::MeshShape& shape, bool f
 // micro-batches), each stage under DDP over data x context, experts spread over the mesh's
 // expert axis: 3 AdamW steps with clipping equal one process that trains the whole model on
 // each micro-batch's rows of every data rank, the balancing losses of both stages included
-// (the first stage's travel with its activations: attach_loss).
+// though no stage's loss adds aux_loss(): every block's travels with its output (attach_loss),
+// against a reference that adds them to its losses by hand.
 template <class Model>
 void check_pipeline_with_experts(const parallel::MeshShape& shape) {
   CAPTURE(shape.data);
@@ -241,14 +245,18 @@ void check_pipeline_with_experts(const parallel::MeshShape& shape) {
   for (int r = 0; r < n; ++r) alone.push_back({r});
   const dist::Group self = dist::split_group(dist::world(), alone);
   manual_seed(31);
-  Model reference(options, {.tensor = self, .moe = moe});
+  if constexpr (std::is_same_v<Options, models::LlamaOptions>)
+    options.block.moe = moe;
+  else
+    options.moe = moe;
+  Model reference(options, {.tensor = self});
   reference.to(kFloat64);
+  reference.eval();
   parallel::ProcessMesh mesh(shape);
   Model stage(options,
               {.tensor = mesh.tensor(),
                .stage = mesh.pipeline_rank(),
                .stages = 2,
-               .moe = moe,
                .expert_group = shape.expert > 1 ? std::optional(mesh.expert()) : std::nullopt,
                .balance_group = mesh.data_and_context()});
   stage.to(kFloat64);
@@ -266,11 +274,10 @@ void check_pipeline_with_experts(const parallel::MeshShape& shape) {
   optim::AdamW opt(stage.parameters(), kAdamW);
   optim::AdamW ref_opt(reference.parameters(), kAdamW);
   // The tensor group's vocabulary slices of the logits: one loss, counted once.
-  auto loss_of = [&](Model& model, const dist::Group& tensor) {
-    return [&model, tensor](const Tensor& logits, const Tensor& targets) {
+  auto loss_of = [](const dist::Group& tensor) {
+    return [tensor](const Tensor& logits, const Tensor& targets) {
       return parallel::vocab_parallel_cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                    targets.reshape({-1}), tensor) +
-             model.aux_loss();
+                                                    targets.reshape({-1}), tensor);
     };
   };
   for (int step = 0; step < 3; ++step) {
@@ -287,14 +294,17 @@ void check_pipeline_with_experts(const parallel::MeshShape& shape) {
         xs.push_back(x.narrow(0, d * kRows + k * kRows / kMicro, kRows / kMicro));
         ys.push_back(y.narrow(0, d * kRows + k * kRows / kMicro, kRows / kMicro));
       }
-      Tensor loss = loss_of(reference, self)(reference(cat(xs, 0)), cat(ys, 0)) / double(kMicro);
+      // The truth the blocks' rule must meet: each micro-batch's aux_loss() added to its loss.
+      // (In eval mode nothing rides along; routing is the same without a balance group.)
+      const Tensor logits = reference(cat(xs, 0));
+      Tensor loss = (loss_of(self)(logits, cat(ys, 0)) + reference.aux_loss()) / double(kMicro);
       loss.backward();
       ref_loss += loss.item<double>();
     }
     opt.zero_grad();
-    Tensor loss = pipe.train_step(x.narrow(0, mesh.data_rank() * kRows, kRows),
-                                  y.narrow(0, mesh.data_rank() * kRows, kRows),
-                                  loss_of(stage, mesh.tensor()));
+    Tensor loss =
+        pipe.train_step(x.narrow(0, mesh.data_rank() * kRows, kRows),
+                        y.narrow(0, mesh.data_rank() * kRows, kRows), loss_of(mesh.tensor()));
     if (pipe.is_last()) {  // the data ranks' mean: the whole batch's loss
       Tensor mean = loss.detach().reshape({1}).clone();
       dist::all_reduce(mean, dist::ReduceOp::Avg, mesh.data_and_context());

@@ -127,8 +127,10 @@ TEST_SUITE("deferred") {
     const nn::MoEOptions moe{.hidden = 32, .ffn = 16, .router = {.experts = 4, .top_k = 2}};
     auto build = [&](std::optional<dist::Group> experts) {
       nn::DeferredInit deferred(kSeed);
+      models::LlamaOptions options = small_llama();
+      options.block.moe = moe;
       return std::make_shared<models::Llama>(
-          small_llama(), models::ModelSplit{.tensor = self, .moe = moe, .expert_group = experts});
+          options, models::ModelSplit{.tensor = self, .expert_group = experts});
     };
     auto whole = build(std::nullopt), spread = build(dist::world());
     nn::materialize(*whole);

@@ -111,9 +111,9 @@ TEST_SUITE("model_parallel") {
                          doctest::Contains("sequence parallelism splits the sequence over a "
                                            "tensor group"),
                          Error);
-    CHECK_THROWS_WITH_AS(build({.tensor = tp,
-                                .sequence_parallel = true,
-                                .moe = nn::MoEOptions{.hidden = 24, .ffn = 16}}),
+    models::GPT2Options with_experts = original_gpt();
+    with_experts.moe = nn::MoEOptions{.hidden = 24, .ffn = 16};
+    CHECK_THROWS_WITH_AS(models::GPT2(with_experts, {.tensor = tp, .sequence_parallel = true}),
                          doctest::Contains("experts: true"), Error);
     CHECK_THROWS_WITH_AS(
         models::Llama({.vocab = 12, .dim = 24, .layers = 1, .block = {.heads = 12}},

@@ -1,6 +1,7 @@
 // HSDP: FSDP over shard groups of 2 ranks, each shard's gradient averaged over its replicas in
 // the other shard groups, equals DDP over the world (float64, 20 AdamW steps); its sharded
-// checkpoint loads under FSDP over the world and under DDP with the next step equal.
+// checkpoint loads under FSDP over the world and under DDP with the next step equal. The same
+// built by parallel::data_parallel from a mesh (a pass-through on one replica).
 #include <doctest/doctest.h>
 
 #include <filesystem>
@@ -108,6 +109,56 @@ TEST_SUITE("fsdp") {
     CHECK(plain.replicate().ranks() == std::vector<int>{dist::rank()});
     CHECK_THROWS_WITH_AS(parallel::ProcessMesh({.data = n, .replicate = 3}),
                          doctest::Contains("replicate=3 must divide"), Error);
+  }
+
+  TEST_CASE("parallel::data_parallel: HSDP from the mesh equals DDP, one replica passes through") {
+    const int n = dist::world_size();
+    auto reference = make_model(100), model = make_model(100);
+    const parallel::ProcessMesh mesh({.data = n, .replicate = n % 2 == 0 ? n / 2 : 1});
+    auto ddp = parallel::data_parallel(*reference, parallel::ProcessMesh({.data = n}));
+    auto sharded = parallel::data_parallel(*model, mesh, {.shard = true});
+    // One replica: the model itself behind the face, whose group is this rank.
+    CHECK((n == 1) == (dynamic_cast<DistributedDataParallel*>(ddp.get()) == nullptr));
+    CHECK(ddp->group().size() == n);
+    CHECK(&ddp->module() == reference.get());
+    optim::AdamW reference_opt(ddp->trained_parameters(), adamw_options());
+    optim::AdamW opt(sharded->trained_parameters(), adamw_options());
+    for (int step = 0; step < 5; ++step) {
+      auto [x, y] = local_batch(step);
+      reference_opt.zero_grad();
+      opt.zero_grad();
+      {  // an accumulated micro-batch first: no_sync on every wrapper, the pass-through's too
+        auto quiet = ddp->no_sync();
+        auto also = sharded->no_sync();
+        mse_loss(ddp->forward(x), y).backward();
+        mse_loss(sharded->forward(x), y).backward();
+      }
+      const Tensor loss = mse_loss(ddp->forward(x), y);
+      loss.backward();
+      mse_loss(sharded->forward(x), y).backward();
+      reference_opt.step();
+      opt.step();
+      // The loss every rank reports: the replicas' mean, the global batch's.
+      NoGradGuard no_grad;
+      Tensor mine = loss.detach().reshape({1}).clone();
+      dist::all_reduce(mine, dist::ReduceOp::Avg);
+      CHECK(parallel::replica_mean(loss, parallel::ProcessMesh({.data = n})) ==
+            doctest::Approx(mine.item<double>()).epsilon(1e-15));
+    }
+    const nn::NamedTensors want = ddp->full_state_dict(), got = sharded->full_state_dict();
+    REQUIRE(want.size() == got.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      CAPTURE(want[i].first);
+      CHECK(want[i].first == got[i].first);
+      CHECK(weave::abs(want[i].second - got[i].second).max().item<double>() <= 1e-10);
+    }
+    // Groups come from the mesh; replicas need sharding. Every rank raises alike.
+    CHECK_THROWS_WITH_AS(
+        parallel::data_parallel(*model, mesh, {.shard = true, .fsdp = {.group = dist::world()}}),
+        doctest::Contains("the groups come from the mesh"), Error);
+    if (n % 2 == 0 && n > 2)
+      CHECK_THROWS_WITH_AS(parallel::data_parallel(*model, mesh),
+                           doctest::Contains("needs sharding"), Error);
   }
 
   TEST_CASE("HSDP with a replicate group that overlaps the shard group raises on every rank") {

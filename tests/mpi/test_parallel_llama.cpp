@@ -104,23 +104,27 @@ TEST_SUITE("model_parallel") {
         std::vector<Tensor> logits, aux, grads[2];
         for (const bool recompute : {false, true}) {
           manual_seed(41);
-          const models::ModelSplit split{
-              .tensor = tp,
-              .moe = experts ? std::optional(nn::MoEOptions{
-                                   .hidden = dim, .ffn = 16, .router = {.experts = 4}})
-                             : std::nullopt};
+          const models::ModelSplit split{.tensor = tp};
+          const auto moe = experts ? std::optional(nn::MoEOptions{
+                                         .hidden = dim, .ffn = 16, .router = {.experts = 4}})
+                                   : std::nullopt;
           std::shared_ptr<models::Llama> llama;
           std::shared_ptr<models::GPT2> gpt2;
           if (arch == "llama")
             llama = std::make_shared<models::Llama>(
-                models::LlamaOptions{
-                    .vocab = vocab, .dim = dim, .layers = 2, .block = {.heads = 12, .hidden = 48}},
+                models::LlamaOptions{.vocab = vocab,
+                                     .dim = dim,
+                                     .layers = 2,
+                                     .block = {.heads = 12, .hidden = 48, .moe = moe}},
                 split);
           else
-            gpt2 = std::make_shared<models::GPT2>(
-                models::GPT2Options{
-                    .vocab = vocab, .dim = dim, .layers = 2, .heads = 12, .max_positions = 16},
-                split);
+            gpt2 = std::make_shared<models::GPT2>(models::GPT2Options{.vocab = vocab,
+                                                                      .dim = dim,
+                                                                      .layers = 2,
+                                                                      .heads = 12,
+                                                                      .max_positions = 16,
+                                                                      .moe = moe},
+                                                  split);
           nn::CausalLM& model = llama ? static_cast<nn::CausalLM&>(*llama) : *gpt2;
           model.set_recompute_blocks(recompute);
           model.to(kFloat64);
@@ -135,8 +139,7 @@ TEST_SUITE("model_parallel") {
           Tensor loss = parallel::vocab_parallel_cross_entropy(out.reshape({14, -1}), targets, tp);
           const Tensor extra = llama ? llama->aux_loss() : gpt2->aux_loss();
           CHECK(extra.defined() == experts);
-          if (experts) loss = loss + extra;
-          loss.backward();
+          loss.backward();  // the blocks' balancing losses ride along
           CHECK(calls == (recompute ? 2 : 1));
           handle.remove();
           logits.push_back(out.detach());
@@ -161,25 +164,28 @@ TEST_SUITE("experts") {
     for (int r = 0; r < tp.size(); ++r) singletons.push_back({r});
     const dist::Group alone = dist::split_group(dist::world(), singletons);
     const int64_t vocab = 12, dim = 24;  // every split divides at 1 to 4 ranks
-    const models::ModelSplit experts{
-        .moe = nn::MoEOptions{.hidden = dim, .ffn = 16, .router = {.experts = 4, .top_k = 2}}};
+    const nn::MoEOptions experts{.hidden = dim, .ffn = 16, .router = {.experts = 4, .top_k = 2}};
     for (const std::string arch : {"llama", "gpt2"}) {
       CAPTURE(arch);
       auto build = [&](const dist::Group& group) -> std::shared_ptr<nn::CausalLM> {
         manual_seed(31);
-        models::ModelSplit split = experts;
-        split.tensor = group;
+        const models::ModelSplit split{.tensor = group};
         std::shared_ptr<nn::CausalLM> model;
         if (arch == "llama")
           model = std::make_shared<models::Llama>(
-              models::LlamaOptions{
-                  .vocab = vocab, .dim = dim, .layers = 2, .block = {.heads = 12, .hidden = 48}},
+              models::LlamaOptions{.vocab = vocab,
+                                   .dim = dim,
+                                   .layers = 2,
+                                   .block = {.heads = 12, .hidden = 48, .moe = experts}},
               split);
         else
-          model = std::make_shared<models::GPT2>(
-              models::GPT2Options{
-                  .vocab = vocab, .dim = dim, .layers = 2, .heads = 12, .max_positions = 16},
-              split);
+          model = std::make_shared<models::GPT2>(models::GPT2Options{.vocab = vocab,
+                                                                     .dim = dim,
+                                                                     .layers = 2,
+                                                                     .heads = 12,
+                                                                     .max_positions = 16,
+                                                                     .moe = experts},
+                                                 split);
         model->to(kFloat64);
         return model;
       };
@@ -195,7 +201,7 @@ TEST_SUITE("experts") {
                               : *static_cast<nn::TransformerBlock&>(
                                      (*static_cast<models::GPT2&>(*split).blocks)[size_t(i)])
                                      .moe;
-        nn::MoEOptions options = *experts.moe;
+        nn::MoEOptions options = experts;
         options.seed += uint64_t(i);
         nn::MoE reference(options);
         reference.to(kFloat64);
@@ -210,10 +216,13 @@ TEST_SUITE("experts") {
       CHECK(close12(mine, piece(all, 2, tp)));
       REQUIRE(aux_loss(*split).defined());
       CHECK(close12(aux_loss(*split), aux_loss(*whole)));
-      (parallel::vocab_parallel_cross_entropy(mine.reshape({14, -1}), targets, tp) +
-       aux_loss(*split))
-          .backward();
-      (cross_entropy(all.reshape({14, vocab}), targets) + aux_loss(*whole)).backward();
+      // The split model adds no aux_loss(): each block's rides along with its output into
+      // backward. The truth: the whole model's in eval mode (where nothing rides along), added.
+      parallel::vocab_parallel_cross_entropy(mine.reshape({14, -1}), targets, tp).backward();
+      whole->eval();
+      const Tensor again = (*whole)(tokens);
+      CHECK(close12(again, all));
+      (cross_entropy(again.reshape({14, vocab}), targets) + aux_loss(*whole)).backward();
       const auto splits = parallel::tensor_splits(*split);
       const auto compared = check_split_grads(
           *split, *whole,

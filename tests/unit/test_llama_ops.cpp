@@ -465,8 +465,9 @@ TEST_SUITE("llama_ops") {
     CHECK_WEAVE_ERROR(model.forward_cached(tokens, one), "Llama",
                       "expected a cache per block (2), found 1");
     // GPT-2's blocks take experts without a tensor group (nn::TransformerBlock's own).
-    models::GPT2 experts(gpt2,
-                         {.moe = nn::MoEOptions{.hidden = 16, .ffn = 8, .router = {.experts = 2}}});
+    models::GPT2Options with_experts = gpt2;
+    with_experts.moe = nn::MoEOptions{.hidden = 16, .ffn = 8, .router = {.experts = 2}};
+    models::GPT2 experts(with_experts);
     CHECK(experts(tokens).shape() == Shape{tokens.size(0), tokens.size(1), gpt2.vocab});
     CHECK(experts.aux_loss().defined());
   }

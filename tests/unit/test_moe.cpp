@@ -137,6 +137,40 @@ TEST_SUITE("moe") {
     CHECK_MESSAGE(result.ok, result.report);
   }
 
+  TEST_CASE("a block's balancing loss rides along: its gradient is aux_loss() added, loss-scaled") {
+    // Truth: the block in eval mode (nothing attached) with aux_loss() added to the objective.
+    // Training, the objective adds nothing, with and without a GradScaler (whose scale the
+    // attached loss must take too, or unscaling shrinks its gradient by the scale).
+    nn::TransformerBlock block(4, 2, {.moe = options(0)});
+    block.to(kFloat64);
+    Generator g(5);
+    const Tensor x = randn({2, 3, 4}, {.dtype = kFloat64}, &g);
+    const Tensor w = randn({2, 3, 4}, {.dtype = kFloat64}, &g);
+    auto gradients = [&](bool training, bool add_aux, bool scaled) {
+      block.zero_grad();
+      block.train(training);
+      Tensor loss = (block(x) * w).sum();
+      if (add_aux) loss = loss + block.aux_loss();
+      parallel::GradScaler scaler({.init_scale = 1024, .enabled = scaled});
+      scaler.scale(loss).backward();
+      const std::vector<Tensor> params = block.parameters();
+      scaler.unscale_(params);
+      std::vector<Tensor> grads;
+      for (const Tensor& p : params) grads.push_back(p.grad().clone());
+      scaler.step(params, [] {});
+      scaler.update();
+      return grads;
+    };
+    const auto truth = gradients(false, true, false);
+    for (const bool scaled : {false, true}) {
+      CAPTURE(scaled);
+      const auto got = gradients(true, false, scaled);
+      REQUIRE(got.size() == truth.size());
+      for (size_t i = 0; i < got.size(); ++i) CHECK(test::close(got[i], truth[i], 1e-12, 1e-14));
+    }
+    CHECK(block.aux_loss().item<double>() > 0);
+  }
+
   TEST_CASE("bad router options raise") {
     CHECK_WEAVE_ERROR(nn::TopKRouter(4, {.experts = 2, .top_k = 3}), "TopKRouter",
                       "must be from 1 to the number of experts");

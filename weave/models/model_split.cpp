@@ -2,7 +2,6 @@
 
 #include "weave/distributed/functional.h"
 #include "weave/ops/ops.h"
-#include "weave/ops/side_loss.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/parallel/model_parallel/experts.h"
 #include "weave/parallel/model_parallel/tensor_parallel.h"
@@ -11,17 +10,13 @@ namespace weave::models {
 
 ModelSplit ModelSplit::from_mesh(const parallel::ProcessMesh& mesh, ModelSplit base) {
   const parallel::MeshShape& shape = mesh.shape();
-  const bool split =
-      shape.tensor > 1 || shape.context > 1 || shape.pipeline > 1 || shape.expert > 1 || base.moe;
-  if (!split) return base;
   base.tensor = shape.tensor > 1 ? std::optional(mesh.tensor()) : std::nullopt;
   base.context_group = shape.context > 1 ? std::optional(mesh.context()) : std::nullopt;
   base.stage = mesh.pipeline_rank();
   base.stages = shape.pipeline;
-  if (base.moe) {
-    base.expert_group = mesh.expert();
-    base.balance_group = mesh.data_and_context();
-  }
+  base.expert_group = shape.expert > 1 ? std::optional(mesh.expert()) : std::nullopt;
+  const dist::Group balance = mesh.data_and_context();
+  base.balance_group = balance.size() > 1 ? std::optional(balance) : std::nullopt;
   return base;
 }
 
@@ -44,26 +39,23 @@ nn::Leaves ModelSplit::leaves() const {
   return leaves;
 }
 
-std::optional<nn::MoEOptions> ModelSplit::block_experts(int64_t index) const {
-  if (!moe) return std::nullopt;
-  nn::MoEOptions options = *moe;
-  options.seed += uint64_t(index);
-  return options;
+bool ModelSplit::whole() const {
+  return !tensor && stages == 1 && !(expert_group && expert_group->size() > 1);
 }
 
 std::pair<int64_t, int64_t> ModelSplit::stage_blocks(int64_t layers) const {
   return {layers * stage / stages, layers * (stage + 1) / stages};
 }
 
-void ModelSplit::check(const char* model, int64_t layers) const {
+void ModelSplit::check(const char* model, int64_t layers, bool with_experts) const {
   WEAVE_CHECK(stages >= 1 && stage >= 0 && stage < stages && layers >= stages, model,
               "expected stage s of S stages, 0 <= s < S <= layers ({}), found stage {} of {}",
               layers, stage, stages);
-  WEAVE_CHECK(!sequence_parallel || (tensor && !context_group && !moe), model,
+  WEAVE_CHECK(!sequence_parallel || (tensor && !context_group && !with_experts), model,
               "sequence parallelism splits the sequence over a tensor group, and needs whole "
               "sequences for experts and context parallelism; found a tensor group: {}, a "
               "context group: {}, experts: {}; hint: one of them at a time",
-              tensor.has_value(), context_group.has_value(), moe.has_value());
+              tensor.has_value(), context_group.has_value(), with_experts);
 }
 
 nn::Inputs ModelSplit::local_inputs(const nn::Inputs& inputs) const {
@@ -130,8 +122,21 @@ Tensor tied_head_logits(const Tensor& hidden, const Tensor& table, int64_t vocab
   return parallel::vocab_parallel_logits(linear(whole, table), vocab, tp, gather);
 }
 
-Tensor stage_output(const Tensor& hidden, const Tensor& aux) {
-  return aux.defined() ? attach_loss(hidden, aux) : hidden;
+Tensor sum_aux_losses(const nn::Module& module) {
+  Tensor total;
+  if (const auto* experts = dynamic_cast<const nn::MoE*>(&module)) total = experts->aux_loss();
+  for (const auto& [name, child] : module.named_children())
+    if (Tensor aux = sum_aux_losses(*child); aux.defined())
+      total = total.defined() ? total + aux : aux;
+  return total;
+}
+
+std::optional<nn::MoEOptions> block_experts(const std::optional<nn::MoEOptions>& experts,
+                                            int64_t index) {
+  if (!experts) return std::nullopt;
+  nn::MoEOptions options = *experts;
+  options.seed += uint64_t(index);
+  return options;
 }
 
 void check_stage_input(const char* model, const ModelSplit& split, const Tensor& hidden,

@@ -7,7 +7,9 @@
 //
 //   models::Llama whole(options);                                          // one process
 //   models::Llama part(options, models::ModelSplit::from_mesh(mesh));      // this rank's part
-//   models::Llama moe(options, models::ModelSplit::from_mesh(mesh, {.moe = experts}));
+//
+// The architecture (experts included: LlamaBlockOptions::moe, GPT2Options::moe) is the options';
+// the split holds only groups and how to use them.
 #include <optional>
 #include <utility>
 
@@ -44,18 +46,16 @@ struct ModelSplit {
   /// [B, T, dim] flow. Decoding raises.
   int stage = 0;
   int stages = 1;
-  /// A mixture of experts in every block's place of the MLP (block i's seeded moe->seed + i),
-  /// spread over expert_group when it has several ranks, its load-balancing loss counting the
-  /// assignments of balance_group's batches (data x context); the model's aux_loss() sums the
-  /// blocks' (add it to the loss).
-  std::optional<nn::MoEOptions> moe = std::nullopt;
+  /// A model with experts spreads them over expert_group, and its load-balancing losses count
+  /// the assignments of balance_group's batches (data x context), so that they equal one
+  /// process's on the whole batch. A model without experts ignores both.
   std::optional<dist::Group> expert_group = std::nullopt;
   std::optional<dist::Group> balance_group = std::nullopt;
 
   /// This rank's split in `mesh`: its tensor group (when the mesh has tensor ranks), its context
-  /// group and pipeline stage, its expert group and the data x context ranks that balance the
-  /// experts; the rest (experts' options, context mode and layout, gather_logits,
-  /// sequence_parallel) from `base`. Empty for a mesh of data parallelism alone.
+  /// group and pipeline stage, its expert group (when the mesh has expert ranks) and the data x
+  /// context ranks that balance experts; the rest (context mode and layout, gather_logits,
+  /// sequence_parallel) from `base`. For a mesh of data parallelism alone only balance_group.
   static ModelSplit from_mesh(const parallel::ProcessMesh& mesh, ModelSplit base);
   static ModelSplit from_mesh(const parallel::ProcessMesh& mesh);
 
@@ -65,15 +65,16 @@ struct ModelSplit {
   /// `tensor` (with sequence_parallel), context-parallel attention over `context_group`, experts
   /// spread over `expert_group` and balanced over `balance_group`; whole where unset.
   nn::Leaves leaves() const;
-  /// Block `index`'s experts (its own seed), or none.
-  std::optional<nn::MoEOptions> block_experts(int64_t index) const;
+  /// No layer of a model built with this split is cut over ranks (no tensor group, one
+  /// pipeline stage, no experts spread): its parameters are the whole model's.
+  bool whole() const;
   /// The blocks [first, last) this stage holds of a model of `layers`.
   std::pair<int64_t, int64_t> stage_blocks(int64_t layers) const;
   bool first_stage() const { return stage == 0; }
   bool last_stage() const { return stage == stages - 1; }
   /// Raises, naming `model`, for a stage outside [0, stages), more stages than layers, or
-  /// sequence parallelism it cannot take.
-  void check(const char* model, int64_t layers) const;
+  /// sequence parallelism it cannot take (a model `with_experts` needs whole sequences).
+  void check(const char* model, int64_t layers, bool with_experts = false) const;
   /// Raises, naming `model`, unless key/value caches can decode with this split (no pipeline
   /// stages, no context group) and there is one cache per block.
   void check_decoding(const char* model, size_t caches, size_t blocks) const;
@@ -94,10 +95,9 @@ struct ModelSplit {
 
 namespace detail {
 
-/// What a pipeline stage before the last passes on: its hidden states, carrying its blocks'
-/// experts' balancing losses (aux: undefined without experts, or outside training) into the
-/// objective (the last stage's loss can add only its own blocks').
-Tensor stage_output(const Tensor& hidden, const Tensor& aux);
+/// Block `index`'s experts: `experts` seeded experts->seed + index, or none.
+std::optional<nn::MoEOptions> block_experts(const std::optional<nn::MoEOptions>& experts,
+                                            int64_t index);
 /// A token embedding chosen from the split: nn::Embedding, or over split.tensor a
 /// parallel::VocabParallelEmbedding of the padded vocabulary (parallel::padded_vocab); `weight`
 /// points at its table (this rank's rows).
@@ -119,15 +119,9 @@ Tensor tied_head_logits(const Tensor& hidden, const Tensor& table, int64_t vocab
 /// Raises, naming `model`, unless `hidden` is a previous stage's output [B, T, dim].
 void check_stage_input(const char* model, const ModelSplit& split, const Tensor& hidden,
                        int64_t dim);
-/// The sum of the blocks' aux_loss() (undefined when none has one).
-template <typename Block>
-Tensor sum_aux_losses(const nn::Module& blocks) {
-  Tensor total;
-  for (const auto& [name, child] : blocks.named_children())
-    if (Tensor aux = static_cast<const Block&>(*child).aux_loss(); aux.defined())
-      total = total.defined() ? total + aux : aux;
-  return total;
-}
+/// The sum of the last forward's aux_loss() of the mixtures of experts in `module` (undefined
+/// when it holds none), for reporting.
+Tensor sum_aux_losses(const nn::Module& module);
 
 }  // namespace detail
 

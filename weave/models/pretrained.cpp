@@ -1,7 +1,6 @@
 #include "weave/models/pretrained.h"
 
-#include "weave/models/gpt2/gpt2.h"
-#include "weave/models/llama/llama.h"
+#include "weave/models/architectures.h"
 #include "weave/nn/deferred.h"
 #include "weave/parallel/checkpoint/pretrained.h"
 
@@ -9,9 +8,11 @@ namespace weave::models {
 
 std::shared_ptr<nn::CausalLM> make_model(const data::hf::ModelConfig& config,
                                          const ModelSplit& split, Generator* generator) {
-  if (config.architecture == "gpt2")
-    return std::make_shared<GPT2>(gpt2_options(config, generator), split);
-  return std::make_shared<Llama>(llama_options(config, generator), split);
+  for (const detail::Architecture& architecture : detail::model_architectures())
+    if (architecture.hf.name == config.architecture)
+      return architecture.make(config, split, generator);
+  data::hf::architecture(config.architecture);  // raises, naming the known ones
+  WEAVE_FAIL("make_model", "no architecture '{}'", config.architecture);
 }
 
 std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir, const ModelSplit& split,
@@ -21,15 +22,24 @@ std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir, const Mode
   const data::hf::ModelConfig config = data::hf::read_config(dir);
   std::shared_ptr<nn::CausalLM> model;
   {  // without memory: the load allocates each parameter as it reads it (nothing drawn)
-    nn::DeferredInit deferred(0);
+    auto deferred = nn::DeferredInit::for_loading();
     model = make_model(config, split);
   }
-  const bool whole = !split.tensor && split.stages == 1 && !split.expert_group;
-  if (whole)
+  if (split.whole())
     data::hf::load_weights(*model, config, dir, options);
   else
     parallel::load_pretrained(*model, config, dir, group ? *group : dist::world(), options);
   return model;
+}
+
+void save_pretrained(nn::Module& model, const data::hf::ModelConfig& config, const std::string& dir,
+                     const data::hf::SaveOptions& options,
+                     const std::optional<dist::Group>& group) {
+  if (!dist::initialized() && !group) {
+    data::hf::save_pretrained(model, config, dir, options);
+    return;
+  }
+  parallel::save_pretrained(model, config, dir, options, group ? *group : dist::world());
 }
 
 }  // namespace weave::models

@@ -6,7 +6,8 @@
 //   auto model = models::from_pretrained("llama/");                                  // whole
 //   auto part = models::from_pretrained("llama/", models::ModelSplit::from_mesh(mesh)); // split
 //   ... fine-tune ...
-//   parallel::save_pretrained(*part, data::hf::read_config("llama/"), "tuned/");
+//   models::save_pretrained(*part, data::hf::read_config("llama/"), "tuned/",
+//                           {.tokenizer = &tokenizer});                      // any layout
 #include <memory>
 #include <optional>
 #include <string>
@@ -31,5 +32,14 @@ std::shared_ptr<nn::CausalLM> make_model(const data::hf::ModelConfig& config,
 std::shared_ptr<nn::CausalLM> from_pretrained(const std::string& dir, const ModelSplit& split = {},
                                               const std::optional<dist::Group>& group = {},
                                               const data::hf::LoadOptions& options = {});
+
+/// Writes `model` as one Hugging Face checkpoint in dir (with options.tokenizer its files too),
+/// whatever its layout: whole on one process (data::hf::save_pretrained), or under dist::init()
+/// put together one parameter at a time from the ranks of `group` (the world when unset) that
+/// hold its pieces: tensor-parallel slices, FSDP's sharded_module(), pipeline stages, replicas
+/// (parallel::save_pretrained; every rank raises if one fails). Collective over `group` then.
+void save_pretrained(nn::Module& model, const data::hf::ModelConfig& config, const std::string& dir,
+                     const data::hf::SaveOptions& options = {},
+                     const std::optional<dist::Group>& group = {});
 
 }  // namespace weave::models

@@ -1,6 +1,7 @@
 // Deferred parameters: storages without memory that describe their values, drawn by name.
 #include "weave/nn/deferred.h"
 
+#include <atomic>
 #include <set>
 
 #include "weave/autograd/grad_mode.h"
@@ -12,6 +13,8 @@ namespace weave::nn {
 namespace {
 
 thread_local std::optional<uint64_t> current_seed;
+thread_local bool current_for_loading = false;
+std::atomic<int64_t> drawn_count{0};
 
 constexpr const char* kDeferredOp = "DeferredInit";
 constexpr int64_t kDrawChunk = int64_t(1) << 14;  // elements drawn per host buffer (128 KB)
@@ -25,9 +28,9 @@ struct WholeMap {
 };
 
 const DeferredValues& values_of(const Tensor& t, const char* op) {
-  WEAVE_CHECK(t.defined() && t.storage()->deferred_values(), op,
+  WEAVE_CHECK(deferred_values(t) != nullptr, op,
               "expected a deferred tensor (built under nn::DeferredInit, not materialized)");
-  return *t.storage()->deferred_values();
+  return *deferred_values(t);
 }
 
 // The whole-tensor index of storage element e.
@@ -77,6 +80,8 @@ double draw(const DeferredValues& v, uint64_t key, int64_t whole) {
       return v.a + v.b * counter_normal(key, uint64_t(whole));
     case DeferredValues::Kind::Constant:
       return v.a;
+    case DeferredValues::Kind::Loaded:
+      return 0.0;
   }
   return 0.0;
 }
@@ -93,26 +98,43 @@ Tensor make_deferred(const Shape& shape, DType dtype, Device device,
 }
 
 Tensor fresh_deferred(const Shape& shape, DeferredValues::Kind kind, double a, double b) {
-  auto values =
-      std::make_shared<DeferredValues>(DeferredValues{.kind = kind,
-                                                      .a = a,
-                                                      .b = b,
-                                                      .seed = *current_seed,
-                                                      .registered_as = "",
-                                                      .shape = shape,
-                                                      .strides = contiguous_strides(shape),
-                                                      .offset = 0,
-                                                      .whole_numel = shape.numel()});
+  auto values = std::make_shared<DeferredValues>();
+  values->kind = current_for_loading ? DeferredValues::Kind::Loaded : kind;
+  values->a = a;
+  values->b = b;
+  values->seed = *current_seed;
+  values->shape = shape;
+  values->strides = contiguous_strides(shape);
+  values->whole_numel = shape.numel();
   return make_deferred(shape, kFloat32, kCPU, std::move(values));
 }
 
 }  // namespace
 
-DeferredInit::DeferredInit(uint64_t seed) : outer_(current_seed) {
+DeferredInit::DeferredInit(uint64_t seed)
+    : outer_(current_seed), outer_for_loading_(current_for_loading) {
   current_seed = seed;
+  current_for_loading = false;
+}
+DeferredInit::DeferredInit(ForLoading) : DeferredInit(0) {
+  current_for_loading = true;
+}
+DeferredInit DeferredInit::for_loading() {
+  return DeferredInit(ForLoading{});
 }
 DeferredInit::~DeferredInit() {
   current_seed = outer_;
+  current_for_loading = outer_for_loading_;
+}
+
+DeferredValues* deferred_values(const Tensor& t) {
+  if (!t.defined() || !t.storage()->deferred_values()) return nullptr;
+  // Only this floor makes the records storages carry.
+  return static_cast<DeferredValues*>(t.storage()->deferred_values().get());
+}
+
+int64_t drawn_elements() {
+  return drawn_count.load();
 }
 
 std::optional<uint64_t> deferred_init_seed() {
@@ -120,11 +142,11 @@ std::optional<uint64_t> deferred_init_seed() {
 }
 
 bool is_deferred(const Tensor& t) {
-  return t.defined() && t.storage()->deferred_values() != nullptr;
+  return deferred_values(t) != nullptr;
 }
 
 std::optional<uint64_t> init_seed(const Tensor& t) {
-  if (is_deferred(t)) return t.storage()->deferred_values()->seed;
+  if (const DeferredValues* values = deferred_values(t)) return values->seed;
   if (!t.defined() || !t.impl()->autograd) return std::nullopt;
   return t.impl()->autograd->drawn_with_seed;
 }
@@ -142,6 +164,11 @@ namespace {
 void draw_range(const DeferredValues& v, const WholeMap& map, uint64_t key, int64_t first,
                 const Tensor& out) {
   NoGradGuard no_grad;
+  if (v.kind == DeferredValues::Kind::Loaded) {  // a load fills it: nothing to draw
+    Tensor(out).zero_();
+    return;
+  }
+  drawn_count += out.numel();
   for (int64_t c0 = 0; c0 < out.numel(); c0 += kDrawChunk) {
     const int64_t count = std::min(kDrawChunk, out.numel() - c0);
     std::vector<double> chunk(static_cast<size_t>(count));
@@ -192,7 +219,8 @@ void materialize(Module& module) {
                 name);
     // The recipe outlives the storage's hold on it; the values are drawn into the parameter's
     // own memory (no staging copy).
-    const std::shared_ptr<DeferredValues> values = p.storage()->deferred_values();
+    const std::shared_ptr<DeferredValues> values =
+        std::static_pointer_cast<DeferredValues>(p.storage()->deferred_values());
     const WholeMap map = whole_map(p);
     p.storage()->clear_deferred();
     p.storage()->allocate_again();
@@ -257,7 +285,8 @@ Tensor constant_parameter(const Shape& shape, double value) {
 
 bool set_deferred_recipe(const Tensor& t, DeferredValues::Kind kind, double a, double b) {
   if (!is_deferred(t)) return false;
-  DeferredValues& v = *t.storage()->deferred_values();
+  DeferredValues& v = *deferred_values(t);
+  if (v.kind == DeferredValues::Kind::Loaded) return true;  // a load fills it
   v.kind = kind;
   v.a = a;
   v.b = b;

@@ -29,18 +29,50 @@
 
 namespace weave::nn {
 
+/// The values a storage built under DeferredInit will hold once materialized (the record the
+/// tensor floor carries): a distribution, and where each of the storage's elements sits in the
+/// whole tensor they are drawn for. Element e of the storage (row-major over `shape`) is element
+/// offset + sum(index[d] * strides[d]) of the whole; one at or past whole_numel is padding (0).
+struct DeferredValues : DeferredRecord {
+  /// Loaded: no values of its own (a load fills it): zeros where allocated, nothing drawn.
+  enum class Kind { Uniform, Normal, Constant, Loaded };
+  Kind kind = Kind::Constant;
+  double a = 0, b = 0;  // Uniform [a, b); Normal mean a, std b; Constant a
+  uint64_t seed = 0;
+  std::string registered_as;  // the name its module gave it, for errors ("" until registered)
+  Shape shape;
+  Strides strides;
+  int64_t offset = 0;
+  int64_t whole_numel = 0;
+  const std::string& parameter_name() const override { return registered_as; }
+};
+/// Deferred `t`'s values (null when `t` is not deferred).
+DeferredValues* deferred_values(const Tensor& t);
+
 /// While it lives, parameters created on this thread (by nn layers, the parallel layers and
 /// the library's models) are deferred, drawn with `seed` when materialized. Scopes nest.
 class DeferredInit {
  public:
   explicit DeferredInit(uint64_t seed = 0);
+  /// A scope for a model whose every parameter a load will fill (models::from_pretrained,
+  /// parallel::load_pretrained): its parameters, and FSDP's shards of them, are allocated as
+  /// zeros where needed and never drawn; initialization recipes set on them are ignored.
+  ///   auto scope = nn::DeferredInit::for_loading();
+  static DeferredInit for_loading();
   ~DeferredInit();
   DeferredInit(const DeferredInit&) = delete;
   DeferredInit& operator=(const DeferredInit&) = delete;
 
  private:
+  struct ForLoading {};
+  explicit DeferredInit(ForLoading);
   std::optional<uint64_t> outer_;
+  bool outer_for_loading_ = false;
 };
+
+/// How many elements this process has drawn from deferred recipes (materialize, FSDP's shards)
+/// since it started: what a test of a load that must draw nothing counts.
+int64_t drawn_elements();
 
 /// The seed of the innermost DeferredInit on this thread; none outside every scope.
 std::optional<uint64_t> deferred_init_seed();

@@ -90,14 +90,13 @@ Tensor& Module::register_parameter(const std::string& name, Tensor value, bool r
 Tensor Module::register_value(Tensor value, const std::string& name, bool requires_grad) const {
   Tensor leaf = !value.defined() || value.is_leaf() ? value : value.detach();
   if (requires_grad && leaf.defined()) leaf.requires_grad_(true);
-  if (is_deferred(leaf)) leaf.storage()->deferred_values()->registered_as = name_ + "." + name;
+  if (DeferredValues* values = deferred_values(leaf)) values->registered_as = name_ + "." + name;
   return leaf;
 }
 
 void Module::name_deferred_parameters(const std::string& child_name, const Module& child) {
   for (const auto& [name, p] : child.named_parameters())
-    if (is_deferred(p))
-      p.storage()->deferred_values()->registered_as = member_prefix("", child_name) + name;
+    if (is_deferred(p)) deferred_values(p)->registered_as = member_prefix("", child_name) + name;
 }
 
 Tensor& Module::register_buffer(const std::string& name, Tensor value) {

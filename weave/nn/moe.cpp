@@ -7,6 +7,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/nn/layers.h"
 #include "weave/ops/ops.h"
+#include "weave/ops/side_loss.h"
 
 namespace weave::nn {
 
@@ -203,6 +204,11 @@ Module& MoE::expert(int64_t index) {
               "expert {} is not held on this rank, which holds experts {} to {}", index, first_,
               first_ + local_experts() - 1);
   return *experts_[size_t(index - first_)];
+}
+
+Tensor MoE::with_aux_loss(const Tensor& y) const {
+  if (!is_training() || !aux_loss_.defined() || !aux_loss_.requires_grad()) return y;
+  return attach_loss(y, aux_loss_);
 }
 
 Tensor MoE::forward(const Tensor& x) {

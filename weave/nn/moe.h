@@ -136,8 +136,14 @@ class MoE : public Module {
   explicit MoE(MoEOptions options, std::shared_ptr<TokenDispatcher> dispatcher = nullptr);
   /// x [..., hidden] -> [..., hidden].
   Tensor forward(const Tensor& x) override;
-  /// The last forward's auxiliary loss (add it to the training loss).
+  /// The last forward's auxiliary loss (add it to the training loss, or attach it: below).
   const Tensor& aux_loss() const { return aux_loss_; }
+  /// `y` (this layer's last output) carrying the last forward's auxiliary loss into backward
+  /// while training (attach_loss), so that no trainer adds it: the transformer blocks' rule, the
+  /// same on every pipeline stage. `y` itself outside training or without a differentiable loss.
+  /// A loop that accumulates gradients by hand over k micro-batches (each loss / k) opens a
+  /// SideLossScope(1.0 / k) around each forward, as parallel::Pipeline does.
+  Tensor with_aux_loss(const Tensor& y) const;
   const MoEStats& stats() const { return stats_; }
   TopKRouter& router() { return *router_; }
   /// The experts this rank holds: global indices [first_expert(), first_expert() +

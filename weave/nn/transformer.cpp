@@ -216,7 +216,7 @@ Tensor TransformerBlock::run(const Tensor& x, KVCache* cache) {
   Tensor normed = (*norm1)(x);
   Tensor h =
       x + (*dropout_)(cache ? attention->forward(Inputs(normed), *cache) : (*attention)(normed));
-  return h + (*dropout_)(mlp ? (*mlp)((*norm2)(h)) : (*moe)((*norm2)(h)));
+  return h + (*dropout_)(mlp ? (*mlp)((*norm2)(h)) : moe->with_aux_loss((*moe)((*norm2)(h))));
 }
 
 }  // namespace weave::nn

@@ -158,7 +158,8 @@ struct TransformerBlockOptions {
   bool tanh_gelu = false;
   Generator* generator = nullptr;
   /// A mixture of experts in place of the MLP (moe->hidden is dim), registered as "moe" (the
-  /// leaves' experts: all here, or spread over an expert group).
+  /// leaves' experts: all here, or spread over an expert group). While training, its balancing
+  /// loss travels with the block's output into backward (MoE::with_aux_loss): add nothing.
   std::optional<MoEOptions> moe = std::nullopt;
 };
 
@@ -172,7 +173,8 @@ class TransformerBlock : public CachedModule {
   Tensor forward(const Tensor& x) override;
   /// With a key/value cache for this block's attention (generation).
   Tensor forward(const Inputs& inputs, KVCache& cache) override;
-  /// The last forward's load-balancing and z-loss (undefined without experts).
+  /// The last forward's load-balancing and z-loss, for reporting (undefined without experts);
+  /// backward already differentiates it.
   Tensor aux_loss() const;
   /// nn::LayerNorm (its sequence-parallel form under sequence parallelism).
   std::shared_ptr<Module> norm1, norm2;

@@ -1,5 +1,8 @@
 #include "weave/ops/side_loss.h"
 
+#include <atomic>
+#include <cmath>
+
 #include "weave/autograd/function.h"
 
 namespace weave {
@@ -7,6 +10,8 @@ namespace weave {
 namespace {
 
 thread_local SideLossScope* open_scope = nullptr;
+// Global, not per thread: backward may run on another thread than the one that scaled the loss.
+std::atomic<double> gradient_factor{1.0};
 
 // y -> y; backward: y's gradient through, the loss's gradient the scale held at forward.
 struct AttachLoss : autograd::Function<AttachLoss> {
@@ -21,7 +26,7 @@ struct AttachLoss : autograd::Function<AttachLoss> {
   }
   static std::vector<Tensor> backward(autograd::FunctionContext& ctx,
                                       const std::vector<Tensor>& grads) {
-    const auto scale = std::any_cast<double>(ctx.data.at("scale"));
+    const double scale = std::any_cast<double>(ctx.data.at("scale")) * gradient_factor.load();
     Tensor dloss = full(std::any_cast<Shape>(ctx.data.at("loss_shape")), scale,
                         {.dtype = std::any_cast<DType>(ctx.data.at("loss_dtype")),
                          .device = std::any_cast<Device>(ctx.data.at("loss_device"))});
@@ -55,6 +60,16 @@ Tensor attach_loss(const Tensor& y, const Tensor& loss) {
     open_scope->total_ = open_scope->total_.defined() ? open_scope->total_ + scaled : scaled;
   }
   return AttachLoss::apply(y, loss, scale);
+}
+
+void set_attached_loss_gradient_factor(double factor) {
+  WEAVE_CHECK(std::isfinite(factor) && factor > 0, "set_attached_loss_gradient_factor",
+              "expected a finite factor > 0, found {}", factor);
+  gradient_factor.store(factor);
+}
+
+double attached_loss_gradient_factor() {
+  return gradient_factor.load();
 }
 
 }  // namespace weave

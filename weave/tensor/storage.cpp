@@ -135,9 +135,9 @@ std::shared_ptr<Storage> Storage::unallocated(size_t nbytes, Device device) {
 }
 
 std::shared_ptr<Storage> Storage::deferred(size_t nbytes, Device device,
-                                           std::shared_ptr<DeferredValues> values) {
+                                           std::shared_ptr<DeferredRecord> record) {
   auto storage = unallocated(nbytes, device);
-  storage->deferred_ = std::move(values);
+  storage->deferred_ = std::move(record);
   return storage;
 }
 

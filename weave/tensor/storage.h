@@ -11,20 +11,14 @@
 
 namespace weave {
 
-/// The values a storage built under nn::DeferredInit will hold once materialized (nn/deferred.h):
-/// a distribution, and where each of the storage's elements sits in the whole tensor they are
-/// drawn for. Element e of the storage (row-major over `shape`) is element
-/// offset + sum(index[d] * strides[d]) of the whole; one at or past whole_numel is padding (0).
-struct DeferredValues {
-  enum class Kind { Uniform, Normal, Constant };
-  Kind kind = Kind::Constant;
-  double a = 0, b = 0;  // Uniform [a, b); Normal mean a, std b; Constant a
-  uint64_t seed = 0;
-  std::string registered_as;  // the name its module gave it, for errors ("" until registered)
-  Shape shape;
-  Strides strides;
-  int64_t offset = 0;
-  int64_t whole_numel = 0;
+/// What a storage built under nn::DeferredInit will hold once materialized, as the nn floor
+/// records it (nn::DeferredValues, nn/deferred.h): this floor only carries the record, and names
+/// its parameter in errors.
+class DeferredRecord {
+ public:
+  virtual ~DeferredRecord() = default;
+  /// The name its module gave the parameter ("" until registered).
+  virtual const std::string& parameter_name() const = 0;
 };
 
 /// A block of device memory. Views of one tensor share one Storage, and therefore one
@@ -42,11 +36,11 @@ class Storage {
   /// Room for nbytes that is not allocated yet: released from birth (reading it raises until
   /// allocate_again()). FSDP's gathered buffers of a deferred model start so.
   static std::shared_ptr<Storage> unallocated(size_t nbytes, Device device);
-  /// unallocated(), whose values `values` describes: a parameter built under nn::DeferredInit.
+  /// unallocated(), whose values `record` describes: a parameter built under nn::DeferredInit.
   static std::shared_ptr<Storage> deferred(size_t nbytes, Device device,
-                                           std::shared_ptr<DeferredValues> values);
+                                           std::shared_ptr<DeferredRecord> record);
   /// What a deferred storage will hold; null for any other (and once materialization began).
-  const std::shared_ptr<DeferredValues>& deferred_values() const { return deferred_; }
+  const std::shared_ptr<DeferredRecord>& deferred_values() const { return deferred_; }
   void clear_deferred() { deferred_.reset(); }
 
   void* data() const { return data_; }
@@ -75,7 +69,7 @@ class Storage {
   std::function<void(void*)> deleter_;
   bool owned_ = true;
   bool released_ = false;
-  std::shared_ptr<DeferredValues> deferred_;
+  std::shared_ptr<DeferredRecord> deferred_;
   std::atomic<uint64_t> version_{0};
 };
 

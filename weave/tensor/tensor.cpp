@@ -193,7 +193,7 @@ void* Tensor::data_ptr() const {
                "parameter '{}' was built under nn::DeferredInit and holds no values yet; hint: "
                "nn::materialize(model) draws them, or hand the model to "
                "FullyShardedDataParallel, which draws only this rank's shards",
-               deferred->registered_as);
+               deferred->parameter_name());
   WEAVE_CHECK(!t.storage->released(), "data",
               "the tensor's memory was released (a fully sharded parameter outside its unit's "
               "forward and backward); hint: give checkpoints fsdp.sharded_module() (this "

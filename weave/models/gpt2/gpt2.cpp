@@ -22,7 +22,7 @@ GPT2::GPT2(GPT2Options options, ModelSplit split)
       options.vocab > 0 && options.dim > 0 && options.layers > 0 && options.max_positions > 0,
       kGPT2, "vocab, dim, layers and max_positions must be positive, found {}, {}, {} and {}",
       options.vocab, options.dim, options.layers, options.max_positions);
-  split_.check(kGPT2, options.layers);
+  split_.check(kGPT2, options.layers, options.moe.has_value());
   WEAVE_CHECK(options.untied_head || !options.head_bias, kGPT2,
               "head_bias needs untied_head (the tied head is the token embedding's table)");
   // The last stage's head multiplies by the token embedding: in a pipeline it holds a copy of
@@ -51,7 +51,7 @@ void GPT2::add_blocks() {
         options_.dim, options_.heads,
         nn::TransformerBlockOptions{.tanh_gelu = options_.tanh_gelu,
                                     .generator = options_.generator,
-                                    .moe = split_.block_experts(i)},
+                                    .moe = detail::block_experts(options_.moe, i)},
         leaves));
 }
 
@@ -98,7 +98,7 @@ std::vector<std::string> GPT2::shard_units() const {
 }
 
 Tensor GPT2::aux_loss() const {
-  return detail::sum_aux_losses<nn::TransformerBlock>(*blocks);
+  return detail::sum_aux_losses(*blocks);
 }
 
 std::vector<nn::KVCache> GPT2::make_caches(int64_t max_length) const {
@@ -149,7 +149,7 @@ Tensor GPT2::run(const Tensor& input, std::vector<nn::KVCache>* caches, bool gat
   } else {
     x = run_blocks(*blocks, nn::Inputs(x));
   }
-  if (!norm) return detail::stage_output(x, is_training() && !caches ? aux_loss() : Tensor());
+  if (!norm) return x;
   return logits((*norm)(x), gather);
 }
 

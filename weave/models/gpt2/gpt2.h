@@ -16,11 +16,11 @@
 // vocabulary slice of the logits unless split.gather_logits, a vocabulary that does not divide
 // among the ranks padded (parallel::padded_vocab: 50257 to 50304) and masked out of them; the
 // blocks are nn::TransformerBlocks built with the split's leaves, batch first (sequence
-// parallelism cuts dim 1), experts in place of their MLPs with split.moe. As pipeline stage s of S
-// the first stage embeds, the last holds the final norm and the head, hidden states [B, T, dim]
+// parallelism cuts dim 1), experts in place of their MLPs with options.moe. As pipeline stage s of
+// S the first stage embeds, the last holds the final norm and the head, hidden states [B, T, dim]
 // travel between, and the last stage's copy of the token embedding is tied to the first's:
 // parallel::Pipeline adds their gradients after each step (Megatron-LM's shared embedding).
-#include "weave/data/hf/hf_checkpoint.h"
+#include "weave/data/hf/model_config.h"
 #include "weave/models/model_split.h"
 #include "weave/nn/generation.h"
 
@@ -38,6 +38,10 @@ struct GPT2Options {
   /// vocabulary columns, as the embedding by rows), with a bias when head_bias.
   bool untied_head = false;
   bool head_bias = false;
+  /// A mixture of experts in place of every block's MLP (moe->hidden is dim), block i's seeded
+  /// moe->seed + i. While training, each block's balancing loss travels with its output into
+  /// backward (nn::MoE::with_aux_loss), on every pipeline stage: the trainer adds nothing.
+  std::optional<nn::MoEOptions> moe = std::nullopt;
   Generator* generator = nullptr;
 };
 
@@ -53,8 +57,8 @@ class GPT2 : public nn::CausalLM {
   /// FSDP's units: this stage's embeddings, each block, the final norm and an untied head. A
   /// tied token embedding stays with the root, since the head reads it after the blocks.
   std::vector<std::string> shard_units() const override;
-  /// With split.moe: the last forward's load-balancing and z-losses of the blocks, summed (add
-  /// it to the loss); undefined without experts.
+  /// With experts: the last forward's load-balancing and z-losses of this stage's blocks, summed,
+  /// for reporting (backward already differentiates them); undefined without experts.
   Tensor aux_loss() const override;
   const GPT2Options& options() const { return options_; }
   const ModelSplit& split() const { return split_; }

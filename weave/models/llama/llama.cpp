@@ -37,7 +37,7 @@ LlamaBlock::LlamaBlock(int64_t dim, LlamaBlockOptions options, const ModelSplit&
                                                                    .generator = options.generator},
                                   leaves));
   norm2 = register_module("norm2", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
-  if (const auto experts = split.block_experts(index)) {
+  if (const auto experts = detail::block_experts(options.moe, index)) {
     WEAVE_CHECK(experts->hidden == dim, "LlamaBlock",
                 "the experts' moe.hidden must be the block's dim {}, found {}", dim,
                 experts->hidden);
@@ -65,7 +65,7 @@ Tensor LlamaBlock::forward(const nn::Inputs& inputs, nn::KVCache& cache) {
 }
 
 Tensor LlamaBlock::mix(const Tensor& h) {
-  return h + (moe ? (*moe)((*norm2)(h)) : (*mlp)((*norm2)(h)));
+  return h + (moe ? moe->with_aux_loss((*moe)((*norm2)(h))) : (*mlp)((*norm2)(h)));
 }
 
 Tensor LlamaBlock::aux_loss() const {
@@ -77,7 +77,7 @@ Llama::Llama(LlamaOptions options, ModelSplit split)
   WEAVE_CHECK(options.vocab > 0 && options.dim > 0 && options.layers > 0, kLlama,
               "vocab, dim and layers must be positive, found {}, {} and {}", options.vocab,
               options.dim, options.layers);
-  split_.check(kLlama, options.layers);
+  split_.check(kLlama, options.layers, options.block.moe.has_value());
   WEAVE_CHECK(!split_.sequence_parallel, kLlama,
               "Llama's tensor-parallel layers take whole sequences (batch first); found "
               "sequence_parallel; hint: split it without sequence parallelism");
@@ -134,7 +134,7 @@ Tensor Llama::forward_inputs(const nn::Inputs& inputs) {
     parallel::check_sequence_part(inputs.x, inputs.positions, inputs.document_ids,
                                   *split_.context(), kLlama);
   const Tensor h = run_blocks(*blocks, inputs.with(first ? (*embedding)(inputs.x) : inputs.x));
-  if (!norm) return detail::stage_output(h, is_training() ? aux_loss() : Tensor());
+  if (!norm) return h;
   return logits((*norm)(h), split_.gather_logits);
 }
 
@@ -156,7 +156,7 @@ std::vector<std::string> Llama::shard_units() const {
 }
 
 Tensor Llama::aux_loss() const {
-  return detail::sum_aux_losses<LlamaBlock>(*blocks);
+  return detail::sum_aux_losses(*blocks);
 }
 
 std::vector<nn::KVCache> Llama::make_caches(int64_t max_length) const {

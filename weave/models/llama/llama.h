@@ -21,7 +21,7 @@
 // its parameter names.
 #include <optional>
 
-#include "weave/data/hf/hf_checkpoint.h"
+#include "weave/data/hf/model_config.h"
 #include "weave/models/model_split.h"
 #include "weave/nn/generation.h"
 #include "weave/nn/grouped_query_attention.h"
@@ -44,11 +44,15 @@ struct LlamaBlockOptions {
   Generator* generator = nullptr;
   /// Biases of the q, k and v projections (Qwen 2's).
   bool qkv_bias = false;
+  /// A mixture of experts in place of the gated MLP (moe->hidden is dim), block i's seeded
+  /// moe->seed + i. While training, each block's balancing loss travels with its output into
+  /// backward (nn::MoE::with_aux_loss), on every pipeline stage: the trainer adds nothing.
+  std::optional<nn::MoEOptions> moe = std::nullopt;
 };
 
 /// A pre-RMSNorm block: h = x + attention(norm1(x)), then h + mlp(norm2(h)). Its attention is
 /// nn::GroupedQueryAttention and its MLP nn::GatedMLP, built with the split's leaves (split over
-/// split.tensor, attending over split.context_group), or with split.moe a mixture of experts
+/// split.tensor, attending over split.context_group), or with options.moe a mixture of experts
 /// registered as "moe" (block `index`'s seed; spread over split.expert_group).
 class LlamaBlock : public nn::CachedModule {
  public:
@@ -58,7 +62,7 @@ class LlamaBlock : public nn::CachedModule {
   Tensor forward_inputs(const nn::Inputs& inputs) override;
   /// With a key/value cache for the attention (generation).
   Tensor forward(const nn::Inputs& inputs, nn::KVCache& cache) override;
-  /// The last forward's load-balancing and z-loss (undefined without experts).
+  /// The last forward's load-balancing and z-loss, for reporting (undefined without experts).
   Tensor aux_loss() const;
   std::shared_ptr<nn::RMSNorm> norm1, norm2;
   std::shared_ptr<nn::GroupedQueryAttention> attention;
@@ -95,8 +99,8 @@ class Llama : public nn::CausalLM {
   /// FSDP's units: this stage's embedding (unless a tied head reads it after the blocks: then
   /// the root's), each block, the final norm and the head.
   std::vector<std::string> shard_units() const override;
-  /// With split.moe: the last forward's load-balancing and z-losses of this stage's blocks,
-  /// summed (add it to the loss); undefined without experts.
+  /// With experts: the last forward's load-balancing and z-losses of this stage's blocks,
+  /// summed, for reporting (backward already differentiates them); undefined without experts.
   Tensor aux_loss() const override;
   const LlamaOptions& options() const { return options_; }
   const ModelSplit& split() const { return split_; }

@@ -154,6 +154,13 @@ class WholeParameters {
     }
   }
 
+  // The model's tensors held by any rank, by weave's names (the same list on every rank).
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& [global, sources] : held_) out.push_back(global.substr(6));  // "model/"
+    return out;
+  }
+
   // Plans tensor `name` (weave's parameter name) and readies this rank's part of its exchange.
   void prepare(const std::string& name) {
     const std::string global = "model/" + name;
@@ -279,6 +286,20 @@ void save_pretrained(nn::Module& model, const data::hf::ModelConfig& config, con
     write_pending();
     if (writes) out->finish();
   });
+}
+
+nn::NamedTensors gather_whole_state_dict(nn::Module& model, const dist::Group& group) {
+  NoGradGuard no_grad;
+  const dist::KeepAlive alive;
+  WholeParameters parameters(model, group);
+  nn::NamedTensors whole;
+  for (const std::string& name : parameters.names()) {
+    detail::run_together(kSavePretrainedOp, group, "gather " + name,
+                         [&] { parameters.prepare(name); });
+    Tensor value = parameters.exchange();
+    if (group.rank() == 0) whole.emplace_back(name, std::move(value));
+  }
+  return whole;
 }
 
 }  // namespace weave::parallel

@@ -42,4 +42,16 @@ void save_pretrained(nn::Module& model, const data::hf::ModelConfig& config, con
                      const data::hf::SaveOptions& options = {},
                      const dist::Group& group = dist::world());
 
+/// The whole model's parameters and buffers by weave's names, put together at group rank 0 as
+/// save_pretrained puts them together (from slices, FSDP's sharded_module(), pipeline stages,
+/// replicas, or any mix; of a padded vocabulary the real rows: the whole model's shapes), one
+/// tensor at a time; empty on the other ranks. For decoding or inspecting a split model with no
+/// checkpoint on disk: rank 0 then holds the whole model. Collective over `group`, which must take
+/// in every rank that holds a part; raises on every rank as save_pretrained does.
+///
+///   nn::NamedTensors state = parallel::gather_whole_state_dict(fsdp.sharded_module());
+///   if (dist::rank() == 0) whole.load_state_dict(state);
+nn::NamedTensors gather_whole_state_dict(nn::Module& model,
+                                         const dist::Group& group = dist::world());
+
 }  // namespace weave::parallel

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/ops/side_loss.h"
 #include "weave/parallel/core/agree.h"
 
 namespace weave::parallel {
@@ -28,6 +29,8 @@ Tensor GradScaler::scale(const Tensor& loss) const {
   WEAVE_CHECK(loss.defined() && is_floating(loss.dtype()), "GradScaler.scale",
               "expected a floating loss, found {}",
               loss.defined() ? dtype_name(loss.dtype()) : "an undefined tensor");
+  // Losses the layers attach to their outputs (experts' balancing) are part of the scaled loss.
+  set_attached_loss_gradient_factor(options_.enabled ? scale_ : 1.0);
   if (!options_.enabled) return loss;
   return loss * scale_;
 }
@@ -140,6 +143,7 @@ void GradScaler::update() {
               "no step since the last update(); hint: the loop is scaler.scale(loss).backward(), "
               "scaler.step(optimizer), scaler.update()");
   stage_ = Stage::Ready;
+  set_attached_loss_gradient_factor(1.0);
   if (!options_.enabled) return;
   if (!agreed_ && group_) {  // per-bucket verdicts (decentralized): agree now
     const auto no_checks = [] {};

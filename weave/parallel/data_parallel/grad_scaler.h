@@ -66,7 +66,8 @@ class GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {});
 
-  /// loss * scale (recorded, so backward carries the scale into every gradient).
+  /// loss * scale (recorded, so backward carries the scale into every gradient); until update(),
+  /// losses attached to activations (attach_loss: experts' balancing) take the scale too.
   Tensor scale(const Tensor& loss) const;
   /// Divides the gradients of `params` by the scale in place and agrees over the group whether
   /// any rank's hold inf or NaN (one all_reduce). At most once per step; step() calls it if

@@ -1,0 +1,41 @@
+#pragma once
+// What weave takes from a Hugging Face config.json, and the reading and writing of that file: the
+// one value the models floor builds a model from (models::make_model, llama_options,
+// gpt2_options) and exports with, apart from the weights' readers and writers
+// (hf_checkpoint.h) and the tokenizer.
+//
+//   const data::hf::ModelConfig config = data::hf::read_config("llama/");
+//   auto model = models::make_model(config);
+#include <optional>
+#include <string>
+
+#include "weave/ops/ops.h"
+
+namespace weave::data::hf {
+
+/// What weave takes from config.json (everything else is kept and written back on export).
+struct ModelConfig {
+  /// The architecture (weave's folder of it under weave/models/: "llama", which reads Llama and
+  /// Qwen 2 checkpoints, or "gpt2").
+  std::string architecture = "llama";
+  int64_t vocab = 0, dim = 0, layers = 0, heads = 0;
+  int64_t kv_heads = 0;       // Llama: num_key_value_heads (GPT-2: heads)
+  int64_t hidden = 0;         // the MLP's width
+  int64_t max_positions = 0;  // GPT-2: n_positions
+  double norm_eps = 1e-5;
+  double rope_theta = 10000;
+  std::optional<Llama3RopeScaling> rope_scaling{};
+  bool tie_embeddings = false;
+  bool qkv_bias = false;   // Qwen 2 (model_type qwen2): q, k and v projections with biases
+  DType dtype = kFloat32;  // torch_dtype: the dtype export writes
+  std::string json;        // the file's text, "" when built here
+};
+
+/// Reads dir/config.json. Raises for an unknown model_type and for settings weave does not
+/// implement (biases in Llama's projections, a head_dim other than hidden / heads, rope
+/// scalings other than Llama 3's, sliding windows, other activations), naming them.
+ModelConfig read_config(const std::string& dir);
+/// config.json for `config` (its json's other fields kept).
+std::string config_json(const ModelConfig& config);
+
+}  // namespace weave::data::hf
