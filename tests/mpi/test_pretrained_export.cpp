@@ -66,6 +66,24 @@ data::hf::ModelConfig small_llama() {
   return config;
 }
 
+// dir's checkpoint in FSDP over every rank, its units the blocks, built for the load (nothing
+// drawn).
+struct ShardedLoad {
+  std::shared_ptr<nn::CausalLM> model;
+  std::unique_ptr<parallel::FullyShardedDataParallel> fsdp;
+};
+ShardedLoad load_sharded(const data::hf::ModelConfig& config, const std::string& dir) {
+  ShardedLoad loaded;
+  {
+    auto deferred = nn::DeferredInit::for_loading();
+    loaded.model = models::make_model(config);
+  }
+  loaded.fsdp = std::make_unique<parallel::FullyShardedDataParallel>(
+      *loaded.model, parallel::FSDPOptions{.units = block_units(config)});
+  parallel::load_pretrained(loaded.fsdp->sharded_module(), config, dir);
+  return loaded;
+}
+
 int64_t largest_parameter_bytes(const nn::Module& model) {
   int64_t largest = 0;
   for (const auto& [name, p] : model.named_parameters())
@@ -106,15 +124,9 @@ TEST_SUITE("pretrained") {
           dist::barrier();
           if (dist::rank() == 0) check_same_files(out + "/whole", out + "/" + layout);
         };
-        {  // FSDP over every rank, from a deferred model
-          std::shared_ptr<nn::CausalLM> model;
-          {
-            nn::DeferredInit deferred(0);
-            model = models::make_model(config);
-          }
-          parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
-          parallel::load_pretrained(fsdp.sharded_module(), config, dir);
-          check(fsdp.sharded_module(), "fsdp", dist::world());
+        {  // FSDP over every rank
+          const ShardedLoad loaded = load_sharded(config, dir);
+          check(loaded.fsdp->sharded_module(), "fsdp", dist::world());
         }
         if (world == 2 || world == 4) {  // tensor parallel over every rank; 2 pipeline stages
           auto tp = split_model(config, dist::world(), {});
@@ -162,15 +174,9 @@ TEST_SUITE("pretrained") {
           CHECK(equal(by_name.at(name), value));
         }
       };
-      {  // FSDP over every rank, from a deferred model
-        std::shared_ptr<nn::CausalLM> model;
-        {
-          nn::DeferredInit deferred(0);
-          model = models::make_model(config);
-        }
-        parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
-        parallel::load_pretrained(fsdp.sharded_module(), config, dir);
-        check(fsdp.sharded_module(), "fsdp");
+      {  // FSDP over every rank
+        const ShardedLoad loaded = load_sharded(config, dir);
+        check(loaded.fsdp->sharded_module(), "fsdp");
       }
       if (world == 2 || world == 4) {  // every rank's slices (GPT-2's vocabulary padded); stages
         auto tp = split_model(config, dist::world(), {});
@@ -189,13 +195,8 @@ TEST_SUITE("pretrained") {
     const std::string dir = kData + "llama";
     const auto config = data::hf::read_config(dir);
     const std::string out = test::shared_dir("export_fails");
-    std::shared_ptr<nn::CausalLM> model;
-    {
-      nn::DeferredInit deferred(0);
-      model = models::make_model(config);
-    }
-    parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
-    parallel::load_pretrained(fsdp.sharded_module(), config, dir);
+    const ShardedLoad loaded = load_sharded(config, dir);
+    parallel::FullyShardedDataParallel& fsdp = *loaded.fsdp;
     if (dist::rank() == 0) {  // rank 0 cannot write: its directory is a file
       fs::create_directories(out);
       std::ofstream(out + "/file") << "x";
@@ -221,18 +222,13 @@ TEST_SUITE("pretrained") {
     const auto config = small_llama();
     const std::string dir = test::shared_dir("export_memory");
     write_llama(config, dir + "/in");
-    std::shared_ptr<nn::CausalLM> model;
-    {
-      nn::DeferredInit deferred(0);
-      model = models::make_model(config);
-    }
-    parallel::FullyShardedDataParallel fsdp(*model, {.units = block_units(config)});
-    parallel::load_pretrained(fsdp.sharded_module(), config, dir + "/in");
+    const ShardedLoad loaded = load_sharded(config, dir + "/in");
+    parallel::FullyShardedDataParallel& fsdp = *loaded.fsdp;
     int64_t total = 0;
     for (const Tensor& shard : fsdp.parameters())
       total += shard.numel() * int64_t(shard.itemsize());
     total *= dist::world_size();
-    const int64_t largest = largest_parameter_bytes(*model);
+    const int64_t largest = largest_parameter_bytes(*loaded.model);
     REQUIRE(total > 4 * largest);  // else the bound below could not tell a whole gather apart
     const int64_t before = int64_t(memory_stats().in_use);
     reset_peak_memory();
