@@ -169,6 +169,17 @@ TEST_SUITE("moe") {
       for (size_t i = 0; i < got.size(); ++i) CHECK(test::close(got[i], truth[i], 1e-12, 1e-14));
     }
     CHECK(block.aux_loss().item<double>() > 0);
+    // A scaler dropped between scale() and update() gives the factor back (else the next
+    // training in this process would scale its attached losses); a disabled one never sets it.
+    {
+      parallel::GradScaler dropped({.init_scale = 8});
+      (void)dropped.scale(block.aux_loss());
+      CHECK(attached_loss_gradient_factor() == 8);
+      parallel::GradScaler disabled({.enabled = false});
+      (void)disabled.scale(block.aux_loss());
+      CHECK(attached_loss_gradient_factor() == 8);
+    }
+    CHECK(attached_loss_gradient_factor() == 1);
   }
 
   TEST_CASE("bad router options raise") {

@@ -32,6 +32,8 @@ class SideLossScope {
   SideLossScope& operator=(const SideLossScope&) = delete;
   /// The scaled sum of the losses attached in this scope (float64, [1], on the CPU).
   Tensor total() const;
+  /// Whether any loss was attached in this scope.
+  bool attached() const { return total_.defined(); }
 
  private:
   friend Tensor attach_loss(const Tensor& y, const Tensor& loss);

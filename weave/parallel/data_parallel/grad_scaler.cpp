@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/ops/side_loss.h"
@@ -25,13 +26,20 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options), scale_(op
     group_ = dist::world();
 }
 
+GradScaler::~GradScaler() {
+  // A scaler dropped between scale() and update() (an error, a test) must not scale the attached
+  // losses of whatever trains next in this process.
+  if (factor_set_) set_attached_loss_gradient_factor(1.0);
+}
+
 Tensor GradScaler::scale(const Tensor& loss) const {
   WEAVE_CHECK(loss.defined() && is_floating(loss.dtype()), "GradScaler.scale",
               "expected a floating loss, found {}",
               loss.defined() ? dtype_name(loss.dtype()) : "an undefined tensor");
-  // Losses the layers attach to their outputs (experts' balancing) are part of the scaled loss.
-  set_attached_loss_gradient_factor(options_.enabled ? scale_ : 1.0);
   if (!options_.enabled) return loss;
+  // Losses the layers attach to their outputs (experts' balancing) are part of the scaled loss.
+  set_attached_loss_gradient_factor(scale_);
+  factor_set_ = true;
   return loss * scale_;
 }
 
@@ -143,7 +151,7 @@ void GradScaler::update() {
               "no step since the last update(); hint: the loop is scaler.scale(loss).backward(), "
               "scaler.step(optimizer), scaler.update()");
   stage_ = Stage::Ready;
-  set_attached_loss_gradient_factor(1.0);
+  if (std::exchange(factor_set_, false)) set_attached_loss_gradient_factor(1.0);
   if (!options_.enabled) return;
   if (!agreed_ && group_) {  // per-bucket verdicts (decentralized): agree now
     const auto no_checks = [] {};

@@ -65,9 +65,14 @@ struct GradScalerOptions {
 class GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {});
+  /// Gives back the attached losses' factor if scale() set it and no update() followed.
+  ~GradScaler();
+  GradScaler(const GradScaler&) = delete;
+  GradScaler& operator=(const GradScaler&) = delete;
 
-  /// loss * scale (recorded, so backward carries the scale into every gradient); until update(),
-  /// losses attached to activations (attach_loss: experts' balancing) take the scale too.
+  /// loss * scale (recorded, so backward carries the scale into every gradient); until update()
+  /// (or this scaler's end), losses attached to activations (attach_loss: experts' balancing)
+  /// take the scale too. A disabled scaler leaves them alone.
   Tensor scale(const Tensor& loss) const;
   /// Divides the gradients of `params` by the scale in place and agrees over the group whether
   /// any rank's hold inf or NaN (one all_reduce). At most once per step; step() calls it if
@@ -109,6 +114,7 @@ class GradScaler {
   GradScalerOptions options_;
   std::optional<dist::Group> group_;
   double scale_;
+  mutable bool factor_set_ = false;  // scale() set the attached losses' factor
   int64_t growth_tracker_ = 0;
   Stage stage_ = Stage::Ready;
   bool found_inf_ = false;

@@ -240,6 +240,7 @@ Tensor Pipeline::train_step(const nn::Inputs& step_inputs, const Tensor& targets
   stats_ = {};
   Tensor mean_loss;
   Tensor side_losses;
+  bool attached = false;
   {
     // Losses a stage attaches to its activations (its experts' balancing losses) are part of
     // the objective, each micro-batch's weighted as its loss is: 1 / m.
@@ -247,12 +248,16 @@ Tensor Pipeline::train_step(const nn::Inputs& step_inputs, const Tensor& targets
     mean_loss =
         chunks_.size() == 1 ? train_linked(in, target, loss) : train_interleaved(in, target, loss);
     side_losses = side.total();
+    attached = side.attached();
   }
-  raise_if_any_stage_nonfinite();
-  // Every stage's attached losses join the mean loss the last stage reports.
-  dist::all_reduce(side_losses, dist::ReduceOp::Sum, group_);
-  if (is_last() && side_losses.item<double>() != 0)
-    mean_loss = mean_loss + side_losses.reshape({}).to(mean_loss.dtype()).to(mean_loss.device());
+  // Every stage's attached losses join the mean loss the last stage reports: reduced only where
+  // a stage attached some (the agreement that raises on NaN tells).
+  if (raise_if_any_stage_nonfinite(attached)) {
+    dist::all_reduce(side_losses, dist::ReduceOp::Sum, group_);
+    if (is_last())
+      mean_loss =
+          mean_loss + side_losses.reshape({}).to(mean_loss.dtype()).to(mean_loss.device());
+  }
   sum_tied_gradients();
   return mean_loss;
 }

@@ -149,8 +149,9 @@ class Pipeline {
   // Adds the first and the last stage's gradients of each tied parameter.
   void sum_tied_gradients();
   // Raises on every stage when a stage's wrapper found NaN or infinity in this step's averaged
-  // gradients (nonfinite_: its error). Collective: one agreement.
-  void raise_if_any_stage_nonfinite();
+  // gradients (nonfinite_: its error); else whether any stage attached side losses (this one:
+  // `attached`). Collective: one agreement.
+  bool raise_if_any_stage_nonfinite(bool attached);
   std::vector<nn::Module*> chunks_;
   std::vector<DataParallelWrapper*> wrappers_;  // per chunk, null without one
   std::vector<Tensor> positions_, documents_;   // this step's, per micro-batch (or none)

@@ -92,10 +92,12 @@ void Pipeline::sum_tied_gradients() {
   }
 }
 
-void Pipeline::raise_if_any_stage_nonfinite() {
-  const std::vector<int> stages = detail::ranks_where({!nonfinite_.empty()}, group_)[0];
+bool Pipeline::raise_if_any_stage_nonfinite(bool attached) {
+  const std::vector<std::vector<int>> where =
+      detail::ranks_where({!nonfinite_.empty(), attached}, group_);
+  const std::vector<int>& stages = where[0];
   const std::string mine = std::exchange(nonfinite_, std::string());
-  if (stages.empty()) return;
+  if (stages.empty()) return !where[1].empty();
   if (!mine.empty()) ::weave::detail::throw_error(mine);
   WEAVE_FAIL("Pipeline",
              "the averaged gradients of stage {} of pipeline group {} hold NaN or infinity (its "
