@@ -255,8 +255,7 @@ Tensor Pipeline::train_step(const nn::Inputs& step_inputs, const Tensor& targets
   if (raise_if_any_stage_nonfinite(attached)) {
     dist::all_reduce(side_losses, dist::ReduceOp::Sum, group_);
     if (is_last())
-      mean_loss =
-          mean_loss + side_losses.reshape({}).to(mean_loss.dtype()).to(mean_loss.device());
+      mean_loss = mean_loss + side_losses.reshape({}).to(mean_loss.dtype()).to(mean_loss.device());
   }
   sum_tied_gradients();
   return mean_loss;
