@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60} build=${2:-build-sanitize}
 out=${FUZZ_OUT:-$build/fuzz-findings}
 mkdir -p "$out"
-for target in idx safetensors; do
+for target in idx safetensors split_pattern; do
   corpus=$(mktemp -d)
   echo "== fuzz_$target for ${seconds}s"
   if ! "$build/fuzz/fuzz_$target" "$corpus" "fuzz/seeds/$target" "fuzz/regressions/$target" \

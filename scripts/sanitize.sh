@@ -33,14 +33,18 @@ build() {  # build dir, targets...: quiet unless it fails
   cmake --build "$dir" -j"$jobs" --target "$@" >"$dir.build.log" 2>&1 ||
     { tail -40 "$dir.build.log"; echo "build of $dir failed" >&2; exit 1; }
 }
-build build-sanitize weave_tests weave_mpi_tests fuzz_idx fuzz_safetensors
+build build-sanitize weave_tests weave_mpi_tests fuzz_idx fuzz_safetensors fuzz_split_pattern
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 echo "== ASan + UBSan: unit suites"
 # The tokenizer suite compares with GPT-2's reference encoders (node, as CTest's fixture runs them).
 npm_reference="${WEAVE_NPM_REFERENCE:-$HOME/.cache/weave/npm}"
 node tests/support/bpe_reference.js "$npm_reference" /usr/share/games/fortunes \
   tests/data/tokenizer_hard_cases.json build-sanitize/bpe_reference.json >/dev/null
-export WEAVE_BPE_REFERENCE=$PWD/build-sanitize/bpe_reference.json WEAVE_NPM_REFERENCE=$npm_reference
+node tests/support/hf_tokenizer_reference.js "$npm_reference" /usr/share/games/fortunes \
+  weave/data/text tests/data/tokenizer_hard_cases.json build-sanitize/hf_tokenizer_reference.json \
+  >/dev/null
+export WEAVE_BPE_REFERENCE=$PWD/build-sanitize/bpe_reference.json WEAVE_NPM_REFERENCE=$npm_reference \
+  WEAVE_HF_TOKENIZER_REFERENCE=$PWD/build-sanitize/hf_tokenizer_reference.json
 ASAN_OPTIONS=detect_leaks=1 build-sanitize/tests/weave_tests --test-suite-exclude='cuda*' \
   --no-version | tail -3
 echo "== ASan + UBSan: MPI suites at 2 ranks"

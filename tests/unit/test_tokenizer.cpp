@@ -69,9 +69,9 @@ json gpt2_tokenizer_json(const json& pre_tokenizer) {
             {"merges", merges}}}};
 }
 
-std::vector<std::string> pieces_of(std::string_view text, data::SplitRule rule) {
+std::vector<std::string> pieces_of(std::string_view text, const data::SplitPattern& pattern) {
   std::vector<std::string_view> pieces;
-  data::split_pieces(text, rule, pieces);
+  pattern.split(text, pieces);
   return {pieces.begin(), pieces.end()};
 }
 
@@ -104,15 +104,17 @@ TEST_SUITE("tokenizer") {
     size_t mismatches = 0;
     for (size_t i = 0; i < ref["texts"].size(); ++i) {
       const auto text = ref["texts"][i].get<std::string>();
-      for (auto [rule, key] : {std::pair{data::SplitRule::kGpt2, "gpt2_pieces"},
-                               std::pair{data::SplitRule::kLlama3, "llama3_pieces"}})
-        if (pieces_of(text, rule) != ref[key][i].get<std::vector<std::string>>() &&
+      for (auto [pattern, key] : {std::pair{&data::SplitPattern::gpt2(), "gpt2_pieces"},
+                                  std::pair{&data::SplitPattern::llama3(), "llama3_pieces"}})
+        if (pieces_of(text, *pattern) != ref[key][i].get<std::vector<std::string>>() &&
             ++mismatches <= 5)
           FAIL_CHECK(std::string(key)
                      << " of text " << i << " '" << text.substr(0, 80) << "' differ");
     }
     CHECK(mismatches == 0);
-    CHECK(pieces_of("12345 678", data::SplitRule::kLlama3SingleDigits) ==
+    const auto qwen = data::SplitPattern::compile(
+        R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)");
+    CHECK(pieces_of("12345 678", qwen) ==
           std::vector<std::string>{"1", "2", "3", "4", "5", " ", "6", "7", "8"});
   }
 
@@ -122,9 +124,9 @@ TEST_SUITE("tokenizer") {
     // way round, so the npm encoders would cut both differently.
     CHECK(gpt2().encode("a \u0085b") == std::vector<int32_t>{64, 220, 126, 227, 65});
     CHECK(gpt2().encode("x \ufeffy") == std::vector<int32_t>{87, 27332, 119, 123, 88});
-    CHECK(pieces_of("a \u0085b", data::SplitRule::kGpt2) ==
+    CHECK(pieces_of("a \u0085b", data::SplitPattern::gpt2()) ==
           std::vector<std::string>{"a", " ", "\u0085", "b"});
-    CHECK(pieces_of("x \ufeffy", data::SplitRule::kGpt2) ==
+    CHECK(pieces_of("x \ufeffy", data::SplitPattern::gpt2()) ==
           std::vector<std::string>{"x", " \ufeff", "y"});
   }
 
@@ -138,9 +140,9 @@ TEST_SUITE("tokenizer") {
         std::string(5000, '\x80')};
     for (const auto& text : texts) {
       CHECK(gpt2().decode(gpt2().encode(text)) == text);
-      for (auto rule : {data::SplitRule::kGpt2, data::SplitRule::kLlama3}) {
+      for (const auto* pattern : {&data::SplitPattern::gpt2(), &data::SplitPattern::llama3()}) {
         std::string joined;
-        for (const auto& piece : pieces_of(text, rule)) joined += piece;
+        for (const auto& piece : pieces_of(text, *pattern)) joined += piece;
         CHECK(joined == text);
       }
     }
@@ -218,7 +220,7 @@ TEST_SUITE("tokenizer") {
                                 {"special_tokens", {{"<|begin_of_text|>", {{"ids", {50257}}}}}}};
     write_json(dir / "tokenizer.json", config);
     const Tokenizer tok = Tokenizer::from_hf_json((dir / "tokenizer.json").string());
-    CHECK(tok.split_rule() == data::SplitRule::kLlama3);
+    CHECK(tok.split_pattern()->source() == data::SplitPattern::llama3().source());
     CHECK(tok.vocab_size() == 50258);
     // "12345" is two pieces under Llama 3's rule ("123", "45"), and " the" one token.
     const auto ids = tok.encode("12345 the", {.add_special_tokens = true});
@@ -233,7 +235,7 @@ TEST_SUITE("tokenizer") {
     const auto out = dir / "saved";
     tok.save_pretrained(out.string());
     const Tokenizer again = Tokenizer::from_directory(out.string());
-    CHECK(again.split_rule() == data::SplitRule::kLlama3);
+    CHECK(again.split_pattern()->source() == data::SplitPattern::llama3().source());
     CHECK(again.encode("12345 the", {.add_special_tokens = true}) == ids);
     const json roles = json::parse(std::ifstream(out / "special_tokens_map.json"));
     CHECK(roles["bos_token"] == "<|begin_of_text|>");
@@ -271,7 +273,7 @@ TEST_SUITE("tokenizer") {
     const Tokenizer again = Tokenizer::from_directory(dir.string());
     CHECK(again.vocab_size() == gpt2().vocab_size());
     CHECK(again.end_of_text() == gpt2().end_of_text());
-    CHECK(again.split_rule() == data::SplitRule::kGpt2);
+    CHECK(again.split_pattern()->source() == data::SplitPattern::gpt2().source());
     const json& ref = reference();
     size_t mismatches = 0;
     for (size_t i = 0; i < ref["texts"].size(); ++i) {
@@ -298,12 +300,23 @@ TEST_SUITE("tokenizer") {
     json fallback = byte_level;
     fallback["model"]["byte_fallback"] = true;
     CHECK_THROWS_WITH_AS(load(fallback), doctest::Contains("byte_fallback"), Error);
+    json unigram = byte_level;
+    unigram["model"]["type"] = "Unigram";
+    CHECK_THROWS_WITH_AS(load(unigram), doctest::Contains("model type 'Unigram'"), Error);
     json normalized = byte_level;
-    normalized["normalizer"] = {{"type", "NFC"}};
-    CHECK_THROWS_WITH_AS(load(normalized), doctest::Contains("normalizer"), Error);
-    json metaspace = byte_level;
-    metaspace["pre_tokenizer"] = {{"type", "Metaspace"}};
-    CHECK_THROWS_WITH_AS(load(metaspace), doctest::Contains("unsupported pre_tokenizer"), Error);
+    normalized["normalizer"] = {{"type", "BertNormalizer"}};
+    CHECK_THROWS_WITH_AS(load(normalized),
+                         doctest::Contains("normalizer {\"type\":\"BertNormalizer\"}"), Error);
+    json whitespace = byte_level;
+    whitespace["pre_tokenizer"] = {{"type", "Whitespace"}};
+    CHECK_THROWS_WITH_AS(load(whitespace),
+                         doctest::Contains("pre_tokenizer {\"type\":\"Whitespace\"}"), Error);
+    json lazy = gpt2_tokenizer_json(
+        {{"type", "Split"}, {"pattern", {{"Regex", "\\p{L}+?"}}}, {"behavior", "Isolated"}});
+    CHECK_THROWS_WITH_AS(load(lazy), doctest::Contains("lazy or possessive quantifier"), Error);
+    json unknown_class = gpt2_tokenizer_json(
+        {{"type", "Split"}, {"pattern", {{"Regex", "\\p{Greek}+"}}}, {"behavior", "Isolated"}});
+    CHECK_THROWS_WITH_AS(load(unknown_class), doctest::Contains("Unicode class"), Error);
     json bad_merge = byte_level;
     bad_merge["model"]["merges"].push_back("zzqx qqzx");
     CHECK_THROWS_WITH_AS(load(bad_merge), doctest::Contains("missing from the vocabulary"), Error);

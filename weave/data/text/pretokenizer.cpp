@@ -1,182 +1,157 @@
+// The matcher of split patterns: a backtracking machine over the compiled program (leftmost-first
+// and greedy, as Rust's regex crate and Python's regex module find), tried branch by branch at
+// each position, skipping the branches that cannot start with an ASCII character.
 #include "weave/data/text/pretokenizer.h"
+#include "weave/data/text/split_pattern.h"
+#include "weave/data/text/unicode.h"
 
-#include <algorithm>
-#include <array>
-#include <cstdint>
+#include <unordered_set>
 
 namespace weave::data {
 namespace {
 
-enum CharClass : uint8_t { kOther, kLetter, kNumber, kSpace };
+using Program = SplitPattern::Program;
+constexpr size_t kNoMatch = SIZE_MAX;
 
-struct UnicodeRange {
-  uint32_t first, last;
-  CharClass cls;
+// A state of the machine in one run: which run (the outer one, or a look-ahead's), where in the
+// program, where in the text.
+struct State {
+  uint64_t run;
+  int32_t pc;
+  size_t pos;
+  bool operator==(const State&) const = default;
 };
-
-constexpr UnicodeRange kRanges[] = {
-#include "weave/data/text/unicode_classes.inc"
-};
-
-constexpr std::array<CharClass, 128> ascii_classes() {
-  std::array<CharClass, 128> table{};
-  for (int c = 'a'; c <= 'z'; ++c) table[size_t(c)] = kLetter;
-  for (int c = 'A'; c <= 'Z'; ++c) table[size_t(c)] = kLetter;
-  for (int c = '0'; c <= '9'; ++c) table[size_t(c)] = kNumber;
-  for (int c : {'\t', '\n', '\v', '\f', '\r', ' '}) table[size_t(c)] = kSpace;
-  return table;
-}
-constexpr std::array<CharClass, 128> kAscii = ascii_classes();
-
-constexpr uint32_t kInvalid = 0xFFFFFFFF;  // a byte outside valid UTF-8
-
-struct Char {
-  uint32_t code;  // the code point, or kInvalid
-  uint32_t size;  // bytes
-  CharClass cls;
-};
-
-CharClass class_of(uint32_t code) {
-  if (code < 128) return kAscii[code];
-  if (code == kInvalid) return kOther;
-  const auto* after =
-      std::upper_bound(std::begin(kRanges), std::end(kRanges), code,
-                       [](uint32_t c, const UnicodeRange& r) { return c < r.first; });
-  if (after == std::begin(kRanges)) return kOther;
-  const UnicodeRange& range = *(after - 1);
-  return code <= range.last ? range.cls : kOther;
-}
-
-// Decodes the UTF-8 character at text[i] (i < size); rejects overlong forms, surrogates and
-// code points past U+10FFFF, one byte at a time.
-[[gnu::noinline]] Char multibyte_char_at(std::string_view text, size_t i) {
-  const auto byte = [&](size_t k) { return uint8_t(text[k]); };
-  const uint8_t lead = byte(i);
-  uint32_t size = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : lead >= 0xC0 ? 2 : 0;
-  if (size == 0 || lead > 0xF4 || i + size > text.size()) return {kInvalid, 1, kOther};
-  uint32_t code = lead & (0x7F >> size);
-  for (uint32_t k = 1; k < size; ++k) {
-    if ((byte(i + k) & 0xC0) != 0x80) return {kInvalid, 1, kOther};
-    code = (code << 6) | (byte(i + k) & 0x3F);
+struct StateHash {
+  size_t operator()(const State& s) const {
+    return std::hash<uint64_t>{}(s.run * 0x9E3779B97F4A7C15ull ^ uint64_t(s.pc) << 40 ^ s.pos);
   }
-  constexpr uint32_t kSmallest[] = {0, 0, 0x80, 0x800, 0x10000};
-  if (code < kSmallest[size] || code > 0x10FFFF || (code >= 0xD800 && code <= 0xDFFF))
-    return {kInvalid, 1, kOther};
-  return {code, size, class_of(code)};
-}
+};
 
-inline Char char_at(std::string_view text, size_t i) {
-  const auto lead = uint8_t(text[i]);
-  return lead < 0x80 ? Char{lead, 1, kAscii[lead]} : multibyte_char_at(text, i);
-}
-
-class Splitter {
+class Machine {
  public:
-  Splitter(std::string_view text, SplitRule rule) : text_(text), rule_(rule) {}
+  Machine(const Program& program, std::string_view text) : p_(program), text_(text) {}
 
-  size_t piece_end(size_t i) const {
-    const Char c = char_at(text_, i);
-    if (c.code == '\'')
-      if (size_t end = contraction_end(i + 1); end) return end;
-    return rule_ == SplitRule::kGpt2 ? gpt2_end(i, c) : llama3_end(i, c);
+  // Where the program from `pc` ends a match starting at `pos`, or kNoMatch. Past kRemember
+  // steps a run remembers the states it has been in: a state met again has failed already (no
+  // loop can come back to a state without reading a character), so a pattern that would
+  // backtrack exponentially ((?:a|a)(?:a|a)...) takes at most program x text steps.
+  size_t run(int32_t pc, size_t pos) {
+    constexpr size_t kRemember = 4096;
+    const size_t base = stack_.size();
+    const uint64_t this_run = ++runs_;
+    size_t steps = 0;
+    for (;;) {
+      if (++steps > kRemember && !seen_.insert({this_run, pc, pos}).second) {
+        if (stack_.size() == base) return kNoMatch;
+        pc = stack_.back().first;
+        pos = stack_.back().second;
+        stack_.pop_back();
+        continue;
+      }
+      const Program::Instruction& in = p_.code[size_t(pc)];
+      switch (in.op) {
+        case Program::kSet:
+          if (pos < text_.size()) {
+            const unicode::Char c = unicode::char_at(text_, pos);
+            if (p_.sets[size_t(in.x)].contains(c.code, unicode::classes_of(c.code))) {
+              pos += c.size;
+              ++pc;
+              continue;
+            }
+          }
+          break;
+        case Program::kSplit:
+          stack_.push_back({in.y, pos});
+          pc = in.x;
+          continue;
+        case Program::kJump:
+          pc = in.x;
+          continue;
+        case Program::kLookahead:
+        case Program::kNotLookahead:
+          if ((run(in.x, pos) != kNoMatch) == (in.op == Program::kLookahead)) {
+            pc = in.y;
+            continue;
+          }
+          break;
+        case Program::kMatch:
+          stack_.resize(base);
+          return pos;
+      }
+      if (stack_.size() == base) return kNoMatch;
+      pc = stack_.back().first;
+      pos = stack_.back().second;
+      stack_.pop_back();
+    }
+  }
+
+  // The end of the first branch's match at i, or kNoMatch (an empty match counts as none).
+  size_t match_at(size_t i) {
+    if (!seen_.empty()) seen_.clear();
+    const auto lead = uint8_t(text_[i]);
+    for (const Program::Branch& branch : p_.branches) {
+      if (lead < 128 && !branch.may_start_ascii[lead]) continue;
+      const size_t end = run(branch.start, i);
+      if (end != kNoMatch && end > i) return end;
+    }
+    return kNoMatch;
   }
 
  private:
-  bool done(size_t i) const { return i >= text_.size(); }
-  Char at(size_t i) const { return char_at(text_, i); }
-
-  // 's 't 're 've 'm 'll 'd after the apostrophe at i - 1 (any case for Llama 3, where
-  // Unicode case folding also takes U+017F, the long s, for s).
-  size_t contraction_end(size_t i) const {
-    const bool any_case = rule_ != SplitRule::kGpt2;
-    if (done(i)) return 0;
-    if (any_case && at(i).code == 0x17F) return i + 2;  // U+017F folds to s; two bytes
-    const auto lower = [&](size_t k) -> char {
-      if (done(k)) return 0;
-      const char c = text_[k];
-      return any_case && c >= 'A' && c <= 'Z' ? char(c + 32) : c;
-    };
-    const char first = lower(i), second = lower(i + 1);
-    if (first == 's' || first == 't' || first == 'm' || first == 'd') return i + 1;
-    if ((first == 'r' || first == 'v') && second == 'e') return i + 2;
-    if (first == 'l' && second == 'l') return i + 2;
-    return 0;
-  }
-
-  size_t run_end(size_t i, CharClass cls, size_t max_chars = SIZE_MAX) const {
-    for (size_t n = 0; !done(i) && n < max_chars; ++n) {
-      const Char c = at(i);
-      if (c.cls != cls) break;
-      i += c.size;
-    }
-    return i;
-  }
-
-  // The white space starting at i: the run's end, where its last character starts, and where
-  // its last \r or \n ends (0 when none).
-  struct SpaceRun {
-    size_t end, last_start, last_newline_end;
-  };
-  SpaceRun space_run(size_t i) const {
-    SpaceRun run{i, i, 0};
-    while (!done(run.end)) {
-      const Char c = at(run.end);
-      if (c.cls != kSpace) break;
-      run.last_start = run.end;
-      run.end += c.size;
-      if (c.code == '\r' || c.code == '\n') run.last_newline_end = run.end;
-    }
-    return run;
-  }
-
-  // \s+(?!\S)|\s+ at i: the run, less its last character when a non-space follows a run of
-  // two or more.
-  size_t trailing_space_end(size_t i, const SpaceRun& run) const {
-    if (done(run.end) || run.last_start == i) return run.end;
-    return run.last_start;
-  }
-
-  size_t gpt2_end(size_t i, const Char& c) const {
-    size_t start = i;
-    CharClass cls = c.cls;
-    if (c.code == ' ' && !done(i + 1) && at(i + 1).cls != kSpace)
-      start = i + 1, cls = at(i + 1).cls;
-    if (cls != kSpace) return run_end(start, cls);
-    return trailing_space_end(i, space_run(i));
-  }
-
-  size_t llama3_end(size_t i, const Char& c) const {
-    const bool newline = c.code == '\r' || c.code == '\n';
-    if (c.cls == kLetter) return run_end(i, kLetter);
-    if (c.cls != kNumber && !newline && !done(i + c.size) && at(i + c.size).cls == kLetter)
-      return run_end(i + c.size, kLetter);
-    if (c.cls == kNumber)
-      return run_end(i, kNumber, rule_ == SplitRule::kLlama3SingleDigits ? 1 : 3);
-    size_t start = i;
-    if (c.code == ' ' && !done(i + 1) && at(i + 1).cls == kOther) start = i + 1;
-    if (at(start).cls == kOther) {
-      size_t end = run_end(start, kOther);
-      while (!done(end) && (text_[end] == '\r' || text_[end] == '\n')) ++end;
-      return end;
-    }
-    const SpaceRun run = space_run(i);
-    if (run.last_newline_end) return run.last_newline_end;
-    return trailing_space_end(i, run);
-  }
-
+  const Program& p_;
   std::string_view text_;
-  SplitRule rule_;
+  std::vector<std::pair<int32_t, size_t>> stack_;
+  std::unordered_set<State, StateHash> seen_;
+  uint64_t runs_ = 0;
 };
 
 }  // namespace
 
-void split_pieces(std::string_view text, SplitRule rule, std::vector<std::string_view>& pieces) {
-  const Splitter splitter(text, rule);
+SplitPattern::SplitPattern(std::shared_ptr<const Program> program) : program_(std::move(program)) {}
+SplitPattern::SplitPattern(SplitPattern&&) noexcept = default;
+SplitPattern& SplitPattern::operator=(SplitPattern&&) noexcept = default;
+SplitPattern::SplitPattern(const SplitPattern&) = default;
+SplitPattern& SplitPattern::operator=(const SplitPattern&) = default;
+SplitPattern::~SplitPattern() = default;
+
+SplitPattern SplitPattern::compile(std::string pattern) {
+  return SplitPattern(std::make_shared<const Program>(compile_split_pattern(std::move(pattern))));
+}
+
+const SplitPattern& SplitPattern::gpt2() {
+  static const SplitPattern pattern =
+      compile(R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)");
+  return pattern;
+}
+
+const SplitPattern& SplitPattern::llama3() {
+  static const SplitPattern pattern = compile(
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)");
+  return pattern;
+}
+
+const std::string& SplitPattern::source() const {
+  return program_->source;
+}
+
+void SplitPattern::split(std::string_view text, std::vector<std::string_view>& pieces,
+                         std::vector<bool>* matched) const {
+  Machine machine(*program_, text);
+  size_t gap = 0;  // where the text no match has taken starts
   for (size_t i = 0; i < text.size();) {
-    const size_t end = splitter.piece_end(i);
+    const size_t end = machine.match_at(i);
+    if (end == kNoMatch) {
+      i += unicode::char_at(text, i).size;
+      continue;
+    }
+    if (gap < i) pieces.push_back(text.substr(gap, i - gap));
+    if (gap < i && matched) matched->push_back(false);
     pieces.push_back(text.substr(i, end - i));
-    i = end;
+    if (matched) matched->push_back(true);
+    i = gap = end;
   }
+  if (gap < text.size()) pieces.push_back(text.substr(gap));
+  if (gap < text.size() && matched) matched->push_back(false);
 }
 
 }  // namespace weave::data

@@ -1,16 +1,21 @@
 #pragma once
-// Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen 2 and others that publish one): text to token
-// ids and back, in C++.
+// BPE tokenizers as today's models ship them: byte-level (GPT-2, Llama 3, Qwen 2 and 3) and
+// SentencePiece-style with byte fallback (Llama 2, Mistral, Gemma): text to token ids and back, in
+// C++.
 //
 //   auto tok = data::Tokenizer::from_directory("gpt2/");   // tokenizer.json, or
 //                                                          // vocab.json + merges.txt
 //   std::vector<int32_t> ids = tok.encode("Hello world");   // {15496, 995}
 //   std::string text = tok.decode(ids);                     // "Hello world"
 //
-// Encoding splits the text with the model's pre-tokenizer rule (data::SplitRule), maps each
-// piece's bytes to symbols and applies the merges in rank order, as the published encoders do;
-// tests hold it token for token to GPT-2's reference encoders. Any bytes encode, invalid UTF-8
-// included, and decode(encode(x)) == x byte for byte.
+// Encoding cuts the text at added tokens, normalizes each stretch between them (NFC, Replace,
+// Prepend, ...), splits it with the model's pre-tokenizer (a data::SplitPattern, Metaspace),
+// maps each piece to symbols (its bytes' tokens; or its characters', a character outside the
+// vocabulary as <0xNN> byte tokens) and applies the merges in rank order, as the published
+// encoders do; tests hold it token for token to GPT-2's reference encoders and to transformers.js
+// on Llama 2's, Llama 3's, Gemma 3's and Qwen 3's files. Any bytes encode, invalid UTF-8 included,
+// and decode(encode(x)) == x byte for byte (decode gives bytes: a <0xNN> token is its byte)
+// where the normalizer keeps x as it is.
 #include "weave/data/text/pretokenizer.h"
 
 #include <cstdint>
@@ -39,11 +44,16 @@ class Tokenizer {
   /// vocab.bpe (a version line, then one merge "left right" a line, in rank order). Hugging
   /// Face names the same files vocab.json and merges.txt.
   static Tokenizer from_gpt2_files(const std::string& encoder_json, const std::string& vocab_bpe);
-  /// Hugging Face's tokenizer.json of a byte-level BPE model: model.type "BPE" without
-  /// byte_fallback, a ByteLevel pre-tokenizer (alone, or after a Split by GPT-2's, Llama 3's or
-  /// Qwen 2's pattern), no normalizer, and added tokens. Anything else raises, naming it.
+  /// Hugging Face's tokenizer.json of a BPE model: byte-level (a ByteLevel pre-tokenizer, alone
+  /// or after Splits by any pattern data::SplitPattern reads) or SentencePiece-style
+  /// (byte_fallback, an unknown token, Metaspace or a Replace/Prepend normalizer); normalizers NFC,
+  /// NFD, NFKC, NFKD, Replace, Prepend, Strip; decoders ByteLevel, Metaspace, Replace,
+  /// ByteFallback, Fuse, Strip; added tokens; a TemplateProcessing post-processor. Anything else
+  /// (WordPiece, Unigram, a BertNormalizer, ...) raises, naming it.
   static Tokenizer from_hf_json(const std::string& path);
-  /// tokenizer.json in dir, else vocab.json + merges.txt, else encoder.json + vocab.bpe.
+  /// tokenizer.json in dir, else vocab.json + merges.txt, else encoder.json + vocab.bpe; with
+  /// tokenizer_config.json's bos_token and eos_token and generation_config.json's bos_token_id
+  /// and eos_token_id where dir has them.
   static Tokenizer from_directory(const std::string& dir);
   /// Writes Hugging Face's tokenizer.json (what from_hf_json reads back: the same ids for every
   /// text), tokenizer_config.json and special_tokens_map.json into dir (created), each file
@@ -64,9 +74,17 @@ class Tokenizer {
   int64_t vocab_size() const;
   /// The id of a token given as its text (special tokens included), if it has one.
   std::optional<int32_t> token_id(std::string_view text) const;
-  /// The end-of-text token: "<|endoftext|>" (GPT-2) or "<|end_of_text|>" (Llama 3), if present.
+  /// The end-of-text token: generation_config.json's (its first eos_token_id) or
+  /// tokenizer_config.json's eos_token where from_directory read one, else "<|endoftext|>"
+  /// (GPT-2, Qwen), "<|end_of_text|>" (Llama 3), "</s>" (Llama 2, Mistral) or "<eos>" (Gemma).
   std::optional<int32_t> end_of_text() const;
-  SplitRule split_rule() const;
+  /// The beginning-of-text token, found the same way ("<|begin_of_text|>", "<s>", "<bos>").
+  std::optional<int32_t> begin_of_text() const;
+  /// Every id that ends generation: generation_config.json's eos_token_id list, else
+  /// end_of_text().
+  std::vector<int32_t> stop_ids() const;
+  /// The pattern the pre-tokenizer splits by (the first, if several), or null (Metaspace only).
+  const SplitPattern* split_pattern() const;
 
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;
@@ -75,6 +93,8 @@ class Tokenizer {
   struct Impl;
 
  private:
+  // tokenizer_config.json's bos/eos tokens and generation_config.json's ids, where dir has them.
+  void read_special_token_files(const std::string& dir);
   explicit Tokenizer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

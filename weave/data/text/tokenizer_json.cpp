@@ -1,5 +1,6 @@
-// Hugging Face's tokenizer.json, for the byte-level BPE models; everything this reader does not
-// implement raises, naming the field, rather than encode differently from the model's own.
+// Hugging Face's tokenizer.json, tokenizer_config.json and generation_config.json: read into a
+// data::Tokenizer and written back. Everything this reader does not implement raises, naming the
+// field, rather than encode differently from the model's own.
 #include "weave/data/files.h"
 #include "weave/data/text/tokenizer.h"
 #include "weave/data/text/tokenizer_impl.h"
@@ -14,62 +15,6 @@ namespace weave::data {
 namespace {
 
 using json = nlohmann::json;
-
-// The Split pattern published with byte-level BPE models for each rule split_pieces knows.
-std::string pattern_of(SplitRule rule) {
-  const std::string contractions = "'s|'t|'re|'ve|'m|'ll|'d";
-  const std::string tail = R"( ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
-  const std::string llama = "(?i:" + contractions + R"()|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N})";
-  switch (rule) {
-    case SplitRule::kGpt2:
-      return contractions + R"(| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
-    case SplitRule::kLlama3:
-      return llama + "{1,3}|" + tail;
-    case SplitRule::kLlama3SingleDigits:
-      return llama + "|" + tail;
-  }
-  return "";
-}
-
-SplitRule rule_of_pattern(const std::string& pattern, const std::string& path) {
-  for (SplitRule rule : {SplitRule::kGpt2, SplitRule::kLlama3, SplitRule::kLlama3SingleDigits})
-    if (pattern == pattern_of(rule)) return rule;
-  WEAVE_FAIL("tokenizer",
-             "{}: the pre-tokenizer splits by the pattern {}, which weave does not implement; "
-             "hint: GPT-2's, Llama 3's and Qwen 2's patterns are supported",
-             path, pattern);
-}
-
-// ByteLevel alone (its own GPT-2 split), or a Split followed by ByteLevel without its split.
-void read_pre_tokenizer(const json& pre, Tokenizer::Impl& impl, const std::string& path) {
-  WEAVE_CHECK(pre.is_object(), "tokenizer",
-              "{}: expected a pre_tokenizer (byte-level BPE models have one), found {}", path,
-              pre.type_name());
-  const std::string type = pre.value("type", "");
-  const auto byte_level = [&](const json& p, bool split_already) {
-    impl.add_prefix_space = p.value("add_prefix_space", false);
-    const bool use_regex = p.value("use_regex", true);
-    WEAVE_CHECK(use_regex != split_already, "tokenizer",
-                "{}: a ByteLevel pre-tokenizer with use_regex {} {} a Split before it; weave "
-                "takes exactly one split",
-                path, use_regex, split_already ? "after" : "without");
-  };
-  if (type == "ByteLevel") return byte_level(pre, false);
-  const json& steps = pre.value("pretokenizers", json::array());
-  WEAVE_CHECK(
-      type == "Sequence" && steps.size() == 2 && steps[0].value("type", "") == "Split" &&
-          steps[1].value("type", "") == "ByteLevel",
-      "tokenizer",
-      "{}: unsupported pre_tokenizer {}; hint: weave reads byte-level BPE models (ByteLevel, "
-      "or Split then ByteLevel)",
-      path, pre.dump().substr(0, 200));
-  const json& split = steps[0];
-  WEAVE_CHECK(split.value("behavior", "") == "Isolated" && !split.value("invert", false) &&
-                  split.contains("pattern") && split["pattern"].contains("Regex"),
-              "tokenizer", "{}: unsupported Split {}", path, split.dump().substr(0, 200));
-  impl.rule = rule_of_pattern(split["pattern"]["Regex"].get<std::string>(), path);
-  byte_level(steps[1], true);
-}
 
 void read_merges(const json& merges, Tokenizer::Impl& impl, const std::string& path) {
   WEAVE_CHECK(merges.is_array(), "tokenizer", "{}: model.merges is not a list", path);
@@ -89,25 +34,36 @@ void read_merges(const json& merges, Tokenizer::Impl& impl, const std::string& p
 }
 
 void read_added_tokens(const json& added, Tokenizer::Impl& impl, const std::string& path) {
+  const bool normalizes = !impl.pipeline.normalizers.empty();
   for (const json& token : added) {
     for (const char* option : {"single_word", "lstrip", "rstrip"})
       WEAVE_CHECK(!token.value(option, false), "tokenizer",
                   "{}: added token {} sets {}, which weave does not implement", path,
                   token.value("content", ""), option);
     const std::string content = token.at("content").get<std::string>();
+    const bool special = token.value("special", false);
+    WEAVE_CHECK(special || !normalizes || !token.value("normalized", !special), "tokenizer",
+                "{}: added token {} is matched in normalized text (normalized: true), which "
+                "weave does not implement",
+                path, content);
     impl.add_token(content, Tokenizer::Impl::id_from(token.at("id"), content, path.c_str()),
-                   token.value("special", false));
+                   special);
   }
 }
 
-// TemplateProcessing's single-sequence template: the special tokens before and after $A.
+// TemplateProcessing's single-sequence template: the special tokens before and after $A (also
+// inside a Sequence beside ByteLevel, as Llama 3.1's files have it).
 void read_post_processor(const json& post, Tokenizer::Impl& impl, const std::string& path) {
   if (post.is_null()) return;
   const std::string type = post.value("type", "");
   if (type == "ByteLevel") return;  // offsets only
+  if (type == "Sequence") {
+    for (const json& step : post.at("processors")) read_post_processor(step, impl, path);
+    return;
+  }
   WEAVE_CHECK(type == "TemplateProcessing", "tokenizer",
-              "{}: unsupported post_processor type '{}'; hint: ByteLevel and TemplateProcessing "
-              "are supported",
+              "{}: unsupported post_processor type '{}'; hint: ByteLevel, TemplateProcessing and "
+              "a Sequence of them are supported",
               path, type);
   bool after = false;
   for (const json& piece : post.at("single")) {
@@ -122,22 +78,59 @@ void read_post_processor(const json& post, Tokenizer::Impl& impl, const std::str
   }
 }
 
+// The BPE model's options weave implements; the others raise by name.
+void read_model_options(const json& model, Tokenizer::Impl& impl, const std::string& path) {
+  const std::string type = model.value("type", "BPE");
+  WEAVE_CHECK(type == "BPE", "tokenizer",
+              "{}: model type '{}' is not supported; hint: weave reads BPE tokenizers (byte-level "
+              "as GPT-2, Llama 3 and Qwen; SentencePiece-style as Llama 2 and Gemma), not {} ones",
+              path, type, type);
+  for (const char* affix : {"continuing_subword_prefix", "end_of_word_suffix"})
+    WEAVE_CHECK(model.value(affix, json()).is_null() || model[affix] == "", "tokenizer",
+                "{}: a BPE model with {} {} is not supported", path, affix, model[affix].dump());
+  WEAVE_CHECK(model.value("dropout", json()).is_null(), "tokenizer",
+              "{}: BPE dropout is not supported (it samples encodings while training)", path);
+  impl.ignore_merges = model.value("ignore_merges", false);
+  impl.byte_fallback = model.value("byte_fallback", false);
+  impl.fuse_unknown = model.value("fuse_unk", false);
+  WEAVE_CHECK(!impl.byte_level || !impl.byte_fallback, "tokenizer",
+              "{}: a byte-level BPE model (ByteLevel pre-tokenizer) with byte_fallback", path);
+}
+
+Tokenizer::Impl read_tokenizer_json(const json& root, const std::string& path) {
+  Tokenizer::Impl impl;
+  const json& model = root.at("model");
+  impl.pipeline = read_text_pipeline(root.value("normalizer", json()),
+                                     root.value("pre_tokenizer", json()), path, impl.byte_level);
+  impl.decoder = read_decoder(root.value("decoder", json()), path);
+  WEAVE_CHECK(impl.decoder.byte_level == impl.byte_level || root.value("decoder", json()).is_null(),
+              "tokenizer", "{}: the decoder {} ByteLevel and the pre-tokenizer {}", path,
+              impl.decoder.byte_level ? "is" : "is not", impl.byte_level ? "is" : "is not");
+  read_model_options(model, impl, path);
+  impl.add_vocab(model.at("vocab"), path.c_str());
+  if (const json unk = model.value("unk_token", json()); unk.is_string()) {
+    const auto found = impl.vocab.find(unk.get<std::string>());
+    WEAVE_CHECK(found != impl.vocab.end(), "tokenizer", "{}: unk_token {} is not in the vocabulary",
+                path, unk.dump());
+    impl.unknown = found->second;
+  }
+  read_merges(model.at("merges"), impl, path);
+  if (!impl.byte_level) impl.find_word_starts();
+  read_added_tokens(root.value("added_tokens", json::array()), impl, path);
+  read_post_processor(root.value("post_processor", json()), impl, path);
+  for (const auto& [key, field] : {std::pair{"normalizer", &impl.normalizer_json},
+                                   {"pre_tokenizer", &impl.pre_tokenizer_json},
+                                   {"decoder", &impl.decoder_json},
+                                   {"post_processor", &impl.post_processor_json}})
+    *field = root.value(key, json()).dump();
+  return impl;
+}
+
 json byte_level(bool add_prefix_space, bool use_regex) {
   return {{"type", "ByteLevel"},
           {"add_prefix_space", add_prefix_space},
           {"trim_offsets", true},
           {"use_regex", use_regex}};
-}
-
-// GPT-2's own split inside ByteLevel, or a Split by the rule's pattern before it.
-json pre_tokenizer_of(const Tokenizer::Impl& impl) {
-  if (impl.rule == SplitRule::kGpt2) return byte_level(impl.add_prefix_space, true);
-  const json split = {{"type", "Split"},
-                      {"pattern", {{"Regex", pattern_of(impl.rule)}}},
-                      {"behavior", "Isolated"},
-                      {"invert", false}};
-  return {{"type", "Sequence"},
-          {"pretokenizers", json::array({split, byte_level(impl.add_prefix_space, false)})}};
 }
 
 // The special tokens before and after every sequence, as TemplateProcessing (ByteLevel: none).
@@ -158,19 +151,54 @@ json post_processor_of(const Tokenizer::Impl& impl) {
           {"special_tokens", special}};
 }
 
+// A part as read, or (GPT-2's files) what byte-level BPE with GPT-2's split writes.
+json part(const std::string& read, json otherwise) {
+  return read.empty() ? std::move(otherwise) : json::parse(read);
+}
+
+json model_of(const Tokenizer::Impl& impl) {
+  json vocab = json::object();
+  for (const auto& [key, id] : impl.vocab) vocab[impl.file_text(key)] = id;
+  std::vector<std::pair<int32_t, uint64_t>> by_rank;  // (rank, pair key)
+  for (const auto& [key, merge] : impl.merges) by_rank.emplace_back(merge.rank, key);
+  std::sort(by_rank.begin(), by_rank.end());
+  std::vector<std::string> text_of(impl.token_bytes.size());
+  for (const auto& [key, id] : impl.vocab) text_of[size_t(id)] = impl.file_text(key);
+  json merges = json::array();
+  for (const auto& [rank, key] : by_rank) {
+    const std::string &left = text_of[key >> 32], &right = text_of[key & 0xFFFFFFFFu];
+    // "left right", as every tokenizers release reads, unless a side holds a space.
+    if (left.find(' ') == std::string::npos && right.find(' ') == std::string::npos)
+      merges.push_back(left + " " + right);
+    else
+      merges.push_back({left, right});
+  }
+  json unk = nullptr;
+  if (impl.unknown >= 0) unk = text_of[size_t(impl.unknown)];
+  return {{"type", "BPE"},
+          {"dropout", nullptr},
+          {"unk_token", unk},
+          {"continuing_subword_prefix", nullptr},
+          {"end_of_word_suffix", nullptr},
+          {"fuse_unk", impl.fuse_unknown},
+          {"byte_fallback", impl.byte_fallback},
+          {"ignore_merges", impl.ignore_merges},
+          {"vocab", vocab},
+          {"merges", merges}};
+}
+
+// A token given by name ("<s>", or {"content": "<s>", ...}) in tokenizer_config.json.
+std::optional<int32_t> config_token(const Tokenizer& tok, const json& config, const char* key) {
+  const json value = config.value(key, json());
+  const json name = value.is_object() ? value.value("content", json()) : value;
+  if (!name.is_string()) return std::nullopt;
+  return tok.token_id(name.get<std::string>());
+}
+
 }  // namespace
 
 std::string Tokenizer::hf_json() const {
   const Impl& impl = *impl_;
-  json vocab = json::object();
-  for (const auto& [bytes, id] : impl.vocab) vocab[Impl::bytes_to_alphabet(bytes)] = id;
-  std::vector<std::pair<int32_t, uint64_t>> by_rank;  // (rank, pair key)
-  for (const auto& [key, merge] : impl.merges) by_rank.emplace_back(merge.rank, key);
-  std::sort(by_rank.begin(), by_rank.end());
-  json merges = json::array();
-  for (const auto& [rank, key] : by_rank)
-    merges.push_back(Impl::bytes_to_alphabet(impl.token_bytes[key >> 32]) + " " +
-                     Impl::bytes_to_alphabet(impl.token_bytes[key & 0xFFFFFFFFu]));
   json added = json::array();
   std::vector<Impl::Added> in_order = impl.added;
   std::sort(in_order.begin(), in_order.end(),
@@ -187,21 +215,11 @@ std::string Tokenizer::hf_json() const {
                      {"truncation", nullptr},
                      {"padding", nullptr},
                      {"added_tokens", added},
-                     {"normalizer", nullptr},
-                     {"pre_tokenizer", pre_tokenizer_of(impl)},
+                     {"normalizer", part(impl.normalizer_json, nullptr)},
+                     {"pre_tokenizer", part(impl.pre_tokenizer_json, byte_level(false, true))},
                      {"post_processor", post_processor_of(impl)},
-                     {"decoder", byte_level(true, true)},
-                     {"model",
-                      {{"type", "BPE"},
-                       {"dropout", nullptr},
-                       {"unk_token", nullptr},
-                       {"continuing_subword_prefix", nullptr},
-                       {"end_of_word_suffix", nullptr},
-                       {"fuse_unk", false},
-                       {"byte_fallback", false},
-                       {"ignore_merges", impl.ignore_merges},
-                       {"vocab", vocab},
-                       {"merges", merges}}}};
+                     {"decoder", part(impl.decoder_json, byte_level(true, true))},
+                     {"model", model_of(impl)}};
   return root.dump(2);
 }
 
@@ -212,7 +230,7 @@ void Tokenizer::save_pretrained(const std::string& dir) const {
   // model has no beginning-of-text token of its own, as GPT-2's files say).
   json roles = json::object();
   const std::optional<int32_t> eos = end_of_text();
-  std::optional<int32_t> bos = token_id("<|begin_of_text|>");
+  std::optional<int32_t> bos = begin_of_text();
   if (!bos) bos = eos;
   if (bos) roles["bos_token"] = impl_->token_bytes[size_t(*bos)];
   if (eos) roles["eos_token"] = impl_->token_bytes[size_t(*eos)];
@@ -230,31 +248,43 @@ Tokenizer Tokenizer::from_hf_json(const std::string& path) {
   } catch (const json::exception& e) {
     WEAVE_FAIL("tokenizer", "{} is not valid JSON: {}", path, e.what());
   }
-  auto impl = std::make_unique<Impl>();
   try {
-    const json& model = root.at("model");
-    const std::string type = model.value("type", "BPE");
-    WEAVE_CHECK(type == "BPE", "tokenizer",
-                "{}: model type '{}' is not supported; hint: weave reads byte-level BPE "
-                "tokenizers (GPT-2, Llama 3, Qwen 2), not {} ones",
-                path, type, type);
-    WEAVE_CHECK(!model.value("byte_fallback", false), "tokenizer",
-                "{}: a BPE model with byte_fallback (SentencePiece's, as Llama 2 and Mistral use) "
-                "is not supported; hint: weave reads byte-level BPE tokenizers",
-                path);
-    WEAVE_CHECK(root.value("normalizer", json()).is_null(), "tokenizer",
-                "{}: normalizer {} is not supported", path,
-                root["normalizer"].dump().substr(0, 100));
-    read_pre_tokenizer(root.value("pre_tokenizer", json()), *impl, path);
-    impl->ignore_merges = model.value("ignore_merges", false);
-    impl->add_vocab(model.at("vocab"), path.c_str());
-    read_merges(model.at("merges"), *impl, path);
-    read_added_tokens(root.value("added_tokens", json::array()), *impl, path);
-    read_post_processor(root.value("post_processor", json()), *impl, path);
+    return Tokenizer(std::make_unique<Impl>(read_tokenizer_json(root, path)));
   } catch (const json::exception& e) {
     WEAVE_FAIL("tokenizer", "{} is not a tokenizer.json weave can read: {}", path, e.what());
   }
-  return Tokenizer(std::move(impl));
+}
+
+void Tokenizer::read_special_token_files(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const auto parse = [](const fs::path& file) {
+    try {
+      return json::parse(read_file(file.string()));
+    } catch (const json::exception& e) {
+      WEAVE_FAIL("tokenizer", "{} is not valid JSON: {}", file.string(), e.what());
+    }
+  };
+  if (const fs::path file = fs::path(dir) / "tokenizer_config.json"; fs::exists(file)) {
+    const json config = parse(file);
+    if (auto bos = config_token(*this, config, "bos_token")) impl_->bos = bos;
+    if (auto eos = config_token(*this, config, "eos_token")) impl_->eos = eos;
+  }
+  if (const fs::path file = fs::path(dir) / "generation_config.json"; fs::exists(file)) {
+    const json config = parse(file);
+    const auto id_of = [&](const json& id) {
+      const int32_t value = Impl::id_from(id, "generation_config.json", file.c_str());
+      WEAVE_CHECK(value < vocab_size(), "tokenizer", "{} names token id {}, past the vocabulary",
+                  file.string(), value);
+      return value;
+    };
+    if (const json bos = config.value("bos_token_id", json()); !bos.is_null())
+      impl_->bos = id_of(bos);
+    const json eos = config.value("eos_token_id", json());
+    impl_->stop_ids.clear();
+    for (const json& id : eos.is_array() ? eos : json::array({eos}))
+      if (!id.is_null()) impl_->stop_ids.push_back(id_of(id));
+    if (!impl_->stop_ids.empty()) impl_->eos = impl_->stop_ids[0];
+  }
 }
 
 }  // namespace weave::data
