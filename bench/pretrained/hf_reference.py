@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""Tiny GPT-2, Llama and Qwen 2 checkpoints in Hugging Face's layout, by plain PyTorch.
+"""Tiny GPT-2, Llama, Qwen 2 and Qwen 3 checkpoints in Hugging Face's layout, by plain PyTorch.
 
 The modules follow Hugging Face's published structure and parameter names (modeling_gpt2.py,
 modeling_llama.py): GPT-2's Conv1D weights stored [in, out], c_attn holding q, k and v side by
 side, the head tied to wte; Llama's q/k/v/o, gate/up/down projections, two RMSNorms, rotary
 positions in the rotate-half layout with Llama 3's frequency scaling, and grouped key/value
 heads; Qwen 2 (modeling_qwen2.py) is Llama with biases on the q, k and v projections (not on
-o_proj). PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetensors is
+o_proj); Qwen 3 (modeling_qwen3.py) is Llama with an RMSNorm of each query and key head (q_norm,
+k_norm, over head_dim, before the rotary embedding) and a head_dim of its own (here twice
+hidden_size / num_attention_heads). Qwen 3's logits are computed in float64 from its float32
+weights. PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetensors is
 needed (the safetensors format is written and read here directly).
 
-  hf_reference.py write OUT_DIR      # OUT_DIR/gpt2, llama and qwen2: config.json, two shards,
+  hf_reference.py write OUT_DIR      # OUT_DIR/gpt2, llama, qwen2, qwen3: config.json, two shards,
                                      # model.safetensors.index.json, logits.safetensors
   hf_reference.py check DIR          # loads DIR (a model weave exported), recomputes its logits
                                      # on the fixed tokens, compares with DIR/logits.safetensors
@@ -24,7 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+DTYPES = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16,
+          "BF16": torch.bfloat16, "I64": torch.int64}
 NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -141,8 +145,12 @@ class GPT2LMHeadModel(nn.Module):
         return self.transformer(ids) @ self.transformer.wte.weight.t()
 
 
+def head_dim_of(c):
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
 def llama_inv_freq(c):
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    head_dim = head_dim_of(c)
     inv = 1.0 / (c["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     s = c.get("rope_scaling")
     if s and s.get("rope_type") == "llama3":  # Llama 3.1's frequency scaling
@@ -176,17 +184,24 @@ class LlamaAttention(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
-        self.head_dim = c["hidden_size"] // self.heads
+        self.head_dim = head_dim_of(c)
         d, bias = c["hidden_size"], c["model_type"] == "qwen2"
         self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
+        self.qk_norm = c["model_type"] == "qwen3"
+        if self.qk_norm:
+            self.q_norm = LlamaRMSNorm(self.head_dim, c["rms_norm_eps"])
+            self.k_norm = LlamaRMSNorm(self.head_dim, c["rms_norm_eps"])
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         group = self.heads // self.kv_heads
@@ -232,7 +247,8 @@ class LlamaModel(nn.Module):
     def forward(self, ids):
         angles = torch.arange(ids.size(1), dtype=torch.float64)[:, None] * self.inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos().float(), angles.sin().float()
+        dtype = self.embed_tokens.weight.dtype
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         x = self.embed_tokens(ids)
         for layer in self.layers:
             x = layer(x, cos, sin)
@@ -267,6 +283,13 @@ QWEN2_CONFIG = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "v
                 "rope_theta": 1000000.0, "max_position_embeddings": 128, "rope_scaling": None,
                 "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 2,
                 "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
+QWEN3_CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 512,
+                "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 128,
+                "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
+                "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2,
+                "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
 
 
 def fixed_tokens(vocab):  # two rows of 24 tokens, the same for every reader
@@ -297,9 +320,10 @@ def write_checkpoint(directory, model, config):
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     ids = fixed_tokens(config["vocab_size"])
-    with torch.no_grad():
+    with torch.no_grad():  # Qwen 3's in float64 (its float32 weights widened), the others' in float32
+        logits = model.double()(ids) if config["model_type"] == "qwen3" else model(ids)
         save_safetensors(os.path.join(directory, "logits.safetensors"),
-                         {"tokens": ids, "logits": model(ids)})
+                         {"tokens": ids, "logits": logits})
 
 
 def load_checkpoint(directory):
@@ -325,12 +349,13 @@ def main():
         write_checkpoint(os.path.join(sys.argv[2], "gpt2"), GPT2LMHeadModel(GPT2_CONFIG), GPT2_CONFIG)
         write_checkpoint(os.path.join(sys.argv[2], "llama"), LlamaForCausalLM(LLAMA_CONFIG), LLAMA_CONFIG)
         write_checkpoint(os.path.join(sys.argv[2], "qwen2"), LlamaForCausalLM(QWEN2_CONFIG), QWEN2_CONFIG)
-        print(f"wrote {sys.argv[2]}/gpt2, {sys.argv[2]}/llama and {sys.argv[2]}/qwen2")
+        write_checkpoint(os.path.join(sys.argv[2], "qwen3"), LlamaForCausalLM(QWEN3_CONFIG), QWEN3_CONFIG)
+        print(f"wrote {sys.argv[2]}/gpt2, llama, qwen2 and qwen3")
     elif len(sys.argv) == 3 and sys.argv[1] == "check":
         model = load_checkpoint(sys.argv[2])
         expected = load_safetensors(os.path.join(sys.argv[2], "logits.safetensors"))
         with torch.no_grad():
-            logits = model(expected["tokens"])
+            logits = model.to(expected["logits"].dtype)(expected["tokens"])
         diff = (logits - expected["logits"]).abs().max().item()
         print(f"{sys.argv[2]}: max |logits - expected| = {diff:.3g}")
         sys.exit(0 if diff < 1e-5 else 1)

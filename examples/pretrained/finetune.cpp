@@ -24,8 +24,9 @@
 // added to the first stage's after every step, which takes ddp: fsdp stages need Llama's untied
 // head). Each rank reads only the parts of the checkpoint it holds, into a model built without
 // memory (nn::DeferredInit).
-// --init llama|gpt2 first writes a new, randomly initialized model of --dim/--layers/--heads/
-// --kv-heads with the tokenizer of --tokenizer DIR into --model (how the tests make one).
+// --init llama|qwen3|gpt2 first writes a new, randomly initialized model of --dim/--layers/
+// --heads/--kv-heads (and Qwen 3's --head-dim) with the tokenizer of --tokenizer DIR into
+// --model (how the tests make one).
 // Rank 0 prints `step N loss X` (the whole batch's) every --log-every steps, `final_loss=X`,
 // `load_peak_bytes=N` and `training_peak_bytes=N` (its peak tensor memory while building and
 // loading the model, and while training: memory_stats),
@@ -49,6 +50,7 @@ struct Flags {
   int64_t steps = 100, context = 128, batch = 8, log_every = 10, checkpoint_every = 25;
   int64_t stop_at = -1, max_new_tokens = 40, top_k = 0, dim = 64, layers = 2, heads = 4;
   int64_t kv_heads = 2;
+  int64_t head_dim = 0;
   double lr = 1e-4, temperature = 0.8, top_p = 0.95;
   uint64_t seed = 0;
   bool resume = false, checkpoint_activations = false;
@@ -92,8 +94,10 @@ Flags parse(int argc, char** argv) {
   app.add_flag("--checkpoint-activations", f.checkpoint_activations,
                "recompute each block in backward instead of keeping its activations");
   app.add_option("--stop-at", f.stop_at, "stop after this step (checkpointed)");
-  app.add_option("--init", f.init, "write a new llama or gpt2 model into --model first")
-      ->check(CLI::IsMember({"llama", "gpt2"}));
+  app.add_option("--init", f.init, "write a new llama, qwen3 or gpt2 model into --model first")
+      ->check(CLI::IsMember({"llama", "qwen3", "gpt2"}));
+  app.add_option("--head-dim", f.head_dim, "--init qwen3: each head's size (0: dim / heads)")
+      ->check(cli::non_negative());
   app.add_option("--tokenizer", f.tokenizer, "--init: the tokenizer's directory");
   for (auto [name, value] : {std::pair{"--dim", &f.dim},
                              {"--layers", &f.layers},
@@ -116,6 +120,7 @@ void write_new_model(const Flags& f) {
     config.heads = f.heads, config.kv_heads = f.init == "gpt2" ? f.heads : f.kv_heads;
     config.hidden = f.init == "gpt2" ? 4 * f.dim : models::llama_hidden(f.dim);
     config.max_positions = 1024, config.tie_embeddings = f.init == "gpt2";
+    config.qk_norm = f.init == "qwen3", config.head_dim = f.init == "qwen3" ? f.head_dim : 0;
     Generator generator(f.seed);
     auto model = models::make_model(config, {}, &generator);
     {  // embeddings at Hugging Face's initializer_range (0.02), as its new models start

@@ -12,7 +12,8 @@
 # checkpoint written) equal one process's from the model each saved. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
 # stage's head), alone and with 2 tensor-parallel ranks, and resumed under ddp from a pipelined
 # checkpoint, ends at ddp's loss too; with --checkpoint-activations it repeats ddp's losses
-# with a lower training peak.
+# with a lower training peak. A new tiny Qwen 3 under tp, context parallelism and fsdp ends at
+# ddp's loss.
 # Exits 77 (skipped) without the fortunes package.
 set -u
 finetune=$1 tokenize=$2 npm=$3
@@ -64,6 +65,13 @@ cmp -s "$work/saved_whole/model.safetensors" "$work/saved_killed/model.safetenso
   { echo "FAIL: the run resumed after the kill saved other weights"; status=1; }
 echo "killed after step 50, resumed at step $from"
 final() { sed -n 's/^final_loss=//p' "$work/$1.out"; }
+agrees() {  # run name: its final loss within 1e-3 (relative) of $reference, ddp's
+  local got
+  got=$(final "$1")
+  awk -v a="$got" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-3 * b) }' ||
+    { echo "FAIL: $1 final_loss=$got, ddp's $reference"; status=1; }
+  echo "$1 final_loss=$got (ddp $reference)"
+}
 reference=$(final whole)
 echo "ddp final_loss=$reference; resumed: $(final resumed)"
 # Every strategy from the same checkpoint and batches: the same loss. GPT-2's vocabulary (50257)
@@ -79,10 +87,7 @@ for case in "tp 2 --strategy tp" \
   read -r name ranks args <<<"$case"
   # shellcheck disable=SC2086
   run "$name" "$ranks" $args
-  got=$(final "$name")
-  awk -v a="$got" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-3 * b) }' ||
-    { echo "FAIL: $name final_loss=$got, ddp's $reference"; status=1; }
-  echo "$name final_loss=$got"
+  agrees "$name"
 done
 # fsdp decodes through its shards, each block gathered in turn (no rank builds the whole model):
 # sampled from the same seed, the tokens one process samples from the model that run saved.
@@ -123,13 +128,24 @@ run gpt2_pipeline 2 --pipeline 2 --save "$work/gpt2_saved"
 run gpt2_pipeline_tp 4 --strategy tp --pipeline 2
 run gpt2_stopped 2 --pipeline 2 --checkpoint "$work/ckpt_gpt2" --stop-at 20
 run gpt2_resumed 2 --checkpoint "$work/ckpt_gpt2" --resume
-for name in gpt2_pipeline gpt2_pipeline_tp gpt2_resumed; do
-  got=$(final "$name")
-  awk -v a="$got" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-3 * b) }' ||
-    { echo "FAIL: $name final_loss=$got, ddp's $reference"; status=1; }
-  echo "$name final_loss=$got (ddp $reference)"
-done
+for name in gpt2_pipeline gpt2_pipeline_tp gpt2_resumed; do agrees "$name"; done
 [ "$(grep -ao '"transformer.wte.weight"' "$work/gpt2_saved/model.safetensors" | wc -l)" -eq 1 ] ||
   { echo "FAIL: the pipelined GPT-2's export does not hold exactly one wte"; status=1; }
+# A new Qwen 3 (q/k norms; head_dim 32, twice dim / heads): tensor-parallel, context-parallel and
+# fsdp runs end at ddp's loss; its export says qwen3 and holds the norms.
+"$finetune" --init qwen3 --head-dim 32 --tokenizer "$gpt2" --model "$work/qwen3" --dim 64 \
+  --layers 2 --heads 4 --kv-heads 2 --tokens "$work/fortunes.tokens" --steps 0 >/dev/null ||
+  { echo "FAIL: --init qwen3"; exit 1; }
+base=(--model "$work/qwen3" --tokens "$work/fortunes.tokens" --steps 20 --context 64 --batch 4
+      --lr 1e-3 --log-every 1 --checkpoint-every 20)
+run qwen3_ddp 2 --save "$work/qwen3_saved"
+reference=$(final qwen3_ddp)
+run qwen3_tp 2 --strategy tp
+run qwen3_cp 2 --context-parallel 2
+run qwen3_fsdp 2 --strategy fsdp
+for name in qwen3_tp qwen3_cp qwen3_fsdp; do agrees "$name"; done
+grep -q '"model_type": "qwen3"' "$work/qwen3_saved/config.json" &&
+  grep -aq '"model.layers.1.self_attn.k_norm.weight"' "$work/qwen3_saved/model.safetensors" ||
+  { echo "FAIL: the Qwen 3 export is not a Qwen 3 checkpoint"; status=1; }
 [ "$status" -eq 0 ] && echo "PASS: fine-tuning resumes exactly and every strategy agrees"
 exit "$status"

@@ -45,9 +45,14 @@ TEST_SUITE("model_parallel") {
     const int n = tp.size();
     const int64_t heads = 2 * n, dim = 4 * heads, hidden = 8 * n, t = 9;
     const Packed packed = packed_windows(t);
-    for (const int64_t kv_heads : {int64_t(n), int64_t(1)}) {
+    for (const auto& [kv_heads, features] :
+         {std::pair{int64_t(n), false}, std::pair{int64_t(1), false}, std::pair{int64_t(n), true},
+          std::pair{int64_t(1), true}}) {
       CAPTURE(kv_heads);
-      const models::LlamaBlockOptions whole{.heads = heads, .kv_heads = kv_heads, .hidden = hidden};
+      CAPTURE(features);  // Qwen 3's and Gemma 3's: a head_dim of its own, q/k norms, a scale
+      models::LlamaBlockOptions whole{.heads = heads, .kv_heads = kv_heads, .hidden = hidden};
+      if (features)
+        whole.head_dim = 6, whole.qk_norm = nn::HeadNormOptions{}, whole.attention_scale = 0.4;
       manual_seed(71);
       models::LlamaBlock ref(dim, whole);
       manual_seed(71);
@@ -77,6 +82,10 @@ TEST_SUITE("model_parallel") {
       CHECK(close12(mlp.down->weight.grad(), piece(ref_mlp.down->weight.grad(), 1, tp)));
       CHECK(close12(block.norm1->weight.grad(), ref.norm1->weight.grad()));
       CHECK(close12(block.norm2->weight.grad(), ref.norm2->weight.grad()));
+      if (features) {  // whole on every rank, each norming its heads: the gradients summed
+        CHECK(close12(a.q_norm.grad(), r.q_norm.grad()));
+        CHECK(close12(a.k_norm.grad(), r.k_norm.grad()));
+      }
       CHECK(autograd::must_run_pending() == 0);
     }
     if (n == 4)  // 3 key/value heads neither divide among 4 ranks nor the ranks among them
@@ -329,48 +338,53 @@ TEST_SUITE("context_parallel") {
     const int64_t heads = 2 * n, kv_heads = n, dim = 4 * heads, t = 4 * n;
     const Packed packed = packed_windows(t);
     using parallel::SequenceLayout;
-    for (const auto mode :
-         {parallel::ContextParallelMode::Ring, parallel::ContextParallelMode::AllToAll})
-      for (const auto layout : {SequenceLayout::ZigZag, SequenceLayout::Contiguous}) {
-        CAPTURE(int(mode));
-        CAPTURE(int(layout));
-        manual_seed(81);
-        models::LlamaBlock ref(dim, {.heads = heads, .kv_heads = kv_heads});
-        manual_seed(81);
-        models::LlamaBlock block(
-            dim, {.heads = heads, .kv_heads = kv_heads},
-            {.context_group = cp, .context_mode = mode, .context_layout = layout});
-        ref.to(kFloat64);
-        block.to(kFloat64);
-        auto part = [&](const Tensor& whole) {
-          return parallel::shard_sequence(whole, 1, cp, layout).contiguous();
-        };
-        const Tensor x = shared_randn({2, t, dim}, 82), w = shared_randn({2, t, dim}, 83);
-        Tensor ref_x = leaf(x);
-        const Tensor ref_y = ref({ref_x, packed.positions, packed.documents});
-        sum(ref_y * w).backward();
-        Tensor my_x = leaf(part(x));
-        Tensor y = block({my_x, part(packed.positions), part(packed.documents)});
-        CHECK(close12(y, part(ref_y.detach())));
-        sum(y * part(w)).backward();
-        CHECK(close12(my_x.grad(), part(ref_x.grad())));
-        // each rank's parameter gradient covers its positions: summed, the whole window's
-        const auto params = block.named_parameters();
-        const auto ref_params = ref.named_parameters();
-        REQUIRE(params.size() == ref_params.size());
-        for (size_t i = 0; i < params.size(); ++i) {
-          CAPTURE(params[i].first);
-          Tensor g = params[i].second.grad().clone();
-          dist::all_reduce(g, dist::ReduceOp::Sum, cp);
-          CHECK(close12(g, ref_params[i].second.grad()));
+    for (const bool features : {false, true})
+      for (const auto mode :
+           {parallel::ContextParallelMode::Ring, parallel::ContextParallelMode::AllToAll})
+        for (const auto layout : {SequenceLayout::ZigZag, SequenceLayout::Contiguous}) {
+          CAPTURE(int(mode));
+          CAPTURE(int(layout));
+          CAPTURE(features);  // Qwen 3's and Gemma 3's head_dim, q/k norms and scale
+          models::LlamaBlockOptions options{.heads = heads, .kv_heads = kv_heads};
+          if (features)
+            options.head_dim = 6, options.qk_norm = nn::HeadNormOptions{},
+            options.attention_scale = 0.3;
+          manual_seed(81);
+          models::LlamaBlock ref(dim, options);
+          manual_seed(81);
+          models::LlamaBlock block(
+              dim, options, {.context_group = cp, .context_mode = mode, .context_layout = layout});
+          ref.to(kFloat64);
+          block.to(kFloat64);
+          auto part = [&](const Tensor& whole) {
+            return parallel::shard_sequence(whole, 1, cp, layout).contiguous();
+          };
+          const Tensor x = shared_randn({2, t, dim}, 82), w = shared_randn({2, t, dim}, 83);
+          Tensor ref_x = leaf(x);
+          const Tensor ref_y = ref({ref_x, packed.positions, packed.documents});
+          sum(ref_y * w).backward();
+          Tensor my_x = leaf(part(x));
+          Tensor y = block({my_x, part(packed.positions), part(packed.documents)});
+          CHECK(close12(y, part(ref_y.detach())));
+          sum(y * part(w)).backward();
+          CHECK(close12(my_x.grad(), part(ref_x.grad())));
+          // each rank's parameter gradient covers its positions: summed, the whole window's
+          const auto params = block.named_parameters();
+          const auto ref_params = ref.named_parameters();
+          REQUIRE(params.size() == ref_params.size());
+          for (size_t i = 0; i < params.size(); ++i) {
+            CAPTURE(params[i].first);
+            Tensor g = params[i].second.grad().clone();
+            dist::all_reduce(g, dist::ReduceOp::Sum, cp);
+            CHECK(close12(g, ref_params[i].second.grad()));
+          }
+          // positions left out: the part's place in 0 .. T - 1 (one document); forward only, so
+          // no communicating node waits for a backward that never comes
+          NoGradGuard no_grad;
+          Tensor plain = block(part(x));
+          CHECK(close12(plain, part(ref(x).detach())));
+          CHECK(autograd::must_run_pending() == 0);
         }
-        // positions left out: the part's place in 0 .. T - 1 (one document); forward only, so
-        // no communicating node waits for a backward that never comes
-        NoGradGuard no_grad;
-        Tensor plain = block(part(x));
-        CHECK(close12(plain, part(ref(x).detach())));
-        CHECK(autograd::must_run_pending() == 0);
-      }
   }
 
   TEST_CASE("ModelSplit::from_mesh: this rank's split in one call, empty for data parallelism") {

@@ -96,7 +96,7 @@ int64_t largest_parameter_bytes(const nn::Module& model) {
 TEST_SUITE("pretrained") {
   TEST_CASE("save_pretrained of shards, slices and stages writes one process's files") {
     const int world = dist::world_size();
-    for (const std::string arch : {"gpt2", "llama"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen3"}) {
       for (const uint64_t shard_bytes : {uint64_t(5) << 30, uint64_t(40000)}) {
         CAPTURE(arch);
         CAPTURE(shard_bytes);
@@ -152,7 +152,7 @@ TEST_SUITE("pretrained") {
 
   TEST_CASE("gather_whole_state_dict of shards, slices and stages: one process's state at rank 0") {
     const int world = dist::world_size();
-    for (const std::string arch : {"gpt2", "llama"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen3"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
@@ -273,7 +273,7 @@ TEST_SUITE("pretrained") {
   }
 
   TEST_CASE("tied Llama and Qwen 2 heads split over tensor and pipeline ranks equal one process") {
-    for (const std::string arch : {"llama", "qwen2"}) {
+    for (const std::string arch : {"llama", "qwen2", "qwen3"}) {
       CAPTURE(arch);
       const std::string dir = test::shared_dir("tied_" + arch);
       if (dist::rank() == 0) {  // the reference with tie_word_embeddings (lm_head passed over)

@@ -37,7 +37,7 @@ std::map<std::string, std::pair<Shape, DType>> layout_of(const std::string& dir)
 
 TEST_SUITE("hf_checkpoint") {
   TEST_CASE("GPT-2 and Llama checkpoints give PyTorch's logits; export reloads bitwise") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       auto model = models::from_pretrained(dir);
@@ -47,6 +47,12 @@ TEST_SUITE("hf_checkpoint") {
       NoGradGuard no_grad;
       model->eval();
       CHECK(max_abs_diff((*model)(tokens), logits) < 1e-5);
+      if (logits.dtype() == kFloat64) {  // Qwen 3's: float64 logits, weave's float32 within 2e-6
+        const double relative =
+            max_abs_diff((*model)(tokens), logits) / max(abs(logits)).item<double>();
+        MESSAGE(arch << ": float32 logits within " << relative << " of float64's (relative)");
+        CHECK(relative < 2e-6);
+      }
 
       const auto config = data::hf::read_config(dir);
       const auto out = scratch(arch + "_export");
@@ -91,6 +97,24 @@ TEST_SUITE("hf_checkpoint") {
     CHECK_WEAVE_ERROR(models::model_config(interleaved), "hf", "interleaved true");
     CHECK_WEAVE_ERROR(models::model_config(models::GPT2Options{.untied_head = true}), "hf",
                       "untied_head");
+    // Q/k norms make it Qwen 3; its head_dim is written even where it is dim / heads (a Qwen 3
+    // config without one means 128).
+    models::LlamaOptions qwen3 = options;
+    qwen3.block.qk_norm = nn::HeadNormOptions{.eps = qwen3.block.norm_eps};
+    models::Llama qwen3_model(qwen3);
+    const auto qwen3_out = scratch("qwen3_from_options");
+    data::hf::save_pretrained(qwen3_model, models::model_config(qwen3), qwen3_out.string());
+    const auto written = nlohmann::json::parse(std::ifstream(qwen3_out / "config.json"));
+    CHECK(written["model_type"] == "qwen3");
+    CHECK(written["head_dim"] == 4);
+    CHECK(max_abs_diff((*models::from_pretrained(qwen3_out.string()))(tokens),
+                       qwen3_model(tokens)) == 0);
+    models::LlamaOptions gemma_norms = qwen3;
+    gemma_norms.block.qk_norm->unit_offset = true;
+    CHECK_WEAVE_ERROR(models::model_config(gemma_norms), "hf", "unit_offset true");
+    models::LlamaOptions both = qwen3;
+    both.block.qkv_bias = true;
+    CHECK_WEAVE_ERROR(models::model_config(both), "hf", "one or the other");
   }
 
   TEST_CASE("GPT-2's fused q/k/v read by heads, or by rows across heads, equals the whole's") {
@@ -111,7 +135,7 @@ TEST_SUITE("hf_checkpoint") {
   }
 
   TEST_CASE("slices read only their bytes, and element ranges equal the whole's") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       const auto config = data::hf::read_config(dir);
@@ -194,6 +218,10 @@ TEST_SUITE("hf_checkpoint") {
                          doctest::Contains("lacks 6 tensor(s) the config's model needs: "
                                            "model.layers.0.self_attn.q_proj.bias"),
                          Error);
+    dir = broken("llama_as_qwen3");  // Qwen 3's q/k norms are missing from Llama's files
+    edit_config(dir, [](auto& c) { c["model_type"] = "qwen3"; });
+    CHECK_THROWS_WITH_AS(models::from_pretrained(dir.string()),
+                         doctest::Contains("model.layers.0.self_attn.k_norm.weight"), Error);
     dir = broken("untied");
     edit_config(dir, [](auto& c) { c["tie_word_embeddings"] = true; });  // lm_head unused
     auto tied = models::from_pretrained(dir.string());
@@ -201,7 +229,7 @@ TEST_SUITE("hf_checkpoint") {
   }
 
   TEST_CASE("greedy decoding with the caches equals the argmax of full forward passes") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
       CAPTURE(arch);
       auto model = models::from_pretrained(reference_dir(arch));
       const Tensor prompt =

@@ -100,12 +100,12 @@ TEST_SUITE("hf_checkpoint") {
                   {"n_head", 2, "changes logits"}});
   }
 
-  TEST_CASE("every Llama and Qwen 2 config field weave reads is honoured or refused") {
+  TEST_CASE("every Llama, Qwen 2 and Qwen 3 config field weave reads is honoured or refused") {
     const std::vector<FieldCase> shared{
         {"attention_bias", true, "refused: attention_bias true"},
         {"mlp_bias", true, "refused: mlp_bias true"},
         {"hidden_act", "gelu", "refused: hidden_act 'gelu'"},
-        {"head_dim", 8, "refused: head_dim"},
+        {"head_dim", 8, "mismatch: has shape"},
         {"attention_dropout", 0.1, "refused: attention_dropout 0.1"},
         {"rope_scaling", {{"rope_type", "linear"}, {"factor", 2.0}}, "refused: rope_scaling"},
         {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 2.0}}, "refused: rope_scaling"},
@@ -126,15 +126,24 @@ TEST_SUITE("hf_checkpoint") {
         {"num_attention_heads", 8, "mismatch: has shape"},
         {"tie_word_embeddings", true, "changes logits"}};  // lm_head passed over
     check_fields("llama", shared);
-    check_fields("llama", {{"sliding_window", 16, "refused: sliding_window"}});
+    check_fields("llama", {{"sliding_window", 16, "refused: sliding_window"},
+                           {"head_dim", 16, "same logits"}});  // hidden_size / heads, said
+    const std::vector<FieldCase> qwen{
+        {"use_sliding_window", true, "refused: use_sliding_window true"},
+        {"sliding_window", 16, "same logits"},  // unused without the flag
+        {"max_window_layers", 1, "same logits"}};
     check_fields("qwen2", shared);
-    check_fields("qwen2", {{"use_sliding_window", true, "refused: use_sliding_window true"},
-                           {"sliding_window", 16, "same logits"},  // unused without the flag
-                           {"max_window_layers", 1, "same logits"}});
+    check_fields("qwen2", qwen);
+    check_fields("qwen2", {{"head_dim", 16, "same logits"}});
+    check_fields("qwen3", shared);  // its head_dim (32) is twice hidden_size / heads
+    check_fields("qwen3", qwen);
+    check_fields("qwen3", {{"head_dim", 16, "mismatch: has shape"},
+                           {"head_dim", nullptr, "mismatch: has shape"},  // 128, as HF's
+                           {"model_type", "qwen2", "mismatch: lacks 6 tensor(s)"}});
   }
 
   TEST_CASE("rope_scaling with rope_type default loads as no scaling") {
-    for (const std::string arch : {"llama", "qwen2"}) {
+    for (const std::string arch : {"llama", "qwen2", "qwen3"}) {
       CAPTURE(arch);
       const Tensor none = logits_with(arch, "rope_scaling", nullptr).first;
       const Tensor by_default = logits_with(arch, "rope_scaling", {{"rope_type", "default"}}).first;

@@ -408,6 +408,63 @@ TEST_SUITE("llama_ops") {
     }
   }
 
+  TEST_CASE("head_dim apart from dim / heads, q/k norms and a scale: the composed ops' result") {
+    manual_seed(17);
+    const int64_t B = 2, T = 7, dim = 12, heads = 4, kv_heads = 2, head_dim = 6;
+    for (const bool unit_offset : {false, true}) {
+      CAPTURE(unit_offset);
+      nn::GroupedQueryAttention attention(
+          dim, {.heads = heads,
+                .head_dim = head_dim,
+                .kv_heads = kv_heads,
+                .qk_norm = nn::HeadNormOptions{.eps = 1e-5, .unit_offset = unit_offset},
+                .scale = 0.37,
+                .rotary = RotaryOptions{.base = 1000}});
+      attention.to(kFloat64);
+      CHECK(attention.q->weight.shape() == Shape{heads * head_dim, dim});
+      CHECK(attention.out->weight.shape() == Shape{dim, heads * head_dim});
+      CHECK(attention.q_norm.shape() == Shape{head_dim});
+      {
+        NoGradGuard no_grad;  // norms away from their start, so dropping one would show
+        attention.q_norm.copy_(randn({head_dim}, {.dtype = kFloat64}));
+        attention.k_norm.copy_(randn({head_dim}, {.dtype = kFloat64}));
+      }
+      const Tensor x = randn({B, T, dim}, {.dtype = kFloat64});
+      const Tensor y = attention(x);
+      // The same from the ops, written out.
+      const Tensor positions = position_ids(0, T, x.device());
+      const auto norm = [&](const Tensor& t, const Tensor& w) {
+        return rms_norm(t, {head_dim}, unit_offset ? w + 1.0 : w, 1e-5);
+      };
+      const Tensor kv = attention.kv;
+      Tensor q = linear(x, attention.q->weight).reshape({B, T, heads, head_dim});
+      Tensor k = linear(x, kv.select(0, 0)).reshape({B, T, kv_heads, head_dim});
+      Tensor v = linear(x, kv.select(0, 1)).reshape({B, T, kv_heads, head_dim});
+      q = rotary_embedding(norm(q, attention.q_norm), positions, {.base = 1000});
+      k = rotary_embedding(norm(k, attention.k_norm), positions, {.base = 1000});
+      const Tensor a = scaled_dot_product_attention(
+          q.transpose(1, 2), repeat_heads(k.transpose(1, 2), 2), repeat_heads(v.transpose(1, 2), 2),
+          {.causal = true, .scale = 0.37});
+      const Tensor want =
+          linear(a.transpose(1, 2).reshape({B, T, heads * head_dim}), attention.out->weight);
+      CHECK(allclose(y, want, 1e-12, 1e-12));
+      // Decoding one position at a time with a cache gives the same outputs.
+      NoGradGuard no_grad;
+      nn::KVCache cache(T);
+      for (int64_t t = 0; t < T; ++t)
+        CHECK(allclose(attention.forward(nn::Inputs(x.narrow(1, t, 1)), cache), y.narrow(1, t, 1),
+                       1e-12, 1e-12));
+    }
+    CHECK_WEAVE_ERROR(nn::GroupedQueryAttention(10, {.heads = 4}), "GroupedQueryAttention",
+                      "multiple of heads 4");
+    CHECK_WEAVE_ERROR(nn::GroupedQueryAttention(10, {.heads = 4, .head_dim = 3, .scale = -1.0}),
+                      "GroupedQueryAttention", "scale must be positive");
+    CHECK_WEAVE_ERROR(nn::GroupedQueryAttention(10, {.heads = 4, .head_dim = 3}),
+                      "GroupedQueryAttention", "head_dim 3 must be even");
+    CHECK(nn::GroupedQueryAttention(10, {.heads = 4, .head_dim = 3, .rotary = std::nullopt})
+              .q->weight.shape() == Shape{12, 10});
+  }
+
   TEST_CASE("grouped-query attention rejects head counts that do not group") {
     CHECK_WEAVE_ERROR(nn::GroupedQueryAttention(16, {.heads = 4, .kv_heads = 3}),
                       "GroupedQueryAttention", "must divide heads 4");

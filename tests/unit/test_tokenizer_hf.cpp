@@ -299,6 +299,10 @@ TEST_SUITE("tokenizer_pipeline") {
     };
     using V = std::vector<std::string>;
     CHECK(pieces(R"(\p{N}{2,3})", "12345678") == V{"123", "456", "78"});
+    // 1100 counted repeats of 1000 each: a program past 2^20 instructions, refused by name.
+    std::string huge;
+    for (int i = 0; i < 1100; ++i) huge += "a{1000}";
+    CHECK_THROWS_WITH_AS(data::SplitPattern::compile(huge), doctest::Contains("2^20"), Error);
     CHECK(pieces(R"(\p{Lu}\p{Ll}+|\s+)", "Hello World") == V{"Hello", " ", "World"});
     CHECK(pieces(R"(\s+(?!\S))", "a   b") == V{"a", "  ", " b"});  // text between matches kept
     CHECK(pieces(R"((?i:'s|'ll))", "'S'\u017f'LL") == V{"'S", "'\u017f", "'LL"});
@@ -314,7 +318,8 @@ TEST_SUITE("tokenizer_pipeline") {
          {std::pair{"(ab)+", "repeats a group"}, std::pair{R"(\w+)", "escape weave does not read"},
           std::pair{"^a", "anchor"}, std::pair{"a(?<=b)", "group kind"},
           std::pair{"[a-", "ends in the middle"}, std::pair{"a+?", "lazy"},
-          std::pair{R"(\p{Han})", "Unicode class"}, std::pair{"(a", "without its ')'"}}) {
+          std::pair{R"(\p{Han})", "Unicode class"}, std::pair{"(a", "without its ')'"},
+          std::pair{"a{1001}", "more than 1000 times"}}) {
       CAPTURE(pattern);
       CHECK_THROWS_WITH_AS(data::SplitPattern::compile(pattern), doctest::Contains(why), Error);
     }

@@ -2,6 +2,9 @@
 #include "weave/nn/grouped_query_attention.h"
 
 #include "weave/autograd/grad_mode.h"
+#include "weave/nn/deferred.h"
+
+#include <cmath>
 
 namespace weave::nn {
 
@@ -16,14 +19,22 @@ GroupedQueryAttention::GroupedQueryAttention(int64_t dim, GroupedQueryAttentionO
     : CachedModule("GroupedQueryAttention"),
       kv(register_parameter("kv", Tensor())),
       kv_bias(register_parameter("kv_bias", Tensor())),
+      q_norm(register_parameter("q_norm", Tensor())),
+      k_norm(register_parameter("k_norm", Tensor())),
       dim_(dim),
       head_dim_(0),
       kv_heads_(options.kv_heads == 0 ? options.heads : options.kv_heads),
       local_heads_(0),
       options_(options),
       leaves_(std::move(leaves)) {
-  WEAVE_CHECK(options.heads > 0 && dim > 0 && dim % options.heads == 0, kAttention,
-              "dim {} must be a positive multiple of heads {}", dim, options.heads);
+  WEAVE_CHECK(options.heads > 0 && dim > 0 && options.head_dim >= 0, kAttention,
+              "dim {}, heads {} and head_dim {} must be positive (head_dim 0: dim / heads)", dim,
+              options.heads, options.head_dim);
+  WEAVE_CHECK(options.head_dim > 0 || dim % options.heads == 0, kAttention,
+              "dim {} must be a multiple of heads {} when head_dim is left to dim / heads", dim,
+              options.heads);
+  WEAVE_CHECK(!options.scale || (std::isfinite(*options.scale) && *options.scale > 0), kAttention,
+              "scale must be positive and finite, found {}", options.scale.value_or(0));
   WEAVE_CHECK(kv_heads_ > 0 && options.heads % kv_heads_ == 0, kAttention,
               "kv_heads {} must divide heads {} (each key/value head serves a whole group of "
               "query heads)",
@@ -38,16 +49,24 @@ GroupedQueryAttention::GroupedQueryAttention(int64_t dim, GroupedQueryAttentionO
               "kv_heads",
               options.heads, kv_heads_, parts);
   leaves_.core().check(kAttention, /*decoding=*/false, options.dropout > 0);
-  head_dim_ = dim / options.heads;
+  head_dim_ = options.head_dim > 0 ? options.head_dim : dim / options.heads;
+  WEAVE_CHECK(!options.rotary || options.rotary->rotary_dim > 0 || head_dim_ % 2 == 0, kAttention,
+              "rotary embeddings turn pairs of a head's dims: head_dim {} must be even", head_dim_);
   local_heads_ = options.heads / parts;
+  const int64_t width = options.heads * head_dim_;
   // The whole layer's initialization, in its order (q, kv, out), then cut.
-  q = register_module("q", linears.column(dim, dim, options.bias, options.generator));
+  q = register_module("q", linears.column(dim, width, options.bias, options.generator));
   auto [projection, layout] =
       linears.key_values(dim, options.heads, kv_heads_, head_dim_, options.bias, options.generator);
   kv = register_value(projection.weight, "kv");
   kv_bias = register_value(projection.bias, "kv_bias");
   kv_layout_ = layout;
-  out = register_module("out", linears.row(dim, dim, options.out_bias, options.generator));
+  out = register_module("out", linears.row(width, dim, options.out_bias, options.generator));
+  if (options.qk_norm) {
+    const double start = options.qk_norm->unit_offset ? 0.0 : 1.0;
+    q_norm = register_value(init::constant_parameter({head_dim_}, start), "q_norm");
+    k_norm = register_value(init::constant_parameter({head_dim_}, start), "k_norm");
+  }
   leaves_.core().place(*this);
 }
 
@@ -78,6 +97,10 @@ Tensor GroupedQueryAttention::attend(const Inputs& inputs, KVCache* cache) {
                          .project_key_values(x, kv, kv_bias, kv_layout_, head_dim_)
                          .reshape({batch, length, 2, kv_layout_.local, head_dim_});
   Tensor keys = projected.select(2, 0), values = projected.select(2, 1);
+  if (options_.qk_norm) {
+    queries = norm_heads(queries, q_norm);
+    keys = norm_heads(keys, k_norm);
+  }
   if (options_.rotary) {
     Tensor positions = inputs.positions;
     if (!positions.defined())  // after the cached positions, or this rank's part of 0 .. T - 1
@@ -90,11 +113,20 @@ Tensor GroupedQueryAttention::attend(const Inputs& inputs, KVCache* cache) {
   if (cache) std::tie(k, v) = cache->append(k, v);
   Tensor y = leaves_.core().attend(queries.transpose(1, 2), k, v,
                                    {.causal = options_.causal,
+                                    .scale = options_.scale,
                                     .dropout_p = is_training() ? options_.dropout : 0.0,
                                     .generator = options_.generator,
                                     .document_ids = inputs.document_ids});
   // heads-last: a view
   return (*out)(y.transpose(1, 2).reshape({batch, length, local_heads_ * head_dim_}));
+}
+
+// Each head's RMSNorm; the weight is whole on every rank of a split layer, which norms only its
+// own heads, so its gradient is summed over the ranks.
+Tensor GroupedQueryAttention::norm_heads(const Tensor& x, const Tensor& weight) const {
+  Tensor w = leaves_.linear().shared_by_parts(weight);
+  if (options_.qk_norm->unit_offset) w = w + 1.0;
+  return rms_norm(x, {head_dim_}, w, options_.qk_norm->eps);
 }
 
 }  // namespace weave::nn

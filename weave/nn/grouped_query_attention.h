@@ -15,8 +15,19 @@
 
 namespace weave::nn {
 
+/// RMSNorm of every query and key head over its head_dim (Qwen 3's and Gemma 3's q_norm and
+/// k_norm), before the rotary embedding.
+struct HeadNormOptions {
+  double eps = 1e-6;
+  /// Scales by (1 + weight), the weight starting at 0 (Gemma's RMSNorm); else by the weight,
+  /// starting at 1.
+  bool unit_offset = false;
+};
+
 struct GroupedQueryAttentionOptions {
   int64_t heads = 8;
+  /// Each head's size; 0: dim / heads (Qwen 3 and Gemma 3 choose it apart from dim / heads).
+  int64_t head_dim = 0;
   /// Key/value heads, dividing heads (1: multi-query attention); 0: as many as heads.
   int64_t kv_heads = 0;
   /// Biases of the q and kv projections (Qwen 2's q, k and v have them; Llama's none).
@@ -24,6 +35,10 @@ struct GroupedQueryAttentionOptions {
   /// A bias of the out projection.
   bool out_bias = false;
   bool causal = true;
+  /// Per-head RMSNorm of q and k (weights q_norm and k_norm [head_dim]); none when unset.
+  std::optional<HeadNormOptions> qk_norm{};
+  /// Multiplies q k^T; 1 / sqrt(head_dim) when unset (Gemma: query_pre_attn_scalar^-1/2).
+  std::optional<double> scale{};
   /// Rotary embeddings of q and k; none when unset.
   std::optional<RotaryOptions> rotary = RotaryOptions{};
   /// Dropout on the attention probabilities, in training mode.
@@ -32,15 +47,17 @@ struct GroupedQueryAttentionOptions {
 };
 
 /// Self-attention with `kv_heads` key/value heads shared by `heads` query heads. The query
-/// projection q [heads * head_dim, dim] and the key/value projection kv [2, kv_heads *
-/// head_dim, dim] (kv[0] for keys, kv[1] for values: one GEMM) are separate, so a tensor-
-/// parallel split cuts each along its heads. Keys and values are never repeated per query head
-/// (scaled_dot_product_attention reads the shared heads in place).
+/// projection q [heads * head_dim, dim], the key/value projection kv [2, kv_heads *
+/// head_dim, dim] and the output projection out [dim, heads * head_dim] (kv[0] for keys, kv[1] for
+/// values: one GEMM) are separate, so a tensor- parallel split cuts each along its heads. Keys and
+/// values are never repeated per query head (scaled_dot_product_attention reads the shared heads in
+/// place).
 ///
 /// Its leaves (nn/leaves.h) split it: over a tensor-parallel group rank r holds query heads
 /// [r H / n, (r + 1) H / n) (q column-parallel) and out's matching columns (row-parallel), and
 /// the key/value heads those queries read (every rank the whole kv when they are fewer than the
-/// ranks, its gradient summed: Megatron's replicated key/value heads); over a context group each
+/// ranks, its gradient summed: Megatron's replicated key/value heads), and the whole q_norm and
+/// k_norm (their gradients summed over the group); over a context group each
 /// rank passes its part of every sequence with that part's positions and document ids (the
 /// positions derived from the part's place when left out).
 class GroupedQueryAttention : public CachedModule {
@@ -58,13 +75,17 @@ class GroupedQueryAttention : public CachedModule {
   /// This rank's query heads and key/value heads (all of them when whole).
   int64_t local_heads() const { return local_heads_; }
   int64_t local_kv_heads() const { return kv_layout_.local; }
+  int64_t head_dim() const { return head_dim_; }
   std::shared_ptr<LinearLeaf> q;    // [heads * head_dim, dim] (this rank's rows when split)
   Tensor& kv;                       // [2, kv_heads * head_dim, dim] (this rank's heads, or all)
   Tensor& kv_bias;                  // [2, kv_heads * head_dim], undefined without bias
   std::shared_ptr<LinearLeaf> out;  // [dim, heads * head_dim] (this rank's columns when split)
+  Tensor& q_norm;                   // [head_dim], undefined without qk_norm
+  Tensor& k_norm;                   // [head_dim], undefined without qk_norm
 
  private:
   Tensor attend(const Inputs& inputs, KVCache* cache);
+  Tensor norm_heads(const Tensor& x, const Tensor& weight) const;
   int64_t dim_, head_dim_, kv_heads_, local_heads_;
   GroupedQueryAttentionOptions options_;
   Leaves leaves_;

@@ -67,6 +67,9 @@ class Linears {
   virtual Tensor project_key_values(const Tensor& x, const Tensor& weight, const Tensor& bias,
                                     const KeyValueHeads& heads, int64_t head_dim) const;
 
+  /// A parameter every rank holds whole but applies to its own heads only (per-head norms): its
+  /// gradient summed over the ranks (identity when whole).
+  virtual Tensor shared_by_parts(const Tensor& parameter) const { return parameter; }
   /// A LayerNorm over the layers' activations (sequence parallelism: over this rank's part of
   /// the sequence, its gradients summed over the ranks).
   virtual std::shared_ptr<Module> layer_norm(const Shape& shape, double eps) const;

@@ -15,8 +15,8 @@ namespace weave::data::hf {
 
 /// What weave takes from config.json (everything else is kept and written back on export).
 struct ModelConfig {
-  /// The architecture (weave's folder of it under weave/models/: "llama", which reads Llama and
-  /// Qwen 2 checkpoints, or "gpt2").
+  /// The architecture (weave's folder of it under weave/models/: "llama", which reads Llama,
+  /// Qwen 2 and Qwen 3 checkpoints, or "gpt2").
   std::string architecture = "llama";
   int64_t vocab = 0, dim = 0, layers = 0, heads = 0;
   int64_t kv_heads = 0;       // Llama: num_key_value_heads (GPT-2: heads)
@@ -27,13 +27,15 @@ struct ModelConfig {
   std::optional<Llama3RopeScaling> rope_scaling{};
   bool tie_embeddings = false;
   bool qkv_bias = false;   // Qwen 2 (model_type qwen2): q, k and v projections with biases
+  bool qk_norm = false;    // Qwen 3 (model_type qwen3): per-head RMSNorm of q and k
+  int64_t head_dim = 0;    // each attention head's size (head_dim; 0: dim / heads)
   DType dtype = kFloat32;  // torch_dtype: the dtype export writes
   std::string json;        // the file's text, "" when built here
 };
 
 /// Reads dir/config.json. Raises for an unknown model_type and for settings weave does not
-/// implement (biases in Llama's projections, a head_dim other than hidden / heads, rope
-/// scalings other than Llama 3's, sliding windows, other activations), naming them.
+/// implement (biases in Llama's projections, rope scalings other than Llama 3's, sliding
+/// windows, other activations), naming them.
 ModelConfig read_config(const std::string& dir);
 /// config.json for `config` (its json's other fields kept).
 std::string config_json(const ModelConfig& config);

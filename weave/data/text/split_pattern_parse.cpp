@@ -117,6 +117,8 @@ class Parser {
     min = max = number();
     if (accept(',')) max = peek() == '}' ? INT32_MAX : number();
     fail_unless(accept('}') && min <= max, "has a bad {n,m}");
+    // Counted repeats are written out: a bound past 1000 (as RE2's) would make a huge program.
+    fail_unless(min <= 1000 && (max <= 1000 || max == INT32_MAX), "repeats more than 1000 times");
   }
 
   int32_t add_set(CharSet set) {
@@ -224,7 +226,7 @@ class Parser {
   char32_t hex(size_t max_digits, bool braced) {
     char32_t value = 0;
     size_t digits = 0;
-    for (; digits < max_digits && std::isxdigit(int(peek())) && peek() < 128; ++digits) {
+    for (; digits < max_digits && peek() < 128 && std::isxdigit(int(peek())); ++digits) {
       const char32_t d = next();
       value = value * 16 + char32_t(d <= '9' ? d - '0' : (d | 0x20) - 'a' + 10);
     }
@@ -301,6 +303,10 @@ class Compiler {
   explicit Compiler(Program& program) : p_(program) {}
 
   int32_t emit(Program::Op op, int32_t x = 0, int32_t y = 0) {
+    WEAVE_CHECK(p_.code.size() < (size_t(1) << 20), "tokenizer",
+                "the split pattern {} compiles to more than 2^20 instructions; hint: fewer or "
+                "smaller counted repeats",
+                p_.source.substr(0, 200));
     p_.code.push_back({op, x, y});
     return int32_t(p_.code.size() - 1);
   }

@@ -30,9 +30,12 @@ LlamaBlock::LlamaBlock(int64_t dim, LlamaBlockOptions options, const ModelSplit&
                               std::make_shared<nn::GroupedQueryAttention>(
                                   dim,
                                   nn::GroupedQueryAttentionOptions{.heads = options.heads,
+                                                                   .head_dim = options.head_dim,
                                                                    .kv_heads = options.kv_heads,
                                                                    .bias = options.qkv_bias,
                                                                    .causal = options.causal,
+                                                                   .qk_norm = options.qk_norm,
+                                                                   .scale = options.attention_scale,
                                                                    .rotary = options.rotary,
                                                                    .generator = options.generator},
                                   leaves));

@@ -44,6 +44,12 @@ struct LlamaBlockOptions {
   Generator* generator = nullptr;
   /// Biases of the q, k and v projections (Qwen 2's).
   bool qkv_bias = false;
+  /// Each attention head's size; 0: dim / heads (Qwen 3 and Gemma 3 set it apart).
+  int64_t head_dim = 0;
+  /// Per-head RMSNorm of queries and keys before rotary (Qwen 3's q_norm and k_norm).
+  std::optional<nn::HeadNormOptions> qk_norm = std::nullopt;
+  /// Multiplies q k^T; 1 / sqrt(head_dim) when unset.
+  std::optional<double> attention_scale = std::nullopt;
   /// A mixture of experts in place of the gated MLP (moe->hidden is dim), block i's seeded
   /// moe->seed + i. While training, each block's balancing loss travels with its output into
   /// backward (nn::MoE::with_aux_loss), on every pipeline stage: the trainer adds nothing.

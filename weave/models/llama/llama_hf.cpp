@@ -1,5 +1,6 @@
-// Llama's Hugging Face side (LlamaForCausalLM, and Qwen2ForCausalLM: Llama with biased q, k and
-// v projections): config.json's fields, the checkpoint's names and layouts of weave's
+// Llama's Hugging Face side (LlamaForCausalLM; Qwen2ForCausalLM: Llama with biased q, k and v
+// projections; Qwen3ForCausalLM: Llama with per-head RMSNorms of q and k and a head_dim of its
+// own): config.json's fields, the checkpoint's names and layouts of weave's
 // parameters, and the model options of a config and back.
 #include <nlohmann/json.hpp>
 
@@ -16,10 +17,17 @@ using data::hf::detail::Layout;
 using data::hf::detail::Mapping;
 constexpr const char* kLlamaHf = "hf";
 
-// Llama, or Qwen 2 (Llama with biased q, k and v projections).
+int64_t head_dim_of(const data::hf::ModelConfig& c) {
+  return c.head_dim > 0 ? c.head_dim : c.dim / c.heads;
+}
+
+// Llama, Qwen 2 (Llama with biased q, k and v projections) or Qwen 3 (Llama with q_norm and
+// k_norm and any head_dim).
 void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& config) {
-  const bool qwen2 = c.value("model_type", "") == "qwen2";
-  config.qkv_bias = qwen2;
+  const std::string model_type = c.value("model_type", "");
+  const bool qwen = model_type == "qwen2" || model_type == "qwen3";
+  config.qkv_bias = model_type == "qwen2";
+  config.qk_norm = model_type == "qwen3";
   config.vocab = config_integer(c, "vocab_size", path);
   config.dim = config_integer(c, "hidden_size", path);
   config.layers = config_integer(c, "num_hidden_layers", path);
@@ -32,19 +40,24 @@ void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& c
   config.norm_eps = c.value("rms_norm_eps", 1e-6);
   config.rope_theta = c.value("rope_theta", 10000.0);
   config.tie_embeddings = c.value("tie_word_embeddings", false);
-  WEAVE_CHECK(config.heads > 0 && config.dim % config.heads == 0, kLlamaHf,
-              "{}: hidden_size {} is not a multiple of num_attention_heads {}", path, config.dim,
-              config.heads);
+  const json head_dim = c.value("head_dim", json());
+  if (!head_dim.is_null())
+    config.head_dim = config_integer(c, "head_dim", path);
+  else if (config.qk_norm)
+    config.head_dim = 128;  // Qwen3Config's default
+  WEAVE_CHECK(config.heads > 0 && (config.head_dim > 0 || config.dim % config.heads == 0), kLlamaHf,
+              "{}: hidden_size {} is not a multiple of num_attention_heads {} (and no head_dim "
+              "says the heads' size)",
+              path, config.dim, config.heads);
   const auto unsupported = [&](bool bad, const std::string& what) {
     WEAVE_CHECK(!bad, kLlamaHf, "{}: {} is not supported", path, what);
   };
+
   unsupported(c.value("attention_bias", false), "attention_bias true");
   unsupported(c.value("mlp_bias", false), "mlp_bias true");
   unsupported(c.value("hidden_act", "silu") != "silu",
               "hidden_act '" + c.value("hidden_act", "") + "' (Llama's is silu)");
-  unsupported(c.value("head_dim", config.dim / config.heads) != config.dim / config.heads,
-              "a head_dim other than hidden_size / num_attention_heads");
-  if (qwen2)  // Qwen 2 names a window it uses only with use_sliding_window
+  if (qwen)  // Qwen names a window it uses only with use_sliding_window
     unsupported(c.value("use_sliding_window", false), "use_sliding_window true");
   else
     unsupported(c.contains("sliding_window") && !c["sliding_window"].is_null(), "sliding_window");
@@ -65,8 +78,13 @@ void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& c
 }
 
 void write_llama(const data::hf::ModelConfig& config, json& c) {
-  c["model_type"] = config.qkv_bias ? "qwen2" : "llama";
-  c["architectures"] = {config.qkv_bias ? "Qwen2ForCausalLM" : "LlamaForCausalLM"};
+  const bool qwen3 = config.qk_norm, qwen2 = config.qkv_bias;
+  c["model_type"] = qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama";
+  c["architectures"] = {qwen3   ? "Qwen3ForCausalLM"
+                        : qwen2 ? "Qwen2ForCausalLM"
+                                : "LlamaForCausalLM"};
+  // Qwen 3 without head_dim would be read as 128 (Qwen3Config's default): always say it.
+  if (config.head_dim > 0 || qwen3) c["head_dim"] = head_dim_of(config);
   c["hidden_size"] = config.dim, c["num_hidden_layers"] = config.layers;
   c["num_attention_heads"] = config.heads, c["num_key_value_heads"] = config.kv_heads;
   c["intermediate_size"] = config.hidden, c["rms_norm_eps"] = config.norm_eps;
@@ -82,7 +100,8 @@ void write_llama(const data::hf::ModelConfig& config, json& c) {
 }
 
 std::vector<Mapping> llama_mappings(const data::hf::ModelConfig& c) {
-  const int64_t D = c.dim, F = c.hidden, KV = c.kv_heads * (c.dim / c.heads);
+  const int64_t D = c.dim, F = c.hidden, HD = head_dim_of(c), Q = c.heads * HD,
+                KV = c.kv_heads * HD;
   std::vector<Mapping> m{
       {"embedding.weight", {"model.embed_tokens.weight"}, Layout::Same, {{c.vocab, D}}}};
   for (int64_t i = 0; i < c.layers; ++i) {
@@ -90,20 +109,24 @@ std::vector<Mapping> llama_mappings(const data::hf::ModelConfig& c) {
     const std::string h = "model.layers." + std::to_string(i) + ".";
     m.push_back({w + "norm1.weight", {h + "input_layernorm.weight"}, Layout::Same, {{D}}});
     m.push_back(
-        {w + "attention.q.weight", {h + "self_attn.q_proj.weight"}, Layout::Same, {{D, D}}});
+        {w + "attention.q.weight", {h + "self_attn.q_proj.weight"}, Layout::Same, {{Q, D}}});
     m.push_back({w + "attention.kv",
                  {h + "self_attn.k_proj.weight", h + "self_attn.v_proj.weight"},
                  Layout::Stacked,
                  {{KV, D}, {KV, D}}});
     if (c.qkv_bias) {
-      m.push_back({w + "attention.q.bias", {h + "self_attn.q_proj.bias"}, Layout::Same, {{D}}});
+      m.push_back({w + "attention.q.bias", {h + "self_attn.q_proj.bias"}, Layout::Same, {{Q}}});
       m.push_back({w + "attention.kv_bias",
                    {h + "self_attn.k_proj.bias", h + "self_attn.v_proj.bias"},
                    Layout::Stacked,
                    {{KV}, {KV}}});
     }
     m.push_back(
-        {w + "attention.out.weight", {h + "self_attn.o_proj.weight"}, Layout::Same, {{D, D}}});
+        {w + "attention.out.weight", {h + "self_attn.o_proj.weight"}, Layout::Same, {{D, Q}}});
+    if (c.qk_norm) {
+      m.push_back({w + "attention.q_norm", {h + "self_attn.q_norm.weight"}, Layout::Same, {{HD}}});
+      m.push_back({w + "attention.k_norm", {h + "self_attn.k_norm.weight"}, Layout::Same, {{HD}}});
+    }
     m.push_back({w + "norm2.weight", {h + "post_attention_layernorm.weight"}, Layout::Same, {{D}}});
     m.push_back({w + "mlp.gate_up",
                  {h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"},
@@ -130,7 +153,7 @@ namespace detail {
 data::hf::ArchitectureSpec llama_architecture() {
   return {.name = "llama",
           .display = "Llama",
-          .model_types = {"llama", "qwen2"},
+          .model_types = {"llama", "qwen2", "qwen3"},
           .read = read_llama,
           .write = write_llama,
           .mappings = llama_mappings,
@@ -151,7 +174,11 @@ LlamaOptions llama_options(const data::hf::ModelConfig& config, Generator* gener
                     .hidden = config.hidden,
                     .rotary = rotary,
                     .norm_eps = config.norm_eps,
-                    .qkv_bias = config.qkv_bias},
+                    .qkv_bias = config.qkv_bias,
+                    .head_dim = config.head_dim,
+                    .qk_norm = config.qk_norm ? std::optional<nn::HeadNormOptions>(
+                                                    nn::HeadNormOptions{.eps = config.norm_eps})
+                                              : std::nullopt},
           .tie_embeddings = config.tie_embeddings,
           .generator = generator};
 }
@@ -159,6 +186,14 @@ LlamaOptions llama_options(const data::hf::ModelConfig& config, Generator* gener
 data::hf::ModelConfig model_config(const LlamaOptions& options, DType dtype) {
   const LlamaBlockOptions& block = options.block;
   const RotaryOptions rotary = block.rotary.value_or(RotaryOptions{});
+  WEAVE_CHECK(
+      !block.attention_scale &&
+          (!block.qk_norm || (!block.qk_norm->unit_offset && block.qk_norm->eps == block.norm_eps)),
+      kLlamaHf,
+      "Hugging Face's Llama and Qwen scale attention by 1 / sqrt(head_dim) and norm q and k "
+      "(Qwen 3) by weights, with the blocks' eps; found attention_scale {}, qk_norm "
+      "unit_offset {}",
+      block.attention_scale.value_or(0), block.qk_norm && block.qk_norm->unit_offset);
   WEAVE_CHECK(block.rotary && !rotary.interleaved && rotary.rotary_dim == 0 && block.causal &&
                   block.activation == nn::GatedActivation::SiLU,
               kLlamaHf,
@@ -175,6 +210,11 @@ data::hf::ModelConfig model_config(const LlamaOptions& options, DType dtype) {
   config.norm_eps = block.norm_eps, config.rope_theta = rotary.base;
   config.rope_scaling = rotary.llama3_scaling, config.tie_embeddings = options.tie_embeddings;
   config.qkv_bias = block.qkv_bias, config.dtype = dtype;
+  config.qk_norm = block.qk_norm.has_value(), config.head_dim = block.head_dim;
+  WEAVE_CHECK(
+      !(config.qk_norm && config.qkv_bias), kLlamaHf,
+      "no Hugging Face architecture has Qwen 3's q/k norms with Qwen 2's q, k and v biases; "
+      "hint: one or the other");
   return config;
 }
 

@@ -196,6 +196,10 @@ Tensor TensorParallelLinears::project_key_values(const Tensor& x, const Tensor& 
   return nn::apply_stacked(enter(x), w, b);
 }
 
+Tensor TensorParallelLinears::shared_by_parts(const Tensor& parameter) const {
+  return F::copy_to_group(parameter, group_);
+}
+
 std::shared_ptr<nn::Module> TensorParallelLinears::layer_norm(const Shape& shape,
                                                               double eps) const {
   if (options_.sequence_parallel)

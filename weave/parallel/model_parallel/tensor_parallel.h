@@ -165,6 +165,7 @@ class TensorParallelLinears : public nn::Linears {
   Tensor project_key_values(const Tensor& x, const Tensor& weight, const Tensor& bias,
                             const KeyValueHeads& heads, int64_t head_dim) const override;
   std::shared_ptr<nn::Module> layer_norm(const Shape& shape, double eps) const override;
+  Tensor shared_by_parts(const Tensor& parameter) const override;
   void check_decoding(const char* layer) const override;
   const dist::Group& group() const { return group_; }
 
