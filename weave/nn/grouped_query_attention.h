@@ -8,6 +8,9 @@
 //                                             .rotary = {.base = 500000}});
 //   Tensor y = attention({x, positions, document_ids});  // x [B, T, 512]; ids [B, T] or [T]
 //   Tensor z = attention(x);                             // positions 0 .. T-1, one document
+//   // Qwen 3's: heads of their own size, each query and key head RMS-normed before rotary
+//   nn::GroupedQueryAttention qwen3(1024, {.heads = 16, .head_dim = 128, .kv_heads = 8,
+//                                          .qk_norm = nn::HeadNormOptions{}});
 #include <optional>
 
 #include "weave/nn/leaves.h"
