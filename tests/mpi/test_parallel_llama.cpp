@@ -45,11 +45,14 @@ TEST_SUITE("model_parallel") {
     const int n = tp.size();
     const int64_t heads = 2 * n, dim = 4 * heads, hidden = 8 * n, t = 9;
     const Packed packed = packed_windows(t);
-    for (const auto& [kv_heads, features] :
+    for (const auto& [kv_heads_case, features_case] :
          {std::pair{int64_t(n), false}, std::pair{int64_t(1), false}, std::pair{int64_t(n), true},
           std::pair{int64_t(1), true}}) {
+      // copies: CAPTURE's lambda cannot take a binding
+      const int64_t kv_heads = kv_heads_case;
+      const bool features = features_case;  // Qwen 3's and Gemma 3's: head_dim, q/k norms, scale
       CAPTURE(kv_heads);
-      CAPTURE(features);  // Qwen 3's and Gemma 3's: a head_dim of its own, q/k norms, a scale
+      CAPTURE(features);
       models::LlamaBlockOptions whole{.heads = heads, .kv_heads = kv_heads, .hidden = hidden};
       if (features)
         whole.head_dim = 6, whole.qk_norm = nn::HeadNormOptions{}, whole.attention_scale = 0.4;

@@ -320,8 +320,9 @@ TEST_SUITE("tokenizer_pipeline") {
           std::pair{"[a-", "ends in the middle"}, std::pair{"a+?", "lazy"},
           std::pair{R"(\p{Han})", "Unicode class"}, std::pair{"(a", "without its ')'"},
           std::pair{"a{1001}", "more than 1000 times"}}) {
-      CAPTURE(pattern);
-      CHECK_THROWS_WITH_AS(data::SplitPattern::compile(pattern), doctest::Contains(why), Error);
+      const std::string source = pattern;  // a copy: CAPTURE's lambda cannot take a binding
+      CAPTURE(source);
+      CHECK_THROWS_WITH_AS(data::SplitPattern::compile(source), doctest::Contains(why), Error);
     }
   }
 }
