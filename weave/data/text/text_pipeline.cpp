@@ -5,20 +5,6 @@
 namespace weave::data {
 namespace {
 
-void replace_all(std::string& text, std::string_view from, std::string_view to) {
-  if (from.empty() || text.find(from) == std::string::npos) return;
-  std::string out;
-  out.reserve(text.size() + text.size() / 4);
-  size_t start = 0;
-  for (size_t at = text.find(from); at != std::string::npos; at = text.find(from, start)) {
-    out.append(text, start, at - start);
-    out.append(to);
-    start = at + from.size();
-  }
-  out.append(text, start);
-  text = std::move(out);
-}
-
 bool is_space_at(std::string_view text, size_t i) {
   return unicode::classes_of(unicode::char_at(text, i).code) & unicode::kSpace;
 }
@@ -84,6 +70,20 @@ void split_piece(const PreTokenizerStep& step, std::string_view piece,
 }
 
 }  // namespace
+
+void replace_all(std::string& text, std::string_view from, std::string_view to) {
+  if (from.empty() || text.find(from) == std::string::npos) return;
+  std::string out;
+  out.reserve(text.size() + text.size() / 4);
+  size_t start = 0;
+  for (size_t at = text.find(from); at != std::string::npos; at = text.find(from, start)) {
+    out.append(text, start, at - start);
+    out.append(to);
+    start = at + from.size();
+  }
+  out.append(text, start);
+  text = std::move(out);
+}
 
 void split_with_behavior(std::string_view text, const SplitPattern* pattern,
                          std::string_view literal, SplitBehavior behavior,
@@ -154,15 +154,16 @@ void TextPipeline::pieces(std::string_view section, bool at_start, std::string& 
   }
   if (text.empty()) return;
   // Each splitting step cuts every piece of the step before; the last one writes into `out`.
-  std::vector<const PreTokenizerStep*> steps;
-  for (const PreTokenizerStep& step : pre_tokenizers)
-    if (splits(step)) steps.push_back(&step);
-  if (steps.empty()) return out.push_back(text);
+  size_t last = pre_tokenizers.size();
+  for (size_t k = 0; k < pre_tokenizers.size(); ++k)
+    if (splits(pre_tokenizers[k])) last = k;
+  if (last == pre_tokenizers.size()) return out.push_back(text);
   std::vector<std::string_view> pieces{text}, next;
-  for (size_t k = 0; k < steps.size(); ++k) {
-    std::vector<std::string_view>& into = k + 1 == steps.size() ? out : next;
-    for (std::string_view piece : pieces) split_piece(*steps[k], piece, into);
-    if (k + 1 < steps.size()) pieces.swap(next), next.clear();
+  for (size_t k = 0; k <= last; ++k) {
+    if (!splits(pre_tokenizers[k])) continue;
+    std::vector<std::string_view>& into = k == last ? out : next;
+    for (std::string_view piece : pieces) split_piece(pre_tokenizers[k], piece, into);
+    if (k < last) pieces.swap(next), next.clear();
   }
 }
 

@@ -64,6 +64,10 @@ TextPipeline read_text_pipeline(const nlohmann::json& normalizer, const nlohmann
 /// Reads tokenizer.json's decoder (null: none, as byte-level files without one).
 DecoderSpec read_decoder(const nlohmann::json& decoder, const std::string& path);
 
+/// Replaces every occurrence of `from` in `text` by `to`, left to right (nothing when `from` is
+/// empty): Replace normalizers and decoders, Metaspace's spaces.
+void replace_all(std::string& text, std::string_view from, std::string_view to);
+
 /// Cuts `text` at each match of a pattern (or each occurrence of a literal string) and keeps the
 /// matches as `behavior` says.
 void split_with_behavior(std::string_view text, const SplitPattern* pattern,

@@ -15,13 +15,6 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string replace_all_of(std::string text, std::string_view from, std::string_view to) {
-  if (from.empty()) return text;
-  for (size_t at = text.find(from); at != std::string::npos; at = text.find(from, at + to.size()))
-    text.replace(at, from.size(), to);
-  return text;
-}
-
 // GPT-2's alphabet: the printable bytes stand for themselves, the other 68 for U+0100 on, so
 // that every token is printable text in the vocabulary files.
 std::array<uint32_t, 256> byte_to_code_point() {
@@ -139,12 +132,13 @@ void Tokenizer::Impl::add_vocab(const json& tokens, const char* file) {
     const int32_t number = id_from(id, token, file);
     std::string key = key_of(token, file);
     std::string bytes = key;
-    if (!byte_level) {  // what the decoder makes of it
-      const int byte = decoder.byte_fallback ? byte_token_value(token) : -1;
-      if (byte >= 0) bytes = std::string(1, char(byte));
-      for (const auto& [from, to] : decoder.replace) bytes = replace_all_of(bytes, from, to);
-      if (byte_fallback && byte_token_value(token) >= 0)
-        byte_token[size_t(byte_token_value(token))] = number;
+    if (!byte_level) {  // what the decoder makes of it: <0xNN> its byte, the rest replaced
+      const int byte = byte_token_value(token);
+      if (byte >= 0 && byte_fallback) byte_token[size_t(byte)] = number;
+      if (byte >= 0 && decoder.byte_fallback)
+        bytes = std::string(1, char(byte));
+      else
+        for (const auto& [from, to] : decoder.replace) replace_all(bytes, from, to);
     }
     vocab.emplace(std::move(key), number);
     set_token(number, std::move(bytes), file);
@@ -175,7 +169,7 @@ void Tokenizer::Impl::add_token(std::string content, int32_t id, bool special) {
   // An added token decodes as the decoder makes of its text (Gemma's "▁▁" is two spaces).
   std::string bytes = content;
   if (!byte_level)
-    for (const auto& [from, to] : decoder.replace) bytes = replace_all_of(bytes, from, to);
+    for (const auto& [from, to] : decoder.replace) replace_all(bytes, from, to);
   set_token(id, std::move(bytes), "added tokens");
   std::vector<size_t>& lengths = added_lengths[uint8_t(content[0])];
   if (std::find(lengths.begin(), lengths.end(), content.size()) == lengths.end()) {

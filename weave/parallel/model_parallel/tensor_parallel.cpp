@@ -190,9 +190,8 @@ Tensor TensorParallelLinears::project_key_values(const Tensor& x, const Tensor& 
   // Each rank's queries read only their head of the whole projection: its gradient is summed
   // over the group, as the input's.
   const int64_t rows = heads.local * head_dim, first = heads.first * head_dim;
-  const Tensor w = F::copy_to_group(weight, group_).narrow(1, first, rows);
-  const Tensor b =
-      bias.defined() ? F::copy_to_group(bias, group_).narrow(1, first, rows) : Tensor();
+  const Tensor w = shared_by_parts(weight).narrow(1, first, rows);
+  const Tensor b = bias.defined() ? shared_by_parts(bias).narrow(1, first, rows) : Tensor();
   return nn::apply_stacked(enter(x), w, b);
 }
 
