@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tiny GPT-2, Llama, Qwen 2 and Qwen 3 checkpoints in Hugging Face's layout, by plain PyTorch.
+"""Tiny GPT-2, Llama, Qwen 2, Qwen 3 and Mistral checkpoints in Hugging Face's layout, by plain PyTorch.
 
 The modules follow Hugging Face's published structure and parameter names (modeling_gpt2.py,
 modeling_llama.py): GPT-2's Conv1D weights stored [in, out], c_attn holding q, k and v side by
@@ -8,14 +8,19 @@ positions in the rotate-half layout with Llama 3's frequency scaling, and groupe
 heads; Qwen 2 (modeling_qwen2.py) is Llama with biases on the q, k and v projections (not on
 o_proj); Qwen 3 (modeling_qwen3.py) is Llama with an RMSNorm of each query and key head (q_norm,
 k_norm, over head_dim, before the rotary embedding) and a head_dim of its own (here twice
-hidden_size / num_attention_heads). Qwen 3's logits are computed in float64 from its float32
-weights. PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetensors is
+hidden_size / num_attention_heads); Mistral (modeling_mistral.py) is Llama with a sliding
+window: query i sees keys j with i - sliding_window < j <= i (Hugging Face's sliding-window mask;
+the Qwens use it on layers max_window_layers onwards with use_sliding_window, and layer_types,
+where given, says which layers). Qwen 3's and Mistral's logits are computed in float64 from their
+float32 weights. PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetensors is
 needed (the safetensors format is written and read here directly).
 
-  hf_reference.py write OUT_DIR      # OUT_DIR/gpt2, llama, qwen2, qwen3: config.json, two shards,
+  hf_reference.py write OUT_DIR      # OUT_DIR/gpt2, llama, qwen2, qwen3, mistral: config.json, two shards,
                                      # model.safetensors.index.json, logits.safetensors
   hf_reference.py check DIR          # loads DIR (a model weave exported), recomputes its logits
                                      # on the fixed tokens, compares with DIR/logits.safetensors
+  hf_reference.py edited DIR JSON OUT  # DIR's weights under its config updated by JSON: float64
+                                       # logits on the fixed tokens into OUT
 """
 import json
 import math
@@ -165,6 +170,28 @@ def llama_inv_freq(c):
     return inv
 
 
+def layer_window(c, index):
+    """The sliding window of layer `index` (None: it sees every earlier position)."""
+    if c["model_type"] in ("qwen2", "qwen3"):
+        window = c.get("sliding_window") if c.get("use_sliding_window") else None
+        if window and index < c.get("max_window_layers", c["num_hidden_layers"]):
+            window = None
+    else:
+        window = c.get("sliding_window")
+    types = c.get("layer_types")
+    if types is not None and window is None and types[index] == "sliding_attention":
+        window = c.get("sliding_window")
+    if types is not None and types[index] == "full_attention":
+        window = None
+    return window
+
+
+def attention_mask(T, window):
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    allowed = j <= i
+    return allowed if window is None else allowed & (i - j < window)
+
+
 def rotate_half(x):
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -181,8 +208,9 @@ class LlamaRMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, index=0):
         super().__init__()
+        self.window = layer_window(c, index)
         self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
         self.head_dim = head_dim_of(c)
         d, bias = c["hidden_size"], c["model_type"] == "qwen2"
@@ -207,7 +235,7 @@ class LlamaAttention(nn.Module):
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        scores = scores.masked_fill(~attention_mask(T, self.window), float("-inf"))
         return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1))
 
 
@@ -224,10 +252,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, index=0):
         super().__init__()
         self.input_layernorm = LlamaRMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        self.self_attn = LlamaAttention(c)
+        self.self_attn = LlamaAttention(c, index)
         self.post_attention_layernorm = LlamaRMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.mlp = LlamaMLP(c)
 
@@ -240,7 +268,7 @@ class LlamaModel(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList([LlamaDecoderLayer(c) for _ in range(c["num_hidden_layers"])])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(c, i) for i in range(c["num_hidden_layers"])])
         self.norm = LlamaRMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.inv_freq = llama_inv_freq(c)
 
@@ -291,6 +319,16 @@ QWEN3_CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "v
                 "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2,
                 "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
 
+# Mistral with a head_dim of its own and a window of 5 over the 24 reference tokens.
+MISTRAL_CONFIG = {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                  "vocab_size": 512, "hidden_size": 64, "intermediate_size": 176,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "head_dim": 32, "sliding_window": 5, "rms_norm_eps": 1e-5,
+                  "rope_theta": 1000000.0, "max_position_embeddings": 128,
+                  "tie_word_embeddings": False, "hidden_act": "silu", "attention_dropout": 0.0,
+                  "torch_dtype": "float32"}
+FLOAT64_LOGITS = ("qwen3", "mistral")
+
 
 def fixed_tokens(vocab):  # two rows of 24 tokens, the same for every reader
     g = torch.Generator().manual_seed(1234)
@@ -320,15 +358,16 @@ def write_checkpoint(directory, model, config):
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     ids = fixed_tokens(config["vocab_size"])
-    with torch.no_grad():  # Qwen 3's in float64 (its float32 weights widened), the others' in float32
-        logits = model.double()(ids) if config["model_type"] == "qwen3" else model(ids)
+    with torch.no_grad():  # Qwen 3's and Mistral's in float64 (float32 weights widened), the rest float32
+        logits = model.double()(ids) if config["model_type"] in FLOAT64_LOGITS else model(ids)
         save_safetensors(os.path.join(directory, "logits.safetensors"),
                          {"tokens": ids, "logits": logits})
 
 
-def load_checkpoint(directory):
+def load_checkpoint(directory, edit=None):
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
+    config.update(edit or {})
     model = (GPT2LMHeadModel if config["model_type"] == "gpt2" else LlamaForCausalLM)(config)
     index = os.path.join(directory, "model.safetensors.index.json")
     files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) \
@@ -350,7 +389,9 @@ def main():
         write_checkpoint(os.path.join(sys.argv[2], "llama"), LlamaForCausalLM(LLAMA_CONFIG), LLAMA_CONFIG)
         write_checkpoint(os.path.join(sys.argv[2], "qwen2"), LlamaForCausalLM(QWEN2_CONFIG), QWEN2_CONFIG)
         write_checkpoint(os.path.join(sys.argv[2], "qwen3"), LlamaForCausalLM(QWEN3_CONFIG), QWEN3_CONFIG)
-        print(f"wrote {sys.argv[2]}/gpt2, llama, qwen2 and qwen3")
+        write_checkpoint(os.path.join(sys.argv[2], "mistral"), LlamaForCausalLM(MISTRAL_CONFIG),
+                         MISTRAL_CONFIG)
+        print(f"wrote {sys.argv[2]}/gpt2, llama, qwen2, qwen3 and mistral")
     elif len(sys.argv) == 3 and sys.argv[1] == "check":
         model = load_checkpoint(sys.argv[2])
         expected = load_safetensors(os.path.join(sys.argv[2], "logits.safetensors"))
@@ -359,6 +400,12 @@ def main():
         diff = (logits - expected["logits"]).abs().max().item()
         print(f"{sys.argv[2]}: max |logits - expected| = {diff:.3g}")
         sys.exit(0 if diff < 1e-5 else 1)
+    elif len(sys.argv) == 5 and sys.argv[1] == "edited":
+        model = load_checkpoint(sys.argv[2], json.loads(sys.argv[3])).double()
+        tokens = load_safetensors(os.path.join(sys.argv[2], "logits.safetensors"))["tokens"]
+        with torch.no_grad():
+            save_safetensors(sys.argv[4], {"tokens": tokens, "logits": model(tokens)})
+        print(f"wrote {sys.argv[4]}")
     else:
         sys.exit(__doc__)
 

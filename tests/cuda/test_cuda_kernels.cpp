@@ -1,5 +1,6 @@
 // The CUDA kernels that the op table's small shapes cannot reach: tensor-core attention against
-// float64 attention on the CPU (plain, grouped-query and packed documents), reductions split over
+// float64 attention on the CPU (plain, grouped-query and packed documents), sliding windows and
+// soft-caps on every CUDA attention path, reductions split over
 // many blocks, layer and RMS norm on each of their kernel paths, KV-cache decoding, the
 // multi-tensor clipping and Adam kernels, and the bugs GPU runs found. Suite cuda_kernels:
 // `weave_cuda_tests --test-suite=cuda_kernels --require-cuda` (skipped without a GPU).
@@ -175,6 +176,54 @@ TEST_SUITE("cuda_kernels") {
       AttentionResult want = scaled_dot_product_attention_with_lse(cpu[0], cpu[1], cpu[2], on_cpu);
       AttentionResult got = scaled_dot_product_attention_with_lse(dev[0], dev[1], dev[2], on_gpu);
       check_attention(got, want, dev, cpu, c.dtype, g);
+    }
+  }
+
+  // Float32 (the blocked path where each query head has its key/value head, the fused CUDA-core
+  // kernels where they group) and bfloat16 (computed in float32: the tensor-core kernels take no
+  // window or soft-cap), against float64 on the CPU.
+  TEST_CASE("sliding windows, soft-caps and placed queries on CUDA match float64 on the CPU") {
+    struct WindowCase {
+      int64_t heads, kv_heads, tq, tk, window;
+      double softcap;
+      std::optional<int64_t> query_start;
+      DType dtype;
+    };
+    const std::vector<WindowCase> cases = {
+        {4, 4, 200, 200, 17, 0, {}, kFloat32},  {4, 2, 200, 200, 17, 0, {}, kFloat32},
+        {4, 4, 130, 130, 0, 3.0, {}, kFloat32}, {4, 1, 130, 130, 40, 2.0, {}, kFloat32},
+        {2, 2, 64, 64, 30, 0, 64, kFloat32},    {2, 2, 64, 64, 0, 0, -9, kFloat32},
+        {2, 1, 3, 150, 16, 0, {}, kFloat32},    {4, 2, 128, 128, 33, 5.0, {}, kBFloat16},
+        {4, 4, 100, 100, 9, 0, {}, kFloat64},
+    };
+    Generator g(12);
+    for (const WindowCase& c : cases) {
+      CAPTURE(c.heads);
+      CAPTURE(c.kv_heads);
+      CAPTURE(c.window);
+      CAPTURE(c.softcap);
+      CAPTURE(int(c.dtype));
+      std::array<Tensor, 3> cpu, dev;
+      const std::array<Shape, 3> shapes{Shape{2, c.heads, c.tq, 64}, Shape{2, c.kv_heads, c.tk, 64},
+                                        Shape{2, c.kv_heads, c.tk, 64}};
+      for (int i = 0; i < 3; ++i) {
+        Tensor rounded = randn(shapes[i], {.dtype = kFloat64}, &g).to(c.dtype).to(kFloat64);
+        cpu[i] = rounded.detach().requires_grad_();
+        dev[i] = rounded.to(c.dtype).to(gpu).requires_grad_();
+      }
+      const AttentionOptions options{
+          .causal = true, .window = c.window, .softcap = c.softcap, .query_start = c.query_start};
+      AttentionResult want = scaled_dot_product_attention_with_lse(cpu[0], cpu[1], cpu[2], options);
+      AttentionResult got = scaled_dot_product_attention_with_lse(dev[0], dev[1], dev[2], options);
+      const bool reduced = c.dtype == kBFloat16;
+      CHECK(relative_error(got.output, want.output) < (reduced ? 2e-2 : 1e-5));
+      Tensor probe = randn(want.output.shape(), {.dtype = kFloat64}, &g);
+      sum(want.output * probe).backward();
+      sum(got.output * probe.to(c.dtype).to(gpu)).backward();
+      for (int i = 0; i < 3; ++i) {
+        CAPTURE(i);
+        CHECK(relative_error(dev[i].grad(), cpu[i].grad()) < (reduced ? 3e-2 : 1e-5));
+      }
     }
   }
 

@@ -337,4 +337,62 @@ TEST_SUITE("context_parallel") {
       }
     });
   }
+  // Windows that stay inside a chunk, reach one or two chunks back (into another rank's, under
+  // either layout), or span the sequence; with soft-capped scores and packed documents.
+  TEST_CASE("sliding windows over packed documents equal one rank, values and gradients") {
+    const int n = dist::world_size();
+    const dist::Group world = dist::world();
+    const int64_t b = 2, t = 8 * n, d = 4, chunk_zigzag = 4, chunk_contiguous = 8;
+    std::vector<int64_t> ids;  // documents of 11 and 7 positions (row 0), 5 (row 1)
+    for (int64_t row = 0; row < b; ++row)
+      for (int64_t i = 0; i < t; ++i)
+        ids.push_back(row == 0 ? (i % 18 < 11 ? i / 18 * 2 : i / 18 * 2 + 1) : i / 5);
+    const Tensor documents = from_vector(ids, {b, t});
+    for (const int64_t window : {int64_t(1), int64_t(3), chunk_zigzag + 1, chunk_contiguous + 3, t})
+      for (const bool packed : {false, true})
+        for_each_case([&](Attention attention, bool causal, SequenceLayout layout) {
+          if (!causal) return;
+          CAPTURE(window);
+          CAPTURE(packed);
+          const bool ring = attention == &parallel::ring_attention;
+          const int64_t h = 2 * n, kv = ring ? 2 : n;
+          Tensor q = shared({b, h, t, d}, 41).requires_grad_(),
+                 k = shared({b, kv, t, d}, 42).requires_grad_(),
+                 v = shared({b, kv, t, d}, 43).requires_grad_(), w = shared({b, h, t, d}, 44);
+          const Tensor ids_or_none = packed ? documents : Tensor();
+          Tensor y = scaled_dot_product_attention(
+              q, k, v,
+              {.causal = true, .document_ids = ids_or_none, .window = window, .softcap = 1.5});
+          (y * w).sum().backward();
+          auto part = [&](const Tensor& x) {
+            return parallel::shard_sequence(x, 2, world, layout);
+          };
+          Tensor qp = part(q.detach()).contiguous().requires_grad_(),
+                 kp = part(k.detach()).contiguous().requires_grad_(),
+                 vp = part(v.detach()).contiguous().requires_grad_();
+          parallel::RingAttentionStats stats;
+          Tensor yp = attention(
+              qp, kp, vp, world,
+              {.causal = true,
+               .layout = layout,
+               .stats = &stats,
+               .window = window,
+               .softcap = 1.5,
+               .document_ids =
+                   packed ? parallel::shard_sequence(documents, 1, world, layout) : Tensor()});
+          CHECK(near(yp, part(y.detach())));
+          (yp * part(w)).sum().backward();
+          CHECK(near(qp.grad(), part(q.grad())));
+          CHECK(near(kp.grad(), part(k.grad())));
+          CHECK(near(vp.grad(), part(v.grad())));
+          if (!ring) return;
+          // The ring computes only what some window reaches: summed over the ranks, the
+          // scores inside the windows (each window is min(window, position + 1) keys long).
+          int64_t inside = 0;
+          for (int64_t i = 0; i < t; ++i) inside += std::min(window, i + 1);
+          Tensor total = full({1}, double(stats.score_elements), {.dtype = kInt64});
+          dist::all_reduce(total);
+          CHECK(total.item<int64_t>() == b * h * inside);
+        });
+  }
 }

@@ -57,7 +57,7 @@ uint64_t checkpoint_bytes(const std::string& dir) {
 
 TEST_SUITE("pretrained") {
   TEST_CASE("tensor-parallel GPT-2 and Llama read their slices and give PyTorch's logits") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
@@ -73,7 +73,7 @@ TEST_SUITE("pretrained") {
   }
 
   TEST_CASE("tensor-parallel greedy decoding gives one process's tokens") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
@@ -89,7 +89,7 @@ TEST_SUITE("pretrained") {
   }
 
   TEST_CASE("fully sharded GPT-2 and Llama read only their shards and give PyTorch's logits") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
@@ -114,7 +114,7 @@ TEST_SUITE("pretrained") {
   TEST_CASE("tensor parallel 2 x fully sharded 2: each rank reads its slices' shards") {
     if (dist::world_size() != 4) return;
     parallel::ProcessMesh mesh({.data = 2, .tensor = 2});
-    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
@@ -271,7 +271,7 @@ TEST_SUITE("pretrained") {
   TEST_CASE("context parallel (and tensor parallel) parts give PyTorch's logits of their parts") {
     if (dist::world_size() % 2 != 0) return;
     parallel::ProcessMesh mesh({.tensor = dist::world_size() / 2, .context = 2});
-    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
@@ -293,7 +293,7 @@ TEST_SUITE("pretrained") {
   TEST_CASE("pipeline stages of Llama and GPT-2 (with tensor parallelism) give PyTorch's logits") {
     if (dist::world_size() % 2 != 0) return;
     parallel::ProcessMesh mesh({.tensor = dist::world_size() / 2, .pipeline = 2});
-    for (const std::string arch : {"llama", "qwen3", "gpt2"}) {
+    for (const std::string arch : {"llama", "qwen3", "mistral", "gpt2"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);

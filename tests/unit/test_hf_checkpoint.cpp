@@ -37,7 +37,7 @@ std::map<std::string, std::pair<Shape, DType>> layout_of(const std::string& dir)
 
 TEST_SUITE("hf_checkpoint") {
   TEST_CASE("GPT-2 and Llama checkpoints give PyTorch's logits; export reloads bitwise") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       auto model = models::from_pretrained(dir);
@@ -135,7 +135,7 @@ TEST_SUITE("hf_checkpoint") {
   }
 
   TEST_CASE("slices read only their bytes, and element ranges equal the whole's") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       const auto config = data::hf::read_config(dir);
@@ -205,13 +205,14 @@ TEST_SUITE("hf_checkpoint") {
     edit_config(dir, [](auto& c) { c["attention_bias"] = true; });
     CHECK_THROWS_WITH_AS(models::from_pretrained(dir.string()),
                          doctest::Contains("attention_bias true is not supported"), Error);
-    dir = broken("sliding");
+    dir = broken("window_types");
     edit_config(dir, [](auto& c) {
-      c["model_type"] = "qwen2";
-      c["use_sliding_window"] = true;
+      c["model_type"] = "mistral";
+      c["sliding_window"] = 4;
+      c["layer_types"] = {"sliding_attention", "local"};
     });
     CHECK_THROWS_WITH_AS(models::from_pretrained(dir.string()),
-                         doctest::Contains("use_sliding_window true is not supported"), Error);
+                         doctest::Contains("layer_types entry 'local' is not supported"), Error);
     dir = broken("llama_as_qwen2");  // Qwen 2's biases are missing from Llama's files
     edit_config(dir, [](auto& c) { c["model_type"] = "qwen2"; });
     CHECK_THROWS_WITH_AS(models::from_pretrained(dir.string()),
@@ -229,7 +230,7 @@ TEST_SUITE("hf_checkpoint") {
   }
 
   TEST_CASE("greedy decoding with the caches equals the argmax of full forward passes") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral"}) {
       CAPTURE(arch);
       auto model = models::from_pretrained(reference_dir(arch));
       const Tensor prompt =
@@ -245,6 +246,58 @@ TEST_SUITE("hf_checkpoint") {
       }
       CHECK(max_abs_diff(generated, sequence) == 0);
     }
+  }
+
+  // Qwen 2's reference weights with windows of 3 on layer 1 only (max_window_layers 1), against
+  // hf_reference.py's float64 logits of that config (qwen2_window_logits.safetensors).
+  TEST_CASE("windows on some layers (Qwen's max_window_layers, layer_types) give the reference's") {
+    const auto dir = scratch("qwen2_window");
+    copy_checkpoint(reference_dir("qwen2"), dir);
+    edit_config(dir, [](auto& c) {
+      c["use_sliding_window"] = true;
+      c["sliding_window"] = 3;
+      c["max_window_layers"] = 1;
+    });
+    const auto expected =
+        data::load_safetensors(reference_dir("qwen2") + "/../qwen2_window_logits.safetensors");
+    Tensor tokens, logits;
+    for (const auto& [name, t] : expected.tensors) (name == "tokens" ? tokens : logits) = t;
+    auto model = models::from_pretrained(dir.string());
+    NoGradGuard no_grad;
+    const Tensor windowed = (*model)(tokens);
+    const double relative = max_abs_diff(windowed, logits) / max(abs(logits)).item<double>();
+    MESSAGE("Qwen 2 with a window on layer 1: float32 within " << relative << " (relative)");
+    CHECK(relative < 2e-6);
+    const Tensor unwindowed = (*models::from_pretrained(reference_dir("qwen2")))(tokens);
+    CHECK(max_abs_diff(unwindowed, logits) > 1e-3);  // the window matters on these tokens
+    // Exported: layer_types and max_window_layers say the same; read back, the same model.
+    const auto out = scratch("qwen2_window_export");
+    data::hf::save_pretrained(*model, data::hf::read_config(dir.string()), out.string());
+    const auto written = nlohmann::json::parse(std::ifstream(out / "config.json"));
+    CHECK(written["layer_types"] == nlohmann::json{"full_attention", "sliding_attention"});
+    CHECK(written["max_window_layers"] == 1);
+    CHECK(max_abs_diff((*models::from_pretrained(out.string()))(tokens), windowed) == 0);
+    // Built from options: a window on every layer exports as Mistral, on some as Qwen's.
+    Generator g(4);
+    models::LlamaOptions options;
+    options.vocab = 40, options.dim = 16, options.layers = 2, options.generator = &g;
+    options.block.heads = 4, options.block.window = 3;
+    CHECK(models::model_config(options).sliding_window == 3);
+    models::Llama mistral(options);
+    const auto mistral_out = scratch("mistral_from_options");
+    data::hf::save_pretrained(mistral, models::model_config(options), mistral_out.string());
+    CHECK(nlohmann::json::parse(std::ifstream(mistral_out / "config.json"))["model_type"] ==
+          "mistral");
+    const Tensor short_tokens = randint(0, 40, {2, 9}, {.dtype = kInt64}, &g);
+    CHECK(max_abs_diff((*models::from_pretrained(mistral_out.string()))(short_tokens),
+                       mistral(short_tokens)) == 0);
+    options.windowed_layers = {true, false};
+    CHECK_WEAVE_ERROR(
+        data::hf::save_pretrained(models::Llama(options), models::model_config(options),
+                                  scratch("mistral_some_layers").string()),
+        "hf", "windows every layer or none");
+    options.block.attention_softcap = 30;
+    CHECK_WEAVE_ERROR(models::model_config(options), "hf", "attention_softcap 30");
   }
 
   TEST_CASE("generation stops each row at end-of-text, and ends when every row has") {

@@ -100,7 +100,8 @@ TEST_SUITE("hf_checkpoint") {
                   {"n_head", 2, "changes logits"}});
   }
 
-  TEST_CASE("every Llama, Qwen 2 and Qwen 3 config field weave reads is honoured or refused") {
+  TEST_CASE(
+      "every Llama, Qwen 2, Qwen 3 and Mistral config field weave reads is honoured or refused") {
     const std::vector<FieldCase> shared{
         {"attention_bias", true, "refused: attention_bias true"},
         {"mlp_bias", true, "refused: mlp_bias true"},
@@ -129,14 +130,29 @@ TEST_SUITE("hf_checkpoint") {
     check_fields("llama", {{"sliding_window", 16, "refused: sliding_window"},
                            {"head_dim", 16, "same logits"}});  // hidden_size / heads, said
     const std::vector<FieldCase> qwen{
-        {"use_sliding_window", true, "refused: use_sliding_window true"},
         {"sliding_window", 16, "same logits"},  // unused without the flag
-        {"max_window_layers", 1, "same logits"}};
+        {"max_window_layers", 1, "same logits"},
+        {"layer_types", {"sliding_attention", "sliding_attention"}, "same logits"}};
     check_fields("qwen2", shared);
     check_fields("qwen2", qwen);
-    check_fields("qwen2", {{"head_dim", 16, "same logits"}});
+    check_fields("qwen2", {{"head_dim", 16, "same logits"},
+                           // windows from max_window_layers (2: none) on; 4096 covers 24 tokens
+                           {"use_sliding_window", true, "same logits"}});
     check_fields("qwen3", shared);  // its head_dim (32) is twice hidden_size / heads
     check_fields("qwen3", qwen);
+    check_fields("qwen3", {{"use_sliding_window", true, "mismatch: no integer 'sliding_window'"}});
+    check_fields("mistral", shared);  // its head_dim (32) is twice hidden_size / heads
+    check_fields("mistral",
+                 {{"sliding_window", nullptr, "changes logits"},  // no window
+                  {"sliding_window", 24, "changes logits"},
+                  {"sliding_window", 0, "refused: sliding_window 0 must be positive"},
+                  {"sliding_window", "5", "mismatch: no integer 'sliding_window'"},
+                  {"layer_types", {"sliding_attention", "sliding_attention"}, "same logits"},
+                  {"layer_types",
+                   {"full_attention", "sliding_attention"},
+                   "refused: full_attention layers is not supported"},
+                  {"layer_types", {"sliding_attention"}, "refused: one type for"},
+                  {"model_type", "llama", "refused: sliding_window is not supported"}});
     check_fields("qwen3", {{"head_dim", 16, "mismatch: has shape"},
                            {"head_dim", nullptr, "mismatch: has shape"},  // 128, as HF's
                            {"model_type", "qwen2", "mismatch: lacks 6 tensor(s)"}});

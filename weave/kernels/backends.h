@@ -28,9 +28,12 @@
   void clip_many(const std::vector<Tensor>& xs, const Tensor& power_sum, double p,                 \
                  double max_norm, const Tensor& norm);                                             \
   void adam_advance(const Tensor& scalars, double beta1, double beta2);                            \
-  void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse);           \
-  void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse);             \
-  void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale); \
+  void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse,        \
+                         const Tensor& capped);                                                    \
+  void attention_probs(const Tensor& s, const AttentionParams& params, const Tensor& lse,          \
+                       const Tensor& capped);                                                      \
+  void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale,  \
+                            const Tensor& capped, double softcap);                                 \
   void addcmul(const Tensor& self, const Tensor& a, const Tensor& b, double value, bool divide,    \
                const Tensor& out);                                                                 \
   void lerp(const Tensor& self, const Tensor& end, double weight, const Tensor& out);              \
@@ -66,7 +69,8 @@ WEAVE_BACKEND_KERNELS
 namespace weave::kernels::cuda {
 WEAVE_BACKEND_KERNELS
 /// True where attention on q's device runs on tensor cores in q's own dtype: bfloat16 or
-/// float16 on sm_80 and newer, head size 64 or 128, no mask, no dropout; k and v may have fewer
+/// float16 on sm_80 and newer, head size 64 or 128, no mask, no dropout, no window, soft-cap or
+/// query_start; k and v may have fewer
 /// heads than q (grouped-query attention), and packed sequences' document ids are taken.
 bool attention_on_tensor_cores(const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& mask, const AttentionParams& params);

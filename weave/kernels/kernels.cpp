@@ -147,19 +147,23 @@ void adam_advance(const Tensor& scalars, double beta1, double beta2) {
   WEAVE_DISPATCH("adam_advance", adam_advance(scalars, beta1, beta2));
 }
 
-void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse,
+                       const Tensor& capped) {
   const Tensor& out = s;
-  WEAVE_DISPATCH("attention_softmax", attention_softmax(s, scale, causal, lse));
+  WEAVE_DISPATCH("attention_softmax", attention_softmax(s, params, lse, capped));
 }
 
-void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+void attention_probs(const Tensor& s, const AttentionParams& params, const Tensor& lse,
+                     const Tensor& capped) {
   const Tensor& out = s;
-  WEAVE_DISPATCH("attention_probs", attention_probs(s, scale, causal, lse));
+  WEAVE_DISPATCH("attention_probs", attention_probs(s, params, lse, capped));
 }
 
-void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale) {
+void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale,
+                          const Tensor& capped, double softcap) {
   const Tensor& out = dp;
-  WEAVE_DISPATCH("attention_score_grad", attention_score_grad(dp, p, delta, scale));
+  WEAVE_DISPATCH("attention_score_grad",
+                 attention_score_grad(dp, p, delta, scale, capped, softcap));
 }
 
 void softmax(const Tensor& x, const Tensor& out, bool log) {

@@ -3,6 +3,7 @@
 // Callers (the op front ends) have already checked arguments, allocated `out`, broadcast the
 // inputs to out's shape (stride-0 views) and converted them to the computation dtype.
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "weave/kernels/functors.h"
@@ -193,12 +194,22 @@ void gated_activation_backward(UnaryOp op, const Tensor& grad, const Tensor& gat
 struct AttentionParams {
   double scale = 1.0;
   bool causal = false;
+  /// Position of query 0 counted from key 0; Tk - Tq (bottom right) when unset.
+  std::optional<int64_t> query_start{};
+  /// Sliding window (with causal): each query sees its `window` latest keys; 0 = all.
+  int64_t window = 0;
+  /// Soft-capped scores: cap tanh(scale q k / cap) before the mask (0 = none).
+  double softcap = 0;
   double dropout_p = 0.0;
   uint64_t dropout_seed = 0;  // functors::dropout_keep's seed for this call
   /// Packed sequences (both or neither): int64 [B, Tq] and [B, Tk] contiguous on q's device;
   /// query i sees key j only where their documents are equal.
   Tensor query_documents{}, key_documents{};
 };
+/// The keys each of tq queries sees among tk under params' causal rule and window.
+inline functors::KeyRange key_range(const AttentionParams& params, int64_t tq, int64_t tk) {
+  return {params.causal, params.query_start.value_or(tk - tq), params.window, tq, tk};
+}
 /// out [B, H, Tq, Dv] = softmax(scale q k^T + mask) v for q [B, H, Tq, D], k [B, Hkv, Tk, D],
 /// v [B, Hkv, Tk, Dv] (query head h reads key/value head h / (H / Hkv)), each with unit stride
 /// in its last dim and any other strides; mask is
@@ -233,18 +244,23 @@ void rotary(const Tensor& x, const Tensor& positions, const Tensor& frequencies,
             bool inverse, const Tensor& out);
 
 // Blocked attention's row passes (ops/attention_blocks.cpp), over the scores s [n, Tq, Tk]
-// (contiguous) of one block of heads; query i sees keys [0, Tk) or, causal, [0, i + 1 + Tk - Tq)
-// (at least one key: the caller sends no row that sees none). lse and delta are [n, Tq],
+// (contiguous) of one block of heads; query i sees the keys key_range(params, Tq, Tk) gives it
+// (at least one: the caller sends no row that sees none). lse and delta are [n, Tq],
 // contiguous, in s's dtype.
 
-/// s = softmax(scale s) over the keys each row sees (0 elsewhere), in place; lse gets each row's
-/// log-sum-exp of the scaled scores.
-void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse);
-/// s = exp(scale s - lse) where the row sees the key, 0 elsewhere, in place (the forward's
-/// probabilities again).
-void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse);
-/// dp = scale p (dp - delta) in place: the scores' gradient, scaled for dq and dk.
-void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale);
+/// s = softmax(softcap(scale s)) over the keys each row sees (0 elsewhere), in place; lse gets
+/// each row's log-sum-exp of the capped scores. With a soft-cap, capped (like s, or undefined
+/// without one) gets the capped scores, for attention_score_grad.
+void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse,
+                       const Tensor& capped);
+/// s = exp(softcap(scale s) - lse) where the row sees the key, 0 elsewhere, in place (the
+/// forward's probabilities again); capped as for attention_softmax.
+void attention_probs(const Tensor& s, const AttentionParams& params, const Tensor& lse,
+                     const Tensor& capped);
+/// dp = scale p (dp - delta) in place, times softcap_grad(capped) when capped is defined: the
+/// raw scores' gradient, scaled for dq and dk.
+void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale,
+                          const Tensor& capped, double softcap);
 
 /// The constants of one Adam/AdamW step (correction1/2: 1 - beta1^t, 1 - beta2^t).
 struct AdamStep {

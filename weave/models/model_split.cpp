@@ -111,15 +111,20 @@ TokenTable stage_token_table(int64_t vocab, int64_t dim, const ModelSplit& split
   return table;
 }
 
+Tensor soft_capped(const Tensor& logits, double cap) {
+  return cap > 0 ? tanh(logits * (1.0 / cap)) * cap : logits;
+}
+
 Tensor tied_head_logits(const Tensor& hidden, const Tensor& table, int64_t vocab,
-                        const ModelSplit& split, bool gather) {
-  if (!split.tensor) return linear(hidden, table);
+                        const ModelSplit& split, bool gather, double softcap) {
+  if (!split.tensor) return soft_capped(linear(hidden, table), softcap);
   // This rank's vocabulary rows; the input's gradient sums over the group.
   const dist::Group& tp = *split.tensor;
   const Tensor whole = split.sequence_parallel
                            ? dist::functional::gather_from_sequence_group(hidden, 1, tp)
                            : dist::functional::copy_to_group(hidden, tp);
-  return parallel::vocab_parallel_logits(linear(whole, table), vocab, tp, gather);
+  return parallel::vocab_parallel_logits(soft_capped(linear(whole, table), softcap), vocab, tp,
+                                         gather);
 }
 
 Tensor sum_aux_losses(const nn::Module& module) {

@@ -113,9 +113,12 @@ TokenTable stage_token_table(int64_t vocab, int64_t dim, const ModelSplit& split
                              Generator* generator);
 /// The logits of a head tied to `table` (this rank's vocabulary rows when split): hidden
 /// [B, T, dim] (this rank's part of T under sequence parallelism) -> [B, T, vocab], this rank's
-/// vocabulary slice over a tensor group unless `gather` (padding masked out).
+/// vocabulary slice over a tensor group unless `gather` (padding masked out), soft-capped by
+/// `softcap` (0: not).
 Tensor tied_head_logits(const Tensor& hidden, const Tensor& table, int64_t vocab,
-                        const ModelSplit& split, bool gather);
+                        const ModelSplit& split, bool gather, double softcap = 0.0);
+/// cap tanh(logits / cap) (Gemma 2's final_logit_softcapping); logits as they are for cap 0.
+Tensor soft_capped(const Tensor& logits, double cap);
 /// Raises, naming `model`, unless `hidden` is a previous stage's output [B, T, dim].
 void check_stage_input(const char* model, const ModelSplit& split, const Tensor& hidden,
                        int64_t dim);

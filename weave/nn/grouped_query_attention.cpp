@@ -35,6 +35,10 @@ GroupedQueryAttention::GroupedQueryAttention(int64_t dim, GroupedQueryAttentionO
               options.heads);
   WEAVE_CHECK(!options.scale || (std::isfinite(*options.scale) && *options.scale > 0), kAttention,
               "scale must be positive and finite, found {}", options.scale.value_or(0));
+  WEAVE_CHECK(options.window >= 0 && (options.window == 0 || options.causal), kAttention,
+              "window {} needs causal attention and a size >= 0 (0: no window)", options.window);
+  WEAVE_CHECK(options.softcap >= 0 && std::isfinite(options.softcap), kAttention,
+              "softcap must be finite and >= 0 (0: none), found {}", options.softcap);
   WEAVE_CHECK(kv_heads_ > 0 && options.heads % kv_heads_ == 0, kAttention,
               "kv_heads {} must divide heads {} (each key/value head serves a whole group of "
               "query heads)",
@@ -110,13 +114,15 @@ Tensor GroupedQueryAttention::attend(const Inputs& inputs, KVCache* cache) {
     keys = rotary_embedding(keys, positions, *options_.rotary);
   }
   Tensor k = keys.transpose(1, 2), v = values.transpose(1, 2);
-  if (cache) std::tie(k, v) = cache->append(k, v);
+  if (cache) std::tie(k, v) = cache->append(k, v, options_.window);
   Tensor y = leaves_.core().attend(queries.transpose(1, 2), k, v,
                                    {.causal = options_.causal,
                                     .scale = options_.scale,
                                     .dropout_p = is_training() ? options_.dropout : 0.0,
                                     .generator = options_.generator,
-                                    .document_ids = inputs.document_ids});
+                                    .document_ids = inputs.document_ids,
+                                    .window = options_.window,
+                                    .softcap = options_.softcap});
   // heads-last: a view
   return (*out)(y.transpose(1, 2).reshape({batch, length, local_heads_ * head_dim_}));
 }

@@ -42,6 +42,12 @@ struct GroupedQueryAttentionOptions {
   std::optional<HeadNormOptions> qk_norm{};
   /// Multiplies q k^T; 1 / sqrt(head_dim) when unset (Gemma: query_pre_attn_scalar^-1/2).
   std::optional<double> scale{};
+  /// Sliding window (with causal): each position attends to its `window` latest positions,
+  /// itself included (Mistral's sliding_window, Gemma's local layers); 0: every earlier one. A
+  /// key/value cache then keeps only the window - 1 latest positions.
+  int64_t window = 0;
+  /// Soft-caps the scores: softcap tanh(s / softcap) (Gemma 2's attn_logit_softcapping); 0: none.
+  double softcap = 0.0;
   /// Rotary embeddings of q and k; none when unset.
   std::optional<RotaryOptions> rotary = RotaryOptions{};
   /// Dropout on the attention probabilities, in training mode.

@@ -8,9 +8,13 @@ KVCache::KVCache(int64_t max_length) : max_length_(max_length) {
   WEAVE_CHECK(max_length > 0, "KVCache", "max_length must be positive, found {}", max_length);
 }
 
-std::pair<Tensor, Tensor> KVCache::append(const Tensor& k, const Tensor& v) {
+std::pair<Tensor, Tensor> KVCache::append(const Tensor& k, const Tensor& v, int64_t window) {
   WEAVE_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(2) == v.size(2), "KVCache",
               "expected k and v [B, H, T, D] of one length, found {} and {}", k.shape(), v.shape());
+  WEAVE_CHECK(window >= 0 && (window_ < 0 || window == window_), "KVCache",
+              "appended with window {} after window {}; hint: one cache a layer, and a layer "
+              "keeps its window",
+              window, window_);
   if (keys_.defined()) {
     const bool same = k.size(0) == keys_.size(0) && k.size(1) == keys_.size(1) &&
                       k.size(3) == keys_.size(3) && v.size(3) == values_.size(3) &&
@@ -22,7 +26,9 @@ std::pair<Tensor, Tensor> KVCache::append(const Tensor& k, const Tensor& v) {
   }
   WEAVE_CHECK(length_ + k.size(2) <= max_length_, "KVCache",
               "{} cached positions + {} new exceed max_length {}", length_, k.size(2), max_length_);
+  window_ = window;
   NoGradGuard no_grad;
+  if (window > 0) return append_windowed(k, v);
   if (!keys_.defined()) {
     keys_ = empty({k.size(0), k.size(1), max_length_, k.size(3)},
                   {.dtype = k.dtype(), .device = k.device()});
@@ -32,7 +38,27 @@ std::pair<Tensor, Tensor> KVCache::append(const Tensor& k, const Tensor& v) {
   keys_.narrow(2, length_, k.size(2)).copy_(k);
   values_.narrow(2, length_, v.size(2)).copy_(v);
   length_ += k.size(2);
+  held_ = length_;
   return {keys_.narrow(2, 0, length_), values_.narrow(2, 0, length_)};
+}
+
+// The window - 1 latest positions are all a later query can reach: the call attends to them
+// and its own, then keeps the latest window - 1 of both.
+std::pair<Tensor, Tensor> KVCache::append_windowed(const Tensor& k, const Tensor& v) {
+  const int64_t keep = std::min(window_ - 1, max_length_);
+  if (!keys_.defined()) {
+    keys_ =
+        empty({k.size(0), k.size(1), keep, k.size(3)}, {.dtype = k.dtype(), .device = k.device()});
+    values_ =
+        empty({v.size(0), v.size(1), keep, v.size(3)}, {.dtype = v.dtype(), .device = v.device()});
+  }
+  const Tensor keys = cat({keys_.narrow(2, 0, held_), k}, 2);
+  const Tensor values = cat({values_.narrow(2, 0, held_), v}, 2);
+  held_ = std::min(keep, keys.size(2));
+  keys_.narrow(2, 0, held_).copy_(keys.narrow(2, keys.size(2) - held_, held_));
+  values_.narrow(2, 0, held_).copy_(values.narrow(2, values.size(2) - held_, held_));
+  length_ += k.size(2);
+  return {keys, values};
 }
 
 namespace {

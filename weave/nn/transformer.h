@@ -22,15 +22,22 @@ namespace weave::nn {
 class KVCache {
  public:
   explicit KVCache(int64_t max_length);
-  /// Appends k and v [B, H, T, D] and returns views of every cached position [B, H, length, D].
-  std::pair<Tensor, Tensor> append(const Tensor& k, const Tensor& v);
+  /// Appends k and v [B, H, T, D] and returns the keys and values this call's queries attend to
+  /// [B, H, held, D]: every cached position, or with a sliding window (> 0; the same on every
+  /// call) the window - 1 latest before this call's T. A windowed cache keeps only those
+  /// window - 1 between calls; others keep every position.
+  std::pair<Tensor, Tensor> append(const Tensor& k, const Tensor& v, int64_t window = 0);
+  /// Positions seen since the start (the next call's first position).
   int64_t length() const { return length_; }
+  /// Positions held between calls: length(), or at most window - 1 with a window.
+  int64_t held() const { return held_; }
   int64_t max_length() const { return max_length_; }
   /// Forgets every position (a new sequence); the storage is kept.
-  void reset() { length_ = 0; }
+  void reset() { length_ = held_ = 0; }
 
  private:
-  int64_t max_length_, length_ = 0;
+  std::pair<Tensor, Tensor> append_windowed(const Tensor& k, const Tensor& v);
+  int64_t max_length_, length_ = 0, held_ = 0, window_ = -1;  // -1: not yet appended
   Tensor keys_, values_;
 };
 

@@ -105,10 +105,19 @@ Checked check_and_prepare(const Tensor& q, const Tensor& k, const Tensor& v,
   const double scale =
       options.scale.value_or(1.0 / std::sqrt(double(std::max<int64_t>(q.size(3), 1))));
   WEAVE_CHECK(std::isfinite(scale), kAttentionOp, "scale must be finite, found {}", scale);
+  WEAVE_CHECK(options.window >= 0 && (options.window == 0 || options.causal), kAttentionOp,
+              "window {} needs causal = true and a size >= 0 (0: no window); hint: a sliding "
+              "window counts the positions up to each query's own",
+              options.window);
+  WEAVE_CHECK(options.softcap >= 0 && std::isfinite(options.softcap), kAttentionOp,
+              "softcap must be finite and >= 0 (0: none), found {}", options.softcap);
   Checked c;
   c.out_dtype = q.dtype();
   c.params.scale = scale;
   c.params.causal = options.causal;
+  c.params.window = options.window;
+  c.params.softcap = options.softcap;
+  c.params.query_start = options.query_start;
   c.params.dropout_p = options.dropout_p;
   if (options.dropout_p > 0) {
     WEAVE_CHECK(!capturing_graph(q), kAttentionOp,

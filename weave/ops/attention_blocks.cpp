@@ -1,8 +1,8 @@
 // Attention over blocks of heads through matrix products (see attention_blocks.h).
-//   forward   S = q k^T, P = softmax(scale S masked causally) with each row's log-sum-exp in
-//             one row pass (kernels::attention_softmax), out = P v
-//   backward  P = exp(scale S - lse) in one pass, dv = P^T g, dP = g v^T,
-//             dS' = scale P (dP - rowsum(g o)) in one pass, dq = dS' k, dk = dS'^T q
+//   forward   S = q k^T, P = softmax(softcap(scale S) masked causally and by the window) with
+//             each row's log-sum-exp in one row pass (kernels::attention_softmax), out = P v
+//   backward  P = exp(softcap(scale S) - lse) in one pass, dv = P^T g, dP = g v^T,
+//             dS' = scale P (dP - rowsum(g o)) softcap' in one pass, dq = dS' k, dk = dS'^T q
 #include "weave/ops/attention_blocks.h"
 
 #include <algorithm>
@@ -55,7 +55,8 @@ bool attention_by_blocks(const Tensor& q, const Tensor& k, const Tensor& mask,
                          const kernels::AttentionParams& params) {
   if (!everywhere.load() && !q.device().is_cuda()) return false;
   const bool float_operands = q.dtype() == kFloat32 || q.dtype() == kFloat64;
-  const bool rows_see_keys = k.size(2) > 0 && (!params.causal || k.size(2) >= q.size(2));
+  const bool rows_see_keys =
+      k.size(2) > 0 && kernels::key_range(params, q.size(2), k.size(2)).every_query_sees_a_key();
   const bool one_kv_head_each = k.size(1) == q.size(1);  // grouped queries: the fused kernels
   return float_operands && rows_see_keys && one_kv_head_each && !mask.defined() &&
          params.dropout_p == 0 && !params.query_documents.defined();
@@ -68,7 +69,7 @@ void blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   AutocastGuard exact(kBFloat16, false);  // the products stay in the operands' dtype
   for_each_block(q, k, [&](int64_t b, int64_t h0, int64_t n) {
     Tensor p = block_scores(heads(q, b, h0, n), heads(k, b, h0, n));
-    kernels::attention_softmax(p, params.scale, params.causal, lse.select(0, b).narrow(0, h0, n));
+    kernels::attention_softmax(p, params, lse.select(0, b).narrow(0, h0, n), Tensor());
     heads(out, b, h0, n).copy_(matmul(p, heads(v, b, h0, n)));
   });
 }
@@ -83,11 +84,12 @@ void blocked_attention_backward(const Tensor& grad, const Tensor& q, const Tenso
     Tensor qb = heads(q, b, h0, n), kb = heads(k, b, h0, n), vb = heads(v, b, h0, n);
     Tensor gb = heads(grad, b, h0, n);
     Tensor p = block_scores(qb, kb);
-    kernels::attention_probs(p, params.scale, params.causal, lse.select(0, b).narrow(0, h0, n));
+    Tensor capped = params.softcap > 0 ? empty_on(p.shape(), p.dtype(), p.device()) : Tensor();
+    kernels::attention_probs(p, params, lse.select(0, b).narrow(0, h0, n), capped);
     heads(dv, b, h0, n).copy_(matmul(p.transpose(1, 2), gb));
     Tensor delta = sum(gb * heads(out, b, h0, n), {-1}).contiguous();
     Tensor ds = matmul(gb, vb.transpose(1, 2));
-    kernels::attention_score_grad(ds, p, delta, params.scale);  // scale dS: dq, dk follow
+    kernels::attention_score_grad(ds, p, delta, params.scale, capped, params.softcap);
     heads(dq, b, h0, n).copy_(matmul(ds, kb));
     heads(dk, b, h0, n).copy_(matmul(ds.transpose(1, 2), qb));
   });

@@ -249,6 +249,17 @@ struct AttentionOptions {
   /// The queries' documents ([B, Tq] or [Tq]) where they are not the keys' last Tq (context
   /// parallelism's blocks, whose queries and keys come from different parts of the sequence).
   Tensor query_document_ids{};
+  /// Sliding window (with causal): each query sees only its `window` latest positions, itself
+  /// included (sliding_window of Mistral, Qwen 2 and Gemma's local layers); 0 sees them all.
+  /// Key blocks wholly outside every window are skipped.
+  int64_t window = 0;
+  /// Soft-capped scores (Gemma 2's attn_logit_softcapping): softcap tanh(scale q k^T / softcap)
+  /// before the mask; 0 leaves them as they are.
+  double softcap = 0.0;
+  /// Query 0's position counted from key 0, for the causal rule and the window; unset: Tk - Tq
+  /// (the queries are the keys' last positions). Context parallelism's blocks pass the distance
+  /// between their chunks.
+  std::optional<int64_t> query_start{};
 };
 
 /// softmax(scale q k^T + mask) v for q [B, H, Tq, D], k [B, Hkv, Tk, D], v [B, Hkv, Tk, Dv].

@@ -8,6 +8,7 @@
 //   auto model = models::make_model(config);
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "weave/ops/ops.h"
 
@@ -26,16 +27,25 @@ struct ModelConfig {
   double rope_theta = 10000;
   std::optional<Llama3RopeScaling> rope_scaling{};
   bool tie_embeddings = false;
-  bool qkv_bias = false;   // Qwen 2 (model_type qwen2): q, k and v projections with biases
-  bool qk_norm = false;    // Qwen 3 (model_type qwen3): per-head RMSNorm of q and k
-  int64_t head_dim = 0;    // each attention head's size (head_dim; 0: dim / heads)
+  bool qkv_bias = false;  // Qwen 2 (model_type qwen2): q, k and v projections with biases
+  bool qk_norm = false;   // Qwen 3 (model_type qwen3): per-head RMSNorm of q and k
+  int64_t head_dim = 0;   // each attention head's size (head_dim; 0: dim / heads)
+  /// config.json's model_type ("llama", "mistral", "qwen2", "qwen3"); "" when built here (export
+  /// then names the architecture by its features).
+  std::string model_type;
+  /// The attention's sliding window (Mistral's sliding_window, Qwen's with use_sliding_window);
+  /// 0: none.
+  int64_t sliding_window = 0;
+  /// Which layers attend through the window (layer_types, or Qwen's max_window_layers); empty:
+  /// every layer.
+  std::vector<bool> windowed_layers{};
   DType dtype = kFloat32;  // torch_dtype: the dtype export writes
   std::string json;        // the file's text, "" when built here
 };
 
 /// Reads dir/config.json. Raises for an unknown model_type and for settings weave does not
-/// implement (biases in Llama's projections, rope scalings other than Llama 3's, sliding
-/// windows, other activations), naming them.
+/// implement (biases in Llama's projections, rope scalings other than Llama 3's, other
+/// activations), naming them.
 ModelConfig read_config(const std::string& dir);
 /// config.json for `config` (its json's other fields kept).
 std::string config_json(const ModelConfig& config);

@@ -37,12 +37,13 @@ struct Heads {
   }
 };
 
-/// Everything that hides a score: the causal rule, documents, a boolean or additive mask, and
-/// dropout.
+/// Everything that shapes a score: the soft-cap, the causal rule and window, documents, a
+/// boolean or additive mask, and dropout.
 template <class T>
 struct Masking {
   int64_t tq, tk, heads;
-  bool causal;
+  functors::KeyRange range;
+  T cap;
   const int64_t* query_doc = nullptr;  // [B, Tq] and [B, Tk]: packed sequences' documents
   const int64_t* key_doc = nullptr;
   const T* additive = nullptr;
@@ -56,7 +57,8 @@ struct Masking {
       : tq(q.size(2)),
         tk(k.size(2)),
         heads(q.size(1)),
-        causal(params.causal),
+        range(key_range(params, tq, tk)),
+        cap(T(params.softcap)),
         dropout_p(params.dropout_p),
         seed(params.dropout_seed),
         keep_scale(T(1.0 / (1.0 - params.dropout_p))) {
@@ -73,13 +75,6 @@ struct Masking {
     }
   }
 
-  /// The last key query i may see, plus one.
-  int64_t key_end(int64_t i) const {
-    return causal ? std::clamp<int64_t>(i + 1 + tk - tq, 0, tk) : tk;
-  }
-  /// The first query that sees key j.
-  int64_t first_query(int64_t j) const { return causal ? std::max<int64_t>(0, j - (tk - tq)) : 0; }
-
   /// False where queries [i0, i0 + rows) and keys [j0, j0 + cols) of batch entry b can share no
   /// document (their ranges of ids are disjoint): the block is skipped, not computed and masked.
   bool meets(int64_t b, int64_t i0, int64_t rows, int64_t j0, int64_t cols) const {
@@ -91,15 +86,20 @@ struct Masking {
     return *k_high >= *q_low && *k_low <= *q_high;
   }
 
-  /// Applies causal rule and mask to a rows x cols block of scores at (i0, j0).
+  /// Soft-caps a rows x cols block of scaled scores at (i0, j0), copying the capped values to
+  /// `capped` (same layout) when given, then applies the causal rule, window and masks.
   void apply(T* s, int64_t ld, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
-             int64_t cols) const {
+             int64_t cols, T* capped = nullptr) const {
     constexpr T kMinusInf = -std::numeric_limits<T>::infinity();
     for (int64_t r = 0; r < rows; ++r) {
       T* row = s + r * ld;
       const int64_t i = i0 + r;
-      if (causal)
-        for (int64_t c = std::max<int64_t>(0, key_end(i) - j0); c < cols; ++c) row[c] = kMinusInf;
+      if (cap > T(0))
+        for (int64_t c = 0; c < cols; ++c) row[c] = functors::softcap(row[c], cap);
+      if (capped) std::copy_n(row, cols, capped + r * ld);
+      const int64_t begin = range.begin(i) - j0, end = range.end(i) - j0;
+      for (int64_t c = 0; c < std::min(begin, cols); ++c) row[c] = kMinusInf;
+      for (int64_t c = std::max<int64_t>(0, end); c < cols; ++c) row[c] = kMinusInf;
       if (query_doc) {
         const int64_t document = query_doc[b * tq + i];
         const int64_t* keys = key_doc + b * tk + j0;
@@ -149,8 +149,8 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ma
       std::fill_n(row_max.data(), rows, -std::numeric_limits<T>::infinity());
       std::fill_n(row_sum.data(), rows, T(0));
       std::fill_n(acc.data(), rows * dv, T(0));
-      const int64_t keys = masking.key_end(i0 + rows - 1);
-      for (int64_t j0 = 0; j0 < keys; j0 += kBlockK) {
+      const int64_t keys = masking.range.end(i0 + rows - 1);
+      for (int64_t j0 = masking.range.begin(i0); j0 < keys; j0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, keys - j0);
         if (!masking.meets(b, i0, rows, j0, cols)) continue;
         T* s = scores.data();
@@ -187,10 +187,11 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ma
 /// What one backward task (a batch entry and a key/value head) works with.
 template <class T>
 struct BackwardTask {
-  std::vector<T> probs, dprobs, dk_acc, dv_acc, delta;
-  BackwardTask(int64_t d, int64_t dv, int64_t rows)
+  std::vector<T> probs, dprobs, capped, dk_acc, dv_acc, delta;
+  BackwardTask(int64_t d, int64_t dv, int64_t rows, bool softcap)
       : probs(kBlockQ * kBlockK),
         dprobs(kBlockQ * kBlockK),
+        capped(softcap ? kBlockQ * kBlockK : 0),
         dk_acc(kBlockK * d),
         dv_acc(kBlockK * dv),
         delta(rows) {}
@@ -231,7 +232,8 @@ void backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor
     T *p = w.probs.data(), *dp = w.dprobs.data();
     gemm<T>(false, true, rows, cols, d, scale, Q.at(b, h, i0), Q.row_stride, K.at(b, kv, j0),
             K.row_stride, T(0), p, kBlockK);
-    masking.apply(p, kBlockK, b, h, i0, rows, j0, cols);
+    T* capped = w.capped.empty() ? nullptr : w.capped.data();
+    masking.apply(p, kBlockK, b, h, i0, rows, j0, cols, capped);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c)
         p[r * kBlockK + c] = std::exp(p[r * kBlockK + c] - L[row0 + i0 + r]);
@@ -253,6 +255,10 @@ void backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor
     if (dscores)
       for (int64_t r = 0; r < rows; ++r)
         std::copy_n(p + r * kBlockK, cols, dscores + (row0 + i0 + r) * tk + j0);
+    if (capped)  // through the cap to the raw scores (a mask adds after it)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+          p[r * kBlockK + c] *= functors::softcap_grad(capped[r * kBlockK + c], masking.cap);
     // dQ += scale dS K, dK += scale dS^T Q
     gemm<T>(false, false, rows, d, cols, scale, p, kBlockK, K.at(b, kv, j0), K.row_stride, T(1),
             DQ.at(b, h, i0), DQ.row_stride);
@@ -263,7 +269,7 @@ void backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor
   const int threads = threads_for(batch * heads * tq * tk * d);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    BackwardTask<T> w(d, dv, group * tq);
+    BackwardTask<T> w(d, dv, group * tq, params.softcap > 0);
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / kv_heads, kv = task % kv_heads;
@@ -272,9 +278,10 @@ void backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor
         const int64_t cols = std::min(kBlockK, tk - j0);
         std::fill(w.dk_acc.begin(), w.dk_acc.end(), T(0));
         std::fill(w.dv_acc.begin(), w.dv_acc.end(), T(0));
+        const int64_t first = masking.range.first_query(j0) / kBlockQ * kBlockQ;
+        const int64_t end = masking.range.query_end(j0 + cols - 1);
         for (int64_t h = kv * group; h < (kv + 1) * group; ++h)
-          for (int64_t i0 = masking.first_query(j0) / kBlockQ * kBlockQ; i0 < tq; i0 += kBlockQ)
-            block(w, b, h, kv, i0, j0, cols);
+          for (int64_t i0 = first; i0 < end; i0 += kBlockQ) block(w, b, h, kv, i0, j0, cols);
         for (int64_t c = 0; c < cols; ++c) {
           std::copy_n(w.dk_acc.data() + c * d, d, DK.at(b, kv, j0 + c));
           std::copy_n(w.dv_acc.data() + c * dv, dv, DV.at(b, kv, j0 + c));
@@ -303,55 +310,65 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
   });
 }
 
-namespace {
-/// Keys [0, end) that query i of tq sees among tk.
-int64_t seen_keys(int64_t i, int64_t tq, int64_t tk, bool causal) {
-  return causal ? std::clamp<int64_t>(i + 1 + tk - tq, 0, tk) : tk;
-}
-}  // namespace
-
-void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse,
+                       const Tensor& capped) {
   visit_floating(s.dtype(), "attention_softmax", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const int64_t tq = s.size(1), tk = s.size(2), rows = s.numel() / std::max<int64_t>(tk, 1);
+    const functors::KeyRange range = key_range(params, s.size(1), s.size(2));
+    const int64_t tk = range.tk, rows = s.numel() / std::max<int64_t>(tk, 1);
+    const T scale = T(params.scale), cap = T(params.softcap);
     T* data = s.data<T>();
     T* out_lse = lse.data<T>();
+    T* kept = capped.defined() ? capped.data<T>() : nullptr;
     for (int64_t r = 0; r < rows; ++r) {
       T* row = data + r * tk;
-      const int64_t end = seen_keys(r % tq, tq, tk, causal);
+      const int64_t begin = range.begin(r % range.tq), end = range.end(r % range.tq);
+      for (int64_t j = 0; j < tk; ++j) row[j] = functors::softcap(row[j] * scale, cap);
+      if (kept) std::copy_n(row, tk, kept + r * tk);
       T m = -INFINITY, sum = 0;
-      for (int64_t j = 0; j < end; ++j) m = std::max(m, row[j] * T(scale));
-      for (int64_t j = 0; j < end; ++j) sum += std::exp(row[j] * T(scale) - m);
+      for (int64_t j = begin; j < end; ++j) m = std::max(m, row[j]);
+      for (int64_t j = begin; j < end; ++j) sum += std::exp(row[j] - m);
       for (int64_t j = 0; j < tk; ++j)
-        row[j] = j < end ? std::exp(row[j] * T(scale) - m) / sum : T(0);
+        row[j] = j >= begin && j < end ? std::exp(row[j] - m) / sum : T(0);
       out_lse[r] = m + std::log(sum);
     }
   });
 }
 
-void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+void attention_probs(const Tensor& s, const AttentionParams& params, const Tensor& lse,
+                     const Tensor& capped) {
   visit_floating(s.dtype(), "attention_probs", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const int64_t tq = s.size(1), tk = s.size(2), rows = s.numel() / std::max<int64_t>(tk, 1);
+    const functors::KeyRange range = key_range(params, s.size(1), s.size(2));
+    const int64_t tk = range.tk, rows = s.numel() / std::max<int64_t>(tk, 1);
+    const T scale = T(params.scale), cap = T(params.softcap);
     T* data = s.data<T>();
     const T* row_lse = lse.data<T>();
+    T* kept = capped.defined() ? capped.data<T>() : nullptr;
     for (int64_t r = 0; r < rows; ++r) {
       T* row = data + r * tk;
-      const int64_t end = seen_keys(r % tq, tq, tk, causal);
-      for (int64_t j = 0; j < tk; ++j)
-        row[j] = j < end ? std::exp(row[j] * T(scale) - row_lse[r]) : T(0);
+      for (int64_t j = 0; j < tk; ++j) {
+        const T value = functors::softcap(row[j] * scale, cap);
+        if (kept) kept[r * tk + j] = value;
+        row[j] = range.sees(r % range.tq, j) ? std::exp(value - row_lse[r]) : T(0);
+      }
     }
   });
 }
 
-void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale) {
+void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale,
+                          const Tensor& capped, double softcap) {
   visit_floating(dp.dtype(), "attention_score_grad", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const int64_t tk = dp.size(2), n = dp.numel();
     T* d = dp.data<T>();
     const T* probs = p.data<T>();
     const T* row_delta = delta.data<T>();
-    for (int64_t e = 0; e < n; ++e) d[e] = T(scale) * probs[e] * (d[e] - row_delta[e / tk]);
+    const T* kept = capped.defined() ? capped.data<T>() : nullptr;
+    for (int64_t e = 0; e < n; ++e) {
+      const T through_cap = kept ? functors::softcap_grad(kept[e], T(softcap)) : T(1);
+      d[e] = T(scale) * probs[e] * (d[e] - row_delta[e / tk]) * through_cap;
+    }
   });
 }
 

@@ -30,8 +30,8 @@ struct Problem {
   const T *q, *k, *v, *out, *grad, *lse;
   Layout lq, lk, lv, lo, lg;
   int64_t heads, group, tq, tk, d, dv;  // query head h reads key/value head h / group
-  T scale;
-  bool causal;
+  T scale, cap;                         // cap: the soft-cap (0: none)
+  functors::KeyRange range;
   const bool* allowed;
   const T* additive;
   const int64_t *query_doc, *key_doc;  // packed sequences: [B, Tq], [B, Tk] (or null)
@@ -39,19 +39,19 @@ struct Problem {
   double dropout_p;
   uint64_t seed;
 
-  __device__ int64_t key_end(int64_t i) const {
-    if (!causal) return tk;
-    const int64_t end = i + 1 + tk - tq;
-    return end < 0 ? 0 : (end > tk ? tk : end);
-  }
-  /// The masked score, or -inf where the query may not see the key.
+  /// The scaled score s soft-capped and masked, or -inf where the query may not see the key.
   __device__ T masked(T s, int64_t b, int64_t h, int64_t i, int64_t j) const {
-    if (j >= key_end(i)) return -INFINITY;
+    if (!range.sees(i, j)) return -INFINITY;
+    s = functors::softcap(s, cap);
     if (query_doc && query_doc[b * tq + i] != key_doc[b * tk + j]) return -INFINITY;
     const int64_t at = b * ms[0] + h * ms[1] + i * ms[2] + j * ms[3];
     if (allowed && !allowed[at]) return -INFINITY;
     if (additive) s += additive[at];
     return s;
+  }
+  /// d(capped score) / d(raw scaled score).
+  __device__ T through_cap(T raw) const {
+    return functors::softcap_grad(functors::softcap(raw, cap), cap);
   }
   __device__ T keep(int64_t b, int64_t h, int64_t i, int64_t j) const {
     if (dropout_p == 0) return T(1);
@@ -115,7 +115,8 @@ __global__ void forward_kernel(Problem<T> p, T* out, Layout lo, T* lse) {
   load_row(qr, p.q, p.lq, b, h, i, p.d, p.scale, active);
   for (int64_t c = 0; c < p.dv; ++c) acc[c] = 0;
   T m = -INFINITY, l = 0;
-  const int64_t last = min(int64_t(blockIdx.x + 1) * blockDim.x, p.tq) - 1;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x;
+  const int64_t last = min(first + blockDim.x, p.tq) - 1;
   auto body = [&](const T* ks, const T* vs, int64_t j0, int64_t count) {
     for (int64_t c = 0; c < count; ++c) {
       const T s = p.masked(dot(qr, ks + c * p.d, p.d), b, h, i, j0 + c);
@@ -132,7 +133,8 @@ __global__ void forward_kernel(Problem<T> p, T* out, Layout lo, T* lse) {
       for (int64_t e = 0; e < p.dv; ++e) acc[e] += dropped * vs[c * p.dv + e];
     }
   };
-  for_each_tile(p.k, p.lk, p.d, p.v, p.lv, p.dv, b, h / p.group, 0, p.key_end(last), active, body);
+  for_each_tile(p.k, p.lk, p.d, p.v, p.lv, p.dv, b, h / p.group, p.range.begin(first),
+                p.range.end(last), active, body);
   if (!active) return;
   T* o = out + b * lo.batch + h * lo.head + i * lo.row;
   for (int64_t e = 0; e < p.dv; ++e) o[e] = l > 0 ? acc[e] / l : T(0);
@@ -161,18 +163,21 @@ __global__ void dq_kernel(Problem<T> p, const T* delta, T* dq, Layout ldq, T* dm
   for (int64_t c = 0; c < p.d; ++c) acc[c] = 0;
   const T row_lse = active ? p.lse[bh * p.tq + i] : T(0);
   const T row_delta = active ? delta[bh * p.tq + i] : T(0);
-  const int64_t last = min(int64_t(blockIdx.x + 1) * blockDim.x, p.tq) - 1;
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x;
+  const int64_t last = min(first + blockDim.x, p.tq) - 1;
   auto body = [&](const T* ks, const T* vs, int64_t j0, int64_t count) {
     for (int64_t c = 0; c < count; ++c) {
       const int64_t j = j0 + c;
-      const T s = p.masked(dot(qr, ks + c * p.d, p.d), b, h, i, j);
+      const T raw = dot(qr, ks + c * p.d, p.d), s = p.masked(raw, b, h, i, j);
       const T prob = s == -INFINITY ? T(0) : exp(s - row_lse);
       const T ds = prob * (dot(gr, vs + c * p.dv, p.dv) * p.keep(b, h, i, j) - row_delta);
       if (dmask) dmask[(bh * p.tq + i) * p.tk + j] = ds;
-      for (int64_t e = 0; e < p.d; ++e) acc[e] += ds * ks[c * p.d + e];
+      const T raw_ds = prob == T(0) ? T(0) : ds * p.through_cap(raw);
+      for (int64_t e = 0; e < p.d; ++e) acc[e] += raw_ds * ks[c * p.d + e];
     }
   };
-  for_each_tile(p.k, p.lk, p.d, p.v, p.lv, p.dv, b, h / p.group, 0, p.key_end(last), active, body);
+  for_each_tile(p.k, p.lk, p.d, p.v, p.lv, p.dv, b, h / p.group, p.range.begin(first),
+                p.range.end(last), active, body);
   if (!active) return;
   T* o = dq + b * ldq.batch + h * ldq.head + i * ldq.row;
   for (int64_t e = 0; e < p.d; ++e) o[e] = acc[e] * p.scale;
@@ -193,24 +198,24 @@ __global__ void dkv_kernel(Problem<T> p, const T* delta, T* dk, Layout ldk, T* d
   for (int64_t c = 0; c < p.dv; ++c) dv_acc[c] = 0;
   // Queries before the block's first key's first viewer see none of its keys.
   const int64_t first_key = int64_t(blockIdx.x) * blockDim.x;
-  int64_t first = p.causal ? first_key - (p.tk - p.tq) : 0;
-  first = first < 0 ? 0 : first;
+  const int64_t last_key = min(first_key + blockDim.x, p.tk) - 1;
+  const int64_t first = p.range.first_query(first_key), end = p.range.query_end(last_key);
   int64_t h = kv * p.group;  // the query head being summed
   auto body = [&](const T* qs, const T* gs, int64_t i0, int64_t count) {
     const int64_t row0 = (b * p.heads + h) * p.tq;
     for (int64_t r = 0; r < count; ++r) {
       const int64_t i = i0 + r;
-      const T s = p.masked(dot(kr, qs + r * p.d, p.d) * p.scale, b, h, i, j);
+      const T raw = dot(kr, qs + r * p.d, p.d) * p.scale, s = p.masked(raw, b, h, i, j);
       if (s == -INFINITY) continue;
       const T prob = exp(s - p.lse[row0 + i]), keep = p.keep(b, h, i, j);
       const T* g = gs + r * p.dv;
       for (int64_t e = 0; e < p.dv; ++e) dv_acc[e] += prob * keep * g[e];
-      const T ds = prob * (dot(g, vr, p.dv) * keep - delta[row0 + i]);
+      const T ds = prob * (dot(g, vr, p.dv) * keep - delta[row0 + i]) * p.through_cap(raw);
       for (int64_t e = 0; e < p.d; ++e) dk_acc[e] += ds * qs[r * p.d + e];
     }
   };
   for (; h < (kv + 1) * p.group; ++h)
-    for_each_tile(p.q, p.lq, p.d, p.grad, p.lg, p.dv, b, h, first, p.tq, active, body);
+    for_each_tile(p.q, p.lq, p.d, p.grad, p.lg, p.dv, b, h, first, end, active, body);
   if (!active) return;
   T* ok = dk + b * ldk.batch + kv * ldk.head + j * ldk.row;
   T* ov = dv + b * ldv.batch + kv * ldv.head + j * ldv.row;
@@ -235,7 +240,8 @@ Problem<T> problem_of(const Tensor& q, const Tensor& k, const Tensor& v, const T
   p.d = q.size(3);
   p.dv = v.size(3);
   p.scale = T(params.scale);
-  p.causal = params.causal;
+  p.cap = T(params.softcap);
+  p.range = key_range(params, p.tq, p.tk);
   if (mask.defined()) {
     if (mask.dtype() == kBool)
       p.allowed = static_cast<const bool*>(mask.data_ptr());

@@ -237,7 +237,8 @@ bool choose_cudnn(Kernel requested, Entry& entry, int device, const CudnnRun& cu
 bool cudnn_takes(const Tensor& q, const Tensor& k, const AttentionParams& params) {
   // Packed sequences take weave's kernels, which skip the tiles no document crosses.
   return k.size(1) == q.size(1) && (!params.causal || q.size(2) == k.size(2)) &&
-         !params.query_documents.defined();
+         !params.query_documents.defined() && params.window == 0 && params.softcap == 0 &&
+         !params.query_start;
 }
 
 float minus_infinity() {

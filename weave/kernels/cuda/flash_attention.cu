@@ -147,6 +147,9 @@ bool attention_on_tensor_cores(const Tensor& q, const Tensor& k, const Tensor& v
                                const Tensor& mask, const AttentionParams& params) {
   if (!q.device().is_cuda() || (q.dtype() != kBFloat16 && q.dtype() != kFloat16)) return false;
   if (mask.defined() || params.dropout_p > 0) return false;
+  // Windows, soft-caps and ring attention's offset blocks take the float32 kernels (the tiles
+  // here mask only bottom-right causal rows and documents).
+  if (params.window > 0 || params.softcap > 0 || params.query_start) return false;
   // Grouped-query attention: query head h reads key/value head h / (H / H_kv) in place.
   if (k.size(1) == 0 || q.size(1) % k.size(1) != 0 || v.size(1) != k.size(1)) return false;
   const int64_t d = q.size(3);

@@ -78,43 +78,49 @@ __global__ void cross_entropy_backward_kernel(const T* grad, int64_t grad_stride
 
 // Blocked attention's row passes (kernels.h): a block per row of scores for the softmax, a
 // grid-stride pass for the elementwise ones.
-__device__ inline int64_t seen_keys(int64_t i, int64_t tq, int64_t tk, bool causal) {
-  return causal ? min(max(i + 1 + tk - tq, int64_t(0)), tk) : tk;
-}
-
 template <class T>
-__global__ void attention_softmax_kernel(T* s, T* lse, int64_t tq, int64_t tk, T scale,
-                                         bool causal) {
+__global__ void attention_softmax_kernel(T* s, T* lse, T* capped, functors::KeyRange range, T scale,
+                                         T cap) {
+  const int64_t tk = range.tk;
   T* row = s + int64_t(blockIdx.x) * tk;
-  const int64_t end = seen_keys(blockIdx.x % tq, tq, tk, causal);
+  T* capped_row = capped ? capped + int64_t(blockIdx.x) * tk : nullptr;
+  const int64_t i = blockIdx.x % range.tq, begin = range.begin(i), end = range.end(i);
+  for (int64_t j = threadIdx.x; j < tk; j += blockDim.x) {
+    row[j] = functors::softcap(row[j] * scale, cap);
+    if (capped_row) capped_row[j] = row[j];
+  }
   T m = -INFINITY;
-  for (int64_t j = threadIdx.x; j < end; j += blockDim.x) m = max(m, row[j] * scale);
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) m = max(m, row[j]);
   m = block_reduce(m, Combine::Max);
   T sum = 0;
-  for (int64_t j = threadIdx.x; j < end; j += blockDim.x) sum += exp(row[j] * scale - m);
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) sum += exp(row[j] - m);
   sum = block_reduce(sum, Combine::Sum);
   const T inverse = T(1) / sum;
   for (int64_t j = threadIdx.x; j < tk; j += blockDim.x)
-    row[j] = j < end ? exp(row[j] * scale - m) * inverse : T(0);
+    row[j] = j >= begin && j < end ? exp(row[j] - m) * inverse : T(0);
   if (threadIdx.x == 0) lse[blockIdx.x] = m + log(sum);
 }
 
 template <class T>
-__global__ void attention_probs_kernel(T* s, const T* lse, int64_t n, int64_t tq, int64_t tk,
-                                       T scale, bool causal) {
+__global__ void attention_probs_kernel(T* s, const T* lse, T* capped, int64_t n,
+                                       functors::KeyRange range, T scale, T cap) {
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = e / tk, j = e % tk;
-    s[e] = j < seen_keys(r % tq, tq, tk, causal) ? exp(s[e] * scale - lse[r]) : T(0);
+    const int64_t r = e / range.tk, j = e % range.tk;
+    const T value = functors::softcap(s[e] * scale, cap);
+    if (capped) capped[e] = value;
+    s[e] = range.sees(r % range.tq, j) ? exp(value - lse[r]) : T(0);
   }
 }
 
 template <class T>
-__global__ void attention_score_grad_kernel(T* dp, const T* p, const T* delta, int64_t n,
-                                            int64_t tk, T scale) {
+__global__ void attention_score_grad_kernel(T* dp, const T* p, const T* delta, const T* capped,
+                                            int64_t n, int64_t tk, T scale, T cap) {
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += int64_t(gridDim.x) * blockDim.x)
-    dp[e] = scale * p[e] * (dp[e] - delta[e / tk]);
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const T through_cap = capped ? functors::softcap_grad(capped[e], cap) : T(1);
+    dp[e] = scale * p[e] * (dp[e] - delta[e / tk]) * through_cap;
+  }
 }
 
 }  // namespace
@@ -166,13 +172,15 @@ void cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tens
   });
 }
 
-void attention_softmax(const Tensor& s, double scale, bool causal, const Tensor& lse) {
-  const int64_t tq = s.size(1), tk = s.size(2);
+void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse,
+                       const Tensor& capped) {
+  const functors::KeyRange range = key_range(params, s.size(1), s.size(2));
   visit_floating(s.dtype(), "attention_softmax", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    per_row(s, rows_of(s, tk), "attention_softmax", [&](unsigned rows, cudaStream_t st) {
-      attention_softmax_kernel<T>
-          <<<rows, kThreads, 0, st>>>(maybe_mut<T>(s), maybe_mut<T>(lse), tq, tk, T(scale), causal);
+    per_row(s, rows_of(s, range.tk), "attention_softmax", [&](unsigned rows, cudaStream_t st) {
+      attention_softmax_kernel<T><<<rows, kThreads, 0, st>>>(maybe_mut<T>(s), maybe_mut<T>(lse),
+                                                             maybe_mut<T>(capped), range,
+                                                             T(params.scale), T(params.softcap));
     });
   });
 }
@@ -191,19 +199,24 @@ void over_elements(const Tensor& t, const char* op, const Launch& launch) {
 }
 }  // namespace
 
-void attention_probs(const Tensor& s, double scale, bool causal, const Tensor& lse) {
+void attention_probs(const Tensor& s, const AttentionParams& params, const Tensor& lse,
+                     const Tensor& capped) {
+  const functors::KeyRange range = key_range(params, s.size(1), s.size(2));
   over_elements(s, "attention_probs", [&](auto tag, unsigned blocks, cudaStream_t st) {
     using T = typename decltype(tag)::type;
-    attention_probs_kernel<T><<<blocks, kThreads, 0, st>>>(
-        maybe_mut<T>(s), maybe<T>(lse), s.numel(), s.size(1), s.size(2), T(scale), causal);
+    attention_probs_kernel<T><<<blocks, kThreads, 0, st>>>(maybe_mut<T>(s), maybe<T>(lse),
+                                                           maybe_mut<T>(capped), s.numel(), range,
+                                                           T(params.scale), T(params.softcap));
   });
 }
 
-void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale) {
+void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale,
+                          const Tensor& capped, double softcap) {
   over_elements(dp, "attention_score_grad", [&](auto tag, unsigned blocks, cudaStream_t st) {
     using T = typename decltype(tag)::type;
     attention_score_grad_kernel<T><<<blocks, kThreads, 0, st>>>(
-        maybe_mut<T>(dp), maybe<T>(p), maybe<T>(delta), dp.numel(), dp.size(2), T(scale));
+        maybe_mut<T>(dp), maybe<T>(p), maybe<T>(delta), maybe<T>(capped), dp.numel(), dp.size(2),
+        T(scale), T(softcap));
   });
 }
 

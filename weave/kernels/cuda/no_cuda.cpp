@@ -70,13 +70,14 @@ void clip_many(const std::vector<Tensor>&, const Tensor&, double, double, const 
 void adam_advance(const Tensor&, double, double) {
   no_cuda_kernel("adam_advance");
 }
-void attention_softmax(const Tensor&, double, bool, const Tensor&) {
+void attention_softmax(const Tensor&, const AttentionParams&, const Tensor&, const Tensor&) {
   no_cuda_kernel("attention_softmax");
 }
-void attention_probs(const Tensor&, double, bool, const Tensor&) {
+void attention_probs(const Tensor&, const AttentionParams&, const Tensor&, const Tensor&) {
   no_cuda_kernel("attention_probs");
 }
-void attention_score_grad(const Tensor&, const Tensor&, const Tensor&, double) {
+void attention_score_grad(const Tensor&, const Tensor&, const Tensor&, double, const Tensor&,
+                          double) {
   no_cuda_kernel("attention_score_grad");
 }
 void softmax(const Tensor&, const Tensor&, bool) {

@@ -2,6 +2,8 @@
 // says.
 #include "weave/models/llama/llama.h"
 
+#include <cmath>
+
 #include "weave/autograd/grad_mode.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/parallel/model_parallel/context_parallel.h"
@@ -15,6 +17,18 @@ constexpr const char* kLlama = "Llama";
 
 }  // namespace
 
+LlamaBlockOptions block_options(const LlamaOptions& options, int64_t index) {
+  LlamaBlockOptions block = options.block;
+  block.generator = options.generator;
+  if (options.windowed_layers.empty()) return block;
+  if (!options.windowed_layers[size_t(index)]) {
+    block.window = 0;
+  } else if (options.windowed_rotary) {
+    block.rotary = options.windowed_rotary;
+  }
+  return block;
+}
+
 int64_t llama_hidden(int64_t dim) {
   const int64_t hidden = (8 * dim + 2) / 3;
   return (hidden + 63) / 64 * 64;
@@ -26,19 +40,21 @@ LlamaBlock::LlamaBlock(int64_t dim, LlamaBlockOptions options, const ModelSplit&
   const nn::Leaves leaves = split.leaves();
   // The norms draw nothing, the attention and the MLP their weights, in this order.
   norm1 = register_module("norm1", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
-  attention = register_module("attention",
-                              std::make_shared<nn::GroupedQueryAttention>(
-                                  dim,
-                                  nn::GroupedQueryAttentionOptions{.heads = options.heads,
-                                                                   .head_dim = options.head_dim,
-                                                                   .kv_heads = options.kv_heads,
-                                                                   .bias = options.qkv_bias,
-                                                                   .causal = options.causal,
-                                                                   .qk_norm = options.qk_norm,
-                                                                   .scale = options.attention_scale,
-                                                                   .rotary = options.rotary,
-                                                                   .generator = options.generator},
-                                  leaves));
+  attention = register_module(
+      "attention", std::make_shared<nn::GroupedQueryAttention>(
+                       dim,
+                       nn::GroupedQueryAttentionOptions{.heads = options.heads,
+                                                        .head_dim = options.head_dim,
+                                                        .kv_heads = options.kv_heads,
+                                                        .bias = options.qkv_bias,
+                                                        .causal = options.causal,
+                                                        .qk_norm = options.qk_norm,
+                                                        .scale = options.attention_scale,
+                                                        .window = options.window,
+                                                        .softcap = options.attention_softcap,
+                                                        .rotary = options.rotary,
+                                                        .generator = options.generator},
+                       leaves));
   norm2 = register_module("norm2", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
   if (const auto experts = detail::block_experts(options.moe, index)) {
     WEAVE_CHECK(experts->hidden == dim, "LlamaBlock",
@@ -90,15 +106,20 @@ Llama::Llama(LlamaOptions options, ModelSplit split)
     embedding = register_module("embedding", table.module);
     embedding_weight_ = table.weight;
   }
+  WEAVE_CHECK(
+      options.windowed_layers.empty() || int64_t(options.windowed_layers.size()) == options.layers,
+      kLlama, "windowed_layers holds {} entries for {} layers; hint: one a layer, or none",
+      options.windowed_layers.size(), options.layers);
+  WEAVE_CHECK(std::isfinite(options.logit_softcap) && options.logit_softcap >= 0, kLlama,
+              "logit_softcap must be finite and >= 0 (0: none), found {}", options.logit_softcap);
   const auto [first, last] = split_.stage_blocks(options.layers);
   blocks = register_module("blocks", std::make_shared<nn::Sequential>(size_t(first)));
-  LlamaBlockOptions block = options.block;
-  block.generator = options.generator;
   for (int64_t i = first; i < last; ++i)
-    blocks->push_back(std::make_shared<LlamaBlock>(options.dim, block, split_, i));
+    blocks->push_back(
+        std::make_shared<LlamaBlock>(options.dim, block_options(options, i), split_, i));
   if (split_.last_stage()) {
-    norm =
-        register_module("norm", std::make_shared<nn::RMSNorm>(Shape{options.dim}, block.norm_eps));
+    norm = register_module(
+        "norm", std::make_shared<nn::RMSNorm>(Shape{options.dim}, options.block.norm_eps));
     add_head();
   }
   if (split_.context_group) parallel::record_context_reads(*this, *split_.context_group);
@@ -142,10 +163,13 @@ Tensor Llama::forward_inputs(const nn::Inputs& inputs) {
 }
 
 Tensor Llama::logits(const Tensor& hidden, bool gather) {
+  const double cap = options_.logit_softcap;
   if (!head)
-    return detail::tied_head_logits(hidden, embedding_weight(), options_.vocab, split_, gather);
-  if (!split_.tensor) return (*head)(hidden);
-  return parallel::vocab_parallel_logits((*head)(hidden), options_.vocab, *split_.tensor, gather);
+    return detail::tied_head_logits(hidden, embedding_weight(), options_.vocab, split_, gather,
+                                    cap);
+  Tensor local = detail::soft_capped((*head)(hidden), cap);
+  if (!split_.tensor) return local;
+  return parallel::vocab_parallel_logits(local, options_.vocab, *split_.tensor, gather);
 }
 
 std::vector<std::string> Llama::shard_units() const {

@@ -20,6 +20,7 @@
 // Built from the same seed on every rank, each rank holds the slices of the whole model, under
 // its parameter names.
 #include <optional>
+#include <vector>
 
 #include "weave/data/hf/model_config.h"
 #include "weave/models/model_split.h"
@@ -50,6 +51,11 @@ struct LlamaBlockOptions {
   std::optional<nn::HeadNormOptions> qk_norm = std::nullopt;
   /// Multiplies q k^T; 1 / sqrt(head_dim) when unset.
   std::optional<double> attention_scale = std::nullopt;
+  /// Sliding window of the attention (Mistral's sliding_window): each position sees its
+  /// `window` latest; 0: all earlier ones. LlamaOptions::windowed_layers picks the blocks.
+  int64_t window = 0;
+  /// Soft-caps the attention scores (Gemma 2's attn_logit_softcapping); 0: none.
+  double attention_softcap = 0.0;
   /// A mixture of experts in place of the gated MLP (moe->hidden is dim), block i's seeded
   /// moe->seed + i. While training, each block's balancing loss travels with its output into
   /// backward (nn::MoE::with_aux_loss), on every pipeline stage: the trainer adds nothing.
@@ -89,8 +95,21 @@ struct LlamaOptions {
   /// The head multiplies by the embedding's weight instead of one of its own (Llama 3.2's and
   /// the small Qwen 2's); split, the last pipeline stage holds a copy tied to the first's.
   bool tie_embeddings = false;
+  /// Which blocks attend through block.window (true) and which see every earlier position
+  /// (Hugging Face's layer_types: Gemma's local and global layers, Qwen 2's max_window_layers);
+  /// empty: every block as `block` says. One entry a layer.
+  std::vector<bool> windowed_layers{};
+  /// The rotary embedding of the windowed blocks where it differs from block.rotary (Gemma 3's
+  /// rope_local_base_freq); unset: block.rotary.
+  std::optional<RotaryOptions> windowed_rotary = std::nullopt;
+  /// Soft-caps the logits: cap tanh(logits / cap) (Gemma 2's final_logit_softcapping); 0: none.
+  double logit_softcap = 0.0;
   Generator* generator = nullptr;
 };
+
+/// Block `index`'s options: options.block with the model's generator and, where
+/// windowed_layers says, its window and rotary or none.
+LlamaBlockOptions block_options(const LlamaOptions& options, int64_t index);
 
 /// A decoder-only language model: token ids [B, T] -> logits [B, T, vocab] through an embedding,
 /// `layers` LlamaBlocks ("blocks.<i>"), a final RMSNorm and the head.

@@ -1,7 +1,9 @@
-// Llama's Hugging Face side (LlamaForCausalLM; Qwen2ForCausalLM: Llama with biased q, k and v
-// projections; Qwen3ForCausalLM: Llama with per-head RMSNorms of q and k and a head_dim of its
-// own): config.json's fields, the checkpoint's names and layouts of weave's
+// Llama's Hugging Face side (LlamaForCausalLM; MistralForCausalLM: Llama with a sliding window
+// and a head_dim of its own; Qwen2ForCausalLM: Llama with biased q, k and v projections;
+// Qwen3ForCausalLM: Llama with per-head RMSNorms of q and k; the Qwens with windows on the layers
+// from max_window_layers on): config.json's fields, the checkpoint's names and layouts of weave's
 // parameters, and the model options of a config and back.
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "weave/models/architectures.h"
@@ -21,11 +23,56 @@ int64_t head_dim_of(const data::hf::ModelConfig& c) {
   return c.head_dim > 0 ? c.head_dim : c.dim / c.heads;
 }
 
-// Llama, Qwen 2 (Llama with biased q, k and v projections) or Qwen 3 (Llama with q_norm and
-// k_norm and any head_dim).
+// The sliding window and the layers it applies to: Mistral's sliding_window (every layer; null:
+// none), the Qwens' with use_sliding_window on layers max_window_layers onwards, or layer_types
+// (Hugging Face's newer list of "sliding_attention" and "full_attention") where present.
+void read_windows(const json& c, const std::string& path, data::hf::ModelConfig& config) {
+  const std::string& model_type = config.model_type;
+  const bool qwen = model_type == "qwen2" || model_type == "qwen3";
+  const json window = c.value("sliding_window", json());
+  const bool windowed = qwen ? c.value("use_sliding_window", false) : !window.is_null();
+  WEAVE_CHECK(!windowed || model_type != "llama", kLlamaHf,
+              "{}: sliding_window is not supported for model_type llama (Hugging Face's Llama "
+              "has no window); hint: model_type mistral",
+              path);
+  if (!windowed) return;
+  config.sliding_window = config_integer(c, "sliding_window", path);
+  WEAVE_CHECK(config.sliding_window > 0, kLlamaHf, "{}: sliding_window {} must be positive", path,
+              config.sliding_window);
+  if (qwen) {
+    const int64_t first = c.value("max_window_layers", config.layers);
+    for (int64_t i = 0; i < config.layers; ++i) config.windowed_layers.push_back(i >= first);
+  }
+  if (const json types = c.value("layer_types", json()); !types.is_null()) {
+    WEAVE_CHECK(types.is_array() && int64_t(types.size()) == config.layers, kLlamaHf,
+                "{}: layer_types must list one type for each of the {} layers, found {}", path,
+                config.layers, types.dump());
+    config.windowed_layers.clear();
+    for (const json& type : types) {
+      const std::string name = type.is_string() ? type.get<std::string>() : type.dump();
+      WEAVE_CHECK(name == "sliding_attention" || name == "full_attention", kLlamaHf,
+                  "{}: layer_types entry '{}' is not supported (sliding_attention or "
+                  "full_attention)",
+                  path, name);
+      WEAVE_CHECK(qwen || name == "sliding_attention", kLlamaHf,
+                  "{}: layer_types with full_attention layers is not supported for model_type "
+                  "{} (Hugging Face's windows every layer)",
+                  path, model_type);
+      config.windowed_layers.push_back(name == "sliding_attention");
+    }
+  }
+  const auto& layers = config.windowed_layers;
+  if (std::all_of(layers.begin(), layers.end(), [](bool w) { return w; }))
+    config.windowed_layers.clear();  // every layer: as none listed
+  else if (std::none_of(layers.begin(), layers.end(), [](bool w) { return w; }))
+    config.windowed_layers.clear(), config.sliding_window = 0;
+}
+
+// Llama, Mistral (Llama with a window), Qwen 2 (Llama with biased q, k and v projections) or
+// Qwen 3 (Llama with q_norm and k_norm and any head_dim).
 void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& config) {
   const std::string model_type = c.value("model_type", "");
-  const bool qwen = model_type == "qwen2" || model_type == "qwen3";
+  config.model_type = model_type;
   config.qkv_bias = model_type == "qwen2";
   config.qk_norm = model_type == "qwen3";
   config.vocab = config_integer(c, "vocab_size", path);
@@ -57,10 +104,7 @@ void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& c
   unsupported(c.value("mlp_bias", false), "mlp_bias true");
   unsupported(c.value("hidden_act", "silu") != "silu",
               "hidden_act '" + c.value("hidden_act", "") + "' (Llama's is silu)");
-  if (qwen)  // Qwen names a window it uses only with use_sliding_window
-    unsupported(c.value("use_sliding_window", false), "use_sliding_window true");
-  else
-    unsupported(c.contains("sliding_window") && !c["sliding_window"].is_null(), "sliding_window");
+  read_windows(c, path, config);
   unsupported(c.value("attention_dropout", 0.0) != 0.0,
               "attention_dropout " + c.value("attention_dropout", json(0.0)).dump() +
                   " (weave's attention has no dropout)");
@@ -77,12 +121,50 @@ void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& c
   }
 }
 
+// model_type as read, or for a config built here the one its features name.
+std::string model_type_of(const data::hf::ModelConfig& config) {
+  if (!config.model_type.empty()) return config.model_type;
+  if (config.qk_norm) return "qwen3";
+  if (config.qkv_bias) return "qwen2";
+  return config.sliding_window > 0 ? "mistral" : "llama";
+}
+
+// The window as each model type writes it (read_windows reads it back).
+void write_windows(const data::hf::ModelConfig& config, const std::string& type, json& c) {
+  const std::vector<bool>& layers = config.windowed_layers;
+  const bool windowed = config.sliding_window > 0;
+  WEAVE_CHECK(!windowed || type != "llama", kLlamaHf,
+              "Hugging Face's Llama has no sliding window; hint: export as model_type mistral");
+  if (type == "mistral") {
+    WEAVE_CHECK(layers.empty(), kLlamaHf,
+                "Hugging Face's Mistral windows every layer or none; found windows on some "
+                "layers only (windowed_layers)");
+    c["sliding_window"] = windowed ? json(config.sliding_window) : json();
+    return;
+  }
+  if (type == "llama") return;
+  c["use_sliding_window"] = windowed;
+  c["sliding_window"] = windowed ? json(config.sliding_window) : json();
+  if (!windowed) return;
+  const auto first = std::find(layers.begin(), layers.end(), true);  // windowed from here on
+  c["max_window_layers"] = layers.empty() ? 0 : int64_t(first - layers.begin());
+  json types = json::array();
+  for (int64_t i = 0; i < config.layers; ++i)
+    types.push_back(layers.empty() || layers[size_t(i)] ? "sliding_attention" : "full_attention");
+  c["layer_types"] = types;
+}
+
 void write_llama(const data::hf::ModelConfig& config, json& c) {
-  const bool qwen3 = config.qk_norm, qwen2 = config.qkv_bias;
-  c["model_type"] = qwen3 ? "qwen3" : qwen2 ? "qwen2" : "llama";
-  c["architectures"] = {qwen3   ? "Qwen3ForCausalLM"
-                        : qwen2 ? "Qwen2ForCausalLM"
-                                : "LlamaForCausalLM"};
+  const bool qwen3 = config.qk_norm;
+  const std::string type = model_type_of(config);
+  const char* names[][2] = {{"llama", "LlamaForCausalLM"},
+                            {"mistral", "MistralForCausalLM"},
+                            {"qwen2", "Qwen2ForCausalLM"},
+                            {"qwen3", "Qwen3ForCausalLM"}};
+  c["model_type"] = type;
+  for (const auto& [model_type, architecture] : names)
+    if (type == model_type) c["architectures"] = {architecture};
+  write_windows(config, type, c);
   // Qwen 3 without head_dim would be read as 128 (Qwen3Config's default): always say it.
   if (config.head_dim > 0 || qwen3) c["head_dim"] = head_dim_of(config);
   c["hidden_size"] = config.dim, c["num_hidden_layers"] = config.layers;
@@ -153,7 +235,7 @@ namespace detail {
 data::hf::ArchitectureSpec llama_architecture() {
   return {.name = "llama",
           .display = "Llama",
-          .model_types = {"llama", "qwen2", "qwen3"},
+          .model_types = {"llama", "mistral", "qwen2", "qwen3"},
           .read = read_llama,
           .write = write_llama,
           .mappings = llama_mappings,
@@ -178,8 +260,10 @@ LlamaOptions llama_options(const data::hf::ModelConfig& config, Generator* gener
                     .head_dim = config.head_dim,
                     .qk_norm = config.qk_norm ? std::optional<nn::HeadNormOptions>(
                                                     nn::HeadNormOptions{.eps = config.norm_eps})
-                                              : std::nullopt},
+                                              : std::nullopt,
+                    .window = config.sliding_window},
           .tie_embeddings = config.tie_embeddings,
+          .windowed_layers = config.windowed_layers,
           .generator = generator};
 }
 
@@ -211,6 +295,14 @@ data::hf::ModelConfig model_config(const LlamaOptions& options, DType dtype) {
   config.rope_scaling = rotary.llama3_scaling, config.tie_embeddings = options.tie_embeddings;
   config.qkv_bias = block.qkv_bias, config.dtype = dtype;
   config.qk_norm = block.qk_norm.has_value(), config.head_dim = block.head_dim;
+  WEAVE_CHECK(
+      block.attention_softcap == 0 && options.logit_softcap == 0 && !options.windowed_rotary,
+      kLlamaHf,
+      "Hugging Face's Llama, Mistral and Qwen have no soft-caps and one rotary for every "
+      "layer; found attention_softcap {}, logit_softcap {}, windowed_rotary {}",
+      block.attention_softcap, options.logit_softcap, options.windowed_rotary.has_value());
+  config.sliding_window = block.window;
+  config.windowed_layers = block.window > 0 ? options.windowed_layers : std::vector<bool>{};
   WEAVE_CHECK(
       !(config.qk_norm && config.qkv_bias), kLlamaHf,
       "no Hugging Face architecture has Qwen 3's q/k norms with Qwen 2's q, k and v biases; "

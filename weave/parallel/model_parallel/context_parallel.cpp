@@ -2,6 +2,7 @@
 // with the fused attention kernels) and all-to-all attention (composed of differentiable ops).
 #include "weave/parallel/model_parallel/context_parallel.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <exception>
@@ -61,11 +62,40 @@ struct SequencePart final : CutRecord {
   }
 };
 
-// How query chunk a attends to key chunk b.
-enum class Pair { Skip, Full, Diagonal };
-Pair pair_of(int64_t a, int64_t b, bool causal) {
-  if (!causal || a > b) return Pair::Full;
-  return a == b ? Pair::Diagonal : Pair::Skip;
+// How query chunk a attends to key chunk b (chunks of `chunk` positions): all of it, causally
+// among themselves, through the window (a sliding window whose queries sit (a - b) chunks after
+// the keys), or not at all (a later chunk, or one beyond every query's window).
+enum class Pair { Skip, Full, Diagonal, Windowed };
+Pair pair_of(int64_t a, int64_t b, int64_t chunk, bool causal, int64_t window) {
+  if (!causal) return Pair::Full;
+  if (a == b) return Pair::Diagonal;
+  if (a < b) return Pair::Skip;
+  if (window == 0) return Pair::Full;
+  const int64_t nearest = (a - b) * chunk - (chunk - 1);  // the closest query-key distance
+  return nearest >= window ? Pair::Skip : Pair::Windowed;
+}
+
+// A pair's attention options: its causal rule, window and the queries' place after the keys.
+AttentionOptions pair_options(Pair pair, int64_t a, int64_t b, int64_t chunk, double scale,
+                              int64_t window, double softcap) {
+  AttentionOptions o{.scale = scale, .softcap = softcap};
+  if (pair == Pair::Full) return o;
+  o.causal = true;
+  o.window = window;
+  o.query_start = (a - b) * chunk;
+  return o;
+}
+
+// The query-key scores a pair computes (its visible ones, for the ring's statistics).
+int64_t pair_scores(const AttentionOptions& o, int64_t chunk) {
+  if (!o.causal) return chunk * chunk;
+  auto key = [&](int64_t j) { return std::clamp<int64_t>(j, 0, chunk); };
+  int64_t total = 0;
+  for (int64_t i = 0, at = o.query_start.value_or(0); i < chunk; ++i, ++at) {
+    const int64_t end = key(at + 1), begin = o.window > 0 ? key(at + 1 - o.window) : 0;
+    total += end - std::min(begin, end);
+  }
+  return total;
 }
 
 // Arguments every rank checks, then agrees on (shapes and options alike on every rank).
@@ -75,7 +105,7 @@ void check_arguments(const Tensor& q, const Tensor& k, const Tensor& v, const di
   // The scale travels as its bits (-0.0 as 0.0: they scale alike), so differing scales raise.
   const double scale = options.scale.value_or(0.0);
   const int64_t scale_bits = scale == 0 ? 0 : std::bit_cast<int64_t>(scale);
-  std::vector<int64_t> facts(12, 0);
+  std::vector<int64_t> facts(14, 0);
   const detail::ValueRange agreed = detail::check_together(
       [&] {
         WEAVE_CHECK(q.defined() && k.defined() && v.defined(), op, "q, k and v must be defined");
@@ -98,6 +128,8 @@ void check_arguments(const Tensor& q, const Tensor& k, const Tensor& v, const di
               "expected document_ids, int32 or int64, [{}] or [{}, {}] (this rank's "
               "positions), found {} {}",
               q.size(2), q.size(0), q.size(2), ids.dtype(), ids.shape());
+        WEAVE_CHECK(options.window >= 0 && (options.window == 0 || options.causal), op,
+                    "window {} needs causal = true and a size >= 0 (0: no window)", options.window);
         WEAVE_CHECK(options.layout != SequenceLayout::ZigZag || q.size(2) % 2 == 0, op,
                     "the zig-zag layout holds two equal chunks per rank, but this rank holds {} "
                     "positions; hint: the sequence must divide by twice the group size",
@@ -113,15 +145,19 @@ void check_arguments(const Tensor& q, const Tensor& k, const Tensor& v, const di
                  options.scale.has_value() ? 1 : 0,
                  scale_bits,
                  k.size(1),
-                 options.document_ids.defined() ? 1 : 0};
+                 options.document_ids.defined() ? 1 : 0,
+                 options.window,
+                 std::bit_cast<int64_t>(options.softcap)};
       },
       group, op, facts);
   const char* names[] = {"batch",       "heads",           "local sequence length",
                          "head size",   "value head size", "dtype",
                          "causal flag", "layout",          "scale (set or not)",
-                         "scale",       "key/value heads", "document ids (given or not)"};
+                         "scale",       "key/value heads", "document ids (given or not)",
+                         "window",      "softcap"};
   auto shown = [&](size_t i, int64_t value) {  // the scale's bits as the number they hold
-    return i == 9 ? fmt::format("{}", std::bit_cast<double>(value)) : std::to_string(value);
+    return i == 9 || i == 13 ? fmt::format("{}", std::bit_cast<double>(value))
+                             : std::to_string(value);
   };
   for (size_t i = 0; i < facts.size(); ++i)
     WEAVE_CHECK(agreed.same(i), op,
@@ -169,6 +205,8 @@ struct Ring {
   SequenceLayout layout;
   bool causal;
   double scale;
+  int64_t window = 0;
+  double softcap = 0;
   Shape k_shape, v_shape;
   int64_t chunk = 0;  // positions per chunk
   std::vector<int64_t> mine;
@@ -189,15 +227,15 @@ struct Ring {
     const std::vector<int64_t> theirs = chunks_of(owner, group.size(), layout);
     for (size_t a = 0; a < mine.size(); ++a)
       for (size_t b = 0; b < theirs.size(); ++b) {
-        const Pair pair = pair_of(mine[a], theirs[b], causal);
+        const Pair pair = pair_of(mine[a], theirs[b], chunk, causal, window);
         if (pair != Pair::Skip) f(BlockPair{a, b, mine[a], theirs[b], pair});
       }
   }
-  // A block's options: the chunks of a pair on the diagonal mask causally among themselves, and
-  // with documents each side brings its own (key blocks outside a query's document are skipped
-  // by the kernel).
+  // A block's options: its pair's (pair_options), and with documents each side brings its own
+  // (key blocks outside a query's document are skipped by the kernel).
   AttentionOptions options(const BlockPair& p) const {
-    AttentionOptions o{.causal = p.pair == Pair::Diagonal, .scale = scale};
+    AttentionOptions o =
+        pair_options(p.pair, p.query_chunk, p.key_chunk, chunk, scale, window, softcap);
     if (documents.defined()) {
       o.document_ids = documents.narrow(1, p.key_chunk * chunk, chunk);
       o.query_document_ids = documents.narrow(1, p.query_chunk * chunk, chunk);
@@ -235,11 +273,11 @@ std::pair<Tensor, Tensor> ring_forward(const Ring& ring, const Tensor& q, const 
     if (s + 1 < n) next = shift_to_next(current, ring.group, kKeyValueTag);
     const Tensor kb = ring.key(current), vb = ring.value(current);
     ring.for_each_pair((r + n - s) % n, [&](const BlockPair& p) {
+      const AttentionOptions options = ring.options(p);
       const AttentionResult block = scaled_dot_product_attention_with_lse(
-          ring.part(q, p.query), ring.part(kb, p.key), ring.part(vb, p.key), ring.options(p));
+          ring.part(q, p.query), ring.part(kb, p.key), ring.part(vb, p.key), options);
       merge(ring.part(out, p.query), ring.part(lse, p.query), block.output, block.logsumexp);
-      const int64_t len = ring.chunk;
-      stats.score_elements += b * h * (p.pair == Pair::Full ? len * len : len * (len + 1) / 2);
+      stats.score_elements += b * h * pair_scores(options, ring.chunk);
     });
     if (s + 1 < n) {
       const int64_t waited = trace::detail::now_ns();
@@ -324,12 +362,14 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const d
   // every rank: the lengths were agreed) has nothing to exchange.
   if (group.size() == 1 || q.size(2) == 0) {
     const int64_t t = q.size(2);
+    const AttentionOptions whole{.causal = options.causal,
+                                 .scale = options.scale,
+                                 .document_ids = options.document_ids,
+                                 .window = options.window,
+                                 .softcap = options.softcap};
     if (options.stats)
-      options.stats->score_elements =
-          q.size(0) * q.size(1) * (options.causal ? t * (t + 1) / 2 : t * t);
-    return scaled_dot_product_attention(
-        q, k, v,
-        {.causal = options.causal, .scale = options.scale, .document_ids = options.document_ids});
+      options.stats->score_elements = q.size(0) * q.size(1) * pair_scores(whole, t);
+    return scaled_dot_product_attention(q, k, v, whole);
   }
   const DType dtype = compute_dtype(q.dtype());
   Tensor qc = q.to(dtype).contiguous(), kc = k.to(dtype).contiguous(),
@@ -339,6 +379,8 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, const d
       .layout = options.layout,
       .causal = options.causal,
       .scale = options.scale.value_or(1.0 / std::sqrt(double(std::max<int64_t>(q.size(3), 1)))),
+      .window = options.window,
+      .softcap = options.softcap,
       .k_shape = kc.shape(),
       .v_shape = vc.shape(),
       .chunk = q.size(2) / int64_t(chunks_of(0, group.size(), options.layout).size()),
@@ -434,8 +476,12 @@ Tensor all_to_all_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   // The collectives in one order on every rank (not left to the order arguments are evaluated).
   const Tensor documents = whole_documents(options, q, group);
   const Tensor qh = to_heads(q), kh = to_heads(k), vh = to_heads(v);
-  Tensor y = scaled_dot_product_attention(
-      qh, kh, vh, {.causal = options.causal, .scale = options.scale, .document_ids = documents});
+  Tensor y = scaled_dot_product_attention(qh, kh, vh,
+                                          {.causal = options.causal,
+                                           .scale = options.scale,
+                                           .document_ids = documents,
+                                           .window = options.window,
+                                           .softcap = options.softcap});
   return F::all_to_all(reorder(y, 2, n, options.layout, /*to_natural=*/false), 2, 1, group);
 }
 

@@ -65,6 +65,11 @@ struct ContextParallelOptions {
   std::optional<double> scale = std::nullopt;
   /// Filled by ring_attention when set.
   RingAttentionStats* stats = nullptr;
+  /// Sliding window (with causal), counted in positions of the whole sequence: exact where it
+  /// reaches into another rank's chunk; the ring skips the chunks no window reaches.
+  int64_t window = 0;
+  /// Soft-capped scores, as AttentionOptions::softcap.
+  double softcap = 0.0;
   /// Packed sequences: this rank's part of the documents, int32/int64 [B, T / n] or [T / n]
   /// (shard_sequence of the whole sequence's ids, in the same layout). A query attends only to
   /// keys of its own document, wherever they are: a document may straddle ranks. Every rank

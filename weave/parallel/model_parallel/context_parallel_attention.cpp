@@ -9,9 +9,15 @@ Tensor ContextAttention::attend(const Tensor& q, const Tensor& k, const Tensor& 
                                 const AttentionOptions& options) const {
   WEAVE_CHECK(!options.mask.defined() && options.dropout_p == 0, "ContextAttention",
               "attention over a context group takes no mask and no dropout");
-  return context_attention(
-      q, k, v, split_,
-      {.causal = options.causal, .scale = options.scale, .document_ids = options.document_ids});
+  WEAVE_CHECK(!options.query_start, "ContextAttention",
+              "attention over a context group places its queries itself; hint: leave "
+              "query_start unset");
+  return context_attention(q, k, v, split_,
+                           {.causal = options.causal,
+                            .scale = options.scale,
+                            .window = options.window,
+                            .softcap = options.softcap,
+                            .document_ids = options.document_ids});
 }
 
 Tensor ContextAttention::positions(int64_t start, int64_t length, Device device) const {
