@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Tiny GPT-2, Llama, Qwen 2, Qwen 3 and Mistral checkpoints in Hugging Face's layout, by plain PyTorch.
+"""Tiny GPT-2, Llama, Qwen 2, Qwen 3, Mistral and Gemma 2/3 checkpoints in Hugging Face's layout,
+by plain PyTorch.
 
 The modules follow Hugging Face's published structure and parameter names (modeling_gpt2.py,
 modeling_llama.py): GPT-2's Conv1D weights stored [in, out], c_attn holding q, k and v side by
@@ -11,11 +12,19 @@ k_norm, over head_dim, before the rotary embedding) and a head_dim of its own (h
 hidden_size / num_attention_heads); Mistral (modeling_mistral.py) is Llama with a sliding
 window: query i sees keys j with i - sliding_window < j <= i (Hugging Face's sliding-window mask;
 the Qwens use it on layers max_window_layers onwards with use_sliding_window, and layer_types,
-where given, says which layers). Qwen 3's and Mistral's logits are computed in float64 from their
-float32 weights. PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetensors is
+where given, says which layers). Gemma 2 and Gemma 3's text model (modeling_gemma2.py,
+modeling_gemma3.py): RMSNorms scaling by (1 + weight), norms before and after the attention and the
+MLP, GeGLU with tanh GELU, the embedding times sqrt(hidden_size) rounded to its dtype, the head tied
+to it, scores scaled by query_pre_attn_scalar^-1/2 and soft-capped (Gemma 2's
+attn_logit_softcapping: cap tanh(s / cap); final_logit_softcapping the same on the logits), local
+layers (Gemma 2's even ones, Gemma 3's all but every sliding_window_pattern-th) with the window,
+Gemma 3's q_norm/k_norm and its local layers' rope_local_base_freq (the global ones take rope_theta
+with linear rope_scaling). The logits of Qwen 3, Mistral and Gemma are computed in float64 from
+their float32 weights. PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetensors is
 needed (the safetensors format is written and read here directly).
 
-  hf_reference.py write OUT_DIR      # OUT_DIR/gpt2, llama, qwen2, qwen3, mistral: config.json, two shards,
+  hf_reference.py write OUT_DIR      # OUT_DIR/gpt2, llama, qwen2, qwen3, mistral, gemma2, gemma3:
+                                     # config.json, two shards,
                                      # model.safetensors.index.json, logits.safetensors
   hf_reference.py check DIR          # loads DIR (a model weave exported), recomputes its logits
                                      # on the fixed tokens, compares with DIR/logits.safetensors
@@ -25,53 +34,13 @@ needed (the safetensors format is written and read here directly).
 import json
 import math
 import os
-import struct
 import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-DTYPES = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16,
-          "BF16": torch.bfloat16, "I64": torch.int64}
-NAMES = {v: k for k, v in DTYPES.items()}
-
-
-def save_safetensors(path, tensors, metadata=None):
-    header, offset, blobs = {}, 0, []
-    for name, t in tensors.items():
-        t = t.detach().contiguous().cpu()
-        data = t.view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes()
-        header[name] = {"dtype": NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-        blobs.append(data)
-    if metadata:
-        header["__metadata__"] = metadata
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-
-
-def load_safetensors(path):
-    with open(path, "rb") as f:
-        raw = f.read()
-    (size,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + size])
-    data, out = raw[8 + size:], {}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = e["data_offsets"]
-        dtype = DTYPES[e["dtype"]]
-        buf = bytearray(data[begin:end])
-        if dtype == torch.bfloat16:
-            t = torch.frombuffer(buf, dtype=torch.int16).view(torch.bfloat16)
-        else:
-            t = torch.frombuffer(buf, dtype=dtype)
-        out[name] = t.reshape(e["shape"]).clone()
-    return out
+from safetensors_io import load_safetensors, save_safetensors  # beside this file
 
 
 class Conv1D(nn.Module):  # GPT-2's linear layer: weight [in, out]
@@ -293,6 +262,123 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model(ids))
 
 
+class GemmaRMSNorm(nn.Module):  # (1 + weight), the weight around 0
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(0.1 * torch.randn(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def gemma_layer_types(c):
+    if c.get("layer_types") is not None:
+        return c["layer_types"]
+    pattern = c.get("sliding_window_pattern", 6) if c["model_type"] == "gemma3_text" else 2
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(c["num_hidden_layers"])]
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, c, index):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (c["num_attention_heads"],
+                                                    c["num_key_value_heads"], c["head_dim"])
+        d = c["hidden_size"]
+        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
+        self.scaling = c["query_pre_attn_scalar"] ** -0.5
+        self.softcap = c.get("attn_logit_softcapping")
+        self.local = gemma_layer_types(c)[index] == "sliding_attention"
+        self.window = c["sliding_window"] if self.local else None
+        self.qk_norm = c["model_type"] == "gemma3_text"
+        if self.qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, c["rms_norm_eps"])
+            self.k_norm = GemmaRMSNorm(self.head_dim, c["rms_norm_eps"])
+
+    def forward(self, x, rotations):
+        cos, sin = rotations["local" if self.local else "global"]
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = q @ k.transpose(-1, -2) * self.scaling
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~attention_mask(T, self.window), float("-inf"))
+        return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1))
+
+
+class GemmaMLP(LlamaMLP):
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class GemmaDecoderLayer(nn.Module):  # norms before and after the attention and the MLP
+    def __init__(self, c, index):
+        super().__init__()
+        d, eps = c["hidden_size"], c["rms_norm_eps"]
+        self.input_layernorm = GemmaRMSNorm(d, eps)
+        self.self_attn = GemmaAttention(c, index)
+        self.post_attention_layernorm = GemmaRMSNorm(d, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(d, eps)
+        self.mlp = GemmaMLP(c)
+        self.post_feedforward_layernorm = GemmaRMSNorm(d, eps)
+
+    def forward(self, x, rotations):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotations))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+def rotations(c, base, factor, T, dtype):
+    inv = 1.0 / (base ** (torch.arange(0, c["head_dim"], 2, dtype=torch.float64) / c["head_dim"]))
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * (inv / factor)[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class GemmaModel(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
+        self.layers = nn.ModuleList([GemmaDecoderLayer(c, i) for i in range(c["num_hidden_layers"])])
+        self.norm = GemmaRMSNorm(c["hidden_size"], c["rms_norm_eps"])
+
+    def forward(self, ids):
+        c, T, dtype = self.c, ids.size(1), self.embed_tokens.weight.dtype
+        scaling = c.get("rope_scaling") or {}
+        factor = scaling.get("factor", 1.0) if scaling.get("rope_type") == "linear" else 1.0
+        local_base = c.get("rope_local_base_freq", c["rope_theta"])
+        r = {"global": rotations(c, c["rope_theta"], factor, T, dtype),
+             "local": rotations(c, local_base if c["model_type"] == "gemma3_text" else c["rope_theta"],
+                                1.0 if c["model_type"] == "gemma3_text" else factor, T, dtype)}
+        x = self.embed_tokens(ids) * torch.tensor(c["hidden_size"] ** 0.5, dtype=dtype)
+        for layer in self.layers:
+            x = layer(x, r)
+        return self.norm(x)
+
+
+class GemmaForCausalLM(nn.Module):  # the head tied to embed_tokens
+    def __init__(self, c):
+        super().__init__()
+        self.model = GemmaModel(c)
+        self.softcap = c.get("final_logit_softcapping")
+
+    def forward(self, ids):
+        logits = self.model(ids) @ self.model.embed_tokens.weight.t()
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+
 GPT2_CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 512,
                "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
                "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
@@ -327,7 +413,30 @@ MISTRAL_CONFIG = {"model_type": "mistral", "architectures": ["MistralForCausalLM
                   "rope_theta": 1000000.0, "max_position_embeddings": 128,
                   "tie_word_embeddings": False, "hidden_act": "silu", "attention_dropout": 0.0,
                   "torch_dtype": "float32"}
-FLOAT64_LOGITS = ("qwen3", "mistral")
+# Gemma 2: local layer 0, global layer 1, both soft-caps small enough to bend these logits, and a
+# query_pre_attn_scalar apart from head_dim.
+GEMMA2_CONFIG = {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "vocab_size": 512,
+                 "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                 "query_pre_attn_scalar": 24, "sliding_window": 5, "rms_norm_eps": 1e-6,
+                 "rope_theta": 10000.0, "max_position_embeddings": 128,
+                 "attn_logit_softcapping": 1.0, "final_logit_softcapping": 0.5,
+                 "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+                 "attention_dropout": 0.0, "tie_word_embeddings": True, "torch_dtype": "float32"}
+# Gemma 3 (text): layers 0 and 1 local (rope_local_base_freq), 2 global (rope_theta with linear
+# scaling), q/k norms, no soft-caps.
+GEMMA3_CONFIG = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+                 "vocab_size": 512, "hidden_size": 64, "intermediate_size": 176,
+                 "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1,
+                 "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 5,
+                 "sliding_window_pattern": 3, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                 "rope_local_base_freq": 10000.0,
+                 "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                 "max_position_embeddings": 128, "attn_logit_softcapping": None,
+                 "final_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
+                 "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": True,
+                 "torch_dtype": "float32"}
+FLOAT64_LOGITS = ("qwen3", "mistral", "gemma2", "gemma3_text")
 
 
 def fixed_tokens(vocab):  # two rows of 24 tokens, the same for every reader
@@ -368,7 +477,8 @@ def load_checkpoint(directory, edit=None):
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
     config.update(edit or {})
-    model = (GPT2LMHeadModel if config["model_type"] == "gpt2" else LlamaForCausalLM)(config)
+    kinds = {"gpt2": GPT2LMHeadModel, "gemma2": GemmaForCausalLM, "gemma3_text": GemmaForCausalLM}
+    model = kinds.get(config["model_type"], LlamaForCausalLM)(config)
     index = os.path.join(directory, "model.safetensors.index.json")
     files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) \
         else ["model.safetensors"]
@@ -391,7 +501,11 @@ def main():
         write_checkpoint(os.path.join(sys.argv[2], "qwen3"), LlamaForCausalLM(QWEN3_CONFIG), QWEN3_CONFIG)
         write_checkpoint(os.path.join(sys.argv[2], "mistral"), LlamaForCausalLM(MISTRAL_CONFIG),
                          MISTRAL_CONFIG)
-        print(f"wrote {sys.argv[2]}/gpt2, llama, qwen2, qwen3 and mistral")
+        write_checkpoint(os.path.join(sys.argv[2], "gemma2"), GemmaForCausalLM(GEMMA2_CONFIG),
+                         GEMMA2_CONFIG)
+        write_checkpoint(os.path.join(sys.argv[2], "gemma3"), GemmaForCausalLM(GEMMA3_CONFIG),
+                         GEMMA3_CONFIG)
+        print(f"wrote {sys.argv[2]}/gpt2, llama, qwen2, qwen3, mistral, gemma2 and gemma3")
     elif len(sys.argv) == 3 and sys.argv[1] == "check":
         model = load_checkpoint(sys.argv[2])
         expected = load_safetensors(os.path.join(sys.argv[2], "logits.safetensors"))

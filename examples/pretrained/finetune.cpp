@@ -24,9 +24,10 @@
 // added to the first stage's after every step, which takes ddp: fsdp stages need Llama's untied
 // head). Each rank reads only the parts of the checkpoint it holds, into a model built without
 // memory (nn::DeferredInit).
-// --init llama|qwen3|gpt2 first writes a new, randomly initialized model of --dim/--layers/
-// --heads/--kv-heads (and Qwen 3's --head-dim) with the tokenizer of --tokenizer DIR into
-// --model (how the tests make one).
+// --init llama|mistral|qwen3|gemma2|gemma3|gpt2 first writes a new, randomly initialized model
+// of --dim/--layers/--heads/--kv-heads (--head-dim for the Qwen 3 and Gemma heads, --window for
+// the sliding windows of Mistral and Gemma's local layers) with the tokenizer of --tokenizer DIR
+// into --model (how the tests make one).
 // Rank 0 prints `step N loss X` (the whole batch's) every --log-every steps, `final_loss=X`,
 // `load_peak_bytes=N` and `training_peak_bytes=N` (its peak tensor memory while building and
 // loading the model, and while training: memory_stats),
@@ -50,7 +51,7 @@ struct Flags {
   int64_t steps = 100, context = 128, batch = 8, log_every = 10, checkpoint_every = 25;
   int64_t stop_at = -1, max_new_tokens = 40, top_k = 0, dim = 64, layers = 2, heads = 4;
   int64_t kv_heads = 2;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0, window = 16;
   double lr = 1e-4, temperature = 0.8, top_p = 0.95;
   uint64_t seed = 0;
   bool resume = false, checkpoint_activations = false;
@@ -94,10 +95,13 @@ Flags parse(int argc, char** argv) {
   app.add_flag("--checkpoint-activations", f.checkpoint_activations,
                "recompute each block in backward instead of keeping its activations");
   app.add_option("--stop-at", f.stop_at, "stop after this step (checkpointed)");
-  app.add_option("--init", f.init, "write a new llama, qwen3 or gpt2 model into --model first")
-      ->check(CLI::IsMember({"llama", "qwen3", "gpt2"}));
-  app.add_option("--head-dim", f.head_dim, "--init qwen3: each head's size (0: dim / heads)")
+  app.add_option("--init", f.init,
+                 "write a new llama, mistral, qwen3, gemma2, gemma3 or gpt2 model into --model")
+      ->check(CLI::IsMember({"llama", "mistral", "qwen3", "gemma2", "gemma3", "gpt2"}));
+  app.add_option("--head-dim", f.head_dim, "--init qwen3/gemma: each head's size (0: dim / heads)")
       ->check(cli::non_negative());
+  app.add_option("--window", f.window, "--init mistral/gemma: the sliding window")
+      ->check(cli::positive());
   app.add_option("--tokenizer", f.tokenizer, "--init: the tokenizer's directory");
   for (auto [name, value] : {std::pair{"--dim", &f.dim},
                              {"--layers", &f.layers},
@@ -106,6 +110,21 @@ Flags parse(int argc, char** argv) {
     app.add_option(name, *value, "--init's shape")->check(cli::positive());
   cli::parse_or_exit(app, argc, argv);
   return f;
+}
+
+// Gemma's settings as its published configs hold them: Gemma 2's soft-caps and alternating
+// local and global layers, Gemma 3's q/k norms, five local layers to a global one and a local
+// rotary base; the head tied.
+void set_gemma(data::hf::ModelConfig& config, const Flags& f) {
+  const bool gemma3 = f.init == "gemma3";
+  config.architecture = "gemma", config.tie_embeddings = true, config.qk_norm = gemma3;
+  config.head_dim = f.head_dim > 0 ? f.head_dim : f.dim / f.heads;
+  config.query_pre_attn_scalar = double(config.head_dim), config.sliding_window = f.window;
+  config.norm_eps = 1e-6, config.rope_theta = gemma3 ? 1e6 : 1e4;
+  config.rope_local_theta = gemma3 ? 1e4 : 0;
+  config.attention_softcap = gemma3 ? 0 : 50, config.logit_softcap = gemma3 ? 0 : 30;
+  for (int64_t i = 0; i < config.layers; ++i)
+    config.windowed_layers.push_back((i + 1) % (gemma3 ? 6 : 2) != 0);
 }
 
 // --init: a new model and the tokenizer's files, on rank 0.
@@ -121,6 +140,8 @@ void write_new_model(const Flags& f) {
     config.hidden = f.init == "gpt2" ? 4 * f.dim : models::llama_hidden(f.dim);
     config.max_positions = 1024, config.tie_embeddings = f.init == "gpt2";
     config.qk_norm = f.init == "qwen3", config.head_dim = f.init == "qwen3" ? f.head_dim : 0;
+    if (f.init == "mistral") config.sliding_window = f.window;
+    if (f.init.starts_with("gemma")) set_gemma(config, f);
     Generator generator(f.seed);
     auto model = models::make_model(config, {}, &generator);
     {  // embeddings at Hugging Face's initializer_range (0.02), as its new models start

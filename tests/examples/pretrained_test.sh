@@ -12,8 +12,8 @@
 # checkpoint written) equal one process's from the model each saved. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
 # stage's head), alone and with 2 tensor-parallel ranks, and resumed under ddp from a pipelined
 # checkpoint, ends at ddp's loss too; with --checkpoint-activations it repeats ddp's losses
-# with a lower training peak. A new tiny Qwen 3 under tp, context parallelism and fsdp ends at
-# ddp's loss.
+# with a lower training peak. A new tiny Qwen 3, and a Gemma 2, under tp, context parallelism
+# and fsdp end at ddp's loss.
 # Exits 77 (skipped) without the fortunes package.
 set -u
 finetune=$1 tokenize=$2 npm=$3
@@ -147,5 +147,22 @@ for name in qwen3_tp qwen3_cp qwen3_fsdp; do agrees "$name"; done
 grep -q '"model_type": "qwen3"' "$work/qwen3_saved/config.json" &&
   grep -aq '"model.layers.1.self_attn.k_norm.weight"' "$work/qwen3_saved/model.safetensors" ||
   { echo "FAIL: the Qwen 3 export is not a Qwen 3 checkpoint"; status=1; }
+# A new Gemma 2 (soft-caps, (1 + w) norms before and after attention and MLP, a tied head; a
+# window of 8 on its local layer, which reaches across the context-parallel ranks' 16-position
+# chunks): tensor-parallel, context-parallel and fsdp runs end at ddp's loss.
+"$finetune" --init gemma2 --head-dim 32 --window 8 --tokenizer "$gpt2" --model "$work/gemma2" \
+  --dim 64 --layers 2 --heads 4 --kv-heads 2 --tokens "$work/fortunes.tokens" --steps 0 \
+  >/dev/null || { echo "FAIL: --init gemma2"; exit 1; }
+base=(--model "$work/gemma2" --tokens "$work/fortunes.tokens" --steps 20 --context 64 --batch 4
+      --lr 1e-3 --log-every 1 --checkpoint-every 20)
+run gemma2_ddp 2 --save "$work/gemma2_saved"
+reference=$(final gemma2_ddp)
+run gemma2_tp 2 --strategy tp
+run gemma2_cp 2 --context-parallel 2
+run gemma2_fsdp 2 --strategy fsdp
+for name in gemma2_tp gemma2_cp gemma2_fsdp; do agrees "$name"; done
+grep -q '"model_type": "gemma2"' "$work/gemma2_saved/config.json" &&
+  grep -q '"attn_logit_softcapping": 50' "$work/gemma2_saved/config.json" ||
+  { echo "FAIL: the Gemma 2 export is not a Gemma 2 checkpoint"; status=1; }
 [ "$status" -eq 0 ] && echo "PASS: fine-tuning resumes exactly and every strategy agrees"
 exit "$status"

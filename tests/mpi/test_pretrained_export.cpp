@@ -96,7 +96,7 @@ int64_t largest_parameter_bytes(const nn::Module& model) {
 TEST_SUITE("pretrained") {
   TEST_CASE("save_pretrained of shards, slices and stages writes one process's files") {
     const int world = dist::world_size();
-    for (const std::string arch : {"gpt2", "llama", "qwen3", "mistral"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen3", "mistral", "gemma2", "gemma3"}) {
       for (const uint64_t shard_bytes : {uint64_t(5) << 30, uint64_t(40000)}) {
         CAPTURE(arch);
         CAPTURE(shard_bytes);

@@ -37,7 +37,8 @@ std::map<std::string, std::pair<Shape, DType>> layout_of(const std::string& dir)
 
 TEST_SUITE("hf_checkpoint") {
   TEST_CASE("GPT-2 and Llama checkpoints give PyTorch's logits; export reloads bitwise") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral"}) {
+    for (const std::string arch :
+         {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       auto model = models::from_pretrained(dir);
@@ -135,7 +136,8 @@ TEST_SUITE("hf_checkpoint") {
   }
 
   TEST_CASE("slices read only their bytes, and element ranges equal the whole's") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral"}) {
+    for (const std::string arch :
+         {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       const auto config = data::hf::read_config(dir);
@@ -230,7 +232,8 @@ TEST_SUITE("hf_checkpoint") {
   }
 
   TEST_CASE("greedy decoding with the caches equals the argmax of full forward passes") {
-    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral"}) {
+    for (const std::string arch :
+         {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"}) {
       CAPTURE(arch);
       auto model = models::from_pretrained(reference_dir(arch));
       const Tensor prompt =

@@ -158,6 +158,54 @@ TEST_SUITE("hf_checkpoint") {
                            {"model_type", "qwen2", "mismatch: lacks 6 tensor(s)"}});
   }
 
+  TEST_CASE("every Gemma 2 and Gemma 3 config field weave reads is honoured or refused") {
+    const std::vector<FieldCase> shared{
+        {"hidden_activation", "gelu", "refused: hidden_activation 'gelu'"},
+        {"attention_bias", true, "refused: attention_bias true"},
+        {"attention_dropout", 0.1, "refused: attention_dropout 0.1"},
+        {"head_dim", 16, "mismatch: has shape"},
+        {"head_dim", nullptr, "mismatch: has shape"},  // 256, as Hugging Face's
+        {"query_pre_attn_scalar", 100, "changes logits"},
+        {"query_pre_attn_scalar", nullptr, "changes logits"},  // 256
+        {"query_pre_attn_scalar", 0, "refused: query_pre_attn_scalar must be positive"},
+        {"sliding_window", 24, "changes logits"},
+        {"sliding_window", nullptr, "refused: local layers need a sliding_window"},
+        {"layer_types", {"sliding_attention"}, "refused: one type for"},
+        {"rms_norm_eps", 1e-2, "changes logits"},
+        {"rope_theta", 1000.0, "changes logits"},
+        {"tie_word_embeddings", false, "mismatch: lacks 1 tensor(s)"},  // no lm_head of its own
+        {"num_hidden_layers", 1, "mismatch: does not use"},
+        {"initializer_range", 0.5, "same logits"},
+        {"use_cache", false, "same logits"},
+        {"cache_implementation", "hybrid", "same logits"},
+        {"max_position_embeddings", 4096, "same logits"},
+        {"hidden_activation", "gelu_pytorch_tanh", "same logits"}};
+    check_fields("gemma2", shared);
+    check_fields(
+        "gemma2",
+        {{"attn_logit_softcapping", nullptr, "changes logits"},
+         {"final_logit_softcapping", nullptr, "changes logits"},
+         {"attn_logit_softcapping", -1, "refused: attn_logit_softcapping must be"},
+         {"final_logit_softcapping", "30", "refused: final_logit_softcapping must be"},
+         {"layer_types", {"full_attention", "full_attention"}, "changes logits"},
+         {"layer_types", {"sliding_attention", "full_attention"}, "same logits"},
+         {"rope_scaling", {{"rope_type", "linear"}, {"factor", 2.0}}, "refused: rope_scaling"}});
+    check_fields("gemma3", shared);
+    check_fields(
+        "gemma3",
+        {{"rope_local_base_freq", 500.0, "changes logits"},
+         {"rope_scaling", nullptr, "changes logits"},
+         {"rope_scaling", {{"rope_type", "default"}}, "changes logits"},
+         {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 2.0}}, "refused: rope_scaling"},
+         {"sliding_window_pattern", 2, "changes logits"},
+         {"sliding_window_pattern", 3, "same logits"},
+         {"layer_types",
+          {"sliding_attention", "sliding_attention", "full_attention"},
+          "same logits"},
+         {"attn_logit_softcapping", 50.0, "changes logits"},
+         {"use_bidirectional_attention", true, "refused: use_bidirectional_attention true"}});
+  }
+
   TEST_CASE("rope_scaling with rope_type default loads as no scaling") {
     for (const std::string arch : {"llama", "qwen2", "qwen3"}) {
       CAPTURE(arch);

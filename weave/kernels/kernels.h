@@ -6,6 +6,7 @@
 #include <optional>
 #include <vector>
 
+#include "weave/kernels/attention_rules.h"
 #include "weave/kernels/functors.h"
 #include "weave/tensor/tensor.h"
 

@@ -18,6 +18,10 @@ const std::vector<Architecture>& model_architectures() {
        [](const data::hf::ModelConfig& config, const ModelSplit& split, Generator* generator) {
          return std::make_shared<Llama>(llama_options(config, generator), split);
        }},
+      {gemma_architecture(),
+       [](const data::hf::ModelConfig& config, const ModelSplit& split, Generator* generator) {
+         return std::make_shared<Llama>(llama_options(config, generator), split);
+       }},
   };
   return all;
 }

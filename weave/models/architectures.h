@@ -7,13 +7,23 @@
 #include <vector>
 
 #include "weave/data/hf/hf_architecture.h"
+#include "weave/models/llama/llama.h"
 #include "weave/models/model_split.h"
 #include "weave/nn/generation.h"
 
 namespace weave::models::detail {
 
-/// Llama and Qwen 2 (models/llama/llama_hf.cpp).
+/// Llama, Mistral, Qwen 2 and Qwen 3 (models/llama/llama_hf.cpp).
 data::hf::ArchitectureSpec llama_architecture();
+/// Gemma 2 and Gemma 3's text model (models/llama/gemma_hf.cpp), built as models::Llama.
+data::hf::ArchitectureSpec gemma_architecture();
+/// The checkpoint names of a Llama-class model's parameters (Gemma's four norms a block where
+/// config.architecture is "gemma"), and the tensors its files may hold unread.
+std::vector<data::hf::detail::Mapping> llama_mappings(const data::hf::ModelConfig& config);
+bool llama_ignorable(const std::string& tensor, const data::hf::ModelConfig& config);
+/// llama_options and model_config for Gemma (models/llama/gemma_hf.cpp).
+LlamaOptions gemma_options(const data::hf::ModelConfig& config, Generator* generator);
+data::hf::ModelConfig gemma_config(const LlamaOptions& options, DType dtype);
 /// GPT-2 (models/gpt2/gpt2_hf.cpp).
 data::hf::ArchitectureSpec gpt2_architecture();
 

@@ -79,15 +79,20 @@ Tensor LayerNorm::forward(const Tensor& x) {
   return layer_norm(x, shape_, weight, bias, eps_);
 }
 
-RMSNorm::RMSNorm(const Shape& normalized_shape, double eps, bool affine)
+RMSNorm::RMSNorm(const Shape& normalized_shape, double eps, bool affine, bool unit_offset)
     : Module("RMSNorm"),
-      weight(register_parameter("weight",
-                                affine ? init::constant_parameter(normalized_shape, 1) : Tensor())),
+      weight(register_parameter(
+          "weight",
+          affine ? init::constant_parameter(normalized_shape, unit_offset ? 0 : 1) : Tensor())),
       shape_(normalized_shape),
-      eps_(eps) {}
+      eps_(eps),
+      unit_offset_(unit_offset) {
+  WEAVE_CHECK(affine || !unit_offset, "RMSNorm",
+              "unit_offset scales by (1 + weight): it needs affine");
+}
 
 Tensor RMSNorm::forward(const Tensor& x) {
-  return rms_norm(x, shape_, weight, eps_);
+  return rms_norm(x, shape_, unit_offset_ ? weight + 1.0 : weight, eps_);
 }
 
 Dropout::Dropout(double p, Generator* generator) : Module("Dropout"), p_(p), generator_(generator) {

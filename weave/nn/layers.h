@@ -70,16 +70,19 @@ class LayerNorm : public Module {
 };
 
 /// Root-mean-square normalization over the trailing normalized_shape with a learned scale
-/// (LLaMA's RMSNorm).
+/// (LLaMA's RMSNorm). With unit_offset the scale is (1 + weight), the weight starting at 0
+/// (Gemma's RMSNorm); else the weight, starting at 1.
 class RMSNorm : public Module {
  public:
-  explicit RMSNorm(const Shape& normalized_shape, double eps = 1e-6, bool affine = true);
+  explicit RMSNorm(const Shape& normalized_shape, double eps = 1e-6, bool affine = true,
+                   bool unit_offset = false);
   Tensor forward(const Tensor& x) override;
   Tensor& weight;  // undefined without affine
 
  private:
   Shape shape_;
   double eps_;
+  bool unit_offset_;
 };
 
 /// Zeroes elements with probability p in training mode (identity in eval mode).

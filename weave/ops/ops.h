@@ -338,6 +338,9 @@ struct RotaryOptions {
   /// partial rotary). 0: all of them.
   int64_t rotary_dim = 0;
   std::optional<Llama3RopeScaling> llama3_scaling{};
+  /// Hugging Face's linear rope_scaling (Gemma 3's global layers): every frequency divided by
+  /// it, as positions would be; 1: none.
+  double linear_factor = 1.0;
 };
 
 /// Rotary position embeddings of x [B, T, H, D] at integer positions, [T] or [B, T] (a window

@@ -46,6 +46,9 @@ Tensor rotary_frequencies(int64_t rotary_dim, const RotaryOptions& options) {
   WEAVE_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0, "rotary_embedding",
               "rotary_dim must be even and positive, found {}", rotary_dim);
   WEAVE_CHECK(options.base > 1, "rotary_embedding", "base must exceed 1, found {}", options.base);
+  WEAVE_CHECK(options.linear_factor >= 1 && std::isfinite(options.linear_factor),
+              "rotary_embedding", "linear_factor must be finite and >= 1, found {}",
+              options.linear_factor);
   std::vector<double> frequencies(size_t(rotary_dim / 2));
   for (size_t i = 0; i < frequencies.size(); ++i)
     frequencies[i] = std::pow(options.base, -2.0 * double(i) / double(rotary_dim));
@@ -66,6 +69,7 @@ Tensor rotary_frequencies(int64_t rotary_dim, const RotaryOptions& options) {
       f = (1 - smooth) * f / s->factor + smooth * f;
     }
   }
+  for (double& f : frequencies) f /= options.linear_factor;
   return from_vector(frequencies, {int64_t(frequencies.size())});
 }
 

@@ -16,8 +16,8 @@ namespace weave::data::hf {
 
 /// What weave takes from config.json (everything else is kept and written back on export).
 struct ModelConfig {
-  /// The architecture (weave's folder of it under weave/models/: "llama", which reads Llama,
-  /// Qwen 2 and Qwen 3 checkpoints, or "gpt2").
+  /// The architecture: "llama" (Llama, Mistral, Qwen 2 and Qwen 3 checkpoints), "gemma" (Gemma 2
+  /// and Gemma 3's text model, built as models::Llama too) or "gpt2".
   std::string architecture = "llama";
   int64_t vocab = 0, dim = 0, layers = 0, heads = 0;
   int64_t kv_heads = 0;       // Llama: num_key_value_heads (GPT-2: heads)
@@ -39,8 +39,14 @@ struct ModelConfig {
   /// Which layers attend through the window (layer_types, or Qwen's max_window_layers); empty:
   /// every layer.
   std::vector<bool> windowed_layers{};
-  DType dtype = kFloat32;  // torch_dtype: the dtype export writes
-  std::string json;        // the file's text, "" when built here
+  // Gemma's (model_type gemma2, gemma3_text):
+  double attention_softcap = 0;      // attn_logit_softcapping (0: none)
+  double logit_softcap = 0;          // final_logit_softcapping (0: none)
+  double query_pre_attn_scalar = 0;  // the attention scale is its -1/2 power (0: head_dim's)
+  double rope_local_theta = 0;       // Gemma 3: rope_local_base_freq of windowed layers (0: none)
+  double rope_linear_factor = 1;     // rope_scaling of type linear (Gemma 3's global layers)
+  DType dtype = kFloat32;            // torch_dtype: the dtype export writes
+  std::string json;                  // the file's text, "" when built here
 };
 
 /// Reads dir/config.json. Raises for an unknown model_type and for settings weave does not

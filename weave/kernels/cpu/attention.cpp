@@ -115,6 +115,14 @@ struct Masking {
     }
   }
 
+  /// Takes a block of the capped scores' gradient through the soft-cap to the raw scores (a
+  /// mask adds after the cap: its gradient is the one before).
+  void through_cap(T* ds, const T* capped, int64_t ld, int64_t rows, int64_t cols) const {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        ds[r * ld + c] *= functors::softcap_grad(capped[r * ld + c], cap);
+  }
+
   /// Multiplies a block of probabilities by the dropout mask over 1 - p.
   void drop(T* p, int64_t ld, int64_t b, int64_t h, int64_t i0, int64_t rows, int64_t j0,
             int64_t cols) const {
@@ -255,10 +263,7 @@ void backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor
     if (dscores)
       for (int64_t r = 0; r < rows; ++r)
         std::copy_n(p + r * kBlockK, cols, dscores + (row0 + i0 + r) * tk + j0);
-    if (capped)  // through the cap to the raw scores (a mask adds after it)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c)
-          p[r * kBlockK + c] *= functors::softcap_grad(capped[r * kBlockK + c], masking.cap);
+    if (capped) masking.through_cap(p, capped, kBlockK, rows, cols);
     // dQ += scale dS K, dK += scale dS^T Q
     gemm<T>(false, false, rows, d, cols, scale, p, kBlockK, K.at(b, kv, j0), K.row_stride, T(1),
             DQ.at(b, h, i0), DQ.row_stride);

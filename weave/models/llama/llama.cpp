@@ -38,8 +38,12 @@ LlamaBlock::LlamaBlock(int64_t dim, LlamaBlockOptions options, const ModelSplit&
                        int64_t index)
     : nn::CachedModule("LlamaBlock") {
   const nn::Leaves leaves = split.leaves();
+  auto rms_norm = [&] {
+    return std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps, true,
+                                         options.norm_unit_offset);
+  };
   // The norms draw nothing, the attention and the MLP their weights, in this order.
-  norm1 = register_module("norm1", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
+  norm1 = register_module("norm1", rms_norm());
   attention = register_module(
       "attention", std::make_shared<nn::GroupedQueryAttention>(
                        dim,
@@ -55,7 +59,9 @@ LlamaBlock::LlamaBlock(int64_t dim, LlamaBlockOptions options, const ModelSplit&
                                                         .rotary = options.rotary,
                                                         .generator = options.generator},
                        leaves));
-  norm2 = register_module("norm2", std::make_shared<nn::RMSNorm>(Shape{dim}, options.norm_eps));
+  if (options.post_norms) post_norm1 = register_module("post_norm1", rms_norm());
+  norm2 = register_module("norm2", rms_norm());
+  if (options.post_norms) post_norm2 = register_module("post_norm2", rms_norm());
   if (const auto experts = detail::block_experts(options.moe, index)) {
     WEAVE_CHECK(experts->hidden == dim, "LlamaBlock",
                 "the experts' moe.hidden must be the block's dim {}, found {}", dim,
@@ -76,15 +82,18 @@ Tensor LlamaBlock::forward(const Tensor& x) {
 }
 
 Tensor LlamaBlock::forward_inputs(const nn::Inputs& inputs) {
-  return mix(inputs.x + (*attention)(inputs.with((*norm1)(inputs.x))));
+  const Tensor attended = (*attention)(inputs.with((*norm1)(inputs.x)));
+  return mix(inputs.x + (post_norm1 ? (*post_norm1)(attended) : attended));
 }
 
 Tensor LlamaBlock::forward(const nn::Inputs& inputs, nn::KVCache& cache) {
-  return mix(inputs.x + attention->forward(inputs.with((*norm1)(inputs.x)), cache));
+  const Tensor attended = attention->forward(inputs.with((*norm1)(inputs.x)), cache);
+  return mix(inputs.x + (post_norm1 ? (*post_norm1)(attended) : attended));
 }
 
 Tensor LlamaBlock::mix(const Tensor& h) {
-  return h + (moe ? moe->with_aux_loss((*moe)((*norm2)(h))) : (*mlp)((*norm2)(h)));
+  const Tensor mixed = moe ? moe->with_aux_loss((*moe)((*norm2)(h))) : (*mlp)((*norm2)(h));
+  return h + (post_norm2 ? (*post_norm2)(mixed) : mixed);
 }
 
 Tensor LlamaBlock::aux_loss() const {
@@ -119,7 +128,8 @@ Llama::Llama(LlamaOptions options, ModelSplit split)
         std::make_shared<LlamaBlock>(options.dim, block_options(options, i), split_, i));
   if (split_.last_stage()) {
     norm = register_module(
-        "norm", std::make_shared<nn::RMSNorm>(Shape{options.dim}, options.block.norm_eps));
+        "norm", std::make_shared<nn::RMSNorm>(Shape{options.dim}, options.block.norm_eps, true,
+                                              options.block.norm_unit_offset));
     add_head();
   }
   if (split_.context_group) parallel::record_context_reads(*this, *split_.context_group);
@@ -157,9 +167,18 @@ Tensor Llama::forward_inputs(const nn::Inputs& inputs) {
   if (first && split_.context_group)  // parts cut as the split reads them, or every rank raises
     parallel::check_sequence_part(inputs.x, inputs.positions, inputs.document_ids,
                                   *split_.context(), kLlama);
-  const Tensor h = run_blocks(*blocks, inputs.with(first ? (*embedding)(inputs.x) : inputs.x));
+  const Tensor h = run_blocks(*blocks, inputs.with(first ? embed(inputs.x) : inputs.x));
   if (!norm) return h;
   return logits((*norm)(h), split_.gather_logits);
+}
+
+// Gemma multiplies by sqrt(dim) rounded to the activations' dtype, as its reference does.
+Tensor Llama::embed(const Tensor& tokens) {
+  const Tensor rows = (*embedding)(tokens);
+  if (!options_.scale_embedding) return rows;
+  const double normalizer =
+      full({}, std::sqrt(double(options_.dim)), {.dtype = rows.dtype()}).item<double>();
+  return rows * normalizer;
 }
 
 Tensor Llama::logits(const Tensor& hidden, bool gather) {
@@ -193,7 +212,7 @@ std::vector<nn::KVCache> Llama::make_caches(int64_t max_length) const {
 Tensor Llama::forward_cached(const Tensor& tokens, std::vector<nn::KVCache>& caches) {
   split_.check_decoding(kLlama, caches.size(), blocks->size());
   NoGradGuard no_grad;
-  Tensor h = (*embedding)(tokens);
+  Tensor h = embed(tokens);
   for (size_t i = 0; i < blocks->size(); ++i) {
     auto& block = static_cast<nn::CachedModule&>((*blocks)[i]);
     // Between the block's hooks: a fully sharded wrapper gathers it for the step.

@@ -56,13 +56,19 @@ struct LlamaBlockOptions {
   int64_t window = 0;
   /// Soft-caps the attention scores (Gemma 2's attn_logit_softcapping); 0: none.
   double attention_softcap = 0.0;
+  /// Every RMSNorm of the model scales by (1 + weight), the weights starting at 0 (Gemma's).
+  bool norm_unit_offset = false;
+  /// RMSNorms after the attention and after the MLP too, before each joins the residual
+  /// (Gemma 2 and 3: post_attention_layernorm and post_feedforward_layernorm).
+  bool post_norms = false;
   /// A mixture of experts in place of the gated MLP (moe->hidden is dim), block i's seeded
   /// moe->seed + i. While training, each block's balancing loss travels with its output into
   /// backward (nn::MoE::with_aux_loss), on every pipeline stage: the trainer adds nothing.
   std::optional<nn::MoEOptions> moe = std::nullopt;
 };
 
-/// A pre-RMSNorm block: h = x + attention(norm1(x)), then h + mlp(norm2(h)). Its attention is
+/// A pre-RMSNorm block: h = x + attention(norm1(x)), then h + mlp(norm2(h)); with post_norms
+/// h = x + post_norm1(attention(norm1(x))), then h + post_norm2(mlp(norm2(h))). Its attention is
 /// nn::GroupedQueryAttention and its MLP nn::GatedMLP, built with the split's leaves (split over
 /// split.tensor, attending over split.context_group), or with options.moe a mixture of experts
 /// registered as "moe" (block `index`'s seed; spread over split.expert_group).
@@ -77,6 +83,8 @@ class LlamaBlock : public nn::CachedModule {
   /// The last forward's load-balancing and z-loss, for reporting (undefined without experts).
   Tensor aux_loss() const;
   std::shared_ptr<nn::RMSNorm> norm1, norm2;
+  /// With post_norms: after the attention and after the MLP (null without).
+  std::shared_ptr<nn::RMSNorm> post_norm1, post_norm2;
   std::shared_ptr<nn::GroupedQueryAttention> attention;
   /// The MLP, or (with experts) null and `moe` the mixture of experts.
   std::shared_ptr<nn::GatedMLP> mlp;
@@ -104,6 +112,9 @@ struct LlamaOptions {
   std::optional<RotaryOptions> windowed_rotary = std::nullopt;
   /// Soft-caps the logits: cap tanh(logits / cap) (Gemma 2's final_logit_softcapping); 0: none.
   double logit_softcap = 0.0;
+  /// The embedding's rows times sqrt(dim), rounded to their dtype (Gemma's); the tied head reads
+  /// the table as it is.
+  bool scale_embedding = false;
   Generator* generator = nullptr;
 };
 
@@ -145,6 +156,7 @@ class Llama : public nn::CausalLM {
  private:
   void add_head();
   Tensor logits(const Tensor& hidden, bool gather);
+  Tensor embed(const Tensor& tokens);
   LlamaOptions options_;
   ModelSplit split_;
   Tensor* embedding_weight_ = nullptr;

@@ -181,7 +181,15 @@ void write_llama(const data::hf::ModelConfig& config, json& c) {
         {"original_max_position_embeddings", config.rope_scaling->original_max_position}};
 }
 
+}  // namespace
+
+namespace detail {
+
 std::vector<Mapping> llama_mappings(const data::hf::ModelConfig& c) {
+  // Gemma's four norms a block: the one Llama calls post_attention_layernorm (before the MLP) is
+  // its pre_feedforward_layernorm; its post_attention_layernorm follows the attention.
+  const bool gemma = c.architecture == "gemma";
+  const char* before_mlp = gemma ? "pre_feedforward_layernorm." : "post_attention_layernorm.";
   const int64_t D = c.dim, F = c.hidden, HD = head_dim_of(c), Q = c.heads * HD,
                 KV = c.kv_heads * HD;
   std::vector<Mapping> m{
@@ -209,7 +217,16 @@ std::vector<Mapping> llama_mappings(const data::hf::ModelConfig& c) {
       m.push_back({w + "attention.q_norm", {h + "self_attn.q_norm.weight"}, Layout::Same, {{HD}}});
       m.push_back({w + "attention.k_norm", {h + "self_attn.k_norm.weight"}, Layout::Same, {{HD}}});
     }
-    m.push_back({w + "norm2.weight", {h + "post_attention_layernorm.weight"}, Layout::Same, {{D}}});
+    if (gemma)
+      m.push_back(
+          {w + "post_norm1.weight", {h + "post_attention_layernorm.weight"}, Layout::Same, {{D}}});
+    m.push_back(
+        {w + "norm2.weight", {h + before_mlp + std::string("weight")}, Layout::Same, {{D}}});
+    if (gemma)
+      m.push_back({w + "post_norm2.weight",
+                   {h + "post_feedforward_layernorm.weight"},
+                   Layout::Same,
+                   {{D}}});
     m.push_back({w + "mlp.gate_up",
                  {h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"},
                  Layout::Stacked,
@@ -228,10 +245,6 @@ bool llama_ignorable(const std::string& tensor, const data::hf::ModelConfig& con
          (config.tie_embeddings && tensor == "lm_head.weight");
 }
 
-}  // namespace
-
-namespace detail {
-
 data::hf::ArchitectureSpec llama_architecture() {
   return {.name = "llama",
           .display = "Llama",
@@ -245,8 +258,10 @@ data::hf::ArchitectureSpec llama_architecture() {
 }  // namespace detail
 
 LlamaOptions llama_options(const data::hf::ModelConfig& config, Generator* generator) {
+  if (config.architecture == "gemma") return detail::gemma_options(config, generator);
   WEAVE_CHECK(config.architecture == "llama", kLlamaHf,
-              "llama_options needs a Llama configuration, found GPT-2's");
+              "llama_options needs a Llama or Gemma configuration, found {}'s",
+              config.architecture);
   const RotaryOptions rotary{.base = config.rope_theta, .llama3_scaling = config.rope_scaling};
   return {.vocab = config.vocab,
           .dim = config.dim,
@@ -269,6 +284,8 @@ LlamaOptions llama_options(const data::hf::ModelConfig& config, Generator* gener
 
 data::hf::ModelConfig model_config(const LlamaOptions& options, DType dtype) {
   const LlamaBlockOptions& block = options.block;
+  if (block.post_norms || block.norm_unit_offset || options.scale_embedding)
+    return detail::gemma_config(options, dtype);
   const RotaryOptions rotary = block.rotary.value_or(RotaryOptions{});
   WEAVE_CHECK(
       !block.attention_scale &&

@@ -1,6 +1,7 @@
 // Context parallelism: ring attention (one autograd node whose forward and backward run the ring
 // with the fused attention kernels) and all-to-all attention (composed of differentiable ops).
 #include "weave/parallel/model_parallel/context_parallel.h"
+#include "weave/parallel/model_parallel/context_parallel_pairs.h"
 
 #include <algorithm>
 #include <bit>
@@ -25,6 +26,7 @@ namespace weave::parallel {
 namespace {
 
 namespace F = dist::functional;
+using detail::Pair, detail::pair_of, detail::pair_options, detail::pair_scores;
 constexpr int kKeyValueTag = dist::tags::kRingKeyValue, kGradTag = dist::tags::kRingGradient;
 
 // The chunks of the whole sequence rank r holds, in its order: one of n (Contiguous) or two of
@@ -61,42 +63,6 @@ struct SequencePart final : CutRecord {
                        layout_name(layout), fmt::join(group, ", "), axis);
   }
 };
-
-// How query chunk a attends to key chunk b (chunks of `chunk` positions): all of it, causally
-// among themselves, through the window (a sliding window whose queries sit (a - b) chunks after
-// the keys), or not at all (a later chunk, or one beyond every query's window).
-enum class Pair { Skip, Full, Diagonal, Windowed };
-Pair pair_of(int64_t a, int64_t b, int64_t chunk, bool causal, int64_t window) {
-  if (!causal) return Pair::Full;
-  if (a == b) return Pair::Diagonal;
-  if (a < b) return Pair::Skip;
-  if (window == 0) return Pair::Full;
-  const int64_t nearest = (a - b) * chunk - (chunk - 1);  // the closest query-key distance
-  return nearest >= window ? Pair::Skip : Pair::Windowed;
-}
-
-// A pair's attention options: its causal rule, window and the queries' place after the keys.
-AttentionOptions pair_options(Pair pair, int64_t a, int64_t b, int64_t chunk, double scale,
-                              int64_t window, double softcap) {
-  AttentionOptions o{.scale = scale, .softcap = softcap};
-  if (pair == Pair::Full) return o;
-  o.causal = true;
-  o.window = window;
-  o.query_start = (a - b) * chunk;
-  return o;
-}
-
-// The query-key scores a pair computes (its visible ones, for the ring's statistics).
-int64_t pair_scores(const AttentionOptions& o, int64_t chunk) {
-  if (!o.causal) return chunk * chunk;
-  auto key = [&](int64_t j) { return std::clamp<int64_t>(j, 0, chunk); };
-  int64_t total = 0;
-  for (int64_t i = 0, at = o.query_start.value_or(0); i < chunk; ++i, ++at) {
-    const int64_t end = key(at + 1), begin = o.window > 0 ? key(at + 1 - o.window) : 0;
-    total += end - std::min(begin, end);
-  }
-  return total;
-}
 
 // Arguments every rank checks, then agrees on (shapes and options alike on every rank).
 void check_arguments(const Tensor& q, const Tensor& k, const Tensor& v, const dist::Group& group,
