@@ -30,6 +30,8 @@ needed (the safetensors format is written and read here directly).
                                      # on the fixed tokens, compares with DIR/logits.safetensors
   hf_reference.py edited DIR JSON OUT  # DIR's weights under its config updated by JSON: float64
                                        # logits on the fixed tokens into OUT
+  hf_reference.py bf16 DIR OUT       # DIR's weights rounded to bfloat16, in one model.safetensors
+                                     # (torch_dtype bfloat16), with float64 logits of those weights
 """
 import json
 import math
@@ -492,6 +494,24 @@ def load_checkpoint(directory, edit=None):
     return model
 
 
+def write_bf16(directory, out):
+    model = load_checkpoint(directory)
+    os.makedirs(out, exist_ok=True)
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k != "model.inv_freq"}
+    save_safetensors(os.path.join(out, "model.safetensors"), state, {"format": "pt"})
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    config["torch_dtype"] = "bfloat16"
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=False)
+    tokens = load_safetensors(os.path.join(directory, "logits.safetensors"))["tokens"]
+    with torch.no_grad():
+        save_safetensors(os.path.join(out, "logits.safetensors"),
+                         {"tokens": tokens, "logits": model.double()(tokens)})
+    print(f"wrote {out}")
+
+
 def main():
     torch.manual_seed(0)
     if len(sys.argv) == 3 and sys.argv[1] == "write":
@@ -520,6 +540,8 @@ def main():
         with torch.no_grad():
             save_safetensors(sys.argv[4], {"tokens": tokens, "logits": model(tokens)})
         print(f"wrote {sys.argv[4]}")
+    elif len(sys.argv) == 4 and sys.argv[1] == "bf16":
+        write_bf16(sys.argv[2], sys.argv[3])
     else:
         sys.exit(__doc__)
 

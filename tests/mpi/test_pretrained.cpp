@@ -280,18 +280,28 @@ TEST_SUITE("pretrained") {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
-      auto model = split_model(config, mesh.tensor(),
-                               {.gather_logits = true, .context_group = mesh.context()});
-      parallel::load_pretrained(*model, config, dir);
       const auto [tokens, expected] = reference_logits(dir);
       const auto part = [&](const Tensor& whole) {
         return parallel::shard_sequence(whole, 1, mesh.context(), parallel::SequenceLayout::ZigZag);
       };
-      NoGradGuard no_grad;
-      CHECK(max_abs_diff((*model)(part(tokens)), part(expected)) < 1e-5);
-      std::vector<nn::KVCache> caches = model->make_caches(8);
-      CHECK_THROWS_WITH_AS(model->forward_cached(part(tokens), caches),
-                           doctest::Contains("context group"), Error);
+      // All-to-all takes heads that divide over the tensor and context ranks (Gemma 3's one
+      // key/value head does not).
+      const int64_t split_heads = mesh.shape().tensor * 2;
+      const bool heads_divide = config.kv_heads % split_heads == 0;
+      for (const auto mode :
+           {parallel::ContextParallelMode::Ring, parallel::ContextParallelMode::AllToAll}) {
+        if (mode == parallel::ContextParallelMode::AllToAll && !heads_divide) continue;
+        CAPTURE(int(mode));
+        auto model = split_model(
+            config, mesh.tensor(),
+            {.gather_logits = true, .context_group = mesh.context(), .context_mode = mode});
+        parallel::load_pretrained(*model, config, dir);
+        NoGradGuard no_grad;
+        CHECK(max_abs_diff((*model)(part(tokens)), part(expected)) < 1e-5);
+        std::vector<nn::KVCache> caches = model->make_caches(8);
+        CHECK_THROWS_WITH_AS(model->forward_cached(part(tokens), caches),
+                             doctest::Contains("context group"), Error);
+      }
     }
   }
 

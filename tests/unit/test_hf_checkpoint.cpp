@@ -37,8 +37,9 @@ std::map<std::string, std::pair<Shape, DType>> layout_of(const std::string& dir)
 
 TEST_SUITE("hf_checkpoint") {
   TEST_CASE("GPT-2 and Llama checkpoints give PyTorch's logits; export reloads bitwise") {
+    // gemma2_bf16: Gemma 2's weights rounded to bfloat16 in one file, float64 logits of those.
     for (const std::string arch :
-         {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"}) {
+         {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma2_bf16"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       auto model = models::from_pretrained(dir);
