@@ -131,36 +131,34 @@ run gpt2_resumed 2 --checkpoint "$work/ckpt_gpt2" --resume
 for name in gpt2_pipeline gpt2_pipeline_tp gpt2_resumed; do agrees "$name"; done
 [ "$(grep -ao '"transformer.wte.weight"' "$work/gpt2_saved/model.safetensors" | wc -l)" -eq 1 ] ||
   { echo "FAIL: the pipelined GPT-2's export does not hold exactly one wte"; status=1; }
-# A new Qwen 3 (q/k norms; head_dim 32, twice dim / heads): tensor-parallel, context-parallel and
-# fsdp runs end at ddp's loss; its export says qwen3 and holds the norms.
-"$finetune" --init qwen3 --head-dim 32 --tokenizer "$gpt2" --model "$work/qwen3" --dim 64 \
-  --layers 2 --heads 4 --kv-heads 2 --tokens "$work/fortunes.tokens" --steps 0 >/dev/null ||
-  { echo "FAIL: --init qwen3"; exit 1; }
-base=(--model "$work/qwen3" --tokens "$work/fortunes.tokens" --steps 20 --context 64 --batch 4
-      --lr 1e-3 --log-every 1 --checkpoint-every 20)
-run qwen3_ddp 2 --save "$work/qwen3_saved"
-reference=$(final qwen3_ddp)
-run qwen3_tp 2 --strategy tp
-run qwen3_cp 2 --context-parallel 2
-run qwen3_fsdp 2 --strategy fsdp
-for name in qwen3_tp qwen3_cp qwen3_fsdp; do agrees "$name"; done
+# new_model_agrees NAME INIT_FLAGS...: a new tiny model (finetune INIT_FLAGS) trained 20 steps
+# under ddp, tp, context parallelism and fsdp; each ends at ddp's loss, and ddp's export is in
+# $work/NAME_saved.
+new_model_agrees() {
+  local name=$1
+  shift
+  "$finetune" "$@" --tokenizer "$gpt2" --model "$work/$name" --dim 64 --layers 2 --heads 4 \
+    --kv-heads 2 --tokens "$work/fortunes.tokens" --steps 0 >/dev/null ||
+    { echo "FAIL: $*"; exit 1; }
+  base=(--model "$work/$name" --tokens "$work/fortunes.tokens" --steps 20 --context 64 --batch 4
+        --lr 1e-3 --log-every 1 --checkpoint-every 20)
+  run "${name}_ddp" 2 --save "$work/${name}_saved"
+  reference=$(final "${name}_ddp")
+  run "${name}_tp" 2 --strategy tp
+  run "${name}_cp" 2 --context-parallel 2
+  run "${name}_fsdp" 2 --strategy fsdp
+  for strategy in tp cp fsdp; do agrees "${name}_$strategy"; done
+}
+# A new Qwen 3 (q/k norms; head_dim 32, twice dim / heads): its export says qwen3 and holds the
+# norms.
+new_model_agrees qwen3 --init qwen3 --head-dim 32
 grep -q '"model_type": "qwen3"' "$work/qwen3_saved/config.json" &&
   grep -aq '"model.layers.1.self_attn.k_norm.weight"' "$work/qwen3_saved/model.safetensors" ||
   { echo "FAIL: the Qwen 3 export is not a Qwen 3 checkpoint"; status=1; }
 # A new Gemma 2 (soft-caps, (1 + w) norms before and after attention and MLP, a tied head; a
 # window of 8 on its local layer, which reaches across the context-parallel ranks' 16-position
-# chunks): tensor-parallel, context-parallel and fsdp runs end at ddp's loss.
-"$finetune" --init gemma2 --head-dim 32 --window 8 --tokenizer "$gpt2" --model "$work/gemma2" \
-  --dim 64 --layers 2 --heads 4 --kv-heads 2 --tokens "$work/fortunes.tokens" --steps 0 \
-  >/dev/null || { echo "FAIL: --init gemma2"; exit 1; }
-base=(--model "$work/gemma2" --tokens "$work/fortunes.tokens" --steps 20 --context 64 --batch 4
-      --lr 1e-3 --log-every 1 --checkpoint-every 20)
-run gemma2_ddp 2 --save "$work/gemma2_saved"
-reference=$(final gemma2_ddp)
-run gemma2_tp 2 --strategy tp
-run gemma2_cp 2 --context-parallel 2
-run gemma2_fsdp 2 --strategy fsdp
-for name in gemma2_tp gemma2_cp gemma2_fsdp; do agrees "$name"; done
+# chunks).
+new_model_agrees gemma2 --init gemma2 --head-dim 32 --window 8
 grep -q '"model_type": "gemma2"' "$work/gemma2_saved/config.json" &&
   grep -q '"attn_logit_softcapping": 50' "$work/gemma2_saved/config.json" ||
   { echo "FAIL: the Gemma 2 export is not a Gemma 2 checkpoint"; status=1; }

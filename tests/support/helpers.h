@@ -91,4 +91,12 @@ inline bool close(const Tensor& a, const Tensor& b, double rtol = 1e-5, double a
   return a.shape() == b.shape() && allclose(a, b, rtol, atol);
 }
 
+/// The largest |a - b| relative to b's largest magnitude (the truth's; an exactly zero truth,
+/// such as the gradient of attention over one key, is compared to 1e-3).
+inline double relative_error(const Tensor& a, const Tensor& b) {
+  REQUIRE(a.shape() == b.shape());
+  const double scale = max(abs(b.to(kFloat64))).item<double>();
+  return max(abs(a.to(kFloat64) - b.to(kFloat64))).item<double>() / std::max(scale, 1e-3);
+}
+
 }  // namespace weave::test

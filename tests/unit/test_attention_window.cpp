@@ -12,13 +12,9 @@
 using namespace weave;
 using Inputs = std::vector<Tensor>;
 
-namespace {
+using weave::test::relative_error;
 
-double relative_error(const Tensor& a, const Tensor& b) {
-  REQUIRE(a.shape() == b.shape());
-  const double scale = max(abs(b.to(kFloat64))).item<double>();
-  return max(abs(a.to(kFloat64) - b.to(kFloat64))).item<double>() / std::max(scale, 1e-3);
-}
+namespace {
 
 struct WindowCase {
   std::string name;

@@ -11,15 +11,9 @@
 using namespace weave;
 using Inputs = std::vector<Tensor>;
 
-namespace {
+using weave::test::relative_error;
 
-/// The largest |a - b| relative to b's largest magnitude.
-double relative_error(const Tensor& a, const Tensor& b) {
-  REQUIRE(a.shape() == b.shape());
-  const double scale = max(abs(b.to(kFloat64))).item<double>();
-  // (an exactly zero truth, such as the gradient of attention over one key, is compared to 1e-3)
-  return max(abs(a.to(kFloat64) - b.to(kFloat64))).item<double>() / std::max(scale, 1e-3);
-}
+namespace {
 
 Tensor logical_or_diagonal(const Tensor& mask, int64_t tq, int64_t tk);
 

@@ -4,6 +4,8 @@
 // (data::hf::architectures()) and models::make_model builds from the same list.
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "weave/data/hf/hf_architecture.h"
@@ -21,6 +23,14 @@ data::hf::ArchitectureSpec gemma_architecture();
 /// config.architecture is "gemma"), and the tensors its files may hold unread.
 std::vector<data::hf::detail::Mapping> llama_mappings(const data::hf::ModelConfig& config);
 bool llama_ignorable(const std::string& tensor, const data::hf::ModelConfig& config);
+/// config.json's sizes every Llama-class model names alike (vocab_size, hidden_size,
+/// num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
+/// max_position_embeddings, rms_norm_eps), and its layer_types as which layers slide (none when
+/// absent; raises, naming path, for an entry neither sliding_attention nor full_attention).
+void read_llama_sizes(const nlohmann::json& file, const std::string& path,
+                      data::hf::ModelConfig& config);
+std::optional<std::vector<bool>> read_layer_types(const nlohmann::json& file,
+                                                  const std::string& path, int64_t layers);
 /// llama_options and model_config for Gemma (models/llama/gemma_hf.cpp).
 LlamaOptions gemma_options(const data::hf::ModelConfig& config, Generator* generator);
 data::hf::ModelConfig gemma_config(const LlamaOptions& options, DType dtype);

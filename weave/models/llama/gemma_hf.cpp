@@ -33,21 +33,8 @@ double number_or_none(const json& c, const char* key, const std::string& path) {
 // Gemma 3's all but every sliding_window_pattern-th.
 std::vector<bool> local_layers(const json& c, const std::string& path, bool gemma3,
                                int64_t layers) {
+  if (auto types = detail::read_layer_types(c, path, layers)) return *types;
   std::vector<bool> local;
-  if (const json types = c.value("layer_types", json()); !types.is_null()) {
-    WEAVE_CHECK(types.is_array() && int64_t(types.size()) == layers, kGemmaHf,
-                "{}: layer_types must list one type for each of the {} layers, found {}", path,
-                layers, types.dump());
-    for (const json& type : types) {
-      const std::string name = type.is_string() ? type.get<std::string>() : type.dump();
-      WEAVE_CHECK(name == "sliding_attention" || name == "full_attention", kGemmaHf,
-                  "{}: layer_types entry '{}' is not supported (sliding_attention or "
-                  "full_attention)",
-                  path, name);
-      local.push_back(name == "sliding_attention");
-    }
-    return local;
-  }
   const int64_t pattern = gemma3 ? c.value("sliding_window_pattern", int64_t(6)) : 2;
   WEAVE_CHECK(pattern > 0, kGemmaHf, "{}: sliding_window_pattern {} must be positive", path,
               pattern);
@@ -73,16 +60,7 @@ void read_gemma(const json& c, const std::string& path, data::hf::ModelConfig& c
   config.model_type = c.value("model_type", "");
   const bool gemma3 = config.model_type == "gemma3_text";
   config.qk_norm = gemma3;
-  config.vocab = config_integer(c, "vocab_size", path);
-  config.dim = config_integer(c, "hidden_size", path);
-  config.layers = config_integer(c, "num_hidden_layers", path);
-  config.heads = config_integer(c, "num_attention_heads", path);
-  config.kv_heads = c.contains("num_key_value_heads")
-                        ? config_integer(c, "num_key_value_heads", path)
-                        : config.heads;
-  config.hidden = config_integer(c, "intermediate_size", path);
-  config.max_positions = c.value("max_position_embeddings", int64_t(0));
-  config.norm_eps = c.value("rms_norm_eps", 1e-6);
+  detail::read_llama_sizes(c, path, config);
   config.tie_embeddings = c.value("tie_word_embeddings", true);
   config.head_dim = c.contains("head_dim") ? config_integer(c, "head_dim", path) : 256;
   config.query_pre_attn_scalar = c.value("query_pre_attn_scalar", 256.0);

@@ -43,23 +43,13 @@ void read_windows(const json& c, const std::string& path, data::hf::ModelConfig&
     const int64_t first = c.value("max_window_layers", config.layers);
     for (int64_t i = 0; i < config.layers; ++i) config.windowed_layers.push_back(i >= first);
   }
-  if (const json types = c.value("layer_types", json()); !types.is_null()) {
-    WEAVE_CHECK(types.is_array() && int64_t(types.size()) == config.layers, kLlamaHf,
-                "{}: layer_types must list one type for each of the {} layers, found {}", path,
-                config.layers, types.dump());
-    config.windowed_layers.clear();
-    for (const json& type : types) {
-      const std::string name = type.is_string() ? type.get<std::string>() : type.dump();
-      WEAVE_CHECK(name == "sliding_attention" || name == "full_attention", kLlamaHf,
-                  "{}: layer_types entry '{}' is not supported (sliding_attention or "
-                  "full_attention)",
-                  path, name);
-      WEAVE_CHECK(qwen || name == "sliding_attention", kLlamaHf,
-                  "{}: layer_types with full_attention layers is not supported for model_type "
-                  "{} (Hugging Face's windows every layer)",
-                  path, model_type);
-      config.windowed_layers.push_back(name == "sliding_attention");
-    }
+  if (const auto types = detail::read_layer_types(c, path, config.layers)) {
+    const bool every_layer = std::find(types->begin(), types->end(), false) == types->end();
+    WEAVE_CHECK(qwen || every_layer, kLlamaHf,
+                "{}: layer_types with full_attention layers is not supported for model_type {} "
+                "(Hugging Face's windows every layer)",
+                path, model_type);
+    config.windowed_layers = *types;
   }
   const auto& layers = config.windowed_layers;
   if (std::all_of(layers.begin(), layers.end(), [](bool w) { return w; }))
@@ -75,16 +65,7 @@ void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& c
   config.model_type = model_type;
   config.qkv_bias = model_type == "qwen2";
   config.qk_norm = model_type == "qwen3";
-  config.vocab = config_integer(c, "vocab_size", path);
-  config.dim = config_integer(c, "hidden_size", path);
-  config.layers = config_integer(c, "num_hidden_layers", path);
-  config.heads = config_integer(c, "num_attention_heads", path);
-  config.kv_heads = c.contains("num_key_value_heads")
-                        ? config_integer(c, "num_key_value_heads", path)
-                        : config.heads;
-  config.hidden = config_integer(c, "intermediate_size", path);
-  config.max_positions = c.value("max_position_embeddings", int64_t(0));
-  config.norm_eps = c.value("rms_norm_eps", 1e-6);
+  detail::read_llama_sizes(c, path, config);
   config.rope_theta = c.value("rope_theta", 10000.0);
   config.tie_embeddings = c.value("tie_word_embeddings", false);
   const json head_dim = c.value("head_dim", json());
@@ -184,6 +165,38 @@ void write_llama(const data::hf::ModelConfig& config, json& c) {
 }  // namespace
 
 namespace detail {
+
+void read_llama_sizes(const json& c, const std::string& path, data::hf::ModelConfig& config) {
+  config.vocab = config_integer(c, "vocab_size", path);
+  config.dim = config_integer(c, "hidden_size", path);
+  config.layers = config_integer(c, "num_hidden_layers", path);
+  config.heads = config_integer(c, "num_attention_heads", path);
+  config.kv_heads = c.contains("num_key_value_heads")
+                        ? config_integer(c, "num_key_value_heads", path)
+                        : config.heads;
+  config.hidden = config_integer(c, "intermediate_size", path);
+  config.max_positions = c.value("max_position_embeddings", int64_t(0));
+  config.norm_eps = c.value("rms_norm_eps", 1e-6);
+}
+
+std::optional<std::vector<bool>> read_layer_types(const json& c, const std::string& path,
+                                                  int64_t layers) {
+  const json types = c.value("layer_types", json());
+  if (types.is_null()) return std::nullopt;
+  WEAVE_CHECK(types.is_array() && int64_t(types.size()) == layers, kLlamaHf,
+              "{}: layer_types must list one type for each of the {} layers, found {}", path,
+              layers, types.dump());
+  std::vector<bool> sliding;
+  for (const json& type : types) {
+    const std::string name = type.is_string() ? type.get<std::string>() : type.dump();
+    WEAVE_CHECK(name == "sliding_attention" || name == "full_attention", kLlamaHf,
+                "{}: layer_types entry '{}' is not supported (sliding_attention or "
+                "full_attention)",
+                path, name);
+    sliding.push_back(name == "sliding_attention");
+  }
+  return sliding;
+}
 
 std::vector<Mapping> llama_mappings(const data::hf::ModelConfig& c) {
   // Gemma's four norms a block: the one Llama calls post_attention_layernorm (before the MLP) is
