@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""Tiny GPT-2, Llama, Qwen 2, Qwen 3, Mistral and Gemma 2/3 checkpoints in Hugging Face's layout,
-by plain PyTorch.
+"""Tiny GPT-2, Llama, Qwen 2/3, Mistral, Gemma 2/3, Mixtral and Qwen 3 MoE checkpoints by PyTorch.
 
 The modules follow Hugging Face's published structure and parameter names (modeling_gpt2.py,
 modeling_llama.py): GPT-2's Conv1D weights stored [in, out], c_attn holding q, k and v side by
@@ -12,26 +11,19 @@ k_norm, over head_dim, before the rotary embedding) and a head_dim of its own (h
 hidden_size / num_attention_heads); Mistral (modeling_mistral.py) is Llama with a sliding
 window: query i sees keys j with i - sliding_window < j <= i (Hugging Face's sliding-window mask;
 the Qwens use it on layers max_window_layers onwards with use_sliding_window, and layer_types,
-where given, says which layers). Gemma 2 and Gemma 3's text model (modeling_gemma2.py,
-modeling_gemma3.py): RMSNorms scaling by (1 + weight), norms before and after the attention and the
-MLP, GeGLU with tanh GELU, the embedding times sqrt(hidden_size) rounded to its dtype, the head tied
-to it, scores scaled by query_pre_attn_scalar^-1/2 and soft-capped (Gemma 2's
-attn_logit_softcapping: cap tanh(s / cap); final_logit_softcapping the same on the logits), local
-layers (Gemma 2's even ones, Gemma 3's all but every sliding_window_pattern-th) with the window,
-Gemma 3's q_norm/k_norm and its local layers' rope_local_base_freq (the global ones take rope_theta
-with linear rope_scaling). The logits of Qwen 3, Mistral and Gemma are computed in float64 from
-their float32 weights. PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetensors is
-needed (the safetensors format is written and read here directly).
+where given, says which layers). Gemma 2/3 (modeling_gemma2.py, modeling_gemma3.py): (1 + w)
+RMSNorms before and after attention and MLP, GeGLU (tanh), embedding times sqrt(hidden_size) in its
+dtype, tied head, scores scaled by query_pre_attn_scalar^-1/2 and soft-capped (cap tanh(s / cap);
+the logits too), windowed local layers, Gemma 3's q/k norms and rope_local_base_freq. Mixtral and
+Qwen 3 MoE: reference_moe.py. The newer models' logits are in float64 from float32 weights.
+PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetensors is needed.
 
-  hf_reference.py write OUT_DIR      # OUT_DIR/gpt2, llama, qwen2, qwen3, mistral, gemma2, gemma3:
-                                     # config.json, two shards,
+  hf_reference.py write OUT_DIR      # OUT_DIR/<each model>: config.json, two shards,
                                      # model.safetensors.index.json, logits.safetensors
   hf_reference.py check DIR          # loads DIR (a model weave exported), recomputes its logits
                                      # on the fixed tokens, compares with DIR/logits.safetensors
-  hf_reference.py edited DIR JSON OUT  # DIR's weights under its config updated by JSON: float64
-                                       # logits on the fixed tokens into OUT
-  hf_reference.py bf16 DIR OUT       # DIR's weights rounded to bfloat16, in one model.safetensors
-                                     # (torch_dtype bfloat16), with float64 logits of those weights
+  hf_reference.py edited DIR JSON OUT  # float64 logits of DIR's weights, config updated by JSON
+  hf_reference.py bf16 DIR OUT       # DIR rounded to bfloat16 in one file, float64 logits of it
 """
 import json
 import math
@@ -42,7 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from safetensors_io import load_safetensors, save_safetensors  # beside this file
+from reference_moe import MIXTRAL_CONFIG, QWEN3_MOE_CONFIG, SparseMoeBlock  # beside this file
+from safetensors_io import load_safetensors, save_safetensors
 
 
 class Conv1D(nn.Module):  # GPT-2's linear layer: weight [in, out]
@@ -189,7 +182,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
-        self.qk_norm = c["model_type"] == "qwen3"
+        self.qk_norm = c["model_type"] in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = LlamaRMSNorm(self.head_dim, c["rms_norm_eps"])
             self.k_norm = LlamaRMSNorm(self.head_dim, c["rms_norm_eps"])
@@ -228,11 +221,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(c["hidden_size"], c["rms_norm_eps"])
         self.self_attn = LlamaAttention(c, index)
         self.post_attention_layernorm = LlamaRMSNorm(c["hidden_size"], c["rms_norm_eps"])
-        self.mlp = LlamaMLP(c)
+        if c["model_type"] == "mixtral":  # its name for the experts
+            self.block_sparse_moe = SparseMoeBlock(c)
+        else:
+            self.mlp = SparseMoeBlock(c) if c["model_type"] == "qwen3_moe" else LlamaMLP(c)
 
     def forward(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mlp = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return x + mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
@@ -438,7 +435,7 @@ GEMMA3_CONFIG = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausal
                  "final_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
                  "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": True,
                  "torch_dtype": "float32"}
-FLOAT64_LOGITS = ("qwen3", "mistral", "gemma2", "gemma3_text")
+FLOAT64_LOGITS = ("qwen3", "mistral", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
 
 
 def fixed_tokens(vocab):  # two rows of 24 tokens, the same for every reader
@@ -525,7 +522,10 @@ def main():
                          GEMMA2_CONFIG)
         write_checkpoint(os.path.join(sys.argv[2], "gemma3"), GemmaForCausalLM(GEMMA3_CONFIG),
                          GEMMA3_CONFIG)
-        print(f"wrote {sys.argv[2]}/gpt2, llama, qwen2, qwen3, mistral, gemma2 and gemma3")
+        for name, config in (("mixtral", MIXTRAL_CONFIG), ("qwen3_moe", QWEN3_MOE_CONFIG)):
+            write_checkpoint(os.path.join(sys.argv[2], name), LlamaForCausalLM(config), config)
+        print(f"wrote {sys.argv[2]}/gpt2, llama, qwen2, qwen3, mistral, gemma2, gemma3, mixtral "
+              "and qwen3_moe")
     elif len(sys.argv) == 3 and sys.argv[1] == "check":
         model = load_checkpoint(sys.argv[2])
         expected = load_safetensors(os.path.join(sys.argv[2], "logits.safetensors"))

@@ -24,10 +24,12 @@
 // added to the first stage's after every step, which takes ddp: fsdp stages need Llama's untied
 // head). Each rank reads only the parts of the checkpoint it holds, into a model built without
 // memory (nn::DeferredInit).
-// --init llama|mistral|qwen3|gemma2|gemma3|gpt2 first writes a new, randomly initialized model
-// of --dim/--layers/--heads/--kv-heads (--head-dim for the Qwen 3 and Gemma heads, --window for
-// the sliding windows of Mistral and Gemma's local layers) with the tokenizer of --tokenizer DIR
-// into --model (how the tests make one).
+// --init llama|mistral|mixtral|qwen3|qwen3_moe|gemma2|gemma3|gpt2 first writes a new, randomly
+// initialized model of --dim/--layers/--heads/--kv-heads (--head-dim for the Qwen 3 and Gemma
+// heads, --window for the sliding windows of Mistral and Gemma's local layers, --experts and
+// --experts-per-token for Mixtral's and Qwen 3 MoE's experts) with the tokenizer of --tokenizer DIR
+// into
+// --model (how the tests make one).
 // Rank 0 prints `step N loss X` (the whole batch's) every --log-every steps, `final_loss=X`,
 // `load_peak_bytes=N` and `training_peak_bytes=N` (its peak tensor memory while building and
 // loading the model, and while training: memory_stats),
@@ -51,7 +53,7 @@ struct Flags {
   int64_t steps = 100, context = 128, batch = 8, log_every = 10, checkpoint_every = 25;
   int64_t stop_at = -1, max_new_tokens = 40, top_k = 0, dim = 64, layers = 2, heads = 4;
   int64_t kv_heads = 2;
-  int64_t head_dim = 0, window = 16;
+  int64_t head_dim = 0, window = 16, experts = 4, experts_per_token = 2;
   double lr = 1e-4, temperature = 0.8, top_p = 0.95;
   uint64_t seed = 0;
   bool resume = false, checkpoint_activations = false;
@@ -97,10 +99,16 @@ Flags parse(int argc, char** argv) {
   app.add_option("--stop-at", f.stop_at, "stop after this step (checkpointed)");
   app.add_option("--init", f.init,
                  "write a new llama, mistral, qwen3, gemma2, gemma3 or gpt2 model into --model")
-      ->check(CLI::IsMember({"llama", "mistral", "qwen3", "gemma2", "gemma3", "gpt2"}));
+      ->check(CLI::IsMember(
+          {"llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gpt2"}));
   app.add_option("--head-dim", f.head_dim, "--init qwen3/gemma: each head's size (0: dim / heads)")
       ->check(cli::non_negative());
   app.add_option("--window", f.window, "--init mistral/gemma: the sliding window")
+      ->check(cli::positive());
+  app.add_option("--experts", f.experts, "--init mixtral/qwen3_moe: experts a block")
+      ->check(cli::positive());
+  app.add_option("--experts-per-token", f.experts_per_token,
+                 "--init mixtral/qwen3_moe: experts a token")
       ->check(cli::positive());
   app.add_option("--tokenizer", f.tokenizer, "--init: the tokenizer's directory");
   for (auto [name, value] : {std::pair{"--dim", &f.dim},
@@ -139,7 +147,12 @@ void write_new_model(const Flags& f) {
     config.heads = f.heads, config.kv_heads = f.init == "gpt2" ? f.heads : f.kv_heads;
     config.hidden = f.init == "gpt2" ? 4 * f.dim : models::llama_hidden(f.dim);
     config.max_positions = 1024, config.tie_embeddings = f.init == "gpt2";
-    config.qk_norm = f.init == "qwen3", config.head_dim = f.init == "qwen3" ? f.head_dim : 0;
+    const bool qwen3 = f.init.starts_with("qwen3");
+    config.qk_norm = qwen3, config.head_dim = qwen3 ? f.head_dim : 0;
+    if (f.init == "mixtral" || f.init == "qwen3_moe") {
+      config.experts = f.experts, config.experts_per_token = f.experts_per_token;
+      config.expert_hidden = config.hidden, config.router_aux_loss_coef = 0.001;
+    }
     if (f.init == "mistral") config.sliding_window = f.window;
     if (f.init.starts_with("gemma")) set_gemma(config, f);
     Generator generator(f.seed);

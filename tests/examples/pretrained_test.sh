@@ -12,8 +12,8 @@
 # checkpoint written) equal one process's from the model each saved. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
 # stage's head), alone and with 2 tensor-parallel ranks, and resumed under ddp from a pipelined
 # checkpoint, ends at ddp's loss too; with --checkpoint-activations it repeats ddp's losses
-# with a lower training peak. A new tiny Qwen 3, and a Gemma 2, under tp, context parallelism
-# and fsdp end at ddp's loss.
+# with a lower training peak. A new tiny Qwen 3, Gemma 2 and Mixtral under tp, context
+# parallelism and fsdp end at ddp's loss.
 # Exits 77 (skipped) without the fortunes package.
 set -u
 finetune=$1 tokenize=$2 npm=$3
@@ -162,5 +162,11 @@ new_model_agrees gemma2 --init gemma2 --head-dim 32 --window 8
 grep -q '"model_type": "gemma2"' "$work/gemma2_saved/config.json" &&
   grep -q '"attn_logit_softcapping": 50' "$work/gemma2_saved/config.json" ||
   { echo "FAIL: the Gemma 2 export is not a Gemma 2 checkpoint"; status=1; }
+# A new Mixtral (4 SwiGLU experts a block, 2 a token, the experts whole on every rank).
+new_model_agrees mixtral --init mixtral --experts 4 --experts-per-token 2
+grep -q '"num_local_experts": 4' "$work/mixtral_saved/config.json" &&
+  grep -aq '"model.layers.1.block_sparse_moe.experts.3.w2.weight"' \
+    "$work/mixtral_saved/model.safetensors" ||
+  { echo "FAIL: the Mixtral export is not a Mixtral checkpoint"; status=1; }
 [ "$status" -eq 0 ] && echo "PASS: fine-tuning resumes exactly and every strategy agrees"
 exit "$status"

@@ -96,7 +96,8 @@ int64_t largest_parameter_bytes(const nn::Module& model) {
 TEST_SUITE("pretrained") {
   TEST_CASE("save_pretrained of shards, slices and stages writes one process's files") {
     const int world = dist::world_size();
-    for (const std::string arch : {"gpt2", "llama", "qwen3", "mistral", "gemma2", "gemma3"}) {
+    for (const std::string arch :
+         {"gpt2", "llama", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen3_moe"}) {
       for (const uint64_t shard_bytes : {uint64_t(5) << 30, uint64_t(40000)}) {
         CAPTURE(arch);
         CAPTURE(shard_bytes);
@@ -146,6 +147,50 @@ TEST_SUITE("pretrained") {
           parallel::load_pretrained(fsdp.sharded_module(), config, dir);
           check(fsdp.sharded_module(), "fsdp_tp", dist::world());
         }
+      }
+    }
+  }
+
+  // Mixtral's and Qwen 3 MoE's experts spread over the ranks by their global index (each rank
+  // reads only its experts' tensors), alone and (4 ranks) with 2 tensor-parallel ranks: PyTorch's
+  // logits, and exports that equal one process's files.
+  TEST_CASE("expert-parallel Mixtral and Qwen 3 MoE read their experts and export one process's") {
+    const int world = dist::world_size();
+    for (const std::string arch : {"mixtral", "qwen3_moe"}) {
+      CAPTURE(arch);
+      const std::string dir = kData + arch;
+      const auto config = data::hf::read_config(dir);
+      const std::string out = test::shared_dir("export_ep_" + arch);
+      if (dist::rank() == 0)
+        data::hf::save_pretrained(*models::from_pretrained(dir), config, out + "/whole");
+      Tensor tokens, expected;
+      for (const auto& [name, t] : data::load_safetensors(dir + "/logits.safetensors").tensors)
+        (name == "tokens" ? tokens : expected) = t;
+      for (const int tensor : {1, 2}) {
+        if (tensor == 2 && world != 4) continue;
+        CAPTURE(tensor);
+        parallel::ProcessMesh mesh(
+            {.data = world / tensor, .tensor = tensor, .expert = world / tensor});
+        auto model = models::make_model(
+            config, models::ModelSplit::from_mesh(mesh, {.gather_logits = true}));
+        const auto stats = parallel::load_pretrained(*model, config, dir);
+        if (world > 1) {  // the dense rest (or its slices) and this rank's share of the experts
+          int64_t total = 0, experts = 0;
+          for (const auto& [name, t] : checkpoint_tensors(dir)) {
+            const int64_t bytes = t.numel() * int64_t(t.itemsize());
+            total += bytes;
+            experts += name.find(".experts.") != std::string::npos ? bytes : 0;
+          }
+          CHECK(stats.bytes_read <= total - experts + experts / (world / tensor));
+        }
+        NoGradGuard no_grad;
+        const Tensor logits = (*model)(tokens);
+        CHECK(max(abs(logits.to(kFloat64) - expected)).item<double>() <
+              2e-6 * max(abs(expected)).item<double>());
+        const std::string layout = "ep_tp" + std::to_string(tensor);
+        parallel::save_pretrained(*model, config, out + "/" + layout, {}, dist::world());
+        dist::barrier();
+        if (dist::rank() == 0) check_same_files(out + "/whole", out + "/" + layout);
       }
     }
   }

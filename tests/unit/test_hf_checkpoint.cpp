@@ -38,8 +38,8 @@ std::map<std::string, std::pair<Shape, DType>> layout_of(const std::string& dir)
 TEST_SUITE("hf_checkpoint") {
   TEST_CASE("GPT-2 and Llama checkpoints give PyTorch's logits; export reloads bitwise") {
     // gemma2_bf16: Gemma 2's weights rounded to bfloat16 in one file, float64 logits of those.
-    for (const std::string arch :
-         {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma2_bf16"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
+                                   "gemma2_bf16", "mixtral", "qwen3_moe"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       auto model = models::from_pretrained(dir);
@@ -137,8 +137,8 @@ TEST_SUITE("hf_checkpoint") {
   }
 
   TEST_CASE("slices read only their bytes, and element ranges equal the whole's") {
-    for (const std::string arch :
-         {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
+                                   "mixtral", "qwen3_moe"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       const auto config = data::hf::read_config(dir);
@@ -233,8 +233,8 @@ TEST_SUITE("hf_checkpoint") {
   }
 
   TEST_CASE("greedy decoding with the caches equals the argmax of full forward passes") {
-    for (const std::string arch :
-         {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
+                                   "mixtral", "qwen3_moe"}) {
       CAPTURE(arch);
       auto model = models::from_pretrained(reference_dir(arch));
       const Tensor prompt =
@@ -302,6 +302,29 @@ TEST_SUITE("hf_checkpoint") {
         "hf", "windows every layer or none");
     options.block.attention_softcap = 30;
     CHECK_WEAVE_ERROR(models::model_config(options), "hf", "attention_softcap 30");
+  }
+
+  TEST_CASE("a model with SwiGLU experts exports as Mixtral, or with q/k norms as Qwen 3 MoE") {
+    Generator g(6);
+    models::LlamaOptions options;
+    options.vocab = 40, options.dim = 16, options.layers = 2, options.generator = &g;
+    options.block.heads = 4;
+    options.block.moe = nn::MoEOptions{
+        .hidden = 16, .ffn = 24, .router = {.experts = 4, .top_k = 2}, .seed = 3, .gated = true};
+    const Tensor tokens = randint(0, 40, {2, 9}, {.dtype = kInt64}, &g);
+    for (const bool qwen : {false, true}) {
+      CAPTURE(qwen);
+      if (qwen) options.block.qk_norm = nn::HeadNormOptions{.eps = options.block.norm_eps};
+      models::Llama model(options);
+      const auto out = scratch(qwen ? "qwen3_moe_from_options" : "mixtral_from_options");
+      data::hf::save_pretrained(model, models::model_config(options), out.string());
+      const auto written = nlohmann::json::parse(std::ifstream(out / "config.json"));
+      CHECK(written["model_type"] == (qwen ? "qwen3_moe" : "mixtral"));
+      NoGradGuard no_grad;
+      CHECK(max_abs_diff((*models::from_pretrained(out.string()))(tokens), model(tokens)) == 0);
+    }
+    options.block.moe->gated = false;  // GELU experts with biases: no Hugging Face name
+    CHECK_WEAVE_ERROR(models::model_config(options), "hf", "SwiGLU experts");
   }
 
   TEST_CASE("generation stops each row at end-of-text, and ends when every row has") {

@@ -206,6 +206,27 @@ TEST_SUITE("hf_checkpoint") {
          {"use_bidirectional_attention", true, "refused: use_bidirectional_attention true"}});
   }
 
+  TEST_CASE("every Mixtral and Qwen 3 MoE config field weave reads is honoured or refused") {
+    check_fields("mixtral", {{"num_experts_per_tok", 1, "changes logits"},
+                             {"num_experts_per_tok", 5, "refused: num_experts_per_tok"},
+                             {"num_local_experts", 2, "mismatch: does not use"},
+                             {"intermediate_size", 64, "mismatch: has shape"},
+                             {"router_jitter_noise", 0.1, "refused: router_jitter_noise 0.1"},
+                             {"router_aux_loss_coef", 0.5, "same logits"},  // training only
+                             {"output_router_logits", true, "same logits"},
+                             {"sliding_window", 3, "changes logits"},
+                             {"hidden_act", "gelu", "refused: hidden_act 'gelu'"}});
+    check_fields("qwen3_moe", {{"norm_topk_prob", false, "changes logits"},
+                               {"num_experts_per_tok", 2, "changes logits"},
+                               {"num_experts", 4, "mismatch: does not use"},
+                               {"moe_intermediate_size", 32, "mismatch: has shape"},
+                               {"intermediate_size", 64, "same logits"},  // its dense layers'
+                               {"decoder_sparse_step", 2, "refused: decoder_sparse_step 2"},
+                               {"mlp_only_layers", {0}, "refused: mlp_only_layers [0]"},
+                               {"mlp_only_layers", json::array(), "same logits"},
+                               {"router_aux_loss_coef", 0.5, "same logits"}});
+  }
+
   TEST_CASE("rope_scaling with rope_type default loads as no scaling") {
     for (const std::string arch : {"llama", "qwen2", "qwen3"}) {
       CAPTURE(arch);

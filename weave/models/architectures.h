@@ -31,6 +31,18 @@ void read_llama_sizes(const nlohmann::json& file, const std::string& path,
                       data::hf::ModelConfig& config);
 std::optional<std::vector<bool>> read_layer_types(const nlohmann::json& file,
                                                   const std::string& path, int64_t layers);
+/// Mixtral's and Qwen 3 MoE's experts (models/llama/moe_hf.cpp): whether a model_type has them;
+/// config.json's expert fields into config (raising, naming path and field, for what weave does
+/// not implement) and back; block `weave` (hf)'s router and expert tensors; the blocks' MoE
+/// options of a config, and a config's fields of those options.
+bool has_experts(const std::string& model_type);
+void read_experts(const nlohmann::json& file, const std::string& path,
+                  data::hf::ModelConfig& config);
+void write_experts(const data::hf::ModelConfig& config, nlohmann::json& file);
+void add_expert_mappings(const data::hf::ModelConfig& config, const std::string& weave,
+                         const std::string& hf, std::vector<data::hf::detail::Mapping>& mappings);
+std::optional<nn::MoEOptions> experts_of(const data::hf::ModelConfig& config);
+void set_experts(const std::optional<nn::MoEOptions>& moe, data::hf::ModelConfig& config);
 /// llama_options and model_config for Gemma (models/llama/gemma_hf.cpp).
 LlamaOptions gemma_options(const data::hf::ModelConfig& config, Generator* generator);
 data::hf::ModelConfig gemma_config(const LlamaOptions& options, DType dtype);

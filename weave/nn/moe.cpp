@@ -6,6 +6,7 @@
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/nn/layers.h"
+#include "weave/nn/transformer.h"
 #include "weave/ops/ops.h"
 #include "weave/ops/side_loss.h"
 
@@ -112,8 +113,10 @@ Routing TopKRouter::route(const Tensor& tokens, const ShareReduction& shares) co
   return r;
 }
 
-std::shared_ptr<Module> make_expert(int64_t hidden, int64_t ffn, uint64_t seed, int64_t index) {
+std::shared_ptr<Module> make_expert(int64_t hidden, int64_t ffn, uint64_t seed, int64_t index,
+                                    bool gated) {
   Generator g(seed * 1000003 + uint64_t(index) + 1);
+  if (gated) return std::make_shared<GatedMLP>(hidden, ffn, GatedMLPOptions{.generator = &g});
   return std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<Module>>{
       std::make_shared<Linear>(hidden, ffn, true, &g), GELU(),
       std::make_shared<Linear>(ffn, hidden, true, &g)});
@@ -196,7 +199,8 @@ MoE::MoE(MoEOptions options, std::shared_ptr<TokenDispatcher> dispatcher)
   first_ = first;
   for (int64_t e = first; e < first + count; ++e)
     experts_.push_back(register_module(
-        fmt::format("expert{}", e), make_expert(options_.hidden, options_.ffn, options_.seed, e)));
+        fmt::format("expert{}", e),
+        make_expert(options_.hidden, options_.ffn, options_.seed, e, options_.gated)));
 }
 
 Module& MoE::expert(int64_t index) {

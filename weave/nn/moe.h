@@ -79,6 +79,10 @@ struct MoEOptions {
   int64_t ffn = 0;
   RouterOptions router{};
   uint64_t seed = 0;
+  /// Each expert a SwiGLU MLP without biases, down(silu(gate x) * up x) (Mixtral's and Qwen's
+  /// experts: nn::GatedMLP, its gate and up one parameter gate_up); else hidden -> ffn -> GELU
+  /// -> hidden with biases.
+  bool gated = false;
   /// Turns each training forward's shares of assignments per expert into the shares over every
   /// batch the loss averages over (the data-parallel ranks: parallel::shares_over(group)), so
   /// that the load-balancing loss equals one process's on the stacked batches (Megatron's
@@ -90,8 +94,10 @@ struct MoEOptions {
 /// Raises unless the options make a layer (hidden, ffn and the router's options).
 void check_moe_options(const MoEOptions& options);
 
-/// Expert `index` of a layer built from `seed`: hidden -> ffn -> GELU -> hidden.
-std::shared_ptr<Module> make_expert(int64_t hidden, int64_t ffn, uint64_t seed, int64_t index);
+/// Expert `index` of a layer built from `seed`: hidden -> ffn -> GELU -> hidden, or with gated a
+/// SwiGLU nn::GatedMLP of width ffn.
+std::shared_ptr<Module> make_expert(int64_t hidden, int64_t ffn, uint64_t seed, int64_t index,
+                                    bool gated = false);
 
 struct MoEStats {
   int64_t tokens = 0;       // of the last forward

@@ -16,7 +16,8 @@ namespace weave::data::hf {
 
 /// What weave takes from config.json (everything else is kept and written back on export).
 struct ModelConfig {
-  /// The architecture: "llama" (Llama, Mistral, Qwen 2 and Qwen 3 checkpoints), "gemma" (Gemma 2
+  /// The architecture: "llama" (Llama, Mistral, Mixtral, Qwen 2, Qwen 3 and Qwen 3 MoE
+  /// checkpoints), "gemma" (Gemma 2
   /// and Gemma 3's text model, built as models::Llama too) or "gpt2".
   std::string architecture = "llama";
   int64_t vocab = 0, dim = 0, layers = 0, heads = 0;
@@ -39,6 +40,11 @@ struct ModelConfig {
   /// Which layers attend through the window (layer_types, or Qwen's max_window_layers); empty:
   /// every layer.
   std::vector<bool> windowed_layers{};
+  // Mixtral's and Qwen 3 MoE's experts (0: a dense MLP in every block):
+  int64_t experts = 0, experts_per_token = 0;
+  int64_t expert_hidden = 0;        // each expert's width (Qwen: moe_intermediate_size)
+  bool norm_topk_prob = true;       // the chosen experts' gates renormalized
+  double router_aux_loss_coef = 0;  // the load-balancing loss's weight in training
   // Gemma's (model_type gemma2, gemma3_text):
   double attention_softcap = 0;      // attn_logit_softcapping (0: none)
   double logit_softcap = 0;          // final_logit_softcapping (0: none)

@@ -28,7 +28,7 @@ int64_t head_dim_of(const data::hf::ModelConfig& c) {
 // (Hugging Face's newer list of "sliding_attention" and "full_attention") where present.
 void read_windows(const json& c, const std::string& path, data::hf::ModelConfig& config) {
   const std::string& model_type = config.model_type;
-  const bool qwen = model_type == "qwen2" || model_type == "qwen3";
+  const bool qwen = model_type.starts_with("qwen");
   const json window = c.value("sliding_window", json());
   const bool windowed = qwen ? c.value("use_sliding_window", false) : !window.is_null();
   WEAVE_CHECK(!windowed || model_type != "llama", kLlamaHf,
@@ -64,7 +64,7 @@ void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& c
   const std::string model_type = c.value("model_type", "");
   config.model_type = model_type;
   config.qkv_bias = model_type == "qwen2";
-  config.qk_norm = model_type == "qwen3";
+  config.qk_norm = model_type == "qwen3" || model_type == "qwen3_moe";
   detail::read_llama_sizes(c, path, config);
   config.rope_theta = c.value("rope_theta", 10000.0);
   config.tie_embeddings = c.value("tie_word_embeddings", false);
@@ -86,6 +86,7 @@ void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& c
   unsupported(c.value("hidden_act", "silu") != "silu",
               "hidden_act '" + c.value("hidden_act", "") + "' (Llama's is silu)");
   read_windows(c, path, config);
+  detail::read_experts(c, path, config);
   unsupported(c.value("attention_dropout", 0.0) != 0.0,
               "attention_dropout " + c.value("attention_dropout", json(0.0)).dump() +
                   " (weave's attention has no dropout)");
@@ -105,6 +106,7 @@ void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& c
 // model_type as read, or for a config built here the one its features name.
 std::string model_type_of(const data::hf::ModelConfig& config) {
   if (!config.model_type.empty()) return config.model_type;
+  if (config.experts > 0) return config.qk_norm ? "qwen3_moe" : "mixtral";
   if (config.qk_norm) return "qwen3";
   if (config.qkv_bias) return "qwen2";
   return config.sliding_window > 0 ? "mistral" : "llama";
@@ -116,7 +118,7 @@ void write_windows(const data::hf::ModelConfig& config, const std::string& type,
   const bool windowed = config.sliding_window > 0;
   WEAVE_CHECK(!windowed || type != "llama", kLlamaHf,
               "Hugging Face's Llama has no sliding window; hint: export as model_type mistral");
-  if (type == "mistral") {
+  if (type == "mistral" || type == "mixtral") {
     WEAVE_CHECK(layers.empty(), kLlamaHf,
                 "Hugging Face's Mistral windows every layer or none; found windows on some "
                 "layers only (windowed_layers)");
@@ -138,10 +140,10 @@ void write_windows(const data::hf::ModelConfig& config, const std::string& type,
 void write_llama(const data::hf::ModelConfig& config, json& c) {
   const bool qwen3 = config.qk_norm;
   const std::string type = model_type_of(config);
-  const char* names[][2] = {{"llama", "LlamaForCausalLM"},
-                            {"mistral", "MistralForCausalLM"},
-                            {"qwen2", "Qwen2ForCausalLM"},
-                            {"qwen3", "Qwen3ForCausalLM"}};
+  const char* names[][2] = {
+      {"llama", "LlamaForCausalLM"},     {"mistral", "MistralForCausalLM"},
+      {"qwen2", "Qwen2ForCausalLM"},     {"qwen3", "Qwen3ForCausalLM"},
+      {"mixtral", "MixtralForCausalLM"}, {"qwen3_moe", "Qwen3MoeForCausalLM"}};
   c["model_type"] = type;
   for (const auto& [model_type, architecture] : names)
     if (type == model_type) c["architectures"] = {architecture};
@@ -160,6 +162,7 @@ void write_llama(const data::hf::ModelConfig& config, json& c) {
         {"low_freq_factor", config.rope_scaling->low_freq_factor},
         {"high_freq_factor", config.rope_scaling->high_freq_factor},
         {"original_max_position_embeddings", config.rope_scaling->original_max_position}};
+  detail::write_experts(config, c);
 }
 
 }  // namespace
@@ -240,6 +243,10 @@ std::vector<Mapping> llama_mappings(const data::hf::ModelConfig& c) {
                    {h + "post_feedforward_layernorm.weight"},
                    Layout::Same,
                    {{D}}});
+    if (c.experts > 0) {
+      add_expert_mappings(c, w, h, m);
+      continue;
+    }
     m.push_back({w + "mlp.gate_up",
                  {h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"},
                  Layout::Stacked,
@@ -261,7 +268,7 @@ bool llama_ignorable(const std::string& tensor, const data::hf::ModelConfig& con
 data::hf::ArchitectureSpec llama_architecture() {
   return {.name = "llama",
           .display = "Llama",
-          .model_types = {"llama", "mistral", "qwen2", "qwen3"},
+          .model_types = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"},
           .read = read_llama,
           .write = write_llama,
           .mappings = llama_mappings,
@@ -289,7 +296,8 @@ LlamaOptions llama_options(const data::hf::ModelConfig& config, Generator* gener
                     .qk_norm = config.qk_norm ? std::optional<nn::HeadNormOptions>(
                                                     nn::HeadNormOptions{.eps = config.norm_eps})
                                               : std::nullopt,
-                    .window = config.sliding_window},
+                    .window = config.sliding_window,
+                    .moe = detail::experts_of(config)},
           .tie_embeddings = config.tie_embeddings,
           .windowed_layers = config.windowed_layers,
           .generator = generator};
@@ -333,6 +341,8 @@ data::hf::ModelConfig model_config(const LlamaOptions& options, DType dtype) {
       block.attention_softcap, options.logit_softcap, options.windowed_rotary.has_value());
   config.sliding_window = block.window;
   config.windowed_layers = block.window > 0 ? options.windowed_layers : std::vector<bool>{};
+  detail::set_experts(block.moe, config);
+  if (config.experts > 0 && !config.qk_norm) config.hidden = config.expert_hidden;  // Mixtral's
   WEAVE_CHECK(
       !(config.qk_norm && config.qkv_bias), kLlamaHf,
       "no Hugging Face architecture has Qwen 3's q/k norms with Qwen 2's q, k and v biases; "

@@ -17,14 +17,6 @@ namespace {
 constexpr const char* kLoadPretrainedOp = "load_pretrained";
 constexpr const char* kSavePretrainedOp = "save_pretrained";
 
-void check_cuts(const std::string& name, const Tensor& param) {
-  if (const Placement* placement = placement_of(param))
-    for (const Cut& cut : placement->cuts)
-      WEAVE_CHECK(cut.kind != Cut::Kind::Experts, kLoadPretrainedOp,
-                  "{} is {}; hint: a Hugging Face checkpoint of GPT-2 or Llama has no experts",
-                  name, cut.str());
-}
-
 // The elements of the whole tensor that `piece` of parameter `name` holds, in the file's dtype.
 Tensor read_piece(data::hf::WeightReader& reader, const std::string& name,
                   const detail::Piece& piece) {
@@ -55,7 +47,6 @@ data::hf::LoadStats load_parts(nn::Module& model, const data::hf::ModelConfig& c
   NoGradGuard no_grad;
   data::hf::LoadStats stats;
   for (auto& [name, param] : model.named_parameters()) {
-    check_cuts(name, param);
     const auto pieces = described.find("model/" + name);
     WEAVE_CHECK(pieces != described.end(), kLoadPretrainedOp,
                 "{} holds no known part of the model; hint: load the model itself, or its "
