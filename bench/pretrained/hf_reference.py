@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from reference_moe import MIXTRAL_CONFIG, QWEN3_MOE_CONFIG, SparseMoeBlock  # beside this file
+from reference_moe import MIXTRAL_CONFIG, QWEN2_MOE_CONFIG, QWEN3_MOE_CONFIG, SparseMoeBlock
 from safetensors_io import load_safetensors, save_safetensors
 
 
@@ -177,7 +177,7 @@ class LlamaAttention(nn.Module):
         self.window = layer_window(c, index)
         self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
         self.head_dim = head_dim_of(c)
-        d, bias = c["hidden_size"], c["model_type"] == "qwen2"
+        d, bias = c["hidden_size"], c["model_type"] in ("qwen2", "qwen2_moe")
         self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=bias)
@@ -224,7 +224,7 @@ class LlamaDecoderLayer(nn.Module):
         if c["model_type"] == "mixtral":  # its name for the experts
             self.block_sparse_moe = SparseMoeBlock(c)
         else:
-            self.mlp = SparseMoeBlock(c) if c["model_type"] == "qwen3_moe" else LlamaMLP(c)
+            self.mlp = SparseMoeBlock(c) if c["model_type"].endswith("_moe") else LlamaMLP(c)
 
     def forward(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -435,7 +435,7 @@ GEMMA3_CONFIG = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausal
                  "final_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
                  "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": True,
                  "torch_dtype": "float32"}
-FLOAT64_LOGITS = ("qwen3", "mistral", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
+FLOAT64_LOGITS = ("qwen3", "mistral", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "qwen2_moe")
 
 
 def fixed_tokens(vocab):  # two rows of 24 tokens, the same for every reader
@@ -522,10 +522,10 @@ def main():
                          GEMMA2_CONFIG)
         write_checkpoint(os.path.join(sys.argv[2], "gemma3"), GemmaForCausalLM(GEMMA3_CONFIG),
                          GEMMA3_CONFIG)
-        for name, config in (("mixtral", MIXTRAL_CONFIG), ("qwen3_moe", QWEN3_MOE_CONFIG)):
+        for name, config in (("mixtral", MIXTRAL_CONFIG), ("qwen3_moe", QWEN3_MOE_CONFIG),
+                             ("qwen2_moe", QWEN2_MOE_CONFIG)):
             write_checkpoint(os.path.join(sys.argv[2], name), LlamaForCausalLM(config), config)
-        print(f"wrote {sys.argv[2]}/gpt2, llama, qwen2, qwen3, mistral, gemma2, gemma3, mixtral "
-              "and qwen3_moe")
+        print(f"wrote {sys.argv[2]}: every model's folder")
     elif len(sys.argv) == 3 and sys.argv[1] == "check":
         model = load_checkpoint(sys.argv[2])
         expected = load_safetensors(os.path.join(sys.argv[2], "logits.safetensors"))

@@ -58,7 +58,7 @@ uint64_t checkpoint_bytes(const std::string& dir) {
 TEST_SUITE("pretrained") {
   TEST_CASE("tensor-parallel GPT-2 and Llama read their slices and give PyTorch's logits") {
     for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
-                                   "mixtral", "qwen3_moe"}) {
+                                   "mixtral", "qwen3_moe", "qwen2_moe"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
@@ -77,7 +77,7 @@ TEST_SUITE("pretrained") {
 
   TEST_CASE("tensor-parallel greedy decoding gives one process's tokens") {
     for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
-                                   "mixtral", "qwen3_moe"}) {
+                                   "mixtral", "qwen3_moe", "qwen2_moe"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
@@ -94,7 +94,7 @@ TEST_SUITE("pretrained") {
 
   TEST_CASE("fully sharded GPT-2 and Llama read only their shards and give PyTorch's logits") {
     for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
-                                   "mixtral", "qwen3_moe"}) {
+                                   "mixtral", "qwen3_moe", "qwen2_moe"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
@@ -120,7 +120,7 @@ TEST_SUITE("pretrained") {
     if (dist::world_size() != 4) return;
     parallel::ProcessMesh mesh({.data = 2, .tensor = 2});
     for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
-                                   "mixtral", "qwen3_moe"}) {
+                                   "mixtral", "qwen3_moe", "qwen2_moe"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
@@ -278,7 +278,7 @@ TEST_SUITE("pretrained") {
     if (dist::world_size() % 2 != 0) return;
     parallel::ProcessMesh mesh({.tensor = dist::world_size() / 2, .context = 2});
     for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
-                                   "mixtral", "qwen3_moe"}) {
+                                   "mixtral", "qwen3_moe", "qwen2_moe"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);

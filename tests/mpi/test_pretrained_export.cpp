@@ -96,8 +96,8 @@ int64_t largest_parameter_bytes(const nn::Module& model) {
 TEST_SUITE("pretrained") {
   TEST_CASE("save_pretrained of shards, slices and stages writes one process's files") {
     const int world = dist::world_size();
-    for (const std::string arch :
-         {"gpt2", "llama", "qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen3_moe"}) {
+    for (const std::string arch : {"gpt2", "llama", "qwen3", "mistral", "gemma2", "gemma3",
+                                   "mixtral", "qwen3_moe", "qwen2_moe"}) {
       for (const uint64_t shard_bytes : {uint64_t(5) << 30, uint64_t(40000)}) {
         CAPTURE(arch);
         CAPTURE(shard_bytes);
@@ -156,7 +156,7 @@ TEST_SUITE("pretrained") {
   // logits, and exports that equal one process's files.
   TEST_CASE("expert-parallel Mixtral and Qwen 3 MoE read their experts and export one process's") {
     const int world = dist::world_size();
-    for (const std::string arch : {"mixtral", "qwen3_moe"}) {
+    for (const std::string arch : {"mixtral", "qwen3_moe", "qwen2_moe"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);

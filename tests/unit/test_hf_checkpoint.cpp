@@ -39,7 +39,7 @@ TEST_SUITE("hf_checkpoint") {
   TEST_CASE("GPT-2 and Llama checkpoints give PyTorch's logits; export reloads bitwise") {
     // gemma2_bf16: Gemma 2's weights rounded to bfloat16 in one file, float64 logits of those.
     for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
-                                   "gemma2_bf16", "mixtral", "qwen3_moe"}) {
+                                   "gemma2_bf16", "mixtral", "qwen3_moe", "qwen2_moe"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       auto model = models::from_pretrained(dir);
@@ -138,7 +138,7 @@ TEST_SUITE("hf_checkpoint") {
 
   TEST_CASE("slices read only their bytes, and element ranges equal the whole's") {
     for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
-                                   "mixtral", "qwen3_moe"}) {
+                                   "mixtral", "qwen3_moe", "qwen2_moe"}) {
       CAPTURE(arch);
       const std::string dir = reference_dir(arch);
       const auto config = data::hf::read_config(dir);
@@ -234,7 +234,7 @@ TEST_SUITE("hf_checkpoint") {
 
   TEST_CASE("greedy decoding with the caches equals the argmax of full forward passes") {
     for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3",
-                                   "mixtral", "qwen3_moe"}) {
+                                   "mixtral", "qwen3_moe", "qwen2_moe"}) {
       CAPTURE(arch);
       auto model = models::from_pretrained(reference_dir(arch));
       const Tensor prompt =
@@ -323,6 +323,18 @@ TEST_SUITE("hf_checkpoint") {
       NoGradGuard no_grad;
       CHECK(max_abs_diff((*models::from_pretrained(out.string()))(tokens), model(tokens)) == 0);
     }
+    options.block.qk_norm = std::nullopt, options.block.qkv_bias = true;  // Qwen 2 MoE's
+    options.block.moe->shared_ffn = 8, options.block.moe->shared_gate = true;
+    {
+      models::Llama model(options);
+      const auto out = scratch("qwen2_moe_from_options");
+      data::hf::save_pretrained(model, models::model_config(options), out.string());
+      CHECK(nlohmann::json::parse(std::ifstream(out / "config.json"))["model_type"] == "qwen2_moe");
+      NoGradGuard no_grad;
+      CHECK(max_abs_diff((*models::from_pretrained(out.string()))(tokens), model(tokens)) == 0);
+    }
+    options.block.moe->shared_gate = false;  // an ungated shared expert (DeepSeek's): no name
+    CHECK_WEAVE_ERROR(models::model_config(options), "hf", "gated, with q/k/v biases");
     options.block.moe->gated = false;  // GELU experts with biases: no Hugging Face name
     CHECK_WEAVE_ERROR(models::model_config(options), "hf", "SwiGLU experts");
   }

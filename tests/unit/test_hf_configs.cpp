@@ -206,7 +206,8 @@ TEST_SUITE("hf_checkpoint") {
          {"use_bidirectional_attention", true, "refused: use_bidirectional_attention true"}});
   }
 
-  TEST_CASE("every Mixtral and Qwen 3 MoE config field weave reads is honoured or refused") {
+  TEST_CASE(
+      "every Mixtral, Qwen 3 MoE and Qwen 2 MoE config field weave reads is honoured or refused") {
     check_fields("mixtral", {{"num_experts_per_tok", 1, "changes logits"},
                              {"num_experts_per_tok", 5, "refused: num_experts_per_tok"},
                              {"num_local_experts", 2, "mismatch: does not use"},
@@ -225,6 +226,11 @@ TEST_SUITE("hf_checkpoint") {
                                {"mlp_only_layers", {0}, "refused: mlp_only_layers [0]"},
                                {"mlp_only_layers", json::array(), "same logits"},
                                {"router_aux_loss_coef", 0.5, "same logits"}});
+    check_fields("qwen2_moe", {{"norm_topk_prob", true, "changes logits"},
+                               {"shared_expert_intermediate_size", 64, "mismatch: has shape"},
+                               {"shared_expert_intermediate_size", nullptr,
+                                "mismatch: no integer 'shared_expert_intermediate_size'"},
+                               {"decoder_sparse_step", 2, "refused: decoder_sparse_step 2"}});
   }
 
   TEST_CASE("rope_scaling with rope_type default loads as no scaling") {

@@ -173,6 +173,10 @@ Tensor combine(const Tensor& rows, const Dispatch& dispatch, const Tensor& weigh
 void check_moe_options(const MoEOptions& options) {
   check_router(options.hidden, options.router);
   WEAVE_CHECK(options.ffn >= 1, "MoE", "ffn must be at least 1, found {}", options.ffn);
+  WEAVE_CHECK(options.shared_ffn >= 0 && (options.shared_ffn > 0 || !options.shared_gate), "MoE",
+              "shared_ffn must be >= 0 (0: no shared expert), and a shared_gate needs a shared "
+              "expert; found shared_ffn {}, shared_gate {}",
+              options.shared_ffn, options.shared_gate);
 }
 
 Tensor LocalDispatcher::dispatch(const Tensor& rows, const std::vector<int64_t>& per_expert,
@@ -201,6 +205,14 @@ MoE::MoE(MoEOptions options, std::shared_ptr<TokenDispatcher> dispatcher)
     experts_.push_back(register_module(
         fmt::format("expert{}", e),
         make_expert(options_.hidden, options_.ffn, options_.seed, e, options_.gated)));
+  if (options_.shared_ffn > 0) {  // whole on every rank, drawn from the router's generator
+    shared =
+        register_module("shared", std::make_shared<GatedMLP>(options_.hidden, options_.shared_ffn,
+                                                             GatedMLPOptions{.generator = &g}));
+    if (options_.shared_gate)
+      shared_gate =
+          register_module("shared_gate", std::make_shared<Linear>(options_.hidden, 1, false, &g));
+  }
 }
 
 Module& MoE::expert(int64_t index) {
@@ -233,7 +245,11 @@ Tensor MoE::forward(const Tensor& x) {
       detail::dispatch_rows(tokens, dispatch), dispatch.per_expert,
       [this](int64_t e, const Tensor& rows) { return (*experts_[size_t(e - first_)])(rows); },
       stats_);
-  return detail::combine(outputs, dispatch, routing.weight).reshape(shape);
+  Tensor routed = detail::combine(outputs, dispatch, routing.weight);
+  if (!shared) return routed.reshape(shape);
+  Tensor common = (*shared)(tokens);
+  if (shared_gate) common = sigmoid((*shared_gate)(tokens)) * common;
+  return (routed + common).reshape(shape);
 }
 
 }  // namespace weave::nn

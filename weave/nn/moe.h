@@ -83,6 +83,11 @@ struct MoEOptions {
   /// experts: nn::GatedMLP, its gate and up one parameter gate_up); else hidden -> ffn -> GELU
   /// -> hidden with biases.
   bool gated = false;
+  /// A shared expert every token passes through, a SwiGLU MLP of this width added to the routed
+  /// experts' output (0: none); with shared_gate its output is scaled by sigmoid(x w) first, w
+  /// [1, hidden] (Qwen 2 MoE's shared_expert and shared_expert_gate).
+  int64_t shared_ffn = 0;
+  bool shared_gate = false;
   /// Turns each training forward's shares of assignments per expert into the shares over every
   /// batch the loss averages over (the data-parallel ranks: parallel::shares_over(group)), so
   /// that the load-balancing loss equals one process's on the stacked batches (Megatron's
@@ -158,6 +163,8 @@ class MoE : public Module {
   int64_t local_experts() const { return int64_t(experts_.size()); }
   /// Expert `index` (a global index, of an expert this rank holds).
   Module& expert(int64_t index);
+  /// The shared expert and its gate (null without).
+  std::shared_ptr<Module> shared, shared_gate;
 
  private:
   MoEOptions options_;

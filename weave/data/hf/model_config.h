@@ -42,9 +42,10 @@ struct ModelConfig {
   std::vector<bool> windowed_layers{};
   // Mixtral's and Qwen 3 MoE's experts (0: a dense MLP in every block):
   int64_t experts = 0, experts_per_token = 0;
-  int64_t expert_hidden = 0;        // each expert's width (Qwen: moe_intermediate_size)
-  bool norm_topk_prob = true;       // the chosen experts' gates renormalized
-  double router_aux_loss_coef = 0;  // the load-balancing loss's weight in training
+  int64_t expert_hidden = 0;         // each expert's width (Qwen: moe_intermediate_size)
+  bool norm_topk_prob = true;        // the chosen experts' gates renormalized
+  int64_t shared_expert_hidden = 0;  // Qwen 2 MoE's gated shared expert's width (0: none)
+  double router_aux_loss_coef = 0;   // the load-balancing loss's weight in training
   // Gemma's (model_type gemma2, gemma3_text):
   double attention_softcap = 0;      // attn_logit_softcapping (0: none)
   double logit_softcap = 0;          // final_logit_softcapping (0: none)

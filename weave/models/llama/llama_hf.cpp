@@ -63,7 +63,7 @@ void read_windows(const json& c, const std::string& path, data::hf::ModelConfig&
 void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& config) {
   const std::string model_type = c.value("model_type", "");
   config.model_type = model_type;
-  config.qkv_bias = model_type == "qwen2";
+  config.qkv_bias = model_type == "qwen2" || model_type == "qwen2_moe";
   config.qk_norm = model_type == "qwen3" || model_type == "qwen3_moe";
   detail::read_llama_sizes(c, path, config);
   config.rope_theta = c.value("rope_theta", 10000.0);
@@ -106,7 +106,8 @@ void read_llama(const json& c, const std::string& path, data::hf::ModelConfig& c
 // model_type as read, or for a config built here the one its features name.
 std::string model_type_of(const data::hf::ModelConfig& config) {
   if (!config.model_type.empty()) return config.model_type;
-  if (config.experts > 0) return config.qk_norm ? "qwen3_moe" : "mixtral";
+  if (config.experts > 0)
+    return config.qk_norm ? "qwen3_moe" : config.qkv_bias ? "qwen2_moe" : "mixtral";
   if (config.qk_norm) return "qwen3";
   if (config.qkv_bias) return "qwen2";
   return config.sliding_window > 0 ? "mistral" : "llama";
@@ -141,9 +142,10 @@ void write_llama(const data::hf::ModelConfig& config, json& c) {
   const bool qwen3 = config.qk_norm;
   const std::string type = model_type_of(config);
   const char* names[][2] = {
-      {"llama", "LlamaForCausalLM"},     {"mistral", "MistralForCausalLM"},
-      {"qwen2", "Qwen2ForCausalLM"},     {"qwen3", "Qwen3ForCausalLM"},
-      {"mixtral", "MixtralForCausalLM"}, {"qwen3_moe", "Qwen3MoeForCausalLM"}};
+      {"llama", "LlamaForCausalLM"},       {"mistral", "MistralForCausalLM"},
+      {"qwen2", "Qwen2ForCausalLM"},       {"qwen3", "Qwen3ForCausalLM"},
+      {"mixtral", "MixtralForCausalLM"},   {"qwen3_moe", "Qwen3MoeForCausalLM"},
+      {"qwen2_moe", "Qwen2MoeForCausalLM"}};
   c["model_type"] = type;
   for (const auto& [model_type, architecture] : names)
     if (type == model_type) c["architectures"] = {architecture};
@@ -266,13 +268,14 @@ bool llama_ignorable(const std::string& tensor, const data::hf::ModelConfig& con
 }
 
 data::hf::ArchitectureSpec llama_architecture() {
-  return {.name = "llama",
-          .display = "Llama",
-          .model_types = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"},
-          .read = read_llama,
-          .write = write_llama,
-          .mappings = llama_mappings,
-          .ignorable = llama_ignorable};
+  return {
+      .name = "llama",
+      .display = "Llama",
+      .model_types = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"},
+      .read = read_llama,
+      .write = write_llama,
+      .mappings = llama_mappings,
+      .ignorable = llama_ignorable};
 }
 
 }  // namespace detail
@@ -342,7 +345,8 @@ data::hf::ModelConfig model_config(const LlamaOptions& options, DType dtype) {
   config.sliding_window = block.window;
   config.windowed_layers = block.window > 0 ? options.windowed_layers : std::vector<bool>{};
   detail::set_experts(block.moe, config);
-  if (config.experts > 0 && !config.qk_norm) config.hidden = config.expert_hidden;  // Mixtral's
+  if (config.experts > 0 && !config.qk_norm && !config.qkv_bias)
+    config.hidden = config.expert_hidden;  // Mixtral's experts are intermediate_size wide
   WEAVE_CHECK(
       !(config.qk_norm && config.qkv_bias), kLlamaHf,
       "no Hugging Face architecture has Qwen 3's q/k norms with Qwen 2's q, k and v biases; "

@@ -22,8 +22,15 @@ constexpr const char* kMoeHf = "hf";
 }  // namespace
 
 bool has_experts(const std::string& model_type) {
-  return model_type == "mixtral" || model_type == "qwen3_moe";
+  return model_type == "mixtral" || model_type == "qwen3_moe" || model_type == "qwen2_moe";
 }
+
+namespace {
+// Mixtral's names (block_sparse_moe, w1/w3/w2) where neither Qwen's biases nor its norms say Qwen.
+bool mixtral_names(const data::hf::ModelConfig& c) {
+  return !c.qk_norm && !c.qkv_bias;
+}
+}  // namespace
 
 void read_experts(const json& c, const std::string& path, data::hf::ModelConfig& config) {
   const std::string& type = config.model_type;
@@ -34,6 +41,8 @@ void read_experts(const json& c, const std::string& path, data::hf::ModelConfig&
   config.expert_hidden = mixtral ? config.hidden : config_integer(c, "moe_intermediate_size", path);
   config.norm_topk_prob = mixtral || c.value("norm_topk_prob", false);
   config.router_aux_loss_coef = c.value("router_aux_loss_coef", 0.001);
+  if (type == "qwen2_moe")
+    config.shared_expert_hidden = config_integer(c, "shared_expert_intermediate_size", path);
   WEAVE_CHECK(config.experts >= 1 && config.experts <= 4096 && config.experts_per_token >= 1 &&
                   config.experts_per_token <= config.experts && config.expert_hidden >= 1 &&
                   config.expert_hidden <= (int64_t(1) << 20),
@@ -57,7 +66,7 @@ void read_experts(const json& c, const std::string& path, data::hf::ModelConfig&
 
 void write_experts(const data::hf::ModelConfig& config, json& c) {
   if (config.experts == 0) return;
-  const bool mixtral = !config.qk_norm;
+  const bool mixtral = mixtral_names(config);
   c[mixtral ? "num_local_experts" : "num_experts"] = config.experts;
   c["num_experts_per_tok"] = config.experts_per_token;
   c["router_aux_loss_coef"] = config.router_aux_loss_coef;
@@ -67,12 +76,13 @@ void write_experts(const data::hf::ModelConfig& config, json& c) {
   }
   c["moe_intermediate_size"] = config.expert_hidden, c["norm_topk_prob"] = config.norm_topk_prob;
   c["decoder_sparse_step"] = 1, c["mlp_only_layers"] = json::array();
+  if (config.qkv_bias) c["shared_expert_intermediate_size"] = config.shared_expert_hidden;
 }
 
 void add_expert_mappings(const data::hf::ModelConfig& c, const std::string& weave,
                          const std::string& hf, std::vector<Mapping>& m) {
-  const bool mixtral = !c.qk_norm;
-  const int64_t D = c.dim, F = c.expert_hidden;
+  const bool mixtral = mixtral_names(c);
+  const int64_t D = c.dim, F = c.expert_hidden, S = c.shared_expert_hidden;
   const std::string block = hf + (mixtral ? "block_sparse_moe." : "mlp.");
   m.push_back(
       {weave + "moe.router.gate.weight", {block + "gate.weight"}, Layout::Same, {{c.experts, D}}});
@@ -89,6 +99,19 @@ void add_expert_mappings(const data::hf::ModelConfig& c, const std::string& weav
                  Layout::Same,
                  {{D, F}}});
   }
+  if (S == 0) return;
+  m.push_back({weave + "moe.shared.gate_up",
+               {block + "shared_expert.gate_proj.weight", block + "shared_expert.up_proj.weight"},
+               Layout::Stacked,
+               {{S, D}, {S, D}}});
+  m.push_back({weave + "moe.shared.down.weight",
+               {block + "shared_expert.down_proj.weight"},
+               Layout::Same,
+               {{D, S}}});
+  m.push_back({weave + "moe.shared_gate.weight",
+               {block + "shared_expert_gate.weight"},
+               Layout::Same,
+               {{1, D}}});
 }
 
 std::optional<nn::MoEOptions> experts_of(const data::hf::ModelConfig& config) {
@@ -99,7 +122,9 @@ std::optional<nn::MoEOptions> experts_of(const data::hf::ModelConfig& config) {
                                    .top_k = config.experts_per_token,
                                    .renormalize = config.norm_topk_prob,
                                    .aux_loss_coef = config.router_aux_loss_coef},
-                        .gated = true};
+                        .gated = true,
+                        .shared_ffn = config.shared_expert_hidden,
+                        .shared_gate = config.shared_expert_hidden > 0};
 }
 
 void set_experts(const std::optional<nn::MoEOptions>& moe, data::hf::ModelConfig& config) {
@@ -116,9 +141,14 @@ void set_experts(const std::optional<nn::MoEOptions>& moe, data::hf::ModelConfig
   config.experts = router.experts, config.experts_per_token = router.top_k;
   config.expert_hidden = moe->ffn, config.norm_topk_prob = router.renormalize || router.top_k == 1;
   config.router_aux_loss_coef = router.aux_loss_coef;
-  WEAVE_CHECK(config.qk_norm || config.norm_topk_prob, kMoeHf,
+  config.shared_expert_hidden = moe->shared_ffn;
+  WEAVE_CHECK(!mixtral_names(config) || config.norm_topk_prob, kMoeHf,
               "Hugging Face's Mixtral renormalizes the chosen experts' gates; found renormalize "
-              "false (Qwen 3 MoE's norm_topk_prob false takes q/k norms)");
+              "false (the Qwen MoEs' norm_topk_prob false takes their q/k norms or biases)");
+  WEAVE_CHECK(moe->shared_ffn == 0 || (config.qkv_bias && moe->shared_gate), kMoeHf,
+              "Hugging Face's shared expert is Qwen 2 MoE's: gated, with q/k/v biases; found "
+              "shared_gate {}, qkv_bias {}",
+              moe->shared_gate, config.qkv_bias);
 }
 
 }  // namespace weave::models::detail

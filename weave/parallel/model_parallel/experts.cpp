@@ -28,11 +28,12 @@ nn::MoEOptions agreed(nn::MoEOptions options, const dist::Group& group) {
                     experts, group.size(), group.str());
       },
       group, kExpertsOp,
-      {options.hidden, options.ffn, experts, options.router.top_k, int64_t(options.seed)});
+      {options.hidden, options.ffn, experts, options.router.top_k, int64_t(options.seed),
+       options.gated ? 1 : 0, options.shared_ffn, options.shared_gate ? 1 : 0});
   for (size_t i = 0; i < range.lowest.size(); ++i)
     WEAVE_CHECK(range.same(i), kExpertsOp,
                 "the ranks of group {} pass different options (hidden, ffn, experts, top_k, "
-                "seed: entry {} from {} to {})",
+                "seed, gated, shared_ffn, shared_gate: entry {} from {} to {})",
                 group.str(), i, range.lowest[i], range.highest[i]);
   // The router's float options too: a rank with another capacity or coefficient would drop
   // other tokens or train toward another loss, silently.
