@@ -310,7 +310,8 @@ TEST_SUITE("pretrained") {
   TEST_CASE("pipeline stages of Llama and GPT-2 (with tensor parallelism) give PyTorch's logits") {
     if (dist::world_size() % 2 != 0) return;
     parallel::ProcessMesh mesh({.tensor = dist::world_size() / 2, .pipeline = 2});
-    for (const std::string arch : {"llama", "qwen3", "mistral", "gemma3", "mixtral", "gpt2"}) {
+    for (const std::string arch : {"llama", "qwen3", "mistral", "gemma2", "gemma3", "mixtral",
+                                   "qwen3_moe", "qwen2_moe", "gpt2"}) {
       CAPTURE(arch);
       const std::string dir = kData + arch;
       const auto config = data::hf::read_config(dir);
