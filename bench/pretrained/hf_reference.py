@@ -24,6 +24,7 @@ PyTorch 1.13 (Debian's python3-torch) runs it; neither transformers nor safetens
                                      # on the fixed tokens, compares with DIR/logits.safetensors
   hf_reference.py edited DIR JSON OUT  # float64 logits of DIR's weights, config updated by JSON
   hf_reference.py bf16 DIR OUT       # DIR rounded to bfloat16 in one file, float64 logits of it
+  hf_reference.py gradients DIR OUT  # float64 gradients of the next-token loss, some parameters
 """
 import json
 import math
@@ -34,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from reference_configs import (GEMMA2_CONFIG, GEMMA3_CONFIG, GPT2_CONFIG, LLAMA_CONFIG,
+                               MISTRAL_CONFIG, QWEN2_CONFIG, QWEN3_CONFIG)
 from reference_moe import MIXTRAL_CONFIG, QWEN2_MOE_CONFIG, QWEN3_MOE_CONFIG, SparseMoeBlock
 from safetensors_io import load_safetensors, save_safetensors
 
@@ -378,63 +381,6 @@ class GemmaForCausalLM(nn.Module):  # the head tied to embed_tokens
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
 
 
-GPT2_CONFIG = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 512,
-               "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
-               "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
-               "tie_word_embeddings": True, "torch_dtype": "float32"}
-LLAMA_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512,
-                "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-                "rope_theta": 10000.0, "max_position_embeddings": 128,
-                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-                "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
-                "torch_dtype": "float32"}
-QWEN2_CONFIG = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 512,
-                "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-                "rope_theta": 1000000.0, "max_position_embeddings": 128, "rope_scaling": None,
-                "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 2,
-                "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
-QWEN3_CONFIG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 512,
-                "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-                "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 128,
-                "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
-                "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2,
-                "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
-
-# Mistral with a head_dim of its own and a window of 5 over the 24 reference tokens.
-MISTRAL_CONFIG = {"model_type": "mistral", "architectures": ["MistralForCausalLM"],
-                  "vocab_size": 512, "hidden_size": 64, "intermediate_size": 176,
-                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                  "head_dim": 32, "sliding_window": 5, "rms_norm_eps": 1e-5,
-                  "rope_theta": 1000000.0, "max_position_embeddings": 128,
-                  "tie_word_embeddings": False, "hidden_act": "silu", "attention_dropout": 0.0,
-                  "torch_dtype": "float32"}
-# Gemma 2: local layer 0, global layer 1, both soft-caps small enough to bend these logits, and a
-# query_pre_attn_scalar apart from head_dim.
-GEMMA2_CONFIG = {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "vocab_size": 512,
-                 "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-                 "query_pre_attn_scalar": 24, "sliding_window": 5, "rms_norm_eps": 1e-6,
-                 "rope_theta": 10000.0, "max_position_embeddings": 128,
-                 "attn_logit_softcapping": 1.0, "final_logit_softcapping": 0.5,
-                 "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
-                 "attention_dropout": 0.0, "tie_word_embeddings": True, "torch_dtype": "float32"}
-# Gemma 3 (text): layers 0 and 1 local (rope_local_base_freq), 2 global (rope_theta with linear
-# scaling), q/k norms, no soft-caps.
-GEMMA3_CONFIG = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
-                 "vocab_size": 512, "hidden_size": 64, "intermediate_size": 176,
-                 "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1,
-                 "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 5,
-                 "sliding_window_pattern": 3, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                 "rope_local_base_freq": 10000.0,
-                 "rope_scaling": {"rope_type": "linear", "factor": 4.0},
-                 "max_position_embeddings": 128, "attn_logit_softcapping": None,
-                 "final_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
-                 "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": True,
-                 "torch_dtype": "float32"}
 FLOAT64_LOGITS = ("qwen3", "mistral", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "qwen2_moe")
 
 
@@ -491,6 +437,20 @@ def load_checkpoint(directory, edit=None):
     return model
 
 
+def write_gradients(directory, out):  # mean cross-entropy of each next token, in float64
+    model = load_checkpoint(directory).double()
+    tokens = load_safetensors(os.path.join(directory, "logits.safetensors"))["tokens"]
+    logits = model(tokens)
+    F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)).backward()
+    kept = ("layers.0.self_attn.q_proj.", "layers.1.self_attn.k_proj.", "layers.1.input_layernorm",
+            "layers.0.self_attn.q_norm", "layers.1.post_feedforward_layernorm", "layers.0.mlp.down",
+            "experts.1.w2", "experts.1.down_proj", "layers.0.block_sparse_moe.gate",
+            "layers.0.mlp.gate.", "shared_expert_gate", "model.norm.")
+    grads = {n: p.grad for n, p in model.named_parameters() if any(k in n for k in kept)}
+    save_safetensors(out, grads)
+    print(f"wrote {out}: {len(grads)} gradients")
+
+
 def write_bf16(directory, out):
     model = load_checkpoint(directory)
     os.makedirs(out, exist_ok=True)
@@ -540,6 +500,8 @@ def main():
         with torch.no_grad():
             save_safetensors(sys.argv[4], {"tokens": tokens, "logits": model(tokens)})
         print(f"wrote {sys.argv[4]}")
+    elif len(sys.argv) == 4 and sys.argv[1] == "gradients":
+        write_gradients(sys.argv[2], sys.argv[3])
     elif len(sys.argv) == 4 and sys.argv[1] == "bf16":
         write_bf16(sys.argv[2], sys.argv[3])
     else:

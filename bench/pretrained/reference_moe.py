@@ -2,7 +2,7 @@
 w1/w3/w2), Qwen 3 MoE (modeling_qwen3_moe.py: mlp, experts gate_proj/up_proj/down_proj) and Qwen 2
 MoE (modeling_qwen2_moe.py: Qwen 3 MoE's, plus a shared_expert every token passes through scaled by
 sigmoid(shared_expert_gate x)), by plain PyTorch, for hf_reference.py: router logits through a bias-free gate [experts, hidden], softmax over
-every expert in float32, the top num_experts_per_tok, their gates renormalized to sum to 1 (always
+every expert in float32 (float64 for a float64 reference), the top num_experts_per_tok, their gates renormalized to sum to 1 (always
 in Mixtral, where norm_topk_prob says in Qwen 3 MoE), each chosen expert a SwiGLU MLP, the token's
 output the gate-weighted sum. Written token by token, as a reference should be."""
 import torch
@@ -43,7 +43,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        probs = F.softmax(self.gate(tokens).float(), dim=-1)
+        logits = self.gate(tokens)  # softmax in float32 at least (Hugging Face's dtype=float)
+        probs = F.softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)

@@ -11,9 +11,11 @@
 
 #include "helpers.h"
 #include "hf_helpers.h"
+#include "weave/data/hf/hf_mapping.h"
 
 using namespace weave;
 using namespace weave_test;
+using weave::test::relative_error;
 namespace fs = std::filesystem;
 
 namespace {
@@ -249,6 +251,50 @@ TEST_SUITE("hf_checkpoint") {
         sequence = cat({sequence, next}, 1);
       }
       CHECK(max_abs_diff(generated, sequence) == 0);
+    }
+  }
+
+  // hf_reference.py's float64 gradients of the mean next-token cross-entropy (<arch>_gradients:
+  // q/k projections, norms, Gemma's post-norms, q/k norms, experts, routers, the shared expert's
+  // gate), against weave's model in float64 on the same tokens, through the checkpoint's names.
+  TEST_CASE("gradients of the newer architectures equal the reference's (float64)") {
+    for (const std::string arch :
+         {"qwen3", "mistral", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen2_moe"}) {
+      CAPTURE(arch);
+      const std::string dir = reference_dir(arch);
+      auto model = models::from_pretrained(dir);
+      model->to(kFloat64);
+      model->eval();  // no balancing loss: the reference's loss is the cross-entropy alone
+      Tensor tokens;
+      for (const auto& [name, t] : data::load_safetensors(dir + "/logits.safetensors").tensors)
+        if (name == "tokens") tokens = t;
+      const Tensor logits = (*model)(tokens);
+      const int64_t vocab = logits.size(-1), length = tokens.size(1) - 1;
+      cross_entropy(logits.narrow(1, 0, length).reshape({-1, vocab}),
+                    tokens.narrow(1, 1, length).reshape({-1}))
+          .backward();
+      std::map<std::string, Tensor> expected;
+      for (const auto& [name, t] :
+           data::load_safetensors(dir + "/../" + arch + "_gradients.safetensors").tensors)
+        expected[name] = t;
+      std::map<std::string, Tensor> params;
+      for (const auto& [name, p] : model->named_parameters()) params[name] = p;
+      size_t compared = 0;
+      for (const auto& m : data::hf::detail::mappings(data::hf::read_config(dir)))
+        for (size_t i = 0; i < m.sources.size(); ++i) {
+          const auto want = expected.find(m.sources[i]);
+          if (want == expected.end()) continue;
+          const std::string source = m.sources[i];  // CAPTURE needs a variable
+          CAPTURE(source);
+          const Tensor grad = params.at(m.weave).grad();
+          REQUIRE(grad.defined());
+          const Tensor got = m.layout == data::hf::detail::Layout::Stacked
+                                 ? grad.select(0, int64_t(i))
+                                 : grad.reshape(want->second.shape());
+          CHECK(relative_error(got, want->second) < 1e-9);
+          ++compared;
+        }
+      CHECK(compared == expected.size());
     }
   }
 
