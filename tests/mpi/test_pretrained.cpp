@@ -286,6 +286,19 @@ TEST_SUITE("pretrained") {
       const auto part = [&](const Tensor& whole) {
         return parallel::shard_sequence(whole, 1, mesh.context(), parallel::SequenceLayout::ZigZag);
       };
+      // Packed documents of 7, 9 and 8 positions (positions restarting in each; the windows of 5
+      // reach across the zig-zag chunks of 6): one process's logits are the truth.
+      std::vector<int64_t> ids, at;
+      for (int64_t i = 0; i < tokens.size(1); ++i) {
+        const int64_t doc = i < 7 ? 0 : (i < 16 ? 1 : 2);
+        ids.push_back(doc), at.push_back(i - (doc == 0 ? 0 : doc == 1 ? 7 : 16));
+      }
+      const Tensor documents = from_vector(ids), positions = from_vector(at);
+      Tensor packed;
+      {
+        NoGradGuard no_grad;
+        packed = (*models::from_pretrained(dir))(nn::Inputs(tokens, positions, documents));
+      }
       // All-to-all takes heads that divide over the tensor and context ranks (Gemma 3's one
       // key/value head does not).
       const int64_t split_heads = mesh.shape().tensor * 2;
@@ -300,6 +313,11 @@ TEST_SUITE("pretrained") {
         parallel::load_pretrained(*model, config, dir);
         NoGradGuard no_grad;
         CHECK(max_abs_diff((*model)(part(tokens)), part(expected)) < 1e-5);
+        const auto cut = [&](const Tensor& t) {
+          return parallel::shard_sequence(t, 0, mesh.context(), parallel::SequenceLayout::ZigZag);
+        };
+        CHECK(max_abs_diff((*model)(nn::Inputs(part(tokens), cut(positions), cut(documents))),
+                           part(packed)) < 1e-5);
         std::vector<nn::KVCache> caches = model->make_caches(8);
         CHECK_THROWS_WITH_AS(model->forward_cached(part(tokens), caches),
                              doctest::Contains("context group"), Error);
