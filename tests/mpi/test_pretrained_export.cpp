@@ -151,9 +151,9 @@ TEST_SUITE("pretrained") {
     }
   }
 
-  // Mixtral's and Qwen 3 MoE's experts spread over the ranks by their global index (each rank
+  // Mixtral's and the Qwen MoEs' experts spread over the ranks by their global index (each rank
   // reads only its experts' tensors), alone and (4 ranks) with 2 tensor-parallel ranks: PyTorch's
-  // logits, and exports that equal one process's files.
+  // logits, one process's greedy tokens, and exports that equal one process's files.
   TEST_CASE("expert-parallel Mixtral and Qwen 3 MoE read their experts and export one process's") {
     const int world = dist::world_size();
     for (const std::string arch : {"mixtral", "qwen3_moe", "qwen2_moe"}) {
@@ -187,6 +187,11 @@ TEST_SUITE("pretrained") {
         const Tensor logits = (*model)(tokens);
         CHECK(max(abs(logits.to(kFloat64) - expected)).item<double>() <
               2e-6 * max(abs(expected)).item<double>());
+        // Greedy decoding with the experts spread: one process's tokens.
+        const Tensor prompt = tokens.narrow(1, 0, 4);
+        const nn::GenerationOptions greedy{.max_new_tokens = 16};
+        CHECK(equal(nn::generate(*model, prompt, greedy),
+                    nn::generate(*models::from_pretrained(dir), prompt, greedy)));
         const std::string layout = "ep_tp" + std::to_string(tensor);
         parallel::save_pretrained(*model, config, out + "/" + layout, {}, dist::world());
         dist::barrier();
