@@ -189,6 +189,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = LlamaRMSNorm(self.head_dim, c["rms_norm_eps"])
             self.k_norm = LlamaRMSNorm(self.head_dim, c["rms_norm_eps"])
+        self.scaling, self.softcap = None, None  # 1 / sqrt(head_dim); no soft-cap (Gemma's differ)
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
@@ -201,7 +202,10 @@ class LlamaAttention(nn.Module):
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        scores = q @ k.transpose(-1, -2)
+        scores = scores / math.sqrt(self.head_dim) if self.scaling is None else scores * self.scaling
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         scores = scores.masked_fill(~attention_mask(T, self.window), float("-inf"))
         return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1))
 
@@ -282,16 +286,9 @@ def gemma_layer_types(c):
             for i in range(c["num_hidden_layers"])]
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(LlamaAttention):  # Llama's, scaled, soft-capped, local or global, (1 + w) norms
     def __init__(self, c, index):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = (c["num_attention_heads"],
-                                                    c["num_key_value_heads"], c["head_dim"])
-        d = c["hidden_size"]
-        self.q_proj = nn.Linear(d, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, d, bias=False)
+        super().__init__(c, index)
         self.scaling = c["query_pre_attn_scalar"] ** -0.5
         self.softcap = c.get("attn_logit_softcapping")
         self.local = gemma_layer_types(c)[index] == "sliding_attention"
@@ -302,22 +299,7 @@ class GemmaAttention(nn.Module):
             self.k_norm = GemmaRMSNorm(self.head_dim, c["rms_norm_eps"])
 
     def forward(self, x, rotations):
-        cos, sin = rotations["local" if self.local else "global"]
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = q @ k.transpose(-1, -2) * self.scaling
-        if self.softcap:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        scores = scores.masked_fill(~attention_mask(T, self.window), float("-inf"))
-        return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1))
+        return super().forward(x, *rotations["local" if self.local else "global"])
 
 
 class GemmaMLP(LlamaMLP):

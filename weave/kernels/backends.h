@@ -28,8 +28,7 @@
   void clip_many(const std::vector<Tensor>& xs, const Tensor& power_sum, double p,                 \
                  double max_norm, const Tensor& norm);                                             \
   void adam_advance(const Tensor& scalars, double beta1, double beta2);                            \
-  void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse,        \
-                         const Tensor& capped);                                                    \
+  void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse);       \
   void attention_probs(const Tensor& s, const AttentionParams& params, const Tensor& lse,          \
                        const Tensor& capped);                                                      \
   void attention_score_grad(const Tensor& dp, const Tensor& p, const Tensor& delta, double scale,  \

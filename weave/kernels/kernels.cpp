@@ -147,10 +147,9 @@ void adam_advance(const Tensor& scalars, double beta1, double beta2) {
   WEAVE_DISPATCH("adam_advance", adam_advance(scalars, beta1, beta2));
 }
 
-void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse,
-                       const Tensor& capped) {
+void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse) {
   const Tensor& out = s;
-  WEAVE_DISPATCH("attention_softmax", attention_softmax(s, params, lse, capped));
+  WEAVE_DISPATCH("attention_softmax", attention_softmax(s, params, lse));
 }
 
 void attention_probs(const Tensor& s, const AttentionParams& params, const Tensor& lse,

@@ -250,12 +250,11 @@ void rotary(const Tensor& x, const Tensor& positions, const Tensor& frequencies,
 // contiguous, in s's dtype.
 
 /// s = softmax(softcap(scale s)) over the keys each row sees (0 elsewhere), in place; lse gets
-/// each row's log-sum-exp of the capped scores. With a soft-cap, capped (like s, or undefined
-/// without one) gets the capped scores, for attention_score_grad.
-void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse,
-                       const Tensor& capped);
+/// each row's log-sum-exp of the capped scores.
+void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse);
 /// s = exp(softcap(scale s) - lse) where the row sees the key, 0 elsewhere, in place (the
-/// forward's probabilities again); capped as for attention_softmax.
+/// forward's probabilities again); with a soft-cap, capped (like s, or undefined without one)
+/// gets the capped scores, for attention_score_grad.
 void attention_probs(const Tensor& s, const AttentionParams& params, const Tensor& lse,
                      const Tensor& capped);
 /// dp = scale p (dp - delta) in place, times softcap_grad(capped) when capped is defined: the

@@ -69,7 +69,7 @@ void blocked_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   AutocastGuard exact(kBFloat16, false);  // the products stay in the operands' dtype
   for_each_block(q, k, [&](int64_t b, int64_t h0, int64_t n) {
     Tensor p = block_scores(heads(q, b, h0, n), heads(k, b, h0, n));
-    kernels::attention_softmax(p, params, lse.select(0, b).narrow(0, h0, n), Tensor());
+    kernels::attention_softmax(p, params, lse.select(0, b).narrow(0, h0, n));
     heads(out, b, h0, n).copy_(matmul(p, heads(v, b, h0, n)));
   });
 }

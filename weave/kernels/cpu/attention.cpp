@@ -315,8 +315,7 @@ void attention_backward(const Tensor& grad, const Tensor& q, const Tensor& k, co
   });
 }
 
-void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse,
-                       const Tensor& capped) {
+void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse) {
   visit_floating(s.dtype(), "attention_softmax", [&](auto tag) {
     using T = typename decltype(tag)::type;
     const functors::KeyRange range = key_range(params, s.size(1), s.size(2));
@@ -324,12 +323,10 @@ void attention_softmax(const Tensor& s, const AttentionParams& params, const Ten
     const T scale = T(params.scale), cap = T(params.softcap);
     T* data = s.data<T>();
     T* out_lse = lse.data<T>();
-    T* kept = capped.defined() ? capped.data<T>() : nullptr;
     for (int64_t r = 0; r < rows; ++r) {
       T* row = data + r * tk;
       const int64_t begin = range.begin(r % range.tq), end = range.end(r % range.tq);
       for (int64_t j = 0; j < tk; ++j) row[j] = functors::softcap(row[j] * scale, cap);
-      if (kept) std::copy_n(row, tk, kept + r * tk);
       T m = -INFINITY, sum = 0;
       for (int64_t j = begin; j < end; ++j) m = std::max(m, row[j]);
       for (int64_t j = begin; j < end; ++j) sum += std::exp(row[j] - m);

@@ -79,16 +79,12 @@ __global__ void cross_entropy_backward_kernel(const T* grad, int64_t grad_stride
 // Blocked attention's row passes (kernels.h): a block per row of scores for the softmax, a
 // grid-stride pass for the elementwise ones.
 template <class T>
-__global__ void attention_softmax_kernel(T* s, T* lse, T* capped, functors::KeyRange range, T scale,
-                                         T cap) {
+__global__ void attention_softmax_kernel(T* s, T* lse, functors::KeyRange range, T scale, T cap) {
   const int64_t tk = range.tk;
   T* row = s + int64_t(blockIdx.x) * tk;
-  T* capped_row = capped ? capped + int64_t(blockIdx.x) * tk : nullptr;
   const int64_t i = blockIdx.x % range.tq, begin = range.begin(i), end = range.end(i);
-  for (int64_t j = threadIdx.x; j < tk; j += blockDim.x) {
+  for (int64_t j = threadIdx.x; j < tk; j += blockDim.x)
     row[j] = functors::softcap(row[j] * scale, cap);
-    if (capped_row) capped_row[j] = row[j];
-  }
   T m = -INFINITY;
   for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) m = max(m, row[j]);
   m = block_reduce(m, Combine::Max);
@@ -172,15 +168,13 @@ void cross_entropy_backward(const Tensor& grad, const Tensor& logits, const Tens
   });
 }
 
-void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse,
-                       const Tensor& capped) {
+void attention_softmax(const Tensor& s, const AttentionParams& params, const Tensor& lse) {
   const functors::KeyRange range = key_range(params, s.size(1), s.size(2));
   visit_floating(s.dtype(), "attention_softmax", [&](auto tag) {
     using T = typename decltype(tag)::type;
     per_row(s, rows_of(s, range.tk), "attention_softmax", [&](unsigned rows, cudaStream_t st) {
-      attention_softmax_kernel<T><<<rows, kThreads, 0, st>>>(maybe_mut<T>(s), maybe_mut<T>(lse),
-                                                             maybe_mut<T>(capped), range,
-                                                             T(params.scale), T(params.softcap));
+      attention_softmax_kernel<T><<<rows, kThreads, 0, st>>>(
+          maybe_mut<T>(s), maybe_mut<T>(lse), range, T(params.scale), T(params.softcap));
     });
   });
 }

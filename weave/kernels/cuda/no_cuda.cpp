@@ -70,7 +70,7 @@ void clip_many(const std::vector<Tensor>&, const Tensor&, double, double, const 
 void adam_advance(const Tensor&, double, double) {
   no_cuda_kernel("adam_advance");
 }
-void attention_softmax(const Tensor&, const AttentionParams&, const Tensor&, const Tensor&) {
+void attention_softmax(const Tensor&, const AttentionParams&, const Tensor&) {
   no_cuda_kernel("attention_softmax");
 }
 void attention_probs(const Tensor&, const AttentionParams&, const Tensor&, const Tensor&) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "weave/kernels/attention_rules.h"
 #include "weave/ops/ops.h"
 
 namespace weave::parallel::detail {
@@ -36,12 +37,9 @@ inline AttentionOptions pair_options(Pair pair, int64_t a, int64_t b, int64_t ch
 // The query-key scores a pair computes (its visible ones, for the ring's statistics).
 inline int64_t pair_scores(const AttentionOptions& o, int64_t chunk) {
   if (!o.causal) return chunk * chunk;
-  auto key = [&](int64_t j) { return std::clamp<int64_t>(j, 0, chunk); };
+  const functors::KeyRange range{true, o.query_start.value_or(0), o.window, chunk, chunk};
   int64_t total = 0;
-  for (int64_t i = 0, at = o.query_start.value_or(0); i < chunk; ++i, ++at) {
-    const int64_t end = key(at + 1), begin = o.window > 0 ? key(at + 1 - o.window) : 0;
-    total += end - std::min(begin, end);
-  }
+  for (int64_t i = 0; i < chunk; ++i) total += std::max<int64_t>(0, range.end(i) - range.begin(i));
   return total;
 }
 
