@@ -25,6 +25,7 @@
 #include "weave/nn/init.h"
 #include "weave/nn/layers.h"
 #include "weave/nn/leaves.h"
+#include "weave/nn/lora.h"
 #include "weave/nn/module.h"
 #include "weave/nn/moe.h"
 #include "weave/nn/summary.h"

@@ -98,7 +98,7 @@ Tensor GroupedQueryAttention::attend(const Inputs& inputs, KVCache* cache) {
   const int64_t batch = x.size(0), length = x.size(1);
   Tensor queries = (*q)(x).reshape({batch, length, local_heads_, head_dim_});
   Tensor projected = leaves_.linear()
-                         .project_key_values(x, kv, kv_bias, kv_layout_, head_dim_)
+                         .project_key_values(x, kv, kv_bias, kv_layout_, head_dim_, kv_adapters_)
                          .reshape({batch, length, 2, kv_layout_.local, head_dim_});
   Tensor keys = projected.select(2, 0), values = projected.select(2, 1);
   if (options_.qk_norm) {
@@ -125,6 +125,29 @@ Tensor GroupedQueryAttention::attend(const Inputs& inputs, KVCache* cache) {
                                     .softcap = options_.softcap});
   // heads-last: a view
   return (*out)(y.transpose(1, 2).reshape({batch, length, local_heads_ * head_dim_}));
+}
+
+void GroupedQueryAttention::adapt(const std::string& name, const AdapterSpec& spec) {
+  WEAVE_CHECK(name == "q" || name == "k" || name == "v" || name == "out", kAttention,
+              "no projection '{}' to adapt; expected q, k, v or out", name);
+  if (name == "q" || name == "out") {
+    register_module(name + "_lora", adapt_linear(name == "q" ? *q : *out, spec));
+    return;
+  }
+  const int part = name == "k" ? 0 : 1;
+  const int64_t rows = kv_heads_ * head_dim_;
+  // Cut as kv is: whole on every rank when its heads are fewer than the ranks.
+  auto adapter = adapt_stacked(kv, part, spec, [&](int64_t rank, Generator& g, DType dtype) {
+    return kv_layout_.replicated ? low_rank_factors(dim_, rows, rank, g, dtype)
+                                 : leaves_.linear().column_adapter(dim_, rows, rank, g, dtype);
+  });
+  register_module(name + "_lora", adapter);
+  kv_adapters_[size_t(part)] = adapter.get();
+}
+
+void GroupedQueryAttention::drop_adapters() {
+  q->adapter = out->adapter = nullptr;
+  kv_adapters_ = {};
 }
 
 // Each head's RMSNorm; the weight is whole on every rank of a split layer, which norms only its

@@ -69,7 +69,9 @@ struct GroupedQueryAttentionOptions {
 /// k_norm (their gradients summed over the group); over a context group each
 /// rank passes its part of every sequence with that part's positions and document ids (the
 /// positions derived from the part's place when left out).
-class GroupedQueryAttention : public CachedModule {
+///
+/// Its projections take low-rank adapters (nn/lora.h): q, k, v (the halves of kv) and out.
+class GroupedQueryAttention : public CachedModule, public AdaptedLayer {
  public:
   GroupedQueryAttention(int64_t dim, GroupedQueryAttentionOptions options = {}, Leaves leaves = {});
   /// x [B, T, dim] -> [B, T, dim], at positions 0 .. T-1, one document.
@@ -91,6 +93,9 @@ class GroupedQueryAttention : public CachedModule {
   std::shared_ptr<LinearLeaf> out;  // [dim, heads * head_dim] (this rank's columns when split)
   Tensor& q_norm;                   // [head_dim], undefined without qk_norm
   Tensor& k_norm;                   // [head_dim], undefined without qk_norm
+  std::vector<std::string> projections() const override { return {"q", "k", "v", "out"}; }
+  void adapt(const std::string& name, const AdapterSpec& spec) override;
+  void drop_adapters() override;
 
  private:
   Tensor attend(const Inputs& inputs, KVCache* cache);
@@ -99,6 +104,7 @@ class GroupedQueryAttention : public CachedModule {
   GroupedQueryAttentionOptions options_;
   Leaves leaves_;
   Linears::KeyValueHeads kv_layout_;
+  StackedAdapters kv_adapters_{};
 };
 
 }  // namespace weave::nn

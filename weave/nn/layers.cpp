@@ -5,6 +5,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/nn/deferred.h"
 #include "weave/nn/init.h"
+#include "weave/nn/lora.h"
 
 namespace weave::nn {
 
@@ -35,12 +36,31 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, Genera
                  with_bias ? uniform_bound({out_features}, bound, generator) : Tensor());
 }
 
+LowRankFactors low_rank_factors(int64_t in, int64_t out, int64_t rank, Generator& generator,
+                                DType dtype) {
+  WEAVE_CHECK(rank > 0 && in > 0 && out > 0, "LoRA",
+              "the rank ({}) of an adapter on a [{}, {}] projection must be positive", rank, out,
+              in);
+  NoGradGuard no_grad;
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  Tensor a = empty({rank, in}, {.dtype = dtype});
+  init::uniform_(a, -bound, bound, &generator);
+  Tensor b = zeros({out, rank}, {.dtype = dtype});
+  return {a.requires_grad_(true), b.requires_grad_(true)};
+}
+
+LowRankFactors LinearLeaf::adapter_factors(int64_t rank, Generator& generator, DType dtype) const {
+  return low_rank_factors(weight.size(1), weight.size(0), rank, generator, dtype);
+}
+
 Tensor Linear::forward(const Tensor& x) {
-  return linear(x, weight, bias);
+  Tensor y = linear(x, weight, bias);
+  return adapter ? y + adapter->update(x) : y;
 }
 
 Tensor Linear::forward_unbiased(const Tensor& x) {
-  return linear(x, weight);
+  Tensor y = linear(x, weight);
+  return adapter ? y + adapter->update(x) : y;
 }
 
 StackedProjection stacked_projection(int64_t in, int64_t width, bool bias, Generator* generator) {

@@ -8,6 +8,18 @@
 
 namespace weave::nn {
 
+class LowRankAdapter;
+
+/// A low-rank adapter's factors A [rank, in] and B [out, rank] (nn/lora.h), as this rank holds
+/// them: leaves that require grad.
+struct LowRankFactors {
+  Tensor a, b;
+};
+/// The whole factors of an adapter on a projection [out, in]: A drawn as PEFT draws it
+/// (U(+-1/sqrt(in)), nn::Linear's weight) from `generator`, B zero.
+LowRankFactors low_rank_factors(int64_t in, int64_t out, int64_t rank, Generator& generator,
+                                DType dtype);
+
 /// A layer's linear piece, y = x W^T + b with W [out, in]: nn::Linear whole, or this rank's
 /// piece of a linear split over ranks (parallel::ColumnParallelLinear, RowParallelLinear). The
 /// layers of nn/ hold their linears as LinearLeaf, so either serves (nn/leaves.h).
@@ -17,8 +29,14 @@ class LinearLeaf : public Module {
   explicit LinearLeaf(std::string name);
   /// x W^T without the bias, for a caller that fuses it with what follows (bias_gelu).
   virtual Tensor forward_unbiased(const Tensor& x) = 0;
+  /// An adapter's factors cut as this piece is (whole here; A whole and B's rows split for a
+  /// column piece, A's columns split and B whole for a row piece).
+  virtual LowRankFactors adapter_factors(int64_t rank, Generator& generator, DType dtype) const;
   Tensor& weight;
   Tensor& bias;  // undefined without bias
+  /// The low-rank adapter forward adds (nn/lora.h; owned and registered by the layer that
+  /// holds this piece), or null.
+  std::shared_ptr<LowRankAdapter> adapter;
 
  protected:
   /// The parameters' values (leaves that require grad; bias undefined for none).

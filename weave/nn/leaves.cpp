@@ -21,8 +21,20 @@ StackedProjection Linears::stacked(int64_t in, int64_t width, bool bias,
   return stacked_projection(in, width, bias, generator);
 }
 
-Tensor Linears::apply_stacked(const Tensor& x, const Tensor& weight, const Tensor& bias) const {
-  return nn::apply_stacked(x, weight, bias);
+namespace {
+Tensor as_held(const Tensor& factor) {
+  return factor;
+}
+}  // namespace
+
+Tensor Linears::apply_stacked(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                              const StackedAdapters& adapters) const {
+  return add_stacked_updates(nn::apply_stacked(x, weight, bias), x, adapters, as_held, as_held);
+}
+
+LowRankFactors Linears::column_adapter(int64_t in, int64_t out, int64_t rank, Generator& generator,
+                                       DType dtype) const {
+  return low_rank_factors(in, out, rank, generator, dtype);
 }
 
 std::pair<StackedProjection, Linears::KeyValueHeads> Linears::key_values(
@@ -33,10 +45,11 @@ std::pair<StackedProjection, Linears::KeyValueHeads> Linears::key_values(
 }
 
 Tensor Linears::project_key_values(const Tensor& x, const Tensor& weight, const Tensor& bias,
-                                   const KeyValueHeads& heads, int64_t head_dim) const {
+                                   const KeyValueHeads& heads, int64_t head_dim,
+                                   const StackedAdapters& adapters) const {
   (void)heads;
   (void)head_dim;
-  return nn::apply_stacked(x, weight, bias);
+  return apply_stacked(x, weight, bias, adapters);
 }
 
 std::shared_ptr<Module> Linears::layer_norm(const Shape& shape, double eps) const {

@@ -22,6 +22,7 @@
 #include <memory>
 
 #include "weave/nn/layers.h"
+#include "weave/nn/lora.h"
 
 namespace weave::nn {
 
@@ -46,8 +47,13 @@ class Linears {
   virtual StackedProjection stacked(int64_t in, int64_t width, bool bias,
                                     Generator* generator) const;
   /// x [..., in] through a stacked piece: [..., 2 width / parts] (the input's gradient summed
-  /// over the ranks).
-  virtual Tensor apply_stacked(const Tensor& x, const Tensor& weight, const Tensor& bias) const;
+  /// over the ranks), with each half's adapter update added (nn/lora.h; null: none).
+  virtual Tensor apply_stacked(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                               const StackedAdapters& adapters) const;
+  /// An adapter's factors for a projection [out, in] cut as a column piece or a stacked one's
+  /// half is (whole here; split: A whole, B this rank's rows).
+  virtual LowRankFactors column_adapter(int64_t in, int64_t out, int64_t rank, Generator& generator,
+                                        DType dtype) const;
 
   /// Grouped-query attention's key/value projection [2, kv_heads * head_dim, dim]: which of it
   /// this rank holds and projects.
@@ -63,9 +69,11 @@ class Linears {
                                                                  int64_t kv_heads, int64_t head_dim,
                                                                  bool bias,
                                                                  Generator* generator) const;
-  /// x [B, T, dim] -> [B, T, 2 * heads.local * head_dim]: this rank's keys, then its values.
+  /// x [B, T, dim] -> [B, T, 2 * heads.local * head_dim]: this rank's keys, then its values, with
+  /// their adapters' updates (cut as the projection: whole when it is replicated).
   virtual Tensor project_key_values(const Tensor& x, const Tensor& weight, const Tensor& bias,
-                                    const KeyValueHeads& heads, int64_t head_dim) const;
+                                    const KeyValueHeads& heads, int64_t head_dim,
+                                    const StackedAdapters& adapters) const;
 
   /// A parameter every rank holds whole but applies to its own heads only (per-head norms): its
   /// gradient summed over the ranks (identity when whole).

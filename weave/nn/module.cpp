@@ -1,5 +1,6 @@
 #include "weave/nn/module.h"
 
+#include <algorithm>
 #include <set>
 
 #include "weave/autograd/grad_mode.h"
@@ -62,6 +63,20 @@ void Module::register_wrapped_module(std::shared_ptr<Module> module) {
   WEAVE_CHECK(children_.empty() && parameters_.empty() && buffers_.empty(), name_,
               "a wrapper holds one unnamed module and nothing else");
   children_.emplace_back("", std::move(module));
+}
+
+void Module::unregister_module(const std::string& name) {
+  const auto found = std::find_if(children_.begin(), children_.end(),
+                                  [&](const auto& child) { return child.first == name; });
+  WEAVE_CHECK(found != children_.end(), name_, "no submodule '{}' to remove", name);
+  children_.erase(found);
+}
+
+std::vector<Tensor> trainable_parameters(const Module& model) {
+  std::vector<Tensor> out;
+  for (const Tensor& p : model.parameters())
+    if (p.requires_grad()) out.push_back(p);
+  return out;
 }
 
 std::string member_prefix(const std::string& prefix, const std::string& child_name) {

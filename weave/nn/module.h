@@ -101,6 +101,10 @@ class Module {
   void zero_grad(bool set_to_none = true);
   /// Parameters and buffers by name.
   NamedTensors state_dict() const;
+  /// Removes the submodule registered as `name` (a layer dropping what it added later: merged
+  /// adapters); raises if there is none.
+  void unregister_module(const std::string& name);
+
   /// Raises, naming the entry, unless load_state_dict(state, strict) would succeed: with strict,
   /// missing or unexpected names are errors; shapes must always match; with same_dtypes, dtypes
   /// too (a checkpoint's rule; load_state_dict itself converts).
@@ -155,6 +159,10 @@ class Module {
   template <class Hook>
   HookHandle add_hook(std::vector<std::pair<uint64_t, Hook>> ForwardHooks::*list, Hook hook);
 };
+
+/// The parameters that require grad, each once, in named_parameters' order: what an optimizer
+/// of a model with a frozen part (adapters on a frozen base, nn/lora.h) takes.
+std::vector<Tensor> trainable_parameters(const Module& model);
 
 /// The prefix of a child's member names: prefix + name + "." ("block0.attn."), or prefix itself
 /// for a wrapper's unnamed child.

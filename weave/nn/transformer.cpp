@@ -149,6 +149,16 @@ Tensor MultiheadAttention::attend(const Tensor& x, KVCache* cache) {
   return (*out)(y);
 }
 
+void MultiheadAttention::adapt(const std::string& name, const AdapterSpec& spec) {
+  WEAVE_CHECK(name == "qkv" || name == "out", "MultiheadAttention",
+              "no projection '{}' to adapt; expected qkv or out", name);
+  register_module(name + "_lora", adapt_linear(name == "qkv" ? *qkv : *out, spec));
+}
+
+void MultiheadAttention::drop_adapters() {
+  qkv->adapter = out->adapter = nullptr;
+}
+
 MLP::MLP(int64_t dim, int64_t hidden, MLPOptions options, Leaves leaves)
     : Module("MLP"), tanh_gelu_(options.tanh_gelu) {
   const Linears& linears = leaves.linear();
@@ -158,6 +168,16 @@ MLP::MLP(int64_t dim, int64_t hidden, MLPOptions options, Leaves leaves)
 
 Tensor MLP::forward(const Tensor& x) {
   return (*fc2)(bias_gelu(fc1->forward_unbiased(x), fc1->bias, tanh_gelu_));
+}
+
+void MLP::adapt(const std::string& name, const AdapterSpec& spec) {
+  WEAVE_CHECK(name == "fc1" || name == "fc2", "MLP",
+              "no projection '{}' to adapt; expected fc1 or fc2", name);
+  register_module(name + "_lora", adapt_linear(name == "fc1" ? *fc1 : *fc2, spec));
+}
+
+void MLP::drop_adapters() {
+  fc1->adapter = fc2->adapter = nullptr;
 }
 
 Tensor gated_activation(const Tensor& gate_up, GatedActivation activation) {
@@ -177,7 +197,9 @@ GatedMLP::GatedMLP(int64_t dim, int64_t hidden, GatedMLPOptions options, Leaves 
       gate_up(register_parameter("gate_up", Tensor())),
       gate_up_bias(register_parameter("gate_up_bias", Tensor())),
       activation_(options.activation),
-      leaves_(std::move(leaves)) {
+      leaves_(std::move(leaves)),
+      dim_(dim),
+      hidden_(hidden) {
   const Linears& linears = leaves_.linear();
   WEAVE_CHECK(hidden > 0 && hidden % linears.parts() == 0, "GatedMLP",
               "hidden is {}, which does not divide among {} ranks; hint: pad it to a multiple "
@@ -190,8 +212,28 @@ GatedMLP::GatedMLP(int64_t dim, int64_t hidden, GatedMLPOptions options, Leaves 
 }
 
 Tensor GatedMLP::forward(const Tensor& x) {
-  const Tensor h = leaves_.linear().apply_stacked(x, gate_up, gate_up_bias);
+  const Tensor h = leaves_.linear().apply_stacked(x, gate_up, gate_up_bias, adapters_);
   return (*down)(gated_activation(h, activation_));
+}
+
+void GatedMLP::adapt(const std::string& name, const AdapterSpec& spec) {
+  WEAVE_CHECK(name == "gate" || name == "up" || name == "down", "GatedMLP",
+              "no projection '{}' to adapt; expected gate, up or down", name);
+  if (name == "down") {
+    register_module("down_lora", adapt_linear(*down, spec));
+    return;
+  }
+  const int part = name == "gate" ? 0 : 1;
+  auto adapter = adapt_stacked(gate_up, part, spec, [&](int64_t rank, Generator& g, DType dtype) {
+    return leaves_.linear().column_adapter(dim_, hidden_, rank, g, dtype);
+  });
+  register_module(name + "_lora", adapter);
+  adapters_[size_t(part)] = adapter.get();
+}
+
+void GatedMLP::drop_adapters() {
+  down->adapter = nullptr;
+  adapters_ = {};
 }
 
 TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, TransformerBlockOptions options,

@@ -82,7 +82,9 @@ struct MultiheadAttentionOptions {
 /// core attention without a copy, whose output merges back into [B, T, dim] as a view before
 /// the output projection (row-parallel when split). Batch first, [B, T, dim], also under
 /// sequence parallelism (which cuts dim 1).
-class MultiheadAttention : public CachedModule {
+///
+/// Its projections take low-rank adapters (nn/lora.h): qkv and out.
+class MultiheadAttention : public CachedModule, public AdaptedLayer {
  public:
   MultiheadAttention(int64_t dim, int64_t heads, MultiheadAttentionOptions options = {},
                      Leaves leaves = {});
@@ -95,6 +97,9 @@ class MultiheadAttention : public CachedModule {
   int64_t local_heads() const { return local_heads_; }
   std::shared_ptr<LinearLeaf> qkv;  // [3 dim, dim], rows [heads, 3, head_dim]
   std::shared_ptr<LinearLeaf> out;  // [dim, dim]
+  std::vector<std::string> projections() const override { return {"qkv", "out"}; }
+  void adapt(const std::string& name, const AdapterSpec& spec) override;
+  void drop_adapters() override;
 
  private:
   Tensor attend(const Tensor& x, KVCache* cache);
@@ -112,12 +117,15 @@ struct MLPOptions {
 
 /// A transformer's feed-forward network: fc2(GELU(fc1(x))), fc1's bias and the GELU fused
 /// (bias_gelu: one pass forward, one backward). Split, fc1 is column-parallel and fc2
-/// row-parallel.
-class MLP : public Module {
+/// row-parallel. Its projections take low-rank adapters (nn/lora.h): fc1 and fc2.
+class MLP : public Module, public AdaptedLayer {
  public:
   MLP(int64_t dim, int64_t hidden, MLPOptions options = {}, Leaves leaves = {});
   Tensor forward(const Tensor& x) override;
   std::shared_ptr<LinearLeaf> fc1, fc2;  // [hidden, dim], [dim, hidden]
+  std::vector<std::string> projections() const override { return {"fc1", "fc2"}; }
+  void adapt(const std::string& name, const AdapterSpec& spec) override;
+  void drop_adapters() override;
 
  private:
   bool tanh_gelu_;
@@ -139,8 +147,9 @@ struct GatedMLPOptions {
 /// A gated feed-forward network: down(act(x Wg^T) * (x Wu^T)). The gate and up weights are one
 /// parameter gate_up [2, hidden, dim] (gate_up[0] is Wg, gate_up[1] is Wu), so both
 /// projections take one GEMM and the product one pass (swiglu/geglu); split, each rank holds
-/// its piece of both along hidden (still one GEMM) and down is row-parallel.
-class GatedMLP : public Module {
+/// its piece of both along hidden (still one GEMM) and down is row-parallel. Its projections take
+/// low-rank adapters (nn/lora.h): gate, up (the halves of gate_up) and down.
+class GatedMLP : public Module, public AdaptedLayer {
  public:
   GatedMLP(int64_t dim, int64_t hidden, GatedMLPOptions options = {}, Leaves leaves = {});
   /// x [..., dim] -> [..., dim].
@@ -148,10 +157,15 @@ class GatedMLP : public Module {
   Tensor& gate_up;                   // [2, hidden, dim] (this rank's piece of hidden)
   Tensor& gate_up_bias;              // [2, hidden], undefined without bias
   std::shared_ptr<LinearLeaf> down;  // [dim, hidden]
+  std::vector<std::string> projections() const override { return {"gate", "up", "down"}; }
+  void adapt(const std::string& name, const AdapterSpec& spec) override;
+  void drop_adapters() override;
 
  private:
   GatedActivation activation_;
   Leaves leaves_;
+  int64_t dim_, hidden_;
+  StackedAdapters adapters_{};
 };
 
 struct TransformerBlockOptions {

@@ -19,7 +19,9 @@ class SingleReplica : public DataParallelWrapper {
   NoSyncGuard no_sync() override { return NoSyncGuard(readiness_); }
   nn::Module& module() override { return module_; }
   const dist::Group& group() const override { return alone_; }
-  std::vector<Tensor> trained_parameters() const override { return module_.parameters(); }
+  std::vector<Tensor> trained_parameters() const override {
+    return nn::trainable_parameters(module_);
+  }
 
  private:
   nn::Module& module_;

@@ -39,9 +39,9 @@ class DataParallelWrapper {
   virtual nn::Module& module() = 0;
   /// The ranks whose gradients it averages.
   virtual const dist::Group& group() const = 0;
-  /// What the optimizer steps in the module's place: the module's parameters (DDP), or this
-  /// rank's flat shards (FSDP). A pipeline records its stage on them too, so that clipping
-  /// counts every stage's gradients once.
+  /// What the optimizer steps in the module's place: the module's parameters that require grad
+  /// (DDP; a frozen base's are left out), or this rank's flat shards (FSDP). A pipeline records its
+  /// stage on them too, so that clipping counts every stage's gradients once.
   virtual std::vector<Tensor> trained_parameters() const = 0;
   /// The optimizer's parameter groups over trained_parameters(), from `groups` of the module's
   /// own parameters (optim::weight_decay_groups): those groups (DDP), or each shard in the

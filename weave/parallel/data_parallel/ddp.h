@@ -143,7 +143,9 @@ class DistributedDataParallel : public Joinable, public DataParallelWrapper {
   /// The ranks that share the model.
   const dist::Group& group() const override;
   /// The module's parameters: what the optimizer steps.
-  std::vector<Tensor> trained_parameters() const override { return module_.parameters(); }
+  std::vector<Tensor> trained_parameters() const override {
+    return nn::trainable_parameters(module_);
+  }
 
   struct State;
 

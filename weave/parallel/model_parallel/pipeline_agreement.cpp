@@ -34,9 +34,9 @@ void Pipeline::place_parameters() {
     return placement != nullptr && placement->tied_across_stages;
   };
   tied_.clear();
-  for (nn::Module* chunk : chunks_)
+  for (nn::Module* chunk : chunks_)  // a frozen one (a base under adapters) has no gradient
     for (const Tensor& p : chunk->parameters())
-      if (is_tied(p)) tied_.push_back(p);
+      if (is_tied(p) && p.requires_grad()) tied_.push_back(p);
   // A tied parameter's gradients are summed across the ends here; a wrapper that trains tensors
   // of its own (FSDP's shards) would never see that sum.
   bool tied_behind_wrapper = false;
@@ -58,9 +58,10 @@ void Pipeline::place_parameters() {
               "or untie the head");
   WEAVE_CHECK(tied.highest[2] == 0 && (tied.highest[0] < 0 || tied.highest[0] == tied.lowest[1]),
               "Pipeline",
-              "parameters tied across the first and the last stage: the ends hold {} and {}, the "
-              "stages between up to {} (this stage: {}); hint: mark the same parameters on the "
-              "first and the last stage (tie_first_and_last_stage), none between",
+              "parameters tied across the first and the last stage: the ends hold {} and {} that "
+              "train, the stages between up to {} (this stage: {}); hint: mark the same "
+              "parameters on the first and the last stage (tie_first_and_last_stage), none "
+              "between, and freeze them on both or neither",
               tied.lowest[1] == kAbove ? 0 : tied.lowest[1], std::max<int64_t>(tied.highest[0], 0),
               tied.highest[2], n);
   // The other stages hold other parameters: norms over the model add up over the group (a tied

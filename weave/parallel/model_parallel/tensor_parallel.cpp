@@ -10,6 +10,7 @@
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
 #include "weave/nn/deferred.h"
+#include "weave/nn/lora.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/tensor/tensor_impl.h"
 
@@ -80,11 +81,29 @@ ColumnParallelLinear::ColumnParallelLinear(int64_t in_features, int64_t out_feat
                  options.bias ? split_parameter(full.bias, 0, group_) : Tensor());
 }
 
+namespace {
+
+// An adapter's factors for a column piece: A whole (drawn first, as PEFT draws it), B's rows cut.
+nn::LowRankFactors column_factors(int64_t in, int64_t out, int64_t rank, const dist::Group& group,
+                                  Generator& generator, DType dtype) {
+  nn::LowRankFactors whole = nn::low_rank_factors(in, out, rank, generator, dtype);
+  return {whole.a, split_parameter(whole.b, 0, group)};
+}
+
+}  // namespace
+
+nn::LowRankFactors ColumnParallelLinear::adapter_factors(int64_t rank, Generator& generator,
+                                                         DType dtype) const {
+  return column_factors(weight.size(1), weight.size(0) * group_.size(), rank, group_, generator,
+                        dtype);
+}
+
 Tensor ColumnParallelLinear::project(const Tensor& x, const Tensor& with_bias) {
   const int axis = options_.sequence_axis;
   Tensor input = options_.sequence_parallel ? F::gather_from_sequence_group(x, axis, group_)
                                             : F::copy_to_group(x, group_);
   Tensor y = linear(input, weight, with_bias);
+  if (adapter) y = y + adapter->update(input, F::copy_to_group(adapter->A, group_), adapter->B);
   return options_.gather_output ? F::gather_from_group(y, -1, group_) : y;
 }
 
@@ -110,9 +129,18 @@ RowParallelLinear::RowParallelLinear(int64_t in_features, int64_t out_features, 
   set_parameters(split_parameter(full.weight, 1, group_), replicated);
 }
 
+nn::LowRankFactors RowParallelLinear::adapter_factors(int64_t rank, Generator& generator,
+                                                      DType dtype) const {
+  nn::LowRankFactors whole =
+      nn::low_rank_factors(weight.size(1) * group_.size(), weight.size(0), rank, generator, dtype);
+  return {split_parameter(whole.a, 1, group_), whole.b};
+}
+
 Tensor RowParallelLinear::forward_unbiased(const Tensor& x) {
   Tensor input = options_.input_is_parallel ? x : F::scatter_to_group(x, -1, group_);
   Tensor partial = linear(input, weight);
+  if (adapter)  // the update's partial products join the base's sum
+    partial = partial + adapter->update(input, adapter->A, F::copy_to_group(adapter->B, group_));
   if (options_.sequence_parallel)
     return F::reduce_scatter_to_sequence_group(partial, options_.sequence_axis, group_);
   return F::reduce_from_group(partial, group_);
@@ -164,8 +192,17 @@ Tensor TensorParallelLinears::enter(const Tensor& x) const {
 }
 
 Tensor TensorParallelLinears::apply_stacked(const Tensor& x, const Tensor& weight,
-                                            const Tensor& bias) const {
-  return nn::apply_stacked(enter(x), weight, bias);
+                                            const Tensor& bias,
+                                            const nn::StackedAdapters& adapters) const {
+  const Tensor input = enter(x);
+  return nn::add_stacked_updates(
+      nn::apply_stacked(input, weight, bias), input, adapters,
+      [this](const Tensor& a) { return shared_by_parts(a); }, [](const Tensor& b) { return b; });
+}
+
+nn::LowRankFactors TensorParallelLinears::column_adapter(int64_t in, int64_t out, int64_t rank,
+                                                         Generator& generator, DType dtype) const {
+  return column_factors(in, out, rank, group_, generator, dtype);
 }
 
 std::pair<nn::StackedProjection, nn::Linears::KeyValueHeads> TensorParallelLinears::key_values(
@@ -185,14 +222,19 @@ std::pair<nn::StackedProjection, nn::Linears::KeyValueHeads> TensorParallelLinea
 
 Tensor TensorParallelLinears::project_key_values(const Tensor& x, const Tensor& weight,
                                                  const Tensor& bias, const KeyValueHeads& heads,
-                                                 int64_t head_dim) const {
-  if (!heads.replicated) return nn::apply_stacked(enter(x), weight, bias);
-  // Each rank's queries read only their head of the whole projection: its gradient is summed
-  // over the group, as the input's.
+                                                 int64_t head_dim,
+                                                 const nn::StackedAdapters& adapters) const {
+  if (!heads.replicated) return apply_stacked(x, weight, bias, adapters);
+  // Each rank's queries read only their head of the whole projection (and of its adapters' B):
+  // its gradient is summed over the group, as the input's.
   const int64_t rows = heads.local * head_dim, first = heads.first * head_dim;
   const Tensor w = shared_by_parts(weight).narrow(1, first, rows);
   const Tensor b = bias.defined() ? shared_by_parts(bias).narrow(1, first, rows) : Tensor();
-  return nn::apply_stacked(enter(x), w, b);
+  const Tensor input = enter(x);
+  return nn::add_stacked_updates(
+      nn::apply_stacked(input, w, b), input, adapters,
+      [this](const Tensor& a) { return shared_by_parts(a); },
+      [&](const Tensor& factor) { return shared_by_parts(factor).narrow(0, first, rows); });
 }
 
 Tensor TensorParallelLinears::shared_by_parts(const Tensor& parameter) const {

@@ -69,6 +69,9 @@ class ColumnParallelLinear : public nn::LinearLeaf {
                        ColumnParallelOptions options = {});
   Tensor forward(const Tensor& x) override;
   Tensor forward_unbiased(const Tensor& x) override;
+  /// A whole on every rank (its gradient summed over the group), B this rank's rows.
+  nn::LowRankFactors adapter_factors(int64_t rank, Generator& generator,
+                                     DType dtype) const override;
   const dist::Group& group() const { return group_; }
 
  private:
@@ -99,6 +102,10 @@ class RowParallelLinear : public nn::LinearLeaf {
   Tensor forward(const Tensor& x) override;
   /// The summed products without the bias.
   Tensor forward_unbiased(const Tensor& x) override;
+  /// A this rank's columns, B whole on every rank (its gradient summed over the group): the
+  /// update's partial products join the base's sum.
+  nn::LowRankFactors adapter_factors(int64_t rank, Generator& generator,
+                                     DType dtype) const override;
   const dist::Group& group() const { return group_; }
 
  private:
@@ -157,13 +164,17 @@ class TensorParallelLinears : public nn::Linears {
                                       Generator* generator) const override;
   nn::StackedProjection stacked(int64_t in, int64_t width, bool bias,
                                 Generator* generator) const override;
-  Tensor apply_stacked(const Tensor& x, const Tensor& weight, const Tensor& bias) const override;
+  Tensor apply_stacked(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                       const nn::StackedAdapters& adapters) const override;
+  nn::LowRankFactors column_adapter(int64_t in, int64_t out, int64_t rank, Generator& generator,
+                                    DType dtype) const override;
   std::pair<nn::StackedProjection, KeyValueHeads> key_values(int64_t dim, int64_t heads,
                                                              int64_t kv_heads, int64_t head_dim,
                                                              bool bias,
                                                              Generator* generator) const override;
   Tensor project_key_values(const Tensor& x, const Tensor& weight, const Tensor& bias,
-                            const KeyValueHeads& heads, int64_t head_dim) const override;
+                            const KeyValueHeads& heads, int64_t head_dim,
+                            const nn::StackedAdapters& adapters) const override;
   std::shared_ptr<nn::Module> layer_norm(const Shape& shape, double eps) const override;
   Tensor shared_by_parts(const Tensor& parameter) const override;
   void check_decoding(const char* layer) const override;

@@ -1,0 +1,211 @@
+// Low-rank adapters on every axis: a Llama (grouped-query attention: key/value heads split, or
+// replicated when fewer than the tensor ranks) and a GPT-2, adapters on every projection, on
+// whatever layouts the world allows (tensor, data, fully sharded, hybrid sharded, pipeline and
+// context parallel, and their products at 4 ranks), each trained 3 AdamW steps with clipping in
+// float64 against one process that trains the same adapted model on the whole batch: the loss,
+// the clipped norm and every adapter parameter within 1e-10; the frozen base bit-identical to
+// what was loaded, holding no gradient.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <map>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+#include "model_parallel_helpers.h"
+#include "weave/weave.h"
+
+using namespace weave;
+
+namespace {
+
+constexpr int64_t kVocab = 16, kRows = 2, kLength = 8;
+constexpr double kMaxNorm = 0.05;
+constexpr optim::AdamWOptions kAdamW{.lr = 0.02, .weight_decay = 0.01};
+
+struct Layout {
+  const char* name;
+  parallel::MeshShape shape;
+  bool shard = false;  // FSDP (HSDP with shape.replicate)
+};
+
+// The layouts of the world's size.
+std::vector<Layout> layouts() {
+  switch (dist::world_size()) {
+    case 1:
+      return {{"one process", {}}};
+    case 2:
+      return {{"tensor 2", {.tensor = 2}},
+              {"data 2", {.data = 2}},
+              {"fully sharded 2", {.data = 2}, true},
+              {"pipeline 2", {.pipeline = 2}},
+              {"context 2", {.context = 2}}};
+    case 3:
+      return {{"data 3", {.data = 3}}, {"fully sharded 3", {.data = 3}, true}};
+    default:
+      return {{"hybrid sharded 2 x 2", {.data = 4, .replicate = 2}, true},
+              {"fully sharded 2 x tensor 2", {.data = 2, .tensor = 2}, true},
+              {"pipeline 2 x tensor 2", {.tensor = 2, .pipeline = 2}},
+              {"context 2 x data 2 (fully sharded)", {.data = 2, .context = 2}, true},
+              {"pipeline 2 x data 2", {.data = 2, .pipeline = 2}}};
+  }
+}
+
+// The layouts with experts spread over the data ranks.
+std::vector<Layout> expert_layouts() {
+  switch (dist::world_size()) {
+    case 1:
+      return {{"one process", {}}};
+    case 2:
+      return {{"experts 2 over data 2", {.data = 2, .expert = 2}},
+              {"experts 2 over fully sharded 2", {.data = 2, .expert = 2}, true}};
+    case 4:
+      return {{"experts 2 x data 2 x tensor 2", {.data = 2, .tensor = 2, .expert = 2}}};
+    default:
+      return {};
+  }
+}
+
+// kv_heads < 0: a Llama whose MLPs are mixtures of 4 experts (top 2), with kv_heads 2.
+template <class Model>
+auto options_of(int64_t kv_heads) {
+  if constexpr (std::is_same_v<Model, models::Llama>) {
+    models::LlamaOptions options{
+        .vocab = kVocab,
+        .dim = 16,
+        .layers = 2,
+        .block = {.heads = 4, .kv_heads = std::abs(kv_heads), .hidden = 24, .qkv_bias = true}};
+    if (kv_heads < 0)
+      options.block.moe = nn::MoEOptions{
+          .hidden = 16, .ffn = 12, .router = {.experts = 4, .top_k = 2, .aux_loss_coef = 0.1}};
+    return options;
+  } else
+    return models::GPT2Options{
+        .vocab = kVocab, .dim = 16, .layers = 2, .heads = 4, .max_positions = 16};
+}
+
+template <class Model>
+nn::LoRAOptions lora_of(bool experts) {
+  std::vector<std::string> targets = {"q", "k", "v", "out", "gate", "up", "down"};
+  if constexpr (!std::is_same_v<Model, models::Llama>) targets = {"qkv", "out", "fc1", "fc2"};
+  if (experts) targets = {"q", "k", "v", "out"};
+  return {.rank = 2, .alpha = 4, .dropout = 0, .targets = targets, .seed = 3, .dtype = kFloat64};
+}
+
+// The parameters by name, cloned.
+std::map<std::string, Tensor> values_of(const nn::NamedTensors& named) {
+  std::map<std::string, Tensor> out;
+  for (const auto& [name, t] : named) out[name] = t.detach().clone();
+  return out;
+}
+
+template <class Model>
+void check_layout(const Layout& layout, int64_t kv_heads) {
+  const std::string name = layout.name;
+  CAPTURE(name);
+  CAPTURE(kv_heads);
+  const auto options = options_of<Model>(kv_heads);
+  manual_seed(21);
+  Model reference(options);
+  reference.to(kFloat64);
+  const nn::NamedTensors base = reference.state_dict();
+  const bool experts = kv_heads < 0;
+  nn::add_lora(reference, lora_of<Model>(experts));
+
+  parallel::ProcessMesh mesh(layout.shape);
+  const models::ModelSplit parts = models::ModelSplit::from_mesh(mesh);
+  Model model(options, parts);
+  model.to(kFloat64);
+  {  // this rank's pieces of the reference's base (a stage's own draws would differ)
+    nn::NamedTensors state = parallel::shard_state_dict(base, model);
+    const auto mine = values_of(model.state_dict());
+    std::erase_if(state, [&](const auto& entry) { return !mine.contains(entry.first); });
+    model.load_state_dict(state);
+  }
+  const std::map<std::string, Tensor> loaded = values_of(model.named_parameters());
+  nn::add_lora(model, lora_of<Model>(experts));
+  const int pipeline = mesh.shape().pipeline;
+  auto wrapper = parallel::data_parallel(
+      model, mesh, {.shard = layout.shard, .fsdp = {.reshard_after_forward = pipeline == 1}});
+  std::optional<parallel::Pipeline> pipe;
+  if (pipeline > 1)
+    pipe.emplace(*wrapper, parallel::PipelineOptions{.microbatches = 2, .group = mesh.pipeline()});
+  const std::vector<Tensor> trained = wrapper->trained_parameters();
+  const std::vector<Tensor> ref_trained = nn::trainable_parameters(reference);
+  optim::AdamW opt(trained, kAdamW);
+  optim::AdamW ref_opt(ref_trained, kAdamW);
+  const int64_t data = mesh.shape().data;
+  for (int step = 0; step < 3; ++step) {
+    Generator g(uint64_t(50 + step));  // the same batch on every rank
+    const Tensor tokens = randint(0, kVocab, {kRows * data, kLength + 1}, {.dtype = kInt64}, &g);
+    const Tensor x = tokens.narrow(1, 0, kLength), y = tokens.narrow(1, 1, kLength);
+    ref_opt.zero_grad();
+    Tensor ref_loss = cross_entropy(reference(x).reshape({-1, kVocab}), y.reshape({-1}));
+    ref_loss.backward();
+    opt.zero_grad();
+    const nn::Inputs in =
+        parts.local_inputs(nn::Inputs(x.narrow(0, mesh.data_rank() * kRows, kRows)));
+    const Tensor targets = parts.local_sequence(y.narrow(0, mesh.data_rank() * kRows, kRows));
+    Tensor loss;
+    if (pipe) {
+      loss = pipe->train_step(in, targets, [&](const Tensor& logits, const Tensor& target) {
+        return parts.cross_entropy(logits, target);
+      });
+    } else {
+      loss = parts.cross_entropy(wrapper->forward(in), targets);
+      loss.backward();
+    }
+    CHECK(parallel::replica_mean(loss, mesh) ==
+          doctest::Approx(ref_loss.item<double>()).epsilon(1e-12));
+    CHECK(parallel::clip_grad_norm_(trained, kMaxNorm) ==
+          doctest::Approx(optim::clip_grad_norm_(ref_trained, kMaxNorm)).epsilon(1e-12));
+    ref_opt.step();
+    opt.step();
+  }
+  // Every adapter parameter against its piece of one process's; the base as loaded, no grads.
+  std::map<std::string, Tensor> pieces;
+  for (const auto& [name, t] : parallel::shard_state_dict(reference.state_dict(), model))
+    pieces[name] = t;
+  int64_t adapters = 0, frozen = 0;
+  for (const auto& [name, t] : wrapper->full_state_dict()) {
+    const std::string key = name;
+    CAPTURE(key);
+    if (name.find("_lora.") != std::string::npos) {
+      REQUIRE(pieces.contains(name));
+      CHECK(weave_test::close(t, pieces.at(name), 1e-10));
+      ++adapters;
+    } else if (loaded.contains(name)) {
+      CHECK(equal(t, loaded.at(name)));
+      ++frozen;
+    }
+  }
+  CHECK(adapters == 2 * int64_t(nn::lora_adapters(model).size()));
+  CHECK(adapters >= (pipeline > 1 || experts ? 2 * 4 : 2 * 8));
+  CHECK(frozen > 0);
+  for (const auto& [name, p] : model.named_parameters()) {
+    const std::string key = name;
+    CAPTURE(key);
+    if (name.find("_lora.") == std::string::npos) CHECK(!p.grad().defined());
+  }
+}
+
+}  // namespace
+
+TEST_SUITE("lora") {
+  TEST_CASE("adapted Llama on every layout equals one process (key/value heads split)") {
+    for (const Layout& layout : layouts()) check_layout<models::Llama>(layout, 2);
+  }
+
+  TEST_CASE("adapted Llama with one key/value head, replicated over tensor ranks") {
+    for (const Layout& layout : layouts()) check_layout<models::Llama>(layout, 1);
+  }
+
+  TEST_CASE("adapted attention of a Llama whose experts are spread over the data ranks") {
+    for (const Layout& layout : expert_layouts()) check_layout<models::Llama>(layout, -2);
+  }
+
+  TEST_CASE("adapted GPT-2 on every layout equals one process") {
+    for (const Layout& layout : layouts()) check_layout<models::GPT2>(layout, 0);
+  }
+}
