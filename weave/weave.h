@@ -15,6 +15,7 @@
 #include "weave/distributed/distributed.h"
 #include "weave/distributed/functional.h"
 #include "weave/distributed/gradcheck.h"
+#include "weave/models/adapters.h"
 #include "weave/models/gpt2/gpt2.h"
 #include "weave/models/llama/llama.h"
 #include "weave/models/model_split.h"

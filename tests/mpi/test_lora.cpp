@@ -13,6 +13,7 @@
 #include <string>
 #include <type_traits>
 
+#include "helpers.h"
 #include "model_parallel_helpers.h"
 #include "weave/weave.h"
 
@@ -193,6 +194,54 @@ void check_layout(const Layout& layout, int64_t kv_heads) {
 }  // namespace
 
 TEST_SUITE("lora") {
+  TEST_CASE("adapters saved from one layout reload into another and into one process exactly") {
+    if (dist::world_size() % 2 != 0) return;
+    const std::string kData = std::string(WEAVE_TEST_DATA_DIR) + "/hf/";
+    const auto config = data::hf::read_config(kData + "llama");
+    const int n = dist::world_size();
+    // Saved from tensor parallelism (x data), after a step that moved every adapter.
+    parallel::ProcessMesh saving({.data = n / 2, .tensor = 2});
+    auto model = models::from_pretrained(kData + "llama", models::ModelSplit::from_mesh(saving));
+    const nn::LoRAOptions lora = models::load_adapters(*model, config, kData + "llama_lora");
+    {
+      auto ddp = parallel::data_parallel(*model, saving);
+      optim::AdamW opt(ddp->trained_parameters(), {.lr = 0.01});
+      const auto tokens = randint(0, 512, {2, 9}, {.dtype = kInt64});
+      const models::ModelSplit parts = models::ModelSplit::from_mesh(saving);
+      parts.cross_entropy(ddp->forward(tokens.narrow(1, 0, 8)), tokens.narrow(1, 1, 8)).backward();
+      opt.step();
+    }
+    nn::NamedTensors truth = parallel::gather_state_dict(*model);  // tensor slices, whole
+    std::erase_if(truth, [](const auto& e) { return e.first.find("_lora.") == std::string::npos; });
+    const std::string dir = test::shared_dir("lora_layouts");
+    models::save_adapters(*model, config, lora, dir);
+    // Into pipeline stages (x tensor at 4 ranks): each stage's pieces, bit for bit.
+    parallel::ProcessMesh loading({.tensor = n / 2, .pipeline = 2});
+    auto stage = models::from_pretrained(kData + "llama", models::ModelSplit::from_mesh(loading));
+    models::load_adapters(*stage, config, dir);
+    std::map<std::string, Tensor> pieces;
+    for (const auto& [name, t] : parallel::shard_state_dict(truth, *stage)) pieces[name] = t;
+    int64_t compared = 0;
+    for (const auto& [name, adapter] : nn::lora_adapters(*stage)) {
+      const std::string key = name;
+      CAPTURE(key);
+      CHECK(equal(adapter->A, pieces.at(name + ".A")));
+      CHECK(equal(adapter->B, pieces.at(name + ".B")));
+      ++compared;
+    }
+    CHECK(compared == 7);  // one block's seven projections a stage
+    // Into one process: the same logits as the model given the gathered adapters directly.
+    auto whole = models::from_pretrained(kData + "llama");
+    models::load_adapters(*whole, config, dir);
+    auto direct = models::from_pretrained(kData + "llama");
+    nn::add_lora(*direct, lora);
+    direct->load_state_dict(truth, /*strict=*/false);
+    const Tensor tokens = randint(0, 512, {2, 8}, {.dtype = kInt64});
+    CHECK(equal((*whole)(tokens), (*direct)(tokens)));
+    const Tensor base = (*models::from_pretrained(kData + "llama"))(tokens);
+    CHECK(!equal((*whole)(tokens), base));
+  }
+
   TEST_CASE("adapted Llama on every layout equals one process (key/value heads split)") {
     for (const Layout& layout : layouts()) check_layout<models::Llama>(layout, 2);
   }

@@ -108,7 +108,7 @@ std::shared_ptr<LowRankAdapter> adapt_stacked(
       part);
 }
 
-int64_t add_lora(Module& model, const LoRAOptions& options) {
+int64_t add_lora(Module& model, const LoRAOptions& options, bool every_target) {
   check_options(options);
   WEAVE_CHECK(lora_adapters(model).empty(), kLoRA,
               "the model has adapters already; hint: merge_lora first, or add all targets in one "
@@ -131,7 +131,7 @@ int64_t add_lora(Module& model, const LoRAOptions& options) {
       },
       /*skip_experts=*/true);
   for (const std::string& target : options.targets)
-    WEAVE_CHECK(matched.count(target) != 0, kLoRA,
+    WEAVE_CHECK(!every_target || matched.count(target) != 0, kLoRA,
                 "target '{}' names no projection of the model; hint: the projections are "
                 "attention's q, k, v, out (qkv, out for GPT-2's) and the MLP's gate, up, down "
                 "(fc1, fc2; not a mixture of experts'), named by their path's end "

@@ -119,9 +119,11 @@ class AdaptedLayer {
 };
 
 /// Adapters on the projections of `model` that `options.targets` name, and (freeze_base) every
-/// other parameter frozen. Raises, naming the target, for one that matches no projection, and
-/// for a model that already has adapters. Returns how many projections it adapted.
-int64_t add_lora(Module& model, const LoRAOptions& options);
+/// other parameter frozen. Raises, naming the target, for one that matches no projection (unless
+/// not every_target: a pipeline stage holds some of the blocks that full paths name), and for a
+/// model that already has adapters; then the model is unchanged. Returns how many projections it
+/// adapted.
+int64_t add_lora(Module& model, const LoRAOptions& options, bool every_target = true);
 
 /// Every adapter of `model` by its parameter prefix ("blocks.0.attention.q_lora").
 std::vector<std::pair<std::string, LowRankAdapter*>> lora_adapters(const Module& model);

@@ -279,12 +279,14 @@ void save_pretrained(nn::Module& model, const data::hf::ModelConfig& config, con
   });
 }
 
-nn::NamedTensors gather_whole_state_dict(nn::Module& model, const dist::Group& group) {
+nn::NamedTensors gather_whole_state_dict(nn::Module& model, const dist::Group& group,
+                                         const std::function<bool(const std::string&)>& keep) {
   NoGradGuard no_grad;
   const dist::KeepAlive alive;
   WholeParameters parameters(model, group);
   nn::NamedTensors whole;
   for (const std::string& name : parameters.names()) {
+    if (keep && !keep(name)) continue;
     detail::run_together(kSavePretrainedOp, group, "gather " + name,
                          [&] { parameters.prepare(name); });
     Tensor value = parameters.exchange();

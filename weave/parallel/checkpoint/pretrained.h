@@ -10,6 +10,7 @@
 //   parallel::load_pretrained(fsdp.sharded_module(), config, dir);      // this rank's shards
 //   ... train ...
 //   parallel::save_pretrained(fsdp.sharded_module(), config, "tuned/");  // one parameter at a time
+#include <functional>
 #include <string>
 
 #include "weave/data/hf/hf_checkpoint.h"
@@ -51,7 +52,10 @@ void save_pretrained(nn::Module& model, const data::hf::ModelConfig& config, con
 ///
 ///   nn::NamedTensors state = parallel::gather_whole_state_dict(fsdp.sharded_module());
 ///   if (dist::rank() == 0) whole.load_state_dict(state);
-nn::NamedTensors gather_whole_state_dict(nn::Module& model,
-                                         const dist::Group& group = dist::world());
+///
+/// With `keep`, only the tensors whose names it keeps (a model's adapters: nn/lora.h).
+nn::NamedTensors gather_whole_state_dict(
+    nn::Module& model, const dist::Group& group = dist::world(),
+    const std::function<bool(const std::string&)>& keep = nullptr);
 
 }  // namespace weave::parallel
