@@ -30,9 +30,16 @@
 // --experts-per-token for Mixtral's and Qwen 3 MoE's experts) with the tokenizer of --tokenizer DIR
 // into
 // --model (how the tests make one).
+// --lora R trains rank-R adapters (--lora-alpha, 2 R by default; --lora-targets, Hugging Face
+// module names or all-linear; --lora-dropout; --lora-rslora) on the base, frozen and kept in
+// --base-dtype (bfloat16 halves it; the adapters and their optimizer state stay float32); --save
+// then writes the adapters in PEFT's format (adapter_config.json, adapter_model.safetensors), or
+// with --merge the model they are merged into. --heldout FILE measures the loss on its windows
+// before training, at every log line and at the end (`heldout_loss=X`; no --pipeline).
 // Rank 0 prints `step N loss X` (the whole batch's) every --log-every steps, `final_loss=X`,
-// `load_peak_bytes=N` and `training_peak_bytes=N` (its peak tensor memory while building and
-// loading the model, and while training: memory_stats),
+// `load_peak_bytes=N`, `resident_bytes=N` and `training_peak_bytes=N` (its peak tensor memory
+// while building and loading the model, what it holds when training starts, and its peak while
+// training: memory_stats),
 // and the generated text.
 #include <weave/util/cli.h>
 #include <weave/weave.h>
@@ -48,6 +55,10 @@ namespace {
 
 struct Flags {
   std::string model, text, tokens, separator, save, prompt, checkpoint, strategy = "ddp";
+  std::string heldout, lora_targets = "all-linear", base_dtype = "float32";
+  int64_t lora = 0;
+  double lora_alpha = 0, lora_dropout = 0;
+  bool lora_rslora = false, merge = false;
   int tp = 0, context_parallel = 1, pipeline = 1, microbatches = 0, replicate = 1;
   std::string init, tokenizer;
   int64_t steps = 100, context = 128, batch = 8, log_every = 10, checkpoint_every = 25;
@@ -111,6 +122,19 @@ Flags parse(int argc, char** argv) {
                  "--init mixtral/qwen3_moe: experts a token")
       ->check(cli::positive());
   app.add_option("--tokenizer", f.tokenizer, "--init: the tokenizer's directory");
+  app.add_option("--heldout", f.heldout, "text to measure the held-out loss on")
+      ->check(CLI::ExistingFile);
+  app.add_option("--lora", f.lora, "train rank-R adapters on a frozen base (0: every parameter)")
+      ->check(cli::non_negative());
+  app.add_option("--lora-alpha", f.lora_alpha, "the adapters' alpha (0: 2 x --lora)")
+      ->check(cli::non_negative());
+  app.add_option("--lora-targets", f.lora_targets,
+                 "Hugging Face modules to adapt, comma-separated, or all-linear");
+  app.add_option("--lora-dropout", f.lora_dropout)->check(CLI::Range(0.0, 0.99));
+  app.add_flag("--lora-rslora", f.lora_rslora, "scale by alpha / sqrt(r)");
+  app.add_flag("--merge", f.merge, "--lora: --save the merged model, not the adapters");
+  app.add_option("--base-dtype", f.base_dtype, "--lora: the frozen base's dtype")
+      ->check(CLI::IsMember({"float32", "bfloat16", "float16"}));
   for (auto [name, value] : {std::pair{"--dim", &f.dim},
                              {"--layers", &f.layers},
                              {"--heads", &f.heads},
@@ -172,14 +196,17 @@ void write_new_model(const Flags& f) {
 }
 
 // --text: the documents tokenized by rank 0 into a token file the others then open.
-std::string token_file(const Flags& f, const data::Tokenizer& tok) {
-  if (!f.tokens.empty()) return f.tokens;
-  WEAVE_CHECK(!f.text.empty(), "finetune", "give --text FILE or --tokens FILE to train on");
-  const std::string out = (f.save.empty() ? f.model : f.save) + "/train.tokens";
+// --heldout likewise into heldout.tokens.
+std::string token_file(const Flags& f, const data::Tokenizer& tok, bool heldout = false) {
+  if (!f.tokens.empty() && !heldout) return f.tokens;
+  WEAVE_CHECK(!f.text.empty() || heldout, "finetune",
+              "give --text FILE or --tokens FILE to train on");
+  const std::string out =
+      (f.save.empty() ? f.model : f.save) + (heldout ? "/heldout.tokens" : "/train.tokens");
   if (dist::rank() == 0) {
     fs::create_directories(fs::path(out).parent_path());
     const data::TokenizeStats stats = data::write_token_file(
-        out, data::files_in(f.text, {".dat"}), tok,
+        out, data::files_in(heldout ? f.heldout : f.text, {".dat"}), tok,
         {.separator = f.separator, .end_of_text = tok.end_of_text().has_value()});
     std::printf("tokenized %lld documents: %lld tokens\n", static_cast<long long>(stats.documents),
                 static_cast<long long>(stats.tokens));
@@ -236,6 +263,13 @@ struct Trainer {
     loader = std::make_unique<data::DataLoader>(
         dataset, data::DataLoaderOptions{
                      .batch_size = f.batch / replicas, .drop_last = true, .sampler = sampler});
+    if (!f.heldout.empty()) {
+      WEAVE_CHECK(mesh.shape().pipeline == 1, "finetune",
+                  "--heldout is measured without a pipeline; hint: drop --pipeline");
+      heldout = std::make_shared<const data::TokenDataset>(
+          std::make_shared<const data::TokenFile>(token_file(f, tokenizer, true)),
+          data::TokenWindows{.context = f.context});
+    }
     build_model();
     optimizer = std::make_unique<optim::AdamW>(wrapper->trained_parameters(),
                                                optim::AdamWOptions{.lr = f.lr});
@@ -263,18 +297,66 @@ struct Trainer {
     }
     model->set_recompute_blocks(f.checkpoint_activations);
     // DDP's replicas load before it starts (its broadcast finds them equal); FSDP's units (each
-    // block, the embeddings, norm and head; tied: the root) load into this rank's shards.
-    if (!sharded) parallel::load_pretrained(*model, config, f.model);
+    // block, the embeddings, norm and head; tied: the root) load into this rank's shards. A base
+    // under adapters loads before too: FSDP shards what trains, the adapters.
+    const bool load_first = !sharded || f.lora > 0;
+    if (load_first) parallel::load_pretrained(*model, config, f.model);
+    if (f.lora > 0) add_adapters();
     wrapper = parallel::data_parallel(
         *model, mesh,
         {.shard = sharded, .fsdp = {.reshard_after_forward = mesh.shape().pipeline == 1}});
-    if (sharded) parallel::load_pretrained(trained(), config, f.model);
+    if (!load_first) parallel::load_pretrained(trained(), config, f.model);
     if (mesh.shape().pipeline > 1)
       pipe = std::make_unique<parallel::Pipeline>(
           *wrapper,
           parallel::PipelineOptions{
               .microbatches = f.microbatches > 0 ? f.microbatches : 2 * mesh.shape().pipeline,
               .group = mesh.pipeline()});
+  }
+
+  // --lora: the base in --base-dtype, frozen, and adapters on the --lora-targets.
+  void add_adapters() {
+    if (f.base_dtype != "float32") model->to(f.base_dtype == "bfloat16" ? kBFloat16 : kFloat16);
+    std::vector<std::string> modules;
+    for (size_t at = 0; at <= f.lora_targets.size();) {
+      const size_t comma = std::min(f.lora_targets.find(',', at), f.lora_targets.size());
+      if (comma > at) modules.push_back(f.lora_targets.substr(at, comma - at));
+      at = comma + 1;
+    }
+    lora = {.rank = f.lora,
+            .alpha = f.lora_alpha > 0 ? f.lora_alpha : 2.0 * double(f.lora),
+            .rslora = f.lora_rslora,
+            .dropout = f.lora_dropout,
+            .targets = models::peft_targets(config, modules),
+            .seed = f.seed};
+    nn::add_lora(*model, lora, /*every_target=*/false);  // a stage holds some blocks
+    const nn::ParameterCount count = nn::count_parameters(*model);
+    if (dist::rank() == 0)
+      std::printf("lora: rank %lld on %zu projections: %lld trainable, %lld frozen parameters\n",
+                  static_cast<long long>(f.lora), nn::lora_adapters(*model).size(),
+                  static_cast<long long>(count.trainable),
+                  static_cast<long long>(count.total - count.trainable));
+  }
+
+  // The mean next-token loss over the held-out windows, each data rank its share (no pipeline).
+  double heldout_loss() {
+    NoGradGuard no_grad;
+    model->eval();
+    double sum = 0;
+    const int64_t replicas = mesh.shape().data, per_rank = f.batch / replicas;
+    const int64_t batches = heldout->size() / f.batch;  // the same count on every rank
+    for (int64_t b = 0; b < batches; ++b) {
+      std::vector<int64_t> rows;
+      for (int64_t i = 0; i < per_rank; ++i)
+        rows.push_back(b * f.batch + mesh.data_rank() * per_rank + i);
+      const data::Example batch = heldout->get_batch(rows);
+      Tensor logits;
+      wrapper->run([&] { logits = (*model)(parts.local_inputs(batch.model_inputs())); });
+      sum += parts.cross_entropy(logits, parts.local_sequence(batch.target)).item<double>();
+    }
+    model->train();
+    WEAVE_CHECK(batches > 0, "finetune", "--heldout holds fewer than --batch {} windows", f.batch);
+    return parallel::replica_mean(full({1}, sum / double(batches), {.dtype = kFloat64}), mesh);
   }
 
   // One optimizer step on a batch; returns its loss (the whole batch's).
@@ -302,8 +384,14 @@ struct Trainer {
       for (const data::Example& batch : *loader) {
         last_loss = step_on(batch);
         ++step;
-        if (step % f.log_every == 0 && dist::rank() == 0)
-          std::printf("step %lld loss %.6f\n", static_cast<long long>(step), last_loss);
+        if (step % f.log_every == 0) {
+          const double held = heldout ? heldout_loss() : 0;
+          if (dist::rank() == 0 && heldout)
+            std::printf("step %lld loss %.6f heldout %.6f\n", static_cast<long long>(step),
+                        last_loss, held);
+          else if (dist::rank() == 0)
+            std::printf("step %lld loss %.6f\n", static_cast<long long>(step), last_loss);
+        }
         const bool stop = step == f.stop_at || step == f.steps;
         if (!f.checkpoint.empty() && (step % f.checkpoint_every == 0 || stop)) {
           state.user = {{"step", std::to_string(step)}, {"epoch", std::to_string(epoch)}};
@@ -337,7 +425,9 @@ struct Trainer {
   models::ModelSplit parts;  // this rank's part of the model (empty on one replica)
   std::shared_ptr<const data::TokenDataset> dataset;
   std::shared_ptr<parallel::DistributedSampler> sampler;
+  std::shared_ptr<const data::TokenDataset> heldout;  // --heldout's windows, or null
   std::shared_ptr<nn::CausalLM> model;
+  nn::LoRAOptions lora;  // --lora's adapters
   std::unique_ptr<data::DataLoader> loader;
   // DDP over the data x context replicas, FSDP sharding over them (HSDP with --replicate), or
   // on one replica the model itself (parallel::data_parallel).
@@ -352,7 +442,15 @@ struct Trainer {
 
 // The tuned model in Hugging Face's format: rank 0 writes it one parameter at a time, put
 // together from the ranks' slices and shards (no rank builds the whole model).
+// --lora: the adapters in PEFT's format, or with --merge the model they are merged into.
 void save(const Flags& f, Trainer& trainer, const data::Tokenizer& tok) {
+  if (f.lora > 0 && !f.merge) {
+    models::save_adapters(trainer.trained(), trainer.config, trainer.lora, f.save,
+                          {.base_model = f.model});
+    if (dist::rank() == 0) std::printf("saved adapters to %s\n", f.save.c_str());
+    return;
+  }
+  if (f.lora > 0) nn::merge_lora(*trainer.model);  // each rank its pieces
   models::save_pretrained(trainer.trained(), trainer.config, f.save, {.tokenizer = &tok});
   if (dist::rank() == 0) std::printf("saved %s\n", f.save.c_str());
 }
@@ -392,6 +490,12 @@ void save_and_generate(const Flags& f, Trainer& trainer, const data::Tokenizer& 
 }
 
 int run(const Flags& f) {
+  WEAVE_CHECK(!f.merge || (f.lora > 0 && f.strategy != "fsdp"), "finetune",
+              "--merge folds --lora's adapters into the base, which FSDP's shards do not hold "
+              "whole; hint: --save the adapters, then models::load_adapters into the model "
+              "and nn::merge_lora");
+  WEAVE_CHECK(f.lora > 0 || f.base_dtype == "float32", "finetune",
+              "--base-dtype {} is the frozen base's under --lora", f.base_dtype);
   if (!f.init.empty()) write_new_model(f);
   const auto config = data::hf::read_config(f.model);
   const auto tok = data::Tokenizer::from_directory(f.model);
@@ -400,7 +504,13 @@ int run(const Flags& f) {
               config.vocab);
   Trainer trainer(f, config, tok);
   if (dist::rank() == 0)
-    std::printf("load_peak_bytes=%lld\n", static_cast<long long>(memory_stats().peak));
+    std::printf("load_peak_bytes=%lld\nresident_bytes=%lld\n",
+                static_cast<long long>(memory_stats().peak),
+                static_cast<long long>(memory_stats().in_use));
+  if (trainer.heldout) {
+    const double before = trainer.heldout_loss();
+    if (dist::rank() == 0) std::printf("heldout_loss_before=%.6f\n", before);
+  }
   reset_peak_memory();  // training's peak, not loading's
   if (!trainer.train()) {
     if (dist::rank() == 0)
@@ -410,6 +520,10 @@ int run(const Flags& f) {
   if (dist::rank() == 0)
     std::printf("final_loss=%.6f\ntraining_peak_bytes=%lld\n", trainer.last_loss,
                 static_cast<long long>(memory_stats().peak));
+  if (trainer.heldout) {
+    const double after = trainer.heldout_loss();
+    if (dist::rank() == 0) std::printf("heldout_loss=%.6f\n", after);
+  }
   save_and_generate(f, trainer, tok);
   return 0;
 }

@@ -242,6 +242,42 @@ TEST_SUITE("lora") {
     CHECK(!equal((*whole)(tokens), base));
   }
 
+  TEST_CASE("fully sharded adapters: the frozen base holds no gradient and no optimizer state") {
+    manual_seed(21);
+    models::Llama model({.vocab = kVocab,
+                         .dim = 64,
+                         .layers = 2,
+                         .block = {.heads = 4, .kv_heads = 2, .hidden = 128}});
+    nn::add_lora(model, {.rank = 2, .targets = {"q", "k", "v", "out", "gate", "up", "down"}});
+    int64_t adapters = 0, base = 0;
+    for (const auto& [name, p] : model.named_parameters())
+      (name.find("_lora.") != std::string::npos ? adapters : base) += p.numel();
+    parallel::FullyShardedDataParallel fsdp(model, {.group = dist::world()});
+    const std::vector<Tensor> shards = fsdp.trained_parameters();
+    optim::AdamW opt(shards, kAdamW);
+    const Tensor tokens = randint(0, kVocab, {kRows, kLength + 1}, {.dtype = kInt64});
+    cross_entropy(fsdp(tokens.narrow(1, 0, kLength)).reshape({-1, kVocab}),
+                  tokens.narrow(1, 1, kLength).reshape({-1}))
+        .backward();
+    opt.step();
+    int64_t shard_elements = 0, grad_elements = 0, state_elements = 0;
+    for (const Tensor& shard : shards) {
+      shard_elements += shard.numel();
+      if (shard.grad().defined()) grad_elements += shard.grad().numel();
+    }
+    for (const auto& [name, p] : model.named_parameters())
+      if (p.grad().defined()) grad_elements += p.grad().numel();
+    for (const Tensor& t : opt.state()) state_elements += t.numel();
+    // This rank's shards of the adapters (with at most one padding element a rank per flat) and
+    // nothing of the base's, which is more than ten times larger.
+    const int n = dist::world_size();
+    CHECK(shard_elements * n >= adapters);
+    CHECK(shard_elements * n < adapters + n * int64_t(shards.size() + 2));
+    CHECK(grad_elements == shard_elements);
+    CHECK(state_elements == 2 * shard_elements);
+    CHECK(base > 10 * adapters);
+  }
+
   TEST_CASE("adapted Llama on every layout equals one process (key/value heads split)") {
     for (const Layout& layout : layouts()) check_layout<models::Llama>(layout, 2);
   }

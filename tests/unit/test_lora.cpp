@@ -136,7 +136,13 @@ TEST_SUITE("lora") {
       CHECK(p.grad().defined() == adapter);
     }
     const nn::ParameterCount count = nn::count_parameters(*model);
-    CHECK(count.trainable == 2 * (2 * (16 + 16) + 2 * (16 + 8) + 2 * (24 + 16) + 2 * (16 + 24)));
+    const int64_t adapters = 2 * (2 * (16 + 16) + 2 * (16 + 8) + 2 * (24 + 16) + 2 * (16 + 24));
+    CHECK(count.trainable == adapters);
+    CHECK(adapters == 544);
+    CHECK(nn::summary(*model).find("544 trainable, ") != std::string::npos);
+    std::string frozen = std::to_string(count.total - adapters);
+    for (int at = int(frozen.size()) - 3; at > 0; at -= 3) frozen.insert(size_t(at), ",");
+    CHECK(nn::summary(*model).find("544 trainable, " + frozen + " frozen") != std::string::npos);
   }
 
   TEST_CASE("every layout draws an adapter's A alike: by its seed and name, not by its order") {
@@ -169,6 +175,46 @@ TEST_SUITE("lora") {
     CHECK(relative_error(eval, (*updated)(tokens)) < 1e-13);
     model->train();
     CHECK(relative_error((*model)(tokens), eval) > 1e-6);
+  }
+
+  TEST_CASE("a bfloat16 base under float32 adapters: their gradients and AdamW's state float32") {
+    auto model = build<models::Llama>(small_llama(), 9);
+    model->to(kBFloat16);
+    nn::add_lora(*model, {.rank = 2, .alpha = 4, .targets = {"q", "v", "down", "up"}});
+    randomize_adapters(*model, 17);
+    // The truth: the same bfloat16 weights and float32 adapters, computed in float64.
+    auto wide = build<models::Llama>(small_llama(), 9);
+    wide->load_state_dict(model->state_dict(), /*strict=*/false);
+    nn::add_lora(*wide,
+                 {.rank = 2, .alpha = 4, .targets = {"q", "v", "down", "up"}, .dtype = kFloat64});
+    wide->load_state_dict(model->state_dict());
+    const Tensor tokens = tokens_of(8);
+    const Tensor logits = (*model)(tokens);
+    CHECK(logits.dtype() == kBFloat16);
+    const Tensor expected = (*wide)(tokens);
+    CHECK(relative_error(logits.to(kFloat64), expected) < 3e-2);
+    auto base = build<models::Llama>(small_llama(), 9);
+    base->load_state_dict(model->state_dict(), /*strict=*/false);
+    CHECK(relative_error((*base)(tokens), expected) > 0.1);  // the adapters' part is seen
+    optim::AdamW opt(nn::trainable_parameters(*model), {.lr = 0.01});
+    cross_entropy(logits.to(kFloat32).reshape({-1, 16}), tokens.reshape({-1})).backward();
+    opt.step();
+    int64_t state_bytes = 0;
+    for (const Tensor& t : opt.state()) {
+      CHECK(t.dtype() == kFloat32);
+      state_bytes += t.numel() * int64_t(t.itemsize());
+    }
+    int64_t adapter_bytes = 0;
+    for (const auto& [name, p] : model->named_parameters()) {
+      CAPTURE(name);
+      const bool adapter = name.find("_lora.") != std::string::npos;
+      CHECK(p.dtype() == (adapter ? kFloat32 : kBFloat16));
+      CHECK(p.grad().defined() == adapter);
+      if (!adapter) continue;
+      adapter_bytes += p.numel() * 4;
+      CHECK(p.grad().dtype() == kFloat32);
+    }
+    CHECK(state_bytes == 2 * adapter_bytes);  // two moments, of the adapters only
   }
 
   TEST_CASE("bad targets, a second add_lora and bad options raise, naming what is wrong") {

@@ -333,7 +333,7 @@ TEST_SUITE("nn") {
     CHECK(table.find("656\n") != std::string::npos);
     // + the final norm (8) and the head (32 x 8)
     CHECK(expected == 256 + 2 * 656 + 8 + 256);
-    CHECK(table.find("total 1,832 parameters (1.8 K), 1,832 trainable, 7.2 KB") !=
+    CHECK(table.find("total 1,832 parameters (1.8 K), 1,832 trainable, 0 frozen, 7.2 KB") !=
           std::string::npos);
   }
 

@@ -76,7 +76,14 @@ LowRankAdapter::LowRankAdapter(LowRankFactors factors, const LoRAOptions& option
 
 Tensor LowRankAdapter::update(const Tensor& x, const Tensor& a, const Tensor& b) {
   const Tensor input = dropout_ > 0 ? dropout(x, dropout_, is_training(), &generator_) : x;
-  return linear(linear(input, a) * scale_, b);  // scaled at the rank's width, the narrowest
+  // In the activations' dtype (a bfloat16 base's under float32 adapters: the factors are cast,
+  // their gradients flow back to them in float32), so that no wider copy of x is kept for
+  // backward; scaled at the rank's width, the narrowest.
+  const DType dtype = x.dtype();
+  auto as_input = [dtype](const Tensor& factor) {
+    return factor.dtype() == dtype ? factor : factor.to(dtype);
+  };
+  return linear(linear(input, as_input(a)) * scale_, as_input(b));
 }
 
 void LowRankAdapter::merge_into_base() {

@@ -77,8 +77,9 @@ std::string summary(const Module& model, int depth) {
   static const char* const kCounts[5] = {"", " K", " M", " B", " T"};
   static const char* const kBytes[5] = {" B", " KB", " MB", " GB", " TB"};
   const ParameterCount total = count_parameters(model);
-  out += fmt::format("total {} parameters ({}), {} trainable, {}\n", grouped(total.total),
-                     scaled(double(total.total), 1000, kCounts), grouped(total.trainable),
+  out += fmt::format("total {} parameters ({}), {} trainable, {} frozen, {}\n",
+                     grouped(total.total), scaled(double(total.total), 1000, kCounts),
+                     grouped(total.trainable), grouped(total.total - total.trainable),
                      scaled(double(total.bytes), 1024, kBytes));
   return out;
 }

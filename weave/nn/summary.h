@@ -7,7 +7,7 @@
 //   //  ├─ blocks     Sequential            66,048
 //   //  │  ├─ 0      LlamaBlock            33,024
 //   //  ...
-//   //  total 74,368 parameters (74.4 K), 74,368 trainable, 297.5 KB
+//   //  total 74,368 parameters (74.4 K), 74,368 trainable, 0 frozen, 297.5 KB
 //
 // Under model parallelism the counts are this rank's pieces (its slices, experts, stage).
 #include <cstdint>
