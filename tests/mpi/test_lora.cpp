@@ -276,6 +276,16 @@ TEST_SUITE("lora") {
     CHECK(grad_elements == shard_elements);
     CHECK(state_elements == 2 * shard_elements);
     CHECK(base > 10 * adapters);
+    // The frozen base is sharded too (gathered for compute, never reduced): each rank holds its
+    // 1/n of it, in shards that checkpoints and exports read but no optimizer steps.
+    int64_t frozen_elements = 0;
+    for (const auto& [name, shard] : fsdp.sharded_module().named_parameters()) {
+      CAPTURE(name);
+      CHECK(name.ends_with("_frozen") == !shard.requires_grad());
+      if (!shard.requires_grad()) frozen_elements += shard.numel();
+    }
+    CHECK(frozen_elements * n >= base);
+    CHECK(frozen_elements * n < base + n * 8);
   }
 
   TEST_CASE("adapted Llama on every layout equals one process (key/value heads split)") {

@@ -23,10 +23,12 @@ std::shared_ptr<GradReadiness> GradReadiness::create(const std::vector<Tensor>& 
                                                      Handlers handlers) {
   std::shared_ptr<GradReadiness> readiness(new GradReadiness(params.size(), std::move(handlers)));
   std::weak_ptr<GradReadiness> weak = readiness;
-  for (size_t i = 0; i < params.size(); ++i)
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].requires_grad()) continue;  // frozen (FSDP shards it): never in a bucket
     readiness->hooks_.push_back(params[i].register_post_accumulate_grad_hook([weak, i](Tensor&) {
       if (auto alive = weak.lock()) alive->on_hook(int(i), weak);
     }));
+  }
   return readiness;
 }
 

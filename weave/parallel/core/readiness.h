@@ -25,7 +25,8 @@ class GradReadiness {
     std::function<void(int bucket)> launch = {};
     std::function<void(bool failed)> finish = {};
   };
-  /// Installs the hooks; they do nothing once the returned object is gone.
+  /// Installs the hooks (on the parameters that require grad; a frozen one is never ready and
+  /// belongs in no bucket); they do nothing once the returned object is gone.
   static std::shared_ptr<GradReadiness> create(const std::vector<Tensor>& params,
                                                Handlers handlers);
   ~GradReadiness();

@@ -37,11 +37,12 @@ nn::Module* find_module(nn::Module& root, const std::string& name, const std::st
   return nullptr;
 }
 
-// Parameters that require grad (named_parameters lists a tied one once).
-nn::NamedTensors trainable(const nn::Module& module) {
+// The parameters it shards (named_parameters lists a tied one once): those that train and the
+// frozen ones, which are gathered but never reduced.
+nn::NamedTensors sharded(const nn::Module& module) {
   nn::NamedTensors out;
   for (const auto& [name, p] : module.named_parameters())
-    if (p.requires_grad()) out.emplace_back(name, p);
+    if (p.defined()) out.emplace_back(name, p);
   return out;
 }
 
@@ -78,7 +79,7 @@ UnitSpecs resolve_units(nn::Module& module, const FSDPOptions& options) {
   double bytes = 0;
   for (const auto& [name, child] : module.named_children()) {
     double child_bytes = 0;
-    for (const auto& [n, p] : trainable(*child)) child_bytes += double(p.numel() * p.itemsize());
+    for (const auto& [n, p] : sharded(*child)) child_bytes += double(p.numel() * p.itemsize());
     if (child_bytes == 0 && (out.empty() || options.unit_mb == 0)) continue;
     if (out.empty() || options.unit_mb == 0 || bytes >= options.unit_mb * 1024 * 1024) {
       out.push_back({name, {}});
@@ -112,9 +113,9 @@ std::vector<std::string> describe_units(
   for (const auto& [name, modules] : unit_specs) {
     std::string line = fmt::format("unit '{}':", name);
     for (const nn::Module* m : modules)
-      for (const auto& [n, p] : trainable(*m))  // spread experts' names differ by rank
-        line +=
-            fmt::format(" {} {}", detail::spread_expert_in(p, group) ? "(expert)" : n, p.shape());
+      for (const auto& [n, p] : sharded(*m))  // spread experts' names differ by rank
+        line += fmt::format(" {} {}{}", detail::spread_expert_in(p, group) ? "(expert)" : n,
+                            p.shape(), p.requires_grad() ? "" : " frozen");
     lines.push_back(std::move(line));
   }
   return lines;
@@ -239,7 +240,7 @@ UnitSpecs agree_on_units(nn::Module& module, State& s) {
 // The replicas start equal: broadcast from broadcast_from over the shard group (and, HSDP, from
 // the first replica), or drawn alike by a deferred model's agreed seed.
 void start_replicas_equal(nn::Module& module, State& s) {
-  for (const auto& [name, p] : trainable(module)) {
+  for (const auto& [name, p] : sharded(module)) {
     s.names.push_back(name);
     s.params.push_back(p);
   }
@@ -272,7 +273,7 @@ void build_units(nn::Module& module, State& s, const UnitSpecs& unit_specs) {
   std::vector<int> owners(s.params.size(), -1);
   for (size_t u = 0; u < unit_specs.size(); ++u)
     for (nn::Module* m : unit_specs[u].second)
-      for (const auto& [n, p] : trainable(*m)) {
+      for (const auto& [n, p] : sharded(*m)) {
         int& owner = owners[size_t(index.at(p.impl()))];
         owner = owner == -1 || owner == int(u) ? int(u) : -2;
       }
@@ -331,7 +332,7 @@ void install_readiness(const std::shared_ptr<State>& state) {
   for (int u : reduce_order) {
     std::vector<int> members;
     for (const State::Flat& f : s.units[size_t(u)].flats())
-      members.insert(members.end(), f.params.begin(), f.params.end());
+      if (!f.frozen) members.insert(members.end(), f.params.begin(), f.params.end());
     if (members.empty()) continue;  // an empty root unit has nothing to reduce
     buckets.push_back(std::move(members));
     unit_of_bucket.push_back(u);
@@ -451,16 +452,15 @@ Tensor FullyShardedDataParallel::forward(const nn::Inputs& inputs) {
 
 std::vector<Tensor> FullyShardedDataParallel::parameters() const {
   std::vector<Tensor> out;
-  for (const State::Unit& u : state_->units)
-    for (const State::Flat& f : u.flats()) out.push_back(f.shard);
+  for (const auto& [name, shard] : state_->named_shards())
+    if (shard.requires_grad()) out.push_back(shard);
   return out;
 }
 
 std::vector<std::string> FullyShardedDataParallel::shard_names() const {
   std::vector<std::string> out;
-  for (size_t u = 0; u < state_->units.size(); ++u)
-    for (const State::Flat& f : state_->units[u].flats())
-      out.push_back(fmt::format("unit{}_{}{}", u, dtype_name(f.shard.dtype()), f.suffix));
+  for (const auto& [name, shard] : state_->named_shards())
+    if (shard.requires_grad()) out.push_back(name);
   return out;
 }
 

@@ -22,7 +22,9 @@
 // parameters, per dtype, are flattened and padded to a multiple of N; rank r keeps slice r, a leaf
 // of its own: parameters() lists these shards, and the optimizer steps them. Parameters of no unit,
 // and parameters shared by several units, form the root unit, gathered for the whole forward and
-// backward.
+// backward. Frozen parameters (requires_grad false: a base under low-rank adapters, nn/lora.h) are
+// flattened apart and sharded alike, gathered for compute, but hold no gradient buffer, are never
+// reduce-scattered and are not in parameters(): the optimizer holds no state for them.
 //
 // A step, for unit i (ZeRO-3, FullShard):
 //   forward   all_gather unit i (already in flight: it was prefetched while unit i-1 ran), and
@@ -172,10 +174,12 @@ class FullyShardedDataParallel : public Joinable, public DataParallelWrapper {
   ///   fsdp.run([&] { logits = model.decode(ids, caches); });
   void run(const std::function<void()>& body) override;
 
-  /// This rank's shards (one flat leaf per unit and dtype): what the optimizer steps.
+  /// This rank's shards of what trains (one flat leaf per unit and dtype): what the optimizer
+  /// steps. Frozen parameters' shards are not among them.
   std::vector<Tensor> parameters() const;
   /// "unit0_float32" for each of parameters(): unit index (unit_names() order) and dtype, with
-  /// "_experts" for a unit's spread experts; the parameter names of sharded_module().
+  /// "_experts" for a unit's spread experts; sharded_module() names its parameters so, and the
+  /// frozen parameters' shards "unit0_float32_frozen".
   std::vector<std::string> shard_names() const;
   /// Unit names, in order ("" for the root unit).
   std::vector<std::string> unit_names() const;

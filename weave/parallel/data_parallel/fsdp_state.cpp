@@ -67,6 +67,8 @@ Tensor FullyShardedDataParallel::State::post_forward(int u, const Tensor& output
 
 void FullyShardedDataParallel::State::pre_backward(int u) {
   queue_end_of_backward();
+  for (int done : std::exchange(release_after, {}))
+    if (done != u) release(units[size_t(done)]);
   gather_for_backward(u);
   bind_grads(units[size_t(u)]);
 }
@@ -88,13 +90,23 @@ std::vector<int> FullyShardedDataParallel::State::completed_forward_order() cons
   return order;
 }
 
+nn::NamedTensors FullyShardedDataParallel::State::named_shards() const {
+  nn::NamedTensors out;
+  for (size_t u = 0; u < units.size(); ++u)
+    for (const Flat& f : units[u].flats())
+      out.emplace_back(fmt::format("unit{}_{}{}", u, dtype_name(f.shard.dtype()), f.suffix),
+                       f.shard);
+  return out;
+}
+
 void FullyShardedDataParallel::State::replay_rest_of_backward(bool reduce) {
   const std::vector<int> order = completed_forward_order();
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     if (!units[size_t(*it)].marks().backward_began) gather_for_backward(*it);
     if (!reduce) continue;
     for (const Flat& f : units[size_t(*it)].flats())
-      for (int i : f.params) readiness->mark_ready(i);
+      if (!f.frozen)
+        for (int i : f.params) readiness->mark_ready(i);
   }
 }
 
@@ -127,7 +139,12 @@ void FullyShardedDataParallel::State::launch_reduce(int u) {
   // while its reduce-scatter completes (it overlapped this unit's backward).
   for (int earlier : reducing) finish_reduce(units[size_t(earlier)]);
   reducing.assign(1, u);
-  if (!unit.root()) release(unit);
+  if (unit.root()) return;
+  const auto& flats = unit.flats();
+  if (std::any_of(flats.begin(), flats.end(), [](const Flat& f) { return f.frozen; }))
+    release_after.push_back(u);
+  else
+    release(unit);
 }
 
 void FullyShardedDataParallel::State::queue_end_of_backward() {
@@ -141,6 +158,7 @@ void FullyShardedDataParallel::State::queue_end_of_backward() {
 
 void FullyShardedDataParallel::State::end_of_backward() {
   end_queued = false;
+  release_after.clear();  // released below, or by settle
   if (readiness->backward_expected()) return;
   for (Unit& u : units) release(u);
 }

@@ -32,7 +32,11 @@ struct FullyShardedDataParallel::State {
   std::vector<HookHandle> module_hooks;
   std::shared_ptr<detail::GradReadiness> readiness;
   std::vector<int> reducing;  // units with reduce_scatters in flight, oldest first
-  bool end_queued = false;    // this backward's end-of-backward work is queued
+  // Units whose gradients are reduced but whose frozen parameters this backward may still read
+  // (its last gradient can come before a frozen weight's last use): released at the next unit's
+  // backward, when every node of theirs has run.
+  std::vector<int> release_after;
+  bool end_queued = false;  // this backward's end-of-backward work is queued
   FSDPStats stats;
   bool finite = true;  // the last synchronizing backward's verdict (check_finite)
   /// dist::disagreements(group) when the group was last known to be in step.
@@ -44,6 +48,8 @@ struct FullyShardedDataParallel::State {
 
   bool full_shard() const { return options.sharding == ShardingStrategy::FullShard; }
   Unit& root() { return units.back(); }
+  /// Every flat's shard by its name ("unit0_float32", "unit1_float32_frozen"), in unit order.
+  nn::NamedTensors named_shards() const;
   /// Every unit starts a new forward (and, `with_backward`, a new step's backward).
   void new_forward(bool with_backward) {
     for (Unit& u : units) u.new_forward(with_backward);

@@ -18,7 +18,7 @@ namespace {
 class ShardModule : public nn::Module {
  public:
   ShardModule(const nn::NamedTensors& shards, const nn::NamedTensors& buffers) {
-    for (const auto& [name, t] : shards) register_parameter(name, t);
+    for (const auto& [name, t] : shards) register_parameter(name, t, t.requires_grad());
     for (const auto& [name, t] : buffers) register_buffer(name, t);
   }
   Tensor forward(const Tensor&) override {
@@ -70,13 +70,9 @@ void FullyShardedDataParallel::load_full_state_dict(const nn::NamedTensors& stat
 }
 
 nn::Module& FullyShardedDataParallel::sharded_module() {
-  if (!state_->shard_module) {
-    const std::vector<std::string> names = shard_names();
-    const std::vector<Tensor> shards = parameters();
-    nn::NamedTensors named;
-    for (size_t k = 0; k < shards.size(); ++k) named.emplace_back(names[k], shards[k]);
-    state_->shard_module = std::make_unique<ShardModule>(named, module_.named_buffers());
-  }
+  if (!state_->shard_module)  // the frozen shards too: checkpoints and exports hold the base
+    state_->shard_module =
+        std::make_unique<ShardModule>(state_->named_shards(), module_.named_buffers());
   return *state_->shard_module;
 }
 
@@ -92,6 +88,7 @@ std::vector<optim::ParamGroup> FullyShardedDataParallel::param_groups(
     WEAVE_CHECK(groups[g].ranges.empty(), op,
                 "group {} lists element ranges; hint: give the model's whole parameters", g);
     for (const Tensor& p : groups[g].params) {
+      if (p.defined() && !p.requires_grad()) continue;  // frozen: its shard does not train
       auto found = p.defined() ? index.find(p.impl()) : index.end();
       WEAVE_CHECK(found != index.end(), op,
                   "group {} holds a tensor {} that is not a parameter of the wrapped model; hint: "
@@ -104,7 +101,7 @@ std::vector<optim::ParamGroup> FullyShardedDataParallel::param_groups(
     }
   }
   for (size_t i = 0; i < s.params.size(); ++i)
-    WEAVE_CHECK(group_of[i] >= 0, op,
+    WEAVE_CHECK(group_of[i] >= 0 || !s.params[i].requires_grad(), op,
                 "parameter '{}' is in no group; hint: every parameter of the model belongs to "
                 "one group",
                 s.names[i]);
@@ -112,6 +109,7 @@ std::vector<optim::ParamGroup> FullyShardedDataParallel::param_groups(
   for (size_t g = 0; g < groups.size(); ++g) out[g].weight_decay = groups[g].weight_decay;
   for (const State::Unit& unit : s.units)
     for (const State::Flat& f : unit.flats()) {
+      if (f.frozen) continue;
       std::vector<int> member_groups;
       for (int i : f.params) member_groups.push_back(group_of[size_t(i)]);
       // The shard's offset in its flat over its own group (an expert flat's is the expert-data

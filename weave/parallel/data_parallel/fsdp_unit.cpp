@@ -57,6 +57,8 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
   const dist::Group& group = f.group;
   const int64_t n = group.size();
   const std::vector<Tensor> members = FSDPUnit::members(f, params);
+  f.frozen = !members[0].requires_grad();
+  if (f.frozen) f.suffix += "_frozen";
   if (std::any_of(members.begin(), members.end(), nn::is_deferred)) {  // alike on every rank
     f.full = FlatBuffer::unallocated(members, n);
     f.shard = draw_shard(f.full, members, f.params, names, group);
@@ -75,7 +77,7 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
                 names[size_t(f.params[0])], f.shard.device());
     f.shard = f.shard.to(kCPU).detach();
   }
-  f.shard.requires_grad_(true);
+  f.shard.requires_grad_(!f.frozen);
   gather_in(f, members, precision.param_dtype.value_or(f.shard.dtype()));
   f.reduce_dtype = precision.reduce_dtype.value_or(f.full.flat.dtype());
   if (replica == 0) f.replicate = precision.replicate_group;
@@ -122,9 +124,10 @@ FSDPUnit::FSDPUnit(std::string name, std::vector<nn::Module*> modules, bool root
                    const std::map<std::string, TensorSplit>& splits, const ReplicaGroups& replicas,
                    const FSDPOptions& precision)
     : name_(std::move(name)), modules_(std::move(modules)), root_(root) {
-  using Kind = std::tuple<int, DType, Device>;  // replica group, dtype, device
+  using Kind = std::tuple<int, DType, Device, bool>;  // replica group, dtype, device, frozen
   auto kind_of = [&](int i) {
-    return Kind{replicas.of[size_t(i)], params[size_t(i)].dtype(), params[size_t(i)].device()};
+    const Tensor& p = params[size_t(i)];
+    return Kind{replicas.of[size_t(i)], p.dtype(), p.device(), !p.requires_grad()};
   };
   std::vector<Kind> kinds;
   for (int i : members)
@@ -203,6 +206,7 @@ void FSDPUnit::release(bool full_shard) {
 
 void FSDPUnit::bind_grads(const std::vector<Tensor>& params) {
   for (FSDPFlat& f : flats_) {
+    if (f.frozen) continue;
     if (!f.grads.flat.defined()) f.grads = FlatBuffer::like(members(f, params), f.group.size());
     for (size_t k = 0; k < f.params.size(); ++k)
       bind_grad(params[size_t(f.params[k])], f.grads.view(k));
@@ -215,6 +219,7 @@ void FSDPUnit::launch_reduce(const std::vector<Tensor>& params, FSDPStats& stats
   NoGradGuard no_grad;
   grads_ = Grads::Reducing;  // before the calls: finish_reduce waits for the ones that started
   for (FSDPFlat& f : flats_) {
+    if (f.frozen) continue;
     f.grads_wire =
         f.grads.flat.dtype() == f.reduce_dtype ? f.grads.flat : f.grads.flat.to(f.reduce_dtype);
     f.reduced = empty(f.shard.shape(), {.dtype = f.reduce_dtype, .device = f.grads_wire.device()});
@@ -230,6 +235,7 @@ void FSDPUnit::finish_reduce(const std::vector<Tensor>& params) {
   grads_ = Grads::Idle;
   std::exception_ptr first_error;
   for (FSDPFlat& f : flats_) {
+    if (f.frozen) continue;
     if (f.reduce) try {
         std::exchange(f.reduce, std::nullopt)->wait();
       } catch (...) {

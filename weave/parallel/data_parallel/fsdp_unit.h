@@ -32,7 +32,8 @@ struct FSDPFlat {
   std::vector<int> params;  // indices into the wrapper's parameter list
   dist::Group group;        // the ranks sharing this buffer
   double scale = 1.0;       // what the average is multiplied by (an expert's 1 / expert group)
-  std::string suffix;       // "" for the wrapper's group, "_experts", "_experts2", ...
+  std::string suffix;       // "" for the wrapper's group, "_experts", "_experts2", ..., "_frozen"
+  bool frozen = false;      // parameters that do not require grad: gathered, never reduced
   FlatBuffer full;          // the gathered parameters (the params' memory); released between uses
   Tensor shard;             // this rank's slice, a leaf of its own: what the optimizer steps
   DType reduce_dtype = kFloat32;  // what the gradients travel in (FSDPOptions::reduce_dtype)
