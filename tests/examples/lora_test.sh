@@ -11,7 +11,6 @@ finetune=$1 tokenize=$2 npm=$3
 shift 3
 mpirun=("$@")
 . "$(dirname "$0")/fortunes_tokens.sh"
-status=0
 "$finetune" --init llama --tokenizer "$gpt2" --model "$work/new" --dim 64 --layers 2 --heads 4 \
   --kv-heads 2 --tokens "$work/fortunes.tokens" --steps 0 >/dev/null || { echo "FAIL: --init"; exit 1; }
 "$finetune" --model "$work/new" --tokens "$work/fortunes.tokens" --steps 30 --context 64 \
@@ -19,20 +18,7 @@ status=0
   { echo "FAIL: the base's training"; cat "$work/pretrain.out"; exit 1; }
 base=(--model "$work/llama" --tokens "$work/fortunes.tokens" --steps 20 --context 64 --batch 4
       --lr 3e-3 --log-every 10 --lora 8 --lora-targets all-linear)
-run() {  # name, ranks, args...
-  local name=$1 n=$2
-  shift 2
-  "${mpirun[@]}" -np "$n" "$finetune" "${base[@]}" "$@" >"$work/$name.out" 2>&1 ||
-    { echo "FAIL: $name"; cat "$work/$name.out"; status=1; }
-}
-final() { sed -n 's/^final_loss=//p' "$work/$1.out"; }
-agrees() {  # run name: its final loss within 1e-3 (relative) of $reference, ddp's
-  local got
-  got=$(final "$1")
-  awk -v a="$got" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-3 * b) }' ||
-    { echo "FAIL: $1 final_loss=$got, ddp's $reference"; status=1; }
-  echo "$1 final_loss=$got (ddp $reference)"
-}
+. "$(dirname "$0")/finetune_runs.sh"
 run lora_ddp 2 --save "$work/adapters" --heldout /usr/share/games/fortunes/wisdom --separator %
 reference=$(final lora_ddp)
 before=$(sed -n 's/^heldout_loss_before=//p' "$work/lora_ddp.out")
@@ -63,9 +49,6 @@ merged=$(grep '^generated:' "$work/lora_merged.out") reloaded=$(grep '^generated
   { echo "FAIL: merged run generated '$merged', its export '$reloaded'"; status=1; }
 echo "merged $merged"
 run lora_bf16 2 --base-dtype bfloat16
-got=$(final lora_bf16)
-awk -v a="$got" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 2e-2 * b) }' ||
-  { echo "FAIL: bfloat16 base final_loss=$got, float32's $reference"; status=1; }
-echo "bfloat16 base final_loss=$got (float32 $reference)"
+tolerance=2e-2 agrees lora_bf16
 [ "$status" -eq 0 ] && echo "PASS: adapters train alike on every layout"
 exit "$status"

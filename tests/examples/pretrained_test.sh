@@ -25,13 +25,7 @@ mpirun=("$@")
   { echo "FAIL: --init"; exit 1; }
 base=(--model "$work/llama" --tokens "$work/fortunes.tokens" --steps 100 --context 64 --batch 4
       --lr 1e-3 --log-every 1 --checkpoint-every 20)
-status=0
-run() {  # name, ranks, args...
-  local name=$1 n=$2
-  shift 2
-  "${mpirun[@]}" -np "$n" "$finetune" "${base[@]}" "$@" >"$work/$name.out" 2>&1 ||
-    { echo "FAIL: $name"; cat "$work/$name.out"; status=1; }
-}
+. "$(dirname "$0")/finetune_runs.sh"
 run whole 2 --checkpoint "$work/ckpt_whole" --save "$work/saved_whole" --prompt "The meaning of" \
   --temperature 0 --max-new-tokens 8
 run stopped 2 --checkpoint "$work/ckpt_resumed" --stop-at 50
@@ -64,14 +58,6 @@ fi
 cmp -s "$work/saved_whole/model.safetensors" "$work/saved_killed/model.safetensors" ||
   { echo "FAIL: the run resumed after the kill saved other weights"; status=1; }
 echo "killed after step 50, resumed at step $from"
-final() { sed -n 's/^final_loss=//p' "$work/$1.out"; }
-agrees() {  # run name: its final loss within 1e-3 (relative) of $reference, ddp's
-  local got
-  got=$(final "$1")
-  awk -v a="$got" -v b="$reference" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-3 * b) }' ||
-    { echo "FAIL: $1 final_loss=$got, ddp's $reference"; status=1; }
-  echo "$1 final_loss=$got (ddp $reference)"
-}
 reference=$(final whole)
 echo "ddp final_loss=$reference; resumed: $(final resumed)"
 # Every strategy from the same checkpoint and batches: the same loss. GPT-2's vocabulary (50257)

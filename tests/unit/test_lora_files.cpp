@@ -194,10 +194,37 @@ TEST_SUITE("lora_files") {
     check_raises(broken(
                      "bias", [](auto& c) { c["bias"] = "all"; }, keep),
                  "bias 'all'");
+    check_raises(broken(
+                     "dora", [](auto& c) { c["use_dora"] = true; }, keep),
+                 "use_dora true");
+    check_raises(broken(
+                     "pattern",
+                     [](auto& c) {
+                       c["rank_pattern"] = {{"q_proj", 2}};
+                     },
+                     keep),
+                 "rank_pattern {\"q_proj\":2} is not supported");
+    check_raises(broken(
+                     "layers", [](auto& c) { c["layers_to_transform"] = {0}; }, keep),
+                 "layers_to_transform [0]");
+    {  // empty patterns, as PEFT writes them, load
+      auto plain = models::from_pretrained(reference_dir("llama"));
+      auto empty_patterns = [](auto& c) {
+        c["rank_pattern"] = nlohmann::json::object();
+        c["alpha_pattern"] = nlohmann::json::object();
+        c["use_dora"] = false;
+      };
+      models::load_adapters(*plain, config, broken("empty", empty_patterns, keep));
+      CHECK(nn::lora_adapters(*plain).size() == 14);
+    }
     check_raises(scratch("nowhere").string(), "adapter_config.json");
     CHECK_THROWS_WITH_AS(models::peft_targets(config, {"c_attn"}),
                          doctest::Contains("target module 'c_attn' names no projection"), Error);
     CHECK_THROWS_WITH_AS(models::save_adapters(*model, config, {}, scratch("none").string()),
                          doctest::Contains("no adapters to save"), Error);
+    models::load_adapters(*model, config, reference_dir("llama_lora"));
+    CHECK_THROWS_WITH_AS(
+        models::save_adapters(*model, config, {.rank = 8}, scratch("wrong_rank").string()),
+        doctest::Contains("has rank 4, but the options to save say r 8"), Error);
   }
 }

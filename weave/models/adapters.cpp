@@ -188,6 +188,10 @@ void save_adapters(nn::Module& model, const data::hf::ModelConfig& config,
     nn::NamedTensors tensors;
     for (const Site* site : chosen) {
       const Tensor a = values.at(site->path + "_lora.A").contiguous();
+      WEAVE_CHECK(a.size(0) == options.rank, kAdapters,
+                  "the adapter on {} has rank {}, but the options to save say r {}; hint: save "
+                  "with the options add_lora was given",
+                  site->path, a.size(0), options.rank);
       Tensor b = values.at(site->path + "_lora.B");
       if (site->heads_qkv) b = reorder_qkv_rows(b, config.heads, /*to_weave=*/false);
       tensors.emplace_back(tensor_name(*site, 'A'), a);
@@ -231,6 +235,15 @@ nn::LoRAOptions read_adapter_config(const std::string& dir, const data::hf::Mode
               "{}: modules_to_save {} is not supported (whole modules trained beside the "
               "adapters)",
               path, saved.dump());
+  // What would change the update in ways weave's adapters do not follow: refused, not ignored.
+  for (const char* name : {"rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern",
+                           "use_dora", "lora_bias"}) {
+    const json value = c.value(name, json());
+    WEAVE_CHECK(value.is_null() || value.empty() || value == false, kAdapters,
+                "{}: {} {} is not supported (weave's adapters share one rank and alpha, on "
+                "every layer, without DoRA or biases)",
+                path, name, value.dump());
+  }
   const json& modules = field("target_modules");
   WEAVE_CHECK(modules.is_array() || modules == "all-linear", kAdapters,
               "{}: target_modules {} is a regular expression, which weave does not match; "
