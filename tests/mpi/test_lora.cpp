@@ -29,6 +29,7 @@ struct Layout {
   const char* name;
   parallel::MeshShape shape;
   bool shard = false;  // FSDP (HSDP with shape.replicate)
+  bool sequence_parallel = false;
 };
 
 // The layouts of the world's size.
@@ -38,6 +39,7 @@ std::vector<Layout> layouts() {
       return {{"one process", {}}};
     case 2:
       return {{"tensor 2", {.tensor = 2}},
+              {"tensor 2, sequence parallel", {.tensor = 2}, false, true},
               {"data 2", {.data = 2}},
               {"fully sharded 2", {.data = 2}, true},
               {"pipeline 2", {.pipeline = 2}},
@@ -103,6 +105,7 @@ std::map<std::string, Tensor> values_of(const nn::NamedTensors& named) {
 
 template <class Model>
 void check_layout(const Layout& layout, int64_t kv_heads) {
+  if (layout.sequence_parallel && std::is_same_v<Model, models::Llama>) return;  // GPT-2's alone
   const std::string name = layout.name;
   CAPTURE(name);
   CAPTURE(kv_heads);
@@ -115,7 +118,8 @@ void check_layout(const Layout& layout, int64_t kv_heads) {
   nn::add_lora(reference, lora_of<Model>(experts));
 
   parallel::ProcessMesh mesh(layout.shape);
-  const models::ModelSplit parts = models::ModelSplit::from_mesh(mesh);
+  const models::ModelSplit parts =
+      models::ModelSplit::from_mesh(mesh, {.sequence_parallel = layout.sequence_parallel});
   Model model(options, parts);
   model.to(kFloat64);
   {  // this rank's pieces of the reference's base (a stage's own draws would differ)
