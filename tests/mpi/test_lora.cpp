@@ -284,7 +284,8 @@ TEST_SUITE("lora") {
     // 1/n of it, in shards that checkpoints and exports read but no optimizer steps.
     int64_t frozen_elements = 0;
     for (const auto& [name, shard] : fsdp.sharded_module().named_parameters()) {
-      CAPTURE(name);
+      const std::string parameter = name;  // a lambda cannot capture a binding
+      CAPTURE(parameter);
       CHECK(name.ends_with("_frozen") == !shard.requires_grad());
       if (!shard.requires_grad()) frozen_elements += shard.numel();
     }

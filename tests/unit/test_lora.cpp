@@ -60,7 +60,8 @@ void write_updates_by_hand(const nn::Module& adapted, nn::Module& plain, double 
   NoGradGuard no_grad;
   for (const auto& [name, adapter] : nn::lora_adapters(adapted)) {
     const Target t = target_of(name);
-    CAPTURE(name);
+    const std::string parameter = name;  // a lambda cannot capture a binding
+    CAPTURE(parameter);
     REQUIRE(params.contains(t.weight));
     Tensor w = t.part < 0 ? params.at(t.weight) : params.at(t.weight).select(0, t.part);
     w.add_(matmul(adapter->B, adapter->A) * scale);
@@ -130,7 +131,8 @@ TEST_SUITE("lora") {
     model->zero_grad();
     cross_entropy((*model)(tokens).reshape({-1, 16}), tokens.reshape({-1})).backward();
     for (const auto& [name, p] : model->named_parameters()) {
-      CAPTURE(name);
+      const std::string parameter = name;  // a lambda cannot capture a binding
+      CAPTURE(parameter);
       const bool adapter = name.find("_lora.") != std::string::npos;
       CHECK(p.requires_grad() == adapter);
       CHECK(p.grad().defined() == adapter);
@@ -153,7 +155,8 @@ TEST_SUITE("lora") {
     std::map<std::string, Tensor> first;
     for (const auto& [name, adapter] : nn::lora_adapters(*one)) first[name] = adapter->A;
     for (const auto& [name, adapter] : nn::lora_adapters(*two)) {
-      CAPTURE(name);
+      const std::string parameter = name;  // a lambda cannot capture a binding
+      CAPTURE(parameter);
       CHECK(equal(adapter->A, first.at(name)));
       CHECK(equal(adapter->B, zeros_like(adapter->B)));
       const double bound = 1 / std::sqrt(16.0);  // PEFT's A: U(+-1/sqrt(in))
@@ -206,7 +209,8 @@ TEST_SUITE("lora") {
     }
     int64_t adapter_bytes = 0;
     for (const auto& [name, p] : model->named_parameters()) {
-      CAPTURE(name);
+      const std::string parameter = name;  // a lambda cannot capture a binding
+      CAPTURE(parameter);
       const bool adapter = name.find("_lora.") != std::string::npos;
       CHECK(p.dtype() == (adapter ? kFloat32 : kBFloat16));
       CHECK(p.grad().defined() == adapter);
