@@ -86,7 +86,7 @@ std::string tensor_name(const Site& site, char factor) {
   return fmt::format("{}{}.lora_{}.weight", kPrefix, site.module, factor);
 }
 
-// The adapted sites of a model whose adapters are named `adapter_names` ("<path>_lora.A").
+// The sites whose paths ("blocks.0.attention.q") have adapters.
 std::vector<const Site*> adapted(const std::vector<Site>& sites,
                                  const std::set<std::string>& paths) {
   std::vector<const Site*> out;

@@ -34,17 +34,6 @@ bool names(const std::string& target, const std::string& path) {
   return target.size() == path.size() || path[path.size() - target.size() - 1] == '.';
 }
 
-// options.seed mixed with the adapter's name (FNV-1a, then splitmix64's finalizer), so that every
-// layout draws an adapter alike wherever it sits.
-uint64_t seed_of(uint64_t seed, const std::string& name) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : name) h = (h ^ c) * 1099511628211ULL;
-  uint64_t z = h ^ (seed + 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
 void check_options(const LoRAOptions& options) {
   WEAVE_CHECK(options.rank > 0, kLoRA, "rank must be positive, found {}", options.rank);
   WEAVE_CHECK(std::isfinite(options.alpha) && options.alpha > 0, kLoRA,
@@ -145,7 +134,9 @@ int64_t add_lora(Module& model, const LoRAOptions& options, bool every_target) {
                 "(\"attention.q\", \"mlp.down\")",
                 target);
   for (const auto& [layer, projection, full] : chosen)
-    layer->adapt(projection, {.options = &options, .seed = seed_of(options.seed, full + "_lora")});
+    // The stream nn::DeferredInit would draw the adapter's parameters from: alike in every layout.
+    layer->adapt(projection,
+                 {.options = &options, .seed = stream_key(options.seed, full + "_lora")});
   if (options.freeze_base) {
     std::set<const void*> adapters;
     for (const auto& [name, adapter] : lora_adapters(model))

@@ -93,7 +93,7 @@ class LowRankAdapter : public Module {
 /// What building one adapter takes, from add_lora to the layer that owns the projection.
 struct AdapterSpec {
   const LoRAOptions* options = nullptr;
-  /// This adapter's seed (options.seed mixed with its parameter name): what draws its A.
+  /// This adapter's seed (stream_key of options.seed and its parameter name): what draws its A.
   uint64_t seed = 0;
 };
 /// The adapter of a linear piece, cut as the piece is, attached to it (leaf.adapter), for its
