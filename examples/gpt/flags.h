@@ -24,6 +24,7 @@ struct Flags {
   int context_parallel = 1, expert_parallel = 1, pipeline = 1, microbatches = 0;
   int replicate = 1;  // fsdp: HSDP's replicas of shard groups (torchtitan's dp_replicate)
   int64_t experts = 0, top_k = 2;
+  double expert_bias = 0;
   std::string cp_mode = "ring";
   int64_t layers = 4, dim = 256, heads = 4, context = 128, batch = 16, steps = 600,
           eval_every = 100, eval_windows = 64, checkpoint_every = 100, stop_at = -1, log_every = 20;
@@ -58,6 +59,10 @@ inline void add_layout_options(CLI::App& app, Flags& f) {
   app.add_option("--expert-parallel", f.expert_parallel, "ranks the experts are spread over")
       ->check(weave::cli::positive());
   app.add_option("--top-k", f.top_k, "experts each token goes to")->check(weave::cli::positive());
+  app.add_option("--expert-bias", f.expert_bias,
+                 "balance the experts by a selection bias moved this much a step, without the "
+                 "auxiliary loss (DeepSeek-V3; 0: the auxiliary loss)")
+      ->check(weave::cli::non_negative());
   app.add_option("--pipeline", f.pipeline, "pipeline stages (consecutive blocks, 1F1B)")
       ->check(weave::cli::positive());
   app.add_option("--replicate", f.replicate,

@@ -6,7 +6,7 @@
 //                    [--autocast bf16|fp16] [--checkpoint-activations]
 //                    [--device cpu|cuda] [--backend mpi|nccl] [--vocab N] [--log FILE]
 //                    [--context-parallel N [--cp-mode ring|all-to-all]]
-//                    [--experts E [--expert-parallel N] [--top-k K]]
+//                    [--experts E [--expert-parallel N] [--top-k K] [--expert-bias R]]
 //                    [--pipeline N [--microbatches M]]
 //                    [--arch gpt|llama [--kv-heads K] [--ffn N] [--pack]]
 //                    [--cuda-graph] [--matmul-precision highest|high]
@@ -33,8 +33,10 @@
 //                          data parallel across the groups;
 //   --experts E            every block's MLP becomes E experts (each a 4 dim / K MLP, so a
 //                          token costs the dense MLP's compute), top --top-k per token, with the
-//                          load-balancing loss over the whole step's batch; --expert-parallel N
-//                          spreads them over groups of N of the data x context ranks;
+//                          load-balancing loss over the whole step's batch (--expert-bias R:
+//                          a selection bias moved by R a step by the step's loads instead);
+//                          --expert-parallel N spreads them over groups of N of the data x
+//                          context ranks; each logged step records the routing (metrics file);
 //   --pipeline N           N stages of consecutive blocks (the embeddings on the first, the
 //                          head on the last), each split over the tensor axis and under DDP (or
 //                          fsdp) over data x context; 1F1B over --microbatches (2 N), the last
@@ -287,6 +289,7 @@ Tensor Run::step_loss(const Batch& batch, double& grad_norm) {
   grad_norm = parallel::clip_grad_norm_(optimizer_->params(), f_.clip);
   scaler_->step(*optimizer_);
   scaler_->update();
+  nn::update_expert_biases(*model_);  // by the loads over the data x context ranks
   return loss;
 }
 
@@ -301,6 +304,7 @@ void Run::log_step(data::MetricsLogger& metrics, double& grad_norm) {
                     .lr = scheduler_->lr(),
                     .tokens = tokens_,
                     .grad_norm = grad_norm});
+  if (f_.experts > 0) metrics.log_values(step_, "routing", nn::routing_metrics(*model_));
   loss_sum_ = 0, losses_ = 0, tokens_ = 0;
 }
 

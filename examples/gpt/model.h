@@ -14,12 +14,16 @@
 namespace gpt {
 
 /// Every block's mixture of experts under --experts (block i's seeded --seed + i): --experts of
-/// them, each a 4 dim / K MLP (a token costs the dense MLP's compute), top --top-k.
+/// them, each a 4 dim / K MLP (a token costs the dense MLP's compute), top --top-k; balanced
+/// by the auxiliary loss, or with --expert-bias by a selection bias instead.
 inline std::optional<nn::MoEOptions> experts_of(const Flags& f) {
   if (f.experts == 0) return std::nullopt;
   return nn::MoEOptions{.hidden = f.dim,
                         .ffn = 4 * f.dim / f.top_k,
-                        .router = {.experts = f.experts, .top_k = f.top_k},
+                        .router = {.experts = f.experts,
+                                   .top_k = f.top_k,
+                                   .aux_loss_coef = f.expert_bias > 0 ? 0.0 : 0.01,
+                                   .bias_update_rate = f.expert_bias},
                         .seed = f.seed};
 }
 

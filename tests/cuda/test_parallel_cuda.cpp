@@ -361,31 +361,43 @@ TEST_SUITE("cuda_parallel") {
       }
   }
 
-  TEST_CASE("expert-parallel MoE on CUDA tensors equals the CPU run") {
+  TEST_CASE("expert-parallel MoE on CUDA tensors equals the CPU run: grouped, looped, biased") {
     const int n = dist::world_size();
-    for (double capacity : {0.0, 0.5}) {
-      CAPTURE(capacity);
-      check_same_on_gpu([&](Device d) {
-        parallel::ExpertParallelMoE moe({.hidden = 4,
-                                         .ffn = 5,
-                                         .router = {.experts = 2 * n,
-                                                    .top_k = 2,
-                                                    .capacity_factor = capacity,
-                                                    .aux_loss_coef = 0.1,
-                                                    .z_loss_coef = 0.01},
-                                         .seed = 11},
-                                        dist::world());
-        moe.to(kFloat64);
-        moe.to(d);
-        Generator g(41 + uint64_t(dist::rank()));
-        Tensor x = randn({7, 4}, {.dtype = kFloat64}, &g).to(d);
-        Tensor w = randn({7, 4}, {.dtype = kFloat64}, &g).to(d);
-        Tensor y = moe(x);
-        ((y * w).sum() + moe.aux_loss()).backward();
-        std::vector<Tensor> out{y.detach(), moe.aux_loss().detach()};
-        for (const Tensor& gr : grads(moe.parameters())) out.push_back(gr);
-        return out;
-      });
-    }
+    for (double capacity : {0.0, 0.5})
+      for (bool gated : {false, true})
+        for (bool grouped : {true, false}) {
+          CAPTURE(capacity);
+          CAPTURE(gated);
+          CAPTURE(grouped);
+          check_same_on_gpu([&](Device d) {
+            nn::MoEOptions options{.hidden = 4,
+                                   .ffn = 5,
+                                   .router = {.experts = 4 * n,
+                                              .top_k = 3,
+                                              .capacity_factor = capacity,
+                                              .aux_loss_coef = 0.1,
+                                              .z_loss_coef = 0.01,
+                                              .bias_update_rate = 0.05},
+                                   .seed = 11,
+                                   .gated = gated,
+                                   .shared_ffn = gated ? 3 : 0,
+                                   .grouped = grouped};
+            options.reduce_shares = parallel::shares_over(dist::world());
+            parallel::ExpertParallelMoE moe(options, dist::world());
+            moe.to(kFloat64);
+            moe.to(d);
+            Generator g(41 + uint64_t(dist::rank()));
+            Tensor x = randn({7, 4}, {.dtype = kFloat64}, &g).to(d);
+            Tensor w = randn({7, 4}, {.dtype = kFloat64}, &g).to(d);
+            (void)moe(x);
+            nn::update_expert_biases(moe);  // the second forward chooses by the moved bias
+            Tensor y = moe(x);
+            ((y * w).sum() + moe.aux_loss()).backward();
+            std::vector<Tensor> out{y.detach(), moe.aux_loss().detach(),
+                                    moe.router().expert_bias()};
+            for (const Tensor& gr : grads(moe.parameters())) out.push_back(gr);
+            return out;
+          });
+        }
   }
 }

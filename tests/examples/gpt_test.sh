@@ -89,6 +89,12 @@ check_run "tensor 2 x experts 2 (data 2) np4" 4 --tp 2 --experts 4 --expert-para
 check_run "fsdp 2 x experts 2 np2" 2 --strategy fsdp --experts 4 --expert-parallel 2
 check_run "fsdp 2 x tensor 2 x context 2, experts over 4, np8" 8 --strategy fsdp --tp 2 \
   --context-parallel 2 --experts 4 --expert-parallel 4
+# Balanced by a selection bias (no auxiliary loss): the loads are counted over every data rank.
+reference=$("$gpt" "${args[@]}" --experts 4 --expert-bias 0.01 | held)
+echo "one process, 4 experts, selection bias: heldout_loss=$reference"
+tolerance=$(awk -v b="$reference" 'BEGIN { print 1e-3 * b }')
+check_run "experts 4 by a selection bias, expert-parallel 2 x data 2, np4" 4 --experts 4 \
+  --expert-parallel 2 --expert-bias 0.01
 # Ranks started with different flags (--lr on one): every rank raises, none trains, and the job's
 # one report (dist::exit_with_error) gives each rank's message once.
 out=$("${mpirun[@]}" -np 1 "$gpt" "${args[@]}" --lr 1e-3 : -np 1 "$gpt" "${args[@]}" --lr 2e-3 2>&1)

@@ -375,11 +375,16 @@ TEST_SUITE("data") {
       metrics.log_step({.step = 1, .loss = 2.5, .lr = 1e-3, .tokens = 512});
       metrics.log_step({.step = 2, .loss = 2.25, .grad_norm = 0.75});  // no lr, no tokens
       metrics.log_eval(2, "heldout_loss", 2.4);
+      metrics.log_values(2, "routing", {{"blocks.0.moe/max_load", 1.5}, {"moe/dropped", NAN}});
     }
     std::ifstream in(path);
     std::vector<nlohmann::json> records;
     for (std::string line; std::getline(in, line);) records.push_back(nlohmann::json::parse(line));
-    REQUIRE(records.size() == 3);
+    REQUIRE(records.size() == 4);
+    CHECK(records[3] ==
+          nlohmann::json({{"kind", "routing"},
+                          {"step", 2},
+                          {"values", {{"blocks.0.moe/max_load", 1.5}, {"moe/dropped", "nan"}}}}));
     CHECK(records[0]["kind"] == "train");
     CHECK(records[0]["step"] == 1);
     CHECK(records[0]["loss"] == 2.5);

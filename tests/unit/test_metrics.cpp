@@ -92,6 +92,7 @@ TEST_SUITE("data") {
                                    .tensorboard_dir = dir.string()});
       metrics.log_step({.step = 1, .loss = 2.5, .lr = 1e-3, .tokens = 4096, .grad_norm = 0.5});
       metrics.log_eval(1, "heldout_loss", 2.75);
+      metrics.log_values(1, "routing", {{"blocks.0.moe/max_load", 1.25}});
     }
     std::vector<std::string> files;
     for (const auto& entry : std::filesystem::directory_iterator(dir))
@@ -114,6 +115,7 @@ TEST_SUITE("data") {
     CHECK(scalars.at("train/lr") == std::pair<int64_t, float>{1, 1e-3f});
     CHECK(scalars.at("train/grad_norm") == std::pair<int64_t, float>{1, 0.5f});
     CHECK(scalars.at("eval/heldout_loss") == std::pair<int64_t, float>{1, 2.75f});
+    CHECK(scalars.at("routing/blocks.0.moe/max_load") == std::pair<int64_t, float>{1, 1.25f});
     // MFU is tokens/s x FLOPs per token over the peak: both from the same record.
     const float throughput = scalars.at("train/tokens_per_s").second;
     CHECK(scalars.at("train/mfu").second == doctest::Approx(throughput * 6e6 / 1e12));

@@ -113,6 +113,21 @@ std::vector<OpCase> weave::test::op_cases() {
                  }});
   all.push_back(
       {"linear", {any({2, 5, 4}), tr({3, 4})}, [](const Inputs& x) { return linear(x[0], x[1]); }});
+  // Three groups, the middle one empty (its weight's gradient is zero, not missing).
+  all.push_back({"grouped_linear",
+                 {any({5, 4}), any({3, 4}), any({3, 4}), any({3, 4}), any({3}), any({3}), any({3})},
+                 [](const Inputs& x) {
+                   return grouped_linear(x[0], {x[1], x[2], x[3]}, {2, 0, 3}, {x[4], x[5], x[6]});
+                 }});
+  all.push_back(
+      {"grouped_linear", {tr({3, 4}), any({2, 2, 4}), any({2, 2, 4})}, [](const Inputs& x) {
+         return grouped_linear(x[0], {x[1], x[2]}, {1, 2});
+       }});
+  // Row 0 picked twice (its gradient sums both), row 3 never, one slot empty (-1).
+  all.push_back({"gather_weighted_sum", {any({4, 3}), any({3, 2})}, [](const Inputs& x) {
+                   const Tensor index = from_vector<int64_t>({0, 2, 1, -1, 0, 1}, {3, 2});
+                   return gather_weighted_sum(x[0], index.to(x[0].device()), x[1]);
+                 }});
 
   all.push_back({"reshape", {tr({3, 4})}, [](const Inputs& x) {
                    return x[0].reshape({2, -1}) * 1.0;

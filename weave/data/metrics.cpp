@@ -231,4 +231,16 @@ void MetricsLogger::log_eval(int64_t step, const std::string& name, double value
   std::fflush(stderr);
 }
 
+void MetricsLogger::log_values(int64_t step, const std::string& kind,
+                               const std::vector<std::pair<std::string, double>>& values) {
+  if (!options_.enabled) return;
+  json record = {{"kind", kind}, {"step", step}}, named = json::object();
+  for (const auto& [name, value] : values) {
+    put(named, name.c_str(), std::optional<double>(value));
+    board(kind + "/" + name, value, step);
+  }
+  record["values"] = named;
+  write(dumped(record));
+}
+
 }  // namespace weave::data

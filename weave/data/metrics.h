@@ -17,6 +17,7 @@
 //   {"kind": "train", "step": 120, "loss": 2.314, "lr": 0.0008, "tokens_per_s": 12345.6,
 //    "mfu": 0.412, "grad_norm": 0.93, "peak_mb": 123.4, "elapsed_s": 61.2, "eta_s": 244.8}
 //   {"kind": "eval", "step": 100, "name": "heldout_loss", "value": 2.41, "elapsed_s": 50.1}
+//   {"kind": "routing", "step": 120, "values": {"blocks.0.moe/max_load": 1.12, ...}}
 // "loss" is what the caller passes (typically the mean over the steps since the last record),
 // tokens_per_s counts the tokens passed since the last record over the time since then, and
 // peak_mb is memory_stats(device).peak. A fresh run (start_step 0) replaces the file; a resumed
@@ -38,6 +39,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "weave/tensor/device.h"
 
@@ -93,6 +96,12 @@ class MetricsLogger {
 
   void log_step(const StepMetrics& metrics);
   void log_eval(int64_t step, const std::string& name, double value);
+  /// A step's named values beside its loss (nn::routing_metrics: each mixture of experts'
+  /// busiest expert over the mean load, and its dropped share): one record {"kind": kind,
+  /// "step": 120, "values": {name: value, ...}} and TensorBoard's "<kind>/<name>"; nothing on
+  /// the human line.
+  void log_values(int64_t step, const std::string& kind,
+                  const std::vector<std::pair<std::string, double>>& values);
 
  private:
   void write(const std::string& record);

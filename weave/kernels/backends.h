@@ -18,6 +18,11 @@
                     const Tensor& index, const Tensor& out);                                       \
   void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const Tensor& index,  \
                  const Tensor& src);                                                               \
+  void gather_weighted_sum(const Tensor& rows, const Tensor& index, const Tensor& weight,          \
+                           const Tensor& out);                                                     \
+  void gather_weighted_sum_backward(const Tensor& grad, const Tensor& rows, const Tensor& index,   \
+                                    const Tensor& weight, const Tensor& d_rows,                    \
+                                    const Tensor& d_weight);                                       \
   void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,                 \
                    const Tensor& exp_avg_sq, const AdamStep& step);                                \
   void sgd_update(const Tensor& param, const Tensor& grad, const Tensor& momentum_buffer,          \

@@ -99,6 +99,19 @@ void index_add(const Tensor& out, int64_t outer, int64_t n, int64_t inner, const
   WEAVE_DISPATCH("index_add", index_add(out, outer, n, inner, index, src));
 }
 
+void gather_weighted_sum(const Tensor& rows, const Tensor& index, const Tensor& weight,
+                         const Tensor& out) {
+  WEAVE_DISPATCH("gather_weighted_sum", gather_weighted_sum(rows, index, weight, out));
+}
+
+void gather_weighted_sum_backward(const Tensor& grad, const Tensor& rows, const Tensor& index,
+                                  const Tensor& weight, const Tensor& d_rows,
+                                  const Tensor& d_weight) {
+  const Tensor& out = d_rows;
+  WEAVE_DISPATCH("gather_weighted_sum_backward",
+                 gather_weighted_sum_backward(grad, rows, index, weight, d_rows, d_weight));
+}
+
 void adam_update(const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
                  const Tensor& exp_avg_sq, const AdamStep& step) {
   const Tensor& out = param;

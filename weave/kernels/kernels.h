@@ -153,6 +153,16 @@ void index_select(const Tensor& src, int64_t outer, int64_t n, int64_t inner, co
 /// dst contiguous viewed as [outer, n, inner]; dst[o, index[i], :] += src[o, i, :].
 void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const Tensor& index,
                const Tensor& src);
+/// out[t] = sum_j weight[t, j] rows[index[t, j]] (j in order; a negative index adds nothing):
+/// rows [R, H], int64 index and weight [T, K], out [T, H], contiguous, float32 or float64.
+void gather_weighted_sum(const Tensor& rows, const Tensor& index, const Tensor& weight,
+                         const Tensor& out);
+/// Its gradients from grad [T, H]: d_rows [R, H] = sum over (t, j) with index[t, j] = r of
+/// weight[t, j] grad[t] (zero where no index points), d_weight[t, j] = grad[t] . rows[index[t, j]]
+/// (0 at a negative index).
+void gather_weighted_sum_backward(const Tensor& grad, const Tensor& rows, const Tensor& index,
+                                  const Tensor& weight, const Tensor& d_rows,
+                                  const Tensor& d_weight);
 
 // ---- fused neural-network kernels --------------------------------------------------------
 // Row kernels take contiguous tensors viewed as [rows, n] (n: the last dim's size) in one

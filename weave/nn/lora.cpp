@@ -15,16 +15,11 @@ namespace {
 
 constexpr const char* kLoRA = "LoRA";
 
-// Every module under `module` with its path ("blocks.0.attention"), depth first; with
-// skip_experts not inside a mixture of experts (whose experts may be spread over ranks, each
-// rank's own: their adapters would need the experts' placement, which they do not carry).
-void walk(Module& module, const std::string& path,
-          const std::function<void(Module&, const std::string&)>& visit,
-          bool skip_experts = false) {
-  visit(module, path);
-  if (skip_experts && dynamic_cast<MoE*>(&module) != nullptr) return;
-  for (const auto& [name, child] : module.named_children())
-    walk(*child, path.empty() ? name : path + "." + name, visit, skip_experts);
+// Whether visit_modules goes into a module: not into a mixture of experts (whose experts may be
+// spread over ranks, each rank's own: their adapters would need the experts' placement, which
+// they do not carry).
+bool outside_experts(Module& module) {
+  return dynamic_cast<MoE*>(&module) == nullptr;
 }
 
 // Whether `target` names `path`: path ends with it, on a component boundary.
@@ -112,8 +107,8 @@ int64_t add_lora(Module& model, const LoRAOptions& options, bool every_target) {
   // Every target must match before anything changes: a bad list leaves the model as it was.
   std::set<std::string> matched;
   std::vector<std::tuple<AdaptedLayer*, std::string, std::string>> chosen;
-  walk(
-      model, "",
+  visit_modules(
+      model,
       [&](Module& module, const std::string& path) {
         auto* layer = dynamic_cast<AdaptedLayer*>(&module);
         if (layer == nullptr) return;
@@ -125,7 +120,7 @@ int64_t add_lora(Module& model, const LoRAOptions& options, bool every_target) {
           if (hit) chosen.emplace_back(layer, projection, full);
         }
       },
-      /*skip_experts=*/true);
+      outside_experts);
   for (const std::string& target : options.targets)
     WEAVE_CHECK(!every_target || matched.count(target) != 0, kLoRA,
                 "target '{}' names no projection of the model; hint: the projections are "
@@ -149,7 +144,7 @@ int64_t add_lora(Module& model, const LoRAOptions& options, bool every_target) {
 
 std::vector<std::pair<std::string, LowRankAdapter*>> lora_adapters(const Module& model) {
   std::vector<std::pair<std::string, LowRankAdapter*>> out;
-  walk(const_cast<Module&>(model), "", [&](Module& module, const std::string& path) {
+  visit_modules(const_cast<Module&>(model), [&](Module& module, const std::string& path) {
     if (auto* adapter = dynamic_cast<LowRankAdapter*>(&module)) out.emplace_back(path, adapter);
   });
   return out;
@@ -159,7 +154,7 @@ void merge_lora(Module& model) {
   const auto adapters = lora_adapters(model);
   WEAVE_CHECK(!adapters.empty(), kLoRA, "the model has no adapters to merge");
   for (const auto& [name, adapter] : adapters) adapter->merge_into_base();
-  walk(model, "", [](Module& module, const std::string&) {
+  visit_modules(model, [](Module& module, const std::string&) {
     auto* layer = dynamic_cast<AdaptedLayer*>(&module);
     if (layer == nullptr) return;
     layer->drop_adapters();

@@ -83,6 +83,23 @@ std::string member_prefix(const std::string& prefix, const std::string& child_na
   return child_name.empty() ? prefix : prefix + child_name + ".";
 }
 
+namespace {
+void visit_below(Module& module, const std::string& path,
+                 const std::function<void(Module&, const std::string&)>& visit,
+                 const std::function<bool(Module&)>& descend) {
+  visit(module, path);
+  if (descend && !descend(module)) return;
+  for (const auto& [name, child] : module.named_children())
+    visit_below(*child, name.empty() || path.empty() ? path + name : path + "." + name, visit,
+                descend);
+}
+}  // namespace
+
+void visit_modules(Module& root, const std::function<void(Module&, const std::string&)>& visit,
+                   const std::function<bool(Module&)>& descend) {
+  visit_below(root, "", visit, descend);
+}
+
 void Module::check_new_name(const std::string& name) const {
   WEAVE_CHECK(!name.empty() && name.find('.') == std::string::npos, name_,
               "invalid member name '{}': expected a non-empty name without '.'", name);

@@ -80,6 +80,8 @@ class Module {
   /// it keeps the hook. An exception from a hook propagates out of the call.
   HookHandle register_forward_pre_hook(ForwardPreHook hook);
   HookHandle register_forward_hook(ForwardHook hook);
+  /// Whether a forward hook or pre-hook is registered on this module (not its children).
+  bool has_forward_hooks() const { return !hooks_->pre.empty() || !hooks_->post.empty(); }
   const std::string& name() const { return name_; }
 
   /// "fc1.weight" style names, registration order, depth first. Deterministic, so every rank
@@ -163,6 +165,12 @@ class Module {
 /// The parameters that require grad, each once, in named_parameters' order: what an optimizer
 /// of a model with a frozen part (adapters on a frozen base, nn/lora.h) takes.
 std::vector<Tensor> trainable_parameters(const Module& model);
+
+/// Calls visit(module, path) for `root` (path "") and every module under it, depth first in
+/// registration order, with its path as parameter names prefix it ("blocks.0.attention");
+/// `descend` (when given) says whether to go into a module's children.
+void visit_modules(Module& root, const std::function<void(Module&, const std::string&)>& visit,
+                   const std::function<bool(Module&)>& descend = nullptr);
 
 /// The prefix of a child's member names: prefix + name + "." ("block0.attn."), or prefix itself
 /// for a wrapper's unnamed child.

@@ -2,7 +2,9 @@
 // combine that every layout of the experts shares.
 #include "weave/nn/moe.h"
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/nn/layers.h"
@@ -28,6 +30,9 @@ void check_router(int64_t hidden, const RouterOptions& o) {
   WEAVE_CHECK(o.aux_loss_coef >= 0 && o.z_loss_coef >= 0, kRouter,
               "loss coefficients must be 0 or positive, found {} and {}", o.aux_loss_coef,
               o.z_loss_coef);
+  WEAVE_CHECK(std::isfinite(o.bias_update_rate) && o.bias_update_rate >= 0, kRouter,
+              "bias_update_rate must be 0 (no selection bias) or positive, found {}",
+              o.bias_update_rate);
 }
 
 // Which assignments fit their expert's capacity: first choices first, each in token order.
@@ -74,7 +79,29 @@ TopKRouter::TopKRouter(int64_t hidden, RouterOptions options, Generator* generat
                                       std::make_shared<Linear>(hidden, options.experts,
                                                                /*bias=*/false, generator)))
                  ->weight),
-      options_(options) {}
+      options_(options) {
+  if (options.bias_update_rate > 0)
+    bias_ = &register_buffer("expert_bias", zeros({options.experts}));
+}
+
+void TopKRouter::update_bias(const std::vector<double>& load) {
+  if (bias_ == nullptr) return;
+  WEAVE_CHECK(int64_t(load.size()) == options_.experts, kRouter,
+              "expected the loads of {} experts, found {}", options_.experts, load.size());
+  double total = 0;
+  for (double l : load) total += l;
+  const double mean = total / double(load.size());
+  std::vector<double> step;
+  for (double l : load) {
+    // A load within rounding of the mean is balanced: a mean over ranks may round either way.
+    const double error = mean - l;
+    step.push_back(std::abs(error) <= 1e-9 * mean ? 0.0
+                   : error > 0                    ? options_.bias_update_rate
+                                                  : -options_.bias_update_rate);
+  }
+  NoGradGuard no_grad;
+  bias_->add_(from_vector(step).to(bias_->dtype()).to(bias_->device()));
+}
 
 Tensor TopKRouter::forward(const Tensor& tokens) {
   return linear(tokens, weight);
@@ -94,7 +121,14 @@ Routing TopKRouter::route(const Tensor& tokens, const ShareReduction& shares) co
     gates = sigmoid(logits);
     probs = gates / sum(gates, {1}, true);
   }
-  const TopK top = topk(gates, k, -1);
+  TopK top;
+  if (bias_ != nullptr) {  // chosen by the biased scores, weighted by the unbiased ones
+    const Tensor chosen =
+        topk(gates.detach() + bias_->to(gates.dtype()).to(gates.device()), k, -1).indices;
+    top = {gather(gates, 1, chosen), chosen};
+  } else {
+    top = topk(gates, k, -1);
+  }
   Tensor weights = top.values;
   if (o.gate == Gate::Sigmoid || (o.renormalize && k > 1))
     weights = weights / sum(weights, {1}, true);
@@ -129,6 +163,7 @@ namespace detail {
 struct Dispatch {
   std::vector<int64_t> token;        // the token of each dispatched row
   std::vector<int64_t> per_expert;   // rows of each expert
+  std::vector<int64_t> load;         // assignments of each expert, dropped ones too
   std::vector<int64_t> row_of_slot;  // slot t * top_k + j -> its dispatched row, or -1 (dropped)
 };
 
@@ -137,9 +172,12 @@ Dispatch plan_dispatch(const Routing& routing, int64_t experts) {
   const std::vector<int64_t> expert = routing.expert.to_vector<int64_t>();
   const std::vector<uint8_t> kept = routing.kept.to(kUInt8).to_vector<uint8_t>();
   std::vector<std::vector<int64_t>> slots(static_cast<size_t>(experts));
-  for (size_t slot = 0; slot < expert.size(); ++slot)
-    if (kept[slot]) slots[size_t(expert[slot])].push_back(int64_t(slot));
   Dispatch d;
+  d.load.assign(size_t(experts), 0);
+  for (size_t slot = 0; slot < expert.size(); ++slot) {
+    d.load[size_t(expert[slot])] += 1;
+    if (kept[slot]) slots[size_t(expert[slot])].push_back(int64_t(slot));
+  }
   d.row_of_slot.assign(expert.size(), -1);
   for (const std::vector<int64_t>& list : slots) {
     d.per_expert.push_back(int64_t(list.size()));
@@ -155,17 +193,10 @@ Tensor dispatch_rows(const Tensor& tokens, const Dispatch& dispatch) {
   return index_select(tokens, 0, from_vector(dispatch.token).to(tokens.device()));
 }
 
+// Each token's rows weighted by its gates, in one pass (a dropped slot, row -1, adds nothing).
 Tensor combine(const Tensor& rows, const Dispatch& dispatch, const Tensor& weight) {
-  const int64_t tokens = weight.size(0), k = weight.size(1), hidden = rows.size(1);
-  // A dropped slot's gate is 0 (the router multiplied it by its kept mask, so its gradient is 0
-  // too): it may read any row, so it reads row 0 (a zero row when nothing was dispatched).
-  const Tensor source = rows.size(0) > 0
-                            ? rows
-                            : zeros({1, hidden}, {.dtype = rows.dtype(), .device = rows.device()});
-  std::vector<int64_t> index = dispatch.row_of_slot;
-  for (int64_t& i : index) i = std::max<int64_t>(i, 0);
-  const Tensor picked = index_select(source, 0, from_vector(index).to(rows.device()));
-  return sum(picked.reshape({tokens, k, hidden}) * unsqueeze(weight.to(rows.dtype()), -1), {1});
+  const Tensor index = from_vector(dispatch.row_of_slot).reshape(weight.shape()).to(rows.device());
+  return gather_weighted_sum(rows, index, weight);
 }
 
 }  // namespace detail
@@ -180,13 +211,73 @@ void check_moe_options(const MoEOptions& options) {
 }
 
 Tensor LocalDispatcher::dispatch(const Tensor& rows, const std::vector<int64_t>& per_expert,
-                                 const std::function<Tensor(int64_t, const Tensor&)>& run,
-                                 MoEStats&) {
+                                 const ExpertRun& run, MoEStats&) {
+  return run(rows, per_expert);
+}
+
+namespace {
+
+// The experts' weights as grouped_linear takes them: the first projection (a gated MLP's
+// gate_up, else fc1) and the second (down, else fc2) of every expert, in order.
+struct ExpertProjections {
+  std::vector<Tensor> first, first_bias, second, second_bias;
+  std::optional<GatedActivation> gated;  // else GELU
+};
+
+void add_projection(std::vector<Tensor>& weights, std::vector<Tensor>& biases, const Tensor& weight,
+                    const Tensor& bias) {
+  weights.push_back(weight);
+  if (bias.defined()) biases.push_back(bias);
+}
+
+// Nothing where some expert must run as its own module: a hook of its own or of a child (a
+// wrapper that gathers its parameters around its forward), adapters, another structure.
+std::optional<ExpertProjections> projections_of(const std::vector<std::shared_ptr<Module>>& experts,
+                                                bool gated) {
+  ExpertProjections p;
+  const auto plain = [](const Module& m) { return !m.has_forward_hooks(); };
+  for (const std::shared_ptr<Module>& expert : experts) {
+    if (!plain(*expert)) return std::nullopt;
+    if (gated) {
+      const auto* mlp = dynamic_cast<const GatedMLP*>(expert.get());
+      if (mlp == nullptr || mlp->named_children().size() != 1 || !plain(*mlp->down))
+        return std::nullopt;
+      p.gated = mlp->activation();
+      add_projection(p.first, p.first_bias, mlp->gate_up, mlp->gate_up_bias);
+      add_projection(p.second, p.second_bias, mlp->down->weight, mlp->down->bias);
+      continue;
+    }
+    auto* sequence = dynamic_cast<Sequential*>(expert.get());
+    if (sequence == nullptr || sequence->size() != 3) return std::nullopt;
+    const auto* fc1 = dynamic_cast<const Linear*>(&(*sequence)[0]);
+    const auto* fc2 = dynamic_cast<const Linear*>(&(*sequence)[2]);
+    if (fc1 == nullptr || fc2 == nullptr || !plain(*fc1) || !plain((*sequence)[1]) || !plain(*fc2))
+      return std::nullopt;
+    add_projection(p.first, p.first_bias, fc1->weight, fc1->bias);
+    add_projection(p.second, p.second_bias, fc2->weight, fc2->bias);
+  }
+  if (p.first_bias.size() != p.first.size()) p.first_bias.clear();
+  if (p.second_bias.size() != p.second.size()) p.second_bias.clear();
+  return p;
+}
+
+}  // namespace
+
+Tensor MoE::run_experts(const Tensor& rows, const std::vector<int64_t>& counts) {
+  const std::optional<ExpertProjections> p =
+      options_.grouped ? projections_of(experts_, options_.gated) : std::nullopt;
+  if (!p) return run_each(rows, counts);
+  const Tensor h = grouped_linear(rows, p->first, counts, p->first_bias);
+  return grouped_linear(p->gated ? gated_activation(h, *p->gated) : gelu(h), p->second, counts,
+                        p->second_bias);
+}
+
+Tensor MoE::run_each(const Tensor& rows, const std::vector<int64_t>& counts) {
   std::vector<Tensor> outputs;
   int64_t offset = 0;
-  for (size_t e = 0; e < per_expert.size(); ++e) {
-    outputs.push_back(run(int64_t(e), rows.narrow(0, offset, per_expert[e])));
-    offset += per_expert[e];
+  for (size_t e = 0; e < counts.size(); ++e) {
+    outputs.push_back((*experts_[e])(rows.narrow(0, offset, counts[e])));
+    offset += counts[e];
   }
   return cat(outputs);
 }
@@ -199,6 +290,7 @@ MoE::MoE(MoEOptions options, std::shared_ptr<TokenDispatcher> dispatcher)
   Generator g(options_.seed);
   router_ =
       register_module("router", std::make_shared<TopKRouter>(options_.hidden, options_.router, &g));
+  step_load_.assign(size_t(options_.router.experts), 0);
   const auto [first, count] = dispatcher_->held_experts(options_.router.experts);
   first_ = first;
   for (int64_t e = first; e < first + count; ++e)
@@ -234,22 +326,56 @@ Tensor MoE::forward(const Tensor& x) {
   const Routing routing =
       router_->route(tokens, is_training() ? options_.reduce_shares : ShareReduction());
   aux_loss_ = routing.aux_loss;
+  const detail::Dispatch dispatch = detail::plan_dispatch(routing, options_.router.experts);
   stats_ = {.tokens = tokens.size(0),
             .assignments = tokens.size(0) * options_.router.top_k,
-            .dropped = routing.dropped};
-  const detail::Dispatch dispatch = detail::plan_dispatch(routing, options_.router.experts);
+            .dropped = routing.dropped,
+            .load = dispatch.load};
+  if (is_training())
+    for (size_t e = 0; e < step_load_.size(); ++e) step_load_[e] += dispatch.load[e];
   // Every held expert runs, on no rows when none were routed to it: its gradient is then zero,
   // not missing, so the step treats every expert alike on every rank (an optimizer decays it,
   // a data-parallel wrapper finds it ready at the same point of backward everywhere).
   const Tensor outputs = dispatcher_->dispatch(
       detail::dispatch_rows(tokens, dispatch), dispatch.per_expert,
-      [this](int64_t e, const Tensor& rows) { return (*experts_[size_t(e - first_)])(rows); },
+      [this](const Tensor& rows, const std::vector<int64_t>& counts) {
+        return run_experts(rows, counts);
+      },
       stats_);
   Tensor routed = detail::combine(outputs, dispatch, routing.weight);
   if (!shared) return routed.reshape(shape);
   Tensor common = (*shared)(tokens);
   if (shared_gate) common = sigmoid((*shared_gate)(tokens)) * common;
   return (routed + common).reshape(shape);
+}
+
+void MoE::update_expert_bias() {
+  if (options_.router.bias_update_rate <= 0) return;
+  std::vector<double> load(step_load_.begin(), step_load_.end());
+  if (options_.reduce_shares) load = options_.reduce_shares(load);
+  router_->update_bias(load);
+  std::fill(step_load_.begin(), step_load_.end(), 0);
+}
+
+void update_expert_biases(Module& model) {
+  visit_modules(model, [](Module& module, const std::string&) {
+    if (auto* moe = dynamic_cast<MoE*>(&module)) moe->update_expert_bias();
+  });
+}
+
+std::vector<std::pair<std::string, double>> routing_metrics(const Module& model) {
+  std::vector<std::pair<std::string, double>> out;
+  visit_modules(const_cast<Module&>(model), [&](Module& module, const std::string& path) {
+    const auto* moe = dynamic_cast<const MoE*>(&module);
+    if (moe == nullptr || moe->stats().assignments == 0) return;
+    const MoEStats& s = moe->stats();
+    const double mean = double(s.assignments) / double(s.load.size());
+    const std::string name = path.empty() ? "moe" : path;
+    out.emplace_back(name + "/max_load",
+                     double(*std::max_element(s.load.begin(), s.load.end())) / mean);
+    out.emplace_back(name + "/dropped", double(s.dropped) / double(s.assignments));
+  });
+  return out;
 }
 
 }  // namespace weave::nn

@@ -8,6 +8,12 @@
 //   Tensor y = moe(x);                              // x [..., 64] -> [..., 64]
 //   Tensor loss = cross_entropy(head(y), targets) + moe.aux_loss();
 //
+// The routed rows are sorted by expert once (a stable sort of the routing), each projection of
+// every expert runs as one grouped GEMM over them (grouped_linear: one autograd node, not one
+// per expert), and the outputs return weighted by the gates: the layer costs about what a
+// dense MLP of width top_k * ffn costs on the same tokens, plus the routing. Dropless unless a
+// capacity_factor is set.
+//
 // One layer for every layout of the experts, as Megatron's: a token dispatcher moves the routed
 // rows to the experts and back. The local one (the default) runs every expert on this rank;
 // parallel::ExpertParallelMoE is this layer with the expert-parallel dispatcher (each rank holds
@@ -44,6 +50,13 @@ struct RouterOptions {
   double aux_loss_coef = 0.01;
   /// The router z-loss (ST-MoE: the mean squared log-sum-exp of the logits), times this.
   double z_loss_coef = 0;
+  /// Balancing without an auxiliary loss (DeepSeek-V3): a bias per expert ("expert_bias", a
+  /// buffer saved with the model) is added to the gate scores to choose each token's top_k
+  /// only (the gates keep the unbiased scores), and after each step nn::update_expert_biases
+  /// moves it by this rate toward balance: + rate for an expert that took fewer than the mean
+  /// of the step's assignments over every balancing rank (MoEOptions::reduce_shares), - rate
+  /// for one that took more. 0: no bias. Set aux_loss_coef to 0 to balance by the bias alone.
+  double bias_update_rate = 0;
 };
 
 /// One batch's routing: for token t, its j-th choice is expert[t, j] with gate weight[t, j].
@@ -63,6 +76,11 @@ class TopKRouter : public Module {
  public:
   /// Checks the options (top_k from 1 to experts, capacity_factor 0 or positive).
   TopKRouter(int64_t hidden, RouterOptions options, Generator* generator = nullptr);
+  /// The selection bias [experts] (float32 zeros at first; undefined unless bias_update_rate).
+  Tensor expert_bias() const { return bias_ ? *bias_ : Tensor(); }
+  /// Moves the selection bias toward balance by the options' rate, given the assignments each
+  /// expert took over the step (every balancing rank's: a mean or a sum, the same on each).
+  void update_bias(const std::vector<double>& load);
   /// tokens [T, hidden].
   Routing route(const Tensor& tokens, const ShareReduction& shares = nullptr) const;
   /// The logits [T, experts].
@@ -72,6 +90,7 @@ class TopKRouter : public Module {
 
  private:
   RouterOptions options_;
+  Tensor* bias_ = nullptr;
 };
 
 struct MoEOptions {
@@ -88,11 +107,16 @@ struct MoEOptions {
   /// [1, hidden] (Qwen 2 MoE's shared_expert and shared_expert_gate).
   int64_t shared_ffn = 0;
   bool shared_gate = false;
-  /// Turns each training forward's shares of assignments per expert into the shares over every
-  /// batch the loss averages over (the data-parallel ranks: parallel::shares_over(group)), so
-  /// that the load-balancing loss equals one process's on the stacked batches (Megatron's
-  /// global load balancing). Null: the batch's own. Evaluation always uses its own batch's (it
-  /// may run on some ranks alone).
+  /// The experts' projections as grouped GEMMs over the rows sorted by expert (one autograd
+  /// node per projection); false runs each expert as its own module, one after another (the
+  /// reference the grouped path is tested and benchmarked against). An expert with forward hooks
+  /// of its own, or with adapters, always runs as its own module.
+  bool grouped = true;
+  /// Turns each training forward's shares of assignments per expert (and the step's loads for the
+  /// selection bias) into the mean over every batch the loss averages over (the data-parallel
+  /// ranks: parallel::shares_over(group)), so that the load-balancing loss equals one process's on
+  /// the stacked batches (Megatron's global load balancing). Null: the batch's own. Evaluation
+  /// always uses its own batch's (it may run on some ranks alone).
   ShareReduction reduce_shares = nullptr;
 };
 
@@ -108,12 +132,19 @@ struct MoEStats {
   int64_t tokens = 0;       // of the last forward
   int64_t assignments = 0;  // tokens * top_k
   int64_t dropped = 0;      // assignments beyond an expert's capacity
+  /// Assignments each expert of the layer was chosen for (before capacity drops), this rank's.
+  std::vector<int64_t> load;
   /// Rows this rank sent to other ranks' experts, and received for its own, in the forward's
   /// dispatch (the combine moves as many back); bytes counts the dispatch and the combine, sent
   /// and received. Zero under the local dispatcher.
   int64_t rows_sent = 0, rows_received = 0;
   int64_t bytes_exchanged = 0;
 };
+
+/// Runs the experts a rank holds on `rows` sorted by held expert: counts[i] rows for the i-th
+/// held expert, in order (every held expert, a count of 0 for one that got none); returns their
+/// outputs in the same order.
+using ExpertRun = std::function<Tensor(const Tensor& rows, const std::vector<int64_t>& counts)>;
 
 /// Moves an MoE layer's routed rows to its experts and their outputs back (Megatron's token
 /// dispatcher). A dispatcher serves one layer.
@@ -125,19 +156,17 @@ class TokenDispatcher {
   /// Runs before routing: raises where this forward cannot be served.
   virtual void check_forward() const {}
   /// `rows` [R, hidden] in dispatch order (per_expert[e] rows for each expert e of the layer,
-  /// expert by expert) -> the experts' outputs, in the same order. `run(e, rows)` runs held
-  /// expert e. Fills the stats of the exchange.
+  /// expert by expert) -> the experts' outputs, in the same order. `run` runs the held experts
+  /// once, on their rows sorted by expert. Fills the stats of the exchange.
   virtual Tensor dispatch(const Tensor& rows, const std::vector<int64_t>& per_expert,
-                          const std::function<Tensor(int64_t, const Tensor&)>& run,
-                          MoEStats& stats) = 0;
+                          const ExpertRun& run, MoEStats& stats) = 0;
 };
 
 /// Every expert on this rank: each runs on its rows where they lie.
 class LocalDispatcher : public TokenDispatcher {
  public:
   std::pair<int64_t, int64_t> held_experts(int64_t experts) const override { return {0, experts}; }
-  Tensor dispatch(const Tensor& rows, const std::vector<int64_t>& per_expert,
-                  const std::function<Tensor(int64_t, const Tensor&)>& run,
+  Tensor dispatch(const Tensor& rows, const std::vector<int64_t>& per_expert, const ExpertRun& run,
                   MoEStats& stats) override;
 };
 
@@ -156,6 +185,10 @@ class MoE : public Module {
   /// SideLossScope(1.0 / k) around each forward, as parallel::Pipeline does.
   Tensor with_aux_loss(const Tensor& y) const;
   const MoEStats& stats() const { return stats_; }
+  /// Moves the router's selection bias toward balance by the loads of the training forwards
+  /// since the last call (reduced by the options' reduce_shares: collective over its ranks),
+  /// then starts counting anew. Nothing without bias_update_rate.
+  void update_expert_bias();
   TopKRouter& router() { return *router_; }
   /// The experts this rank holds: global indices [first_expert(), first_expert() +
   /// local_experts()).
@@ -174,6 +207,20 @@ class MoE : public Module {
   std::vector<std::shared_ptr<Module>> experts_;
   Tensor aux_loss_;
   MoEStats stats_;
+  std::vector<int64_t> step_load_;  // training assignments per expert since the last update
+
+  Tensor run_experts(const Tensor& rows, const std::vector<int64_t>& counts);
+  Tensor run_each(const Tensor& rows, const std::vector<int64_t>& counts);
 };
+
+/// Every MoE layer of `model` (in named_modules' order) moves its selection bias
+/// (MoE::update_expert_bias): call it after each optimizer step, on every rank. Collective over
+/// each layer's balancing ranks.
+void update_expert_biases(Module& model);
+
+/// Each MoE layer's routing in the last forward, for a metrics logger: "<layer>/max_load" (the
+/// busiest expert's assignments over the mean, 1 when balanced) and "<layer>/dropped" (the
+/// share of assignments dropped by capacity), this rank's.
+std::vector<std::pair<std::string, double>> routing_metrics(const Module& model);
 
 }  // namespace weave::nn

@@ -160,6 +160,7 @@ class GatedMLP : public Module, public AdaptedLayer {
   std::vector<std::string> projections() const override { return {"gate", "up", "down"}; }
   void adapt(const std::string& name, const AdapterSpec& spec) override;
   void drop_adapters() override;
+  GatedActivation activation() const { return activation_; }
 
  private:
   GatedActivation activation_;

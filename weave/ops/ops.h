@@ -144,6 +144,19 @@ Tensor sum_to(const Tensor& x, const Shape& shape);
 Tensor matmul(const Tensor& a, const Tensor& b);
 /// x @ weight^T + bias, weight [out, in], bias [out] (may be undefined).
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
+/// linear over rows in groups (a mixture of experts' projection over its tokens sorted by
+/// expert): the first counts[0] rows of x [R, in] times weights[0]^T (+ biases[0]), the next
+/// counts[1] times weights[1]^T, and so on, into one [R, out]. Each weight is [out..., in]
+/// (viewed as [out, in]: a gated MLP's [2, hidden, in] gate_up), every one the same shape;
+/// biases are empty or one per weight ([out...]). One GEMM per group and one autograd node for
+/// them all; a group of no rows gets a zero gradient.
+Tensor grouped_linear(const Tensor& x, const std::vector<Tensor>& weights,
+                      const std::vector<int64_t>& counts, const std::vector<Tensor>& biases = {});
+/// out[t] = sum_j weight[t, j] * rows[index[t, j]] for rows [R, H], int64 index [T, K] (a
+/// negative entry adds nothing) and weight [T, K]: a mixture of experts' combine (each token's
+/// experts' outputs weighted by its gates) in one pass, without the [T, K, H] gather.
+/// Differentiable in rows and weight; [T, H] in rows' dtype.
+Tensor gather_weighted_sum(const Tensor& rows, const Tensor& index, const Tensor& weight);
 
 // ---- shape ------------------------------------------------------------------------------
 
@@ -394,7 +407,7 @@ Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement = 
 #define WEAVE_DIFFERENTIABLE_OTHER_OPS(X)                                                   \
   X(pow_scalar) X(scalar_ops) X(where) X(clamp)                                                   \
   X(sum) X(mean) X(max) X(min) X(var)                                                       \
-  X(matmul) X(linear)                                                                       \
+  X(matmul) X(linear) X(grouped_linear) X(gather_weighted_sum)                              \
   X(reshape) X(view) X(flatten) X(permute) X(transpose) X(narrow) X(slice) X(select)       \
   X(expand) X(squeeze) X(unsqueeze) X(cat) X(stack) X(split) X(chunk) X(index_select)      \
   X(gather) X(take_along_dim)                                                               \

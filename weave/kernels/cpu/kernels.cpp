@@ -1,5 +1,6 @@
 // CPU kernels: copies, fills, reductions (Eigen where it vectorizes) and index gathers. The
 // elementwise families are elementwise_*.cpp, GEMM is gemm.cpp.
+#include <algorithm>
 #include <cstring>
 
 #include "weave/kernels/backends.h"
@@ -14,6 +15,14 @@ namespace {
 template <class T>
 constexpr bool kEigenScalar = std::is_same_v<T, float> || std::is_same_v<T, double> ||
                               std::is_same_v<T, int32_t> || std::is_same_v<T, int64_t>;
+
+// fn(T{}) for float32 and float64: the kernels the front end computes reduced precision in float32.
+template <class Fn>
+void float_or_double(DType dtype, const char* op, const Fn& fn) {
+  if (dtype == kFloat32) return fn(float{});
+  if (dtype == kFloat64) return fn(double{});
+  WEAVE_FAIL(op, "expected float32 or float64, found {}", dtype);
+}
 
 }  // namespace
 
@@ -170,6 +179,61 @@ void index_add(const Tensor& dst, int64_t outer, int64_t n, int64_t inner, const
         const T* from = s + (b * count + i) * inner;
         for (int64_t j = 0; j < inner; ++j)
           row[j] = T(compute_t<T>(row[j]) + compute_t<T>(from[j]));
+      }
+  });
+}
+
+void gather_weighted_sum(const Tensor& rows, const Tensor& index, const Tensor& weight,
+                         const Tensor& out) {
+  const int64_t tokens = out.size(0), h = out.size(1), k = index.size(1);
+  const int64_t* idx = index.data<int64_t>();
+  float_or_double(out.dtype(), "gather_weighted_sum", [&](auto zero) {
+    using T = decltype(zero);
+    const T *r = rows.data<T>(), *w = weight.data<T>();
+    T* o = out.data<T>();
+    const int threads = threads_for(tokens * k * h);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      T* row = o + t * h;
+      std::fill(row, row + h, T(0));
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t from = idx[t * k + j];
+        if (from < 0) continue;
+        const T scale = w[t * k + j];
+        const T* source = r + from * h;
+        for (int64_t c = 0; c < h; ++c) row[c] += scale * source[c];
+      }
+    }
+  });
+}
+
+void gather_weighted_sum_backward(const Tensor& grad, const Tensor& rows, const Tensor& index,
+                                  const Tensor& weight, const Tensor& d_rows,
+                                  const Tensor& d_weight) {
+  const int64_t tokens = grad.size(0), h = grad.size(1), k = index.size(1);
+  const int64_t* idx = index.data<int64_t>();
+  float_or_double(grad.dtype(), "gather_weighted_sum", [&](auto zero) {
+    using T = decltype(zero);
+    const T *g = grad.data<T>(), *r = rows.data<T>(), *w = weight.data<T>();
+    T *dr = d_rows.data<T>(), *dw = d_weight.data<T>();
+    std::fill(dr, dr + d_rows.numel(), T(0));
+    // Tokens in order (two may pick one row), each token's row of grad read once for both.
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t from = idx[t * k + j];
+        if (from < 0) {
+          dw[t * k + j] = T(0);
+          continue;
+        }
+        const T scale = w[t * k + j];
+        const T *gt = g + t * h, *source = r + from * h;
+        T* target = dr + from * h;
+        T dot = 0;
+        for (int64_t c = 0; c < h; ++c) {
+          dot += gt[c] * source[c];
+          target[c] += scale * gt[c];
+        }
+        dw[t * k + j] = dot;
       }
   });
 }

@@ -40,6 +40,13 @@ void index_select(const Tensor&, int64_t, int64_t, int64_t, const Tensor&, const
 void index_add(const Tensor&, int64_t, int64_t, int64_t, const Tensor&, const Tensor&) {
   no_cuda_kernel("index_add");
 }
+void gather_weighted_sum(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda_kernel("gather_weighted_sum");
+}
+void gather_weighted_sum_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, const Tensor&) {
+  no_cuda_kernel("gather_weighted_sum_backward");
+}
 void addcmul(const Tensor&, const Tensor&, const Tensor&, double, bool, const Tensor&) {
   no_cuda_kernel("addcmul");
 }

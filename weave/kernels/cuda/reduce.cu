@@ -215,7 +215,96 @@ __global__ void index_add_kernel(T* dst, int64_t outer, int64_t n, int64_t inner
   }
 }
 
+template <class T>
+__global__ void gather_weighted_sum_kernel(const T* rows, const int64_t* index, const T* weight,
+                                           int64_t tokens, int64_t k, int64_t h, T* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < tokens * h;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / h, c = i % h;
+    T sum = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t from = index[t * k + j];
+      if (from >= 0) sum += weight[t * k + j] * rows[from * h + c];
+    }
+    out[i] = sum;
+  }
+}
+
+// d_rows (zeroed first) gathers weight x grad where the index points (atomically: two tokens
+// may pick one row).
+template <class T>
+__global__ void gather_weighted_sum_rows_kernel(const T* grad, const int64_t* index,
+                                                const T* weight, int64_t tokens, int64_t k,
+                                                int64_t h, T* d_rows) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < tokens * k * h;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t slot = i / h, c = i % h, from = index[slot];
+    if (from >= 0) atomicAdd(d_rows + from * h + c, weight[slot] * grad[(slot / k) * h + c]);
+  }
+}
+
+// d_weight: one warp per slot, the dot product over h in its lanes.
+template <class T>
+__global__ void gather_weighted_sum_weight_kernel(const T* grad, const T* rows,
+                                                  const int64_t* index, int64_t slots, int64_t k,
+                                                  int64_t h, T* d_weight) {
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t slot = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; slot < slots;
+       slot += warps) {
+    const int64_t from = index[slot];
+    T dot = 0;
+    if (from >= 0)
+      for (int64_t c = threadIdx.x % 32; c < h; c += 32)
+        dot += grad[(slot / k) * h + c] * rows[from * h + c];
+    for (int offset = 16; offset > 0; offset /= 2)
+      dot += __shfl_down_sync(0xffffffffu, dot, offset);
+    if (threadIdx.x % 32 == 0) d_weight[slot] = dot;
+  }
+}
+
+template <class Fn>
+void float_or_double(DType dtype, const char* op, const Fn& fn) {
+  if (dtype == kFloat32) return fn(float{});
+  if (dtype == kFloat64) return fn(double{});
+  WEAVE_FAIL(op, "expected float32 or float64, found {}", dtype);
+}
+
 }  // namespace
+
+void gather_weighted_sum(const Tensor& rows, const Tensor& index, const Tensor& weight,
+                         const Tensor& out) {
+  const int64_t tokens = out.size(0), h = out.size(1), k = index.size(1);
+  if (tokens * h == 0) return;
+  DeviceGuard guard(out.device().index);
+  float_or_double(out.dtype(), "gather_weighted_sum", [&](auto zero) {
+    using T = decltype(zero);
+    gather_weighted_sum_kernel<T>
+        <<<grid_stride_blocks(tokens * h), kThreads, 0, weave::cuda::stream(out.device().index)>>>(
+            rows.data<T>(), index.data<int64_t>(), weight.data<T>(), tokens, k, h, out.data<T>());
+    check_launch("gather_weighted_sum");
+  });
+}
+
+void gather_weighted_sum_backward(const Tensor& grad, const Tensor& rows, const Tensor& index,
+                                  const Tensor& weight, const Tensor& d_rows,
+                                  const Tensor& d_weight) {
+  const int64_t tokens = grad.size(0), h = grad.size(1), k = index.size(1);
+  DeviceGuard guard(grad.device().index);
+  cudaStream_t s = weave::cuda::stream(grad.device().index);
+  WEAVE_CHECK_CALL(cudaMemsetAsync(d_rows.data_ptr(), 0, d_rows.numel() * d_rows.itemsize(), s),
+                   "gather_weighted_sum_backward");
+  if (tokens * k == 0) return;
+  float_or_double(grad.dtype(), "gather_weighted_sum_backward", [&](auto zero) {
+    using T = decltype(zero);
+    if (h > 0)
+      gather_weighted_sum_rows_kernel<T><<<grid_stride_blocks(tokens * k * h), kThreads, 0, s>>>(
+          grad.data<T>(), index.data<int64_t>(), weight.data<T>(), tokens, k, h, d_rows.data<T>());
+    gather_weighted_sum_weight_kernel<T><<<grid_stride_blocks(tokens * k * 32), kThreads, 0, s>>>(
+        grad.data<T>(), rows.data<T>(), index.data<int64_t>(), tokens * k, k, h,
+        d_weight.data<T>());
+    check_launch("gather_weighted_sum_backward");
+  });
+}
 
 void reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduced, int64_t inner,
             const Tensor& out) {

@@ -22,6 +22,16 @@ nn::MoEOptions agreed(nn::MoEOptions options, const dist::Group& group) {
   const detail::ValueRange range = detail::check_together(
       [&] {
         nn::check_moe_options(options);
+        // The ranks route different tokens: a selection bias counted on each rank's own would
+        // drift apart, and the replicated router with it.
+        WEAVE_CHECK(
+            options.router.bias_update_rate == 0 || group.size() == 1 || options.reduce_shares,
+            kExpertsOp,
+            "a selection bias (bias_update_rate {}) over expert group {} needs the loads "
+            "of every rank that balances; hint: set reduce_shares = "
+            "parallel::shares_over(the data x context group, which holds the expert "
+            "group)",
+            options.router.bias_update_rate, group.str());
         WEAVE_CHECK(experts % group.size() == 0, kExpertsOp,
                     "{} experts do not divide over the {} ranks of expert group {}; hint: use a "
                     "multiple of the group size",
@@ -42,7 +52,8 @@ nn::MoEOptions agreed(nn::MoEOptions options, const dist::Group& group) {
       {fmt::format("gate {}", int(r.gate)), fmt::format("renormalize {}", r.renormalize),
        fmt::format("capacity_factor {:.17g}", r.capacity_factor),
        fmt::format("aux_loss_coef {:.17g}", r.aux_loss_coef),
-       fmt::format("z_loss_coef {:.17g}", r.z_loss_coef)},
+       fmt::format("z_loss_coef {:.17g}", r.z_loss_coef),
+       fmt::format("bias_update_rate {:.17g}", r.bias_update_rate)},
       group, kExpertsOp, "the router's options",
       "build the layer from the same MoEOptions on every rank");
   return options;
@@ -75,8 +86,7 @@ void ExpertParallelDispatcher::check_forward() const {
 
 Tensor ExpertParallelDispatcher::dispatch(const Tensor& rows,
                                           const std::vector<int64_t>& per_expert,
-                                          const std::function<Tensor(int64_t, const Tensor&)>& run,
-                                          nn::MoEStats& stats) {
+                                          const nn::ExpertRun& run, nn::MoEStats& stats) {
   const int n = group_.size(), me = group_.rank();
   const int64_t experts = int64_t(per_expert.size()), local = experts / n;
   // Each rank learns how many rows of each of its experts every rank sends: the exchanges need
@@ -84,30 +94,34 @@ Tensor ExpertParallelDispatcher::dispatch(const Tensor& rows,
   Tensor counts = empty({experts}, {.dtype = kInt64});
   dist::all_to_all(counts, from_vector(per_expert), group_);
   const std::vector<int64_t> from_each = counts.to_vector<int64_t>();
-  std::vector<int64_t> send(size_t(n), 0), receive(size_t(n), 0);
+  std::vector<int64_t> send(size_t(n), 0), receive(size_t(n), 0), held(size_t(local), 0);
   for (int64_t e = 0; e < experts; ++e) {
     send[size_t(e / local)] += per_expert[size_t(e)];
     receive[size_t(e / local)] += from_each[size_t(e)];
+    held[size_t(e % local)] += from_each[size_t(e)];
   }
   const Tensor received = F::all_to_all(rows, send, receive, group_);
-  // Arrival order: by source rank, then by held expert. Each expert runs on its rows (none: a
-  // zero gradient, as the local layer's), and the outputs go back in arrival order.
-  std::vector<std::vector<int64_t>> rows_of(static_cast<size_t>(local));
-  int64_t at = 0;
-  for (int s = 0; s < n; ++s)
-    for (int64_t le = 0; le < local; ++le)
-      for (int64_t i = 0; i < from_each[size_t(s * local + le)]; ++i)
-        rows_of[size_t(le)].push_back(at++);
-  std::vector<Tensor> outputs;
-  std::vector<int64_t> arrival_position(static_cast<size_t>(at));
-  int64_t position = 0;
-  for (int64_t le = 0; le < local; ++le) {
-    for (int64_t r : rows_of[size_t(le)]) arrival_position[size_t(r)] = position++;
-    const Tensor index = from_vector(rows_of[size_t(le)]).to(received.device());
-    outputs.push_back(run(me * local + le, index_select(received, 0, index)));
-  }
-  const Tensor processed =
-      index_select(cat(outputs), 0, from_vector(arrival_position).to(received.device()));
+  // Arrival order: by source rank, then by held expert (each source sent its rows sorted). The
+  // experts run once on the rows sorted by held expert (none: a zero gradient, as the local
+  // layer's), and the outputs go back in arrival order.
+  std::vector<int64_t> first_of(size_t(n * local)), sorted;
+  for (int64_t at = 0, s = 0; s < n; ++s)
+    for (int64_t le = 0; le < local; ++le) {
+      first_of[size_t(s * local + le)] = at;
+      at += from_each[size_t(s * local + le)];
+    }
+  std::vector<int64_t> position(size_t(received.size(0)));
+  for (int64_t le = 0; le < local; ++le)
+    for (int64_t s = 0; s < n; ++s)
+      for (int64_t i = 0; i < from_each[size_t(s * local + le)]; ++i) {
+        position[size_t(first_of[size_t(s * local + le)] + i)] = int64_t(sorted.size());
+        sorted.push_back(first_of[size_t(s * local + le)] + i);
+      }
+  const bool in_order = n == 1 || local == 1;  // arrival order is already by expert
+  const auto pick = [&](const Tensor& t, const std::vector<int64_t>& index) {
+    return in_order ? t : index_select(t, 0, from_vector(index).to(t.device()));
+  };
+  const Tensor processed = pick(run(pick(received, sorted), held), position);
   for (int j = 0; j < n; ++j) {
     if (j == me) continue;
     stats.rows_sent += send[size_t(j)];

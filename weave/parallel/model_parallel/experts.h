@@ -38,8 +38,7 @@ class ExpertParallelDispatcher : public nn::TokenDispatcher {
   std::pair<int64_t, int64_t> held_experts(int64_t experts) const override;
   void check_forward() const override;
   Tensor dispatch(const Tensor& rows, const std::vector<int64_t>& per_expert,
-                  const std::function<Tensor(int64_t, const Tensor&)>& run,
-                  nn::MoEStats& stats) override;
+                  const nn::ExpertRun& run, nn::MoEStats& stats) override;
   const dist::Group& group() const { return group_; }
 
  private:
