@@ -34,8 +34,8 @@ Outcome run(nn::MoE& moe, const Tensor& x, const Tensor& w) {
 nn::MoEOptions fine_grained(bool gated, double capacity) {
   return {.hidden = 8,
           .ffn = 6,
-          .router = {.experts = 16,
-                     .top_k = 4,
+          .router = {.experts = 32,
+                     .top_k = 8,
                      .capacity_factor = capacity,
                      .aux_loss_coef = 0.1,
                      .z_loss_coef = 0.01},
@@ -85,6 +85,24 @@ TEST_SUITE("moe_grouped") {
           CHECK(a.dropped == b.dropped);
           CHECK((capacity > 0) == (a.dropped > 0));
         }
+  }
+
+  TEST_CASE("under autocast the grouped experts compute in bfloat16 as the loop does") {
+    nn::MoEOptions o = fine_grained(true, 0.0);
+    nn::MoE grouped(o);
+    o.grouped = false;
+    nn::MoE loop(o);
+    Generator g(23);
+    const Tensor x = randn({20, 8}, {}, &g), w = randn({20, 8}, {}, &g);
+    AutocastGuard autocast(kBFloat16);
+    const Outcome a = run(grouped, x, w), b = run(loop, x, w);
+    CHECK(a.y.dtype() == b.y.dtype());
+    CHECK(test::close(a.y.to(kFloat32), b.y.to(kFloat32), 1e-2, 1e-2));
+    for (size_t i = 0; i < a.grads.size(); ++i) {
+      CAPTURE(i);
+      CHECK(a.grads[i].dtype() == b.grads[i].dtype());
+      CHECK(test::close(a.grads[i].to(kFloat32), b.grads[i].to(kFloat32), 2e-2, 2e-2));
+    }
   }
 
   TEST_CASE("a Llama with experts keeps its hidden states when the experts run grouped") {

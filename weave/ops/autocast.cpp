@@ -20,6 +20,7 @@ struct PolicyRow {
 constexpr PolicyRow kPolicy[] = {
     {"matmul", AutocastPolicy::LowPrecision},
     {"linear", AutocastPolicy::LowPrecision},
+    {"grouped_linear", AutocastPolicy::LowPrecision},
     {"scaled_dot_product_attention", AutocastPolicy::LowPrecision},
     {"bias_gelu", AutocastPolicy::LowPrecision},
     {"softmax", AutocastPolicy::Float32},

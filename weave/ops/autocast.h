@@ -17,7 +17,8 @@
 //
 //   | policy        | ops                                                                    |
 //   |---------------|------------------------------------------------------------------------|
-//   | low precision | matmul, linear, scaled_dot_product_attention, bias_gelu                |
+//   | low precision | matmul, linear, grouped_linear, scaled_dot_product_attention,          |
+//   |               | bias_gelu                                                              |
 //   | float32       | softmax, log_softmax, layer_norm, rms_norm, cross_entropy, mse_loss,   |
 //   |               | sum, mean, var, exp, log, pow                                          |
 //   | follow inputs | everything else                                                        |
