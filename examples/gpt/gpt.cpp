@@ -289,7 +289,7 @@ Tensor Run::step_loss(const Batch& batch, double& grad_norm) {
   grad_norm = parallel::clip_grad_norm_(optimizer_->params(), f_.clip);
   scaler_->step(*optimizer_);
   scaler_->update();
-  nn::update_expert_biases(*model_);  // by the loads over the data x context ranks
+  if (f_.experts > 0) nn::update_expert_biases(*model_);  // loads over data x context
   return loss;
 }
 

@@ -331,7 +331,7 @@ Tensor MoE::forward(const Tensor& x) {
             .assignments = tokens.size(0) * options_.router.top_k,
             .dropped = routing.dropped,
             .load = dispatch.load};
-  if (is_training())
+  if (is_training() && options_.router.bias_update_rate > 0)
     for (size_t e = 0; e < step_load_.size(); ++e) step_load_[e] += dispatch.load[e];
   // Every held expert runs, on no rows when none were routed to it: its gradient is then zero,
   // not missing, so the step treats every expert alike on every rank (an optimizer decays it,

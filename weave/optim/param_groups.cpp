@@ -97,7 +97,7 @@ void Optimizer::decay_parts(size_t i, double lr) const {
 std::vector<ParamGroup> weight_decay_groups(const nn::Module& model, double weight_decay) {
   ParamGroup decay{.params = {}, .weight_decay = weight_decay}, none{.params = {}};
   std::unordered_map<const TensorImpl*, bool> seen;
-  std::function<void(const nn::Module&)> visit = [&](const nn::Module& m) {
+  nn::visit_modules(const_cast<nn::Module&>(model), [&](const nn::Module& m, const std::string&) {
     const std::string& kind = m.name();
     const bool exempt = kind.find("Norm") != std::string::npos ||
                         (kind.size() >= 9 && kind.compare(kind.size() - 9, 9, "Embedding") == 0);
@@ -105,9 +105,7 @@ std::vector<ParamGroup> weight_decay_groups(const nn::Module& model, double weig
       if (!p.defined() || !p.requires_grad() || !seen.emplace(p.impl(), true).second) continue;
       (exempt || p.dim() < 2 ? none : decay).params.push_back(p);
     }
-    for (const auto& [name, child] : m.named_children()) visit(*child);
-  };
-  visit(model);
+  });
   std::vector<ParamGroup> out;
   for (ParamGroup* g : {&decay, &none})
     if (!g->params.empty()) out.push_back(std::move(*g));

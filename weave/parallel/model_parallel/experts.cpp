@@ -104,24 +104,28 @@ Tensor ExpertParallelDispatcher::dispatch(const Tensor& rows,
   // Arrival order: by source rank, then by held expert (each source sent its rows sorted). The
   // experts run once on the rows sorted by held expert (none: a zero gradient, as the local
   // layer's), and the outputs go back in arrival order.
-  std::vector<int64_t> first_of(size_t(n * local)), sorted;
-  for (int64_t at = 0, s = 0; s < n; ++s)
-    for (int64_t le = 0; le < local; ++le) {
-      first_of[size_t(s * local + le)] = at;
-      at += from_each[size_t(s * local + le)];
-    }
-  std::vector<int64_t> position(size_t(received.size(0)));
-  for (int64_t le = 0; le < local; ++le)
-    for (int64_t s = 0; s < n; ++s)
-      for (int64_t i = 0; i < from_each[size_t(s * local + le)]; ++i) {
-        position[size_t(first_of[size_t(s * local + le)] + i)] = int64_t(sorted.size());
-        sorted.push_back(first_of[size_t(s * local + le)] + i);
+  Tensor processed;
+  if (n == 1 || local == 1) {  // arrival order is already by expert
+    processed = run(received, held);
+  } else {
+    std::vector<int64_t> first_of(size_t(n * local)), sorted;
+    for (int64_t at = 0, s = 0; s < n; ++s)
+      for (int64_t le = 0; le < local; ++le) {
+        first_of[size_t(s * local + le)] = at;
+        at += from_each[size_t(s * local + le)];
       }
-  const bool in_order = n == 1 || local == 1;  // arrival order is already by expert
-  const auto pick = [&](const Tensor& t, const std::vector<int64_t>& index) {
-    return in_order ? t : index_select(t, 0, from_vector(index).to(t.device()));
-  };
-  const Tensor processed = pick(run(pick(received, sorted), held), position);
+    std::vector<int64_t> position(size_t(received.size(0)));
+    for (int64_t le = 0; le < local; ++le)
+      for (int64_t s = 0; s < n; ++s)
+        for (int64_t i = 0; i < from_each[size_t(s * local + le)]; ++i) {
+          position[size_t(first_of[size_t(s * local + le)] + i)] = int64_t(sorted.size());
+          sorted.push_back(first_of[size_t(s * local + le)] + i);
+        }
+    const auto pick = [&](const Tensor& t, const std::vector<int64_t>& index) {
+      return index_select(t, 0, from_vector(index).to(t.device()));
+    };
+    processed = pick(run(pick(received, sorted), held), position);
+  }
   for (int j = 0; j < n; ++j) {
     if (j == me) continue;
     stats.rows_sent += send[size_t(j)];
