@@ -57,6 +57,8 @@
 #include "weave/parallel/model_parallel/experts.h"
 #include "weave/parallel/model_parallel/pipeline.h"
 #include "weave/parallel/model_parallel/tensor_parallel.h"
+#include "weave/parallel/model_parallel/tensor_parallel_vocabulary.h"
 #include "weave/tensor/cuda/device_runtime.h"
+#include "weave/tensor/process_memory.h"
 #include "weave/tensor/tensor.h"
 #include "weave/tensor/trace.h"

@@ -31,6 +31,7 @@ struct Flags {
   double lr = 1e-3, min_lr = 1e-4, weight_decay = 0.01, clip = 1.0;
   int64_t warmup = 60;
   bool sequence_parallel = true, resume = false, checkpoint_activations = false;
+  bool shard_vocabulary = true;  // ddp/fsdp: embedding and head split over the shard group
   bool cuda_graph = false;                   // the training step as one CUDA graph
   double peak_tflops = 0;                    // one device's peak, for the MFU
   std::string tensorboard;                   // TensorBoard's event files here
@@ -49,6 +50,8 @@ inline void add_layout_options(CLI::App& app, Flags& f) {
       ->check(weave::cli::non_negative());
   app.add_flag("!--no-sequence-parallel", f.sequence_parallel,
                "tp/hybrid without sequence parallelism");
+  app.add_flag("!--no-shard-vocabulary", f.shard_vocabulary,
+               "ddp/fsdp: each rank holds the whole embedding and head (fsdp gathers them)");
   app.add_option("--context-parallel", f.context_parallel,
                  "ranks that split each sequence (zig-zag parts)")
       ->check(weave::cli::positive());

@@ -37,6 +37,10 @@
 //                          a selection bias moved by R a step by the step's loads instead);
 //                          --expert-parallel N spreads them over groups of N of the data x
 //                          context ranks; each logged step records the routing (metrics file);
+//   --no-shard-vocabulary  ddp and fsdp split the embedding and head by vocabulary rows over
+//                          the data (shard) ranks by default: each rank holds 1/N of them, its
+//                          tokens' and hidden states travel instead, and fsdp never gathers
+//                          them; this flag keeps them whole (fsdp gathers them as units);
 //   --pipeline N           N stages of consecutive blocks (the embeddings on the first, the
 //                          head on the last), each split over the tensor axis and under DDP (or
 //                          fsdp) over data x context; 1F1B over --microbatches (2 N), the last
@@ -60,8 +64,8 @@
 // with the seed, then split), so all of them follow one process step for step.
 //
 // Rank 0 prints (on stderr, data::MetricsLogger) step, loss, lr, tokens/s (and with
-// --peak-tflops, each device's peak, the model FLOPs utilization), the gradient norm, peak
-// memory and the ETA every --log-every (20) steps and the held-out loss every --eval-every
+// --peak-tflops, each device's peak, the model FLOPs utilization), the gradient norm, the worst
+// rank's tensor and resident peaks and the ETA every --log-every (20) steps and the held-out loss every --eval-every
 // steps (--tensorboard DIR writes them for TensorBoard too), and at the end `heldout_loss=X.XXXX`
 // (stdout) followed by a few sampled lines. --log FILE also writes them as JSON Lines, which
 // `weave-plot FILE -o curves.png` draws.
@@ -303,7 +307,8 @@ void Run::log_step(data::MetricsLogger& metrics, double& grad_norm) {
                     .loss = mean,
                     .lr = scheduler_->lr(),
                     .tokens = tokens_,
-                    .grad_norm = grad_norm});
+                    .grad_norm = grad_norm,
+                    .memory = dist::max_memory_stats(device_)});
   if (f_.experts > 0) metrics.log_values(step_, "routing", nn::routing_metrics(*model_));
   loss_sum_ = 0, losses_ = 0, tokens_ = 0;
 }
@@ -356,10 +361,14 @@ int Run::train() {
   metrics.log_eval(f_.steps, "heldout_loss", held);
   if (dist::rank() == 0) std::printf("heldout_loss=%.4f\n", held);
   sample_lines();
-  // Over the whole run: construction, training, evaluation and sampling.
+  // Over the whole run: construction, training, evaluation and sampling; the worst rank's.
+  const MemoryPeaks worst = dist::max_memory_stats(device_);
   if (dist::rank() == 0)
-    std::printf("peak tensor memory on rank 0: %.1f MB (memory_stats)\n",
-                double(memory_stats(device_).peak) / 1e6);
+    std::printf(
+        "peak tensor memory %.1f MB (rank %d), peak resident memory %.1f MB (rank %d) "
+        "(dist::max_memory_stats)\n",
+        double(worst.tensor_peak) / 1e6, worst.tensor_rank, double(worst.resident_peak) / 1e6,
+        worst.resident_rank);
   return 0;
 }
 
@@ -414,8 +423,10 @@ void Run::sample_lines() {
     return;
   }
   if (split_.sequence_parallel || split_.context_group) {
+    std::optional<parallel::VocabularyGroups> vocabulary = split_.vocabulary;
+    if (vocabulary) vocabulary->sequence_parallel = false;  // the same pieces, whole sequences
     std::shared_ptr<nn::CausalLM> decoder =
-        gpt::make_model(f_, corpus_.vocab, {.tensor = split_.tensor});
+        gpt::make_model(f_, corpus_.vocab, {.tensor = split_.tensor, .vocabulary = vocabulary});
     decoder->to(device_);
     decoder->load_state_dict(wrapper_->full_state_dict());
     NoGradGuard no_grad;

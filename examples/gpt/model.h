@@ -36,7 +36,8 @@ inline models::ModelSplit split_of(const Flags& f, const parallel::ProcessMesh& 
       mesh, {.sequence_parallel = shape.tensor > 1 && f.sequence_parallel && f.experts == 0 &&
                                   shape.context == 1 && f.arch == "gpt",
              .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
-                                                 : parallel::ContextParallelMode::AllToAll});
+                                                 : parallel::ContextParallelMode::AllToAll,
+             .shard_vocabulary = f.shard_vocabulary});
 }
 
 /// The model of the flags with `split` (its parameters drawn as the caller's init says).

@@ -39,7 +39,9 @@
 // Rank 0 prints `step N loss X` (the whole batch's) every --log-every steps, `final_loss=X`,
 // `load_peak_bytes=N`, `resident_bytes=N` and `training_peak_bytes=N` (its peak tensor memory
 // while building and loading the model, what it holds when training starts, and its peak while
-// training: memory_stats),
+// training: memory_stats), then the worst rank's training peaks, tensor and resident, with
+// their ranks (`worst_training_peak_bytes=N (rank R)`, `worst_resident_peak_bytes=...`:
+// dist::max_memory_stats),
 // and the generated text.
 #include <weave/util/cli.h>
 #include <weave/weave.h>
@@ -517,9 +519,14 @@ int run(const Flags& f) {
       std::printf("stopped at step %lld\n", static_cast<long long>(trainer.step));
     return 0;
   }
+  const MemoryPeaks worst = dist::max_memory_stats();  // training's, over every rank
   if (dist::rank() == 0)
-    std::printf("final_loss=%.6f\ntraining_peak_bytes=%lld\n", trainer.last_loss,
-                static_cast<long long>(memory_stats().peak));
+    std::printf(
+        "final_loss=%.6f\ntraining_peak_bytes=%lld\nworst_training_peak_bytes=%lld (rank %d)\n"
+        "worst_resident_peak_bytes=%lld (rank %d)\n",
+        trainer.last_loss, static_cast<long long>(memory_stats().peak),
+        static_cast<long long>(worst.tensor_peak), worst.tensor_rank,
+        static_cast<long long>(worst.resident_peak), worst.resident_rank);
   if (trainer.heldout) {
     const double after = trainer.heldout_loss();
     if (dist::rank() == 0) std::printf("heldout_loss=%.6f\n", after);

@@ -254,12 +254,12 @@ TEST_SUITE("model_parallel") {
     parallel::VocabParallelEmbedding embedding(kVocab, 4, tp, nullptr, padded);
     check_rows(embedding.weight);
     CHECK(parallel::tensor_splits(embedding).at("weight").size == real);
-    // The head is a column-parallel layer initialized over every padded row; only its
+    // The head is initialized over every padded row (as a column-parallel layer); only its
     // padding is zeroed.
     models::LlamaOptions options{
         .vocab = kVocab, .dim = 24, .layers = 1, .block = {.heads = 12, .hidden = 48}};
     models::Llama model(options, {.tensor = tp});
-    check_rows(static_cast<parallel::ColumnParallelLinear&>(*model.head).weight);
+    check_rows(static_cast<parallel::VocabParallelHead&>(*model.head).weight);
     check_rows(model.embedding_weight());
     const auto splits = parallel::tensor_splits(model);
     CHECK(splits.at("head.weight").size == real);

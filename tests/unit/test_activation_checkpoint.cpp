@@ -247,6 +247,31 @@ TEST_SUITE("activation_checkpoint") {
       CHECK_THROWS_AS(memory_stats(Device::cuda(0)), Error);
   }
 
+  TEST_CASE("memory_stats reads the process's resident set and its peak, which a reset restarts") {
+    cpu_empty_cache();
+    reset_peak_memory();
+    const ProcessMemory before = process_memory();
+    REQUIRE(before.resident > 0);
+    CHECK(before.resident_peak >= before.resident);
+    CHECK(before.mapped >= before.resident);
+    constexpr size_t kBytes = size_t(64) << 20;
+    {
+      Tensor t = ones({int64_t(kBytes / 8)}, {.dtype = kFloat64});  // touched: resident
+      const MemoryStats during = memory_stats();
+      CHECK(during.resident >= before.resident + kBytes * 9 / 10);
+      CHECK(during.resident_peak >= during.resident);
+    }
+    cpu_empty_cache();  // the block goes back to the system; the peak remembers it
+    const ProcessMemory after = process_memory();
+    CHECK(after.resident_peak >= before.resident + kBytes * 9 / 10);
+    CHECK(after.resident < after.resident_peak - kBytes / 2);
+    reset_peak_memory();
+    CHECK(process_memory().resident_peak < after.resident_peak - kBytes / 2);
+    const std::string said = describe_process_memory();
+    CHECK(said.find("resident") != std::string::npos);
+    CHECK(said.find("mapped") != std::string::npos);
+  }
+
   TEST_CASE("checkpointing every block cuts the step's peak activation memory") {
     // eight wide blocks on a long batch: activations dominate the parameters
     std::vector<std::shared_ptr<nn::TransformerBlock>> blocks;

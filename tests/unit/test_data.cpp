@@ -373,7 +373,13 @@ TEST_SUITE("data") {
     {
       data::MetricsLogger metrics({.path = path, .total_steps = 4, .progress = false});
       metrics.log_step({.step = 1, .loss = 2.5, .lr = 1e-3, .tokens = 512});
-      metrics.log_step({.step = 2, .loss = 2.25, .grad_norm = 0.75});  // no lr, no tokens
+      metrics.log_step({.step = 2,  // no lr, no tokens; a group's worst memory
+                        .loss = 2.25,
+                        .grad_norm = 0.75,
+                        .memory = MemoryPeaks{.tensor_peak = 3'000'000,
+                                              .tensor_rank = 2,
+                                              .resident_peak = 5'000'000,
+                                              .resident_rank = 3}});
       metrics.log_eval(2, "heldout_loss", 2.4);
       metrics.log_values(2, "routing", {{"blocks.0.moe/max_load", 1.5}, {"moe/dropped", NAN}});
     }
@@ -392,6 +398,12 @@ TEST_SUITE("data") {
     CHECK(records[0]["tokens_per_s"].get<double>() > 0);
     CHECK(records[0]["eta_s"].get<double>() >= 0);
     CHECK(records[0].contains("peak_mb"));
+    CHECK(records[0]["resident_mb"].get<double>() > 0);  // this process's own
+    CHECK_FALSE(records[0].contains("peak_rank"));
+    CHECK(records[1]["peak_mb"] == 3.0);
+    CHECK(records[1]["peak_rank"] == 2);
+    CHECK(records[1]["resident_mb"] == 5.0);
+    CHECK(records[1]["resident_rank"] == 3);
     CHECK_FALSE(records[0].contains("grad_norm"));
     CHECK(records[1]["grad_norm"] == 0.75);
     CHECK_FALSE(records[1].contains("lr"));

@@ -14,6 +14,7 @@
 
 #include "weave/data/tensorboard.h"
 #include "weave/tensor/error.h"
+#include "weave/tensor/process.h"
 #include "weave/tensor/storage.h"
 
 namespace weave::data {
@@ -165,6 +166,19 @@ void MetricsLogger::write(const std::string& record) {
              options_.path, std::strerror(why), cut ? "" : " and the last line may be cut");
 }
 
+namespace {
+
+// This process's own figures, when the caller gives no group's.
+MemoryPeaks own_memory(Device device) {
+  const MemoryStats stats = memory_stats(device);
+  return {.tensor_peak = stats.peak,
+          .tensor_rank = process_place().rank,
+          .resident_peak = stats.resident_peak,
+          .resident_rank = process_place().rank};
+}
+
+}  // namespace
+
 void MetricsLogger::log_step(const StepMetrics& m) {
   if (!options_.enabled) return;
   const auto now = std::chrono::steady_clock::now();
@@ -174,7 +188,9 @@ void MetricsLogger::log_step(const StepMetrics& m) {
   const double throughput = m.tokens > 0 && since > 0 ? double(m.tokens) / since : NAN;
   const int64_t done = m.step - options_.start_step, total = options_.total_steps;
   const double eta = total > 0 && done > 0 ? elapsed / double(done) * double(total - m.step) : NAN;
-  const double peak_mb = double(memory_stats(options_.device).peak) / 1e6;
+  const MemoryPeaks memory = m.memory.value_or(own_memory(options_.device));
+  const double peak_mb = double(memory.tensor_peak) / 1e6;
+  const double resident_mb = double(memory.resident_peak) / 1e6;
   const double mfu = options_.flops_per_token > 0 && options_.peak_flops > 0
                          ? throughput * options_.flops_per_token / options_.peak_flops
                          : NAN;
@@ -185,6 +201,11 @@ void MetricsLogger::log_step(const StepMetrics& m) {
   put(record, "mfu", mfu);
   put(record, "grad_norm", m.grad_norm);
   put(record, "peak_mb", peak_mb);
+  put(record, "resident_mb", resident_mb);
+  if (m.memory) {
+    record["peak_rank"] = memory.tensor_rank;
+    record["resident_rank"] = memory.resident_rank;
+  }
   put(record, "elapsed_s", elapsed);
   put(record, "eta_s", eta);
   write(dumped(record));
@@ -193,7 +214,8 @@ void MetricsLogger::log_step(const StepMetrics& m) {
                                    {"train/tokens_per_s", throughput},
                                    {"train/mfu", mfu},
                                    {"train/grad_norm", m.grad_norm.value_or(NAN)},
-                                   {"train/peak_mb", peak_mb}})
+                                   {"train/peak_mb", peak_mb},
+                                   {"train/resident_mb", resident_mb}})
     board(tag, value, m.step);
   if (!options_.progress) return;
   std::string line =
@@ -202,7 +224,9 @@ void MetricsLogger::log_step(const StepMetrics& m) {
   if (std::isfinite(throughput)) line += fmt::format(" tokens/s {:.0f}", throughput);
   if (std::isfinite(mfu)) line += fmt::format(" mfu {:.1f}%", 100 * mfu);
   line += shown("grad_norm", m.grad_norm, "{:.3f}");
-  line += fmt::format(" peak {:.0f} MB", peak_mb);
+  line += m.memory ? fmt::format(" peak {:.0f} MB (rank {}) resident {:.0f} MB (rank {})", peak_mb,
+                                 memory.tensor_rank, resident_mb, memory.resident_rank)
+                   : fmt::format(" peak {:.0f} MB resident {:.0f} MB", peak_mb, resident_mb);
   if (std::isfinite(eta)) line += " eta " + duration_text(eta);
   if (terminal_ && total > 0) {
     const int width = 24, filled = int(width * std::min<int64_t>(m.step, total) / total);

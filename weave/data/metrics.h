@@ -15,12 +15,15 @@
 //
 // The file's schema, one JSON object per line (fields that were not given are left out):
 //   {"kind": "train", "step": 120, "loss": 2.314, "lr": 0.0008, "tokens_per_s": 12345.6,
-//    "mfu": 0.412, "grad_norm": 0.93, "peak_mb": 123.4, "elapsed_s": 61.2, "eta_s": 244.8}
+//    "mfu": 0.412, "grad_norm": 0.93, "peak_mb": 123.4, "resident_mb": 250.1, "peak_rank": 0,
+//    "resident_rank": 3, "elapsed_s": 61.2, "eta_s": 244.8}
 //   {"kind": "eval", "step": 100, "name": "heldout_loss", "value": 2.41, "elapsed_s": 50.1}
 //   {"kind": "routing", "step": 120, "values": {"blocks.0.moe/max_load": 1.12, ...}}
 // "loss" is what the caller passes (typically the mean over the steps since the last record),
 // tokens_per_s counts the tokens passed since the last record over the time since then, and
-// peak_mb is memory_stats(device).peak. A fresh run (start_step 0) replaces the file; a resumed
+// peak_mb is the tensor peak (memory_stats(device).peak) and resident_mb the process's resident
+// peak, this rank's, or the worst rank's with StepMetrics::memory (then with their ranks). A
+// fresh run (start_step 0) replaces the file; a resumed
 // run (start_step > 0) keeps its records up to start_step, drops the later ones (logged after
 // the checkpoint it resumed from, by the run that died), and appends, so that the file of a
 // run killed and resumed any number of times reads as one run's. Each record is flushed as it
@@ -43,6 +46,7 @@
 #include <vector>
 
 #include "weave/tensor/device.h"
+#include "weave/tensor/process_memory.h"
 
 namespace weave::data {
 
@@ -85,6 +89,10 @@ struct StepMetrics {
   /// Tokens (or examples) processed since the previous record, for the throughput.
   int64_t tokens = 0;
   std::optional<double> grad_norm = std::nullopt;
+  /// The worst rank's memory (dist::max_memory_stats over the job, called on every rank): the
+  /// record's peak_mb and resident_mb are then its, with peak_rank and resident_rank. Unset:
+  /// this process's own (memory_stats(device): tensor peak and resident peak).
+  std::optional<MemoryPeaks> memory = std::nullopt;
 };
 
 class MetricsLogger {

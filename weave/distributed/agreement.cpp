@@ -6,6 +6,7 @@
 
 #include "weave/autograd/engine.h"
 #include "weave/distributed/runtime.h"
+#include "weave/tensor/storage.h"
 
 namespace weave::dist {
 
@@ -55,6 +56,20 @@ void agree_max(std::span<int64_t> words, const Group& group) {
 std::vector<int64_t> agree_max(std::vector<int64_t> words, const Group& group) {
   agree_max(std::span<int64_t>(words), group);
   return words;
+}
+
+MemoryPeaks max_memory_stats(Device device, const Group& group) {
+  const MemoryStats mine = memory_stats(device);
+  // value x n + (n - 1 - rank): the maximum is the largest value, at its lowest rank.
+  const int64_t n = group.size(), me = group.rank();
+  std::vector<int64_t> words = {int64_t(mine.peak) * n + (n - 1 - me),
+                                int64_t(mine.resident_peak) * n + (n - 1 - me)};
+  agree_max(std::span<int64_t>(words), group);
+  const auto rank_of = [&](int64_t word) { return group.global_rank(int(n - 1 - word % n)); };
+  return {.tensor_peak = size_t(words[0] / n),
+          .tensor_rank = rank_of(words[0]),
+          .resident_peak = size_t(words[1] / n),
+          .resident_rank = rank_of(words[1])};
 }
 
 }  // namespace weave::dist

@@ -27,6 +27,7 @@
 
 #include "weave/distributed/tags.h"
 #include "weave/distributed/types.h"
+#include "weave/tensor/process_memory.h"
 #include "weave/tensor/tensor.h"
 
 namespace weave::dist {
@@ -242,6 +243,14 @@ uint64_t disagreements(const Group& group = world());
 void agree_max(std::span<int64_t> words, const Group& group = world());
 /// The same, on a copy.
 std::vector<int64_t> agree_max(std::vector<int64_t> words, const Group& group = world());
+
+/// The worst rank's memory over `group`: the largest tensor peak (memory_stats(device).peak)
+/// and the largest resident peak (the process's, VmHWM), each with the global rank holding it
+/// (the lowest on ties). Collective (one agreement); every rank gets the answer.
+///
+///   const MemoryPeaks worst = dist::max_memory_stats(device, mesh.data());
+///   metrics.log_step({.step = step, .loss = loss, .memory = worst});
+MemoryPeaks max_memory_stats(Device device = kCPU, const Group& group = world());
 
 // ---- collectives (tensors of any dtype; CPU tensors, or CUDA under NCCL / staged over MPI) --
 

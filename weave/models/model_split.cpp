@@ -17,6 +17,12 @@ ModelSplit ModelSplit::from_mesh(const parallel::ProcessMesh& mesh, ModelSplit b
   base.expert_group = shape.expert > 1 ? std::optional(mesh.expert()) : std::nullopt;
   const dist::Group balance = mesh.data_and_context();
   base.balance_group = balance.size() > 1 ? std::optional(balance) : std::nullopt;
+  base.vocabulary = std::nullopt;
+  if (base.shard_vocabulary && mesh.shard().size() > 1)
+    base.vocabulary = parallel::VocabularyGroups{.pieces = mesh.vocabulary(),
+                                                 .tensor = base.tensor,
+                                                 .batches = mesh.shard(),
+                                                 .sequence_parallel = base.sequence_parallel};
   return base;
 }
 
@@ -40,7 +46,13 @@ nn::Leaves ModelSplit::leaves() const {
 }
 
 bool ModelSplit::whole() const {
-  return !tensor && stages == 1 && !(expert_group && expert_group->size() > 1);
+  return !tensor && stages == 1 && !(expert_group && expert_group->size() > 1) && !vocabulary;
+}
+
+std::optional<parallel::VocabularyGroups> ModelSplit::vocabulary_groups() const {
+  if (vocabulary) return vocabulary;
+  if (tensor) return parallel::VocabularyGroups::over_tensor(*tensor, sequence_parallel);
+  return std::nullopt;
 }
 
 std::pair<int64_t, int64_t> ModelSplit::stage_blocks(int64_t layers) const {
@@ -56,6 +68,19 @@ void ModelSplit::check(const char* model, int64_t layers, bool with_experts) con
               "sequences for experts and context parallelism; found a tensor group: {}, a "
               "context group: {}, experts: {}; hint: one of them at a time",
               tensor.has_value(), context_group.has_value(), with_experts);
+  if (!vocabulary) return;
+  vocabulary->check(model);
+  const int64_t tensor_size = tensor ? tensor->size() : 1;
+  WEAVE_CHECK(vocabulary->batches &&
+                  (vocabulary->tensor ? vocabulary->tensor->size() : 1) == tensor_size &&
+                  (!tensor || (vocabulary->tensor && vocabulary->tensor->rank() == tensor->rank())) &&
+                  vocabulary->sequence_parallel == sequence_parallel,
+              model,
+              "the vocabulary's groups must be the split's tensor group (size {}, sequence "
+              "parallel {}) and a group of batch ranks; found batches {}, a tensor group of {} "
+              "(sequence parallel {}); hint: ModelSplit::from_mesh sets them",
+              tensor_size, sequence_parallel, vocabulary->batches.has_value(),
+              vocabulary->tensor ? vocabulary->tensor->size() : 1, vocabulary->sequence_parallel);
 }
 
 nn::Inputs ModelSplit::local_inputs(const nn::Inputs& inputs) const {
@@ -72,8 +97,8 @@ Tensor ModelSplit::local_sequence(const Tensor& targets) const {
 Tensor ModelSplit::cross_entropy(const Tensor& logits, const Tensor& targets) const {
   const Tensor flat = logits.reshape({-1, logits.size(-1)});
   const Tensor target = targets.reshape({-1});
-  if (tensor && !gather_logits)
-    return parallel::vocab_parallel_cross_entropy(flat, target, *tensor);
+  if (const auto groups = vocabulary_groups(); groups && !gather_logits)
+    return parallel::vocab_parallel_cross_entropy(flat, target, *groups);
   return weave::cross_entropy(flat, target);
 }
 
@@ -94,9 +119,9 @@ void ModelSplit::check_decoding(const char* model, size_t caches, size_t blocks)
 namespace detail {
 
 TokenTable token_table(int64_t vocab, int64_t dim, const ModelSplit& split, Generator* generator) {
-  if (split.tensor) {
-    auto table = std::make_shared<parallel::VocabParallelEmbedding>(
-        vocab, dim, *split.tensor, generator, parallel::padded_vocab(vocab, split.tensor->size()));
+  if (const auto groups = split.vocabulary_groups()) {
+    auto table = std::make_shared<parallel::VocabParallelEmbedding>(vocab, dim, *groups, generator,
+                                                                    groups->padded(vocab));
     return {table, &table->weight};
   }
   auto table = std::make_shared<nn::Embedding>(vocab, dim, generator);
@@ -115,16 +140,22 @@ Tensor soft_capped(const Tensor& logits, double cap) {
   return cap > 0 ? tanh(logits * (1.0 / cap)) * cap : logits;
 }
 
-Tensor tied_head_logits(const Tensor& hidden, const Tensor& table, int64_t vocab,
-                        const ModelSplit& split, bool gather, double softcap) {
-  if (!split.tensor) return soft_capped(linear(hidden, table), softcap);
-  // This rank's vocabulary rows; the input's gradient sums over the group.
-  const dist::Group& tp = *split.tensor;
-  const Tensor whole = split.sequence_parallel
-                           ? dist::functional::gather_from_sequence_group(hidden, 1, tp)
-                           : dist::functional::copy_to_group(hidden, tp);
-  return parallel::vocab_parallel_logits(soft_capped(linear(whole, table), softcap), vocab, tp,
-                                         gather);
+std::shared_ptr<nn::Module> output_head(int64_t dim, int64_t vocab, bool bias,
+                                        const ModelSplit& split, Generator* generator) {
+  if (const auto groups = split.vocabulary_groups())
+    return std::make_shared<parallel::VocabParallelHead>(dim, vocab, *groups, bias, generator,
+                                                         groups->padded(vocab));
+  return std::make_shared<nn::Linear>(dim, vocab, bias, generator);
+}
+
+Tensor head_logits(const Tensor& hidden, nn::Module* head, const Tensor& table, int64_t vocab,
+                   const ModelSplit& split, bool gather, double softcap) {
+  const auto groups = split.vocabulary_groups();
+  const Tensor local = head     ? (*head)(hidden)
+                       : groups ? linear(parallel::vocabulary_rows(hidden, *groups), table)
+                                : linear(hidden, table);
+  if (!groups) return soft_capped(local, softcap);
+  return parallel::vocab_parallel_logits(soft_capped(local, softcap), vocab, *groups, gather);
 }
 
 Tensor sum_aux_losses(const nn::Module& module) {

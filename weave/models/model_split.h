@@ -18,6 +18,7 @@
 #include "weave/nn/moe.h"
 #include "weave/parallel/core/mesh.h"
 #include "weave/parallel/model_parallel/context_parallel.h"
+#include "weave/parallel/model_parallel/tensor_parallel_vocabulary.h"
 
 namespace weave::models {
 
@@ -51,11 +52,25 @@ struct ModelSplit {
   /// process's on the whole batch. A model without experts ignores both.
   std::optional<dist::Group> expert_group = std::nullopt;
   std::optional<dist::Group> balance_group = std::nullopt;
+  /// The vocabulary split over the ranks that read different batches too (FSDP's shard group,
+  /// with the tensor group if any: parallel::VocabularyGroups): the embedding and the head hold
+  /// 1/n of the vocabulary's rows on each of tensor x shard, the ids and hidden states travel
+  /// instead of the tables, and forward gives this rank's vocabulary slice of every batch rank's
+  /// rows' logits, [n B, T, piece] (for cross_entropy, which gives this rank's rows' mean),
+  /// unless gather_logits (this rank's rows, every column). FSDP never gathers these pieces and
+  /// DDP never averages them whole (each rank holds its own). Unset: the vocabulary is split over
+  /// the tensor group alone, if any.
+  std::optional<parallel::VocabularyGroups> vocabulary = std::nullopt;
+  /// from_mesh sets `vocabulary` over mesh.vocabulary() and mesh.shard() when the shard group has
+  /// several ranks; false leaves it unset (each rank then holds the whole embedding and head, or
+  /// the tensor group's piece, and FSDP gathers them as units).
+  bool shard_vocabulary = true;
 
   /// This rank's split in `mesh`: its tensor group (when the mesh has tensor ranks), its context
-  /// group and pipeline stage, its expert group (when the mesh has expert ranks) and the data x
-  /// context ranks that balance experts; the rest (context mode and layout, gather_logits,
-  /// sequence_parallel) from `base`. For a mesh of data parallelism alone only balance_group.
+  /// group and pipeline stage, its expert group (when the mesh has expert ranks), the data x
+  /// context ranks that balance experts, and with base.shard_vocabulary the vocabulary's groups
+  /// (when the shard group has several ranks); the rest (context mode and layout, gather_logits,
+  /// sequence_parallel) from `base`.
   static ModelSplit from_mesh(const parallel::ProcessMesh& mesh, ModelSplit base);
   static ModelSplit from_mesh(const parallel::ProcessMesh& mesh);
 
@@ -66,8 +81,12 @@ struct ModelSplit {
   /// spread over `expert_group` and balanced over `balance_group`; whole where unset.
   nn::Leaves leaves() const;
   /// No layer of a model built with this split is cut over ranks (no tensor group, one
-  /// pipeline stage, no experts spread): its parameters are the whole model's.
+  /// pipeline stage, no experts spread, no vocabulary split): its parameters are the whole
+  /// model's.
   bool whole() const;
+  /// The groups the embedding's and the head's vocabulary is split over: `vocabulary`, else the
+  /// tensor group's own, else none (whole).
+  std::optional<parallel::VocabularyGroups> vocabulary_groups() const;
   /// The blocks [first, last) this stage holds of a model of `layers`.
   std::pair<int64_t, int64_t> stage_blocks(int64_t layers) const;
   bool first_stage() const { return stage == 0; }
@@ -87,9 +106,10 @@ struct ModelSplit {
   /// local_inputs keeps); undefined stays undefined.
   Tensor local_sequence(const Tensor& targets) const;
   /// Mean cross-entropy of this model's logits [..., vocab] against this rank's targets: over
-  /// the tensor group when the logits are its vocabulary slices
-  /// (parallel::vocab_parallel_cross_entropy), plain cross_entropy otherwise. Under a context
-  /// group each rank's mean covers its positions (average over the group for the batch's).
+  /// the vocabulary's pieces when the logits are their slices (parallel::
+  /// vocab_parallel_cross_entropy: over batches, this rank's rows' mean), plain cross_entropy
+  /// otherwise. Under a context group each rank's mean covers its positions (average over the
+  /// group for the batch's).
   Tensor cross_entropy(const Tensor& logits, const Tensor& targets) const;
 };
 
@@ -98,7 +118,7 @@ namespace detail {
 /// Block `index`'s experts: `experts` seeded experts->seed + index, or none.
 std::optional<nn::MoEOptions> block_experts(const std::optional<nn::MoEOptions>& experts,
                                             int64_t index);
-/// A token embedding chosen from the split: nn::Embedding, or over split.tensor a
+/// A token embedding chosen from the split: nn::Embedding, or over split.vocabulary_groups() a
 /// parallel::VocabParallelEmbedding of the padded vocabulary (parallel::padded_vocab); `weight`
 /// points at its table (this rank's rows).
 struct TokenTable {
@@ -111,12 +131,16 @@ TokenTable token_table(int64_t vocab, int64_t dim, const ModelSplit& split, Gene
 /// gradients after each step, Megatron-LM's shared embedding); none between (module null).
 TokenTable stage_token_table(int64_t vocab, int64_t dim, const ModelSplit& split, bool tied_head,
                              Generator* generator);
-/// The logits of a head tied to `table` (this rank's vocabulary rows when split): hidden
-/// [B, T, dim] (this rank's part of T under sequence parallelism) -> [B, T, vocab], this rank's
-/// vocabulary slice over a tensor group unless `gather` (padding masked out), soft-capped by
-/// `softcap` (0: not).
-Tensor tied_head_logits(const Tensor& hidden, const Tensor& table, int64_t vocab,
-                        const ModelSplit& split, bool gather, double softcap = 0.0);
+/// An untied output head chosen from the split: nn::Linear(dim, vocab, bias), or over
+/// split.vocabulary_groups() a parallel::VocabParallelHead of the padded vocabulary.
+std::shared_ptr<nn::Module> output_head(int64_t dim, int64_t vocab, bool bias,
+                                        const ModelSplit& split, Generator* generator);
+/// The logits of `head` (output_head's), or with head null of a head tied to `table` (this
+/// rank's vocabulary rows when split): hidden [B, T, dim] (this rank's part of T under sequence
+/// parallelism) -> [B, T, vocab], when split this rank's vocabulary slice (of every batch rank's
+/// rows: [n B, T, piece]) unless `gather` (padding masked out), soft-capped by `softcap` (0: not).
+Tensor head_logits(const Tensor& hidden, nn::Module* head, const Tensor& table, int64_t vocab,
+                   const ModelSplit& split, bool gather, double softcap = 0.0);
 /// cap tanh(logits / cap) (Gemma 2's final_logit_softcapping); logits as they are for cap 0.
 Tensor soft_capped(const Tensor& logits, double cap);
 /// Raises, naming `model`, unless `hidden` is a previous stage's output [B, T, dim].

@@ -8,6 +8,7 @@
 
 #include "weave/tensor/cuda/device_runtime.h"
 #include "weave/tensor/error.h"
+#include "weave/tensor/process_memory.h"
 
 namespace weave {
 
@@ -63,8 +64,17 @@ void* cpu_allocate(size_t nbytes) {
     }
   }
   void* ptr = std::aligned_alloc(kAlignment, size);
+  if (ptr == nullptr) {  // the cached blocks go back to the system, and one more try
+    cpu_empty_cache();
+    ptr = std::aligned_alloc(kAlignment, size);
+  }
   if (ptr == nullptr) host_counter().freed(size);
-  WEAVE_CHECK(ptr != nullptr, "alloc", "out of host memory allocating {} bytes", nbytes);
+  WEAVE_CHECK(ptr != nullptr, "alloc",
+              "out of host memory allocating {:.1f} MB with {:.1f} MB of tensors in use ({}); "
+              "hint: more ranks to shard over (FSDP), a smaller batch, activation "
+              "checkpointing, or a higher limit",
+              double(nbytes) / 1e6, double(host_counter().read().in_use) / 1e6,
+              describe_process_memory());
   return ptr;
 }
 
@@ -88,6 +98,7 @@ void cpu_deallocate(void* ptr, size_t nbytes) {
 void cpu_empty_cache() {
   HostCache& cache = host_cache();
   std::lock_guard lock(cache.mutex);
+  host_counter().uncached(cache.cached_bytes);
   cache.release_all();
 }
 
@@ -110,13 +121,19 @@ MemoryStats detail::MemoryCounter::read() const {
 }
 
 MemoryStats memory_stats(Device device) {
-  return device.is_cpu() ? host_counter().read() : cuda::memory_counter(device.index).read();
+  MemoryStats stats =
+      device.is_cpu() ? host_counter().read() : cuda::memory_counter(device.index).read();
+  const ProcessMemory process = process_memory();
+  stats.resident = process.resident;
+  stats.resident_peak = process.resident_peak;
+  return stats;
 }
 
 void reset_peak_memory(Device device) {
-  if (device.is_cpu())
+  if (device.is_cpu()) {
     host_counter().reset_peak();
-  else
+    reset_resident_peak();
+  } else
     cuda::memory_counter(device.index).reset_peak();
 }
 

@@ -94,11 +94,16 @@ struct MemoryStats {
   size_t allocations = 0;
   /// Bytes the caching allocator keeps free for reuse (not in in_use).
   size_t cached = 0;
+  /// This process's resident set now and at its peak (process_memory(): the operating system's
+  /// count, tensors of every device's host side, caches, libraries and MPI's buffers included).
+  size_t resident = 0;
+  size_t resident_peak = 0;
 };
 /// The allocator's statistics for `device` (the host by default). Raises for a CUDA device in a
 /// build without CUDA.
 MemoryStats memory_stats(Device device = kCPU);
-/// Starts a new peak from the current use (to measure one region of a program).
+/// Starts a new peak from the current use (to measure one region of a program); for the host,
+/// the resident peak too (reset_resident_peak).
 void reset_peak_memory(Device device = kCPU);
 
 namespace detail {

@@ -13,19 +13,9 @@
 #include <type_traits>
 
 #include "weave/distributed/communicator.h"
-
-namespace weave::detail {
-// MPI calls return an int error code (communicators here return errors, not abort).
-inline bool call_succeeded(int code) {
-  return code == MPI_SUCCESS;
-}
-inline std::string call_error(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  MPI_Error_string(code, text, &length);
-  return fmt::format("{} (MPI error {})", std::string(text, length), code);
-}
-}  // namespace weave::detail
+#include "weave/distributed/mpi/chunks.h"
+#include "weave/distributed/mpi/mpi_types.h"
+#include "weave/tensor/process_memory.h"
 
 namespace weave::dist::detail {
 
@@ -34,105 +24,13 @@ namespace {
 // WEAVE_MPI_SEND=synchronous: a send alone returns only once its receive is posted (MPI_Ssend),
 // as NCCL's ungrouped send does, so that CPU tests catch the orders that would deadlock there.
 bool synchronous_sends = false;
+// WEAVE_MPI_CHUNK_MB: reduce-scatters and all-gathers of more bytes over all ranks go in chunks
+// of that size (chunks.h); 0: whole.
+int64_t chunk_bytes = int64_t{16} << 20;
 
 int as_int(int64_t n, const char* op) {
   WEAVE_CHECK(n >= 0 && n <= 0x7fffffff, op, "count {} does not fit MPI's int", n);
   return static_cast<int>(n);
-}
-
-// 16-bit floats travel as 2-byte types of their own, reduced by our ops in float.
-MPI_Datatype half_type = MPI_DATATYPE_NULL, bfloat16_type = MPI_DATATYPE_NULL;
-MPI_Op half_ops[4] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};  // sum prod min max
-
-template <class T, int Which>
-void reduce_16bit(void* in, void* inout, int* length, MPI_Datatype*) {
-  const T* a = static_cast<const T*>(in);
-  T* b = static_cast<T*>(inout);
-  for (int i = 0; i < *length; ++i) {
-    float x = float(a[i]), y = float(b[i]);
-    float r = Which == 0   ? x + y
-              : Which == 1 ? x * y
-              : Which == 2 ? (x < y ? x : y)
-                           : (x > y ? x : y);
-    b[i] = T(r);
-  }
-}
-
-template <int Which>
-void reduce_16bit_dispatch(void* in, void* inout, int* length, MPI_Datatype* type) {
-  if (*type == half_type)
-    reduce_16bit<Half, Which>(in, inout, length, type);
-  else
-    reduce_16bit<BFloat16, Which>(in, inout, length, type);
-}
-
-// The mean of two ranks' values, as one reduction: (a + b) / 2 is exact where sum-then-halve
-// is, and saves a pass over the result. Only for communicators of two ranks, where MPI applies
-// the op exactly once per element whatever its algorithm.
-MPI_Op mean_of_two = MPI_OP_NULL;
-
-template <class T>
-void mean_of_two_typed(void* in, void* inout, int length) {
-  const T* a = static_cast<const T*>(in);
-  T* b = static_cast<T*>(inout);
-  using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  for (int i = 0; i < length; ++i) b[i] = T((C(a[i]) + C(b[i])) * C(0.5));
-}
-
-void mean_of_two_dispatch(void* in, void* inout, int* length, MPI_Datatype* type) {
-  if (*type == MPI_FLOAT)
-    mean_of_two_typed<float>(in, inout, *length);
-  else if (*type == MPI_DOUBLE)
-    mean_of_two_typed<double>(in, inout, *length);
-  else if (*type == half_type)
-    mean_of_two_typed<Half>(in, inout, *length);
-  else
-    mean_of_two_typed<BFloat16>(in, inout, *length);
-}
-
-void create_16bit_types() {
-  WEAVE_CHECK_CALL(MPI_Type_contiguous(2, MPI_BYTE, &half_type), "init");
-  WEAVE_CHECK_CALL(MPI_Type_commit(&half_type), "init");
-  WEAVE_CHECK_CALL(MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_type), "init");
-  WEAVE_CHECK_CALL(MPI_Type_commit(&bfloat16_type), "init");
-  WEAVE_CHECK_CALL(MPI_Op_create(reduce_16bit_dispatch<0>, 1, &half_ops[0]), "init");
-  WEAVE_CHECK_CALL(MPI_Op_create(reduce_16bit_dispatch<1>, 1, &half_ops[1]), "init");
-  WEAVE_CHECK_CALL(MPI_Op_create(reduce_16bit_dispatch<2>, 1, &half_ops[2]), "init");
-  WEAVE_CHECK_CALL(MPI_Op_create(reduce_16bit_dispatch<3>, 1, &half_ops[3]), "init");
-  WEAVE_CHECK_CALL(MPI_Op_create(mean_of_two_dispatch, 1, &mean_of_two), "init");
-}
-
-MPI_Datatype mpi_type(DType dtype) {
-  switch (dtype) {
-    case kFloat32:
-      return MPI_FLOAT;
-    case kFloat64:
-      return MPI_DOUBLE;
-    case kInt32:
-      return MPI_INT32_T;
-    case kInt64:
-      return MPI_INT64_T;
-    case kUInt8:
-      return MPI_UINT8_T;
-    case kBool:
-      return MPI_C_BOOL;
-    case kFloat16:
-      return half_type;
-    case kBFloat16:
-      return bfloat16_type;
-  }
-  WEAVE_FAIL("mpi", "unsupported dtype {}", dtype);
-}
-
-MPI_Op mpi_op(ReduceOp op, DType dtype) {
-  const int index = op == ReduceOp::Sum    ? 0
-                    : op == ReduceOp::Prod ? 1
-                    : op == ReduceOp::Min  ? 2
-                                           : 3;
-  if (dtype == kFloat16 || dtype == kBFloat16) return half_ops[index];
-  if (dtype == kBool) return (index == 0 || index == 3) ? MPI_LOR : MPI_LAND;  // any / all
-  const MPI_Op ops[] = {MPI_SUM, MPI_PROD, MPI_MIN, MPI_MAX};
-  return ops[index];
 }
 
 // MPI wants int counts and displacements.
@@ -187,7 +85,7 @@ class MpiCommunicator final : public Communicator {
   }
   bool all_reduce_mean(const void* in, void* out, int64_t n, DType t) override {
     if (size_ != 2 || !is_floating(t)) return false;
-    all_reduce_in_pieces(in, out, n, t, mean_of_two);
+    all_reduce_in_pieces(in, out, n, t, mean_of_two_op());
     return true;
   }
   void broadcast(void* buffer, int64_t n, DType t, int root) override {
@@ -201,9 +99,16 @@ class MpiCommunicator final : public Communicator {
         "reduce");
   }
   void all_gather(const void* in, void* out, int64_t n, DType t) override {
+    const int64_t item = int64_t(itemsize(t)), chunk = chunk_elements(chunk_bytes, size_, item);
+    if (chunk > 0 && n > chunk) {  // in pieces, each gathered packed (chunks.h)
+      all_gather_in_chunks(
+          static_cast<const char*>(in), static_cast<char*>(out), n, size_, item, chunk,
+          [&](const char* send, char* recv, int64_t m) { all_gather(send, recv, m, t); });
+      return;
+    }
     const int count = as_int(n, "all_gather");
     // In place when the input is this rank's own slice of the output (as NCCL allows too).
-    const void* own = static_cast<const char*>(out) + int64_t(rank_) * n * int64_t(itemsize(t));
+    const void* own = static_cast<const char*>(out) + int64_t(rank_) * n * item;
     const void* send = in == own ? MPI_IN_PLACE : in;
     WEAVE_CHECK_CALL(MPI_Allgather(send, count, mpi_type(t), out, count, mpi_type(t), comm_),
                      "all_gather");
@@ -216,9 +121,14 @@ class MpiCommunicator final : public Communicator {
                      "all_gather_uneven");
   }
   void reduce_scatter(const void* in, void* out, int64_t n, DType t, ReduceOp op) override {
-    WEAVE_CHECK_CALL(MPI_Reduce_scatter_block(in, out, as_int(n, "reduce_scatter"), mpi_type(t),
-                                              mpi_op(op, t), comm_),
-                     "reduce_scatter");
+    const int64_t chunk = chunk_elements(chunk_bytes, size_, int64_t(itemsize(t)));
+    reduce_scatter_in_chunks(
+        static_cast<const char*>(in), static_cast<char*>(out), n, size_, int64_t(itemsize(t)),
+        chunk, [&](const char* send, char* recv, int64_t m) {
+          WEAVE_CHECK_CALL(MPI_Reduce_scatter_block(send, recv, as_int(m, "reduce_scatter"),
+                                                    mpi_type(t), mpi_op(op, t), comm_),
+                           "reduce_scatter");
+        });
   }
   void gather(const void* in, void* out, int64_t n, DType t, int root) override {
     const int count = as_int(n, "gather");
@@ -349,7 +259,7 @@ std::unique_ptr<Communicator> init_world() {
                 "the MPI library provides thread level {}, weave needs MPI_THREAD_MULTIPLE ({})",
                 provided, int(MPI_THREAD_MULTIPLE));
   }
-  if (half_type == MPI_DATATYPE_NULL) create_16bit_types();
+  create_16bit_types();
   const char* sends = std::getenv("WEAVE_MPI_SEND");
   const std::string send_mode = sends != nullptr ? sends : "";
   WEAVE_CHECK(send_mode.empty() || send_mode == "buffered" || send_mode == "synchronous", "init",
@@ -357,6 +267,15 @@ std::unique_ptr<Communicator> init_world() {
               "synchronous (as NCCL's sends: for tests)",
               send_mode);
   synchronous_sends = send_mode == "synchronous";
+  if (const char* chunk_mb = std::getenv("WEAVE_MPI_CHUNK_MB")) {
+    char* end = nullptr;
+    const double mb = std::strtod(chunk_mb, &end);
+    WEAVE_CHECK(end != chunk_mb && *end == '\0' && mb >= 0, "init",
+                "WEAVE_MPI_CHUNK_MB='{}' is not a size in MB; hint: e.g. 16 (the default), or 0 "
+                "to send reduce-scatters and all-gathers whole",
+                chunk_mb);
+    chunk_bytes = int64_t(mb * double(1 << 20));
+  }
   MPI_Comm world = MPI_COMM_NULL, node = MPI_COMM_NULL;
   WEAVE_CHECK_CALL(MPI_Comm_dup(MPI_COMM_WORLD, &world), "init");
   WEAVE_CHECK_CALL(MPI_Comm_split_type(world, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),

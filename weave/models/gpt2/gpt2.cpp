@@ -59,21 +59,9 @@ void GPT2::add_head() {
   const Shape dim{options_.dim};
   norm = register_module("norm", split_.leaves().linear().layer_norm(dim, 1e-5));
   if (!options_.untied_head) return;
-  if (!split_.tensor) {
-    head = register_module(
-        "head", std::make_shared<nn::Linear>(options_.dim, options_.vocab, options_.head_bias,
-                                             options_.generator));
-    return;
-  }
-  const dist::Group& tp = *split_.tensor;
-  auto columns = std::make_shared<parallel::ColumnParallelLinear>(
-      options_.dim, parallel::padded_vocab(options_.vocab, tp.size()), tp,
-      parallel::ColumnParallelOptions{.bias = options_.head_bias,
-                                      .sequence_parallel = split_.sequence_parallel,
-                                      .generator = options_.generator});
-  parallel::record_padding(columns->weight, tp, options_.vocab);  // as the embedding's rows
-  if (options_.head_bias) parallel::record_padding(columns->bias, tp, options_.vocab);
-  head = register_module("head", columns);
+  head = register_module("head", detail::output_head(options_.dim, options_.vocab,
+                                                     options_.head_bias, split_,
+                                                     options_.generator));
 }
 
 Tensor& GPT2::token_weight() {
@@ -154,11 +142,8 @@ Tensor GPT2::run(const Tensor& input, std::vector<nn::KVCache>* caches, bool gat
 }
 
 Tensor GPT2::logits(const Tensor& hidden, bool gather) {
-  if (!head)
-    return detail::tied_head_logits(hidden, token_weight(), options_.vocab, split_, gather);
-  if (!split_.tensor) return (*head)(hidden);
-  // Column-parallel: it gathers a sequence-parallel input itself (dim 1).
-  return parallel::vocab_parallel_logits((*head)(hidden), options_.vocab, *split_.tensor, gather);
+  return detail::head_logits(hidden, head.get(), head ? Tensor() : token_weight(), options_.vocab,
+                             split_, gather);
 }
 
 }  // namespace weave::models

@@ -13,13 +13,15 @@
 //
 // Split over a tensor group, the token embedding splits by vocabulary rows
 // (parallel::VocabParallelEmbedding) and the head reads that slice: forward gives this rank's
-// vocabulary slice of the logits unless split.gather_logits, a vocabulary that does not divide
-// among the ranks padded (parallel::padded_vocab: 50257 to 50304) and masked out of them; the
-// blocks are nn::TransformerBlocks built with the split's leaves, batch first (sequence
-// parallelism cuts dim 1), experts in place of their MLPs with options.moe. As pipeline stage s of
-// S the first stage embeds, the last holds the final norm and the head, hidden states [B, T, dim]
-// travel between, and the last stage's copy of the token embedding is tied to the first's:
-// parallel::Pipeline adds their gradients after each step (Megatron-LM's shared embedding).
+// vocabulary slice of the logits unless split.gather_logits (with split.vocabulary, over the
+// shard group too: the slice of every batch rank's rows,
+// parallel/model_parallel/tensor_parallel_vocabulary.h), a vocabulary that does not divide among
+// the ranks padded (parallel::padded_vocab: 50257 to 50304) and masked out of them; the blocks are
+// nn::TransformerBlocks built with the split's leaves, batch first (sequence parallelism cuts dim
+// 1), experts in place of their MLPs with options.moe. As pipeline stage s of S the first stage
+// embeds, the last holds the final norm and the head, hidden states [B, T, dim] travel between, and
+// the last stage's copy of the token embedding is tied to the first's: parallel::Pipeline adds
+// their gradients after each step (Megatron-LM's shared embedding).
 #include "weave/data/hf/model_config.h"
 #include "weave/models/model_split.h"
 #include "weave/nn/generation.h"
@@ -74,7 +76,7 @@ class GPT2 : public nn::CausalLM {
   /// The last stage's nn::LayerNorm (parallel::SequenceParallelLayerNorm under sequence
   /// parallelism).
   std::shared_ptr<nn::Module> norm;
-  /// nn::Linear, or parallel::ColumnParallelLinear over the vocabulary; null unless untied_head.
+  /// nn::Linear, or parallel::VocabParallelHead over the vocabulary; null unless untied_head.
   std::shared_ptr<nn::Module> head;
 
  private:

@@ -136,18 +136,9 @@ Llama::Llama(LlamaOptions options, ModelSplit split)
 }
 
 void Llama::add_head() {
-  const std::optional<dist::Group>& tp = split_.tensor;
   if (options_.tie_embeddings) return;  // the embedding's table (this stage's copy)
-  if (tp) {
-    auto columns = std::make_shared<parallel::ColumnParallelLinear>(
-        options_.dim, parallel::padded_vocab(options_.vocab, tp->size()), *tp,
-        parallel::ColumnParallelOptions{.bias = false, .generator = options_.generator});
-    parallel::record_padding(columns->weight, *tp, options_.vocab);  // as the embedding's
-    head = register_module("head", columns);
-  } else {
-    head = register_module("head", std::make_shared<nn::Linear>(options_.dim, options_.vocab, false,
-                                                                options_.generator));
-  }
+  head = register_module(
+      "head", detail::output_head(options_.dim, options_.vocab, false, split_, options_.generator));
 }
 
 Tensor& Llama::embedding_weight() {
@@ -182,13 +173,8 @@ Tensor Llama::embed(const Tensor& tokens) {
 }
 
 Tensor Llama::logits(const Tensor& hidden, bool gather) {
-  const double cap = options_.logit_softcap;
-  if (!head)
-    return detail::tied_head_logits(hidden, embedding_weight(), options_.vocab, split_, gather,
-                                    cap);
-  Tensor local = detail::soft_capped((*head)(hidden), cap);
-  if (!split_.tensor) return local;
-  return parallel::vocab_parallel_logits(local, options_.vocab, *split_.tensor, gather);
+  return detail::head_logits(hidden, head.get(), head ? Tensor() : embedding_weight(),
+                             options_.vocab, split_, gather, options_.logit_softcap);
 }
 
 std::vector<std::string> Llama::shard_units() const {

@@ -14,11 +14,12 @@
 //   parallel::load_pretrained(part, config, "llama/");                 // each reads its own
 //
 // Split over a tensor group, forward gives this rank's vocabulary slice of the logits
-// [B, T, padded / n] (for parallel::vocab_parallel_cross_entropy) unless split.gather_logits; a
-// vocabulary that does not divide among the ranks is padded (parallel::padded_vocab), its
-// padding masked out of the logits, and the embedding and head parameters are the padded ones.
-// Built from the same seed on every rank, each rank holds the slices of the whole model, under
-// its parameter names.
+// [B, T, padded / n] (for split.cross_entropy) unless split.gather_logits; with split.vocabulary
+// (from_mesh's default over the shard group) the slice covers every batch rank's rows,
+// [n B, T, padded / pieces] (parallel/model_parallel/tensor_parallel_vocabulary.h). A vocabulary
+// that does not divide among the ranks is padded (parallel::padded_vocab), its padding masked out
+// of the logits, and the embedding and head parameters are the padded ones. Built from the same
+// seed on every rank, each rank holds the slices of the whole model, under its parameter names.
 #include <optional>
 #include <vector>
 
@@ -149,7 +150,7 @@ class Llama : public nn::CausalLM {
   std::shared_ptr<nn::Module> embedding;
   std::shared_ptr<nn::Sequential> blocks;  // this stage's
   std::shared_ptr<nn::RMSNorm> norm;       // null before the last stage
-  /// nn::Linear, or parallel::ColumnParallelLinear over the vocabulary; null when tied and
+  /// nn::Linear, or parallel::VocabParallelHead over the vocabulary; null when tied and
   /// before the last stage.
   std::shared_ptr<nn::Module> head;
 

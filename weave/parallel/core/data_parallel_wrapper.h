@@ -43,6 +43,10 @@ class DataParallelWrapper {
   /// (DDP; a frozen base's are left out), or this rank's flat shards (FSDP). A pipeline records its
   /// stage on them too, so that clipping counts every stage's gradients once.
   virtual std::vector<Tensor> trained_parameters() const = 0;
+  /// The tensor of trained_parameters() that holds exactly `parameter`'s values and gradient:
+  /// the parameter itself (DDP), a flat of one rank holding it alone (FSDP: a vocabulary piece,
+  /// each rank's own), else undefined. A pipeline sums a tied parameter's gradients there.
+  virtual Tensor trained_tensor_of(const Tensor& parameter) const { return parameter; }
   /// The optimizer's parameter groups over trained_parameters(), from `groups` of the module's
   /// own parameters (optim::weight_decay_groups): those groups (DDP), or each shard in the
   /// groups of the parameters it holds elements of (FSDP).

@@ -101,6 +101,25 @@ std::vector<std::vector<int>> partition(const MeshShape& s, int world, unsigned 
   return groups;
 }
 
+// The ranks of each pipeline stage and replica, tensor-major and then in their shard group's
+// order (ascending rank): the pieces of a vocabulary split over tensor x shard.
+dist::Group vocabulary_pieces(const MeshShape& shape, int world, int shards) {
+  std::map<std::array<int, 2>, std::vector<std::pair<int, int>>> holders;
+  for (int r = 0; r < world; ++r) {
+    const Coordinates at = coordinates_of(r, shape);
+    holders[{at[size_t(Axis::Pipeline)], at[size_t(Axis::Data)] / shards}].emplace_back(
+        at[size_t(Axis::Tensor)], r);
+  }
+  std::vector<std::vector<int>> lists;
+  for (auto& [key, members] : holders) {
+    std::sort(members.begin(), members.end());
+    lists.emplace_back();
+    for (const auto& [tensor, rank] : members) lists.back().push_back(rank);
+  }
+  std::sort(lists.begin(), lists.end());
+  return dist::split_group(dist::world(), lists);
+}
+
 }  // namespace
 
 ProcessMesh::ProcessMesh(MeshShape shape) : shape_(shape) {
@@ -154,6 +173,7 @@ ProcessMesh::ProcessMesh(MeshShape shape) : shape_(shape) {
   };
   shard_ = shape.replicate > 1 ? sub_axis(true) : group({Axis::Data, Axis::Context});
   replicate_ = sub_axis(false);
+  vocabulary_ = shape.tensor == 1 ? shard_ : vocabulary_pieces(shape, world, shards);
   tensor_ = group({Axis::Tensor});
   data_ = group({Axis::Data});
   pipeline_ = group({Axis::Pipeline});

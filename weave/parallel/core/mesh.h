@@ -72,6 +72,10 @@ class ProcessMesh {
   /// in their replica index only (where each shard is averaged; this rank alone without).
   const dist::Group& shard() const { return shard_; }
   const dist::Group& replicate() const { return replicate_; }
+  /// The ranks that hold the pieces of a vocabulary split over tensor x shard (the same pipeline
+  /// stage and replica), tensor-major: rank tensor_rank() x shard().size() + shard().rank()
+  /// (parallel::VocabularyGroups). shard() itself without tensor ranks.
+  const dist::Group& vocabulary() const { return vocabulary_; }
   /// The ranks that together hold every expert (same tensor and pipeline coordinates).
   const dist::Group& expert() const { return group({Axis::Expert}); }
   /// The ranks that differ from this one only in the coordinates of `axes`: group({Data,
@@ -94,7 +98,7 @@ class ProcessMesh {
 
  private:
   MeshShape shape_;
-  dist::Group data_, tensor_, pipeline_, context_, shard_, replicate_;
+  dist::Group data_, tensor_, pipeline_, context_, shard_, replicate_, vocabulary_;
   std::map<unsigned, dist::Group> groups_;       // by the set of axes, as a bit mask
   std::shared_ptr<const MeshShape> registered_;  // alive while a copy of this mesh is
 };

@@ -16,9 +16,9 @@ namespace weave::parallel {
 std::string Cut::str() const {
   switch (kind) {
     case Kind::Split:
-      return size < 0 ? fmt::format("split along axis {} over group {}", axis, group.str())
-                      : fmt::format("split along axis {} over group {}, padded past {}", axis,
-                                    group.str(), size);
+      return fmt::format("split along axis {} over group {}{}{}", axis, group.str(),
+                         size < 0 ? "" : fmt::format(", padded past {}", size),
+                         across_batches ? ", across batches" : "");
     case Kind::FlatShard:
       return fmt::format("a flat shard over group {}", group.str());
     case Kind::Experts:
@@ -240,10 +240,16 @@ std::vector<Tensor> ReplicaGroups::members(const std::vector<Tensor>& params, in
 
 namespace {
 
-// Which experts this rank holds of parameter `p` spread inside `group` (the first one), or -1
-// when every rank of `group` holding it holds the same piece. Raises for a cut that splits the
-// same batch's gradient across ranks of `group`.
-int64_t experts_inside(const std::string& name, const Tensor& p, const dist::Group& group,
+// A vocabulary piece's key in piece_inside: below -1, apart from the experts' first indices.
+constexpr int64_t vocabulary_key(int piece) {
+  return -2 - piece;
+}
+
+// Which piece this rank holds of parameter `p` where its copies on the ranks of `group` differ:
+// the first of the experts spread inside `group`, or vocabulary_key of a vocabulary piece split
+// across its batches; -1 when every rank of `group` holding it holds the same piece. Raises for a
+// cut that splits the same batch's gradient across ranks of `group`.
+int64_t piece_inside(const std::string& name, const Tensor& p, const dist::Group& group,
                        const char* op) {
   const Placement* placement = placement_of(p);
   if (placement == nullptr) return -1;
@@ -263,14 +269,19 @@ int64_t experts_inside(const std::string& name, const Tensor& p, const dist::Gro
     int64_t shared = 0;
     for (int r : cut.group.ranks()) shared += group.contains(r) ? 1 : 0;
     const bool experts = cut.kind == Cut::Kind::Experts && cut.group.size() > 1;
+    const bool vocabulary = cut.kind == Cut::Kind::Split && cut.across_batches;
     // Expert ranks read different batches: a data-parallel group must take them in.
-    WEAVE_CHECK(!experts || shared > 1, op,
-                "parameter '{}' is one of {}, outside group {}: its gradient sums the batches "
-                "of that expert group, which the group's average would leave out (off by the "
-                "expert scale 1/{}); hint: wrap over every rank that reads a different batch, "
-                "e.g. mesh.group({{Axis::Data, Axis::Context}}), which takes the experts in",
-                name, cut.str(), group.str(), cut.group.size());
+    WEAVE_CHECK(!(experts || vocabulary) || shared > 1, op,
+                "parameter '{}' is {}, outside group {}: its gradient sums the batches of that "
+                "group, which the group's average would leave out; hint: wrap over every rank "
+                "that reads a different batch, e.g. mesh.shard() or mesh.group({{Axis::Data, "
+                "Axis::Context}}), which takes them in",
+                name, cut.str(), group.str());
     if (shared <= 1) continue;  // the cut runs across the group: every rank of it holds its piece
+    if (vocabulary) {
+      first = vocabulary_key(cut.group.rank());
+      continue;
+    }
     WEAVE_CHECK(experts, op,
                 "parameter '{}' is {}, which shares ranks with group {}: those ranks hold "
                 "different pieces of one batch's gradient, not replicas; hint: wrap over the "
@@ -295,11 +306,12 @@ ReplicaGroups replica_groups(const std::vector<std::string>& names,
   check_together(
       [&] {
         for (size_t i = 0; i < params.size(); ++i)
-          mine += fmt::format("{},", experts_inside(names[i], params[i], group, op));
+          mine += fmt::format("{},", piece_inside(names[i], params[i], group, op));
       },
       group, op);
   const std::vector<std::string> all = all_gather_bytes(mine, group);
-  ReplicaGroups out{.groups = {group}, .of = std::vector<int>(params.size(), 0)};
+  ReplicaGroups out{
+      .groups = {group}, .of = std::vector<int>(params.size(), 0), .vocabulary = {false}};
   std::vector<std::vector<std::vector<int>>> partitions = {{group.ranks()}};
   std::vector<size_t> at(all.size(), 0);  // parse position in each rank's list
   for (size_t i = 0; i < params.size(); ++i) {
@@ -311,17 +323,22 @@ ReplicaGroups replica_groups(const std::vector<std::string>& names,
     }
     if (holders.size() == 1 && holders.begin()->first == -1) continue;
     WEAVE_CHECK(!holders.contains(-1), op,
-                "parameter '{}' is spread as experts on some ranks of group {} and not on ranks "
-                "{}; hint: build the same model on every rank",
+                "parameter '{}' is spread (as experts or vocabulary pieces) on some ranks of "
+                "group {} and not on ranks {}; hint: build the same model on every rank",
                 names[i], group.str(), holders[-1]);
+    const bool vocabulary = holders.begin()->first < -1;
     std::vector<std::vector<int>> partition;
     for (auto& [first, ranks] : holders) partition.push_back(std::move(ranks));
-    auto found = std::find(partitions.begin(), partitions.end(), partition);
-    if (found == partitions.end()) {
+    size_t found = 0;  // experts and vocabulary pieces keep groups of their own
+    while (found < partitions.size() &&
+           !(partitions[found] == partition && out.vocabulary[found] == vocabulary))
+      ++found;
+    if (found == partitions.size()) {
       out.groups.push_back(dist::split_group(group, partition));
-      found = partitions.insert(partitions.end(), std::move(partition));
+      out.vocabulary.push_back(vocabulary);
+      partitions.push_back(std::move(partition));
     }
-    out.of[i] = int(found - partitions.begin());
+    out.of[i] = int(found);
   }
   return out;
 }
@@ -332,11 +349,16 @@ void check_replicated(const std::vector<std::string>& names, const std::vector<T
       [&] {
         for (size_t i = 0; i < params.size(); ++i) {
           const std::string name = i < names.size() ? names[i] : fmt::format("parameter {}", i);
-          WEAVE_CHECK(experts_inside(name, params[i], group, op) == -1, op,
-                      "'{}' is one of the experts spread over ranks of group {}: each rank holds "
-                      "other experts, and averaging every parameter over the group would mix "
-                      "them; hint: {}",
-                      name, group.str(), hint);
+          const int64_t piece = piece_inside(name, params[i], group, op);
+          WEAVE_CHECK(piece == -1, op,
+                      "'{}' is one of the {} spread over ranks of group {}: each rank holds "
+                      "others, and averaging every parameter over the group would mix them; "
+                      "hint: {}",
+                      name, piece < -1 ? "vocabulary pieces" : "experts", group.str(),
+                      piece < -1 ? "build the model without ModelSplit::shard_vocabulary, or "
+                                   "train it under DistributedDataParallel or "
+                                   "FullyShardedDataParallel"
+                                 : hint);
         }
       },
       group, op);
@@ -349,6 +371,19 @@ bool spread_expert_in(const Tensor& p, const dist::Group& group) {
     if (cut.kind == Cut::Kind::Experts && cut.group.size() > 1 &&
         group.contains(cut.group.global_rank(0)))
       return true;
+  return false;
+}
+
+bool spread_piece_in(const Tensor& p, const dist::Group& group) {
+  if (spread_expert_in(p, group)) return true;
+  const Placement* placement = placement_of(p);
+  if (placement == nullptr) return false;
+  for (const Cut& cut : placement->cuts) {
+    if (cut.kind != Cut::Kind::Split || !cut.across_batches) continue;
+    int shared = 0;
+    for (int r : cut.group.ranks()) shared += group.contains(r) ? 1 : 0;
+    if (shared > 1) return true;
+  }
   return false;
 }
 

@@ -68,6 +68,11 @@ struct Cut {
   /// real length, the rows past it padding (gather_state_dict drops them, sharded checkpoints
   /// hold none); -1: no padding.
   int64_t size = -1;
+  /// Split over ranks of which some read different batches (a vocabulary split over FSDP's
+  /// shard group, tensor_parallel_vocabulary.h): each piece's gradient already sums the batches of
+  /// those ranks, so a data-parallel wrapper averages it as it does an expert's (ReplicaGroups):
+  /// over the ranks of its group holding the same piece, times 1 / (their share of the group).
+  bool across_batches = false;
   /// Experts: this rank holds experts [first, first + count) of `total`. Stage: count 2 marks a
   /// parameter that the first and the last stage both hold (tie_first_and_last_stage), the same
   /// piece twice.
@@ -157,11 +162,16 @@ void remove_cut(const Tensor& t, Cut::Kind kind);
 /// summed over the ranks holding the same experts (its expert-data group) and divided by
 /// group.size(): its gradient already sums the tokens of its expert group, so this is the
 /// average over the expert-data group times 1 / (expert group size), Megatron's expert scale.
+/// A vocabulary piece split across batches (a Split cut with across_batches) is reduced alike
+/// over the ranks of `group` holding the same piece (each rank alone under plain FSDP).
 struct ReplicaGroups {
   /// groups[0] is the wrapper's group; the others are its expert-data groups.
   std::vector<dist::Group> groups;
   /// Per parameter, its entry in `groups`.
   std::vector<int> of;
+  /// Of each group past the first: whether it gathers the holders of vocabulary pieces split
+  /// across batches (else of experts). vocabulary[0] is false.
+  std::vector<bool> vocabulary;
   /// What an average over groups[k] is multiplied by: groups[k].size() / groups[0].size().
   double scale(int k) const;
   /// The parameters of `params` (the list `of` describes) averaged over groups[k].
@@ -193,6 +203,9 @@ void check_replicated(const std::vector<std::string>& names, const std::vector<T
 /// Whether p is one of the experts spread over ranks of `group` (an Experts cut of more than one
 /// rank, inside the group): its copies on the group's ranks differ, and so does its name.
 bool spread_expert_in(const Tensor& p, const dist::Group& group);
+/// Whether p's copies on the ranks of `group` differ: one of the experts spread over them, or a
+/// vocabulary piece split across their batches (Cut::across_batches).
+bool spread_piece_in(const Tensor& p, const dist::Group& group);
 }  // namespace detail
 
 }  // namespace weave::parallel

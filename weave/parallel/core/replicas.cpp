@@ -218,9 +218,11 @@ void broadcast_replicas(nn::Module& module, const std::vector<Tensor>& params,
   const dist::Group& group = replicas.groups[0];
   // Deferred parameters need none: every rank draws the same values by name (deferred.h), and
   // check_same_model saw them deferred on every rank.
+  // What differs across the group (spread experts, vocabulary pieces, frozen or not) comes
+  // from its own replica group's first rank.
   std::vector<Tensor> dense = module.buffers();
   for (const Tensor& p : module.parameters())
-    if (!spread_expert_in(p, group) && !nn::is_deferred(p)) dense.push_back(p);
+    if (!spread_piece_in(p, group) && !nn::is_deferred(p)) dense.push_back(p);
   broadcast_packed(differing_from(dense, root, group), root, group);
   for (size_t k = 1; k < replicas.groups.size(); ++k) {
     std::vector<Tensor> members = replicas.members(params, int(k));

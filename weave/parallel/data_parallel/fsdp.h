@@ -228,6 +228,9 @@ class FullyShardedDataParallel : public Joinable, public DataParallelWrapper {
   const dist::Group& group() const override;
   /// parameters(): the shards are what trains.
   std::vector<Tensor> trained_parameters() const override { return parameters(); }
+  /// The shard of a flat that holds `parameter` alone, unsharded (a vocabulary piece split
+  /// across batches: ModelSplit::vocabulary); undefined for every other parameter.
+  Tensor trained_tensor_of(const Tensor& parameter) const override;
 
   struct State;
 

@@ -69,6 +69,16 @@ void FullyShardedDataParallel::load_full_state_dict(const nn::NamedTensors& stat
   }
 }
 
+Tensor FullyShardedDataParallel::trained_tensor_of(const Tensor& parameter) const {
+  const State& s = *state_;
+  for (const State::Unit& u : s.units)
+    for (const State::Flat& f : u.flats())
+      if (f.alone && !f.frozen && f.params.size() == 1 &&
+          s.params[size_t(f.params[0])].impl() == parameter.impl())
+        return f.shard;
+  return {};
+}
+
 nn::Module& FullyShardedDataParallel::sharded_module() {
   if (!state_->shard_module)  // the frozen shards too: checkpoints and exports hold the base
     state_->shard_module =

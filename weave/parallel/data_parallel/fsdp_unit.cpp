@@ -45,6 +45,16 @@ void gather_in(FSDPFlat& f, const std::vector<Tensor>& members, DType dtype) {
   for (size_t k = 0; k < members.size(); ++k) bind_storage(members[k], f.full.view(k));
 }
 
+// "" for the wrapper's group, "_experts", "_experts2", ... for the experts' groups and
+// "_vocabulary" for the vocabulary pieces'.
+std::string replica_suffix(const ReplicaGroups& replicas, int replica) {
+  if (replica == 0) return "";
+  if (replicas.vocabulary[size_t(replica)]) return "_vocabulary";
+  int experts = 0;
+  for (int k = 1; k <= replica; ++k) experts += replicas.vocabulary[size_t(k)] ? 0 : 1;
+  return experts == 1 ? "_experts" : fmt::format("_experts{}", experts);
+}
+
 FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
                    const std::vector<std::string>& names,
                    const std::map<std::string, TensorSplit>& splits, const ReplicaGroups& replicas,
@@ -53,7 +63,7 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
   f.params = std::move(indices);
   f.group = replicas.groups[size_t(replica)];
   f.scale = replicas.scale(replica);
-  f.suffix = replica == 0 ? "" : replica == 1 ? "_experts" : fmt::format("_experts{}", replica);
+  f.suffix = replica_suffix(replicas, replica);
   const dist::Group& group = f.group;
   const int64_t n = group.size();
   const std::vector<Tensor> members = FSDPUnit::members(f, params);
@@ -77,10 +87,17 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
                 names[size_t(f.params[0])], f.shard.device());
     f.shard = f.shard.to(kCPU).detach();
   }
-  f.shard.requires_grad_(!f.frozen);
   gather_in(f, members, precision.param_dtype.value_or(f.shard.dtype()));
+  f.alone = n == 1 && replicas.vocabulary[size_t(replica)] &&
+            f.full.flat.dtype() == f.shard.dtype() && f.full.flat.device() == f.shard.device();
+  if (f.alone) {  // nothing to gather: the members live in the shard
+    f.full.flat = f.shard.detach();
+    for (size_t k = 0; k < members.size(); ++k) bind_storage(members[k], f.full.view(k));
+  }
+  f.shard.requires_grad_(!f.frozen);
   f.reduce_dtype = precision.reduce_dtype.value_or(f.full.flat.dtype());
-  if (replica == 0) f.replicate = precision.replicate_group;
+  if (replica == 0 || replicas.vocabulary[size_t(replica)])
+    f.replicate = precision.replicate_group;
   // Sharded checkpoints describe the shard by the parameters it covers.
   auto layout = std::make_shared<FlatShard>(FlatShard{.members = {},
                                                       .names = {},
@@ -97,7 +114,9 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
   add_cut(f.shard, {.kind = Cut::Kind::FlatShard, .group = group, .layout = std::move(layout)},
           "clip with fsdp.clip_grad_norm_(max_norm), or parallel::clip_grad_norm_, which take "
           "the norm over every rank's shard");
-  if (replica > 0)  // experts: which ones this rank's shard covers, as its members say
+  // Experts: which ones the shard covers, as its members say (a vocabulary piece's split is
+  // the layout's, like a tensor-parallel member's).
+  if (replica > 0 && !replicas.vocabulary[size_t(replica)])
     for (const Cut& cut : placement_of(params[size_t(f.params[0])])->cuts)
       if (cut.kind == Cut::Kind::Experts) add_cut(f.shard, cut);
   f.gathered_version = f.shard.version();
@@ -113,7 +132,8 @@ Tensor as_shard_gradient(const FSDPFlat& f, const Tensor& reduced) {
 }
 
 bool needs_gather(const FSDPFlat& f) {
-  return f.full.flat.storage()->released() || f.gathered_version != f.shard.version();
+  return !f.alone &&
+         (f.full.flat.storage()->released() || f.gathered_version != f.shard.version());
 }
 
 }  // namespace
@@ -200,7 +220,8 @@ void FSDPUnit::ensure_gathered(FSDPStats& stats) {
 void FSDPUnit::release(bool full_shard) {
   wait_gather();  // a prefetch whose unit did not run (a skipped branch) still completes here
   if (!full_shard) return;
-  for (FSDPFlat& f : flats_) f.full.flat.storage()->release();
+  for (FSDPFlat& f : flats_)
+    if (!f.alone) f.full.flat.storage()->release();
   params_ = Params::Sharded;
 }
 
@@ -220,6 +241,10 @@ void FSDPUnit::launch_reduce(const std::vector<Tensor>& params, FSDPStats& stats
   grads_ = Grads::Reducing;  // before the calls: finish_reduce waits for the ones that started
   for (FSDPFlat& f : flats_) {
     if (f.frozen) continue;
+    if (f.alone) {  // the sum over one rank is its own gradient, in its own dtype
+      f.reduced = f.grads.flat;
+      continue;
+    }
     f.grads_wire =
         f.grads.flat.dtype() == f.reduce_dtype ? f.grads.flat : f.grads.flat.to(f.reduce_dtype);
     f.reduced = empty(f.shard.shape(), {.dtype = f.reduce_dtype, .device = f.grads_wire.device()});
@@ -268,6 +293,7 @@ void FSDPUnit::finish_replicate() {
       std::exchange(f.replicate_reduce, std::nullopt)->wait();
       NoGradGuard no_grad;
       f.reduced = as_shard_gradient(f, f.reduced);
+      if (f.scale != 1.0) f.reduced.mul_(f.scale);
     } catch (...) {
       f.reduced = Tensor();
       if (!first_error) first_error = std::current_exception();

@@ -34,6 +34,9 @@ struct FSDPFlat {
   double scale = 1.0;       // what the average is multiplied by (an expert's 1 / expert group)
   std::string suffix;       // "" for the wrapper's group, "_experts", "_experts2", ..., "_frozen"
   bool frozen = false;      // parameters that do not require grad: gathered, never reduced
+  // Sharded over one rank (a vocabulary piece split across batches: each rank its own): the
+  // shard is the parameters' memory itself, never gathered, released or reduced.
+  bool alone = false;
   FlatBuffer full;          // the gathered parameters (the params' memory); released between uses
   Tensor shard;             // this rank's slice, a leaf of its own: what the optimizer steps
   DType reduce_dtype = kFloat32;  // what the gradients travel in (FSDPOptions::reduce_dtype)

@@ -429,6 +429,25 @@ Tensor Pipeline::train_interleaved(const std::vector<Tensor>& in, const std::vec
   return total;
 }
 
+namespace {
+
+// The micro-batches' outputs along `dim`; outputs of k times their micro-batch's rows (every
+// batch rank's rows, rank by rank) block by block, so that rank j's rows stand together.
+Tensor join_outputs(const std::vector<Tensor>& outputs, const std::vector<int64_t>& rows, int dim) {
+  const int64_t first = outputs.empty() || rows[0] == 0 ? 0 : outputs[0].size(dim) / rows[0];
+  bool blocks = first > 1;
+  for (size_t i = 0; i < outputs.size() && blocks; ++i)
+    blocks = outputs[i].size(dim) == first * rows[i];
+  if (!blocks) return cat(outputs, dim);
+  std::vector<Tensor> parts;
+  for (int64_t j = 0; j < first; ++j)
+    for (size_t i = 0; i < outputs.size(); ++i)
+      parts.push_back(outputs[i].narrow(dim, j * rows[i], rows[i]));
+  return cat(parts, dim);
+}
+
+}  // namespace
+
 Tensor Pipeline::predict(const nn::Inputs& inputs, int output_batch_dim) {
   NoGradGuard no_grad;
   const int m = options_.microbatches, p = stages(), s = stage(), v = int(chunks_.size());
@@ -439,6 +458,7 @@ Tensor Pipeline::predict(const nn::Inputs& inputs, int output_batch_dim) {
   detail::StageLink link(group_, s, p);
   std::map<std::pair<int, int>, Tensor> received;
   std::vector<Tensor> outputs;
+  std::vector<int64_t> rows;  // each output's micro-batch rows
   const int previous = link.previous();
   for (int t = 0; t < clock.ticks(); ++t) {
     Tensor to_next;
@@ -449,6 +469,7 @@ Tensor Pipeline::predict(const nn::Inputs& inputs, int output_batch_dim) {
       Tensor y = (*chunks_[size_t(chunk)])(
           nn::Inputs(x, positions_.empty() ? Tensor() : positions_[size_t(micro)],
                      documents_.empty() ? Tensor() : documents_[size_t(micro)]));
+      if (holds_last_stage(chunk)) rows.push_back(x.size(0));
       (holds_last_stage(chunk) ? outputs.emplace_back() : to_next) = y;
     }
     const bool from_previous = clock.sends_forward(previous, t);
@@ -458,7 +479,7 @@ Tensor Pipeline::predict(const nn::Inputs& inputs, int output_batch_dim) {
       received[{micro, s == 0 ? chunk + 1 : chunk}] = x;
     }
   }
-  return is_last() ? cat(outputs, output_batch_dim) : Tensor();
+  return is_last() ? join_outputs(outputs, rows, output_batch_dim) : Tensor();
 }
 
 }  // namespace weave::parallel

@@ -110,7 +110,11 @@ class Pipeline {
 
   /// Forward only, without a graph: the outputs [B, ...] on the last stage, undefined
   /// elsewhere (evaluation; in micro-batches of the same size). The micro-batches' outputs are
-  /// joined along `output_batch_dim` (1 for a sequence-first model's [T, B, ...]).
+  /// joined along `output_batch_dim` (1 for a sequence-first model's [T, B, ...]). A model
+  /// whose output holds k times a micro-batch's rows, rank block by rank block (every batch
+  /// rank's rows: a vocabulary split over the shard group, ModelSplit::vocabulary), is joined
+  /// block by block, [k B, ...]: block j holds rank j's rows of every micro-batch, as one
+  /// forward over the whole batch gives them.
   Tensor predict(const nn::Inputs& inputs, int output_batch_dim = 0);
 
   /// This rank's place in the pipeline group, and the group's size.

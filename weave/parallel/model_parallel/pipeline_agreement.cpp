@@ -33,18 +33,21 @@ void Pipeline::place_parameters() {
     const Placement* placement = placement_of(p);
     return placement != nullptr && placement->tied_across_stages;
   };
+  // A tied parameter's gradients are summed across the ends, where its wrapper trains it (FSDP:
+  // a vocabulary piece's own shard); a wrapper that trains it only within flat shards of several
+  // parameters would never see that sum.
   tied_.clear();
-  for (nn::Module* chunk : chunks_)  // a frozen one (a base under adapters) has no gradient
-    for (const Tensor& p : chunk->parameters())
-      if (is_tied(p) && p.requires_grad()) tied_.push_back(p);
-  // A tied parameter's gradients are summed across the ends here; a wrapper that trains tensors
-  // of its own (FSDP's shards) would never see that sum.
+  std::set<const void*> standing_in;  // a wrapper's tensors trained for tied parameters
   bool tied_behind_wrapper = false;
   for (size_t c = 0; c < chunks_.size(); ++c)
-    if (wrappers_[c] && !tied_.empty())
-      for (const Tensor& p : chunks_[c]->parameters())
-        if (is_tied(p) && p.impl()->autograd && !p.impl()->meta().managed_by.empty())
-          tied_behind_wrapper = true;
+    for (const Tensor& p : chunks_[c]->parameters()) {
+      if (!is_tied(p) || !p.requires_grad()) continue;  // frozen: a base under adapters
+      const Tensor trained = wrappers_[c] ? wrappers_[c]->trained_tensor_of(p) : p;
+      tied_behind_wrapper |= !trained.defined();
+      if (!trained.defined()) continue;
+      tied_.push_back(trained);
+      if (trained.impl() != p.impl()) standing_in.insert(trained.impl());
+    }
   // The ends must hold as many tied parameters, the stages between none.
   const bool at_end = is_first() || is_last(), end = at_end && stages() > 1;
   const int64_t n = int64_t(tied_.size()), kAbove = std::numeric_limits<int32_t>::max();
@@ -76,7 +79,9 @@ void Pipeline::place_parameters() {
     if (wrapper)
       for (const Tensor& t : wrapper->trained_parameters())
         if (placed.insert(t.impl()).second)
-          add_cut(t, {.kind = Cut::Kind::Stage, .group = group_, .count = 0});
+          add_cut(t, {.kind = Cut::Kind::Stage,
+                      .group = group_,
+                      .count = end && standing_in.contains(t.impl()) ? 2 : 0});
   if (tied.highest[0] > 0)
     tied_group_ =
         dist::split_group(group_, {{group_.global_rank(0), group_.global_rank(stages() - 1)}});

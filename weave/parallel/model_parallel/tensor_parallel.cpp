@@ -4,8 +4,6 @@
 
 #include <algorithm>
 #include <functional>
-#include <limits>
-#include <numeric>
 
 #include "weave/autograd/grad_mode.h"
 #include "weave/distributed/functional.h"
@@ -26,7 +24,8 @@ int64_t piece_of(int64_t size, const dist::Group& group, const char* layer, cons
   return size / group.size();
 }
 
-Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group, int64_t size) {
+Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group, int64_t size,
+                       bool across_batches) {
   if (!full.defined()) return {};
   NoGradGuard no_grad;
   const int64_t piece = full.size(axis) / group.size();
@@ -36,21 +35,26 @@ Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group, i
   if (size >= 0) {
     WEAVE_CHECK(axis == 0, "split_parameter",
                 "a padded whole (size {}) is split along axis 0, found axis {}", size, axis);
-    record_padding(slice, group, size);
+    record_padding(slice, group, size, across_batches);
   } else {
-    add_cut(slice, {.kind = Cut::Kind::Split, .group = group, .axis = axis});
+    add_cut(slice, {.kind = Cut::Kind::Split,
+                    .group = group,
+                    .axis = axis,
+                    .across_batches = across_batches});
   }
   return slice;
 }
 
-void record_padding(const Tensor& weight, const dist::Group& group, int64_t size) {
+void record_padding(const Tensor& weight, const dist::Group& group, int64_t size,
+                    bool across_batches) {
   const int64_t rows = weight.size(0), whole = rows * group.size();
   WEAVE_CHECK(size > 0 && size <= whole, "record_padding", "a whole of {} rows padded past {} rows",
               whole, size);
   add_cut(weight, {.kind = Cut::Kind::Split,
                    .group = group,
                    .axis = 0,
-                   .size = size < whole ? size : int64_t(-1)});
+                   .size = size < whole ? size : int64_t(-1),
+                   .across_batches = across_batches});
   // The padding rows are zero wherever they come from: nothing looks them up, so nothing else
   // would keep them finite through a checkpoint or an optimizer's weight decay.
   const int64_t first = std::clamp<int64_t>(size - group.rank() * rows, 0, rows);
@@ -255,42 +259,6 @@ void TensorParallelLinears::check_decoding(const char* layer) const {
               "parameters are the same)");
 }
 
-VocabParallelEmbedding::VocabParallelEmbedding(int64_t vocab, int64_t dim, dist::Group group,
-                                               Generator* generator, int64_t padded_rows)
-    : ShardedModule("VocabParallelEmbedding", std::move(group)),
-      weight(register_parameter("weight", Tensor())),
-      vocab_(vocab) {
-  const int64_t rows = padded_rows == 0 ? vocab : padded_rows;
-  WEAVE_CHECK(rows >= vocab, "VocabParallelEmbedding",
-              "padded_rows ({}) must be at least the vocabulary ({}); hint: padded_vocab", rows,
-              vocab);
-  piece_of(rows, this->group(), "VocabParallelEmbedding", "the padded vocabulary");
-  nn::Embedding full(vocab, dim, generator);  // the unpadded initialization, then zero rows
-  weight = split_parameter(pad_rows(full.weight.detach(), rows), 0, this->group(), vocab);
-  weight.requires_grad_(true);
-}
-
-Tensor VocabParallelEmbedding::forward(const Tensor& ids) {
-  const dist::Group& g = group();
-  const int64_t rows = weight.size(0), start = g.rank() * rows;
-  Tensor mine, local;
-  {
-    NoGradGuard no_grad;
-    WEAVE_CHECK(ids.numel() == 0 ||
-                    (min(ids).item<double>() >= 0 && max(ids).item<double>() < double(vocab_)),
-                "VocabParallelEmbedding", "ids must lie in [0, {}), found [{}, {}]", vocab_,
-                ids.numel() ? min(ids).item<double>() : 0,
-                ids.numel() ? max(ids).item<double>() : 0);
-    Tensor shifted = ids.to(kInt64) - double(start);
-    Tensor inside = ge(shifted, zeros_like(shifted)).to(kInt64) *
-                    lt(shifted, full_like(shifted, double(rows))).to(kInt64);
-    mine = ne(inside, zeros_like(inside));
-    local = where(mine, shifted, zeros_like(shifted));
-  }
-  Tensor rows_here = embedding(weight, local) * unsqueeze(mine, -1).to(weight.dtype());
-  return F::reduce_from_group(rows_here, g);
-}
-
 SequenceParallelLayerNorm::SequenceParallelLayerNorm(const Shape& normalized_shape,
                                                      dist::Group group, double eps)
     : ShardedModule("SequenceParallelLayerNorm", std::move(group)),
@@ -302,60 +270,6 @@ SequenceParallelLayerNorm::SequenceParallelLayerNorm(const Shape& normalized_sha
 Tensor SequenceParallelLayerNorm::forward(const Tensor& x) {
   return layer_norm(x, shape_, F::copy_to_group(weight, group()), F::copy_to_group(bias, group()),
                     eps_);
-}
-
-Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
-                                    const dist::Group& group, bool mean) {
-  WEAVE_CHECK(logits.dim() == 2 && targets.dim() == 1 && targets.size(0) == logits.size(0),
-              "vocab_parallel_cross_entropy",
-              "expected logits [N, V/n] and targets [N], found {} and {}", logits.shape(),
-              targets.shape());
-  WEAVE_CHECK(!is_floating(targets.dtype()), "vocab_parallel_cross_entropy",
-              "targets must be integer class ids, found {}", targets.dtype());
-  const int64_t piece = logits.size(1), start = group.rank() * piece;
-  Tensor global_max, other;
-  {
-    // the shift only keeps exp() finite: any constant per row gives the same loss and
-    // gradient, so it is taken out of the graph
-    NoGradGuard no_grad;
-    global_max = max(logits.detach(), {1}, true).contiguous();
-    if (group.size() > 1) dist::all_reduce(global_max, dist::ReduceOp::Max, group);
-    Tensor columns = arange(double(start), double(start + piece), 1.0, {.dtype = kInt64});
-    other = ne(unsqueeze(targets.to(kInt64), 1), unsqueeze(columns, 0));
-  }
-  Tensor shifted = logits - global_max;
-  Tensor sum_exp = F::reduce_from_group(sum(exp(shifted), {1}), group);
-  // masked, not multiplied by a 0/1 mask: padding columns at -infinity would make 0 * -inf
-  Tensor target_logit = F::reduce_from_group(sum(masked_fill(shifted, other, 0.0), {1}), group);
-  Tensor losses = log(sum_exp) - target_logit;
-  return mean ? losses.mean() : losses.sum();
-}
-
-int64_t padded_vocab(int64_t vocab, int n) {
-  WEAVE_CHECK(vocab > 0 && n > 0, "padded_vocab",
-              "expected a vocabulary and ranks, found {} and {}", vocab, n);
-  if (vocab % n == 0) return vocab;
-  const int64_t multiple = std::lcm(int64_t{128}, int64_t(n));
-  return (vocab + multiple - 1) / multiple * multiple;
-}
-
-Tensor vocab_parallel_logits(const Tensor& logits, int64_t vocab, const dist::Group& group,
-                             bool gather) {
-  const int64_t piece = logits.size(-1), start = group.rank() * piece;
-  const bool padded = piece * group.size() > vocab;
-  if (gather) {
-    Tensor all = F::all_gather(logits, -1, group);
-    return padded ? all.narrow(-1, 0, vocab) : all;
-  }
-  if (!padded || start + piece <= vocab) return logits;
-  Tensor past;  // this rank's columns past the vocabulary
-  {
-    NoGradGuard no_grad;
-    past = ge(arange(double(start), double(start + piece), 1.0,
-                     {.dtype = kInt64, .device = logits.device()}),
-              full({piece}, double(vocab), {.dtype = kInt64, .device = logits.device()}));
-  }
-  return masked_fill(logits, past, -std::numeric_limits<double>::infinity());
 }
 
 nn::NamedTensors shard_state_dict(const nn::NamedTensors& full, const nn::Module& sharded) {

@@ -113,22 +113,6 @@ class RowParallelLinear : public nn::LinearLeaf {
   RowParallelOptions options_;
 };
 
-/// An embedding table [vocab, dim] split by rows: rank r looks up the ids in its range and the
-/// group sums the rows (every id lives on exactly one rank). With padded_rows (> vocab, dividing
-/// by the group size: padded_vocab) the table has that many rows, the rows past vocab zero and
-/// never looked up; else vocab must divide by the group size.
-class VocabParallelEmbedding : public ShardedModule {
- public:
-  VocabParallelEmbedding(int64_t vocab, int64_t dim, dist::Group group,
-                         Generator* generator = nullptr, int64_t padded_rows = 0);
-  /// ids: integer tensor of any shape, in [0, vocab) -> [..., dim], the same on every rank.
-  Tensor forward(const Tensor& ids) override;
-  Tensor& weight;  // [padded_rows (or vocab) / n, dim]
-
- private:
-  int64_t vocab_;
-};
-
 /// LayerNorm applied to sequence shards: its weight and bias gradients are summed over the
 /// group in backward (each rank saw only its part of the sequence).
 class SequenceParallelLayerNorm : public ShardedModule {
@@ -190,27 +174,6 @@ class TensorParallelLinears : public nn::Linears {
 std::shared_ptr<const nn::Linears> tensor_parallel(const dist::Group& group,
                                                    TensorParallelOptions options = {});
 
-/// Cross-entropy of logits split along the last (vocabulary) axis, without gathering them:
-/// the maximum, the sum of exponentials and the target's logit are reduced over the group.
-/// logits [N, V / n] (rank r holds classes [r V/n, (r+1) V/n)), targets [N] int64 (the same
-/// on every rank). The result (mean or sum over N) is the same on every rank, with exact
-/// gradients for the local logits. Padding columns at -infinity (vocab_parallel_logits) take
-/// no part.
-Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
-                                    const dist::Group& group, bool mean = true);
-
-/// The vocabulary a model split over n ranks pads its embedding and head to (Megatron's padded
-/// vocabulary): vocab itself when n divides it, else the next multiple of lcm(128, n). GPT-2's
-/// 50257 becomes 50304 for every power of two n up to 128, so sharded checkpoints move between
-/// those sizes. The padded rows are never looked up, and vocab_parallel_logits masks them out.
-int64_t padded_vocab(int64_t vocab, int n);
-/// What a vocabulary-parallel head gives: `logits` [..., piece] are this rank's slice of the
-/// padded vocabulary's (piece group.rank()); the columns past `vocab` become -infinity (no
-/// probability in softmax or vocab_parallel_cross_entropy, and no gradient). With gather,
-/// every rank gets all `vocab` columns instead (all_gather, then the padding dropped).
-Tensor vocab_parallel_logits(const Tensor& logits, int64_t vocab, const dist::Group& group,
-                             bool gather);
-
 /// size / group.size(), raising (naming layer and what) unless it divides.
 int64_t piece_of(int64_t size, const dist::Group& group, const char* layer, const char* what);
 /// Piece group.rank() of group.size() equal pieces of a whole (unsharded) parameter along
@@ -219,11 +182,14 @@ int64_t piece_of(int64_t size, const dist::Group& group, const char* layer, cons
 /// layer's initialization.
 /// With size >= 0, `full` is a whole padded along axis 0 past its real `size` rows (padded_vocab),
 /// the cut records it, and the padding rows are zeroed.
-Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group, int64_t size = -1);
+/// across_batches: the group's ranks read different batches (Cut::across_batches).
+Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group, int64_t size = -1,
+                       bool across_batches = false);
 /// Records on `weight`, a layer's piece split along axis 0 over `group`, that the whole is padded
 /// past `size` rows (a vocabulary-parallel head built over the padded vocabulary), and zeroes
 /// this piece's padding rows.
-void record_padding(const Tensor& weight, const dist::Group& group, int64_t size);
+void record_padding(const Tensor& weight, const dist::Group& group, int64_t size,
+                    bool across_batches = false);
 /// `whole` with zero rows appended up to `rows` (a vocabulary padded to padded_vocab's size).
 Tensor pad_rows(const Tensor& whole, int64_t rows);
 
