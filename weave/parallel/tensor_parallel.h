@@ -4,3 +4,4 @@
 // forwards there, for the 0.2 release; it goes away after it. Include the new path, or
 // weave/weave.h.
 #include "weave/parallel/model_parallel/tensor_parallel.h"
+#include "weave/parallel/model_parallel/tensor_parallel_vocabulary.h"
