@@ -261,12 +261,13 @@ TEST_SUITE("activation_checkpoint") {
       CHECK(during.resident >= before.resident + kBytes * 9 / 10);
       CHECK(during.resident_peak >= during.resident);
     }
-    cpu_empty_cache();  // the block goes back to the system; the peak remembers it
+    cpu_empty_cache();  // the block goes back (to the system, or a sanitizer's quarantine)
     const ProcessMemory after = process_memory();
     CHECK(after.resident_peak >= before.resident + kBytes * 9 / 10);
-    CHECK(after.resident < after.resident_peak - kBytes / 2);
+    // A reset starts the peak from what is resident now.
     reset_peak_memory();
-    CHECK(process_memory().resident_peak < after.resident_peak - kBytes / 2);
+    const ProcessMemory reset = process_memory();
+    CHECK(reset.resident_peak <= reset.resident + (size_t(16) << 20));
     const std::string said = describe_process_memory();
     CHECK(said.find("resident") != std::string::npos);
     CHECK(said.find("mapped") != std::string::npos);
