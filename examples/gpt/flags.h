@@ -32,9 +32,9 @@ struct Flags {
   int64_t warmup = 60;
   bool sequence_parallel = true, resume = false, checkpoint_activations = false;
   bool shard_vocabulary = true;  // ddp/fsdp: embedding and head split over the shard group
-  bool cuda_graph = false;                   // the training step as one CUDA graph
-  double peak_tflops = 0;                    // one device's peak, for the MFU
-  std::string tensorboard;                   // TensorBoard's event files here
+  bool cuda_graph = false;       // the training step as one CUDA graph
+  double peak_tflops = 0;        // one device's peak, for the MFU
+  std::string tensorboard;       // TensorBoard's event files here
   std::string matmul_precision = "highest";  // float32 GEMMs: highest, or high (TF32)
   uint64_t seed = 0;
   std::optional<DType> autocast;

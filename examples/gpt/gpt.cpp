@@ -65,10 +65,10 @@
 //
 // Rank 0 prints (on stderr, data::MetricsLogger) step, loss, lr, tokens/s (and with
 // --peak-tflops, each device's peak, the model FLOPs utilization), the gradient norm, the worst
-// rank's tensor and resident peaks and the ETA every --log-every (20) steps and the held-out loss every --eval-every
-// steps (--tensorboard DIR writes them for TensorBoard too), and at the end `heldout_loss=X.XXXX`
-// (stdout) followed by a few sampled lines. --log FILE also writes them as JSON Lines, which
-// `weave-plot FILE -o curves.png` draws.
+// rank's tensor and resident peaks and the ETA every --log-every (20) steps and the held-out loss
+// every --eval-every steps (--tensorboard DIR writes them for TensorBoard too), and at the end
+// `heldout_loss=X.XXXX` (stdout) followed by a few sampled lines. --log FILE also writes them as
+// JSON Lines, which `weave-plot FILE -o curves.png` draws.
 #include <weave/weave.h>
 
 #include "data.h"

@@ -71,16 +71,16 @@ void ModelSplit::check(const char* model, int64_t layers, bool with_experts) con
   if (!vocabulary) return;
   vocabulary->check(model);
   const int64_t tensor_size = tensor ? tensor->size() : 1;
-  WEAVE_CHECK(vocabulary->batches &&
-                  (vocabulary->tensor ? vocabulary->tensor->size() : 1) == tensor_size &&
-                  (!tensor || (vocabulary->tensor && vocabulary->tensor->rank() == tensor->rank())) &&
-                  vocabulary->sequence_parallel == sequence_parallel,
-              model,
-              "the vocabulary's groups must be the split's tensor group (size {}, sequence "
-              "parallel {}) and a group of batch ranks; found batches {}, a tensor group of {} "
-              "(sequence parallel {}); hint: ModelSplit::from_mesh sets them",
-              tensor_size, sequence_parallel, vocabulary->batches.has_value(),
-              vocabulary->tensor ? vocabulary->tensor->size() : 1, vocabulary->sequence_parallel);
+  WEAVE_CHECK(
+      vocabulary->batches && (vocabulary->tensor ? vocabulary->tensor->size() : 1) == tensor_size &&
+          (!tensor || (vocabulary->tensor && vocabulary->tensor->rank() == tensor->rank())) &&
+          vocabulary->sequence_parallel == sequence_parallel,
+      model,
+      "the vocabulary's groups must be the split's tensor group (size {}, sequence "
+      "parallel {}) and a group of batch ranks; found batches {}, a tensor group of {} "
+      "(sequence parallel {}); hint: ModelSplit::from_mesh sets them",
+      tensor_size, sequence_parallel, vocabulary->batches.has_value(),
+      vocabulary->tensor ? vocabulary->tensor->size() : 1, vocabulary->sequence_parallel);
 }
 
 nn::Inputs ModelSplit::local_inputs(const nn::Inputs& inputs) const {

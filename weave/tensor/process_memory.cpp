@@ -39,13 +39,13 @@ void reset_resident_peak() {
 std::string describe_process_memory() {
   const ProcessMemory m = process_memory();
   const auto mb = [](size_t bytes) { return double(bytes) / 1e6; };
-  return fmt::format(
-      "rank {}: resident {:.0f} MB (peak {:.0f} MB), mapped {:.0f} MB{}", process_place().rank,
-      mb(m.resident), mb(m.resident_peak), mb(m.mapped),
-      m.address_limit ? fmt::format(" of an address-space limit of {:.0f} MB (ulimit -v / "
-                                    "prlimit --as)",
-                                    mb(m.address_limit))
-                      : std::string(", no address-space limit"));
+  return fmt::format("rank {}: resident {:.0f} MB (peak {:.0f} MB), mapped {:.0f} MB{}",
+                     process_place().rank, mb(m.resident), mb(m.resident_peak), mb(m.mapped),
+                     m.address_limit
+                         ? fmt::format(" of an address-space limit of {:.0f} MB (ulimit -v / "
+                                       "prlimit --as)",
+                                       mb(m.address_limit))
+                         : std::string(", no address-space limit"));
 }
 
 }  // namespace weave

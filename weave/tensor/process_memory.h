@@ -6,7 +6,8 @@
 //
 //   ProcessMemory m = process_memory();
 //   fmt::print("resident peak {} MB\n", m.resident_peak / 1e6);
-//   WEAVE_CHECK(ok, "op", "... ({})", describe_process_memory());   // for errors that may be memory
+//   WEAVE_CHECK(ok, "op", "... ({})", describe_process_memory());   // for errors that may be
+//   memory
 #include <cstddef>
 #include <string>
 

@@ -59,9 +59,9 @@ void GPT2::add_head() {
   const Shape dim{options_.dim};
   norm = register_module("norm", split_.leaves().linear().layer_norm(dim, 1e-5));
   if (!options_.untied_head) return;
-  head = register_module("head", detail::output_head(options_.dim, options_.vocab,
-                                                     options_.head_bias, split_,
-                                                     options_.generator));
+  head =
+      register_module("head", detail::output_head(options_.dim, options_.vocab, options_.head_bias,
+                                                  split_, options_.generator));
 }
 
 Tensor& GPT2::token_weight() {

@@ -250,7 +250,7 @@ constexpr int64_t vocabulary_key(int piece) {
 // across its batches; -1 when every rank of `group` holding it holds the same piece. Raises for a
 // cut that splits the same batch's gradient across ranks of `group`.
 int64_t piece_inside(const std::string& name, const Tensor& p, const dist::Group& group,
-                       const char* op) {
+                     const char* op) {
   const Placement* placement = placement_of(p);
   if (placement == nullptr) return -1;
   if (placement->context && placement->context->size() > 1) {

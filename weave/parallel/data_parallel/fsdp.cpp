@@ -249,11 +249,11 @@ void start_replicas_equal(nn::Module& module, State& s) {
   if (const auto& replicate = s.options.replicate_group) {
     detail::check_together(
         [&] {
-          WEAVE_CHECK(std::count(s.replicas.vocabulary.begin(), s.replicas.vocabulary.end(),
-                                 false) == 1,
-                      kFSDPOp,
-                      "experts spread over ranks are sharded apart, which a replicate group "
-                      "does not follow; hint: HSDP without expert parallelism, or plain FSDP");
+          WEAVE_CHECK(
+              std::count(s.replicas.vocabulary.begin(), s.replicas.vocabulary.end(), false) == 1,
+              kFSDPOp,
+              "experts spread over ranks are sharded apart, which a replicate group "
+              "does not follow; hint: HSDP without expert parallelism, or plain FSDP");
         },
         *replicate, kFSDPOp);
     std::vector<Tensor> dense = module.buffers();

@@ -96,8 +96,7 @@ FSDPFlat make_flat(std::vector<int> indices, const std::vector<Tensor>& params,
   }
   f.shard.requires_grad_(!f.frozen);
   f.reduce_dtype = precision.reduce_dtype.value_or(f.full.flat.dtype());
-  if (replica == 0 || replicas.vocabulary[size_t(replica)])
-    f.replicate = precision.replicate_group;
+  if (replica == 0 || replicas.vocabulary[size_t(replica)]) f.replicate = precision.replicate_group;
   // Sharded checkpoints describe the shard by the parameters it covers.
   auto layout = std::make_shared<FlatShard>(FlatShard{.members = {},
                                                       .names = {},
@@ -132,8 +131,7 @@ Tensor as_shard_gradient(const FSDPFlat& f, const Tensor& reduced) {
 }
 
 bool needs_gather(const FSDPFlat& f) {
-  return !f.alone &&
-         (f.full.flat.storage()->released() || f.gathered_version != f.shard.version());
+  return !f.alone && (f.full.flat.storage()->released() || f.gathered_version != f.shard.version());
 }
 
 }  // namespace

@@ -37,8 +37,8 @@ struct FSDPFlat {
   // Sharded over one rank (a vocabulary piece split across batches: each rank its own): the
   // shard is the parameters' memory itself, never gathered, released or reduced.
   bool alone = false;
-  FlatBuffer full;          // the gathered parameters (the params' memory); released between uses
-  Tensor shard;             // this rank's slice, a leaf of its own: what the optimizer steps
+  FlatBuffer full;  // the gathered parameters (the params' memory); released between uses
+  Tensor shard;     // this rank's slice, a leaf of its own: what the optimizer steps
   DType reduce_dtype = kFloat32;  // what the gradients travel in (FSDPOptions::reduce_dtype)
   Tensor gather_send;  // the shard in the gathered dtype, while its all_gather is in flight
   Tensor grads_wire;   // the whole gradients in reduce_dtype, while they are reduced

@@ -37,10 +37,9 @@ Tensor split_parameter(const Tensor& full, int axis, const dist::Group& group, i
                 "a padded whole (size {}) is split along axis 0, found axis {}", size, axis);
     record_padding(slice, group, size, across_batches);
   } else {
-    add_cut(slice, {.kind = Cut::Kind::Split,
-                    .group = group,
-                    .axis = axis,
-                    .across_batches = across_batches});
+    add_cut(
+        slice,
+        {.kind = Cut::Kind::Split, .group = group, .axis = axis, .across_batches = across_batches});
   }
   return slice;
 }
