@@ -280,7 +280,14 @@ TEST_SUITE("vocabulary") {
     models::Llama part(options_of<models::Llama>(false), models::ModelSplit::from_mesh(mesh));
     const Tensor x = zeros({1 + dist::rank() % 2, kLength}, {.dtype = kInt64});
     CHECK_THROWS_WITH_AS(part(x), doctest::Contains("pass rows of different shapes"), Error);
-    // Every rank can go on: the same shapes pass.
-    CHECK(part(zeros({1, kLength}, {.dtype = kInt64})).size(0) == n);
+    // Every rank can go on: the same shapes pass; targets of another length on one rank
+    // raise on every rank too.
+    const models::ModelSplit split = models::ModelSplit::from_mesh(mesh);
+    const Tensor logits = part(zeros({1, kLength}, {.dtype = kInt64}));
+    CHECK(logits.size(0) == n);
+    const Tensor targets = zeros({1, kLength - dist::rank() % 2}, {.dtype = kInt64});
+    CHECK_THROWS_WITH_AS(split.cross_entropy(logits, targets),
+                         doctest::Contains("pass rows of different shapes"), Error);
+    CHECK(split.cross_entropy(logits, zeros({1, kLength}, {.dtype = kInt64})).dim() == 0);
   }
 }

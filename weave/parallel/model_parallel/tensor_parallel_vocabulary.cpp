@@ -178,6 +178,9 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
                                     const VocabularyGroups& groups, bool mean) {
   const char* op = "vocab_parallel_cross_entropy";
   const int64_t batches = groups.batches ? groups.batches->size() : 1;
+  // First the shapes every batch rank passes (the logits' rows are gathered, the same on all):
+  // then each check below fails on every rank or on none.
+  if (groups.batches) check_same_rows(targets, *groups.batches, op);
   WEAVE_CHECK(
       logits.dim() == 2 && targets.dim() == 1 && targets.size(0) * batches == logits.size(0), op,
       "expected logits [N, V/n] and targets [N / {}] (this rank's rows of the {} ranks "
@@ -189,7 +192,6 @@ Tensor vocab_parallel_cross_entropy(const Tensor& logits, const Tensor& targets,
     const Tensor losses = piece_losses(logits, targets, groups.pieces);
     return mean ? losses.mean() : losses.sum();
   }
-  check_same_rows(targets, *groups.batches, op);
   Tensor losses = piece_losses(logits, gather_rows(targets, *groups.batches), groups.pieces);
   // Each rank's loss reads its own rows, but every rank's logits feed every row: the rows'
   // gradients are summed over the batch ranks before each rank differentiates its logits.
