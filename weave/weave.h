@@ -13,6 +13,7 @@
 #include "weave/data/text/tokenizer.h"
 #include "weave/distributed/clip_grad.h"
 #include "weave/distributed/distributed.h"
+#include "weave/distributed/exact_sum.h"
 #include "weave/distributed/functional.h"
 #include "weave/distributed/gradcheck.h"
 #include "weave/models/adapters.h"

@@ -125,4 +125,39 @@ inline Batch make_batch(const std::vector<int64_t>& tokens, const std::vector<in
   return batch;
 }
 
+/// This rank's micro-batches of the step's global batch: its share of the windows, cut into
+/// --microbatch windows each (one micro-batch of its whole share without), dealt by global index
+/// (parallel::MicroBatchPlan), so that a micro-batch holds the same windows at any layout.
+inline std::vector<Batch> microbatches(const Flags& f, const Corpus& corpus, int data,
+                                       int data_rank, int64_t step, Device device) {
+  const int64_t size = f.microbatch > 0 ? f.microbatch : f.batch / data;
+  const parallel::MicroBatchPlan plan(f.batch, size, data, data_rank);
+  const std::vector<int64_t> offsets = train_offsets(f, int64_t(corpus.train.size()), step);
+  std::vector<Batch> batches;
+  for (int64_t i = 0; i < plan.local(); ++i) {
+    const auto [begin, end] = plan.items(i);
+    batches.push_back(make_batch(corpus.train, {offsets.begin() + begin, offsets.begin() + end},
+                                 f.context, corpus.end_of_text, device));
+  }
+  return batches;
+}
+
+/// Under --reproducible: this rank's held-out windows in micro-batches of --microbatch, dealt by
+/// global index, each with its count of windows.
+inline std::vector<std::pair<Batch, int64_t>> heldout_microbatches(const Flags& f,
+                                                                   const Corpus& corpus, int data,
+                                                                   int data_rank, Device device) {
+  const int64_t span = int64_t(corpus.heldout.size()) - f.context - 1;
+  const parallel::MicroBatchPlan plan(f.eval_windows, f.microbatch, data, data_rank);
+  std::vector<std::pair<Batch, int64_t>> out;
+  for (int64_t i = 0; i < plan.local(); ++i) {
+    const auto [begin, end] = plan.items(i);
+    std::vector<int64_t> windows;
+    for (int64_t w = begin; w < end; ++w) windows.push_back(w * span / f.eval_windows);
+    out.push_back(
+        {make_batch(corpus.heldout, windows, f.context, corpus.end_of_text, device), end - begin});
+  }
+  return out;
+}
+
 }  // namespace gpt

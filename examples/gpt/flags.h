@@ -6,6 +6,7 @@
 #include <weave/util/cli.h>
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@ using namespace weave;
 
 struct Flags {
   std::string strategy = "ddp", data_dir = "/usr/share/games/fortunes", checkpoint, log;
+  std::string export_path;   // the trained model's whole state dict, as one safetensors file
   std::string arch = "gpt";  // gpt: GPT-2's blocks; llama: RMSNorm, rotary, GQA, SwiGLU
   int64_t kv_heads = 0;      // llama's key/value heads (0: as many as --heads)
   int64_t ffn = 0;           // llama's SwiGLU width (0: 8 dim / 3 rounded up to 64)
@@ -27,11 +29,14 @@ struct Flags {
   double expert_bias = 0;
   std::string cp_mode = "ring";
   int64_t layers = 4, dim = 256, heads = 4, context = 128, batch = 16, steps = 600,
-          eval_every = 100, eval_windows = 64, checkpoint_every = 100, stop_at = -1, log_every = 20;
+          eval_every = 100, eval_windows = 64, checkpoint_every = 100, stop_at = -1, log_every = 20,
+          kill_at = -1;
   double lr = 1e-3, min_lr = 1e-4, weight_decay = 0.01, clip = 1.0;
   int64_t warmup = 60;
   bool sequence_parallel = true, resume = false, checkpoint_activations = false;
   bool shard_vocabulary = true;  // ddp/fsdp: embedding and head split over the shard group
+  bool reproducible = false;     // the same bits at any number of data-parallel ranks
+  int64_t microbatch = 0;        // windows per micro-batch (0: each rank's share at once)
   bool cuda_graph = false;       // the training step as one CUDA graph
   double peak_tflops = 0;        // one device's peak, for the MFU
   std::string tensorboard;       // TensorBoard's event files here
@@ -72,6 +77,13 @@ inline void add_layout_options(CLI::App& app, Flags& f) {
                  "fsdp: HSDP, the data ranks as this many replicas of shard groups (each shard "
                  "averaged over the replicas)")
       ->check(weave::cli::positive());
+  app.add_option("--microbatch", f.microbatch,
+                 "windows per micro-batch: each rank runs its share of the batch in micro-batches "
+                 "of this many, accumulating their gradients (0: its share at once)")
+      ->check(weave::cli::non_negative());
+  app.add_flag("--reproducible", f.reproducible,
+               "ddp: sum gradients, losses and the norm so that a run at any number of ranks "
+               "ends with the same bits (needs --microbatch)");
   app.add_option("--microbatches", f.microbatches,
                  "micro-batches per step and data-parallel rank (0: twice --pipeline)")
       ->check(weave::cli::non_negative());
@@ -119,7 +131,12 @@ inline Flags parse(int argc, char** argv) {
   app.add_option("--checkpoint", f.checkpoint, "sharded checkpoint directory");
   app.add_option("--checkpoint-every", f.checkpoint_every)->check(weave::cli::positive());
   app.add_flag("--resume", f.resume, "resume from --checkpoint if it holds a save");
+  app.add_option("--export", f.export_path,
+                 "after training, write the whole model's parameters to this safetensors file");
   app.add_option("--stop-at", f.stop_at, "stop after this step (a resume test)");
+  app.add_option("--kill-at", f.kill_at,
+                 "the last rank kills itself (SIGKILL) after this step, on the first attempt under "
+                 "weave-run (WEAVE_RESTART_COUNT 0): a restart test");
   app.add_flag("--checkpoint-activations", f.checkpoint_activations,
                "recompute each block in backward");
   app.add_option("--samples", f.samples, "lines sampled at the end")
@@ -206,8 +223,15 @@ inline parallel::ProcessMesh mesh_of(const Flags& f) {
       "--top-k {} be at most the experts, and --eval-windows {} divide among the {} "
       "data-parallel ranks",
       f.expert_parallel, data * context, f.experts, f.top_k, f.eval_windows, data);
-  WEAVE_CHECK(f.batch % data == 0, "gpt", "--batch {} does not divide among {} data-parallel ranks",
-              f.batch, data);
+  // Micro-batches are dealt out whole: the batch divides into them, and each rank gets one or
+  // more (unevenly under --reproducible, whose sums do not mind; evenly otherwise).
+  const int64_t microbatch = f.microbatch > 0 ? f.microbatch : f.batch / data;
+  WEAVE_CHECK(f.reproducible ? (f.batch % microbatch == 0 && f.batch / microbatch >= data)
+                             : f.batch % (data * microbatch) == 0,
+              "gpt",
+              "--batch {} does not divide among {} data-parallel ranks in micro-batches of {} "
+              "windows{}",
+              f.batch, data, microbatch, f.reproducible ? " (every rank needs at least one)" : "");
   WEAVE_CHECK(f.replicate == 1 || (f.strategy == "fsdp" && data % f.replicate == 0), "gpt",
               "--replicate {} (HSDP: replicas of shard groups) needs --strategy fsdp and must "
               "divide the {} data-parallel ranks",
@@ -234,10 +258,34 @@ inline void check_flags(const Flags& f) {
               "--cuda-graph captures one GPU's step: --device cuda at one rank, without --experts "
               "(their routing reads counts on the host), fsdp or --autocast fp16 (its scaler "
               "decides on the host)");
+  WEAVE_CHECK(!f.reproducible ||
+                  (f.strategy == "ddp" && f.tp == 0 && f.context_parallel == 1 && f.pipeline == 1 &&
+                   f.experts == 0 && f.microbatch > 0 && f.eval_windows % f.microbatch == 0),
+              "gpt",
+              "--reproducible sums whole parameters over the data-parallel ranks: --strategy ddp "
+              "without --tp, --context-parallel, --pipeline or --experts, with --microbatch N "
+              "(windows per micro-batch, the same at every layout) dividing --eval-windows {}",
+              f.eval_windows);
+  WEAVE_CHECK(f.microbatch == 0 || (f.pipeline == 1 && !f.cuda_graph), "gpt",
+              "--microbatch cuts each rank's share into micro-batches; --pipeline has its own "
+              "(--microbatches) and --cuda-graph captures one step of one batch");
   WEAVE_CHECK(f.arch == "llama" || f.kv_heads == 0, "gpt",
               "--kv-heads {} needs --arch llama (GPT-2's attention has a key/value head per "
               "query head)",
               f.kv_heads);
+}
+
+// NCCL between GPUs unless --backend mpi says otherwise.
+inline bool uses_nccl(const Flags& f) {
+  return f.backend == "nccl" || (f.backend.empty() && f.device == "cuda");
+}
+
+// Linear warmup, then cosine to min_lr (the same formula in bench/training/gpt_torch.py).
+inline double learning_rate(const Flags& f, int64_t step) {
+  if (step < f.warmup) return f.lr * double(step + 1) / double(f.warmup);
+  const double progress =
+      std::min(1.0, double(step - f.warmup) / double(std::max<int64_t>(1, f.steps - f.warmup)));
+  return f.min_lr + 0.5 * (f.lr - f.min_lr) * (1 + std::cos(M_PI * progress));
 }
 
 }  // namespace gpt

@@ -1,7 +1,8 @@
 // A character-level GPT trained on the quotations of Debian's `fortunes` package:
 //   mpirun -np 2 gpt [--strategy ddp|fsdp|tp|hybrid] [--tp 2] [--layers 4] [--dim 256] [--heads 4]
 //                    [--context 128] [--batch 16] [--steps 600] [--lr 1e-3] [--eval-every 100]
-//                    [--checkpoint DIR [--checkpoint-every 100] [--resume] [--stop-at STEP]]
+//                    [--checkpoint DIR [--checkpoint-every 100] [--resume] [--stop-at STEP]
+//                     [--kill-at STEP]]
 //                    [--no-sequence-parallel] [--samples 3] [--threads 1] [--seed 0]
 //                    [--autocast bf16|fp16] [--checkpoint-activations]
 //                    [--device cpu|cuda] [--backend mpi|nccl] [--vocab N] [--log FILE]
@@ -10,6 +11,7 @@
 //                    [--pipeline N [--microbatches M]]
 //                    [--arch gpt|llama [--kv-heads K] [--ffn N] [--pack]]
 //                    [--cuda-graph] [--matmul-precision highest|high]
+//                    [--microbatch N] [--reproducible] [--export FILE]
 //                    [--peak-tflops T] [--tensorboard DIR]
 // --device cuda puts each rank on a GPU (round-robin by local rank) with NCCL between them
 // (--backend mpi: MPI, staging through the host; several ranks may share one GPU). --vocab
@@ -53,6 +55,12 @@
 // makes each fortune a document of its own, ended by an end-of-text token, and hands the model
 // each token's position in its document and the document's id, so attention and positions
 // restart at every document.
+// --microbatch N runs each rank's share of the batch as micro-batches of N windows (gradient
+// accumulation under no_sync()), dealt by global index. --reproducible (ddp) sums the gradients,
+// the losses and the gradient norm so that their bits do not depend on the number of ranks:
+// the same flags at 1, 2, 3 or 4 ranks (or a run resumed at fewer) print the same losses and
+// save the same weights (docs/reproducibility.md). --export FILE writes the trained parameters,
+// whole, to one safetensors file.
 // --autocast runs forward, the loss and the held-out evaluation under AutocastGuard (matrix
 // products and attention in bfloat16/float16, float32 parameters); fp16 adds a GradScaler
 // whose overflow verdict the data-parallel ranks agree on.
@@ -78,7 +86,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <optional>
@@ -92,24 +102,12 @@ using gpt::Flags;
 
 namespace {
 
-bool uses_nccl(const Flags& f) {
-  return f.backend == "nccl" || (f.backend.empty() && f.device == "cuda");
-}
-
 // Runs `body` under --autocast (when given).
 template <typename Body>
 auto autocast(const Flags& f, Body&& body) {
   std::optional<AutocastGuard> guard;
   if (f.autocast) guard.emplace(*f.autocast);
   return body();
-}
-
-// Linear warmup, then cosine to min_lr (the same formula in bench/training/gpt_torch.py).
-double learning_rate(const Flags& f, int64_t step) {
-  if (step < f.warmup) return f.lr * double(step + 1) / double(f.warmup);
-  const double progress =
-      std::min(1.0, double(step - f.warmup) / double(std::max<int64_t>(1, f.steps - f.warmup)));
-  return f.min_lr + 0.5 * (f.lr - f.min_lr) * (1 + std::cos(M_PI * progress));
 }
 
 // One run: the model of this rank, its data-parallel wrapper (DDP or FSDP, over the data x
@@ -136,10 +134,12 @@ class Run {
   void resume();
   void announce() const;
   data::MetricsLogger make_metrics() const;
-  Tensor step_loss(const Batch& batch, double& grad_norm);
+  std::optional<double> step_loss(const std::vector<Batch>& batches, double& grad_norm);
+  double microbatch_losses(const std::vector<Batch>& batches);
   void log_step(data::MetricsLogger& metrics, double& grad_norm);
   void save() const;
   double heldout_loss();
+  double reproducible_heldout_loss();
   void sample_lines();
   void sample(nn::CausalLM& model) const;
 
@@ -192,7 +192,8 @@ void Run::build() {
                                       .fsdp = {.reshard_after_forward = mesh_.shape().pipeline == 1,
                                                .param_dtype = f_.param_dtype,
                                                .reduce_dtype = kFloat32,
-                                               .output_dtype = kFloat32}});
+                                               .output_dtype = kFloat32},
+                                      .ddp = {.reproducible = f_.reproducible}});
   // The stages pass activations and gradients; each stage's wrapper syncs on the last
   // micro-batch.
   if (mesh_.shape().pipeline > 1)
@@ -213,7 +214,7 @@ void Run::optimize() {
       std::make_unique<optim::AdamW>(wrapper_->param_groups(groups),
                                      optim::AdamWOptions{.lr = f_.lr, .capturable = f_.cuda_graph});
   scheduler_ = std::make_unique<optim::LRScheduler>(
-      *optimizer_, [f = f_](int64_t step) { return learning_rate(f, step); });
+      *optimizer_, [f = f_](int64_t step) { return gpt::learning_rate(f, step); });
   // float16's range needs loss scaling; bfloat16 has float32's range and needs none. Every
   // rank agrees on skipping (the world: tensor-parallel shards overflow separately).
   scaler_ = std::make_unique<parallel::GradScaler>(
@@ -266,28 +267,55 @@ data::MetricsLogger Run::make_metrics() const {
                               .tensorboard_dir = f_.tensorboard});
 }
 
+// Forward and backward of each micro-batch, all but the last under no_sync(); the mean loss of
+// the step's whole batch. Under --reproducible each micro-batch's loss is its own mean (the
+// wrapper averages over every rank's micro-batches) and the losses add exactly over the ranks.
+double Run::microbatch_losses(const std::vector<Batch>& batches) {
+  const size_t count = batches.size();
+  double sum = 0;
+  for (size_t i = 0; i < count; ++i) {
+    auto run = [&] {
+      const nn::Inputs in = split_.local_inputs(batches[i].model_inputs());
+      const Tensor targets = split_.local_sequence(batches[i].targets);
+      const Tensor loss = autocast(f_, [&] { return objective(forward(in), targets); });
+      sum += loss.item<double>();
+      scaler_->scale(f_.reproducible || count == 1 ? loss : loss / double(count)).backward();
+    };
+    if (i + 1 == count) {
+      run();
+    } else {
+      const parallel::NoSyncGuard accumulate = wrapper_->no_sync();
+      run();
+    }
+  }
+  if (!f_.reproducible) return sum / double(count);
+  const int64_t all = f_.batch / f_.microbatch;
+  return dist::exact_sum(sum, mesh_.data_and_context()) / double(all);
+}
+
 // One optimizer step on this rank's share of the batch: forward and backward (through the
 // pipeline's stages, micro-batch by micro-batch, when there is one), clipping by the whole
 // model's norm (each parameter's placement says how many ranks hold its piece), AdamW. The
-// loss (the last stage's), undefined elsewhere or under a CUDA graph.
-Tensor Run::step_loss(const Batch& batch, double& grad_norm) {
+// loss (the last stage's; under --reproducible the whole batch's), none elsewhere or under a
+// CUDA graph.
+std::optional<double> Run::step_loss(const std::vector<Batch>& batches, double& grad_norm) {
   if (graphed_) {
-    graphed_->step(batch);
-    return Tensor();
+    graphed_->step(batches.front());
+    return std::nullopt;
   }
   optimizer_->zero_grad();
-  const nn::Inputs in = split_.local_inputs(batch.model_inputs());
-  const Tensor targets = split_.local_sequence(batch.targets);
-  Tensor loss;
+  std::optional<double> loss;
   if (pipe_) {
-    loss = autocast(f_, [&] {
+    const nn::Inputs in = split_.local_inputs(batches.front().model_inputs());
+    const Tensor targets = split_.local_sequence(batches.front().targets);
+    const Tensor last = autocast(f_, [&] {
       return pipe_->train_step(in, targets, [this](const Tensor& logits, const Tensor& target) {
         return objective(logits, target);
       });
     });
+    if (last.defined()) loss = last.item<double>();
   } else {
-    loss = autocast(f_, [&] { return objective(forward(in), targets); });
-    scaler_->scale(loss).backward();
+    loss = microbatch_losses(batches);
   }
   scaler_->unscale_(optimizer_->params());  // clipping sees the true gradients
   grad_norm = parallel::clip_grad_norm_(optimizer_->params(), f_.clip);
@@ -301,8 +329,10 @@ Tensor Run::step_loss(const Batch& batch, double& grad_norm) {
 void Run::log_step(data::MetricsLogger& metrics, double& grad_norm) {
   if (graphed_) loss_sum_ = graphed_->take_loss_sum(), grad_norm = graphed_->norm();
   // Before the last stage the sum is 0 (no loss): the last stage's count.
+  // Under --reproducible every rank holds the whole batch's losses already.
+  const double mine = loss_sum_ / double(losses_);
   const double mean =
-      parallel::replica_mean(full({1}, loss_sum_ / double(losses_), {.dtype = kFloat64}), mesh_);
+      f_.reproducible ? mine : parallel::replica_mean(full({1}, mine, {.dtype = kFloat64}), mesh_);
   metrics.log_step({.step = step_,
                     .loss = mean,
                     .lr = scheduler_->lr(),
@@ -330,19 +360,14 @@ int Run::train() {
   resume();
   announce();
   data::MetricsLogger metrics = make_metrics();
-  const int64_t local_batch = f_.batch / mesh_.shape().data;
-  const int64_t train_span = int64_t(corpus_.train.size());
   double grad_norm = 0;
   while (step_ < f_.steps) {
-    std::vector<int64_t> offsets = gpt::train_offsets(f_, train_span, step_);
-    offsets = {offsets.begin() + mesh_.data_rank() * local_batch,
-               offsets.begin() + (mesh_.data_rank() + 1) * local_batch};
-    const Batch batch =
-        gpt::make_batch(corpus_.train, offsets, f_.context, corpus_.end_of_text, device_);
-    const Tensor loss = step_loss(batch, grad_norm);
+    const std::optional<double> loss = step_loss(
+        gpt::microbatches(f_, corpus_, mesh_.shape().data, mesh_.data_rank(), step_, device_),
+        grad_norm);
     scheduler_->step();
     ++step_;
-    loss_sum_ += loss.defined() ? loss.item<double>() : 0;  // the last stage's
+    loss_sum_ += loss.value_or(0);  // the last stage's
     ++losses_;
     tokens_ += f_.batch * f_.context;
     if (step_ % f_.log_every == 0 || step_ == f_.steps) log_step(metrics, grad_norm);
@@ -352,10 +377,18 @@ int Run::train() {
         (step_ % f_.checkpoint_every == 0 || step_ == f_.steps || step_ == f_.stop_at))
       save();
     if (dist::rank() == 0) std::fflush(stdout);
+    const char* restarts = std::getenv("WEAVE_RESTART_COUNT");
+    if (step_ == f_.kill_at && dist::rank() == dist::world_size() - 1 &&
+        (restarts == nullptr || std::string(restarts) == "0"))
+      std::raise(SIGKILL);  // after this step's save, if it saved: the restart resumes there
     if (step_ == f_.stop_at) {
       if (dist::rank() == 0) std::printf("stopped at step %lld\n", static_cast<long long>(step_));
       return 0;
     }
+  }
+  if (!f_.export_path.empty()) {  // collective under fsdp: every rank gathers, rank 0 writes
+    const nn::NamedTensors state = wrapper_->full_state_dict();
+    if (dist::rank() == 0) data::save_safetensors(f_.export_path, state);
   }
   const double held = heldout_loss();
   metrics.log_eval(f_.steps, "heldout_loss", held);
@@ -377,6 +410,7 @@ int Run::train() {
 // as data rank 0 (the most windows), so that a sharded model's gathers pair up: a rank out of
 // windows runs its first again and counts nothing.
 double Run::heldout_loss() {
+  if (f_.reproducible) return reproducible_heldout_loss();
   NoGradGuard no_grad;
   model_->eval();
   const int data = mesh_.shape().data;
@@ -410,6 +444,24 @@ double Run::heldout_loss() {
                    mesh_.group({Axis::Data, Axis::Context, Axis::Pipeline}));
   model_->train();
   return sum.item<double>() / double(f_.eval_windows * mesh_.shape().context);
+}
+
+// heldout_loss under --reproducible: the windows in chunks of --microbatch dealt by global
+// index (the same shapes at any layout), their losses added exactly over the ranks.
+double Run::reproducible_heldout_loss() {
+  NoGradGuard no_grad;
+  model_->eval();
+  double total = 0;
+  for (const auto& [batch, windows] :
+       gpt::heldout_microbatches(f_, corpus_, mesh_.shape().data, mesh_.data_rank(), device_)) {
+    const Tensor loss = autocast(f_, [&] {
+      return objective(forward(split_.local_inputs(batch.model_inputs())),
+                       split_.local_sequence(batch.targets));
+    });
+    total += loss.item<double>() * double(windows);
+  }
+  model_->train();
+  return dist::exact_sum(total, mesh_.data_and_context()) / double(f_.eval_windows);
 }
 
 // Decoding appends one position at a time, which sequence and context parallelism cannot
@@ -467,7 +519,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   gpt::check_flags(f);
   // Under NCCL the runtime assigned this rank's GPU; under MPI ranks take GPUs round-robin too.
   const Device device = f.device == "cpu" ? kCPU
-                        : uses_nccl(f)
+                        : gpt::uses_nccl(f)
                             ? dist::device()
                             : Device::cuda(dist::local_rank() % std::max(1, cuda::device_count()));
   f.placed = device;
@@ -487,7 +539,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
   }
-  dist::InitGuard distributed(uses_nccl(f) ? dist::Backend::NCCL : dist::Backend::MPI);
+  dist::InitGuard distributed(gpt::uses_nccl(f) ? dist::Backend::NCCL : dist::Backend::MPI);
   try {
     return train_and_sample(f, argc, argv);
   } catch (const std::exception& e) {

@@ -37,7 +37,7 @@ inline models::ModelSplit split_of(const Flags& f, const parallel::ProcessMesh& 
                                   shape.context == 1 && f.arch == "gpt",
              .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
                                                  : parallel::ContextParallelMode::AllToAll,
-             .shard_vocabulary = f.shard_vocabulary});
+             .shard_vocabulary = f.shard_vocabulary && !f.reproducible});
 }
 
 /// The model of the flags with `split` (its parameters drawn as the caller's init says).

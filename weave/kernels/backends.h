@@ -30,6 +30,10 @@
   void adam_update_many(const std::vector<AdamTensors>& tensors, const AdamStep& step);            \
   void norm_power_sum(const std::vector<Tensor>& xs, double p, const Tensor& out);                 \
   void scale_many(const std::vector<Tensor>& xs, double scale);                                    \
+  void binned_add(const Tensor& x, const Tensor& window, const Tensor& limbs);                     \
+  void binned_raise(const Tensor& window, const Tensor& limbs, const Tensor& to);                  \
+  void binned_value(const Tensor& window, const Tensor& limbs, double divisor, const Tensor& out); \
+  void exact_power_sum(const std::vector<Tensor>& xs, double p, const Tensor& limbs);              \
   void clip_many(const std::vector<Tensor>& xs, const Tensor& power_sum, double p,                 \
                  double max_norm, const Tensor& norm);                                             \
   void adam_advance(const Tensor& scalars, double beta1, double beta2);                            \

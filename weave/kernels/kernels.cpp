@@ -149,6 +149,25 @@ void scale_many(const std::vector<Tensor>& xs, double scale) {
   WEAVE_DISPATCH("scale_many", scale_many(xs, scale));
 }
 
+void binned_add(const Tensor& x, const Tensor& window, const Tensor& limbs) {
+  const Tensor& out = window;
+  WEAVE_DISPATCH("binned_add", binned_add(x, window, limbs));
+}
+
+void binned_raise(const Tensor& window, const Tensor& limbs, const Tensor& to) {
+  const Tensor& out = window;
+  WEAVE_DISPATCH("binned_raise", binned_raise(window, limbs, to));
+}
+
+void binned_value(const Tensor& window, const Tensor& limbs, double divisor, const Tensor& out) {
+  WEAVE_DISPATCH("binned_value", binned_value(window, limbs, divisor, out));
+}
+
+void exact_power_sum(const std::vector<Tensor>& xs, double p, const Tensor& limbs) {
+  const Tensor& out = limbs;
+  WEAVE_DISPATCH("exact_power_sum", exact_power_sum(xs, p, limbs));
+}
+
 void clip_many(const std::vector<Tensor>& xs, const Tensor& power_sum, double p, double max_norm,
                const Tensor& norm) {
   const Tensor& out = norm;

@@ -316,6 +316,20 @@ void scale_many(const std::vector<Tensor>& xs, double scale);
 void clip_many(const std::vector<Tensor>& xs, const Tensor& power_sum, double p, double max_norm,
                const Tensor& norm);
 
+/// Binned sums (common/binned.h), one per element, whose bits do not depend on the order of the
+/// additions: adds every element of x (floating, contiguous, n elements) into the sums
+/// `window` (uint8 [n]) and `limbs` (int64 [n, 2]), all on one device.
+void binned_add(const Tensor& x, const Tensor& window, const Tensor& limbs);
+/// Moves every sum up to the window `to` (uint8 [n], each at least the sum's own: the largest
+/// over the ranks), so that sums of several ranks add as integers.
+void binned_raise(const Tensor& window, const Tensor& limbs, const Tensor& to);
+/// out (floating [n]) = each sum / divisor, rounded once into out's dtype from a double.
+void binned_value(const Tensor& window, const Tensor& limbs, double divisor, const Tensor& out);
+/// Adds the sum of |x|^p (each power rounded to a double, then added exactly) over every
+/// element of xs into the exact limbs (int64 [common::kExactLimbs + 1]) and normalizes them;
+/// the last word counts the threads' ranges that met a NaN or infinite power.
+void exact_power_sum(const std::vector<Tensor>& xs, double p, const Tensor& limbs);
+
 struct SgdStep {
   double lr, momentum, dampening, weight_decay;
   bool nesterov;

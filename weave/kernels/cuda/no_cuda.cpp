@@ -71,6 +71,18 @@ void rotary(const Tensor&, const Tensor&, const Tensor&, bool, bool, const Tenso
 void scale_many(const std::vector<Tensor>&, double) {
   no_cuda_kernel("scale_many");
 }
+void binned_add(const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda_kernel("binned_add");
+}
+void binned_raise(const Tensor&, const Tensor&, const Tensor&) {
+  no_cuda_kernel("binned_raise");
+}
+void binned_value(const Tensor&, const Tensor&, double, const Tensor&) {
+  no_cuda_kernel("binned_value");
+}
+void exact_power_sum(const std::vector<Tensor>&, double, const Tensor&) {
+  no_cuda_kernel("exact_power_sum");
+}
 void clip_many(const std::vector<Tensor>&, const Tensor&, double, double, const Tensor&) {
   no_cuda_kernel("clip_many");
 }

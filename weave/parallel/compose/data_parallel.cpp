@@ -50,7 +50,9 @@ std::unique_ptr<DataParallelWrapper> data_parallel(nn::Module& model, const Proc
     return std::make_unique<FullyShardedDataParallel>(model, options.fsdp);
   }
   const dist::Group& replicas = mesh.data_and_context();
-  if (replicas.size() == 1) return std::make_unique<SingleReplica>(model, replicas);
+  // One rank still sums its micro-batches reproducibly, as DDP does at any size.
+  if (replicas.size() == 1 && !options.ddp.reproducible)
+    return std::make_unique<SingleReplica>(model, replicas);
   options.ddp.group = replicas;
   return std::make_unique<DistributedDataParallel>(model, options.ddp);
 }

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <span>
 #include <string>
 
+#include "weave/distributed/exact_sum.h"
 #include "weave/optim/optimizer.h"
 #include "weave/parallel/core/agree.h"
 
@@ -92,6 +94,13 @@ void add_cut(const Tensor& t, Cut cut, const std::string& hint) {
   t.impl()->meta().placement = std::move(placement);
 }
 
+void mark_reproducible(const Tensor& t) {
+  auto placement = std::make_shared<Placement>();
+  if (const Placement* before = placement_of(t)) *placement = *before;
+  placement->reproducible = true;
+  t.impl()->meta().placement = std::move(placement);
+}
+
 void tie_first_and_last_stage(const Tensor& parameter) {
   WEAVE_CHECK(parameter.defined(), "tie_first_and_last_stage",
               "expected a parameter, found an undefined tensor");
@@ -172,10 +181,9 @@ void add_flat_shard(const Tensor& shard, const Placement& placement,
   }
 }
 
-// The sum of |g|^p (max |g| for p = INFINITY) over the distinct pieces of the model this rank
-// holds, each weighted by 1 / its copies in the group, so the group's sum counts it once.
-double weighted_partial(const std::vector<Tensor>& params, double norm_type,
-                        const dist::Group& group, const char* op) {
+// This rank's gradients by how many ranks of `group` hold the same piece.
+std::map<int, std::vector<Tensor>> grads_by_copies(const std::vector<Tensor>& params,
+                                                   const dist::Group& group) {
   std::map<int, std::vector<Tensor>> by_copies;  // copies -> gradients
   for (const Tensor& p : params) {
     if (!p.defined()) continue;
@@ -188,6 +196,13 @@ double weighted_partial(const std::vector<Tensor>& params, double norm_type,
       by_copies[placement->copies_in(group)].push_back(p.grad());
     }
   }
+  return by_copies;
+}
+
+// The sum of |g|^p (max |g| for p = INFINITY) over the distinct pieces of the model this rank
+// holds, each weighted by 1 / its copies in the group, so the group's sum counts it once.
+double weighted_partial(const std::map<int, std::vector<Tensor>>& by_copies, double norm_type,
+                        const char* op) {
   const bool inf = std::isinf(norm_type);
   double total = 0;
   for (const auto& [copies, grads] : by_copies) {
@@ -197,29 +212,71 @@ double weighted_partial(const std::vector<Tensor>& params, double norm_type,
   return total;
 }
 
+// The same sum exactly, every piece counted 2 x group.size() times (each class of copies
+// multiplied up to it, in integers), so that the group's sum divides exactly by that count.
+dist::ExactSum exact_partial(const std::map<int, std::vector<Tensor>>& by_copies, double norm_type,
+                             const dist::Group& group, const char* op) {
+  WEAVE_CHECK(norm_type >= 1, op, "norm_type must be >= 1, found {}", norm_type);
+  const int64_t common = 2 * int64_t(group.size());
+  dist::ExactSum total;
+  for (const auto& [copies, grads] : by_copies) {
+    WEAVE_CHECK(common % copies == 0, op,
+                "a piece held {} times does not divide into twice the {} ranks of group {}", copies,
+                group.size(), group.str());
+    dist::ExactSum part;
+    part.add_power_sum(grads, norm_type);
+    total += part.multiplied(common / copies);
+  }
+  return total;
+}
+
+// The norm over `group`: one all_reduce, whose last word counts the ranks that rejected their
+// arguments (each rethrows its own error; the others raise naming the group).
+double reduced_norm(const std::vector<Tensor>& params, double max_norm, double norm_type,
+                    const dist::Group& group, const char* op) {
+  const bool inf = std::isinf(norm_type);
+  const bool exact = !inf && std::any_of(params.begin(), params.end(), [](const Tensor& p) {
+    const Placement* placement = p.defined() ? placement_of(p) : nullptr;
+    return placement != nullptr && placement->reproducible;
+  });
+  std::exception_ptr my_error;
+  double partial = 0;
+  dist::ExactSum exact_sum;
+  try {
+    optim::detail::check_max_norm(max_norm, op);
+    const auto by_copies = grads_by_copies(params, group);
+    if (exact)
+      exact_sum = exact_partial(by_copies, norm_type, group, op);
+    else
+      partial = weighted_partial(by_copies, norm_type, op);
+  } catch (const Error&) {
+    my_error = std::current_exception();
+  }
+  double total = 0, rejected = 0;
+  if (exact) {
+    int64_t flag = my_error ? 1 : 0;
+    exact_sum.all_reduce(group, std::span<int64_t>(&flag, 1));
+    rejected = double(flag);
+    total = std::pow(exact_sum.divided(2 * int64_t(group.size())).value(), 1.0 / norm_type);
+  } else {
+    Tensor reduced = from_vector<double>({partial, my_error ? 1.0 : 0.0});
+    dist::all_reduce(reduced, inf ? dist::ReduceOp::Max : dist::ReduceOp::Sum, group);
+    const std::vector<double> values = reduced.to_vector<double>();
+    rejected = values[1];
+    total = inf ? values[0] : std::pow(values[0], 1.0 / norm_type);
+  }
+  if (my_error) std::rethrow_exception(my_error);
+  WEAVE_CHECK(rejected == 0, op, "another rank of group {} rejected its arguments; see its error",
+              group.str());
+  return total;
+}
+
 }  // namespace
 
 double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type,
                        const dist::Group& group, bool error_if_nonfinite) {
   const char* op = "clip_grad_norm_";
-  const bool inf = std::isinf(norm_type);
-  // A rank whose arguments are bad says so in the same all_reduce, so every rank raises instead
-  // of the others scaling alone.
-  std::exception_ptr my_error;
-  double partial = 0;
-  try {
-    optim::detail::check_max_norm(max_norm, op);
-    partial = weighted_partial(params, norm_type, group, op);
-  } catch (const Error&) {
-    my_error = std::current_exception();
-  }
-  Tensor reduced = from_vector<double>({partial, my_error ? 1.0 : 0.0});
-  dist::all_reduce(reduced, inf ? dist::ReduceOp::Max : dist::ReduceOp::Sum, group);
-  if (my_error) std::rethrow_exception(my_error);
-  const std::vector<double> values = reduced.to_vector<double>();
-  WEAVE_CHECK(values[1] == 0, op, "another rank of group {} rejected its arguments; see its error",
-              group.str());
-  const double total = inf ? values[0] : std::pow(values[0], 1.0 / norm_type);
+  const double total = reduced_norm(params, max_norm, norm_type, group, op);
   optim::detail::check_finite_norm(total, error_if_nonfinite, op);
   optim::detail::scale_grads_to(params, max_norm, total);
   return total;

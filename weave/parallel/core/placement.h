@@ -98,6 +98,10 @@ class Placement final : public PlacementRecord {
   bool tied_across_stages = false;
   /// How to clip a parameter so placed (the writer's hint, for optim::clip_grad_norm_'s error).
   std::string hint;
+  /// Its gradient is summed reproducibly (a data-parallel wrapper's reproducible mode):
+  /// clip_grad_norm_ then adds the norm exactly (dist::ExactSum), so the clip is reproducible
+  /// too.
+  bool reproducible = false;
 
   bool spread() const override;
   std::string describe() const override;
@@ -116,6 +120,9 @@ class Placement final : public PlacementRecord {
 /// same order, before constructing the Pipeline (which records its group); stages between hold
 /// none.
 void tie_first_and_last_stage(const Tensor& parameter);
+
+/// Marks t's gradient as summed reproducibly (Placement::reproducible).
+void mark_reproducible(const Tensor& t);
 
 /// t's placement, or null when nothing cut it (replicated wherever it exists).
 const Placement* placement_of(const Tensor& t);
@@ -140,7 +147,9 @@ std::map<std::string, TensorSplit> tensor_splits(const nn::Module& module);
 /// the norm of the whole model's gradient, over every rank of `group`, is at most max_norm;
 /// returns that norm before clipping, the same on every rank. Each parameter's placement says
 /// how many ranks of the group hold the same piece, so each piece counts once whatever the mix
-/// of data, tensor, expert, pipeline and sharded parameters (one all_reduce). norm_type is any
+/// of data, tensor, expert, pipeline and sharded parameters (one all_reduce). Where a wrapper
+/// sums the gradients reproducibly (Placement::reproducible), the norm is summed exactly, so its
+/// bits do not depend on how the pieces are spread over the ranks. norm_type is any
 /// p >= 1 or INFINITY; with error_if_nonfinite a NaN or infinite norm raises on every rank.
 /// Collective over `group` (default: the world), whose ranks together hold the whole model.
 double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,

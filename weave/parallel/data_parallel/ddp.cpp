@@ -16,6 +16,7 @@
 #include "weave/parallel/core/mesh.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/parallel/core/readiness.h"
+#include "weave/parallel/core/reproducible.h"
 
 namespace weave::parallel {
 
@@ -41,6 +42,7 @@ struct DistributedDataParallel::State {
   std::vector<int> bucket_group;   // each bucket's entry in replicas.groups
   detail::ReplicaGroups replicas;  // where each parameter's gradient is averaged, and its scale
   std::shared_ptr<detail::GradReadiness> readiness;
+  std::unique_ptr<detail::ReproducibleGradients> reproducible;  // options.reproducible
   bool finite = true;
   DDPStats stats;
 
@@ -54,9 +56,16 @@ struct DistributedDataParallel::State {
         {.ready = [this](int i) { detail::bind_grad(params[i], views[i]); },
          .launch =
              [this](int b) {
+               if (reproducible) return;  // the end of backward sums every bucket at once
                buckets[size_t(b)].launch_average(replicas.groups[size_t(bucket_group[size_t(b)])]);
              },
-         .finish = [this](bool failed) { settle(failed); }});
+         .finish =
+             [this](bool failed) {
+               if (reproducible)
+                 settle_reproducible(failed);
+               else
+                 settle(failed);
+             }});
   }
 
   // Each bucket holds parameters of one replica group (experts apart from the dense ones), cut
@@ -168,21 +177,56 @@ struct DistributedDataParallel::State {
       unused_ranks = std::llround(averaged[kUnused] * group.size());
       stats.ready_before_first_launch = readiness->ready_at_first_launch();
     }
-    if (failed_ranks > 0) {  // every rank discards the step (an untraced one traces again)
-      optim::zero_grad(params, /*set_to_none=*/false);
-      ++stats.failed_steps;
-      if (failed) return;  // this rank's own error is the one to report
-      WEAVE_FAIL("DistributedDataParallel",
-                 "{} of the {} ranks of group {} failed or skipped backward in step {} (see "
-                 "their error), so every rank discarded this step's gradients (they are zero); "
-                 "hint: catch this error and go on to the next batch on every rank, as the "
-                 "failing rank does",
-                 failed_ranks, group.size(), group.str(), step);
-    }
+    if (failed_ranks > 0) return discard_step(failed, failed_ranks, step);
+    finish_step(unused_ranks, has_unused, step);
+  }
+
+  // Some rank failed or skipped backward: every rank discards the step (an untraced one traces
+  // again); the ranks that did not fail raise.
+  void discard_step(bool failed, int64_t failed_ranks, int64_t step) {
+    if (reproducible) reproducible->discard();
+    optim::zero_grad(params, /*set_to_none=*/false);
+    ++stats.failed_steps;
+    if (failed) return;  // this rank's own error is the one to report
+    WEAVE_FAIL("DistributedDataParallel",
+               "{} of the {} ranks of group {} failed or skipped backward in step {} (see "
+               "their error), so every rank discarded this step's gradients (they are zero); "
+               "hint: catch this error and go on to the next batch on every rank, as the "
+               "failing rank does",
+               failed_ranks, group.size(), group.str(), step);
+  }
+
+  void finish_step(int64_t unused_ranks, bool has_unused, int64_t step) {
     stats.unused = unused_names();
     stats.parameters = int64_t(params.size());
     if (!options.find_unused_parameters) check_used(unused_ranks, has_unused);
     if (options.check_finite) check_gradients_finite(step);
+  }
+
+  // settle() in reproducible mode: the buckets only hold the gradients (cut from the first
+  // backward's order, as always); at the end of backward the last micro-batch joins the binned
+  // sums, the ranks agree on their counts and statuses, and every gradient gets the sum over
+  // all micro-batches of the group divided by their number.
+  void settle_reproducible(bool failed) {
+    const int64_t step = stats.steps++;
+    finite = true;
+    const bool has_unused = !failed && readiness->ready_count() < int64_t(params.size());
+    if (!readiness->has_buckets()) {
+      bool differs = false;
+      build_buckets(detail::agree_on_order(failed ? std::vector<int>{} : readiness->take_trace(),
+                                           params.size(), group, differs));
+    }
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!params[i].grad().is_same(views[i])) detail::bind_grad(params[i], views[i]);
+    readiness->launch_rest();  // launches nothing: the buckets' bookkeeping ends the step
+    if (!failed) reproducible->fold();
+    const detail::ReproducibleGradients::Agreement agreement =
+        reproducible->agree(group, {failed ? 1 : 0, has_unused ? 1 : 0});
+    stats.ready_before_first_launch = int64_t(params.size());  // nothing overlaps backward
+    if (agreement.flagged[kFailed] > 0)
+      return discard_step(failed, agreement.flagged[kFailed], step);
+    reproducible->reduce_into(views, group, agreement.microbatches);
+    finish_step(agreement.flagged[kUnused], has_unused, step);
   }
 
   // What a synchronizing forward communicates before the module runs (also when join()
@@ -202,6 +246,10 @@ struct DistributedDataParallel::State {
 
   // join(): a step of the others in which this rank, out of inputs, contributes zeros.
   void shadow_step(nn::Module& module) {
+    WEAVE_CHECK(!reproducible, "DistributedDataParallel",
+                "join() shadows a step with zero gradients, which reproducible mode would count "
+                "as a micro-batch; hint: give every rank the same number of micro-batches "
+                "(parallel::MicroBatchPlan), or leave reproducible off");
     start_step(module);
     readiness->clear();
     for (Bucket& b : buckets) b.grads.flat.zero_();
@@ -276,6 +324,15 @@ DistributedDataParallel::DistributedDataParallel(nn::Module& module, DDPOptions 
     s.params.push_back(p);
   }
   s.replicas = detail::replica_groups(s.names, s.params, s.group, "DistributedDataParallel");
+  if (s.options.reproducible) {
+    WEAVE_CHECK(!s.options.compress, "DistributedDataParallel",
+                "reproducible mode sums the gradients in integers; compress {} would round them "
+                "first; hint: leave compress unset",
+                *s.options.compress);
+    detail::check_reproducible(s.names, s.params, s.group, "DistributedDataParallel");
+    s.reproducible =
+        std::make_unique<detail::ReproducibleGradients>(s.params, "DistributedDataParallel");
+  }
   detail::broadcast_replicas(module, s.params, s.replicas, s.options.broadcast_from);
   s.watch();
 }
@@ -290,6 +347,7 @@ Tensor DistributedDataParallel::forward(const nn::Inputs& inputs) {
     s.start_step(module_);
   }
   if (synchronizing) s.readiness->expect_backward();
+  if (s.reproducible && autograd::GradMode::is_enabled()) s.reproducible->begin_microbatch(inputs);
   // Gradients dropped by zero_grad(set_to_none = true) go back into their buckets, zeroed,
   // so backward accumulates in place instead of copying in afterwards.
   if (s.readiness->has_buckets() && !s.readiness->paused()) {

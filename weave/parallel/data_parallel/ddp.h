@@ -90,6 +90,19 @@ struct DDPOptions {
   /// raises weave::Error from backward (gradients left as averaged), and
   /// gradients_finite() says false until the next synchronizing backward.
   bool check_finite = false;
+  /// Sum the gradients so that their bits do not depend on the number of ranks or on how the
+  /// micro-batches are spread over them (a run at 1, 2, 3 or 4 ranks, or one resumed at fewer,
+  /// steps alike): each micro-batch's gradient (one forward with gradients on, then its
+  /// backward) goes into a binned sum per element at the next forward or at the end of the
+  /// synchronizing backward, and the ranks add those sums as integers. The gradient is then
+  /// the mean over every micro-batch of the step on every rank (so do not divide the loss by
+  /// the accumulation steps: each micro-batch's loss is its own mean). Needs micro-batches of
+  /// one size (parallel::MicroBatchPlan deals them by global index), the same thread count on
+  /// every rank and in every layout, and whole parameters (no tensor, context, expert,
+  /// vocabulary or pipeline cuts), or construction raises on every rank. Costs 17 bytes of
+  /// sums per parameter element and 17 bytes on the wire per element per step;
+  /// parallel::clip_grad_norm_ then sums the norm exactly. docs/reproducibility.md.
+  bool reproducible = false;
   /// Every this many synchronizing steps (0: never), the forward first compares a checksum of
   /// every parameter across the ranks that should hold equal copies of it (check_replicas over
   /// the group, reading placements), raising on every rank with the parameter and the ranks on

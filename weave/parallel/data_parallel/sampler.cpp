@@ -113,6 +113,25 @@ std::pair<int64_t, int64_t> contiguous_range(int64_t size, int replicas, int ran
   return {begin, begin + base + (rank < extra ? 1 : 0)};
 }
 
+MicroBatchPlan::MicroBatchPlan(int64_t batch, int64_t microbatch, int replicas, int rank)
+    : batch_(batch), microbatch_(microbatch) {
+  WEAVE_CHECK(microbatch > 0 && batch > 0 && batch % microbatch == 0, "MicroBatchPlan",
+              "the global batch ({} items) must be a positive multiple of the micro-batch ({} "
+              "items); hint: a micro-batch size that divides the batch at every layout",
+              batch, microbatch);
+  WEAVE_CHECK(batch / microbatch >= replicas, "MicroBatchPlan",
+              "{} micro-batches ({} items of {}) leave some of the {} ranks without one; hint: "
+              "smaller micro-batches or fewer data-parallel ranks",
+              batch / microbatch, batch, microbatch, replicas);
+  std::tie(first_, last_) = contiguous_range(batch / microbatch, replicas, rank);
+}
+
+std::pair<int64_t, int64_t> MicroBatchPlan::items(int64_t i) const {
+  WEAVE_CHECK(i >= 0 && i < local(), "MicroBatchPlan",
+              "micro-batch {} of this rank's {} does not exist", i, local());
+  return {global(i) * microbatch_, (global(i) + 1) * microbatch_};
+}
+
 PartitionedDataset::PartitionedDataset(std::shared_ptr<const data::Dataset> dataset,
                                        const std::optional<dist::Group>& group)
     : PartitionedDataset(std::move(dataset), replicas_and_rank(group, "PartitionedDataset").first,

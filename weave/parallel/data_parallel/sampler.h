@@ -85,6 +85,37 @@ class PartitionedDataset : public data::Dataset {
   int64_t begin_ = 0, end_ = 0;
 };
 
+/// The micro-batches of one global batch, dealt out by global index (reproducible mode): a
+/// global batch of `batch` items is cut into batch / microbatch micro-batches of `microbatch`
+/// items, micro-batch i holding items [i microbatch, (i + 1) microbatch) at every layout; rank r
+/// of `replicas` runs a contiguous block of them (contiguous_range). So a micro-batch's content
+/// never depends on the number of ranks, only which rank runs it.
+///
+///   parallel::MicroBatchPlan plan(/*batch=*/16, /*microbatch=*/4, mesh.shape().data,
+///                                 mesh.data_rank());
+///   for (int64_t i = 0; i < plan.local(); ++i) {
+///     auto [begin, end] = plan.items(i);                    // of this step's global batch
+///     auto guard = i + 1 < plan.local() ? std::optional(ddp.no_sync()) : std::nullopt;
+///     cross_entropy(ddp(inputs(begin, end)), targets(begin, end)).backward();
+///   }
+class MicroBatchPlan {
+ public:
+  /// Raises unless microbatch divides batch into at least `replicas` micro-batches (every rank
+  /// runs one or more).
+  MicroBatchPlan(int64_t batch, int64_t microbatch, int replicas, int rank);
+  /// Micro-batches in the global batch.
+  int64_t count() const { return batch_ / microbatch_; }
+  /// This rank's micro-batches.
+  int64_t local() const { return last_ - first_; }
+  /// The global index of this rank's micro-batch i.
+  int64_t global(int64_t i) const { return first_ + i; }
+  /// The items [begin, end) of the global batch that this rank's micro-batch i holds.
+  std::pair<int64_t, int64_t> items(int64_t i) const;
+
+ private:
+  int64_t batch_, microbatch_, first_ = 0, last_ = 0;
+};
+
 /// Group rank 0 runs fn first (say, to download or unpack a file), then the other ranks run
 /// it. If fn raises on rank 0, every rank raises (nobody is left waiting). Collective.
 void rank0_first(const std::function<void()>& fn,
