@@ -143,7 +143,8 @@ inline std::vector<Batch> microbatches(const Flags& f, const Corpus& corpus, int
 }
 
 /// Under --reproducible: this rank's held-out windows in micro-batches of --microbatch, dealt by
-/// global index, each with its count of windows.
+/// global index, each with its count of windows. Every rank gets as many (a sharded model's
+/// gathers pair up): a rank out of them repeats its first, counting 0 windows.
 inline std::vector<std::pair<Batch, int64_t>> heldout_microbatches(const Flags& f,
                                                                    const Corpus& corpus, int data,
                                                                    int data_rank, Device device) {
@@ -157,6 +158,8 @@ inline std::vector<std::pair<Batch, int64_t>> heldout_microbatches(const Flags& 
     out.push_back(
         {make_batch(corpus.heldout, windows, f.context, corpus.end_of_text, device), end - begin});
   }
+  const int64_t most = (plan.count() + data - 1) / data;
+  while (int64_t(out.size()) < most) out.push_back({out.front().first, 0});
   return out;
 }
 

@@ -82,8 +82,8 @@ inline void add_layout_options(CLI::App& app, Flags& f) {
                  "of this many, accumulating their gradients (0: its share at once)")
       ->check(weave::cli::non_negative());
   app.add_flag("--reproducible", f.reproducible,
-               "ddp: sum gradients, losses and the norm so that a run at any number of ranks "
-               "ends with the same bits (needs --microbatch)");
+               "ddp/fsdp: sum gradients, losses and the norm so that a run at any number of "
+               "ranks ends with the same bits (needs --microbatch)");
   app.add_option("--microbatches", f.microbatches,
                  "micro-batches per step and data-parallel rank (0: twice --pipeline)")
       ->check(weave::cli::non_negative());
@@ -224,14 +224,16 @@ inline parallel::ProcessMesh mesh_of(const Flags& f) {
       "data-parallel ranks",
       f.expert_parallel, data * context, f.experts, f.top_k, f.eval_windows, data);
   // Micro-batches are dealt out whole: the batch divides into them, and each rank gets one or
-  // more (unevenly under --reproducible, whose sums do not mind; evenly otherwise).
+  // more (unevenly under --reproducible ddp, whose sums do not mind; evenly otherwise: fsdp
+  // gathers every unit for each micro-batch, so every rank runs as many).
   const int64_t microbatch = f.microbatch > 0 ? f.microbatch : f.batch / data;
-  WEAVE_CHECK(f.reproducible ? (f.batch % microbatch == 0 && f.batch / microbatch >= data)
-                             : f.batch % (data * microbatch) == 0,
+  const bool uneven = f.reproducible && f.strategy == "ddp";
+  WEAVE_CHECK(uneven ? (f.batch % microbatch == 0 && f.batch / microbatch >= data)
+                     : f.batch % (data * microbatch) == 0,
               "gpt",
               "--batch {} does not divide among {} data-parallel ranks in micro-batches of {} "
               "windows{}",
-              f.batch, data, microbatch, f.reproducible ? " (every rank needs at least one)" : "");
+              f.batch, data, microbatch, uneven ? " (every rank needs at least one)" : "");
   WEAVE_CHECK(f.replicate == 1 || (f.strategy == "fsdp" && data % f.replicate == 0), "gpt",
               "--replicate {} (HSDP: replicas of shard groups) needs --strategy fsdp and must "
               "divide the {} data-parallel ranks",
@@ -258,13 +260,14 @@ inline void check_flags(const Flags& f) {
               "--cuda-graph captures one GPU's step: --device cuda at one rank, without --experts "
               "(their routing reads counts on the host), fsdp or --autocast fp16 (its scaler "
               "decides on the host)");
-  WEAVE_CHECK(!f.reproducible ||
-                  (f.strategy == "ddp" && f.tp == 0 && f.context_parallel == 1 && f.pipeline == 1 &&
-                   f.experts == 0 && f.microbatch > 0 && f.eval_windows % f.microbatch == 0),
+  WEAVE_CHECK(!f.reproducible || ((f.strategy == "ddp" || f.strategy == "fsdp") && f.tp == 0 &&
+                                  f.context_parallel == 1 && f.pipeline == 1 && f.experts == 0 &&
+                                  f.microbatch > 0 && f.eval_windows % f.microbatch == 0),
               "gpt",
               "--reproducible sums whole parameters over the data-parallel ranks: --strategy ddp "
-              "without --tp, --context-parallel, --pipeline or --experts, with --microbatch N "
-              "(windows per micro-batch, the same at every layout) dividing --eval-windows {}",
+              "or fsdp without --tp, --context-parallel, --pipeline or --experts, with "
+              "--microbatch N (windows per micro-batch, the same at every layout) dividing "
+              "--eval-windows {}",
               f.eval_windows);
   WEAVE_CHECK(f.microbatch == 0 || (f.pipeline == 1 && !f.cuda_graph), "gpt",
               "--microbatch cuts each rank's share into micro-batches; --pipeline has its own "

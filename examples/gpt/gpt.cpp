@@ -56,11 +56,11 @@
 // each token's position in its document and the document's id, so attention and positions
 // restart at every document.
 // --microbatch N runs each rank's share of the batch as micro-batches of N windows (gradient
-// accumulation under no_sync()), dealt by global index. --reproducible (ddp) sums the gradients,
-// the losses and the gradient norm so that their bits do not depend on the number of ranks:
-// the same flags at 1, 2, 3 or 4 ranks (or a run resumed at fewer) print the same losses and
-// save the same weights (docs/reproducibility.md). --export FILE writes the trained parameters,
-// whole, to one safetensors file.
+// accumulation under no_sync()), dealt by global index. --reproducible (ddp, fsdp, HSDP) sums
+// the gradients, the losses and the gradient norm so that their bits do not depend on the
+// number of ranks: the same flags at 1, 2, 3 or 4 ranks (or a run resumed at fewer) print the
+// same losses and save the same weights (docs/reproducibility.md). --export FILE writes the
+// trained parameters, whole, to one safetensors file.
 // --autocast runs forward, the loss and the held-out evaluation under AutocastGuard (matrix
 // products and attention in bfloat16/float16, float32 parameters); fp16 adds a GradScaler
 // whose overflow verdict the data-parallel ranks agree on.
@@ -192,7 +192,8 @@ void Run::build() {
                                       .fsdp = {.reshard_after_forward = mesh_.shape().pipeline == 1,
                                                .param_dtype = f_.param_dtype,
                                                .reduce_dtype = kFloat32,
-                                               .output_dtype = kFloat32},
+                                               .output_dtype = kFloat32,
+                                               .reproducible = f_.reproducible},
                                       .ddp = {.reproducible = f_.reproducible}});
   // The stages pass activations and gradients; each stage's wrapper syncs on the last
   // micro-batch.

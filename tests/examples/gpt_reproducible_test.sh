@@ -2,10 +2,10 @@
 # examples/gpt --reproducible: GPT-2 and Llama (grouped-query attention) trained 20 AdamW steps
 # with clipping on one global batch of 12 windows in micro-batches of 2, at 1, 2, 3 and 4 ranks
 # (the micro-batches dealt unevenly at 4): every run writes the same model.safetensors, byte for
-# byte, and logs the same losses and gradient norms to the last bit. Then weave-run at 4 ranks,
-# the last rank killed after step 10, relaunched at 3 (a host gone): the resumed run ends with
-# the same bytes as the uninterrupted one. Without --reproducible, 1 and 2 ranks differ (the
-# check can tell).
+# byte, and logs the same losses and gradient norms to the last bit; FSDP at 1-4 ranks and HSDP
+# 2 x 2 write DDP's bytes. Then weave-run at 4 ranks, the last rank killed after step 10,
+# relaunched at 3 (a host gone): the resumed run ends with the same bytes as the uninterrupted
+# one. Without --reproducible, 1 and 2 ranks differ (the check can tell).
 # usage: gpt_reproducible_test.sh GPT WEAVE_RUN MPIRUN...
 set -euo pipefail
 gpt=$1 weave_run=$2
@@ -15,8 +15,9 @@ mpirun=("$@")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
-args=(--layers 2 --dim 64 --heads 4 --context 32 --batch 12 --microbatch 2 --steps 20
-      --warmup 5 --eval-every 100000 --log-every 1 --samples 0 --eval-windows 16)
+base=(--layers 2 --dim 64 --heads 4 --context 32 --batch 12 --steps 20 --warmup 5
+      --eval-every 100000 --log-every 1 --samples 0 --eval-windows 16)
+args=("${base[@]}" --microbatch 2)
 # The logged values that must agree: every step's loss and gradient norm, as JSON doubles.
 trained() { grep -o '"grad_norm":[^,]*\|"loss":[^,]*' "$1"; }
 for arch in gpt llama; do
@@ -32,6 +33,20 @@ for arch in gpt llama; do
       fail "$arch: $n ranks logged other losses than 1 rank"
     echo "$arch, $n ranks: the same bytes and losses as 1 rank"
   done
+done
+# FSDP at 1-4 ranks and HSDP 2 x 2, in micro-batches of 1 window (fsdp gathers every unit for
+# each micro-batch: every rank runs as many), against DDP at 1 rank on the same micro-batches.
+one=("${base[@]}" --microbatch 1)
+"${mpirun[@]}" -np 1 "$gpt" "${one[@]}" --reproducible \
+  --export "$work/ddp_mb1.safetensors" > /dev/null 2>&1 || fail "ddp with micro-batches of 1"
+for layout in "1" "2" "3" "4" "4 --replicate 2"; do
+  read -r n replicate <<< "$layout"
+  "${mpirun[@]}" -np $n "$gpt" "${one[@]}" --strategy fsdp $replicate \
+    --reproducible --export "$work/fsdp.safetensors" > "$work/out" 2>&1 ||
+    { cat "$work/out"; fail "fsdp at $layout ranks"; }
+  cmp "$work/ddp_mb1.safetensors" "$work/fsdp.safetensors" ||
+    fail "fsdp at $layout ranks wrote other weights than ddp at 1 rank"
+  echo "fsdp, $layout ranks: the same bytes as ddp at 1 rank"
 done
 # The plain mode at 1 and 2 ranks: the same run up to rounding, not to the bit.
 for n in 1 2; do
@@ -55,4 +70,17 @@ grep -q "attempt 2 of 3: 3 ranks" "$work/run.log" || { cat "$work/run.log"; fail
 grep -q "resumed at step 10" "$work/run.log" || { cat "$work/run.log"; fail "did not resume at step 10"; }
 cmp "$work/gpt1.safetensors" "$work/shrunk.safetensors" ||
   fail "killed at 4 ranks and resumed at 3: other weights than the uninterrupted run"
+# A resume with another micro-batch size or thread count would part from the run: refused.
+"${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --reproducible --checkpoint "$work/ck2" \
+  --checkpoint-every 5 --stop-at 5 > /dev/null 2>&1 || fail "the run to resume"
+for other in "--microbatch 4" "--microbatch 2 --threads 2"; do
+  # shellcheck disable=SC2086
+  if "${mpirun[@]}" -np 2 "$gpt" "${base[@]}" --reproducible --checkpoint "$work/ck2" --resume \
+    $other > "$work/out" 2>&1; then
+    fail "resumed with $other"
+  fi
+  grep -q "had 2 rows\|compute threads" "$work/out" ||
+    { cat "$work/out"; fail "resumed with $other: no error naming it"; }
+  echo "resume with $other: refused"
+done
 echo "PASS: reproducible at 1-4 ranks and across a shrinking restart"

@@ -41,47 +41,100 @@ std::pair<Tensor, Tensor> microbatch(int step, int m, DType dtype = kFloat32,
 }
 
 struct StepResult {
-  std::vector<std::vector<float>> grads;  // after clipping
-  double norm = 0, loss = 0;
+  std::vector<std::vector<float>> values;  // the whole model's parameters after the steps
+  double norm = 0, loss = 0;               // the last step's, before clipping
 };
 
-// kSteps steps of the micro-batches `mine` (global indices, run in this order) through a
-// reproducible DDP over `group`, SGD between them; the last step's gradients, norm and loss.
-StepResult run(const dist::Group& group, const std::vector<int>& mine) {
+enum class Strategy { DDP, FSDP, HSDP, ZeRO, DistributedOptimizer };
+
+// One micro-batch's forward and backward through `forward`; all but the last of a step under
+// `no_sync` (when given). Returns its loss.
+template <class Forward>
+double microbatch_backward(Forward&& forward, int step, int m, bool last,
+                           parallel::DataParallelWrapper* no_sync) {
+  auto [x, y] = microbatch(step, m);
+  auto run = [&] {
+    Tensor loss = mse_loss(forward(x), y);
+    loss.backward();
+    return loss.item<double>();
+  };
+  if (last || no_sync == nullptr) return run();
+  const parallel::NoSyncGuard accumulate = no_sync->no_sync();
+  return run();
+}
+
+std::vector<std::vector<float>> values_of(const nn::NamedTensors& state) {
+  std::vector<std::vector<float>> out;
+  for (const auto& [name, t] : state) out.push_back(t.to(kFloat32).to_vector<float>());
+  return out;
+}
+
+// kSteps SGD steps, clipped to 0.5, of the micro-batches `mine` (global indices, run in this
+// order) with `strategy` in reproducible mode over `group` (HSDP: shard groups of `group`'s
+// halves, replicated across them).
+StepResult run(const dist::Group& group, const std::vector<int>& mine,
+               Strategy strategy = Strategy::DDP) {
   auto model = make_model();
-  DistributedDataParallel ddp(*model, {.group = group, .reproducible = true});
-  optim::SGD sgd(model->parameters(), {.lr = 0.1});
+  std::unique_ptr<parallel::DataParallelWrapper> wrapper;
+  std::unique_ptr<parallel::ZeroRedundancyOptimizer> zero;
+  std::unique_ptr<optim::SGD> sgd;
+  std::unique_ptr<parallel::DistributedOptimizer> averaging;
+  const optim::SGDOptions sgd_options{.lr = 0.1};
+  if (strategy == Strategy::DDP) {
+    wrapper = std::make_unique<DistributedDataParallel>(
+        *model, parallel::DDPOptions{.group = group, .reproducible = true});
+  } else if (strategy == Strategy::FSDP || strategy == Strategy::HSDP) {
+    parallel::FSDPOptions options{.units = {"0", "2"}, .group = group, .reproducible = true};
+    if (strategy == Strategy::HSDP) {
+      const parallel::ProcessMesh mesh({.data = dist::world_size(), .replicate = 2});
+      options.group = mesh.shard(), options.replicate_group = mesh.replicate();
+    }
+    wrapper = std::make_unique<parallel::FullyShardedDataParallel>(*model, options);
+  } else if (strategy == Strategy::ZeRO) {
+    zero = std::make_unique<parallel::ZeroRedundancyOptimizer>(
+        model->parameters(),
+        [&](std::vector<Tensor> shard) {
+          return std::make_unique<optim::SGD>(std::move(shard), sgd_options);
+        },
+        group, parallel::ZeroOptions{.max_grad_norm = 0.5, .reproducible = true});
+  }
+  if (wrapper) sgd = std::make_unique<optim::SGD>(wrapper->trained_parameters(), sgd_options);
+  if (strategy == Strategy::DistributedOptimizer) {
+    sgd = std::make_unique<optim::SGD>(model->parameters(), sgd_options);
+    averaging = std::make_unique<parallel::DistributedOptimizer>(
+        *sgd, parallel::DistributedOptimizerOptions{.group = group, .reproducible = true});
+  }
   StepResult result;
   for (int step = 0; step < kSteps; ++step) {
-    sgd.zero_grad();
+    if (zero)
+      zero->zero_grad();
+    else
+      sgd->zero_grad();
     double losses = 0;
-    for (size_t i = 0; i < mine.size(); ++i) {
-      auto [x, y] = microbatch(step, mine[i]);
-      auto backward = [&] {
-        Tensor loss = mse_loss(ddp(x), y);
-        losses += loss.item<double>();
-        loss.backward();
-      };
-      if (i + 1 == mine.size()) {
-        backward();
-      } else {
-        const parallel::NoSyncGuard accumulate = ddp.no_sync();
-        backward();
-      }
-    }
+    for (size_t i = 0; i < mine.size(); ++i)
+      losses += microbatch_backward(
+          [&](const Tensor& x) { return wrapper ? wrapper->forward(x) : (*model)(x); }, step,
+          mine[i], i + 1 == mine.size(), wrapper.get());
     result.loss = dist::exact_sum(losses, group) / kMicrobatches;
-    result.norm = parallel::clip_grad_norm_(model->parameters(), 0.5, 2.0, group);
-    if (step + 1 < kSteps) sgd.step();
+    if (zero) {
+      zero->step();
+      result.norm = zero->last_grad_norm();
+      continue;
+    }
+    if (averaging) averaging->average_gradients();
+    result.norm = parallel::clip_grad_norm_(sgd->params(), 0.5, 2.0, group);
+    sgd->step();
   }
-  for (const Tensor& p : model->parameters()) result.grads.push_back(p.grad().to_vector<float>());
+  result.values = values_of(wrapper ? wrapper->full_state_dict() : model->state_dict());
   return result;
 }
 
 bool same_bits(const StepResult& a, const StepResult& b) {
-  if (a.grads.size() != b.grads.size()) return false;
-  for (size_t i = 0; i < a.grads.size(); ++i)
-    if (a.grads[i].size() != b.grads[i].size() ||
-        std::memcmp(a.grads[i].data(), b.grads[i].data(), a.grads[i].size() * sizeof(float)) != 0)
+  if (a.values.size() != b.values.size()) return false;
+  for (size_t i = 0; i < a.values.size(); ++i)
+    if (a.values[i].size() != b.values[i].size() ||
+        std::memcmp(a.values[i].data(), b.values[i].data(), a.values[i].size() * sizeof(float)) !=
+            0)
       return false;
   return std::memcmp(&a.norm, &b.norm, sizeof(double)) == 0 &&
          std::memcmp(&a.loss, &b.loss, sizeof(double)) == 0;
@@ -115,25 +168,35 @@ TEST_SUITE("reproducible") {
     CHECK(same_bits(run(dist::world(), mine), one));
     std::reverse(all.begin(), all.end());
     CHECK(same_bits(run(alone(), all), one));
-    // Close to the float64 mean of the micro-batches' gradients (clipped alike).
+    // Close to float64 training on the mean of the micro-batches' losses (clipped alike).
     auto model = make_model(kFloat64);
     optim::SGD sgd(model->parameters(), {.lr = 0.1});
+    double norm = 0;
     for (int step = 0; step < kSteps; ++step) {
       sgd.zero_grad();
       for (int m = 0; m < kMicrobatches; ++m) {
         auto [x, y] = microbatch(step, m, kFloat64);
         (mse_loss((*model)(x), y) / double(kMicrobatches)).backward();
       }
-      const double norm = optim::clip_grad_norm_(model->parameters(), 0.5);
-      if (step + 1 < kSteps) sgd.step();
-      if (step + 1 == kSteps) CHECK(one.norm == doctest::Approx(norm).epsilon(1e-5));
+      norm = optim::clip_grad_norm_(model->parameters(), 0.5);
+      sgd.step();
     }
-    const auto params = model->parameters();
-    for (size_t i = 0; i < params.size(); ++i) {
-      const Tensor expected = params[i].grad().to(kFloat32);
-      const Tensor got = from_vector(one.grads[i], expected.shape());
-      CHECK(test::close(got, expected, 1e-4, 1e-6));
-    }
+    CHECK(one.norm == doctest::Approx(norm).epsilon(1e-5));
+    const std::vector<std::vector<float>> expected = values_of(model->state_dict());
+    for (size_t i = 0; i < expected.size(); ++i)
+      CHECK(test::close(from_vector(one.values[i]), from_vector(expected[i]), 1e-4, 1e-6));
+  }
+
+  TEST_CASE("FSDP, HSDP, ZeRO-1 and DistributedOptimizer end with DDP's bits at one process") {
+    std::vector<int> all(kMicrobatches);
+    for (int m = 0; m < kMicrobatches; ++m) all[size_t(m)] = m;
+    const StepResult one = run(alone(), all);
+    const std::vector<int> mine = my_microbatches();
+    CHECK(same_bits(run(dist::world(), mine, Strategy::FSDP), one));
+    CHECK(same_bits(run(dist::world(), mine, Strategy::ZeRO), one));
+    CHECK(same_bits(run(dist::world(), mine, Strategy::DistributedOptimizer), one));
+    if (dist::world_size() % 2 == 0)
+      CHECK(same_bits(run(dist::world(), mine, Strategy::HSDP), one));
   }
 
   TEST_CASE("exact sums over the ranks equal one process adding every rank's terms") {

@@ -99,6 +99,17 @@ void Adam::step() {
                 "parameter {} ({} {}) cannot take a capturable step: its update needs contiguous "
                 "storage, a gradient of its dtype and one weight decay; hint: capturable = false",
                 i, p.dtype(), p.shape());
+    if (!uniform && fuses(p, g) && !options_.capturable) {  // each segment as a parameter
+      const Tensor flat_p = p.view({-1}), flat_g = g.view({-1}), m = exp_avg_[i].view({-1}),
+                   v = exp_avg_sq_[i].view({-1});
+      for (const DecaySegment& part : decay_segments(i)) {
+        const int64_t n = part.end - part.begin;
+        fused.push_back({flat_p.narrow(0, part.begin, n), flat_g.narrow(0, part.begin, n),
+                         m.narrow(0, part.begin, n), v.narrow(0, part.begin, n),
+                         part.weight_decay});
+      }
+      continue;
+    }
     if (!uniform && decoupled_) decay_parts(i, lr_);
     if (!uniform && !decoupled_) g = add_part_decay(i, g);
     if (fuses(p, g)) {  // updated together below, many parameters per launch

@@ -165,20 +165,30 @@ void SGD::step() {
   for (size_t i = 0; i < params_.size(); ++i) {
     Tensor& p = params_[i];
     if (!p.grad().defined()) continue;
-    // Parts that decay differently (a flat shard of two groups) take their decay here.
+    // Parts that decay differently (a flat shard of two groups) take their decay here: in the
+    // fused kernel segment by segment, as whole parameters would (decay_segments).
     const std::optional<double> uniform = uniform_decay(i);
     const double weight_decay = uniform.value_or(0);
-    const Tensor g = uniform ? p.grad() : add_part_decay(i, p.grad());
+    const bool segments = !uniform && fuses(p, p.grad());
+    const Tensor g = uniform || segments ? p.grad() : add_part_decay(i, p.grad());
     if (fuses(p, g)) {
       const bool first = options_.momentum != 0 && !momentum_[i].defined();
       if (first) momentum_[i] = empty(p.shape(), state_options(p));
-      kernels::sgd_update(p, g, momentum_[i],
-                          {.lr = lr_,
-                           .momentum = options_.momentum,
-                           .dampening = options_.dampening,
-                           .weight_decay = weight_decay,
-                           .nesterov = options_.nesterov,
-                           .first = first});
+      const kernels::SgdStep step{.lr = lr_,
+                                  .momentum = options_.momentum,
+                                  .dampening = options_.dampening,
+                                  .weight_decay = weight_decay,
+                                  .nesterov = options_.nesterov,
+                                  .first = first};
+      if (!segments) kernels::sgd_update(p, g, momentum_[i], step);
+      for (const DecaySegment& part : segments ? decay_segments(i) : std::vector<DecaySegment>{}) {
+        kernels::SgdStep mine = step;
+        mine.weight_decay = part.weight_decay;
+        auto piece = [&](const Tensor& t) {
+          return t.defined() ? t.view({-1}).narrow(0, part.begin, part.end - part.begin) : t;
+        };
+        kernels::sgd_update(piece(p), piece(g), piece(momentum_[i]), mine);
+      }
       p.storage()->bump_version();
       continue;
     }

@@ -92,6 +92,14 @@ class Optimizer {
   /// weight decay times its values (a copy). Decoupled decay: scales each part of p in place.
   Tensor add_part_decay(size_t i, const Tensor& grad) const;
   void decay_parts(size_t i, double lr) const;
+  /// Parameter i's elements cut where its weight decay changes: [begin, end) and the decay of
+  /// each (0 between parts). A flat shard steps each through the fused kernel as a whole
+  /// parameter would, so a step's bits do not depend on where the shards are cut.
+  struct DecaySegment {
+    int64_t begin, end;
+    double weight_decay;
+  };
+  std::vector<DecaySegment> decay_segments(size_t i) const;
 
   std::vector<Tensor> params_;
   double lr_;

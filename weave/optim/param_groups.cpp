@@ -85,6 +85,19 @@ Tensor Optimizer::add_part_decay(size_t i, const Tensor& grad) const {
   return out;
 }
 
+std::vector<Optimizer::DecaySegment> Optimizer::decay_segments(size_t i) const {
+  std::vector<DecaySegment> out;
+  int64_t at = 0;
+  for (const DecayPart& part : decay_[i]) {
+    if (part.range.begin > at) out.push_back({at, part.range.begin, 0.0});
+    if (part.range.end > part.range.begin)
+      out.push_back({part.range.begin, part.range.end, part.weight_decay});
+    at = std::max(at, part.range.end);
+  }
+  if (at < params_[i].numel()) out.push_back({at, params_[i].numel(), 0.0});
+  return out;
+}
+
 void Optimizer::decay_parts(size_t i, double lr) const {
   const Tensor flat = params_[i].detach().view({-1});
   for (const DecayPart& part : decay_[i]) {

@@ -20,6 +20,7 @@
 #include "weave/parallel/checkpoint/reshard.h"
 #include "weave/parallel/checkpoint/saved_pieces.h"
 #include "weave/parallel/core/agree.h"
+#include "weave/parallel/core/reproducible.h"
 #include "weave/tensor/checksum.h"
 
 namespace weave::parallel {
@@ -348,7 +349,9 @@ void save_sharded_checkpoint(const std::string& dir, const data::TrainingState& 
   check_same_directory(dir, group, op);
   prepare_save(*save, op);
 
-  data::SafetensorsFile mine = data::checkpoint_contents(state);
+  data::TrainingState recorded = state;  // with what a reproducible run must keep
+  detail::record_reproducible_run(recorded.user);
+  data::SafetensorsFile mine = data::checkpoint_contents(recorded);
   mine.metadata["weave.placement"] = detail::pieces_text(detail::pieces_of(state));
   mine.metadata[detail::kSaveIdKey] = save->save_id;
   if (!options.single_file) {
@@ -442,6 +445,7 @@ ShardedLoadReport load_sharded_checkpoint(const std::string& dir, data::Training
       });
   if (!index.has_placements()) {
     load_own_parts(index, dir, state, group);
+    detail::check_reproducible_run(state.user, op);
     return report;
   }
   // 2. Every tensor the checkpoint holds must be taken by some rank, or it is another model's
@@ -477,6 +481,7 @@ ShardedLoadReport load_sharded_checkpoint(const std::string& dir, data::Training
         return std::move(plan.contents);
       },
       state, dir, dir, group);
+  detail::check_reproducible_run(state.user, op);
   return report;
 }
 

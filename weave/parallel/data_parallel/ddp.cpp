@@ -204,9 +204,9 @@ struct DistributedDataParallel::State {
   }
 
   // settle() in reproducible mode: the buckets only hold the gradients (cut from the first
-  // backward's order, as always); at the end of backward the last micro-batch joins the binned
-  // sums, the ranks agree on their counts and statuses, and every gradient gets the sum over
-  // all micro-batches of the group divided by their number.
+  // backward's order, as always). The last micro-batch has joined the binned sums (its end
+  // came first); the ranks agree on their counts and statuses, and every gradient gets the sum
+  // over all micro-batches of the group divided by their number.
   void settle_reproducible(bool failed) {
     const int64_t step = stats.steps++;
     finite = true;
@@ -219,7 +219,6 @@ struct DistributedDataParallel::State {
     for (size_t i = 0; i < params.size(); ++i)
       if (!params[i].grad().is_same(views[i])) detail::bind_grad(params[i], views[i]);
     readiness->launch_rest();  // launches nothing: the buckets' bookkeeping ends the step
-    if (!failed) reproducible->fold();
     const detail::ReproducibleGradients::Agreement agreement =
         reproducible->agree(group, {failed ? 1 : 0, has_unused ? 1 : 0});
     stats.ready_before_first_launch = int64_t(params.size());  // nothing overlaps backward
@@ -347,7 +346,7 @@ Tensor DistributedDataParallel::forward(const nn::Inputs& inputs) {
     s.start_step(module_);
   }
   if (synchronizing) s.readiness->expect_backward();
-  if (s.reproducible && autograd::GradMode::is_enabled()) s.reproducible->begin_microbatch(inputs);
+  if (s.reproducible && autograd::GradMode::is_enabled()) s.reproducible->note_rows(inputs);
   // Gradients dropped by zero_grad(set_to_none = true) go back into their buckets, zeroed,
   // so backward accumulates in place instead of copying in afterwards.
   if (s.readiness->has_buckets() && !s.readiness->paused()) {

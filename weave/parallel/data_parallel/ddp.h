@@ -92,9 +92,8 @@ struct DDPOptions {
   bool check_finite = false;
   /// Sum the gradients so that their bits do not depend on the number of ranks or on how the
   /// micro-batches are spread over them (a run at 1, 2, 3 or 4 ranks, or one resumed at fewer,
-  /// steps alike): each micro-batch's gradient (one forward with gradients on, then its
-  /// backward) goes into a binned sum per element at the next forward or at the end of the
-  /// synchronizing backward, and the ranks add those sums as integers. The gradient is then
+  /// steps alike): each micro-batch's gradient (one backward) goes into a binned sum per
+  /// element as that backward ends, and the ranks add those sums as integers. The gradient is then
   /// the mean over every micro-batch of the step on every rank (so do not divide the loss by
   /// the accumulation steps: each micro-batch's loss is its own mean). Needs micro-batches of
   /// one size (parallel::MicroBatchPlan deals them by global index), the same thread count on

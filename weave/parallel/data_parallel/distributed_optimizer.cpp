@@ -1,6 +1,8 @@
 // Gradient averaging fused into flat buckets, and the optimizer wrapper built on it.
 #include "weave/parallel/data_parallel/distributed_optimizer.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "weave/autograd/grad_mode.h"
@@ -9,6 +11,7 @@
 #include "weave/parallel/core/mesh.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/parallel/core/readiness.h"
+#include "weave/parallel/core/reproducible.h"
 
 namespace weave::parallel {
 
@@ -25,6 +28,20 @@ DistributedOptimizer::DistributedOptimizer(optim::Optimizer& optimizer,
   detail::check_same_lines(detail::describe_tensors(optimizer_.params()), group_,
                            "DistributedOptimizer", "the parameters",
                            "wrap the same parameters in the same order on every rank");
+  if (!options_.reproducible) return;
+  WEAVE_CHECK(!options_.compress, "DistributedOptimizer",
+              "reproducible mode sums the gradients in integers; compress {} would round them "
+              "first; hint: leave compress unset",
+              *options_.compress);
+  std::vector<Tensor> params;
+  std::vector<std::string> names;
+  for (const Tensor& p : optimizer_.params())
+    if (p.defined() && p.requires_grad()) {
+      names.push_back(fmt::format("parameter {}", params.size()));
+      params.push_back(p);
+    }
+  detail::check_reproducible(names, params, group_, "DistributedOptimizer");
+  reproducible_ = std::make_shared<detail::ReproducibleGradients>(params, "DistributedOptimizer");
 }
 
 struct DistributedOptimizer::Buckets {
@@ -43,6 +60,9 @@ void DistributedOptimizer::average_gradients() {
                                   buckets_->params.end(),
                                   [](const Tensor& a, const Tensor& b) { return a.is_same(b); });
   };
+  WEAVE_CHECK(!reproducible_ || !buckets_ || same_params(), "DistributedOptimizer",
+              "the optimizer's parameters changed since construction, and reproducible mode sums "
+              "the ones it was built with; hint: build a new DistributedOptimizer");
   if (!same_params()) {  // first call, or the optimizer's parameter list changed
     buckets_ = std::make_shared<Buckets>();
     buckets_->params = params;
@@ -59,6 +79,10 @@ void DistributedOptimizer::average_gradients() {
     }
   }
   for (size_t i = 0; i < params.size(); ++i) detail::bind_grad(params[i], buckets_->views[i]);
+  if (reproducible_) {  // the micro-batches' sums, added over the group as integers
+    const int64_t microbatches = reproducible_->agree(group_).microbatches;
+    return reproducible_->reduce_into(buckets_->views, group_, microbatches);
+  }
   for (detail::GradBucket& b : buckets_->buckets) b.launch_average(group_);
   for (detail::GradBucket& b : buckets_->buckets) b.wait();
 }

@@ -12,6 +12,10 @@
 
 namespace weave::parallel {
 
+namespace detail {
+class ReproducibleGradients;
+}
+
 struct DistributedOptimizerOptions {
   /// Gradients are packed into flat buffers of at most this size (per dtype and device), each
   /// averaged by one asynchronous all_reduce; the buffers overlap one another.
@@ -22,6 +26,11 @@ struct DistributedOptimizerOptions {
   /// After averaging, skip the step when a gradient holds NaN or infinity. The averaged
   /// gradients are equal on every rank, so every rank skips alike, without communicating.
   bool check_finite = false;
+  /// Sum the gradients reproducibly (DDPOptions::reproducible, docs/reproducibility.md): each
+  /// backward's gradients join a binned sum per element as it ends, and step() adds those sums
+  /// over the group as integers: the mean over every rank's micro-batches of the step, with the
+  /// same bits at any number of ranks. The parameters must be whole.
+  bool reproducible = false;
 };
 
 class DistributedOptimizer : public Joinable {
@@ -54,6 +63,7 @@ class DistributedOptimizer : public Joinable {
   int64_t steps_ = 0;
   struct Buckets;
   std::shared_ptr<Buckets> buckets_;  // built at the first average_gradients
+  std::shared_ptr<detail::ReproducibleGradients> reproducible_;  // options_.reproducible
 };
 
 }  // namespace weave::parallel

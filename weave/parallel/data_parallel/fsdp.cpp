@@ -301,6 +301,28 @@ void build_units(nn::Module& module, State& s, const UnitSpecs& unit_specs) {
       for (int i : f.params) s.unit_of[size_t(i)] = int(u);
 }
 
+// FSDPOptions::reproducible: each flat's binned sums, laid out (and padded) as the flat, their
+// hooks installed before the readiness hooks, so that a backward's end folds before it settles.
+void install_reproducible(State& s) {
+  WEAVE_CHECK(!s.options.offload_to_cpu, kFSDPOp,
+              "reproducible mode keeps its sums beside the gradients; offload_to_cpu moves the "
+              "shards away; hint: one or the other");
+  detail::check_reproducible(s.names, s.params, s.group, kFSDPOp);
+  std::vector<std::shared_ptr<detail::ReproducibleGradients>> all;
+  for (State::Unit& u : s.units)
+    for (State::Flat& f : u.flats()) {
+      if (f.frozen) continue;
+      f.sums = std::make_shared<detail::ReproducibleGradients>(
+          State::Unit::members(f, s.params), kFSDPOp, f.group.size(), /*watch=*/false);
+      mark_reproducible(f.shard);
+      all.push_back(f.sums);
+    }
+  // One end per backward for every flat: each counts the same micro-batches.
+  s.microbatch_ends = std::make_unique<detail::BackwardEnds>(s.params, [all] {
+    for (const auto& sums : all) sums->end_microbatch();
+  });
+}
+
 // A unit gathers before its first module's forward and reshards after its last's.
 void install_module_hooks(const std::shared_ptr<State>& state) {
   State& s = *state;
@@ -369,6 +391,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(nn::Module& module, FSDPOptio
   const UnitSpecs unit_specs = agree_on_units(module, s);
   start_replicas_equal(module, s);
   build_units(module, s, unit_specs);
+  if (s.options.reproducible) install_reproducible(s);
   install_module_hooks(state_);
   install_readiness(state_);
   for (State::Unit& u : s.units) s.release(u);
@@ -411,6 +434,10 @@ Tensor FullyShardedDataParallel::forward(const nn::Inputs& inputs) {
     s.disagreements_seen = dist::disagreements(s.group);  // the step starts in step
   }
   s.new_forward(/*with_backward=*/autograd::GradMode::is_enabled());
+  if (s.options.reproducible && autograd::GradMode::is_enabled())
+    for (State::Unit& u : s.units)
+      for (State::Flat& f : u.flats())
+        if (f.sums) f.sums->note_rows(inputs);
   Tensor out;
   try {
     s.ensure_gathered(s.root());

@@ -131,6 +131,14 @@ struct FSDPOptions {
   /// all_reduce): every rank raises weave::Error from backward (gradients left as averaged),
   /// and gradients_finite() says false until the next synchronizing backward.
   bool check_finite = false;
+  /// Sum the gradients reproducibly (DDPOptions::reproducible, docs/reproducibility.md): each
+  /// backward's gradients join binned sums per element (each unit's as soon as they are
+  /// complete), and the synchronizing backward reduce-scatters those sums as integers (and adds
+  /// them over the replicas under HSDP), so each shard's gradient is the mean over every rank's
+  /// micro-batches of the step with the same bits at any number of ranks; clip_grad_norm_ on
+  /// the shards sums exactly. The sums cost 17 bytes per element of the whole model on every
+  /// rank. Refuses parameters cut across ranks and offload_to_cpu.
+  bool reproducible = false;
 };
 
 /// What the wrapper did (for tests and benchmarks).

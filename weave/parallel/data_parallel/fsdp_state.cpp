@@ -211,6 +211,7 @@ void FullyShardedDataParallel::State::settle(bool failed) {
   const bool diverged_here = finish_step_collectives(failed);
   const int64_t failed_ranks = count_failed_ranks(failed || diverged_here);
   NoGradGuard no_grad;
+  if (options.reproducible) reduce_reproducibly(/*keep=*/failed_ranks == 0);
   finite = !(failed_ranks == 0 && options.check_finite) || agree_finite();
   for (Unit& u : units) {
     if (failed_ranks > 0) u.discard_step(params);
@@ -238,6 +239,28 @@ void FullyShardedDataParallel::State::settle(bool failed) {
              "their error), so every rank discarded this step's gradients; hint: catch this "
              "error and go on to the next batch on every rank, as the failing rank does",
              failed_ranks, group.size(), group.str(), step);
+}
+
+void FullyShardedDataParallel::State::reduce_reproducibly(bool keep) {
+  std::vector<Flat*> flats;
+  for (Unit& u : units)
+    for (Flat& f : u.flats())
+      if (f.sums) flats.push_back(&f);
+  if (flats.empty()) return;
+  if (!keep) {
+    for (Flat* f : flats) f->sums->discard();
+    return;
+  }
+  // Every flat counted the same backwards; the first one's count stands for all.
+  const dist::Group* replicas = options.replicate_group ? &*options.replicate_group : nullptr;
+  const int64_t microbatches = flats.front()->sums->agree(group, {}, replicas).microbatches;
+  for (Flat* f : flats) {
+    Tensor shard =
+        empty(f->shard.shape(), {.dtype = f->shard.dtype(), .device = f->shard.device()});
+    f->sums->reduce_scatter_into(shard, f->group, microbatches,
+                                 f->replicate ? &*f->replicate : nullptr);
+    f->reduced = shard;
+  }
 }
 
 void FullyShardedDataParallel::State::shadow_step() {

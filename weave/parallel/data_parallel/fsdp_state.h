@@ -31,6 +31,8 @@ struct FullyShardedDataParallel::State {
   bool order_known = false;  // forward_order is complete (a synchronizing forward ran)
   std::vector<HookHandle> module_hooks;
   std::shared_ptr<detail::GradReadiness> readiness;
+  // FSDPOptions::reproducible: every micro-batch's end folds each flat's gradients.
+  std::unique_ptr<detail::BackwardEnds> microbatch_ends;
   std::vector<int> reducing;  // units with reduce_scatters in flight, oldest first
   // Units whose gradients are reduced but whose frozen parameters this backward may still read
   // (its last gradient can come before a frozen weight's last use): released at the next unit's
@@ -77,6 +79,9 @@ struct FullyShardedDataParallel::State {
   void end_of_backward();
   /// Ends a synchronizing step on this rank, in step with the group.
   void settle(bool failed);
+  /// FSDPOptions::reproducible: every flat's sums reduced into `reduced` (the step kept), or
+  /// dropped (it failed).
+  void reduce_reproducibly(bool keep);
 
   // ---- a rank out of step ----------------------------------------------------------------------
   /// The forward order, completed with the units it lacks in index order (a first forward that

@@ -239,6 +239,10 @@ void FSDPUnit::launch_reduce(const std::vector<Tensor>& params, FSDPStats& stats
   grads_ = Grads::Reducing;  // before the calls: finish_reduce waits for the ones that started
   for (FSDPFlat& f : flats_) {
     if (f.frozen) continue;
+    if (f.sums) {  // reproducible: into the sums now, reduced when the step settles
+      f.sums->fold();
+      continue;
+    }
     if (f.alone) {  // the sum over one rank is its own gradient, in its own dtype
       f.reduced = f.grads.flat;
       continue;
@@ -259,6 +263,11 @@ void FSDPUnit::finish_reduce(const std::vector<Tensor>& params) {
   std::exception_ptr first_error;
   for (FSDPFlat& f : flats_) {
     if (f.frozen) continue;
+    if (f.sums) {  // folded at launch: nothing in flight
+      for (int i : f.params) params[size_t(i)].set_grad(Tensor());
+      f.grads = {};
+      continue;
+    }
     if (f.reduce) try {
         std::exchange(f.reduce, std::nullopt)->wait();
       } catch (...) {

@@ -13,6 +13,7 @@
 // Under ShardGradOp the parameters are never released: they stay Gathered between uses and are
 // gathered again only after the optimizer changed the shard.
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -22,6 +23,7 @@
 #include "weave/nn/module.h"
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/placement.h"
+#include "weave/parallel/core/reproducible.h"
 #include "weave/parallel/data_parallel/fsdp.h"
 
 namespace weave::parallel::detail {
@@ -52,6 +54,8 @@ struct FSDPFlat {
   FlatBuffer grads;  // whole gradients while Accumulating or Reducing
   Tensor reduced;    // this step's averaged shard gradient, added to shard.grad at the end
   std::optional<dist::Work> reduce;  // in flight
+  // FSDPOptions::reproducible: the micro-batches' binned sums, reduced at the end of the step.
+  std::shared_ptr<ReproducibleGradients> sums;
 };
 
 class FSDPUnit {

@@ -1,7 +1,9 @@
 // ZeRO-1: reduce-scatter the gradients, step the owned slice, all-gather the parameters.
 #include "weave/parallel/data_parallel/zero.h"
 
+#include <fmt/format.h>
 #include <algorithm>
+
 #include <unordered_set>
 
 #include "weave/autograd/grad_mode.h"
@@ -9,6 +11,7 @@
 #include "weave/parallel/core/flat_buffer.h"
 #include "weave/parallel/core/mesh.h"
 #include "weave/parallel/core/placement.h"
+#include "weave/parallel/core/reproducible.h"
 #include "weave/tensor/tensor_impl.h"
 
 namespace weave::parallel {
@@ -64,6 +67,13 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<Tensor> params,
   add_cut(shard_, {.kind = Cut::Kind::FlatShard, .group = group_, .layout = std::move(layout)},
           "a ZeRO-1 slice's gradient exists only inside zero.step(): clip with "
           "ZeroOptions::max_grad_norm, which clips the averaged gradients there");
+  if (options_.reproducible) {
+    std::vector<std::string> names;
+    for (size_t k = 0; k < params_.size(); ++k) names.push_back(fmt::format("parameter {}", k));
+    detail::check_reproducible(names, params_, group_, op);
+    reproducible_ = std::make_unique<detail::ReproducibleGradients>(params_, op, n);
+    mark_reproducible(shard_);
+  }
 }
 
 namespace {
@@ -126,7 +136,13 @@ bool ZeroRedundancyOptimizer::step() {
       detail::bind_data(params_[k], flat_params_->view(k));
     detail::bind_grad(params_[k], flat_grads_->view(k));
   }
-  if (!options_.check_finite) {
+  if (reproducible_) {
+    const int64_t microbatches = reproducible_->agree(group_).microbatches;
+    reproducible_->reduce_scatter_into(shard_grad_, group_, microbatches);
+    shard_.set_grad(shard_grad_);
+    if (options_.check_finite && dist::agree_max({all_finite(shard_grad_) ? 0 : 1}, group_)[0] != 0)
+      return false;
+  } else if (!options_.check_finite) {
     dist::reduce_scatter(shard_grad_, flat_grads_->flat, dist::ReduceOp::Avg, group_);
     shard_.set_grad(shard_grad_);
   } else {

@@ -19,7 +19,8 @@ namespace weave::parallel {
 
 namespace detail {
 struct FlatBuffer;
-}
+class ReproducibleGradients;
+}  // namespace detail
 
 /// Builds the optimizer of this rank's slice from parameter groups over it (each part of the
 /// slice in its parameter's group), e.g.
@@ -37,6 +38,12 @@ struct ZeroOptions {
   /// one number) is at most this; last_grad_norm() reports it. Unset: no clipping.
   std::optional<double> max_grad_norm = std::nullopt;
   double grad_norm_type = 2.0;
+  /// Sum the gradients reproducibly (DDPOptions::reproducible, docs/reproducibility.md): each
+  /// backward's gradients join a binned sum per element as it ends, and step() reduce-scatters
+  /// those sums as integers, so this rank's slice holds the mean over every rank's micro-batches
+  /// of the step with the same bits at any number of ranks; max_grad_norm's norm is summed
+  /// exactly. The parameters must be whole (no tensor, expert or pipeline cuts).
+  bool reproducible = false;
 };
 
 class ZeroRedundancyOptimizer : public Joinable {
@@ -93,6 +100,7 @@ class ZeroRedundancyOptimizer : public Joinable {
   Tensor shard_grad_;  // the reduce-scatter's output, shard_'s gradient
   double last_grad_norm_ = 0;
   std::unique_ptr<optim::Optimizer> optimizer_;
+  std::unique_ptr<detail::ReproducibleGradients> reproducible_;  // options_.reproducible
   int64_t steps_ = 0;
 };
 
