@@ -6,6 +6,7 @@
 
 #include "weave/kernels/common/binned.h"
 #include "weave/kernels/kernels.h"
+#include "weave/optim/optimizer.h"
 
 namespace weave::dist {
 
@@ -43,16 +44,8 @@ void ExactSum::add(double value) {
 }
 
 void ExactSum::add_power_sum(const std::vector<Tensor>& xs, double p) {
-  // One kernel pass per device, in the order the devices first appear.
-  std::vector<std::pair<Device, std::vector<Tensor>>> by_device;
-  for (const Tensor& x : xs) {
-    if (!x.defined() || x.numel() == 0) continue;
-    auto it = std::find_if(by_device.begin(), by_device.end(),
-                           [&](const auto& entry) { return entry.first == x.device(); });
-    if (it == by_device.end()) it = by_device.insert(by_device.end(), {x.device(), {}});
-    it->second.push_back(x.contiguous());
-  }
-  for (const auto& [device, list] : by_device) {
+  for (auto& [device, list] : optim::detail::by_device(xs)) {  // one pass per device
+    for (Tensor& x : list) x = x.contiguous();
     Tensor part = zeros({common::kExactLimbs + 1}, {.dtype = kInt64, .device = device});
     kernels::exact_power_sum(list, p, part);
     ExactSum other;

@@ -18,8 +18,6 @@ double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, co
   return norm_partial(grads, norm_type, op);
 }
 
-namespace {
-/// The defined, non-empty tensors of `tensors`, grouped by device in order of first appearance.
 std::vector<std::pair<Device, std::vector<Tensor>>> by_device(const std::vector<Tensor>& tensors) {
   std::vector<std::pair<Device, std::vector<Tensor>>> groups;
   for (const Tensor& t : tensors) {
@@ -31,7 +29,6 @@ std::vector<std::pair<Device, std::vector<Tensor>>> by_device(const std::vector<
   }
   return groups;
 }
-}  // namespace
 
 double norm_partial(const std::vector<Tensor>& grads, double norm_type, const char* op) {
   NoGradGuard no_grad;

@@ -261,6 +261,9 @@ namespace detail {
 double grad_norm_partial(const std::vector<Tensor>& params, double norm_type, const char* op);
 /// The same over gradient tensors themselves (undefined ones skipped).
 double norm_partial(const std::vector<Tensor>& grads, double norm_type, const char* op);
+/// The defined, non-empty tensors of `tensors`, grouped by device in order of first appearance
+/// (one fused pass per device).
+std::vector<std::pair<Device, std::vector<Tensor>>> by_device(const std::vector<Tensor>& tensors);
 /// Raises unless max_norm is a number >= 0 (INFINITY allowed).
 void check_max_norm(double max_norm, const char* op);
 /// Raises when a parameter is one rank's piece of a parameter spread over ranks (a norm of
