@@ -2,11 +2,16 @@
 // float64 attention on the CPU (plain, grouped-query and packed documents), sliding windows and
 // soft-caps on every CUDA attention path, reductions split over
 // many blocks, layer and RMS norm on each of their kernel paths, KV-cache decoding, the
-// multi-tensor clipping and Adam kernels, and the bugs GPU runs found. Suite cuda_kernels:
+// multi-tensor clipping and Adam kernels, binned and exact sums against the CPU bit for bit, and
+// the bugs GPU runs found. Suite cuda_kernels:
 // `weave_cuda_tests --test-suite=cuda_kernels --require-cuda` (skipped without a GPU).
+#include <cmath>
+#include <cstring>
 #include <numeric>
+#include <random>
 
 #include "helpers.h"
+#include "weave/kernels/common/binned.h"
 #include "weave/kernels/kernels.h"
 
 using namespace weave;
@@ -497,5 +502,42 @@ TEST_SUITE("cuda_kernels") {
     Tensor t = empty({1 << 20}, {.device = gpu});
     CHECK(memory_stats(gpu).in_use >= before.in_use + (size_t(4) << 20));
     CHECK(memory_stats(gpu).peak >= memory_stats(gpu).in_use);
+  }
+
+  TEST_CASE("binned and exact sums on CUDA have the CPU's bits") {
+    // Terms spanning 2^-40 .. 2^40 and both signs, NaN and infinity among them: each device
+    // adds 6 of them into binned sums, raises to a common window and converts; the windows, the
+    // limbs, the values and an exact sum of squares must be equal, bit for bit.
+    std::mt19937 rng(21);
+    std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
+    std::uniform_int_distribution<int> exponent(-40, 40);
+    const int64_t n = 100000;
+    std::vector<Tensor> terms;
+    for (int t = 0; t < 6; ++t) {
+      std::vector<float> values(static_cast<size_t>(n));
+      for (float& v : values) v = std::ldexp(mantissa(rng), exponent(rng));
+      if (t == 2) values[5] = NAN;
+      if (t == 4) values[9] = INFINITY;
+      terms.push_back(from_vector(values, {n}));
+    }
+    auto sums_on = [&](Device device) {
+      Tensor window = zeros({n}, {.dtype = kUInt8, .device = device});
+      Tensor limbs = zeros({2 * n}, {.dtype = kInt64, .device = device});
+      for (const Tensor& t : terms) kernels::binned_add(t.to(device), window, limbs);
+      std::vector<uint8_t> top = window.cpu().to_vector<uint8_t>();
+      for (uint8_t& w : top) w = w == 255 ? w : std::max<uint8_t>(w, 37);  // a higher window
+      kernels::binned_raise(window, limbs, from_vector(top, {n}).to(device));
+      Tensor out = empty({n}, {.device = device});
+      kernels::binned_value(window, limbs, 3.0, out);
+      Tensor exact = zeros({kernels::common::kExactLimbs + 1}, {.dtype = kInt64, .device = device});
+      kernels::exact_power_sum({terms[0].to(device), terms[1].to(device)}, 2.0, exact);
+      return std::array<Tensor, 4>{window.cpu(), limbs.cpu(), out.cpu(), exact.cpu()};
+    };
+    const auto cpu = sums_on(kCPU), cuda = sums_on(gpu);
+    CHECK(equal(cpu[0], cuda[0]));
+    CHECK(equal(cpu[1], cuda[1]));
+    const std::vector<float> a = cpu[2].to_vector<float>(), b = cuda[2].to_vector<float>();
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+    CHECK(equal(cpu[3], cuda[3]));
   }
 }
