@@ -455,7 +455,7 @@ double Run::reproducible_heldout_loss() {
   double total = 0;
   for (const auto& [batch, windows] :
        gpt::heldout_microbatches(f_, corpus_, mesh_.shape().data, mesh_.data_rank(), device_)) {
-    const Tensor loss = autocast(f_, [&] {
+    const Tensor loss = autocast(f_, [&, &batch = batch] {
       return objective(forward(split_.local_inputs(batch.model_inputs())),
                        split_.local_sequence(batch.targets));
     });

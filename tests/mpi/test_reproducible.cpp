@@ -52,8 +52,8 @@ enum class Strategy { DDP, FSDP, HSDP, ZeRO, DistributedOptimizer };
 template <class Forward>
 double microbatch_backward(Forward&& forward, int step, int m, bool last,
                            parallel::DataParallelWrapper* no_sync) {
-  auto [x, y] = microbatch(step, m);
-  auto run = [&] {
+  const auto [x, y] = microbatch(step, m);
+  auto run = [&, x = x, y = y] {
     Tensor loss = mse_loss(forward(x), y);
     loss.backward();
     return loss.item<double>();
@@ -215,13 +215,14 @@ TEST_SUITE("reproducible") {
       auto model = make_model();
       DistributedDataParallel ddp(*model, {.reproducible = true});
       const bool odd = dist::rank() == dist::world_size() - 1;
-      auto [x, y] = microbatch(0, 0, kFloat32, odd ? kRows + 1 : kRows);
+      std::pair<Tensor, Tensor> batch = microbatch(0, 0, kFloat32, odd ? kRows + 1 : kRows);
       if (dist::world_size() == 1) {  // one rank: a second micro-batch of another size
         const parallel::NoSyncGuard accumulate = ddp.no_sync();
-        mse_loss(ddp(x), y).backward();
-        std::tie(x, y) = microbatch(0, 1, kFloat32, kRows);
+        mse_loss(ddp(batch.first), batch.second).backward();
+        batch = microbatch(0, 1, kFloat32, kRows);
       }
-      const std::string error = test::error_of([&] { mse_loss(ddp(x), y).backward(); });
+      const std::string error =
+          test::error_of([&] { mse_loss(ddp(batch.first), batch.second).backward(); });
       CHECK(error.find("micro-batches") != std::string::npos);
     }
     // Compressed gradients.
