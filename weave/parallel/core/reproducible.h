@@ -110,9 +110,6 @@ class ReproducibleGradients {
   /// Drops the step's sums (a failed step).
   void discard();
 
-  /// Micro-batches this rank counted since the last reduction or discard.
-  int64_t local_microbatches() const { return microbatches_; }
-
  private:
   void align(const dist::Group& group);
 
