@@ -43,6 +43,7 @@
 #include "weave/parallel/checkpoint/pretrained.h"
 #include "weave/parallel/checkpoint/sharded_checkpoint.h"
 #include "weave/parallel/compose/data_parallel.h"
+#include "weave/parallel/compose/verify_layout.h"
 #include "weave/parallel/core/mesh.h"
 #include "weave/parallel/core/placement.h"
 #include "weave/parallel/data_parallel/ddp.h"

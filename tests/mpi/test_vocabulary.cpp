@@ -144,6 +144,9 @@ void check_against_one_process(const parallel::MeshShape& shape, bool tied, bool
     opt.step();
   }
   check_pieces(wrapper->full_state_dict(), part, reference);
+  // The copies of every piece agree, and pieces that differ (vocabulary pieces, tensor-parallel
+  // members of a flat shard) are told apart, not taken for copies.
+  CHECK_NOTHROW(parallel::check_replicas(wrapper->sharded_module()));
   {  // evaluation: a pipeline's predict joins the micro-batches as one forward gives them
     NoGradGuard no_grad;
     const Tensor tokens = tokens_of(3, shape.data);

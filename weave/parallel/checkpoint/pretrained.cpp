@@ -115,22 +115,29 @@ data::hf::LoadStats load_pretrained(nn::Module& model, const data::hf::ModelConf
 
 namespace {
 
-// The whole parameters of a split model, one at a time at group rank 0, from the pieces each
-// rank holds (what sharded checkpoints record): prepare() plans the next parameter and readies
-// this rank's buffers (what may fail), exchange() moves the elements (what may not).
+// The whole parameters of a split model (or their gradients), one at a time at group rank 0,
+// from the pieces each rank holds (what sharded checkpoints record): prepare() plans the next
+// parameter and readies this rank's buffers (what may fail), exchange() moves the elements (what
+// may not).
 class WholeParameters {
  public:
-  WholeParameters(nn::Module& model, const dist::Group& group) : group_(group) {
+  enum class Of { Values, Gradients };
+  WholeParameters(nn::Module& model, const dist::Group& group, Of of = Of::Values) : group_(group) {
     std::string mine;
     detail::run_together(kSavePretrainedOp, group, "describe its parameters", [&] {
-      const std::map<std::string, detail::Pieces> pieces =
+      std::map<std::string, detail::Pieces> pieces =
           detail::describe_state({.model = &model, .default_generator = false}).model;
       nlohmann::json dtypes = nlohmann::json::object();
-      for (const auto& [name, t] : model.state_dict())
+      const nn::NamedTensors tensors =
+          of == Of::Values ? model.state_dict() : model.named_parameters();
+      for (const auto& [name, t] : tensors)
         if (pieces.count("model/" + name)) {
           dtypes["model/" + name] = int(t.dtype());
-          local_["model/" + name] = t.detach();
+          local_["model/" + name] = of == Of::Values     ? t.detach()
+                                    : t.grad().defined() ? t.grad().detach()
+                                                         : zeros_like(t);
         }
+      std::erase_if(pieces, [&](const auto& entry) { return !local_.count(entry.first); });
       mine = dtypes.dump() + "\n" + detail::pieces_text(pieces);
     });
     const std::vector<std::string> all = detail::all_gather_bytes(mine, group);
@@ -279,11 +286,14 @@ void save_pretrained(nn::Module& model, const data::hf::ModelConfig& config, con
   });
 }
 
-nn::NamedTensors gather_whole_state_dict(nn::Module& model, const dist::Group& group,
-                                         const std::function<bool(const std::string&)>& keep) {
+namespace {
+
+nn::NamedTensors gather_whole(nn::Module& model, const dist::Group& group,
+                              const std::function<bool(const std::string&)>& keep,
+                              WholeParameters::Of of) {
   NoGradGuard no_grad;
   const dist::KeepAlive alive;
-  WholeParameters parameters(model, group);
+  WholeParameters parameters(model, group, of);
   nn::NamedTensors whole;
   for (const std::string& name : parameters.names()) {
     if (keep && !keep(name)) continue;
@@ -293,6 +303,17 @@ nn::NamedTensors gather_whole_state_dict(nn::Module& model, const dist::Group& g
     if (group.rank() == 0) whole.emplace_back(name, std::move(value));
   }
   return whole;
+}
+
+}  // namespace
+
+nn::NamedTensors gather_whole_state_dict(nn::Module& model, const dist::Group& group,
+                                         const std::function<bool(const std::string&)>& keep) {
+  return gather_whole(model, group, keep, WholeParameters::Of::Values);
+}
+
+nn::NamedTensors gather_whole_gradients(nn::Module& model, const dist::Group& group) {
+  return gather_whole(model, group, nullptr, WholeParameters::Of::Gradients);
 }
 
 }  // namespace weave::parallel

@@ -58,4 +58,12 @@ nn::NamedTensors gather_whole_state_dict(
     nn::Module& model, const dist::Group& group = dist::world(),
     const std::function<bool(const std::string&)>& keep = nullptr);
 
+/// The whole model's gradients by weave's parameter names, put together at group rank 0 as
+/// gather_whole_state_dict puts the values together (from slices, FSDP's sharded_module()
+/// shards, pipeline stages, experts); a parameter without a gradient counts as zeros; empty on
+/// the other ranks. What parallel::verify_layout compares with one process's gradients.
+/// Collective over `group`, as gather_whole_state_dict.
+nn::NamedTensors gather_whole_gradients(nn::Module& model,
+                                        const dist::Group& group = dist::world());
+
 }  // namespace weave::parallel

@@ -151,8 +151,14 @@ namespace {
 std::string piece_key(const std::string& name, const Tensor& p) {
   std::string key = name + "@";
   if (const Placement* placement = placement_of(p))
-    for (const Cut& cut : placement->cuts)
+    for (const Cut& cut : placement->cuts) {
       key += fmt::format("{}:{},", static_cast<int>(cut.kind), cut.group.rank());
+      // A flat shard's members may be slices themselves (tensor-parallel layers, vocabulary
+      // pieces): which slices is part of which piece the shard holds.
+      if (cut.layout)
+        for (const TensorSplit& split : cut.layout->splits)
+          if (split.count > 1) key += fmt::format("s{}/{},", split.index, split.count);
+    }
   return key;
 }
 
@@ -169,9 +175,26 @@ void materialize(nn::Module& module) {
 int64_t check_replicas(const nn::Module& module, const dist::Group& group) {
   const char* op = "check_replicas";
   WEAVE_CHECK(group.rank() >= 0, op, "rank {} is not in group {}", dist::rank(), group.str());
+  const detail::CopiesCompared compared =
+      detail::compare_copies(module, group, [](const Tensor& p) { return p; });
+  WEAVE_CHECK(compared.parameter.empty(), op,
+              "parameter '{}' differs across the ranks that should hold copies of it ({}); hint: "
+              "a replica clipped, scaled or stepped on its own (a local clip_grad_norm_ on a "
+              "spread parameter, a step skipped on one rank), or a placement is declared wrongly",
+              compared.parameter, compared.sides);
+  return compared.checked;
+}
+
+namespace detail {
+
+CopiesCompared compare_copies(const nn::Module& module, const dist::Group& group,
+                              const std::function<Tensor(const Tensor&)>& value) {
   std::string mine;
-  for (const auto& [name, p] : module.named_parameters())
-    if (p.defined()) mine += fmt::format("{} {:08x}\n", piece_key(name, p), checksum(p));
+  for (const auto& [name, p] : module.named_parameters()) {
+    if (!p.defined()) continue;
+    const Tensor v = value(p);
+    if (v.defined()) mine += fmt::format("{} {:08x}\n", piece_key(name, p), checksum(v));
+  }
   // piece -> checksum -> global ranks holding that value
   std::map<std::string, std::map<std::string, std::vector<int>>> copies;
   const std::vector<std::string> all = detail::all_gather_bytes(mine, group);
@@ -183,25 +206,19 @@ int64_t check_replicas(const nn::Module& module, const dist::Group& group) {
                 .push_back(group.global_rank(r));
       start = end + 1;
     }
-  int64_t checked = 0;
+  CopiesCompared compared;
   for (const auto& [key, values] : copies) {
     size_t holders = 0;
     for (const auto& [sum, ranks] : values) holders += ranks.size();
-    if (holders > 1) ++checked;
-    if (values.size() == 1) continue;
-    std::string sides;
+    if (holders > 1) ++compared.checked;
+    if (values.size() == 1 || !compared.parameter.empty()) continue;
+    compared.parameter = key.substr(0, key.find('@'));
     for (const auto& [sum, ranks] : values)
-      sides += fmt::format("{}ranks {} hold checksum {}", sides.empty() ? "" : "; ", ranks, sum);
-    WEAVE_FAIL(op,
-               "parameter '{}' differs across the ranks that should hold copies of it ({}); hint: "
-               "a replica clipped, scaled or stepped on its own (a local clip_grad_norm_ on a "
-               "spread parameter, a step skipped on one rank), or a placement is declared wrongly",
-               key.substr(0, key.find('@')), sides);
+      compared.sides += fmt::format("{}ranks {} hold checksum {}",
+                                    compared.sides.empty() ? "" : "; ", ranks, sum);
   }
-  return checked;
+  return compared;
 }
-
-namespace detail {
 
 constexpr const char* kSameModelHint =
     "build the same model (same layers, shapes and dtypes) on every rank";

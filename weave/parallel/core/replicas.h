@@ -4,6 +4,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "weave/distributed/distributed.h"
@@ -72,6 +73,17 @@ void average_tensors(const std::vector<Tensor>& tensors, const dist::Group& grou
 int64_t check_replicas(const nn::Module& module, const dist::Group& group = dist::world());
 
 namespace detail {
+/// check_replicas' comparison, without raising, of value(p) for each parameter p (its values,
+/// or its gradient; an undefined value is skipped): the first piece (in name order) whose copies
+/// differ, with the ranks on each side ("ranks [0, 2] hold checksum 1a2b3c4d; ranks [1, 3] ..."),
+/// or an empty `parameter` when every copy is equal; and how many pieces had copies on two or
+/// more ranks. Collective: one all_gather of a checksum per parameter.
+struct CopiesCompared {
+  int64_t checked = 0;
+  std::string parameter, sides;
+};
+CopiesCompared compare_copies(const nn::Module& module, const dist::Group& group,
+                              const std::function<Tensor(const Tensor&)>& value);
 /// Broadcasts `tensors` from group rank `root` in flat buckets of at most 25 MB, all in flight
 /// at once (broadcast_parameters' transport). Collective.
 void broadcast_packed(const std::vector<Tensor>& tensors, int root, const dist::Group& group);
