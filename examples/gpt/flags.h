@@ -38,6 +38,7 @@ struct Flags {
   bool reproducible = false;     // the same bits at any number of data-parallel ranks
   int64_t microbatch = 0;        // windows per micro-batch (0: each rank's share at once)
   bool cuda_graph = false;       // the training step as one CUDA graph
+  bool verify_layout = false;    // check the layout against one process, then exit
   double peak_tflops = 0;        // one device's peak, for the MFU
   std::string tensorboard;       // TensorBoard's event files here
   std::string matmul_precision = "highest";  // float32 GEMMs: highest, or high (TF32)
@@ -84,6 +85,9 @@ inline void add_layout_options(CLI::App& app, Flags& f) {
   app.add_flag("--reproducible", f.reproducible,
                "ddp/fsdp: sum gradients, losses and the norm so that a run at any number of "
                "ranks ends with the same bits (needs --microbatch)");
+  app.add_flag("--verify-layout", f.verify_layout,
+               "check this layout's step against one process on a shrunken float64 copy "
+               "(parallel::verify_layout), print what diverged, and exit");
   app.add_option("--microbatches", f.microbatches,
                  "micro-batches per step and data-parallel rank (0: twice --pipeline)")
       ->check(weave::cli::non_negative());

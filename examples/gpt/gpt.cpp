@@ -11,7 +11,7 @@
 //                    [--pipeline N [--microbatches M]]
 //                    [--arch gpt|llama [--kv-heads K] [--ffn N] [--pack]]
 //                    [--cuda-graph] [--matmul-precision highest|high]
-//                    [--microbatch N] [--reproducible] [--export FILE]
+//                    [--microbatch N] [--reproducible] [--export FILE] [--verify-layout]
 //                    [--peak-tflops T] [--tensorboard DIR]
 // --device cuda puts each rank on a GPU (round-robin by local rank) with NCCL between them
 // (--backend mpi: MPI, staging through the host; several ranks may share one GPU). --vocab
@@ -83,6 +83,7 @@
 #include "flags.h"
 #include "graphed.h"
 #include "model.h"
+#include "verify.h"
 
 #include <algorithm>
 #include <cmath>
@@ -186,15 +187,7 @@ void Run::build() {
   dist::all_reduce(pieces, dist::ReduceOp::Sum);
   parameters_ = int64_t(pieces.item<double>() / double(mesh_.shape().data * mesh_.shape().context));
   if (!fully_sharded) parallel::materialize(*model_);  // its seed agreed over the cut groups
-  // DDP, FSDP (HSDP under --replicate) or, on one replica, the model itself.
-  wrapper_ = parallel::data_parallel(*model_, mesh_,
-                                     {.shard = fully_sharded,
-                                      .fsdp = {.reshard_after_forward = mesh_.shape().pipeline == 1,
-                                               .param_dtype = f_.param_dtype,
-                                               .reduce_dtype = kFloat32,
-                                               .output_dtype = kFloat32,
-                                               .reproducible = f_.reproducible},
-                                      .ddp = {.reproducible = f_.reproducible}});
+  wrapper_ = parallel::data_parallel(*model_, mesh_, gpt::wrapping(f_, mesh_));
   // The stages pass activations and gradients; each stage's wrapper syncs on the last
   // micro-batch.
   if (mesh_.shape().pipeline > 1)
@@ -526,6 +519,7 @@ int train_and_sample(Flags& f, int argc, char** argv) {
   f.placed = device;
   set_num_threads(f.threads);
   set_float32_matmul_precision(f.matmul_precision);
+  if (f.verify_layout) return gpt::verify_layout(f);
   Run run(f, device);
   return run.train();
 }

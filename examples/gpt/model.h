@@ -68,6 +68,19 @@ inline std::shared_ptr<nn::CausalLM> make_model(const Flags& f, int64_t vocab,
   return model;
 }
 
+/// The data-parallel wrapping of the flags' model: DDP, FSDP (HSDP under --replicate) or, on one
+/// replica, the model itself; FSDP keeps a pipeline's units gathered across its micro-batches
+/// (torchtitan's choice).
+inline parallel::DataParallelOptions wrapping(const Flags& f, const parallel::ProcessMesh& mesh) {
+  return {.shard = f.strategy == "fsdp",
+          .fsdp = {.reshard_after_forward = mesh.shape().pipeline == 1,
+                   .param_dtype = f.param_dtype,
+                   .reduce_dtype = kFloat32,
+                   .output_dtype = kFloat32,
+                   .reproducible = f.reproducible},
+          .ddp = {.reproducible = f.reproducible}};
+}
+
 /// GPT-2's initialization: weights N(0, 0.02), biases 0, norms 1 (their own ones). Under
 /// nn::DeferredInit these set recipes: each parameter is drawn by its name from the seed.
 inline void initialize(nn::Module& model) {

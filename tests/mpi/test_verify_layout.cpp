@@ -5,7 +5,8 @@
 // its replicate group, clipping over the data group under tensor parallelism, an optimizer that
 // loses its parameter groups, a parameter drawn outside DeferredInit, and the three traps of the
 // last new-user review (sequence layout, an optimizer over FSDP's released parameters, DDP over
-// mesh.data() under context parallelism), which raise in the layout's step and are named too.
+// mesh.data() under context parallelism), which raise in the layout's step and are named too;
+// and FSDP's float32 precision policy, which agrees to float32's rounding only.
 #include <doctest/doctest.h>
 
 #include <memory>
@@ -383,6 +384,20 @@ TEST_SUITE("verify_layout") {
     check_names(
         verify({.data = n}, ring_recipe(parallel::SequenceLayout::ZigZag, true), float_batch()),
         "initialization", "the parameter wo before the step");
+  }
+
+  TEST_CASE("precision: FSDP reducing and returning float32 agrees to float32's rounding only") {
+    const int n = dist::world_size();
+    parallel::LayoutRecipe recipe = lm_recipe<models::Llama>(llama_options(), true);
+    recipe.wrap = [](nn::Module& part, const parallel::ProcessMesh& mesh) {
+      return parallel::data_parallel(
+          part, mesh,
+          {.shard = true, .fsdp = {.reduce_dtype = kFloat32, .output_dtype = kFloat32}});
+    };
+    const parallel::LayoutReport report = verify({.data = n}, recipe, token_batch());
+    check_names(report, "precision", "the ");
+    CHECK(report.difference > 1e-10);
+    CHECK(report.difference < 1e-5);
   }
 
   TEST_CASE("a recipe without a model raises on every rank") {

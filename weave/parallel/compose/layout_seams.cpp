@@ -38,6 +38,10 @@ double relative_difference(const Tensor& a, const Tensor& b) {
 
 namespace {
 
+// Differences below this are rounding (float32's is 6e-8), not a seam: every mistake the check
+// names moves the loss or a gradient by far more.
+constexpr double kRoundingOnly = 1e-5;
+
 double scalar_difference(double a, double b) {
   const double scale = std::max(std::abs(a), std::abs(b));
   if (std::isnan(a) || std::isnan(b)) return INFINITY;
@@ -255,8 +259,21 @@ LayoutReport diagnose(const LayoutFacts& f) {
                             "mesh.replicate() (parallel::data_parallel wires both)",
                             f.differing_copies, f.copy_sides)),
            r;
-  if (loss_difference > f.tolerance || gradient)
+  if (loss_difference > f.tolerance || gradient) {
+    const double difference = std::max(loss_difference, gradient ? gradient->value : 0.0);
+    if (difference < kRoundingOnly)
+      return fail(r,
+                  loss_difference > f.tolerance ? "the loss" : "the gradient of " + gradient->name,
+                  difference, "precision",
+                  fmt::format("the layout agrees with one process to {:.2g} but not to {:.2g}, "
+                              "as a step rounded to float32 does: a mixed-precision policy "
+                              "(FSDP's reduce_dtype or output_dtype, param_dtype, autocast) or a "
+                              "float32 tensor in the model; hint: check the layout in float64 "
+                              "throughout, with the policy off",
+                              difference, f.tolerance)),
+             r;
     return diagnose_gradients(r, f, gradients, gradient, loss_difference), r;
+  }
   if (norm_difference > f.tolerance)
     return fail(r, "the norm", norm_difference, "clip group",
                 fmt::format("the gradients agree, the norm does not (rank {}'s {:.17g}, one "

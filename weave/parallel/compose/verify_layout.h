@@ -28,6 +28,8 @@
 //                       those that together hold the whole model
 //   optimizer           gradients and norm agree, the step does not: its parameters, groups or
 //                       options differ from one process's
+//   precision           the loss or a gradient agrees to float32's rounding only (under 1e-5):
+//                       a mixed-precision policy or a float32 tensor in the float64 check
 // A step of the layout that raises weave::Error is reported too, with the seam of the step that
 // raised (the wrapper: replicate group; the optimizer: optimizer; ...) and its message.
 //
