@@ -83,7 +83,7 @@ inline void add_layout_options(CLI::App& app, Flags& f) {
                  "of this many, accumulating their gradients (0: its share at once)")
       ->check(weave::cli::non_negative());
   app.add_flag("--reproducible", f.reproducible,
-               "ddp/fsdp: sum gradients, losses and the norm so that a run at any number of "
+               "ddp/fsdp/zero: sum gradients, losses and the norm so that a run at any number of "
                "ranks ends with the same bits (needs --microbatch)");
   app.add_flag("--verify-layout", f.verify_layout,
                "check this layout's step against one process on a shrunken float64 copy "
@@ -98,7 +98,7 @@ inline Flags parse(int argc, char** argv) {
   CLI::App app("A character-level GPT trained on the fortunes text (examples/gpt).", "gpt");
   app.option_defaults()->always_capture_default();
   app.add_option("--strategy", f.strategy, "data, model or hybrid parallelism")
-      ->check(CLI::IsMember({"ddp", "fsdp", "tp", "hybrid"}));
+      ->check(CLI::IsMember({"ddp", "fsdp", "zero", "tp", "hybrid"}));
   app.add_option("--arch", f.arch, "gpt (GPT-2 blocks) or llama (RMSNorm, rotary, SwiGLU)")
       ->check(CLI::IsMember({"gpt", "llama"}));
   app.add_option("--kv-heads", f.kv_heads, "llama: key/value heads, dividing --heads (0: all)")
@@ -231,7 +231,7 @@ inline parallel::ProcessMesh mesh_of(const Flags& f) {
   // more (unevenly under --reproducible ddp, whose sums do not mind; evenly otherwise: fsdp
   // gathers every unit for each micro-batch, so every rank runs as many).
   const int64_t microbatch = f.microbatch > 0 ? f.microbatch : f.batch / data;
-  const bool uneven = f.reproducible && f.strategy == "ddp";
+  const bool uneven = f.reproducible && (f.strategy == "ddp" || f.strategy == "zero");
   WEAVE_CHECK(uneven ? (f.batch % microbatch == 0 && f.batch / microbatch >= data)
                      : f.batch % (data * microbatch) == 0,
               "gpt",
@@ -264,15 +264,22 @@ inline void check_flags(const Flags& f) {
               "--cuda-graph captures one GPU's step: --device cuda at one rank, without --experts "
               "(their routing reads counts on the host), fsdp or --autocast fp16 (its scaler "
               "decides on the host)");
-  WEAVE_CHECK(!f.reproducible || ((f.strategy == "ddp" || f.strategy == "fsdp") && f.tp == 0 &&
-                                  f.context_parallel == 1 && f.pipeline == 1 && f.experts == 0 &&
-                                  f.microbatch > 0 && f.eval_windows % f.microbatch == 0),
+  WEAVE_CHECK(f.strategy != "zero" || (f.tp == 0 && f.context_parallel == 1 && f.pipeline == 1 &&
+                                       f.experts == 0 && f.autocast != kFloat16 && !f.cuda_graph),
               "gpt",
-              "--reproducible sums whole parameters over the data-parallel ranks: --strategy ddp "
-              "or fsdp without --tp, --context-parallel, --pipeline or --experts, with "
-              "--microbatch N (windows per micro-batch, the same at every layout) dividing "
-              "--eval-windows {}",
-              f.eval_windows);
+              "--strategy zero (ZeRO-1) averages whole parameters over the data-parallel ranks in "
+              "its step: without --tp, --context-parallel, --pipeline, --experts, --autocast "
+              "fp16 or --cuda-graph");
+  WEAVE_CHECK(
+      !f.reproducible || ((f.strategy == "ddp" || f.strategy == "fsdp" || f.strategy == "zero") &&
+                          f.tp == 0 && f.context_parallel == 1 && f.pipeline == 1 &&
+                          f.experts == 0 && f.microbatch > 0 && f.eval_windows % f.microbatch == 0),
+      "gpt",
+      "--reproducible sums whole parameters over the data-parallel ranks: --strategy ddp, "
+      "fsdp or zero without --tp, --context-parallel, --pipeline or --experts, with "
+      "--microbatch N (windows per micro-batch, the same at every layout) dividing "
+      "--eval-windows {}",
+      f.eval_windows);
   WEAVE_CHECK(f.microbatch == 0 || (f.pipeline == 1 && !f.cuda_graph), "gpt",
               "--microbatch cuts each rank's share into micro-batches; --pipeline has its own "
               "(--microbatches) and --cuda-graph captures one step of one batch");

@@ -1,5 +1,6 @@
 // A character-level GPT trained on the quotations of Debian's `fortunes` package:
-//   mpirun -np 2 gpt [--strategy ddp|fsdp|tp|hybrid] [--tp 2] [--layers 4] [--dim 256] [--heads 4]
+//   mpirun -np 2 gpt [--strategy ddp|fsdp|zero|tp|hybrid] [--tp 2] [--layers 4] [--dim 256]
+//   [--heads 4]
 //                    [--context 128] [--batch 16] [--steps 600] [--lr 1e-3] [--eval-every 100]
 //                    [--checkpoint DIR [--checkpoint-every 100] [--resume] [--stop-at STEP]
 //                     [--kill-at STEP]]
@@ -24,6 +25,8 @@
 //   ddp     each rank takes its share of the windows; gradients averaged (DDP);
 //   fsdp    as ddp, with parameters, gradients and AdamW state sharded (ZeRO-3; each block,
 //           embedding, norm and head is a unit, gathered around its forward and backward);
+//   zero    as ddp, the gradients averaged in the optimizer's step, each rank's AdamW state a
+//           slice of the flattened parameters (ZeRO-1);
 //   tp      every rank takes all of them; heads, MLP units and vocabulary split over the ranks,
 //           with sequence parallelism unless --no-sequence-parallel;
 //   hybrid  tensor-parallel groups of --tp ranks, data parallel across them.
@@ -56,7 +59,7 @@
 // each token's position in its document and the document's id, so attention and positions
 // restart at every document.
 // --microbatch N runs each rank's share of the batch as micro-batches of N windows (gradient
-// accumulation under no_sync()), dealt by global index. --reproducible (ddp, fsdp, HSDP) sums
+// accumulation under no_sync()), dealt by global index. --reproducible (ddp, fsdp, HSDP, zero) sums
 // the gradients, the losses and the gradient norm so that their bits do not depend on the
 // number of ranks: the same flags at 1, 2, 3 or 4 ranks (or a run resumed at fewer) print the
 // same losses and save the same weights (docs/reproducibility.md). --export FILE writes the
@@ -83,6 +86,7 @@
 #include "flags.h"
 #include "graphed.h"
 #include "model.h"
+#include "stepper.h"
 #include "verify.h"
 
 #include <algorithm>
@@ -159,7 +163,7 @@ class Run {
   int64_t parameters_ = 0;  // the whole model's (every rank's pieces, once)
   std::unique_ptr<parallel::DataParallelWrapper> wrapper_;
   std::unique_ptr<parallel::Pipeline> pipe_;
-  std::unique_ptr<optim::AdamW> optimizer_;
+  std::unique_ptr<gpt::Stepper> stepper_;
   std::unique_ptr<optim::LRScheduler> scheduler_;
   std::unique_ptr<parallel::GradScaler> scaler_;
   std::optional<gpt::GraphedTraining> graphed_;
@@ -198,17 +202,12 @@ void Run::build() {
             .group = mesh_.pipeline()});
 }
 
-// AdamW over the GPT recipe's groups (no weight decay on biases, norms and embeddings; under
-// fsdp this rank's shards, each part in its parameter's group), its schedule, the fp16 loss
-// scaler, and what checkpoints save.
+// The optimizer step (stepper.h: AdamW, or ZeRO-1's), its schedule, the fp16 loss scaler, and
+// what checkpoints save.
 void Run::optimize() {
-  const std::vector<optim::ParamGroup> groups =
-      optim::weight_decay_groups(*model_, f_.weight_decay);
-  optimizer_ =
-      std::make_unique<optim::AdamW>(wrapper_->param_groups(groups),
-                                     optim::AdamWOptions{.lr = f_.lr, .capturable = f_.cuda_graph});
+  stepper_ = std::make_unique<gpt::Stepper>(f_, *model_, *wrapper_, mesh_);
   scheduler_ = std::make_unique<optim::LRScheduler>(
-      *optimizer_, [f = f_](int64_t step) { return gpt::learning_rate(f, step); });
+      stepper_->optimizer(), [f = f_](int64_t step) { return gpt::learning_rate(f, step); });
   // float16's range needs loss scaling; bfloat16 has float32's range and needs none. Every
   // rank agrees on skipping (the world: tensor-parallel shards overflow separately).
   scaler_ = std::make_unique<parallel::GradScaler>(
@@ -216,8 +215,9 @@ void Run::optimize() {
   if (f_.cuda_graph)
     graphed_.emplace([this](const nn::Inputs& in,
                             const Tensor& targets) { return objective((*model_)(in), targets); },
-                     *optimizer_, f_);
-  state_ = {.model = &trained(), .optimizer = optimizer_.get(), .scheduler = scheduler_.get()};
+                     stepper_->optimizer(), f_);
+  state_ = {
+      .model = &trained(), .optimizer = &stepper_->optimizer(), .scheduler = scheduler_.get()};
 }
 
 // Back to the step of --checkpoint's last save (model, optimizer, schedule, loss scale).
@@ -297,7 +297,7 @@ std::optional<double> Run::step_loss(const std::vector<Batch>& batches, double& 
     graphed_->step(batches.front());
     return std::nullopt;
   }
-  optimizer_->zero_grad();
+  stepper_->zero_grad();
   std::optional<double> loss;
   if (pipe_) {
     const nn::Inputs in = split_.local_inputs(batches.front().model_inputs());
@@ -311,10 +311,7 @@ std::optional<double> Run::step_loss(const std::vector<Batch>& batches, double& 
   } else {
     loss = microbatch_losses(batches);
   }
-  scaler_->unscale_(optimizer_->params());  // clipping sees the true gradients
-  grad_norm = parallel::clip_grad_norm_(optimizer_->params(), f_.clip);
-  scaler_->step(*optimizer_);
-  scaler_->update();
+  grad_norm = stepper_->step(*scaler_, f_.clip);
   if (f_.experts > 0) nn::update_expert_biases(*model_);  // loads over data x context
   return loss;
 }

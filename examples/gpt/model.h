@@ -37,7 +37,8 @@ inline models::ModelSplit split_of(const Flags& f, const parallel::ProcessMesh& 
                                   shape.context == 1 && f.arch == "gpt",
              .context_mode = f.cp_mode == "ring" ? parallel::ContextParallelMode::Ring
                                                  : parallel::ContextParallelMode::AllToAll,
-             .shard_vocabulary = f.shard_vocabulary && !f.reproducible});
+             // ZeRO-1 and the reproducible sums average whole parameters
+             .shard_vocabulary = f.shard_vocabulary && !f.reproducible && f.strategy != "zero"});
 }
 
 /// The model of the flags with `split` (its parameters drawn as the caller's init says).
@@ -69,8 +70,8 @@ inline std::shared_ptr<nn::CausalLM> make_model(const Flags& f, int64_t vocab,
 }
 
 /// The data-parallel wrapping of the flags' model: DDP, FSDP (HSDP under --replicate) or, on one
-/// replica, the model itself; FSDP keeps a pipeline's units gathered across its micro-batches
-/// (torchtitan's choice).
+/// replica or under zero (whose optimizer averages), the model itself; FSDP keeps a pipeline's
+/// units gathered across its micro-batches (torchtitan's choice).
 inline parallel::DataParallelOptions wrapping(const Flags& f, const parallel::ProcessMesh& mesh) {
   return {.shard = f.strategy == "fsdp",
           .fsdp = {.reshard_after_forward = mesh.shape().pipeline == 1,
@@ -78,7 +79,8 @@ inline parallel::DataParallelOptions wrapping(const Flags& f, const parallel::Pr
                    .reduce_dtype = kFloat32,
                    .output_dtype = kFloat32,
                    .reproducible = f.reproducible},
-          .ddp = {.reproducible = f.reproducible}};
+          .ddp = {.reproducible = f.reproducible},
+          .optimizer_averages = f.strategy == "zero"};  // ZeRO-1 averages in its step
 }
 
 /// GPT-2's initialization: weights N(0, 0.02), biases 0, norms 1 (their own ones). Under

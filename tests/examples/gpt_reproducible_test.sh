@@ -2,8 +2,8 @@
 # examples/gpt --reproducible: GPT-2 and Llama (grouped-query attention) trained 20 AdamW steps
 # with clipping on one global batch of 12 windows in micro-batches of 2, at 1, 2, 3 and 4 ranks
 # (the micro-batches dealt unevenly at 4): every run writes the same model.safetensors, byte for
-# byte, and logs the same losses and gradient norms to the last bit; FSDP at 1-4 ranks and HSDP
-# 2 x 2 write DDP's bytes. Then weave-run at 4 ranks, the last rank killed after step 10,
+# byte, and logs the same losses and gradient norms to the last bit; ZeRO-1 at 1-4 ranks, FSDP at
+# 1-4 ranks and HSDP 2 x 2 write DDP's bytes. Then weave-run at 4 ranks, the last rank killed after step 10,
 # relaunched at 3 (a host gone): the resumed run ends with the same bytes as the uninterrupted
 # one. Without --reproducible, 1 and 2 ranks differ (the check can tell).
 # usage: gpt_reproducible_test.sh GPT WEAVE_RUN MPIRUN...
@@ -32,6 +32,22 @@ for arch in gpt llama; do
     diff <(trained "$work/${arch}1.jsonl") <(trained "$work/$arch$n.jsonl") ||
       fail "$arch: $n ranks logged other losses than 1 rank"
     echo "$arch, $n ranks: the same bytes and losses as 1 rank"
+  done
+done
+# ZeRO-1 at 1-4 ranks (the gradients averaged in the optimizer's step, each rank's AdamW a slice
+# of the flattened parameters): DDP's bytes and losses.
+for arch in gpt llama; do
+  extra=()
+  [ "$arch" = llama ] && extra=(--arch llama --kv-heads 2)
+  for n in 1 2 3 4; do
+    "${mpirun[@]}" -np $n "$gpt" "${args[@]}" "${extra[@]}" --reproducible --strategy zero \
+      --export "$work/zero.safetensors" --log "$work/zero.jsonl" > "$work/out" 2>&1 ||
+      { cat "$work/out"; fail "$arch: zero at $n ranks"; }
+    cmp "$work/${arch}1.safetensors" "$work/zero.safetensors" ||
+      fail "$arch: zero at $n ranks wrote other weights than ddp at 1 rank"
+    diff <(trained "$work/${arch}1.jsonl") <(trained "$work/zero.jsonl") ||
+      fail "$arch: zero at $n ranks logged other losses than ddp at 1 rank"
+    echo "$arch, zero at $n ranks: the same bytes and losses as ddp at 1 rank"
   done
 done
 # FSDP at 1-4 ranks and HSDP 2 x 2, in micro-batches of 1 window (fsdp gathers every unit for

@@ -44,6 +44,11 @@ std::unique_ptr<DataParallelWrapper> data_parallel(nn::Module& model, const Proc
               "the mesh splits its data axis into {} replicas (HSDP), which needs sharding, "
               "found shard false; hint: {{.shard = true}}, or a mesh without replicate",
               shape.replicate);
+  WEAVE_CHECK(!(options.shard && options.optimizer_averages), kDataParallel,
+              "optimizer_averages leaves the gradients to the optimizer's step, but shard asks "
+              "FSDP to reduce-scatter them; hint: one of the two");
+  if (options.optimizer_averages)  // group(): where the optimizer averages
+    return std::make_unique<SingleReplica>(model, mesh.data_and_context());
   if (options.shard) {
     options.fsdp.group = mesh.shard();
     if (shape.replicate > 1) options.fsdp.replicate_group = mesh.replicate();

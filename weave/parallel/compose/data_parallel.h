@@ -30,11 +30,16 @@ struct DataParallelOptions {
   FSDPOptions fsdp{};
   /// DDP's options; its group comes from the mesh (leave it unset).
   DDPOptions ddp{};
+  /// Average nothing here: the optimizer averages the gradients in its step
+  /// (ZeroRedundancyOptimizer, DistributedOptimizer over mesh.data_and_context()). The wrapper
+  /// is then the model itself behind the wrappers' face, whatever the mesh; not with shard.
+  bool optimizer_averages = false;
 };
 
 /// `model` wrapped for the mesh's data axes as `options` say; collective over the data x context
-/// ranks (the wrappers' construction). Raises on every rank for groups set in the options, and
-/// for replicas (MeshShape::replicate > 1) without sharding (DDP has no replicate axis).
+/// ranks (the wrappers' construction). Raises on every rank for groups set in the options, for
+/// replicas (MeshShape::replicate > 1) without sharding (DDP has no replicate axis), and for
+/// optimizer_averages with shard.
 std::unique_ptr<DataParallelWrapper> data_parallel(nn::Module& model, const ProcessMesh& mesh,
                                                    DataParallelOptions options = {});
 
