@@ -13,25 +13,30 @@
 
 namespace gpt {
 
+/// ZeRO-1 over the data x context ranks: each rank's AdamW steps its slice of the flattened
+/// parameters, each part in its parameter's weight-decay group, clipped to max_norm in the step.
+inline std::unique_ptr<parallel::ZeroRedundancyOptimizer> make_zero(
+    const Flags& f, nn::Module& model, const parallel::ProcessMesh& mesh, double max_norm) {
+  return std::make_unique<parallel::ZeroRedundancyOptimizer>(
+      optim::weight_decay_groups(model, f.weight_decay),
+      [lr = f.lr](std::vector<optim::ParamGroup> slice) {
+        return std::unique_ptr<optim::Optimizer>(
+            std::make_unique<optim::AdamW>(slice, optim::AdamWOptions{.lr = lr}));
+      },
+      mesh.data_and_context(),
+      parallel::ZeroOptions{.max_grad_norm = max_norm, .reproducible = f.reproducible});
+}
+
 class Stepper {
  public:
   Stepper(const Flags& f, nn::Module& model, parallel::DataParallelWrapper& wrapper,
           const parallel::ProcessMesh& mesh) {
-    const std::vector<optim::ParamGroup> groups = optim::weight_decay_groups(model, f.weight_decay);
-    if (f.strategy == "zero") {
-      zero_ = std::make_unique<parallel::ZeroRedundancyOptimizer>(
-          groups,
-          [lr = f.lr](std::vector<optim::ParamGroup> slice) {
-            return std::unique_ptr<optim::Optimizer>(
-                std::make_unique<optim::AdamW>(slice, optim::AdamWOptions{.lr = lr}));
-          },
-          mesh.data_and_context(),
-          parallel::ZeroOptions{.max_grad_norm = f.clip, .reproducible = f.reproducible});
-    } else {
+    if (f.strategy == "zero")
+      zero_ = make_zero(f, model, mesh, f.clip);
+    else
       adamw_ = std::make_unique<optim::AdamW>(
-          wrapper.param_groups(groups),
+          wrapper.param_groups(optim::weight_decay_groups(model, f.weight_decay)),
           optim::AdamWOptions{.lr = f.lr, .capturable = f.cuda_graph});
-    }
   }
 
   /// What the schedule, checkpoints and a captured step drive: AdamW, or ZeRO's slice's.

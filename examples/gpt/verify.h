@@ -7,6 +7,7 @@
 
 #include "flags.h"
 #include "model.h"
+#include "stepper.h"
 
 #include <chrono>
 #include <cstdio>
@@ -60,11 +61,20 @@ inline int verify_layout(const Flags& flags) {
     return objective(split(m), logits, targets);
   };
   recipe.optimizer = [&](nn::Module& model, parallel::DataParallelWrapper* wrapper) {
-    const std::vector<optim::ParamGroup> groups = optim::weight_decay_groups(model, 0.1);
+    const std::vector<optim::ParamGroup> groups = optim::weight_decay_groups(model, f.weight_decay);
     return std::unique_ptr<optim::Optimizer>(std::make_unique<optim::AdamW>(
         wrapper ? wrapper->param_groups(groups) : groups, optim::AdamWOptions{.lr = f.lr}));
   };
   recipe.max_norm = 1e-3;  // below the gradients' norm: the step clips
+  if (f.strategy == "zero")
+    recipe.averaging_optimizer = [&](nn::Module& part, const parallel::ProcessMesh& m) {
+      std::shared_ptr<parallel::ZeroRedundancyOptimizer> zero =
+          make_zero(f, part, m, recipe.max_norm);
+      return std::function<double()>([zero] {
+        zero->step();
+        return zero->last_grad_norm();
+      });
+    };
   recipe.microbatches = f.microbatches;
   recipe.seed = f.seed;
   Generator generator(f.seed + 1);

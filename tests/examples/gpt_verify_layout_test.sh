@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# examples/gpt --verify-layout: every layout the example trains (data, fsdp, HSDP, tensor with
+# examples/gpt --verify-layout: every layout the example trains (data, fsdp, HSDP, ZeRO-1, tensor with
 # and without sequence parallelism, context parallelism both ways, experts, pipelines, and their
 # combinations), for GPT-2 and Llama (grouped-query attention), passes parallel::verify_layout
 # against one process in float64 at 1-4 ranks; and the check's own line says how long it took.
@@ -29,7 +29,9 @@ check 2 "${llama[@]}" --context-parallel 2 --cp-mode all-to-all
 check 2 "${llama[@]}" --pipeline 2
 check 3 "${llama[@]}" --strategy fsdp
 check 3 --no-shard-vocabulary
+check 3 "${llama[@]}" --strategy zero
 check 4 --strategy fsdp --replicate 2
+check 4 --strategy zero
 check 4 --strategy fsdp --tp 2
 check 4 --strategy hybrid --pipeline 2
 check 4 "${llama[@]}" --context-parallel 2

@@ -9,6 +9,7 @@
 // and FSDP's float32 precision policy, which agrees to float32's rounding only.
 #include <doctest/doctest.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -81,6 +82,32 @@ parallel::LayoutRecipe lm_recipe(const OptionsOf<Model>& options, bool sharded,
     return split_of(mesh, base).cross_entropy(logits, targets);
   };
   recipe.max_norm = 0.05;  // below the gradients' norm: the step clips
+  return recipe;
+}
+
+// lm_recipe under ZeRO-1 over `group` (the gradients averaged in its step, a wrap that averages
+// nothing), the whole vocabulary on every rank.
+parallel::LayoutRecipe zero_recipe(
+    std::function<dist::Group(const parallel::ProcessMesh&)> group_of) {
+  parallel::LayoutRecipe recipe =
+      lm_recipe<models::Llama>(llama_options(), false, {.shard_vocabulary = false});
+  recipe.wrap = [](nn::Module& part, const parallel::ProcessMesh& mesh) {
+    return parallel::data_parallel(part, mesh, {.optimizer_averages = true});
+  };
+  recipe.averaging_optimizer = [group_of, max_norm = recipe.max_norm](
+                                   nn::Module& part, const parallel::ProcessMesh& mesh) {
+    auto zero = std::make_shared<parallel::ZeroRedundancyOptimizer>(
+        optim::weight_decay_groups(part, 0.1),
+        [](std::vector<optim::ParamGroup> slice) {
+          return std::unique_ptr<optim::Optimizer>(
+              std::make_unique<optim::AdamW>(slice, optim::AdamWOptions{.lr = 1e-2}));
+        },
+        group_of(mesh), parallel::ZeroOptions{.max_grad_norm = max_norm});
+    return std::function<double()>([zero] {
+      zero->step();
+      return zero->last_grad_norm();
+    });
+  };
   return recipe;
 }
 
@@ -218,6 +245,9 @@ TEST_SUITE("verify_layout") {
       gpt2({.data = 2, .pipeline = 2}, true);
       gpt2({.data = 2, .tensor = 2}, false);
     }
+    check_passes({.data = n},
+                 zero_recipe([](const parallel::ProcessMesh& m) { return m.data_and_context(); }),
+                 token_batch(), "llama under ZeRO-1");
     if (n % 2 == 0)
       check_passes({.data = n / 2, .context = 2}, ring_recipe(parallel::SequenceLayout::ZigZag),
                    float_batch(), "own block, context parallel");
@@ -319,6 +349,16 @@ TEST_SUITE("verify_layout") {
         verify({.data = n, .replicate = 2}, recipe, token_batch());
     check_names(report, "replicate group", "the gradient of ");
     CHECK(report.detail.find("hold different gradients") != std::string::npos);
+  }
+
+  TEST_CASE("replicate group: ZeRO-1 averaging over each rank alone") {
+    const int n = dist::world_size();
+    if (n < 2) return;
+    const parallel::LayoutReport report =
+        verify({.data = n}, zero_recipe([](const parallel::ProcessMesh& m) { return m.tensor(); }),
+               token_batch());
+    check_names(report, "replicate group", "the norm");
+    CHECK(report.detail.find("optimizer's own step") != std::string::npos);
   }
 
   TEST_CASE("trap 3: DDP over mesh.data() under context parallelism raises, named as the group") {

@@ -274,6 +274,15 @@ LayoutReport diagnose(const LayoutFacts& f) {
              r;
     return diagnose_gradients(r, f, gradients, gradient, loss_difference), r;
   }
+  if (norm_difference > f.tolerance && !f.have_gradients)
+    return fail(r, "the norm", norm_difference, "replicate group",
+                fmt::format("the norm returned by the optimizer's own step (which averages and "
+                            "clips) is rank {}'s {:.17g}, one process's {:.17g}: it averaged the "
+                            "gradients over other ranks than those that read the batch; hint: "
+                            "ZeroRedundancyOptimizer or DistributedOptimizer over "
+                            "mesh.data_and_context()",
+                            norm_rank, f.layout_norms[size_t(norm_rank)], f.reference.norm)),
+           r;
   if (norm_difference > f.tolerance)
     return fail(r, "the norm", norm_difference, "clip group",
                 fmt::format("the gradients agree, the norm does not (rank {}'s {:.17g}, one "

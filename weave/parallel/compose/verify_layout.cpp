@@ -191,8 +191,12 @@ class LayoutRun {
     if (!attempt("sampler", [&] { local = recipe_.shard(batch, mesh_); })) return;
     facts_.inputs_problem = inputs_problem(batch, local, mesh_);
     if (!attempt("optimizer", [&] {
-          optimizer_ = recipe_.optimizer(*part_, wrapper_.get());
-          optimizer_->zero_grad();
+          if (recipe_.averaging_optimizer) {
+            averaging_step_ = recipe_.averaging_optimizer(*part_, mesh_);
+          } else {
+            optimizer_ = recipe_.optimizer(*part_, wrapper_.get());
+            optimizer_->zero_grad();
+          }
         }))
       return;
     Tensor loss;
@@ -201,15 +205,18 @@ class LayoutRun {
           facts_.have_loss = true;
         }))
       return;
-    if (!attempt("backward", [&] { gradients(); })) return;
     double norm = 0;
-    if (!attempt("clip",
-                 [&] { norm = recipe_.clip(wrapper_->trained_parameters(), recipe_.max_norm); }))
+    if (averaging_step_) {  // the gradients are averaged inside the step: none to compare
+      if (!attempt("optimizer step", [&] { norm = averaging_step_(); })) return;
+    } else if (!attempt("backward", [&] { gradients(); }) || !attempt("clip", [&] {
+                 norm = recipe_.clip(wrapper_->trained_parameters(), recipe_.max_norm);
+               })) {
       return;
+    }
     for (const std::string& text :
          detail::all_gather_bytes(fmt::format("{:.17g}", norm), dist::world()))
       facts_.layout_norms.push_back(std::stod(text));
-    if (!attempt("optimizer step", [&] { optimizer_->step(); }) ||
+    if ((!averaging_step_ && !attempt("optimizer step", [&] { optimizer_->step(); })) ||
         !attempt("optimizer step", [&] { facts_.layout.after = whole_parameters(); }))
       return;
     facts_.have_after = true;
@@ -291,6 +298,7 @@ class LayoutRun {
   std::unique_ptr<DataParallelWrapper> wrapper_;
   std::unique_ptr<Pipeline> pipe_;
   std::unique_ptr<optim::Optimizer> optimizer_;
+  std::function<double()> averaging_step_;  // recipe.averaging_optimizer's
 };
 
 nlohmann::json to_json(const LayoutReport& r) {

@@ -104,6 +104,15 @@ struct LayoutRecipe {
   /// clipping. Default: parallel::clip_grad_norm_(params, max_norm) over the world. One process
   /// clips with optim::clip_grad_norm_.
   std::function<double(const std::vector<Tensor>& params, double max_norm)> clip;
+  /// For an optimizer that averages the gradients in its own step (ZeroRedundancyOptimizer,
+  /// DistributedOptimizer), under a wrap that averages nothing (DataParallelOptions::
+  /// optimizer_averages): built over this rank's part, it gives the step, which averages, clips
+  /// to max_norm and steps, returning the norm before clipping. It takes the place of
+  /// `optimizer` and `clip` at the layout (one process still uses those). The gradients are then
+  /// averaged inside the step, so the check compares the loss, the norm and the parameters after
+  /// the step, but not the gradients.
+  std::function<std::function<double()>(nn::Module& part, const ProcessMesh& mesh)>
+      averaging_optimizer;
   double max_norm = 1.0;
   /// Micro-batches of a pipeline's step (MeshShape::pipeline > 1); they divide a rank's rows.
   int microbatches = 2;
