@@ -192,6 +192,95 @@ void diagnose_gradients(LayoutReport& r, const LayoutFacts& f,
                    gradient->name));
 }
 
+// What comes before the step's numbers: a step that raised, the parameters it starts from, the
+// inputs. True when one of them diverged (r says which).
+bool diagnose_setup(LayoutReport& r, const LayoutFacts& f, const std::vector<Difference>& initial) {
+  if (!f.raised_step.empty()) {
+    fail(r, "the " + f.raised_step + " (raised)", 0, seam_of_step(f.raised_step, f.context),
+         f.raised_message);
+  } else if (const Difference* d = first_beyond(initial, f.tolerance)) {
+    if (!d->layout.defined() || !d->mine.defined())
+      fail(r, "the parameter " + d->name, 0, "model split",
+           fmt::format("{} holds it and {} does not: the model's parts must together hold the "
+                       "whole model under the same names",
+                       d->layout.defined() ? "the layout" : "one process",
+                       d->layout.defined() ? "one process" : "the layout"));
+    else
+      fail(r, "the parameter " + d->name + " before the step", d->value, "initialization",
+           "the layout starts from other values than one process: they were drawn outside the "
+           "check's nn::DeferredInit (a tensor drawn at construction from a generator, or under a "
+           "rank's own seed); hint: draw parameters by name (nn::init::normal_parameter, "
+           "uniform_parameter) so that every layout holds one process's values");
+  } else if (!f.inputs_problem.empty()) {
+    fail(r, "the inputs", 0, "sampler group",
+         f.inputs_problem +
+             "; hint: give data rank d its block of rows (by mesh.data_rank(), or a "
+             "DistributedSampler over mesh.data()), the same rows to its tensor and pipeline "
+             "peers, and each context rank its part of those rows' sequences");
+  }
+  return !r.passed;
+}
+
+// The loss and the gradients: copies that differ, float32's rounding, then the gradient seams.
+// True when one of them diverged.
+bool diagnose_backward(LayoutReport& r, const LayoutFacts& f,
+                       const std::vector<Difference>& gradients, double loss_difference) {
+  const Difference* gradient = first_beyond(gradients, f.tolerance);
+  if (!f.differing_copies.empty()) {
+    fail(r,
+         gradient ? "the gradient of " + gradient->name
+                  : "the gradient of " + f.differing_copies + " (its copies differ)",
+         gradient ? gradient->value : 0, "replicate group",
+         fmt::format("the ranks holding copies of {} hold different gradients ({}): it is "
+                     "averaged over other ranks than all that read the batch; hint: DDP or FSDP "
+                     "over mesh.data_and_context(), HSDP with replicate_group = mesh.replicate() "
+                     "(parallel::data_parallel wires both)",
+                     f.differing_copies, f.copy_sides));
+    return true;
+  }
+  if (loss_difference <= f.tolerance && !gradient) return false;
+  const double difference = std::max(loss_difference, gradient ? gradient->value : 0.0);
+  if (difference >= kRoundingOnly) {
+    diagnose_gradients(r, f, gradients, gradient, loss_difference);
+    return true;
+  }
+  fail(r, loss_difference > f.tolerance ? "the loss" : "the gradient of " + gradient->name,
+       difference, "precision",
+       fmt::format("the layout agrees with one process to {:.2g} but not to {:.2g}, as a step "
+                   "rounded to float32 does: a mixed-precision policy (FSDP's reduce_dtype or "
+                   "output_dtype, param_dtype, autocast) or a float32 tensor in the model; hint: "
+                   "check the layout in float64 throughout, with the policy off",
+                   difference, f.tolerance));
+  return true;
+}
+
+// The norm and the step, once the gradients agree (or were not compared).
+void diagnose_step(LayoutReport& r, const LayoutFacts& f, const std::vector<Difference>& after,
+                   double norm_difference, int norm_rank) {
+  const std::string norms = fmt::format(
+      "rank {}'s {:.17g}, one process's {:.17g}", norm_rank,
+      f.layout_norms.empty() ? 0.0 : f.layout_norms[size_t(norm_rank)], f.reference.norm);
+  if (norm_difference > f.tolerance && !f.have_gradients)
+    fail(r, "the norm", norm_difference, "replicate group",
+         fmt::format("the norm returned by the optimizer's own step (which averages and clips) "
+                     "differs ({}): it averaged the gradients over other ranks than those that "
+                     "read the batch; hint: ZeroRedundancyOptimizer or DistributedOptimizer over "
+                     "mesh.data_and_context()",
+                     norms));
+  else if (norm_difference > f.tolerance)
+    fail(r, "the norm", norm_difference, "clip group",
+         fmt::format("the gradients agree, the norm does not ({}): it was taken over ranks that "
+                     "do not hold the whole model once; hint: parallel::clip_grad_norm_(wrapper's "
+                     "trained_parameters(), max_norm) over the world (each parameter's placement "
+                     "counts its pieces once)",
+                     norms));
+  else if (const Difference* d = first_beyond(after, f.tolerance))
+    fail(r, "the parameter " + d->name + " after the step", d->value, "optimizer",
+         "the gradients and the norm agree, the step does not: the optimizer's parameters, "
+         "groups or options differ from one process's; hint: "
+         "optim::AdamW(wrapper->param_groups(optim::weight_decay_groups(model, wd)), ...)");
+}
+
 }  // namespace
 
 LayoutReport diagnose(const LayoutFacts& f) {
@@ -219,85 +308,8 @@ LayoutReport diagnose(const LayoutFacts& f) {
         d > norm_difference)
       norm_difference = d, norm_rank = int(k);
   r.largest_difference = std::max({r.largest_difference, loss_difference, norm_difference});
-
-  if (!f.raised_step.empty())
-    return fail(r, "the " + f.raised_step + " (raised)", 0, seam_of_step(f.raised_step, f.context),
-                f.raised_message),
-           r;
-  if (const Difference* d = first_beyond(initial, f.tolerance)) {
-    if (!d->layout.defined() || !d->mine.defined())
-      return fail(r, "the parameter " + d->name, 0, "model split",
-                  fmt::format("{} holds it and {} does not: the model's parts must together hold "
-                              "the whole model under the same names",
-                              d->layout.defined() ? "the layout" : "one process",
-                              d->layout.defined() ? "one process" : "the layout")),
-             r;
-    return fail(r, "the parameter " + d->name + " before the step", d->value, "initialization",
-                "the layout starts from other values than one process: they were drawn outside "
-                "the check's nn::DeferredInit (a tensor drawn at construction from a generator, "
-                "or under a rank's own seed); hint: draw parameters by name "
-                "(nn::init::normal_parameter, uniform_parameter) so that every layout holds one "
-                "process's values"),
-           r;
-  }
-  if (!f.inputs_problem.empty())
-    return fail(r, "the inputs", 0, "sampler group",
-                f.inputs_problem +
-                    "; hint: give data rank d its block of rows (by mesh.data_rank(), or a "
-                    "DistributedSampler over mesh.data()), the same rows to its tensor and "
-                    "pipeline peers, and each context rank its part of those rows' sequences"),
-           r;
-  const Difference* gradient = first_beyond(gradients, f.tolerance);
-  if (!f.differing_copies.empty())
-    return fail(r,
-                gradient ? "the gradient of " + gradient->name
-                         : "the gradient of " + f.differing_copies + " (its copies differ)",
-                gradient ? gradient->value : 0, "replicate group",
-                fmt::format("the ranks holding copies of {} hold different gradients ({}): it is "
-                            "averaged over other ranks than all that read the batch; hint: DDP or "
-                            "FSDP over mesh.data_and_context(), HSDP with replicate_group = "
-                            "mesh.replicate() (parallel::data_parallel wires both)",
-                            f.differing_copies, f.copy_sides)),
-           r;
-  if (loss_difference > f.tolerance || gradient) {
-    const double difference = std::max(loss_difference, gradient ? gradient->value : 0.0);
-    if (difference < kRoundingOnly)
-      return fail(r,
-                  loss_difference > f.tolerance ? "the loss" : "the gradient of " + gradient->name,
-                  difference, "precision",
-                  fmt::format("the layout agrees with one process to {:.2g} but not to {:.2g}, "
-                              "as a step rounded to float32 does: a mixed-precision policy "
-                              "(FSDP's reduce_dtype or output_dtype, param_dtype, autocast) or a "
-                              "float32 tensor in the model; hint: check the layout in float64 "
-                              "throughout, with the policy off",
-                              difference, f.tolerance)),
-             r;
-    return diagnose_gradients(r, f, gradients, gradient, loss_difference), r;
-  }
-  if (norm_difference > f.tolerance && !f.have_gradients)
-    return fail(r, "the norm", norm_difference, "replicate group",
-                fmt::format("the norm returned by the optimizer's own step (which averages and "
-                            "clips) is rank {}'s {:.17g}, one process's {:.17g}: it averaged the "
-                            "gradients over other ranks than those that read the batch; hint: "
-                            "ZeroRedundancyOptimizer or DistributedOptimizer over "
-                            "mesh.data_and_context()",
-                            norm_rank, f.layout_norms[size_t(norm_rank)], f.reference.norm)),
-           r;
-  if (norm_difference > f.tolerance)
-    return fail(r, "the norm", norm_difference, "clip group",
-                fmt::format("the gradients agree, the norm does not (rank {}'s {:.17g}, one "
-                            "process's {:.17g}): it was taken over ranks that do not hold the "
-                            "whole model once; hint: parallel::clip_grad_norm_(wrapper's "
-                            "trained_parameters(), max_norm) over the world (each parameter's "
-                            "placement counts its pieces once)",
-                            norm_rank, f.layout_norms[size_t(norm_rank)], f.reference.norm)),
-           r;
-  if (const Difference* d = first_beyond(after, f.tolerance))
-    return fail(r, "the parameter " + d->name + " after the step", d->value, "optimizer",
-                "the gradients and the norm agree, the step does not: the optimizer's "
-                "parameters, groups or options differ from one process's; hint: "
-                "optim::AdamW(wrapper->param_groups(optim::weight_decay_groups(model, wd)), ...)"),
-           r;
+  if (!diagnose_setup(r, f, initial) && !diagnose_backward(r, f, gradients, loss_difference))
+    diagnose_step(r, f, after, norm_difference, norm_rank);
   return r;
 }
 
