@@ -20,34 +20,23 @@ base=(--layers 2 --dim 64 --heads 4 --context 32 --batch 12 --steps 20 --warmup 
 args=("${base[@]}" --microbatch 2)
 # The logged values that must agree: every step's loss and gradient norm, as JSON doubles.
 trained() { grep -o '"grad_norm":[^,]*\|"loss":[^,]*' "$1"; }
+# DDP and ZeRO-1 (the gradients averaged in the optimizer's step, each rank's AdamW a slice of the
+# flattened parameters) at 1-4 ranks, each against DDP at 1 rank.
 for arch in gpt llama; do
   extra=()
   [ "$arch" = llama ] && extra=(--arch llama --kv-heads 2)
   for n in 1 2 3 4; do
-    "${mpirun[@]}" -np $n "$gpt" "${args[@]}" "${extra[@]}" --reproducible \
-      --export "$work/$arch$n.safetensors" --log "$work/$arch$n.jsonl" > "$work/out" 2>&1 ||
-      { cat "$work/out"; fail "$arch at $n ranks"; }
-    cmp "$work/${arch}1.safetensors" "$work/$arch$n.safetensors" ||
-      fail "$arch: $n ranks wrote other weights than 1 rank"
-    diff <(trained "$work/${arch}1.jsonl") <(trained "$work/$arch$n.jsonl") ||
-      fail "$arch: $n ranks logged other losses than 1 rank"
-    echo "$arch, $n ranks: the same bytes and losses as 1 rank"
-  done
-done
-# ZeRO-1 at 1-4 ranks (the gradients averaged in the optimizer's step, each rank's AdamW a slice
-# of the flattened parameters): DDP's bytes and losses.
-for arch in gpt llama; do
-  extra=()
-  [ "$arch" = llama ] && extra=(--arch llama --kv-heads 2)
-  for n in 1 2 3 4; do
-    "${mpirun[@]}" -np $n "$gpt" "${args[@]}" "${extra[@]}" --reproducible --strategy zero \
-      --export "$work/zero.safetensors" --log "$work/zero.jsonl" > "$work/out" 2>&1 ||
-      { cat "$work/out"; fail "$arch: zero at $n ranks"; }
-    cmp "$work/${arch}1.safetensors" "$work/zero.safetensors" ||
-      fail "$arch: zero at $n ranks wrote other weights than ddp at 1 rank"
-    diff <(trained "$work/${arch}1.jsonl") <(trained "$work/zero.jsonl") ||
-      fail "$arch: zero at $n ranks logged other losses than ddp at 1 rank"
-    echo "$arch, zero at $n ranks: the same bytes and losses as ddp at 1 rank"
+    for strategy in ddp zero; do
+      run=$arch$n$strategy
+      "${mpirun[@]}" -np $n "$gpt" "${args[@]}" "${extra[@]}" --reproducible --strategy $strategy \
+        --export "$work/$run.safetensors" --log "$work/$run.jsonl" > "$work/out" 2>&1 ||
+        { cat "$work/out"; fail "$arch: $strategy at $n ranks"; }
+      cmp "$work/${arch}1ddp.safetensors" "$work/$run.safetensors" ||
+        fail "$arch: $strategy at $n ranks wrote other weights than ddp at 1 rank"
+      diff <(trained "$work/${arch}1ddp.jsonl") <(trained "$work/$run.jsonl") ||
+        fail "$arch: $strategy at $n ranks logged other losses than ddp at 1 rank"
+      echo "$arch, $strategy at $n ranks: the same bytes and losses as ddp at 1 rank"
+    done
   done
 done
 # FSDP at 1-4 ranks and HSDP 2 x 2, in micro-batches of 1 window (fsdp gathers every unit for
@@ -84,7 +73,7 @@ chmod +x "$work/hosts.sh"
   { cat "$work/run.log"; fail "weave-run"; }
 grep -q "attempt 2 of 3: 3 ranks" "$work/run.log" || { cat "$work/run.log"; fail "not relaunched at 3 ranks"; }
 grep -q "resumed at step 10" "$work/run.log" || { cat "$work/run.log"; fail "did not resume at step 10"; }
-cmp "$work/gpt1.safetensors" "$work/shrunk.safetensors" ||
+cmp "$work/gpt1ddp.safetensors" "$work/shrunk.safetensors" ||
   fail "killed at 4 ranks and resumed at 3: other weights than the uninterrupted run"
 # A resume with another micro-batch size or thread count would part from the run: refused.
 "${mpirun[@]}" -np 2 "$gpt" "${args[@]}" --reproducible --checkpoint "$work/ck2" \

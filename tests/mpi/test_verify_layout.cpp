@@ -23,7 +23,7 @@ using namespace weave;
 
 namespace {
 
-constexpr int64_t kVocab = 40, kDim = 16, kRows = 12, kLength = 8;
+constexpr int64_t kVocab = 40, kDim = 16, kRows = 24, kLength = 8;  // rows divide 1-4 and 8 ranks
 
 template <class Model>
 using OptionsOf = std::conditional_t<std::is_same_v<Model, models::Llama>, models::LlamaOptions,
@@ -244,6 +244,15 @@ TEST_SUITE("verify_layout") {
       llama({.tensor = 2, .context = 2}, false);
       gpt2({.data = 2, .pipeline = 2}, true);
       gpt2({.data = 2, .tensor = 2}, false);
+    }
+    if (n == 8) {  // every axis at once
+      llama({.data = 2, .tensor = 2, .context = 2}, false);
+      llama({.data = 2, .tensor = 2, .pipeline = 2}, true);
+      llama({.data = 4, .tensor = 2, .replicate = 2}, true);
+      gpt2({.data = 2, .tensor = 2, .pipeline = 2}, true);
+      check_passes({.data = 2, .tensor = 2, .context = 2, .expert = 4},
+                   lm_recipe<models::Llama>(llama_options(true), true), token_batch(),
+                   "llama with experts, every axis");
     }
     check_passes({.data = n},
                  zero_recipe([](const parallel::ProcessMesh& m) { return m.data_and_context(); }),
