@@ -6,8 +6,8 @@
 # logged step 50 and resumed from its last checkpoint (step 40), must print the same losses for
 # every step after the resume and save the same Hugging Face files, byte for byte, as the
 # uninterrupted run; tp, fsdp, context parallelism, a 2-stage pipeline, and at 4 ranks ddp x tp,
-# HSDP 2 x 2, fsdp x tp x context, pipeline x context and fsdp x pipeline must end at ddp's loss
-# (float32: 1e-3 relative), and the saved model must generate from a prompt; fsdp's sampled
+# HSDP 2 x 2, fsdp x tp x context, pipeline x context and fsdp x pipeline must end 30 steps at
+# ddp's loss (float32: 1e-3 relative), and the saved model must generate from a prompt; fsdp's sampled
 # generation (through its shards) and the pipeline's (the whole model put together on rank 0, no
 # checkpoint written) equal one process's from the model each saved. A new tiny GPT-2 in 2 pipeline stages (its embedding tied to the last
 # stage's head), alone and with 2 tensor-parallel ranks, and resumed under ddp from a pipelined
@@ -23,8 +23,9 @@ mpirun=("$@")
 "$finetune" --init llama --tokenizer "$gpt2" --model "$work/llama" --dim 64 --layers 2 --heads 4 \
   --kv-heads 2 --tokens "$work/fortunes.tokens" --steps 0 >/dev/null ||
   { echo "FAIL: --init"; exit 1; }
-base=(--model "$work/llama" --tokens "$work/fortunes.tokens" --steps 100 --context 64 --batch 4
-      --lr 1e-3 --log-every 1 --checkpoint-every 20)
+llama=(--model "$work/llama" --tokens "$work/fortunes.tokens" --context 64 --batch 4 --lr 1e-3
+       --log-every 1 --checkpoint-every 20)
+base=("${llama[@]}" --steps 100)
 . "$(dirname "$0")/finetune_runs.sh"
 run whole 2 --checkpoint "$work/ckpt_whole" --save "$work/saved_whole" --prompt "The meaning of" \
   --temperature 0 --max-new-tokens 8
@@ -58,10 +59,12 @@ fi
 cmp -s "$work/saved_whole/model.safetensors" "$work/saved_killed/model.safetensors" ||
   { echo "FAIL: the run resumed after the kill saved other weights"; status=1; }
 echo "killed after step 50, resumed at step $from"
-reference=$(final whole)
-echo "ddp final_loss=$reference; resumed: $(final resumed)"
-# Every strategy from the same checkpoint and batches: the same loss. GPT-2's vocabulary (50257)
-# is padded under tp (50304), its padding masked.
+echo "ddp final_loss=$(final whole); resumed: $(final resumed)"
+# Every strategy from the same checkpoint and batches: the same loss after 30 steps as ddp's.
+# GPT-2's vocabulary (50257) is padded under tp (50304), its padding masked.
+base=("${llama[@]}" --steps 30)
+run ddp_30 2
+reference=$(final ddp_30)
 for case in "tp 2 --strategy tp" \
             "fsdp 2 --strategy fsdp --save $work/saved_fsdp --prompt Once --temperature 1.5 --top-p 1 --max-new-tokens 16" \
             "context 2 --context-parallel 2" \
