@@ -254,6 +254,22 @@ TEST_SUITE("verify_layout") {
                    lm_recipe<models::Llama>(llama_options(true), true), token_batch(),
                    "llama with experts, every axis");
     }
+    {  // low-rank adapters on a frozen base: only they train, in any layout
+      const auto with_adapters = [](parallel::LayoutRecipe recipe) {
+        recipe.model = [inner = recipe.model](const parallel::ProcessMesh* mesh) {
+          std::shared_ptr<nn::Module> model = inner(mesh);
+          nn::add_lora(*model, {.rank = 4, .alpha = 8});
+          return model;
+        };
+        return recipe;
+      };
+      check_passes({.data = n}, with_adapters(lm_recipe<models::Llama>(llama_options(), true)),
+                   token_batch(), "llama with adapters, fsdp");
+      if (n % 2 == 0)
+        check_passes({.data = n / 2, .tensor = 2},
+                     with_adapters(lm_recipe<models::Llama>(llama_options(), false)), token_batch(),
+                     "llama with adapters, tensor parallel");
+    }
     check_passes({.data = n},
                  zero_recipe([](const parallel::ProcessMesh& m) { return m.data_and_context(); }),
                  token_batch(), "llama under ZeRO-1");
