@@ -111,6 +111,35 @@ parallel::LayoutRecipe zero_recipe(
   return recipe;
 }
 
+// lm_recipe under DistributedOptimizer (Horovod's: the gradients averaged, then clipped over the
+// world, then AdamW), the whole vocabulary on every rank.
+parallel::LayoutRecipe distributed_optimizer_recipe() {
+  parallel::LayoutRecipe recipe =
+      lm_recipe<models::Llama>(llama_options(), false, {.shard_vocabulary = false});
+  recipe.wrap = [](nn::Module& part, const parallel::ProcessMesh& mesh) {
+    return parallel::data_parallel(part, mesh, {.optimizer_averages = true});
+  };
+  recipe.averaging_optimizer = [max_norm = recipe.max_norm](nn::Module& part,
+                                                            const parallel::ProcessMesh& mesh) {
+    struct Averaging {  // the wrapper goes before the optimizer it refers to
+      std::unique_ptr<optim::AdamW> adamw;
+      std::unique_ptr<parallel::DistributedOptimizer> averaging;
+    };
+    auto both = std::make_shared<Averaging>();
+    both->adamw = std::make_unique<optim::AdamW>(optim::weight_decay_groups(part, 0.1),
+                                                 optim::AdamWOptions{.lr = 1e-2});
+    both->averaging = std::make_unique<parallel::DistributedOptimizer>(
+        *both->adamw, parallel::DistributedOptimizerOptions{.group = mesh.data_and_context()});
+    return std::function<double()>([both, &part, max_norm] {
+      both->averaging->average_gradients();
+      const double norm = parallel::clip_grad_norm_(part.parameters(), max_norm);
+      both->adamw->step();
+      return norm;
+    });
+  };
+  return recipe;
+}
+
 parallel::LayoutBatch token_batch() {
   Generator g(5);
   const Tensor tokens = randint(0, kVocab, {kRows, kLength + 1}, {.dtype = kInt64}, &g);
@@ -273,6 +302,8 @@ TEST_SUITE("verify_layout") {
     check_passes({.data = n},
                  zero_recipe([](const parallel::ProcessMesh& m) { return m.data_and_context(); }),
                  token_batch(), "llama under ZeRO-1");
+    check_passes({.data = n}, distributed_optimizer_recipe(), token_batch(),
+                 "llama under DistributedOptimizer");
     if (n % 2 == 0)
       check_passes({.data = n / 2, .context = 2}, ring_recipe(parallel::SequenceLayout::ZigZag),
                    float_batch(), "own block, context parallel");
