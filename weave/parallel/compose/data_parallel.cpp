@@ -8,7 +8,8 @@ namespace {
 
 constexpr const char* kDataParallel = "data_parallel";
 
-// One replica, nothing to average: the model itself behind the wrappers' face.
+// Nothing to average here (one replica, or an optimizer that averages in its step): the model
+// itself behind the wrappers' face.
 class SingleReplica : public DataParallelWrapper {
  public:
   SingleReplica(nn::Module& module, dist::Group alone)
