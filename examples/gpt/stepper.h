@@ -27,6 +27,16 @@ inline std::unique_ptr<parallel::ZeroRedundancyOptimizer> make_zero(
       parallel::ZeroOptions{.max_grad_norm = max_norm, .reproducible = f.reproducible});
 }
 
+/// AdamW over the GPT recipe's groups: through `wrapper` (each FSDP shard's parts in their
+/// parameter's group) when there is one, over the model's own parameters otherwise.
+inline std::unique_ptr<optim::AdamW> make_adamw(const Flags& f, nn::Module& model,
+                                                const parallel::DataParallelWrapper* wrapper) {
+  const std::vector<optim::ParamGroup> groups = optim::weight_decay_groups(model, f.weight_decay);
+  return std::make_unique<optim::AdamW>(
+      wrapper ? wrapper->param_groups(groups) : groups,
+      optim::AdamWOptions{.lr = f.lr, .capturable = f.cuda_graph});
+}
+
 class Stepper {
  public:
   Stepper(const Flags& f, nn::Module& model, parallel::DataParallelWrapper& wrapper,
@@ -34,9 +44,7 @@ class Stepper {
     if (f.strategy == "zero")
       zero_ = make_zero(f, model, mesh, f.clip);
     else
-      adamw_ = std::make_unique<optim::AdamW>(
-          wrapper.param_groups(optim::weight_decay_groups(model, f.weight_decay)),
-          optim::AdamWOptions{.lr = f.lr, .capturable = f.cuda_graph});
+      adamw_ = make_adamw(f, model, &wrapper);
   }
 
   /// What the schedule, checkpoints and a captured step drive: AdamW, or ZeRO's slice's.

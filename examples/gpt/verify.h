@@ -29,6 +29,7 @@ inline Flags shrunk(const Flags& f, const parallel::ProcessMesh& mesh) {
   s.param_dtype = std::nullopt;  // float64 throughout: every correct layout agrees to 1e-10
   s.reproducible = false;
   s.checkpoint_activations = false;
+  s.cuda_graph = false;
   return s;
 }
 
@@ -61,9 +62,7 @@ inline int verify_layout(const Flags& flags) {
     return objective(split(m), logits, targets);
   };
   recipe.optimizer = [&](nn::Module& model, parallel::DataParallelWrapper* wrapper) {
-    const std::vector<optim::ParamGroup> groups = optim::weight_decay_groups(model, f.weight_decay);
-    return std::unique_ptr<optim::Optimizer>(std::make_unique<optim::AdamW>(
-        wrapper ? wrapper->param_groups(groups) : groups, optim::AdamWOptions{.lr = f.lr}));
+    return std::unique_ptr<optim::Optimizer>(make_adamw(f, model, wrapper));
   };
   recipe.max_norm = 1e-3;  // below the gradients' norm: the step clips
   if (f.strategy == "zero")

@@ -25,6 +25,13 @@ std::string LayoutReport::str() const {
 
 namespace detail {
 
+namespace {
+
+// Differences below this are rounding (float32's is 6e-8), not a seam: every mistake the check
+// names moves the loss or a gradient by far more.
+constexpr double kRoundingOnly = 1e-5;
+
+// max |a - b| / max(max |a|, max |b|); 0 when both are zero.
 double relative_difference(const Tensor& a, const Tensor& b) {
   NoGradGuard no_grad;
   if (a.shape() != b.shape()) return INFINITY;
@@ -35,12 +42,6 @@ double relative_difference(const Tensor& a, const Tensor& b) {
   const double difference = (x - y).abs().max().item<double>();
   return std::isnan(difference) ? INFINITY : difference / scale;
 }
-
-namespace {
-
-// Differences below this are rounding (float32's is 6e-8), not a seam: every mistake the check
-// names moves the loss or a gradient by far more.
-constexpr double kRoundingOnly = 1e-5;
 
 double scalar_difference(double a, double b) {
   const double scale = std::max(std::abs(a), std::abs(b));

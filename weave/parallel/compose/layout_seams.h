@@ -35,9 +35,6 @@ struct LayoutFacts {
   bool have_initial = false, have_loss = false, have_gradients = false, have_after = false;
 };
 
-/// max |a - b| / max(max |a|, max |b|); 0 when both are zero.
-double relative_difference(const Tensor& a, const Tensor& b);
-
 /// The report: passed, or the first divergence and its likely seam.
 LayoutReport diagnose(const LayoutFacts& facts);
 

@@ -118,15 +118,13 @@ uint64_t multiset_hash(const Tensor& t) {
   if (!t.defined()) return 0;
   const bool floating = is_floating(t.dtype());
   const Tensor c = t.detach().to(floating ? kFloat64 : kInt64).to(kCPU).contiguous();
+  // Both are 8-byte elements: hash their bits.
+  const auto* bits = static_cast<const unsigned char*>(c.data_ptr());
   uint64_t sum = 0;
   for (int64_t i = 0; i < c.numel(); ++i) {
-    uint64_t bits = 0;
-    if (floating) {
-      std::memcpy(&bits, c.data<double>() + i, sizeof bits);
-    } else {
-      bits = uint64_t(c.data<int64_t>()[i]);
-    }
-    sum += mix(bits);
+    uint64_t element = 0;
+    std::memcpy(&element, bits + 8 * i, sizeof element);
+    sum += mix(element);
   }
   return sum;
 }
@@ -144,18 +142,18 @@ std::string inputs_problem(const LayoutBatch& whole, const LayoutBatch& local,
                   multiset_hash(local.targets), x.defined() ? x.numel() : 0,
                   local.targets.defined() ? local.targets.numel() : 0);
   const std::vector<std::string> all = detail::all_gather_bytes(mine, dist::world());
-  std::map<std::pair<int, int>, std::pair<int, std::string>> peers;  // (data, context) -> rank
+  // (data, context) -> the first rank there, and its inputs' and targets' checksums
+  std::map<std::pair<int, int>, std::pair<int, std::pair<unsigned, unsigned>>> peers;
   uint64_t x_sum = 0, y_sum = 0;
   int64_t x_count = 0, y_count = 0;
   for (int r = 0; r < int(all.size()); ++r) {
     int d = 0, c = 0, t = 0, p = 0;
-    char sums[32] = {};
     unsigned long long xh = 0, yh = 0;
     long long xn = 0, yn = 0;
     unsigned x_crc = 0, y_crc = 0;
     std::sscanf(all[size_t(r)].c_str(), "%d %d %d %d %x %x %llu %llu %lld %lld", &d, &c, &t, &p,
                 &x_crc, &y_crc, &xh, &yh, &xn, &yn);
-    std::snprintf(sums, sizeof sums, "%08x %08x", x_crc, y_crc);
+    const std::pair<unsigned, unsigned> sums{x_crc, y_crc};
     const auto [seen, fresh] = peers.emplace(std::make_pair(d, c), std::make_pair(r, sums));
     if (!fresh && seen->second.second != sums)
       return fmt::format(
